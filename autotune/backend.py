@@ -1,0 +1,247 @@
+"""What a serving backend is: the base class every backend plugin implements.
+
+Lifecycle of one trial, as the study runner drives it (see ``autotune.study``):
+
+1. ``parameters(space)`` once per study: the backend's part of the conditional search space,
+   built from the study file's ``[space]`` table (it keeps only the values it understands).
+2. ``check(config, ctx)``: reasons the configuration is invalid for this engine; a non-empty
+   list prunes the trial with those reasons, nothing is launched.
+3. ``estimate_memory(config, ctx)``: the predicted VRAM breakdown; over the study's budget the
+   trial is recorded as infeasible with this breakdown, nothing is launched.
+4. ``run(config, ctx)``: launch, warm up, measure with ``autotune.measure``, tear down. Raise
+   ``BackendError`` (with the engine's reason and log tail) on any failure; the runner
+   records the trial as failed and the study goes on.
+5. ``deploy_command(config, ctx)``: the exact command a user runs to serve this configuration.
+
+A backend never decides scores or constraints: that is ``autotune.objective``'s job.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.hardware import GpuSpec
+    from autotune.measure import GpuTelemetry, Protocol, Stat
+    from autotune.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Param:
+    """One dimension a backend adds to the search space.
+
+    Args:
+        name: Short name, e.g. ``cache_type``; the study stores it as ``<backend>.<name>``.
+        choices: The values to search, in a stable order.
+        doc: What the parameter means for this engine.
+    """
+
+    name: str
+    choices: tuple[Any, ...]
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one user sends: the sequence each slot must hold is prompt + output tokens."""
+
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def sequence_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """One serving configuration.
+
+    ``ctx`` is always the context each sequence gets (what one user's prompt plus output
+    needs); a backend translates it into its engine's flags (llama-server ``-c`` is ctx x
+    parallel) and says so in the deploy command.
+    """
+
+    backend: str
+    weights: str
+    ctx: int
+    parallel: int
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str, default: Any = None) -> Any:
+        for key, value in self.options:
+            if key == name:
+                return value
+        return default
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "backend": self.backend,
+            "weights": self.weights,
+            "ctx": self.ctx,
+            "parallel": self.parallel,
+        }
+        out.update(dict(self.options))
+        return out
+
+    @property
+    def key(self) -> str:
+        """Canonical text of the configuration: equal keys are the same thing to measure."""
+        return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrialConfig":
+        rest = {k: v for k, v in data.items() if k not in ("backend", "weights", "ctx", "parallel")}
+        return cls(
+            backend=data["backend"],
+            weights=data["weights"],
+            ctx=int(data["ctx"]),
+            parallel=int(data["parallel"]),
+            options=tuple(sorted(rest.items())),
+        )
+
+
+@dataclass(frozen=True)
+class StudyContext:
+    """Everything a backend may need to know about the study it serves.
+
+    Args:
+        gpu: The card (detected, or named by the study file).
+        model: The model architecture the candidates share.
+        workload: Prompt and output lengths of one request.
+        vram_budget_bytes: Memory a configuration may use, safety margin already taken off.
+        protocol: Repetition rules for measurements.
+        seed: The study seed, for anything random a backend does.
+        settings: The study file's ``[backends.<name>]`` table for this backend.
+        base_dir: Directory that relative paths in the study file are relative to.
+        gpu_index: Which GPU to run on.
+    """
+
+    gpu: "GpuSpec"
+    model: "ModelSpec"
+    workload: Workload
+    vram_budget_bytes: int
+    protocol: "Protocol"
+    seed: int = 0
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    base_dir: Path = Path(".")
+    gpu_index: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted device memory of one configuration, by where it goes.
+
+    Args:
+        weights_bytes: Weights resident on the GPU.
+        kv_bytes: KV cache for all sequences, as the engine lays it out.
+        buffers_bytes: Compute/activation buffers the engine allocates.
+        overhead_bytes: CUDA context and allocator slack.
+        host_bytes: What the configuration keeps in host memory instead (spilled layers,
+            embeddings an engine keeps on the CPU).
+        notes: Why a figure is what it is, for the trial record.
+    """
+
+    weights_bytes: int
+    kv_bytes: int
+    buffers_bytes: int
+    overhead_bytes: int
+    host_bytes: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.buffers_bytes + self.overhead_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "buffers_bytes": self.buffers_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "host_bytes": self.host_bytes,
+            "total_bytes": self.total_bytes,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a backend measured for one configuration.
+
+    Args:
+        metrics: Stats by name. Every backend provides ``decode_tok_s`` (one stream),
+            ``aggregate_tok_s`` (all ``parallel`` streams together) and ``per_user_tok_s``;
+            ``prefill_tok_s`` and ``ttft_ms`` where it can.
+        peak_vram_bytes: Measured peak device memory of the configuration, if known.
+        telemetry: NVML readings taken while measuring, if a GPU was there.
+        attrs: Engine facts worth keeping (version, attention path, layers offloaded...).
+    """
+
+    metrics: Mapping[str, "Stat"]
+    peak_vram_bytes: int | None = None
+    telemetry: "GpuTelemetry | None" = None
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+
+class BaseBackend(abc.ABC):
+    """A serving engine autotune can launch and measure. See the module docstring.
+
+    Class attributes:
+        name: Registry name, unique across plugins.
+        engine: The engine family it runs (``llama.cpp``, ``exllamav2``, ...); a model
+            backend with the same ``engine`` can predict for it (the twin as a prior).
+        weight_families: Weight families it loads (``gguf``, ``exl2``).
+        description: One line for ``autotune plugins``.
+    """
+
+    name: ClassVar[str] = ""
+    engine: ClassVar[str] = ""
+    weight_families: ClassVar[tuple[str, ...]] = ()
+    description: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """This backend's options in the search space.
+
+        Args:
+            space: The study's ``[space]`` table minus ``ctx`` and ``parallel`` (which every
+                backend takes): option name -> values. Keep the names you understand, filter
+                their values to those your engine supports, and add defaults of your own.
+
+        Returns:
+            The parameters to search; an option the study names but no backend takes is an
+            error the core reports.
+        """
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        """Reasons this configuration is invalid for the engine (empty: valid)."""
+        return []
+
+    @abc.abstractmethod
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        """Predicted device memory of ``config``."""
+
+    @abc.abstractmethod
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        """Launch, measure and tear down ``config``; raise ``BackendError`` on failure."""
+
+    @abc.abstractmethod
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        """The exact command that serves ``config``."""
+
+    def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        """Why a candidate weights reference is unusable (None: usable). Called at load time."""
+        return None
+
+    def engine_version(self) -> str:
+        """Version/build of the engine, recorded with every trial."""
+        return "unknown"
+
+    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
+        """Predicted metrics without running anything; only model backends implement it."""
+        return None

@@ -1,0 +1,199 @@
+"""The ``autotune`` command line: a thin layer over the library.
+
+Exit status: 0 on success, 2 for bad input (with a message naming what was wrong), 1 for
+other failures, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from autotune import plugins
+from autotune.config import load_study_config, parse_duration
+from autotune.errors import AutotuneError, ConfigError
+
+DEFAULT_STUDY = "v100-qwen27b.toml"
+
+
+def default_study_path() -> Path:
+    """The default study (the digital twin's V100 study), shipped with the package."""
+    return Path(str(importlib.resources.files("autotune_studies").joinpath(DEFAULT_STUDY)))
+
+
+def _run(debug: bool, fn: Callable[[], Any]) -> Any:
+    """Turn library errors into messages and exit statuses (tracebacks only with --debug)."""
+    try:
+        return fn()
+    except ConfigError as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(2)
+    except AutotuneError as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(1)
+
+
+@click.group()
+@click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
+@click.version_option(package_name="autotune")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Find the fastest way to serve an LLM on your GPU without breaking its memory or quality."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration(value, source="--budget")
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).split(": ", 1)[-1]) from None
+
+
+@cli.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=True, path_type=Path))
+@click.option("--budget", callback=_duration, help="Wall time for this run: 90s, 45m, 2h.")
+@click.option("--trials", "n_trials", type=click.IntRange(min=1), help="Number of new trials for this run.")
+@click.option("--storage", help="Optuna storage URL (default: sqlite:///<study name>.db).")
+@click.option("--seed", type=int, help="Sampler seed (default: the study file's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--quiet", is_flag=True, help="No live progress display.")
+@click.pass_context
+def study(ctx: click.Context, config: Path | None, budget: float | None, n_trials: int | None, storage: str | None,
+          seed: int | None, as_json: bool, quiet: bool) -> None:
+    """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
+    from autotune.progress import LiveProgress
+    from autotune.report import summary_json, summary_text
+    from autotune.study import prepare_study, StudyRunner
+
+    def go() -> None:
+        cfg = load_study_config(config if config is not None else default_study_path())
+        prepared = prepare_study(cfg, storage=storage)
+        runner = StudyRunner(prepared, seed=seed)
+        plan_trials = n_trials
+        plan_budget = budget
+        if plan_trials is None and plan_budget is None:
+            plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
+        with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget) as live:
+            summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update)
+        if as_json:
+            click.echo(json.dumps(summary_json(summary), indent=2, default=str))
+        else:
+            click.echo(summary_text(summary))
+        if summary.interrupted:
+            click.echo("interrupted: the storage is consistent; run the same command again to continue", err=True)
+            sys.exit(130)
+
+    _run(ctx.obj["debug"], go)
+
+
+def _default_storage() -> str:
+    cfg = load_study_config(default_study_path())
+    return cfg.storage or cfg.default_storage
+
+
+@cli.command()
+@click.option("--study", "study_name", help="Study name (default: the storage's only study).")
+@click.option("--storage", help="Optuna storage URL (default: the default study's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_context
+def best(ctx: click.Context, study_name: str | None, storage: str | None, as_json: bool) -> None:
+    """The best trial of a study, its metrics and its deploy command."""
+    from autotune.report import stored_summary, summary_json, summary_text
+
+    def go() -> None:
+        summary = stored_summary(storage or _default_storage(), study_name)
+        click.echo(json.dumps(summary_json(summary), indent=2, default=str) if as_json else summary_text(summary))
+
+    _run(ctx.obj["debug"], go)
+
+
+@cli.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
+    """Every backend and metric, with the plugin and distribution that provides it."""
+
+    def go() -> None:
+        found = plugins.describe()
+        if as_json:
+            click.echo(json.dumps(found, indent=2))
+            return
+        for kind in ("backends", "metrics"):
+            click.echo(f"{kind}:")
+            for item in found[kind]:
+                click.echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")
+            if not found[kind]:
+                click.echo("  (none)")
+
+    _run(ctx.obj["debug"], go)
+
+
+@cli.command()
+@click.option("--storage", help="Optuna storage URL (default: the default study's).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.pass_context
+def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> None:
+    """Start optuna-dashboard on the study storage (localhost by default)."""
+
+    def go() -> None:
+        from optuna_dashboard import run_server
+
+        from autotune.study import open_storage
+
+        url = storage or _default_storage()
+        click.echo(f"optuna-dashboard for {url} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
+        run_server(open_storage(url), host=host, port=port)
+
+    _run(ctx.obj["debug"], go)
+
+
+@cli.command()
+@click.option("--gpu", "gpu_key", default="auto", show_default=True, help="Catalog GPU key, or auto (NVML).")
+@click.option("--model", "model_ref", required=True, help="Catalog model key, a .gguf file or a model directory.")
+@click.option("--backend", "backend_name", required=True, help="Backend name (autotune plugins) or engine (llama.cpp, exllamav2, vllm).")
+@click.option("--weights", required=True, help="gguf:<TYPE>, exl2:<bpw>, or a weights file.")
+@click.option("--ctx", "ctx_tokens", required=True, type=click.IntRange(min=1), help="Context per sequence.")
+@click.option("--cache", "cache_type", default=None, help="KV-cache type (the engine's own names).")
+@click.option("--flash-attn/--no-flash-attn", default=False)
+@click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-tokens", default=1500, show_default=True, type=click.IntRange(min=1))
+@click.option("--output-tokens", default=800, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def estimate(ctx: click.Context, gpu_key: str, model_ref: str, backend_name: str, weights: str, ctx_tokens: int,
+             cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int, output_tokens: int,
+             as_json: bool) -> None:
+    """Memory breakdown and predicted speed of one configuration (ctx is per sequence)."""
+    from autotune.estimate import estimate_config, estimate_text
+
+    def go() -> None:
+        result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
+                                 parallel, prompt_tokens, output_tokens)
+        click.echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
+
+    _run(ctx.obj["debug"], go)
+
+
+plugins.add_commands(cli)
+
+
+def main() -> None:
+    cli(obj={})
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

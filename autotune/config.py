@@ -1,0 +1,348 @@
+"""Study files (TOML) -> validated, typed objects.
+
+Every problem in a file is collected and reported at once, one per line, each naming the
+file, the field, the bad value and what would be accepted:
+``studies/v100.toml: [space] ctx = 0: must be >= 256``.
+Only structure and values are checked here; names of backends, models and GPUs are resolved
+against plugins and catalogs by ``autotune.study``, which reports those the same way.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from autotune.errors import ConfigError
+
+SAMPLERS = ("tpe", "random", "grid", "nsga2")
+OBJECTIVE_MODES = ("single", "pareto")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh])\s*$")
+
+
+def parse_duration(text: str | int | float, source: str = "--budget") -> float:
+    """``'2h'``, ``'45m'``, ``'90s'`` (or a number of seconds) -> seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text <= 0:
+            raise ConfigError(f"{source} {text!r}: must be > 0")
+        return float(text)
+    match = _DURATION.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"{source} {text!r}: use a number with s, m or h, e.g. 90m or 2h")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Weights artifacts one backend may load."""
+
+    backend: str
+    weights: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """How a trial is scored (see ``autotune.objective``)."""
+
+    metric: str = "aggregate_tok_s"
+    quality: str | None = None
+    penalty_per_point: float = 0.0
+    max_drop_points: float | None = None
+    reference_weights: str | None = None
+    mode: str = "single"
+    require_quality: bool = True
+    min_per_user_tok_s: float | None = None
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """A validated study file."""
+
+    path: Path | None
+    name: str
+    seed: int
+    sampler: str
+    n_trials: int | None
+    budget_s: float | None
+    storage: str | None
+    prior: str | None
+    prior_trials: int
+    gpu: str
+    gpu_index: int
+    vram_budget_bytes: int | None
+    safety_margin_bytes: int
+    model: str
+    prompt_tokens: int
+    output_tokens: int
+    measure: Mapping[str, Any]
+    candidates: tuple[Candidates, ...]
+    space: Mapping[str, tuple[Any, ...]]
+    objective: Objective
+    backend_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    description: str = ""
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent if self.path else Path(".")
+
+    @property
+    def default_storage(self) -> str:
+        return f"sqlite:///{self.name}.db"
+
+
+class _Reader:
+    """Reads fields of a TOML document, collecting errors instead of stopping at the first."""
+
+    def __init__(self, source: str, doc: Mapping[str, Any]):
+        self.source = source
+        self.doc = doc
+        self.errors: list[str] = []
+
+    def error(self, section: str, key: str, value: Any, message: str) -> None:
+        where = f"[{section}] {key}" if section else key
+        shown = "(missing)" if value is _MISSING else _show(value)
+        self.errors.append(f"{self.source}: {where} = {shown}: {message}")
+
+    def table(self, name: str, required: bool = False) -> Mapping[str, Any]:
+        value = self.doc.get(name, _MISSING)
+        if value is _MISSING:
+            if required:
+                self.errors.append(f"{self.source}: [{name}] is missing: this table is required")
+            return {}
+        if not isinstance(value, dict):
+            self.errors.append(f"{self.source}: {name} must be a table ([{name}]), got {_show(value)}")
+            return {}
+        return value
+
+    def get(
+        self,
+        section: str,
+        table: Mapping[str, Any],
+        key: str,
+        kind: type | tuple[type, ...],
+        default: Any = None,
+        *,
+        required: bool = False,
+        check: Callable[[Any], str | None] | None = None,
+        accepted: str = "",
+    ) -> Any:
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
+            if required:
+                self.error(section, key, value, f"required{'; ' + accepted if accepted else ''}")
+            return default
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            names = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+            self.error(section, key, value, f"must be {names}{'; ' + accepted if accepted else ''}")
+            return default
+        if check:
+            problem = check(value)
+            if problem:
+                self.error(section, key, value, problem)
+                return default
+        return value
+
+    def unknown_keys(self, section: str, table: Mapping[str, Any], known: set[str]) -> None:
+        for key in table:
+            if key not in known:
+                self.errors.append(
+                    f"{self.source}: [{section}] {key}: unknown field (known: {', '.join(sorted(known))})"
+                )
+
+
+class _Missing:
+    def __repr__(self) -> str:  # pragma: no cover
+        return "(missing)"
+
+
+_MISSING: Any = _Missing()
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a table"}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def _at_least(n: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= n else f"must be >= {n}"
+
+
+def _one_of(options: tuple[str, ...]) -> Callable[[Any], str | None]:
+    return lambda v: None if v in options else f"must be one of {', '.join(options)}"
+
+
+def load_study_config(path: str | Path) -> StudyConfig:
+    """Read and validate a study file.
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or has bad fields (all of them listed).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such study file")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; give a study file (.toml)")
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    return parse_study_config(doc, source=str(path), path=path)
+
+
+def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Path | None = None) -> StudyConfig:
+    """Validate an already-parsed study document (see ``load_study_config``)."""
+    r = _Reader(source, doc)
+    r.unknown_keys("", {k: v for k, v in doc.items()}, {
+        "study", "hardware", "model", "workload", "measure", "candidates", "space", "objective", "backends",
+    })
+
+    study = r.table("study")
+    r.unknown_keys("study", study, {
+        "name", "description", "seed", "sampler", "n_trials", "budget", "storage", "prior", "prior_trials",
+    })
+    default_name = path.stem if path else "study"
+    name = r.get("study", study, "name", str, default_name,
+                 check=lambda v: None if re.fullmatch(r"[A-Za-z0-9_.-]+", v) else "use letters, digits, '.', '_' or '-'")
+    seed = r.get("study", study, "seed", int, 0)
+    sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(SAMPLERS))
+    n_trials = r.get("study", study, "n_trials", int, None, check=_at_least(1))
+    budget_s = None
+    if "budget" in study:
+        try:
+            budget_s = parse_duration(study["budget"], source=f"{source}: [study] budget =")
+        except ConfigError as exc:
+            r.errors.append(str(exc))
+    storage = r.get("study", study, "storage", str, None)
+    prior = r.get("study", study, "prior", (str, bool), None)
+    if prior is True:
+        prior = "auto"
+    if prior is False:
+        prior = None
+    prior_trials = r.get("study", study, "prior_trials", int, 10, check=_at_least(1))
+
+    hw = r.table("hardware", required=True)
+    r.unknown_keys("hardware", hw, {"gpu", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
+    gpu = r.get("hardware", hw, "gpu", str, "auto", accepted="a catalog key such as v100-16gb, or 'auto'")
+    gpu_index = r.get("hardware", hw, "gpu_index", int, 0, check=_at_least(0))
+    vram_gib = r.get("hardware", hw, "vram_budget_gib", float, None, check=lambda v: None if v > 0 else "must be > 0")
+    margin_mib = r.get("hardware", hw, "safety_margin_mib", float, 256, check=_at_least(0))
+
+    model_t = r.table("model", required=True)
+    r.unknown_keys("model", model_t, {"ref"})
+    model = r.get("model", model_t, "ref", str, "", required=True,
+                  accepted="a catalog key (autotune estimate --help lists them), a .gguf file or a model directory")
+
+    wl = r.table("workload", required=True)
+    r.unknown_keys("workload", wl, {"prompt_tokens", "output_tokens"})
+    prompt_tokens = r.get("workload", wl, "prompt_tokens", int, 0, required=True, check=_at_least(1))
+    output_tokens = r.get("workload", wl, "output_tokens", int, 0, required=True, check=_at_least(1))
+
+    measure = dict(r.table("measure"))
+    r.unknown_keys("measure", measure, {"warmup_runs", "min_runs", "max_runs", "rel_spread_tol", "max_seconds"})
+
+    candidates: list[Candidates] = []
+    raw_candidates = doc.get("candidates", _MISSING)
+    if raw_candidates is _MISSING:
+        r.errors.append(f"{source}: [[candidates]] is missing: list at least one backend with its weights")
+    elif not isinstance(raw_candidates, list) or not all(isinstance(c, dict) for c in raw_candidates):
+        r.errors.append(f"{source}: candidates must be an array of tables ([[candidates]])")
+    else:
+        for i, cand in enumerate(raw_candidates):
+            sec = f"candidates.{i}"
+            r.unknown_keys(sec, cand, {"backend", "weights"})
+            backend = r.get(sec, cand, "backend", str, None, required=True, accepted="an installed backend (autotune plugins)")
+            weights = r.get(sec, cand, "weights", list, None, required=True,
+                            check=lambda v: None if v and all(isinstance(w, str) and w for w in v) else "must be a non-empty list of strings")
+            if backend and weights:
+                candidates.append(Candidates(backend, tuple(weights)))
+
+    space_t = r.table("space", required=True)
+    space: dict[str, tuple[Any, ...]] = {}
+    for key, values in space_t.items():
+        if not isinstance(values, list) or not values:
+            r.error("space", key, values, "must be a non-empty list of values")
+            continue
+        if len({repr(v) for v in values}) != len(values):
+            r.error("space", key, values, "has repeated values")
+            continue
+        space[key] = tuple(values)
+    for key, minimum in (("ctx", 256), ("parallel", 1)):
+        if key not in space:
+            if "space" in doc:
+                r.error("space", key, _MISSING, f"required: a list of integers >= {minimum}")
+            continue
+        bad = [v for v in space[key] if not isinstance(v, int) or isinstance(v, bool) or v < minimum]
+        if bad:
+            r.error("space", key, list(space[key]), f"every value must be an integer >= {minimum} (bad: {', '.join(map(_show, bad))})")
+            space.pop(key)
+
+    obj_t = r.table("objective")
+    r.unknown_keys("objective", obj_t, {
+        "metric", "quality", "penalty_per_point", "max_drop_points", "reference_weights", "mode", "require_quality",
+        "min_per_user_tok_s",
+    })
+    objective = Objective(
+        metric=r.get("objective", obj_t, "metric", str, "aggregate_tok_s",
+                     check=_one_of(("aggregate_tok_s", "decode_tok_s", "per_user_tok_s"))),
+        quality=r.get("objective", obj_t, "quality", str, None),
+        penalty_per_point=r.get("objective", obj_t, "penalty_per_point", float, 0.0, check=_at_least(0)),
+        max_drop_points=r.get("objective", obj_t, "max_drop_points", float, None, check=_at_least(0)),
+        reference_weights=r.get("objective", obj_t, "reference_weights", str, None),
+        mode=r.get("objective", obj_t, "mode", str, "single", check=_one_of(OBJECTIVE_MODES)),
+        require_quality=r.get("objective", obj_t, "require_quality", bool, True),
+        min_per_user_tok_s=r.get("objective", obj_t, "min_per_user_tok_s", float, None,
+                                 check=lambda v: None if v > 0 else "must be > 0"),
+    )
+    if objective.quality is None and (objective.penalty_per_point or objective.max_drop_points is not None or objective.mode == "pareto"):
+        r.errors.append(
+            f"{source}: [objective] quality is missing: penalty_per_point, max_drop_points and mode = 'pareto' need a quality metric"
+        )
+    if objective.mode == "pareto" and sampler == "tpe":
+        sampler = "nsga2"  # TPE handles several objectives too, but NSGA-II is the Pareto workhorse
+
+    backends_t = r.table("backends")
+    backend_settings = {}
+    for key, value in backends_t.items():
+        if not isinstance(value, dict):
+            r.error("backends", key, value, "must be a table ([backends.NAME])")
+        else:
+            backend_settings[key] = dict(value)
+
+    if r.errors:
+        raise ConfigError("\n".join(r.errors))
+    return StudyConfig(
+        path=path,
+        name=name,
+        seed=seed,
+        sampler=sampler,
+        n_trials=n_trials,
+        budget_s=budget_s,
+        storage=storage,
+        prior=prior,
+        prior_trials=prior_trials,
+        gpu=gpu,
+        gpu_index=gpu_index,
+        vram_budget_bytes=int(vram_gib * 2**30) if vram_gib else None,
+        safety_margin_bytes=int(margin_mib * 2**20),
+        model=model,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        measure=measure,
+        candidates=tuple(candidates),
+        space=space,
+        objective=objective,
+        backend_settings=backend_settings,
+        description=str(study.get("description", "")),
+    )

@@ -1,0 +1,762 @@
+"""Weight formats and KV-cache element types, as data.
+
+Weights. A format is ``gguf:<TYPE>`` (a llama.cpp file type such as ``gguf:Q4_K_M``) or
+``exl2:<bpw>`` (an ExLlamaV2 quantization at an average bits per weight, 2.0-8.0). For either,
+:func:`weights_for` predicts the bytes of every part of the model (embeddings, each decoder
+layer, the output head) from the architecture, tensor by tensor, and calibrates the prediction
+against artifact sizes the model spec quotes.
+
+KV cache. :data:`CACHE_TYPES` lists the cache element types of llama.cpp, ExLlamaV2 and vLLM
+with their bytes per element, scales included; :func:`kv_bytes_per_token` turns a model and a
+cache type into bytes per token of context.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import NamedTuple
+
+from autotune.errors import ConfigError, UnknownNameError
+from autotune.models import ModelSpec
+
+__all__ = [
+    "CACHE_TYPES",
+    "EXL2_BPW_MAX",
+    "EXL2_BPW_MIN",
+    "GGML_TYPES",
+    "GGUF_FILE_TYPES",
+    "CacheType",
+    "GgmlType",
+    "GgufFileType",
+    "TensorPlan",
+    "WeightsBreakdown",
+    "bits_per_weight",
+    "cache_bytes_per_element",
+    "cache_fixed_bytes",
+    "exl2_weights",
+    "ggml_tensor_bytes",
+    "gguf_tensor_plan",
+    "gguf_weights",
+    "kv_bytes_per_token",
+    "normalize_format",
+    "parse_format",
+    "weights_for",
+]
+
+# =============================================================================================
+# GGML tensor types
+# =============================================================================================
+
+
+class GgmlType(NamedTuple):
+    """A ggml tensor type's storage layout: ``block_bytes`` bytes per ``block_size`` elements."""
+
+    name: str
+    block_bytes: int
+    block_size: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage bits per element, block scales included (Q4_K: 144 * 8 / 256 = 4.5)."""
+        return self.block_bytes * 8 / self.block_size
+
+
+# Block layouts from ggml's block structs (ggml/src/ggml-common.h), QK_K = 256, ggml_half = 2 B:
+#   block_q8_0 {d; qs[32]}                            2 + 32            = 34 B / 32
+#   block_q4_0 {d; qs[16]}                            2 + 16            = 18 B / 32
+#   block_q4_1 {d, m; qs[16]}                         4 + 16            = 20 B / 32
+#   block_q5_0 {d; qh[4]; qs[16]}                     2 + 4 + 16        = 22 B / 32
+#   block_q5_1 {d, m; qh[4]; qs[16]}                  4 + 4 + 16        = 24 B / 32
+#   block_q2_K {scales[16]; qs[64]; d, dmin}          16 + 64 + 4       = 84 B / 256
+#   block_q3_K {hmask[32]; qs[64]; scales[12]; d}     32 + 64 + 12 + 2  = 110 B / 256
+#   block_q4_K {d, dmin; scales[12]; qs[128]}         4 + 12 + 128      = 144 B / 256
+#   block_q5_K {d, dmin; scales[12]; qh[32]; qs[128]} 4 + 12 + 32 + 128 = 176 B / 256
+#   block_q6_K {ql[128]; qh[64]; scales[16]; d}       128 + 64 + 16 + 2 = 210 B / 256
+# The static_asserts next to each struct in ggml-common.h pin these sizes. Q8_K exists too, but
+# only as the activation format of k-quant dot products, never as a tensor in a file.
+GGML_TYPES: dict[str, GgmlType] = {
+    t.name: t
+    for t in (
+        GgmlType("F32", 4, 1),
+        GgmlType("F16", 2, 1),
+        GgmlType("BF16", 2, 1),
+        GgmlType("Q8_0", 34, 32),
+        GgmlType("Q4_0", 18, 32),
+        GgmlType("Q4_1", 20, 32),
+        GgmlType("Q5_0", 22, 32),
+        GgmlType("Q5_1", 24, 32),
+        GgmlType("IQ4_NL", 18, 32),
+        GgmlType("Q2_K", 84, 256),
+        GgmlType("Q3_K", 110, 256),
+        GgmlType("Q4_K", 144, 256),
+        GgmlType("Q5_K", 176, 256),
+        GgmlType("Q6_K", 210, 256),
+    )
+}
+
+_UNQUANTIZED = frozenset({"F32", "F16", "BF16"})
+
+
+def ggml_tensor_bytes(ggml_type: str, n_elements: int) -> int:
+    """Bytes a tensor of ``n_elements`` takes in ``ggml_type`` (whole blocks, as ggml stores rows).
+
+    Args:
+        ggml_type: A key of :data:`GGML_TYPES`.
+        n_elements: Element count; a multiple of the block size for quantized types.
+
+    Returns:
+        The tensor's data size in bytes.
+    """
+    t = GGML_TYPES[ggml_type]
+    return math.ceil(n_elements / t.block_size) * t.block_bytes
+
+
+# =============================================================================================
+# GGUF file types: which ggml type each tensor gets
+# =============================================================================================
+
+
+class GgufFileType(NamedTuple):
+    """A llama.cpp file type (``llama-quantize`` target): its default tensor type and a note."""
+
+    name: str
+    base: str
+    note: str
+
+
+# The default ("base") tensor type of each file type is llama_ftype_get_default_type() in
+# llama.cpp's src/llama-quant.cpp. The per-tensor exceptions are in _gguf_tensor_type below.
+GGUF_FILE_TYPES: dict[str, GgufFileType] = {
+    t.name: t
+    for t in (
+        GgufFileType("F32", "F32", "everything in F32"),
+        GgufFileType("F16", "F16", "matrices in F16, norms and biases in F32"),
+        GgufFileType("BF16", "BF16", "matrices in BF16, norms and biases in F32"),
+        GgufFileType("Q8_0", "Q8_0", "everything in Q8_0, output too"),
+        GgufFileType("Q6_K", "Q6_K", "everything in Q6_K"),
+        GgufFileType("Q5_K_M", "Q5_K", "Q5_K; attn_v and ffn_down Q6_K on use_more_bits layers; output Q6_K"),
+        GgufFileType("Q5_K_S", "Q5_K", "Q5_K; output Q6_K"),
+        GgufFileType("Q5_1", "Q5_1", "Q5_1; output Q6_K"),
+        GgufFileType("Q5_0", "Q5_0", "Q5_0; output Q6_K"),
+        GgufFileType("Q4_K_M", "Q4_K", "Q4_K; attn_v and ffn_down Q6_K on use_more_bits layers; output Q6_K"),
+        GgufFileType("Q4_K_S", "Q4_K", "Q4_K; attn_v Q5_K on layers 0-3, ffn_down Q5_K on the first 1/8; output Q6_K"),
+        GgufFileType("Q4_1", "Q4_1", "Q4_1; output Q6_K"),
+        GgufFileType("Q4_0", "Q4_0", "Q4_0; output Q6_K"),
+        GgufFileType("Q3_K_L", "Q3_K", "Q3_K; attn_v, attn_output, ffn_down Q5_K; output Q6_K"),
+        GgufFileType("Q3_K_M", "Q3_K", "Q3_K; attn_v Q5_K (layers 0-1) else Q4_K, attn_output Q4_K, "
+                                       "ffn_down Q5_K (first 1/16) else Q4_K; output Q6_K"),
+        GgufFileType("Q3_K_S", "Q3_K", "Q3_K; output Q6_K"),
+        GgufFileType("Q2_K", "Q2_K", "Q2_K; attn_v Q4_K (Q3_K without GQA >= 4), attn_output and ffn_down Q3_K; "
+                                     "output Q6_K"),
+    )
+}
+
+# When a row's length is not a multiple of the type's block size, llama.cpp substitutes a type
+# with 32-element blocks (tensor_type_fallback() in src/llama-quant.cpp), and F16 when even
+# that does not divide. For the 32-block types llama.cpp has no fallback (it refuses to
+# quantize); we use F16 there so that odd test models still get a size.
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _use_more_bits(i_layer: int, n_layers: int) -> bool:
+    # llama.cpp's use_more_bits(): the first and last eighth of the layers and every third one in
+    # between get more bits. C integer division, as in the source.
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def _is_70b(model: ModelSpec) -> bool:
+    # llama.cpp sets LLM_TYPE_70B from the layer count: 80 layers for qwen2, and for llama 80
+    # layers with GQA (80 layers of plain MHA is LLaMA-1 65B) (src/llama-model.cpp, load_hparams).
+    if model.n_layers != 80:
+        return False
+    return model.architecture != "llama" or model.n_heads != model.n_kv_heads
+
+
+def _fit(ggml_type: str, ncols: int) -> str:
+    """Applies llama.cpp's fallback when a row does not hold whole blocks of ``ggml_type``."""
+    if ncols % GGML_TYPES[ggml_type].block_size == 0:
+        return ggml_type
+    fallback = _FALLBACK.get(ggml_type, "F16")
+    return fallback if ncols % GGML_TYPES[fallback].block_size == 0 else "F16"
+
+
+def _gguf_tensor_type(model: ModelSpec, file_type: str, tensor_class: str, i_layer: int, ncols: int) -> str:
+    """The ggml type llama-quantize gives one weight matrix (simplified llama_tensor_get_type).
+
+    Follows llama_tensor_get_type_impl() in llama.cpp's src/llama-quant.cpp for the file types in
+    GGUF_FILE_TYPES and dense (non-MoE, non-Falcon) models, without an importance matrix:
+
+    * output.weight (and token_embd when embeddings are tied, since it then serves as output):
+      Q6_K unless the file type is Q8_0 (stays Q8_0); Q8_0 when the row does not hold whole
+      blocks of the base type.
+    * token_embd (untied): the base type.
+    * attn_v: Q2_K -> Q4_K with GQA >= 4 else Q3_K; Q3_K_M -> Q5_K for the first 2 layers else
+      Q4_K; Q3_K_L -> Q5_K; Q4_K_M/Q5_K_M -> Q6_K where use_more_bits(i, n); Q4_K_S -> Q5_K
+      for layers 0-3. On 70B-class models, Q3_K/Q4_K become Q5_K (attn_v is 8x smaller there).
+    * ffn_down: Q2_K -> Q3_K; Q3_K_M -> Q5_K below n/16 else Q4_K; Q3_K_L -> Q5_K;
+      Q4_K_M/Q5_K_M -> Q6_K where use_more_bits(i, n); Q4_K_S -> Q5_K below n/8.
+    * attn_output: Q2_K -> Q3_K; Q3_K_M -> Q4_K; Q3_K_L -> Q5_K.
+    * everything else: the base type. Then the row-length fallback.
+
+    Not modelled: importance-matrix-only rules (Q4_0/Q5_0 ffn_down -> Q4_1/Q5_1 on the first
+    eighth of layers), MoE and Falcon special cases, IQ types.
+    """
+    base = GGUF_FILE_TYPES[file_type].base
+    if base in _UNQUANTIZED:
+        # llama-quantize only rewrites types when the target is quantized (ggml_is_quantized).
+        return base
+    n = model.n_layers
+    new = base
+    if tensor_class == "output" or (tensor_class == "token_embd" and model.tie_embeddings):
+        if ncols % GGML_TYPES[base].block_size != 0:
+            new = "Q8_0"
+        elif base != "Q8_0":
+            new = "Q6_K"
+    elif tensor_class == "token_embd":
+        new = base
+    elif tensor_class == "attn_v":
+        n_gqa = model.n_heads // model.n_kv_heads
+        if file_type == "Q2_K":
+            new = "Q4_K" if n_gqa >= 4 else "Q3_K"
+        elif file_type == "Q3_K_M":
+            new = "Q5_K" if i_layer < 2 else "Q4_K"
+        elif file_type == "Q3_K_L":
+            new = "Q5_K"
+        elif file_type in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_layer, n):
+            new = "Q6_K"
+        elif file_type == "Q4_K_S" and i_layer < 4:
+            new = "Q5_K"
+        if _is_70b(model) and new in ("Q3_K", "Q4_K"):
+            new = "Q5_K"
+    elif tensor_class == "ffn_down":
+        if file_type == "Q2_K":
+            new = "Q3_K"
+        elif file_type == "Q3_K_M":
+            new = "Q5_K" if i_layer < n // 16 else "Q4_K"
+        elif file_type == "Q3_K_L":
+            new = "Q5_K"
+        elif file_type in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_layer, n):
+            new = "Q6_K"
+        elif file_type == "Q4_K_S" and i_layer < n // 8:
+            new = "Q5_K"
+    elif tensor_class == "attn_output":
+        new = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(file_type, base)
+    return _fit(new, ncols)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of a GGUF file as llama-quantize would write it.
+
+    Attributes:
+        name: GGUF tensor name (``blk.3.ffn_down.weight``).
+        layer: Decoder layer index, or None for tensors outside the layers.
+        shape: GGUF dimensions, ``ne[0]`` (row length) first.
+        ggml_type: The tensor's ggml type.
+        n_bytes: Data size in bytes.
+    """
+
+    name: str
+    layer: int | None
+    shape: tuple[int, ...]
+    ggml_type: str
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+def _gguf_type_name(file_type: str) -> str:
+    name = file_type.upper()
+    if name not in GGUF_FILE_TYPES:
+        raise UnknownNameError(_format_error(f"gguf:{file_type}"))
+    return name
+
+
+def gguf_tensor_plan(model: ModelSpec, file_type: str) -> list[TensorPlan]:
+    """Lists the tensors of ``model`` in a GGUF file of ``file_type``, with type and size.
+
+    Tensors (llama.cpp names; shapes ``[ne0, ne1]``, row length first): ``token_embd``
+    [hidden, vocab]; per layer ``attn_norm`` and ``ffn_norm`` [hidden] (F32), ``attn_q``
+    [hidden, q_dim], ``attn_k`` / ``attn_v`` [hidden, kv_dim] (with F32 biases for Qwen2),
+    ``attn_output`` [q_dim, hidden], ``ffn_gate`` / ``ffn_up`` [hidden, ffn], ``ffn_down``
+    [ffn, hidden]; ``output_norm`` [hidden] (F32); ``output`` [hidden, vocab] unless tied.
+    One-dimensional tensors stay F32: llama-quantize only quantizes tensors of 2+ dimensions,
+    and convert_hf_to_gguf.py writes 1-D tensors as F32.
+
+    Args:
+        model: The model.
+        file_type: A key of :data:`GGUF_FILE_TYPES` (case-insensitive), e.g. ``Q4_K_M``.
+
+    Returns:
+        The tensors in file order.
+
+    Raises:
+        UnknownNameError: ``file_type`` is not a known GGUF file type.
+    """
+    ft = _gguf_type_name(file_type)
+    h, q, kv, f, v = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_size, model.vocab_size
+    f32 = "F32"
+    plan: list[TensorPlan] = []
+
+    def add(name: str, layer: int | None, shape: tuple[int, ...], tensor_class: str | None) -> None:
+        if len(shape) == 1 or tensor_class is None:
+            ggml_type = f32
+        else:
+            ggml_type = _gguf_tensor_type(model, ft, tensor_class, layer or 0, shape[0])
+        plan.append(TensorPlan(name, layer, shape, ggml_type, ggml_tensor_bytes(ggml_type, math.prod(shape))))
+
+    add("token_embd.weight", None, (h, v), "token_embd")
+    for i in range(model.n_layers):
+        add(f"blk.{i}.attn_norm.weight", i, (h,), None)
+        add(f"blk.{i}.attn_q.weight", i, (h, q), "attn_q")
+        add(f"blk.{i}.attn_k.weight", i, (h, kv), "attn_k")
+        add(f"blk.{i}.attn_v.weight", i, (h, kv), "attn_v")
+        if model.has_qkv_bias:
+            add(f"blk.{i}.attn_q.bias", i, (q,), None)
+            add(f"blk.{i}.attn_k.bias", i, (kv,), None)
+            add(f"blk.{i}.attn_v.bias", i, (kv,), None)
+        add(f"blk.{i}.attn_output.weight", i, (q, h), "attn_output")
+        add(f"blk.{i}.ffn_norm.weight", i, (h,), None)
+        add(f"blk.{i}.ffn_gate.weight", i, (h, f), "ffn_gate")
+        add(f"blk.{i}.ffn_up.weight", i, (h, f), "ffn_up")
+        add(f"blk.{i}.ffn_down.weight", i, (f, h), "ffn_down")
+    add("output_norm.weight", None, (h,), None)
+    if not model.tie_embeddings:
+        add("output.weight", None, (h, v), "output")
+    return plan
+
+
+# =============================================================================================
+# Breakdown of weight bytes
+# =============================================================================================
+
+
+@dataclass(frozen=True)
+class WeightsBreakdown:
+    """Bytes of a model's weights, by where they live and when they are read.
+
+    Attributes:
+        embedding_bytes: The token-embedding matrix. Only one row per token is read when
+            decoding, so it costs memory but almost no bandwidth.
+        output_bytes: The output head (lm_head); 0 when a GGUF file ties embeddings, where
+            the embedding matrix serves as the head (see ``head_is_embedding``).
+        per_layer_bytes: Each decoder layer's weights, norms and biases included.
+        other_bytes: Everything else (the final norm; calibration rounding).
+        embedding_on_gpu: False when the engine keeps the embedding matrix in system RAM:
+            ExLlamaV2 (``embed_cpu``) and llama.cpp (input layer always on the CPU) both do.
+        head_is_embedding: True when the output head is the embedding matrix itself (tied
+            embeddings in GGUF). An engine that keeps embeddings on the host still needs the
+            matrix on the GPU as the head: llama.cpp loads it a second time there
+            (``TENSOR_DUPLICATED`` in src/llama-model.cpp), so :attr:`gpu_bytes` counts it.
+    """
+
+    embedding_bytes: int
+    output_bytes: int
+    per_layer_bytes: tuple[int, ...]
+    other_bytes: int
+    embedding_on_gpu: bool = True
+    head_is_embedding: bool = False
+
+    @property
+    def layers_bytes(self) -> int:
+        """Sum of the decoder layers."""
+        return sum(self.per_layer_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """All weights: the size of the artifact on disk."""
+        return self.embedding_bytes + self.output_bytes + self.layers_bytes + self.other_bytes
+
+    @property
+    def gpu_bytes(self) -> int:
+        """The weights in VRAM when every layer is offloaded (the embedding matrix only when the
+        engine puts it there, or when it doubles as the head)."""
+        on_gpu = self.embedding_on_gpu or self.head_is_embedding
+        return self.output_bytes + self.layers_bytes + self.other_bytes + (self.embedding_bytes if on_gpu else 0)
+
+    @property
+    def host_bytes(self) -> int:
+        """The weights that stay in system RAM when every layer is offloaded."""
+        return 0 if self.embedding_on_gpu else self.embedding_bytes
+
+    def scaled_to(self, total_bytes: int) -> WeightsBreakdown:
+        """Returns the same breakdown scaled so that its total is exactly ``total_bytes``.
+
+        Every part keeps its share; the few bytes lost to rounding go to ``other_bytes``.
+        """
+        if self.total_bytes <= 0:
+            return self
+        k = Fraction(total_bytes, self.total_bytes)
+        emb = math.floor(self.embedding_bytes * k)
+        out = math.floor(self.output_bytes * k)
+        layers = tuple(math.floor(b * k) for b in self.per_layer_bytes)
+        other = total_bytes - emb - out - sum(layers)
+        return WeightsBreakdown(emb, out, layers, other, self.embedding_on_gpu, self.head_is_embedding)
+
+
+def gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
+    """Predicts a GGUF file's weight bytes from the architecture, tensor by tensor.
+
+    Metadata (the tokenizer vocabulary, a few MB) is not counted.
+
+    Args:
+        model: The model.
+        file_type: A GGUF file type such as ``Q4_K_M``.
+
+    Returns:
+        The breakdown, with ``embedding_on_gpu=False``: llama.cpp keeps token_embd in host
+        memory whatever ``-ngl`` says (src/llama-model.cpp, load_tensors: "there is very little
+        benefit to offloading the input layer, so always keep it on the CPU"); with tied
+        embeddings ``head_is_embedding`` is set, since the same matrix is then loaded onto the
+        GPU as the output head.
+
+    Raises:
+        UnknownNameError: ``file_type`` is not known.
+    """
+    plan = gguf_tensor_plan(model, file_type)
+    per_layer = [0] * model.n_layers
+    emb = out = other = 0
+    for t in plan:
+        if t.layer is not None:
+            per_layer[t.layer] += t.n_bytes
+        elif t.name == "token_embd.weight":
+            emb += t.n_bytes
+        elif t.name == "output.weight":
+            out += t.n_bytes
+        else:
+            other += t.n_bytes
+    return WeightsBreakdown(
+        emb, out, tuple(per_layer), other, embedding_on_gpu=False, head_is_embedding=model.tie_embeddings
+    )
+
+
+EXL2_BPW_MIN = 2.0
+EXL2_BPW_MAX = 8.0
+
+
+def exl2_weights(model: ModelSpec, bpw: float, head_bits: int = 6) -> WeightsBreakdown:
+    """Predicts an EXL2 model's weight bytes from the architecture.
+
+    ExLlamaV2's converter quantizes every linear layer of the decoder (q/k/v/o, gate/up/down)
+    and spreads bits over them so the average is the target ``bpw``, a figure that already
+    includes the per-group scales (``QParams.total_bits`` in exllamav2/conversion/qparams.py
+    adds q_scale, q_groups and q_scale_max to the weight bits). We spread the average evenly
+    over the layers. The output head is quantized
+    separately at ``head_bits`` (``-hb``, default 6, in convert.py / doc/convert.md); a tied
+    head is quantized as its own copy. The embedding table is not quantized: the quantizer's
+    loop starts after module 0 (exllamav2/conversion/quantize.py, ``quant``), so it stays FP16;
+    and at load time ``ExLlamaV2.set_device_map(..., embed_cpu=True)`` puts it on the CPU
+    (exllamav2/model.py: "Special case for token embeddings on CPU"), so it costs system RAM,
+    not VRAM. Norms and Qwen2's q/k/v biases stay FP16.
+
+    Args:
+        model: The model.
+        bpw: Average bits per weight of the decoder's linear layers, 2.0-8.0.
+        head_bits: Bits per weight of the output head (ExLlamaV2 accepts 2-8; 6 by default,
+            8 is common above 6 bpw).
+
+    Returns:
+        The breakdown, with ``embedding_on_gpu=False``.
+
+    Raises:
+        ConfigError: ``bpw`` or ``head_bits`` out of range.
+    """
+    if not EXL2_BPW_MIN <= bpw <= EXL2_BPW_MAX:
+        raise ConfigError(_format_error(f"exl2:{bpw}"))
+    if not 2 <= head_bits <= 8:
+        raise ConfigError(f"head_bits = {head_bits}: must be an integer from 2 to 8")
+    h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_size
+    linear_params = h * q + 2 * h * kv + q * h + 3 * h * f
+    fp16_params = 2 * h + ((q + 2 * kv) if model.has_qkv_bias else 0)
+    layer = round(linear_params * bpw / 8) + 2 * fp16_params
+    head = round(model.vocab_size * h * head_bits / 8)
+    return WeightsBreakdown(
+        embedding_bytes=2 * model.n_embedding_params,
+        output_bytes=head,
+        per_layer_bytes=(layer,) * model.n_layers,
+        other_bytes=2 * h,  # final norm, FP16
+        embedding_on_gpu=False,
+    )
+
+
+# =============================================================================================
+# Format names
+# =============================================================================================
+
+
+def _format_error(fmt: str) -> str:
+    return (
+        f"unknown weights format '{fmt}' (use gguf:<TYPE> with TYPE in {', '.join(GGUF_FILE_TYPES)} "
+        f"or exl2:<bpw> with bpw {EXL2_BPW_MIN}-{EXL2_BPW_MAX})"
+    )
+
+
+def parse_format(fmt: str) -> tuple[str, str | float]:
+    """Splits a weights format into its family and detail.
+
+    Args:
+        fmt: ``gguf:<TYPE>`` (TYPE case-insensitive, e.g. ``gguf:Q4_K_M``) or ``exl2:<bpw>``
+            (e.g. ``exl2:4.0``, bpw 2.0-8.0).
+
+    Returns:
+        ``("gguf", "Q4_K_M")`` or ``("exl2", 4.0)``.
+
+    Raises:
+        UnknownNameError: Anything else; the message lists what is accepted.
+    """
+    family, sep, detail = str(fmt).strip().partition(":")
+    family = family.lower()
+    if sep and family == "gguf" and detail.upper() in GGUF_FILE_TYPES:
+        return "gguf", detail.upper()
+    if sep and family == "exl2":
+        try:
+            bpw = float(detail)
+        except ValueError:
+            bpw = math.nan
+        if EXL2_BPW_MIN <= bpw <= EXL2_BPW_MAX:
+            return "exl2", bpw
+    raise UnknownNameError(_format_error(fmt))
+
+
+def normalize_format(fmt: str) -> str:
+    """Returns the canonical spelling of a format: ``gguf:Q4_K_M``, ``exl2:4.0``, ``exl2:3.25``.
+
+    Raises:
+        UnknownNameError: As :func:`parse_format`.
+    """
+    family, detail = parse_format(fmt)
+    if family == "exl2":
+        return f"exl2:{round(float(detail), 2)}"
+    return f"gguf:{detail}"
+
+
+def bits_per_weight(fmt: str, model: ModelSpec | None = None) -> float:
+    """Nominal bits per weight of a format's linear layers.
+
+    Args:
+        fmt: A weights format.
+        model: When given, a GGUF format's figure is the average over this model's decoder
+            matrices under the file type's mix (Q4_K_M is ~4.8 on Qwen2.5-7B); without a
+            model it is the base type's storage rate (Q4_K_M -> Q4_K -> 4.5; Q4_0 -> 4.5 too).
+
+    Returns:
+        Bits per weight, scales included. EXL2: the bpw itself.
+
+    Raises:
+        UnknownNameError: ``fmt`` is not a known format.
+    """
+    family, detail = parse_format(fmt)
+    if family == "exl2":
+        return float(detail)
+    if model is None:
+        return GGML_TYPES[GGUF_FILE_TYPES[str(detail)].base].bits_per_weight
+    tensors = [t for t in gguf_tensor_plan(model, str(detail)) if t.layer is not None and len(t.shape) == 2]
+    return sum(t.n_bytes for t in tensors) * 8 / sum(t.n_elements for t in tensors)
+
+
+def _computed(model: ModelSpec, family: str, detail: str | float) -> WeightsBreakdown:
+    if family == "gguf":
+        return gguf_weights(model, str(detail))
+    return exl2_weights(model, float(detail))
+
+
+def _interpolate(points: Iterable[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation through (x, y) points, constant beyond the ends."""
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]  # pragma: no cover - unreachable with sorted points
+
+
+def weights_for(model: ModelSpec, fmt: str) -> WeightsBreakdown:
+    """Weight bytes of ``model`` in ``fmt``, calibrated against the sizes the model quotes.
+
+    The per-tensor prediction (:func:`gguf_weights`, :func:`exl2_weights`) is then corrected:
+
+    * If ``model.artifact_bytes`` quotes this exact format, the breakdown is scaled so its
+      total is exactly the quoted size: a real file's size beats any prediction.
+    * Else, if it quotes other formats of the same family, the breakdown is scaled by the
+      ratio quoted/computed of those formats, interpolated linearly in the computed size
+      between the quoted formats on either side (and held constant beyond the smallest and
+      largest). One quoted format gives its ratio everywhere.
+
+    Why interpolate rather than take one mean ratio: a single mean keeps an unquoted format
+    consistent with quoted ones only far from them. Next to a quoted format it can invert the
+    order (with the article's figures, a mean ratio makes exl2:3.29 larger than the quoted
+    exl2:3.3), while an interpolated ratio agrees with each quoted size at that size and
+    changes slowly in between, so sizes stay ordered as the formats are (exl2:3.5 lands between
+    the quoted 3.3 and 4.0).
+
+    Args:
+        model: The model, with any quoted ``artifact_bytes``.
+        fmt: ``gguf:<TYPE>`` or ``exl2:<bpw>``.
+
+    Returns:
+        The calibrated breakdown.
+
+    Raises:
+        UnknownNameError: ``fmt`` is not a known format.
+    """
+    family, detail = parse_format(fmt)
+    computed = _computed(model, family, detail)
+    canonical = normalize_format(fmt)
+    points: list[tuple[float, float]] = []
+    for quoted_fmt, quoted_bytes in model.artifact_bytes.items():
+        try:
+            q_family, q_detail = parse_format(quoted_fmt)
+        except UnknownNameError:
+            continue  # a quoted artifact of a type we cannot predict (e.g. an IQ quant)
+        if normalize_format(quoted_fmt) == canonical:
+            return computed.scaled_to(int(quoted_bytes))
+        if q_family == family:
+            q_total = _computed(model, q_family, q_detail).total_bytes
+            points.append((q_total, quoted_bytes / q_total))
+    if not points:
+        return computed
+    ratio = _interpolate(points, computed.total_bytes)
+    return computed.scaled_to(round(computed.total_bytes * ratio))
+
+
+# =============================================================================================
+# KV-cache element types
+# =============================================================================================
+
+
+class CacheType(NamedTuple):
+    """A KV-cache element type: the engine family, bytes per element, and where that comes from."""
+
+    family: str
+    bytes_per_element: Fraction
+    source: str
+
+
+_LLAMA_ARGS = "llama.cpp common/arg.cpp kv_cache_types (-ctk/-ctv)"
+# ExLlamaV2's quantized caches (exllamav2/cache.py): ExLlamaV2Cache_Q4/Q6/Q8 store K and V as
+# uint8 tensors of head_dim // weights_per_byte per head and token (Q4: 2 and 2 per byte; Q6:
+# K 1 per byte, V 2 per byte, i.e. 8-bit keys and 4-bit values; Q8: 1 and 1), plus FP16 scales
+# of shape head_dim // 32 for K and for V: 2 bytes per 32 elements = 1/16 B per element each.
+# Per element, K and V averaged: Q4 1/2 + 1/16 = 9/16; Q6 (1 + 1/2)/2 + 1/16 = 13/16;
+# Q8 1 + 1/16 = 17/16. They also keep one FP16 K/V buffer per device, the size of one layer's
+# full cache, to dequantize into (touch_device): see cache_fixed_bytes.
+_EXL2_CACHE = "exllamav2/cache.py ExLlamaV2Cache_Q4/Q6/Q8: uint8 data + FP16 scale per 32 elements"
+
+CACHE_TYPES: dict[str, CacheType] = {
+    # llama.cpp: ggml types; sizes are the ggml block layouts above (ggml-common.h).
+    "f32": CacheType("llama.cpp", Fraction(4), f"{_LLAMA_ARGS}: F32"),
+    "f16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: F16 (the default)"),
+    "bf16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: BF16"),
+    "q8_0": CacheType("llama.cpp", Fraction(34, 32), f"{_LLAMA_ARGS}: block_q8_0, 34 B / 32"),
+    "q5_1": CacheType("llama.cpp", Fraction(24, 32), f"{_LLAMA_ARGS}: block_q5_1, 24 B / 32"),
+    "q5_0": CacheType("llama.cpp", Fraction(22, 32), f"{_LLAMA_ARGS}: block_q5_0, 22 B / 32"),
+    "q4_1": CacheType("llama.cpp", Fraction(20, 32), f"{_LLAMA_ARGS}: block_q4_1, 20 B / 32"),
+    "q4_0": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_q4_0, 18 B / 32"),
+    "iq4_nl": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_iq4_nl, 18 B / 32"),
+    # ExLlamaV2 (cache_mode FP16 / Q8 / Q6 / Q4 in TabbyAPI and the examples).
+    "fp16": CacheType("exllamav2", Fraction(2), "exllamav2/cache.py ExLlamaV2Cache: torch.half"),
+    "q8": CacheType("exllamav2", Fraction(17, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1 + 1/16"),
+    "q6": CacheType("exllamav2", Fraction(13, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1/2 + 1/16 (mean)"),
+    "q4": CacheType("exllamav2", Fraction(9, 16), f"{_EXL2_CACHE}: K 1/2 + 1/16, V 1/2 + 1/16"),
+    # vLLM --kv-cache-dtype: "auto" is the model dtype (FP16/BF16, 2 bytes); the fp8 variants
+    # store 1 byte per element (per-tensor scales, negligible).
+    "auto": CacheType("vllm", Fraction(2), "vLLM --kv-cache-dtype auto: the model dtype (FP16/BF16)"),
+    "fp8": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8 (= fp8_e4m3)"),
+    "fp8_e4m3": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e4m3"),
+    "fp8_e5m2": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e5m2"),
+}
+
+
+def _known_cache_types() -> str:
+    families: dict[str, list[str]] = {}
+    for name, ct in CACHE_TYPES.items():
+        families.setdefault(ct.family, []).append(name)
+    return "; ".join(f"{family}: {', '.join(names)}" for family, names in families.items())
+
+
+def _cache_type(name: str) -> CacheType:
+    try:
+        return CACHE_TYPES[name.lower()]
+    except (KeyError, AttributeError):
+        raise UnknownNameError(f"unknown KV cache type '{name}' (known: {_known_cache_types()})") from None
+
+
+def cache_bytes_per_element(cache_type: str) -> float:
+    """Bytes one cached K or V element takes in ``cache_type``, scales included.
+
+    Args:
+        cache_type: A key of :data:`CACHE_TYPES` (case-insensitive): ``f16``, ``q8_0``, ``q8``...
+
+    Returns:
+        Bytes per element (``q8_0`` -> 1.0625).
+
+    Raises:
+        UnknownNameError: Unknown name; the message lists the known ones by engine.
+    """
+    return float(_cache_type(cache_type).bytes_per_element)
+
+
+def kv_bytes_per_token(
+    model: ModelSpec, k_type: str, v_type: str | None = None, *, n_layers: int | None = None
+) -> float:
+    """KV-cache bytes per token of context: ``layers * n_kv_heads * head_dim * (bytes_k + bytes_v)``.
+
+    Args:
+        model: The model.
+        k_type: Cache type of K.
+        v_type: Cache type of V; defaults to ``k_type`` (ExLlamaV2 and vLLM have one setting
+            for both; llama.cpp has ``-ctk`` and ``-ctv``).
+        n_layers: Layers whose cache grows with every token; defaults to all of them. For
+            models with sliding-window layers, pass ``model.n_layers - model.n_swa_layers`` and
+            add the windowed layers' fixed ``sliding_window`` tokens yourself.
+
+    Returns:
+        Bytes per token (131072.0 for the article's model in f16).
+
+    Raises:
+        UnknownNameError: An unknown cache type.
+        ConfigError: K and V types of different engines.
+    """
+    k = _cache_type(k_type)
+    v = _cache_type(v_type) if v_type is not None else k
+    if k.family != v.family:
+        raise ConfigError(
+            f"cache types '{k_type}' ({k.family}) and '{v_type}' ({v.family}) belong to different engines"
+        )
+    layers = model.n_layers if n_layers is None else n_layers
+    return float(layers * model.kv_dim * (k.bytes_per_element + v.bytes_per_element))
+
+
+def cache_fixed_bytes(model: ModelSpec, cache_type: str, n_tokens: int) -> int:
+    """Bytes a cache type allocates once per device, on top of the per-token cache.
+
+    ExLlamaV2's quantized caches (q8/q6/q4) keep an FP16 K and V buffer of shape
+    (batch, max_seq_len, n_kv_heads, head_dim) per device to dequantize into
+    (exllamav2/cache.py, ``touch_device``): the size of one layer's FP16 cache for the whole
+    context. Other cache types have none.
+
+    Args:
+        model: The model.
+        cache_type: A cache type.
+        n_tokens: Cache capacity in tokens (max_seq_len x batch).
+
+    Returns:
+        Bytes, 0 for types without such buffers.
+
+    Raises:
+        UnknownNameError: An unknown cache type.
+    """
+    ct = _cache_type(cache_type)
+    if ct.family == "exllamav2" and cache_type.lower() != "fp16":
+        return 2 * 2 * n_tokens * model.kv_dim
+    return 0

@@ -1,0 +1,56 @@
+"""The plugin contract: every hook autotune calls, grouped by the phase it runs in.
+
+A plugin is a module (or object) whose functions are marked with ``autotune.hookimpl`` and
+named like the hooks below. It is found through the ``autotune`` entry-point group; the
+built-in plugins under ``plugins/`` register exactly that way, from our own pyproject.toml.
+Implementations may accept any subset of a hook's arguments (pluggy passes them by name).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import click
+
+    from autotune.backend import BaseBackend
+    from autotune.metric import BaseMetric
+
+hookspec = pluggy.HookspecMarker("autotune")
+hookimpl = pluggy.HookimplMarker("autotune")
+
+
+# --------------------------------------------------------------------------------------
+# Registration: called once when the plugin manager is first used.
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_backends(register: Callable[["BaseBackend"], None]) -> None:
+    """Register serving backends.
+
+    Args:
+        register: Call once per backend instance. Its ``name`` must be unique among all
+            installed plugins: a name already taken is a ``PluginError`` naming both plugins.
+    """
+
+
+@hookspec
+def register_metrics(register: Callable[["BaseMetric"], None]) -> None:
+    """Register metrics (quality benchmarks and proxies) that a study's objective can use.
+
+    Args:
+        register: Call once per metric instance. Names are unique across plugins, as for
+            backends.
+    """
+
+
+@hookspec
+def register_commands(cli: "click.Group") -> None:
+    """Add subcommands to the ``autotune`` command line.
+
+    Args:
+        cli: The top-level click group; call ``cli.command()`` or ``cli.add_command()`` on it.
+    """

@@ -1,0 +1,98 @@
+"""Scores, penalties and constraints of a trial.
+
+Default score: the chosen throughput metric (aggregate tok/s at the trial's parallel streams)
+minus ``penalty_per_point`` tok/s for every accuracy point lost against the reference
+weights. Constraints are given to Optuna as real constraints (``Trial.set_constraint``): a value
+<= 0 is satisfied. VRAM: (used - budget) / budget, predicted before launch and measured after.
+Quality, when ``max_drop_points`` is set: drop - max_drop. Latency, when
+``min_per_user_tok_s`` is set: (floor - per-user tok/s) / floor, so that a configuration which
+serves many users but each of them slowly is not taken for a good one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from autotune.config import Objective
+
+
+@dataclass(frozen=True)
+class Score:
+    """A trial's objective value(s) and constraint values."""
+
+    values: tuple[float, ...]
+    constraints: dict[str, float]
+    throughput: float
+    quality_drop_points: float | None
+    penalty: float
+
+    @property
+    def feasible(self) -> bool:
+        return all(c <= 0 for c in self.constraints.values())
+
+
+def directions(objective: Objective) -> list[str]:
+    """Optuna directions: one for a single score, throughput and quality drop for a Pareto study."""
+    if objective.mode == "pareto":
+        return ["maximize", "minimize"]
+    return ["maximize"]
+
+
+VRAM = "vram_over_budget"
+QUALITY = "quality_drop_over_max"
+PER_USER = "per_user_below_min"
+
+
+def vram_constraint(used_bytes: int, budget_bytes: int) -> float:
+    return (used_bytes - budget_bytes) / budget_bytes
+
+
+def unmeasured_constraints(objective: Objective, vram_over: float = 1.0) -> dict[str, float]:
+    """Constraint values of a trial that never ran (pruned): infeasible, by VRAM as given.
+
+    Samplers learn from pruned trials too; a configuration that cannot run must never look
+    feasible to them.
+    """
+    out = {VRAM: vram_over}
+    if objective.max_drop_points is not None:
+        out[QUALITY] = 0.0
+    if objective.min_per_user_tok_s is not None:
+        out[PER_USER] = 0.0
+    return out
+
+
+def score(
+    objective: Objective,
+    throughput: float,
+    vram_bytes: int,
+    vram_budget_bytes: int,
+    quality_drop_points: float | None,
+    per_user_tok_s: float | None = None,
+) -> Score:
+    """Score one measured trial.
+
+    Args:
+        objective: The study's objective settings.
+        throughput: The measured value of ``objective.metric`` (tok/s).
+        vram_bytes: Measured peak device memory, or the prediction when nothing was measured.
+        vram_budget_bytes: The budget the study allows.
+        quality_drop_points: Accuracy points lost against the reference (may be negative when
+            the artifact scores better), or None when the study has no quality metric.
+        per_user_tok_s: Measured decode speed each user sees at the trial's parallel streams.
+    """
+    drop = quality_drop_points
+    penalty = objective.penalty_per_point * max(drop, 0.0) if drop is not None else 0.0
+    constraints = {VRAM: vram_constraint(vram_bytes, vram_budget_bytes)}
+    if objective.max_drop_points is not None:
+        # No quality figure counts as the worst: a study that caps the drop must not pass a
+        # trial it could not check (float('inf') is not storable; a large finite value is).
+        constraints[QUALITY] = (drop - objective.max_drop_points) if drop is not None else 1e9
+    if objective.min_per_user_tok_s is not None:
+        floor = objective.min_per_user_tok_s
+        constraints[PER_USER] = (floor - per_user_tok_s) / floor if per_user_tok_s is not None else 1e9
+    if objective.mode == "pareto":
+        values: Sequence[float] = (throughput, drop if drop is not None else 0.0)
+    else:
+        values = (throughput - penalty,)
+    return Score(tuple(values), constraints, throughput, drop, penalty)

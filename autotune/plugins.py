@@ -1,0 +1,166 @@
+"""The plugin manager: loads the ``autotune`` entry-point group and owns the registries.
+
+Built-in plugins are entry points of this very distribution, so there is no list of them
+here: the core never names a backend. Two environment variables steer loading:
+
+* ``AUTOTUNE_LOAD_PLUGINS``: comma-separated allow-list of entry-point names to load
+  (empty string: load none); unset loads every installed plugin.
+* ``AUTOTUNE_TRACE_PLUGINS``: when set, every hook call is logged with its arguments and
+  results to stderr, to debug a plugin.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+from autotune import hookspecs
+from autotune.errors import PluginError, UnknownNameError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.backend import BaseBackend
+    from autotune.metric import BaseMetric
+
+ENTRY_POINT_GROUP = "autotune"
+
+pm = pluggy.PluginManager("autotune")
+pm.add_hookspecs(hookspecs)
+
+_loaded = False
+_sources: dict[str, str] = {}  # plugin name in pm -> distribution that provides it
+
+
+def load_plugins() -> None:
+    """Load installed plugins once (idempotent).
+
+    Autoloading is skipped under pytest (``sys._called_from_test``, set by our conftest), so
+    tests decide exactly which plugins exist.
+    """
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    if getattr(sys, "_called_from_test", False):
+        return
+    allow = os.environ.get("AUTOTUNE_LOAD_PLUGINS")
+    allowed = None if allow is None else {n.strip() for n in allow.split(",") if n.strip()}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        if pm.get_plugin(ep.name) is not None:
+            continue
+        try:
+            module = ep.load()
+        except Exception as exc:  # a broken third-party plugin must not take the CLI down
+            print(f"autotune: plugin '{ep.name}' failed to load: {exc}", file=sys.stderr)
+            continue
+        pm.register(module, name=ep.name)
+        _sources[ep.name] = ep.dist.name if ep.dist else "?"
+    if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
+        _trace()
+
+
+def _trace() -> None:
+    def before(hook_name: str, hook_impls: Any, kwargs: dict) -> None:
+        print(f"autotune trace: {hook_name}({kwargs}) -> {[i.plugin_name for i in hook_impls]}", file=sys.stderr)
+
+    def after(outcome: Any, hook_name: str, hook_impls: Any, kwargs: dict) -> None:
+        print(f"autotune trace: {hook_name} returned {outcome.get_result()!r}", file=sys.stderr)
+
+    pm.add_hookcall_monitoring(before, after)
+
+
+def register_plugin(plugin: object, name: str, source: str = "(test)") -> None:
+    """Register a plugin object by hand (tests, embedding applications)."""
+    pm.register(plugin, name=name)
+    _sources[name] = source
+
+
+def unregister_plugin(name: str) -> None:
+    """Undo ``register_plugin``."""
+    plugin = pm.get_plugin(name)
+    if plugin is not None:
+        pm.unregister(plugin)
+    _sources.pop(name, None)
+
+
+def _collect(hook_name: str, kind: str) -> dict[str, tuple[Any, str]]:
+    """Call a ``register_*`` hook, owning the callback, and return name -> (object, plugin)."""
+    load_plugins()
+    found: dict[str, tuple[Any, str]] = {}
+    hook = getattr(pm.hook, hook_name)
+    for impl in hook.get_hookimpls():
+        plugin_name = impl.plugin_name
+
+        def register(obj: Any, _plugin: str = plugin_name) -> None:
+            name = getattr(obj, "name", None)
+            if not isinstance(name, str) or not name:
+                raise PluginError(f"plugin '{_plugin}' registered a {kind} without a name: {obj!r}")
+            if name in found:
+                raise PluginError(
+                    f"{kind} name '{name}' is registered twice: by plugin '{found[name][1]}' "
+                    f"and by plugin '{_plugin}'"
+                )
+            found[name] = (obj, _plugin)
+
+        impl.function(**{arg: register for arg in impl.argnames if arg == "register"})
+    return found
+
+
+def get_backends() -> dict[str, "BaseBackend"]:
+    """Every registered backend by name."""
+    return {name: obj for name, (obj, _) in sorted(_collect("register_backends", "backend").items())}
+
+
+def get_metrics() -> dict[str, "BaseMetric"]:
+    """Every registered metric by name."""
+    return {name: obj for name, (obj, _) in sorted(_collect("register_metrics", "metric").items())}
+
+
+def get_backend(name: str) -> "BaseBackend":
+    """One backend by name, or an error listing the installed ones."""
+    backends = get_backends()
+    if name not in backends:
+        raise UnknownNameError(
+            f"backend '{name}' is not installed (installed: {', '.join(backends) or 'none'})"
+        )
+    return backends[name]
+
+
+def get_metric(name: str) -> "BaseMetric":
+    """One metric by name, or an error listing the installed ones."""
+    metrics = get_metrics()
+    if name not in metrics:
+        raise UnknownNameError(
+            f"metric '{name}' is not installed (installed: {', '.join(metrics) or 'none'})"
+        )
+    return metrics[name]
+
+
+def describe() -> dict[str, list[dict[str, str]]]:
+    """What ``autotune plugins`` shows: each backend and metric with its plugin and distribution."""
+    out: dict[str, list[dict[str, str]]] = {"backends": [], "metrics": []}
+    for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric")):
+        for name, (obj, plugin) in sorted(_collect(hook, kind).items()):
+            out[key].append(
+                {
+                    "name": name,
+                    "plugin": plugin,
+                    "distribution": _sources.get(plugin, "?"),
+                    "description": (getattr(obj, "description", "") or "").strip(),
+                }
+            )
+    return out
+
+
+def add_commands(cli: Any) -> None:
+    """Let plugins add subcommands."""
+    load_plugins()
+    pm.hook.register_commands(cli=cli)
+
+
+Registrar = Callable[[Any], None]

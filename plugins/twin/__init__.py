@@ -1,0 +1,332 @@
+"""The digital twin: backends that answer like llama.cpp, ExLlamaV2 or vLLM on a given GPU would.
+
+Each twin backend computes memory and speed from physics (``physics.py``) with constants
+fitted to the article's measurements (``constants.toml``, ``fit.py``), and quality from
+published quantization-damage data (``quality.py``). It runs the whole tuner in seconds on a
+machine with no GPU, and serves as the prior of real studies: a real backend of the same
+``engine`` gets its predictions.
+
+Settings (study file, ``[backends.twin-exllamav2]`` etc.):
+    noise: relative standard deviation of simulated measurement noise (default 0: exact).
+    throttle_after_s: simulated seconds of load after which the card throttles (default: never).
+    throttle_factor: speed multiplier once throttled (default 0.75: the article's 40 -> 30 tok/s).
+    gpu_layers: "all" (default) or "auto" (llama.cpp only: let layers spill to the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import tomllib
+from importlib import resources
+from typing import Any, ClassVar, Mapping, Sequence
+
+from autotune import hookimpl
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.errors import AutotuneError, BackendError, UnsupportedError
+from autotune.formats import CACHE_TYPES, parse_format, weights_for
+from autotune.measure import Protocol, Stat, repeat_until_stable_many
+from autotune.metric import BaseMetric, MetricValue
+
+from autotune_plugins.twin import physics, quality
+
+__all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
+
+
+@functools.lru_cache(maxsize=1)
+def _constants_doc() -> dict[str, Any]:
+    return tomllib.loads(resources.files(__package__).joinpath("constants.toml").read_text(encoding="utf-8"))
+
+
+def load_constants(doc: Mapping[str, Any] | None = None) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants, float]:
+    """Engine constants by engine, host constants, and MMLU points per unit KLD at 8B."""
+    doc = doc or _constants_doc()
+    engines = {name: physics.EngineConstants(**values) for name, values in doc["engines"].items()}
+    return engines, physics.HostConstants(**doc["host"]), float(doc["quality"]["points_per_kld_8b"])
+
+
+class TwinBackend(BaseBackend):
+    """Common machinery of the three twin backends."""
+
+    weight_families: ClassVar[tuple[str, ...]] = ()
+    cache_types: ClassVar[tuple[str, ...]] = ()
+    default_cache: ClassVar[str] = ""
+
+    # ------------------------------------------------------------------ space and rules
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        caches = tuple(c for c in space.get("cache_type", self.cache_types) if c in self.cache_types)
+        if "cache_type" in space and not caches:
+            caches = (self.default_cache,)
+        flash = tuple(v for v in space.get("flash_attn", (True, False)) if isinstance(v, bool))
+        return [
+            Param("cache_type", caches or (self.default_cache,), f"KV-cache type ({', '.join(self.cache_types)})"),
+            Param("flash_attn", flash or (True,), "fused attention kernels"),
+        ]
+
+    def quality_reference(self, params: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+        """The most precise options: an unquantized cache, fused attention where searched."""
+        caches = params.get("cache_type", (self.default_cache,))
+        best_cache = max(caches, key=lambda c: CACHE_TYPES[c].bytes_per_element)
+        return {"cache_type": best_cache, "flash_attn": True in params.get("flash_attn", (True,))}
+
+    def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        try:
+            family, _ = parse_format(weights)
+        except AutotuneError as exc:
+            return str(exc)
+        if family not in self.weight_families:
+            return f"{self.engine} loads {', '.join(self.weight_families)} weights, not {family}"
+        return None
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        problem = self.check_weights(config.weights, ctx)
+        return [problem] if problem else []
+
+    # ------------------------------------------------------------------ physics
+
+    def constants(self) -> physics.EngineConstants:
+        return load_constants()[0][self.engine]
+
+    def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
+        gpu_layers = ctx.settings.get("gpu_layers", "all")
+        return physics.Scenario(
+            engine=self.engine,
+            gpu=ctx.gpu,
+            model=ctx.model,
+            weights=weights_for(ctx.model, config.weights),
+            ctx=config.ctx,
+            parallel=config.parallel,
+            cache_type=config.option("cache_type", self.default_cache),
+            flash_attn=bool(config.option("flash_attn", True)),
+            prompt_tokens=ctx.workload.prompt_tokens,
+            output_tokens=ctx.workload.output_tokens,
+            gpu_layers=gpu_layers,
+        )
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        return physics.memory(self.scenario(config, ctx), self.constants())
+
+    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
+        try:
+            self.refuse(config, ctx)
+        except UnsupportedError:
+            return None
+        _, host, _ = load_constants()
+        return physics.predict(self.scenario(config, ctx), self.constants(), host).as_dict()
+
+    def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
+        """Raise the engine's own error for a card or option it does not support."""
+
+    def attention_path(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return "fused" if config.option("flash_attn", True) else "unfused"
+
+    def load_failure(self, config: TrialConfig, ctx: StudyContext, mem: MemoryEstimate) -> None:
+        """Raise what the engine prints when the configuration does not fit the card."""
+        if mem.total_bytes > ctx.gpu.vram_bytes:
+            raise BackendError(
+                f"CUDA out of memory: needs {mem.total_bytes / 2**30:.2f} GiB, "
+                f"card has {ctx.gpu.vram_bytes / 2**30:.2f} GiB"
+            )
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        self.refuse(config, ctx)
+        scenario = self.scenario(config, ctx)
+        k = self.constants()
+        _, host, _ = load_constants()
+        mem = physics.memory(scenario, k)
+        self.load_failure(config, ctx, mem)
+        p = physics.predict(scenario, k, host)
+        noise = float(ctx.settings.get("noise", 0.0))
+        rng = random.Random(f"{ctx.seed}:{config.key}")
+        clock = _SimulatedClock.for_settings(ctx.settings)
+        truth = p.as_dict()
+
+        def sample() -> dict[str, float]:
+            run_s = p.ttft_ms / 1000.0 + ctx.workload.output_tokens / p.per_user_tok_s
+            factor = clock.advance(run_s)
+            out = {}
+            for name in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s", "prefill_tok_s"):
+                out[name] = truth[name] * factor * (1.0 + rng.gauss(0.0, noise) if noise else 1.0)
+            out["ttft_ms"] = truth["ttft_ms"] / factor
+            return out
+
+        units = {"decode_tok_s": "tok/s", "aggregate_tok_s": "tok/s", "per_user_tok_s": "tok/s",
+                 "prefill_tok_s": "tok/s", "ttft_ms": "ms"}
+        protocol = ctx.protocol if noise else Protocol(warmup_runs=0, min_runs=1, max_runs=1)
+        stats: dict[str, Stat] = repeat_until_stable_many(sample, protocol, units, key=ctx_metric(ctx))
+        return Measurement(
+            metrics=stats,
+            peak_vram_bytes=None,
+            attrs={
+                "simulated": True,
+                "attention_path": self.attention_path(config, ctx),
+                "gpu_layers": p.gpu_layers,
+                "host_layers": p.host_layers,
+                "roofline_tok_s": p.roofline_tok_s,
+                "step_ms": {"single": p.step_ms_single, "parallel": p.step_ms_parallel},
+                "throttled": clock.throttled,
+            },
+        )
+
+
+def ctx_metric(ctx: StudyContext) -> str:
+    return str(ctx.settings.get("stability_metric", "aggregate_tok_s"))
+
+
+class _SimulatedClock:
+    """Seconds of simulated load, shared by every trial of a process, for thermal throttling."""
+
+    _elapsed: ClassVar[dict[int, float]] = {}
+
+    def __init__(self, after_s: float | None, factor: float):
+        self.after_s = after_s
+        self.factor = factor
+        self.throttled = False
+
+    @classmethod
+    def for_settings(cls, settings: Mapping[str, Any]) -> "_SimulatedClock":
+        after = settings.get("throttle_after_s")
+        return cls(float(after) if after is not None else None, float(settings.get("throttle_factor", 0.75)))
+
+    def advance(self, seconds: float) -> float:
+        if self.after_s is None:
+            return 1.0
+        key = id(type(self))
+        elapsed = self._elapsed.get(key, 0.0) + seconds
+        self._elapsed[key] = elapsed
+        self.throttled = elapsed > self.after_s
+        return self.factor if self.throttled else 1.0
+
+
+class TwinLlamaCpp(TwinBackend):
+    name = "twin-llama.cpp"
+    engine = "llama.cpp"
+    weight_families = ("gguf",)
+    cache_types = ("f16", "q8_0", "q4_0")
+    default_cache = "f16"
+    description = "digital twin of llama.cpp's llama-server (physics, no GPU needed)"
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        reasons = super().check(config, ctx)
+        cache = config.option("cache_type", "f16")
+        if cache != "f16" and not config.option("flash_attn", True):
+            # llama.cpp refuses a quantized V cache without flash attention.
+            reasons.append(f"cache_type {cache}: llama.cpp needs flash_attn for a quantized V cache")
+        return reasons
+
+    def load_failure(self, config: TrialConfig, ctx: StudyContext, mem: MemoryEstimate) -> None:
+        if ctx.settings.get("gpu_layers", "all") == "all" and mem.total_bytes > ctx.gpu.vram_bytes:
+            raise BackendError(
+                f"ggml_backend_cuda_buffer_type_alloc_buffer: allocating {mem.total_bytes / 2**20:.0f} MiB "
+                f"on device 0: cudaMalloc failed: out of memory"
+            )
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        cache = config.option("cache_type", "f16")
+        fa = "on" if config.option("flash_attn", True) else "off"
+        _, detail = parse_format(config.weights)
+        return (
+            f"llama-server -m {ctx.model.key}-{detail}.gguf -c {config.ctx * config.parallel} -np {config.parallel} "
+            f"-ngl 99 -fa {fa} -ctk {cache} -ctv {cache} --host 127.0.0.1 --port 8080"
+            f"  # -c is ctx {config.ctx} x {config.parallel} slots"
+        )
+
+    def engine_version(self) -> str:
+        return "twin"
+
+
+class TwinExllamaV2(TwinBackend):
+    name = "twin-exllamav2"
+    engine = "exllamav2"
+    weight_families = ("exl2",)
+    cache_types = ("fp16", "q8", "q6", "q4")
+    default_cache = "fp16"
+    description = "digital twin of ExLlamaV2's dynamic generator (physics, no GPU needed)"
+
+    def attention_path(self, config: TrialConfig, ctx: StudyContext) -> str:
+        if not config.option("flash_attn", True):
+            return "matmul"
+        # flash-attn 2 needs sm_80; before that ExLlamaV2 falls back to SDPA/xformers, which
+        # is still fused (no scores over the allocated cache).
+        return "flash_attn" if ctx.gpu.compute_capability_tuple >= (8, 0) else "sdpa"
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        cache = config.option("cache_type", "fp16").upper()
+        _, bpw = parse_format(config.weights)
+        return (
+            f"python main.py --model-dir models --model-name {ctx.model.key}-exl2-{bpw}bpw "
+            f"--max-seq-len {config.ctx} --cache-mode {cache} --max-batch-size {config.parallel}"
+            f"  # TabbyAPI (ExLlamaV2 server); cache of {config.ctx} x {config.parallel} tokens"
+        )
+
+    def engine_version(self) -> str:
+        return "twin"
+
+
+class TwinVllm(TwinBackend):
+    name = "twin-vllm"
+    engine = "vllm"
+    weight_families = ("gguf",)
+    cache_types = ("auto", "fp8")
+    default_cache = "auto"
+    description = "digital twin of vLLM (physics, no GPU needed); refuses Volta as recent vLLM does"
+
+    def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
+        cc = ctx.gpu.compute_capability_tuple
+        version = str(ctx.settings.get("version", "0.11"))
+        if cc < (7, 0) or (cc < (7, 5) and _version_tuple(version) >= (0, 6)):
+            raise UnsupportedError(
+                f"vLLM {version} does not support compute capability {ctx.gpu.compute_capability} "
+                f"({ctx.gpu.name}); the last releases for Volta are 0.5.x with CUDA 11.8"
+            )
+        if config.option("flash_attn", True) and cc < (8, 0):
+            raise UnsupportedError("Cannot use FlashAttention-2 backend for Volta and Turing GPUs.")
+        if config.option("cache_type", "auto").startswith("fp8") and cc < (8, 9):
+            raise UnsupportedError(f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}")
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return (
+            f"vllm serve {ctx.model.key} --max-model-len {config.ctx} --max-num-seqs {config.parallel} "
+            f"--kv-cache-dtype {config.option('cache_type', 'auto')} --dtype half"
+        )
+
+    def engine_version(self) -> str:
+        return "twin"
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+
+class TwinMmlu(BaseMetric):
+    """Predicted MMLU accuracy relative to the FP16 model (1.0 = nothing lost)."""
+
+    name = "twin-mmlu"
+    unit = "accuracy"
+    higher_is_better = True
+    description = "predicted MMLU accuracy vs FP16 from published quantization damage (twin backends only)"
+
+    def supports(self, backend: BaseBackend) -> str | None:
+        if not isinstance(backend, TwinBackend):
+            return "the twin predicts quality for its own backends only; use a measured metric (mmlu, ceval, kld)"
+        return None
+
+    def evaluate(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext) -> MetricValue:
+        _, _, ppk = load_constants()
+        drop = quality.drop_points(ctx.model, config.weights, config.option("cache_type", "f16"), ppk)
+        return MetricValue(value=1.0 - drop / 100.0, stderr=None, n=None, seconds=0.0,
+                           details={"predicted_drop_points_vs_fp16": drop})
+
+
+@hookimpl
+def register_backends(register):
+    for cls in (TwinLlamaCpp, TwinExllamaV2, TwinVllm):
+        register(cls())
+
+
+@hookimpl
+def register_metrics(register):
+    register(TwinMmlu())

@@ -1,0 +1,325 @@
+"""The digital twin's physics: memory and speed of one serving configuration, from first principles.
+
+Nothing here looks anything up by configuration: every figure is computed from the card
+(bandwidth, FLOP rates, memory, PCIe, host memory), the model's shape, the weights format's
+real byte layout and the engine's few fitted constants (``constants.toml``, written by
+``python -m autotune_plugins.twin.fit``). docs/twin.md derives the equations; the names of
+the terms below follow it.
+
+Decode, one step of ``P`` parallel streams, each holding ``c`` tokens of context:
+
+    t_mem  = (W_gpu + P * c * kv_read_bytes) / (B * eta_w)          weights streamed once per step
+    t_comp = P * 2 * N_lin / (F_core * eta_c)                        dequantize-and-multiply work
+    t_step = n_layers * t_layer + soft_max(t_mem, t_comp) + t_unfused + t_spill
+
+``soft_max`` is the roofline's corner, rounded (a p-norm), because memory and arithmetic do
+not overlap perfectly in real kernels. Prefill is compute-bound on the tensor cores:
+``prefill_tok_s = F_tensor * eta_p / (2 * N_lin)``. The aggregate throughput a user sees is
+what the measurement protocol of autotune measures: ``P`` requests sent together, all prompts
+prefilled, then decoded together, total output tokens over the wall time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from autotune.backend import MemoryEstimate
+from autotune.formats import WeightsBreakdown, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
+from autotune.hardware import GpuSpec
+from autotune.models import ModelSpec
+
+GiB = 2**30
+
+# Rounding of the roofline corner: (a^k + b^k)^(1/k). k = 4 keeps a term that is a third of
+# the other within 1% of the max, and blends them near the ridge point, where dequantizing
+# kernels are neither purely bandwidth- nor purely ALU-bound.
+ROOFLINE_SHARPNESS = 4.0
+
+# llama.cpp pads its KV cache to a multiple of 256 cells (llama_kv_cache: n_ctx_pad) and
+# reserves compute buffers for a ubatch of 512 tokens by default (-ub 512).
+LLAMA_KV_PAD = 256
+LLAMA_UBATCH = 512
+# ExLlamaV2 runs prompts in chunks of max_input_len tokens (config.max_input_len, 2048).
+EXL2_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class EngineConstants:
+    """What differs between engines; the fitted values live in constants.toml.
+
+    Attributes:
+        weight_bw_efficiency: Share of the card's bandwidth its decode kernels stream weights at.
+        per_layer_us: Fixed cost per layer and step (kernel launches, norms, small ops), in µs.
+        unfused_attn_per_layer_us: Extra cost per layer and step when attention is not fused
+            (separate KQ, softmax and KQV kernels): llama.cpp without --flash-attn.
+        unfused_attn_ns_per_token_layer: Cost per allocated cache token and layer of attention
+            that runs over the whole allocated cache (ExLlamaV2's matmul path), in ns.
+        quant_cache_extra_bytes: Extra traffic per quantized cache element read, in bytes, for
+            engines that dequantize the cache before attention (0 for fused dequant).
+        decode_compute_efficiency: Share of the card's CUDA-core FP16 rate that the
+            dequantize-and-multiply decode kernels reach.
+        prefill_efficiency: Share of the tensor-core FP16 rate reached on prompts.
+        context_bytes: CUDA context, allocator and library workspaces, in bytes.
+        keeps_embeddings_on_host: Whether the token embeddings stay in host memory.
+        spill: ``layers`` (the engine moves layers that do not fit to the CPU, as llama.cpp
+            does) or ``oom`` (it fails to load).
+    """
+
+    weight_bw_efficiency: float
+    per_layer_us: float
+    unfused_attn_per_layer_us: float
+    unfused_attn_ns_per_token_layer: float
+    quant_cache_extra_bytes: float
+    decode_compute_efficiency: float
+    prefill_efficiency: float
+    context_bytes: float
+    keeps_embeddings_on_host: bool
+    spill: str
+
+
+@dataclass(frozen=True)
+class HostConstants:
+    """Constants of the host side.
+
+    Attributes:
+        host_bw_efficiency: Achieved share of the catalog's host memory bandwidth when the CPU
+            runs spilled layers (can exceed 1 where the catalog's figure undersells the host).
+    """
+
+    host_bw_efficiency: float
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One configuration as the physics sees it (engine flags already translated)."""
+
+    engine: str
+    gpu: GpuSpec
+    model: ModelSpec
+    weights: WeightsBreakdown
+    ctx: int
+    parallel: int
+    cache_type: str
+    flash_attn: bool
+    prompt_tokens: int
+    output_tokens: int
+    gpu_layers: int | str = "all"  # "all", "auto" (fit as many as the card holds) or a count
+
+
+def fp16_core_tflops(gpu: GpuSpec) -> float:
+    """FP16 rate of the CUDA cores (not the tensor cores), which dequantizing kernels use.
+
+    From sm_60 on, except sm_61, FP16 runs at twice the FP32 rate (packed half2); sm_61
+    (P40, GTX 10xx) runs FP16 at 1/64 rate, so engines compute in FP32 there.
+    """
+    if gpu.compute_capability == "6.1":
+        return gpu.fp32_tflops
+    return 2.0 * gpu.fp32_tflops
+
+
+def linear_params(model: ModelSpec) -> int:
+    """Parameters every generated token multiplies with: all of them but the embeddings."""
+    return model.n_params - model.n_embedding_params
+
+
+def soft_max(a: float, b: float, k: float = ROOFLINE_SHARPNESS) -> float:
+    return (a**k + b**k) ** (1.0 / k)
+
+
+# ----------------------------------------------------------------------------------- memory
+
+
+def kv_cells(s: Scenario) -> int:
+    """Cache cells the engine allocates for ``parallel`` sequences of ``ctx`` tokens each."""
+    cells = s.ctx * s.parallel
+    if s.engine == "llama.cpp":
+        cells = math.ceil(cells / LLAMA_KV_PAD) * LLAMA_KV_PAD
+    return cells
+
+
+def compute_buffer_bytes(s: Scenario) -> int:
+    """Activation/compute buffers the engine reserves.
+
+    llama.cpp reserves its graph for the worst ubatch: the residual stream and FFN
+    activations of ``LLAMA_UBATCH`` tokens in F32 and, without flash-attn, the KQ score
+    matrix over the whole cache (``ubatch x cells x n_heads`` F32), the term that makes
+    flash-attn save "a few hundred MB" (seed/ARTICLE.md, row 3). ExLlamaV2 sizes its scratch
+    by the prompt chunk (``EXL2_CHUNK`` tokens), and its matmul attention materialises the
+    chunk's scores against the allocated cache in FP16 when attention is not fused.
+    """
+    m = s.model
+    if s.engine == "llama.cpp":
+        ub = LLAMA_UBATCH
+        act = ub * (4 * m.hidden_size + 2 * m.ffn_size) * 4
+        scores = 0 if s.flash_attn else ub * kv_cells(s) * m.n_heads * 4
+        logits = s.parallel * m.vocab_size * 4
+        return int(act + scores + logits)
+    chunk = EXL2_CHUNK
+    act = chunk * (4 * m.hidden_size + 3 * m.ffn_size) * 2
+    scores = 0 if s.flash_attn else chunk * s.ctx * m.n_heads * 2
+    logits = s.parallel * m.vocab_size * 4 * 2
+    return int(act + scores + logits)
+
+
+def memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
+    """Device memory of the configuration with every layer on the GPU."""
+    w = s.weights
+    weights_gpu = w.total_bytes
+    host = 0
+    notes = []
+    if k.keeps_embeddings_on_host or not w.embedding_on_gpu:
+        weights_gpu -= w.embedding_bytes
+        host += w.embedding_bytes
+        notes.append(f"token embeddings ({w.embedding_bytes / GiB:.2f} GiB) stay in host memory")
+    kv = int(kv_cells(s) * kv_bytes_per_token(s.model, s.cache_type))
+    kv += cache_fixed_bytes(s.model, s.cache_type, s.ctx * s.parallel)
+    buffers = compute_buffer_bytes(s)
+    return MemoryEstimate(
+        weights_bytes=int(weights_gpu),
+        kv_bytes=kv,
+        buffers_bytes=buffers,
+        overhead_bytes=int(k.context_bytes),
+        host_bytes=host,
+        notes=tuple(notes),
+    )
+
+
+def gpu_layer_split(s: Scenario, k: EngineConstants, mem: MemoryEstimate) -> int:
+    """How many decoder layers stay on the GPU (the rest run on the host)."""
+    n = s.model.n_layers
+    if s.gpu_layers == "all":
+        return n
+    if isinstance(s.gpu_layers, int):
+        return max(0, min(n, s.gpu_layers))
+    # "auto": fill the card's physical memory, layer by layer from the first; the output
+    # head, the KV of GPU layers, buffers and the context must fit too.
+    per_layer_kv = mem.kv_bytes / n
+    fixed = mem.buffers_bytes + mem.overhead_bytes + s.weights.output_bytes + s.weights.other_bytes
+    free = s.gpu.vram_bytes - fixed
+    on_gpu = 0
+    for layer_bytes in s.weights.per_layer_bytes:
+        need = layer_bytes + per_layer_kv
+        if free < need:
+            break
+        free -= need
+        on_gpu += 1
+    return on_gpu
+
+
+# ----------------------------------------------------------------------------------- speed
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the twin predicts for one configuration."""
+
+    decode_tok_s: float
+    per_user_tok_s: float
+    aggregate_tok_s: float
+    prefill_tok_s: float
+    ttft_ms: float
+    roofline_tok_s: float
+    step_ms_single: float
+    step_ms_parallel: float
+    gpu_layers: int
+    host_layers: int
+    bytes_per_token: float
+    terms_ms: Mapping[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decode_tok_s": self.decode_tok_s,
+            "per_user_tok_s": self.per_user_tok_s,
+            "aggregate_tok_s": self.aggregate_tok_s,
+            "prefill_tok_s": self.prefill_tok_s,
+            "ttft_ms": self.ttft_ms,
+            "roofline_tok_s": self.roofline_tok_s,
+        }
+
+
+def kv_read_bytes_per_token(s: Scenario, k: EngineConstants) -> float:
+    """Bytes of cache traffic per context token and decode step (all layers, K and V)."""
+    per_elem = cache_bytes_per_element(s.cache_type)
+    if per_elem < 2.0:  # quantized: some engines dequantize into an FP16 copy first
+        per_elem += k.quant_cache_extra_bytes
+    return s.model.n_layers * s.model.kv_dim * 2 * per_elem
+
+
+def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: int,
+               context_tokens: float, gpu_layers: int) -> dict[str, float]:
+    """Seconds of each term of one decode step for ``parallel`` streams."""
+    g, m, w = s.gpu, s.model, s.weights
+    bw = g.mem_bandwidth_gb_s * 1e9
+    n = m.n_layers
+    frac_gpu = gpu_layers / n
+    layers_gpu = sum(w.per_layer_bytes[:gpu_layers])
+    layers_host = w.layers_bytes - layers_gpu
+    # The embedding row lookup reads one row per token: no bandwidth worth counting.
+    weights_read = layers_gpu + w.output_bytes + w.other_bytes
+    kv_read = parallel * context_tokens * kv_read_bytes_per_token(s, k) * frac_gpu
+    t_mem = (weights_read + kv_read) / (bw * k.weight_bw_efficiency)
+    n_lin = linear_params(m) * frac_gpu
+    t_comp = parallel * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
+    t_fixed = n * k.per_layer_us * 1e-6
+    t_unfused = 0.0
+    if not s.flash_attn:
+        t_unfused += n * k.unfused_attn_per_layer_us * 1e-6
+        t_unfused += parallel * s.ctx * n * k.unfused_attn_ns_per_token_layer * 1e-9
+    t_host = 0.0
+    if layers_host:
+        # Spilled layers run on the CPU, streaming their weights from host memory; the
+        # activations cross PCIe twice per step (negligible next to the weights).
+        t_host = layers_host / (g.host_mem_gb_s * 1e9 * host.host_bw_efficiency)
+        t_host += 2 * parallel * m.hidden_size * 2 / (g.pcie_gb_s * 1e9)
+    return {
+        "fixed": t_fixed,
+        "memory": t_mem,
+        "compute": t_comp,
+        "roofline": soft_max(t_mem, t_comp),
+        "unfused_attention": t_unfused,
+        "host": t_host,
+    }
+
+
+def step_seconds(terms: Mapping[str, float]) -> float:
+    return terms["fixed"] + terms["roofline"] + terms["unfused_attention"] + terms["host"]
+
+
+def prefill_tok_s(s: Scenario, k: EngineConstants, host: HostConstants, gpu_layers: int) -> float:
+    """Prompt tokens per second: tensor-core bound on the GPU; spilled layers' weights cross PCIe
+    once per ubatch (llama.cpp offloads large-batch matmuls of host layers to the GPU)."""
+    g, m = s.gpu, s.model
+    t_gpu = 2 * linear_params(m) / (g.fp16_tensor_tflops * 1e12 * k.prefill_efficiency)
+    layers_host = sum(s.weights.per_layer_bytes[gpu_layers:])
+    t_host = layers_host / (g.pcie_gb_s * 1e9) / LLAMA_UBATCH if layers_host else 0.0
+    return 1.0 / (t_gpu + t_host)
+
+
+def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
+    """Speed of the configuration under autotune's measurement protocol."""
+    mem = memory(s, k)
+    gpu_layers = gpu_layer_split(s, k, mem)
+    c_decode = s.prompt_tokens + s.output_tokens / 2  # mean context while generating
+    t1_terms = step_terms(s, k, host, 1, c_decode, gpu_layers)
+    tp_terms = step_terms(s, k, host, s.parallel, c_decode, gpu_layers)
+    t1, tp = step_seconds(t1_terms), step_seconds(tp_terms)
+    pf = prefill_tok_s(s, k, host, gpu_layers)
+    prefill_all_s = s.parallel * s.prompt_tokens / pf
+    wall = prefill_all_s + s.output_tokens * tp
+    bytes_per_token = s.weights.layers_bytes + s.weights.output_bytes + c_decode * kv_read_bytes_per_token(s, k)
+    return Prediction(
+        decode_tok_s=1.0 / t1,
+        per_user_tok_s=1.0 / tp,
+        aggregate_tok_s=s.parallel * s.output_tokens / wall,
+        prefill_tok_s=pf,
+        ttft_ms=1000.0 * (prefill_all_s + tp),
+        roofline_tok_s=s.gpu.mem_bandwidth_gb_s * 1e9 / bytes_per_token,
+        step_ms_single=1000.0 * t1,
+        step_ms_parallel=1000.0 * tp,
+        gpu_layers=gpu_layers,
+        host_layers=s.model.n_layers - gpu_layers,
+        bytes_per_token=bytes_per_token,
+        terms_ms={name: 1000.0 * v for name, v in tp_terms.items()},
+    )

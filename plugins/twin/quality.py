@@ -1,0 +1,102 @@
+"""The twin's model of quality: accuracy points lost to weight and KV-cache quantization.
+
+Damage is measured the way llama.cpp's perplexity tool reports it, as the mean KL divergence
+of next-token distributions against the FP16 model, and turned into MMLU points:
+
+    drop_points = points_per_kld(model) * (kld_weights(format) + arch_kv * kld_cache(type))
+
+Sources (docs/twin.md has the full table):
+* GGUF KLD per file type: llama.cpp tools/perplexity/README.md, LLaMA 3 8B, wikitext-2, no
+  imatrix (q8_0 0.001355 ... q2_K 0.445132), with bits per weight from
+  tools/quantize/README.md (Llama-3.1-8B).
+* EXL2: no published KLD table; EXL2's PPL gaps (exllamav2 doc/qcache_eval.md, Mistral 7B:
+  3.0/3.5/4.0/5.0 bpw) shrink ~4x per added bit, as the k-quants' KLD does (3.6x per bit by
+  the regression below), so an EXL2 file is priced like a k-quant of the same bits per weight.
+* KV cache: llama.cpp PR #7412 (LLaMA 3 8B KLD: K+V q8_0 0.000980; q4_0 K+V 0.0365, V only
+  0.0050). ExLlamaV2's Q8/Q6/Q4 are 8/8, 8/4 and 4/4 bits for K/V with grouped scales.
+* Qwen2 models are more sensitive to cache quantization (QKV biases give keys large
+  outliers: exllamav2 issue #493 "issues with the Q4 cache" on Qwen2; localbench's Qwen
+  q4_0-cache KLD 0.087-0.117 against LLaMA 3 8B's 0.0365): ``ARCH_KV_SENSITIVITY``.
+* Points per unit KLD fall with model size (LLaMA 2 70B loses ~0.43x LLaMA 3 8B's perplexity
+  share at Q4_K_M: examples/perplexity/README.md), hence the size exponent.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autotune.formats import parse_format
+from autotune.models import ModelSpec
+
+# (bits per weight, mean KLD vs F16) of llama.cpp file types, LLaMA 3 8B (see module doc).
+GGUF_KLD = {
+    "F16": (16.0, 0.0),
+    "Q8_0": (8.5008, 0.001355),
+    "Q6_K": (6.5633, 0.005452),
+    "Q5_K_M": (5.7036, 0.010762),
+    "Q5_0": (5.5, 0.022239),
+    "Q4_K_M": (4.8944, 0.031273),
+    "Q4_K_S": (4.6672, 0.043136),
+    "Q4_0": (4.5, 0.071940),
+    "Q3_K_M": (3.996, 0.101913),
+    "Q3_K_S": (3.6429, 0.228217),
+    "Q2_K": (3.1593, 0.445132),
+}
+
+# KLD of the cache types on LLaMA 3 8B (llama.cpp PR #7412); ExLlamaV2's by their K/V bits.
+CACHE_KLD = {
+    "f16": 0.0, "bf16": 0.0, "f32": 0.0, "fp16": 0.0, "auto": 0.0,
+    "q8_0": 0.000980, "q8": 0.000980, "fp8": 0.000980, "fp8_e4m3": 0.000980, "fp8_e5m2": 0.0015,
+    "q6": 0.000944 + 0.004988,  # 8-bit K (PR #7412 K q8_0) + 4-bit V (V q4_0)
+    "q5_1": 0.012, "q5_0": 0.014,  # between q8_0 and q4_0 at their bits (1 bit ~ 4x less damage)
+    "q4_1": 0.032, "q4_0": 0.036509, "q4": 0.036509, "iq4_nl": 0.030,
+}
+
+# Cache-quantization damage relative to LLaMA 3 8B, by architecture (module doc).
+ARCH_KV_SENSITIVITY = {"qwen2": 2.7, "qwen3": 2.7}
+
+# MMLU points per unit of KLD fall as models grow: ~x0.43 from 8B to 70B at Q4_K_M.
+SIZE_EXPONENT = math.log(0.43) / math.log(70 / 8)
+
+
+def _kquant_regression() -> tuple[float, float]:
+    """Least-squares line of ln(KLD) against bits per weight over the quantized k-quant types."""
+    pts = [(bpw, math.log(kld)) for name, (bpw, kld) in GGUF_KLD.items() if kld > 0 and "_K" in name]
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return my - slope * mx, slope
+
+
+_INTERCEPT, _SLOPE = _kquant_regression()
+
+
+def weights_kld(fmt: str) -> float:
+    """Mean KLD a weights format causes (LLaMA-3-8B scale)."""
+    family, detail = parse_format(fmt)
+    if family == "gguf":
+        name = str(detail).upper()
+        if name in GGUF_KLD:
+            return GGUF_KLD[name][1]
+        raise KeyError(f"no published KLD for gguf:{name}")
+    bpw = float(detail)
+    return math.exp(_INTERCEPT + _SLOPE * bpw)
+
+
+def cache_kld(cache_type: str, model: ModelSpec) -> float:
+    return CACHE_KLD[cache_type.lower()] * ARCH_KV_SENSITIVITY.get(model.architecture, 1.0)
+
+
+def points_per_kld(model: ModelSpec, points_per_kld_8b: float) -> float:
+    return points_per_kld_8b * (model.n_params / 8e9) ** SIZE_EXPONENT
+
+
+def drop_points(model: ModelSpec, fmt: str, cache_type: str, points_per_kld_8b: float) -> float:
+    """Predicted MMLU points lost against the FP16 model with an FP16 cache."""
+    return points_per_kld(model, points_per_kld_8b) * (weights_kld(fmt) + cache_kld(cache_type, model))
+
+
+def per_bit_factor() -> float:
+    """How much less damage one more bit per weight does (from the k-quant regression)."""
+    return math.exp(-_SLOPE)

@@ -1,0 +1,293 @@
+"""Tests for autotune.models: the catalog, GGUF headers, HF configs and resolve_model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+try:  # Python 3.11+; pyproject pulls in tomli for 3.10
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover
+    import tomli as tomllib  # type: ignore[no-redef]
+
+import pytest
+
+from autotune.errors import ConfigError, UnknownNameError
+from autotune.models import (
+    ModelSpec,
+    count_params,
+    get_model,
+    load_model_catalog,
+    model_from_gguf,
+    model_from_hf_config,
+    resolve_model,
+)
+
+
+def _shared_file(relative: str) -> Path:
+    """Finds a file of the project's shared/ folder, or skips the test when it is not here.
+
+    Looked for under $AUTOTUNE_SHARED, then ../shared beside the checkout, then /work/shared.
+    """
+    roots = [os.environ.get("AUTOTUNE_SHARED"), Path(__file__).resolve().parents[2] / "shared", "/work/shared"]
+    for root in roots:
+        if root and (Path(root) / relative).is_file():
+            return Path(root) / relative
+    pytest.skip(f"shared/{relative} is not available on this machine")
+
+
+@pytest.fixture
+def stories() -> Path:
+    """llama2.c's stories260K as a GGUF file (shared/models/)."""
+    return _shared_file("models/stories260K.gguf")
+
+
+@pytest.fixture
+def reference() -> dict:
+    """The article's measured rows and figures (shared/reference/)."""
+    return tomllib.loads(_shared_file("reference/article_v100_qwen27b.toml").read_text())
+
+
+REQUIRED_KEYS = [
+    "qwen2.5-27b-article", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
+    "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b",
+]
+
+# Qwen2.5-7B-Instruct's config.json (the fields we read, as published).
+QWEN25_7B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+
+
+# ------------------------------------------------------------------------------------- catalog
+
+
+def test_catalog_has_every_required_model():
+    catalog = load_model_catalog()
+    assert [k for k in REQUIRED_KEYS if k not in catalog] == []
+
+
+@pytest.mark.parametrize("key", REQUIRED_KEYS)
+def test_catalog_entries_are_complete_and_consistent(key):
+    m = get_model(key)
+    assert m.key == key
+    assert m.source.strip()
+    assert m.architecture in ("qwen2", "llama")
+    assert m.n_heads % m.n_kv_heads == 0
+    # n_params in the TOML is the architecture's count: the two must not drift apart.
+    assert m.n_params == count_params(
+        architecture=m.architecture, n_layers=m.n_layers, hidden_size=m.hidden_size,
+        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, ffn_size=m.ffn_size,
+        vocab_size=m.vocab_size, tie_embeddings=m.tie_embeddings,
+    )
+
+
+def test_published_parameter_counts():
+    # Counts as the model cards / safetensors indexes publish them.
+    assert get_model("qwen2.5-7b").n_params == 7_615_616_512
+    assert get_model("llama-2-7b").n_params == 6_738_415_616
+    assert get_model("llama-3.1-8b").n_params == 8_030_261_248
+    assert get_model("llama-2-70b").n_params == 68_976_648_192
+
+
+def test_article_model_is_27b_with_the_quoted_sizes():
+    m = get_model("qwen2.5-27b-article")
+    assert (m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim) == (64, 28, 4, 128)
+    assert abs(m.n_params - 27e9) / 27e9 < 0.01
+    assert dict(m.artifact_bytes) == {
+        "gguf:Q8_0": 27_000_000_000, "gguf:Q4_K_M": 16_300_000_000, "gguf:Q4_0": 15_500_000_000,
+        "gguf:Q3_K_M": 13_900_000_000, "exl2:4.0": 15_300_000_000, "exl2:3.3": 12_800_000_000,
+    }
+
+
+def test_article_model_matches_the_reference_file(reference):
+    ref = reference
+    m = get_model("qwen2.5-27b-article")
+    assert m.n_layers == ref["model"]["layers"] == 64
+    assert m.n_kv_heads == ref["model"]["kv_heads"] == 4
+    assert m.head_dim == ref["model"]["head_dim"] == 128
+    assert m.n_heads == ref["model"]["q_heads"] == 28
+    assert m.kv_dim == 512
+    assert abs(m.n_params - 27e9) / 27e9 < 0.01
+    # Quoted sizes: the reference's GB figures as integers of bytes.
+    assert dict(m.artifact_bytes) == {k: int(v * 1e9) for k, v in ref["weights"].items()}
+
+
+def test_derived_properties():
+    m = get_model("qwen2.5-7b")
+    assert m.kv_dim == 4 * 128
+    assert m.q_dim == 3584
+    assert m.n_embedding_params == 152064 * 3584
+    assert m.has_qkv_bias and not get_model("llama-3.1-8b").has_qkv_bias
+
+
+def test_get_model_unknown_lists_known_keys():
+    with pytest.raises(UnknownNameError) as err:
+        get_model("qwen-7b")
+    assert str(err.value).startswith("unknown model 'qwen-7b' (known: qwen2.5-27b-article, qwen2.5-7b, ")
+
+
+def test_specs_are_frozen_and_hashable():
+    m = get_model("qwen2.5-27b-article")
+    with pytest.raises(AttributeError):
+        m.n_layers = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        m.artifact_bytes["gguf:Q8_0"] = 1  # type: ignore[index]
+    assert hash(m) == hash(get_model("qwen2.5-27b-article"))
+
+
+def test_spec_rejects_nonsense():
+    with pytest.raises(ConfigError, match="n_layers = 0: must be a positive integer"):
+        ModelSpec("x", "x", "llama", 0, 64, 8, 4, 8, 172, 512, 1, False, 2048, "test")
+
+
+# --------------------------------------------------------------------------------------- GGUF
+
+
+def test_stories260k_gguf(stories):
+    m = model_from_gguf(stories)
+    assert m.architecture == "llama"
+    assert m.hidden_size == 64
+    assert m.n_layers == 5
+    assert m.n_heads == 8
+    assert m.n_kv_heads == 4
+    assert m.head_dim == 8  # no key_length key: 64 / 8
+    assert m.ffn_size == 172
+    assert m.vocab_size == 512
+    assert m.max_context == 2048
+    assert m.tie_embeddings is False  # the file has output.weight
+    # 2 x 512 x 64 (embeddings, output) + 64 (final norm) + 5 layers of
+    # (64x64 + 2 x 64x32 + 64x64 + 3 x 64x172 + 2 x 64).
+    assert m.n_params == 2 * 512 * 64 + 64 + 5 * (2 * 4096 + 2 * 2048 + 3 * 64 * 172 + 128)
+    assert m.key == "stories260K"
+    assert m.source == str(stories)
+
+
+def test_gguf_errors_name_the_file(tmp_path):
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ConfigError, match=r"not\.gguf: not a readable GGUF file"):
+        model_from_gguf(bad)
+    with pytest.raises(ConfigError, match="no such file"):
+        model_from_gguf(tmp_path / "missing.gguf")
+
+
+def test_gguf_missing_field_names_it(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "partial.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_head_count(8)
+    w.add_context_length(512)  # feed_forward_length left out
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError) as err:
+        model_from_gguf(path)
+    assert str(err.value) == f"{path}: field 'llama.feed_forward_length' missing"
+
+
+# ----------------------------------------------------------------------------------- HF config
+
+
+def test_hf_config_qwen25_7b(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
+    m = model_from_hf_config(tmp_path)
+    catalog = get_model("qwen2.5-7b")
+    for name in ("architecture", "n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim",
+                 "ffn_size", "vocab_size", "n_params", "tie_embeddings", "max_context"):
+        assert getattr(m, name) == getattr(catalog, name), name
+    assert m.sliding_window is None and m.n_swa_layers == 0  # use_sliding_window is false
+
+
+def test_hf_config_file_path_tied_and_explicit_head_dim(tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 96, "intermediate_size": 512, "vocab_size": 1000,
+           "tie_word_embeddings": True, "max_position_embeddings": 4096}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = model_from_hf_config(path)
+    assert m.head_dim == 96 and m.q_dim == 384 and m.kv_dim == 192
+    assert m.tie_embeddings
+    per_layer = 256 * 384 + 2 * 256 * 192 + 384 * 256 + 3 * 256 * 512 + 2 * 256
+    assert m.n_params == 1000 * 256 + 4 * per_layer + 256  # no separate head
+
+
+def test_hf_config_sliding_window_layers(tmp_path):
+    cfg = dict(QWEN25_7B_CONFIG, use_sliding_window=True, sliding_window=4096, max_window_layers=20)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = model_from_hf_config(tmp_path)
+    assert m.sliding_window == 4096
+    assert m.n_swa_layers == 8  # layers 20..27
+
+
+def test_hf_config_missing_field_names_file_and_field(tmp_path):
+    cfg = dict(QWEN25_7B_CONFIG)
+    del cfg["num_hidden_layers"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        model_from_hf_config(tmp_path)
+    assert str(err.value) == f"{path}: field 'num_hidden_layers' missing"
+
+
+def test_hf_config_lists_every_bad_field(tmp_path):
+    cfg = dict(QWEN25_7B_CONFIG, hidden_size="big")
+    del cfg["vocab_size"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        model_from_hf_config(path)
+    msg = str(err.value)
+    assert "field 'hidden_size' = 'big': must be a positive integer" in msg
+    assert "field 'vocab_size' missing" in msg
+
+
+def test_hf_config_invalid_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):
+        model_from_hf_config(path)
+
+
+def test_exl2_directory_records_its_size(tmp_path):
+    cfg = dict(QWEN25_7B_CONFIG, quantization_config={"quant_method": "exl2", "bits": 4.0, "head_bits": 6})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "output-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "output-00002-of-00002.safetensors").write_bytes(b"\0" * 500)
+    m = model_from_hf_config(tmp_path)
+    assert dict(m.artifact_bytes) == {"exl2:4.0": 1500}
+
+
+# ------------------------------------------------------------------------------- resolve_model
+
+
+def test_resolve_model_accepts_each_kind(tmp_path, stories):
+    assert resolve_model("qwen2.5-7b") is get_model("qwen2.5-7b")
+    assert resolve_model(str(stories)).vocab_size == 512
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
+    assert resolve_model(str(tmp_path)).n_layers == 28
+    assert resolve_model(str(tmp_path / "config.json")).n_layers == 28
+
+
+def test_resolve_model_errors(tmp_path):
+    with pytest.raises(UnknownNameError, match="unknown model 'nope'"):
+        resolve_model("nope")
+    with pytest.raises(ConfigError, match="directory has no config.json"):
+        resolve_model(str(tmp_path))
