@@ -34,6 +34,7 @@ from autotune.hardware import GpuSpec, detect_gpus, get_gpu, nvml_unavailable_re
 from autotune.measure import Protocol
 from autotune.metric import BaseMetric, MetricValue
 from autotune.models import ModelSpec, resolve_model
+from autotune.sampling import ScreenedSampler
 from autotune.space import SearchSpace, build_backend_space, screen
 
 SCHEMA_VERSION = 1
@@ -327,7 +328,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
 
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
-    """The study's sampler. Constraints reach it through ``Trial.set_constraint``."""
+    """The study's inner sampler. Constraints reach it through ``Trial.set_constraint``."""
     cfg = prepared.cfg
     if cfg.sampler == "random" or cfg.sampler == "grid":
         return optuna.samplers.RandomSampler(seed=seed)
@@ -335,16 +336,18 @@ def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSamp
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
     # Multivariate TPE with groups models each backend's parameters jointly: the space is
     # conditional on the backend, and cache type, ctx and parallel interact through memory.
-    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=10)
+    # Exact duplicates from parallel workers are caught by the runner, so no constant liar.
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
+                                      constant_liar=False)
 
 
-def create_or_load(prepared: PreparedStudy, seed: int) -> optuna.Study:
+def create_or_load(prepared: PreparedStudy, seed: int, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
     cfg = prepared.cfg
     storage = open_storage(prepared.storage_url)
     study = optuna.create_study(
         storage=storage,
         study_name=cfg.name,
-        sampler=make_sampler(prepared, seed),
+        sampler=sampler or make_sampler(prepared, seed),
         directions=objective_mod.directions(cfg.objective),
         load_if_exists=True,
     )
@@ -388,7 +391,11 @@ class StudyRunner:
         self.prepared = prepared
         self.cfg = prepared.cfg
         self.seed = self.cfg.seed if seed is None else seed
-        self.study = create_or_load(prepared, self.seed)
+        self._admissible: dict[str, bool] = {}
+        self._evaluated_cache: set[str] = set()
+        self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
+                                       self._evaluated_keys, seed=self.seed)
+        self.study = create_or_load(prepared, self.seed, self.sampler)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.n_measured = 0
         self.n_new = 0
@@ -397,6 +404,45 @@ class StudyRunner:
         self._quality_local: dict[str, dict[str, Any]] = {}
 
     # ----------------------------------------------------------------------------- lookups
+
+    def admissible(self, config: TrialConfig) -> bool:
+        """Whether ``config`` could run and be accepted, as far as is known without launching it."""
+        key = config.key
+        if key not in self._admissible:
+            prepared = self.prepared
+            ctx = prepared.contexts[config.backend]
+            ok = not prepared.space.check(config, ctx)
+            if ok:
+                ok = prepared.backend(config.backend).estimate_memory(config, ctx).total_bytes <= ctx.vram_budget_bytes
+            self._admissible[key] = ok
+        if not self._admissible[key]:
+            return False
+        return not self._known_low_quality(config)
+
+    def _known_low_quality(self, config: TrialConfig) -> bool:
+        """True when the quality of this artifact is already measured and over the allowed drop."""
+        prepared, limit = self.prepared, self.cfg.objective.max_drop_points
+        if prepared.quality is None or limit is None:
+            return False
+        backend = prepared.backend(config.backend)
+        ctx = prepared.contexts[config.backend]
+        mine = self._cached_quality(prepared.quality.cache_key(config, backend, ctx))
+        ref_config = prepared.reference.get(config.backend)
+        if mine is None or ref_config is None:
+            return False
+        ref = self._cached_quality(prepared.quality.cache_key(ref_config, prepared.backend(ref_config.backend),
+                                                               prepared.contexts[ref_config.backend]))
+        if ref is None:
+            return False
+        sign = 1.0 if prepared.quality.higher_is_better else -1.0
+        return sign * (ref["value"] - mine["value"]) * 100.0 > limit
+
+    def _cached_quality(self, key: str) -> dict[str, Any] | None:
+        attr = "quality:" + hashlib.sha1(key.encode()).hexdigest()[:16]
+        return self._quality_local.get(attr) or self.study.user_attrs.get(attr)
+
+    def _evaluated_keys(self) -> set[str]:
+        return set(self._finished_by_key())
 
     def _finished_by_key(self) -> dict[str, optuna.trial.FrozenTrial]:
         """Trials whose outcome stands for their configuration (first one wins)."""
@@ -443,13 +489,7 @@ class StudyRunner:
         configs = list(self.prepared.space.enumerate())
         rng.shuffle(configs)
         for config in configs:
-            if config.key in done:
-                continue
-            ctx = self.prepared.contexts[config.backend]
-            if self.prepared.space.check(config, ctx):
-                continue
-            backend = self.prepared.backend(config.backend)
-            if backend.estimate_memory(config, ctx).total_bytes > ctx.vram_budget_bytes:
+            if config.key in done or not self.admissible(config):
                 continue
             self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={"explore": True})
             return True

@@ -189,8 +189,10 @@ def memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
 def gpu_layer_split(s: Scenario, k: EngineConstants, mem: MemoryEstimate) -> int:
     """How many decoder layers stay on the GPU (the rest run on the host)."""
     n = s.model.n_layers
-    if s.gpu_layers == "all":
+    if s.gpu_layers == "all" and (k.spill != "layers" or mem.total_bytes <= s.gpu.vram_bytes):
         return n
+    # llama.cpp moves the layers that do not fit to the CPU ("silently", as the article found
+    # with its 16.3 GB file on a 16 GB card); engines that cannot spill fail to load instead.
     if isinstance(s.gpu_layers, int):
         return max(0, min(n, s.gpu_layers))
     # "auto": fill the card's physical memory, layer by layer from the first; the output
