@@ -75,8 +75,8 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
           seed: int | None, as_json: bool, quiet: bool) -> None:
     """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
     from autotune.progress import LiveProgress
-    from autotune.report import summary_json, summary_text
-    from autotune.study import prepare_study, StudyRunner
+    from autotune.report import explain_best, summary_json, summary_text
+    from autotune.study import StudyRunner, prepare_study
 
     def go() -> None:
         cfg = load_study_config(config if config is not None else default_study_path())
@@ -88,6 +88,8 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
         with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget) as live:
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update)
+        summary.extra["why"] = explain_best(prepared, runner.study, summary.best)
+        runner.study.set_user_attr("why_best", summary.extra["why"])
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:

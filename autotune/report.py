@@ -33,6 +33,8 @@ def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     study = load_study(storage, study_name)
     summary = summarize(None, study)
     summary.storage = storage
+    summary.extra["excluded_before_search"] = study.user_attrs.get("excluded_before_search", [])
+    summary.extra["why"] = study.user_attrs.get("why_best", [])
     return summary
 
 
@@ -94,4 +96,77 @@ def summary_text(summary: StudySummary) -> str:
     lines.append(f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured {_gib(best.get('measured_vram_bytes'))}")
     if best.get("deploy_command"):
         lines.append("  deploy: " + best["deploy_command"])
+    why = summary.extra.get("why") or []
+    if why:
+        lines.append("why not a neighbour (one value changed):")
+        lines += [f"  {line}" for line in why]
+    excluded = summary.extra.get("excluded_before_search") or []
+    if excluded:
+        lines.append("excluded before the search (could never run):")
+        lines += [f"  {line}" for line in excluded]
     return "\n".join(lines)
+
+
+def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None) -> list[str]:
+    """Why the best configuration beats its neighbours: one line per single-value change.
+
+    Each alternative is judged the way a trial would be, without launching anything: the
+    rules (``check``), the memory model against the budget, the artifact's cached quality,
+    and, when the storage holds it, the measured outcome.
+    """
+    from autotune.backend import TrialConfig
+    from autotune.study import quality_drop_cached
+
+    if not best:
+        return []
+    config = TrialConfig.from_dict(best["params"])
+    backend = prepared.backend(config.backend)
+    ctx = prepared.contexts[config.backend]
+    cfg = prepared.cfg
+    candidates = next((c.weights for c in cfg.candidates if c.backend == config.backend), (config.weights,))
+    options = {k: v for k, v in cfg.space.items() if k not in ("ctx", "parallel")}
+    dims: list[tuple[str, tuple[Any, ...]]] = [
+        ("weights", tuple(candidates)), ("ctx", tuple(cfg.space["ctx"])), ("parallel", tuple(cfg.space["parallel"])),
+    ]
+    dims += [(p.name, p.choices) for p in backend.parameters(options)]
+    by_key = {}
+    for t in study.get_trials(deepcopy=False):
+        key = t.user_attrs.get("config_key")
+        if key and t.user_attrs.get("answered_from") is None and key not in by_key:
+            by_key[key] = t
+    best_value = best["values"][0] if best.get("values") else None
+    lines = []
+    for name, choices in dims:
+        for value in choices:
+            data = config.as_dict()
+            if data.get(name) == value:
+                continue
+            data[name] = value
+            alt = TrialConfig.from_dict(data)
+            label = f"{name} {value}"
+            reasons = prepared.space.check(alt, ctx)
+            if reasons:
+                lines.append(f"{label}: invalid: {'; '.join(reasons)}")
+                continue
+            mem = backend.estimate_memory(alt, ctx)
+            if mem.total_bytes > ctx.vram_budget_bytes:
+                lines.append(f"{label}: does not fit: needs {_gib(mem.total_bytes)} > budget {_gib(ctx.vram_budget_bytes)}")
+                continue
+            drop = quality_drop_cached(prepared, study, alt)
+            limit = cfg.objective.max_drop_points
+            if drop is not None and limit is not None and drop > limit:
+                lines.append(f"{label}: loses too much quality: {drop:.2f} points > max {limit:g}")
+                continue
+            t = by_key.get(alt.key)
+            if t is None:
+                lines.append(f"{label}: not measured")
+            elif t.state == optuna.trial.TrialState.COMPLETE:
+                violated = [k for k, v in t.constraints.items() if v > 0]
+                score = t.values[0]
+                tail = f" but violates {', '.join(violated)}" if violated else ""
+                cmp = "" if best_value is None else f" ({score - best_value:+.1f})"
+                lines.append(f"{label}: measured score {score:.1f}{cmp}{tail} (trial {t.number})")
+            else:
+                why = t.user_attrs.get("prune_reason") or t.user_attrs.get("fail_reason") or t.state.name
+                lines.append(f"{label}: {why} (trial {t.number})")
+    return lines

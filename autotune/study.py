@@ -790,6 +790,23 @@ class StudyRunner:
         return drop
 
 
+def quality_drop_cached(prepared: PreparedStudy, study: optuna.Study, config: TrialConfig) -> float | None:
+    """Accuracy points ``config``'s artifact loses against the reference, if both are cached."""
+    metric = prepared.quality
+    ref_config = prepared.reference.get(config.backend)
+    if metric is None or ref_config is None:
+        return None
+    values = []
+    for c in (config, ref_config):
+        key = metric.cache_key(c, prepared.backend(c.backend), prepared.contexts.get(c.backend, prepared.contexts[config.backend]))
+        stored = study.user_attrs.get("quality:" + hashlib.sha1(key.encode()).hexdigest()[:16])
+        if stored is None:
+            return None
+        values.append(stored["value"])
+    sign = 1.0 if metric.higher_is_better else -1.0
+    return sign * (values[1] - values[0]) * 100.0
+
+
 def _set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
     for key, value in constraints.items():
         trial.set_constraint(key, value)
