@@ -817,36 +817,71 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def rank_by_prior(prepared: PreparedStudy) -> list[tuple[TrialConfig, float]]:
-    """Every valid, predicted-feasible configuration ranked by a model backend's prediction.
+    """Every admissible configuration ranked by a model backend's predicted score.
 
-    For each backend of the study, the predictor is a registered backend of the same engine
-    that implements ``predict`` (the digital twin), evaluated for the study's GPU and model.
+    For each backend of the study, the predictor is the backend itself when it can predict,
+    else a registered backend of the same engine that implements ``predict`` (the digital
+    twin), evaluated for the study's GPU and model. The predicted metrics go through the
+    study's own objective: the penalty, the per-user floor and, where a metric can predict
+    quality for the predictor (the twin's), the quality constraint. Predicted-feasible
+    configurations come first, best first.
     """
     backends = plugins.get_backends()
-    metric = prepared.cfg.objective.metric
+    metrics = plugins.get_metrics()
+    objective = prepared.cfg.objective
     ranked = []
     for config in prepared.space.enumerate():
         real = prepared.backend(config.backend)
         ctx = prepared.contexts[config.backend]
         if prepared.space.check(config, ctx):
             continue
-        if real.estimate_memory(config, ctx).total_bytes > ctx.vram_budget_bytes:
+        mem = real.estimate_memory(config, ctx)
+        if mem.total_bytes > ctx.vram_budget_bytes:
             continue
-        predictor = real if real.predict(config, ctx) is not None else None
-        if predictor is None:
-            for other in backends.values():
-                if other.engine == real.engine and other is not real:
-                    probe = replace(config, backend=other.name)
-                    if other.predict(probe, ctx) is not None:
-                        predictor = other
-                        break
+        predictor = _predictor_for(real, config, ctx, backends)
         if predictor is None:
             continue
-        predicted = predictor.predict(replace(config, backend=predictor.name), ctx)
-        if predicted and metric in predicted:
-            ranked.append((config, float(predicted[metric])))
-    ranked.sort(key=lambda item: -item[1])
-    return ranked
+        probe = replace(config, backend=predictor.name)
+        predicted = predictor.predict(probe, ctx)
+        if not predicted or objective.metric not in predicted:
+            continue
+        drop = _predicted_drop(prepared, predictor, probe, prepared.reference.get(config.backend), ctx, metrics)
+        s = objective_mod.score(objective, float(predicted[objective.metric]), mem.total_bytes, ctx.vram_budget_bytes,
+                                drop, predicted.get("per_user_tok_s"))
+        ranked.append((config, s.values[0], s.feasible))
+    ranked.sort(key=lambda item: (not item[2], -item[1]))
+    return [(c, v) for c, v, _ in ranked]
+
+
+def _predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
+                   backends: Mapping[str, BaseBackend]) -> BaseBackend | None:
+    if real.predict(config, ctx) is not None:
+        return real
+    for other in backends.values():
+        if other.engine == real.engine and other is not real:
+            if other.predict(replace(config, backend=other.name), ctx) is not None:
+                return other
+    return None
+
+
+def _predicted_drop(prepared: PreparedStudy, predictor: BaseBackend, config: TrialConfig,
+                    ref: TrialConfig | None, ctx: StudyContext, metrics: Mapping[str, BaseMetric]) -> float | None:
+    """Quality drop a metric that can evaluate the predictor expects, against the reference."""
+    if ref is None:
+        return None
+    candidates = [prepared.quality] if prepared.quality is not None else []
+    candidates += [m for m in metrics.values() if m not in candidates]
+    ref_probe = replace(ref, backend=predictor.name)
+    for metric in candidates:
+        if metric.supports(predictor) is not None:
+            continue
+        try:
+            mine = metric.evaluate(config, predictor, ctx).value
+            theirs = metric.evaluate(ref_probe, predictor, ctx).value
+        except AutotuneError:
+            continue
+        return (1.0 if metric.higher_is_better else -1.0) * (theirs - mine) * 100.0
+    return None
 
 
 def best_trial(prepared_or_cfg: Any, study: optuna.Study) -> optuna.trial.FrozenTrial | None:
