@@ -1,0 +1,167 @@
+"""The digital twin: fit to the article, physics that generalises, engine refusals, memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.errors import BackendError, UnsupportedError
+from autotune.estimate import estimate_config
+from autotune.formats import weights_for
+from autotune.hardware import get_gpu, load_gpu_catalog
+from autotune.measure import Protocol
+from autotune.models import get_model, load_model_catalog
+from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVllm, fit, load_constants, physics, quality
+
+from tests.conftest import REPO
+
+
+def ctx_for(gpu: str, model: str, **settings) -> StudyContext:
+    g = get_gpu(gpu)
+    return StudyContext(gpu=g, model=get_model(model), workload=Workload(1500, 800), vram_budget_bytes=g.vram_bytes,
+                        protocol=Protocol(warmup_runs=0, min_runs=3, max_runs=8), settings=settings)
+
+
+def cfg(backend: str, weights: str, ctx: int = 4096, parallel: int = 1, **options) -> TrialConfig:
+    return TrialConfig(backend, weights, ctx, parallel, tuple(sorted(options.items())))
+
+
+def test_every_article_row_lands_in_its_widened_range():
+    doc, rows = fit.load_rows(REPO / "reference" / "article_v100_qwen27b.toml")
+    engines, host, ppk = load_constants()
+    items = fit.predictions(doc, rows, engines, host, ppk)
+    figures = {(i["id"], i["what"]) for i in items}
+    # Every measured row of the article is predicted: decode, prefill, aggregate, per-user,
+    # VRAM, the flash-attn gain, the quality drop and row 5b's VRAM pressure.
+    for row in ("0", "1", "1b", "2", "2b", "3", "3b", "4", "5", "5b"):
+        assert any(r == row for r, _ in figures), row
+    bad = [i for i in items if not fit.inside(i)]
+    assert not bad, fit.table(bad)
+
+
+def test_the_twin_is_not_a_lookup_a_faster_card_is_faster_and_bigger_models_slower():
+    twin = TwinExllamaV2()
+    base = cfg("twin-exllamav2", "exl2:4.0", cache_type="fp16", flash_attn=True)
+    v100 = twin.predict(base, ctx_for("v100-16gb", "qwen2.5-7b"))["decode_tok_s"]
+    h100 = twin.predict(base, ctx_for("h100-sxm", "qwen2.5-7b"))["decode_tok_s"]
+    h100_14b = twin.predict(base, ctx_for("h100-sxm", "qwen2.5-14b"))["decode_tok_s"]
+    assert h100 > 2 * v100  # 3.35 TB/s against 0.9 TB/s
+    assert h100_14b < 0.7 * h100
+    fewer_bits = twin.predict(cfg("twin-exllamav2", "exl2:3.0", cache_type="fp16", flash_attn=True),
+                              ctx_for("h100-sxm", "qwen2.5-7b"))["decode_tok_s"]
+    assert fewer_bits > h100
+
+
+@pytest.mark.parametrize("gpu", sorted(load_gpu_catalog()))
+def test_estimate_answers_for_every_catalog_gpu_and_model(gpu, twin_plugin):
+    for model in sorted(load_model_catalog()):
+        for backend, weights, cache in (("exllamav2", "exl2:4.0", "q8"), ("llama.cpp", "gguf:Q4_K_M", "q8_0")):
+            r = estimate_config(gpu, model, backend, weights, 4096, cache, True, 2)
+            v, p = r["vram"], r["predicted"]
+            assert v["total_bytes"] == v["weights_bytes"] + v["kv_bytes"] + v["buffers_bytes"] + v["overhead_bytes"]
+            assert p is not None, (gpu, model, backend)
+            for key in ("decode_tok_s", "prefill_tok_s", "aggregate_tok_s", "per_user_tok_s", "roofline_tok_s"):
+                assert math.isfinite(p[key]) and p[key] > 0, (gpu, model, key)
+            if v["fits"]:
+                # Measured speed can never beat streaming the bytes at the full bandwidth.
+                assert p["decode_tok_s"] < p["roofline_tok_s"]
+
+
+def test_layers_that_do_not_fit_spill_to_the_host_and_speed_collapses():
+    twin = TwinLlamaCpp()
+    config = cfg("twin-llama.cpp", "gguf:Q8_0", ctx=8192, cache_type="f16", flash_attn=False)
+    small = twin.run(config, ctx_for("v100-16gb", "qwen2.5-27b-article"))
+    big = twin.run(config, ctx_for("a100-80gb", "qwen2.5-27b-article"))
+    assert small.attrs["host_layers"] > 10 and big.attrs["host_layers"] == 0
+    assert small.metrics["decode_tok_s"].median < 0.3 * big.metrics["decode_tok_s"].median
+
+
+def test_engines_refuse_what_the_real_engine_refuses():
+    vllm = TwinVllm()
+    with pytest.raises(UnsupportedError, match="does not support compute capability 7.0"):
+        vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=False), ctx_for("v100-16gb", "qwen2.5-7b"))
+    with pytest.raises(UnsupportedError, match="Cannot use FlashAttention-2 backend for Volta and Turing GPUs"):
+        vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=True), ctx_for("t4", "qwen2.5-7b"))
+    ok = vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=True), ctx_for("a100-80gb", "qwen2.5-7b"))
+    assert ok.metrics["decode_tok_s"].median > 0
+    # ExLlamaV2 cannot spill layers: a model that does not fit fails to load.
+    with pytest.raises(BackendError, match="out of memory"):
+        TwinExllamaV2().run(cfg("twin-exllamav2", "exl2:5.0", cache_type="fp16", flash_attn=True),
+                            ctx_for("rtx3060-12gb", "qwen2.5-32b"))
+    # llama.cpp needs flash attention for a quantized V cache.
+    reasons = TwinLlamaCpp().check(cfg("twin-llama.cpp", "gguf:Q4_K_M", cache_type="q8_0", flash_attn=False),
+                                   ctx_for("v100-16gb", "qwen2.5-7b"))
+    assert any("flash_attn" in r for r in reasons)
+
+
+def test_flash_attention_before_sm80_runs_exllamav2_on_its_fused_fallback():
+    twin = TwinExllamaV2()
+    config = cfg("twin-exllamav2", "exl2:4.0", cache_type="q8", flash_attn=True)
+    assert twin.run(config, ctx_for("v100-16gb", "qwen2.5-7b")).attrs["attention_path"] == "sdpa"
+    assert twin.run(config, ctx_for("h100-sxm", "qwen2.5-7b")).attrs["attention_path"] == "flash_attn"
+
+
+def test_cache_types_change_memory_as_their_block_layouts_say():
+    ctx = ctx_for("v100-16gb", "qwen2.5-27b-article")
+    llama = TwinLlamaCpp()
+    f16 = llama.estimate_memory(cfg("twin-llama.cpp", "gguf:Q4_K_M", ctx=4096, cache_type="f16"), ctx).kv_bytes
+    q8 = llama.estimate_memory(cfg("twin-llama.cpp", "gguf:Q4_K_M", ctx=4096, cache_type="q8_0"), ctx).kv_bytes
+    q4 = llama.estimate_memory(cfg("twin-llama.cpp", "gguf:Q4_K_M", ctx=4096, cache_type="q4_0"), ctx).kv_bytes
+    assert f16 == 4096 * 131072  # the article: 512 MiB at 4096 tokens
+    assert q8 == f16 * 34 // 64 and q4 == f16 * 18 // 64
+    exl = TwinExllamaV2()
+    by_mode = {m: exl.estimate_memory(cfg("twin-exllamav2", "exl2:3.3", ctx=4096, parallel=4, cache_type=m), ctx).kv_bytes
+               for m in ("fp16", "q8", "q6", "q4")}
+    assert by_mode["fp16"] > by_mode["q8"] > by_mode["q6"] > by_mode["q4"]
+    # llama-server's -c is shared by the slots: KV grows with ctx x parallel.
+    p4 = llama.estimate_memory(cfg("twin-llama.cpp", "gguf:Q4_K_M", ctx=4096, parallel=4, cache_type="f16"), ctx).kv_bytes
+    assert p4 == 4 * f16
+
+
+def test_flash_attention_saves_llama_cpp_compute_buffer():
+    ctx = ctx_for("v100-16gb", "qwen2.5-27b-article")
+    llama = TwinLlamaCpp()
+    on = llama.estimate_memory(cfg("twin-llama.cpp", "gguf:Q4_K_M", cache_type="f16", flash_attn=True), ctx)
+    off = llama.estimate_memory(cfg("twin-llama.cpp", "gguf:Q4_K_M", cache_type="f16", flash_attn=False), ctx)
+    assert 100 * 2**20 < off.buffers_bytes - on.buffers_bytes < 1024 * 2**20  # "a few hundred MB"
+
+
+def test_parallel_streams_raise_aggregate_until_the_card_saturates():
+    twin = TwinExllamaV2()
+    ctx = ctx_for("v100-16gb", "qwen2.5-27b-article")
+    agg = [twin.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
+           for p in (1, 2, 4, 8)]
+    assert agg[0]["aggregate_tok_s"] < agg[1]["aggregate_tok_s"] < agg[2]["aggregate_tok_s"]
+    assert agg[3]["per_user_tok_s"] < agg[2]["per_user_tok_s"] < agg[0]["per_user_tok_s"]
+
+
+def test_quality_loss_grows_as_bits_shrink_and_with_cache_quantization():
+    model = get_model("qwen2.5-27b-article")
+    _, _, ppk = load_constants()
+    drops = [quality.drop_points(model, f"exl2:{b}", "fp16", ppk) for b in (5.0, 4.0, 3.3, 3.0, 2.5)]
+    assert drops == sorted(drops)
+    gguf = [quality.drop_points(model, f"gguf:{t}", "f16", ppk) for t in ("Q8_0", "Q6_K", "Q4_K_M", "Q3_K_M", "Q2_K")]
+    assert gguf == sorted(gguf)
+    assert quality.drop_points(model, "exl2:4.0", "q4", ppk) > quality.drop_points(model, "exl2:4.0", "q8", ppk)
+    # Bigger models lose fewer points to the same format.
+    assert quality.drop_points(get_model("llama-2-70b"), "gguf:Q4_K_M", "f16", ppk) < \
+        quality.drop_points(get_model("llama-2-7b"), "gguf:Q4_K_M", "f16", ppk)
+    metric = TwinMmlu()
+    value = metric.evaluate(cfg("twin-exllamav2", "exl2:3.0", cache_type="q8"), TwinExllamaV2(),
+                            ctx_for("v100-16gb", "qwen2.5-27b-article")).value
+    assert 0.9 < value < 1.0
+
+
+def test_noise_makes_the_protocol_repeat_and_throttling_slows_later_runs():
+    twin = TwinExllamaV2()
+    config = cfg("twin-exllamav2", "exl2:4.0", cache_type="q8", flash_attn=True)
+    quiet = twin.run(config, ctx_for("v100-16gb", "qwen2.5-7b"))
+    noisy = twin.run(config, ctx_for("v100-16gb", "qwen2.5-7b", noise=0.2))
+    assert quiet.metrics["aggregate_tok_s"].n == 1
+    assert noisy.metrics["aggregate_tok_s"].n > 1 and noisy.metrics["aggregate_tok_s"].stdev > 0
+    hot = ctx_for("v100-16gb", "qwen2.5-7b", throttle_after_s=0.0, throttle_factor=0.75)
+    throttled = twin.run(config, hot)
+    assert throttled.attrs["throttled"]
+    assert throttled.metrics["decode_tok_s"].median == pytest.approx(0.75 * quiet.metrics["decode_tok_s"].median)
