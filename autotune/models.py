@@ -22,15 +22,10 @@ import json
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-try:  # Python 3.11+; pyproject pulls in tomli for 3.10
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover
-    import tomli as tomllib  # type: ignore[no-redef]
-
+from autotune._catalog import read_catalog
 from autotune.errors import ConfigError, UnknownNameError
 
 __all__ = [
@@ -241,13 +236,7 @@ def _spec_from_table(key: str, table: Mapping[str, Any], where: str) -> ModelSpe
 
 @functools.lru_cache(maxsize=1)
 def _catalog() -> Mapping[str, ModelSpec]:
-    text = resources.files("autotune").joinpath("data", _CATALOG_FILE).read_text(encoding="utf-8")
-    where = f"autotune/data/{_CATALOG_FILE}"
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    return types.MappingProxyType({key: _spec_from_table(key, table, where) for key, table in data.items()})
+    return read_catalog(_CATALOG_FILE, _spec_from_table)
 
 
 def load_model_catalog() -> dict[str, ModelSpec]:

@@ -7,7 +7,7 @@ from typing import Any
 import optuna
 
 from autotune.errors import ConfigError
-from autotune.study import StudySummary, open_storage, summarize, trial_record
+from autotune.study import StudySummary, open_storage, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:

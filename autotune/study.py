@@ -19,7 +19,6 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import optuna

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,19 @@ import pytest
 sys._called_from_test = True  # type: ignore[attr-defined]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_file(relative: str) -> Path:
+    """A file of the project's shared/ folder (test data kept outside the repository).
+
+    Looked for under $AUTOTUNE_SHARED, then ../shared beside the checkout (where CI puts it),
+    then /work/shared; the test is skipped when none has it.
+    """
+    roots = [os.environ.get("AUTOTUNE_SHARED"), REPO.parent / "shared", "/work/shared"]
+    for root in roots:
+        if root and (Path(root) / relative).is_file():
+            return Path(root) / relative
+    pytest.skip(f"shared/{relative} is not available on this machine")
 
 
 @pytest.fixture

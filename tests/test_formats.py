@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.formats import (
@@ -29,22 +30,12 @@ from autotune.formats import (
 from autotune.models import get_model, model_from_gguf
 
 
-def _shared_file(relative: str) -> Path:
-    """Finds a file of the project's shared/ folder, or skips the test when it is not here.
-
-    Looked for under $AUTOTUNE_SHARED, then ../shared beside the checkout, then /work/shared.
-    """
-    roots = [os.environ.get("AUTOTUNE_SHARED"), Path(__file__).resolve().parents[2] / "shared", "/work/shared"]
-    for root in roots:
-        if root and (Path(root) / relative).is_file():
-            return Path(root) / relative
-    pytest.skip(f"shared/{relative} is not available on this machine")
 
 
 @pytest.fixture
 def stories() -> Path:
     """llama2.c's stories260K as a GGUF file (shared/models/)."""
-    return _shared_file("models/stories260K.gguf")
+    return shared_file("models/stories260K.gguf")
 
 
 @pytest.fixture

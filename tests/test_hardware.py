@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
-try:  # Python 3.11+; pyproject pulls in tomli for 3.10
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover
-    import tomli as tomllib  # type: ignore[no-redef]
+import tomllib
 
 import pytest
+
+from tests.conftest import REPO
 
 from autotune import hardware
 from autotune.errors import ConfigError, UnknownNameError
@@ -27,22 +24,12 @@ from autotune.hardware import (
 )
 
 
-def _shared_file(relative: str) -> Path:
-    """Finds a file of the project's shared/ folder, or skips the test when it is not here.
-
-    Looked for under $AUTOTUNE_SHARED, then ../shared beside the checkout, then /work/shared.
-    """
-    roots = [os.environ.get("AUTOTUNE_SHARED"), Path(__file__).resolve().parents[2] / "shared", "/work/shared"]
-    for root in roots:
-        if root and (Path(root) / relative).is_file():
-            return Path(root) / relative
-    pytest.skip(f"shared/{relative} is not available on this machine")
 
 
 @pytest.fixture
 def reference() -> dict:
     """The article's measured rows and figures (shared/reference/)."""
-    return tomllib.loads(_shared_file("reference/article_v100_qwen27b.toml").read_text())
+    return tomllib.loads((REPO / "reference" / "article_v100_qwen27b.toml").read_text())
 
 
 REQUIRED_KEYS = [

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-try:  # Python 3.11+; pyproject pulls in tomli for 3.10
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover
-    import tomli as tomllib  # type: ignore[no-redef]
+import tomllib
 
 import pytest
+
+from tests.conftest import REPO, shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.models import (
@@ -25,28 +23,18 @@ from autotune.models import (
 )
 
 
-def _shared_file(relative: str) -> Path:
-    """Finds a file of the project's shared/ folder, or skips the test when it is not here.
-
-    Looked for under $AUTOTUNE_SHARED, then ../shared beside the checkout, then /work/shared.
-    """
-    roots = [os.environ.get("AUTOTUNE_SHARED"), Path(__file__).resolve().parents[2] / "shared", "/work/shared"]
-    for root in roots:
-        if root and (Path(root) / relative).is_file():
-            return Path(root) / relative
-    pytest.skip(f"shared/{relative} is not available on this machine")
 
 
 @pytest.fixture
 def stories() -> Path:
     """llama2.c's stories260K as a GGUF file (shared/models/)."""
-    return _shared_file("models/stories260K.gguf")
+    return shared_file("models/stories260K.gguf")
 
 
 @pytest.fixture
 def reference() -> dict:
     """The article's measured rows and figures (shared/reference/)."""
-    return tomllib.loads(_shared_file("reference/article_v100_qwen27b.toml").read_text())
+    return tomllib.loads((REPO / "reference" / "article_v100_qwen27b.toml").read_text())
 
 
 REQUIRED_KEYS = [

@@ -18,7 +18,7 @@ import sys
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from autotune.formats import weights_for
 from autotune.hardware import get_gpu
@@ -82,7 +82,6 @@ def predictions(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics
                 host: physics.HostConstants, ppk8: float) -> list[dict[str, Any]]:
     """Each reported figure with its prediction: id, what, low, high, predicted."""
     out = []
-    by_id = {r.id: r for r in rows}
     model = get_model("qwen2.5-27b-article")
     for r in rows:
         k = engines[r.engine]
