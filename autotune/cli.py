@@ -86,7 +86,8 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         plan_budget = budget
         if plan_trials is None and plan_budget is None:
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
-        with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget) as live:
+        with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
+                          quiet=quiet) as live:
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update)
         summary.extra["why"] = explain_best(prepared, runner.study, summary.best)
         runner.study.set_user_attr("why_best", summary.extra["why"])

@@ -11,10 +11,15 @@ from rich.text import Text
 
 
 class LiveProgress:
-    """A one-line live display fed by the runner's per-trial callback; inert when disabled."""
+    """A one-line live display fed by the runner's per-trial callback.
 
-    def __init__(self, enabled: bool, n_trials: int | None, budget_s: float | None):
+    On a terminal the line is redrawn in place; elsewhere (a log, CI) one line is printed per
+    launched configuration, so long real studies still show progress; ``quiet`` prints nothing.
+    """
+
+    def __init__(self, enabled: bool, n_trials: int | None, budget_s: float | None, quiet: bool = False):
         self.enabled = enabled
+        self.quiet = quiet
         self.n_trials = n_trials
         self.budget_s = budget_s
         self.start = time.monotonic()
@@ -35,6 +40,12 @@ class LiveProgress:
     def update(self, event: Any) -> None:
         self.counts[event.state] = self.counts.get(event.state, 0) + 1
         if self.live is None:
+            if not self.quiet and event.answered_from is None and event.state in ("COMPLETE", "FAIL"):
+                cfg = event.config
+                outcome = f"{event.value:.1f}" if event.value is not None else f"failed: {event.reason}"
+                self.console.print(
+                    f"trial {event.number}: {cfg.get('backend')} {cfg.get('weights')} ctx {cfg.get('ctx')} "
+                    f"x{cfg.get('parallel')} -> {outcome}", highlight=False, soft_wrap=True)
             return
         done = f"{event.n_done}" + (f"/{self.n_trials}" if self.n_trials else "")
         elapsed = time.monotonic() - self.start
