@@ -234,6 +234,18 @@ class BaseBackend(abc.ABC):
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         """The exact command that serves ``config``."""
 
+    def quality_reference(self, params: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+        """The options under which quality is judged best (the reference's options).
+
+        Args:
+            params: Each of this backend's parameters with its searched values.
+
+        Returns:
+            One value per parameter; by default the first searched value. Backends override it
+            to pick the most precise ones (an unquantized KV cache).
+        """
+        return {name: values[0] for name, values in params.items()}
+
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""
         return None

@@ -55,11 +55,15 @@ def load_plugins() -> None:
             continue
         try:
             module = ep.load()
+            pm.register(module, name=ep.name)
         except Exception as exc:  # a broken third-party plugin must not take the CLI down
             print(f"autotune: plugin '{ep.name}' failed to load: {exc}", file=sys.stderr)
             continue
-        pm.register(module, name=ep.name)
         _sources[ep.name] = ep.dist.name if ep.dist else "?"
+    try:
+        pm.check_pending()  # a misspelled hook name would otherwise be silently ignored
+    except pluggy.PluginValidationError as exc:
+        print(f"autotune: {exc}", file=sys.stderr)
     if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
         _trace()
 
@@ -107,7 +111,13 @@ def _collect(hook_name: str, kind: str) -> dict[str, tuple[Any, str]]:
                 )
             found[name] = (obj, _plugin)
 
+        before = set(found)
         impl.function(**{arg: register for arg in impl.argnames if arg == "register"})
+        if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
+            # The register_* hooks are called here, not through pluggy's hook caller (the
+            # core owns the callback), so pluggy's monitoring would not see them.
+            added = sorted(set(found) - before)
+            print(f"autotune trace: {hook_name} of plugin '{plugin_name}' registered {added}", file=sys.stderr)
     return found
 
 

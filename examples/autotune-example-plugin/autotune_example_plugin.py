@@ -1,0 +1,171 @@
+"""example-echo: a toy serving backend, the template for autotune backend plugins.
+
+The toy engine "serves" a model of the study's shape scaled down ``scale`` times, on the CPU.
+It answers a prompt by echoing its words, and per token it does the memory traffic a decoder
+does: it reads every weight byte once (a SHA-256 over the weights buffer, which releases the
+GIL, so parallel streams really overlap) and then the stream's KV cache so far. Its speed thus
+really depends on the weights format and the number of parallel streams (ctx and the KV-cache
+type change its memory far more than its speed, as in a real engine at short contexts), and
+every figure it reports is measured on the wall clock with ``autotune.measure``.
+
+Settings (study file, ``[backends.example-echo]``):
+    scale: how many times smaller than the real model the toy's buffers are (default 4096).
+    timeout_s: limit for one set of concurrent streams (default 60).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import click
+
+from autotune import hookimpl
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext
+from autotune.errors import AutotuneError, BackendError, MeasurementError
+from autotune.formats import bits_per_weight, parse_format
+from autotune.measure import CONCURRENT_UNITS, StreamResult, repeat_until_stable_many, run_streams_threaded
+from autotune.models import ModelSpec, resolve_model
+
+__version__ = "0.1.0"
+
+CACHE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}  # bytes per element; q8_0: 32 int8 + one f16 scale
+PREFILL_BATCH = 64  # prompt tokens per pass over the weights: prefill is batched, decode is not
+OVERHEAD_BYTES = 300 * 2**20  # what a CUDA context costs an engine; a guess, fit yours to measurements
+UNITS = {**CONCURRENT_UNITS, "decode_tok_s": "tok/s", "prefill_tok_s": "tok/s"}
+
+
+class ToyEngine:
+    """The model's weights and KV cache, ``scale`` times smaller, and a token loop over them."""
+
+    def __init__(self, model: ModelSpec, weights: str, cache_type: str, scale: int):
+        self.weights = bytes(int(model.n_params * bits_per_weight(weights) / 8 / scale))
+        self.kv_bytes_per_token = max(1, round(kv_bytes_per_token(model, cache_type) / scale))
+        self.log = [f"loaded {len(self.weights)} weight bytes (1/{scale} of {model.key} {weights})"]
+
+    def generate(self, prompt: list[str], n_tokens: int):
+        """Yield ``n_tokens`` words of ``prompt``, each after one decode step."""
+        kv = bytearray(len(prompt) * self.kv_bytes_per_token)
+        for _ in range(0, len(prompt), PREFILL_BATCH):
+            hashlib.sha256(self.weights)
+        for _ in range(n_tokens):
+            step = hashlib.sha256(self.weights)
+            step.update(kv)  # attention reads the whole cache so far
+            kv += bytes(self.kv_bytes_per_token)
+            yield prompt[step.digest()[0] % len(prompt)]
+
+
+def kv_bytes_per_token(model: ModelSpec, cache_type: str) -> float:
+    """K and V of every layer for one token."""
+    return 2 * model.n_layers * model.n_kv_heads * model.head_dim * CACHE_BYTES[cache_type]
+
+
+class EchoBackend(BaseBackend):
+    name = "example-echo"
+    engine = "example-echo"
+    weight_families = ("gguf",)
+    description = "toy CPU engine from the example plugin: echoes prompts, speed measured for real"
+
+    def parameters(self, space):
+        # Keep the cache types this engine knows; when the study names none of them, use f16.
+        caches = tuple(c for c in space.get("cache_type", tuple(CACHE_BYTES)) if c in CACHE_BYTES)
+        return [Param("cache_type", caches or ("f16",), "KV-cache element type (f16, q8_0)")]
+
+    def check_weights(self, weights, ctx):
+        try:
+            family, _ = parse_format(weights)
+        except AutotuneError as exc:
+            return str(exc)
+        return None if family == "gguf" else f"example-echo loads gguf weights, not {family}"
+
+    def check(self, config, ctx):
+        if config.ctx > ctx.model.max_context:
+            return [f"ctx {config.ctx} is beyond {ctx.model.key}'s trained context of {ctx.model.max_context}"]
+        return []
+
+    def estimate_memory(self, config, ctx):
+        model = ctx.model
+        weights = int(model.n_params * bits_per_weight(config.weights) / 8)
+        kv = int(kv_bytes_per_token(model, config.option("cache_type", "f16")) * config.ctx * config.parallel)
+        logits = 4 * model.vocab_size * PREFILL_BATCH  # f32 logits of one prefill batch
+        return MemoryEstimate(weights, kv, logits, OVERHEAD_BYTES,
+                              notes=(f"the toy allocates weights and KV 1/{_scale(ctx)} of this, in host memory",))
+
+    def run(self, config, ctx):
+        try:
+            engine = ToyEngine(ctx.model, config.weights, config.option("cache_type", "f16"), _scale(ctx))
+        except MemoryError as exc:
+            raise BackendError(f"example-echo: out of host memory loading {config.weights}") from exc
+        prompt = [f"w{i}" for i in range(ctx.workload.prompt_tokens)]
+        timeout_s = float(ctx.settings.get("timeout_s", 60))
+
+        def stream(_index: int) -> StreamResult:
+            start = time.monotonic()
+            tokens = engine.generate(prompt, ctx.workload.output_tokens)
+            next(tokens)
+            first = time.monotonic()
+            for _ in tokens:
+                pass
+            return StreamResult.from_timestamps(len(prompt), ctx.workload.output_tokens, start, first, time.monotonic())
+
+        def sample() -> dict[str, float]:
+            together = run_streams_threaded(stream, config.parallel, timeout_s)
+            alone = run_streams_threaded(stream, 1, timeout_s).streams[0]
+            engine.log.append(f"{config.parallel} streams: {together.aggregate_tok_s:.0f} tok/s in all")
+            return {**together.metrics(), "decode_tok_s": alone.decode_tok_s, "prefill_tok_s": alone.prefill_tok_s}
+
+        try:
+            stats = repeat_until_stable_many(sample, ctx.protocol, UNITS, key="aggregate_tok_s")
+        except MeasurementError as exc:
+            raise BackendError(f"example-echo: {exc}", log_tail="\n".join(engine.log[-20:])) from exc
+        return Measurement(metrics=stats, attrs={"scale": _scale(ctx), "weights_buffer_bytes": len(engine.weights)})
+
+    def deploy_command(self, config, ctx):
+        return (f"autotune example-echo-serve --model {ctx.model.key} --weights {config.weights} "
+                f"--ctx {config.ctx} --parallel {config.parallel} "
+                f"--cache-type {config.option('cache_type', 'f16')} --scale {_scale(ctx)}")
+
+    def engine_version(self):
+        return f"example-echo {__version__} (Python {platform.python_version()})"
+
+
+def _scale(ctx: StudyContext) -> int:
+    return int(ctx.settings.get("scale", 4096))
+
+
+@hookimpl
+def register_backends(register):
+    register(EchoBackend())
+
+
+@hookimpl
+def register_commands(cli):
+    @cli.command("example-echo-serve")
+    @click.option("--model", "model_ref", required=True, help="Catalog model key or model file.")
+    @click.option("--weights", required=True, help="gguf:<TYPE>")
+    @click.option("--ctx", "ctx_tokens", type=click.IntRange(min=2), required=True, help="Context per sequence.")
+    @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True)
+    @click.option("--cache-type", type=click.Choice(sorted(CACHE_BYTES)), default="f16", show_default=True)
+    @click.option("--scale", type=click.IntRange(min=1), default=4096, show_default=True)
+    @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+    def serve(model_ref, weights, ctx_tokens, parallel, cache_type, scale, max_tokens):
+        """Serve the example-echo toy engine: one prompt per stdin line, one answer per line."""
+        problem = EchoBackend().check_weights(weights, None)
+        if problem:
+            raise click.BadParameter(problem, param_hint="--weights")
+        try:
+            engine = ToyEngine(resolve_model(model_ref), weights, cache_type, scale)
+        except AutotuneError as exc:
+            raise click.ClickException(str(exc)) from None
+        n_out = min(max_tokens, ctx_tokens - 1)
+
+        def answer(line: str) -> str:
+            prompt = line.split()[: ctx_tokens - n_out] or ["..."]
+            return " ".join(engine.generate(prompt, n_out))
+
+        with ThreadPoolExecutor(parallel) as pool:  # `parallel` slots, as the study measured
+            for text in pool.map(answer, sys.stdin):
+                click.echo(text)
