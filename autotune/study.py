@@ -395,12 +395,32 @@ class StudyRunner:
         self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
         self.study = create_or_load(prepared, self.seed, self.sampler)
+        self._fail_dead_local_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.n_measured = 0
         self.n_new = 0
         self.n_answered = 0
         self.converged = False
         self._quality_local: dict[str, dict[str, Any]] = {}
+
+    def _fail_dead_local_workers(self) -> None:
+        """Fail RUNNING trials of processes on this host that no longer exist (killed -9).
+
+        The heartbeat catches dead workers on any host, but only after its grace period; a
+        study restarted right after a crash on the same machine should not wait for that.
+        """
+        host = socket.gethostname()
+        for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            worker = str(t.user_attrs.get("worker", ""))
+            name, _, pid = worker.rpartition(":")
+            if name != host or not pid.isdigit() or _alive(int(pid)):
+                continue
+            try:
+                self.study._storage.set_trial_user_attr(t._trial_id, "fail_reason", f"worker {worker} died")
+                self.study._storage.set_trial_user_attr(t._trial_id, "retry", True)
+                self.study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # another worker got there first
 
     # ----------------------------------------------------------------------------- lookups
 
@@ -809,6 +829,16 @@ def quality_drop_cached(prepared: PreparedStudy, study: optuna.Study, config: Tr
 def _set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
     for key, value in constraints.items():
         trial.set_constraint(key, value)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
