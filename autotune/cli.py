@@ -59,7 +59,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     try:
         return parse_duration(value, source="--budget")
     except ConfigError as exc:
-        raise click.BadParameter(str(exc).split(": ", 1)[-1]) from None
+        raise click.BadParameter(str(exc)) from None
 
 
 @cli.command()

@@ -10,6 +10,7 @@ study together, as Optuna supports; a heartbeat lets a survivor fail a dead work
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -22,10 +23,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import optuna
+import sqlalchemy
+import sqlalchemy.exc
 from optuna.storages._heartbeat import is_heartbeat_enabled  # RDBStorage's heartbeat, used by optimize()
 
 from autotune import objective as objective_mod
 from autotune import plugins
+from autotune.claims import Claims
 from autotune.backend import BaseBackend, Measurement, StudyContext, TrialConfig, Workload
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, BackendError, ConfigError
@@ -311,19 +315,46 @@ class _Heartbeat:
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """Optuna storage for a URL; RDB storages get a heartbeat (stale trials of dead workers)."""
+    """Optuna storage for a URL; RDB storages get a heartbeat (stale trials of dead workers).
+
+    Raises:
+        ConfigError: an unknown scheme, or a database driver that is not installed.
+    """
     if url.startswith(("sqlite:", "postgresql", "mysql")):
         engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else {"pool_pre_ping": True}
-        return optuna.storages.RDBStorage(
-            url,
-            engine_kwargs=engine_kwargs,
-            heartbeat_interval=HEARTBEAT_INTERVAL_S,
-            grace_period=HEARTBEAT_GRACE_S,
-        )
+        for attempt in range(5):
+            try:
+                return optuna.storages.RDBStorage(
+                    url,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=HEARTBEAT_INTERVAL_S,
+                    grace_period=HEARTBEAT_GRACE_S,
+                )
+            except ImportError as exc:
+                extra = "postgres" if url.startswith("postgresql") else "a driver for it"
+                raise ConfigError(f"storage {url!r}: the database driver is missing ({exc}); "
+                                  f"pip install 'autotune[{extra}]'") from None
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+                # Workers started together on an empty database all create Optuna's tables;
+                # all but one lose that race (optuna/optuna#1092). The tables exist by now.
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
     if url.startswith("journal:"):
         path = url[len("journal:"):]
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
     raise ConfigError(f"storage {url!r}: use sqlite:///FILE.db, postgresql://USER@HOST/DB or journal:FILE")
+
+
+@sqlalchemy.event.listens_for(sqlalchemy.engine.Engine, "connect")
+def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+    """Write-ahead log for SQLite storages: readers do not block the writer, and a commit
+    costs no fsync of the whole database (a crashed process still loses nothing)."""
+    if type(dbapi_connection).__module__.startswith("sqlite3"):
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
 
 
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
@@ -395,12 +426,16 @@ class StudyRunner:
         self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
         self.study = create_or_load(prepared, self.seed, self.sampler)
+        self.claims = Claims(self.study._storage, self.study._study_id)
         self._fail_dead_local_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.n_measured = 0
         self.n_new = 0
         self.n_answered = 0
         self.converged = False
+        self._last_cleanup = float("-inf")
+        self._defer_signals = False
+        self._deferred_signal: int | None = None
         self._quality_local: dict[str, dict[str, Any]] = {}
 
     def _fail_dead_local_workers(self) -> None:
@@ -559,10 +594,12 @@ class StudyRunner:
         start = time.monotonic()
         interrupted = False
         idle = 0
-        previous = signal.getsignal(signal.SIGTERM)
         in_main = threading.current_thread() is threading.main_thread()
+        previous = {}
         if in_main:
-            signal.signal(signal.SIGTERM, _raise_interrupt)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._on_signal)
         try:
             while True:
                 if n_trials is not None and self.n_measured >= n_trials:
@@ -597,8 +634,8 @@ class StudyRunner:
         finally:
             heartbeat.beat(None)
             heartbeat.stop.set()
-            if in_main:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         summary = summarize(self.prepared, self.study)
         summary.n_new = self.n_new
         summary.n_measured = self.n_measured
@@ -612,19 +649,28 @@ class StudyRunner:
         return any(t.state == optuna.trial.TrialState.WAITING for t in self.study.get_trials(deepcopy=False))
 
     def _one_trial(self, heartbeat: _Heartbeat, start: float) -> TrialEvent:
-        trial = self.study.ask()
-        heartbeat.beat(trial._trial_id)
+        now = time.monotonic()
+        if now - self._last_cleanup >= HEARTBEAT_INTERVAL_S / 2:
+            # As Optuna's optimize() does before each trial: a worker that died since we started
+            # must not hold its configuration forever.
+            self._last_cleanup = now
+            self._cleanup_dead_workers()
+        trial = None
         try:
+            with self._signals_deferred():
+                trial = self.study.ask()
+                heartbeat.beat(trial._trial_id)
             state, values, config, reason, answered = self._evaluate(trial)
         except (KeyboardInterrupt, _Interrupted):
-            trial.set_user_attr("fail_reason", "interrupted")
-            trial.set_user_attr("retry", True)
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            if trial is not None:
+                self._fail_quietly(trial, "interrupted", retry=True)
             raise
         except Exception as exc:  # a bug in a plugin must not kill the study either
-            trial.set_user_attr("fail_reason", f"{type(exc).__name__}: {exc}")
+            assert trial is not None
+            if "engine" in trial.user_attrs:
+                self.n_measured += 1  # it was launched: it counts like a BackendError
             trial.set_user_attr("log_tail", traceback.format_exc()[-4000:])
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
             state, values, config, reason, answered = "FAIL", None, trial.user_attrs.get("config", {}), str(exc), None
         heartbeat.beat(None)
         best = best_trial(self.prepared, self.study)
@@ -641,6 +687,66 @@ class StudyRunner:
             answered_from=answered,
         )
 
+    @contextlib.contextmanager
+    def _signals_deferred(self):
+        """Hold Ctrl-C/SIGTERM while a trial is being created, then deliver it.
+
+        An interrupt inside ``study.ask()`` would leave a RUNNING trial that nobody holds a
+        handle to; deferring it until ``ask`` returns lets the runner fail that trial cleanly.
+        """
+        self._defer_signals = True
+        try:
+            yield
+        finally:
+            self._defer_signals = False
+        if self._deferred_signal is not None:
+            self._deferred_signal = None
+            raise _Interrupted()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._defer_signals:
+            self._deferred_signal = signum
+            return
+        raise _Interrupted()
+
+    def _fail_quietly(self, trial: optuna.Trial, reason: str, retry: bool = False) -> None:
+        """Record ``trial`` as failed unless it already finished (an interrupt after tell)."""
+        try:
+            trial.set_user_attr("fail_reason", reason)
+            if retry:
+                trial.set_user_attr("retry", True)
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+            pass  # it is finished already: its outcome stands
+
+    def _cleanup_dead_workers(self) -> None:
+        """Fail the RUNNING trials of dead workers (heartbeat lapsed, or a dead local pid)."""
+        optuna.storages.fail_stale_trials(self.study)
+        self._fail_dead_local_workers()
+
+    def _claim(self, trial: optuna.Trial, config: TrialConfig) -> optuna.trial.FrozenTrial | None:
+        """Claim ``config`` for ``trial``; returns the trial that answers for it instead, if any."""
+        if self.claims.engine is None:
+            earlier = self._finished_by_key().get(config.key)
+            return earlier if earlier is not None and earlier.number != trial.number else None
+        storage = self.study._storage
+        holder = None
+        for _ in range(3):
+            holder_id = self.claims.claim(config.key, trial._trial_id)
+            if holder_id is None or holder_id == trial._trial_id:
+                return None
+            holder = storage.get_trial(holder_id)
+            if holder.state == optuna.trial.TrialState.RUNNING:
+                self._cleanup_dead_workers()
+                holder = storage.get_trial(holder_id)
+            abandoned = holder.state == optuna.trial.TrialState.FAIL and (
+                holder.user_attrs.get("retry") or not holder.user_attrs.get("fail_reason"))
+            if not abandoned:
+                return holder
+            if self.claims.take_over(config.key, holder_id, trial._trial_id):
+                return None
+        return holder
+
     def _evaluate(self, trial: optuna.Trial):
         """Run one trial through the flow; returns (state, values, config, reason, answered_from)."""
         prepared = self.prepared
@@ -651,8 +757,8 @@ class StudyRunner:
         trial.set_user_attr("config_key", config.key)
         trial.set_user_attr("worker", self.worker)
 
-        earlier = self._finished_by_key().get(config.key)
-        if earlier is not None and earlier.number != trial.number:
+        earlier = self._claim(trial, config)
+        if earlier is not None:
             return self._answer_from(trial, earlier, config)
 
         reasons = prepared.space.check(config, ctx)
@@ -839,10 +945,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise _Interrupted()
 
 
 def rank_by_prior(prepared: PreparedStudy) -> list[tuple[TrialConfig, float]]:

@@ -236,9 +236,6 @@ def test_budget_with_a_bad_unit_exits_2_with_the_format(tmp_path, monkeypatch):
     assert not (tmp_path / "s.db").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "autotune/cli.py _duration: str(exc).split(': ', 1)[-1] drops the bad value; STYLE.md wants "
-    "\"--budget '2hrs': use a number with s, m or h, e.g. 90m or 2h\""))
 def test_budget_error_quotes_the_bad_value(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(cli, ["study", "--budget", "2hrs"])

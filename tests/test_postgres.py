@@ -6,7 +6,6 @@ starts a throwaway server and sets it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,18 +27,7 @@ else:
 GIVEN_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 
 
-def _with_installed_driver(url: str | None) -> str | None:
-    """SQLAlchemy 2.1 maps a plain postgresql:// to psycopg 3, but our extras install psycopg2:
-    name the installed driver so that the workers' behaviour is tested whatever that bug's state
-    (``test_plain_postgresql_url_opens`` covers the bug itself)."""
-    if not url or not url.startswith("postgresql://"):
-        return url
-    if importlib.util.find_spec("psycopg") is None:
-        return "postgresql+psycopg2://" + url[len("postgresql://"):]
-    return url
-
-
-URL = _with_installed_driver(GIVEN_URL)
+URL = GIVEN_URL
 
 pytestmark = pytest.mark.skipif(not GIVEN_URL, reason="set AUTOTUNE_TEST_POSTGRES_URL to a PostgreSQL database to run")
 
@@ -57,10 +45,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pyproject.toml extras 'postgres'/'test' install psycopg2-binary, but SQLAlchemy >= 2.1 (allowed by "
-    "sqlalchemy>=2.0,<3) maps postgresql:// to psycopg 3: the documented URL fails with an ImportError "
-    "traceback in autotune.study.open_storage"))
 def test_plain_postgresql_url_opens():
     url = GIVEN_URL
     if url.startswith("postgresql+"):
@@ -133,11 +117,7 @@ def test_two_workers_share_one_study(study_copy, tmp_path):
     assert best_report["n_complete"] == len(complete)
 
     twice = [key for key, n in Counter(complete).items() if n > 1]
-    if twice:
-        # A known race, reproduced deterministically by
-        # test_two_workers_never_measure_one_configuration_twice (strict xfail): report it here
-        # without making this test flaky. Remove once that test passes.
-        pytest.xfail(f"configurations measured by both workers: {twice}")
+    assert not twice, f"configurations measured by both workers: {twice}"
 
 
 def test_best_without_study_name_lists_the_studies(study_copy, tmp_path):
@@ -155,18 +135,17 @@ def test_best_without_study_name_lists_the_studies(study_copy, tmp_path):
 @pytest.fixture
 def fresh_database():
     """A new, empty database on the same server (skipped when the role may not create one)."""
-    import psycopg2
+    import psycopg
     from sqlalchemy.engine import make_url
 
     url = make_url(URL)
-    admin = psycopg2.connect(host=url.host, port=url.port, user=url.username, password=url.password,
-                             dbname=url.database)
-    admin.autocommit = True
+    admin = psycopg.connect(host=url.host, port=url.port, user=url.username, password=url.password,
+                            dbname=url.database, autocommit=True)
     name = f"autotune_fresh_{uuid.uuid4().hex[:12]}"
     try:
         with admin.cursor() as cur:
             cur.execute(f'CREATE DATABASE "{name}"')
-    except psycopg2.Error as exc:
+    except psycopg.Error as exc:
         admin.close()
         pytest.skip(f"cannot create a database on {url.host}:{url.port}: {exc}")
     try:
@@ -177,10 +156,6 @@ def fresh_database():
         admin.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "autotune/study.py open_storage: workers starting at once on an empty PostgreSQL database all create "
-    "Optuna's tables; all but one fail with sqlalchemy IntegrityError (pg_type_typname_nsp_index), which "
-    "`autotune study` shows as a traceback and exit 1 (optuna/optuna#1092 leaves this to the caller)"))
 def test_workers_open_a_fresh_database_at_once(fresh_database):
     # Threads released by a barrier open the storage at the same moment, as workers started
     # together by a job scheduler do; processes race the same way, only less reproducibly.
@@ -203,9 +178,6 @@ def test_workers_open_a_fresh_database_at_once(fresh_database):
     assert optuna.get_all_study_summaries(open_storage(fresh_database), include_best_trial=False) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "autotune/study.py StudyRunner._evaluate/_finished_by_key: check-then-act duplicate check, lowest "
-    "trial number wins; see tests/test_study.py::test_two_workers_never_measure_one_configuration_twice"))
 def test_two_workers_never_measure_one_configuration_twice(tmp_path):
     path = write_study(tmp_path / "race.toml", "fake-blocking", ["a", "bb"], parallel=(1, 2, 4),
                        name=f"race-{uuid.uuid4().hex[:12]}")

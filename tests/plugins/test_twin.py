@@ -9,11 +9,10 @@ import pytest
 from autotune.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError, UnsupportedError
 from autotune.estimate import estimate_config
-from autotune.formats import weights_for
 from autotune.hardware import get_gpu, load_gpu_catalog
 from autotune.measure import Protocol
 from autotune.models import get_model, load_model_catalog
-from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVllm, fit, load_constants, physics, quality
+from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVllm, fit, load_constants, quality
 
 from tests.conftest import REPO
 

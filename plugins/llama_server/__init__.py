@@ -1,0 +1,29 @@
+"""llama.cpp's llama-server for autotune: building the engine and synthetic test models.
+
+Commands (through the ``register_commands`` hook):
+
+* ``autotune engine build llama.cpp``: build ``llama-server`` and ``llama-quantize`` from the
+  llama.cpp tree pinned in llama-cpp-python's sdist, for the detected GPU's architecture, into
+  autotune's cache (:mod:`autotune_plugins.llama_server.engine`).
+* ``autotune synth``: write a random-weight GGUF of a real architecture and size, to measure
+  speed and memory without downloading a model (:mod:`autotune_plugins.llama_server.synth`).
+"""
+
+from __future__ import annotations
+
+from autotune import hookimpl
+
+from autotune_plugins.llama_server import commands
+
+__all__ = ["register_commands"]
+
+
+@hookimpl
+def register_commands(cli):
+    """Add ``autotune engine build`` and ``autotune synth``.
+
+    Args:
+        cli: The top-level click group.
+    """
+    commands.add_engine_commands(cli)
+    commands.add_synth_command(cli)

@@ -1,0 +1,509 @@
+"""Synthetic GGUF models: random weights in the exact shape of a real architecture.
+
+A model of a given architecture and shape costs llama.cpp the same memory and time whatever
+its weights are: the same tensors are read per token, the same KV cache is allocated, the
+same kernels run. A random-weight file therefore lets a study measure speed and memory on a
+machine that never downloaded the real model, at any size (a 32B shape is written in minutes).
+Its output is gibberish: it has no meaningful quality and must never be used to measure one.
+
+The file has what llama.cpp's loader checks: the architecture's metadata keys, a real
+tokenizer (every ``tokenizer.*`` key copied from a vocab-only GGUF that llama.cpp ships in
+``models/``, e.g. ``ggml-vocab-llama-bpe.gguf``), and tensors with llama.cpp's names and
+shapes, in F16 with F32 norms and biases, as ``convert_hf_to_gguf.py --outtype f16`` writes
+them. Tensors are generated and written one chunk at a time, so memory stays at tens of MB
+even for a 14 GB file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import struct
+import subprocess
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autotune.errors import AutotuneError, ConfigError
+
+__all__ = [
+    "ARCH_DEFAULTS",
+    "SynthResult",
+    "SynthSpec",
+    "TensorPlan",
+    "find_vocab",
+    "quantize",
+    "quantize_types",
+    "read_tokenizer",
+    "tensor_plan",
+    "write_model",
+]
+
+# Per-architecture constants of the real families, from their Hugging Face configs: Llama 3
+# (rope_theta 500000, rms_norm_eps 1e-5) and Qwen2/2.5 (rope_theta 1e6, rms_norm_eps 1e-6).
+# They do not change speed or memory; they keep the file a plausible member of its family.
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_freq_base": 500000.0, "rms_eps": 1e-5, "vocab_file": "ggml-vocab-llama-bpe.gguf", "qkv_bias": False},
+    "qwen2": {"rope_freq_base": 1000000.0, "rms_eps": 1e-6, "vocab_file": "ggml-vocab-qwen2.gguf", "qkv_bias": True},
+}
+
+# Standard deviation of the weights: the usual initialiser scale (GPT-2, Llama's
+# initializer_range = 0.02). With unit norms it keeps activations and logits small, so
+# generation yields finite numbers at any depth instead of NaN.
+WEIGHT_STD = 0.02
+# Elements generated per chunk (16 MB as float32): memory stays bounded whatever the tensor size,
+# and chunks stay large enough that numpy, not Python, sets the pace.
+CHUNK_ELEMENTS = 4 * 2**20
+
+_F16 = 1  # gguf.LlamaFileType.MOSTLY_F16: "all F16 except 1-d tensors"
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """The shape of a synthetic model.
+
+    Attributes:
+        arch: GGUF architecture: "llama" or "qwen2" (Q/K/V biases).
+        n_layers: Transformer blocks.
+        hidden: Embedding width.
+        n_heads: Query heads; ``hidden`` must be a multiple of it.
+        n_kv_heads: Key/value heads; ``n_heads`` must be a multiple of it (GQA).
+        ffn: Feed-forward width.
+        context_length: Trained context written to ``{arch}.context_length``.
+        tie_embeddings: Leave out ``output.weight`` (the output head reuses the embeddings), as
+            small Qwen2.5 models do.
+    """
+
+    arch: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    ffn: int
+    context_length: int = 32768
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.arch not in ARCH_DEFAULTS:
+            problems.append(f"arch {self.arch!r}: use one of {', '.join(sorted(ARCH_DEFAULTS))}")
+        for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "context_length"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name} = {getattr(self, name)!r}: must be a positive integer")
+        if not problems:
+            if self.hidden % self.n_heads:
+                problems.append(f"hidden = {self.hidden}: must be a multiple of heads ({self.n_heads})")
+            if self.n_heads % self.n_kv_heads:
+                problems.append(f"kv_heads = {self.n_kv_heads}: must divide heads ({self.n_heads})")
+        if problems:
+            raise ConfigError("synthetic model: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def name(self) -> str:
+        return f"synthetic-{self.arch}-{self.n_layers}L-{self.hidden}H"
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write.
+
+    Attributes:
+        name: llama.cpp's tensor name (``blk.0.attn_q.weight``).
+        shape: numpy (row-major) shape; GGUF stores it reversed (``ne[0]`` is the last axis).
+        dtype: np.float16 for matrices, np.float32 for norms and biases.
+        fill: "normal" (random, std :data:`WEIGHT_STD`) or "ones" (RMS-norm weights).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+    fill: str
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_elements * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class SynthResult:
+    """A written model.
+
+    Attributes:
+        path: The ``.gguf`` file.
+        size_bytes: Its size.
+        n_params: Parameters (all tensor elements).
+        n_vocab: Tokens in the tokenizer (= rows of ``token_embd.weight``).
+    """
+
+    path: Path
+    size_bytes: int
+    n_params: int
+    n_vocab: int
+
+
+def tensor_plan(spec: SynthSpec, n_vocab: int) -> list[TensorPlan]:
+    """The tensors of a model, in llama.cpp's order and with its names (``llm_tensor`` names).
+
+    Args:
+        spec: The model's shape.
+        n_vocab: Vocabulary size (the tokenizer's token count).
+
+    Returns:
+        Every tensor: embeddings, each block's attention and MLP, final norm, output head.
+    """
+    h, q, kv, f = spec.hidden, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.ffn
+    f16, f32 = np.float16, np.float32
+    plan = [TensorPlan("token_embd.weight", (n_vocab, h), f16, "normal")]
+    for i in range(spec.n_layers):
+        b = f"blk.{i}."
+        plan += [
+            TensorPlan(b + "attn_norm.weight", (h,), f32, "ones"),
+            TensorPlan(b + "attn_q.weight", (q, h), f16, "normal"),
+            TensorPlan(b + "attn_k.weight", (kv, h), f16, "normal"),
+            TensorPlan(b + "attn_v.weight", (kv, h), f16, "normal"),
+        ]
+        if ARCH_DEFAULTS[spec.arch]["qkv_bias"]:
+            plan += [
+                TensorPlan(b + "attn_q.bias", (q,), f32, "normal"),
+                TensorPlan(b + "attn_k.bias", (kv,), f32, "normal"),
+                TensorPlan(b + "attn_v.bias", (kv,), f32, "normal"),
+            ]
+        plan += [
+            TensorPlan(b + "attn_output.weight", (h, q), f16, "normal"),
+            TensorPlan(b + "ffn_norm.weight", (h,), f32, "ones"),
+            TensorPlan(b + "ffn_gate.weight", (f, h), f16, "normal"),
+            TensorPlan(b + "ffn_up.weight", (f, h), f16, "normal"),
+            TensorPlan(b + "ffn_down.weight", (h, f), f16, "normal"),
+        ]
+    plan.append(TensorPlan("output_norm.weight", (h,), f32, "ones"))
+    if not spec.tie_embeddings:
+        plan.append(TensorPlan("output.weight", (n_vocab, h), f16, "normal"))
+    return plan
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------
+
+
+def _gguf_metadata(path: Path) -> Iterator[tuple[str, Any, Any, Any]]:
+    """Yields a GGUF file's metadata as ``(key, value, type, array sub-type)``, strings as bytes.
+
+    A direct parse of the key/value section (GGUF v2/v3, little-endian), over a memory map:
+    ``gguf.GGUFReader`` builds one numpy array per array element, which for a 151,936-token
+    vocabulary costs about 550 MB and 12 s; this costs the size of the values and well
+    under a second, and never touches the tensor data of a full model given as --vocab-from.
+    """
+    from gguf import GGUFValueType as T
+
+    scalars = {T.UINT8: "B", T.INT8: "b", T.UINT16: "H", T.INT16: "h", T.UINT32: "I", T.INT32: "i",
+               T.FLOAT32: "f", T.UINT64: "Q", T.INT64: "q", T.FLOAT64: "d", T.BOOL: "?"}
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
+        pos = 24
+
+        def string() -> bytes:
+            nonlocal pos
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8 + n
+            return bytes(buf[pos - n:pos])
+
+        for _ in range(n_kv):
+            key = string().decode("utf-8")
+            vtype = T(struct.unpack_from("<I", buf, pos)[0])
+            pos += 4
+            if vtype == T.STRING:
+                yield key, string(), vtype, None
+            elif vtype == T.ARRAY:
+                sub, count = struct.unpack_from("<IQ", buf, pos)
+                sub = T(sub)
+                pos += 12
+                if sub == T.STRING:
+                    yield key, [string() for _ in range(count)], vtype, sub
+                elif sub in scalars:
+                    fmt = scalars[sub]
+                    values = list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
+                    pos += count * struct.calcsize(fmt)
+                    yield key, values, vtype, sub
+                else:
+                    raise ValueError(f"key {key}: nested arrays are not supported")
+            else:
+                fmt = scalars[vtype]
+                (value,) = struct.unpack_from(f"<{fmt}", buf, pos)
+                pos += struct.calcsize(fmt)
+                yield key, value, vtype, None
+
+
+def read_tokenizer(path: str | os.PathLike[str]) -> tuple[list[tuple[str, Any, Any, Any]], int]:
+    """Reads every ``tokenizer.*`` key of a GGUF file, ready for ``GGUFWriter.add_key_value``.
+
+    Strings are kept as raw bytes: a token need not be valid UTF-8 (byte-fallback pieces),
+    and re-encoding could change it.
+
+    Args:
+        path: A GGUF file with a tokenizer (a vocab-only one from llama.cpp's ``models/`` or any
+            model).
+
+    Returns:
+        ``([(key, value, type, sub_type), ...], n_tokens)``.
+
+    Raises:
+        ConfigError: Not a GGUF file, or no ``tokenizer.ggml.tokens``.
+    """
+    p = Path(path)
+    try:
+        out = [kv for kv in _gguf_metadata(p) if kv[0].startswith("tokenizer.")]
+    except (OSError, ValueError, struct.error) as exc:  # struct.error: a truncated file
+        raise ConfigError(f"--vocab-from {p}: not a readable GGUF file ({exc})") from None
+    # GGUF forbids empty arrays, and GGUFWriter refuses to write one.
+    out = [kv for kv in out if not (isinstance(kv[1], list) and not kv[1])]
+    tokens = next((kv[1] for kv in out if kv[0] == "tokenizer.ggml.tokens"), None)
+    if not tokens:
+        raise ConfigError(f"--vocab-from {p}: no tokenizer.ggml.tokens in it")
+    return out, len(tokens)
+
+
+def find_vocab(arch: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Finds llama.cpp's vocab-only GGUF for an architecture.
+
+    Looks in the sources of builds made by ``autotune engine build llama.cpp``
+    (``<build>/src/models/``), then in downloaded llama-cpp-python sdists, from which the one
+    file is extracted into ``<engines>/vocab/``.
+
+    Args:
+        arch: "llama" (``ggml-vocab-llama-bpe.gguf``, Llama 3's tokenizer) or "qwen2".
+        cache_dir: The engines directory; default ``engine.engines_dir()``.
+
+    Returns:
+        The vocab file.
+
+    Raises:
+        ConfigError: Not found; the message says to pass --vocab-from or build the engine.
+    """
+    from autotune_plugins.llama_server import engine
+
+    if arch not in ARCH_DEFAULTS:
+        raise ConfigError(f"arch {arch!r}: use one of {', '.join(sorted(ARCH_DEFAULTS))}")
+    name = ARCH_DEFAULTS[arch]["vocab_file"]
+    root = engine.engines_dir(cache_dir)
+    for candidate in sorted(root.glob(f"llama.cpp-*/src/models/{name}"), reverse=True):
+        if candidate.is_file():
+            return candidate
+    extracted = root / "vocab" / name
+    if extracted.is_file():
+        return extracted
+    for sdist in sorted((root / "downloads").glob("llama_cpp_python-*.tar.gz"), reverse=True):
+        try:
+            with tarfile.open(sdist) as tar:
+                for member in tar:
+                    if member.isfile() and member.name.endswith(f"/vendor/llama.cpp/models/{name}"):
+                        src = tar.extractfile(member)
+                        if src is None:
+                            continue
+                        extracted.parent.mkdir(parents=True, exist_ok=True)
+                        tmp = extracted.with_suffix(".partial")
+                        with src, tmp.open("wb") as dst:
+                            shutil.copyfileobj(src, dst)
+                        tmp.replace(extracted)
+                        return extracted
+        except (tarfile.TarError, OSError):
+            continue  # a broken download: try the next
+    raise ConfigError(
+        f"no {name} found in {root}: pass --vocab-from PATH (any GGUF with a tokenizer), "
+        "or run `autotune engine build llama.cpp` first, which keeps llama.cpp's vocab files"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------
+
+
+def _chunks(t: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """The tensor's values in row-major order, at most CHUNK_ELEMENTS at a time."""
+    n = t.n_elements
+    for start in range(0, n, CHUNK_ELEMENTS):
+        size = min(CHUNK_ELEMENTS, n - start)
+        if t.fill == "ones":
+            yield np.ones(size, dtype=t.dtype)
+        else:
+            # float32 draws are twice as fast as float64 and exact enough for an F16 target.
+            values = rng.standard_normal(size, dtype=np.float32)
+            values *= WEIGHT_STD
+            yield values.astype(t.dtype, copy=False)
+
+
+def write_model(
+    spec: SynthSpec,
+    out: str | os.PathLike[str],
+    *,
+    vocab_from: str | os.PathLike[str],
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> SynthResult:
+    """Writes a random-weight GGUF model.
+
+    The model has the speed and memory behaviour of a real model of this shape but no
+    meaningful output quality.
+
+    The file is written to ``<out>.partial`` and renamed when complete, so an interrupted
+    run never leaves a truncated model under the final name.
+
+    Args:
+        spec: Architecture and shape.
+        out: Output path.
+        vocab_from: GGUF whose ``tokenizer.*`` keys are copied; the vocabulary size is its token
+            count.
+        seed: Seed of the weights; the same seed writes the same file.
+        overwrite: Replace an existing ``out``; without it an existing file is an error.
+        progress: Called with (tensors written, tensors total).
+
+    Returns:
+        What was written.
+
+    Raises:
+        ConfigError: ``out`` exists, or ``vocab_from`` has no tokenizer.
+    """
+    import gguf
+
+    out_path = Path(out)
+    if out_path.exists() and not overwrite:
+        raise ConfigError(f"--out {out_path}: already exists (pass --force to replace it)")
+    tokenizer, n_vocab = read_tokenizer(vocab_from)
+    plan = tensor_plan(spec, n_vocab)
+    defaults = ARCH_DEFAULTS[spec.arch]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".partial")
+
+    w = gguf.GGUFWriter(tmp, spec.arch)
+    w.add_name(spec.name)
+    w.add_description(
+        "Random weights written by `autotune synth`: real speed and memory behaviour, "
+        "no meaningful output quality."
+    )
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.hidden)
+    w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_layer_norm_rms_eps(defaults["rms_eps"])
+    w.add_rope_freq_base(defaults["rope_freq_base"])
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(_F16)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value, vtype, sub in tokenizer:
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for t in plan:
+        w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), t.nbytes)
+
+    rng = np.random.default_rng(seed)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        # Tensor data is written here chunk by chunk, with GGUFWriter's layout (each tensor at
+        # an offset aligned to data_alignment, then padded): write_tensor_data() would need the
+        # whole tensor in memory, 1 GB for a 150k x 3584 F16 embedding.
+        assert w.fout is not None and len(w.fout) == 1
+        fout = w.fout[0]
+        align = w.data_alignment
+        for i, t in enumerate(plan):
+            fout.write(b"\0" * (gguf.GGUFWriter.ggml_pad(fout.tell(), align) - fout.tell()))
+            for chunk in _chunks(t, rng):
+                chunk.tofile(fout)
+            fout.write(b"\0" * (gguf.GGUFWriter.ggml_pad(t.nbytes, align) - t.nbytes))
+            if progress is not None:
+                progress(i + 1, len(plan))
+        fout.flush()
+        w.close()
+        tmp.replace(out_path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return SynthResult(out_path, out_path.stat().st_size, sum(t.n_elements for t in plan), n_vocab)
+
+
+# --------------------------------------------------------------------------------------
+# Quantizing
+# --------------------------------------------------------------------------------------
+
+
+def quantize_types() -> list[str]:
+    """The type names ``llama-quantize`` accepts, from gguf's ``LlamaFileType`` (Q4_K_M, Q8_0...)."""
+    import gguf
+
+    return [n.removeprefix("MOSTLY_") for n in gguf.LlamaFileType.__members__ if n.startswith("MOSTLY_")]
+
+
+def quantize(
+    model: str | os.PathLike[str],
+    qtype: str,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    binary: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+    timeout_s: float | None = None,
+) -> Path:
+    """Quantizes a GGUF model with llama.cpp's ``llama-quantize``.
+
+    Args:
+        model: The F16 (or F32) input.
+        qtype: A llama.cpp type name: Q4_K_M, Q8_0, Q4_0...
+        out: Output path; default ``<model stem>-<TYPE>.gguf`` beside the input.
+        binary: ``llama-quantize``; default found like the server (see
+            ``engine.find_llama_quantize``).
+        overwrite: Replace an existing output.
+        timeout_s: Bound on the run; None waits (a 70B quantization takes many minutes).
+
+    Returns:
+        The quantized file.
+
+    Raises:
+        ConfigError: Unknown type or the output exists.
+        AutotuneError: ``llama-quantize`` is missing or failed (the message quotes its output).
+    """
+    from autotune_plugins.llama_server import engine
+
+    qtype = qtype.upper()
+    allowed = quantize_types()
+    if qtype not in allowed:
+        raise ConfigError(f"--quantize {qtype!r}: not a llama.cpp type (use one of {', '.join(allowed)})")
+    src = Path(model)
+    dst = Path(out) if out else src.with_name(f"{src.stem}-{qtype}.gguf")
+    if dst.exists() and not overwrite:
+        raise ConfigError(f"{dst}: already exists (pass --force to replace it)")
+    exe = Path(binary) if binary else engine.find_llama_quantize()
+    tmp = dst.with_name(dst.name + ".partial")
+    try:
+        proc = subprocess.run([str(exe), str(src), str(tmp), qtype], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
+    except FileNotFoundError:
+        raise AutotuneError(f"{exe}: no such executable") from None
+    except subprocess.TimeoutExpired:
+        tmp.unlink(missing_ok=True)
+        raise AutotuneError(f"llama-quantize {qtype}: no result after {timeout_s:.0f}s") from None
+    if proc.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = " | ".join(proc.stdout.decode("utf-8", "replace").strip().splitlines()[-3:])
+        raise AutotuneError(f"llama-quantize {src.name} {qtype} failed (exit status {proc.returncode}): {tail}")
+    tmp.replace(dst)
+    return dst
