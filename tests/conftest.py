@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -27,18 +28,25 @@ def shared_file(relative: str) -> Path:
     pytest.skip(f"shared/{relative} is not available on this machine")
 
 
+@contextlib.contextmanager
+def plugin_registered(module: object, name: str, source: str = "autotune"):
+    """Register a plugin as its entry point would, and always unregister it afterwards."""
+    from autotune import plugins
+
+    plugins.register_plugin(module, name=name, source=source)
+    try:
+        yield module
+    finally:
+        plugins.unregister_plugin(name)
+
+
 @pytest.fixture
 def twin_plugin():
     """The built-in digital twin, registered as its entry point would register it."""
     import autotune_plugins.twin as twin
 
-    from autotune import plugins
-
-    plugins.register_plugin(twin, name="twin", source="autotune")
-    try:
-        yield twin
-    finally:
-        plugins.unregister_plugin("twin")
+    with plugin_registered(twin, "twin") as module:
+        yield module
 
 
 @pytest.fixture

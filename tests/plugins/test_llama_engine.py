@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from autotune import plugins
 from autotune.errors import ConfigError
 from autotune_plugins.llama_server import engine
+from tests.conftest import plugin_registered
 from autotune_plugins.llama_server.engine import (
     BuildPlan,
     CMakeBuilder,
@@ -39,11 +40,8 @@ def llama_plugin():
     """The plugin registered as its entry point will register it."""
     import autotune_plugins.llama_server as module
 
-    plugins.register_plugin(module, name="llama_server", source="autotune")
-    try:
+    with plugin_registered(module, "llama_server"):
         yield module
-    finally:
-        plugins.unregister_plugin("llama_server")
 
 
 @pytest.fixture
