@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune import hookimpl
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.errors import AutotuneError, BackendError, UnsupportedError
-from autotune.formats import CACHE_TYPES, parse_format, weights_for
+from autotune.formats import CACHE_TYPES, normalize_format, parse_format, weights_for
 from autotune.measure import Protocol, Stat, repeat_until_stable_many
 from autotune.metric import BaseMetric, MetricValue
 
@@ -277,6 +277,13 @@ class TwinVllm(TwinBackend):
             raise UnsupportedError(
                 f"vLLM {version} does not support compute capability {ctx.gpu.compute_capability} "
                 f"({ctx.gpu.name}); the last releases for Volta are 0.5.x with CUDA 11.8"
+            )
+        if normalize_format(config.weights) == "gguf:BF16" and not ctx.gpu.bf16:
+            # The article's pitfall 2: BF16 weights on a card without BF16 (vLLM's own words).
+            raise UnsupportedError(
+                f"Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your "
+                f"{ctx.gpu.name} GPU has compute capability {ctx.gpu.compute_capability}. You can use "
+                "float16 instead by explicitly setting the `dtype` flag in CLI, for example: --dtype=half."
             )
         if config.option("flash_attn", True) and cc < (8, 0):
             raise UnsupportedError("Cannot use FlashAttention-2 backend for Volta and Turing GPUs.")

@@ -83,6 +83,10 @@ def test_engines_refuse_what_the_real_engine_refuses():
         vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=False), ctx_for("v100-16gb", "qwen2.5-7b"))
     with pytest.raises(UnsupportedError, match="Cannot use FlashAttention-2 backend for Volta and Turing GPUs"):
         vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=True), ctx_for("t4", "qwen2.5-7b"))
+    with pytest.raises(UnsupportedError, match="Bfloat16 is only supported on GPUs with compute capability of at least 8.0"):
+        vllm.run(cfg("twin-vllm", "gguf:BF16", cache_type="auto", flash_attn=False), ctx_for("t4", "qwen2.5-7b"))
+    assert vllm.run(cfg("twin-vllm", "gguf:BF16", cache_type="auto", flash_attn=True),
+                    ctx_for("a100-80gb", "qwen2.5-7b")).metrics["decode_tok_s"].median > 0
     ok = vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=True), ctx_for("a100-80gb", "qwen2.5-7b"))
     assert ok.metrics["decode_tok_s"].median > 0
     # ExLlamaV2 cannot spill layers: a model that does not fit fails to load.
