@@ -96,6 +96,12 @@ def summary_text(summary: StudySummary) -> str:
     lines.append(f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured {_gib(best.get('measured_vram_bytes'))}")
     if best.get("deploy_command"):
         lines.append("  deploy: " + best["deploy_command"])
+    front = summary.extra.get("pareto_front")
+    if front:
+        lines.append("Pareto front (throughput vs quality drop):")
+        for t in front:
+            params = ", ".join(f"{k}={v}" for k, v in t["params"].items())
+            lines.append(f"  {t['values'][0]:.1f} tok/s, {t['values'][1]:+.2f} points: {params}")
     why = summary.extra.get("why") or []
     if why:
         lines.append("why not a neighbour (one value changed):")

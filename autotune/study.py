@@ -1034,7 +1034,7 @@ def summarize(prepared: PreparedStudy | None, study: optuna.Study) -> StudySumma
     states = [t.state for t in trials]
     best = best_trial(prepared, study)
     n_answered = sum(1 for t in trials if t.user_attrs.get("answered_from") is not None)
-    return StudySummary(
+    summary = StudySummary(
         study_name=study.study_name,
         storage=prepared.storage_url if prepared else "",
         n_trials=len(trials),
@@ -1048,6 +1048,23 @@ def summarize(prepared: PreparedStudy | None, study: optuna.Study) -> StudySumma
         best=trial_record(best) if best else None,
         extra={"n_answered_from_storage": n_answered},
     )
+    if len(study.directions) > 1:
+        summary.extra["pareto_front"] = [trial_record(t) for t in pareto_front(study)]
+    return summary
+
+
+def pareto_front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Feasible measured trials that no other feasible one beats on every objective."""
+    signs = [1.0 if d == optuna.study.StudyDirection.MAXIMIZE else -1.0 for d in study.directions]
+    pool = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if t.user_attrs.get("answered_from") is None and all(c <= 0 for c in t.constraints.values())]
+
+    def dominates(a: optuna.trial.FrozenTrial, b: optuna.trial.FrozenTrial) -> bool:
+        pairs = [(s * x, s * y) for s, x, y in zip(signs, a.values, b.values)]
+        return all(x >= y for x, y in pairs) and any(x > y for x, y in pairs)
+
+    front = [t for t in pool if not any(dominates(o, t) for o in pool if o is not t)]
+    return sorted(front, key=lambda t: -signs[0] * t.values[0])
 
 
 def trial_record(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
