@@ -7,6 +7,11 @@ Commands (through the ``register_commands`` hook):
   autotune's cache (:mod:`autotune_plugins.llama_server.engine`).
 * ``autotune synth``: write a random-weight GGUF of a real architecture and size, to measure
   speed and memory without downloading a model (:mod:`autotune_plugins.llama_server.synth`).
+
+Backends (through the ``register_backends`` hook):
+
+* ``llama-server``: launches llama.cpp's server on a GGUF file and measures it
+  (:mod:`autotune_plugins.llama_server.backend`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from autotune import hookimpl
 
 from autotune_plugins.llama_server import commands
 
-__all__ = ["register_commands"]
+__all__ = ["register_backends", "register_commands"]
 
 
 @hookimpl
@@ -27,3 +32,15 @@ def register_commands(cli):
     """
     commands.add_engine_commands(cli)
     commands.add_synth_command(cli)
+
+
+@hookimpl
+def register_backends(register):
+    """Add the ``llama-server`` backend.
+
+    Args:
+        register: Called with each backend instance.
+    """
+    from autotune_plugins.llama_server.backend import LlamaServerBackend
+
+    register(LlamaServerBackend())

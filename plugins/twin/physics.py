@@ -133,10 +133,11 @@ def soft_max(a: float, b: float, k: float = ROOFLINE_SHARPNESS) -> float:
 
 def kv_cells(s: Scenario) -> int:
     """Cache cells the engine allocates for ``parallel`` sequences of ``ctx`` tokens each."""
-    cells = s.ctx * s.parallel
     if s.engine == "llama.cpp":
-        cells = math.ceil(cells / LLAMA_KV_PAD) * LLAMA_KV_PAD
-    return cells
+        # llama-server gives each slot a cache of its own (not unified), padded on its own:
+        # -c 600 -np 2 holds 2 x 512 cells, as its log says.
+        return math.ceil(s.ctx / LLAMA_KV_PAD) * LLAMA_KV_PAD * s.parallel
+    return s.ctx * s.parallel
 
 
 def compute_buffer_bytes(s: Scenario) -> int:
@@ -170,9 +171,12 @@ def memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
     host = 0
     notes = []
     if k.keeps_embeddings_on_host or not w.embedding_on_gpu:
-        weights_gpu -= w.embedding_bytes
-        host += w.embedding_bytes
-        notes.append(f"token embeddings ({w.embedding_bytes / GiB:.2f} GiB) stay in host memory")
+        # gpu_bytes keeps a tied head (the embedding matrix that llama.cpp loads on the GPU
+        # again as the output layer).
+        weights_gpu = w.gpu_bytes
+        host = w.total_bytes - w.gpu_bytes
+        if host:
+            notes.append(f"token embeddings ({host / GiB:.2f} GiB) stay in host memory")
     kv = int(kv_cells(s) * kv_bytes_per_token(s.model, s.cache_type))
     kv += cache_fixed_bytes(s.model, s.cache_type, s.ctx * s.parallel)
     buffers = compute_buffer_bytes(s)
