@@ -89,14 +89,15 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
             config = self._complete(proposal)
             if config.key not in done and self.admissible(config):
                 return self.space.params_of(config)
-        fallback = self._random_admissible(done)
+        fallback = self.random_admissible(done)
         if fallback is not None:
             if config is not None:
                 self.n_fallbacks += 1
             return self.space.params_of(fallback)
         return self.space.params_of(config) if config is not None else {}
 
-    def _random_admissible(self, done: set[str]) -> TrialConfig | None:
+    def random_admissible(self, done: set[str]) -> TrialConfig | None:
+        """A random configuration that is admissible and not in ``done`` (None: none left)."""
         configs = list(self.space.enumerate())
         self._rng.shuffle(configs)
         for config in configs:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import random
 import signal
 import socket
 import threading
@@ -422,7 +423,6 @@ class StudyRunner:
         self.cfg = prepared.cfg
         self.seed = self.cfg.seed if seed is None else seed
         self._admissible: dict[str, bool] = {}
-        self._evaluated_cache: set[str] = set()
         self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
         self.study = create_or_load(prepared, self.seed, self.sampler)
@@ -431,7 +431,6 @@ class StudyRunner:
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.n_measured = 0
         self.n_new = 0
-        self.n_answered = 0
         self.converged = False
         self._last_cleanup = float("-inf")
         self._defer_signals = False
@@ -536,23 +535,14 @@ class StudyRunner:
 
     def _enqueue_unexplored(self) -> bool:
         """Queue one random configuration that has not been evaluated and could run."""
-        import random
-
-        done = self._finished_by_key()
-        rng = random.Random(f"{self.seed}:{len(done)}")
-        configs = list(self.prepared.space.enumerate())
-        rng.shuffle(configs)
-        for config in configs:
-            if config.key in done or not self.admissible(config):
-                continue
-            self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={"explore": True})
-            return True
-        return False
+        config = self.sampler.random_admissible(self._evaluated_keys())
+        if config is None:
+            return False
+        self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={"explore": True})
+        return True
 
     def enqueue_grid(self) -> int:
         """Grid search: every configuration once, in a seeded random order."""
-        import random
-
         configs = list(self.prepared.space.enumerate())
         random.Random(self.seed).shuffle(configs)
         done = self._finished_by_key()
@@ -611,8 +601,6 @@ class StudyRunner:
                 measured_before = self.n_measured
                 event = self._one_trial(heartbeat, start)
                 self.n_new += 1
-                if event.answered_from is not None:
-                    self.n_answered += 1
                 if self.n_measured > measured_before:
                     idle = 0
                 else:
@@ -673,7 +661,7 @@ class StudyRunner:
             self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
             state, values, config, reason, answered = "FAIL", None, trial.user_attrs.get("config", {}), str(exc), None
         heartbeat.beat(None)
-        best = best_trial(self.prepared, self.study)
+        best = best_trial(self.study)
         return TrialEvent(
             number=trial.number,
             state=state,
@@ -1015,7 +1003,7 @@ def _predicted_drop(prepared: PreparedStudy, predictor: BaseBackend, config: Tri
     return None
 
 
-def best_trial(prepared_or_cfg: Any, study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     """The best feasible complete trial (first objective for a Pareto study)."""
     best = None
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
@@ -1032,7 +1020,7 @@ def summarize(prepared: PreparedStudy | None, study: optuna.Study) -> StudySumma
     """Counts and best trial of a study as stored."""
     trials = study.get_trials(deepcopy=False)
     states = [t.state for t in trials]
-    best = best_trial(prepared, study)
+    best = best_trial(study)
     n_answered = sum(1 for t in trials if t.user_attrs.get("answered_from") is not None)
     summary = StudySummary(
         study_name=study.study_name,

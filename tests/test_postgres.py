@@ -110,7 +110,7 @@ def test_two_workers_share_one_study(study_copy, tmp_path):
                             env=_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     best_report = json.loads(result.stdout)
-    direct = best_trial(None, study)
+    direct = best_trial(study)
     assert direct is not None
     assert best_report["best"] == json.loads(json.dumps(trial_record(direct), default=str))
     assert best_report["n_trials"] == len(trials)

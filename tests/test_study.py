@@ -106,11 +106,11 @@ def test_best_ignores_answered_copies(default_study_path, twin_plugin, storage):
     cfg = load_study_config(default_study_path)
     run_study(cfg, n_trials=3, storage=storage)
     study = load(storage, cfg.name)
-    best = study_mod.best_trial(None, study)
+    best = study_mod.best_trial(study)
     prepared = prepare_study(cfg, storage=storage)
     study.enqueue_trial(prepared.space.params_of(TrialConfig.from_dict(best.user_attrs["config"])))
     summary = run_study(cfg, n_trials=1, storage=storage)
-    assert summary.best["number"] == study_mod.best_trial(None, load(storage, cfg.name)).number
+    assert summary.best["number"] == study_mod.best_trial(load(storage, cfg.name)).number
     assert_consistent(load(storage, cfg.name))
     copy = [t for t in load(storage, cfg.name).trials if t.user_attrs.get("answered_from") == best.number]
     assert copy and summary.best["number"] != copy[0].number
