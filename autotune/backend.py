@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
     from autotune.measure import GpuTelemetry, Protocol, Stat
     from autotune.models import ModelSpec
+    from autotune.scoring import Scorer
 
 
 @dataclass(frozen=True)
@@ -257,3 +258,22 @@ class BaseBackend(abc.ABC):
     def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
         """Predicted metrics without running anything; only model backends implement it."""
         return None
+
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext) -> "Scorer":
+        """Load ``weights`` with KV-cache type ``cache_type`` for log-likelihood scoring.
+
+        Quality metrics use only this (see ``autotune.scoring``); a backend that implements it
+        gets MMLU, C-Eval and the KL-divergence proxy without further work.
+
+        Raises:
+            ScoringUnsupportedError: This backend has no scoring API (the default).
+            ScoringError: The artifact could not be loaded for scoring.
+        """
+        from autotune.scoring import ScoringUnsupportedError
+
+        raise ScoringUnsupportedError(f"backend '{self.name}' has no scoring API (it does not implement scorer())")
+
+    @property
+    def supports_scoring(self) -> bool:
+        """Whether ``scorer`` is implemented (metrics' ``supports`` checks this)."""
+        return type(self).scorer is not BaseBackend.scorer
