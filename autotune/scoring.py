@@ -81,10 +81,10 @@ class Scorer(abc.ABC):
     def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[LogLikelihood]:
         """Score continuations, in order; a batch so that an engine can share work.
 
-        The context is tokenized with a beginning-of-sequence token, the continuation without
-        one, and the two token lists are concatenated (so a continuation starting with a space
-        is the same tokens it would be in running text, as lm-eval's own adapters do). When the
-        total exceeds ``n_ctx``, the context is cut from the left.
+        The continuation's tokens are those that ``context + continuation`` (tokenized whole,
+        with a beginning-of-sequence token) has after the context's own tokens, as lm-eval's
+        adapters split them, so that an answer such as ``" B"`` gets the tokens it has in
+        running text. When the total exceeds ``n_ctx``, the context is cut from the left.
 
         Args:
             requests: ``(context, continuation)`` pairs; the continuation is non-empty.

@@ -459,6 +459,12 @@ class LlamaServerBackend(BaseBackend):
         except AutotuneError as exc:
             raise BackendError(str(exc)) from exc
 
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        """Log-likelihoods of ``weights`` through llama-cpp-python on this engine's build."""
+        from autotune_plugins.llama_server.scoring import LlamaCppScorer
+
+        return LlamaCppScorer(self.weights_path(weights, ctx), cache_type, ctx.settings)
+
     def engine_version(self) -> str:
         try:
             return engine.engine_version(self.binary()).label
