@@ -1,0 +1,114 @@
+"""Log-probabilities from ExLlamaV2's forward pass, for the quality metrics (``autotune.scoring``).
+
+The model runs in a worker process, the same one trials use, not in autotune's process:
+torch and exllamav2 stay out of autotune (CI and the study runner never import them), a
+CUDA failure ends the scorer rather than the study, and ``close()`` frees every byte of VRAM
+by ending the process. Scoring goes through a cache of the artifact's KV-cache mode, so a
+quantized cache's damage is part of what is measured. Whole next-token distributions are
+too large for a JSON line; the worker saves them as ``.npy`` files in a directory of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from autotune.backend import StudyContext
+from autotune.errors import BackendError
+from autotune.scoring import LogLikelihood, Scorer, ScoringError
+
+from autotune_plugins.exllamav2.worker_process import WorkerProcess
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+
+    from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
+
+__all__ = ["ExLlamaV2Scorer"]
+
+DEFAULT_SCORING_CTX = 2048
+
+
+class ExLlamaV2Scorer(Scorer):
+    """A :class:`~autotune.scoring.Scorer` over one worker that holds the model."""
+
+    def __init__(self, worker: WorkerProcess, tmp_dir: Path, n_vocab: int, n_ctx: int, description: str,
+                 request_timeout_s: float):
+        self.worker = worker
+        self.tmp_dir = tmp_dir
+        self.n_vocab = n_vocab
+        self.n_ctx = n_ctx
+        self.description = description
+        self.request_timeout_s = request_timeout_s
+        self._closed = False
+
+    @classmethod
+    def open(cls, backend: "ExLlamaV2Backend", weights: str, cache_type: str, ctx: StudyContext) -> "ExLlamaV2Scorer":
+        """Start a worker and load ``weights`` with a ``cache_type`` cache of ``scoring_ctx`` tokens.
+
+        Raises:
+            ScoringError: The weights are unusable or the worker could not load them.
+        """
+        problem = backend.check_weights(weights, ctx)
+        if problem:
+            raise ScoringError(problem)
+        path = backend.weights_path(weights, ctx)
+        model = backend._model_of(path)
+        n_ctx = min(int(ctx.settings.get("scoring_ctx", DEFAULT_SCORING_CTX)), model.max_context)
+        tmp = Path(tempfile.mkdtemp(prefix="autotune-exllamav2-score-"))
+        try:
+            worker = backend.start_worker(ctx, tmp)
+            try:
+                loaded = backend.load(worker, path, cache_type, n_ctx, 1, ctx, purpose="score")
+            except BaseException:
+                worker.stop()
+                raise
+        except BackendError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ScoringError(f"exllamav2 scorer for {path}: {exc}") from exc
+        n_cache = int(loaded.get("settings", {}).get("cache_max_seq_len", n_ctx))
+        return cls(worker, tmp, model.vocab_size, min(n_ctx, n_cache),
+                   f"{path.name} (exl2, cache {cache_type.upper()}, attention "
+                   f"{loaded.get('attention', {}).get('path', 'unknown')})",
+                   float(ctx.settings.get("request_timeout_s", 600)))
+
+    def _ask(self, op: str, **fields):
+        if self._closed:
+            raise ScoringError(f"scorer {self.description} is closed")
+        try:
+            return self.worker.request(op, self.request_timeout_s, **fields)
+        except BackendError as exc:
+            raise ScoringError(str(exc)) from exc
+
+    def tokenize(self, text: str, *, add_bos: bool = False) -> list[int]:
+        return [int(t) for t in self._ask("tokenize", text=text, add_bos=add_bos)["tokens"]]
+
+    def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[LogLikelihood]:
+        reply = self._ask("loglikelihood", requests=[[c, x] for c, x in requests])
+        return [LogLikelihood(float(r["logprob"]), bool(r["is_greedy"]), int(r["n_tokens"]))
+                for r in reply["results"]]
+
+    def next_token_logprobs(self, tokens: Sequence[int]) -> "np.ndarray":
+        import numpy as np
+
+        reply = self._ask("next_token_logprobs", tokens=[int(t) for t in tokens], out_dir=str(self.tmp_dir))
+        path = Path(reply["array_path"])
+        try:
+            return np.load(path)
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.worker.stop()
+        finally:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)

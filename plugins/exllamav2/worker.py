@@ -1,0 +1,317 @@
+"""The ExLlamaV2 worker process: ``python -m autotune_plugins.exllamav2.worker``.
+
+One worker serves one trial (or one scorer): it loads the EXL2 model with the trial's cache
+mode and ``max_seq_len``, then answers the parent's requests (:mod:`.protocol`) until told to
+exit or until its stdin closes. torch and exllamav2 are imported here only, on ``load``, so
+autotune itself never needs them, and a CUDA crash or an out-of-memory kill takes down this
+process, not the study.
+
+What runs (ExLlamaV2 0.3.2):
+
+* ``ExLlamaV2Config(model_dir)`` with ``max_seq_len`` = the trial's ctx padded to a page;
+  the cache class of the mode (``ExLlamaV2Cache`` / ``_Q8`` / ``_Q6`` / ``_Q4``) built
+  lazily and allocated by ``model.load_autosplit``, which fills the GPU the parent chose
+  through ``CUDA_VISIBLE_DEVICES``;
+* ``ExLlamaV2DynamicGenerator(max_batch_size=parallel, paged=...)``, or batched forward
+  passes for ``parallel > 1`` without paged attention (see :mod:`.generator_settings`).
+
+The attention path is what ``exllamav2.attn`` found at import (``has_flash_attn``,
+``has_flash_attn_with_paged``, ``has_xformers``, ``has_lower_right_sdpa``) as the model's
+config left it enabled, in the order ``ExLlamaV2Attention`` picks: flash-attn, xformers,
+Torch SDPA (lower-right causal mask), plain matmul.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from autotune.errors import BackendError, ConfigError
+from autotune.measure import ConcurrentResult, StreamResult
+
+from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
+from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, encode, serve
+
+__all__ = ["Engine", "attention_path", "main", "prompt_ids", "sample_metrics"]
+
+CACHE_CLASSES = {"fp16": "ExLlamaV2Cache", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6",
+                 "q4": "ExLlamaV2Cache_Q4"}
+# First token ids of generated prompts start above the byte/special range of common
+# vocabularies; only a distinct first token per request matters (no shared cache pages).
+FIRST_TOKEN_BASE = 1000
+
+
+def attention_path(flags: Mapping[str, bool], paged: bool) -> str:
+    """The attention kernel ExLlamaV2 runs, named as trials record it.
+
+    Args:
+        flags: ``flash_attn``, ``xformers``, ``sdpa`` availability, each already AND-ed with
+            the model config's ``no_*`` switches.
+        paged: Whether the dynamic generator runs paged (flash_attn_with_kvcache over pages).
+    """
+    if paged:
+        return "flash_attn_paged"
+    if flags.get("flash_attn"):
+        return "flash_attn"
+    if flags.get("xformers"):
+        return "xformers"
+    if flags.get("sdpa"):
+        return "sdpa"
+    return "matmul"
+
+
+def prompt_ids(base: Sequence[int], n_tokens: int, serial: int, vocab: int) -> list[int]:
+    """``n_tokens`` prompt ids: ``base`` repeated, with a first token unique to ``serial``.
+
+    The dynamic generator reuses cache pages whose token hashes match (prefix caching); a
+    different first token changes every page's hash, so each request really prefills.
+    """
+    if n_tokens < 1:
+        raise ConfigError(f"prompt of {n_tokens} tokens: must be >= 1")
+    if not base:
+        raise BackendError("the tokenizer returned no tokens for the prompt text")
+    ids = [base[i % len(base)] for i in range(n_tokens)]
+    span = max(1, vocab - FIRST_TOKEN_BASE)
+    ids[0] = FIRST_TOKEN_BASE + serial % span if vocab > FIRST_TOKEN_BASE else serial % vocab
+    return ids
+
+
+def sample_metrics(single: StreamResult, together: ConcurrentResult) -> dict[str, float]:
+    """One run's numbers, with the keys every backend reports (see ``autotune.backend.Measurement``)."""
+    return {
+        "decode_tok_s": single.decode_tok_s,
+        "prefill_tok_s": single.prefill_tok_s,
+        "ttft_ms": single.ttft_ms,
+        "aggregate_tok_s": together.aggregate_tok_s,
+        "per_user_tok_s": together.per_user_tok_s,
+    }
+
+
+PROMPT_TEXT = (
+    "Once upon a time, in a small town by the sea, there lived an old clockmaker who repaired "
+    "every watch the fishermen brought him. Each morning he opened his shop, swept the floor, "
+    "and listened to the ticking of a hundred clocks. "
+)
+
+
+class Engine:
+    """The loaded model and what runs it; every torch/exllamav2 import happens in ``load``."""
+
+    def __init__(self) -> None:
+        self.settings: GeneratorSettings | None = None
+        self.serial = 0
+
+    # -------------------------------------------------------------- load
+
+    def load(self, req: dict[str, Any]) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            import torch
+            import exllamav2
+            from exllamav2 import attn as exl2_attn
+        except ImportError as exc:
+            raise BackendError(
+                f"exllamav2 is not importable by {sys.executable} ({exc}): "
+                f"pip install 'autotune[exllamav2]' (exllamav2==0.3.2, torch>=2.3), or set "
+                f"[backends.exllamav2] python to an interpreter that has it") from exc
+        from exllamav2 import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer
+        from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+        if not torch.cuda.is_available():
+            raise BackendError("torch sees no CUDA device (ExLlamaV2 runs on CUDA/ROCm GPUs only)")
+        self.torch = torch
+        paged_ok = bool(exl2_attn.has_flash_attn_with_paged) and req.get("paged", "auto") is not False
+        config = ExLlamaV2Config(str(req["model_dir"]))
+        if not paged_ok and req.get("paged") is True:
+            raise BackendError("paged = true, but paged attention needs flash-attn >= 2.5.7, "
+                               "which exllamav2 did not find")
+        settings = generator_settings(req["cache_type"], int(req["ctx"]), int(req["parallel"]),
+                                      paged_ok and not config.no_flash_attn)
+        config.max_seq_len = settings.max_seq_len
+        model = ExLlamaV2(config)
+        cache_cls = getattr(exllamav2, CACHE_CLASSES[settings.cache_type])
+        cache = cache_cls(model, batch_size=settings.cache_batch_size,
+                          max_seq_len=settings.cache_max_seq_len, lazy=True)
+        model.load_autosplit(cache, last_id_only=True)
+        tokenizer = ExLlamaV2Tokenizer(config)
+        self.model, self.cache, self.tokenizer, self.settings = model, cache, tokenizer, settings
+        self.vocab = tokenizer.get_vocab_size()
+        self.base_ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)[0].tolist()
+        self.generator = None
+        if settings.mode == "dynamic" and req.get("purpose", "measure") == "measure":
+            self.generator = ExLlamaV2DynamicGenerator(
+                model=model, cache=cache, tokenizer=tokenizer, max_batch_size=settings.max_batch_size,
+                max_seq_len=settings.max_seq_len, paged=settings.paged)
+            self.generator.warmup()  # kernel autotuning, per the generator's own docstring
+        flags = {
+            "flash_attn": bool(exl2_attn.has_flash_attn) and not config.no_flash_attn,
+            "xformers": bool(exl2_attn.has_xformers) and not config.no_xformers,
+            "sdpa": bool(exl2_attn.has_lower_right_sdpa) and not config.no_sdpa,
+        }
+        torch.cuda.synchronize()
+        flash_version = getattr(sys.modules.get("flash_attn"), "__version__", None)
+        return {
+            "settings": settings.to_dict(),
+            "attention": {"path": attention_path(flags, settings.paged), "paged": settings.paged,
+                          "mode": settings.mode, "flash_attn_version": flash_version, **flags},
+            "engine_version": exllamav2.__version__,
+            "torch_version": torch.__version__,
+            "cuda_device": torch.cuda.get_device_name(0),
+            "vocab_size": self.vocab,
+            "load_s": time.monotonic() - started,
+            "allocated_bytes_after_load": int(torch.cuda.memory_allocated()),
+            "reserved_bytes_after_load": int(torch.cuda.memory_reserved()),
+        }
+
+    def _require(self) -> GeneratorSettings:
+        if self.settings is None:
+            raise BackendError("no model loaded: send 'load' first")
+        return self.settings
+
+    def _next_prompt(self, n_tokens: int) -> list[int]:
+        self.serial += 1
+        return prompt_ids(self.base_ids, n_tokens, self.serial, self.vocab)
+
+    # -------------------------------------------------------------- generation
+
+    def _dynamic(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        torch = self.torch
+        gen = self.generator
+        gen.reset_page_table()  # forget cached pages: every run prefills its prompts
+        greedy = ExLlamaV2Sampler.Settings.greedy()
+        start = time.monotonic()
+        for i in range(n_jobs):
+            ids = torch.tensor([self._next_prompt(prompt_tokens)], dtype=torch.long)
+            # No stop_conditions: the job runs to max_new_tokens, like ignore_eos.
+            gen.enqueue(ExLlamaV2DynamicJob(input_ids=ids, max_new_tokens=output_tokens,
+                                            gen_settings=greedy, identifier=i))
+        first: dict[int, float] = {}
+        end: dict[int, float] = {}
+        n_out: dict[int, int] = {}
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                if r.get("stage") != "streaming":
+                    continue
+                now = time.monotonic()
+                i = r["identifier"]
+                ids = r.get("token_ids")
+                if ids is not None and ids.numel():
+                    first.setdefault(i, now)
+                if r.get("eos"):
+                    end[i] = now
+                    n_out[i] = int(r.get("new_tokens", 0))
+        return [StreamResult.from_timestamps(prompt_tokens, n_out[i], start, first.get(i, end[i]), end[i])
+                for i in range(n_jobs)]
+
+    def _batched(self, n_rows: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
+        torch = self.torch
+        model, cache = self.model, self.cache
+        ids = torch.tensor([self._next_prompt(prompt_tokens) for _ in range(n_rows)], dtype=torch.long)
+        cache.current_seq_len = 0
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        with torch.inference_mode():
+            if prompt_tokens > 1:
+                model.forward(ids[:, :-1], cache, preprocess_only=True)
+            logits = model.forward(ids[:, -1:], cache)
+            token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True)
+            torch.cuda.synchronize()
+            first = time.monotonic()
+            for _ in range(output_tokens - 1):
+                logits = model.forward(token, cache)
+                token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True)
+            torch.cuda.synchronize()
+        end = time.monotonic()
+        return [StreamResult.from_timestamps(prompt_tokens, output_tokens, start, first, end)
+                for _ in range(n_rows)]
+
+    def sample(self, req: dict[str, Any]) -> dict[str, Any]:
+        settings = self._require()
+        prompt, output = int(req["prompt_tokens"]), int(req["output_tokens"])
+        if prompt + output > settings.max_seq_len:
+            raise ConfigError(f"prompt {prompt} + output {output} tokens exceed max_seq_len {settings.max_seq_len}")
+        run = self._dynamic if settings.mode == "dynamic" else self._batched
+        single = run(1, prompt, output)[0]
+        t0 = time.monotonic()
+        streams = run(settings.max_batch_size, prompt, output)
+        together = ConcurrentResult(streams=tuple(streams), wall_s=time.monotonic() - t0)
+        torch = self.torch
+        return {
+            "metrics": sample_metrics(single, together),
+            "streams": [vars(s).copy() for s in streams],
+            "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        }
+
+    # -------------------------------------------------------------- scoring
+
+    def tokenize(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._require()
+        ids = self.tokenizer.encode(str(req["text"]), add_bos=bool(req.get("add_bos", False)))
+        return {"tokens": ids[0].tolist()}
+
+    def _logprobs(self, tokens: Sequence[int]):
+        """log-softmax rows for every prefix of ``tokens``, through the trial's cache type."""
+        torch = self.torch
+        settings = self._require()
+        if not 1 <= len(tokens) <= settings.cache_max_seq_len:
+            raise ConfigError(f"{len(tokens)} tokens: score between 1 and {settings.cache_max_seq_len}")
+        self.cache.current_seq_len = 0
+        with torch.inference_mode():
+            ids = torch.tensor([list(tokens)], dtype=torch.long)
+            logits = self.model.forward(ids, self.cache)[0, :, : self.model.config.vocab_size].float()
+            return torch.log_softmax(logits, dim=-1)
+
+    def next_token_logprobs(self, req: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+
+        rows = self._logprobs(req["tokens"]).cpu().numpy()
+        # Whole distributions are too big for a JSON line: they go through a file.
+        fd, path = tempfile.mkstemp(suffix=".npy", dir=req.get("out_dir") or None)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, rows.astype(np.float32))
+        return {"array_path": path, "shape": list(rows.shape)}
+
+    def loglikelihood(self, req: dict[str, Any]) -> dict[str, Any]:
+        settings = self._require()
+        out = []
+        for context, continuation in req["requests"]:
+            ctx_ids = self.tokenizer.encode(context, add_bos=True)[0].tolist()
+            cont_ids = self.tokenizer.encode(continuation, add_bos=False)[0].tolist()
+            if not cont_ids:
+                raise ConfigError(f"continuation {continuation[:40]!r} has no tokens")
+            tokens = (ctx_ids + cont_ids)[-settings.cache_max_seq_len:]
+            n = len(cont_ids)
+            rows = self._logprobs(tokens)
+            # Row i predicts token i+1: the continuation's tokens are predicted by the rows before them.
+            pred = rows[len(tokens) - n - 1: len(tokens) - 1]
+            target = self.torch.tensor(tokens[-n:], device=pred.device)
+            logprob = float(pred.gather(1, target[:, None]).sum())
+            greedy = bool((pred.argmax(dim=-1) == target).all())
+            out.append({"logprob": logprob, "is_greedy": greedy, "n_tokens": n})
+        return {"results": out}
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Mapping[str, Any]]]:
+        return {"load": self.load, "sample": self.sample, "tokenize": self.tokenize,
+                "loglikelihood": self.loglikelihood, "next_token_logprobs": self.next_token_logprobs}
+
+
+def main() -> int:
+    # The protocol keeps the original stdout to itself; fd 1 then points at stderr, so that
+    # whatever the engine prints (Python or C++) lands in the log, not in the protocol.
+    protocol_out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    protocol_out.write(encode({"event": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
+                               "python": platform.python_version(), "executable": sys.executable}))
+    return serve(Engine().handlers(), sys.stdin.buffer, protocol_out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

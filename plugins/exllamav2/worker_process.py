@@ -1,0 +1,235 @@
+"""The parent's side of one worker: start it, ask it things with a timeout, always end it.
+
+A worker runs in its own session (process group) and gets SIGKILL from the kernel when
+autotune dies (``PR_SET_PDEATHSIG``, as llama-server does). A worker that exits (a crash, a
+signal such as the OOM killer's) or stays silent past a phase's timeout ends the trial with a
+:class:`~autotune.errors.BackendError` carrying the reason and the tail of its stderr, and its
+whole process group is killed, also on ``atexit`` and on SIGTERM to autotune.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from autotune.errors import BackendError
+
+from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
+# One implementation of "stop a process group" and "die with the parent" for every plugin
+# that launches engines.
+from autotune_plugins.llama_server.backend import _die_with_parent, _stop
+
+__all__ = ["WorkerProcess", "default_worker_command", "kill_live_workers", "live_workers"]
+
+_LIVE: set["WorkerProcess"] = set()
+_LIVE_LOCK = threading.Lock()
+_HANDLERS_INSTALLED = False
+_EOF = object()
+
+
+def default_worker_command(python: str | None = None) -> list[str]:
+    """``python -m autotune_plugins.exllamav2.worker`` with autotune's interpreter by default."""
+    return [python or sys.executable, "-u", "-m", "autotune_plugins.exllamav2.worker"]
+
+
+def live_workers() -> set["WorkerProcess"]:
+    """Workers this process started and has not stopped yet."""
+    with _LIVE_LOCK:
+        return set(_LIVE)
+
+
+def kill_live_workers() -> None:
+    """Stop every worker still registered (atexit, SIGTERM)."""
+    for worker in live_workers():
+        try:
+            worker.stop(timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - best effort while exiting
+            pass
+
+
+def _install_handlers() -> None:
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED:
+        return
+    atexit.register(kill_live_workers)
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            kill_live_workers()
+            if callable(previous):  # e.g. llama-server's handler, which then re-raises
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+    _HANDLERS_INSTALLED = True
+
+
+def _tail(path: Path, n_lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-n_lines:])
+
+
+def _exit_text(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+class WorkerProcess:
+    """One running worker: its process, its protocol stream and its stderr log.
+
+    Args:
+        command: The worker's command line (tests pass fake workers).
+        log_path: File that receives the worker's stderr.
+        env: Its environment (default: ours).
+        name: What to call it in messages.
+    """
+
+    def __init__(self, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+                 name: str = "exllamav2 worker"):
+        self.command = list(command)
+        self.log_path = Path(log_path)
+        self.env = env
+        self.name = name
+        self.proc: subprocess.Popen | None = None
+        self.hello: dict[str, Any] = {}
+        self._replies: queue.Queue = queue.Queue()
+        self._ids = itertools.count(1)
+        self._stray: list[str] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self, timeout_s: float) -> dict[str, Any]:
+        """Launch the worker and wait for its hello.
+
+        Raises:
+            BackendError: It could not be started, died, or said nothing in ``timeout_s``.
+        """
+        _install_handlers()
+        with open(self.log_path, "wb") as log, _LIVE_LOCK:
+            try:
+                self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=log, env=self.env, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
+            except OSError as exc:
+                raise BackendError(f"{self.name} could not be started ({' '.join(self.command)}): {exc}") from exc
+            _LIVE.add(self)
+        threading.Thread(target=self._read, daemon=True, name=f"autotune-exl2-reader-{self.proc.pid}").start()
+        hello = self._next(timeout_s, "start (hello)")
+        if hello.get("event") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
+            raise self.failure(f"spoke another protocol: first message {hello!r}, expected a hello "
+                               f"of protocol {PROTOCOL_VERSION}")
+        self.hello = hello
+        return hello
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if not line.strip():
+                continue
+            try:
+                self._replies.put(decode(line))
+            except ProtocolError as exc:
+                # Not fatal by itself: keep it for the error message if no answer comes.
+                self._stray.append(str(exc))
+        self._replies.put(_EOF)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to exit, then make sure its whole process group is gone."""
+        proc = self.proc
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None and proc.stdin is not None:
+                try:
+                    proc.stdin.write(encode({"id": 0, "op": "exit"}))
+                    proc.stdin.flush()
+                    proc.wait(timeout=min(2.0, timeout_s))
+                except (OSError, ValueError, subprocess.TimeoutExpired):
+                    pass
+            _stop(proc, timeout_s=timeout_s)  # SIGTERM, SIGKILL, and the group's leftovers
+        finally:
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    if stream is not None:
+                        stream.close()
+                except OSError:
+                    pass
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
+
+    # -------------------------------------------------------------- requests
+
+    def failure(self, what: str) -> BackendError:
+        """A BackendError for ``what``, with the worker's exit status and stderr tail; kills it."""
+        rc = self.proc.poll() if self.proc is not None else None
+        status = f"{self.name} {_exit_text(rc)}" if rc is not None else f"{self.name} (pid {self.pid})"
+        self.stop(timeout_s=5.0)
+        tail = _tail(self.log_path)
+        last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
+        extra = f"; it printed on its protocol stream: {self._stray[-1]}" if self._stray else ""
+        reason = f": {last}" if last else " (nothing on stderr)"
+        return BackendError(f"{status}: {what}{reason}{extra}", log_tail=tail)
+
+    def _next(self, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            message = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise self.failure(f"no answer to {what} within {timeout_s:g} s (hung; killed)") from None
+        if message is _EOF:
+            if self.proc is not None:
+                try:
+                    self.proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise self.failure(f"died during {what}")
+        return message
+
+    def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its answer.
+
+        Raises:
+            BackendError: The worker answered with an error (it stays alive), died, or hung
+                (it is killed); the message says which, with the worker's own reason.
+        """
+        if self.proc is None or self.proc.stdin is None:
+            raise BackendError(f"{self.name} was not started")
+        request_id = next(self._ids)
+        try:
+            self.proc.stdin.write(encode({"id": request_id, "op": op, **fields}))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise self.failure(f"died before '{op}' could be sent") from None
+        while True:
+            reply = self._next(timeout_s, f"'{op}'")
+            if reply.get("id") == request_id:
+                break
+        if not reply.get("ok"):
+            error = BackendError(f"{self.name}: '{op}' failed: {reply.get('type', 'Error')}: "
+                                 f"{reply.get('error', 'no reason given')}",
+                                 log_tail=str(reply.get("traceback") or _tail(self.log_path)))
+            raise error
+        return reply
