@@ -19,6 +19,13 @@ from autotune.errors import ConfigError
 
 SAMPLERS = ("tpe", "random", "grid", "nsga2")
 OBJECTIVE_MODES = ("single", "pareto")
+# [quality] table: field -> (min, max or None, what it is). Metrics that sample a benchmark
+# read them; the shipped samples hold 10 items and 5 dev examples per subject.
+QUALITY_OPTIONS = {
+    "per_subject": (1, 10, "items per subject (the shipped samples hold 10)"),
+    "shots": (0, 5, "dev examples before each question (0..5)"),
+    "seed": (0, None, "chooses the per-subject subset"),
+}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh])\s*$")
 
 
@@ -82,6 +89,7 @@ class StudyConfig:
     objective: Objective
     backend_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     description: str = ""
+    quality_options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def base_dir(self) -> Path:
@@ -177,6 +185,10 @@ def _at_least(n: float) -> Callable[[Any], str | None]:
     return lambda v: None if v >= n else f"must be >= {n}"
 
 
+def _between(low: int, high: int) -> Callable[[Any], str | None]:
+    return lambda v: None if low <= v <= high else f"must be {low}..{high}"
+
+
 def _one_of(options: tuple[str, ...]) -> Callable[[Any], str | None]:
     return lambda v: None if v in options else f"must be one of {', '.join(options)}"
 
@@ -206,6 +218,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     r = _Reader(source, doc)
     r.unknown_keys("", {k: v for k, v in doc.items()}, {
         "study", "hardware", "model", "workload", "measure", "candidates", "space", "objective", "backends",
+        "quality",
     })
 
     study = r.table("study")
@@ -312,6 +325,19 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     if objective.mode == "pareto" and sampler == "tpe":
         sampler = "nsga2"  # TPE handles several objectives too, but NSGA-II is the Pareto workhorse
 
+    # How the quality metric samples its benchmark; part of its cache key, so two studies with
+    # the same settings share nothing by accident and a change re-measures.
+    quality_t = r.table("quality")
+    r.unknown_keys("quality", quality_t, set(QUALITY_OPTIONS))
+    quality_options = {}
+    for key, (low, high, what) in QUALITY_OPTIONS.items():
+        check = _at_least(low) if high is None else _between(low, high)
+        value = r.get("quality", quality_t, key, int, None, accepted=what, check=check)
+        if value is not None:
+            quality_options[key] = value
+    if quality_t and objective.quality is None:
+        r.errors.append(f"{source}: [quality] is set but [objective] quality is missing: name the metric it configures")
+
     backends_t = r.table("backends")
     backend_settings = {}
     for key, value in backends_t.items():
@@ -345,4 +371,5 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         objective=objective,
         backend_settings=backend_settings,
         description=str(study.get("description", "")),
+        quality_options=quality_options,
     )

