@@ -19,9 +19,13 @@ def shared_file(relative: str) -> Path:
     """A file of the project's shared/ folder (test data kept outside the repository).
 
     Looked for under $AUTOTUNE_SHARED, then ../shared beside the checkout (where CI puts it),
-    then /work/shared; the test is skipped when none has it.
+    then /work/shared, then tests/data (the small files the tests cannot do without, shipped
+    with their licences); the test is skipped when none has it.
     """
     roots = [os.environ.get("AUTOTUNE_SHARED"), REPO.parent / "shared", "/work/shared"]
+    shipped = REPO / "tests" / "data" / Path(relative).name
+    if shipped.is_file() and not any(root and (Path(root) / relative).is_file() for root in roots):
+        return shipped
     for root in roots:
         if root and (Path(root) / relative).is_file():
             return Path(root) / relative

@@ -355,8 +355,9 @@ class LlamaServerBackend(BaseBackend):
         return ref
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
+        # Absolute: the server and the deploy command must not depend on the working directory.
         p = Path(weights).expanduser()
-        return p if p.is_absolute() else Path(ctx.base_dir) / p
+        return (p if p.is_absolute() else Path(ctx.base_dir) / p).absolute()
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         p = self.weights_path(weights, ctx)
@@ -562,6 +563,7 @@ class LlamaServerBackend(BaseBackend):
             first = None
             n_out = 0
             n_prompt = len(prompt)
+            timings: dict[str, Any] = {}
             with requests.post(f"{server.url}/completion", json=body(1000 + i, True), timeout=request_s,
                                stream=True) as r:
                 if r.status_code != 200:
@@ -579,7 +581,13 @@ class LlamaServerBackend(BaseBackend):
             end = time.monotonic()
             if first is None:
                 first = end
-            return StreamResult.from_timestamps(n_prompt, n_out, start, first, end)
+            client = StreamResult.from_timestamps(n_prompt, n_out, start, first, end)
+            if not timings.get("predicted_per_second"):
+                return client
+            # The server's own clock for the rates: on a fast model a whole burst of tokens
+            # arrives in one read, and the client's gaps measure the socket, not the decode.
+            return StreamResult(n_prompt, n_out, client.ttft_ms, float(timings["predicted_per_second"]),
+                                float(timings.get("prompt_per_second") or client.prefill_tok_s), start, end)
 
         single(-1)  # warm-up: allocator, caches, CUDA graphs
         counter = iter(range(10**9))

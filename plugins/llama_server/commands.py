@@ -116,8 +116,12 @@ def add_engine_commands(cli: click.Group) -> None:
                   help="A llama-cpp-python source distribution (.tar.gz or extracted) to build, "
                        "for machines without network.")
     @click.option("--force", is_flag=True, help="Rebuild even if a complete build exists.")
+    @click.option("--cpu", "cpu_only", is_flag=True, help="CPU-only build (same as --cuda-arch cpu).")
+    @click.option("--python", "python_bindings", is_flag=True,
+                  help="Also install llama-cpp-python into this environment on top of the build "
+                       "(no second compile): the in-process engine quality scoring uses.")
     def build(engine: str, cuda_arch: str, jobs: int | None, cache_dir: Path | None, sdist: Path | None,
-              force: bool) -> None:
+              force: bool, cpu_only: bool, python_bindings: bool) -> None:
         """Build ENGINE (llama.cpp: llama-server and llama-quantize) for this machine's GPU.
 
         The sources are the llama.cpp tree vendored in llama-cpp-python's source distribution
@@ -126,9 +130,11 @@ def add_engine_commands(cli: click.Group) -> None:
         """
         from autotune_plugins.llama_server import engine as engine_mod
 
+        if cpu_only and cuda_arch not in ("auto", "cpu"):
+            raise _InputError(f"--cpu and --cuda-arch {cuda_arch} contradict each other: give one of them")
         started = time.monotonic()
         with _errors(), _BuildProgress() as progress:
-            result = engine_mod.build_llama_cpp(cuda_arch, jobs=jobs, cache_dir=cache_dir, sdist=sdist,
+            result = engine_mod.build_llama_cpp("cpu" if cpu_only else cuda_arch, jobs=jobs, cache_dir=cache_dir, sdist=sdist,
                                                 force=force, progress=progress, status=progress.status)
         version = result.manifest.get("version", {})
         label = engine_mod.EngineVersion(**version).label if version else "llama.cpp"
@@ -139,6 +145,10 @@ def add_engine_commands(cli: click.Group) -> None:
         click.echo(f"  libraries:      {result.lib_dir}  (LLAMA_CPP_LIB_PATH for llama-cpp-python "
                    f"{result.manifest.get('llama_cpp_python', '')})")
         click.echo(f"  build log:      {result.install_dir / 'build.log'}")
+        if python_bindings:
+            with _errors(), (result.install_dir / "build.log").open("a", encoding="utf-8") as log:
+                installed = engine_mod.install_python_bindings(result, cache_dir=cache_dir, log=log)
+            click.echo(f"  llama-cpp-python {installed} installed, loading {result.lib_dir}")
 
     @group.command("list")
     @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,

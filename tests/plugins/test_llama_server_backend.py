@@ -23,6 +23,7 @@ from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
 from tests.conftest import REPO, plugin_registered, shared_file
+from tests.engine_fixtures import llama_server_binary, missing
 
 from autotune_plugins.llama_server import backend as lsb
 from autotune_plugins.llama_server import engine
@@ -34,10 +35,7 @@ FAST = Protocol(warmup_runs=0, min_runs=1, max_runs=2, rel_spread_tol=0.5)
 
 @pytest.fixture(scope="module")
 def server_binary() -> Path:
-    try:
-        return engine.find_llama_server({})
-    except AutotuneError as exc:
-        pytest.skip(f"no llama-server: {exc}")
+    return llama_server_binary()
 
 
 @pytest.fixture
@@ -244,7 +242,7 @@ def test_cpu_tiny_study_runs(server_binary, tmp_path):
     try:
         quantize(f16, "Q8_0", out=tmp_path / "models" / "tiny-q8_0.gguf", timeout_s=60)
     except AutotuneError as exc:
-        pytest.skip(f"no llama-quantize: {exc}")
+        missing(f"no llama-quantize ({exc})")
     shutil.copy(REPO / "studies" / "cpu-tiny.toml", tmp_path / "cpu-tiny.toml")
     with plugin_registered(plugin, "llama_server"):
         cfg_ = load_study_config(tmp_path / "cpu-tiny.toml")

@@ -20,6 +20,7 @@ from autotune.errors import ConfigError
 from autotune.models import model_from_gguf
 from autotune_plugins.llama_server import engine, synth
 from autotune_plugins.llama_server.synth import SynthSpec, write_model
+from tests.engine_fixtures import cpu_build
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = SynthSpec(arch="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, context_length=2048)
@@ -36,7 +37,7 @@ def stories() -> Path:
     for d in _shared_dirs():
         if (d / "models" / "stories260K.gguf").is_file():
             return d / "models" / "stories260K.gguf"
-    pytest.skip("stories260K.gguf not found under $AUTOTUNE_SHARED, ../shared or /work/shared")
+    return shared_file("models/stories260K.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +49,8 @@ def tiny(stories, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def built_engine():
-    """A complete llama.cpp build in the default cache, or skip."""
-    builds = engine.built_engines()
-    if not builds:
-        pytest.skip("no llama.cpp build: run `autotune engine build llama.cpp` first")
-    # The CPU build runs anywhere; a CUDA build needs its card.
-    return next((b for b in builds if b.manifest.get("arch") == "cpu"), builds[0])
+    """A complete llama.cpp build in the default cache (skip, or fail in CI)."""
+    return cpu_build()
 
 
 @pytest.fixture

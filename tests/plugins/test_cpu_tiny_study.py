@@ -1,0 +1,147 @@
+"""studies/cpu-tiny.toml as a user runs it: `autotune study` on real llama-server processes.
+
+The models folder is built as the study file's header says (stories260K plus a synthetic
+13M-parameter Llama in F16, Q8_0 and Q4_0). These tests need a llama.cpp build; CI makes one
+before pytest and sets AUTOTUNE_REQUIRE_ENGINE=1, so there they fail rather than skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware import get_gpu
+from autotune.measure import Protocol
+from autotune.models import model_from_gguf
+from autotune_plugins.llama_server.backend import LlamaServerBackend
+from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
+from tests.conftest import REPO, shared_file
+from tests.engine_fixtures import cpu_build
+from tests.plugins.test_llama_server_backend import servers_on
+
+# The shape the study file's header gives to `autotune synth`.
+TINY = SynthSpec(arch="llama", n_layers=4, hidden=512, n_heads=8, n_kv_heads=4, ffn=1536, context_length=2048)
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory) -> Path:
+    build = cpu_build()
+    root = tmp_path_factory.mktemp("cpu-tiny")
+    models = root / "models"
+    models.mkdir()
+    shutil.copy(shared_file("models/stories260K.gguf"), models / "stories260K.gguf")
+    f16 = write_model(TINY, models / "tiny-f16.gguf", vocab_from=models / "stories260K.gguf", seed=0).path
+    for qtype in ("Q8_0", "Q4_0"):
+        quantize(f16, qtype, binary=build.quantize, timeout_s=120)
+    shutil.copy(REPO / "studies" / "cpu-tiny.toml", root / "cpu-tiny.toml")
+    return root
+
+
+def autotune_cmd(*args: str) -> list[str]:
+    # The console script of this environment, run as a module so no PATH lookup is involved.
+    return [sys.executable, "-c", "from autotune.cli import main; main()", *args]
+
+
+def run_env() -> dict[str, str]:
+    # The subprocess loads plugins from entry points, as a user's does; pin which ones.
+    return dict(os.environ, AUTOTUNE_LOAD_PLUGINS="llama_server", PYTHONUNBUFFERED="1")
+
+
+def test_the_whole_study_on_real_servers(study_dir):
+    storage = f"sqlite:///{study_dir / 'full.db'}"
+    started = time.monotonic()
+    proc = subprocess.run(autotune_cmd("study", "cpu-tiny.toml", "--storage", storage, "--json"), cwd=study_dir,
+                          env=run_env(), capture_output=True, text=True, timeout=900)
+    seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    print(f"cpu-tiny: {seconds:.0f} s, {summary['n_complete']} measured")  # shown with -s / on failure
+
+    study = optuna.load_study(study_name="cpu-tiny", storage=storage)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) >= 20
+    for t in done:
+        m = t.user_attrs["metrics"]
+        # Real measurements: positive rates, a spread, several runs each, from the engine itself.
+        assert m["decode_tok_s"]["median"] > 0 and m["aggregate_tok_s"]["median"] > 0
+        assert m["aggregate_tok_s"]["n"] >= 3
+        assert t.user_attrs["engine"]["version"].startswith("llama.cpp")
+    # Every file in the space was loaded by the engine, and each in its own format.
+    assert {t.params["llama-server.weights"] for t in done} >= {
+        "models/tiny-f16.gguf", "models/tiny-f16-Q8_0.gguf", "models/tiny-f16-Q4_0.gguf", "models/stories260K.gguf"}
+    # Invalid combinations are never launched: a q8_0 cache on stories260K (head size 8).
+    for t in study.trials:
+        if t.params.get("llama-server.weights") == "models/stories260K.gguf" and \
+                t.params.get("llama-server.cache_type") == "q8_0":
+            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["reason"]
+    # The objective is plain aggregate tok/s: the best trial is the fastest one measured.
+    assert summary["best"]["metrics"]["aggregate_tok_s"] == pytest.approx(
+        max(t.user_attrs["metrics"]["aggregate_tok_s"]["median"] for t in done))
+    assert servers_on(study_dir / "models") == []
+
+
+def test_two_streams_serve_more_than_one(study_dir):
+    """Batching pays: on this 13M-parameter model two streams beat one in aggregate."""
+    model_path = study_dir / "models" / "tiny-f16-Q4_0.gguf"
+    ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(model_path),
+                       workload=Workload(prompt_tokens=128, output_tokens=64), vram_budget_bytes=15 * 2**30,
+                       protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=6, rel_spread_tol=0.15),
+                       settings={"threads": 2, "startup_timeout_s": 60}, base_dir=model_path.parent)
+    b = LlamaServerBackend()
+
+    def aggregate(parallel: int) -> float:
+        config = TrialConfig("llama-server", model_path.name, 512, parallel,
+                             (("cache_type", "f16"), ("flash_attn", True)))
+        return b.run(config, ctx).metrics["aggregate_tok_s"].median
+
+    one, two = aggregate(1), aggregate(2)
+    print(f"aggregate tok/s: parallel 1 {one:.0f}, parallel 2 {two:.0f} ({two / one:.2f}x)")
+    assert two > one
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_no_server_survives_autotune_interrupted_or_killed(study_dir, sig, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'killed.db'}"
+    child = subprocess.Popen(autotune_cmd("study", "cpu-tiny.toml", "--storage", storage), cwd=study_dir,
+                             env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not servers_on(study_dir / "models") and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.02)
+        if not servers_on(study_dir / "models"):
+            child.kill()
+            pytest.fail(f"no llama-server was started: {child.stderr.read()[-2000:]}")
+        child.send_signal(sig)
+        code = child.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while servers_on(study_dir / "models") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert servers_on(study_dir / "models") == []
+        if sig == signal.SIGINT:
+            assert code == 130, child.stderr.read()[-2000:]
+        else:
+            assert code == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for pid in servers_on(study_dir / "models"):  # a failed test must not leave servers behind
+            os.kill(pid, signal.SIGKILL)
+    # What was finished before the signal is in the storage, and the study resumes from it.
+    resumed = subprocess.run(autotune_cmd("study", "cpu-tiny.toml", "--storage", storage, "--trials", "2"),
+                             cwd=study_dir, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    study = optuna.load_study(study_name="cpu-tiny", storage=storage)
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) >= 2
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert servers_on(study_dir / "models") == []
