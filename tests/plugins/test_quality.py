@@ -1,0 +1,282 @@
+"""The quality plugin without an engine: data, seeded subsets, lm-eval tasks and prompts, the
+penalty in a study, and the refusals (no scoring API, lm-eval missing, bad [quality] table).
+
+A scripted scorer stands in for an engine: it knows each question's answer, so accuracies and
+drops are exact and the tests can check lm-eval's arithmetic and the study's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import optuna
+import pytest
+
+from autotune.backend import StudyContext
+from autotune.config import load_study_config
+from autotune.errors import ConfigError
+from autotune.scoring import LogLikelihood, Scorer
+from autotune.study import prepare_study, run_study
+from tests.conftest import plugin_registered
+from tests.fake_backends import FakeBackend, registered, write_study
+
+import autotune_plugins.quality as quality_plugin
+from autotune_plugins.quality import benchmarks, metrics, tasks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                reason="lm-eval is not installed (pip install -e '.[test]')")
+
+
+def answer_table(benchmark: str) -> dict[str, int]:
+    """The prompt text of every shipped question (as lm-eval's doc_to_text renders it) -> answer."""
+    render = tasks._doc_to_text(tasks.ANSWER_CUE[benchmark])
+    return {render(doc): doc["answer"] for docs in benchmarks.load_items(benchmark).values() for doc in docs}
+
+
+class ScriptedScorer(Scorer):
+    """Picks the right answer (``exact``) or always " A" (``always-a``); records every context."""
+
+    n_vocab = 8
+    n_ctx = 4096
+
+    def __init__(self, mode: str, benchmark: str = "mmlu"):
+        self.mode = mode
+        self.table = answer_table(benchmark)
+        self.contexts: list[str] = []
+        self.description = f"scripted {mode}"
+
+    def tokenize(self, text: str, *, add_bos: bool = False) -> list[int]:
+        return [1] * add_bos + [ord(c) % self.n_vocab for c in text]
+
+    def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[LogLikelihood]:
+        out = []
+        for context, continuation in requests:
+            self.contexts.append(context)
+            answer = next(a for text, a in self.table.items() if context.endswith(text))
+            wanted = "ABCD"[answer] if self.mode == "exact" else "A"
+            hit = continuation.strip() == wanted
+            out.append(LogLikelihood(0.0 if hit else -5.0, hit, 1))
+        return out
+
+    def next_token_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
+        shift = 0.0 if self.mode == "exact" else 1.0
+        logits = np.tile(np.arange(self.n_vocab, dtype=np.float64) * (1.0 + shift), (len(tokens), 1))
+        return (logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))).astype(np.float32)
+
+
+class ScoringFakeBackend(FakeBackend):
+    """The fake backend with a scoring API: the weights name says how well the artifact answers."""
+
+    name = "fake-scoring"
+    opened: list[str] = []
+
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext) -> Scorer:
+        self.opened.append(weights)
+        return ScriptedScorer(weights)
+
+
+@pytest.fixture
+def quality_registered():
+    with plugin_registered(quality_plugin, "quality"):
+        yield quality_plugin
+
+
+# ------------------------------------------------------------------------------ data and subsets
+
+
+def test_shipped_samples_have_every_subject_with_ten_items_and_five_dev():
+    for name, n_subjects in (("mmlu", 57), ("ceval", 52)):
+        items, dev = benchmarks.load_items(name), benchmarks.load_items(name, "dev")
+        assert len(items) == n_subjects and set(dev) == set(items)
+        assert {len(v) for v in items.values()} == {10} and {len(v) for v in dev.values()} == {5}
+    data = benchmarks.data_dir()
+    for licence in ("LICENSE-MMLU.txt", "LICENSE-CEVAL.txt", "SOURCES.md"):
+        assert (data / licence).stat().st_size > 500
+    assert "BY-NC-SA 4.0" in (data / "LICENSE-CEVAL.txt").read_text(encoding="utf-8")
+
+
+def test_subset_is_seeded_per_subject_and_deterministic():
+    a = benchmarks.subset("mmlu", 3, seed=7)
+    assert a == benchmarks.subset("mmlu", 3, seed=7)
+    assert {len(v) for v in a.values()} == {3}
+    assert a != benchmarks.subset("mmlu", 3, seed=8)
+    full = benchmarks.load_items("mmlu")
+    for subject, docs in a.items():  # drawn from the subject itself, in file order
+        positions = [full[subject].index(d) for d in docs]
+        assert positions == sorted(positions)
+
+
+def test_subset_outside_what_ships_is_refused():
+    with pytest.raises(Exception, match=r"per_subject 11: mmlu ships 10 items per subject \(use 1..10\)"):
+        benchmarks.subset("mmlu", 11, seed=0)
+
+
+# ------------------------------------------------------------------------------ lm-eval tasks
+
+
+def test_zero_shot_accuracy_is_exact_through_lm_eval():
+    exact = tasks.evaluate_benchmark(ScriptedScorer("exact"), "mmlu", per_subject=2, shots=0, seed=3)
+    assert (exact.value, exact.n) == (1.0, 114)
+    always_a = tasks.evaluate_benchmark(ScriptedScorer("always-a"), "mmlu", per_subject=2, shots=0, seed=3)
+    chosen = [d for docs in benchmarks.subset("mmlu", 2, seed=3).values() for d in docs]
+    expected = sum(d["answer"] == 0 for d in chosen) / len(chosen)
+    assert always_a.value == pytest.approx(expected)
+    assert always_a.stderr == pytest.approx((expected * (1 - expected) / (len(chosen) - 1)) ** 0.5)
+    assert sum(always_a.details["subjects"].values()) / 57 == pytest.approx(expected)
+
+
+def test_five_shot_prompt_is_the_standard_mmlu_format_with_the_subjects_dev_items():
+    scorer = ScriptedScorer("exact")
+    tasks.evaluate_benchmark(scorer, "mmlu", per_subject=1, shots=5, seed=0)
+    dev = benchmarks.load_items("mmlu", "dev")["astronomy"]
+    prompt = next(c for c in scorer.contexts if "about astronomy" in c)
+    assert prompt.startswith("The following are multiple choice questions (with answers) about astronomy.\n\n")
+    first = dev[0]
+    shot = f"{first['question']}\nA. {first['choices'][0]}\nB. {first['choices'][1]}\nC. {first['choices'][2]}" \
+           f"\nD. {first['choices'][3]}\nAnswer: {'ABCD'[first['answer']]}\n\n"
+    assert shot in prompt
+    assert prompt.count("\nAnswer:") == 6 and prompt.endswith("\nAnswer:")
+
+
+def test_ceval_prompt_is_the_standard_chinese_format():
+    scorer = ScriptedScorer("exact", "ceval")
+    value = tasks.evaluate_benchmark(scorer, "ceval", per_subject=1, shots=0, seed=0)
+    assert (value.value, value.n) == (1.0, 52)
+    prompt = next(c for c in scorer.contexts if "计算机网络" in c)
+    assert prompt.startswith("以下是中国关于计算机网络考试的单项选择题，请选出其中的正确答案。\n\n")
+    assert prompt.endswith("\n答案：")
+
+
+def test_tasks_need_no_network(monkeypatch):
+    import datasets
+
+    def no_hub(*args: Any, **kwargs: Any):
+        raise AssertionError("datasets.load_dataset was called")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    built = tasks.build_tasks("ceval", per_subject=2, shots=2, seed=0)
+    assert len(built) == 52 and all(len(t.eval_docs) == 2 for t in built.values())
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def test_metrics_register_and_refuse_a_backend_without_scoring(quality_registered):
+    from autotune import plugins
+
+    found = plugins.get_metrics()
+    assert {"mmlu", "ceval", "kld"} <= set(found)
+    assert found["kld"].higher_is_better is False
+    why = found["mmlu"].supports(FakeBackend())
+    assert why == "backend 'fake' has no scoring API (it does not implement scorer())"
+    assert found["mmlu"].supports(ScoringFakeBackend()) is None
+
+
+def test_benchmark_metric_says_when_lm_eval_is_missing(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    assert metrics.MmluMetric().supports(ScoringFakeBackend()) == "lm-eval is not installed: pip install 'autotune[quality]'"
+
+
+def test_benchmark_metric_says_when_data_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setattr(benchmarks, "data_dir", lambda: tmp_path)
+    benchmarks._read_jsonl.cache_clear()
+    try:
+        why = metrics.CevalMetric().supports(ScoringFakeBackend())
+    finally:
+        benchmarks._read_jsonl.cache_clear()
+    assert why.startswith(f"{tmp_path / 'ceval_sample.jsonl'}: benchmark data missing")
+
+
+def test_cache_key_is_what_quality_depends_on(tmp_path):
+    from autotune.backend import TrialConfig
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF" + b"\0" * 100)
+    b.write_bytes(b"GGUF" + b"\1" * 100)
+    ctx = StudyContext(gpu=None, model=None, workload=None, vram_budget_bytes=0, protocol=None, base_dir=tmp_path)
+    m = metrics.MmluMetric()
+    key = lambda w, ctx_len=512, parallel=1, cache="f16": m.cache_key(
+        TrialConfig("x", w, ctx_len, parallel, (("cache_type", cache),)), FakeBackend(), ctx)
+    assert key("a.gguf") == key("a.gguf", ctx_len=4096, parallel=4)  # ctx and parallel do not matter
+    assert key("a.gguf") != key("b.gguf")  # content does
+    assert key("a.gguf") != key("a.gguf", cache="q8_0")  # the KV cache does
+    m.configure({"shots": 0}, {})
+    assert "shots=0" in key("a.gguf") and "per_subject=5" in key("a.gguf") and "seed=0" in key("a.gguf")
+
+
+# ------------------------------------------------------------------------------ studies
+
+
+def quality_study(tmp_path: Path, objective: str, quality_table: str = "[quality]\nper_subject = 1\nshots = 0\n") -> Path:
+    path = write_study(tmp_path / "study.toml", "fake-scoring", ["exact", "always-a"], parallel=(1, 2))
+    text = path.read_text(encoding="utf-8") + objective + "\n" + quality_table
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp_storage, quality_registered, monkeypatch):
+    evaluated: list[str] = []
+    original = metrics.MmluMetric.evaluate
+
+    def counting(self, config, backend, ctx):
+        evaluated.append(config.weights)
+        return original(self, config, backend, ctx)
+
+    monkeypatch.setattr(metrics.MmluMetric, "evaluate", counting)
+    path = quality_study(tmp_path, 'quality = "mmlu"\npenalty_per_point = 0.5\nreference_weights = "exact"\n')
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
+    assert summary.n_complete == 4  # 2 weights x 2 parallel
+    assert sorted(evaluated) == ["always-a", "exact"]  # once per artifact, not per trial
+    chosen = [d for docs in benchmarks.subset("mmlu", 1, seed=0).values() for d in docs]
+    always_a = sum(d["answer"] == 0 for d in chosen) / len(chosen)
+    study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 4
+    for t in complete:
+        q, score = t.user_attrs["quality"], t.user_attrs["score"]
+        expected_drop = 0.0 if t.user_attrs["config"]["weights"] == "exact" else (1.0 - always_a) * 100
+        assert q["drop_points"] == pytest.approx(expected_drop)
+        assert q["n"] == 57 and q["reference_value"] == 1.0
+        assert q["drop_stderr_points"] == pytest.approx(100 * (always_a * (1 - always_a) / 56) ** 0.5 if expected_drop else 0.0)
+        assert score["penalty"] == pytest.approx(0.5 * expected_drop)
+        assert score["values"][0] == pytest.approx(score["throughput"] - score["penalty"])
+
+
+def test_require_quality_refuses_a_backend_without_scoring(tmp_path, tmp_storage, quality_registered):
+    path = write_study(tmp_path / "study.toml", "fake", ["w1", "w2"])
+    path.write_text(path.read_text(encoding="utf-8") + 'quality = "mmlu"\nmax_drop_points = 1\n', encoding="utf-8")
+    with registered(FakeBackend(), name="plain-fakes"):
+        with pytest.raises(ConfigError) as err:
+            prepare_study(load_study_config(path), storage=tmp_storage)
+    assert "[objective] quality = 'mmlu' cannot evaluate backend 'fake': backend 'fake' has no scoring API" in str(err.value)
+
+
+def test_require_quality_refuses_when_lm_eval_is_missing(tmp_path, tmp_storage, quality_registered, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    path = quality_study(tmp_path, 'quality = "ceval"\n')
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        with pytest.raises(ConfigError, match="lm-eval is not installed"):
+            prepare_study(load_study_config(path), storage=tmp_storage)
+
+
+def test_require_quality_refuses_an_unknown_metric(tmp_path, tmp_storage, quality_registered):
+    path = quality_study(tmp_path, 'quality = "mmlu-pro"\n')
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        with pytest.raises(ConfigError, match=r"\[objective\] quality = 'mmlu-pro': metric 'mmlu-pro' is not installed"):
+            prepare_study(load_study_config(path), storage=tmp_storage)
+
+
+def test_quality_table_errors_are_all_reported(tmp_path):
+    path = quality_study(tmp_path, 'quality = "mmlu"\n', "[quality]\nper_subject = 0\nshots = 9\nsubjects = 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_study_config(path)
+    lines = str(err.value).splitlines()
+    assert f"{path}: [quality] per_subject = 0: must be 1..10" in lines
+    assert f"{path}: [quality] shots = 9: must be 0..5" in lines
+    assert f"{path}: [quality] subjects: unknown field (known: per_subject, seed, shots)" in lines
