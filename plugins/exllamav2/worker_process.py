@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -195,10 +196,22 @@ class WorkerProcess:
         return BackendError(f"{status}: {what}{reason}{extra}", log_tail=tail)
 
     def _next(self, timeout_s: float, what: str) -> dict[str, Any]:
-        try:
-            message = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise self.failure(f"no answer to {what} within {timeout_s:g} s (hung; killed)") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                message = self._replies.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                # A dead worker's children (a compiler it started) may keep the pipe open, so
+                # no end of file comes: its exit status is the sign.
+                if self.proc is not None and self.proc.poll() is not None:
+                    try:  # what it wrote before exiting may still be on its way
+                        message = self._replies.get(timeout=0.5)
+                    except queue.Empty:
+                        message = _EOF
+                    break
+                if time.monotonic() >= deadline:
+                    raise self.failure(f"no answer to {what} within {timeout_s:g} s (hung; killed)") from None
         if message is _EOF:
             if self.proc is not None:
                 try:

@@ -1,0 +1,70 @@
+"""A stand-in for ``autotune_plugins.exllamav2.worker`` that speaks the real protocol.
+
+Its behaviour comes from the first argument, so tests can ask for each failure the parent
+must survive: ``ok`` (answers like a loaded engine), ``crash-on-load`` (prints a reason to
+stderr and exits 3), ``signal-on-sample`` (SIGKILLs itself mid-measurement), ``hang-on-load``
+(never answers; its child ``sleep`` must die with its process group too), ``silent`` (never
+says hello), ``noise`` (prints garbage on its protocol stream instead of a hello).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+MODE = sys.argv[1]
+PIDFILE = sys.argv[2] if len(sys.argv) > 2 else None
+
+
+def send(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+if PIDFILE:
+    # The child sleeper shows whether the whole process group is killed, not just the leader.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(PIDFILE, "w") as f:
+        f.write(f"{os.getpid()} {child.pid}\n")
+
+if MODE == "silent":
+    time.sleep(300)
+if MODE == "noise":
+    print("Loading extension... done", flush=True)
+    time.sleep(300)
+
+send({"event": "hello", "protocol": 1, "pid": os.getpid(), "python": "3"})
+samples = 0
+for line in sys.stdin:
+    req = json.loads(line)
+    op = req["op"]
+    if op == "exit":
+        send({"id": req["id"], "ok": True})
+        break
+    if op == "load":
+        if MODE == "crash-on-load":
+            print("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr, flush=True)
+            sys.exit(3)
+        if MODE == "hang-on-load":
+            time.sleep(300)
+        send({"id": req["id"], "ok": True, "engine_version": "0.3.2-fake",
+              "settings": {"mode": "dynamic", "max_batch_size": req["parallel"], "cache_type": req["cache_type"]},
+              "attention": {"path": "sdpa", "paged": False}, "load_s": 0.01})
+    elif op == "sample":
+        samples += 1
+        if MODE == "signal-on-sample":
+            print("Segmentation fault in kernel", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if MODE == "error-on-sample":
+            send({"id": req["id"], "ok": False, "type": "AssertionError", "error": "Total sequence length exceeds cache size"})
+            continue
+        send({"id": req["id"], "ok": True,
+              "metrics": {"decode_tok_s": 100.0, "prefill_tok_s": 2000.0, "ttft_ms": 50.0,
+                          "aggregate_tok_s": 300.0 + samples, "per_user_tok_s": 80.0},
+              "streams": [], "max_allocated_bytes": 1, "max_reserved_bytes": 2})
+    else:
+        send({"id": req["id"], "ok": False, "type": "ProtocolError", "error": f"unknown op {op}"})

@@ -1,0 +1,372 @@
+"""The exllamav2 backend without a GPU: registration, space, rules, memory, and the worker protocol.
+
+The worker protocol is exercised end to end with fake workers (``exllamav2_fake_worker.py``)
+that crash, hang, die by signal or answer; the real worker is run too, where exllamav2 is
+not installed, to check that it reports that instead of dying silently.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.errors import BackendError, ConfigError
+from autotune.hardware import get_gpu
+from autotune.measure import Protocol, StreamResult
+from autotune.models import model_from_hf_config
+from tests.conftest import REPO, plugin_registered
+
+from autotune_plugins.exllamav2 import memory, protocol, worker_process
+from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
+from autotune_plugins.exllamav2.generator_settings import generator_settings
+from autotune_plugins.exllamav2.worker import attention_path, prompt_ids, sample_metrics
+
+FAKE = Path(__file__).with_name("exllamav2_fake_worker.py")
+FAST = Protocol(warmup_runs=1, min_runs=2, max_runs=3, rel_spread_tol=0.5)
+
+# A tiny Qwen2-shaped model: 2 layers, hidden 128, 4 heads of 32, 2 KV heads, vocab 512.
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
+    "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+    "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+    "quantization_config": {"quant_method": "exl2", "bits": 4.0, "head_bits": 6},
+}
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> int:
+    """A safetensors file written by hand: header + zero bytes. Returns the data bytes."""
+    size = {"F16": 2, "I32": 4, "I16": 2}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = math.prod(shape) * size[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    return offset
+
+
+def layer_tensors(i: int) -> dict[str, tuple[str, list[int]]]:
+    p = f"model.layers.{i}"
+    return {
+        f"{p}.input_layernorm.weight": ("F16", [128]),
+        f"{p}.self_attn.q_proj.q_weight": ("I32", [16, 128]),
+        f"{p}.self_attn.q_proj.q_scale": ("I32", [4, 128]),
+        f"{p}.self_attn.q_proj.q_perm": ("I16", [128]),
+        f"{p}.self_attn.q_proj.bias": ("F16", [128]),
+        f"{p}.mlp.down_proj.q_weight": ("I32", [32, 128]),
+    }
+
+
+@pytest.fixture
+def exl2_dir(tmp_path) -> Path:
+    d = tmp_path / "tiny-exl2-4.0"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    (d / "tokenizer.json").write_text("{}")
+    write_safetensors(d / "output-00001-of-00002.safetensors",
+                      {"model.embed_tokens.weight": ("F16", [512, 128]), **layer_tensors(0)})
+    write_safetensors(d / "output-00002-of-00002.safetensors",
+                      {**layer_tensors(1), "model.norm.weight": ("F16", [128]),
+                       "lm_head.q_weight": ("I32", [96, 512]), "lm_head.q_scale": ("I32", [8, 512])})
+    return d
+
+
+def make_ctx(base: Path, **settings) -> StudyContext:
+    return StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(base / "tiny-exl2-4.0"),
+                        workload=Workload(prompt_tokens=64, output_tokens=16), vram_budget_bytes=100 * 2**30,
+                        protocol=FAST, settings={"paged": False, **settings}, base_dir=base)
+
+
+def cfg(ctx: int = 512, parallel: int = 1, cache: str = "q4") -> TrialConfig:
+    return TrialConfig("exllamav2", "tiny-exl2-4.0", ctx, parallel, (("cache_type", cache),))
+
+
+def fake(mode: str, pidfile: Path | None = None) -> list[str]:
+    return [sys.executable, str(FAKE), mode] + ([str(pidfile)] if pidfile else [])
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper does not count)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def pids_of(pidfile: Path) -> list[int]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if pidfile.is_file() and pidfile.read_text().endswith("\n"):
+            return [int(p) for p in pidfile.read_text().split()]
+        time.sleep(0.02)
+    raise AssertionError("the fake worker never wrote its pids")
+
+
+# ------------------------------------------------------------------ registration and space
+
+
+def test_plugin_registers_without_torch_or_exllamav2():
+    code = ("import sys, autotune_plugins.exllamav2 as p; from autotune_plugins.exllamav2 import backend, worker, scorer;"
+            "b = []; p.register_backends(b.append); print(b[0].name, b[0].engine, b[0].weight_families,"
+            " 'torch' in sys.modules, 'exllamav2' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.split() == ["exllamav2", "exllamav2", "('exl2',)", "False", "False"]
+
+
+def test_registered_like_an_entry_point():
+    import autotune_plugins.exllamav2 as plugin
+    from autotune import plugins
+
+    with plugin_registered(plugin, "exllamav2"):
+        assert isinstance(plugins.get_backends()["exllamav2"], ExLlamaV2Backend)
+
+
+def test_parameters_keep_exllamav2_cache_modes_only():
+    b = ExLlamaV2Backend()
+    (param,) = b.parameters({"cache_type": ["f16", "Q8", "q8_0", "fp16", "q4", "q8"]})
+    assert param.name == "cache_type" and param.choices == ("q8", "fp16", "q4")
+    assert b.parameters({})[0].choices == ("fp16", "q8", "q6", "q4")
+    assert b.quality_reference({"cache_type": ("q4", "q8", "fp16")}) == {"cache_type": "fp16"}
+
+
+def test_generator_settings_by_attention_support():
+    paged = generator_settings("Q8", 600, 2, paged=True)
+    # two jobs of 600 tokens take 3 pages each: 2 x pad256(600), not pad256(1200)
+    assert (paged.mode, paged.cache_batch_size, paged.cache_max_seq_len, paged.max_batch_size) == ("dynamic", 1, 1536, 2)
+    assert paged.max_seq_len == 768 and paged.cache_type == "q8"
+    one = generator_settings("fp16", 600, 1, paged=False)
+    assert (one.mode, one.cache_batch_size, one.cache_max_seq_len) == ("dynamic", 1, 768)
+    many = generator_settings("q4", 600, 4, paged=False)
+    assert (many.mode, many.cache_batch_size, many.cache_max_seq_len, many.cache_tokens) == ("batched", 4, 768, 3072)
+    with pytest.raises(ConfigError, match="FP16, Q8, Q6, Q4"):
+        generator_settings("q8_0", 512, 1, paged=True)
+
+
+def test_check_rules(exl2_dir, tmp_path):
+    b = ExLlamaV2Backend()
+    c = make_ctx(tmp_path)
+    assert b.check(cfg(), c) == []
+    assert "exceeds the model's max_position_embeddings 4096" in b.check(cfg(ctx=4100), c)[0]
+    assert "at most 256 jobs" in b.check(cfg(parallel=300), c)[0]
+    assert "no such directory" in b.check_weights("missing-dir", c)
+    plain = tmp_path / "fp16-model"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in CONFIG.items() if k != "quantization_config"}))
+    assert "quant_method 'exl2'" in b.check_weights("fp16-model", c)
+
+
+def test_deploy_command_is_a_tabbyapi_launch(exl2_dir, tmp_path):
+    cmd = ExLlamaV2Backend().deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path))
+    assert f"--model-dir {tmp_path} --model-name tiny-exl2-4.0" in cmd
+    assert "--max-seq-len 768 --cache-size 3072 --cache-mode Q8 --max-batch-size 4" in cmd
+
+
+# ------------------------------------------------------------------ memory
+
+
+def test_safetensors_headers_give_exact_bytes(exl2_dir):
+    emb = 512 * 128 * 2
+    layer = 128 * 2 + 16 * 128 * 4 + 4 * 128 * 4 + 128 * 2 + 128 * 2 + 32 * 128 * 4
+    head = 96 * 512 * 4 + 8 * 512 * 4
+    w = memory.exl2_weights(exl2_dir, tied=True)
+    assert (w.host_bytes, w.head_bytes, w.gpu_bytes) == (emb, head, 2 * layer + 128 * 2 + head)
+    assert not w.head_from_embedding and w.n_tensors == 1 + 12 + 1 + 2
+
+
+def test_tied_model_without_head_loads_the_embedding_again(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    write_safetensors(d / "output.safetensors", {"model.embed_tokens.weight": ("F16", [512, 128]),
+                                                  "model.norm.weight": ("F16", [128])})
+    w = memory.exl2_weights(d, tied=True)
+    assert w.head_from_embedding and w.gpu_bytes == 512 * 128 * 2 + 256 and w.host_bytes == 512 * 128 * 2
+
+
+def test_malformed_safetensors_is_named(tmp_path):
+    bad = tmp_path / "output.safetensors"
+    raw = json.dumps({"x": {"dtype": "F16", "shape": [4], "data_offsets": [0, 6]}}).encode()
+    bad.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(ConfigError, match=r"output.safetensors: tensor 'x': data_offsets \[0, 6\]"):
+        memory.read_safetensors_header(bad)
+    bad.write_bytes(b"\x01")
+    with pytest.raises(ConfigError, match="not a safetensors file"):
+        memory.read_safetensors_header(bad)
+
+
+def test_cache_bytes_follow_exllamav2_layouts(exl2_dir):
+    model = model_from_hf_config(exl2_dir)  # 2 layers, 2 KV heads of 32
+    values = 1 * 1024 * 2 * 2  # batch x tokens x kv heads x layers
+    assert memory.cache_bytes(model, "FP16", 1, 1024).total_bytes == 2 * values * 32 * 2
+    q8, q6, q4 = (memory.cache_bytes(model, c, 1, 1024) for c in ("q8", "q6", "q4"))
+    scales = 2 * values * (32 // 32) * 2  # FP16 scale per 32 values, for K and V
+    temp = 2 * 1024 * 64 * 2  # one FP16 K and V buffer of one layer's cache
+    assert (q8.data_bytes, q8.scale_bytes, q8.temp_bytes) == (2 * values * 32, scales, temp)
+    assert q6.data_bytes == values * 32 + values * 16  # K 8-bit storage, V 4-bit
+    assert q4.data_bytes == 2 * values * 16
+
+
+def test_estimate_puts_the_bytes_where_exllamav2_does(exl2_dir, tmp_path):
+    b = ExLlamaV2Backend()
+    est = b.estimate_memory(cfg(ctx=300, parallel=2, cache="q4"), make_ctx(tmp_path, paged=True, cuda_context_mib=100))
+    model = model_from_hf_config(exl2_dir)
+    # paged: one cache row of 2 x pad256(300) = 1024 tokens
+    assert est.kv_bytes == memory.cache_bytes(model, "q4", 1, 1024).total_bytes
+    assert est.weights_bytes == memory.exl2_weights(exl2_dir, True).gpu_bytes
+    assert est.host_bytes == 512 * 128 * 2 and est.overhead_bytes == 100 * 2**20
+    assert est.buffers_bytes >= memory.scratch_bytes(model)
+    assert any("ExLlamaV2Cache_Q4(batch_size=1, max_seq_len=1024)" in n for n in est.notes)
+    unpaged = b.estimate_memory(cfg(ctx=300, parallel=2, cache="q4"), make_ctx(tmp_path))
+    assert any("ExLlamaV2Cache_Q4(batch_size=2, max_seq_len=512)" in n for n in unpaged.notes)
+
+
+# ------------------------------------------------------------------ worker: pure parts
+
+
+def test_serve_answers_every_request_and_survives_errors():
+    def boom(req):
+        raise RuntimeError("CUDA error: device-side assert")
+
+    requests = [{"id": 1, "op": "load"}, {"id": 2, "op": "sample"}, {"id": 3, "op": "nope"},
+                {"id": 4, "op": "tokenize"}, {"id": 5, "op": "exit"}, {"id": 6, "op": "load"}]
+    inp = io.BytesIO(b"".join(protocol.encode(r) for r in requests))
+    out = io.BytesIO()
+    rc = protocol.serve({"load": lambda r: {"loaded": True}, "sample": boom,
+                         "tokenize": lambda r: {"x": float("nan")}}, inp, out)
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert rc == 0 and [r["id"] for r in replies] == [1, 2, 3, 4, 5]
+    assert replies[0] == {"id": 1, "ok": True, "loaded": True}
+    assert replies[1]["ok"] is False and replies[1]["type"] == "RuntimeError" and "device-side" in replies[1]["error"]
+    assert "unknown op 'nope'" in replies[2]["error"]
+    assert replies[3]["ok"] is False and replies[3]["type"] == "ValueError"  # NaN cannot cross
+    assert protocol.serve({}, io.BytesIO(b""), io.BytesIO()) == 1  # parent gone: stop
+
+
+def test_attention_path_follows_exllamav2s_order():
+    assert attention_path({"flash_attn": True, "xformers": True, "sdpa": True}, paged=True) == "flash_attn_paged"
+    assert attention_path({"flash_attn": True, "xformers": True, "sdpa": True}, paged=False) == "flash_attn"
+    assert attention_path({"flash_attn": False, "xformers": True, "sdpa": True}, paged=False) == "xformers"
+    assert attention_path({"sdpa": True}, paged=False) == "sdpa"
+    assert attention_path({}, paged=False) == "matmul"
+
+
+def test_prompts_differ_in_their_first_token_only():
+    a, b = prompt_ids([5, 6, 7], 8, 1, 32000), prompt_ids([5, 6, 7], 8, 2, 32000)
+    assert a[1:] == b[1:] == [6, 7, 5, 6, 7, 5, 6] and a[0] != b[0]
+    assert prompt_ids([5], 3, 7, 100) == [7, 5, 5]  # small vocabulary: stays inside it
+
+
+def test_sample_metrics_use_the_shared_definitions():
+    from autotune.measure import ConcurrentResult
+
+    single = StreamResult.from_timestamps(64, 17, 0.0, 0.05, 0.21)
+    two = ConcurrentResult(streams=(single, StreamResult.from_timestamps(64, 17, 0.0, 0.1, 0.5)), wall_s=0.5)
+    m = sample_metrics(single, two)
+    assert m["decode_tok_s"] == pytest.approx(100.0) and m["ttft_ms"] == pytest.approx(50.0)
+    assert m["aggregate_tok_s"] == pytest.approx(34 / 0.5) and m["prefill_tok_s"] == pytest.approx(1280.0)
+
+
+# ------------------------------------------------------------------ worker: processes
+
+
+def test_run_with_a_worker_that_answers(exl2_dir, tmp_path):
+    pidfile = tmp_path / "pids"
+    m = ExLlamaV2Backend().run(cfg(parallel=4), make_ctx(tmp_path, worker_command=fake("ok", pidfile)))
+    assert m.metrics["aggregate_tok_s"].n >= 2 and m.metrics["aggregate_tok_s"].warmups
+    assert m.metrics["decode_tok_s"].median == 100.0
+    assert m.attrs["attention_path"] == "sdpa" and m.attrs["generator"]["max_batch_size"] == 4
+    assert wait_gone(pids_of(pidfile)) == [] and not worker_process.live_workers()
+
+
+@pytest.mark.parametrize("mode, settings, reason", [
+    ("crash-on-load", {}, r"exited with code 3: died during 'load': RuntimeError: CUDA out of memory"),
+    ("signal-on-sample", {}, r"was killed by SIGKILL: died during 'sample': Segmentation fault"),
+    ("hang-on-load", {"load_timeout_s": 1}, r"no answer to 'load' within 1 s \(hung; killed\)"),
+    ("silent", {"startup_timeout_s": 1}, r"no answer to start \(hello\) within 1 s"),
+    ("error-on-sample", {}, r"'sample' failed: AssertionError: Total sequence length exceeds cache size"),
+])
+def test_a_failing_worker_ends_the_trial_with_its_reason_and_leaves_nothing(exl2_dir, tmp_path, mode, settings, reason):
+    pidfile = tmp_path / "pids"
+    c = make_ctx(tmp_path, worker_command=fake(mode, pidfile), **settings)
+    started = time.monotonic()
+    with pytest.raises(BackendError, match=reason) as info:
+        ExLlamaV2Backend().run(cfg(), c)
+    assert time.monotonic() - started < 20
+    if mode in ("crash-on-load", "signal-on-sample"):
+        assert info.value.log_tail.strip(), "the stderr tail travels with the error"
+    assert wait_gone(pids_of(pidfile)) == [], "the worker and its child must be gone"
+    assert not worker_process.live_workers()
+
+
+def test_garbage_on_the_protocol_stream_is_reported(exl2_dir, tmp_path):
+    c = make_ctx(tmp_path, worker_command=fake("noise"), startup_timeout_s=1)
+    with pytest.raises(BackendError, match="printed on its protocol stream: not a protocol line.*Loading extension"):
+        ExLlamaV2Backend().run(cfg(), c)
+
+
+def test_the_real_worker_says_when_exllamav2_is_missing(exl2_dir, tmp_path):
+    pytest.importorskip("importlib").util.find_spec("exllamav2") is None or pytest.skip("exllamav2 is installed here")
+    with pytest.raises(BackendError, match=r"'load' failed: BackendError: exllamav2 is not importable"):
+        ExLlamaV2Backend().run(cfg(), make_ctx(tmp_path))
+    assert not worker_process.live_workers()
+
+
+def test_scorer_refuses_unusable_weights(tmp_path):
+    from autotune.scoring import ScoringError
+
+    (tmp_path / "tiny-exl2-4.0").mkdir()
+    (tmp_path / "tiny-exl2-4.0" / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(ScoringError, match="no tokenizer.json"):
+        ExLlamaV2Backend().scorer("tiny-exl2-4.0", "q8", make_ctx(tmp_path))
+    assert ExLlamaV2Backend().supports_scoring
+
+
+def test_no_worker_survives_autotune_being_stopped(tmp_path):
+    pidfile = tmp_path / "pids"
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from autotune_plugins.exllamav2.worker_process import WorkerProcess
+w = WorkerProcess({fake("ok", pidfile)!r}, Path({str(tmp_path / "w.log")!r}))
+w.start(10)
+print("up", flush=True)
+time.sleep(60)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        pids = pids_of(pidfile)
+        assert all(alive(p) for p in pids)
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=20)
+        assert wait_gone(pids) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for p in (pids_of(pidfile) if pidfile.exists() else []):
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
