@@ -20,7 +20,7 @@ __all__ = ["add_quality_command", "measure_quality"]
 BENCHMARK_NAMES = ("mmlu", "ceval", "kld")
 
 
-def _context(backend: Any, weights: str, settings: dict[str, Any]):
+def _context(settings: dict[str, Any]):
     from autotune.backend import StudyContext, Workload
     from autotune.measure import Protocol
 
@@ -62,15 +62,15 @@ def measure_quality(
     backend = plugins.get_backend(backend_name)
     metric = plugins.get_metric(benchmark)
     settings = dict(settings or {})
-    ctx = _context(backend, weights, settings)
+    why = metric.supports(backend)
+    if why:
+        raise ConfigError(f"--benchmark {benchmark}: {why}")
+    ctx = _context(settings)
     for flag, path in (("--weights", weights), ("--reference", reference)):
         if path is not None:
             problem = backend.check_weights(path, ctx)
             if problem:
                 raise ConfigError(f"{flag} {path!r}: {problem}")
-    why = metric.supports(backend)
-    if why:
-        raise ConfigError(f"--benchmark {benchmark}: {why}")
     options = {"cache_type": cache_type} if cache_type else {}
     config = TrialConfig(backend.name, weights, 0, 1, tuple(options.items()))
     references = {}

@@ -11,9 +11,11 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Sequence
 
+import click
 import numpy as np
 import optuna
 import pytest
+from click.testing import CliRunner
 
 from autotune.backend import StudyContext
 from autotune.config import load_study_config
@@ -25,6 +27,7 @@ from tests.fake_backends import FakeBackend, registered, write_study
 
 import autotune_plugins.quality as quality_plugin
 from autotune_plugins.quality import benchmarks, metrics, tasks
+from autotune_plugins.quality.commands import add_quality_command
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                 reason="lm-eval is not installed (pip install -e '.[test]')")
@@ -280,3 +283,12 @@ def test_quality_table_errors_are_all_reported(tmp_path):
     assert f"{path}: [quality] per_subject = 0: must be 1..10" in lines
     assert f"{path}: [quality] shots = 9: must be 0..5" in lines
     assert f"{path}: [quality] subjects: unknown field (known: per_subject, seed, shots)" in lines
+
+
+def test_quality_command_on_a_backend_without_scoring(twin_plugin, quality_registered):
+    group = click.Group("autotune")
+    add_quality_command(group)
+    result = CliRunner().invoke(group, ["quality", "--backend", "twin-llama.cpp", "--weights", "Q4_K_M",
+                                        "--benchmark", "mmlu"])
+    assert result.exit_code == 2, result.output
+    assert "--benchmark mmlu: backend 'twin-llama.cpp' has no scoring API" in result.output
