@@ -5,8 +5,8 @@ A trial's lifecycle (see :mod:`autotune.backend`):
 * weights are GGUF file paths, relative to the study file's directory;
 * ``check`` refuses what llama.cpp refuses (a quantized V cache without flash attention, a
   quantized cache whose block does not divide the head size, a context beyond the model's);
-* ``estimate_memory`` reads the file's real tensor bytes and reuses the twin's llama.cpp
-  physics (compute buffer, CUDA context) for the rest;
+* ``estimate_memory`` reads the file's real tensor bytes and adds llama-server's KV layout,
+  compute buffer and CUDA context (:mod:`~autotune_plugins.llama_server.memory`);
 * ``run`` starts ``llama-server`` in its own process session, waits for ``/health``, warms up,
   then measures one stream (the server's own timings) and ``parallel`` simultaneous streams
   (client timestamps) with :func:`autotune.measure.repeat_until_stable_many`. The server is
@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import functools
 import json
-import math
 import os
 import re
 import signal
@@ -42,13 +41,14 @@ import requests
 
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.errors import AutotuneError, BackendError
-from autotune.formats import CACHE_TYPES, WeightsBreakdown, kv_bytes_per_token
+from autotune.formats import CACHE_TYPES
 from autotune.measure import GpuSampler, StreamResult, repeat_until_stable_many, run_streams_threaded
 from autotune.models import ModelSpec, model_from_gguf
 
-from autotune_plugins.llama_server import engine
+from autotune.vram import gguf_weights
+from autotune_plugins.llama_server import engine, memory
 
-__all__ = ["LlamaServerBackend", "gguf_breakdown", "parse_log", "live_servers", "kill_live_servers"]
+__all__ = ["LlamaServerBackend", "parse_log", "live_servers", "kill_live_servers"]
 
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
@@ -147,44 +147,6 @@ def _install_handlers() -> None:
 
 
 # ------------------------------------------------------------------------------ GGUF file
-
-
-@functools.lru_cache(maxsize=64)
-def _gguf_breakdown_cached(path: str, mtime_ns: int, size: int) -> WeightsBreakdown:
-    import gguf
-
-    reader = gguf.GGUFReader(path, "r")
-    n_layers = 0
-    for t in reader.tensors:
-        m = re.match(r"blk\.(\d+)\.", t.name)
-        if m:
-            n_layers = max(n_layers, int(m.group(1)) + 1)
-    per_layer = [0] * n_layers
-    emb = out = other = 0
-    has_output = False
-    for t in reader.tensors:
-        n = int(t.n_bytes)
-        m = re.match(r"blk\.(\d+)\.", t.name)
-        if m:
-            per_layer[int(m.group(1))] += n
-        elif t.name == "token_embd.weight":
-            emb += n
-        elif t.name == "output.weight":
-            out += n
-            has_output = True
-        else:
-            other += n
-    # llama.cpp keeps token_embd on the host; without output.weight it loads it again on the
-    # GPU as the output head.
-    return WeightsBreakdown(emb, out, tuple(per_layer), other, embedding_on_gpu=False,
-                            head_is_embedding=not has_output)
-
-
-def gguf_breakdown(path: str | os.PathLike[str]) -> WeightsBreakdown:
-    """The file's real tensor bytes, by embedding / head / layer / other."""
-    p = Path(path)
-    st = p.stat()
-    return _gguf_breakdown_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
 
 
 @functools.lru_cache(maxsize=64)
@@ -395,35 +357,12 @@ class LlamaServerBackend(BaseBackend):
     # -------------------------------------------------------------- memory
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
-        from autotune_plugins.twin import load_constants, physics
-
         path = self.weights_path(config.weights, ctx)
-        model = _model_of(path)
-        w = gguf_breakdown(path)
-        cache = config.option("cache_type", "f16")
-        scenario = physics.Scenario(
-            engine="llama.cpp", gpu=ctx.gpu, model=model, weights=w, ctx=config.ctx,
-            parallel=config.parallel, cache_type=cache, flash_attn=bool(config.option("flash_attn", True)),
-            prompt_tokens=ctx.workload.prompt_tokens, output_tokens=ctx.workload.output_tokens,
-        )
-        base = physics.memory(scenario, load_constants()[0]["llama.cpp"])
-        # llama-server gives each of its -np slots its own cache stream (kv_unified off), each
-        # padded to 256 cells: pad256(ctx) x parallel cells (measured: -c 600 -np 2 -> 1024).
-        cells = math.ceil(config.ctx / KV_PAD) * KV_PAD * config.parallel
-        kv = int(cells * kv_bytes_per_token(model, cache))
-        notes = list(base.notes)
-        notes.append(f"KV: {cells} cells ({config.parallel} slots x pad256({config.ctx})) x "
-                     f"{model.n_layers} layers x {model.kv_dim} x (K+V {cache})")
-        if w.head_is_embedding:
-            notes.append("tied embeddings: the head is loaded again on the GPU")
-        return MemoryEstimate(
-            weights_bytes=int(w.gpu_bytes),
-            kv_bytes=kv,
-            buffers_bytes=base.buffers_bytes,
-            overhead_bytes=base.overhead_bytes,
-            host_bytes=int(w.host_bytes),
-            notes=tuple(notes),
-        )
+        on_gpu = _has_gpu() and self.gpu_layers(ctx) > 0
+        ub = config.option("ubatch")
+        return memory.estimate(_model_of(path), gguf_weights(path), config.ctx, config.parallel,
+                               config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
+                               ubatch=int(ub) if ub is not None else None, gpu=on_gpu)
 
     # -------------------------------------------------------------- commands
 
