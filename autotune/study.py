@@ -31,7 +31,8 @@ from optuna.storages._heartbeat import is_heartbeat_enabled  # RDBStorage's hear
 from autotune import objective as objective_mod
 from autotune import plugins
 from autotune.claims import Claims
-from autotune.backend import BaseBackend, Measurement, StudyContext, TrialConfig, Workload
+from autotune import vram
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, StudyContext, TrialConfig, Workload
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import GpuSpec, detect_gpus, get_gpu, nvml_unavailable_reason, spec_for_detected
@@ -391,6 +392,7 @@ def create_or_load(prepared: PreparedStudy, seed: int, sampler: optuna.samplers.
             f"study '{cfg.name}' in {prepared.storage_url} has {len(study.directions)} objective(s) but the "
             f"study file asks for mode = {cfg.objective.mode!r}; use another study name or storage"
         )
+    _check_same_space(study, prepared)
     if "autotune_schema_version" not in study.user_attrs:
         study.set_user_attr("autotune_schema_version", SCHEMA_VERSION)
         study.set_user_attr("gpu", _gpu_attrs(prepared.gpu))
@@ -403,6 +405,32 @@ def create_or_load(prepared: PreparedStudy, seed: int, sampler: optuna.samplers.
     # again (it carries no fail_reason, so it never answers for its configuration).
     optuna.storages.fail_stale_trials(study)
     return study
+
+
+def _check_same_space(study: optuna.Study, prepared: PreparedStudy) -> None:
+    """Refuse to resume a study whose stored parameters had other choices than the file's.
+
+    Optuna fixes a categorical parameter's choices for the life of a study; asking with other
+    choices fails every trial ("does not support dynamic value space"). Said once, up front.
+    """
+    wanted: dict[str, tuple[Any, ...]] = {"backend": tuple(prepared.space.entries)}
+    for entry in prepared.space.entries.values():
+        wanted.update({dim: tuple(choices) for dim, choices in entry.dimensions()})
+    stored: dict[str, tuple[Any, ...]] = {}
+    for t in study.get_trials(deepcopy=False):
+        for name, dist in t.distributions.items():
+            if isinstance(dist, optuna.distributions.CategoricalDistribution):
+                stored.setdefault(name, tuple(dist.choices))
+        if len(stored) >= len(wanted):
+            break
+    changed = [f"{name}: stored {list(stored[name])}, file {list(wanted[name])}"
+               for name in stored if name in wanted and stored[name] != wanted[name]]
+    if changed:
+        raise ConfigError(
+            f"study '{prepared.cfg.name}' in {prepared.storage_url} was run with other choices for "
+            f"{'; '.join(changed)}. Optuna cannot change a parameter's choices within a study: give the "
+            "study a new [study] name (or another --storage) to search the new space"
+        )
 
 
 def _gpu_attrs(gpu: GpuSpec) -> dict[str, Any]:
@@ -440,6 +468,7 @@ class StudyRunner:
         self._defer_signals = False
         self._deferred_signal: int | None = None
         self._quality_local: dict[str, dict[str, Any]] = {}
+        self._vram_residuals: dict[str, list[int]] | None = None
 
     def _fail_dead_local_workers(self) -> None:
         """Fail RUNNING trials of processes on this host that no longer exist (killed -9).
@@ -470,7 +499,7 @@ class StudyRunner:
             ctx = prepared.contexts[config.backend]
             ok = not prepared.space.check(config, ctx)
             if ok:
-                ok = prepared.backend(config.backend).estimate_memory(config, ctx).total_bytes <= ctx.vram_budget_bytes
+                ok = self._memory(prepared.backend(config.backend), config, ctx)[0].total_bytes <= ctx.vram_budget_bytes
             self._admissible[key] = ok
         if not self._admissible[key]:
             return False
@@ -761,7 +790,7 @@ class StudyRunner:
             self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             return "PRUNED", None, config.as_dict(), reason, None
 
-        estimate = backend.estimate_memory(config, ctx)
+        estimate, raw_bytes = self._memory(backend, config, ctx)
         trial.set_user_attr("predicted_vram", estimate.to_dict())
         trial.set_user_attr("deploy_command", backend.deploy_command(config, ctx))
         if estimate.total_bytes > ctx.vram_budget_bytes:
@@ -805,6 +834,8 @@ class StudyRunner:
             return "FAIL", None, config.as_dict(), str(exc), None
         self.n_measured += 1
         self._record_measurement(trial, measurement, estimate.total_bytes)
+        if measurement.peak_vram_bytes is not None:
+            self._learn_vram(trial, backend.name, measurement.peak_vram_bytes - raw_bytes)
 
         metric = self.cfg.objective.metric
         if metric not in measurement.metrics:
@@ -818,6 +849,31 @@ class StudyRunner:
                                       "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
         self.study.tell(trial, list(s.values))
         return "COMPLETE", list(s.values), config.as_dict(), None, None
+
+    # ----------------------------------------------------------------------------- memory
+
+    def _memory(self, backend: BaseBackend, config: TrialConfig, ctx: StudyContext) -> tuple[MemoryEstimate, int]:
+        """The backend's estimate plus what this study learned about it; and the raw total."""
+        raw = backend.estimate_memory(config, ctx)
+        residuals = self._residuals().get(backend.name, [])
+        return vram.apply_correction(raw, vram.learned_correction(residuals), len(residuals)), raw.total_bytes
+
+    def _residuals(self) -> dict[str, list[int]]:
+        # Read once from the storage, so a resumed study keeps what it learned.
+        if self._vram_residuals is None:
+            found: dict[str, list[int]] = {}
+            for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+                if "vram_residual_bytes" in t.user_attrs:
+                    found.setdefault(str(t.user_attrs.get("config", {}).get("backend")), []).append(
+                        int(t.user_attrs["vram_residual_bytes"]))
+            self._vram_residuals = found
+        return self._vram_residuals
+
+    def _learn_vram(self, trial: optuna.Trial, backend: str, residual: int) -> None:
+        """Record (measured - predicted) of a measured trial; later estimates add the median."""
+        trial.set_user_attr("vram_residual_bytes", int(residual))
+        self._residuals().setdefault(backend, []).append(int(residual))
+        self._admissible.clear()  # budgets are judged again with the new correction
 
     def _record_measurement(self, trial: optuna.Trial, m: Measurement, predicted_bytes: int) -> None:
         trial.set_user_attr("metrics", {k: v.to_dict() for k, v in m.metrics.items()})
