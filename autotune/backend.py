@@ -120,6 +120,8 @@ class StudyContext:
         settings: The study file's ``[backends.<name>]`` table for this backend.
         base_dir: Directory that relative paths in the study file are relative to.
         gpu_index: Which GPU to run on.
+        for_gpu: Estimate for ``gpu`` even on a machine without it (``autotune estimate``);
+            None lets a backend decide from the machine it runs on.
     """
 
     gpu: "GpuSpec"
@@ -131,6 +133,7 @@ class StudyContext:
     settings: Mapping[str, Any] = field(default_factory=dict)
     base_dir: Path = Path(".")
     gpu_index: int = 0
+    for_gpu: bool | None = None
 
 
 @dataclass(frozen=True)

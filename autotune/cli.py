@@ -168,7 +168,8 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
 @click.option("--gpu", "gpu_key", default="auto", show_default=True, help="Catalog GPU key, or auto (NVML).")
 @click.option("--model", "model_ref", required=True, help="Catalog model key, a .gguf file or a model directory.")
 @click.option("--backend", "backend_name", required=True, help="Backend name (autotune plugins) or engine (llama.cpp, exllamav2, vllm).")
-@click.option("--weights", required=True, help="gguf:<TYPE>, exl2:<bpw>, or a weights file.")
+@click.option("--weights", default=None,
+              help="gguf:<TYPE>, exl2:<bpw>, or a weights file [default: --model, when it is a file or an EXL2 directory].")
 @click.option("--ctx", "ctx_tokens", required=True, type=click.IntRange(min=1), help="Context per sequence.")
 @click.option("--cache", "cache_type", default=None, help="KV-cache type (the engine's own names).")
 @click.option("--flash-attn/--no-flash-attn", default=False)
@@ -177,11 +178,17 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
 @click.option("--output-tokens", default=800, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
-def estimate(ctx: click.Context, gpu_key: str, model_ref: str, backend_name: str, weights: str, ctx_tokens: int,
+def estimate(ctx: click.Context, gpu_key: str, model_ref: str, backend_name: str, weights: str | None, ctx_tokens: int,
              cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int, output_tokens: int,
              as_json: bool) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence)."""
     from autotune.estimate import estimate_config, estimate_text
+
+    if weights is None:
+        if not Path(model_ref).expanduser().exists():
+            raise click.UsageError(f"--weights is needed: --model {model_ref!r} is a catalog key, not a file "
+                                   "(give e.g. --weights gguf:Q4_K_M or --weights exl2:4.0)")
+        weights = model_ref  # the file (or EXL2 directory) is both the model and its weights
 
     def go() -> None:
         result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,

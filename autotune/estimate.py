@@ -6,6 +6,7 @@ the same engine (the digital twin) for the card and model given. ``ctx`` is per 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from autotune import plugins
@@ -72,7 +73,7 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
     elif "cache_type" in params:
         options["cache_type"] = params["cache_type"].choices[0]
     ctx = StudyContext(gpu=gpu, model=model, workload=Workload(prompt_tokens, output_tokens),
-                       vram_budget_bytes=gpu.vram_bytes, protocol=Protocol())
+                       vram_budget_bytes=gpu.vram_bytes, protocol=Protocol(), for_gpu=True)
     problem = backend.check_weights(weights, ctx)
     if problem:
         raise ConfigError(f"--weights {weights!r}: {problem}")
@@ -83,8 +84,9 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
     mem = backend.estimate_memory(config, ctx)
     predicted = None
     refused = None
+    no_prediction = None if predictor is not None else "no speed model for this engine is installed"
     if predictor is not None:
-        probe = TrialConfig(predictor.name, weights, ctx_tokens, parallel, config.options)
+        probe = TrialConfig(predictor.name, _format_of(weights), ctx_tokens, parallel, config.options)
         try:
             predictor.refuse(probe, ctx)  # type: ignore[attr-defined]
         except AttributeError:
@@ -92,7 +94,10 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         except Exception as exc:  # the engine's own refusal, e.g. FlashAttention 2 on Volta
             refused = str(exc)
         if refused is None:
-            predicted = predictor.predict(probe, ctx)
+            try:
+                predicted = predictor.predict(probe, ctx)
+            except ConfigError as exc:  # a weights file whose format the speed model has no entry for
+                no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
     return {
         "config": config.as_dict(),
         "gpu": gpu.key,
@@ -112,23 +117,51 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         "refused": refused,
         "invalid": invalid,
         "predictor": predictor.name if predictor else None,
+        "no_prediction": no_prediction,
     }
 
 
+def _format_of(weights: str) -> str:
+    """A weights file as the speed model knows it: ``gguf:<its file type>``; other refs as they are.
+
+    The speed model works from bytes per weight of a format, which a GGUF file's header names
+    (``general.file_type``); memory comes from the file's own tensors either way.
+    """
+    path = Path(weights).expanduser()
+    if not path.is_file():
+        return weights
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        field = reader.fields.get("general.file_type")
+        if field is not None:
+            value = int(field.parts[field.data[0]][0])
+            return "gguf:" + gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        # No file type in the header: the type most of the layers' matrices have.
+        types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) > 1]
+        return "gguf:" + max(set(types), key=types.count) if types else weights
+    except Exception:  # not a GGUF file, or a type the gguf package does not know: no speed prior
+        return weights
+
+
 def estimate_text(r: dict[str, Any]) -> str:
-    gib = 2**30
     v = r["vram"]
+    # MiB for small models (a test model of a few MiB would print as 0.00 GiB everywhere).
+    gib, unit = (2**30, "GiB") if v["total_bytes"] >= 2**30 else (2**20, "MiB")
     c = r["config"]
     lines = [
         f"{c['backend']} {c['weights']} ctx {c['ctx']} x {c['parallel']} "
         + " ".join(f"{k}={val}" for k, val in c.items() if k not in ("backend", "weights", "ctx", "parallel"))
         + f" on {r['gpu']}, model {r['model']}",
         f"  VRAM: weights {v['weights_bytes'] / gib:.2f} + KV {v['kv_bytes'] / gib:.2f} + buffers "
-        f"{v['buffers_bytes'] / gib:.2f} + overhead {v['overhead_bytes'] / gib:.2f} = {v['total_bytes'] / gib:.2f} GiB "
-        f"of {v['budget_bytes'] / gib:.2f} GiB: {'fits' if v['fits'] else 'DOES NOT FIT'}",
+        f"{v['buffers_bytes'] / gib:.2f} + overhead {v['overhead_bytes'] / gib:.2f} = {v['total_bytes'] / gib:.2f} {unit} "
+        f"of {v['budget_bytes'] / 2**30:.2f} GiB: {'fits' if v['fits'] else 'DOES NOT FIT'}",
     ]
     if v["host_bytes"]:
-        lines.append(f"  host memory: {v['host_bytes'] / gib:.2f} GiB")
+        lines.append(f"  host memory: {v['host_bytes'] / gib:.2f} {unit}")
+    for note in v.get("notes", []):
+        lines.append(f"  - {note}")
     for reason in r["invalid"]:
         lines.append(f"  invalid: {reason}")
     if r.get("refused"):
@@ -140,6 +173,6 @@ def estimate_text(r: dict[str, Any]) -> str:
             f"aggregate {p['aggregate_tok_s']:.1f} tok/s, per user {p['per_user_tok_s']:.1f} tok/s; "
             f"roofline {p['roofline_tok_s']:.1f} tok/s"
         )
-    elif not r.get("refused"):
-        lines.append("  no speed model for this engine is installed")
+    elif not r.get("refused") and r.get("no_prediction"):
+        lines.append(f"  {r['no_prediction']}")
     return "\n".join(lines)

@@ -34,7 +34,7 @@ def build_tokenizer(out: Path) -> None:
     import exllamav2.conversion as conv
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    cal = sorted((Path(conv.__file__).parent / "standard_cal_data").glob("*.utf8"))
+    cal = sorted((Path(list(conv.__path__)[0]) / "standard_cal_data").glob("*.utf8"))
     if not cal:
         sys.exit("no calibration text under exllamav2/conversion/standard_cal_data: is exllamav2 0.3.2 installed?")
     tok = Tokenizer(models.BPE())

@@ -220,12 +220,12 @@ class Engine:
             if prompt_tokens > 1:
                 model.forward(ids[:, :-1], cache, preprocess_only=True)
             logits = model.forward(ids[:, -1:], cache)
-            token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True)
+            token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True).cpu()  # input ids live on the CPU (embed_cpu)
             torch.cuda.synchronize()
             first = time.monotonic()
             for _ in range(output_tokens - 1):
                 logits = model.forward(token, cache)
-                token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True)
+                token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True).cpu()
             torch.cuda.synchronize()
         end = time.monotonic()
         return [StreamResult.from_timestamps(prompt_tokens, output_tokens, start, first, end)

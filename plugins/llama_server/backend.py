@@ -358,7 +358,7 @@ class LlamaServerBackend(BaseBackend):
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         path = self.weights_path(config.weights, ctx)
-        on_gpu = _has_gpu() and self.gpu_layers(ctx) > 0
+        on_gpu = (_has_gpu() if ctx.for_gpu is None else ctx.for_gpu) and self.gpu_layers(ctx) > 0
         ub = config.option("ubatch")
         return memory.estimate(_model_of(path), gguf_weights(path), config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),

@@ -1,0 +1,45 @@
+"""`autotune estimate --model FILE.gguf`: the memory breakdown of a real file, for a named card."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+import autotune_plugins.llama_server as llama_plugin
+import autotune_plugins.twin as twin_plugin
+from autotune.cli import cli
+from autotune.formats import kv_bytes_per_token
+from autotune.models import model_from_gguf
+from autotune.vram import gguf_weights
+from autotune_plugins.llama_server import memory
+from tests.conftest import plugin_registered, shared_file
+
+
+def run(*args: str):
+    with plugin_registered(llama_plugin, "llama_server"), plugin_registered(twin_plugin, "twin"):
+        return CliRunner().invoke(cli, list(args), obj={})
+
+
+def test_a_gguf_file_is_its_own_weights():
+    path = shared_file("models/stories260K.gguf")
+    result = run("estimate", "--model", str(path), "--backend", "llama-server", "--ctx", "1000", "--parallel", "2",
+                 "--gpu", "t4", "--flash-attn", "--prompt-tokens", "600", "--output-tokens", "200", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    model = model_from_gguf(path)
+    w = gguf_weights(path)
+    # For the named card, even on a machine without it: a CUDA context, the head on the GPU.
+    assert r["vram"]["overhead_bytes"] == memory.CUDA_CONTEXT_BYTES
+    assert r["vram"]["weights_bytes"] == w.gpu_bytes and r["vram"]["host_bytes"] == w.embedding_bytes
+    assert r["vram"]["kv_bytes"] == 2 * 1024 * kv_bytes_per_token(model, "f16")  # 2 slots x pad256(1000)
+    assert r["config"]["weights"] == str(path)
+    assert r["predictor"] == "twin-llama.cpp" and r["predicted"]["decode_tok_s"] > 0  # its F32 type, read from the file
+    text = run("estimate", "--model", str(path), "--backend", "llama-server", "--ctx", "1000", "--gpu", "t4")
+    assert "KV: 1024 cells" in text.output and "MiB of 15.00 GiB" in text.output
+
+
+def test_a_catalog_model_still_needs_its_weights_format():
+    result = run("estimate", "--model", "qwen2.5-7b", "--backend", "llama.cpp", "--ctx", "4096", "--gpu", "t4")
+    assert result.exit_code == 2
+    assert "--weights is needed" in result.output and "gguf:Q4_K_M" in result.output
