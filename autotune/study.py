@@ -443,8 +443,9 @@ def _gpu_attrs(gpu: GpuSpec) -> dict[str, Any]:
     }
 
 
-class _Interrupted(Exception):
-    pass
+class _Interrupted(BaseException):
+    """Ctrl-C or SIGTERM: a BaseException, like KeyboardInterrupt, so that a plugin's
+    ``except Exception`` cannot turn the user's interrupt into one failed trial and go on."""
 
 
 class StudyRunner:

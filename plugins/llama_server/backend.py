@@ -45,6 +45,7 @@ from autotune.formats import CACHE_TYPES
 from autotune.measure import GpuSampler, StreamResult, repeat_until_stable_many, run_streams_threaded
 from autotune.models import ModelSpec, model_from_gguf
 
+from autotune.rules import Rule, load_rules, violations
 from autotune.vram import gguf_weights
 from autotune_plugins.llama_server import engine, memory
 
@@ -53,7 +54,6 @@ __all__ = ["LlamaServerBackend", "parse_log", "live_servers", "kill_live_servers
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
-QUANT_BLOCK = 32  # q8_0 / q4_0 block size: must divide the head size
 
 UNITS = {
     "decode_tok_s": "tok/s",
@@ -147,6 +147,12 @@ def _install_handlers() -> None:
 
 
 # ------------------------------------------------------------------------------ GGUF file
+
+
+@functools.lru_cache(maxsize=1)
+def _rules() -> list[Rule]:
+    """llama.cpp's refusals, kept as data beside this module (rules.toml)."""
+    return load_rules(Path(__file__).with_name("rules.toml"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -342,17 +348,12 @@ class LlamaServerBackend(BaseBackend):
         problem = self.check_weights(config.weights, ctx)
         if problem:
             return [problem]
-        reasons = []
         model = _model_of(self.weights_path(config.weights, ctx))
-        cache = config.option("cache_type", "f16")
-        if cache != "f16" and not config.option("flash_attn", True):
-            reasons.append(f"cache_type {cache}: llama.cpp needs flash_attn for a quantized V cache")
-        if cache != "f16" and model.head_dim % QUANT_BLOCK:
-            reasons.append(f"cache_type {cache}: its block of {QUANT_BLOCK} does not divide the head size "
-                           f"{model.head_dim} (llama.cpp refuses)")
-        if config.ctx > model.max_context:
-            reasons.append(f"ctx {config.ctx} exceeds the model's context length {model.max_context}")
-        return reasons
+        options = {"cache_type": "f16", "flash_attn": True, **dict(config.options),
+                   "ctx": config.ctx, "parallel": config.parallel}
+        facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
+                 "compute_capability": getattr(ctx.gpu, "compute_capability", None)}
+        return violations(_rules(), options, facts)
 
     # -------------------------------------------------------------- memory
 
