@@ -91,11 +91,15 @@ def test_the_whole_study_on_real_servers(study_dir):
 
 
 def test_two_streams_serve_more_than_one(study_dir):
-    """Batching pays: on this 13M-parameter model two streams beat one in aggregate."""
-    model_path = study_dir / "models" / "tiny-f16-Q4_0.gguf"
+    """Batching pays where decoding streams the weights from memory: a 126M-parameter F16 model
+    (250 MB, larger than the CPU's caches) reads its weights once per step for both streams.
+    (On the 13M models of the study, which sit in cache, two streams barely beat one.)"""
+    shape = SynthSpec(arch="llama", n_layers=8, hidden=1024, n_heads=8, n_kv_heads=4, ffn=4096, context_length=2048)
+    model_path = write_model(shape, study_dir / "mid-f16.gguf", vocab_from=study_dir / "models" / "stories260K.gguf",
+                             seed=0, overwrite=True).path
     ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(model_path),
-                       workload=Workload(prompt_tokens=128, output_tokens=64), vram_budget_bytes=15 * 2**30,
-                       protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=6, rel_spread_tol=0.15),
+                       workload=Workload(prompt_tokens=64, output_tokens=32), vram_budget_bytes=15 * 2**30,
+                       protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=5, rel_spread_tol=0.15),
                        settings={"threads": 2, "startup_timeout_s": 60}, base_dir=model_path.parent)
     b = LlamaServerBackend()
 
@@ -105,8 +109,8 @@ def test_two_streams_serve_more_than_one(study_dir):
         return b.run(config, ctx).metrics["aggregate_tok_s"].median
 
     one, two = aggregate(1), aggregate(2)
-    print(f"aggregate tok/s: parallel 1 {one:.0f}, parallel 2 {two:.0f} ({two / one:.2f}x)")
-    assert two > one
+    print(f"aggregate tok/s: parallel 1 {one:.1f}, parallel 2 {two:.1f} ({two / one:.2f}x)")
+    assert two > 1.1 * one  # measured 1.33x on a 2-core machine
 
 
 @pytest.mark.parametrize("sig, after_s", [(signal.SIGINT, 0.0), (signal.SIGINT, 4.0), (signal.SIGKILL, 0.0)],
