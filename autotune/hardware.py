@@ -262,6 +262,14 @@ def _optional(call: Any, *args: Any) -> Any:
         return None
 
 
+def has_gpu() -> bool:
+    """Whether NVML sees at least one GPU here (False without a driver)."""
+    try:
+        return bool(detect_gpus())
+    except Exception:  # noqa: BLE001 - no NVML: no GPU
+        return False
+
+
 def detect_gpus() -> list[DetectedGpu]:
     """Lists the GPUs NVML can see, matched against the catalog.
 

@@ -48,7 +48,7 @@ from autotune_plugins.exllamav2 import memory
 from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, GeneratorSettings, generator_settings, normalize_cache_type, pad_to_page)
 from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
-from autotune_plugins.llama_server.backend import _has_gpu
+from autotune.hardware import has_gpu as _has_gpu
 
 __all__ = ["ExLlamaV2Backend", "UNITS", "flash_attn_version"]
 

@@ -9,7 +9,6 @@ whole process group is killed, also on ``atexit`` and on SIGTERM to autotune.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import queue
@@ -21,18 +20,15 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from autotune import processes
 from autotune.errors import BackendError
 
 from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
-# One implementation of "stop a process group" and "die with the parent" for every plugin
-# that launches engines.
-from autotune_plugins.llama_server.backend import _die_with_parent, _stop
 
 __all__ = ["WorkerProcess", "default_worker_command", "kill_live_workers", "live_workers"]
 
 _LIVE: set["WorkerProcess"] = set()
 _LIVE_LOCK = threading.Lock()
-_HANDLERS_INSTALLED = False
 _EOF = object()
 
 
@@ -54,26 +50,6 @@ def kill_live_workers() -> None:
             worker.stop(timeout_s=5.0)
         except Exception:  # noqa: BLE001 - best effort while exiting
             pass
-
-
-def _install_handlers() -> None:
-    global _HANDLERS_INSTALLED
-    if _HANDLERS_INSTALLED:
-        return
-    atexit.register(kill_live_workers)
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            kill_live_workers()
-            if callable(previous):  # e.g. llama-server's handler, which then re-raises
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-    _HANDLERS_INSTALLED = True
 
 
 def _tail(path: Path, n_lines: int = 40, max_bytes: int = 64 * 1024) -> str:
@@ -129,12 +105,12 @@ class WorkerProcess:
         Raises:
             BackendError: It could not be started, died, or said nothing in ``timeout_s``.
         """
-        _install_handlers()
+        processes.on_exit(kill_live_workers)
         with open(self.log_path, "wb") as log, _LIVE_LOCK:
             try:
                 self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=log, env=self.env, start_new_session=True,
-                                             preexec_fn=_die_with_parent)
+                                             preexec_fn=processes.die_with_parent)
             except OSError as exc:
                 raise BackendError(f"{self.name} could not be started ({' '.join(self.command)}): {exc}") from exc
             _LIVE.add(self)
@@ -171,7 +147,7 @@ class WorkerProcess:
                     proc.wait(timeout=min(2.0, timeout_s))
                 except (OSError, ValueError, subprocess.TimeoutExpired):
                     pass
-            _stop(proc, timeout_s=timeout_s)  # SIGTERM, SIGKILL, and the group's leftovers
+            processes.stop_group(proc, timeout_s=timeout_s)  # SIGTERM, SIGKILL, and the group's leftovers
         finally:
             for stream in (proc.stdin, proc.stdout):
                 try:

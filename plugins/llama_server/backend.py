@@ -23,12 +23,10 @@ Settings (study file, ``[backends.llama-server]``):
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import tempfile
@@ -45,6 +43,8 @@ from autotune.formats import CACHE_TYPES
 from autotune.measure import GpuSampler, StreamResult, repeat_until_stable_many, run_streams_threaded
 from autotune.models import ModelSpec, model_from_gguf
 
+from autotune import processes
+from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.vram import gguf_weights
 from autotune_plugins.llama_server import engine, memory
@@ -76,7 +76,6 @@ PROMPT_TEXT = (
 
 _LIVE: set[subprocess.Popen] = set()
 _LIVE_LOCK = threading.Lock()
-_HANDLERS_INSTALLED = False
 
 
 def live_servers() -> set[subprocess.Popen]:
@@ -86,27 +85,9 @@ def live_servers() -> set[subprocess.Popen]:
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM the server's process group, wait, SIGKILL if it lingers."""
+    """End the server's whole process group and forget it."""
     try:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=timeout_s)
-        else:
-            # The leader exited; make sure nothing else of its group survives.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        processes.stop_group(proc, timeout_s)
     finally:
         with _LIVE_LOCK:
             _LIVE.discard(proc)
@@ -119,31 +100,6 @@ def kill_live_servers() -> None:
             _stop(proc, timeout_s=5.0)
         except Exception:  # noqa: BLE001 - best effort while exiting
             pass
-
-
-def _on_sigterm(previous: Any):
-    def handler(signum: int, frame: Any) -> None:
-        kill_live_servers()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_IGN:
-            return
-        else:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-    return handler
-
-
-def _install_handlers() -> None:
-    global _HANDLERS_INSTALLED
-    if _HANDLERS_INSTALLED:
-        return
-    atexit.register(kill_live_servers)
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, _on_sigterm(previous))
-    _HANDLERS_INSTALLED = True
 
 
 # ------------------------------------------------------------------------------ GGUF file
@@ -238,30 +194,6 @@ def _free_port() -> int:
         if _port_free(port):
             return port
     raise BackendError("no free TCP port on 127.0.0.1 for llama-server")
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGKILL the server when autotune dies.
-
-    atexit and signal handlers cannot run when autotune itself is SIGKILLed; the kernel's
-    parent-death signal still fires then, so no server outlives us.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux/glibc: the atexit and SIGTERM paths still apply
-        pass
-
-
-def _has_gpu() -> bool:
-    try:
-        from autotune.hardware import detect_gpus
-
-        return bool(detect_gpus())
-    except Exception:  # noqa: BLE001 - no NVML: no GPU
-        return False
 
 
 class _Server:
@@ -428,11 +360,11 @@ class LlamaServerBackend(BaseBackend):
         if has_gpu and "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = str(ctx.gpu_index)
         log_path = log_dir / "llama-server.log"
-        _install_handlers()
+        processes.on_exit(kill_live_servers)
         with open(log_path, "w") as log:
             with _LIVE_LOCK:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                        env=env, start_new_session=True, preexec_fn=processes.die_with_parent)
                 _LIVE.add(proc)
         return _Server(proc, port, log_path, cmd)
 
