@@ -587,7 +587,8 @@ def install_python_bindings(
     version = str(build.manifest.get("llama_cpp_python") or LLAMA_CPP_PYTHON_VERSION)
     sdist = engines_dir(cache_dir) / "downloads" / f"llama_cpp_python-{version}.tar.gz"
     source = str(sdist) if sdist.is_file() else f"llama-cpp-python=={version}"
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", source]
+    # With its dependencies (diskcache, jinja2...): a fresh environment has none of them.
+    cmd = [sys.executable, "-m", "pip", "install", source]
     env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                           env=env, check=False)
@@ -647,6 +648,9 @@ def import_llama_cpp(
                     os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
     try:
         return importlib.import_module("llama_cpp")
+    except ImportError as exc:  # a dependency of the bindings is missing
+        raise EngineNotFoundError(f"llama-cpp-python {installed} is installed but cannot be imported ({exc}): "
+                                  f"{install_hint}") from None
     except (OSError, RuntimeError, FileNotFoundError) as exc:
         where = os.environ.get("LLAMA_CPP_LIB_PATH", "the package's own lib/ directory")
         raise EngineNotFoundError(f"llama-cpp-python {installed} could not load libllama from {where} ({exc}): "
