@@ -6,9 +6,10 @@
 #   bash bench/h200_session.sh vram    # issue 4: NVML vs prediction, 16+ llama-server configs
 #   bash bench/h200_session.sh exl2    # issue 7: EXL2 measurement + 3 bpw, GGUF Q4_K_M
 #   bash bench/h200_session.sh study   # issue 7: the ExLlamaV2-vs-llama.cpp study
-# .carry holds: whl/ (optuna, sqlalchemy, ..., the autotune wheel), whl-exl2/ (exllamav2 0.3.2,
-# fastparquet, cramjam, websockets), llama.cpp.tar.gz (the vendored tree of the
-# llama-cpp-python 0.3.36 sdist, docs/tests/other backends stripped), ggml-vocab-qwen2.gguf.
+# .carry is made by bench/make_carry.sh: whl/ (optuna, sqlalchemy, ..., the autotune wheel),
+# whl-exl2/ (exllamav2 0.3.2, fastparquet, cramjam, websockets), llama.cpp.tar.gz (the
+# vendored tree of the llama-cpp-python 0.3.36 sdist with its gguf-py, docs/tests/other GPU
+# backends stripped), ggml-vocab-qwen2.gguf.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
