@@ -22,7 +22,8 @@ Settings (study file, ``[backends.exllamav2]``):
     load_timeout_s: bound on loading the model (default 900: the first load JIT-compiles
         ExLlamaV2's extension, about 4.5 minutes on an H200).
     request_timeout_s: bound on one measurement run (default 600).
-    cuda_context_mib: CUDA context and PyTorch/cuBLAS workspace in the estimate (default 600).
+    cuda_context_mib: CUDA context and PyTorch/cuBLAS workspace in the estimate (default 1190,
+        measured on an H200).
     scoring_ctx: tokens a scorer's cache holds (default 2048, at most the model's context).
     stability_metric: the quantity whose spread decides when to stop (default aggregate_tok_s).
 """

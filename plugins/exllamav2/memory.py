@@ -70,7 +70,12 @@ EMBEDDING_TENSOR = "model.embed_tokens.weight"
 # exllamav2/config.py defaults: max_input_len 2048, max_batch_size 1, max_dq_size 512 Mi values.
 MAX_INPUT_LEN = 2048
 MAX_DQ_VALUES = 512 * 2**20
-DEFAULT_CUDA_CONTEXT_MIB = 600
+# Measured on an H200 (torch 2.11+cu130, exllamav2 0.3.2, SDPA): NVML's process total minus the
+# modelled weights, cache and buffers was 1189 MiB in the first trial of
+# bench/results/h200_exllamav2_study.md (CUDA context, cuBLAS workspaces, the caching
+# allocator's slack). Other cards and drivers differ: a study learns its own from its first
+# measured trial.
+DEFAULT_CUDA_CONTEXT_MIB = 1190
 
 
 @dataclass(frozen=True)
