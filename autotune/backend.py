@@ -245,10 +245,20 @@ class BaseBackend(abc.ABC):
             params: Each of this backend's parameters with its searched values.
 
         Returns:
-            One value per parameter; by default the first searched value. Backends override it
-            to pick the most precise ones (an unquantized KV cache).
+            One value per parameter: the widest KV-cache type of the catalog among those searched
+            (``cache_type``), fused attention when it is searched (``flash_attn``: numerically the
+            same, and the setting a deployment would keep), else the first searched value.
+            Backends override it when their engine knows better.
         """
-        return {name: values[0] for name, values in params.items()}
+        from autotune.formats import CACHE_TYPES
+
+        ref = {name: values[0] for name, values in params.items()}
+        known = [c for c in params.get("cache_type", ()) if c in CACHE_TYPES]
+        if known:
+            ref["cache_type"] = max(known, key=lambda c: CACHE_TYPES[c].bytes_per_element)
+        if True in params.get("flash_attn", ()):
+            ref["flash_attn"] = True
+        return ref
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""

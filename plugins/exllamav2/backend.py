@@ -41,7 +41,6 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.formats import CACHE_TYPES
 from autotune.measure import GpuSampler, repeat_until_stable_many
 from autotune.models import ModelSpec, model_from_hf_config
 
@@ -114,13 +113,6 @@ class ExLlamaV2Backend(BaseBackend):
             if name not in caches:
                 caches.append(name)
         return [Param("cache_type", tuple(caches) or ("fp16",), "KV-cache mode: fp16, q8, q6, q4 (TabbyAPI's cache_mode)")]
-
-    def quality_reference(self, params: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
-        caches = params.get("cache_type", ("fp16",))
-        ref = {"cache_type": max(caches, key=lambda c: CACHE_TYPES[c].bytes_per_element)}
-        for name, values in params.items():
-            ref.setdefault(name, values[0])
-        return ref
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         p = Path(weights).expanduser()

@@ -39,7 +39,6 @@ import requests
 
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.errors import AutotuneError, BackendError
-from autotune.formats import CACHE_TYPES
 from autotune.measure import GpuSampler, StreamResult, repeat_until_stable_many, run_streams_threaded
 from autotune.models import ModelSpec, model_from_gguf
 
@@ -243,16 +242,6 @@ class LlamaServerBackend(BaseBackend):
             if ub:
                 params.append(Param("ubatch", ub, "physical batch size (-ub)"))
         return params
-
-    def quality_reference(self, params: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
-        caches = params.get("cache_type", ("f16",))
-        ref = {
-            "cache_type": max(caches, key=lambda c: CACHE_TYPES[c].bytes_per_element),
-            "flash_attn": True in params.get("flash_attn", (True,)),
-        }
-        for name, values in params.items():
-            ref.setdefault(name, values[0])
-        return ref
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         # Absolute: the server and the deploy command must not depend on the working directory.

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune import hookimpl
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.errors import AutotuneError, BackendError, UnsupportedError
-from autotune.formats import CACHE_TYPES, normalize_format, parse_format, weights_for
+from autotune.formats import normalize_format, parse_format, weights_for
 from autotune.measure import Protocol, Stat, repeat_until_stable_many
 from autotune.metric import BaseMetric, MetricValue
 
@@ -63,12 +63,6 @@ class TwinBackend(BaseBackend):
             Param("cache_type", caches or (self.default_cache,), f"KV-cache type ({', '.join(self.cache_types)})"),
             Param("flash_attn", flash or (True,), "fused attention kernels"),
         ]
-
-    def quality_reference(self, params: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
-        """The most precise options: an unquantized cache, fused attention where searched."""
-        caches = params.get("cache_type", (self.default_cache,))
-        best_cache = max(caches, key=lambda c: CACHE_TYPES[c].bytes_per_element)
-        return {"cache_type": best_cache, "flash_attn": True in params.get("flash_attn", (True,))}
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         try:
