@@ -135,6 +135,12 @@ class StudyContext:
     gpu_index: int = 0
     for_gpu: bool | None = None
 
+    def path(self, ref: str) -> Path:
+        """A file or directory the study file names, as an absolute path (relative ones are
+        relative to the study file), so no engine command depends on the working directory."""
+        p = Path(ref).expanduser()
+        return (p if p.is_absolute() else Path(self.base_dir) / p).absolute()
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:

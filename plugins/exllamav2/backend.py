@@ -115,8 +115,7 @@ class ExLlamaV2Backend(BaseBackend):
         return [Param("cache_type", tuple(caches) or ("fp16",), "KV-cache mode: fp16, q8, q6, q4 (TabbyAPI's cache_mode)")]
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
-        p = Path(weights).expanduser()
-        return p if p.is_absolute() else Path(ctx.base_dir) / p
+        return ctx.path(weights)
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         p = self.weights_path(weights, ctx)

@@ -244,9 +244,7 @@ class LlamaServerBackend(BaseBackend):
         return params
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
-        # Absolute: the server and the deploy command must not depend on the working directory.
-        p = Path(weights).expanduser()
-        return (p if p.is_absolute() else Path(ctx.base_dir) / p).absolute()
+        return ctx.path(weights)
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         p = self.weights_path(weights, ctx)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping
 
 from autotune.backend import BaseBackend, StudyContext, TrialConfig
@@ -53,9 +52,7 @@ def artifact_hash(weights: str, ctx: StudyContext) -> str:
     its files' names and content hashes; a reference that is not a local path (a hub name) is
     hashed as text.
     """
-    path = Path(weights).expanduser()
-    if not path.is_absolute():
-        path = Path(ctx.base_dir) / path
+    path = ctx.path(weights)
     if path.is_file():
         st = path.stat()
         return _file_hash(str(path.resolve()), st.st_size, st.st_mtime_ns)
