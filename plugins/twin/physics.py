@@ -21,7 +21,6 @@ prefilled, then decoded together, total output tokens over the wall time.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -29,6 +28,7 @@ from autotune.backend import MemoryEstimate
 from autotune.formats import WeightsBreakdown, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
+from autotune.vram import SlotLayout
 
 GiB = 2**30
 
@@ -133,11 +133,10 @@ def soft_max(a: float, b: float, k: float = ROOFLINE_SHARPNESS) -> float:
 
 def kv_cells(s: Scenario) -> int:
     """Cache cells the engine allocates for ``parallel`` sequences of ``ctx`` tokens each."""
-    if s.engine == "llama.cpp":
-        # llama-server gives each slot a cache of its own (not unified), padded on its own:
-        # -c 600 -np 2 holds 2 x 512 cells, as its log says.
-        return math.ceil(s.ctx / LLAMA_KV_PAD) * LLAMA_KV_PAD * s.parallel
-    return s.ctx * s.parallel
+    # llama-server gives each slot a cache of its own (not unified), padded on its own:
+    # -c 600 -np 2 holds 2 x 512 cells, as its log says. Others allocate ctx x batch.
+    layout = SlotLayout(pad=LLAMA_KV_PAD) if s.engine == "llama.cpp" else SlotLayout()
+    return layout.cells(s.ctx, s.parallel)
 
 
 def compute_buffer_bytes(s: Scenario) -> int:
