@@ -1,9 +1,9 @@
 """Engine processes that never outlive autotune: one implementation for every backend plugin.
 
-A backend starts its engine (a server, a worker) in a session of its own with
-:func:`die_with_parent` as ``preexec_fn``, ends it with :func:`stop_group`, and registers a
-cleanup with :func:`on_exit`, which runs at interpreter exit and on SIGTERM. The kernel's
-parent-death signal covers the one case no handler can: autotune being SIGKILLed.
+A backend starts its engine (a server, a worker) with :func:`start`: a session (process group)
+of its own, :func:`die_with_parent` in the child, and a registry of live engines that is
+emptied at interpreter exit and on SIGTERM. It ends it with :func:`stop`, in a ``finally``.
+The kernel's parent-death signal covers the one case no handler can: autotune being SIGKILLed.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["die_with_parent", "on_exit", "stop_group"]
+__all__ = ["die_with_parent", "live", "on_exit", "start", "stop", "stop_group"]
 
 _CLEANUPS: list[Callable[[], None]] = []
 _LOCK = threading.Lock()
 _INSTALLED = False
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
 
 
 def die_with_parent() -> None:
@@ -104,3 +106,44 @@ def on_exit(cleanup: Callable[[], None]) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _on_sigterm(signal.getsignal(signal.SIGTERM)))
         _INSTALLED = True
+
+
+def live() -> set[subprocess.Popen]:
+    """Engine processes started with :func:`start` and not stopped yet."""
+    with _LIVE_LOCK:
+        return set(_LIVE)
+
+
+def _stop_live() -> None:
+    for proc in live():
+        try:
+            stop(proc, timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - best effort while exiting
+            pass
+
+
+def start(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """Start an engine in its own session, dying with autotune, registered until :func:`stop`.
+
+    Args:
+        cmd: The command line.
+        popen_kwargs: Anything else for ``subprocess.Popen`` (streams, env, cwd).
+
+    Raises:
+        OSError: It could not be started.
+    """
+    on_exit(_stop_live)
+    # Registered under the lock it was started under: a SIGTERM between the two cannot miss it.
+    with _LIVE_LOCK:
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent, **popen_kwargs)
+        _LIVE.add(proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """End ``proc``'s whole process group (:func:`stop_group`) and forget it."""
+    try:
+        stop_group(proc, timeout_s)
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(proc)

@@ -28,7 +28,8 @@ from autotune.backend import StudyContext, TrialConfig, Workload
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
-from autotune_plugins.llama_server.backend import LlamaServerBackend, _stop, parse_log
+from autotune import processes
+from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log
 
 MiB = 2**20
 
@@ -83,7 +84,7 @@ def main() -> int:
             measured = process_mib(server.proc.pid)
             logged = parse_log(server.log())
         finally:
-            _stop(server.proc)
+            processes.stop(server.proc)
         # CUDA0 only: CUDA_Host buffers are pinned host memory.
         gpu_buffers = {k: sum(v for dev, v in logged.get(k, {}).items() if dev.startswith("CUDA") and "Host" not in dev)
                        for k in ("model_buffer_mib", "kv_buffer_mib", "compute_buffer_mib")}

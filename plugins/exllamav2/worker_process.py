@@ -25,31 +25,14 @@ from autotune.errors import BackendError
 
 from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 
-__all__ = ["WorkerProcess", "default_worker_command", "kill_live_workers", "live_workers"]
+__all__ = ["WorkerProcess", "default_worker_command"]
 
-_LIVE: set["WorkerProcess"] = set()
-_LIVE_LOCK = threading.Lock()
 _EOF = object()
 
 
 def default_worker_command(python: str | None = None) -> list[str]:
     """``python -m autotune_plugins.exllamav2.worker`` with autotune's interpreter by default."""
     return [python or sys.executable, "-u", "-m", "autotune_plugins.exllamav2.worker"]
-
-
-def live_workers() -> set["WorkerProcess"]:
-    """Workers this process started and has not stopped yet."""
-    with _LIVE_LOCK:
-        return set(_LIVE)
-
-
-def kill_live_workers() -> None:
-    """Stop every worker still registered (atexit, SIGTERM)."""
-    for worker in live_workers():
-        try:
-            worker.stop(timeout_s=5.0)
-        except Exception:  # noqa: BLE001 - best effort while exiting
-            pass
 
 
 def _tail(path: Path, n_lines: int = 40, max_bytes: int = 64 * 1024) -> str:
@@ -105,15 +88,12 @@ class WorkerProcess:
         Raises:
             BackendError: It could not be started, died, or said nothing in ``timeout_s``.
         """
-        processes.on_exit(kill_live_workers)
-        with open(self.log_path, "wb") as log, _LIVE_LOCK:
+        with open(self.log_path, "wb") as log:
             try:
-                self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             stderr=log, env=self.env, start_new_session=True,
-                                             preexec_fn=processes.die_with_parent)
+                self.proc = processes.start(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=log, env=self.env)
             except OSError as exc:
                 raise BackendError(f"{self.name} could not be started ({' '.join(self.command)}): {exc}") from exc
-            _LIVE.add(self)
         threading.Thread(target=self._read, daemon=True, name=f"autotune-exl2-reader-{self.proc.pid}").start()
         hello = self._next(timeout_s, "start (hello)")
         if hello.get("event") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
@@ -147,7 +127,7 @@ class WorkerProcess:
                     proc.wait(timeout=min(2.0, timeout_s))
                 except (OSError, ValueError, subprocess.TimeoutExpired):
                     pass
-            processes.stop_group(proc, timeout_s=timeout_s)  # SIGTERM, SIGKILL, and the group's leftovers
+            processes.stop(proc, timeout_s=timeout_s)  # SIGTERM, SIGKILL, and the group's leftovers
         finally:
             for stream in (proc.stdin, proc.stdout):
                 try:
@@ -155,8 +135,6 @@ class WorkerProcess:
                         stream.close()
                 except OSError:
                     pass
-            with _LIVE_LOCK:
-                _LIVE.discard(self)
 
     # -------------------------------------------------------------- requests
 

@@ -30,7 +30,6 @@ import re
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
@@ -48,7 +47,7 @@ from autotune.rules import Rule, load_rules, violations
 from autotune.vram import gguf_weights
 from autotune_plugins.llama_server import engine, memory
 
-__all__ = ["LlamaServerBackend", "parse_log", "live_servers", "kill_live_servers"]
+__all__ = ["LlamaServerBackend", "parse_log"]
 
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
@@ -70,36 +69,6 @@ PROMPT_TEXT = (
     "compass and asked him whether he could make it point home again. He smiled, took out his "
     "smallest screwdriver, and began to explain how the needle feels the pull of the earth. "
 )
-
-# ------------------------------------------------------------------------------ live servers
-
-_LIVE: set[subprocess.Popen] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def live_servers() -> set[subprocess.Popen]:
-    """The llama-server processes this process started and has not stopped yet."""
-    with _LIVE_LOCK:
-        return set(_LIVE)
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """End the server's whole process group and forget it."""
-    try:
-        processes.stop_group(proc, timeout_s)
-    finally:
-        with _LIVE_LOCK:
-            _LIVE.discard(proc)
-
-
-def kill_live_servers() -> None:
-    """Stop every server still registered (atexit, SIGTERM)."""
-    for proc in live_servers():
-        try:
-            _stop(proc, timeout_s=5.0)
-        except Exception:  # noqa: BLE001 - best effort while exiting
-            pass
-
 
 # ------------------------------------------------------------------------------ GGUF file
 
@@ -347,12 +316,8 @@ class LlamaServerBackend(BaseBackend):
         if has_gpu and "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = str(ctx.gpu_index)
         log_path = log_dir / "llama-server.log"
-        processes.on_exit(kill_live_servers)
         with open(log_path, "w") as log:
-            with _LIVE_LOCK:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, start_new_session=True, preexec_fn=processes.die_with_parent)
-                _LIVE.add(proc)
+            proc = processes.start(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         return _Server(proc, port, log_path, cmd)
 
     def wait_ready(self, server: _Server, timeout_s: float) -> None:
@@ -397,7 +362,7 @@ class LlamaServerBackend(BaseBackend):
                 text = server.log()
                 raise BackendError(f"llama-server measurement failed: {exc}", log_tail=_tail(text)) from exc
             finally:
-                _stop(server.proc)
+                processes.stop(server.proc)
 
     def _measure(self, server: _Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
                  startup_s: float, request_s: float) -> Measurement:

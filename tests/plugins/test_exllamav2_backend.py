@@ -22,12 +22,13 @@ import pytest
 
 from autotune.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError, ConfigError
+from autotune import processes
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol, StreamResult
 from autotune.models import model_from_hf_config
 from tests.conftest import REPO, plugin_registered
 
-from autotune_plugins.exllamav2 import memory, protocol, worker_process
+from autotune_plugins.exllamav2 import memory, protocol
 from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 from autotune_plugins.exllamav2.generator_settings import generator_settings
 from autotune_plugins.exllamav2.worker import attention_path, prompt_ids, sample_metrics
@@ -297,7 +298,7 @@ def test_run_with_a_worker_that_answers(exl2_dir, tmp_path):
     assert m.metrics["aggregate_tok_s"].n >= 2 and m.metrics["aggregate_tok_s"].warmups
     assert m.metrics["decode_tok_s"].median == 100.0
     assert m.attrs["attention_path"] == "sdpa" and m.attrs["generator"]["max_batch_size"] == 4
-    assert wait_gone(pids_of(pidfile)) == [] and not worker_process.live_workers()
+    assert wait_gone(pids_of(pidfile)) == [] and not processes.live()
 
 
 @pytest.mark.parametrize("mode, settings, reason", [
@@ -317,7 +318,7 @@ def test_a_failing_worker_ends_the_trial_with_its_reason_and_leaves_nothing(exl2
     if mode in ("crash-on-load", "signal-on-sample"):
         assert info.value.log_tail.strip(), "the stderr tail travels with the error"
     assert wait_gone(pids_of(pidfile)) == [], "the worker and its child must be gone"
-    assert not worker_process.live_workers()
+    assert not processes.live()
 
 
 def test_garbage_on_the_protocol_stream_is_reported(exl2_dir, tmp_path):
@@ -330,7 +331,7 @@ def test_the_real_worker_says_when_exllamav2_is_missing(exl2_dir, tmp_path):
     pytest.importorskip("importlib").util.find_spec("exllamav2") is None or pytest.skip("exllamav2 is installed here")
     with pytest.raises(BackendError, match=r"'load' failed: BackendError: exllamav2 is not importable"):
         ExLlamaV2Backend().run(cfg(), make_ctx(tmp_path))
-    assert not worker_process.live_workers()
+    assert not processes.live()
 
 
 def test_scorer_refuses_unusable_weights(tmp_path):

@@ -15,7 +15,8 @@ from autotune.backend import TrialConfig
 from autotune.models import model_from_gguf
 from autotune.vram import gguf_weights
 from autotune_plugins.llama_server import memory
-from autotune_plugins.llama_server.backend import LlamaServerBackend, _stop, parse_log
+from autotune import processes
+from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
 from tests.conftest import shared_file
 from tests.engine_fixtures import cpu_build
@@ -83,7 +84,7 @@ def test_estimate_matches_the_engines_own_figures(models, name, ctx, parallel, c
         backend.wait_ready(server, 120)
         logged = parse_log(server.log())
     finally:
-        _stop(server.proc)
+        processes.stop(server.proc)
     assert "CPU_REPACK" not in logged["model_buffer_mib"], "a repacked type: the CPU layout differs from a GPU's"
     weights = sum(logged["model_buffer_mib"].values()) * MiB
     kv = sum(logged["kv_buffer_mib"].values()) * MiB

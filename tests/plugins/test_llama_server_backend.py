@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune import processes
 from autotune.errors import BackendError
 from autotune.formats import kv_bytes_per_token
 from autotune.hardware import get_gpu
@@ -167,7 +168,7 @@ def test_run_measures_and_matches_the_logged_buffers(server_binary, stories):
     assert est.kv_bytes == a["kv_cells"] * kv_bytes_per_token(model, "f16")
     logged_kv = sum(a["kv_buffer_mib"].values()) * MiB
     assert abs(est.kv_bytes - logged_kv) <= 0.01 * est.kv_bytes
-    assert servers_on(stories) == [] and not lsb.live_servers()
+    assert servers_on(stories) == [] and not processes.live()
 
 
 @pytest.mark.parametrize("weights, options, reason", [
@@ -194,7 +195,7 @@ def test_no_server_survives_a_failed_measurement(server_binary, stories, monkeyp
     monkeypatch.setattr(LlamaServerBackend, "prompt_tokens", boom)
     with pytest.raises(BackendError, match="client broke"):
         b.run(cfg("stories260K.gguf"), make_ctx(stories))
-    assert servers_on(stories) == [] and not lsb.live_servers()
+    assert servers_on(stories) == [] and not processes.live()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
