@@ -12,20 +12,9 @@ from typing import Any
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.hardware import GpuSpec, detect_gpus, get_gpu, nvml_unavailable_reason, spec_for_detected
+from autotune.hardware import resolve_gpu
 from autotune.measure import Protocol
 from autotune.models import resolve_model
-
-
-def _gpu(key: str) -> GpuSpec:
-    if key != "auto":
-        return get_gpu(key)
-    found = detect_gpus()
-    if not found:
-        raise ConfigError(f"--gpu auto: no GPU detected ({nvml_unavailable_reason() or 'none found'}); "
-                          "name one with --gpu, e.g. --gpu v100-16gb")
-    d = found[0]
-    return d.spec if d.spec is not None else spec_for_detected(d)
 
 
 def _backends(name: str) -> tuple[BaseBackend, BaseBackend | None]:
@@ -60,7 +49,7 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         {decode_tok_s, prefill_tok_s, aggregate_tok_s, per_user_tok_s, roofline_tok_s} | None,
         "invalid": [reasons], "predictor": name | None}``.
     """
-    gpu = _gpu(gpu_key)
+    gpu = resolve_gpu(gpu_key)
     model = resolve_model(model_ref)
     backend, predictor = _backends(backend_name)
     options = {"flash_attn": flash_attn}
@@ -102,17 +91,7 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         "config": config.as_dict(),
         "gpu": gpu.key,
         "model": model.key,
-        "vram": {
-            "weights_bytes": mem.weights_bytes,
-            "kv_bytes": mem.kv_bytes,
-            "buffers_bytes": mem.buffers_bytes,
-            "overhead_bytes": mem.overhead_bytes,
-            "host_bytes": mem.host_bytes,
-            "total_bytes": mem.total_bytes,
-            "budget_bytes": gpu.vram_bytes,
-            "fits": mem.total_bytes <= gpu.vram_bytes,
-            "notes": list(mem.notes),
-        },
+        "vram": {**mem.to_dict(), "budget_bytes": gpu.vram_bytes, "fits": mem.total_bytes <= gpu.vram_bytes},
         "predicted": dict(predicted) if predicted else None,
         "refused": refused,
         "invalid": invalid,

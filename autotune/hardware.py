@@ -29,6 +29,7 @@ __all__ = [
     "load_gpu_catalog",
     "match_catalog",
     "nvml_unavailable_reason",
+    "resolve_gpu",
     "spec_for_detected",
 ]
 
@@ -414,3 +415,29 @@ def spec_for_detected(d: DetectedGpu) -> GpuSpec:
             "bus width x memory clock; TFLOPS estimated from core count and clock; host_mem_gb_s assumed"
         ),
     )
+
+
+def resolve_gpu(key: str, index: int = 0, *, source: str = "--gpu") -> GpuSpec:
+    """The card a study or an estimate is for: a catalog key, or the one NVML finds for ``auto``.
+
+    Args:
+        key: A catalog key or ``auto``.
+        index: Which detected card, for ``auto``.
+        source: How to name the setting in errors (``path: [hardware] gpu``, ``--gpu``).
+
+    Raises:
+        ConfigError: No GPU for ``auto``, too few of them, or an unknown key.
+    """
+    if key == "auto":
+        found = detect_gpus()
+        if not found:
+            reason = nvml_unavailable_reason() or "no GPU found"
+            raise ConfigError(f"{source} = 'auto': no GPU detected ({reason}); name a catalog GPU such as v100-16gb")
+        if index >= len(found):
+            raise ConfigError(f"{source}: gpu_index {index} but only {len(found)} GPU(s) found")
+        d = found[index]
+        return d.spec if d.spec is not None else spec_for_detected(d)
+    try:
+        return get_gpu(key)
+    except ConfigError as exc:
+        raise ConfigError(f"{source} = {key!r}: {exc}") from None

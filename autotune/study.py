@@ -35,7 +35,8 @@ from autotune import vram
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, StudyContext, TrialConfig, Workload
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.hardware import GpuSpec, detect_gpus, get_gpu, nvml_unavailable_reason, spec_for_detected
+from autotune import hardware
+from autotune.hardware import GpuSpec
 from autotune.measure import Protocol
 from autotune.metric import BaseMetric, MetricValue, QualityReference
 from autotune.models import ModelSpec, resolve_model
@@ -113,20 +114,8 @@ class StudySummary:
 
 def resolve_gpu(cfg: StudyConfig) -> GpuSpec:
     """The study's GPU: a catalog key, or the card NVML finds for ``auto``."""
-    source = f"{cfg.path}: [hardware] gpu" if cfg.path else "[hardware] gpu"
-    if cfg.gpu == "auto":
-        found = detect_gpus()
-        if not found:
-            reason = nvml_unavailable_reason() or "no GPU found"
-            raise ConfigError(f"{source} = 'auto': no GPU detected ({reason}); name a catalog GPU such as v100-16gb")
-        if cfg.gpu_index >= len(found):
-            raise ConfigError(f"{source}: gpu_index {cfg.gpu_index} but only {len(found)} GPU(s) found")
-        d = found[cfg.gpu_index]
-        return d.spec if d.spec is not None else spec_for_detected(d)
-    try:
-        return get_gpu(cfg.gpu)
-    except AutotuneError as exc:
-        raise ConfigError(f"{source} = {cfg.gpu!r}: {exc}") from None
+    return hardware.resolve_gpu(cfg.gpu, cfg.gpu_index,
+                                source=f"{cfg.path}: [hardware] gpu" if cfg.path else "[hardware] gpu")
 
 
 def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy:

@@ -291,3 +291,15 @@ def test_v100_bandwidth_formula_matches_datasheet(monkeypatch):
     # Bus width x memory clock x 2 / 8 on a V100 gives its 900 GB/s datasheet figure (898).
     d = DetectedGpu(0, "Tesla V100-PCIE-16GB", 16945512448, 0, 0, "535", "7.0", None, 4096, 877, 1380, 5120, 3, 16)
     assert spec_for_detected(d).mem_bandwidth_gb_s == pytest.approx(898, abs=1)
+
+
+def test_resolve_gpu_names_the_setting_in_its_errors(monkeypatch):
+    from autotune import hardware
+    from autotune.errors import ConfigError
+
+    assert hardware.resolve_gpu("v100-16gb").key == "v100-16gb"
+    with pytest.raises(ConfigError, match=r"^--gpu = 'v101': "):
+        hardware.resolve_gpu("v101")
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: [])
+    with pytest.raises(ConfigError, match=r"^s\.toml: \[hardware\] gpu = 'auto': no GPU detected .*v100-16gb"):
+        hardware.resolve_gpu("auto", source="s.toml: [hardware] gpu")
