@@ -18,6 +18,9 @@ Settings (study file, ``[backends.exllamav2]``):
     python: interpreter that has torch and exllamav2 (default: autotune's own).
     worker_command: the whole worker command line, a list (tests use fake workers).
     paged: "auto" (default: paged attention when flash-attn >= 2.5.7 is installed), true, false.
+    unpaged_parallel: how parallel > 1 runs without paged attention: "queue" (default: the
+        dynamic generator serves the jobs one after another, as a deployed server would) or
+        "batched" (one batched forward pass: offline batch work; see .generator_settings).
     startup_timeout_s: bound on the worker's hello (default 60).
     load_timeout_s: bound on loading the model (default 900: the first load JIT-compiles
         ExLlamaV2's extension, about 4.5 minutes on an H200).
@@ -46,7 +49,8 @@ from autotune.models import ModelSpec, model_from_hf_config
 
 from autotune_plugins.exllamav2 import memory
 from autotune_plugins.exllamav2.generator_settings import (
-    CACHE_CHOICES, MAX_Q_SIZE, GeneratorSettings, generator_settings, normalize_cache_type, pad_to_page)
+    CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
+    pad_to_page)
 from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
 from autotune.hardware import has_gpu as _has_gpu
 
@@ -171,8 +175,16 @@ class ExLlamaV2Backend(BaseBackend):
         version = flash_attn_version(self.python(ctx))
         return version is not None and version >= MIN_PAGED_FLASH_ATTN
 
+    def unpaged_parallel(self, ctx: StudyContext) -> str:
+        value = ctx.settings.get("unpaged_parallel", "queue")
+        if value not in UNPAGED_CHOICES:
+            raise BackendError(f"[backends.exllamav2] unpaged_parallel = {value!r}: use "
+                               + " or ".join(f'"{c}"' for c in UNPAGED_CHOICES))
+        return str(value)
+
     def generator_settings(self, config: TrialConfig, ctx: StudyContext) -> GeneratorSettings:
-        return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel, self.paged(ctx))
+        return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel, self.paged(ctx),
+                                  self.unpaged_parallel(ctx))
 
     def _seconds(self, ctx: StudyContext, key: str, default: float) -> float:
         value = ctx.settings.get(key, default)
@@ -195,13 +207,19 @@ class ExLlamaV2Backend(BaseBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         path = self.weights_path(config.weights, ctx)
-        s = generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel, True)
+        s = self.generator_settings(config, ctx)
         args = ["python", "main.py", "--model-dir", str(path.parent), "--model-name", path.name,
                 "--backend", "exllamav2", "--max-seq-len", str(s.max_seq_len), "--cache-size",
-                str(s.cache_tokens), "--cache-mode", s.cache_type.upper(), "--max-batch-size",
-                str(s.max_batch_size), "--host", "0.0.0.0", "--port", "5000"]
-        return (" ".join(args) + f"  # TabbyAPI (config.yml model: keys of the same names); cache of "
-                f"{config.parallel} x pad256({config.ctx}) tokens; concurrency needs flash-attn >= 2.5.7")
+                str(s.cache_tokens if s.paged else s.max_seq_len), "--cache-mode", s.cache_type.upper(),
+                "--max-batch-size", str(s.max_batch_size), "--host", "0.0.0.0", "--port", "5000"]
+        line = " ".join(args) + "  # TabbyAPI (config.yml model: keys of the same names)"
+        if s.paged:
+            return line + f"; cache of {config.parallel} x pad256({config.ctx}) tokens, paged attention"
+        if s.mode == "batched":
+            return line + (f"; measured as batched forward passes of {config.parallel} rows (offline batch "
+                           f"work); without flash-attn >= 2.5.7 this server answers one request at a time")
+        return line + ("; without flash-attn >= 2.5.7 requests are served one at a time (as measured); "
+                       "install it for concurrent jobs")
 
     def engine_version(self) -> str:
         try:
@@ -236,7 +254,7 @@ class ExLlamaV2Backend(BaseBackend):
         paged = ctx.settings.get("paged", "auto")
         return worker.request("load", self._seconds(ctx, "load_timeout_s", 900), model_dir=str(model_dir),
                               cache_type=normalize_cache_type(cache_type), ctx=seq_len, parallel=parallel,
-                              paged=paged, purpose=purpose)
+                              paged=paged, unpaged_parallel=self.unpaged_parallel(ctx), purpose=purpose)
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         has_gpu = _has_gpu()

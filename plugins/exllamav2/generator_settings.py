@@ -12,11 +12,20 @@ ExLlamaV2 0.3.2's dynamic generator (exllamav2/generator/dynamic.py) has two mod
   cache's whole ``max_seq_len`` and ``max_pages`` is 1, so exactly one job runs at a time,
   whatever ``max_batch_size`` says (the docstring: "the max supported batch size is 1").
 
-A trial with ``parallel > 1`` and no paged attention would then measure one job after
-another. Instead the worker runs those trials as one batched forward pass over a cache of
-``batch_size = parallel`` rows of ``pad256(ctx)`` tokens (``mode = "batched"``): the same
-kernels and cache classes, every stream prefilled and decoded together, which is what the
-engine can do on that machine. The trial records which mode ran.
+Without paged attention a trial with ``parallel > 1`` can be measured two ways, chosen by
+``[backends.exllamav2] unpaged_parallel``:
+
+* ``"queue"`` (the default): the dynamic generator as a server runs it (TabbyAPI builds the
+  same generator): all ``parallel`` jobs are enqueued at once and served one after another
+  from a one-sequence cache. The aggregate is then about the single-stream rate and the
+  later jobs wait; that is what the deploy command would deliver on that machine, so a study
+  never picks a concurrency the deployed server cannot give.
+* ``"batched"``: one batched forward pass over a cache of ``batch_size = parallel`` rows of
+  ``pad256(ctx)`` tokens (``mode = "batched"``), every stream prefilled and decoded together.
+  That is what the engine's kernels can do for offline batch work (ExLlamaV2's base
+  generator with a list of prompts), not what an OpenAI-compatible server serves.
+
+Every trial records the mode and ``jobs_at_once``.
 """
 
 from __future__ import annotations
@@ -26,13 +35,15 @@ from typing import Any, Mapping
 
 from autotune.errors import ConfigError
 
-__all__ = ["CACHE_CHOICES", "PAGE_SIZE", "GeneratorSettings", "generator_settings", "normalize_cache_type"]
+__all__ = ["CACHE_CHOICES", "PAGE_SIZE", "UNPAGED_CHOICES", "GeneratorSettings", "generator_settings", "normalize_cache_type"]
 
 PAGE_SIZE = 256  # exllamav2/generator/dynamic.py PAGED_PAGE_SIZE
 MAX_Q_SIZE = 8  # the dynamic generator's default max_q_size (tokens per sequence per step)
 #: ExLlamaV2 cache modes as TabbyAPI and the examples name them (lower case in autotune, like
 #: the twin's and autotune.formats.CACHE_TYPES' keys).
 CACHE_CHOICES = ("fp16", "q8", "q6", "q4")
+#: How ``parallel > 1`` runs without paged attention (see the module's docstring).
+UNPAGED_CHOICES = ("queue", "batched")
 
 
 def normalize_cache_type(value: Any) -> str:
@@ -57,7 +68,7 @@ class GeneratorSettings:
         max_batch_size: Concurrent jobs (the trial's ``parallel``).
         paged: Paged attention (flash-attn) available.
         mode: ``"dynamic"`` (the dynamic generator) or ``"batched"`` (batched forward passes,
-            for ``parallel > 1`` without paged attention).
+            for ``parallel > 1`` without paged attention when ``unpaged_parallel = "batched"``).
         cache_batch_size: The cache's batch dimension.
         cache_max_seq_len: The cache's ``max_seq_len`` (tokens per batch row).
     """
@@ -71,6 +82,13 @@ class GeneratorSettings:
     cache_max_seq_len: int
 
     @property
+    def jobs_at_once(self) -> int:
+        """Sequences generated together: unpaged, the dynamic generator holds one at a time."""
+        if self.mode == "dynamic" and not self.paged:
+            return 1
+        return self.max_batch_size
+
+    @property
     def cache_tokens(self) -> int:
         """Token capacity of the whole cache."""
         return self.cache_batch_size * self.cache_max_seq_len
@@ -81,7 +99,7 @@ class GeneratorSettings:
         return self.cache_batch_size
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "jobs_at_once": self.jobs_at_once}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GeneratorSettings":
@@ -91,7 +109,8 @@ class GeneratorSettings:
             raise ConfigError(f"generator settings lack {exc.args[0]!r}") from None
 
 
-def generator_settings(cache_type: str, ctx: int, parallel: int, paged: bool) -> GeneratorSettings:
+def generator_settings(cache_type: str, ctx: int, parallel: int, paged: bool,
+                       unpaged_parallel: str = "queue") -> GeneratorSettings:
     """The generator and cache a trial gets.
 
     Args:
@@ -99,13 +118,16 @@ def generator_settings(cache_type: str, ctx: int, parallel: int, paged: bool) ->
         ctx: Tokens per sequence (prompt + output), >= 1.
         parallel: Concurrent sequences, >= 1.
         paged: Whether paged attention (flash-attn >= 2.5.7) is available where the worker runs.
+        unpaged_parallel: ``"queue"`` or ``"batched"``: how ``parallel > 1`` runs unpaged.
     """
     if ctx < 1 or parallel < 1:
         raise ConfigError(f"ctx {ctx} and parallel {parallel}: both must be >= 1")
+    if unpaged_parallel not in UNPAGED_CHOICES:
+        raise ConfigError(f"unpaged_parallel {unpaged_parallel!r}: use one of {', '.join(UNPAGED_CHOICES)}")
     cache = normalize_cache_type(cache_type)
     seq = pad_to_page(ctx)
     if paged:
         return GeneratorSettings(cache, seq, parallel, True, "dynamic", 1, parallel * seq)
-    if parallel == 1:
-        return GeneratorSettings(cache, seq, 1, False, "dynamic", 1, seq)
+    if parallel == 1 or unpaged_parallel == "queue":
+        return GeneratorSettings(cache, seq, parallel, False, "dynamic", 1, seq)
     return GeneratorSettings(cache, seq, parallel, False, "batched", parallel, seq)

@@ -12,8 +12,9 @@ What runs (ExLlamaV2 0.3.2):
   the cache class of the mode (``ExLlamaV2Cache`` / ``_Q8`` / ``_Q6`` / ``_Q4``) built
   lazily and allocated by ``model.load_autosplit``, which fills the GPU the parent chose
   through ``CUDA_VISIBLE_DEVICES``;
-* ``ExLlamaV2DynamicGenerator(max_batch_size=parallel, paged=...)``, or batched forward
-  passes for ``parallel > 1`` without paged attention (see :mod:`.generator_settings`).
+* ``ExLlamaV2DynamicGenerator(max_batch_size=parallel, paged=...)`` (unpaged, it serves the
+  jobs one after another), or batched forward passes for ``parallel > 1`` without paged
+  attention when asked for (``unpaged_parallel = "batched"``, see :mod:`.generator_settings`).
 
 The attention path is what ``exllamav2.attn`` found at import (``has_flash_attn``,
 ``has_flash_attn_with_paged``, ``has_xformers``, ``has_lower_right_sdpa``) as the model's
@@ -130,7 +131,8 @@ class Engine:
             raise BackendError("paged = true, but paged attention needs flash-attn >= 2.5.7, "
                                "which exllamav2 did not find")
         settings = generator_settings(req["cache_type"], int(req["ctx"]), int(req["parallel"]),
-                                      paged_ok and not config.no_flash_attn)
+                                      paged_ok and not config.no_flash_attn,
+                                      str(req.get("unpaged_parallel", "queue")))
         config.max_seq_len = settings.max_seq_len
         model = ExLlamaV2(config)
         cache_cls = getattr(exllamav2, CACHE_CLASSES[settings.cache_type])

@@ -30,7 +30,7 @@ from tests.conftest import REPO, plugin_registered
 
 from autotune_plugins.exllamav2 import memory, protocol
 from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
-from autotune_plugins.exllamav2.generator_settings import generator_settings
+from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
 from autotune_plugins.exllamav2.worker import attention_path, prompt_ids, sample_metrics
 
 FAKE = Path(__file__).with_name("exllamav2_fake_worker.py")
@@ -160,8 +160,17 @@ def test_generator_settings_by_attention_support():
     assert paged.max_seq_len == 768 and paged.cache_type == "q8"
     one = generator_settings("fp16", 600, 1, paged=False)
     assert (one.mode, one.cache_batch_size, one.cache_max_seq_len) == ("dynamic", 1, 768)
-    many = generator_settings("q4", 600, 4, paged=False)
+    assert (paged.jobs_at_once, one.jobs_at_once) == (2, 1)
+    # unpaged, by default the dynamic generator queues the jobs in a one-sequence cache, as a server would
+    queued = generator_settings("q4", 600, 4, paged=False)
+    assert (queued.mode, queued.cache_batch_size, queued.cache_tokens, queued.max_batch_size) == ("dynamic", 1, 768, 4)
+    assert queued.jobs_at_once == 1 and queued.to_dict()["jobs_at_once"] == 1
+    many = generator_settings("q4", 600, 4, paged=False, unpaged_parallel="batched")
     assert (many.mode, many.cache_batch_size, many.cache_max_seq_len, many.cache_tokens) == ("batched", 4, 768, 3072)
+    assert many.jobs_at_once == 4
+    assert GeneratorSettings.from_dict(many.to_dict()) == many
+    with pytest.raises(ConfigError, match="queue, batched"):
+        generator_settings("q4", 600, 4, paged=False, unpaged_parallel="serial")
     with pytest.raises(ConfigError, match="FP16, Q8, Q6, Q4"):
         generator_settings("q8_0", 512, 1, paged=True)
 
@@ -180,9 +189,17 @@ def test_check_rules(exl2_dir, tmp_path):
 
 
 def test_deploy_command_is_a_tabbyapi_launch(exl2_dir, tmp_path):
-    cmd = ExLlamaV2Backend().deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path))
+    b = ExLlamaV2Backend()
+    cmd = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path, paged=True))
     assert f"--model-dir {tmp_path} --model-name tiny-exl2-4.0" in cmd
     assert "--max-seq-len 768 --cache-size 3072 --cache-mode Q8 --max-batch-size 4" in cmd
+    # the deploy line serves what was measured: unpaged, one request at a time, and says so
+    queued = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path))
+    assert "--cache-size 768 " in queued and "one at a time (as measured)" in queued
+    batched = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path, unpaged_parallel="batched"))
+    assert "offline batch" in batched and "one request at a time" in batched
+    with pytest.raises(BackendError, match='unpaged_parallel = .serial.: use "queue" or "batched"'):
+        b.deploy_command(cfg(), make_ctx(tmp_path, unpaged_parallel="serial"))
 
 
 # ------------------------------------------------------------------ memory
@@ -239,8 +256,10 @@ def test_estimate_puts_the_bytes_where_exllamav2_does(exl2_dir, tmp_path):
     assert est.host_bytes == 512 * 128 * 2 and est.overhead_bytes == 100 * 2**20
     assert est.buffers_bytes >= memory.scratch_bytes(model)
     assert any("ExLlamaV2Cache_Q4(batch_size=1, max_seq_len=1024)" in n for n in est.notes)
-    unpaged = b.estimate_memory(cfg(ctx=300, parallel=2, cache="q4"), make_ctx(tmp_path))
-    assert any("ExLlamaV2Cache_Q4(batch_size=2, max_seq_len=512)" in n for n in unpaged.notes)
+    queued = b.estimate_memory(cfg(ctx=300, parallel=2, cache="q4"), make_ctx(tmp_path))
+    assert any("ExLlamaV2Cache_Q4(batch_size=1, max_seq_len=512)" in n for n in queued.notes)
+    batched = b.estimate_memory(cfg(ctx=300, parallel=2, cache="q4"), make_ctx(tmp_path, unpaged_parallel="batched"))
+    assert any("ExLlamaV2Cache_Q4(batch_size=2, max_seq_len=512)" in n for n in batched.notes)
 
 
 # ------------------------------------------------------------------ worker: pure parts
