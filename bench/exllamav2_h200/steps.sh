@@ -2,6 +2,7 @@
 # The ExLlamaV2 H200 run of issue 7, one step per call so that each stays well under the
 # device's 10-minute limit. Run from the repository root on the device:
 #   bash bench/exllamav2_h200/steps.sh setup      # ~5 min: wheels + ExLlamaV2's JIT build (~4.5 min)
+#   bash bench/exllamav2_h200/steps.sh jit        # the JIT build alone (wheels already on PYTHONPATH)
 #   bash bench/exllamav2_h200/steps.sh model      # ~1 min: random Qwen2.5-1.5B-shaped FP16 model
 #   bash bench/exllamav2_h200/steps.sh measure    # EXL2 measurement pass, once for every bpw
 #   bash bench/exllamav2_h200/steps.sh exl2       # 3.3 / 4.0 / 5.0 bpw reusing that measurement
@@ -38,6 +39,9 @@ setup)
   ls .carry/whl-exl2/*.whl
   $PY -m pip install --no-index --no-deps .carry/whl-exl2/*.whl
   $PY -c 'import pandas, rich, pygments, PIL, regex, fastparquet, websockets, tokenizers, safetensors, ninja, pynvml; print("deps ok")'
+  bash "$0" jit
+  ;;
+jit)
   # ExLlamaV2 0.3.2 JIT-compiles exllamav2_ext with ninja/nvcc at first import (~4.5 min).
   timed jit_build $PY -c 'import time; t=time.time(); from exllamav2 import ext; import exllamav2.attn as a; print("ext built in", round(time.time()-t), "s; flash_attn", a.has_flash_attn, "paged", a.has_flash_attn_with_paged, "xformers", a.has_xformers, "sdpa_lower_right", a.has_lower_right_sdpa)'
   ;;
@@ -56,6 +60,14 @@ exl2)
     du -sb "$WORK/m/q15b-exl2-$b"/*.safetensors | tee -a "$OUT/sizes.txt"
   done
   ;;
+gguf_synth)
+  # Fallback when the converter fails: the same shape with its own random weights.
+  timed gguf_synth_f16 $PY -c 'import sys; from autotune.cli import main; sys.exit(main())' synth --arch qwen2 \
+    --layers 28 --hidden 1536 --heads 12 --kv-heads 2 --ffn 8960 --ctx 32768 \
+    --vocab-from "${VOCAB:-.carry/ggml-vocab-qwen2.gguf}" --out "$WORK/m/q15b-synth-F16.gguf"
+  timed gguf_q4km "$LLAMA_BIN/llama-quantize" "$WORK/m/q15b-synth-F16.gguf" "$WORK/m/q15b-Q4_K_M.gguf" Q4_K_M
+  du -sb "$WORK/m/q15b-Q4_K_M.gguf" | tee -a "$OUT/sizes.txt"
+  ;;
 gguf)
   timed gguf_f16 $PY "$HERE/gguf_from_hf.py" "$LLAMA_SRC" "$BASE" "$WORK/m/q15b-F16.gguf"
   timed gguf_q4km "$LLAMA_BIN/llama-quantize" "$WORK/m/q15b-F16.gguf" "$WORK/m/q15b-Q4_K_M.gguf" Q4_K_M
@@ -66,7 +78,7 @@ study)
   timed study $PY -c 'import sys; from autotune.cli import main; sys.exit(main())' study bench/h200_exllamav2_study.toml --storage "sqlite:///$OUT/study.db"
   ;;
 *)
-  echo "unknown step '$step' (steps: setup model measure exl2 gguf study)" >&2; exit 2
+  echo "unknown step '$step' (steps: setup jit model measure exl2 gguf gguf_synth study)" >&2; exit 2
   ;;
 esac
 done

@@ -1,0 +1,147 @@
+"""Per-trial table of a measured study, with each configuration's share of the bandwidth roofline.
+
+Reads the trials straight from the study's storage and writes them as JSON (everything the
+trial recorded that the table uses) and as a Markdown table:
+
+    python bench/study_table.py sqlite:///study.db --study h200-exllamav2-vs-llama \
+        --gpu h200 --json out.json --md out.md
+
+Roofline share: a decode step reads every weight resident on the GPU once (the KV cache adds
+a few percent at short contexts and is left out), so ``gpu weight bytes x decode steps per
+second / peak bandwidth``. Steps per second are the single-stream decode rate for one stream,
+and ``aggregate / jobs decoded together`` under load: a server that queues its jobs (ExLlamaV2
+without paged attention) decodes one at a time, a batching one decodes all ``parallel``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import optuna
+
+from autotune.hardware import get_gpu
+
+MiB = 2**20
+
+
+def _median(attrs: dict[str, Any], key: str) -> float | None:
+    metric = (attrs.get("metrics") or {}).get(key)
+    return None if metric is None else float(metric["median"])
+
+
+def _jobs_at_once(attrs: dict[str, Any], parallel: int) -> int:
+    generator = (attrs.get("engine_facts") or {}).get("generator") or {}
+    return int(generator.get("jobs_at_once", parallel))
+
+
+def rows(study: optuna.Study, bandwidth_gb_s: float) -> list[dict[str, Any]]:
+    out = []
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        config = a.get("config") or {}
+        row: dict[str, Any] = {
+            "trial": t.number, "state": t.state.name, "backend": config.get("backend"),
+            "weights": config.get("weights"), "ctx": config.get("ctx"), "parallel": config.get("parallel"),
+            "options": {k: v for k, v in config.items() if k not in ("backend", "weights", "ctx", "parallel")},
+            "reason": a.get("fail_reason") or a.get("prune_reason"),
+        }
+        if t.state == optuna.trial.TrialState.COMPLETE and "metrics" in a:
+            predicted = a.get("predicted_vram") or {}
+            measured = a.get("measured_vram_bytes")
+            residual = a.get("vram_residual_bytes")
+            weights = int(predicted.get("weights_bytes", 0))
+            parallel = int(config.get("parallel") or 1)
+            jobs = _jobs_at_once(a, parallel)
+            decode = _median(a, "decode_tok_s")
+            aggregate = _median(a, "aggregate_tok_s")
+            row.update({
+                "decode_tok_s": decode, "aggregate_tok_s": aggregate,
+                "per_user_tok_s": _median(a, "per_user_tok_s"), "ttft_ms": _median(a, "ttft_ms"),
+                "prefill_tok_s": _median(a, "prefill_tok_s"),
+                "jobs_at_once": jobs,
+                "attention_path": (a.get("engine_facts") or {}).get("attention_path"),
+                "generator_mode": ((a.get("engine_facts") or {}).get("generator") or {}).get("mode"),
+                "measured_vram_bytes": measured,
+                "predicted_vram_bytes": predicted.get("total_bytes"),
+                "vram_prediction_error": a.get("vram_prediction_error"),
+                # The raw model before the study's learned correction: measured - residual.
+                "raw_vram_prediction_error": (-residual / measured) if measured and residual is not None else None,
+                "gpu_weights_bytes": weights,
+                "kv_bytes": predicted.get("kv_bytes"),
+                "roofline_share_single": weights * decode / (bandwidth_gb_s * 1e9) if decode else None,
+                "roofline_share_aggregate": (weights * aggregate / jobs / (bandwidth_gb_s * 1e9)) if aggregate else None,
+                "deploy_command": a.get("deploy_command"),
+                "metrics": a.get("metrics"),
+                "engine_facts": a.get("engine_facts"),
+                "predicted_vram": predicted,
+            })
+        out.append(row)
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.1f}%"
+
+
+def _num(x: float | None, fmt: str = "{:.0f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def markdown(table: list[dict[str, Any]], bandwidth_gb_s: float) -> str:
+    head = ("| trial | backend | weights | cache | parallel | jobs at once | decode tok/s (1 stream) | aggregate tok/s "
+            "| per user tok/s | TTFT ms | NVML MiB | predicted MiB (error; raw model) | GPU weights MiB "
+            "| roofline, 1 stream | roofline, aggregate |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in table:
+        opts = dict(r.get("options") or {})
+        if r["state"] != "COMPLETE" or "decode_tok_s" not in r:
+            lines.append(f"| {r['trial']} | {r['backend']} | {r['weights']} | {opts.get('cache_type', '')} "
+                         f"| {r['parallel']} | {r['state'].lower()}: {r.get('reason') or ''} |" + " |" * 9)
+            continue
+        measured = r["measured_vram_bytes"]
+        lines.append(
+            f"| {r['trial']} | {r['backend']} | {r['weights']} | {opts.get('cache_type', '')} | {r['parallel']} "
+            f"| {r['jobs_at_once']} | {_num(r['decode_tok_s'])} | {_num(r['aggregate_tok_s'])} "
+            f"| {_num(r['per_user_tok_s'])} | {_num(r['ttft_ms'])} | {_num(measured and measured / MiB)} "
+            f"| {_num(r['predicted_vram_bytes'] / MiB)} ({_pct(r['vram_prediction_error'])}; "
+            f"{_pct(r['raw_vram_prediction_error'])}) | {_num(r['gpu_weights_bytes'] / MiB)} "
+            f"| {_pct(r['roofline_share_single']).lstrip('+')} | {_pct(r['roofline_share_aggregate']).lstrip('+')} |")
+    lines.append("")
+    lines.append(f"Roofline: GPU-resident weight bytes x decode steps/s over {bandwidth_gb_s:.0f} GB/s; "
+                 "error = (predicted - NVML) / NVML, with and without the study's learned correction.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("storage", help="the study's storage URL, e.g. sqlite:///study.db")
+    p.add_argument("--study", help="study name (default: the storage's only study)")
+    p.add_argument("--gpu", default="h200", help="catalog GPU whose peak bandwidth is the roofline (default h200)")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--md", help="write the Markdown table here (default: stdout)")
+    args = p.parse_args(argv)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    names = [s.study_name for s in optuna.get_all_study_summaries(args.storage)]
+    name = args.study or (names[0] if len(names) == 1 else None)
+    if name not in names:
+        print(f"{args.storage}: studies {names}; name one with --study", file=sys.stderr)
+        return 2
+    bandwidth = get_gpu(args.gpu).mem_bandwidth_gb_s
+    table = rows(optuna.load_study(study_name=name, storage=args.storage), bandwidth)
+    md = markdown(table, bandwidth)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1, default=str)
+    if args.md:
+        with open(args.md, "w", encoding="utf-8") as f:
+            f.write(md)
+    else:
+        sys.stdout.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
