@@ -6,6 +6,8 @@
 #   bash bench/h200_session.sh vram    # issue 4: NVML vs prediction, 16+ llama-server configs
 #   bash bench/h200_session.sh exl2    # issue 7: EXL2 measurement + 3 bpw, GGUF Q4_K_M
 #   bash bench/h200_session.sh study   # issue 7: the ExLlamaV2-vs-llama.cpp study
+# Issue 7's final run used bench/exllamav2_h200/pipeline.sh instead (all of it, overlapped,
+# across calls); the exl2/study steps here are its one-step-per-call form.
 # .carry is made by bench/make_carry.sh: whl/ (optuna, sqlalchemy, ..., the autotune wheel),
 # whl-exl2/ (exllamav2 0.3.2, fastparquet, cramjam, websockets), llama.cpp.tar.gz (the
 # vendored tree of the llama-cpp-python 0.3.36 sdist with its gguf-py, docs/tests/other GPU
