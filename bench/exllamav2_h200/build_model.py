@@ -9,7 +9,11 @@ may tell it "qwen2" (gguf_from_hf.py) and both engines tokenize alike. The model
 vocabulary size (151936 rows): the head's bandwidth is the real model's; ExLlamaV2's sampler
 masks the rows past the tokenizer's 4096.
 
-Usage: python build_model.py OUT_DIR  (about 1 minute on an H200; writes timings to $OUT)
+Usage: python build_model.py OUT_DIR [--tiny]  (about 1 minute on an H200; writes timings to $OUT)
+
+--tiny: a 4-layer, 512-wide Qwen2 with the tokenizer's own 4096-token vocabulary and larger
+random weights (initializer_range 0.1), so that its next-token distributions are peaked rather
+than flat: a model whose quantization damage a scorer check can see, converted in seconds.
 """
 
 from __future__ import annotations
@@ -29,8 +33,12 @@ SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num
              rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
              max_window_layers=28, bos_token_id=0, eos_token_id=0)
 
+TINY = dict(SHAPE, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096, sliding_window=4096,
+            max_window_layers=4, initializer_range=0.1)
 
-def build_tokenizer(out: Path) -> None:
+
+def build_tokenizer(out: Path, max_length: int) -> None:
     import exllamav2.conversion as conv
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -47,18 +55,18 @@ def build_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "model_max_length": SHAPE["max_position_embeddings"],
+        "pad_token": "<|endoftext|>", "model_max_length": max_length,
         "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
                                           "normalized": False, "single_word": False} for i, t in enumerate(SPECIALS)},
     }, indent=1))
 
 
-def build_model(out: Path) -> None:
+def build_model(out: Path, shape: dict) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(**SHAPE, torch_dtype="float16")
+    config = Qwen2Config(**shape, torch_dtype="float16")
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.float16)
     model.save_pretrained(out, safe_serialization=True)
@@ -66,13 +74,14 @@ def build_model(out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    shape = TINY if "--tiny" in sys.argv[2:] else SHAPE
     out.mkdir(parents=True, exist_ok=True)
     times = {}
     t = time.monotonic()
-    build_tokenizer(out)
+    build_tokenizer(out, shape["max_position_embeddings"])
     times["tokenizer_s"] = round(time.monotonic() - t, 1)
     t = time.monotonic()
-    build_model(out)
+    build_model(out, shape)
     times["model_s"] = round(time.monotonic() - t, 1)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     times["safetensors_bytes"] = size
