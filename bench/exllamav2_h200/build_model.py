@@ -70,6 +70,12 @@ def build_model(out: Path, shape: dict) -> None:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.float16)
     model.save_pretrained(out, safe_serialization=True)
+    # transformers 5 writes the RoPE base only under rope_parameters; ExLlamaV2 0.3.2 (and its
+    # converter, which copies config.json) reads the top-level rope_theta alone.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg.setdefault("rope_theta", shape["rope_theta"])
+    cfg_path.write_text(json.dumps(cfg, indent=2), encoding="utf-8")
 
 
 def main() -> None:

@@ -99,6 +99,27 @@ def _exl2_bits(model_dir: Path) -> float | None:
     return None
 
 
+def _rope_problem(model_dir: Path) -> str | None:
+    """A config.json whose RoPE base ExLlamaV2 0.3.2 would not see.
+
+    transformers 5 writes ``rope_parameters: {rope_theta: ...}`` and no top-level
+    ``rope_theta``; ExLlamaV2 0.3.2 reads only the latter (exllamav2/config.py) and silently
+    falls back to its architecture default (10000 for Qwen2), so every position past the
+    first is rotated wrongly. Seen on the H200: KL divergence ~4.8 nats against transformers.
+    """
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    params = cfg.get("rope_parameters") if isinstance(cfg, dict) else None
+    if "rope_theta" in cfg or not isinstance(params, dict) or "rope_theta" not in params:
+        return None
+    theta = params["rope_theta"]
+    return (f"{model_dir / 'config.json'}: rope_parameters.rope_theta = {theta} but no top-level rope_theta, "
+            f"the only one ExLlamaV2 0.3.2 reads (it would run with its default base and produce wrong "
+            f"text): add \"rope_theta\": {theta} to config.json")
+
+
 class ExLlamaV2Backend(BaseBackend):
     name: ClassVar[str] = "exllamav2"
     engine: ClassVar[str] = "exllamav2"
@@ -132,6 +153,9 @@ class ExLlamaV2Backend(BaseBackend):
                     f"(convert with python -m exllamav2.conversion.convert_exl2 ... -cf {p})")
         if not (p / "tokenizer.json").is_file():
             return f"{p}: no tokenizer.json (ExLlamaV2 0.3.2 loads tokenizers from tokenizer.json only)"
+        rope = _rope_problem(p)
+        if rope:
+            return rope
         try:
             model = self._model_of(p)
             memory.exl2_weights(p, model.tie_embeddings)

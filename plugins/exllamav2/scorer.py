@@ -3,8 +3,10 @@
 The model runs in a worker process, the same one trials use, not in autotune's process:
 torch and exllamav2 stay out of autotune (CI and the study runner never import them), a
 CUDA failure ends the scorer rather than the study, and ``close()`` frees every byte of VRAM
-by ending the process. Scoring goes through a cache of the artifact's KV-cache mode, so a
-quantized cache's damage is part of what is measured. Whole next-token distributions are
+by ending the process. Scoring goes through a cache of the artifact's KV-cache mode, in more
+than one forward pass (the continuation after its context; a text in chunks), because
+ExLlamaV2 reads keys and values back through a quantized cache only in a later pass: in one
+pass a Q4 cache scores exactly like FP16 (seen on the H200). Whole next-token distributions are
 too large for a JSON line; the worker saves them as ``.npy`` files in a directory of ours.
 """
 

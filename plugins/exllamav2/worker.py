@@ -37,7 +37,7 @@ from autotune.measure import ConcurrentResult, StreamResult
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
 from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, encode, serve
 
-__all__ = ["Engine", "attention_path", "main", "prompt_ids", "sample_metrics"]
+__all__ = ["Engine", "SCORE_CHUNK", "attention_path", "main", "prompt_ids", "sample_metrics", "score_passes"]
 
 CACHE_CLASSES = {"fp16": "ExLlamaV2Cache", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6",
                  "q4": "ExLlamaV2Cache_Q4"}
@@ -79,6 +79,27 @@ def prompt_ids(base: Sequence[int], n_tokens: int, serial: int, vocab: int) -> l
     span = max(1, vocab - FIRST_TOKEN_BASE)
     ids[0] = FIRST_TOKEN_BASE + serial % span if vocab > FIRST_TOKEN_BASE else serial % vocab
     return ids
+
+
+#: Tokens per forward pass when scoring a whole text (next_token_logprobs).
+SCORE_CHUNK = 64
+
+
+def score_passes(n_tokens: int, starts: Sequence[int]) -> list[tuple[int, int]]:
+    """``[begin, end)`` of the forward passes that score ``n_tokens`` tokens.
+
+    ExLlamaV2 attends over a pass's own keys and values in FP16 and writes them to the cache
+    afterwards; only a later pass reads them back through a quantized cache (Q8/Q6/Q4). One
+    pass over everything would hide the cache's damage (on the H200, Q4 and FP16 caches gave
+    identical distributions that way), so scoring splits the tokens where a server would:
+    a prompt, then what is decoded after it.
+
+    Args:
+        n_tokens: Tokens to score, >= 1.
+        starts: Where passes begin; 0 is implied, values outside ``(0, n_tokens)`` are ignored.
+    """
+    cuts = sorted({0, *(int(s) for s in starts if 0 < int(s) < n_tokens)})
+    return [(b, e) for b, e in zip(cuts, cuts[1:] + [n_tokens])]
 
 
 def sample_metrics(single: StreamResult, together: ConcurrentResult) -> dict[str, float]:
@@ -258,22 +279,31 @@ class Engine:
         ids = self.tokenizer.encode(str(req["text"]), add_bos=bool(req.get("add_bos", False)))
         return {"tokens": ids[0].tolist()}
 
-    def _logprobs(self, tokens: Sequence[int]):
-        """log-softmax rows for every prefix of ``tokens``, through the trial's cache type."""
+    def _logprobs(self, tokens: Sequence[int], starts: Sequence[int]):
+        """log-softmax rows for every prefix of ``tokens``, through the trial's cache type.
+
+        The tokens go through the model in passes that begin at ``starts`` (see
+        :func:`score_passes`): a pass attends to what earlier passes left in the cache, read
+        back through the cache's quantization, as a served decode step does.
+        """
         torch = self.torch
         settings = self._require()
         if not 1 <= len(tokens) <= settings.cache_max_seq_len:
             raise ConfigError(f"{len(tokens)} tokens: score between 1 and {settings.cache_max_seq_len}")
         self.cache.current_seq_len = 0
+        vocab = self.model.config.vocab_size
+        rows = []
         with torch.inference_mode():
-            ids = torch.tensor([list(tokens)], dtype=torch.long)
-            logits = self.model.forward(ids, self.cache)[0, :, : self.model.config.vocab_size].float()
-            return torch.log_softmax(logits, dim=-1)
+            for begin, end in score_passes(len(tokens), starts):
+                ids = torch.tensor([list(tokens[begin:end])], dtype=torch.long)
+                rows.append(self.model.forward(ids, self.cache)[0, :, :vocab].float())  # advances the cache
+            return torch.log_softmax(torch.cat(rows, dim=0), dim=-1)
 
     def next_token_logprobs(self, req: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
 
-        rows = self._logprobs(req["tokens"]).cpu().numpy()
+        tokens = req["tokens"]
+        rows = self._logprobs(tokens, range(0, len(tokens), SCORE_CHUNK)).cpu().numpy()
         # Whole distributions are too big for a JSON line: they go through a file.
         fd, path = tempfile.mkstemp(suffix=".npy", dir=req.get("out_dir") or None)
         with os.fdopen(fd, "wb") as f:
@@ -290,7 +320,9 @@ class Engine:
                 raise ConfigError(f"continuation {continuation[:40]!r} has no tokens")
             tokens = (ctx_ids + cont_ids)[-settings.cache_max_seq_len:]
             n = len(cont_ids)
-            rows = self._logprobs(tokens)
+            # The rows that predict the continuation come from a second pass over the cached
+            # context, as when a server decodes an answer after its prompt.
+            rows = self._logprobs(tokens, [0, len(tokens) - n - 1])
             # Row i predicts token i+1: the continuation's tokens are predicted by the rows before them.
             pred = rows[len(tokens) - n - 1: len(tokens) - 1]
             target = self.torch.tensor(tokens[-n:], device=pred.device)

@@ -31,7 +31,7 @@ from tests.conftest import REPO, plugin_registered
 from autotune_plugins.exllamav2 import memory, protocol
 from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
-from autotune_plugins.exllamav2.worker import attention_path, prompt_ids, sample_metrics
+from autotune_plugins.exllamav2.worker import SCORE_CHUNK, attention_path, prompt_ids, sample_metrics, score_passes
 
 FAKE = Path(__file__).with_name("exllamav2_fake_worker.py")
 FAST = Protocol(warmup_runs=1, min_runs=2, max_runs=3, rel_spread_tol=0.5)
@@ -173,6 +173,28 @@ def test_generator_settings_by_attention_support():
         generator_settings("q4", 600, 4, paged=False, unpaged_parallel="serial")
     with pytest.raises(ConfigError, match="FP16, Q8, Q6, Q4"):
         generator_settings("q8_0", 512, 1, paged=True)
+
+
+def test_a_rope_base_exllamav2_cannot_read_is_refused(exl2_dir, tmp_path):
+    # transformers 5 writes the base under rope_parameters only; ExLlamaV2 0.3.2 would use 10000
+    b = ExLlamaV2Backend()
+    c = make_ctx(tmp_path)
+    config_file = exl2_dir / "config.json"
+    config_file.write_text(json.dumps({**CONFIG, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}))
+    problem = b.check_weights("tiny-exl2-4.0", c)
+    assert problem and str(config_file) in problem and 'add "rope_theta": 1000000.0' in problem
+    assert b.check(cfg(), c) == [problem]
+    config_file.write_text(json.dumps({**CONFIG, "rope_theta": 1e6, "rope_parameters": {"rope_theta": 1e6}}))
+    assert b.check_weights("tiny-exl2-4.0", c) is None
+
+
+def test_scoring_passes_cover_every_token_once_and_split_where_a_server_would():
+    # a continuation of 3 after a context of 7: its first row (index 6) opens the second pass
+    assert score_passes(10, [0, 10 - 3 - 1]) == [(0, 6), (6, 10)]
+    # a whole text in chunks; cuts outside (0, n) and repeats are ignored
+    assert score_passes(150, range(0, 150, SCORE_CHUNK)) == [(0, 64), (64, 128), (128, 150)]
+    assert score_passes(5, [-2, 0, 5, 9, 3, 3]) == [(0, 3), (3, 5)]
+    assert score_passes(1, [0, -1]) == [(0, 1)]
 
 
 def test_check_rules(exl2_dir, tmp_path):
