@@ -246,11 +246,17 @@ class TwinExllamaV2(TwinBackend):
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         cache = config.option("cache_type", "fp16").upper()
         _, bpw = parse_format(config.weights)
-        return (
+        line = (
             f"python main.py --model-dir models --model-name {ctx.model.key}-exl2-{bpw}bpw "
             f"--max-seq-len {config.ctx} --cache-mode {cache} --max-batch-size {config.parallel}"
             f"  # TabbyAPI (ExLlamaV2 server); cache of {config.ctx} x {config.parallel} tokens"
         )
+        if config.parallel > 1 and ctx.gpu.compute_capability_tuple < (8, 0):
+            # The twin batches these streams as the article reports; the real engine cannot here
+            # (its dynamic generator needs flash-attn's paged attention for concurrent jobs).
+            line += ("; concurrent jobs need paged attention (flash-attn >= 2.5.7, sm_80+): on this card "
+                     "ExLlamaV2 0.3.2 serves them one at a time, so measure before relying on it")
+        return line
 
     def engine_version(self) -> str:
         return "twin"

@@ -168,3 +168,15 @@ def test_noise_makes_the_protocol_repeat_and_throttling_slows_later_runs():
     throttled = twin.run(config, hot)
     assert throttled.attrs["throttled"]
     assert throttled.metrics["decode_tok_s"].median == pytest.approx(0.75 * quiet.metrics["decode_tok_s"].median)
+
+
+def test_exllamav2_deploy_line_warns_where_the_real_engine_cannot_batch():
+    # ExLlamaV2 0.3.2's dynamic generator needs flash-attn's paged attention (sm_80+) for
+    # concurrent jobs; the twin batches as the article reports, and its deploy line says so.
+    b = TwinExllamaV2()
+    config = cfg("twin-exllamav2", "exl2:3.3", parallel=4, cache_type="q8")
+    v100 = b.deploy_command(config, ctx_for("v100-16gb", "qwen2.5-27b-article"))
+    assert "--max-batch-size 4" in v100 and "serves them one at a time" in v100
+    assert "one at a time" not in b.deploy_command(config, ctx_for("a100-80gb", "qwen2.5-27b-article"))
+    single = cfg("twin-exllamav2", "exl2:3.3", parallel=1, cache_type="q8")
+    assert "one at a time" not in b.deploy_command(single, ctx_for("v100-16gb", "qwen2.5-27b-article"))
