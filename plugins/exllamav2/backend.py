@@ -88,18 +88,23 @@ def flash_attn_version(python: str) -> tuple[int, ...] | None:
     return parts or None
 
 
-def _exl2_bits(model_dir: Path) -> float | None:
+def _config(model_dir: Path) -> dict:
+    """The directory's config.json as a dict; {} when it is missing or not a JSON object."""
     try:
         cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _exl2_bits(cfg: dict) -> float | None:
+    q = cfg.get("quantization_config")
     if isinstance(q, dict) and q.get("quant_method") == "exl2" and isinstance(q.get("bits"), (int, float)):
         return float(q["bits"])
     return None
 
 
-def _rope_problem(model_dir: Path) -> str | None:
+def _rope_problem(cfg: dict, config_file: Path) -> str | None:
     """A config.json whose RoPE base ExLlamaV2 0.3.2 would not see.
 
     transformers 5 writes ``rope_parameters: {rope_theta: ...}`` and no top-level
@@ -107,15 +112,11 @@ def _rope_problem(model_dir: Path) -> str | None:
     falls back to its architecture default (10000 for Qwen2), so every position past the
     first is rotated wrongly. Seen on the H200: KL divergence ~4.8 nats against transformers.
     """
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    params = cfg.get("rope_parameters") if isinstance(cfg, dict) else None
+    params = cfg.get("rope_parameters")
     if "rope_theta" in cfg or not isinstance(params, dict) or "rope_theta" not in params:
         return None
     theta = params["rope_theta"]
-    return (f"{model_dir / 'config.json'}: rope_parameters.rope_theta = {theta} but no top-level rope_theta, "
+    return (f"{config_file}: rope_parameters.rope_theta = {theta} but no top-level rope_theta, "
             f"the only one ExLlamaV2 0.3.2 reads (it would run with its default base and produce wrong "
             f"text): add \"rope_theta\": {theta} to config.json")
 
@@ -148,12 +149,13 @@ class ExLlamaV2Backend(BaseBackend):
             return f"{p}: no such directory (weights are EXL2 directories relative to the study file)"
         if not (p / "config.json").is_file():
             return f"{p}: no config.json (an EXL2 directory holds config.json, tokenizer.json and *.safetensors)"
-        if _exl2_bits(p) is None:
+        cfg = _config(p)
+        if _exl2_bits(cfg) is None:
             return (f"{p}/config.json: no quantization_config with quant_method 'exl2' and bits "
                     f"(convert with python -m exllamav2.conversion.convert_exl2 ... -cf {p})")
         if not (p / "tokenizer.json").is_file():
             return f"{p}: no tokenizer.json (ExLlamaV2 0.3.2 loads tokenizers from tokenizer.json only)"
-        rope = _rope_problem(p)
+        rope = _rope_problem(cfg, p / "config.json")
         if rope:
             return rope
         try:

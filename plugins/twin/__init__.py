@@ -228,6 +228,10 @@ class TwinLlamaCpp(TwinBackend):
         return "twin"
 
 
+#: flash-attn 2 (and with it ExLlamaV2's paged attention) needs compute capability 8.0.
+FLASH_ATTN2_MIN_CC = (8, 0)
+
+
 class TwinExllamaV2(TwinBackend):
     name = "twin-exllamav2"
     engine = "exllamav2"
@@ -241,7 +245,7 @@ class TwinExllamaV2(TwinBackend):
             return "matmul"
         # flash-attn 2 needs sm_80; before that ExLlamaV2 falls back to SDPA/xformers, which
         # is still fused (no scores over the allocated cache).
-        return "flash_attn" if ctx.gpu.compute_capability_tuple >= (8, 0) else "sdpa"
+        return "flash_attn" if ctx.gpu.compute_capability_tuple >= FLASH_ATTN2_MIN_CC else "sdpa"
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         cache = config.option("cache_type", "fp16").upper()
@@ -251,7 +255,7 @@ class TwinExllamaV2(TwinBackend):
             f"--max-seq-len {config.ctx} --cache-mode {cache} --max-batch-size {config.parallel}"
             f"  # TabbyAPI (ExLlamaV2 server); cache of {config.ctx} x {config.parallel} tokens"
         )
-        if config.parallel > 1 and ctx.gpu.compute_capability_tuple < (8, 0):
+        if config.parallel > 1 and ctx.gpu.compute_capability_tuple < FLASH_ATTN2_MIN_CC:
             # The twin batches these streams as the article reports; the real engine cannot here
             # (its dynamic generator needs flash-attn's paged attention for concurrent jobs).
             line += ("; concurrent jobs need paged attention (flash-attn >= 2.5.7, sm_80+): on this card "
@@ -285,7 +289,7 @@ class TwinVllm(TwinBackend):
                 f"{ctx.gpu.name} GPU has compute capability {ctx.gpu.compute_capability}. You can use "
                 "float16 instead by explicitly setting the `dtype` flag in CLI, for example: --dtype=half."
             )
-        if config.option("flash_attn", True) and cc < (8, 0):
+        if config.option("flash_attn", True) and cc < FLASH_ATTN2_MIN_CC:
             raise UnsupportedError("Cannot use FlashAttention-2 backend for Volta and Turing GPUs.")
         if config.option("cache_type", "auto").startswith("fp8") and cc < (8, 9):
             raise UnsupportedError(f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}")
