@@ -22,7 +22,9 @@ from typing import Any
 
 import optuna
 
+from autotune.errors import ConfigError
 from autotune.hardware import get_gpu
+from autotune.report import load_study
 
 MiB = 2**20
 
@@ -124,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", help="write the Markdown table here (default: stdout)")
     args = p.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    names = [s.study_name for s in optuna.get_all_study_summaries(args.storage)]
-    name = args.study or (names[0] if len(names) == 1 else None)
-    if name not in names:
-        print(f"{args.storage}: studies {names}; name one with --study", file=sys.stderr)
+    try:
+        study = load_study(args.storage, args.study)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
         return 2
     bandwidth = get_gpu(args.gpu).mem_bandwidth_gb_s
-    table = rows(optuna.load_study(study_name=name, storage=args.storage), bandwidth)
+    table = rows(study, bandwidth)
     md = markdown(table, bandwidth)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
