@@ -22,7 +22,7 @@ import abc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
@@ -44,6 +44,58 @@ class Param:
     name: str
     choices: tuple[Any, ...]
     doc: str = ""
+    accepted: tuple[Any, ...] = ()
+    """Every value the engine understands for this option, named in the error when a study
+    asks for one that no backend takes (empty: the choices say it all)."""
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equality that tells ``true`` from ``1``: a study value is taken only as itself."""
+    return type(a) is type(b) and a == b
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One key a backend accepts in the study file's ``[backends.<name>]`` table.
+
+    Declared settings are checked when the study is prepared, before anything runs: an unknown
+    key or a value of the wrong type is an error naming the file, the table and the key.
+
+    Args:
+        name: The key.
+        kind: Accepted Python type(s) of the value (``int``, ``float``, ``str``, ``bool``); an
+            int is accepted where ``float`` is.
+        default: Value when the key is absent (``BaseBackend.setting`` returns it).
+        help: What it does, shown in errors and ``autotune plugins``.
+        choices: The only values accepted, when there are few.
+        check: Further check of a well-typed value; returns why it is wrong, or None.
+    """
+
+    name: str
+    kind: type | tuple[type, ...]
+    default: Any
+    help: str
+    choices: tuple[Any, ...] = ()
+    check: Callable[[Any], str | None] | None = None
+
+    def accepted(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+        return " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not acceptable for this setting (None: it is)."""
+        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok or (self.choices and not any(same_value(value, c) for c in self.choices)):
+            return f"must be {self.accepted()} ({self.help})"
+        return self.check(value) if self.check else None
 
 
 @dataclass(frozen=True)
@@ -205,14 +257,28 @@ class BaseBackend(abc.ABC):
         name: Registry name, unique across plugins.
         engine: The engine family it runs (``llama.cpp``, ``exllamav2``, ...); a model
             backend with the same ``engine`` can predict for it (the twin as a prior).
-        weight_families: Weight families it loads (``gguf``, ``exl2``).
+        settings: The ``[backends.<name>]`` keys it reads (see ``Setting``).
         description: One line for ``autotune plugins``.
     """
 
     name: ClassVar[str] = ""
     engine: ClassVar[str] = ""
-    weight_families: ClassVar[tuple[str, ...]] = ()
     description: ClassVar[str] = ""
+    settings: ClassVar[tuple[Setting, ...]] = ()
+    """The keys of ``[backends.<name>]`` this backend reads; any other key is refused."""
+
+    def setting(self, ctx: StudyContext, name: str) -> Any:
+        """A ``[backends.<name>]`` value, or its declared default (one owner of each default)."""
+        for s in self.settings:
+            if s.name == name:
+                return ctx.settings.get(name, s.default)
+        raise KeyError(f"backend '{self.name}' declares no setting {name!r}")
+
+    def preflight(self, ctx: StudyContext) -> list[str]:
+        """Problems that would fail every trial of this backend here (engine missing, a build
+        without this card's architecture...), each with its remedy. The study refuses to
+        start on any; empty: ready."""
+        return []
 
     @abc.abstractmethod
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.resources
 import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +16,7 @@ import click
 
 from autotune import plugins
 from autotune.config import load_study_config, parse_duration
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import ConfigError, handle_errors
 
 DEFAULT_STUDY = "v100-qwen27b.toml"
 
@@ -28,19 +27,9 @@ def default_study_path() -> Path:
 
 
 def _run(debug: bool, fn: Callable[[], Any]) -> Any:
-    """Turn library errors into messages and exit statuses (tracebacks only with --debug)."""
-    try:
+    """Run a command's body under the one error-to-exit-status mapping."""
+    with handle_errors(debug):
         return fn()
-    except ConfigError as exc:
-        if debug:
-            traceback.print_exc()
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(2)
-    except AutotuneError as exc:
-        if debug:
-            traceback.print_exc()
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(1)
 
 
 @click.group()

@@ -1,4 +1,11 @@
-"""Errors raised by autotune's library code; the CLI turns them into messages."""
+"""Errors raised by autotune's library code, and the one place they become exit statuses."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from typing import Iterator
 
 
 class AutotuneError(Exception):
@@ -35,3 +42,47 @@ class BackendError(AutotuneError):
 
 class UnsupportedError(BackendError):
     """The engine refuses this configuration on this card (e.g. BF16 weights before sm_80)."""
+
+
+class EngineUnavailableError(BackendError):
+    """The engine cannot run any configuration here (no binary, a build without this card's
+    architecture): every trial would fail the same way, so the study stops at the first one
+    with this message, which names the remedy."""
+
+
+class StorageError(ConfigError):
+    """A study storage cannot be opened, written or read (path, server, schema)."""
+
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+
+
+def exit_status(exc: BaseException) -> int:
+    """The command line's exit status for an error: 2 for bad input, 130 for an interrupt, else 1."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, (ConfigError, EngineUnavailableError)):
+        return EXIT_BAD_INPUT
+    return EXIT_FAILURE
+
+
+@contextlib.contextmanager
+def handle_errors(debug: bool = False) -> Iterator[None]:
+    """Turn autotune's errors into one ``Error:`` line on stderr and the exit status.
+
+    Every command, the core's and the plugins', runs inside it, so the README's exit-status
+    promise has one owner. Tracebacks only with ``debug``; an error that is not autotune's
+    is a bug and keeps its traceback.
+    """
+    try:
+        yield
+    except AutotuneError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"Error: {exc}", file=sys.stderr)
+        raise SystemExit(exit_status(exc)) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None

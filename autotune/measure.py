@@ -54,6 +54,7 @@ __all__ = [
     "StreamResult",
     "THROTTLE_REASON_BITS",
     "drift",
+    "measure_with_telemetry",
     "relative_spread",
     "repeat_until_stable",
     "repeat_until_stable_many",
@@ -1088,3 +1089,32 @@ class GpuSampler:
                 throttle_reasons=throttle_reason_names(self._mask),
                 n_samples=self._n_samples,
             )
+
+
+def measure_with_telemetry(sample: Callable[[], Mapping[str, float]], protocol: Protocol,
+                           units: Mapping[str, str], key: str, *, gpu: bool, gpu_index: int = 0,
+                           pid: int | None = None
+                           ) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:
+    """Every backend's measuring block: repeat ``sample`` by the protocol while NVML watches.
+
+    Args:
+        sample, protocol, units, key: As for :func:`repeat_until_stable_many`.
+        gpu: Whether the engine runs on a GPU; without one no telemetry is taken.
+        gpu_index: The NVML index of the engine's card.
+        pid: The engine's process, for its own peak memory.
+
+    Returns:
+        The stats; the telemetry (None without a GPU); the peak device memory of the
+        configuration: the process's own peak where NVML reports per-process memory, else
+        the rise of the card's used memory, None when neither was readable.
+    """
+    if not gpu:
+        return repeat_until_stable_many(sample, protocol, units, key=key), None, None
+    with GpuSampler(index=gpu_index, pid=pid) as sampler:
+        stats = repeat_until_stable_many(sample, protocol, units, key=key)
+    telemetry = sampler.result()
+    peak = None
+    if telemetry.available:
+        peak = telemetry.peak_process_bytes if telemetry.peak_process_bytes is not None \
+            else telemetry.peak_delta_bytes
+    return stats, telemetry, peak
