@@ -55,7 +55,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.argument("config", required=False, type=click.Path(dir_okay=True, path_type=Path))
 @click.option("--budget", callback=_duration, help="Wall time for this run: 90s, 45m, 2h.")
 @click.option("--trials", "n_trials", type=click.IntRange(min=1), help="Number of new trials for this run.")
-@click.option("--storage", help="Optuna storage URL (default: sqlite:///<study name>.db).")
+@click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the study file's, else "
+              "sqlite:///<study name>.db).")
 @click.option("--seed", type=int, help="Sampler seed (default: the study file's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
@@ -91,14 +92,17 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
     _run(ctx.obj["debug"], go)
 
 
-def _default_storage() -> str:
+def _default_storage(given: str | None) -> str:
+    """Where ``best`` and ``dashboard`` read: --storage, $AUTOTUNE_STORAGE, else the default study's."""
+    from autotune.study.storage import resolve_url
+
     cfg = load_study_config(default_study_path())
-    return cfg.storage or cfg.default_storage
+    return resolve_url(given, cfg.storage, cfg.default_storage)
 
 
 @cli.command()
 @click.option("--study", "study_name", help="Study name (default: the storage's only study).")
-@click.option("--storage", help="Optuna storage URL (default: the default study's).")
+@click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the default study's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
 def best(ctx: click.Context, study_name: str | None, storage: str | None, as_json: bool) -> None:
@@ -106,7 +110,7 @@ def best(ctx: click.Context, study_name: str | None, storage: str | None, as_jso
     from autotune.report import stored_summary, summary_json, summary_text
 
     def go() -> None:
-        summary = stored_summary(storage or _default_storage(), study_name)
+        summary = stored_summary(_default_storage(storage), study_name)
         click.echo(json.dumps(summary_json(summary), indent=2, default=str) if as_json else summary_text(summary))
 
     _run(ctx.obj["debug"], go)
@@ -129,12 +133,16 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
                 click.echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")
             if not found[kind]:
                 click.echo("  (none)")
+        if found["broken"]:
+            click.echo("broken (left out):")
+            for item in found["broken"]:
+                click.echo(f"  {item['plugin']:<22} {item['hook']}: {item['error']}")
 
     _run(ctx.obj["debug"], go)
 
 
 @cli.command()
-@click.option("--storage", help="Optuna storage URL (default: the default study's).")
+@click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the default study's).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
 @click.pass_context
@@ -144,11 +152,12 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
     def go() -> None:
         from optuna_dashboard import run_server
 
-        from autotune.study import open_storage
+        from autotune.study.storage import mask_url, open_storage
 
-        url = storage or _default_storage()
-        click.echo(f"optuna-dashboard for {url} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
-        run_server(open_storage(url), host=host, port=port)
+        url = _default_storage(storage)
+        store = open_storage(url, create=False)  # only reads: a mistyped path must not make a database
+        click.echo(f"optuna-dashboard for {mask_url(url)} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
+        run_server(store, host=host, port=port)
 
     _run(ctx.obj["debug"], go)
 

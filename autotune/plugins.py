@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -90,6 +90,8 @@ def unregister_plugin(name: str) -> None:
     if plugin is not None:
         pm.unregister(plugin)
     _sources.pop(name, None)
+    for key in [k for k in _broken if k[0] == name]:
+        del _broken[key]
 
 
 def _collect(hook_name: str, kind: str) -> dict[str, tuple[Any, str]]:
@@ -112,13 +114,38 @@ def _collect(hook_name: str, kind: str) -> dict[str, tuple[Any, str]]:
             found[name] = (obj, _plugin)
 
         before = set(found)
-        impl.function(**{arg: register for arg in impl.argnames if arg == "register"})
+        try:
+            impl.function(**{arg: register for arg in impl.argnames if arg == "register"})
+        except PluginError:
+            raise  # two plugins clash, or one breaks the contract: no registry would be right
+        except Exception as exc:
+            # One plugin's failure (an optional dependency missing, a bug) costs only its own
+            # registrations, said once per process; the others keep working.
+            for name in set(found) - before:
+                del found[name]
+            _report_broken(plugin_name, hook_name, exc)
+            continue
         if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
             # The register_* hooks are called here, not through pluggy's hook caller (the
             # core owns the callback), so pluggy's monitoring would not see them.
             added = sorted(set(found) - before)
             print(f"autotune trace: {hook_name} of plugin '{plugin_name}' registered {added}", file=sys.stderr)
     return found
+
+
+_broken: dict[tuple[str, str], str] = {}  # (plugin, hook) -> error, reported once
+
+
+def _report_broken(plugin: str, hook_name: str, exc: Exception) -> None:
+    if (plugin, hook_name) not in _broken:
+        _broken[(plugin, hook_name)] = f"{type(exc).__name__}: {exc}"
+        print(f"autotune: plugin '{plugin}' failed in {hook_name} and is left out: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+
+
+def broken_plugins() -> list[dict[str, str]]:
+    """Plugins whose hooks raised: each with the hook and the error (``autotune plugins`` shows them)."""
+    return [{"plugin": p, "hook": h, "error": e} for (p, h), e in sorted(_broken.items())]
 
 
 def get_backends() -> dict[str, "BaseBackend"]:
@@ -153,7 +180,7 @@ def get_metric(name: str) -> "BaseMetric":
 
 def describe() -> dict[str, list[dict[str, str]]]:
     """What ``autotune plugins`` shows: each backend and metric with its plugin and distribution."""
-    out: dict[str, list[dict[str, str]]] = {"backends": [], "metrics": []}
+    out: dict[str, list[dict[str, str]]] = {"backends": [], "metrics": [], "broken": []}
     for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric")):
         for name, (obj, plugin) in sorted(_collect(hook, kind).items()):
             out[key].append(
@@ -164,6 +191,7 @@ def describe() -> dict[str, list[dict[str, str]]]:
                     "description": (getattr(obj, "description", "") or "").strip(),
                 }
             )
+    out["broken"] = broken_plugins()
     return out
 
 
@@ -172,5 +200,3 @@ def add_commands(cli: Any) -> None:
     load_plugins()
     pm.hook.register_commands(cli=cli)
 
-
-Registrar = Callable[[Any], None]

@@ -7,32 +7,37 @@ from typing import Any
 import optuna
 
 from autotune.errors import ConfigError
-from autotune.study import StudySummary, open_storage, summarize
+from autotune.study import records
+from autotune.study.storage import mask_url, open_storage, study_names
+from autotune.study.summary import StudySummary, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
-    """Open a stored study; with no name, the storage's only study.
+    """Open a stored study for reading (nothing is created); with no name, the storage's only study.
 
     Raises:
-        ConfigError: no such study, or several and none named (the names are listed).
+        ConfigError: no such storage or study, several and none named (the names are listed),
+            or a study this autotune would misread.
     """
-    store = open_storage(storage)
-    names = [s.study_name for s in optuna.get_all_study_summaries(store, include_best_trial=False)]
+    shown = mask_url(storage)
+    store = open_storage(storage, create=False)
+    names = study_names(store, shown)
     if not names:
-        raise ConfigError(f"storage {storage}: holds no study yet (run 'autotune study' first)")
+        raise ConfigError(f"storage {shown}: holds no study yet (run 'autotune study' first)")
     if study_name is None:
         if len(names) > 1:
-            raise ConfigError(f"storage {storage}: holds several studies, pick one with --study ({', '.join(names)})")
+            raise ConfigError(f"storage {shown}: holds several studies, pick one with --study ({', '.join(names)})")
         study_name = names[0]
     if study_name not in names:
-        raise ConfigError(f"--study {study_name!r}: not in {storage} (studies: {', '.join(names)})")
-    return optuna.load_study(study_name=study_name, storage=store)
+        raise ConfigError(f"--study {study_name!r}: not in {shown} (studies: {', '.join(names)})")
+    study = optuna.load_study(study_name=study_name, storage=store)
+    records.check_schema(study, shown)
+    return study
 
 
 def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     study = load_study(storage, study_name)
-    summary = summarize(None, study)
-    summary.storage = storage
+    summary = summarize(study, mask_url(storage))
     summary.extra["excluded_before_search"] = study.user_attrs.get("excluded_before_search", [])
     summary.extra["why"] = study.user_attrs.get("why_best", [])
     return summary
@@ -116,30 +121,26 @@ def summary_text(summary: StudySummary) -> str:
 def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None) -> list[str]:
     """Why the best configuration beats its neighbours: one line per single-value change.
 
-    Each alternative is judged the way a trial would be, without launching anything: the
-    rules (``check``), the memory model against the budget, the artifact's cached quality,
-    and, when the storage holds it, the measured outcome.
+    Each alternative is judged by the study's own judge (rules, memory with what the study
+    learned, cached quality), and, where the storage holds it, by its latest measured outcome
+    (after a resume, a configuration interrupted once and measured later shows the measurement).
     """
     from autotune.backend import TrialConfig
-    from autotune.study import quality_drop_cached
+    from autotune.study.runner import judge_for
 
     if not best:
         return []
     config = TrialConfig.from_dict(best["params"])
     backend = prepared.backend(config.backend)
-    ctx = prepared.contexts[config.backend]
     cfg = prepared.cfg
+    judge = judge_for(prepared, study)
     candidates = next((c.weights for c in cfg.candidates if c.backend == config.backend), (config.weights,))
     options = {k: v for k, v in cfg.space.items() if k not in ("ctx", "parallel")}
     dims: list[tuple[str, tuple[Any, ...]]] = [
         ("weights", tuple(candidates)), ("ctx", tuple(cfg.space["ctx"])), ("parallel", tuple(cfg.space["parallel"])),
     ]
-    dims += [(p.name, p.choices) for p in backend.parameters(options)]
-    by_key = {}
-    for t in study.get_trials(deepcopy=False):
-        key = t.user_attrs.get("config_key")
-        if key and t.user_attrs.get("answered_from") is None and key not in by_key:
-            by_key[key] = t
+    dims += [(p.name, p.choices) for p in backend.parameters(options) if p.choices]
+    latest = records.standing_by_key(study, latest=True)
     best_value = best["values"][0] if best.get("values") else None
     lines = []
     for name, choices in dims:
@@ -150,29 +151,26 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
             data[name] = value
             alt = TrialConfig.from_dict(data)
             label = f"{name} {value}"
-            reasons = prepared.space.check(alt, ctx)
-            if reasons:
-                lines.append(f"{label}: invalid: {'; '.join(reasons)}")
+            verdict = judge.judge(alt)
+            if verdict.kind == "invalid":
+                lines.append(f"{label}: {verdict.reason}")
                 continue
-            mem = backend.estimate_memory(alt, ctx)
-            if mem.total_bytes > ctx.vram_budget_bytes:
-                lines.append(f"{label}: does not fit: needs {_gib(mem.total_bytes)} > budget {_gib(ctx.vram_budget_bytes)}")
+            if verdict.kind == "over_budget" and verdict.estimate is not None:
+                budget = prepared.contexts[config.backend].vram_budget_bytes
+                lines.append(f"{label}: does not fit: needs {_gib(verdict.estimate.total_bytes)} > budget {_gib(budget)}")
                 continue
-            drop = quality_drop_cached(prepared, study, alt)
-            limit = cfg.objective.max_drop_points
-            if drop is not None and limit is not None and drop > limit:
-                lines.append(f"{label}: loses too much quality: {drop:.2f} points > max {limit:g}")
+            if verdict.kind == "low_quality":
+                lines.append(f"{label}: {verdict.reason}")
                 continue
-            t = by_key.get(alt.key)
-            if t is None:
+            r = latest.get(alt.key)
+            if r is None:
                 lines.append(f"{label}: not measured")
-            elif t.state == optuna.trial.TrialState.COMPLETE:
-                violated = [k for k, v in t.constraints.items() if v > 0]
-                score = t.values[0]
+            elif r.state == optuna.trial.TrialState.COMPLETE and r.values:
+                violated = [k for k, v in r.constraints.items() if v > 0]
+                score = r.values[0]
                 tail = f" but violates {', '.join(violated)}" if violated else ""
                 cmp = "" if best_value is None else f" ({score - best_value:+.1f})"
-                lines.append(f"{label}: measured score {score:.1f}{cmp}{tail} (trial {t.number})")
+                lines.append(f"{label}: measured score {score:.1f}{cmp}{tail} (trial {r.number})")
             else:
-                why = t.user_attrs.get("prune_reason") or t.user_attrs.get("fail_reason") or t.state.name
-                lines.append(f"{label}: {why} (trial {t.number})")
+                lines.append(f"{label}: {r.reason} (trial {r.number})")
     return lines

@@ -60,9 +60,9 @@ class SearchSpace:
         backend = trial.suggest_categorical("backend", list(self.entries))
         entry = self.entries[backend]
         values = {dim: trial.suggest_categorical(dim, list(choices)) for dim, choices in entry.dimensions()}
-        return self._config(entry, values)
+        return self.config_of(entry, values)
 
-    def _config(self, entry: BackendSpace, values: Mapping[str, Any]) -> TrialConfig:
+    def config_of(self, entry: BackendSpace, values: Mapping[str, Any]) -> TrialConfig:
         prefix = entry.backend.name + "."
         plain = {k[len(prefix):]: v for k, v in values.items()}
         options = tuple(sorted((p.name, plain[p.name]) for p in entry.params))
@@ -73,7 +73,7 @@ class SearchSpace:
         for entry in self.entries.values():
             dims = entry.dimensions()
             for combo in itertools.product(*(choices for _, choices in dims)):
-                yield self._config(entry, dict(zip((d for d, _ in dims), combo)))
+                yield self.config_of(entry, dict(zip((d for d, _ in dims), combo)))
 
     def params_of(self, config: TrialConfig) -> dict[str, Any]:
         """Optuna parameters that reproduce ``config`` (for ``enqueue_trial``)."""
@@ -99,66 +99,3 @@ class SearchSpace:
             )
         reasons += self.entries[config.backend].backend.check(config, ctx)
         return reasons
-
-
-def build_backend_space(
-    backend: BaseBackend, weights: tuple[str, ...], space: Mapping[str, tuple[Any, ...]]
-) -> tuple[BackendSpace, set[str]]:
-    """One backend's space from the study's ``[space]`` table.
-
-    Returns:
-        The backend's space and the option names it took (to find options nobody takes).
-    """
-    options = {k: v for k, v in space.items() if k not in CORE_OPTIONS}
-    params = tuple(p for p in backend.parameters(options) if p.choices)
-    taken = {p.name for p in params} & set(options)
-    return (
-        BackendSpace(backend, tuple(weights), tuple(space["ctx"]), tuple(space["parallel"]), params),
-        taken,
-    )
-
-
-def screen(entry: BackendSpace, ctx: StudyContext) -> tuple[BackendSpace | None, list[str]]:
-    """Drop values that no configuration can use, before the sampler ever sees them.
-
-    A context shorter than one sequence of the workload is never valid, and weights whose
-    lightest configuration (shortest ctx, one slot, least memory-hungry options) already
-    exceed the VRAM budget never fit. Trials spent on them would teach the sampler nothing
-    the memory model does not already know.
-
-    Returns:
-        The narrowed space (None when nothing is left) and one line per value dropped.
-    """
-    notes: list[str] = []
-    name = entry.backend.name
-    need = ctx.workload.sequence_tokens
-    ctx_ok = tuple(c for c in entry.ctx if c >= need)
-    for c in entry.ctx:
-        if c < need:
-            notes.append(f"{name}: ctx {c} cannot hold the workload ({ctx.workload.prompt_tokens} prompt + "
-                         f"{ctx.workload.output_tokens} output = {need} tokens)")
-    if not ctx_ok:
-        return None, notes
-    lightest_ctx, lightest_parallel = min(ctx_ok), min(entry.parallel)
-    weights_ok = []
-    for w in entry.weights:
-        best = None
-        for combo in itertools.product(*(p.choices for p in entry.params)):
-            options = tuple(sorted(zip((p.name for p in entry.params), combo)))
-            probe = TrialConfig(name, w, lightest_ctx, lightest_parallel, options)
-            if entry.backend.check(probe, ctx):
-                continue
-            estimate = entry.backend.estimate_memory(probe, ctx)
-            if best is None or estimate.total_bytes < best.total_bytes:
-                best = estimate
-        if best is not None and best.total_bytes > ctx.vram_budget_bytes:
-            notes.append(
-                f"{name}: weights {w} never fit: even ctx {lightest_ctx} x {lightest_parallel} needs "
-                f"{best.total_bytes / 2**30:.2f} GiB (weights {best.weights_bytes / 2**30:.2f}) > budget "
-                f"{ctx.vram_budget_bytes / 2**30:.2f} GiB"
-            )
-        else:
-            weights_ok.append(w)
-    if not weights_ok:
-        return None, notes
-    return BackendSpace(entry.backend, tuple(weights_ok), ctx_ok, entry.parallel, entry.params), notes

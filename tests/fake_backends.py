@@ -301,7 +301,8 @@ def interleave_two_workers(storage: str, study_path: Path, backend: "FakeBackend
     import optuna
 
     from autotune.config import load_study_config
-    from autotune.study import StudyRunner, _Heartbeat, prepare_study
+    from autotune.study import StudyRunner, prepare_study
+    from autotune.study.storage import Heartbeat
 
     with registered(backend):
         cfg = load_study_config(study_path)
@@ -310,7 +311,7 @@ def interleave_two_workers(storage: str, study_path: Path, backend: "FakeBackend
         x = next(iter(a.prepared.space.enumerate()))
         for _ in range(2):
             a.study.enqueue_trial(a.prepared.space.params_of(x))
-        beat_a, beat_b = _Heartbeat(a.study), _Heartbeat(b.study)
+        beat_a, beat_b = Heartbeat(a.study), Heartbeat(b.study)
         real = b.sampler.before_trial
 
         def before_trial(study, trial):

@@ -247,7 +247,7 @@ def test_load_plugins_allow_list():
     assert len(twin) == 1, everything
     assert (twin[0]["plugin"], twin[0]["distribution"]) == ("twin", "autotune")
 
-    assert plugins_json(clean_env(AUTOTUNE_LOAD_PLUGINS="")) == {"backends": [], "metrics": []}
+    assert plugins_json(clean_env(AUTOTUNE_LOAD_PLUGINS="")) == {"backends": [], "metrics": [], "broken": []}
 
     only_twin = plugins_json(clean_env(AUTOTUNE_LOAD_PLUGINS="twin"))
     assert {b["plugin"] for b in only_twin["backends"]} == {"twin"}

@@ -15,6 +15,8 @@ import optuna
 import pytest
 
 import autotune.study as study_mod
+import autotune.study.runner as study_runner
+import autotune.study.storage as study_storage
 from autotune.backend import TrialConfig
 from autotune.config import load_study_config
 from autotune.study import StudyRunner, open_storage, prepare_study, rank_by_prior, run_study
@@ -108,7 +110,7 @@ def test_best_ignores_answered_copies(default_study_path, twin_plugin, storage):
     study = load(storage, cfg.name)
     best = study_mod.best_trial(study)
     prepared = prepare_study(cfg, storage=storage)
-    study.enqueue_trial(prepared.space.params_of(TrialConfig.from_dict(best.user_attrs["config"])))
+    study.enqueue_trial(prepared.space.params_of(TrialConfig.from_dict(best.config)))
     summary = run_study(cfg, n_trials=1, storage=storage)
     assert summary.best["number"] == study_mod.best_trial(load(storage, cfg.name)).number
     assert_consistent(load(storage, cfg.name))
@@ -346,7 +348,7 @@ def test_restart_fails_a_dead_remote_workers_trial_after_the_heartbeat_grace(tmp
     proc, study_path, storage, log, running = _start_blocked_child(tmp_path, scratch, hostname="other-host")
     _kill(proc)
     assert running.user_attrs["worker"].startswith("other-host:")
-    monkeypatch.setattr(study_mod, "HEARTBEAT_GRACE_S", 1)
+    monkeypatch.setattr(study_storage, "HEARTBEAT_GRACE_S", 1)
     _wait_until_stale(storage, running._trial_id, 1)
     with registered(BlockingBackend(log)):
         summary = run_study(load_study_config(study_path), n_trials=5, storage=storage)
@@ -356,7 +358,7 @@ def test_restart_fails_a_dead_remote_workers_trial_after_the_heartbeat_grace(tmp
 
 def test_survivor_fails_a_worker_that_dies_while_it_runs(tmp_path, scratch, monkeypatch):
     proc, study_path, storage, log, running = _start_blocked_child(tmp_path, scratch)
-    monkeypatch.setattr(study_mod, "EXPLORE_AFTER_IDLE", 3)
+    monkeypatch.setattr(study_runner, "EXPLORE_AFTER_IDLE", 3)
     try:
         with registered(BlockingBackend(log)):
             runner = StudyRunner(prepare_study(load_study_config(study_path), storage=storage))

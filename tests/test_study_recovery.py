@@ -24,7 +24,7 @@ def test_a_killed_local_worker_s_trial_is_failed_for_retry_at_restart(twin_plugi
     assert t.state == optuna.trial.TrialState.FAIL
     assert t.user_attrs["retry"] is True and "died" in t.user_attrs["fail_reason"]
     # Retried trials never answer for their configuration.
-    assert "whatever was being measured" not in again._finished_by_key()
+    assert "whatever was being measured" not in again._evaluated_keys()
     summary = again.run(n_trials=2)
     assert summary.n_complete >= 5
     assert not again.study.get_trials(states=(optuna.trial.TrialState.RUNNING,))

@@ -107,7 +107,7 @@ def test_a_study_learns_its_backends_overhead(tmp_path):
         ctx = runner.prepared.contexts["fake-hungry"]
         p3 = TrialConfig("fake-hungry", "w", 4096, 3)
         assert backend.estimate_memory(p3, ctx).total_bytes <= ctx.vram_budget_bytes
-        estimate, raw = runner._memory(backend, p3, ctx)
+        estimate, raw = runner.judge.memory(p3)
         assert raw == 13 * GIB and estimate.total_bytes == 15 * GIB  # learned from the storage
         assert "learned from 1 measured trial" in estimate.notes[-1]
         assert not runner.admissible(p3)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import click
 
 from autotune import hookimpl
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext
 from autotune.errors import AutotuneError, BackendError, MeasurementError
 from autotune.formats import bits_per_weight, parse_format
 from autotune.measure import CONCURRENT_UNITS, StreamResult, repeat_until_stable_many, run_streams_threaded
@@ -66,13 +66,19 @@ def kv_bytes_per_token(model: ModelSpec, cache_type: str) -> float:
 class EchoBackend(BaseBackend):
     name = "example-echo"
     engine = "example-echo"
-    weight_families = ("gguf",)
     description = "toy CPU engine from the example plugin: echoes prompts, speed measured for real"
+    # Declared settings are checked before a study runs: a typo or a bad value is exit 2.
+    settings = (
+        Setting("timeout_s", float, 60.0, "seconds one measurement may take", check=lambda v: None if v > 0 else "must be > 0"),
+        Setting("scale", int, 4096, "the toy allocates 1/scale of the predicted weights and KV",
+                check=lambda v: None if v >= 1 else "must be >= 1"),
+    )
 
     def parameters(self, space):
-        # Keep the cache types this engine knows; when the study names none of them, use f16.
-        caches = tuple(c for c in space.get("cache_type", tuple(CACHE_BYTES)) if c in CACHE_BYTES)
-        return [Param("cache_type", caches or ("f16",), "KV-cache element type (f16, q8_0)")]
+        # Keep the cache types this engine knows, exactly as given; the core refuses a value no
+        # backend takes. f16 only when the study does not search cache types at all.
+        caches = tuple(c for c in space.get("cache_type", ("f16",)) if c in CACHE_BYTES)
+        return [Param("cache_type", caches, "KV-cache element type (f16, q8_0)", accepted=tuple(CACHE_BYTES))]
 
     def check_weights(self, weights, ctx):
         try:
@@ -100,7 +106,7 @@ class EchoBackend(BaseBackend):
         except MemoryError as exc:
             raise BackendError(f"example-echo: out of host memory loading {config.weights}") from exc
         prompt = [f"w{i}" for i in range(ctx.workload.prompt_tokens)]
-        timeout_s = float(ctx.settings.get("timeout_s", 60))
+        timeout_s = float(self.setting(ctx, "timeout_s"))
 
         def stream(_index: int) -> StreamResult:
             start = time.monotonic()
@@ -133,7 +139,7 @@ class EchoBackend(BaseBackend):
 
 
 def _scale(ctx: StudyContext) -> int:
-    return int(ctx.settings.get("scale", 4096))
+    return int(EchoBackend().setting(ctx, "scale"))
 
 
 @hookimpl

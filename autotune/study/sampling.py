@@ -55,7 +55,6 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
         for entry in space.entries.values():
             for name, choices in entry.dimensions():
                 self._full[name] = CategoricalDistribution(list(choices))
-        self.n_fallbacks = 0
 
     def reseed_rng(self) -> None:
         self.inner.reseed_rng()
@@ -74,7 +73,7 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
         for name, choices in entry.dimensions():
             value = proposal.get(name)
             values[name] = value if value in choices else self._rng.choice(choices)
-        return self.space._config(entry, values)
+        return self.space.config_of(entry, values)
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
         if "fixed_params" in trial.system_attrs:
@@ -91,8 +90,6 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
                 return self.space.params_of(config)
         fallback = self.random_admissible(done)
         if fallback is not None:
-            if config is not None:
-                self.n_fallbacks += 1
             return self.space.params_of(fallback)
         return self.space.params_of(config) if config is not None else {}
 

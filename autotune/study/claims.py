@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 
-import optuna
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
@@ -28,11 +27,9 @@ CLAIMS = sa.Table(
 class Claims:
     """Claims of one study. Storages without SQL (journal files) fall back to no claims."""
 
-    def __init__(self, storage: optuna.storages.BaseStorage, study_id: int):
+    def __init__(self, engine: sa.engine.Engine | None, study_id: int):
         self.study_id = study_id
-        # A study wraps its RDBStorage in Optuna's cache; the engine is on the one inside.
-        backend = getattr(storage, "_backend", storage)
-        self.engine = getattr(backend, "engine", None)
+        self.engine = engine
         if self.engine is not None:
             for attempt in range(5):
                 try:

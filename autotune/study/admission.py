@@ -1,0 +1,167 @@
+"""The one judge of "can this configuration run, and be accepted, without launching it?".
+
+In order: the rules (the core's and the backend's ``check``), the memory model with what this
+study learned about it (the median of measured - predicted peaks, per backend), and an
+already-measured quality drop over the study's bound. The runner, the sampler's screening,
+the prior's ranking, the pre-search screen and the report's "why not a neighbour" all ask
+this judge, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from autotune import objective as objective_mod
+from autotune import vram
+from autotune.backend import MemoryEstimate, StudyContext, TrialConfig
+from autotune.config import Objective
+from autotune.space import BackendSpace, SearchSpace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.study.quality import QualityBook
+
+ADMITTED, INVALID, OVER_BUDGET, LOW_QUALITY = "admitted", "invalid", "over_budget", "low_quality"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The judge's answer.
+
+    Args:
+        kind: ``admitted``, ``invalid``, ``over_budget`` or ``low_quality``.
+        reason: Why it was refused, for people (None when admitted).
+        estimate: The memory prediction, learned correction included (None when invalid).
+        raw_total_bytes: The backend's own prediction, before the correction.
+        constraints: What Optuna is told of a refused configuration that never ran.
+    """
+
+    kind: str
+    reason: str | None = None
+    estimate: MemoryEstimate | None = None
+    raw_total_bytes: int | None = None
+    constraints: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def admitted(self) -> bool:
+        return self.kind == ADMITTED
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+class Admission:
+    """Judges configurations of one study.
+
+    Args:
+        space: The search space (its ``check`` holds the rules).
+        contexts: Each backend's study context (its budget among them).
+        objective: The study's objective (its quality bound).
+        quality: The study's quality values (None: quality is not judged).
+        residuals: Measured - predicted peak bytes by backend, learned so far.
+    """
+
+    def __init__(self, space: SearchSpace, contexts: Mapping[str, StudyContext], objective: Objective,
+                 quality: "QualityBook | None" = None, residuals: Mapping[str, list[int]] | None = None):
+        self.space = space
+        self.contexts = contexts
+        self.objective = objective
+        self.quality = quality
+        self.residuals: dict[str, list[int]] = {k: list(v) for k, v in (residuals or {}).items()}
+        self._memo: dict[str, Verdict] = {}
+
+    def learn(self, backend: str, residual_bytes: int) -> None:
+        """Add one measured - predicted peak; every later memory verdict uses it."""
+        self.residuals.setdefault(backend, []).append(int(residual_bytes))
+        self._memo.clear()
+
+    def memory(self, config: TrialConfig) -> tuple[MemoryEstimate, int]:
+        """The backend's estimate plus what the study learned about it; and the raw total."""
+        backend = self.space.entries[config.backend].backend
+        raw = backend.estimate_memory(config, self.contexts[config.backend])
+        found = self.residuals.get(config.backend, [])
+        return vram.apply_correction(raw, vram.learned_correction(found), len(found)), raw.total_bytes
+
+    def judge(self, config: TrialConfig) -> Verdict:
+        """Rules, then memory, then an already-measured quality drop."""
+        verdict = self._memo.get(config.key)
+        if verdict is None:
+            verdict = self._memo[config.key] = self._rules_and_memory(config)
+        if verdict.admitted and self.quality is not None:
+            low = self._known_low_quality(config)
+            if low is not None:
+                return low
+        return verdict
+
+    def _rules_and_memory(self, config: TrialConfig) -> Verdict:
+        ctx = self.contexts[config.backend]
+        reasons = self.space.check(config, ctx)
+        if reasons:
+            return Verdict(INVALID, "invalid: " + "; ".join(reasons),
+                           constraints=objective_mod.unmeasured_constraints(self.objective))
+        estimate, raw = self.memory(config)
+        budget = ctx.vram_budget_bytes
+        if estimate.total_bytes > budget:
+            e = estimate
+            reason = (f"infeasible: predicted {_gib(e.total_bytes)} GiB > budget {_gib(budget)} GiB (weights "
+                      f"{_gib(e.weights_bytes)}, KV {_gib(e.kv_bytes)}, buffers {_gib(e.buffers_bytes)}, "
+                      f"overhead {_gib(e.overhead_bytes)} GiB)")
+            over = objective_mod.vram_constraint(e.total_bytes, budget)
+            return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
+        return Verdict(ADMITTED, None, estimate, raw)
+
+    def _known_low_quality(self, config: TrialConfig) -> Verdict | None:
+        limit = self.objective.max_drop_points
+        drop = self.quality.cached_drop(config) if self.quality is not None and limit is not None else None
+        if drop is None or limit is None or drop.points <= limit:
+            return None
+        constraints = objective_mod.unmeasured_constraints(self.objective, 0.0)
+        constraints[objective_mod.QUALITY] = drop.points - limit
+        base = self._memo[config.key]
+        return Verdict(LOW_QUALITY, f"infeasible: quality drop {drop.points:.2f} points > max_drop_points {limit:g}",
+                       base.estimate, base.raw_total_bytes, constraints)
+
+    def screen(self, entry: BackendSpace) -> tuple[BackendSpace | None, list[str]]:
+        """Drop values that no configuration can use, before the sampler ever sees them.
+
+        A context shorter than one sequence of the workload is never valid, and weights whose
+        lightest configuration (shortest ctx, one slot, least memory-hungry options) is over
+        the budget never fit. Trials spent on them would teach the sampler nothing the rules
+        and the memory model do not already know.
+
+        Returns:
+            The narrowed space (None when nothing is left) and one line per value dropped.
+        """
+        notes: list[str] = []
+        name = entry.backend.name
+        ctx = self.contexts[name]
+        need = ctx.workload.sequence_tokens
+        ctx_ok = tuple(c for c in entry.ctx if c >= need)
+        for c in entry.ctx:
+            if c < need:
+                notes.append(f"{name}: ctx {c} cannot hold the workload ({ctx.workload.prompt_tokens} prompt + "
+                             f"{ctx.workload.output_tokens} output = {need} tokens)")
+        if not ctx_ok:
+            return None, notes
+        lightest_ctx, lightest_parallel = min(ctx_ok), min(entry.parallel)
+        weights_ok = []
+        for w in entry.weights:
+            best = None
+            for combo in itertools.product(*(p.choices for p in entry.params)):
+                options = tuple(sorted(zip((p.name for p in entry.params), combo)))
+                verdict = self.judge(TrialConfig(name, w, lightest_ctx, lightest_parallel, options))
+                if verdict.estimate is not None and (best is None or verdict.estimate.total_bytes < best.total_bytes):
+                    best = verdict.estimate
+            if best is not None and best.total_bytes > ctx.vram_budget_bytes:
+                notes.append(
+                    f"{name}: weights {w} never fit: even ctx {lightest_ctx} x {lightest_parallel} needs "
+                    f"{_gib(best.total_bytes)} GiB (weights {_gib(best.weights_bytes)}) > budget "
+                    f"{_gib(ctx.vram_budget_bytes)} GiB"
+                )
+            else:
+                weights_ok.append(w)
+        if not weights_ok:
+            return None, notes
+        return BackendSpace(entry.backend, tuple(weights_ok), ctx_ok, entry.parallel, entry.params), notes

@@ -1,0 +1,259 @@
+"""Study file -> PreparedStudy: everything resolved and checked before anything runs.
+
+Names (backends, metrics, the model, the GPU), every ``[space]`` value against what the
+backends accept, every ``[backends.NAME]`` key against what that backend declares, and each
+backend's preflight (is its engine there at all?) are checked here, and all problems are
+reported at once, each naming the file, the table, the key and what would be accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from autotune import hardware, plugins
+from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, Workload, same_value
+from autotune.config import StudyConfig
+from autotune.errors import AutotuneError, ConfigError
+from autotune.hardware import GpuSpec
+from autotune.measure import Protocol
+from autotune.metric import BaseMetric, QualityReference
+from autotune.models import ModelSpec, resolve_model
+from autotune.space import CORE_OPTIONS, BackendSpace, SearchSpace
+from autotune.study import storage as storage_mod
+
+
+@dataclass
+class PreparedStudy:
+    """A study file resolved against plugins, catalogs and the machine."""
+
+    cfg: StudyConfig
+    gpu: GpuSpec
+    model: ModelSpec
+    vram_budget_bytes: int
+    space: SearchSpace
+    contexts: dict[str, StudyContext]
+    quality: BaseMetric | None
+    reference: dict[str, TrialConfig]
+    storage_url: str
+    excluded: list[str] = field(default_factory=list)
+
+    def backend(self, name: str) -> BaseBackend:
+        return plugins.get_backend(name) if name not in self.space.entries else self.space.entries[name].backend
+
+    @property
+    def shown_storage(self) -> str:
+        """The storage URL as autotune shows it (password masked)."""
+        return storage_mod.mask_url(self.storage_url)
+
+
+def resolve_gpu(cfg: StudyConfig) -> GpuSpec:
+    """The study's GPU: a catalog key, or the card NVML finds for ``auto``."""
+    return hardware.resolve_gpu(cfg.gpu, cfg.gpu_index,
+                                source=f"{cfg.path}: [hardware] gpu" if cfg.path else "[hardware] gpu")
+
+
+def check_settings(backend: BaseBackend, settings: Mapping[str, Any], src: str) -> list[str]:
+    """Problems of one ``[backends.NAME]`` table against what the backend declares."""
+    declared = {s.name: s for s in backend.settings}
+    problems = []
+    for key, value in settings.items():
+        setting = declared.get(key)
+        if setting is None:
+            accepted = ", ".join(sorted(declared)) or "none: this backend takes no settings"
+            problems.append(f"{src}: [backends.{backend.name}] {key}: unknown setting (accepted: {accepted})")
+            continue
+        why = setting.problem(value)
+        if why:
+            problems.append(f"{src}: [backends.{backend.name}] {key} = {value!r}: {why}")
+    return problems
+
+
+def check_space_values(offered: Mapping[str, list[Param]], space: Mapping[str, tuple[Any, ...]], src: str
+                       ) -> tuple[list[str], list[str]]:
+    """Every ``[space]`` value must be taken, as given, by some backend of the study.
+
+    Args:
+        offered: Each backend's parameters as it returned them for this ``[space]``.
+
+    Returns:
+        (errors: a key or value no backend takes, naming what each accepts;
+         notes: a value only some backends take, dropped for the others).
+    """
+    errors, notes = [], []
+    for key in (k for k in space if k not in CORE_OPTIONS):
+        having = [(b, p) for b, params in offered.items() for p in params if p.name == key]
+        if not having:
+            errors.append(f"{src}: [space] {key}: no backend of this study takes it "
+                          f"(backends: {', '.join(offered)})")
+            continue
+        for value in space[key]:
+            takers = [b for b, p in having if any(same_value(value, c) for c in p.choices)]
+            if not takers:
+                accepted = "; ".join(f"{b} accepts {_list(p.accepted or p.choices)}" for b, p in having)
+                errors.append(f"{src}: [space] {key} = {_list((value,))}: no backend of this study accepts it ({accepted})")
+            elif len(takers) < len(having):
+                others = [b for b, _ in having if b not in takers]
+                notes.append(f"[space] {key} = {_list((value,))}: only {', '.join(takers)} accepts it; "
+                             f"not searched for {', '.join(others)}")
+    return errors, notes
+
+
+def _list(values: tuple[Any, ...]) -> str:
+    return ", ".join(repr(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+                     for v in values)
+
+
+def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy:
+    """Resolve a study file against installed plugins, catalogs and the machine.
+
+    Args:
+        cfg: The validated study file.
+        storage: ``--storage`` when given (else $AUTOTUNE_STORAGE, the file's, the default).
+
+    Raises:
+        ConfigError: every unknown backend, metric, model or GPU, every value or setting no
+            backend accepts, every unusable candidate and every backend whose engine is not
+            ready, all at once, each naming the file and field.
+    """
+    src = str(cfg.path) if cfg.path else "<study>"
+    errors: list[str] = []
+    gpu = None
+    try:
+        gpu = resolve_gpu(cfg)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    model = None
+    try:
+        candidate_path = cfg.base_dir / cfg.model
+        model = resolve_model(str(candidate_path) if candidate_path.exists() else cfg.model)
+    except AutotuneError as exc:
+        errors.append(f"{src}: [model] ref = {cfg.model!r}: {exc}")
+
+    backends = plugins.get_backends()
+    protocol = None
+    try:
+        protocol = Protocol(**cfg.measure)
+    except (AutotuneError, TypeError) as exc:
+        errors.append(f"{src}: [measure]: {exc}")
+
+    budget = 0
+    if gpu is not None:
+        total = cfg.vram_budget_bytes or gpu.vram_bytes
+        budget = total - cfg.safety_margin_bytes
+        if budget <= 0:
+            errors.append(f"{src}: [hardware] safety_margin_mib leaves no memory of {total} bytes")
+
+    for name, settings in cfg.backend_settings.items():
+        if name not in backends:
+            errors.append(f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'})")
+        else:
+            errors += check_settings(backends[name], settings, src)
+
+    entries: list[BackendSpace] = []
+    offered: dict[str, list[Param]] = {}
+    contexts: dict[str, StudyContext] = {}
+    for i, cand in enumerate(cfg.candidates):
+        if cand.backend not in backends:
+            errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: not installed "
+                          f"(installed: {', '.join(backends) or 'none'})")
+            continue
+        if cand.backend in contexts or any(e.backend.name == cand.backend for e in entries):
+            errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: listed twice; merge its weights into one entry")
+            continue
+        backend = backends[cand.backend]
+        if gpu is None or model is None or protocol is None:
+            continue
+        ctx = StudyContext(gpu=gpu, model=model, workload=Workload(cfg.prompt_tokens, cfg.output_tokens),
+                           vram_budget_bytes=budget, protocol=protocol, seed=cfg.seed,
+                           settings=cfg.backend_settings.get(cand.backend, {}), base_dir=cfg.base_dir,
+                           gpu_index=cfg.gpu_index)
+        contexts[cand.backend] = ctx
+        for problem in backend.preflight(ctx):
+            errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}")
+        for w in cand.weights:
+            problem = backend.check_weights(w, ctx)
+            if problem:
+                errors.append(f"{src}: [candidates.{i}] weights {w!r}: {problem}")
+        if "ctx" in cfg.space and "parallel" in cfg.space:
+            params = backend.parameters({k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS})
+            offered[cand.backend] = params
+            entries.append(BackendSpace(backend, tuple(cand.weights), tuple(cfg.space["ctx"]), tuple(cfg.space["parallel"]),
+                                        tuple(p for p in params if p.choices)))
+    notes: list[str] = []
+    if entries and len(entries) == len(cfg.candidates):  # an unknown backend's values cannot be judged
+        space_errors, notes = check_space_values(offered, cfg.space, src)
+        errors += space_errors
+
+    quality = None
+    if cfg.objective.quality:
+        try:
+            quality = plugins.get_metric(cfg.objective.quality)
+        except AutotuneError as exc:
+            errors.append(f"{src}: [objective] quality = {cfg.objective.quality!r}: {exc}")
+        else:
+            for entry in entries:
+                why = quality.supports(entry.backend)
+                if why and cfg.objective.require_quality:
+                    errors.append(
+                        f"{src}: [objective] quality = {quality.name!r} cannot evaluate backend "
+                        f"'{entry.backend.name}': {why} (set require_quality = false to run without it)"
+                    )
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+    reference = _references(cfg, SearchSpace(entries), contexts) if quality else {}
+    if quality is not None:
+        quality.configure(cfg.quality_options, {
+            name: QualityReference(ref, backends[ref.backend], contexts[ref.backend]) for name, ref in reference.items()
+        })
+    # The pre-search screen asks the same judge as every trial (no learned correction yet:
+    # no storage is open).
+    from autotune.study.admission import Admission
+
+    judge = Admission(SearchSpace(entries), contexts, cfg.objective)
+    screened, excluded = [], list(notes)
+    for entry in entries:
+        narrowed, dropped = judge.screen(entry)
+        excluded += dropped
+        if narrowed is not None:
+            screened.append(narrowed)
+    if not screened:
+        raise ConfigError(f"{src}: nothing in the search space can run:\n  " + "\n  ".join(excluded))
+    return PreparedStudy(
+        cfg=cfg, gpu=gpu, model=model, vram_budget_bytes=budget, space=SearchSpace(screened), contexts=contexts,
+        quality=quality, reference=reference,
+        storage_url=storage_mod.resolve_url(storage, cfg.storage, cfg.default_storage), excluded=excluded,
+    )
+
+
+def _references(cfg: StudyConfig, space: SearchSpace, contexts: Mapping[str, StudyContext]) -> dict[str, TrialConfig]:
+    """The configuration each backend's quality is compared against.
+
+    The study file may name the reference weights; otherwise the largest candidate (by the
+    backend's own weights estimate) is the highest-precision one. The options are the
+    backend's most precise ones (``quality_reference`` picks them).
+    """
+    refs: dict[str, TrialConfig] = {}
+    named = cfg.objective.reference_weights
+    for name, entry in space.entries.items():
+        ctx = contexts[name]
+        weights = entry.weights
+        if named and named in weights:
+            chosen = named
+        elif named and any(named in e.weights for e in space.entries.values()):
+            continue  # another backend owns the reference: compare against that one's quality
+        else:
+            def size(w: str) -> int:
+                probe = TrialConfig(name, w, entry.ctx[0], 1, tuple((p.name, p.choices[0]) for p in entry.params))
+                return entry.backend.estimate_memory(probe, ctx).weights_bytes
+            chosen = max(weights, key=size)
+        options = entry.backend.quality_reference({p.name: p.choices for p in entry.params})
+        refs[name] = TrialConfig(name, chosen, max(entry.ctx), 1, tuple(sorted(options.items())))
+    if named and refs:
+        owner = next((n for n, e in space.entries.items() if named in e.weights), None)
+        if owner is None:
+            raise ConfigError(f"{cfg.path}: [objective] reference_weights = {named!r}: not among the candidates' weights")
+        for name in space.entries:
+            refs.setdefault(name, refs[owner])
+    return refs

@@ -1,0 +1,87 @@
+"""The prior: measure first what a model of the engine (the twin) predicts best.
+
+For each backend of the study, the predictor is the backend itself when it can predict, else
+a registered backend of the same engine that implements ``predict``, evaluated for the
+study's GPU and model. Only configurations the study's judge admits are ranked; the predicted
+metrics go through the study's own objective (penalty, per-user floor and, where a metric can
+predict quality for the predictor, the quality constraint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+from autotune import objective as objective_mod
+from autotune import plugins
+from autotune.backend import BaseBackend, StudyContext, TrialConfig
+from autotune.errors import AutotuneError
+from autotune.metric import BaseMetric
+from autotune.study.admission import Admission
+from autotune.study.prepare import PreparedStudy
+
+
+def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None) -> list[tuple[TrialConfig, float]]:
+    """Every admitted configuration a predictor can speak for, predicted-feasible first, best first.
+
+    Args:
+        judge: The study's judge (with what its storage learned); by default one that knows
+            only the rules and the raw memory model.
+    """
+    judge = judge or Admission(prepared.space, prepared.contexts, prepared.cfg.objective)
+    backends = plugins.get_backends()
+    metrics = plugins.get_metrics()
+    objective = prepared.cfg.objective
+    ranked = []
+    for config in prepared.space.enumerate():
+        verdict = judge.judge(config)
+        if not verdict.admitted or verdict.estimate is None:
+            continue
+        real = prepared.backend(config.backend)
+        ctx = prepared.contexts[config.backend]
+        predictor = _predictor_for(real, config, ctx, backends)
+        if predictor is None:
+            continue
+        probe = replace(config, backend=predictor.name)
+        predicted = predictor.predict(probe, ctx)
+        if not predicted or objective.metric not in predicted:
+            continue
+        drop = _predicted_drop(prepared, predictor, probe, prepared.reference.get(config.backend), ctx, metrics)
+        s = objective_mod.score(objective, float(predicted[objective.metric]), verdict.estimate.total_bytes,
+                                ctx.vram_budget_bytes, drop, predicted.get("per_user_tok_s"))
+        ranked.append((config, s.values[0], s.feasible))
+    ranked.sort(key=lambda item: (not item[2], -item[1]))
+    return [(c, v) for c, v, _ in ranked]
+
+
+def _predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
+                   backends: Mapping[str, BaseBackend]) -> BaseBackend | None:
+    if real.predict(config, ctx) is not None:
+        return real
+    for other in backends.values():
+        if other.engine == real.engine and other is not real:
+            if other.predict(replace(config, backend=other.name), ctx) is not None:
+                return other
+    return None
+
+
+def _predicted_drop(prepared: PreparedStudy, predictor: BaseBackend, config: TrialConfig,
+                    ref: TrialConfig | None, ctx: StudyContext, metrics: Mapping[str, BaseMetric]) -> float | None:
+    """Quality drop a metric that can evaluate the predictor expects, against the reference."""
+    from autotune.study.quality import drop_between
+
+    if ref is None:
+        return None
+    candidates = [prepared.quality] if prepared.quality is not None else []
+    candidates += [m for m in metrics.values() if m not in candidates]
+    ref_probe = replace(ref, backend=predictor.name)
+    for metric in candidates:
+        if metric.supports(predictor) is not None:
+            continue
+        try:
+            mine = metric.evaluate(config, predictor, ctx).to_dict()
+            theirs = metric.evaluate(ref_probe, predictor, ctx).to_dict()
+        except AutotuneError:
+            continue
+        return drop_between(metric, mine, theirs).points
+    return None

@@ -1,0 +1,190 @@
+"""What a trial and a study store: the one writer and the one reader of their attributes.
+
+Optuna keeps a trial's data as free-form user attributes. autotune's are declared here, once:
+``write`` refuses a key that is not a field of ``TrialRecord``, and ``TrialRecord.of`` is how
+everything that reads a stored trial (the runner on resume, the summary, the report, bench/)
+sees it. A study records ``SCHEMA_VERSION``; a storage written by a newer autotune, or a study
+that autotune did not write, is refused instead of misread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import optuna
+
+from autotune.backend import Measurement, TrialConfig
+from autotune.errors import StorageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.hardware import GpuSpec
+
+SCHEMA_VERSION = 1
+SCHEMA_ATTR = "autotune_schema_version"
+QUALITY_PREFIX = "quality:"
+TrialState = optuna.trial.TrialState
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One stored trial as autotune reads it. Fields after ``raw`` are the user attributes a
+    trial may store, under the same names."""
+
+    number: int
+    state: TrialState
+    values: tuple[float, ...] | None
+    constraints: Mapping[str, float]
+    raw: Mapping[str, Any]             # every user attribute as stored, to copy an answer from
+    config: Mapping[str, Any] | None = None
+    config_key: str | None = None
+    worker: str | None = None
+    answered_from: int | None = None   # a proposal the storage already answered: not a measurement
+    from_prior: bool = False
+    explore: bool = False
+    retry: bool = False                # interrupted or its worker died: measure the configuration again
+    prune_reason: str | None = None
+    fail_reason: str | None = None
+    log_tail: str | None = None
+    predicted_vram: Mapping[str, Any] | None = None
+    deploy_command: str | None = None
+    engine: Mapping[str, Any] | None = None
+    gpu: Mapping[str, Any] | None = None
+    metrics: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    measured_vram_bytes: int | None = None
+    vram_prediction_error: float | None = None
+    vram_residual_bytes: int | None = None
+    telemetry: Mapping[str, Any] | None = None
+    engine_facts: Mapping[str, Any] = field(default_factory=dict)
+    quality: Mapping[str, Any] | None = None
+    quality_drop_points: float | None = None
+    score: Mapping[str, Any] | None = None
+
+    @classmethod
+    def of(cls, t: optuna.trial.FrozenTrial) -> "TrialRecord":
+        a = t.user_attrs
+        stored = {name: a[name] for name in STORED if name in a}
+        return cls(number=t.number, state=t.state, values=tuple(t.values) if t.values else None,
+                   constraints=dict(t.constraints), raw=a, **stored)
+
+    @property
+    def trial_config(self) -> TrialConfig | None:
+        return TrialConfig.from_dict(self.config) if self.config else None
+
+    @property
+    def answered(self) -> bool:
+        """Whether the storage answered it from an earlier trial (then it measured nothing)."""
+        return self.answered_from is not None
+
+    @property
+    def launched(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def feasible(self) -> bool:
+        return all(c <= 0 for c in self.constraints.values())
+
+    @property
+    def reason(self) -> str:
+        return self.prune_reason or self.fail_reason or self.state.name
+
+    @property
+    def stands_for_config(self) -> bool:
+        """Whether its outcome answers for its configuration: measured, pruned with a reason,
+        running, or failed for a reason that would repeat (not interrupted, not a dead worker)."""
+        if self.config_key is None or self.answered:
+            return False
+        if self.state in (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED):
+            return True
+        return self.state == TrialState.FAIL and bool(self.fail_reason) and not self.retry
+
+    def median(self, metric: str) -> float | None:
+        m = self.metrics.get(metric)
+        return None if m is None else m.get("median")
+
+
+_FROM_OPTUNA = ("number", "state", "values", "constraints", "raw")
+STORED = tuple(f.name for f in fields(TrialRecord) if f.name not in _FROM_OPTUNA)
+_STORED_SET = frozenset(STORED)
+
+
+def write(trial: optuna.Trial, **attrs: Any) -> None:
+    """Store fields of ``TrialRecord`` on a running trial (each one is saved at once, so a
+    crash keeps what was known)."""
+    for key, value in attrs.items():
+        if key not in _STORED_SET:
+            raise KeyError(f"{key!r} is not a TrialRecord field")
+        trial.set_user_attr(key, value)
+
+
+def write_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) -> None:
+    metrics = {k: v.to_dict() for k, v in m.metrics.items()}
+    write(trial, metrics=metrics)
+    for k, v in m.metrics.items():
+        trial.set_user_attr(k, v.median)  # flat copies: sortable columns in optuna-dashboard, never read back
+    if m.peak_vram_bytes is not None:
+        write(trial, measured_vram_bytes=m.peak_vram_bytes,
+              vram_prediction_error=(predicted_bytes - m.peak_vram_bytes) / m.peak_vram_bytes)
+    if m.telemetry is not None:
+        write(trial, telemetry=m.telemetry.to_dict())
+    if m.attrs:
+        write(trial, engine_facts=dict(m.attrs))
+
+
+def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
+    for key, value in constraints.items():
+        trial.set_constraint(key, value)
+
+
+def records(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:
+    return [TrialRecord.of(t) for t in study.get_trials(deepcopy=False, states=tuple(states) if states else None)]
+
+
+def measured(study: optuna.Study) -> list[TrialRecord]:
+    """Complete trials that measured something themselves (not answers from the storage)."""
+    return [r for r in records(study, (TrialState.COMPLETE,)) if not r.answered]
+
+
+def standing_by_key(study: optuna.Study, latest: bool = False) -> dict[str, TrialRecord]:
+    """The trial whose outcome stands for each configuration: the first one (what the runner
+    answers from), or with ``latest`` the newest (what a person wants told after a resume)."""
+    out: dict[str, TrialRecord] = {}
+    for r in records(study):
+        if r.stands_for_config and (latest or r.config_key not in out):
+            out[r.config_key] = r  # type: ignore[index]
+    return out
+
+
+def gpu_attrs(gpu: "GpuSpec") -> dict[str, Any]:
+    """The card as a trial and a study record it."""
+    return {"key": gpu.key, "name": gpu.name, "vram_bytes": gpu.vram_bytes,
+            "mem_bandwidth_gb_s": gpu.mem_bandwidth_gb_s, "compute_capability": gpu.compute_capability}
+
+
+# ------------------------------------------------------------------ the study's own attributes
+
+
+def write_study_header(study: optuna.Study, header: Mapping[str, Any]) -> None:
+    """Record what a new study was run with (once: a resumed study keeps its first header)."""
+    if SCHEMA_ATTR in study.user_attrs:
+        return
+    study.set_user_attr(SCHEMA_ATTR, SCHEMA_VERSION)
+    for key, value in header.items():
+        study.set_user_attr(key, value)
+
+
+def check_schema(study: optuna.Study, shown_storage: str) -> None:
+    """Refuse a study this autotune would misread.
+
+    Raises:
+        StorageError: written by a newer autotune, or trials that autotune did not write.
+    """
+    version = study.user_attrs.get(SCHEMA_ATTR)
+    if version is None:
+        if study.get_trials(deepcopy=False):
+            raise StorageError(f"study '{study.study_name}' in {shown_storage} was not written by autotune "
+                               "(no schema version); use another study name or storage")
+        return
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise StorageError(f"study '{study.study_name}' in {shown_storage} has schema version {version!r}; this "
+                           f"autotune reads up to {SCHEMA_VERSION}: upgrade autotune to read it")

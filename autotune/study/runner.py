@@ -1,0 +1,472 @@
+"""The study loop: ask a configuration, judge it, launch it, record it, until the budget is spent.
+
+Each trial follows the flow of docs/architecture.md: sample -> admission (rules, memory,
+known quality) -> quality (once per artifact) -> launch and measure -> score -> record. The
+runner uses Optuna's ask/tell interface so that it can answer a configuration already in the
+storage without launching it again, prune refused configurations with their reason, and leave
+the storage consistent on Ctrl-C. Several processes given the same study name and a shared
+storage (PostgreSQL) work on one study together; claims keep them from measuring one
+configuration twice, and a heartbeat lets a survivor fail a dead worker's trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import optuna
+
+from autotune import objective as objective_mod
+from autotune.backend import TrialConfig
+from autotune.errors import BackendError, EngineUnavailableError
+from autotune.study import records, storage
+from autotune.study.admission import Admission, Verdict
+from autotune.study.claims import Claims
+from autotune.study.prepare import PreparedStudy
+from autotune.study.prior import rank_by_prior
+from autotune.study.quality import QualityBook
+from autotune.study.records import TrialRecord, TrialState, write
+from autotune.study.sampling import ScreenedSampler
+from autotune.study.summary import StudySummary, best_trial, summarize
+
+# Proposals in a row that launch nothing before the runner slips in an unexplored
+# configuration (samplers on small discrete spaces keep proposing what they know), and before
+# a run stops as converged.
+EXPLORE_AFTER_IDLE = 25
+MAX_IDLE_PROPOSALS = 300
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+# Features we use on purpose through ask/tell: the RDB heartbeat (we beat it ourselves) and
+# grouped multivariate TPE. Their warnings would only alarm users.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+@dataclass
+class TrialEvent:
+    """What the runner tells its progress callback after each trial."""
+
+    number: int
+    state: str
+    config: dict[str, Any]
+    value: float | None
+    reason: str | None
+    best_value: float | None
+    best_config: dict[str, Any] | None
+    n_done: int
+    elapsed_s: float
+    answered_from: int | None = None
+
+
+@dataclass
+class _Outcome:
+    state: str
+    config: dict[str, Any]
+    values: list[float] | None = None
+    reason: str | None = None
+    answered_from: int | None = None
+
+
+def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
+    """The study's inner sampler. Constraints reach it through ``Trial.set_constraint``."""
+    sampler = prepared.cfg.sampler
+    if sampler in ("random", "grid"):
+        return optuna.samplers.RandomSampler(seed=seed)
+    if sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
+    # Multivariate TPE with groups models each backend's parameters jointly: the space is
+    # conditional on the backend, and cache type, ctx and parallel interact through memory.
+    # Exact duplicates from parallel workers are caught by the claims, so no constant liar.
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
+                                      constant_liar=False)
+
+
+def learned_residuals(study: optuna.Study) -> dict[str, list[int]]:
+    """Measured - predicted peak bytes by backend, as the study stored them (so a resumed
+    study, the prior and the report judge memory as the runner does)."""
+    found: dict[str, list[int]] = {}
+    for r in records.records(study, (TrialState.COMPLETE,)):
+        if r.vram_residual_bytes is not None and r.config:
+            found.setdefault(str(r.config.get("backend")), []).append(int(r.vram_residual_bytes))
+    return found
+
+
+def judge_for(prepared: PreparedStudy, study: optuna.Study | None) -> Admission:
+    """The study's judge, with what its storage learned (memory corrections, quality values)."""
+    book = QualityBook(prepared, study) if prepared.quality is not None else None
+    return Admission(prepared.space, prepared.contexts, prepared.cfg.objective, book,
+                     learned_residuals(study) if study is not None else None)
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C or SIGTERM: a BaseException, like KeyboardInterrupt, so that a plugin's
+    ``except Exception`` cannot turn the user's interrupt into one failed trial and go on."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class StudyRunner:
+    """Runs trials of a prepared study until its budget is spent."""
+
+    def __init__(self, prepared: PreparedStudy, seed: int | None = None):
+        self.prepared = prepared
+        self.cfg = prepared.cfg
+        self.seed = self.cfg.seed if seed is None else seed
+        self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
+                                       self._evaluated_keys, seed=self.seed)
+        self.study = storage.open_study(prepared, self.sampler)
+        self.judge = judge_for(prepared, self.study)
+        self.quality = self.judge.quality
+        self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
+        self._fail_dead_local_workers()
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.n_measured = 0
+        self.n_new = 0
+        self.converged = False
+        self._last_cleanup = float("-inf")
+        self._defer_signals = False
+        self._deferred_signal: int | None = None
+
+    # ----------------------------------------------------------------------------- lookups
+
+    def admissible(self, config: TrialConfig) -> bool:
+        """Whether ``config`` could run and be accepted, as far as is known without launching it."""
+        return self.judge.judge(config).admitted
+
+    def _evaluated_keys(self) -> set[str]:
+        return set(records.standing_by_key(self.study))
+
+    def _fail_dead_local_workers(self) -> None:
+        """Fail RUNNING trials of processes on this host that no longer exist (killed -9).
+
+        The heartbeat catches dead workers on any host, but only after its grace period; a
+        study restarted right after a crash on the same machine should not wait for that.
+        """
+        host = socket.gethostname()
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            worker = str(t.user_attrs.get("worker", ""))
+            name, _, pid = worker.rpartition(":")
+            if name != host or not pid.isdigit() or _alive(int(pid)):
+                continue
+            storage.set_finished_attrs(self.study, t, {"fail_reason": f"worker {worker} died", "retry": True},
+                                       TrialState.FAIL)
+
+    def _cleanup_dead_workers(self) -> None:
+        """Fail the RUNNING trials of dead workers (heartbeat lapsed, or a dead local pid)."""
+        optuna.storages.fail_stale_trials(self.study)
+        self._fail_dead_local_workers()
+
+    # ----------------------------------------------------------------------------- queueing
+
+    def _enqueue(self, config: TrialConfig, **attrs: Any) -> None:
+        self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={"config": config.as_dict(), **attrs})
+
+    def _waiting_keys(self) -> set[str]:
+        return {TrialConfig.from_dict(t.user_attrs["config"]).key
+                for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if "config" in t.user_attrs}
+
+    def enqueue_prior(self) -> int:
+        """Measure the configurations a model backend predicts best first (``[study] prior``)."""
+        done, waiting = self._evaluated_keys(), self._waiting_keys()
+        n = 0
+        for config, _ in rank_by_prior(self.prepared, self.judge)[: self.cfg.prior_trials]:
+            if config.key not in done and config.key not in waiting:
+                self._enqueue(config, from_prior=True)
+                n += 1
+        return n
+
+    def enqueue_grid(self) -> int:
+        """Grid search: every configuration once, in a seeded random order."""
+        if self._waiting_keys() or any(t.state == TrialState.WAITING for t in self.study.get_trials(deepcopy=False)):
+            return 0
+        configs = list(self.prepared.space.enumerate())
+        random.Random(self.seed).shuffle(configs)
+        done = self._evaluated_keys()
+        todo = [c for c in configs if c.key not in done]
+        for config in todo:
+            self._enqueue(config)
+        return len(todo)
+
+    def _enqueue_unexplored(self) -> bool:
+        """Queue one random configuration that has not been evaluated and could run."""
+        config = self.sampler.random_admissible(self._evaluated_keys())
+        if config is None:
+            return False
+        self._enqueue(config, explore=True)
+        return True
+
+    # ----------------------------------------------------------------------------- loop
+
+    def run(self, budget_s: float | None = None, n_trials: int | None = None,
+            callback: Callable[[TrialEvent], None] | None = None) -> StudySummary:
+        """Run trials until ``budget_s`` seconds are spent or ``n_trials`` configurations launched.
+
+        Only launches (measured or failed) count against ``n_trials``: configurations that the
+        judge refuses, and proposals the storage already answers, are recorded as trials too
+        but cost nothing.
+
+        Ctrl-C (or SIGTERM) ends the trial in flight as FAIL with reason "interrupted" (a later
+        run measures it again) and returns with the storage consistent. An engine that cannot
+        run at all (``EngineUnavailableError``) stops the study at once: every trial would fail.
+        """
+        if budget_s is None and n_trials is None:
+            budget_s, n_trials = self.cfg.budget_s, self.cfg.n_trials
+            if budget_s is None and n_trials is None:
+                n_trials = 50
+        if self.cfg.sampler == "grid":
+            self.enqueue_grid()
+        elif self.cfg.prior:
+            self.enqueue_prior()
+        heartbeat = storage.Heartbeat(self.study)
+        start = time.monotonic()
+        interrupted = False
+        idle = 0
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._on_signal)
+        try:
+            while True:
+                if n_trials is not None and self.n_measured >= n_trials:
+                    break
+                if budget_s is not None and time.monotonic() - start >= budget_s:
+                    break
+                if self.cfg.sampler == "grid" and not any(
+                        t.state == TrialState.WAITING for t in self.study.get_trials(deepcopy=False)):
+                    break
+                measured_before = self.n_measured
+                event = self._one_trial(heartbeat, start)
+                self.n_new += 1
+                # Proposals answered from the storage, and refused configurations, launch
+                # nothing; very many in a row mean nothing is left that could run.
+                idle = 0 if self.n_measured > measured_before else idle + 1
+                if callback:
+                    callback(event)
+                if idle and idle % EXPLORE_AFTER_IDLE == 0 and not self._enqueue_unexplored():
+                    self.converged = True  # everything that can run has been evaluated
+                    break
+                if idle >= MAX_IDLE_PROPOSALS:
+                    self.converged = True
+                    break
+        except (KeyboardInterrupt, _Interrupted):
+            interrupted = True
+        finally:
+            heartbeat.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        summary = summarize(self.study, self.prepared.shown_storage)
+        summary.n_new = self.n_new
+        summary.n_measured = self.n_measured
+        summary.interrupted = interrupted
+        summary.elapsed_s = time.monotonic() - start
+        summary.extra["converged"] = self.converged
+        summary.extra["excluded_before_search"] = self.prepared.excluded
+        return summary
+
+    def _one_trial(self, heartbeat: storage.Heartbeat, start: float) -> TrialEvent:
+        now = time.monotonic()
+        if now - self._last_cleanup >= storage.HEARTBEAT_INTERVAL_S / 2:
+            # As Optuna's optimize() does before each trial: a worker that died since we started
+            # must not hold its configuration forever.
+            self._last_cleanup = now
+            self._cleanup_dead_workers()
+        trial = None
+        try:
+            with self._signals_deferred():
+                trial = self.study.ask()
+                heartbeat.beat(trial)
+            outcome = self._evaluate(trial)
+        except (KeyboardInterrupt, _Interrupted):
+            if trial is not None:
+                self._fail_quietly(trial, "interrupted", retry=True)
+            raise
+        except EngineUnavailableError as exc:
+            assert trial is not None
+            self._fail_quietly(trial, str(exc), retry=True)  # not the configuration's fault
+            raise
+        except Exception as exc:  # a bug in a plugin must not kill the study either
+            assert trial is not None
+            if "engine" in trial.user_attrs:
+                self.n_measured += 1  # it was launched: it counts like a BackendError
+            write(trial, log_tail=traceback.format_exc()[-4000:])
+            self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
+            outcome = _Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
+        heartbeat.beat(None)
+        best = best_trial(self.study)
+        return TrialEvent(
+            number=trial.number, state=outcome.state, config=outcome.config,
+            value=outcome.values[0] if outcome.values else None, reason=outcome.reason,
+            best_value=best.values[0] if best and best.values else None,
+            best_config=dict(best.config) if best and best.config else None,
+            n_done=self.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
+        )
+
+    @contextlib.contextmanager
+    def _signals_deferred(self):
+        """Hold Ctrl-C/SIGTERM while a trial is being created, then deliver it.
+
+        An interrupt inside ``study.ask()`` would leave a RUNNING trial that nobody holds a
+        handle to; deferring it until ``ask`` returns lets the runner fail that trial cleanly.
+        """
+        self._defer_signals = True
+        try:
+            yield
+        finally:
+            self._defer_signals = False
+        if self._deferred_signal is not None:
+            self._deferred_signal = None
+            raise _Interrupted()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._defer_signals:
+            self._deferred_signal = signum
+            return
+        raise _Interrupted()
+
+    def _fail_quietly(self, trial: optuna.Trial, reason: str, retry: bool = False) -> None:
+        """Record ``trial`` as failed unless it already finished (an interrupt after tell)."""
+        try:
+            write(trial, fail_reason=reason, **({"retry": True} if retry else {}))
+            self.study.tell(trial, state=TrialState.FAIL)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+            pass  # it is finished already: its outcome stands
+
+    # ----------------------------------------------------------------------------- one trial
+
+    def _claim(self, trial: optuna.Trial, config: TrialConfig) -> TrialRecord | None:
+        """Claim ``config`` for ``trial``; returns the trial that answers for it instead, if any."""
+        if self.claims.engine is None:
+            earlier = records.standing_by_key(self.study).get(config.key)
+            return earlier if earlier is not None and earlier.number != trial.number else None
+        holder = None
+        for _ in range(3):
+            holder_id = self.claims.claim(config.key, storage.trial_id_of(trial))
+            if holder_id is None or holder_id == storage.trial_id_of(trial):
+                return None
+            frozen = storage.frozen(self.study, holder_id)
+            if frozen.state == TrialState.RUNNING:
+                self._cleanup_dead_workers()
+                frozen = storage.frozen(self.study, holder_id)
+            holder = TrialRecord.of(frozen)
+            abandoned = holder.state == TrialState.FAIL and (holder.retry or not holder.fail_reason)
+            if not abandoned:
+                return holder
+            if self.claims.take_over(config.key, holder_id, storage.trial_id_of(trial)):
+                return None
+        return holder
+
+    def _evaluate(self, trial: optuna.Trial) -> _Outcome:
+        """One trial through the flow."""
+        prepared = self.prepared
+        config = prepared.space.suggest(trial)
+        backend = prepared.backend(config.backend)
+        ctx = prepared.contexts[config.backend]
+        write(trial, config=config.as_dict(), config_key=config.key, worker=self.worker)
+
+        earlier = self._claim(trial, config)
+        if earlier is not None:
+            return self._answer_from(trial, earlier, config)
+
+        verdict = self.judge.judge(config)
+        if verdict.estimate is not None:
+            write(trial, predicted_vram=verdict.estimate.to_dict())
+        write(trial, deploy_command=backend.deploy_command(config, ctx))
+        if not verdict.admitted:
+            return self._prune(trial, config, verdict)
+        if self.quality is not None:
+            # Quality depends on the artifact, not on ctx or parallel, and is measured once per
+            # study; when it rules the configuration out, launching it would be waste.
+            described = self.quality.trial_quality(config)
+            write(trial, quality=described, **({"quality_drop_points": described["drop_points"]}
+                                               if "drop_points" in described else {}))
+            verdict = self.judge.judge(config)
+            if not verdict.admitted:
+                return self._prune(trial, config, verdict)
+
+        write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_version()},
+              gpu=records.gpu_attrs(prepared.gpu))
+        try:
+            measurement = backend.run(config, ctx)
+        except EngineUnavailableError:
+            raise
+        except BackendError as exc:
+            self.n_measured += 1
+            write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
+            self.study.tell(trial, state=TrialState.FAIL)
+            return _Outcome("FAIL", config.as_dict(), reason=str(exc))
+        self.n_measured += 1
+        assert verdict.estimate is not None and verdict.raw_total_bytes is not None
+        records.write_measurement(trial, measurement, verdict.estimate.total_bytes)
+        if measurement.peak_vram_bytes is not None:
+            residual = measurement.peak_vram_bytes - verdict.raw_total_bytes
+            write(trial, vram_residual_bytes=int(residual))
+            self.judge.learn(backend.name, residual)
+
+        metric = self.cfg.objective.metric
+        if metric not in measurement.metrics:
+            raise BackendError(f"backend '{backend.name}' did not measure {metric}")
+        used = measurement.peak_vram_bytes if measurement.peak_vram_bytes is not None else verdict.estimate.total_bytes
+        drop = trial.user_attrs.get("quality_drop_points")
+        per_user = measurement.metrics.get("per_user_tok_s")
+        s = objective_mod.score(self.cfg.objective, measurement.metrics[metric].median, used, ctx.vram_budget_bytes,
+                                drop, per_user.median if per_user is not None else None)
+        records.set_constraints(trial, s.constraints)
+        write(trial, score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
+                            "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
+        self.study.tell(trial, list(s.values))
+        return _Outcome("COMPLETE", config.as_dict(), list(s.values))
+
+    def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> _Outcome:
+        write(trial, prune_reason=verdict.reason)
+        records.set_constraints(trial, verdict.constraints)
+        self.study.tell(trial, state=TrialState.PRUNED)
+        return _Outcome("PRUNED", config.as_dict(), reason=verdict.reason)
+
+    def _answer_from(self, trial: optuna.Trial, earlier: TrialRecord, config: TrialConfig) -> _Outcome:
+        """Answer a configuration already in the storage without launching it again.
+
+        The answer is recorded as PRUNED with the earlier trial's outcome attached, not as a
+        second COMPLETE copy: copies would crowd the sampler's model of good regions (TPE
+        keeps its best 10%) with one point and stop it from exploring.
+        """
+        skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason",
+                "retry"}
+        for key, value in earlier.raw.items():
+            if key not in skip:
+                trial.set_user_attr(key, value)  # the earlier trial's record, flat columns included
+        if earlier.state == TrialState.RUNNING:
+            reason = f"being measured by trial {earlier.number} (worker {earlier.worker})"
+        else:
+            outcome = earlier.values[0] if earlier.values else (earlier.prune_reason or earlier.fail_reason)
+            reason = f"already evaluated as trial {earlier.number} ({earlier.state.name}: {outcome})"
+        write(trial, answered_from=earlier.number, prune_reason=reason)
+        self.study.tell(trial, state=TrialState.PRUNED)
+        return _Outcome(earlier.state.name, config.as_dict(), list(earlier.values) if earlier.values else None,
+                        reason, earlier.number)
+
+
+def run_study(cfg: Any, budget_s: float | None = None, n_trials: int | None = None, storage: str | None = None,
+              seed: int | None = None, callback: Callable[[TrialEvent], None] | None = None) -> StudySummary:
+    """Prepare and run a study; the library entry point behind ``autotune study``."""
+    from autotune.study.prepare import prepare_study
+
+    runner = StudyRunner(prepare_study(cfg, storage=storage), seed=seed)
+    return runner.run(budget_s=budget_s, n_trials=n_trials, callback=callback)

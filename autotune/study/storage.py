@@ -1,0 +1,282 @@
+"""Where a study lives: opening, checking and naming its Optuna storage.
+
+Every use of Optuna's private API is in this module (the RDB heartbeat, the storage and ids
+behind a study or trial, writing a finished trial's attributes), so an Optuna upgrade has one
+place to look. SQLite pragmas are set on our own engine's connections only: a host program's
+other databases are not touched.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optuna
+import sqlalchemy
+import sqlalchemy.exc
+from optuna.storages._heartbeat import is_heartbeat_enabled  # RDBStorage's heartbeat, used by optimize()
+
+from autotune.errors import ConfigError, StorageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.study.prepare import PreparedStudy
+
+HEARTBEAT_INTERVAL_S = 20
+HEARTBEAT_GRACE_S = 60
+STORAGE_ENV = "AUTOTUNE_STORAGE"
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ``***``: what autotune shows, stores and logs."""
+    if "@" not in url or "://" not in url:
+        return url
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except (sqlalchemy.exc.ArgumentError, ValueError):
+        scheme, _, rest = url.partition("://")
+        creds, _, host = rest.rpartition("@")
+        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
+
+
+def resolve_url(given: str | None, from_file: str | None, default: str) -> str:
+    """The storage URL: ``--storage``, else $AUTOTUNE_STORAGE (so a password need not sit on a
+    command line), else the study file's ``[study] storage``, else the default."""
+    return given or os.environ.get(STORAGE_ENV) or from_file or default
+
+
+class _WalConnection(sqlite3.Connection):
+    """SQLite connection of our storages: a write-ahead log lets readers (the dashboard, a
+    second worker) run beside the writer, and synchronous=NORMAL spares an fsync per commit
+    without losing a committed trial to a crashed process."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.execute("PRAGMA journal_mode=WAL")
+        self.execute("PRAGMA synchronous=NORMAL")
+
+
+def _check_file(url: str, path: str, writable: bool) -> None:
+    shown = mask_url(url)
+    p = Path(path).expanduser()
+    if path in ("", ":memory:"):
+        return
+    if p.exists():
+        if p.is_dir():
+            raise StorageError(f"storage {shown}: {p} is a directory; name a database file")
+        if not os.access(p, os.R_OK) or (writable and not os.access(p, os.W_OK)):
+            raise StorageError(f"storage {shown}: {p} is not {'writable' if writable else 'readable'} by this user")
+        if url.startswith("sqlite:") and p.stat().st_size:
+            with open(p, "rb") as f:
+                if f.read(16) != _SQLITE_MAGIC:
+                    raise StorageError(f"storage {shown}: {p} is not a SQLite database")
+        return
+    if not writable:
+        raise StorageError(f"storage {shown}: {p} does not exist (run 'autotune study' first, or give --storage)")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise StorageError(f"storage {shown}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise StorageError(f"storage {shown}: cannot create {p}: the directory {parent} is not writable")
+
+
+def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorage:
+    """The Optuna storage behind ``url``, checked before use; RDB storages get a heartbeat.
+
+    Args:
+        url: ``sqlite:///FILE.db``, ``postgresql://USER@HOST/DB`` (or mysql), ``journal:FILE``.
+        create: Whether a missing database may be created (False for commands that only read).
+
+    Raises:
+        StorageError: an unknown scheme, a missing driver, an unwritable or foreign file, an
+            unreachable server, or a schema this Optuna cannot read; one line, password masked.
+    """
+    shown = mask_url(url)
+    if url.startswith("journal:"):
+        path = url[len("journal:"):]
+        _check_file(url, path, writable=create)
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    if not url.startswith(("sqlite:", "postgresql", "mysql")):
+        raise StorageError(f"storage {shown}: use sqlite:///FILE.db, postgresql://USER@HOST/DB or journal:FILE")
+    if url.startswith("sqlite:"):
+        path = url.split(":///", 1)[1] if ":///" in url else ""
+        _check_file(url, path, writable=create)
+        engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 60, "factory": _WalConnection}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S,
+                                              grace_period=HEARTBEAT_GRACE_S, skip_table_creation=not create)
+        except ImportError as exc:
+            extra = "postgres" if url.startswith("postgresql") else "a driver for it"
+            raise StorageError(f"storage {shown}: the database driver is missing ({exc}); "
+                               f"pip install 'autotune[{extra}]'") from None
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as exc:
+            # Workers started together on an empty database all create Optuna's tables; all but
+            # one lose that race (optuna/optuna#1092). The tables exist by now.
+            if attempt == 4 or not create:
+                raise StorageError(f"storage {shown}: {_first_line(exc)}") from None
+            time.sleep(0.2 * (attempt + 1))
+        except sqlalchemy.exc.OperationalError as exc:
+            raise StorageError(f"storage {shown}: cannot open the database: {_first_line(exc)}") from None
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            raise StorageError(f"storage {shown}: {_first_line(exc)}") from None
+        except RuntimeError as exc:  # Optuna's schema version check
+            raise StorageError(f"storage {shown}: {exc}") from None
+    raise AssertionError("unreachable")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def study_names(storage: optuna.storages.BaseStorage, shown: str) -> list[str]:
+    """Names of the studies in a storage (a database that is not Optuna's is an error)."""
+    try:
+        return [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        raise StorageError(f"storage {shown}: not a study storage ({_first_line(exc)})") from None
+
+
+# ------------------------------------------------------------------ Optuna internals, in one place
+
+
+def storage_of(study: optuna.Study) -> optuna.storages.BaseStorage:
+    return study._storage
+
+
+def study_id_of(study: optuna.Study) -> int:
+    return study._study_id
+
+
+def trial_id_of(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
+    return trial._trial_id
+
+
+def sql_engine(study: optuna.Study) -> sqlalchemy.engine.Engine | None:
+    """The SQLAlchemy engine under a study's storage (None for journal files)."""
+    storage = study._storage
+    backend = getattr(storage, "_backend", storage)  # a study wraps its RDBStorage in a cache
+    return getattr(backend, "engine", None)
+
+
+def set_finished_attrs(study: optuna.Study, trial: optuna.trial.FrozenTrial, attrs: dict[str, Any],
+                       state: optuna.trial.TrialState | None = None) -> bool:
+    """Write attributes (and a state) of a trial this worker does not hold; False when another
+    worker finished it first."""
+    try:
+        for key, value in attrs.items():
+            study._storage.set_trial_user_attr(trial._trial_id, key, value)
+        if state is not None:
+            study._storage.set_trial_state_values(trial._trial_id, state)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    return True
+
+
+def frozen(study: optuna.Study, trial_id: int) -> optuna.trial.FrozenTrial:
+    return study._storage.get_trial(trial_id)
+
+
+class Heartbeat:
+    """Records the running trial's heartbeat so another worker can fail it if we die."""
+
+    def __init__(self, study: optuna.Study):
+        self.storage = study._storage
+        self.trial_id: int | None = None
+        self.stop = threading.Event()
+        self.enabled = is_heartbeat_enabled(self.storage)
+        if self.enabled:
+            threading.Thread(target=self._loop, daemon=True, name="autotune-heartbeat").start()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(HEARTBEAT_INTERVAL_S / 2):
+            trial_id = self.trial_id
+            if trial_id is not None:
+                try:
+                    self.storage.record_heartbeat(trial_id)
+                except Exception:  # a missed beat only risks a spurious stale mark later
+                    pass
+
+    def beat(self, trial: optuna.Trial | None) -> None:
+        self.trial_id = None if trial is None else trial._trial_id
+        if self.enabled and self.trial_id is not None:
+            self.storage.record_heartbeat(self.trial_id)
+
+    def close(self) -> None:
+        self.beat(None)
+        self.stop.set()
+
+
+# ------------------------------------------------------------------ a prepared study's storage
+
+
+def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) -> optuna.Study:
+    """Create or continue the prepared study in its storage, refusing one it would misread.
+
+    Raises:
+        StorageError: the storage cannot be used (see ``open_storage``).
+        ConfigError: the stored study has another number of objectives, other choices for a
+            parameter, or a schema this autotune does not read.
+    """
+    from autotune import objective as objective_mod
+    from autotune.study import records
+
+    cfg = prepared.cfg
+    shown = prepared.shown_storage
+    store = open_storage(prepared.storage_url)
+    directions = objective_mod.directions(cfg.objective)
+    try:
+        study = optuna.create_study(storage=store, study_name=cfg.name, sampler=sampler, directions=directions,
+                                    load_if_exists=True)
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        raise StorageError(f"storage {shown}: {_first_line(exc)}") from None
+    if len(study.directions) != len(directions):
+        raise ConfigError(
+            f"study '{cfg.name}' in {shown} has {len(study.directions)} objective(s) but the study file asks for "
+            f"mode = {cfg.objective.mode!r}; use another study name or storage")
+    records.check_schema(study, shown)
+    _check_same_space(study, prepared)
+    records.write_study_header(study, {
+        "gpu": records.gpu_attrs(prepared.gpu),
+        "model": prepared.model.key,
+        "vram_budget_bytes": prepared.vram_budget_bytes,
+        "objective": vars(cfg.objective),
+        "study_file": str(cfg.path) if cfg.path else None,
+        "excluded_before_search": prepared.excluded,
+    })
+    # A worker that died mid-trial left it RUNNING; fail it so the configuration is measured
+    # again (it carries no fail_reason, so it never answers for its configuration).
+    optuna.storages.fail_stale_trials(study)
+    return study
+
+
+def _check_same_space(study: optuna.Study, prepared: "PreparedStudy") -> None:
+    """Refuse to resume a study whose stored parameters had other choices than the file's.
+
+    Optuna fixes a categorical parameter's choices for the life of a study; asking with other
+    choices fails every trial ("does not support dynamic value space"). Said once, up front.
+    """
+    wanted: dict[str, tuple[Any, ...]] = {"backend": tuple(prepared.space.entries)}
+    for entry in prepared.space.entries.values():
+        wanted.update({dim: tuple(choices) for dim, choices in entry.dimensions()})
+    stored: dict[str, tuple[Any, ...]] = {}
+    for t in study.get_trials(deepcopy=False):
+        for name, dist in t.distributions.items():
+            if isinstance(dist, optuna.distributions.CategoricalDistribution):
+                stored.setdefault(name, tuple(dist.choices))
+        if len(stored) >= len(wanted):
+            break
+    changed = [f"{name}: stored {list(stored[name])}, file {list(wanted[name])}"
+               for name in stored if name in wanted and stored[name] != wanted[name]]
+    if changed:
+        raise ConfigError(
+            f"study '{prepared.cfg.name}' in {prepared.shown_storage} was run with other choices for "
+            f"{'; '.join(changed)}. Optuna cannot change a parameter's choices within a study: give the "
+            "study a new [study] name (or another --storage) to search the new space")
