@@ -4,11 +4,12 @@ Every problem in a file is collected and reported at once, one per line, each na
 file, the field, the bad value and what would be accepted:
 ``studies/v100.toml: [space] ctx = 0: must be >= 256``.
 Only structure and values are checked here; names of backends, models and GPUs are resolved
-against plugins and catalogs by ``autotune.study``, which reports those the same way.
+against plugins and catalogs by ``autotune.study.prepare``, which reports those the same way.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -294,7 +295,10 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     for key, minimum in (("ctx", 256), ("parallel", 1)):
         if key not in space:
             if "space" in doc:
-                r.error("space", key, _MISSING, f"required: a list of integers >= {minimum}")
+                # A misspelt key would otherwise be reported only as the missing one.
+                typo = difflib.get_close_matches(key, [k for k in space_t if k not in ("ctx", "parallel")], n=1)
+                hint = f" ([space] {typo[0]} is not a known key: did you mean {key}?)" if typo else ""
+                r.error("space", key, _MISSING, f"required: a list of integers >= {minimum}{hint}")
             continue
         bad = [v for v in space[key] if not isinstance(v, int) or isinstance(v, bool) or v < minimum]
         if bad:

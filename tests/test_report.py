@@ -28,3 +28,35 @@ def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, d
     for t in feasible:
         if t.number not in on_front:
             assert any(m["values"][0] >= t.values[0] and m["values"][1] <= t.values[1] for m in front)
+
+
+def test_the_explanation_of_a_resumed_study_uses_the_latest_result_per_configuration(tmp_path):
+    from autotune.backend import TrialConfig
+    from autotune.report import explain_best
+    from autotune.study import StudyRunner, prepare_study
+    from tests.fake_backends import FakeBackend, registered, write_study
+
+    class Flaky(FakeBackend):
+        interrupted = False
+
+        def run(self, config, ctx):
+            if config.parallel == 1 and not Flaky.interrupted:
+                Flaky.interrupted = True
+                raise KeyboardInterrupt  # Ctrl-C while parallel 1 is measured
+            return super().run(config, ctx)
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    path = write_study(tmp_path / "s.toml", "fake", ["w"], parallel=(1, 2), sampler="grid")
+    with registered(Flaky()):
+        first = StudyRunner(prepare_study(load_study_config(path), storage=storage), seed=0)
+        p1 = TrialConfig("fake", "w", 4096, 1, (("mode", "plain"),))
+        first.study.enqueue_trial(first.prepared.space.params_of(p1))
+        assert first.run(n_trials=1).interrupted
+        again = StudyRunner(prepare_study(load_study_config(path), storage=storage), seed=0)
+        summary = again.run()
+        why = explain_best(again.prepared, again.study, summary.best)
+    states = [t.state for t in again.study.trials if t.user_attrs.get("config_key") == p1.key]
+    assert optuna.trial.TrialState.FAIL in states and optuna.trial.TrialState.COMPLETE in states
+    assert summary.best["params"]["parallel"] == 2
+    (line,) = [w for w in why if w.startswith("parallel 1:")]
+    assert line.startswith("parallel 1: measured score") and "interrupted" not in line

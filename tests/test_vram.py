@@ -129,3 +129,41 @@ def test_a_study_resumed_with_other_choices_is_refused_up_front(tmp_path):
         with pytest.raises(ConfigError, match=r"fake.parallel: stored \[1\], file \[1, 2\].*new \[study\] name"):
             run_study(load_study_config(write_study(tmp_path / "b.toml", "fake", ["w"], parallel=(1, 2))),
                       n_trials=1, storage=storage)
+
+
+class PredictingHungryBackend(HungryBackend):
+    """The hungry backend with a model of itself, so the prior can rank its configurations."""
+
+    name = "fake-hungry"
+
+    def predict(self, config: TrialConfig, ctx: StudyContext):
+        return {"aggregate_tok_s": self.speed(config), "decode_tok_s": 10.0, "per_user_tok_s": 10.0}
+
+
+def test_one_judge_refuses_over_budget_only_after_the_learned_correction(tmp_path):
+    # parallel 3 is 13 GiB by the raw model (under the 14.25 GiB budget) and 15 GiB really.
+    from autotune.report import explain_best
+    from autotune.study import judge_for, rank_by_prior
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    path = write_study(tmp_path / "b.toml", "fake-hungry", ["w"], parallel=(1, 2, 3))
+    p3 = TrialConfig("fake-hungry", "w", 4096, 3, (("mode", "plain"),))
+    with registered(PredictingHungryBackend()):
+        prepared = prepare_study(load_study_config(path), storage=storage)
+        before = judge_for(prepared, None)
+        assert before.judge(p3).admitted
+        assert p3.key in {c.key for c, _ in rank_by_prior(prepared, before)}
+
+        runner = StudyRunner(prepared)
+        runner.study.enqueue_trial(prepared.space.params_of(TrialConfig("fake-hungry", "w", 4096, 2, (("mode", "plain"),))))
+        runner.run(n_trials=1)  # measures parallel 2: 2 GiB over its prediction
+
+        # The runner, the prior and the report all ask the judge with what the storage learned.
+        after = judge_for(prepared, runner.study)
+        verdicts = {after.judge(p3).kind, runner.judge.judge(p3).kind}
+        assert verdicts == {"over_budget"}
+        assert not runner.admissible(p3)
+        assert p3.key not in {c.key for c, _ in rank_by_prior(prepared, after)}
+        best = {"params": TrialConfig("fake-hungry", "w", 4096, 2, (("mode", "plain"),)).as_dict(), "values": [1.0]}
+        why = {line.split(":")[0]: line for line in explain_best(prepared, runner.study, best)}
+        assert why["parallel 3"].startswith("parallel 3: does not fit: needs 15.00 GiB")

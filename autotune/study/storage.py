@@ -126,6 +126,8 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
             raise StorageError(f"storage {shown}: cannot open the database: {_first_line(exc)}") from None
         except sqlalchemy.exc.SQLAlchemyError as exc:
             raise StorageError(f"storage {shown}: {_first_line(exc)}") from None
+        except optuna.exceptions.StorageInternalError as exc:
+            raise StorageError(f"storage {shown}: not a study storage ({_first_line(exc.__cause__ or exc)})") from None
         except RuntimeError as exc:  # Optuna's schema version check
             raise StorageError(f"storage {shown}: {exc}") from None
     raise AssertionError("unreachable")

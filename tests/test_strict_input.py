@@ -1,0 +1,257 @@
+"""Say exactly what happened: input that would be silently replaced, ignored or misread is
+refused before anything runs (exit 2, naming the file, the table, the key and what is
+accepted), a failure every trial would repeat stops the study at once, and storages fail with
+one line, their passwords masked."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+import optuna
+import pytest
+from click.testing import CliRunner
+
+from autotune import hookimpl, plugins
+from autotune.backend import Param, Setting, StudyContext, TrialConfig
+from autotune.cli import cli
+from autotune.errors import EngineUnavailableError
+from tests.fake_backends import FakeBackend, registered, write_study
+
+
+class StrictBackend(FakeBackend):
+    """Takes flash_attn true/false and cache_type f16/q8_0, declares two settings, and can be
+    told that its engine is missing (preflight) or vanishes at launch (run)."""
+
+    name = "fake-strict"
+    settings = (
+        Setting("startup_timeout_s", float, 60.0, "seconds to wait for the server"),
+        Setting("threads", int, 1, "engine threads", check=lambda v: None if v >= 1 else "must be >= 1"),
+    )
+
+    def __init__(self, missing: bool = False, vanishes: bool = False):
+        super().__init__()
+        self.missing, self.vanishes = missing, vanishes
+
+    def parameters(self, space):
+        flash = tuple(v for v in space.get("flash_attn", (True,)) if isinstance(v, bool))
+        cache = tuple(v for v in space.get("cache_type", ("f16",)) if v in ("f16", "q8_0"))
+        return [Param("flash_attn", flash, accepted=(True, False)), Param("cache_type", cache, accepted=("f16", "q8_0"))]
+
+    def preflight(self, ctx: StudyContext) -> list[str]:
+        return ["fake-server not found in /nowhere: run 'autotune engine build fake'"] if self.missing else []
+
+    def run(self, config: TrialConfig, ctx: StudyContext):
+        self._log(config)
+        if self.vanishes:
+            raise EngineUnavailableError("fake-server vanished: run 'autotune engine build fake'")
+        return self.measure(config)
+
+
+class OtherCacheBackend(StrictBackend):
+    """A second engine that knows only its own cache type name."""
+
+    name = "fake-other"
+
+    def parameters(self, space):
+        return [Param("cache_type", tuple(v for v in space.get("cache_type", ("fp16",)) if v == "fp16"),
+                      accepted=("fp16",))]
+
+
+def study(tmp_path: Path, backend: str = "fake-strict", extra_space: str = "", extra: str = "") -> Path:
+    path = write_study(tmp_path / "s.toml", backend, ["w"], parallel=(1, 2), extra_space=extra_space)
+    if extra:
+        path.write_text(path.read_text() + extra)
+    return path
+
+
+def run(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, list(args), obj={}, env=env, catch_exceptions=False)
+
+
+def test_a_space_value_no_backend_accepts_is_exit_2_naming_what_is_accepted(tmp_path):
+    path = study(tmp_path, extra_space='flash_attn = ["no"]\ncache_type = ["q9_0", "f16"]')
+    with registered(StrictBackend()) as (backend,):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2
+    assert f"{path}: [space] flash_attn = 'no': no backend of this study accepts it (fake-strict accepts true, false)" \
+        in result.output
+    assert f"{path}: [space] cache_type = 'q9_0': no backend of this study accepts it (fake-strict accepts 'f16', 'q8_0')" \
+        in result.output
+    assert backend.calls == [] and not (tmp_path / "s.db").exists()
+
+
+def test_a_value_only_some_backends_take_is_dropped_for_the_others_with_a_line(tmp_path):
+    from autotune.config import load_study_config
+    from autotune.study import prepare_study
+
+    path = study(tmp_path, extra_space='cache_type = ["q8_0", "fp16"]')
+    path.write_text(path.read_text().replace('weights = ["w"]', 'weights = ["w"]\n\n[[candidates]]\nbackend = "fake-other"\nweights = ["w"]'))
+    with registered(StrictBackend(), OtherCacheBackend()):
+        prepared = prepare_study(load_study_config(path))
+    assert "[space] cache_type = 'q8_0': only fake-strict accepts it; not searched for fake-other" in prepared.excluded
+    assert "[space] cache_type = 'fp16': only fake-other accepts it; not searched for fake-strict" in prepared.excluded
+    caches = {e.backend.name: dict((p.name, p.choices) for p in e.params)["cache_type"]
+              for e in prepared.space.entries.values()}
+    assert caches == {"fake-strict": ("q8_0",), "fake-other": ("fp16",)}
+
+
+def test_a_misspelt_space_key_is_named_as_the_typo(tmp_path):
+    path = study(tmp_path)
+    path.write_text(path.read_text().replace("ctx = [", "ctxx = ["))
+    with registered(StrictBackend()):
+        result = run("study", str(path))
+    assert result.exit_code == 2
+    assert "[space] ctx = (missing): required: a list of integers >= 256 ([space] ctxx is not a known key: " \
+           "did you mean ctx?)" in result.output
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("startup_timeot_s = 30", "[backends.fake-strict] startup_timeot_s: unknown setting (accepted: startup_timeout_s, threads)"),
+    ('startup_timeout_s = "soon"', "[backends.fake-strict] startup_timeout_s = 'soon': must be a number (seconds to wait"),
+    ("threads = 0", "[backends.fake-strict] threads = 0: must be >= 1"),
+])
+def test_backend_settings_are_checked_before_anything_runs(tmp_path, line, expected):
+    path = study(tmp_path, extra=f"\n[backends.fake-strict]\n{line}\n")
+    with registered(StrictBackend()) as (backend,):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2, result.output
+    assert f"Error: {path}: {expected}" in result.output
+    assert backend.calls == []
+
+
+def test_a_missing_engine_stops_the_study_before_it_starts(tmp_path):
+    path = study(tmp_path)
+    with registered(StrictBackend(missing=True)) as (backend,):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2
+    assert "[candidates.0] backend = 'fake-strict': fake-server not found in /nowhere: run 'autotune engine build fake'" \
+        in result.output
+    assert backend.calls == []
+
+
+def test_an_engine_that_vanishes_stops_the_study_at_the_first_trial(tmp_path):
+    path = study(tmp_path)
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    with registered(StrictBackend(vanishes=True)) as (backend,):
+        result = run("study", str(path), "--storage", storage, "--trials", "5")
+    assert result.exit_code == 2
+    assert "Error: fake-server vanished: run 'autotune engine build fake'" in result.output
+    assert len(backend.calls) == 1  # not the whole budget
+    trials = optuna.load_study(study_name="fake-study", storage=storage).trials
+    failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 1 and failed[0].user_attrs["retry"] is True  # measured again once the engine is back
+
+
+# ------------------------------------------------------------------------------ storages
+
+
+def test_an_unwritable_storage_is_one_error_line(tmp_path):
+    path = study(tmp_path)
+    with registered(StrictBackend()):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 'no-such-dir' / 's.db'}")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"Error: storage sqlite:///{tmp_path / 'no-such-dir' / 's.db'}: the directory {tmp_path / 'no-such-dir'} does not exist"]
+
+
+def test_a_file_that_is_not_a_database_is_one_error_line(tmp_path):
+    path = study(tmp_path)
+    junk = tmp_path / "junk.db"
+    junk.write_text("these are my notes, not a database\n")
+    with registered(StrictBackend()):
+        result = run("study", str(path), "--storage", f"sqlite:///{junk}")
+    assert result.exit_code == 2
+    assert result.output.strip() == f"Error: storage sqlite:///{junk}: {junk} is not a SQLite database"
+    assert junk.read_text() == "these are my notes, not a database\n"
+
+
+def test_a_database_of_someone_else_is_refused_not_misread(tmp_path):
+    db = tmp_path / "other.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER)")
+    result = run("best", "--storage", f"sqlite:///{db}")
+    assert result.exit_code == 2 and result.output.startswith("Error: storage sqlite:///")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_reading_commands_never_create_a_database(tmp_path):
+    missing = tmp_path / "typo.db"
+    for args in (["best", "--storage", f"sqlite:///{missing}"], ["dashboard", "--storage", f"sqlite:///{missing}"]):
+        result = run(*args)
+        assert result.exit_code == 2
+        assert "does not exist" in result.output
+    assert not missing.exists()
+
+
+def test_a_password_is_masked_and_an_unreachable_server_is_one_line(tmp_path):
+    pytest.importorskip("psycopg")
+    path = study(tmp_path)
+    url = "postgresql://alice:s3cret@127.0.0.1:1/autotune"  # nothing listens on port 1
+    with registered(StrictBackend()):
+        result = run("study", str(path), "--storage", url)
+    assert result.exit_code == 2
+    assert "s3cret" not in result.output
+    assert result.output.startswith("Error: storage postgresql://alice:***@127.0.0.1:1/autotune: cannot open the database")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_the_storage_can_come_from_the_environment_and_is_shown_masked(tmp_path, monkeypatch):
+    from autotune.study.storage import mask_url, resolve_url
+
+    assert mask_url("postgresql://bob:pw@db.example/x") == "postgresql://bob:***@db.example/x"
+    assert mask_url("sqlite:///a.db") == "sqlite:///a.db"
+    monkeypatch.setenv("AUTOTUNE_STORAGE", "sqlite:///from-env.db")
+    assert resolve_url(None, "sqlite:///from-file.db", "sqlite:///default.db") == "sqlite:///from-env.db"
+    assert resolve_url("sqlite:///flag.db", "sqlite:///from-file.db", "sqlite:///default.db") == "sqlite:///flag.db"
+    monkeypatch.delenv("AUTOTUNE_STORAGE")
+    assert resolve_url(None, None, "sqlite:///default.db") == "sqlite:///default.db"
+
+    path = study(tmp_path)
+    storage = f"sqlite:///{tmp_path / 'env.db'}"
+    with registered(StrictBackend()):
+        result = run("study", str(path), "--trials", "2", "--json", env={"AUTOTUNE_STORAGE": storage})
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["storage"] == storage and (tmp_path / "env.db").exists()
+
+
+def test_sqlite_pragmas_touch_only_our_own_databases(tmp_path):
+    from autotune.study.storage import open_storage
+
+    open_storage(f"sqlite:///{tmp_path / 'ours.db'}")
+    theirs = tmp_path / "theirs.db"
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{theirs}")
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "delete"
+    with sqlite3.connect(tmp_path / "ours.db") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# ------------------------------------------------------------------------------ plugins
+
+
+class BrokenPlugin:
+    @hookimpl
+    def register_backends(self, register):
+        import autotune_missing_optional_dependency  # noqa: F401  (what a plugin without its extra does)
+
+
+def test_a_plugin_whose_hook_raises_is_reported_and_the_others_keep_working(capsys):
+    plugins.register_plugin(BrokenPlugin(), name="broken-one")
+    try:
+        with registered(StrictBackend()):
+            result = run("plugins", "--json")
+            assert result.exit_code == 0
+            found = json.loads(result.stdout)
+            assert [b["name"] for b in found["backends"]] == ["fake-strict"]
+            assert found["broken"] == [{"plugin": "broken-one", "hook": "register_backends",
+                                        "error": "ModuleNotFoundError: No module named 'autotune_missing_optional_dependency'"}]
+            text = run("plugins")
+            assert "fake-strict" in text.output and "broken-one" in text.output
+            assert plugins.get_backend("fake-strict").name == "fake-strict"
+    finally:
+        plugins.unregister_plugin("broken-one")
