@@ -31,7 +31,7 @@ import optuna
 from autotune import hookimpl, plugins
 from autotune import objective as objective_mod
 from autotune.config import load_study_config
-from autotune.study import StudyRunner, prepare_study
+from autotune.study import StudyRunner, prepare_study, records
 
 import autotune_plugins.twin as twin
 from autotune_plugins.twin import physics
@@ -114,12 +114,11 @@ def true_optimum(runner: StudyRunner) -> tuple[str, float, int]:
 
 
 def launches_until(study: optuna.Study, key: str) -> int | None:
-    launched = [t for t in study.get_trials(deepcopy=False)
-                if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-                and t.user_attrs.get("answered_from") is None]
-    launched.sort(key=lambda t: t.number)
+    launched = [r for r in records.records(study, (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL))
+                if not r.answered]
+    launched.sort(key=lambda r: r.number)
     for i, t in enumerate(launched, 1):
-        if t.user_attrs.get("config_key") == key:
+        if t.config_key == key:
             return i
     return None
 

@@ -25,59 +25,54 @@ import optuna
 from autotune.errors import ConfigError
 from autotune.hardware import get_gpu
 from autotune.report import load_study
+from autotune.study import records
+from autotune.study.records import TrialRecord
 
 MiB = 2**20
 
 
-def _median(attrs: dict[str, Any], key: str) -> float | None:
-    metric = (attrs.get("metrics") or {}).get(key)
-    return None if metric is None else float(metric["median"])
-
-
-def _jobs_at_once(attrs: dict[str, Any], parallel: int) -> int:
-    generator = (attrs.get("engine_facts") or {}).get("generator") or {}
+def _jobs_at_once(r: TrialRecord, parallel: int) -> int:
+    generator = r.engine_facts.get("generator") or {}
     return int(generator.get("jobs_at_once", parallel))
 
 
 def rows(study: optuna.Study, bandwidth_gb_s: float) -> list[dict[str, Any]]:
     out = []
-    for t in study.get_trials(deepcopy=False):
-        a = t.user_attrs
-        config = a.get("config") or {}
+    for r in records.records(study):
+        config = dict(r.config or {})
         row: dict[str, Any] = {
-            "trial": t.number, "state": t.state.name, "backend": config.get("backend"),
+            "trial": r.number, "state": r.state.name, "backend": config.get("backend"),
             "weights": config.get("weights"), "ctx": config.get("ctx"), "parallel": config.get("parallel"),
             "options": {k: v for k, v in config.items() if k not in ("backend", "weights", "ctx", "parallel")},
-            "reason": a.get("fail_reason") or a.get("prune_reason"),
+            "reason": r.fail_reason or r.prune_reason,
         }
-        if t.state == optuna.trial.TrialState.COMPLETE and "metrics" in a:
-            predicted = a.get("predicted_vram") or {}
-            measured = a.get("measured_vram_bytes")
-            residual = a.get("vram_residual_bytes")
+        if r.state == optuna.trial.TrialState.COMPLETE and r.metrics:
+            predicted = dict(r.predicted_vram or {})
+            measured, residual = r.measured_vram_bytes, r.vram_residual_bytes
             weights = int(predicted.get("weights_bytes", 0))
             parallel = int(config.get("parallel") or 1)
-            jobs = _jobs_at_once(a, parallel)
-            decode = _median(a, "decode_tok_s")
-            aggregate = _median(a, "aggregate_tok_s")
+            jobs = _jobs_at_once(r, parallel)
+            decode = r.median("decode_tok_s")
+            aggregate = r.median("aggregate_tok_s")
             row.update({
                 "decode_tok_s": decode, "aggregate_tok_s": aggregate,
-                "per_user_tok_s": _median(a, "per_user_tok_s"), "ttft_ms": _median(a, "ttft_ms"),
-                "prefill_tok_s": _median(a, "prefill_tok_s"),
+                "per_user_tok_s": r.median("per_user_tok_s"), "ttft_ms": r.median("ttft_ms"),
+                "prefill_tok_s": r.median("prefill_tok_s"),
                 "jobs_at_once": jobs,
-                "attention_path": (a.get("engine_facts") or {}).get("attention_path"),
-                "generator_mode": ((a.get("engine_facts") or {}).get("generator") or {}).get("mode"),
+                "attention_path": r.engine_facts.get("attention_path"),
+                "generator_mode": (r.engine_facts.get("generator") or {}).get("mode"),
                 "measured_vram_bytes": measured,
                 "predicted_vram_bytes": predicted.get("total_bytes"),
-                "vram_prediction_error": a.get("vram_prediction_error"),
+                "vram_prediction_error": r.vram_prediction_error,
                 # The raw model before the study's learned correction: measured - residual.
                 "raw_vram_prediction_error": (-residual / measured) if measured and residual is not None else None,
                 "gpu_weights_bytes": weights,
                 "kv_bytes": predicted.get("kv_bytes"),
                 "roofline_share_single": weights * decode / (bandwidth_gb_s * 1e9) if decode else None,
                 "roofline_share_aggregate": (weights * aggregate / jobs / (bandwidth_gb_s * 1e9)) if aggregate else None,
-                "deploy_command": a.get("deploy_command"),
-                "metrics": a.get("metrics"),
-                "engine_facts": a.get("engine_facts"),
+                "deploy_command": r.deploy_command,
+                "metrics": dict(r.metrics),
+                "engine_facts": dict(r.engine_facts),
                 "predicted_vram": predicted,
             })
         out.append(row)

@@ -8,6 +8,7 @@ import json
 import optuna
 import pytest
 
+from autotune.study.records import SCHEMA_ATTR, SCHEMA_VERSION
 from tests.conftest import REPO
 
 spec = importlib.util.spec_from_file_location("study_table", REPO / "bench" / "study_table.py")
@@ -39,6 +40,7 @@ def measured(config: dict, decode: float, aggregate: float, jobs: int | None, we
 def storage(tmp_path) -> str:
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = optuna.create_study(study_name="t", storage=url, direction="maximize")
+    study.set_user_attr(SCHEMA_ATTR, SCHEMA_VERSION)  # as autotune writes every study
     # ExLlamaV2 queueing 4 jobs: one decoded at a time
     study.add_trial(measured({"backend": "exllamav2", "weights": "m-exl2-4.0", "ctx": 1024, "parallel": 4,
                               "cache_type": "q8"}, decode=200.0, aggregate=180.0, jobs=1, weights=800_000_000,
