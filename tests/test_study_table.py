@@ -82,4 +82,5 @@ def test_cli_writes_json_and_markdown(storage, tmp_path, capsys):
     assert "| 2 | llama-server | m.gguf |  | 16 | pruned: needs 150 GiB of a 139 GiB budget |" in lines[4]
     assert "over 4800 GB/s" in lines[-1]
     assert study_table.main([f"sqlite:///{tmp_path / 'empty.db'}"]) == 2
-    assert "holds no study yet" in capsys.readouterr().err
+    assert "empty.db does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "empty.db").exists()  # a reader never creates a database
