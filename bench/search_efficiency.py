@@ -32,6 +32,7 @@ from autotune import hookimpl, plugins
 from autotune import objective as objective_mod
 from autotune.config import load_study_config
 from autotune.study import StudyRunner, prepare_study, records
+from autotune.study.quality import drop_between
 
 import autotune_plugins.twin as twin
 from autotune_plugins.twin import physics
@@ -105,7 +106,8 @@ def true_optimum(runner: StudyRunner) -> tuple[str, float, int]:
         if prepared.quality is not None:
             ref = prepared.reference[config.backend]
             q = prepared.quality
-            drop = (q.evaluate(ref, prepared.backend(ref.backend), ctx).value - q.evaluate(config, backend, ctx).value) * 100
+            drop = drop_between(q, q.evaluate(config, backend, ctx).to_dict(),
+                                q.evaluate(ref, prepared.backend(ref.backend), ctx).to_dict()).points
         s = objective_mod.score(prepared.cfg.objective, m[prepared.cfg.objective.metric], mem.total_bytes,
                                 ctx.vram_budget_bytes, drop, m["per_user_tok_s"])
         if s.feasible and s.values[0] > best_value:
