@@ -254,10 +254,16 @@ class TwinLlamaCpp(TwinBackend):
         cache = config.option("cache_type", "f16")
         fa = "on" if config.option("flash_attn", True) else "off"
         _, detail = parse_format(config.weights)
+        # The layers the simulation kept on the GPU, so the line serves what was simulated.
+        scenario = self.scenario(config, ctx)
+        on_gpu = physics.gpu_layer_split(scenario, self.constants(), physics.memory(scenario, self.constants()))
+        n = ctx.model.n_layers
+        ngl = on_gpu if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
+        spilled = f"; {n - on_gpu} of {n} layers run on the CPU" if on_gpu < n else ""
         return (
             f"llama-server -m {ctx.model.key}-{detail}.gguf -c {config.ctx * config.parallel} -np {config.parallel} "
-            f"-ngl 99 -fa {fa} -ctk {cache} -ctv {cache} --host 127.0.0.1 --port 8080"
-            f"  # -c is ctx {config.ctx} x {config.parallel} slots"
+            f"-ngl {ngl} -fa {fa} -ctk {cache} -ctv {cache} --host 127.0.0.1 --port 8080"
+            f"  # -c is ctx {config.ctx} x {config.parallel} slots{spilled}"
         )
 
     def engine_version(self) -> str:

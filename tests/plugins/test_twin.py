@@ -209,3 +209,17 @@ def test_settings_are_declared_and_read_through_their_declaration():
     assert TwinVllm().run(vllm, ctx_for("v100-16gb", "qwen2.5-7b", version="0.5.4")).metrics["decode_tok_s"].median > 0
     with pytest.raises(UnsupportedError, match="vLLM 0.11 does not support"):
         TwinVllm().run(vllm, ctx_for("v100-16gb", "qwen2.5-7b"))
+
+
+def test_llama_cpp_deploy_line_offloads_the_layers_that_were_simulated_on_the_gpu():
+    twin = TwinLlamaCpp()
+    config = cfg("twin-llama.cpp", "gguf:Q8_0", ctx=8192, cache_type="f16", flash_attn=False)
+    small, big = ctx_for("v100-16gb", "qwen2.5-27b-article"), ctx_for("a100-80gb", "qwen2.5-27b-article")
+    spilled = twin.run(config, small).attrs
+    assert spilled["host_layers"] > 0
+    line = twin.deploy_command(config, small)
+    assert f" -ngl {spilled['gpu_layers']} " in line
+    assert f"{spilled['host_layers']} of {spilled['gpu_layers'] + spilled['host_layers']} layers run on the CPU" in line
+    assert twin.run(config, big).attrs["host_layers"] == 0 and " -ngl 99 " in twin.deploy_command(config, big)
+    # gpu_layers = a count: the simulation and the line keep that many.
+    assert " -ngl 20 " in twin.deploy_command(config, ctx_for("a100-80gb", "qwen2.5-27b-article", gpu_layers=20))
