@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import sys
@@ -19,12 +18,10 @@ from autotune.measure import (
     GpuTelemetry,
     Protocol,
     Stat,
+    measure_with_telemetry,
     StreamResult,
-    drift,
     relative_spread,
-    repeat_until_stable,
     repeat_until_stable_many,
-    run_streams_async,
     run_streams_threaded,
     throttle_reason_names,
 )
@@ -43,6 +40,11 @@ def seq(*values):
 
     sample.calls = 0
     return sample
+
+
+def repeat_one(sample, protocol, unit="tok/s", **kwargs):
+    """The protocol on a single quantity: ``sample`` returns a bare number each run."""
+    return repeat_until_stable_many(lambda: {"v": sample()}, protocol, {"v": unit}, key="v", **kwargs)["v"]
 
 
 class FakeClock:
@@ -145,12 +147,12 @@ def test_relative_spread_empty_raises():
         relative_spread([])
 
 
-# --- repeat_until_stable -------------------------------------------------------
+# --- repetition ---------------------------------------------------------------
 
 
 def test_stops_early_when_stable_and_keeps_warmups_apart():
     sample = seq(1.0, 100.0, 101.0, 99.0, 500.0, 7.0)
-    stat = repeat_until_stable(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10), "tok/s")
+    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10), "tok/s")
     assert sample.calls == 4  # one warm-up + min_runs, then stable
     assert stat.warmups == (1.0,)
     assert stat.values == (100.0, 101.0, 99.0)
@@ -163,7 +165,7 @@ def test_stops_early_when_stable_and_keeps_warmups_apart():
 def test_noisy_samples_run_to_max_runs_and_warn():
     noisy = [100.0, 150.0, 60.0, 130.0, 80.0, 140.0]
     sample = seq(0.0, *noisy)
-    stat = repeat_until_stable(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=6), "tok/s")
+    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=6), "tok/s")
     assert sample.calls == 7
     assert stat.values == tuple(noisy)
     assert stat.n == 6
@@ -181,8 +183,8 @@ def test_max_seconds_keeps_what_was_measured_with_fake_clock():
         clock.advance(1.0)  # each run "takes" one second
         return next(values)
 
-    stat = repeat_until_stable(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10,
-                                                max_seconds=2.5), "tok/s", clock=clock)
+    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10, max_seconds=2.5),
+                      "tok/s", clock=clock)
     # Warm-up ends at 1 s, run 1 at 2 s, run 2 at 3 s >= 2.5 s: stop there.
     assert stat.warmups == (100.0,)
     assert stat.values == (200.0, 100.0)
@@ -199,8 +201,7 @@ def test_max_seconds_still_takes_one_run_after_long_warmups():
         clock.advance(10.0)
         return 5.0
 
-    stat = repeat_until_stable(sample, Protocol(warmup_runs=2, min_runs=1, max_seconds=1.0),
-                               "ms", clock=clock)
+    stat = repeat_one(sample, Protocol(warmup_runs=2, min_runs=1, max_seconds=1.0), "ms", clock=clock)
     assert stat.n == 1 and stat.warmups == (5.0, 5.0)
 
 
@@ -212,14 +213,14 @@ def test_sample_exception_propagates_unchanged():
         raise EngineDied("server exited with code 139")
 
     with pytest.raises(EngineDied, match="139"):
-        repeat_until_stable(sample, Protocol(), "tok/s")
+        repeat_one(sample, Protocol(), "tok/s")
 
 
 def test_nonsense_sample_value_raises_measurement_error():
-    with pytest.raises(MeasurementError, match="sample call 2 returned nan"):
-        repeat_until_stable(seq(1.0, float("nan")), Protocol(warmup_runs=1), "tok/s")
+    with pytest.raises(MeasurementError, match="sample call 2 key 'v' returned nan"):
+        repeat_one(seq(1.0, float("nan")), Protocol(warmup_runs=1), "tok/s")
     with pytest.raises(MeasurementError, match="None"):
-        repeat_until_stable(seq(None), Protocol(warmup_runs=0), "tok/s")
+        repeat_one(seq(None), Protocol(warmup_runs=0), "tok/s")
 
 
 def test_many_judges_stability_on_key_and_collects_every_value():
@@ -259,20 +260,6 @@ def test_many_noisy_key_runs_to_max_runs():
     assert stats["k"].n == stats["o"].n == 5
     assert stats["k"].stop_reason == "max_runs" and stats["k"].warning is not None
     assert stats["o"].stable
-
-
-# --- drift ---------------------------------------------------------------------------
-
-
-def test_drift():
-    before = Stat(values=(100.0, 100.0, 100.0), unit="tok/s")
-    assert drift(before, Stat(values=(97.0,), unit="tok/s")) is None
-    assert drift(before, Stat(values=(90.0,), unit="tok/s")) == pytest.approx(-0.10)
-    assert drift(before, Stat(values=(120.0,), unit="tok/s"), tol=0.1) == pytest.approx(0.20)
-    with pytest.raises(MeasurementError, match="same quantity"):
-        drift(before, Stat(values=(1.0,), unit="ms"))
-    with pytest.raises(ConfigError, match="tol = -1"):
-        drift(before, before, tol=-1)
 
 
 # --- StreamResult / ConcurrentResult ------------------------------------------------------
@@ -394,58 +381,6 @@ def test_threaded_bad_return_and_bad_args():
         run_streams_threaded(lambda i: None, n_streams=0, timeout_s=5.0)
     with pytest.raises(ConfigError, match="timeout_s = 0"):
         run_streams_threaded(lambda i: None, n_streams=1, timeout_s=0)
-
-
-# --- async driver -------------------------------------------------------------------
-
-
-def test_async_streams_overlap_and_aggregate():
-    n = 3
-
-    async def main():
-        inside = asyncio.Barrier(n)
-
-        async def stream_coro(i: int) -> StreamResult:
-            await asyncio.wait_for(inside.wait(), BARRIER_TIMEOUT_S)
-            return _stream(i, start_s=10.0, end_s=12.0, tokens=50)
-
-        return await run_streams_async(stream_coro, n_streams=n, timeout_s=30.0)
-
-    result = asyncio.run(main())
-    assert result.n_streams == n
-    assert result.aggregate_tok_s == pytest.approx(150 / 2.0)
-    assert result.per_user_tok_s == pytest.approx(20.0)
-
-
-def test_async_failure_reraised_after_all_end():
-    finished = []
-
-    async def stream_coro(i: int) -> StreamResult:
-        if i == 0:
-            raise KeyError("bad json")
-        await asyncio.sleep(0.01)
-        finished.append(i)
-        return _stream(i, 0.0, 1.0, 10)
-
-    with pytest.raises(KeyError, match="bad json"):
-        asyncio.run(run_streams_async(stream_coro, n_streams=3, timeout_s=30.0))
-    assert sorted(finished) == [1, 2]
-
-
-def test_async_timeout_raises_measurement_error_and_cancels():
-    cancelled = []
-
-    async def stream_coro(i: int) -> StreamResult:
-        try:
-            await asyncio.sleep(BARRIER_TIMEOUT_S)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-        return _stream(i, 0.0, 1.0, 10)
-
-    with pytest.raises(MeasurementError, match="2 streams not done after 0.1s"):
-        asyncio.run(run_streams_async(stream_coro, n_streams=2, timeout_s=0.1))
-    assert sorted(cancelled) == [0, 1]
 
 
 # --- GPU sampler -------------------------------------------------------------------
@@ -581,6 +516,35 @@ def test_sampler_factory_failure_is_a_clean_no_gpu():
     assert "GPU index 7 not found" in t.reason
 
 
+def test_measure_with_telemetry_takes_the_engines_own_peak_else_the_cards_rise():
+    units = {"v": "tok/s"}
+    protocol = Protocol(warmup_runs=0, min_runs=1)
+    # No GPU: the protocol alone, no telemetry, no peak.
+    stats, telemetry, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=False,
+                                                    reader_factory=lambda i: pytest.fail("NVML opened without a GPU"))
+    assert stats["v"].values == (5.0,) and telemetry is None and peak is None
+    # NVML lists the engine's process: its own peak, not the card's (other work shares the card).
+    reader = FakeReader(used=[10 * GiB, 30 * GiB], temps=[50.0], clocks=[1500.0], powers=[100.0], masks=[0],
+                        process=[2 * GiB, 7 * GiB])
+    _, telemetry, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=True, gpu_index=2,
+                                                pid=99, reader_factory=lambda i: reader)
+    assert telemetry.available and reader.pids and set(reader.pids) == {99}
+    assert peak == 7 * GiB
+    # The driver hides per-process memory: the rise of the card's memory while measuring.
+    hidden = FakeReader(used=[10 * GiB, 16 * GiB], temps=[50.0], clocks=[1500.0], powers=[100.0], masks=[0])
+    _, _, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=True, pid=99,
+                                        reader_factory=lambda i: hidden)
+    assert peak == 6 * GiB
+    # No NVML after all: the stats still come back, with the reason instead of a peak.
+    def no_nvml(index):
+        raise RuntimeError("NVML could not start")
+
+    stats, telemetry, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=True,
+                                                    reader_factory=no_nvml)
+    assert stats["v"].n == 1 and not telemetry.available and "NVML could not start" in telemetry.reason
+    assert peak is None
+
+
 def test_throttle_reason_names_keeps_unknown_bits():
     assert throttle_reason_names(0) == ()
     assert throttle_reason_names(0x8 | 0x800) == ("hw_slowdown", "unknown_0x800")
@@ -590,6 +554,6 @@ def test_one_outlier_in_three_runs_does_not_force_more_runs():
     # The documented choice of MAD: a single hiccup (page fault, log flush)
     # leaves the median and the spread of the other runs untouched.
     sample = seq(100.0, 180.0, 101.0, 500.0)
-    stat = repeat_until_stable(sample, Protocol(warmup_runs=0, min_runs=3), "tok/s")
+    stat = repeat_one(sample, Protocol(warmup_runs=0, min_runs=3))
     assert stat.values == (100.0, 180.0, 101.0)
     assert stat.median == 101.0 and stat.stable

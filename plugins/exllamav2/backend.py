@@ -9,26 +9,17 @@ A trial's lifecycle (see :mod:`autotune.backend`):
 * ``estimate_memory`` reads the directory's tensor bytes and follows ExLlamaV2 0.3.2's
   allocations (:mod:`.memory`);
 * ``run`` starts ``python -m autotune_plugins.exllamav2.worker`` in its own session, loads
-  the model there, and drives :func:`autotune.measure.repeat_until_stable_many` with one
-  worker round trip per run (a single stream, then ``parallel`` streams together), with
-  :class:`autotune.measure.GpuSampler` watching the worker's pid. The worker is always
-  stopped, also on a crash, a hang, ``atexit`` or SIGTERM (:mod:`.worker_process`).
+  the model there, and measures with :func:`autotune.measure.measure_with_telemetry`, one
+  worker round trip per run (a single stream, then ``parallel`` streams together), NVML
+  watching the worker's pid. The worker is always stopped, also on a crash, a hang,
+  ``atexit`` or SIGTERM (:mod:`.worker_process`).
 
-Settings (study file, ``[backends.exllamav2]``):
-    python: interpreter that has torch and exllamav2 (default: autotune's own).
-    worker_command: the whole worker command line, a list (tests use fake workers).
-    paged: "auto" (default: paged attention when flash-attn >= 2.5.7 is installed), true, false.
-    unpaged_parallel: how parallel > 1 runs without paged attention: "queue" (default: the
-        dynamic generator serves the jobs one after another, as a deployed server would) or
-        "batched" (one batched forward pass: offline batch work; see .generator_settings).
-    startup_timeout_s: bound on the worker's hello (default 60).
-    load_timeout_s: bound on loading the model (default 900: the first load JIT-compiles
-        ExLlamaV2's extension, about 4.5 minutes on an H200).
-    request_timeout_s: bound on one measurement run (default 600).
-    cuda_context_mib: CUDA context and PyTorch/cuBLAS workspace in the estimate (default 1190,
-        measured on an H200).
-    scoring_ctx: tokens a scorer's cache holds (default 2048, at most the model's context).
-    stability_metric: the quantity whose spread decides when to stop (default aggregate_tok_s).
+Settings (study file, ``[backends.exllamav2]``) are declared in ``SETTINGS``: the interpreter
+that runs the worker, paged attention, how ``parallel > 1`` runs without it, timeouts, the CUDA
+context of the memory estimate, the scorer's context and the stability metric.
+
+The deploy line is built from the same :class:`~.generator_settings.GeneratorSettings` the worker
+is told to build (it refuses rather than build another), so it serves what was measured.
 """
 
 from __future__ import annotations
@@ -42,9 +33,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.backend import (
+    BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
 from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.measure import GpuSampler, repeat_until_stable_many
+from autotune.hardware import has_gpu as _has_gpu
+from autotune.measure import measure_with_telemetry
 from autotune.models import ModelSpec, model_from_hf_config
 
 from autotune_plugins.exllamav2 import memory
@@ -52,9 +45,8 @@ from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
 from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
-from autotune.hardware import has_gpu as _has_gpu
 
-__all__ = ["ExLlamaV2Backend", "UNITS", "flash_attn_version"]
+__all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
 
 UNITS = {
     "decode_tok_s": "tok/s",
@@ -69,6 +61,43 @@ MIN_PAGED_FLASH_ATTN = (2, 5, 7)  # exllamav2/attn.py: has_flash_attn_with_paged
 MAX_PARALLEL = 2048 // MAX_Q_SIZE
 
 _PROBE = "import importlib.metadata as m\ntry: print(m.version('flash_attn'))\nexcept m.PackageNotFoundError: print('')"
+SCORING_CTX = 2048
+INSTALL = "pip install -e '.[exllamav2]' in autotune's checkout (exllamav2==0.3.2, torch>=2.3)"
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def _command_problem(command: list) -> str | None:
+    if command and all(isinstance(c, str) and c for c in command):
+        return None
+    return "must be a non-empty list of non-empty strings (the worker's whole command line)"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("python", str, None, "the interpreter that runs the worker and has torch and exllamav2 "
+            "(absent: autotune's own)"),
+    Setting("worker_command", list, None, "the worker's whole command line, replacing python -m "
+            "autotune_plugins.exllamav2.worker (tests run fake workers)", check=_command_problem),
+    Setting("paged", (str, bool), "auto", "paged attention for concurrent jobs: \"auto\" (when flash-attn "
+            ">= 2.5.7 is installed for the worker's interpreter), true or false", choices=("auto", True, False)),
+    Setting("unpaged_parallel", str, "queue", "how parallel > 1 runs without paged attention: \"queue\" "
+            "(jobs one after another, as a deployed server serves them) or \"batched\" (batched forward "
+            "passes: offline batch work)", choices=UNPAGED_CHOICES),
+    Setting("startup_timeout_s", float, 60.0, "seconds the worker may take to start", check=_positive),
+    Setting("load_timeout_s", float, 900.0, "seconds loading the model may take (the first load JIT-compiles "
+            "ExLlamaV2's extension, about 4.5 minutes on an H200)", check=_positive),
+    Setting("request_timeout_s", float, 600.0, "seconds one measurement run or scoring request may take",
+            check=_positive),
+    Setting("cuda_context_mib", float, float(memory.DEFAULT_CUDA_CONTEXT_MIB), "CUDA context and PyTorch/cuBLAS "
+            "workspace in the memory estimate, MiB (measured on an H200)",
+            check=lambda v: None if v >= 0 else "must be >= 0"),
+    Setting("scoring_ctx", int, SCORING_CTX, "tokens a quality scorer's cache holds (at most the "
+            "model's context)", check=lambda v: None if v >= 1 else "must be >= 1"),
+    Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
+            choices=tuple(UNITS)),
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,6 +115,21 @@ def flash_attn_version(python: str) -> tuple[int, ...] | None:
         return None
     parts = tuple(int(p) for p in text.split("+")[0].split(".") if p.isdigit())
     return parts or None
+
+
+# Finds the modules without importing exllamav2 (whose import may JIT-compile its extension
+# for minutes); torch is imported, as the worker will, to ask it for CUDA devices.
+_PREFLIGHT = """
+import importlib.util, json
+found = {m: importlib.util.find_spec(m) is not None for m in ("torch", "exllamav2")}
+if found["torch"]:
+    try:
+        import torch
+        found["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:
+        found["torch_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(found))
+"""
 
 
 def _config(model_dir: Path) -> dict:
@@ -121,24 +165,39 @@ def _rope_problem(cfg: dict, config_file: Path) -> str | None:
             f"text): add \"rope_theta\": {theta} to config.json")
 
 
+def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
+    """TabbyAPI's flags that make its ExLlamaV2 generator the one ``s`` describes.
+
+    Unpaged, TabbyAPI's cache holds one sequence (as the measured worker's did); batched
+    forward passes (``mode = "batched"``) have no server equivalent, and the deploy line says so.
+    """
+    cache_size = s.cache_tokens if s.mode == "dynamic" else s.max_seq_len
+    return ["--model-dir", str(model_dir.parent), "--model-name", model_dir.name, "--backend", "exllamav2",
+            "--max-seq-len", str(s.max_seq_len), "--cache-size", str(cache_size),
+            "--cache-mode", s.cache_type.upper(), "--max-batch-size", str(s.max_batch_size)]
+
+
 class ExLlamaV2Backend(BaseBackend):
     name: ClassVar[str] = "exllamav2"
     engine: ClassVar[str] = "exllamav2"
-    weight_families: ClassVar[tuple[str, ...]] = ("exl2",)
     description: ClassVar[str] = "ExLlamaV2's dynamic generator on an EXL2 directory, one worker process per trial"
+    settings: ClassVar[tuple[Setting, ...]] = SETTINGS
 
     # -------------------------------------------------------------- space and rules
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        caches = []
-        for value in space.get("cache_type", CACHE_CHOICES):
-            try:
-                name = normalize_cache_type(value)
-            except ConfigError:
-                continue  # another engine's cache type (f16, q8_0...)
-            if name not in caches:
-                caches.append(name)
-        return [Param("cache_type", tuple(caches) or ("fp16",), "KV-cache mode: fp16, q8, q6, q4 (TabbyAPI's cache_mode)")]
+        """``cache_type``: the study's values that are ExLlamaV2 cache modes, as given (all of them
+        when the study names none); none of them: no choices, and the core says so."""
+        if "cache_type" not in space:
+            caches: tuple[Any, ...] = CACHE_CHOICES
+        else:
+            kept: list[Any] = []
+            for value in space["cache_type"]:
+                if any(same_value(value, c) for c in CACHE_CHOICES) and value not in kept:
+                    kept.append(value)
+            caches = tuple(kept)
+        return [Param("cache_type", caches, "KV-cache mode: fp16, q8, q6, q4 (TabbyAPI's cache_mode)",
+                      accepted=CACHE_CHOICES)]
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         return ctx.path(weights)
@@ -190,55 +249,68 @@ class ExLlamaV2Backend(BaseBackend):
     # -------------------------------------------------------------- settings
 
     def python(self, ctx: StudyContext) -> str:
-        return str(ctx.settings.get("python") or sys.executable)
+        return str(self.setting(ctx, "python") or sys.executable)
 
     def paged(self, ctx: StudyContext) -> bool:
-        value = ctx.settings.get("paged", "auto")
+        value = self.setting(ctx, "paged")
         if isinstance(value, bool):
             return value
-        if value != "auto":
-            raise BackendError(f"[backends.exllamav2] paged = {value!r}: use \"auto\", true or false")
         version = flash_attn_version(self.python(ctx))
         return version is not None and version >= MIN_PAGED_FLASH_ATTN
 
-    def unpaged_parallel(self, ctx: StudyContext) -> str:
-        value = ctx.settings.get("unpaged_parallel", "queue")
-        if value not in UNPAGED_CHOICES:
-            raise BackendError(f"[backends.exllamav2] unpaged_parallel = {value!r}: use "
-                               + " or ".join(f'"{c}"' for c in UNPAGED_CHOICES))
-        return str(value)
-
     def generator_settings(self, config: TrialConfig, ctx: StudyContext) -> GeneratorSettings:
+        """The generator a trial measures and its deploy line serves: one object for both."""
         return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel, self.paged(ctx),
-                                  self.unpaged_parallel(ctx))
+                                  self.setting(ctx, "unpaged_parallel"))
 
-    def _seconds(self, ctx: StudyContext, key: str, default: float) -> float:
-        value = ctx.settings.get(key, default)
+    def preflight(self, ctx: StudyContext) -> list[str]:
+        """torch and exllamav2 importable by the worker's interpreter, and a CUDA device it sees.
+
+        Looked up in a child process of that interpreter, so autotune itself never imports torch.
+        A ``worker_command`` of the user's own is theirs to vouch for: nothing is checked then.
+        """
+        if self.setting(ctx, "worker_command") is not None:
+            return []
+        python = self.python(ctx)
+        env = dict(os.environ)
+        env.setdefault("CUDA_VISIBLE_DEVICES", str(ctx.gpu_index))
         try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            seconds = -1.0
-        if not seconds > 0:
-            raise BackendError(f"[backends.exllamav2] {key} = {value!r}: must be a number of seconds > 0")
-        return seconds
+            done = subprocess.run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout=300, env=env)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return [f"[backends.exllamav2] python = {python!r} cannot be run ({exc}): name an interpreter "
+                    f"that has torch and exllamav2"]
+        try:
+            found = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return [f"{python} could not say whether torch and exllamav2 are installed ({tail})"]
+        missing = [m for m in ("torch", "exllamav2") if not found.get(m)]
+        if missing:
+            return [f"{' and '.join(missing)} cannot be imported by {python}: {INSTALL}, or set "
+                    f"[backends.exllamav2] python to an interpreter that has them"]
+        if found.get("torch_error"):
+            return [f"torch cannot be imported by {python}: {found['torch_error']}"]
+        if not found.get("cuda_devices"):
+            return [f"torch in {python} sees no CUDA device (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}): "
+                    f"ExLlamaV2 runs on NVIDIA GPUs only; run the study where one is visible, or predict with "
+                    f"the twin-exllamav2 backend"]
+        return []
 
     # -------------------------------------------------------------- memory
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
-        context_mib = float(ctx.settings.get("cuda_context_mib", memory.DEFAULT_CUDA_CONTEXT_MIB))
+        context_mib = float(self.setting(ctx, "cuda_context_mib"))
         return memory.estimate(self.weights_path(config.weights, ctx), self.generator_settings(config, ctx),
                                ctx.workload.prompt_tokens, int(context_mib * memory.MiB))
 
     # -------------------------------------------------------------- commands
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
-        path = self.weights_path(config.weights, ctx)
         s = self.generator_settings(config, ctx)
-        args = ["python", "main.py", "--model-dir", str(path.parent), "--model-name", path.name,
-                "--backend", "exllamav2", "--max-seq-len", str(s.max_seq_len), "--cache-size",
-                str(s.cache_tokens if s.paged else s.max_seq_len), "--cache-mode", s.cache_type.upper(),
-                "--max-batch-size", str(s.max_batch_size), "--host", "0.0.0.0", "--port", "5000"]
-        line = " ".join(args) + "  # TabbyAPI (config.yml model: keys of the same names)"
+        args = [self.python(ctx), "main.py", *tabbyapi_args(s, self.weights_path(config.weights, ctx)),
+                "--host", "127.0.0.1", "--port", "5000"]
+        line = (" ".join(args) + "  # TabbyAPI, run from its checkout by the interpreter whose exllamav2 was "
+                "measured (config.yml model: keys of the same names); --host 0.0.0.0 serves other machines")
         if s.paged:
             return line + f"; cache of {config.parallel} x pad256({config.ctx}) tokens, paged attention"
         if s.mode == "batched":
@@ -258,12 +330,8 @@ class ExLlamaV2Backend(BaseBackend):
     # -------------------------------------------------------------- run
 
     def worker_command(self, ctx: StudyContext) -> list[str]:
-        command = ctx.settings.get("worker_command")
-        if command is None:
-            return default_worker_command(self.python(ctx))
-        if not isinstance(command, (list, tuple)) or not command or not all(isinstance(c, str) for c in command):
-            raise BackendError(f"[backends.exllamav2] worker_command = {command!r}: must be a non-empty list of strings")
-        return list(command)
+        command = self.setting(ctx, "worker_command")
+        return default_worker_command(self.python(ctx)) if command is None else list(command)
 
     def start_worker(self, ctx: StudyContext, log_dir: Path) -> WorkerProcess:
         env = dict(os.environ)
@@ -272,26 +340,32 @@ class ExLlamaV2Backend(BaseBackend):
         roots = [str(Path(__file__).resolve().parents[2])]
         env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         worker = WorkerProcess(self.worker_command(ctx), log_dir / "exllamav2-worker.log", env=env)
-        worker.start(self._seconds(ctx, "startup_timeout_s", 60))
+        worker.start(float(self.setting(ctx, "startup_timeout_s")))
         return worker
 
-    def load(self, worker: WorkerProcess, model_dir: Path, cache_type: str, seq_len: int, parallel: int,
-             ctx: StudyContext, purpose: str = "measure") -> dict[str, Any]:
-        paged = ctx.settings.get("paged", "auto")
-        return worker.request("load", self._seconds(ctx, "load_timeout_s", 900), model_dir=str(model_dir),
-                              cache_type=normalize_cache_type(cache_type), ctx=seq_len, parallel=parallel,
-                              paged=paged, unpaged_parallel=self.unpaged_parallel(ctx), purpose=purpose)
+    def load(self, worker: WorkerProcess, model_dir: Path, settings: GeneratorSettings, ctx: StudyContext,
+             purpose: str = "measure") -> dict[str, Any]:
+        """Have the worker build exactly ``settings``; a worker that built anything else is a failure."""
+        loaded = worker.request("load", float(self.setting(ctx, "load_timeout_s")), model_dir=str(model_dir),
+                                settings=settings.to_dict(), purpose=purpose)
+        try:
+            built = GeneratorSettings.from_dict(loaded.get("settings") or {})
+        except (ConfigError, TypeError) as exc:
+            raise worker.failure(f"answered 'load' without the settings it built ({exc})") from None
+        if built != settings:
+            raise worker.failure(f"built {built.to_dict()} instead of the {settings.to_dict()} asked for, so the "
+                                 f"measurement would not be what the deploy line serves")
+        return loaded
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         has_gpu = _has_gpu()
-        request_s = self._seconds(ctx, "request_timeout_s", 600)
-        key = str(ctx.settings.get("stability_metric", "aggregate_tok_s"))
+        request_s = float(self.setting(ctx, "request_timeout_s"))
+        settings = self.generator_settings(config, ctx)
         wl = ctx.workload
         with tempfile.TemporaryDirectory(prefix="autotune-exllamav2-") as tmp:
             worker = self.start_worker(ctx, Path(tmp))
             try:
-                loaded = self.load(worker, self.weights_path(config.weights, ctx),
-                                   config.option("cache_type", "fp16"), config.ctx, config.parallel, ctx)
+                loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
                 last: dict[str, Any] = {}
 
                 def sample() -> Mapping[str, float]:
@@ -300,16 +374,9 @@ class ExLlamaV2Backend(BaseBackend):
                     last.update(reply)
                     return reply["metrics"]
 
-                telemetry = peak = None
-                if has_gpu:
-                    with GpuSampler(index=ctx.gpu_index, pid=worker.pid) as gpu:
-                        stats = repeat_until_stable_many(sample, ctx.protocol, UNITS, key=key)
-                    telemetry = gpu.result()
-                    if telemetry.available:
-                        peak = telemetry.peak_process_bytes if telemetry.peak_process_bytes is not None \
-                            else telemetry.peak_delta_bytes
-                else:
-                    stats = repeat_until_stable_many(sample, ctx.protocol, UNITS, key=key)
+                stats, telemetry, peak = measure_with_telemetry(
+                    sample, ctx.protocol, UNITS, self.setting(ctx, "stability_metric"), gpu=has_gpu,
+                    gpu_index=ctx.gpu_index, pid=worker.pid)
             except BackendError:
                 raise
             except Exception as exc:  # measurement errors, a malformed reply: the worker's log says more
@@ -321,7 +388,7 @@ class ExLlamaV2Backend(BaseBackend):
             "engine_version": f"exllamav2 {loaded.get('engine_version', 'unknown')}",
             "attention_path": attention.get("path", "unknown"),
             "attention": attention,
-            "generator": loaded.get("settings", {}),
+            "generator": settings.to_dict(),
             "torch_version": loaded.get("torch_version"),
             "cuda_device": loaded.get("cuda_device"),
             "load_s": loaded.get("load_s"),

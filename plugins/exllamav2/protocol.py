@@ -5,13 +5,16 @@ protocol stream (its original stdout; everything the engine prints goes to stder
 ``print`` cannot corrupt the stream). Before importing anything heavy the worker announces
 itself, so a worker that cannot even start is told apart from one that hangs while loading::
 
-    worker -> {"event": "hello", "protocol": 1, "pid": 1234, "python": "3.12.3"}
-    parent -> {"id": 1, "op": "load", "model_dir": "...", "cache_type": "q8", "ctx": 1024, "parallel": 4}
+    worker -> {"event": "hello", "protocol": 2, "pid": 1234, "python": "3.12.3"}
+    parent -> {"id": 1, "op": "load", "model_dir": "...", "settings": {"cache_type": "q8", ...}, "purpose": "measure"}
     worker -> {"id": 1, "ok": true, "settings": {...}, "attention": {...}, "engine_version": "0.3.2"}
     parent -> {"id": 2, "op": "sample", "prompt_tokens": 512, "output_tokens": 128}
     worker -> {"id": 2, "ok": true, "metrics": {"decode_tok_s": ..., ...}, "streams": [...]}
     parent -> {"id": 3, "op": "exit"}
     worker -> {"id": 3, "ok": true}
+
+``load`` carries the whole generator the parent chose (``GeneratorSettings.to_dict()``, what the
+deploy line serves); the worker builds exactly that or fails, and answers with what it built.
 
 A failed request is answered ``{"id": n, "ok": false, "error": "...", "type": "...",
 "traceback": "..."}`` and the worker keeps serving; the parent decides whether the trial ends.
@@ -31,7 +34,7 @@ from autotune.errors import AutotuneError
 
 __all__ = ["OPS", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "error_reply", "serve"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: load carries the generator settings, chosen by the parent
 OPS = ("load", "sample", "tokenize", "loglikelihood", "next_token_logprobs", "exit")
 
 

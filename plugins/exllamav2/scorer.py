@@ -22,6 +22,7 @@ from autotune.backend import StudyContext
 from autotune.errors import BackendError
 from autotune.scoring import LogLikelihood, Scorer, ScoringError
 
+from autotune_plugins.exllamav2.generator_settings import generator_settings
 from autotune_plugins.exllamav2.worker_process import WorkerProcess
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,8 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 
 __all__ = ["ExLlamaV2Scorer"]
-
-DEFAULT_SCORING_CTX = 2048
 
 
 class ExLlamaV2Scorer(Scorer):
@@ -59,23 +58,24 @@ class ExLlamaV2Scorer(Scorer):
             raise ScoringError(problem)
         path = backend.weights_path(weights, ctx)
         model = backend._model_of(path)
-        n_ctx = min(int(ctx.settings.get("scoring_ctx", DEFAULT_SCORING_CTX)), model.max_context)
+        n_ctx = min(int(backend.setting(ctx, "scoring_ctx")), model.max_context)
+        # One sequence scored by forward passes: no generator, so paging changes nothing.
+        settings = generator_settings(cache_type, n_ctx, 1, paged=False)
         tmp = Path(tempfile.mkdtemp(prefix="autotune-exllamav2-score-"))
         try:
             worker = backend.start_worker(ctx, tmp)
             try:
-                loaded = backend.load(worker, path, cache_type, n_ctx, 1, ctx, purpose="score")
+                loaded = backend.load(worker, path, settings, ctx, purpose="score")
             except BaseException:
                 worker.stop()
                 raise
         except BackendError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ScoringError(f"exllamav2 scorer for {path}: {exc}") from exc
-        n_cache = int(loaded.get("settings", {}).get("cache_max_seq_len", n_ctx))
-        return cls(worker, tmp, model.vocab_size, min(n_ctx, n_cache),
+        return cls(worker, tmp, model.vocab_size, min(n_ctx, settings.cache_max_seq_len),
                    f"{path.name} (exl2, cache {cache_type.upper()}, attention "
                    f"{loaded.get('attention', {}).get('path', 'unknown')})",
-                   float(ctx.settings.get("request_timeout_s", 600)))
+                   float(backend.setting(ctx, "request_timeout_s")))
 
     def _ask(self, op: str, **fields):
         if self._closed:

@@ -34,10 +34,11 @@ from typing import Any, Callable, Mapping, Sequence
 from autotune.errors import BackendError, ConfigError
 from autotune.measure import ConcurrentResult, StreamResult
 
-from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
+from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, encode, serve
 
-__all__ = ["Engine", "SCORE_CHUNK", "attention_path", "main", "prompt_ids", "sample_metrics", "score_passes"]
+__all__ = ["Engine", "SCORE_CHUNK", "attention_path", "check_paged", "main", "prompt_ids", "sample_metrics",
+           "score_passes"]
 
 CACHE_CLASSES = {"fp16": "ExLlamaV2Cache", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6",
                  "q4": "ExLlamaV2Cache_Q4"}
@@ -63,6 +64,21 @@ def attention_path(flags: Mapping[str, bool], paged: bool) -> str:
     if flags.get("sdpa"):
         return "sdpa"
     return "matmul"
+
+
+def check_paged(settings: GeneratorSettings, has_paged_attention: bool, no_flash_attn: bool) -> None:
+    """Refuse paged settings where exllamav2 cannot page, rather than measure unpaged.
+
+    Args:
+        settings: What the parent asked for.
+        has_paged_attention: ``exllamav2.attn.has_flash_attn_with_paged`` (flash-attn >= 2.5.7 imported).
+        no_flash_attn: The model config turned flash-attn off (its architecture, or EXLLAMA_NO_FLASH_ATTN).
+    """
+    if settings.paged and (not has_paged_attention or no_flash_attn):
+        why = "the model's config turns flash-attn off" if has_paged_attention else \
+            "exllamav2 found no flash-attn >= 2.5.7 it could import"
+        raise BackendError(f"paged attention was chosen but {why}: set [backends.exllamav2] paged = false "
+                           f"(jobs are then served one at a time), or fix flash-attn's install")
 
 
 def prompt_ids(base: Sequence[int], n_tokens: int, serial: int, vocab: int) -> list[int]:
@@ -138,7 +154,7 @@ class Engine:
         except ImportError as exc:
             raise BackendError(
                 f"exllamav2 is not importable by {sys.executable} ({exc}): "
-                f"pip install 'autotune[exllamav2]' (exllamav2==0.3.2, torch>=2.3), or set "
+                f"pip install -e '.[exllamav2]' in autotune's checkout (exllamav2==0.3.2, torch>=2.3), or set "
                 f"[backends.exllamav2] python to an interpreter that has it") from exc
         from exllamav2 import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer
         from exllamav2.generator import ExLlamaV2DynamicGenerator
@@ -146,14 +162,11 @@ class Engine:
         if not torch.cuda.is_available():
             raise BackendError("torch sees no CUDA device (ExLlamaV2 runs on CUDA/ROCm GPUs only)")
         self.torch = torch
-        paged_ok = bool(exl2_attn.has_flash_attn_with_paged) and req.get("paged", "auto") is not False
+        # The parent chose the generator (its deploy line serves the same one): build exactly
+        # that, or say why it cannot be built here.
+        settings = GeneratorSettings.from_dict(req["settings"])
         config = ExLlamaV2Config(str(req["model_dir"]))
-        if not paged_ok and req.get("paged") is True:
-            raise BackendError("paged = true, but paged attention needs flash-attn >= 2.5.7, "
-                               "which exllamav2 did not find")
-        settings = generator_settings(req["cache_type"], int(req["ctx"]), int(req["parallel"]),
-                                      paged_ok and not config.no_flash_attn,
-                                      str(req.get("unpaged_parallel", "queue")))
+        check_paged(settings, bool(exl2_attn.has_flash_attn_with_paged), bool(config.no_flash_attn))
         config.max_seq_len = settings.max_seq_len
         model = ExLlamaV2(config)
         cache_cls = getattr(exllamav2, CACHE_CLASSES[settings.cache_type])

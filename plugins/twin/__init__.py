@@ -6,11 +6,9 @@ published quantization-damage data (``quality.py``). It runs the whole tuner in 
 machine with no GPU, and serves as the prior of real studies: a real backend of the same
 ``engine`` gets its predictions.
 
-Settings (study file, ``[backends.twin-exllamav2]`` etc.):
-    noise: relative standard deviation of simulated measurement noise (default 0: exact).
-    throttle_after_s: simulated seconds of load after which the card throttles (default: never).
-    throttle_factor: speed multiplier once throttled (default 0.75: the article's 40 -> 30 tok/s).
-    gpu_layers: "all" (default) or "auto" (llama.cpp only: let layers spill to the host).
+Settings (study file, ``[backends.twin-exllamav2]`` etc.) are declared in ``TWIN_SETTINGS``
+(and ``TwinVllm.settings``): simulated noise and thermal throttling for tests and drills,
+llama.cpp's layer offload, the stability metric, vLLM's version.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from importlib import resources
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune import hookimpl
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value
 from autotune.errors import AutotuneError, BackendError, UnsupportedError
 from autotune.formats import normalize_format, parse_format, weights_for
 from autotune.measure import Protocol, Stat, repeat_until_stable_many
@@ -45,9 +43,56 @@ def load_constants(doc: Mapping[str, Any] | None = None) -> tuple[dict[str, phys
     return engines, physics.HostConstants(**doc["host"]), float(doc["quality"]["points_per_kld_8b"])
 
 
+#: What one simulated run reports, and in which unit.
+UNITS: Mapping[str, str] = {"decode_tok_s": "tok/s", "aggregate_tok_s": "tok/s", "per_user_tok_s": "tok/s",
+                            "prefill_tok_s": "tok/s", "ttft_ms": "ms"}
+
+
+def _at_least_zero(value: float) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def _fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a speed multiplier)"
+
+
+def _layers(value: Any) -> str | None:
+    if isinstance(value, str):
+        return None if value in ("all", "auto") else 'must be "all", "auto" or a number of layers'
+    return None if value >= 0 else "must be >= 0 layers"
+
+
+TWIN_SETTINGS: tuple[Setting, ...] = (
+    Setting("noise", float, 0.0, "relative standard deviation of simulated measurement noise (0: exact)",
+            check=_at_least_zero),
+    Setting("throttle_after_s", float, None, "simulated seconds of load after which the card throttles (absent: never)",
+            check=_at_least_zero),
+    Setting("throttle_factor", float, 0.75, "speed multiplier once throttled (the article's 40 -> 30 tok/s)",
+            check=_fraction),
+    Setting("gpu_layers", (str, int), "all", '"all", "auto" (llama.cpp lets layers spill to the host) or a count',
+            check=_layers),
+    Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
+            choices=tuple(UNITS)),
+)
+
+
+def _kept(space: Mapping[str, Sequence[Any]], name: str, accepted: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The study's values of ``name`` that are in ``accepted``, as given and in its order
+    (all of ``accepted`` when the study does not name the option)."""
+    if name not in space:
+        return accepted
+    kept: list[Any] = []
+    for value in space[name]:
+        if any(same_value(value, a) for a in accepted) and not any(same_value(value, k) for k in kept):
+            kept.append(value)
+    return tuple(kept)
+
+
 class TwinBackend(BaseBackend):
     """Common machinery of the three twin backends."""
 
+    settings: ClassVar[tuple[Setting, ...]] = TWIN_SETTINGS
+    #: The weight formats the engine loads (a twin detail: the real backends check files).
     weight_families: ClassVar[tuple[str, ...]] = ()
     cache_types: ClassVar[tuple[str, ...]] = ()
     default_cache: ClassVar[str] = ""
@@ -55,13 +100,13 @@ class TwinBackend(BaseBackend):
     # ------------------------------------------------------------------ space and rules
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        caches = tuple(c for c in space.get("cache_type", self.cache_types) if c in self.cache_types)
-        if "cache_type" in space and not caches:
-            caches = (self.default_cache,)
-        flash = tuple(v for v in space.get("flash_attn", (True, False)) if isinstance(v, bool))
+        """``cache_type`` and ``flash_attn``: the study's values this engine has, as given; an
+        option whose values are all foreign comes back without choices (the core reports it)."""
         return [
-            Param("cache_type", caches or (self.default_cache,), f"KV-cache type ({', '.join(self.cache_types)})"),
-            Param("flash_attn", flash or (True,), "fused attention kernels"),
+            Param("cache_type", _kept(space, "cache_type", self.cache_types),
+                  f"KV-cache type ({', '.join(self.cache_types)})", accepted=self.cache_types),
+            Param("flash_attn", _kept(space, "flash_attn", (True, False)), "fused attention kernels",
+                  accepted=(True, False)),
         ]
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
@@ -83,7 +128,7 @@ class TwinBackend(BaseBackend):
         return load_constants()[0][self.engine]
 
     def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
-        gpu_layers = ctx.settings.get("gpu_layers", "all")
+        gpu_layers = self.setting(ctx, "gpu_layers")
         return physics.Scenario(
             engine=self.engine,
             gpu=ctx.gpu,
@@ -133,9 +178,10 @@ class TwinBackend(BaseBackend):
         mem = physics.memory(scenario, k)
         self.load_failure(config, ctx, mem)
         p = physics.predict(scenario, k, host)
-        noise = float(ctx.settings.get("noise", 0.0))
+        noise = float(self.setting(ctx, "noise"))
         rng = random.Random(f"{ctx.seed}:{config.key}")
-        clock = _SimulatedClock.for_settings(ctx.settings)
+        after_s = self.setting(ctx, "throttle_after_s")
+        clock = _SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
         truth = p.as_dict()
 
         def sample() -> dict[str, float]:
@@ -147,10 +193,9 @@ class TwinBackend(BaseBackend):
             out["ttft_ms"] = truth["ttft_ms"] / factor
             return out
 
-        units = {"decode_tok_s": "tok/s", "aggregate_tok_s": "tok/s", "per_user_tok_s": "tok/s",
-                 "prefill_tok_s": "tok/s", "ttft_ms": "ms"}
         protocol = ctx.protocol if noise else Protocol(warmup_runs=0, min_runs=1, max_runs=1)
-        stats: dict[str, Stat] = repeat_until_stable_many(sample, protocol, units, key=ctx_metric(ctx))
+        stats: dict[str, Stat] = repeat_until_stable_many(sample, protocol, UNITS,
+                                                          key=self.setting(ctx, "stability_metric"))
         return Measurement(
             metrics=stats,
             peak_vram_bytes=None,
@@ -166,10 +211,6 @@ class TwinBackend(BaseBackend):
         )
 
 
-def ctx_metric(ctx: StudyContext) -> str:
-    return str(ctx.settings.get("stability_metric", "aggregate_tok_s"))
-
-
 class _SimulatedClock:
     """Seconds of simulated load, shared by every trial of a process, for thermal throttling."""
 
@@ -179,11 +220,6 @@ class _SimulatedClock:
         self.after_s = after_s
         self.factor = factor
         self.throttled = False
-
-    @classmethod
-    def for_settings(cls, settings: Mapping[str, Any]) -> "_SimulatedClock":
-        after = settings.get("throttle_after_s")
-        return cls(float(after) if after is not None else None, float(settings.get("throttle_factor", 0.75)))
 
     def advance(self, seconds: float) -> float:
         if self.after_s is None:
@@ -218,10 +254,16 @@ class TwinLlamaCpp(TwinBackend):
         cache = config.option("cache_type", "f16")
         fa = "on" if config.option("flash_attn", True) else "off"
         _, detail = parse_format(config.weights)
+        # The layers the simulation kept on the GPU, so the line serves what was simulated.
+        scenario = self.scenario(config, ctx)
+        on_gpu = physics.gpu_layer_split(scenario, self.constants(), physics.memory(scenario, self.constants()))
+        n = ctx.model.n_layers
+        ngl = on_gpu if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
+        spilled = f"; {n - on_gpu} of {n} layers run on the CPU" if on_gpu < n else ""
         return (
             f"llama-server -m {ctx.model.key}-{detail}.gguf -c {config.ctx * config.parallel} -np {config.parallel} "
-            f"-ngl 99 -fa {fa} -ctk {cache} -ctv {cache} --host 127.0.0.1 --port 8080"
-            f"  # -c is ctx {config.ctx} x {config.parallel} slots"
+            f"-ngl {ngl} -fa {fa} -ctk {cache} -ctv {cache} --host 127.0.0.1 --port 8080"
+            f"  # -c is ctx {config.ctx} x {config.parallel} slots{spilled}"
         )
 
     def engine_version(self) -> str:
@@ -273,10 +315,12 @@ class TwinVllm(TwinBackend):
     cache_types = ("auto", "fp8")
     default_cache = "auto"
     description = "digital twin of vLLM (physics, no GPU needed); refuses Volta as recent vLLM does"
+    settings = TWIN_SETTINGS + (
+        Setting("version", str, "0.11", "the vLLM release to answer like (0.6 and later refuse Volta)"),)
 
     def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
         cc = ctx.gpu.compute_capability_tuple
-        version = str(ctx.settings.get("version", "0.11"))
+        version = str(self.setting(ctx, "version"))
         if cc < (7, 0) or (cc < (7, 5) and _version_tuple(version) >= (0, 6)):
             raise UnsupportedError(
                 f"vLLM {version} does not support compute capability {ctx.gpu.compute_capability} "

@@ -4,7 +4,9 @@ Its behaviour comes from the first argument, so tests can ask for each failure t
 must survive: ``ok`` (answers like a loaded engine), ``crash-on-load`` (prints a reason to
 stderr and exits 3), ``signal-on-sample`` (SIGKILLs itself mid-measurement), ``hang-on-load``
 (never answers; its child ``sleep`` must die with its process group too), ``silent`` (never
-says hello), ``noise`` (prints garbage on its protocol stream instead of a hello).
+says hello), ``noise`` (prints garbage on its protocol stream instead of a hello),
+``other-settings`` (builds a generator other than the one asked for). With ``EXL2_FAKE_REQUESTS``
+set, every request is appended to that file as a JSON line, so tests see what the parent sent.
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ if MODE == "noise":
     print("Loading extension... done", flush=True)
     time.sleep(300)
 
-send({"event": "hello", "protocol": 1, "pid": os.getpid(), "python": "3"})
+send({"event": "hello", "protocol": 2, "pid": os.getpid(), "python": "3"})
 samples = 0
 for line in sys.stdin:
     req = json.loads(line)
+    if os.environ.get("EXL2_FAKE_REQUESTS"):
+        with open(os.environ["EXL2_FAKE_REQUESTS"], "a") as log:
+            log.write(json.dumps(req) + "\n")
     op = req["op"]
     if op == "exit":
         send({"id": req["id"], "ok": True})
@@ -51,9 +56,11 @@ for line in sys.stdin:
             sys.exit(3)
         if MODE == "hang-on-load":
             time.sleep(300)
-        send({"id": req["id"], "ok": True, "engine_version": "0.3.2-fake",
-              "settings": {"mode": "dynamic", "max_batch_size": req["parallel"], "cache_type": req["cache_type"]},
-              "attention": {"path": "sdpa", "paged": False}, "load_s": 0.01})
+        built = dict(req["settings"])
+        if MODE == "other-settings":  # as a worker that fell back to one sequence at a time would
+            built.update(paged=False, cache_max_seq_len=built["max_seq_len"])
+        send({"id": req["id"], "ok": True, "engine_version": "0.3.2-fake", "settings": built,
+              "attention": {"path": "sdpa", "paged": built["paged"]}, "load_s": 0.01})
     elif op == "sample":
         samples += 1
         if MODE == "signal-on-sample":

@@ -29,9 +29,10 @@ from autotune.models import model_from_hf_config
 from tests.conftest import REPO, plugin_registered
 
 from autotune_plugins.exllamav2 import memory, protocol
-from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
+from autotune_plugins.exllamav2.backend import SETTINGS, ExLlamaV2Backend, tabbyapi_args
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
-from autotune_plugins.exllamav2.worker import SCORE_CHUNK, attention_path, prompt_ids, sample_metrics, score_passes
+from autotune_plugins.exllamav2.worker import (
+    SCORE_CHUNK, attention_path, check_paged, prompt_ids, sample_metrics, score_passes)
 
 FAKE = Path(__file__).with_name("exllamav2_fake_worker.py")
 FAST = Protocol(warmup_runs=1, min_runs=2, max_runs=3, rel_spread_tol=0.5)
@@ -131,10 +132,10 @@ def pids_of(pidfile: Path) -> list[int]:
 
 def test_plugin_registers_without_torch_or_exllamav2():
     code = ("import sys, autotune_plugins.exllamav2 as p; from autotune_plugins.exllamav2 import backend, worker, scorer;"
-            "b = []; p.register_backends(b.append); print(b[0].name, b[0].engine, b[0].weight_families,"
+            "b = []; p.register_backends(b.append); print(b[0].name, b[0].engine, len(b[0].settings),"
             " 'torch' in sys.modules, 'exllamav2' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
-    assert out.split() == ["exllamav2", "exllamav2", "('exl2',)", "False", "False"]
+    assert out.split() == ["exllamav2", "exllamav2", str(len(SETTINGS)), "False", "False"]
 
 
 def test_registered_like_an_entry_point():
@@ -145,10 +146,13 @@ def test_registered_like_an_entry_point():
         assert isinstance(plugins.get_backends()["exllamav2"], ExLlamaV2Backend)
 
 
-def test_parameters_keep_exllamav2_cache_modes_only():
+def test_parameters_keep_exllamav2_cache_modes_as_given():
     b = ExLlamaV2Backend()
-    (param,) = b.parameters({"cache_type": ["f16", "Q8", "q8_0", "fp16", "q4", "q8"]})
-    assert param.name == "cache_type" and param.choices == ("q8", "fp16", "q4")
+    (param,) = b.parameters({"cache_type": ["f16", "Q8", "q8_0", "fp16", "q4", "q8", "q4"]})
+    # "Q8" is not how autotune names the mode: left for the core to report, never rewritten.
+    assert param.name == "cache_type" and param.choices == ("fp16", "q4", "q8")
+    assert param.accepted == ("fp16", "q8", "q6", "q4")
+    assert b.parameters({"cache_type": ["q8_0"]})[0].choices == ()  # nothing of ours: no stand-in
     assert b.parameters({})[0].choices == ("fp16", "q8", "q6", "q4")
     assert b.quality_reference({"cache_type": ("q4", "q8", "fp16")}) == {"cache_type": "fp16"}
 
@@ -213,15 +217,97 @@ def test_check_rules(exl2_dir, tmp_path):
 def test_deploy_command_is_a_tabbyapi_launch(exl2_dir, tmp_path):
     b = ExLlamaV2Backend()
     cmd = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path, paged=True))
-    assert f"--model-dir {tmp_path} --model-name tiny-exl2-4.0" in cmd
+    assert cmd.startswith(f"{sys.executable} main.py --model-dir {tmp_path} --model-name tiny-exl2-4.0")
     assert "--max-seq-len 768 --cache-size 3072 --cache-mode Q8 --max-batch-size 4" in cmd
+    # Listening on this machine only unless asked: the line says how to serve others.
+    assert "--host 127.0.0.1 --port 5000" in cmd and "--host 0.0.0.0 serves other machines" in cmd
     # the deploy line serves what was measured: unpaged, one request at a time, and says so
     queued = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path))
     assert "--cache-size 768 " in queued and "one at a time (as measured)" in queued
     batched = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path, unpaged_parallel="batched"))
     assert "offline batch" in batched and "one request at a time" in batched
-    with pytest.raises(BackendError, match='unpaged_parallel = .serial.: use "queue" or "batched"'):
+    with pytest.raises(ConfigError, match="unpaged_parallel 'serial': use one of queue, batched"):
         b.deploy_command(cfg(), make_ctx(tmp_path, unpaged_parallel="serial"))
+
+
+@pytest.mark.parametrize("settings", [{"paged": True}, {}, {"unpaged_parallel": "batched"}])
+def test_the_deploy_line_serves_the_generator_the_worker_was_told_to_build(exl2_dir, tmp_path, monkeypatch, settings):
+    requests = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("EXL2_FAKE_REQUESTS", str(requests))
+    b = ExLlamaV2Backend()
+    config, c = cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path, worker_command=fake("ok"), **settings)
+    m = b.run(config, c)
+    (load,) = [r for r in map(json.loads, requests.read_text().splitlines()) if r["op"] == "load"]
+    measured = GeneratorSettings.from_dict(load["settings"])
+    assert load["model_dir"] == str(exl2_dir) and m.attrs["generator"] == measured.to_dict()
+    assert " ".join(tabbyapi_args(measured, exl2_dir)) in b.deploy_command(config, c)
+
+
+def test_a_worker_that_builds_another_generator_fails_the_trial(exl2_dir, tmp_path):
+    c = make_ctx(tmp_path, worker_command=fake("other-settings"), paged=True)
+    with pytest.raises(BackendError, match="instead of the .* asked for, so the measurement would not be what "
+                                           "the deploy line serves"):
+        ExLlamaV2Backend().run(cfg(parallel=2), c)
+    assert not processes.live()
+
+
+def test_the_worker_refuses_paged_settings_it_cannot_page():
+    paged, unpaged = generator_settings("q8", 600, 2, paged=True), generator_settings("q8", 600, 2, paged=False)
+    with pytest.raises(BackendError, match="no flash-attn >= 2.5.7 .* paged = false"):
+        check_paged(paged, has_paged_attention=False, no_flash_attn=False)
+    with pytest.raises(BackendError, match="the model's config turns flash-attn off"):
+        check_paged(paged, has_paged_attention=True, no_flash_attn=True)
+    check_paged(paged, has_paged_attention=True, no_flash_attn=False)
+    check_paged(unpaged, has_paged_attention=False, no_flash_attn=True)
+
+
+def test_every_setting_is_declared_with_what_it_accepts(exl2_dir, tmp_path):
+    declared = {s.name: s for s in SETTINGS}
+    assert set(declared) == {"python", "worker_command", "paged", "unpaged_parallel", "startup_timeout_s",
+                             "load_timeout_s", "request_timeout_s", "cuda_context_mib", "scoring_ctx",
+                             "stability_metric"}
+    assert declared["unpaged_parallel"].choices == ("queue", "batched")
+    assert declared["paged"].problem("yes") and declared["paged"].problem(True) is None
+    assert declared["paged"].problem("auto") is None and declared["paged"].problem(1)
+    assert "> 0" in declared["startup_timeout_s"].problem(0) and declared["load_timeout_s"].problem("soon")
+    assert declared["worker_command"].problem([]) and declared["worker_command"].problem(["python", 3])
+    assert "one of 'decode_tok_s'" in declared["stability_metric"].problem("tok/s")
+    c = make_ctx(tmp_path)
+    assert ExLlamaV2Backend().setting(c, "load_timeout_s") == 900.0  # a default has one owner
+
+
+def write_fake_modules(root: Path, cuda_devices: int, exllamav2: bool = True) -> None:
+    """Importable stand-ins for torch (with ``cuda_devices`` devices) and, optionally, exllamav2."""
+    (root / "torch").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text(
+        f"class cuda:\n    is_available = staticmethod(lambda: {cuda_devices} > 0)\n"
+        f"    device_count = staticmethod(lambda: {cuda_devices})\n")
+    if exllamav2:
+        (root / "exllamav2").mkdir()
+        (root / "exllamav2" / "__init__.py").write_text("raise RuntimeError('preflight must not import exllamav2')\n")
+
+
+def test_preflight_says_what_is_missing_without_importing_torch_here(exl2_dir, tmp_path, monkeypatch):
+    b = ExLlamaV2Backend()
+    c = make_ctx(tmp_path)
+    bare = tmp_path / "bare"
+    write_fake_modules(bare, cuda_devices=0, exllamav2=False)
+    monkeypatch.setenv("PYTHONPATH", str(bare))
+    (problem,) = b.preflight(c)
+    assert "exllamav2 cannot be imported by" in problem and "pip install -e '.[exllamav2]'" in problem
+    no_gpu = tmp_path / "no-gpu"
+    write_fake_modules(no_gpu, cuda_devices=0)
+    monkeypatch.setenv("PYTHONPATH", str(no_gpu))
+    (problem,) = b.preflight(c)
+    assert f"torch in {sys.executable} sees no CUDA device (CUDA_VISIBLE_DEVICES='0')" in problem
+    ready = tmp_path / "ready"
+    write_fake_modules(ready, cuda_devices=1)
+    monkeypatch.setenv("PYTHONPATH", str(ready))
+    assert b.preflight(c) == []
+    missing_python = str(tmp_path / "no-such-python")
+    assert "python = " in b.preflight(make_ctx(tmp_path, python=missing_python))[0]
+    # A worker command of the user's own is theirs to vouch for.
+    assert b.preflight(make_ctx(tmp_path, worker_command=fake("ok"))) == []
 
 
 # ------------------------------------------------------------------ memory

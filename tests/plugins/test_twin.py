@@ -180,3 +180,46 @@ def test_exllamav2_deploy_line_warns_where_the_real_engine_cannot_batch():
     assert "one at a time" not in b.deploy_command(config, ctx_for("a100-80gb", "qwen2.5-27b-article"))
     single = cfg("twin-exllamav2", "exl2:3.3", parallel=1, cache_type="q8")
     assert "one at a time" not in b.deploy_command(single, ctx_for("v100-16gb", "qwen2.5-27b-article"))
+
+
+def test_parameters_keep_the_studys_values_as_given_and_name_what_each_engine_accepts():
+    cache, flash = TwinLlamaCpp().parameters({"cache_type": ["f16", "q8", "q9_0", "q8_0", "f16"],
+                                              "flash_attn": [False, "no", 1, True]})
+    assert cache.choices == ("f16", "q8_0") and cache.accepted == ("f16", "q8_0", "q4_0")
+    # 1 is not true and "no" is not false: a value is only ever taken as itself.
+    assert flash.choices == (False, True) and flash.accepted == (True, False)
+    # Nothing this engine has: no choices, never a stand-in (the core names what is accepted).
+    cache, flash = TwinExllamaV2().parameters({"cache_type": ["q9_0"], "flash_attn": ["no"]})
+    assert cache.choices == () and flash.choices == ()
+    assert cache.accepted == ("fp16", "q8", "q6", "q4")
+    # An option the study does not name: every value the engine has.
+    assert [p.choices for p in TwinVllm().parameters({})] == [("auto", "fp8"), (True, False)]
+
+
+def test_settings_are_declared_and_read_through_their_declaration():
+    declared = {s.name: s for s in TwinLlamaCpp.settings}
+    assert set(declared) == {"noise", "throttle_after_s", "throttle_factor", "gpu_layers", "stability_metric"}
+    assert {s.name for s in TwinVllm.settings} == set(declared) | {"version"}
+    assert declared["gpu_layers"].problem(20) is None and declared["gpu_layers"].problem("auto") is None
+    assert "all" in declared["gpu_layers"].problem("most")
+    assert declared["throttle_factor"].problem(1.5) and declared["noise"].problem(-0.1)
+    assert "one of 'decode_tok_s'" in declared["stability_metric"].problem("tok/s")
+    # vLLM's version is the twin's own setting: 0.5 still runs on Volta, the default refuses it.
+    vllm = cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=False)
+    assert TwinVllm().run(vllm, ctx_for("v100-16gb", "qwen2.5-7b", version="0.5.4")).metrics["decode_tok_s"].median > 0
+    with pytest.raises(UnsupportedError, match="vLLM 0.11 does not support"):
+        TwinVllm().run(vllm, ctx_for("v100-16gb", "qwen2.5-7b"))
+
+
+def test_llama_cpp_deploy_line_offloads_the_layers_that_were_simulated_on_the_gpu():
+    twin = TwinLlamaCpp()
+    config = cfg("twin-llama.cpp", "gguf:Q8_0", ctx=8192, cache_type="f16", flash_attn=False)
+    small, big = ctx_for("v100-16gb", "qwen2.5-27b-article"), ctx_for("a100-80gb", "qwen2.5-27b-article")
+    spilled = twin.run(config, small).attrs
+    assert spilled["host_layers"] > 0
+    line = twin.deploy_command(config, small)
+    assert f" -ngl {spilled['gpu_layers']} " in line
+    assert f"{spilled['host_layers']} of {spilled['gpu_layers'] + spilled['host_layers']} layers run on the CPU" in line
+    assert twin.run(config, big).attrs["host_layers"] == 0 and " -ngl 99 " in twin.deploy_command(config, big)
+    # gpu_layers = a count: the simulation and the line keep that many.
+    assert " -ngl 20 " in twin.deploy_command(config, ctx_for("a100-80gb", "qwen2.5-27b-article", gpu_layers=20))

@@ -1,0 +1,50 @@
+"""The benchmark protocol every backend shares.
+
+A trial's number is only worth comparing with another trial's when both were measured the
+same way. This package is that way, in three rooms:
+
+* :mod:`autotune.measure.protocol`: :class:`Protocol` (warm-ups, runs, when to stop),
+  :class:`Stat` (the runs of one quantity, median and spread together) and
+  :func:`repeat_until_stable_many` (applies the protocol to one sample function);
+* :mod:`autotune.measure.streams`: :func:`run_streams_threaded` runs N generation streams
+  that really overlap and summarises them as a :class:`ConcurrentResult`;
+* :mod:`autotune.measure.gpu_telemetry`: :class:`GpuSampler` records what the GPU did
+  meanwhile through NVML as :class:`GpuTelemetry`, and :func:`measure_with_telemetry` is
+  the block every backend measures with (repeat under the sampler, take the peak memory).
+
+Import from here: the names below are the public API, whichever module holds them.
+"""
+
+from __future__ import annotations
+
+from autotune.measure.gpu_telemetry import (
+    SLOWDOWN_REASONS,
+    THROTTLE_REASON_BITS,
+    GpuSampler,
+    GpuTelemetry,
+    NvmlReader,
+    PynvmlReader,
+    measure_with_telemetry,
+    throttle_reason_names,
+)
+from autotune.measure.protocol import Protocol, Stat, relative_spread, repeat_until_stable_many
+from autotune.measure.streams import CONCURRENT_UNITS, ConcurrentResult, StreamResult, run_streams_threaded
+
+__all__ = [
+    "CONCURRENT_UNITS",
+    "ConcurrentResult",
+    "GpuSampler",
+    "GpuTelemetry",
+    "NvmlReader",
+    "PynvmlReader",
+    "Protocol",
+    "SLOWDOWN_REASONS",
+    "Stat",
+    "StreamResult",
+    "THROTTLE_REASON_BITS",
+    "measure_with_telemetry",
+    "relative_spread",
+    "repeat_until_stable_many",
+    "run_streams_threaded",
+    "throttle_reason_names",
+]
