@@ -75,9 +75,9 @@ class EchoBackend(BaseBackend):
     )
 
     def parameters(self, space):
-        # Keep the cache types this engine knows, exactly as given; the core refuses a value no
-        # backend takes. f16 only when the study does not search cache types at all.
-        caches = tuple(c for c in space.get("cache_type", ("f16",)) if c in CACHE_BYTES)
+        # Keep the cache types this engine knows, exactly as given (the core refuses a value no
+        # backend takes); when the study does not search cache types, search both.
+        caches = tuple(c for c in space.get("cache_type", tuple(CACHE_BYTES)) if c in CACHE_BYTES)
         return [Param("cache_type", caches, "KV-cache element type (f16, q8_0)", accepted=tuple(CACHE_BYTES))]
 
     def check_weights(self, weights, ctx):
