@@ -160,7 +160,8 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
                 lines.append(f"{label}: does not fit: needs {_gib(verdict.estimate.total_bytes)} > budget {_gib(budget)}")
                 continue
             if verdict.kind == "low_quality":
-                lines.append(f"{label}: {verdict.reason}")
+                limit = cfg.objective.max_drop_points
+                lines.append(f"{label}: loses too much quality: {verdict.quality_drop_points:.2f} points > max {limit:g}")
                 continue
             r = latest.get(alt.key)
             if r is None:

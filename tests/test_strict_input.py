@@ -91,8 +91,10 @@ def test_a_value_only_some_backends_take_is_dropped_for_the_others_with_a_line(t
     path.write_text(path.read_text().replace('weights = ["w"]', 'weights = ["w"]\n\n[[candidates]]\nbackend = "fake-other"\nweights = ["w"]'))
     with registered(StrictBackend(), OtherCacheBackend()):
         prepared = prepare_study(load_study_config(path))
-    assert "[space] cache_type = 'q8_0': only fake-strict accepts it; not searched for fake-other" in prepared.excluded
-    assert "[space] cache_type = 'fp16': only fake-other accepts it; not searched for fake-strict" in prepared.excluded
+    assert "fake-other: [space] cache_type = 'q8_0' not searched (another backend's values; fake-other accepts 'fp16')" \
+        in prepared.excluded
+    assert "fake-strict: [space] cache_type = 'fp16' not searched (another backend's values; fake-strict accepts " \
+           "'f16', 'q8_0')" in prepared.excluded
     caches = {e.backend.name: dict((p.name, p.choices) for p in e.params)["cache_type"]
               for e in prepared.space.entries.values()}
     assert caches == {"fake-strict": ("q8_0",), "fake-other": ("fp16",)}

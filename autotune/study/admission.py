@@ -35,6 +35,7 @@ class Verdict:
         estimate: The memory prediction, learned correction included (None when invalid).
         raw_total_bytes: The backend's own prediction, before the correction.
         constraints: What Optuna is told of a refused configuration that never ran.
+        quality_drop_points: The known drop that refused it (``low_quality`` only).
     """
 
     kind: str
@@ -42,6 +43,7 @@ class Verdict:
     estimate: MemoryEstimate | None = None
     raw_total_bytes: int | None = None
     constraints: Mapping[str, float] = field(default_factory=dict)
+    quality_drop_points: float | None = None
 
     @property
     def admitted(self) -> bool:
@@ -121,7 +123,7 @@ class Admission:
         constraints[objective_mod.QUALITY] = drop.points - limit
         base = self._memo[config.key]
         return Verdict(LOW_QUALITY, f"infeasible: quality drop {drop.points:.2f} points > max_drop_points {limit:g}",
-                       base.estimate, base.raw_total_bytes, constraints)
+                       base.estimate, base.raw_total_bytes, constraints, drop.points)
 
     def screen(self, entry: BackendSpace) -> tuple[BackendSpace | None, list[str]]:
         """Drop values that no configuration can use, before the sampler ever sees them.

@@ -87,15 +87,16 @@ def check_space_values(offered: Mapping[str, list[Param]], space: Mapping[str, t
             errors.append(f"{src}: [space] {key}: no backend of this study takes it "
                           f"(backends: {', '.join(offered)})")
             continue
+        taken = {b: tuple(v for v in space[key] if any(same_value(v, c) for c in p.choices)) for b, p in having}
         for value in space[key]:
-            takers = [b for b, p in having if any(same_value(value, c) for c in p.choices)]
-            if not takers:
+            if not any(value in values for values in taken.values()):
                 accepted = "; ".join(f"{b} accepts {_list(p.accepted or p.choices)}" for b, p in having)
                 errors.append(f"{src}: [space] {key} = {_list((value,))}: no backend of this study accepts it ({accepted})")
-            elif len(takers) < len(having):
-                others = [b for b, _ in having if b not in takers]
-                notes.append(f"[space] {key} = {_list((value,))}: only {', '.join(takers)} accepts it; "
-                             f"not searched for {', '.join(others)}")
+        for b, p in having:
+            left = tuple(v for v in space[key] if v not in taken[b] and any(v in t for t in taken.values()))
+            if left:
+                notes.append(f"{b}: [space] {key} = {_list(left)} not searched (another backend's values; "
+                             f"{b} accepts {_list(p.accepted or p.choices)})")
     return errors, notes
 
 
