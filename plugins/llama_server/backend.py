@@ -326,15 +326,15 @@ class LlamaServerBackend(BaseBackend):
             env["CUDA_VISIBLE_DEVICES"] = devices
         cpus = plan_cpus(self.threads(ctx), bool(self.value(ctx, "pin_cores")))
         log_path = log_dir / "llama-server.log"
-        with open(log_path, "w") as log:
+        # Started from a thread pinned to the engine's cores: the server and every thread it
+        # makes inherit the mask, with no window in which they run elsewhere.
+        with open(log_path, "w") as log, Pinned(cpus.engine) as pinned:
             try:
-                # Started from a thread pinned to the engine's cores: the server and every thread
-                # it makes inherit the mask, with no window in which they run elsewhere.
-                with Pinned(cpus.engine):
-                    proc = processes.start(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=env)
+                proc = processes.start(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             except OSError as exc:
                 raise EngineUnavailableError(f"{binary}: cannot be started ({exc}): {BUILD_REMEDY}") from exc
+        if pinned.error:
+            cpus = CpuPlan(None, None, pinned.error)
         return Server(proc, port, log_path, cmd, host=host, cpus=cpus)
 
     def wait_ready(self, server: Server, timeout_s: float) -> None:
@@ -459,9 +459,12 @@ class LlamaServerBackend(BaseBackend):
             }
 
         key = str(self.value(ctx, "stability_metric"))
-        with Pinned(server.cpus.client):
+        with Pinned(server.cpus.client) as client_pin:
             stats, telemetry, peak = measure_with_telemetry(sample, ctx.protocol, UNITS, key, gpu=has_gpu,
                                                             gpu_index=ctx.gpu_index, pid=server.proc.pid)
+        cpus = server.cpus
+        if client_pin.error:
+            cpus = CpuPlan(cpus.engine, None, f"{cpus.note}, but the load generator was {client_pin.error}")
         measured = runs[ctx.protocol.warmup_runs:]  # the runs the stats are made of
         attrs: dict[str, Any] = {
             "engine_version": self._version_of(server.cmd[0]),
@@ -470,7 +473,7 @@ class LlamaServerBackend(BaseBackend):
             "gpu": has_gpu,
             "prompt_tokens": len(prompt),
             **_timings(measured),
-            "load_generator": _load_generator(measured, server.cpus),
+            "load_generator": _load_generator(measured, cpus),
             **parse_log(server.log()),
         }
         attrs.setdefault("spilled", False)

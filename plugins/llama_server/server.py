@@ -179,11 +179,17 @@ class Pinned:
     def __init__(self, cores: Sequence[int] | None):
         self.cores = cores
         self.saved: set[int] | None = None
+        self.error: str | None = None
 
     def __enter__(self) -> "Pinned":
         if self.cores:
-            self.saved = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.cores)
+            saved = os.sched_getaffinity(0)
+            try:
+                os.sched_setaffinity(0, self.cores)
+            except OSError as exc:  # e.g. a cpuset that changed since the plan: run unpinned, say so
+                self.error = f"not pinned: setting the affinity to {list(self.cores)} failed ({exc})"
+            else:
+                self.saved = saved
         return self
 
     def __exit__(self, *exc: Any) -> None:
