@@ -1,6 +1,6 @@
 """Measure llama-server on a real GPU: decode speed, aggregate under parallel streams, memory.
 
-A stand-alone probe (it needs only the Python standard library, requests and nvidia-smi), run
+A stand-alone probe (it needs only the Python standard library, httpx and nvidia-smi), run
 on the device machine before autotune's llama-server backend exists, to give the memory model
 and the twin real figures to be checked against:
 
@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-import requests
+import httpx
 
 BUFFER_LINES = {
     "model_buffer_mib": re.compile(r"CUDA0 model buffer size\s*=\s*([\d.]+) MiB"),
@@ -66,15 +66,17 @@ def run_one(server: str, model: Path, ctx: int, parallel: int, cache: str, promp
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # A local server: no proxy from the environment; one connection per simultaneous request.
+    http = httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited {proc.returncode}: {log_path.read_text()[-2000:]}")
             try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if http.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
-            except requests.RequestException:
+            except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         else:
@@ -84,7 +86,7 @@ def run_one(server: str, model: Path, ctx: int, parallel: int, cache: str, promp
         prompt = " ".join(words[i % len(words)] for i in range(prompt_words))
 
         def complete(seed: int) -> dict:
-            r = requests.post(f"http://127.0.0.1:{port}/completion", timeout=600, json={
+            r = http.post(f"http://127.0.0.1:{port}/completion", timeout=600, json={
                 "prompt": f"{seed} {prompt}", "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
                 "cache_prompt": False})
             r.raise_for_status()
@@ -130,6 +132,7 @@ def run_one(server: str, model: Path, ctx: int, parallel: int, cache: str, promp
             "command": " ".join(cmd),
         }
     finally:
+        http.close()
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)

@@ -54,3 +54,39 @@ def llama_cpp_module() -> Any:
         return engine.import_llama_cpp({})
     except AutotuneError as exc:
         missing(str(exc))
+
+
+FAKE_ENGINE = '''#!{python}
+"""A stand-in for {name}: records how it was started, answers --version, then exits."""
+import json, os, sys
+if "--version" in sys.argv:
+    print("version: 1 (fake000)", file=sys.stderr)
+    sys.exit(0)
+with open(sys.argv[0] + ".calls.jsonl", "a") as f:
+    f.write(json.dumps({{"argv": sys.argv, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}})
+            + "\\n")
+sys.exit({exit_code})
+'''
+
+
+def fake_engine(directory: Path, name: str = "llama-server", exit_code: int = 1) -> Path:
+    """An executable named ``name`` in ``directory`` that records each start (argv,
+    CUDA_VISIBLE_DEVICES, CPU affinity) and exits with ``exit_code``; read them with
+    :func:`fake_engine_calls`. Its ``--version`` prints a llama.cpp-style version line."""
+    import sys
+
+    path = Path(directory) / name
+    path.write_text(FAKE_ENGINE.format(python=sys.executable, name=name, exit_code=exit_code), encoding="utf-8")
+    path.chmod(0o755)
+    return path
+
+
+def fake_engine_calls(path: Path) -> list[dict[str, Any]]:
+    """The starts a :func:`fake_engine` recorded, oldest first."""
+    import json
+
+    log = Path(str(path) + ".calls.jsonl")
+    if not log.is_file():
+        return []
+    return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -7,18 +7,17 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   quantized cache whose block does not divide the head size, a context beyond the model's);
 * ``estimate_memory`` reads the file's real tensor bytes and adds llama-server's KV layout,
   compute buffer and CUDA context (:mod:`~autotune_plugins.llama_server.memory`);
-* ``run`` starts ``llama-server`` in its own process session, waits for ``/health``, warms up,
-  then measures one stream (the server's own timings) and ``parallel`` simultaneous streams
-  (client timestamps) with :func:`autotune.measure.repeat_until_stable_many`. The server is
-  always stopped, also when autotune itself is interrupted (``atexit`` and ``SIGTERM``).
+* ``run`` starts ``llama-server`` in its own process session with the argument list
+  ``server_argv`` builds (the same one ``deploy_command`` prints), waits for ``/health``, warms
+  up, then measures one stream (the server's own timings) and ``parallel`` simultaneous
+  streams (client timestamps) with :func:`autotune.measure.measure_with_telemetry`. The server
+  is always stopped, also when autotune itself is interrupted (``atexit`` and ``SIGTERM``).
 
-Settings (study file, ``[backends.llama-server]``):
-    binary: llama-server executable or its directory (default: see ``engine.find_llama_server``).
-    threads: CPU threads (``-t``, default ``os.cpu_count()``).
-    gpu_layers: "all" (default, ``-ngl 999``) or a number of layers; 0 on a machine with no GPU.
-    startup_timeout_s: bound on loading the model (default 120).
-    request_timeout_s: bound on one measurement's requests (default 600).
-    stability_metric: the quantity whose spread decides when to stop (default aggregate_tok_s).
+What a trial keeps beside its metrics (``Measurement.attrs``): the command, the buffers the
+engine logged, the engine's own timings next to the client's (``engine_timings``,
+``client_timings``), and what the load generator cost and where it ran (``load_generator``).
+
+Settings (study file, ``[backends.llama-server]``): see ``LlamaServerBackend.settings``.
 """
 
 from __future__ import annotations
@@ -26,19 +25,19 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
-import socket
+import shlex
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-import requests
+import httpx
 
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
-from autotune.errors import AutotuneError, BackendError
-from autotune.measure import GpuSampler, StreamResult, repeat_until_stable_many, run_streams_threaded
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
+    same_value
+from autotune.errors import AutotuneError, BackendError, ConfigError, EngineUnavailableError
+from autotune.measure import StreamResult, measure_with_telemetry, run_streams_threaded
 from autotune.models import ModelSpec, model_from_gguf
 
 from autotune import processes
@@ -46,6 +45,9 @@ from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.vram import gguf_weights
 from autotune_plugins.llama_server import engine, memory
+from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
+from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, free_port, loopback, \
+    median, parse_log, plan_cpus, process_cpu_s, tail
 
 __all__ = ["LlamaServerBackend", "parse_log"]
 
@@ -89,103 +91,25 @@ def _model_of(path: Path) -> ModelSpec:
     return _model_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
 
 
-# ------------------------------------------------------------------------------ log parsing
-
-_BUFFER_RX = {
-    "model_buffer_mib": re.compile(r"(\S+) model buffer size\s*=\s*([\d.]+) MiB"),
-    "kv_buffer_mib": re.compile(r"(\S+) KV buffer size\s*=\s*([\d.]+) MiB"),
-    "compute_buffer_mib": re.compile(r"(\S+) compute buffer size\s*=\s*([\d.]+) MiB"),
-}
-_OFFLOAD_RX = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
-_KV_CELLS_RX = re.compile(r"llama_kv_cache: size\s*=.*?\(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\)")
+# ------------------------------------------------------------------------------ settings' checks
 
 
-def parse_log(text: str) -> dict[str, Any]:
-    """Buffer sizes by device (MiB) and the offloaded layers, as llama.cpp logs them at start."""
-    out: dict[str, Any] = {}
-    for key, rx in _BUFFER_RX.items():
-        found: dict[str, float] = {}
-        for dev, mib in rx.findall(text):
-            found[dev] = found.get(dev, 0.0) + float(mib)
-        if found:
-            out[key] = found
-    m = _OFFLOAD_RX.search(text)
-    if m:
-        on_gpu, total = int(m.group(1)), int(m.group(2))
-        out["offloaded_layers"] = on_gpu
-        out["total_layers"] = total
-        out["spilled"] = on_gpu < total
-    m = _KV_CELLS_RX.search(text)
-    if m:
-        # cells per sequence stream x streams: the cache's real capacity
-        out["kv_cells"] = int(m.group(1)) * int(m.group(4))
-    return out
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "must be > 0"
 
 
-_REASON_RX = re.compile(
-    r"(out of memory|failed to allocate|unsupported cache type|does not divide|no such file|"
-    r"failed to open|failed to load|invalid argument|error:|unknown value|not supported|"
-    r"requires|requested)",
-    re.IGNORECASE,
-)
+def _gpu_layers_problem(value: Any) -> str | None:
+    if isinstance(value, str):
+        return None if value == "all" else "use \"all\" or a number of layers >= 0"
+    return None if value >= 0 else "use \"all\" or a number of layers >= 0"
 
 
-def engine_reason(log_text: str) -> str:
-    """The engine's own words for a failure: its error lines, most specific first."""
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"\s E\s", f" {ln} ") or _REASON_RX.search(ln)]
-    pick = errors[:3] if errors else lines[-3:]
-    return " | ".join(pick)[:800] or "no output"
+def _port_problem(value: Any) -> str | None:
+    return None if 1 <= value <= 65535 else "must be a TCP port, 1 to 65535"
 
 
-def _tail(text: str, n: int = 40) -> str:
-    return "\n".join(text.splitlines()[-n:])
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    for _ in range(20):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if _port_free(port):
-            return port
-    raise BackendError("no free TCP port on 127.0.0.1 for llama-server")
-
-
-class _Server:
-    """One running llama-server: its process, port and log."""
-
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path, cmd: list[str]):
-        self.proc = proc
-        self.port = port
-        self.log_path = log_path
-        self.cmd = cmd
-        self.url = f"http://127.0.0.1:{port}"
-        self.session = requests.Session()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-
-    def failure(self, what: str) -> BackendError:
-        text = self.log()
-        rc = self.proc.poll()
-        status = f"exited with code {rc}" if rc is not None else "is running"
-        return BackendError(f"llama-server {status}: {what}: {engine_reason(text)}", log_tail=_tail(text))
+def _host_problem(value: Any) -> str | None:
+    return None if value.strip() and not any(c.isspace() for c in value) else "must be an address such as 127.0.0.1"
 
 
 # ------------------------------------------------------------------------------ the backend
@@ -194,22 +118,62 @@ class _Server:
 class LlamaServerBackend(BaseBackend):
     name: ClassVar[str] = "llama-server"
     engine: ClassVar[str] = "llama.cpp"
-    weight_families: ClassVar[tuple[str, ...]] = ("gguf",)
     description: ClassVar[str] = "llama.cpp's llama-server on a GGUF file, launched and measured"
+    settings: ClassVar[tuple[Setting, ...]] = (
+        Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
+                                     "else the newest `autotune engine build llama.cpp`, else PATH)"),
+        Setting("threads", int, None, "CPU threads of the engine, -t (default: every core, os.cpu_count())",
+                check=_positive),
+        Setting("gpu_layers", (str, int), "all", "layers on the GPU, -ngl: \"all\" (-ngl 999) or a number; "
+                                                 "0 on a machine without a GPU", check=_gpu_layers_problem),
+        Setting("host", str, "127.0.0.1", "address llama-server listens on, --host (\"0.0.0.0\": every interface)",
+                check=_host_problem),
+        Setting("port", int, 8080, "port of the deploy command, --port (trials use a free port)", check=_port_problem),
+        Setting("pin_cores", bool, True, "when the machine has more cores than threads, pin llama-server to "
+                                         "threads cores and autotune's load generator to the others"),
+        Setting("startup_timeout_s", float, 120.0, "bound on loading the model, seconds", check=_positive),
+        Setting("request_timeout_s", float, 600.0, "bound on one measurement's requests, seconds", check=_positive),
+        Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop "
+                                                            "repeating", choices=tuple(UNITS)),
+        Setting("scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics",
+                check=_positive),
+    )
+
+    def value(self, ctx: StudyContext, name: str) -> Any:
+        """A setting, checked against its declaration even when the core has not (direct callers)."""
+        v = self.setting(ctx, name)
+        if name in ctx.settings:
+            declared = next(s for s in self.settings if s.name == name)
+            problem = declared.problem(v)
+            if problem:
+                raise ConfigError(f"[backends.{self.name}] {name} = {v!r}: {problem}")
+        return v
+
+    def resolved_settings(self, ctx: StudyContext) -> dict[str, Any]:
+        """Every declared setting with its value or default, for the engine finder and the scorer."""
+        return {s.name: self.value(ctx, s.name) for s in self.settings}
 
     # -------------------------------------------------------------- space and rules
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        caches = tuple(c for c in space.get("cache_type", CACHE_CHOICES) if c in CACHE_CHOICES)
-        flash = tuple(v for v in space.get("flash_attn", (True, False)) if isinstance(v, bool))
+        """The study's values llama-server understands, exactly as given; a key the study does
+        not name gets this engine's defaults. A key whose values are all foreign yields no
+        choices, so the core reports the values with ``accepted``."""
+
+        def given(name: str, accepted: Sequence[Any], default: Sequence[Any]) -> tuple[Any, ...]:
+            if name not in space:
+                return tuple(default)
+            return tuple(v for v in space[name] if any(same_value(v, a) for a in accepted))
+
         params = [
-            Param("cache_type", caches or ("f16",), "KV-cache type (-ctk/-ctv): f16, q8_0, q4_0"),
-            Param("flash_attn", flash or (True,), "flash attention (-fa on|off)"),
+            Param("cache_type", given("cache_type", CACHE_CHOICES, CACHE_CHOICES),
+                  "KV-cache type (-ctk/-ctv): f16, q8_0, q4_0", accepted=CACHE_CHOICES),
+            Param("flash_attn", given("flash_attn", (True, False), (True, False)),
+                  "flash attention (-fa on|off)", accepted=(True, False)),
         ]
         if "ubatch" in space:
-            ub = tuple(int(v) for v in space["ubatch"] if isinstance(v, int) and not isinstance(v, bool) and v > 0)
-            if ub:
-                params.append(Param("ubatch", ub, "physical batch size (-ub)"))
+            ub = tuple(v for v in space["ubatch"] if type(v) is int and v > 0)
+            params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
         return params
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
@@ -247,24 +211,26 @@ class LlamaServerBackend(BaseBackend):
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         path = self.weights_path(config.weights, ctx)
-        on_gpu = (_has_gpu() if ctx.for_gpu is None else ctx.for_gpu) and self.gpu_layers(ctx) > 0
+        on_gpu = self.gpu_layers(ctx, self._on_gpu(ctx)) > 0
         ub = config.option("ubatch")
         return memory.estimate(_model_of(path), gguf_weights(path), config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
                                ubatch=int(ub) if ub is not None else None, gpu=on_gpu)
 
-    # -------------------------------------------------------------- commands
+    # -------------------------------------------------------------- the command line
+
+    @staticmethod
+    def _on_gpu(ctx: StudyContext) -> bool:
+        return _has_gpu() if ctx.for_gpu is None else ctx.for_gpu
 
     def gpu_layers(self, ctx: StudyContext, has_gpu: bool = True) -> int:
         if not has_gpu:
             return 0
-        value = ctx.settings.get("gpu_layers", "all")
-        if value in ("all", None):
-            return 999
-        try:
-            return max(0, int(value))
-        except (TypeError, ValueError):
-            raise BackendError(f"[backends.llama-server] gpu_layers = {value!r}: use 'all' or a number") from None
+        value = self.value(ctx, "gpu_layers")
+        return 999 if value == "all" else int(value)
+
+    def threads(self, ctx: StudyContext) -> int:
+        return int(self.value(ctx, "threads") or os.cpu_count() or 1)
 
     def flags(self, config: TrialConfig, ngl: int) -> list[str]:
         cache = config.option("cache_type", "f16")
@@ -275,24 +241,71 @@ class LlamaServerBackend(BaseBackend):
             out += ["-ub", str(int(ub))]
         return out
 
+    def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
+                    has_gpu: bool) -> list[str]:
+        """The one place the server's command line is built: trials launch it, deploy prints it."""
+        return [binary, "-m", str(self.weights_path(config.weights, ctx)),
+                *self.flags(config, self.gpu_layers(ctx, has_gpu)), "-t", str(self.threads(ctx)),
+                "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
+                "--no-webui", "-lv", "4"]
+
+    @staticmethod
+    def cuda_devices(ctx: StudyContext, has_gpu: bool) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` of the server: the user's own when set, else the study's GPU."""
+        if not has_gpu:
+            return None
+        return os.environ.get("CUDA_VISIBLE_DEVICES", str(ctx.gpu_index))
+
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
-        path = self.weights_path(config.weights, ctx)
-        args = ["llama-server", "-m", str(path), *self.flags(config, self.gpu_layers(ctx)),
-                "--host", "0.0.0.0", "--port", "8080", "--fit", "off"]
-        return (" ".join(args) + f"  # -c is shared by the slots: ctx {config.ctx} x {config.parallel} slots")
+        has_gpu = self._on_gpu(ctx)
+        notes = [f"-c is shared by the slots: ctx {config.ctx} x {config.parallel} slots"]
+        try:
+            binary = str(self.binary(ctx).absolute())
+        except EngineUnavailableError:
+            given = self.value(ctx, "binary")
+            binary = str(Path(given).expanduser().absolute()) if given else "llama-server"
+            notes.append(f"llama-server not found: {BUILD_REMEDY}; it installs under "
+                         f"{engine.engines_dir()}/llama.cpp-<version>-<arch>/bin/")
+        argv = self.server_argv(config, ctx, binary=binary, port=int(self.value(ctx, "port")), has_gpu=has_gpu)
+        host = str(self.value(ctx, "host"))
+        if loopback(host):
+            notes.append(f"listens on {host} only; to serve other machines set [backends.llama-server] "
+                         "host = \"0.0.0.0\"")
+        else:
+            notes.append(f"listens on {host}")
+        devices = self.cuda_devices(ctx, has_gpu)
+        prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)} " if devices is not None else ""
+        return prefix + shlex.join(argv) + "  # " + "; ".join(notes)
 
     def binary(self, ctx: StudyContext | None = None) -> Path:
-        settings = ctx.settings if ctx is not None else {}
+        settings = self.resolved_settings(ctx) if ctx is not None else {}
         try:
             return engine.find_llama_server(settings)
         except AutotuneError as exc:
-            raise BackendError(str(exc)) from exc
+            message = str(exc)
+            if settings.get("binary"):
+                message += (f" ([backends.{self.name}] binary: point it at an executable llama-server, or leave it "
+                            f"out and {BUILD_REMEDY})")
+            raise EngineUnavailableError(message) from exc
+
+    def preflight(self, ctx: StudyContext) -> list[str]:
+        """The engine binary is there and runs (``--version``); else the remedy."""
+        try:
+            binary = self.binary(ctx)
+        except EngineUnavailableError as exc:
+            return [f"backend llama-server: {exc}"]
+        try:
+            _checked_version(str(binary))
+        except AutotuneError as exc:
+            return [f"backend llama-server: {exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
+                    "a llama-server that runs here"]
+        return []
 
     def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
         """Log-likelihoods of ``weights`` through llama-cpp-python on this engine's build."""
         from autotune_plugins.llama_server.scoring import LlamaCppScorer
 
-        return LlamaCppScorer(self.weights_path(weights, ctx), cache_type, ctx.settings)
+        return LlamaCppScorer(self.weights_path(weights, ctx), cache_type, self.resolved_settings(ctx))
 
     def engine_version(self) -> str:
         try:
@@ -302,39 +315,43 @@ class LlamaServerBackend(BaseBackend):
 
     # -------------------------------------------------------------- run
 
-    def launch(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path) -> _Server:
-        path = self.weights_path(config.weights, ctx)
+    def launch(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path) -> Server:
         binary = self.binary(ctx)
-        port = _free_port()
-        if not _port_free(port):
-            raise BackendError(f"port {port} is taken")
-        threads = int(ctx.settings.get("threads", os.cpu_count() or 1))
-        cmd = [str(binary), "-m", str(path), *self.flags(config, self.gpu_layers(ctx, has_gpu)),
-               "-t", str(threads), "--fit", "off", "--host", "127.0.0.1", "--port", str(port),
-               "--no-webui", "-lv", "4"]
+        host = str(self.value(ctx, "host"))
+        port = free_port(host)
+        cmd = self.server_argv(config, ctx, binary=str(binary.absolute()), port=port, has_gpu=has_gpu)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
-        if has_gpu and "CUDA_VISIBLE_DEVICES" not in env:
-            env["CUDA_VISIBLE_DEVICES"] = str(ctx.gpu_index)
+        devices = self.cuda_devices(ctx, has_gpu)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        cpus = plan_cpus(self.threads(ctx), bool(self.value(ctx, "pin_cores")))
         log_path = log_dir / "llama-server.log"
-        with open(log_path, "w") as log:
-            proc = processes.start(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        return _Server(proc, port, log_path, cmd)
+        # Started from a thread pinned to the engine's cores: the server and every thread it
+        # makes inherit the mask, with no window in which they run elsewhere.
+        with open(log_path, "w") as log, Pinned(cpus.engine) as pinned:
+            try:
+                proc = processes.start(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            except OSError as exc:
+                raise EngineUnavailableError(f"{binary}: cannot be started ({exc}): {BUILD_REMEDY}") from exc
+        if pinned.error:
+            cpus = CpuPlan(None, None, pinned.error)
+        return Server(proc, port, log_path, cmd, host=host, cpus=cpus)
 
-    def wait_ready(self, server: _Server, timeout_s: float) -> None:
+    def wait_ready(self, server: Server, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if server.proc.poll() is not None:
                 raise server.failure("failed to start")
             try:
-                if server.session.get(f"{server.url}/health", timeout=2).status_code == 200:
+                if server.http.get(f"{server.url}/health", timeout=2).status_code == 200:
                     return
-            except requests.RequestException:
+            except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         raise server.failure(f"not ready after {timeout_s:.0f} s")
 
-    def prompt_tokens(self, server: _Server, n: int) -> list[int]:
-        r = server.session.post(f"{server.url}/tokenize", json={"content": PROMPT_TEXT}, timeout=30)
+    def prompt_tokens(self, server: Server, n: int) -> list[int]:
+        r = server.http.post(f"{server.url}/tokenize", json={"content": PROMPT_TEXT}, timeout=30)
         r.raise_for_status()
         base = [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
         if not base:
@@ -348,27 +365,29 @@ class LlamaServerBackend(BaseBackend):
         # No check() here: the runner has done it, and a refused configuration must fail with
         # the engine's own reason.
         has_gpu = _has_gpu()
-        startup_s = float(ctx.settings.get("startup_timeout_s", 120))
-        request_s = float(ctx.settings.get("request_timeout_s", 600))
+        startup_s = float(self.value(ctx, "startup_timeout_s"))
+        request_s = float(self.value(ctx, "request_timeout_s"))
         with tempfile.TemporaryDirectory(prefix="autotune-llama-server-") as tmp:
             server = self.launch(config, ctx, has_gpu, Path(tmp))
             try:
                 return self._measure(server, config, ctx, has_gpu, startup_s, request_s)
             except BackendError:
                 raise
-            except Exception as exc:  # requests errors, measurement errors: the engine's view too
+            except Exception as exc:  # HTTP errors, measurement errors: the engine's view too
                 if server.proc.poll() is not None:
                     raise server.failure(f"died while measuring ({exc})") from exc
                 text = server.log()
-                raise BackendError(f"llama-server measurement failed: {exc}", log_tail=_tail(text)) from exc
+                raise BackendError(f"llama-server measurement failed: {exc}", log_tail=tail(text)) from exc
             finally:
                 processes.stop(server.proc)
+                server.close()
 
-    def _measure(self, server: _Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
+    def _measure(self, server: Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
                  startup_s: float, request_s: float) -> Measurement:
         self.wait_ready(server, startup_s)
         wl = ctx.workload
         prompt = self.prompt_tokens(server, wl.prompt_tokens)
+        url = f"{server.url}/completion"
 
         def body(i: int, stream: bool) -> dict[str, Any]:
             # A different first token per request keeps the server from reusing a cached prefix.
@@ -377,23 +396,23 @@ class LlamaServerBackend(BaseBackend):
                     "cache_prompt": False, "stream": stream}
 
         def single(i: int) -> dict[str, Any]:
-            r = requests.post(f"{server.url}/completion", json=body(i, False), timeout=request_s)
+            r = server.http.post(url, json=body(i, False), timeout=request_s)
             if r.status_code != 200:
                 raise server.failure(f"HTTP {r.status_code} from /completion: {r.text[:300]}")
             return r.json()["timings"]
 
-        def stream(i: int) -> StreamResult:
+        def stream(i: int, seen: list[dict[str, float]]) -> StreamResult:
             start = time.monotonic()
             first = None
             n_out = 0
             n_prompt = len(prompt)
             timings: dict[str, Any] = {}
-            with requests.post(f"{server.url}/completion", json=body(1000 + i, True), timeout=request_s,
-                               stream=True) as r:
+            with server.http.stream("POST", url, json=body(1000 + i, True), timeout=request_s) as r:
                 if r.status_code != 200:
+                    r.read()
                     raise server.failure(f"HTTP {r.status_code} from /completion: {r.text[:300]}")
                 for line in r.iter_lines():
-                    if not line or not line.startswith(b"data:"):
+                    if not line.startswith("data:"):
                         continue
                     data = json.loads(line[5:])
                     if first is None and data.get("content") is not None and not data.get("stop"):
@@ -406,6 +425,9 @@ class LlamaServerBackend(BaseBackend):
             if first is None:
                 first = end
             client = StreamResult.from_timestamps(n_prompt, n_out, start, first, end)
+            seen.append({"client_decode": client.decode_tok_s, "client_ttft_ms": client.ttft_ms,
+                         "engine_decode": float(timings.get("predicted_per_second") or 0.0),
+                         "engine_prefill": float(timings.get("prompt_per_second") or 0.0)})
             if not timings.get("predicted_per_second"):
                 return client
             # The server's own clock for the rates: on a fast model a whole burst of tokens
@@ -415,11 +437,19 @@ class LlamaServerBackend(BaseBackend):
 
         single(-1)  # warm-up: allocator, caches, CUDA graphs
         counter = iter(range(10**9))
+        runs: list[dict[str, Any]] = []
 
         def sample() -> dict[str, float]:
             i = next(counter)
             t = single(i)
-            conc = run_streams_threaded(stream, config.parallel, request_s)
+            seen: list[dict[str, float]] = []
+            cpu0, engine0, wall0 = time.process_time(), process_cpu_s(server.proc.pid), time.monotonic()
+            conc = run_streams_threaded(lambda j: stream(j, seen), config.parallel, request_s)
+            wall = time.monotonic() - wall0
+            cpu, engine1 = time.process_time() - cpu0, process_cpu_s(server.proc.pid)
+            runs.append({"single": t, "streams": seen, "wall_s": wall, "client_cpu_s": cpu,
+                         "engine_cpu_s": None if engine0 is None or engine1 is None else engine1 - engine0,
+                         "aggregate_tok_s": conc.aggregate_tok_s})
             return {
                 "decode_tok_s": float(t["predicted_per_second"]),
                 "prefill_tok_s": float(t["prompt_per_second"]),
@@ -428,23 +458,22 @@ class LlamaServerBackend(BaseBackend):
                 "per_user_tok_s": conc.per_user_tok_s,
             }
 
-        key = str(ctx.settings.get("stability_metric", "aggregate_tok_s"))
-        telemetry = None
-        peak = None
-        if has_gpu:
-            with GpuSampler(index=ctx.gpu_index, pid=server.proc.pid) as gpu:
-                stats = repeat_until_stable_many(sample, ctx.protocol, UNITS, key=key)
-            telemetry = gpu.result()
-            if telemetry.available:
-                peak = telemetry.peak_process_bytes if telemetry.peak_process_bytes is not None \
-                    else telemetry.peak_delta_bytes
-        else:
-            stats = repeat_until_stable_many(sample, ctx.protocol, UNITS, key=key)
+        key = str(self.value(ctx, "stability_metric"))
+        with Pinned(server.cpus.client) as client_pin:
+            stats, telemetry, peak = measure_with_telemetry(sample, ctx.protocol, UNITS, key, gpu=has_gpu,
+                                                            gpu_index=ctx.gpu_index, pid=server.proc.pid)
+        cpus = server.cpus
+        if client_pin.error:
+            cpus = CpuPlan(cpus.engine, None, f"{cpus.note}, but the load generator was {client_pin.error}")
+        measured = runs[ctx.protocol.warmup_runs:]  # the runs the stats are made of
         attrs: dict[str, Any] = {
             "engine_version": self._version_of(server.cmd[0]),
-            "command": " ".join(server.cmd),
+            "command": shlex.join(server.cmd),
+            "argv": list(server.cmd),
             "gpu": has_gpu,
             "prompt_tokens": len(prompt),
+            **_timings(measured),
+            "load_generator": _load_generator(measured, cpus),
             **parse_log(server.log()),
         }
         attrs.setdefault("spilled", False)
@@ -454,6 +483,53 @@ class LlamaServerBackend(BaseBackend):
     @functools.lru_cache(maxsize=8)
     def _version_of(binary: str) -> str:
         try:
-            return engine.engine_version(binary).label
+            return _checked_version(binary).label
         except AutotuneError as exc:
             return f"unknown ({exc})"
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_version(binary: str) -> engine.EngineVersion:
+    return engine.engine_version(binary)
+
+
+def _timings(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The engine's own figures beside the client's, each the median over the measured runs.
+
+    ``engine_timings`` are llama-server's ``timings`` (its own clock); ``streams_*`` are over the
+    ``parallel`` streams of one run: ``_sum`` adds them (the engine's view of the aggregate),
+    ``_median`` is the middle stream. ``client_timings`` are autotune's timestamps.
+    """
+
+    def over_runs(f: Any) -> float | None:
+        return median([v for v in (f(r) for r in runs) if v is not None])
+
+    def streams(r: Mapping[str, Any], k: str) -> list[float]:
+        return [s[k] for s in r["streams"]]
+
+    return {
+        "engine_timings": {
+            "single_decode_tok_s": over_runs(lambda r: float(r["single"]["predicted_per_second"])),
+            "single_prefill_tok_s": over_runs(lambda r: float(r["single"]["prompt_per_second"])),
+            "streams_decode_tok_s_sum": over_runs(lambda r: sum(streams(r, "engine_decode")) or None),
+            "streams_decode_tok_s_median": over_runs(lambda r: median(streams(r, "engine_decode"))),
+            "streams_prefill_tok_s_median": over_runs(lambda r: median(streams(r, "engine_prefill"))),
+        },
+        "client_timings": {
+            "aggregate_tok_s": over_runs(lambda r: r["aggregate_tok_s"]),
+            "streams_decode_tok_s_median": over_runs(lambda r: median(streams(r, "client_decode"))),
+            "streams_ttft_ms_median": over_runs(lambda r: median(streams(r, "client_ttft_ms"))),
+        },
+    }
+
+
+def _load_generator(runs: Sequence[Mapping[str, Any]], cpus: CpuPlan) -> dict[str, Any]:
+    """What the client cost during the concurrent phase (CPU seconds of autotune's whole
+    process per wall second, i.e. cores busy) and the engine's own use, with the pinning."""
+
+    def cores(k: str) -> float | None:
+        return median([r[k] / r["wall_s"] for r in runs if r[k] is not None and r["wall_s"] > 0])
+
+    return {"client_cpu_cores": cores("client_cpu_s"), "engine_cpu_cores": cores("engine_cpu_s"),
+            **cpus.to_dict()}
+

@@ -42,8 +42,10 @@ class LlamaCppScorer(Scorer):
     Args:
         path: The GGUF file.
         cache_type: KV-cache type (``f16``, ``q8_0``, ``q4_0``...); None is f16.
-        settings: The backend's study settings: ``threads``, ``gpu_layers`` ("all" or a
-            number), ``scoring_ctx``, ``binary`` (pins the engine build).
+        settings: The backend's settings with their declared defaults filled in
+            (``LlamaServerBackend.resolved_settings``): ``threads``, ``gpu_layers`` ("all" or a
+            number), ``scoring_ctx``, ``binary`` (pins the engine build). A key left out
+            means the engine's own default.
     """
 
     def __init__(self, path: str | os.PathLike[str], cache_type: str | None = None,
@@ -61,8 +63,8 @@ class LlamaCppScorer(Scorer):
             llama_cpp = engine.import_llama_cpp(settings)
         except AutotuneError as exc:
             raise ScoringError(str(exc)) from None
-        gpu_layers = settings.get("gpu_layers", "all")
-        n_ctx = int(settings.get("scoring_ctx", DEFAULT_SCORING_CTX))
+        gpu_layers = settings.get("gpu_layers")
+        n_ctx = int(settings.get("scoring_ctx") or DEFAULT_SCORING_CTX)
         kwargs: dict[str, Any] = dict(
             model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
             n_gpu_layers=-1 if gpu_layers in ("all", None) else int(gpu_layers),

@@ -16,10 +16,8 @@ even for a 14 GB file.
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
-import struct
 import subprocess
 import tarfile
 from collections.abc import Callable, Iterator
@@ -30,16 +28,20 @@ from typing import Any
 import numpy as np
 
 from autotune.errors import AutotuneError, ConfigError
+from autotune_plugins.llama_server.gguf_tokenizer import read_tokenizer
 
 __all__ = [
     "ARCH_DEFAULTS",
+    "DiskPlan",
     "SynthResult",
     "SynthSpec",
     "TensorPlan",
+    "disk_plan",
     "find_vocab",
     "quantize",
     "quantize_types",
     "read_tokenizer",
+    "quantized_path",
     "tensor_plan",
     "write_model",
 ]
@@ -195,87 +197,8 @@ def tensor_plan(spec: SynthSpec, n_vocab: int) -> list[TensorPlan]:
 
 
 # --------------------------------------------------------------------------------------
-# Tokenizer
+# Tokenizer (read by :mod:`~autotune_plugins.llama_server.gguf_tokenizer`)
 # --------------------------------------------------------------------------------------
-
-
-def _gguf_metadata(path: Path) -> Iterator[tuple[str, Any, Any, Any]]:
-    """Yields a GGUF file's metadata as ``(key, value, type, array sub-type)``, strings as bytes.
-
-    A direct parse of the key/value section (GGUF v2/v3, little-endian), over a memory map:
-    ``gguf.GGUFReader`` builds one numpy array per array element, which for a 151,936-token
-    vocabulary costs about 550 MB and 12 s; this costs the size of the values and well
-    under a second, and never touches the tensor data of a full model given as --vocab-from.
-    """
-    from gguf import GGUFValueType as T
-
-    scalars = {T.UINT8: "B", T.INT8: "b", T.UINT16: "H", T.INT16: "h", T.UINT32: "I", T.INT32: "i",
-               T.FLOAT32: "f", T.UINT64: "Q", T.INT64: "q", T.FLOAT64: "d", T.BOOL: "?"}
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
-        pos = 24
-
-        def string() -> bytes:
-            nonlocal pos
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8 + n
-            return bytes(buf[pos - n:pos])
-
-        for _ in range(n_kv):
-            key = string().decode("utf-8")
-            vtype = T(struct.unpack_from("<I", buf, pos)[0])
-            pos += 4
-            if vtype == T.STRING:
-                yield key, string(), vtype, None
-            elif vtype == T.ARRAY:
-                sub, count = struct.unpack_from("<IQ", buf, pos)
-                sub = T(sub)
-                pos += 12
-                if sub == T.STRING:
-                    yield key, [string() for _ in range(count)], vtype, sub
-                elif sub in scalars:
-                    fmt = scalars[sub]
-                    values = list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
-                    pos += count * struct.calcsize(fmt)
-                    yield key, values, vtype, sub
-                else:
-                    raise ValueError(f"key {key}: nested arrays are not supported")
-            else:
-                fmt = scalars[vtype]
-                (value,) = struct.unpack_from(f"<{fmt}", buf, pos)
-                pos += struct.calcsize(fmt)
-                yield key, value, vtype, None
-
-
-def read_tokenizer(path: str | os.PathLike[str]) -> tuple[list[tuple[str, Any, Any, Any]], int]:
-    """Reads every ``tokenizer.*`` key of a GGUF file, ready for ``GGUFWriter.add_key_value``.
-
-    Strings are kept as raw bytes: a token need not be valid UTF-8 (byte-fallback pieces),
-    and re-encoding could change it.
-
-    Args:
-        path: A GGUF file with a tokenizer (a vocab-only one from llama.cpp's ``models/`` or any
-            model).
-
-    Returns:
-        ``([(key, value, type, sub_type), ...], n_tokens)``.
-
-    Raises:
-        ConfigError: Not a GGUF file, or no ``tokenizer.ggml.tokens``.
-    """
-    p = Path(path)
-    try:
-        out = [kv for kv in _gguf_metadata(p) if kv[0].startswith("tokenizer.")]
-    except (OSError, ValueError, struct.error) as exc:  # struct.error: a truncated file
-        raise ConfigError(f"--vocab-from {p}: not a readable GGUF file ({exc})") from None
-    # GGUF forbids empty arrays, and GGUFWriter refuses to write one.
-    out = [kv for kv in out if not (isinstance(kv[1], list) and not kv[1])]
-    tokens = next((kv[1] for kv in out if kv[0] == "tokenizer.ggml.tokens"), None)
-    if not tokens:
-        raise ConfigError(f"--vocab-from {p}: no tokenizer.ggml.tokens in it")
-    return out, len(tokens)
 
 
 def find_vocab(arch: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -330,6 +253,124 @@ def find_vocab(arch: str, cache_dir: str | os.PathLike[str] | None = None) -> Pa
 
 
 # --------------------------------------------------------------------------------------
+# Disk space
+# --------------------------------------------------------------------------------------
+
+GiB = 2**30
+# GGUFWriter's default data alignment (general.alignment): each tensor starts on it.
+_ALIGN = 32
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """What ``synth`` will write, file by file, and the free space where it goes.
+
+    Attributes:
+        directory: Where the files go (the free space is that file system's).
+        files: ``(path, bytes, how the size is known)`` for the model and each quantized copy.
+        free_bytes: Free space on ``directory``'s file system now.
+    """
+
+    directory: Path
+    files: tuple[tuple[Path, int, str], ...]
+    free_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size, _ in self.files)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{path.name} {_size(size)} ({how})" for path, size, how in self.files)
+        return f"will write {_size(self.total_bytes)} to {self.directory}: {parts}; {_size(self.free_bytes)} free there"
+
+    def check(self) -> None:
+        """Raises ConfigError when the files do not fit the free space."""
+        if self.total_bytes > self.free_bytes:
+            raise ConfigError(
+                f"--out {self.directory}: not enough disk space: {self.describe()}. Free "
+                f"{_size(self.total_bytes - self.free_bytes)} more, choose another --out, "
+                "or ask for fewer --quantize copies")
+
+
+def _header_bytes(tokenizer: list[tuple[str, Any, Any, Any]], plan: list[TensorPlan]) -> int:
+    """The GGUF header, key/value section and tensor index, about: the tokenizer (strings as
+    length + bytes, numbers at 8 bytes at most) is most of it; 4 KiB covers the architecture
+    keys and the alignment padding."""
+    total = 4096
+    for key, value, _vtype, _sub in tokenizer:
+        total += 8 + len(key) + 4 + 12
+        items = value if isinstance(value, list) else [value]
+        total += sum(8 + len(v) if isinstance(v, bytes) else 8 for v in items)
+    return total + sum(8 + len(t.name) + 4 + 8 * len(t.shape) + 4 + 8 for t in plan)
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def quantized_path(model: str | os.PathLike[str], qtype: str) -> Path:
+    """Where :func:`quantize` writes ``qtype`` by default: ``<stem>-<TYPE>.gguf`` beside it."""
+    src = Path(model)
+    return src.with_name(f"{src.stem}-{qtype.upper()}.gguf")
+
+
+def _as_model(spec: SynthSpec, n_vocab: int) -> Any:
+    from autotune.models import ModelSpec
+
+    return ModelSpec(key=spec.name, name=spec.name, architecture=spec.arch, n_layers=spec.n_layers,
+                     hidden_size=spec.hidden, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+                     head_dim=spec.head_dim, ffn_size=spec.ffn, vocab_size=n_vocab,
+                     n_params=sum(t.n_elements for t in tensor_plan(spec, n_vocab)),
+                     tie_embeddings=spec.tie_embeddings, max_context=spec.context_length, source="autotune synth")
+
+
+def _quantized_bytes(model: Any, qtype: str, unquantized_bytes: int) -> tuple[int, str]:
+    """Tensor bytes of a ``qtype`` copy (autotune.formats' per-tensor types), or the
+    unquantized size as a bound for a type it has no table for."""
+    from autotune.errors import UnknownNameError
+    from autotune.formats import gguf_weights
+
+    try:
+        return gguf_weights(model, qtype).total_bytes, "estimated"
+    except UnknownNameError:
+        return unquantized_bytes, "no size table for this type: counted at the unquantized size"
+
+
+def _free_bytes(directory: Path) -> tuple[Path, int]:
+    """Free space of the file system ``directory`` will be on (it may not exist yet)."""
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return directory.absolute(), shutil.disk_usage(existing).free
+
+
+def disk_plan(spec: SynthSpec, out: str | os.PathLike[str], *, tokenizer: list[tuple[str, Any, Any, Any]],
+              n_vocab: int, quantize: tuple[str, ...] = ()) -> DiskPlan:
+    """The bytes ``synth`` will write (the F16 model, exactly but for the header; each
+    quantized copy, estimated) and the free space where they go.
+
+    Args:
+        spec: The model's shape.
+        out: The model's path; quantized copies go beside it (:func:`quantized_path`).
+        tokenizer: The keys :func:`read_tokenizer` returned (their size is the header's).
+        n_vocab: Tokens in the tokenizer.
+        quantize: Types that will be made from the model afterwards.
+    """
+    out_path = Path(out)
+    plan = tensor_plan(spec, n_vocab)
+    header = _header_bytes(tokenizer, plan)
+    f16 = header + sum(-(-t.nbytes // _ALIGN) * _ALIGN for t in plan)
+    files = [(out_path, f16, "F16 matrices, F32 norms")]
+    if quantize:
+        model = _as_model(spec, n_vocab)
+        for qtype in quantize:
+            size, how = _quantized_bytes(model, qtype, f16 - header)
+            files.append((quantized_path(out_path, qtype), header + size, how))
+    directory, free = _free_bytes(out_path.parent)
+    return DiskPlan(directory, tuple(files), free)
+
+
+# --------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------
 
@@ -356,6 +397,8 @@ def write_model(
     seed: int = 0,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    quantize: tuple[str, ...] = (),
+    say: Callable[[str], None] | None = None,
 ) -> SynthResult:
     """Writes a random-weight GGUF model.
 
@@ -373,12 +416,16 @@ def write_model(
         seed: Seed of the weights; the same seed writes the same file.
         overwrite: Replace an existing ``out``; without it an existing file is an error.
         progress: Called with (tensors written, tensors total).
+        quantize: Types the caller will make from the model afterwards (:func:`quantize`,
+            default output path): their estimated sizes count in the disk check.
+        say: Told, before anything is written, what will be written and the free space.
 
     Returns:
         What was written.
 
     Raises:
-        ConfigError: ``out`` exists, or ``vocab_from`` has no tokenizer.
+        ConfigError: ``out`` exists, ``vocab_from`` has no tokenizer, or the files would not
+            fit the free disk space (:class:`DiskPlan`).
     """
     import gguf
 
@@ -386,6 +433,10 @@ def write_model(
     if out_path.exists() and not overwrite:
         raise ConfigError(f"--out {out_path}: already exists (pass --force to replace it)")
     tokenizer, n_vocab = read_tokenizer(vocab_from)
+    space = disk_plan(spec, out_path, tokenizer=tokenizer, n_vocab=n_vocab, quantize=tuple(quantize))
+    if say is not None:
+        say(space.describe())
+    space.check()
     plan = tensor_plan(spec, n_vocab)
     defaults = ARCH_DEFAULTS[spec.arch]
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -488,9 +539,10 @@ def quantize(
     if qtype not in allowed:
         raise ConfigError(f"--quantize {qtype!r}: not a llama.cpp type (use one of {', '.join(allowed)})")
     src = Path(model)
-    dst = Path(out) if out else src.with_name(f"{src.stem}-{qtype}.gguf")
+    dst = Path(out) if out else quantized_path(src, qtype)
     if dst.exists() and not overwrite:
         raise ConfigError(f"{dst}: already exists (pass --force to replace it)")
+    _check_quantized_space(src, qtype, dst)
     exe = Path(binary) if binary else engine.find_llama_quantize()
     tmp = dst.with_name(dst.name + ".partial")
     try:
@@ -507,3 +559,16 @@ def quantize(
         raise AutotuneError(f"llama-quantize {src.name} {qtype} failed (exit status {proc.returncode}): {tail}")
     tmp.replace(dst)
     return dst
+
+
+def _check_quantized_space(src: Path, qtype: str, dst: Path) -> None:
+    """Refuse a copy that would not fit, before llama-quantize fills the disk."""
+    from autotune.models import model_from_gguf
+
+    try:
+        model = model_from_gguf(src)
+    except AutotuneError:
+        return  # not a model autotune reads: llama-quantize reports what is wrong with it
+    size, how = _quantized_bytes(model, qtype, src.stat().st_size)
+    directory, free = _free_bytes(dst.parent)
+    DiskPlan(directory, ((dst, size, how),), free).check()

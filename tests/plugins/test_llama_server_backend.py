@@ -7,6 +7,8 @@ llama.cpp``, ``AUTOTUNE_LLAMA_SERVER``, or ``llama-server`` on PATH).
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,16 +20,17 @@ import pytest
 
 from autotune.backend import StudyContext, TrialConfig, Workload
 from autotune import processes
-from autotune.errors import BackendError
+from autotune.errors import BackendError, ConfigError, EngineUnavailableError
 from autotune.formats import kv_bytes_per_token
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
 from tests.conftest import REPO, shared_file
-from tests.engine_fixtures import llama_server_binary
+from tests.engine_fixtures import fake_engine, fake_engine_calls, llama_server_binary
 
-from autotune_plugins.llama_server import backend as lsb
+from autotune_plugins.llama_server import backend as lsb, engine
 from autotune_plugins.llama_server.backend import LlamaServerBackend
+from autotune_plugins.llama_server.server import plan_cpus
 
 MiB = 2**20
 FAST = Protocol(warmup_runs=0, min_runs=1, max_runs=2, rel_spread_tol=0.5)
@@ -84,17 +87,133 @@ def servers_on(path: Path) -> list[int]:
 # ------------------------------------------------------------------------------ no engine needed
 
 
-def test_deploy_command_translates_ctx_times_parallel(stories):
+def test_deploy_command_translates_ctx_times_parallel(stories, monkeypatch):
+    monkeypatch.setattr(lsb, "_has_gpu", lambda: True)
     b = LlamaServerBackend()
     c = make_ctx(stories)
     cmd = b.deploy_command(cfg("stories260K.gguf", ctx=300, parallel=3, cache_type="q8_0", flash_attn=False), c)
-    assert cmd.startswith(f"llama-server -m {stories} ")
-    assert " -c 900 -np 3 " in cmd and "-ngl 999" in cmd
+    assert f" -m {stories} " in cmd
+    assert " -c 900 -np 3 " in cmd and "-ngl 999" in cmd and " -t 2 " in cmd
     assert "-fa off -ctk q8_0 -ctv q8_0" in cmd
-    assert "--host 0.0.0.0 --port 8080 --fit off" in cmd
-    assert "shared by the slots" in cmd
+    assert "--host 127.0.0.1 --port 8080" in cmd and "--fit off" in cmd
+    assert "shared by the slots" in cmd and 'host = "0.0.0.0"' in cmd
     assert "-ngl 5 " in b.deploy_command(cfg("stories260K.gguf"), make_ctx(stories, gpu_layers=5))
     assert "-ub 256" in b.deploy_command(cfg("stories260K.gguf", ubatch=256), c)
+    exposed = b.deploy_command(cfg("stories260K.gguf"), make_ctx(stories, host="0.0.0.0", port=9000))
+    assert "--host 0.0.0.0 --port 9000" in exposed and "listens on 0.0.0.0" in exposed
+    monkeypatch.setattr(lsb, "_has_gpu", lambda: False)
+    cpu = b.deploy_command(cfg("stories260K.gguf"), c)
+    assert "-ngl 0 " in cpu and not cpu.startswith("CUDA_VISIBLE_DEVICES")
+
+
+def deploy_tokens(line: str) -> tuple[str | None, list[str]]:
+    """(CUDA_VISIBLE_DEVICES prefix, argv) of a deploy line, its comment left out."""
+    tokens = shlex.split(line, comments=True)
+    devices = None
+    if tokens[0].startswith("CUDA_VISIBLE_DEVICES="):
+        devices = tokens.pop(0).split("=", 1)[1]
+    return devices, tokens
+
+
+def without_port(argv: list[str]) -> list[str]:
+    i = argv.index("--port")
+    return argv[:i + 1] + ["PORT"] + argv[i + 2:]
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_deploy_line_is_the_launched_argv(stories, tmp_path, monkeypatch, gpu):
+    """What a trial starts, token by token, is what the deploy line says (the port aside)."""
+    monkeypatch.setattr(lsb, "_has_gpu", lambda: gpu)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake = fake_engine(tmp_path)
+    b = LlamaServerBackend()
+    c = make_ctx(stories, binary=str(fake), threads=1, gpu_layers=7)
+    config = cfg("stories260K.gguf", ctx=300, parallel=3, cache_type="q8_0", ubatch=128)
+    devices, deployed = deploy_tokens(b.deploy_command(config, c))
+    with pytest.raises(BackendError, match="exited with code 1"):
+        b.run(config, c)  # the fake records its start and exits: the trial fails, as it should
+    [call] = fake_engine_calls(fake)
+    assert without_port(call["argv"]) == without_port(deployed)
+    assert call["argv"][0] == str(fake.absolute()) and Path(deployed[0]).is_absolute()
+    assert ("-ngl", "7" if gpu else "0") in zip(deployed, deployed[1:])
+    assert call["cuda_visible_devices"] == devices == ("0" if gpu else None)
+    assert not processes.live()
+
+
+def test_deploy_line_without_the_engine(stories, monkeypatch):
+    """deploy_command runs before any launch: a missing engine still gives the line, and where
+    the engine is expected."""
+
+    def nowhere(settings=None, **kwargs):
+        raise engine.EngineNotFoundError("llama-server not found (no build in /x, none on PATH)")
+
+    monkeypatch.setattr(engine, "find_llama_server", nowhere)
+    b = LlamaServerBackend()
+    line = b.deploy_command(cfg("stories260K.gguf"), make_ctx(stories))
+    _, argv = deploy_tokens(line)
+    assert argv[0] == "llama-server" and "-c" in argv
+    assert "autotune engine build llama.cpp" in line and "/bin/" in line
+    given = b.deploy_command(cfg("stories260K.gguf"), make_ctx(stories, binary="/opt/llama/llama-server"))
+    assert deploy_tokens(given)[1][0] == "/opt/llama/llama-server"
+
+
+def test_a_missing_engine_stops_the_study(stories, tmp_path, monkeypatch):
+    """Missing, not executable, or unable to run: preflight names the remedy where it can tell,
+    and run() raises the error that stops a study at its first trial instead of failing every
+    trial alike."""
+    b = LlamaServerBackend()
+    missing = make_ctx(stories, binary=str(tmp_path / "nowhere" / "llama-server"))
+    [problem] = b.preflight(missing)
+    assert "nowhere" in problem and "autotune engine build llama.cpp" in problem
+    with pytest.raises(EngineUnavailableError):
+        b.run(cfg("stories260K.gguf"), missing)
+
+    (tmp_path / "plain").mkdir()
+    not_executable = fake_engine(tmp_path / "plain")
+    not_executable.chmod(0o644)
+    ctx = make_ctx(stories, binary=str(not_executable))
+    [problem] = b.preflight(ctx)
+    assert "no executable llama-server" in problem and "autotune engine build llama.cpp" in problem
+    with pytest.raises(EngineUnavailableError):
+        b.run(cfg("stories260K.gguf"), ctx)
+
+    def nowhere(settings=None, **kwargs):
+        raise engine.EngineNotFoundError("llama-server not found: run `autotune engine build llama.cpp`")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "find_llama_server", nowhere)
+        [problem] = b.preflight(make_ctx(stories))
+        assert "autotune engine build llama.cpp" in problem
+
+    # A binary whose libraries are missing answers nothing, and a shell reports exit 127.
+    (tmp_path / "broken").mkdir()
+    cannot_run = fake_engine(tmp_path / "broken", exit_code=127)
+    ctx = make_ctx(stories, binary=str(cannot_run))
+    with pytest.raises(EngineUnavailableError, match="cannot run here"):
+        b.run(cfg("stories260K.gguf"), ctx)
+
+
+def test_an_engine_that_runs_passes_preflight(stories, tmp_path):
+    assert LlamaServerBackend().preflight(make_ctx(stories, binary=str(fake_engine(tmp_path)))) == []
+
+
+def test_settings_are_declared_and_checked(stories):
+    b = LlamaServerBackend()
+    declared = {s.name: s for s in b.settings}
+    read = set(re.findall(r'value\(ctx, "(\w+)"\)', Path(lsb.__file__).read_text()))
+    assert read <= set(declared), read - set(declared)
+    assert {"binary", "threads", "gpu_layers", "host", "port", "startup_timeout_s", "request_timeout_s",
+            "stability_metric", "scoring_ctx", "pin_cores"} <= set(declared)
+    assert all(s.help for s in b.settings)
+    c = make_ctx(stories)
+    assert b.setting(c, "host") == "127.0.0.1" and b.setting(c, "port") == 8080
+    assert declared["gpu_layers"].problem("all") is None and declared["gpu_layers"].problem(0) is None
+    assert declared["gpu_layers"].problem("most") and declared["gpu_layers"].problem(-1)
+    assert declared["startup_timeout_s"].problem("soon") and declared["port"].problem(70000)
+    assert declared["stability_metric"].problem("speed")
+    with pytest.raises(ConfigError, match=r"\[backends.llama-server\] gpu_layers = 'most'"):
+        b.gpu_layers(make_ctx(stories, gpu_layers="most"))
+    assert "weight_families" not in vars(LlamaServerBackend)
 
 
 def test_parameters_filter_the_study_space():
@@ -106,6 +225,39 @@ def test_parameters_filter_the_study_space():
     assert params["ubatch"] == (128, 512) and params["cache_type"] == ("f16", "q8_0", "q4_0")
     assert b.quality_reference({"cache_type": ("q4_0", "f16"), "flash_attn": (False, True)}) == \
         {"cache_type": "f16", "flash_attn": True}
+
+
+def test_parameters_never_substitute_a_value():
+    """A value the engine does not understand is dropped, never replaced by a default: with
+    nothing left the choices are empty and the core reports the value with ``accepted``."""
+    b = LlamaServerBackend()
+    params = {p.name: p for p in b.parameters({"flash_attn": ["no"], "cache_type": ["q9_0"], "ubatch": [0, True]})}
+    assert params["flash_attn"].choices == () and params["flash_attn"].accepted == (True, False)
+    assert params["cache_type"].choices == () and set(params["cache_type"].accepted) == {"f16", "q8_0", "q4_0"}
+    assert params["ubatch"].choices == () and params["ubatch"].accepted
+    only = {p.name: p.choices for p in b.parameters({"flash_attn": [False, 1], "cache_type": ["q4_0"]})}
+    assert only == {"flash_attn": (False,), "cache_type": ("q4_0",)}  # 1 is not true
+
+
+def test_cpu_plan_keeps_the_client_off_the_engines_cores():
+    plan = plan_cpus(2, True, allowed=[0, 1, 2, 3])
+    assert plan.engine == (2, 3) and plan.client == (0, 1) and "pinned" in plan.note
+    two = plan_cpus(2, True, allowed=[0, 1])
+    assert two.engine is None and "no core for the load generator" in two.note
+    assert plan_cpus(1, False, allowed=[0, 1]).engine is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to pin")
+def test_launch_pins_the_engine(stories, tmp_path):
+    fake = fake_engine(tmp_path)
+    b = LlamaServerBackend()
+    before = os.sched_getaffinity(0)
+    with pytest.raises(BackendError):
+        b.run(cfg("stories260K.gguf"), make_ctx(stories, binary=str(fake), threads=1))
+    [call] = fake_engine_calls(fake)
+    assert call["affinity"] == [max(before)]
+    assert os.sched_getaffinity(0) == before  # autotune's own thread got its cores back
 
 
 def test_check_rules(stories, tmp_path):
@@ -159,6 +311,13 @@ def test_run_measures_and_matches_the_logged_buffers(server_binary, stories):
     assert {"model_buffer_mib", "kv_buffer_mib", "compute_buffer_mib"} <= set(a)
     assert a["spilled"] is False and a["engine_version"].startswith("llama.cpp")
     assert " -c 1200 -np 2 " in a["command"]
+    # What ran is what a user is told to run.
+    assert without_port(a["argv"]) == without_port(deploy_tokens(b.deploy_command(config, c))[1])
+    # The engine's own timings beside the client's, and what the load generator cost.
+    assert a["engine_timings"]["streams_decode_tok_s_sum"] > 0 and a["engine_timings"]["single_decode_tok_s"] > 0
+    assert a["client_timings"]["aggregate_tok_s"] == pytest.approx(m.metrics["aggregate_tok_s"].median)
+    assert a["client_timings"]["streams_decode_tok_s_median"] > 0
+    assert a["load_generator"]["client_cpu_cores"] > 0 and a["load_generator"]["note"]
     est = b.estimate_memory(config, c)
     # Weights: the engine maps every tensor (token_embd on the host, the rest where -ngl says).
     logged_weights = sum(a["model_buffer_mib"].values()) * MiB

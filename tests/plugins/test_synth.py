@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,8 +19,9 @@ from click.testing import CliRunner
 from autotune import plugins
 from autotune.errors import ConfigError
 from autotune.models import model_from_gguf
-from autotune_plugins.llama_server import engine, synth
+from autotune_plugins.llama_server import synth
 from autotune_plugins.llama_server.synth import SynthSpec, write_model
+from tests.conftest import shared_file
 from tests.engine_fixtures import cpu_build
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,6 +234,41 @@ def test_unknown_quantization_type(tiny):
         synth.quantize(tiny, "Q5_X")
 
 
+# ------------------------------------------------------------------ disk space
+
+
+def _free(n: int):
+    return lambda path: shutil._ntuple_diskusage(total=10 * n + 1, used=9 * n, free=n)
+
+
+def test_states_what_it_will_write(stories, tmp_path):
+    said: list[str] = []
+    result = write_model(TINY, tmp_path / "m.gguf", vocab_from=stories, quantize=("Q8_0", "Q4_K_M"), say=said.append)
+    [line] = said
+    assert "m.gguf" in line and "m-Q8_0.gguf" in line and "m-Q4_K_M.gguf" in line and "free there" in line
+    tokenizer, n_vocab = synth.read_tokenizer(stories)
+    plan = synth.disk_plan(TINY, tmp_path / "m.gguf", tokenizer=tokenizer, n_vocab=n_vocab, quantize=("Q8_0",))
+    f16, q8 = plan.files[0][1], plan.files[1][1]
+    # Never below the real file (the check must not pass a model that does not fit), a small header over.
+    assert result.size_bytes <= f16 <= 1.1 * result.size_bytes
+    assert q8 < f16 and plan.total_bytes == f16 + q8
+
+
+def test_refuses_to_fill_the_disk(stories, tmp_path, monkeypatch):
+    monkeypatch.setattr(synth.shutil, "disk_usage", _free(100_000))
+    out = tmp_path / "sub" / "m.gguf"  # a directory that does not exist yet: its parent's file system
+    with pytest.raises(ConfigError, match=r"not enough disk space: will write 0\.\d MiB .*0\.1 MiB free") as info:
+        write_model(TINY, out, vocab_from=stories, quantize=("Q8_0",))
+    assert "m-Q8_0.gguf" in str(info.value) and "--out" in str(info.value)
+    assert not out.exists() and not out.with_name("m.gguf.partial").exists()
+
+
+def test_quantize_checks_the_space_before_running(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(synth.shutil, "disk_usage", _free(1000))
+    with pytest.raises(ConfigError, match="not enough disk space"):
+        synth.quantize(tiny, "Q8_0", out=tmp_path / "q.gguf", binary=tmp_path / "never-run")
+
+
 # ------------------------------------------------------------------ with the built engine
 
 
@@ -246,6 +283,10 @@ def test_quantize(tiny, built_engine, tmp_path):
         assert types["blk.0.ffn_up.weight"] == qtype
         assert types["blk.0.attn_norm.weight"] == "F32"
         assert model_from_gguf(out).artifact_bytes == {f"gguf:{qtype}": out.stat().st_size}
+        tokenizer, n_vocab = synth.read_tokenizer(tiny)
+        [_, (_, estimated, _)] = synth.disk_plan(TINY, tiny, tokenizer=tokenizer, n_vocab=n_vocab,
+                                                 quantize=(qtype,)).files
+        assert abs(estimated - out.stat().st_size) <= 0.1 * out.stat().st_size
 
 
 def _free_port() -> int:
