@@ -257,3 +257,52 @@ def test_a_plugin_whose_hook_raises_is_reported_and_the_others_keep_working(caps
             assert plugins.get_backend("fake-strict").name == "fake-strict"
     finally:
         plugins.unregister_plugin("broken-one")
+
+
+# ------------------------------------------------------------------------------ llama-server, as a user meets it
+
+
+LLAMA_STUDY = """[study]
+name = "strict"
+
+[hardware]
+gpu = "t4"
+
+[model]
+ref = "{model}"
+
+[workload]
+prompt_tokens = 16
+output_tokens = 16
+
+[[candidates]]
+backend = "llama-server"
+weights = ["{model}"]
+
+[space]
+ctx = [256]
+parallel = [1]
+{space}
+
+{extra}
+"""
+
+
+@pytest.mark.parametrize("space, extra, expected", [
+    ('flash_attn = ["no"]', "", "[space] flash_attn = 'no': no backend of this study accepts it (llama-server accepts true, false)"),
+    ('cache_type = ["q9_0"]', "", "[space] cache_type = 'q9_0': no backend of this study accepts it (llama-server accepts 'f16'"),
+    ("", "[backends.llama-server]\nstartup_timeot_s = 30", "[backends.llama-server] startup_timeot_s: unknown setting (accepted: "),
+    ("", '[backends.llama-server]\nstartup_timeout_s = "soon"', "[backends.llama-server] startup_timeout_s = 'soon': must be a number"),
+])
+def test_llama_server_input_that_would_be_replaced_or_ignored_is_exit_2(tmp_path, space, extra, expected):
+    import autotune_plugins.llama_server as llama_server
+
+    from tests.conftest import REPO, plugin_registered
+
+    path = tmp_path / "strict.toml"
+    path.write_text(LLAMA_STUDY.format(model=REPO / "tests" / "data" / "stories260K.gguf", space=space, extra=extra))
+    with plugin_registered(llama_server, "llama_server"):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2, result.output
+    assert f"Error: {path}: {expected}" in result.output
+    assert not (tmp_path / "s.db").exists()  # nothing ran, nothing was stored

@@ -145,11 +145,15 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
         if budget <= 0:
             errors.append(f"{src}: [hardware] safety_margin_mib leaves no memory of {total} bytes")
 
+    bad_settings: set[str] = set()
     for name, settings in cfg.backend_settings.items():
         if name not in backends:
             errors.append(f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'})")
-        else:
-            errors += check_settings(backends[name], settings, src)
+            continue
+        problems = check_settings(backends[name], settings, src)
+        if problems:
+            errors += problems
+            bad_settings.add(name)  # its checks below would read the bad values
 
     entries: list[BackendSpace] = []
     offered: dict[str, list[Param]] = {}
@@ -163,7 +167,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: listed twice; merge its weights into one entry")
             continue
         backend = backends[cand.backend]
-        if gpu is None or model is None or protocol is None:
+        if gpu is None or model is None or protocol is None or cand.backend in bad_settings:
             continue
         ctx = StudyContext(gpu=gpu, model=model, workload=Workload(cfg.prompt_tokens, cfg.output_tokens),
                            vram_budget_bytes=budget, protocol=protocol, seed=cfg.seed,
