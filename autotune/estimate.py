@@ -12,6 +12,7 @@ from typing import Any
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
 from autotune.errors import ConfigError, UnknownNameError
+from autotune.gguf_file import read_gguf
 from autotune.hardware import resolve_gpu
 from autotune.measure import Protocol
 from autotune.models import resolve_model
@@ -110,18 +111,14 @@ def _format_of(weights: str) -> str:
     if not path.is_file():
         return weights
     try:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        field = reader.fields.get("general.file_type")
-        if field is not None:
-            value = int(field.parts[field.data[0]][0])
-            return "gguf:" + gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        # No file type in the header: the type most of the layers' matrices have.
-        types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) > 1]
-        return "gguf:" + max(set(types), key=types.count) if types else weights
-    except Exception:  # not a GGUF file, or a type the gguf package does not know: no speed prior
+        header = read_gguf(path)
+    except ConfigError:  # not a GGUF file: no speed prior
         return weights
+    if header.file_type is not None:
+        return "gguf:" + header.file_type
+    # No file type in the header: the type most of the layers' matrices have.
+    types = [t.ggml_type for t in header.tensors if t.layer is not None and len(t.shape) > 1]
+    return "gguf:" + max(set(types), key=types.count) if types else weights
 
 
 def estimate_text(r: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ Weights. A format is ``gguf:<TYPE>`` (a llama.cpp file type such as ``gguf:Q4_K_
 ``exl2:<bpw>`` (an ExLlamaV2 quantization at an average bits per weight, 2.0-8.0). For either,
 :func:`weights_for` predicts the bytes of every part of the model (embeddings, each decoder
 layer, the output head) from the architecture, tensor by tensor, and calibrates the prediction
-against artifact sizes the model spec quotes.
+against artifact sizes the model spec quotes. For a GGUF file that exists,
+:func:`gguf_file_weights` gives the same breakdown from the file's own tensor table instead.
 
 KV cache. :data:`CACHE_TYPES` lists the cache element types of llama.cpp, ExLlamaV2 and vLLM
 with their bytes per element, scales included; :func:`kv_bytes_per_token` turns a model and a
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
 
 from autotune.errors import ConfigError, UnknownNameError
+from autotune.gguf_file import GgufTensor, read_gguf
 from autotune.models import ModelSpec
 
 __all__ = [
@@ -39,11 +42,12 @@ __all__ = [
     "cache_fixed_bytes",
     "exl2_weights",
     "ggml_tensor_bytes",
+    "gguf_file_weights",
     "gguf_tensor_plan",
-    "gguf_weights",
     "kv_bytes_per_token",
     "normalize_format",
     "parse_format",
+    "predict_gguf_weights",
     "weights_for",
 ]
 
@@ -401,40 +405,66 @@ class WeightsBreakdown:
         return WeightsBreakdown(emb, out, layers, other, self.embedding_on_gpu, self.head_is_embedding)
 
 
-def gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
-    """Predicts a GGUF file's weight bytes from the architecture, tensor by tensor.
+def _gguf_breakdown(tensors: Iterable[TensorPlan | GgufTensor], n_layers: int | None,
+                    head_is_embedding: bool) -> WeightsBreakdown:
+    """GGUF tensors summed by where llama.cpp puts them: layers, embedding, head, the rest.
 
-    Metadata (the tokenizer vocabulary, a few MB) is not counted.
-
-    Args:
-        model: The model.
-        file_type: A GGUF file type such as ``Q4_K_M``.
-
-    Returns:
-        The breakdown, with ``embedding_on_gpu=False``: llama.cpp keeps token_embd in host
-        memory whatever ``-ngl`` says (src/llama-model.cpp, load_tensors: "there is very little
-        benefit to offloading the input layer, so always keep it on the CPU"); with tied
-        embeddings ``head_is_embedding`` is set, since the same matrix is then loaded onto the
-        GPU as the output head.
-
-    Raises:
-        UnknownNameError: ``file_type`` is not known.
+    ``embedding_on_gpu`` is False: llama.cpp keeps token_embd in host memory whatever ``-ngl``
+    says (src/llama-model.cpp, load_tensors: "there is very little benefit to offloading the
+    input layer, so always keep it on the CPU"). A file without ``output.weight`` ties the head
+    to the embedding, which the engine then loads a second time on the GPU as the head.
     """
-    plan = gguf_tensor_plan(model, file_type)
-    per_layer = [0] * model.n_layers
+    per_layer: dict[int, int] = {}
     emb = out = other = 0
-    for t in plan:
+    for t in tensors:
         if t.layer is not None:
-            per_layer[t.layer] += t.n_bytes
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + t.n_bytes
         elif t.name == "token_embd.weight":
             emb += t.n_bytes
         elif t.name == "output.weight":
             out += t.n_bytes
         else:
             other += t.n_bytes
-    return WeightsBreakdown(
-        emb, out, tuple(per_layer), other, embedding_on_gpu=False, head_is_embedding=model.tie_embeddings
-    )
+    count = n_layers if n_layers is not None else max(per_layer, default=-1) + 1
+    layers = tuple(per_layer.get(i, 0) for i in range(count))
+    return WeightsBreakdown(emb, out, layers, other, embedding_on_gpu=False, head_is_embedding=head_is_embedding)
+
+
+def predict_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
+    """Predicts the weight bytes of a GGUF file of ``file_type`` from the architecture alone.
+
+    Sums :func:`gguf_tensor_plan`, tensor by tensor; metadata (the tokenizer vocabulary, a
+    few MB) is not counted. For the bytes of a file that exists, see :func:`gguf_file_weights`.
+
+    Args:
+        model: The model.
+        file_type: A GGUF file type such as ``Q4_K_M``.
+
+    Returns:
+        The breakdown, with ``embedding_on_gpu=False`` and, for tied embeddings,
+        ``head_is_embedding`` (see :class:`WeightsBreakdown`).
+
+    Raises:
+        UnknownNameError: ``file_type`` is not known.
+    """
+    return _gguf_breakdown(gguf_tensor_plan(model, file_type), model.n_layers, model.tie_embeddings)
+
+
+def gguf_file_weights(path: str | os.PathLike[str]) -> WeightsBreakdown:
+    """The exact weight bytes of an existing GGUF file, from its tensor table.
+
+    Args:
+        path: A ``.gguf`` file.
+
+    Returns:
+        The breakdown by embedding / head / layer / other; ``total_bytes`` is the sum of the
+        tensors (the file minus its header and alignment padding).
+
+    Raises:
+        ConfigError: The file is missing, unreadable or not a GGUF file.
+    """
+    header = read_gguf(path)
+    return _gguf_breakdown(header.tensors, None, head_is_embedding=header.tensor("output.weight") is None)
 
 
 EXL2_BPW_MIN = 2.0
@@ -563,7 +593,7 @@ def bits_per_weight(fmt: str, model: ModelSpec | None = None) -> float:
 
 def _computed(model: ModelSpec, family: str, detail: str | float) -> WeightsBreakdown:
     if family == "gguf":
-        return gguf_weights(model, str(detail))
+        return predict_gguf_weights(model, str(detail))
     return exl2_weights(model, float(detail))
 
 
@@ -583,7 +613,7 @@ def _interpolate(points: Iterable[tuple[float, float]], x: float) -> float:
 def weights_for(model: ModelSpec, fmt: str) -> WeightsBreakdown:
     """Weight bytes of ``model`` in ``fmt``, calibrated against the sizes the model quotes.
 
-    The per-tensor prediction (:func:`gguf_weights`, :func:`exl2_weights`) is then corrected:
+    The per-tensor prediction (:func:`predict_gguf_weights`, :func:`exl2_weights`) is then corrected:
 
     * If ``model.artifact_bytes`` quotes this exact format, the breakdown is scaled so its
       total is exactly the quoted size: a real file's size beats any prediction.

@@ -9,9 +9,8 @@ from click.testing import CliRunner
 import autotune_plugins.llama_server as llama_plugin
 import autotune_plugins.twin as twin_plugin
 from autotune.cli import cli
-from autotune.formats import kv_bytes_per_token
+from autotune.formats import gguf_file_weights, kv_bytes_per_token
 from autotune.models import model_from_gguf
-from autotune.vram import gguf_weights
 from autotune_plugins.llama_server import memory
 from tests.conftest import plugin_registered, shared_file
 
@@ -28,7 +27,7 @@ def test_a_gguf_file_is_its_own_weights():
     assert result.exit_code == 0, result.output
     r = json.loads(result.output)
     model = model_from_gguf(path)
-    w = gguf_weights(path)
+    w = gguf_file_weights(path)
     # For the named card, even on a machine without it: a CUDA context, the head on the GPU.
     assert r["vram"]["overhead_bytes"] == memory.CUDA_CONTEXT_BYTES
     assert r["vram"]["weights_bytes"] == w.gpu_bytes and r["vram"]["host_bytes"] == w.embedding_bytes
