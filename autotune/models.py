@@ -536,8 +536,13 @@ def resolve_model(ref: str) -> ModelSpec:
         raise ConfigError(f"{p}: directory has no config.json (an HF or EXL2 model directory needs one)")
     if p.exists():
         raise ConfigError(f"{p}: not a .gguf file, a config.json or a model directory")
-    raise UnknownNameError(
-        f"unknown model '{ref}': not a catalog key (known: {', '.join(catalog)}) "
-        "and no such .gguf file, config.json or directory"
-    )
+    known = ", ".join(catalog)
+    if _looks_like_path(ref):
+        raise UnknownNameError(f"{ref}: no such file or directory (nor a catalog model; the catalog has: {known})")
+    raise UnknownNameError(f"{ref!r}: not a catalog model (known: {known}) nor an existing file or directory")
+
+
+def _looks_like_path(ref: str) -> bool:
+    """Whether a user meant a file (so "no such file" is the news) rather than a catalog key."""
+    return "/" in ref or "\\" in ref or ref.startswith("~") or Path(ref).suffix.lower() in (".gguf", ".json")
 
