@@ -74,3 +74,36 @@ def test_errors_name_the_file_and_what_is_wrong(tmp_path):
     truncated.write_bytes(shared_file("models/stories260K.gguf").read_bytes()[:5000])
     with pytest.raises(ConfigError, match=r"cut\.gguf: damaged or truncated GGUF file"):
         read_gguf(truncated)
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_agrees_with_the_gguf_packages_reader(tmp_path, endian):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / f"{endian}.gguf"
+    w = gguf.GGUFWriter(path, "llama", endianess=getattr(gguf.GGUFEndian, endian))
+    w.add_uint8("t.u8", 7)
+    w.add_int16("t.i16", -3)
+    w.add_uint64("t.u64", 2**40)
+    w.add_float32("t.f32", 0.5)
+    w.add_float64("t.f64", 1.25)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo")
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.strs", ["a", "bc"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", np.ones((4, 32), dtype=np.float32))
+    w.add_tensor("output.weight", np.ones((2, 32), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(path)
+    header = read_gguf(path)
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert dict(header.metadata) == expected
+    assert [(t.name, t.ggml_type, t.shape, t.n_elements, t.n_bytes) for t in header.tensors] == [
+        (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_elements), int(t.n_bytes))
+        for t in reader.tensors]
+    assert header.file_type == "Q8_0"
