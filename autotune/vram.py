@@ -6,7 +6,7 @@ Four parts, each from the most direct source there is:
   exact bytes), split into layers, output head and token embeddings, because engines place
   them differently (:func:`autotune.formats.gguf_file_weights`; this module reads no files);
 * **KV cache** from the model's shape, the cache type's bytes per value
-  (:func:`autotune.formats.kv_bytes_per_token`) and the engine's *slot layout*: how many cells
+  (:func:`autotune.cache_types.kv_bytes_per_token`) and the engine's *slot layout*: how many cells
   each sequence gets, how they are padded, whether sequences share one pool
   (:class:`SlotLayout`); sliding-window layers hold only their window;
 * **compute buffers**, the activations of one micro-batch as the engine's graph allocator
@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from autotune.backend import MemoryEstimate
-from autotune.formats import gguf_file_weights, kv_bytes_per_token
+from autotune.cache_types import kv_bytes_per_token
+from autotune.formats import gguf_file_weights
 from autotune.models import ModelSpec
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Tests for autotune.formats: GGUF/EXL2 weight sizes and KV-cache element types."""
+"""Tests for autotune.formats (GGUF/EXL2 weight sizes) and autotune.cache_types (KV-cache element types)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,17 @@ import pytest
 from tests.conftest import shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
+from autotune.cache_types import CACHE_TYPES, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
 from autotune.formats import (
-    CACHE_TYPES,
     GGML_TYPES,
     GGUF_FILE_TYPES,
     WeightsBreakdown,
     bits_per_weight,
-    cache_bytes_per_element,
-    cache_fixed_bytes,
     exl2_weights,
     gguf_tensor_plan,
-    predict_gguf_weights,
-    kv_bytes_per_token,
     normalize_format,
     parse_format,
+    predict_gguf_weights,
     weights_for,
 )
 from autotune.models import get_model, model_from_gguf
