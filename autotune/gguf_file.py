@@ -26,7 +26,7 @@ from typing import Any
 
 from autotune.errors import ConfigError
 
-__all__ = ["GGUF_MAGIC", "GgufFile", "GgufTensor", "read_gguf"]
+__all__ = ["GGUF_MAGIC", "GgufFile", "GgufTensor", "read_gguf", "read_gguf_key_values"]
 
 GGUF_MAGIC = b"GGUF"
 # Arrays longer than this keep only their length: a tokenizer's 150k-entry vocabulary would
@@ -128,6 +128,41 @@ def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
     return _read_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
 
 
+def read_gguf_key_values(path: str | os.PathLike[str], prefix: str = "") -> list[tuple[str, Any, Any, Any]]:
+    """Key-value pairs of a GGUF file exactly as stored, to copy them into another file.
+
+    For writing a new GGUF file with some of this one's metadata (``autotune synth`` copies a
+    tokenizer): every array is decoded whole, strings are kept as raw bytes (a token need not
+    be valid UTF-8, and re-encoding could change it), and each value comes with its types, as
+    ``gguf.GGUFWriter.add_key_value`` takes them. Not cached: it is read once per use.
+
+    Args:
+        path: A ``.gguf`` file.
+        prefix: Only keys starting with it (``tokenizer.``).
+
+    Returns:
+        ``[(key, value, gguf.GGUFValueType, element type for arrays else None), ...]`` in file order.
+
+    Raises:
+        ConfigError: As :func:`read_gguf`.
+    """
+    import gguf
+
+    p = Path(path).expanduser()
+    read_gguf(p)  # the same checks and messages, and the file is known to parse
+    out = []
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf, _byte_order(buf))
+        cur.pos = 16
+        for _ in range(cur.take("Q")):
+            key = cur.raw_string().decode("utf-8", errors="replace")
+            vtype = cur.take("I")
+            value, sub = cur.typed_value(vtype, key)
+            if key.startswith(prefix):
+                out.append((key, value, gguf.GGUFValueType(vtype), gguf.GGUFValueType(sub) if sub is not None else None))
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _read_cached(path: str, mtime_ns: int, size: int) -> GgufFile:
     try:
@@ -179,13 +214,36 @@ class _Cursor:
         self.pos += st.size
         return value
 
-    def string(self) -> str:
+    def raw_string(self) -> bytes:
         n = self.take("Q")
         if self.pos + n > len(self.buf):
             raise _Damaged(f"a string of {n} bytes at byte {self.pos} runs past the end")
-        raw = self.buf[self.pos:self.pos + n]
+        raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        return raw
+
+    def string(self) -> str:
+        return self.raw_string().decode("utf-8", errors="replace")
+
+    def typed_value(self, vtype: int, key: str) -> tuple[Any, int | None]:
+        """(the value with strings as bytes and arrays whole, the element type of an array)."""
+        if vtype in _SCALARS:
+            return self.take(_SCALARS[vtype]), None
+        if vtype == _STRING:
+            return self.raw_string(), None
+        if vtype != _ARRAY:
+            raise _Damaged(f"key {key!r} has value type {vtype}, which GGUF does not define")
+        etype, count = self.take("I"), self.take("Q")
+        if etype == _STRING:
+            return [self.raw_string() for _ in range(count)], etype
+        if etype not in _SCALARS:
+            raise _Damaged(f"array {key!r} has element type {etype}; nested arrays are not supported")
+        st = struct.Struct(f"{self.order}{count}{_SCALARS[etype]}")
+        if self.pos + st.size > len(self.buf):
+            raise _Damaged(f"array {key!r} of {count} elements runs past the end")
+        values = list(st.unpack_from(self.buf, self.pos))
+        self.pos += st.size
+        return values, etype
 
     def skip_string(self) -> None:
         n = self.take("Q")
@@ -215,14 +273,17 @@ class _Cursor:
         return True, [self.value(etype, key, {})[1] for _ in range(count)]
 
 
+def _byte_order(buf: Any) -> str:
+    # A file written on a machine of the other byte order has its version byte-swapped.
+    return "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
+
+
 def _parse(buf: Any) -> tuple[dict[str, Any], dict[str, int], tuple[GgufTensor, ...]]:
     import gguf
 
     if len(buf) < 24:
         raise _Damaged(f"{len(buf)} bytes, shorter than a GGUF header")
-    # A file written on a machine of the other byte order has its version byte-swapped.
-    order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
-    cur = _Cursor(buf, order)
+    cur = _Cursor(buf, _byte_order(buf))
     cur.pos = 4
     version = cur.take("I")
     if version not in (2, 3):

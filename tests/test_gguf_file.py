@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from autotune.errors import ConfigError
-from autotune.gguf_file import MAX_DECODED_ARRAY, read_gguf
+from autotune.gguf_file import MAX_DECODED_ARRAY, read_gguf, read_gguf_key_values
 from tests.conftest import shared_file
 
 
@@ -107,3 +107,22 @@ def test_agrees_with_the_gguf_packages_reader(tmp_path, endian):
         (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_elements), int(t.n_bytes))
         for t in reader.tensors]
     assert header.file_type == "Q8_0"
+
+
+def test_key_values_copy_into_a_new_file_unchanged(tmp_path):
+    import gguf
+
+    src = shared_file("models/stories260K.gguf")
+    pairs = read_gguf_key_values(src, "tokenizer.")
+    assert [k for k, *_ in pairs] == [k for k in gguf.GGUFReader(src).fields if k.startswith("tokenizer.")]
+    tokens = next(v for k, v, *_ in pairs if k == "tokenizer.ggml.tokens")
+    assert len(tokens) == 512 and all(isinstance(t, bytes) for t in tokens)  # raw bytes: no re-encoding
+    copy = tmp_path / "copy.gguf"
+    w = gguf.GGUFWriter(copy, "llama")
+    for key, value, vtype, sub in pairs:
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert read_gguf_key_values(copy, "tokenizer.") == pairs
