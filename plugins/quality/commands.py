@@ -17,6 +17,11 @@ from autotune.errors import ConfigError, handle_errors
 __all__ = ["add_quality_command", "measure_quality"]
 
 BENCHMARK_NAMES = ("mmlu", "ceval", "kld")
+# The command's defaults are a quick look: one item per subject, zero-shot (57 MMLU items, under
+# a minute for a small model on a 2-core CPU). A study's defaults (per_subject 5, shots 5: 285
+# items, each behind five worked examples) took over 10 minutes for a 260K-parameter model there;
+# `--per-subject 5 --shots 5` gives the figure a study would.
+QUICK = {"per_subject": 1, "shots": 0}
 
 
 def _context(settings: dict[str, Any]):
@@ -120,10 +125,10 @@ def add_quality_command(cli: click.Group) -> None:
     @click.option("--weights", required=True, help="The artifact: a file (GGUF) or directory (EXL2).")
     @click.option("--cache", "cache_type", default=None, help="KV-cache type to load it with (default: the engine's).")
     @click.option("--benchmark", type=click.Choice(BENCHMARK_NAMES), required=True, help="What to measure.")
-    @click.option("--per-subject", type=click.IntRange(1, 10), default=5, show_default=True,
-                  help="Items per subject (mmlu, ceval).")
-    @click.option("--shots", type=click.IntRange(0, 5), default=5, show_default=True,
-                  help="Dev examples before each question (mmlu, ceval).")
+    @click.option("--per-subject", type=click.IntRange(1, 10), default=QUICK["per_subject"], show_default=True,
+                  help="Items per subject (mmlu, ceval). A study's [quality] default is 5.")
+    @click.option("--shots", type=click.IntRange(0, 5), default=QUICK["shots"], show_default=True,
+                  help="Dev examples before each question (mmlu, ceval). A study's [quality] default is 5.")
     @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Chooses the subset.")
     @click.option("--reference", default=None, help="kld: the highest-precision file of the same model.")
     @click.option("--set", "settings", multiple=True, callback=_settings, metavar="KEY=VALUE",
@@ -135,7 +140,9 @@ def add_quality_command(cli: click.Group) -> None:
                 as_json: bool) -> None:
         """Measure one artifact's quality: MMLU or C-Eval accuracy, or KL divergence vs --reference.
 
-        Progress goes to stderr: a bar on a terminal, a line every few seconds elsewhere.
+        The defaults are a quick look (one item per subject, zero-shot); --per-subject 5
+        --shots 5 measures what a study does by default. Progress goes to stderr: a bar on a
+        terminal, a line every few seconds elsewhere.
         """
         from autotune_plugins.quality.progress import QualityProgress
 
