@@ -17,6 +17,7 @@ import click
 from autotune import plugins
 from autotune.config import load_study_config, parse_duration
 from autotune.errors import ConfigError, handle_errors
+from autotune.estimate import BACKEND_RULE
 
 DEFAULT_STUDY = "v100-qwen27b.toml"
 
@@ -165,7 +166,7 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
 @cli.command()
 @click.option("--gpu", "gpu_key", default="auto", show_default=True, help="Catalog GPU key, or auto (NVML).")
 @click.option("--model", "model_ref", required=True, help="Catalog model key, a .gguf file or a model directory.")
-@click.option("--backend", "backend_name", required=True, help="Backend name (autotune plugins) or engine (llama.cpp, exllamav2, vllm).")
+@click.option("--backend", "backend_name", required=True, help=BACKEND_RULE)
 @click.option("--weights", default=None,
               help="gguf:<TYPE>, exl2:<bpw>, or a weights file [default: --model, when it is a file or an EXL2 directory].")
 @click.option("--ctx", "ctx_tokens", required=True, type=click.IntRange(min=1), help="Context per sequence.")
@@ -179,19 +180,22 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
 def estimate(ctx: click.Context, gpu_key: str, model_ref: str, backend_name: str, weights: str | None, ctx_tokens: int,
              cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int, output_tokens: int,
              as_json: bool) -> None:
-    """Memory breakdown and predicted speed of one configuration (ctx is per sequence)."""
-    from autotune.estimate import estimate_config, estimate_text
+    """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
 
-    if weights is None:
-        if not Path(model_ref).expanduser().exists():
-            raise click.UsageError(f"--weights is needed: --model {model_ref!r} is a catalog key, not a file "
-                                   "(give e.g. --weights gguf:Q4_K_M or --weights exl2:4.0)")
-        weights = model_ref  # the file (or EXL2 directory) is both the model and its weights
+    Exit status 2, after the estimate, when the configuration is invalid (a rule of the
+    engine it breaks, e.g. ctx beyond the model's context) or the engine refuses it;
+    0 when it fits and when it does not.
+    """
+    from autotune.estimate import estimate_config, estimate_text
 
     def go() -> None:
         result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
                                  parallel, prompt_tokens, output_tokens)
         click.echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
+        if result["verdict"] == "invalid":
+            raise ConfigError("invalid configuration: " + "; ".join(result["invalid"]))
+        if result["verdict"] == "refused":
+            raise ConfigError(f"the engine refuses this configuration: {result['refused']}")
 
     _run(ctx.obj["debug"], go)
 

@@ -1,7 +1,14 @@
 """``autotune estimate``: memory breakdown and predicted speed of one configuration, no launch.
 
-The memory comes from the named backend's own estimate; the speed from a model backend of
-the same engine (the digital twin) for the card and model given. ``ctx`` is per sequence.
+Which backend answers (:data:`BACKEND_RULE`, also the ``--backend`` help): the name given picks
+the engine, the weights pick the backend of that engine. A format (``gguf:Q4_K_M``,
+``exl2:3.3``) is estimated by the engine's digital twin (the backend of that engine that
+implements ``predict``), from the model's shape; a file or directory by the engine's real
+backend, from the file's own tensors, with the speed from the twin. ``ctx`` is per sequence.
+
+A configuration the engine would not run (a rule it breaks, e.g. a ctx beyond the model's
+context, or the engine's own refusal) gets the verdict "invalid" or "refused", never "fits":
+the command prints the estimate and exits 2.
 """
 
 from __future__ import annotations
@@ -12,46 +19,136 @@ from typing import Any
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
 from autotune.errors import ConfigError, UnknownNameError
+from autotune.gguf_file import read_gguf
 from autotune.hardware import resolve_gpu
 from autotune.measure import Protocol
-from autotune.models import resolve_model
+from autotune.models import load_model_catalog, resolve_model
+
+__all__ = ["BACKEND_RULE", "FORMAT_FAMILIES", "estimate_config", "estimate_text", "resolve_backends"]
+
+FORMAT_FAMILIES = ("gguf", "exl2")
+BACKEND_RULE = (
+    "A backend name (autotune plugins) or an engine name (llama.cpp, exllamav2, vllm): either picks "
+    "the engine. Weights given as a format (gguf:Q4_K_M, exl2:3.3) are estimated by that engine's "
+    "digital twin; a file or directory by the engine's real backend (memory from the file's tensors, "
+    "speed from the twin)."
+)
+# What the command says about each verdict; "invalid" and "refused" exit 2.
+VERDICTS = ("fits", "does not fit", "invalid", "refused")
 
 
-def _backends(name: str) -> tuple[BaseBackend, BaseBackend | None]:
-    """The backend named (or the first of that engine) and a predictor of the same engine."""
+def is_format(weights: str) -> bool:
+    """Whether ``weights`` names a format (``gguf:Q4_K_M``) rather than a file or directory.
+
+    Something on disk is a file even with a colon in its name; ``family:...`` for a known
+    family is a format even when the rest is wrong, so that the twin names the accepted ones.
+    """
+    if Path(weights).expanduser().exists():
+        return False
+    family, sep, _ = weights.partition(":")
+    return bool(sep) and family.lower() in FORMAT_FAMILIES
+
+
+def _predicts(backend: BaseBackend) -> bool:
+    return type(backend).predict is not BaseBackend.predict
+
+
+def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend | None]:
+    """The backend that estimates ``weights`` for ``--backend name``, and the speed model.
+
+    Args:
+        name: A registered backend's name or an engine's name.
+        weights: A format or a file / directory (see :func:`is_format`).
+
+    Returns:
+        (the backend that answers, the twin of its engine or None when none is installed).
+
+    Raises:
+        UnknownNameError: ``name`` is neither a backend nor an engine; the message lists both.
+        ConfigError: The engine has no backend of the kind the weights need.
+    """
     backends = plugins.get_backends()
-    chosen = backends.get(name)
-    if chosen is None:
-        same = [b for b in backends.values() if b.engine == name]
-        if not same:
-            engines = sorted({b.engine for b in backends.values()})
-            raise UnknownNameError(
-                f"--backend {name!r}: not an installed backend or engine "
-                f"(backends: {', '.join(backends) or 'none'}; engines: {', '.join(engines) or 'none'})"
+    named = backends.get(name)
+    engine = named.engine if named is not None else name
+    same = [b for b in backends.values() if b.engine == engine]
+    if not same:
+        engines = sorted({b.engine for b in backends.values()})
+        raise UnknownNameError(
+            f"--backend {name!r}: not an installed backend or engine "
+            f"(backends: {', '.join(backends) or 'none'}; engines: {', '.join(engines) or 'none'})"
+        )
+    twins = [b for b in same if _predicts(b)]
+    real = [b for b in same if not _predicts(b)]
+    if is_format(weights):
+        if named is not None and _predicts(named):
+            chosen = named
+        elif twins:
+            chosen = twins[0]
+        else:
+            raise ConfigError(
+                f"--weights {weights!r} is a format, which only a digital twin estimates, and no backend of "
+                f"engine {engine} is one (installed: {', '.join(b.name for b in same)}): give a weights file or "
+                "directory, or install the twin plugin"
             )
-        chosen = same[0]
-    predictor = None
-    for candidate in [chosen, *backends.values()]:
-        if candidate.engine == chosen.engine and type(candidate).predict is not BaseBackend.predict:
-            predictor = candidate
-            break
-    return chosen, predictor
+    elif named is not None and not _predicts(named):
+        chosen = named
+    elif real:
+        chosen = real[0]
+    else:
+        raise ConfigError(
+            f"--weights {weights!r} is a file or directory, which only a real backend reads, and no backend of "
+            f"engine {engine} is one (installed: {', '.join(b.name for b in same)}, which take formats such as "
+            "gguf:Q4_K_M or exl2:4.0)"
+        )
+    return chosen, chosen if _predicts(chosen) else (twins[0] if twins else None)
 
 
-def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: str, ctx_tokens: int,
+def _weights_of(model_ref: str, weights: str | None) -> str:
+    """``--weights``, or the model itself when it is a file or directory."""
+    if weights is not None:
+        if not is_format(weights) and not Path(weights).expanduser().exists():
+            raise ConfigError(
+                f"--weights {weights!r}: no such file or directory (relative to the current directory "
+                f"{Path.cwd()}); a format is gguf:<TYPE> or exl2:<bpw>"
+            )
+        return weights
+    if model_ref in load_model_catalog():
+        raise ConfigError(f"--weights is needed: --model {model_ref!r} is a catalog model, not a file "
+                          "(give e.g. --weights gguf:Q4_K_M or --weights exl2:4.0)")
+    return model_ref  # resolve_model has checked that it exists: the file is model and weights
+
+
+def _verdict(fits: bool, invalid: list[str], refused: str | None) -> str:
+    if invalid:
+        return "invalid"
+    if refused:
+        return "refused"
+    return "fits" if fits else "does not fit"
+
+
+def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: str | None, ctx_tokens: int,
                     cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int = 1500,
                     output_tokens: int = 800) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
+
+    Args:
+        weights: A format, a file or directory, or None when ``model_ref`` is itself the file.
 
     Returns:
         ``{"config", "gpu", "model", "vram": {weights_bytes, kv_bytes, buffers_bytes,
         overhead_bytes, total_bytes, budget_bytes, fits, host_bytes}, "predicted":
         {decode_tok_s, prefill_tok_s, aggregate_tok_s, per_user_tok_s, roofline_tok_s} | None,
-        "invalid": [reasons], "predictor": name | None}``.
+        "invalid": [reasons], "refused": reason | None, "verdict", "predictor": name | None,
+        "resolved": how --backend became the backend that answered | None}``. ``vram.fits``
+        is memory alone; ``verdict`` is "fits" only for a configuration that is also valid.
     """
     gpu = resolve_gpu(gpu_key)
-    model = resolve_model(model_ref)
-    backend, predictor = _backends(backend_name)
+    try:
+        model = resolve_model(model_ref)
+    except UnknownNameError as exc:
+        raise UnknownNameError(f"--model {exc}") from None
+    weights = _weights_of(model_ref, weights)
+    backend, predictor = resolve_backends(backend_name, weights)
     options = {"flash_attn": flash_attn}
     params = {p.name: p for p in backend.parameters({})}
     if cache_type is not None:
@@ -68,13 +165,20 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         raise ConfigError(f"--weights {weights!r}: {problem}")
     config = TrialConfig(backend.name, weights, ctx_tokens, parallel, tuple(sorted(options.items())))
     invalid = backend.check(config, ctx)
+    # Every engine refuses a ctx beyond the model's (llama.cpp's rules, ExLlamaV2's check, vLLM's
+    # max_model_len), but not every backend checks it (the twins do not): say it once, unless
+    # the backend's own reason already names the model's length.
+    if ctx_tokens > model.max_context and not any(str(model.max_context) in reason for reason in invalid):
+        invalid.append(f"ctx {ctx_tokens} exceeds the model's context length {model.max_context}")
     if ctx_tokens < prompt_tokens + output_tokens:
         invalid.append(f"ctx {ctx_tokens} cannot hold {prompt_tokens} prompt + {output_tokens} output tokens")
     mem = backend.estimate_memory(config, ctx)
     predicted = None
     refused = None
     no_prediction = None if predictor is not None else "no speed model for this engine is installed"
-    if predictor is not None:
+    if invalid:
+        no_prediction = "no speed is predicted for an invalid configuration"
+    elif predictor is not None:
         probe = TrialConfig(predictor.name, _format_of(weights), ctx_tokens, parallel, config.options)
         try:
             predictor.refuse(probe, ctx)  # type: ignore[attr-defined]
@@ -87,16 +191,24 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
                 predicted = predictor.predict(probe, ctx)
             except ConfigError as exc:  # a weights file whose format the speed model has no entry for
                 no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
+    fits = mem.total_bytes <= gpu.vram_bytes
+    resolved = None
+    if backend.name != backend_name:
+        kind = "a format" if is_format(weights) else "a file or directory"
+        role = "the engine's digital twin" if _predicts(backend) else "the engine's real backend"
+        resolved = f"--backend {backend_name} with {kind} as weights: estimated by {backend.name}, {role}"
     return {
         "config": config.as_dict(),
         "gpu": gpu.key,
         "model": model.key,
-        "vram": {**mem.to_dict(), "budget_bytes": gpu.vram_bytes, "fits": mem.total_bytes <= gpu.vram_bytes},
+        "vram": {**mem.to_dict(), "budget_bytes": gpu.vram_bytes, "fits": fits},
         "predicted": dict(predicted) if predicted else None,
         "refused": refused,
         "invalid": invalid,
+        "verdict": _verdict(fits, invalid, refused),
         "predictor": predictor.name if predictor else None,
         "no_prediction": no_prediction,
+        "resolved": resolved,
     }
 
 
@@ -110,18 +222,14 @@ def _format_of(weights: str) -> str:
     if not path.is_file():
         return weights
     try:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        field = reader.fields.get("general.file_type")
-        if field is not None:
-            value = int(field.parts[field.data[0]][0])
-            return "gguf:" + gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        # No file type in the header: the type most of the layers' matrices have.
-        types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) > 1]
-        return "gguf:" + max(set(types), key=types.count) if types else weights
-    except Exception:  # not a GGUF file, or a type the gguf package does not know: no speed prior
+        header = read_gguf(path)
+    except ConfigError:  # not a GGUF file: no speed prior
         return weights
+    if header.file_type is not None:
+        return "gguf:" + header.file_type
+    # No file type in the header: the type most of the layers' matrices have.
+    types = [t.ggml_type for t in header.tensors if t.layer is not None and len(t.shape) > 1]
+    return "gguf:" + max(set(types), key=types.count) if types else weights
 
 
 def estimate_text(r: dict[str, Any]) -> str:
@@ -129,22 +237,27 @@ def estimate_text(r: dict[str, Any]) -> str:
     # MiB for small models (a test model of a few MiB would print as 0.00 GiB everywhere).
     gib, unit = (2**30, "GiB") if v["total_bytes"] >= 2**30 else (2**20, "MiB")
     c = r["config"]
+    verdict = r["verdict"]
+    if verdict in ("fits", "does not fit"):
+        memory = "fits" if v["fits"] else "DOES NOT FIT"
+    else:
+        memory = f"memory alone {'would fit' if v['fits'] else 'would not fit either'}, but see below"
     lines = [
         f"{c['backend']} {c['weights']} ctx {c['ctx']} x {c['parallel']} "
         + " ".join(f"{k}={val}" for k, val in c.items() if k not in ("backend", "weights", "ctx", "parallel"))
         + f" on {r['gpu']}, model {r['model']}",
+    ]
+    if r.get("resolved"):
+        lines.append(f"  ({r['resolved']})")
+    lines.append(
         f"  VRAM: weights {v['weights_bytes'] / gib:.2f} + KV {v['kv_bytes'] / gib:.2f} + buffers "
         f"{v['buffers_bytes'] / gib:.2f} + overhead {v['overhead_bytes'] / gib:.2f} = {v['total_bytes'] / gib:.2f} {unit} "
-        f"of {v['budget_bytes'] / 2**30:.2f} GiB: {'fits' if v['fits'] else 'DOES NOT FIT'}",
-    ]
+        f"of {v['budget_bytes'] / 2**30:.2f} GiB: {memory}"
+    )
     if v["host_bytes"]:
         lines.append(f"  host memory: {v['host_bytes'] / gib:.2f} {unit}")
     for note in v.get("notes", []):
         lines.append(f"  - {note}")
-    for reason in r["invalid"]:
-        lines.append(f"  invalid: {reason}")
-    if r.get("refused"):
-        lines.append(f"  the engine refuses it: {r['refused']}")
     p = r["predicted"]
     if p:
         lines.append(
@@ -154,4 +267,8 @@ def estimate_text(r: dict[str, Any]) -> str:
         )
     elif not r.get("refused") and r.get("no_prediction"):
         lines.append(f"  {r['no_prediction']}")
+    if verdict == "invalid":
+        lines.append("  INVALID, the engine would not run it: " + "; ".join(r["invalid"]))
+    elif verdict == "refused":
+        lines.append(f"  REFUSED by the engine: {r['refused']}")
     return "\n".join(lines)

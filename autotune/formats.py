@@ -1,49 +1,50 @@
-"""Weight formats and KV-cache element types, as data.
+"""Weight formats, as data.
 
 Weights. A format is ``gguf:<TYPE>`` (a llama.cpp file type such as ``gguf:Q4_K_M``) or
 ``exl2:<bpw>`` (an ExLlamaV2 quantization at an average bits per weight, 2.0-8.0). For either,
 :func:`weights_for` predicts the bytes of every part of the model (embeddings, each decoder
 layer, the output head) from the architecture, tensor by tensor, and calibrates the prediction
-against artifact sizes the model spec quotes.
+against artifact sizes the model spec quotes. For a GGUF file that exists,
+:func:`gguf_file_weights` gives the same breakdown from the file's own tensor table instead.
 
-KV cache. :data:`CACHE_TYPES` lists the cache element types of llama.cpp, ExLlamaV2 and vLLM
-with their bytes per element, scales included; :func:`kv_bytes_per_token` turns a model and a
-cache type into bytes per token of context.
+KV-cache element types are in :mod:`autotune.cache_types`.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
 
+# Re-exported only until plugins/twin/physics.py, autotune/backend.py and
+# tests/plugins/test_llama_server_backend.py import them from autotune.cache_types, their home.
+from autotune.cache_types import (  # noqa: F401
+    CACHE_TYPES, CacheType, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token)
 from autotune.errors import ConfigError, UnknownNameError
+from autotune.gguf_file import GgufTensor, read_gguf
 from autotune.models import ModelSpec
 
 __all__ = [
-    "CACHE_TYPES",
     "EXL2_BPW_MAX",
     "EXL2_BPW_MIN",
     "GGML_TYPES",
     "GGUF_FILE_TYPES",
-    "CacheType",
     "GgmlType",
     "GgufFileType",
     "TensorPlan",
     "WeightsBreakdown",
     "bits_per_weight",
-    "cache_bytes_per_element",
-    "cache_fixed_bytes",
     "exl2_weights",
     "ggml_tensor_bytes",
+    "gguf_file_weights",
     "gguf_tensor_plan",
-    "gguf_weights",
-    "kv_bytes_per_token",
     "normalize_format",
     "parse_format",
+    "predict_gguf_weights",
     "weights_for",
 ]
 
@@ -401,40 +402,66 @@ class WeightsBreakdown:
         return WeightsBreakdown(emb, out, layers, other, self.embedding_on_gpu, self.head_is_embedding)
 
 
-def gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
-    """Predicts a GGUF file's weight bytes from the architecture, tensor by tensor.
+def _gguf_breakdown(tensors: Iterable[TensorPlan | GgufTensor], n_layers: int | None,
+                    head_is_embedding: bool) -> WeightsBreakdown:
+    """GGUF tensors summed by where llama.cpp puts them: layers, embedding, head, the rest.
 
-    Metadata (the tokenizer vocabulary, a few MB) is not counted.
-
-    Args:
-        model: The model.
-        file_type: A GGUF file type such as ``Q4_K_M``.
-
-    Returns:
-        The breakdown, with ``embedding_on_gpu=False``: llama.cpp keeps token_embd in host
-        memory whatever ``-ngl`` says (src/llama-model.cpp, load_tensors: "there is very little
-        benefit to offloading the input layer, so always keep it on the CPU"); with tied
-        embeddings ``head_is_embedding`` is set, since the same matrix is then loaded onto the
-        GPU as the output head.
-
-    Raises:
-        UnknownNameError: ``file_type`` is not known.
+    ``embedding_on_gpu`` is False: llama.cpp keeps token_embd in host memory whatever ``-ngl``
+    says (src/llama-model.cpp, load_tensors: "there is very little benefit to offloading the
+    input layer, so always keep it on the CPU"). A file without ``output.weight`` ties the head
+    to the embedding, which the engine then loads a second time on the GPU as the head.
     """
-    plan = gguf_tensor_plan(model, file_type)
-    per_layer = [0] * model.n_layers
+    per_layer: dict[int, int] = {}
     emb = out = other = 0
-    for t in plan:
+    for t in tensors:
         if t.layer is not None:
-            per_layer[t.layer] += t.n_bytes
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + t.n_bytes
         elif t.name == "token_embd.weight":
             emb += t.n_bytes
         elif t.name == "output.weight":
             out += t.n_bytes
         else:
             other += t.n_bytes
-    return WeightsBreakdown(
-        emb, out, tuple(per_layer), other, embedding_on_gpu=False, head_is_embedding=model.tie_embeddings
-    )
+    count = n_layers if n_layers is not None else max(per_layer, default=-1) + 1
+    layers = tuple(per_layer.get(i, 0) for i in range(count))
+    return WeightsBreakdown(emb, out, layers, other, embedding_on_gpu=False, head_is_embedding=head_is_embedding)
+
+
+def predict_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
+    """Predicts the weight bytes of a GGUF file of ``file_type`` from the architecture alone.
+
+    Sums :func:`gguf_tensor_plan`, tensor by tensor; metadata (the tokenizer vocabulary, a
+    few MB) is not counted. For the bytes of a file that exists, see :func:`gguf_file_weights`.
+
+    Args:
+        model: The model.
+        file_type: A GGUF file type such as ``Q4_K_M``.
+
+    Returns:
+        The breakdown, with ``embedding_on_gpu=False`` and, for tied embeddings,
+        ``head_is_embedding`` (see :class:`WeightsBreakdown`).
+
+    Raises:
+        UnknownNameError: ``file_type`` is not known.
+    """
+    return _gguf_breakdown(gguf_tensor_plan(model, file_type), model.n_layers, model.tie_embeddings)
+
+
+def gguf_file_weights(path: str | os.PathLike[str]) -> WeightsBreakdown:
+    """The exact weight bytes of an existing GGUF file, from its tensor table.
+
+    Args:
+        path: A ``.gguf`` file.
+
+    Returns:
+        The breakdown by embedding / head / layer / other; ``total_bytes`` is the sum of the
+        tensors (the file minus its header and alignment padding).
+
+    Raises:
+        ConfigError: The file is missing, unreadable or not a GGUF file.
+    """
+    header = read_gguf(path)
+    return _gguf_breakdown(header.tensors, None, head_is_embedding=header.tensor("output.weight") is None)
 
 
 EXL2_BPW_MIN = 2.0
@@ -563,7 +590,7 @@ def bits_per_weight(fmt: str, model: ModelSpec | None = None) -> float:
 
 def _computed(model: ModelSpec, family: str, detail: str | float) -> WeightsBreakdown:
     if family == "gguf":
-        return gguf_weights(model, str(detail))
+        return predict_gguf_weights(model, str(detail))
     return exl2_weights(model, float(detail))
 
 
@@ -583,7 +610,7 @@ def _interpolate(points: Iterable[tuple[float, float]], x: float) -> float:
 def weights_for(model: ModelSpec, fmt: str) -> WeightsBreakdown:
     """Weight bytes of ``model`` in ``fmt``, calibrated against the sizes the model quotes.
 
-    The per-tensor prediction (:func:`gguf_weights`, :func:`exl2_weights`) is then corrected:
+    The per-tensor prediction (:func:`predict_gguf_weights`, :func:`exl2_weights`) is then corrected:
 
     * If ``model.artifact_bytes`` quotes this exact format, the breakdown is scaled so its
       total is exactly the quoted size: a real file's size beats any prediction.
@@ -628,135 +655,3 @@ def weights_for(model: ModelSpec, fmt: str) -> WeightsBreakdown:
     ratio = _interpolate(points, computed.total_bytes)
     return computed.scaled_to(round(computed.total_bytes * ratio))
 
-
-# =============================================================================================
-# KV-cache element types
-# =============================================================================================
-
-
-class CacheType(NamedTuple):
-    """A KV-cache element type: the engine family, bytes per element, and where that comes from."""
-
-    family: str
-    bytes_per_element: Fraction
-    source: str
-
-
-_LLAMA_ARGS = "llama.cpp common/arg.cpp kv_cache_types (-ctk/-ctv)"
-# ExLlamaV2's quantized caches (exllamav2/cache.py): ExLlamaV2Cache_Q4/Q6/Q8 store K and V as
-# uint8 tensors of head_dim // weights_per_byte per head and token (Q4: 2 and 2 per byte; Q6:
-# K 1 per byte, V 2 per byte, i.e. 8-bit keys and 4-bit values; Q8: 1 and 1), plus FP16 scales
-# of shape head_dim // 32 for K and for V: 2 bytes per 32 elements = 1/16 B per element each.
-# Per element, K and V averaged: Q4 1/2 + 1/16 = 9/16; Q6 (1 + 1/2)/2 + 1/16 = 13/16;
-# Q8 1 + 1/16 = 17/16. They also keep one FP16 K/V buffer per device, the size of one layer's
-# full cache, to dequantize into (touch_device): see cache_fixed_bytes.
-_EXL2_CACHE = "exllamav2/cache.py ExLlamaV2Cache_Q4/Q6/Q8: uint8 data + FP16 scale per 32 elements"
-
-CACHE_TYPES: dict[str, CacheType] = {
-    # llama.cpp: ggml types; sizes are the ggml block layouts above (ggml-common.h).
-    "f32": CacheType("llama.cpp", Fraction(4), f"{_LLAMA_ARGS}: F32"),
-    "f16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: F16 (the default)"),
-    "bf16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: BF16"),
-    "q8_0": CacheType("llama.cpp", Fraction(34, 32), f"{_LLAMA_ARGS}: block_q8_0, 34 B / 32"),
-    "q5_1": CacheType("llama.cpp", Fraction(24, 32), f"{_LLAMA_ARGS}: block_q5_1, 24 B / 32"),
-    "q5_0": CacheType("llama.cpp", Fraction(22, 32), f"{_LLAMA_ARGS}: block_q5_0, 22 B / 32"),
-    "q4_1": CacheType("llama.cpp", Fraction(20, 32), f"{_LLAMA_ARGS}: block_q4_1, 20 B / 32"),
-    "q4_0": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_q4_0, 18 B / 32"),
-    "iq4_nl": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_iq4_nl, 18 B / 32"),
-    # ExLlamaV2 (cache_mode FP16 / Q8 / Q6 / Q4 in TabbyAPI and the examples).
-    "fp16": CacheType("exllamav2", Fraction(2), "exllamav2/cache.py ExLlamaV2Cache: torch.half"),
-    "q8": CacheType("exllamav2", Fraction(17, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1 + 1/16"),
-    "q6": CacheType("exllamav2", Fraction(13, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1/2 + 1/16 (mean)"),
-    "q4": CacheType("exllamav2", Fraction(9, 16), f"{_EXL2_CACHE}: K 1/2 + 1/16, V 1/2 + 1/16"),
-    # vLLM --kv-cache-dtype: "auto" is the model dtype (FP16/BF16, 2 bytes); the fp8 variants
-    # store 1 byte per element (per-tensor scales, negligible).
-    "auto": CacheType("vllm", Fraction(2), "vLLM --kv-cache-dtype auto: the model dtype (FP16/BF16)"),
-    "fp8": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8 (= fp8_e4m3)"),
-    "fp8_e4m3": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e4m3"),
-    "fp8_e5m2": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e5m2"),
-}
-
-
-def _known_cache_types() -> str:
-    families: dict[str, list[str]] = {}
-    for name, ct in CACHE_TYPES.items():
-        families.setdefault(ct.family, []).append(name)
-    return "; ".join(f"{family}: {', '.join(names)}" for family, names in families.items())
-
-
-def _cache_type(name: str) -> CacheType:
-    try:
-        return CACHE_TYPES[name.lower()]
-    except (KeyError, AttributeError):
-        raise UnknownNameError(f"unknown KV cache type '{name}' (known: {_known_cache_types()})") from None
-
-
-def cache_bytes_per_element(cache_type: str) -> float:
-    """Bytes one cached K or V element takes in ``cache_type``, scales included.
-
-    Args:
-        cache_type: A key of :data:`CACHE_TYPES` (case-insensitive): ``f16``, ``q8_0``, ``q8``...
-
-    Returns:
-        Bytes per element (``q8_0`` -> 1.0625).
-
-    Raises:
-        UnknownNameError: Unknown name; the message lists the known ones by engine.
-    """
-    return float(_cache_type(cache_type).bytes_per_element)
-
-
-def kv_bytes_per_token(
-    model: ModelSpec, k_type: str, v_type: str | None = None, *, n_layers: int | None = None
-) -> float:
-    """KV-cache bytes per token of context: ``layers * n_kv_heads * head_dim * (bytes_k + bytes_v)``.
-
-    Args:
-        model: The model.
-        k_type: Cache type of K.
-        v_type: Cache type of V; defaults to ``k_type`` (ExLlamaV2 and vLLM have one setting
-            for both; llama.cpp has ``-ctk`` and ``-ctv``).
-        n_layers: Layers whose cache grows with every token; defaults to all of them. For
-            models with sliding-window layers, pass ``model.n_layers - model.n_swa_layers`` and
-            add the windowed layers' fixed ``sliding_window`` tokens yourself.
-
-    Returns:
-        Bytes per token (131072.0 for the article's model in f16).
-
-    Raises:
-        UnknownNameError: An unknown cache type.
-        ConfigError: K and V types of different engines.
-    """
-    k = _cache_type(k_type)
-    v = _cache_type(v_type) if v_type is not None else k
-    if k.family != v.family:
-        raise ConfigError(
-            f"cache types '{k_type}' ({k.family}) and '{v_type}' ({v.family}) belong to different engines"
-        )
-    layers = model.n_layers if n_layers is None else n_layers
-    return float(layers * model.kv_dim * (k.bytes_per_element + v.bytes_per_element))
-
-
-def cache_fixed_bytes(model: ModelSpec, cache_type: str, n_tokens: int) -> int:
-    """Bytes a cache type allocates once per device, on top of the per-token cache.
-
-    ExLlamaV2's quantized caches (q8/q6/q4) keep an FP16 K and V buffer of shape
-    (batch, max_seq_len, n_kv_heads, head_dim) per device to dequantize into
-    (exllamav2/cache.py, ``touch_device``): the size of one layer's FP16 cache for the whole
-    context. Other cache types have none.
-
-    Args:
-        model: The model.
-        cache_type: A cache type.
-        n_tokens: Cache capacity in tokens (max_seq_len x batch).
-
-    Returns:
-        Bytes, 0 for types without such buffers.
-
-    Raises:
-        UnknownNameError: An unknown cache type.
-    """
-    ct = _cache_type(cache_type)
-    if ct.family == "exllamav2" and cache_type.lower() != "fp16":
-        return 2 * 2 * n_tokens * model.kv_dim
-    return 0

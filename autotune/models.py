@@ -7,8 +7,8 @@ artifacts (GGUF files, EXL2 directories) when someone has quoted or measured the
 Three sources produce one:
 
 * the catalog, ``autotune/data/models.toml`` (:func:`load_model_catalog`, :func:`get_model`);
-* a GGUF file's header, read with the ``gguf`` package (:func:`model_from_gguf`), without
-  reading the weights themselves;
+* a GGUF file's header (:func:`model_from_gguf`, through :mod:`autotune.gguf_file`, the one
+  reader of GGUF files), without reading the weights themselves;
 * a Hugging Face ``config.json`` (:func:`model_from_hf_config`), which is also what an EXL2
   model directory carries.
 
@@ -27,6 +27,7 @@ from typing import Any
 
 from autotune._catalog import read_catalog
 from autotune.errors import ConfigError, UnknownNameError
+from autotune.gguf_file import read_gguf
 
 __all__ = [
     "ModelSpec",
@@ -277,30 +278,8 @@ def get_model(key: str) -> ModelSpec:
 # ---------------------------------------------------------------------------------------------
 
 
-def _gguf_value(reader: Any, key: str) -> Any:
-    """Returns a GGUF metadata value as a Python value, or None when the key is absent."""
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    return f.contents()
-
-
-def _file_type_name(reader: Any) -> str | None:
-    """Maps ``general.file_type`` (a llama_ftype number) to our GGUF type name, e.g. Q4_K_M."""
-    import gguf
-
-    value = _gguf_value(reader, "general.file_type")
-    if value is None:
-        return None
-    try:
-        name = gguf.LlamaFileType(int(value)).name  # e.g. MOSTLY_Q4_K_M, ALL_F32
-    except ValueError:
-        return None
-    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
-
-
 def model_from_gguf(path: str | Path) -> ModelSpec:
-    """Reads a model's shape from a GGUF file's header (metadata and tensor infos only).
+    """A model's shape from a GGUF file's header (:func:`autotune.gguf_file.read_gguf`).
 
     Keys read: ``general.architecture``, ``{arch}.block_count``, ``{arch}.embedding_length``,
     ``{arch}.attention.head_count``, ``{arch}.attention.head_count_kv`` (defaults to the head
@@ -322,31 +301,27 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         ConfigError: The file is missing, not GGUF, or lacks a required field (the message names
             the file and the field).
     """
-    import gguf
-
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such file")
-    try:
-        reader = gguf.GGUFReader(p, "r")
-    except Exception as exc:  # the reader raises ValueError/struct errors on foreign files
-        raise ConfigError(f"{p}: not a readable GGUF file ({exc})") from exc
-
-    arch = _gguf_value(reader, "general.architecture")
-    if not isinstance(arch, str):
+    header = read_gguf(p)
+    arch = header.architecture
+    if arch is None:
         raise ConfigError(f"{p}: field 'general.architecture' missing")
 
-    def need_int(key: str) -> int:
-        value = _gguf_value(reader, key)
+    def widest(value: Any) -> Any:
+        # Per-layer arrays (e.g. head_count_kv of hybrid models): size for the widest layer.
         if isinstance(value, list):
-            # Per-layer arrays (e.g. head_count_kv of hybrid models): size for the widest layer.
-            value = max(value) if value else None
+            return max(value) if value else None
+        return value
+
+    missing: list[str] = []
+
+    def need_int(key: str) -> int:
+        value = widest(header.get(key))
         if value is None:
             missing.append(key)
             return 0
         return int(value)
 
-    missing: list[str] = []
     n_layers = need_int(f"{arch}.block_count")
     hidden = need_int(f"{arch}.embedding_length")
     n_heads = need_int(f"{arch}.attention.head_count")
@@ -355,41 +330,31 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     if missing:
         raise ConfigError(f"{p}: " + "; ".join(f"field '{k}' missing" for k in missing))
 
-    kv = _gguf_value(reader, f"{arch}.attention.head_count_kv")
-    if isinstance(kv, list):
-        kv = max(kv) if kv else None
+    kv = widest(header.get(f"{arch}.attention.head_count_kv"))
     n_kv_heads = int(kv) if kv is not None else n_heads
-    key_length = _gguf_value(reader, f"{arch}.attention.key_length")
+    key_length = header.get(f"{arch}.attention.key_length")
     head_dim = int(key_length) if key_length is not None else hidden // n_heads
 
-    tensors = {t.name: t for t in reader.tensors}
-    # Count the token array's entries without decoding 150k strings: a ReaderField keeps one
-    # index in .data per array element.
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None and len(tokens.data):
-        vocab = len(tokens.data)
-    elif "token_embd.weight" in tensors:
+    embeddings = header.tensor("token_embd.weight")
+    if header.array_lengths.get("tokenizer.ggml.tokens"):
+        vocab = header.array_lengths["tokenizer.ggml.tokens"]
+    elif embeddings is not None:
         # GGUF shapes list ne[0] first: token_embd is [hidden, vocab].
-        vocab = int(tensors["token_embd.weight"].shape[-1])
+        vocab = embeddings.shape[-1]
     else:
         raise ConfigError(f"{p}: field 'tokenizer.ggml.tokens' missing and no token_embd.weight tensor")
 
-    n_params = int(sum(int(t.n_elements) for t in reader.tensors))
-    window = _gguf_value(reader, f"{arch}.attention.sliding_window")
+    window = header.get(f"{arch}.attention.sliding_window")
     sliding_window = int(window) if window else None
     n_swa = 0
     if sliding_window:
         # A pattern N means every N-th layer is global (llama.cpp's sliding_window_pattern);
         # without one, treat every layer as windowed, as Mistral-style models are.
-        pattern = _gguf_value(reader, f"{arch}.attention.sliding_window_pattern")
+        pattern = header.get(f"{arch}.attention.sliding_window_pattern")
         n_swa = n_layers - n_layers // int(pattern) if isinstance(pattern, int) and pattern > 0 else n_layers
 
-    artifacts: dict[str, int] = {}
-    ftype = _file_type_name(reader)
-    if ftype is not None:
-        artifacts[f"gguf:{ftype}"] = p.stat().st_size
-
-    name = _gguf_value(reader, "general.name")
+    artifacts = {f"gguf:{header.file_type}": header.size} if header.file_type is not None else {}
+    name = header.get("general.name")
     return ModelSpec(
         key=p.stem,
         name=name if isinstance(name, str) and name else p.stem,
@@ -401,8 +366,8 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         head_dim=head_dim,
         ffn_size=ffn,
         vocab_size=vocab,
-        n_params=n_params,
-        tie_embeddings="output.weight" not in tensors,
+        n_params=sum(t.n_elements for t in header.tensors),
+        tie_embeddings=header.tensor("output.weight") is None,
         max_context=max_context,
         source=str(p),
         artifact_bytes=artifacts,
@@ -571,8 +536,13 @@ def resolve_model(ref: str) -> ModelSpec:
         raise ConfigError(f"{p}: directory has no config.json (an HF or EXL2 model directory needs one)")
     if p.exists():
         raise ConfigError(f"{p}: not a .gguf file, a config.json or a model directory")
-    raise UnknownNameError(
-        f"unknown model '{ref}': not a catalog key (known: {', '.join(catalog)}) "
-        "and no such .gguf file, config.json or directory"
-    )
+    known = ", ".join(catalog)
+    if _looks_like_path(ref):
+        raise UnknownNameError(f"{ref}: no such file or directory (nor a catalog model; the catalog has: {known})")
+    raise UnknownNameError(f"{ref!r}: not a catalog model (known: {known}) nor an existing file or directory")
+
+
+def _looks_like_path(ref: str) -> bool:
+    """Whether a user meant a file (so "no such file" is the news) rather than a catalog key."""
+    return "/" in ref or "\\" in ref or ref.startswith("~") or Path(ref).suffix.lower() in (".gguf", ".json")
 

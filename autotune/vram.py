@@ -4,9 +4,9 @@ Four parts, each from the most direct source there is:
 
 * **weights** from the artifact itself: every tensor of a GGUF file (its type and shape, so its
   exact bytes), split into layers, output head and token embeddings, because engines place
-  them differently (:func:`gguf_weights`);
+  them differently (:func:`autotune.formats.gguf_file_weights`; this module reads no files);
 * **KV cache** from the model's shape, the cache type's bytes per value
-  (:func:`autotune.formats.kv_bytes_per_token`) and the engine's *slot layout*: how many cells
+  (:func:`autotune.cache_types.kv_bytes_per_token`) and the engine's *slot layout*: how many cells
   each sequence gets, how they are padded, whether sequences share one pool
   (:class:`SlotLayout`); sliding-window layers hold only their window;
 * **compute buffers**, the activations of one micro-batch as the engine's graph allocator
@@ -21,90 +21,30 @@ Everything here is engine-neutral: a backend plugin supplies its layout and its 
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from autotune.backend import MemoryEstimate
-from autotune.errors import ConfigError
-from autotune.formats import WeightsBreakdown, kv_bytes_per_token
+from autotune.cache_types import kv_bytes_per_token
+from autotune.formats import gguf_file_weights
 from autotune.models import ModelSpec
 
 __all__ = [
     "GraphBuffers",
     "SlotLayout",
     "apply_correction",
-    "gguf_weights",
     "kv_cache_bytes",
     "learned_correction",
 ]
 
 MiB = 2**20
-GGUF_MAGIC = b"GGUF"
-_LAYER_RX = re.compile(r"blk\.(\d+)\.")
 
 
-# ----------------------------------------------------------------------------------- weights
-
-
-@functools.lru_cache(maxsize=64)
-def _gguf_weights_cached(path: str, mtime_ns: int, size: int) -> WeightsBreakdown:
-    import gguf
-
-    reader = gguf.GGUFReader(path, "r")
-    per_layer: dict[int, int] = {}
-    emb = out = other = 0
-    has_output = False
-    for t in reader.tensors:
-        n = int(t.n_bytes)
-        m = _LAYER_RX.match(t.name)
-        if m:
-            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + n
-        elif t.name == "token_embd.weight":
-            emb += n
-        elif t.name == "output.weight":
-            out += n
-            has_output = True
-        else:
-            other += n
-    layers = tuple(per_layer.get(i, 0) for i in range(max(per_layer, default=-1) + 1))
-    # llama.cpp keeps token_embd in host memory (the input layer always runs on the CPU); a
-    # file without output.weight ties the head to it, and the engine loads it a second time
-    # on the GPU as the head.
-    return WeightsBreakdown(emb, out, layers, other, embedding_on_gpu=False, head_is_embedding=not has_output)
-
-
-def gguf_weights(path: str | os.PathLike[str]) -> WeightsBreakdown:
-    """The exact tensor bytes of a GGUF file, by embedding / head / layer / other.
-
-    Args:
-        path: A ``.gguf`` file.
-
-    Returns:
-        The breakdown; ``total_bytes`` is the sum of the tensors (the file minus its header
-        and alignment padding).
-
-    Raises:
-        ConfigError: The file is missing or is not a GGUF file.
-    """
-    p = Path(path).expanduser()
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-        st = p.stat()
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read the weights file ({exc.strerror or exc})") from None
-    if magic != GGUF_MAGIC:
-        raise ConfigError(f"{p}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    try:
-        return _gguf_weights_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
-    except (ValueError, KeyError, IndexError) as exc:
-        raise ConfigError(f"{p}: unreadable GGUF tensor table ({exc})") from None
+# Old name of :func:`autotune.formats.gguf_file_weights`, kept only until
+# plugins/llama_server imports the new one; this module reads no files.
+gguf_weights = gguf_file_weights
 
 
 # ---------------------------------------------------------------------------------- KV cache

@@ -141,6 +141,78 @@ def test_estimate_unknown_backend_lists_the_installed_ones(twin_plugin):
     assert "engines: exllamav2, llama.cpp, vllm" in result.stderr
 
 
+README_ESTIMATE = ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article", "--backend", "exllamav2",
+                   "--weights", "exl2:3.3", "--ctx", "4096", "--cache", "q8", "--flash-attn", "--parallel", "4"]
+
+
+def test_readme_estimate_reaches_the_twin_although_the_real_exllamav2_is_installed(twin_plugin):
+    import autotune_plugins.exllamav2 as exllamav2
+
+    plugins.register_plugin(exllamav2, name="exllamav2")
+    try:
+        result = CliRunner().invoke(cli, [*README_ESTIMATE, "--json"])
+        text = CliRunner().invoke(cli, README_ESTIMATE)
+    finally:
+        plugins.unregister_plugin("exllamav2")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["config"] == ARTICLE_BEST and report["verdict"] == "fits"
+    assert report["resolved"] == ("--backend exllamav2 with a format as weights: estimated by twin-exllamav2, "
+                                  "the engine's digital twin")
+    assert text.exit_code == 0 and "estimated by twin-exllamav2" in text.stdout and ": fits" in text.stdout
+
+
+def test_estimate_help_states_how_backend_names_resolve():
+    result = CliRunner().invoke(cli, ["estimate", "--help"])
+    assert result.exit_code == 0
+    flat = " ".join(result.stdout.split())
+    assert "an engine name (llama.cpp, exllamav2, vllm): either picks the engine" in flat
+    assert "format (gguf:Q4_K_M, exl2:3.3) are estimated by that engine's digital twin" in flat
+    assert "Exit status 2, after the estimate, when the configuration is invalid" in flat
+
+
+def test_estimate_invalid_configuration_is_not_said_to_fit(twin_plugin):
+    args = ["estimate", "--gpu", "a100-80gb", "--model", "qwen2.5-7b", "--backend", "llama.cpp",
+            "--weights", "gguf:Q4_K_M", "--ctx", "40000"]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 2
+    assert "fits" not in text.stdout.replace("would fit", "")  # memory alone may fit; the verdict is not "fits"
+    assert "INVALID, the engine would not run it: ctx 40000 exceeds the model's context length 32768" in text.stdout
+    assert text.stderr.strip() == "Error: invalid configuration: ctx 40000 exceeds the model's context length 32768"
+    as_json = CliRunner().invoke(cli, [*args, "--json"])
+    assert as_json.exit_code == 2
+    report = json.loads(as_json.stdout)
+    assert report["verdict"] == "invalid" and report["predicted"] is None
+    assert report["invalid"] == ["ctx 40000 exceeds the model's context length 32768"]
+
+
+def test_estimate_engine_refusal_exits_2(twin_plugin):
+    result = CliRunner().invoke(cli, ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-7b", "--backend", "vllm",
+                                      "--weights", "gguf:Q4_K_M", "--ctx", "4096", "--cache", "auto"])
+    assert result.exit_code == 2
+    assert "REFUSED by the engine: vLLM" in result.stdout
+    assert result.stderr.startswith("Error: the engine refuses this configuration: vLLM")
+
+
+def test_estimate_missing_model_file_says_the_file_does_not_exist(twin_plugin):
+    result = CliRunner().invoke(cli, ["estimate", "--gpu", "t4", "--model", "path/to/model.gguf", "--backend",
+                                      "llama.cpp", "--ctx", "4096"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: --model path/to/model.gguf: no such file or directory (nor a catalog model; "
+                                    "the catalog has: qwen2.5-27b-article, ")
+    assert "catalog key, not a file" not in result.output
+
+
+def test_estimate_missing_weights_file_says_where_it_looked(twin_plugin, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["estimate", "--gpu", "t4", "--model", "qwen2.5-7b", "--backend", "llama.cpp",
+                                      "--weights", "q7b-Q4_K_M.gguf", "--ctx", "4096"])
+    assert result.exit_code == 2
+    assert (f"--weights 'q7b-Q4_K_M.gguf': no such file or directory (relative to the current directory {tmp_path})"
+            in result.stderr)
+    assert "study file" not in result.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

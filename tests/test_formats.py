@@ -1,4 +1,4 @@
-"""Tests for autotune.formats: GGUF/EXL2 weight sizes and KV-cache element types."""
+"""Tests for autotune.formats (GGUF/EXL2 weight sizes) and autotune.cache_types (KV-cache element types)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,17 @@ import pytest
 from tests.conftest import shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
+from autotune.cache_types import CACHE_TYPES, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
 from autotune.formats import (
-    CACHE_TYPES,
     GGML_TYPES,
     GGUF_FILE_TYPES,
     WeightsBreakdown,
     bits_per_weight,
-    cache_bytes_per_element,
-    cache_fixed_bytes,
     exl2_weights,
     gguf_tensor_plan,
-    gguf_weights,
-    kv_bytes_per_token,
     normalize_format,
     parse_format,
+    predict_gguf_weights,
     weights_for,
 )
 from autotune.models import get_model, model_from_gguf
@@ -78,7 +75,7 @@ def test_required_file_types_exist():
 
 def test_stories260k_f32_matches_the_real_file(stories):
     m = model_from_gguf(stories)
-    b = gguf_weights(m, "F32")
+    b = predict_gguf_weights(m, "F32")
     # Tensor data is 292,800 F32 values; the file adds ~14 KB of metadata and padding.
     assert b.total_bytes == 292_800 * 4
     assert 0 < stories.stat().st_size - b.total_bytes < 20_000
@@ -128,25 +125,25 @@ def test_70b_attn_v_gets_q5_k():
 
 
 def test_order_q4_k_m_over_q4_0_over_q3_k_m(qwen7b):
-    sizes = {ft: gguf_weights(qwen7b, ft).total_bytes for ft in ("Q4_K_M", "Q4_0", "Q3_K_M")}
+    sizes = {ft: predict_gguf_weights(qwen7b, ft).total_bytes for ft in ("Q4_K_M", "Q4_0", "Q3_K_M")}
     assert sizes["Q4_K_M"] > sizes["Q4_0"] > sizes["Q3_K_M"]
 
 
 def test_qwen25_7b_q4_k_m_near_the_published_file():
     # Qwen's own qwen2.5-7b-instruct-q4_k_m.gguf is 4.68e9 bytes.
-    total = gguf_weights(get_model("qwen2.5-7b"), "Q4_K_M").total_bytes
+    total = predict_gguf_weights(get_model("qwen2.5-7b"), "Q4_K_M").total_bytes
     assert abs(total - 4.68e9) / 4.68e9 < 0.10
 
 
 def test_gguf_sizes_ordered_by_type(qwen7b):
     order = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "F32"]
-    sizes = [gguf_weights(qwen7b, ft).total_bytes for ft in order]
+    sizes = [predict_gguf_weights(qwen7b, ft).total_bytes for ft in order]
     assert sizes == sorted(sizes)
     assert len(set(sizes)) == len(sizes)
 
 
 def test_gguf_breakdown_parts(qwen7b):
-    b = gguf_weights(qwen7b, "F16")
+    b = predict_gguf_weights(qwen7b, "F16")
     assert b.embedding_bytes == b.output_bytes == 2 * qwen7b.n_embedding_params
     assert len(b.per_layer_bytes) == 28
     assert b.other_bytes == 4 * 3584  # output_norm in F32
@@ -159,7 +156,7 @@ def test_gguf_breakdown_parts(qwen7b):
 
 def test_gguf_tied_embeddings_have_no_output_tensor(qwen7b):
     tied = dataclasses.replace(qwen7b, tie_embeddings=True)
-    b = gguf_weights(tied, "Q4_K_M")
+    b = predict_gguf_weights(tied, "Q4_K_M")
     assert b.output_bytes == 0
     assert b.head_is_embedding
     # Tied: token_embd is quantized like the output (Q6_K), and also sits on the GPU as the head.
@@ -210,7 +207,7 @@ def test_quoted_lookup_uses_canonical_spelling(article):
 
 
 def test_scaling_keeps_proportions(article):
-    raw = gguf_weights(article, "Q4_K_M")
+    raw = predict_gguf_weights(article, "Q4_K_M")
     quoted = weights_for(article, "gguf:Q4_K_M")
     k = quoted.total_bytes / raw.total_bytes
     assert quoted.embedding_bytes == pytest.approx(raw.embedding_bytes * k, abs=1)
@@ -233,7 +230,7 @@ def test_unquoted_gguf_consistent_with_quoted(article):
 
 
 def test_models_without_quotes_are_not_scaled(qwen7b):
-    assert weights_for(qwen7b, "gguf:Q4_K_M") == gguf_weights(qwen7b, "Q4_K_M")
+    assert weights_for(qwen7b, "gguf:Q4_K_M") == predict_gguf_weights(qwen7b, "Q4_K_M")
     assert weights_for(qwen7b, "exl2:4.0") == exl2_weights(qwen7b, 4.0)
 
 
@@ -241,7 +238,7 @@ def test_one_quoted_exl2_calibrates_all_exl2_not_gguf(qwen7b):
     m = dataclasses.replace(qwen7b, artifact_bytes={"exl2:4.0": 5_000_000_000})
     ratio = 5e9 / exl2_weights(qwen7b, 4.0).total_bytes
     assert weights_for(m, "exl2:5.0").total_bytes == pytest.approx(exl2_weights(qwen7b, 5.0).total_bytes * ratio, abs=1)
-    assert weights_for(m, "gguf:Q4_K_M") == gguf_weights(qwen7b, "Q4_K_M")
+    assert weights_for(m, "gguf:Q4_K_M") == predict_gguf_weights(qwen7b, "Q4_K_M")
 
 
 def test_scaled_to_is_exact():

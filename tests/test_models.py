@@ -168,7 +168,7 @@ def test_stories260k_gguf(stories):
 def test_gguf_errors_name_the_file(tmp_path):
     bad = tmp_path / "not.gguf"
     bad.write_bytes(b"this is not a gguf file at all" * 10)
-    with pytest.raises(ConfigError, match=r"not\.gguf: not a readable GGUF file"):
+    with pytest.raises(ConfigError, match=r"not\.gguf: not a GGUF file \(starts with b'this', expected b'GGUF'\)"):
         model_from_gguf(bad)
     with pytest.raises(ConfigError, match="no such file"):
         model_from_gguf(tmp_path / "missing.gguf")
@@ -275,7 +275,10 @@ def test_resolve_model_accepts_each_kind(tmp_path, stories):
 
 
 def test_resolve_model_errors(tmp_path):
-    with pytest.raises(UnknownNameError, match="unknown model 'nope'"):
+    with pytest.raises(UnknownNameError, match="^'nope': not a catalog model .known: qwen2.5-27b-article"):
         resolve_model("nope")
+    # A path that does not exist is news about the file, not about the catalog.
+    with pytest.raises(UnknownNameError, match=r"^path/to/model\.gguf: no such file or directory \(nor a catalog model"):
+        resolve_model("path/to/model.gguf")
     with pytest.raises(ConfigError, match="directory has no config.json"):
         resolve_model(str(tmp_path))

@@ -9,21 +9,22 @@ import pytest
 from autotune.backend import MemoryEstimate, Measurement, StudyContext, TrialConfig
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
-from autotune.formats import kv_bytes_per_token
+from autotune.cache_types import kv_bytes_per_token
+from autotune.formats import gguf_file_weights
 from autotune.models import get_model, model_from_gguf
 from autotune.study import StudyRunner, prepare_study, run_study
-from autotune.vram import GraphBuffers, SlotLayout, apply_correction, gguf_weights, kv_cache_bytes, learned_correction
+from autotune.vram import GraphBuffers, SlotLayout, apply_correction, kv_cache_bytes, learned_correction
 from tests.conftest import shared_file
 from tests.fake_backends import GIB, FakeBackend, registered, stats_for, write_study
 
 MiB = 2**20
 
 
-def test_gguf_weights_are_the_tensor_table(tmp_path):
+def test_gguf_file_weights_are_the_tensor_table(tmp_path):
     import gguf
 
     path = shared_file("models/stories260K.gguf")
-    w = gguf_weights(path)
+    w = gguf_file_weights(path)
     reader = gguf.GGUFReader(path)
     assert w.total_bytes == sum(int(t.n_bytes) for t in reader.tensors)
     assert w.embedding_bytes == 512 * 64 * 4  # token_embd, F32
@@ -32,9 +33,22 @@ def test_gguf_weights_are_the_tensor_table(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"PK\x03\x04 not a gguf")
     with pytest.raises(ConfigError, match=r"x\.gguf: not a GGUF file"):
-        gguf_weights(bad)
-    with pytest.raises(ConfigError, match="missing.gguf: cannot read"):
-        gguf_weights(tmp_path / "missing.gguf")
+        gguf_file_weights(bad)
+    with pytest.raises(ConfigError, match="missing.gguf: no such file"):
+        gguf_file_weights(tmp_path / "missing.gguf")
+
+
+def test_the_memory_model_reads_no_files():
+    import ast
+
+    import autotune.vram as vram
+
+    tree = ast.parse(open(vram.__file__, encoding="utf-8").read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    called = {getattr(n.func, "attr", getattr(n.func, "id", None)) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not imported & {"gguf", "os", "pathlib", "io", "autotune.gguf_file"}
+    assert not called & {"open", "stat", "read_gguf", "GGUFReader", "read_bytes", "read_text"}
 
 
 def test_slot_layouts():

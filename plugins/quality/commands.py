@@ -7,17 +7,21 @@ Thin: it builds the backend's context from the flags, runs the same metric a stu
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import click
 
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import ConfigError, handle_errors
 
 __all__ = ["add_quality_command", "measure_quality"]
 
 BENCHMARK_NAMES = ("mmlu", "ceval", "kld")
+# The command's defaults are a quick look: one item per subject, zero-shot (57 MMLU items, under
+# a minute for a small model on a 2-core CPU). A study's defaults (per_subject 5, shots 5: 285
+# items, each behind five worked examples) took over 10 minutes for a 260K-parameter model there;
+# `--per-subject 5 --shots 5` gives the figure a study would.
+QUICK = {"per_subject": 1, "shots": 0}
 
 
 def _context(settings: dict[str, Any]):
@@ -42,8 +46,14 @@ def measure_quality(
     reference: str | None = None,
     settings: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Measure one artifact with the ``mmlu``, ``ceval`` or ``kld`` metric.
+
+    Args:
+        progress: Called with (items or windows done, in all) as the measurement goes.
+        announce: Called once, after the inputs are checked and before the slow part starts,
+            with a line saying what is about to be measured.
 
     Returns:
         ``benchmark``, ``n``, ``stderr``, ``seconds``, and ``accuracy`` (mmlu, ceval) or
@@ -69,6 +79,9 @@ def measure_quality(
     for flag, path in (("--weights", weights), ("--reference", reference)):
         if path is not None:
             problem = backend.check_weights(path, ctx)
+            if problem and not ctx.path(path).exists():
+                # There is no study file here: a relative path starts at the current directory.
+                problem = f"no such file or directory (relative to the current directory {Path.cwd()})"
             if problem:
                 raise ConfigError(f"{flag} {path!r}: {problem}")
     options = {"cache_type": cache_type} if cache_type else {}
@@ -81,6 +94,8 @@ def measure_quality(
         references[backend.name] = QualityReference(TrialConfig(backend.name, reference, 0, 1), backend, ctx)
     metric.configure({"per_subject": per_subject, "shots": shots, "seed": seed}, references)
     metric.progress = progress
+    if announce is not None:
+        announce(_plan(benchmark, per_subject, shots))
     value = metric.evaluate(config, backend, ctx)
     out: dict[str, Any] = {"benchmark": benchmark, "weights": weights, "cache_type": cache_type, "n": value.n}
     details = dict(value.details or {})
@@ -110,10 +125,10 @@ def add_quality_command(cli: click.Group) -> None:
     @click.option("--weights", required=True, help="The artifact: a file (GGUF) or directory (EXL2).")
     @click.option("--cache", "cache_type", default=None, help="KV-cache type to load it with (default: the engine's).")
     @click.option("--benchmark", type=click.Choice(BENCHMARK_NAMES), required=True, help="What to measure.")
-    @click.option("--per-subject", type=click.IntRange(1, 10), default=5, show_default=True,
-                  help="Items per subject (mmlu, ceval).")
-    @click.option("--shots", type=click.IntRange(0, 5), default=5, show_default=True,
-                  help="Dev examples before each question (mmlu, ceval).")
+    @click.option("--per-subject", type=click.IntRange(1, 10), default=QUICK["per_subject"], show_default=True,
+                  help="Items per subject (mmlu, ceval). A study's [quality] default is 5.")
+    @click.option("--shots", type=click.IntRange(0, 5), default=QUICK["shots"], show_default=True,
+                  help="Dev examples before each question (mmlu, ceval). A study's [quality] default is 5.")
     @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Chooses the subset.")
     @click.option("--reference", default=None, help="kld: the highest-precision file of the same model.")
     @click.option("--set", "settings", multiple=True, callback=_settings, metavar="KEY=VALUE",
@@ -123,22 +138,20 @@ def add_quality_command(cli: click.Group) -> None:
     def quality(ctx: click.Context, backend_name: str, weights: str, cache_type: str | None, benchmark: str,
                 per_subject: int, shots: int, seed: int, reference: str | None, settings: dict[str, Any],
                 as_json: bool) -> None:
-        """Measure one artifact's quality: MMLU or C-Eval accuracy, or KL divergence vs --reference."""
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        """Measure one artifact's quality: MMLU or C-Eval accuracy, or KL divergence vs --reference.
 
-        console = Console(file=sys.stderr)  # bound now: lm-eval's own output is silenced later
-        with Progress(TextColumn(f"{benchmark} {Path(weights).name}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
-            task = bar.add_task(benchmark, total=None)
-            try:
+        The defaults are a quick look (one item per subject, zero-shot); --per-subject 5
+        --shots 5 measures what a study does by default. Progress goes to stderr: a bar on a
+        terminal, a line every few seconds elsewhere.
+        """
+        from autotune_plugins.quality.progress import QualityProgress
+
+        with handle_errors((ctx.obj or {}).get("debug", False)):
+            unit = "windows" if benchmark == "kld" else "items"
+            with QualityProgress(f"{benchmark} {Path(weights).name}", unit) as progress:
                 result = measure_quality(backend_name, weights, benchmark, cache_type=cache_type,
                                          per_subject=per_subject, shots=shots, seed=seed, reference=reference,
-                                         settings=settings, progress=lambda done, total: bar.update(task, completed=done, total=total))
-            except ConfigError as exc:
-                raise click.UsageError(str(exc)) from None
-            except AutotuneError as exc:
-                raise click.ClickException(str(exc)) from None
+                                         settings=settings, progress=progress.update, announce=progress.note)
         if as_json:
             click.echo(json.dumps(result, indent=2, ensure_ascii=False))
             return
@@ -149,3 +162,14 @@ def add_quality_command(cli: click.Group) -> None:
         else:
             click.echo(f"{benchmark} {weights}: accuracy {result['accuracy']:.1%}{se} on {result['n']} items "
                        f"({per_subject} per subject, {shots}-shot, seed {seed}; {result['seconds']:.1f} s)")
+
+
+def _plan(benchmark: str, per_subject: int, shots: int) -> str:
+    """What is about to happen, said before the model loads (which takes a while on its own)."""
+    if benchmark == "kld":
+        return "scoring the reference and the artifact on the fixed text"
+    from autotune_plugins.quality import benchmarks
+
+    n_subjects = len(benchmarks.load_items(benchmark))  # the metric's supports() has read it already
+    return (f"{n_subjects * per_subject} items ({per_subject} per subject of {n_subjects}, {shots}-shot); "
+            "loading the model and building the tasks")

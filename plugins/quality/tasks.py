@@ -121,7 +121,7 @@ def evaluate_benchmark(
         per_subject: Items per subject (1..10).
         shots: Dev examples before each question (0..5).
         seed: Chooses the subset.
-        progress: Called with (requests done, requests in all).
+        progress: Called with (items done, items in all) after each batch of requests.
 
     Returns:
         Accuracy over all scored items, its standard error, ``n`` items and per-subject
@@ -134,14 +134,15 @@ def evaluate_benchmark(
     started = time.monotonic()
     with _quiet_lm_eval():
         tasks = build_tasks(benchmark, per_subject, shots, seed)
-    total = sum(len(t.eval_docs) for t in tasks.values()) * len(LETTERS)
-    done = 0
+    items = sum(len(t.eval_docs) for t in tasks.values())
+    requests = 0
 
     def advance(n: int) -> None:
-        nonlocal done
-        done += n
+        # lm-eval asks one request per answer choice; a person counts questions.
+        nonlocal requests
+        requests += n
         if progress is not None:
-            progress(done, total)
+            progress(requests // len(LETTERS), items)
 
     with _quiet_lm_eval():
         out = evaluate(ScorerLM(scorer, advance), tasks, log_samples=True, bootstrap_iters=0, verbosity="ERROR")

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 import autotune_plugins.llama_server as llama_plugin
 import autotune_plugins.twin as twin_plugin
 from autotune.cli import cli
-from autotune.formats import kv_bytes_per_token
+from autotune.cache_types import kv_bytes_per_token
+from autotune.formats import gguf_file_weights
 from autotune.models import model_from_gguf
-from autotune.vram import gguf_weights
 from autotune_plugins.llama_server import memory
 from tests.conftest import plugin_registered, shared_file
 
@@ -28,7 +28,7 @@ def test_a_gguf_file_is_its_own_weights():
     assert result.exit_code == 0, result.output
     r = json.loads(result.output)
     model = model_from_gguf(path)
-    w = gguf_weights(path)
+    w = gguf_file_weights(path)
     # For the named card, even on a machine without it: a CUDA context, the head on the GPU.
     assert r["vram"]["overhead_bytes"] == memory.CUDA_CONTEXT_BYTES
     assert r["vram"]["weights_bytes"] == w.gpu_bytes and r["vram"]["host_bytes"] == w.embedding_bytes
@@ -43,3 +43,43 @@ def test_a_catalog_model_still_needs_its_weights_format():
     result = run("estimate", "--model", "qwen2.5-7b", "--backend", "llama.cpp", "--ctx", "4096", "--gpu", "t4")
     assert result.exit_code == 2
     assert "--weights is needed" in result.output and "gguf:Q4_K_M" in result.output
+
+
+def test_an_engine_name_with_a_file_reaches_the_real_backend():
+    path = shared_file("models/stories260K.gguf")
+    result = run("estimate", "--model", str(path), "--backend", "llama.cpp", "--ctx", "1000", "--gpu", "t4",
+                 "--prompt-tokens", "600", "--output-tokens", "200", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["config"]["backend"] == "llama-server" and r["predictor"] == "twin-llama.cpp"
+    assert r["resolved"] == ("--backend llama.cpp with a file or directory as weights: estimated by llama-server, "
+                             "the engine's real backend")
+
+
+def test_the_real_backend_name_with_a_format_reaches_the_twin():
+    result = run("estimate", "--model", "qwen2.5-7b", "--backend", "llama-server", "--weights", "gguf:Q4_K_M",
+                 "--ctx", "4096", "--gpu", "t4", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["config"]["backend"] == "twin-llama.cpp" and r["verdict"] == "fits"
+
+
+def test_a_format_without_a_twin_installed_says_what_would_estimate_it():
+    with plugin_registered(llama_plugin, "llama_server"):
+        result = CliRunner().invoke(cli, ["estimate", "--model", "qwen2.5-7b", "--backend", "llama-server",
+                                          "--weights", "gguf:Q4_K_M", "--ctx", "4096", "--gpu", "t4"], obj={})
+    assert result.exit_code == 2
+    assert ("--weights 'gguf:Q4_K_M' is a format, which only a digital twin estimates, and no backend of engine "
+            "llama.cpp is one (installed: llama-server)") in result.stderr
+
+
+def test_readme_file_example_is_invalid_for_a_model_of_2048_tokens():
+    # The README's second estimate line, on the one GGUF file the tests ship.
+    path = shared_file("models/stories260K.gguf")
+    result = run("estimate", "--model", str(path), "--backend", "llama-server", "--ctx", "4096", "--parallel", "4",
+                 "--cache", "q8_0", "--flash-attn", "--gpu", "v100-16gb")
+    assert result.exit_code == 2
+    assert ": fits" not in result.stdout and "INVALID" in result.stdout
+    # llama-server's own rule says it; the estimate does not say it a second time.
+    assert result.stderr.count("exceeds the model's context length 2048") == 1
+    assert "its block of 32 does not divide the head size 8" in result.stderr

@@ -8,6 +8,8 @@ drops are exact and the tests can check lm-eval's arithmetic and the study's boo
 from __future__ import annotations
 
 import importlib.util
+import io
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,6 +30,7 @@ from tests.fake_backends import FakeBackend, registered, write_study
 import autotune_plugins.quality as quality_plugin
 from autotune_plugins.quality import benchmarks, metrics, tasks
 from autotune_plugins.quality.commands import add_quality_command
+from autotune_plugins.quality.progress import QualityProgress, format_seconds
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                 reason="lm-eval is not installed (pip install -e '.[test]')")
@@ -292,3 +295,63 @@ def test_quality_command_on_a_backend_without_scoring(twin_plugin, quality_regis
                                         "--benchmark", "mmlu"])
     assert result.exit_code == 2, result.output
     assert "--benchmark mmlu: backend 'twin-llama.cpp' has no scoring API" in result.output
+
+
+class FileScoringBackend(ScoringFakeBackend):
+    """Checks its weights as file backends do, in the words llama-server uses inside a study."""
+
+    name = "fake-file-scoring"
+
+    def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        p = ctx.path(weights)
+        return None if p.is_file() else f"{p}: no such file (weights are GGUF paths relative to the study file)"
+
+
+def _quality(*args: str):
+    group = click.Group("autotune")
+    add_quality_command(group)
+    return CliRunner().invoke(group, ["quality", *args])
+
+
+def test_quality_command_prints_progress_lines_when_not_a_terminal(quality_registered):
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        result = _quality("--backend", "fake-scoring", "--weights", "exact", "--benchmark", "mmlu",
+                          "--per-subject", "1", "--shots", "0")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    # Said before the model loads, then where it got to (the last line: everything done).
+    assert lines[0] == "mmlu exact: 57 items (1 per subject of 57, 0-shot); loading the model and building the tasks"
+    assert re.fullmatch(r"mmlu exact: 57/57 items, \d+s elapsed", lines[-1]), lines
+    assert "accuracy 100.0%" in result.stdout
+
+
+def test_progress_lines_say_elapsed_and_time_left_every_few_seconds():
+    now = [0.0]
+    out = io.StringIO()
+    with QualityProgress("mmlu m.gguf", "items", stream=out, every_s=5, tty=False, clock=lambda: now[0]) as p:
+        for t, done in ((10, 10), (12, 12), (16, 16), (30, 40)):
+            now[0] = t
+            p.update(done, 40)
+    assert out.getvalue().splitlines() == [
+        "mmlu m.gguf: 10/40 items, 10s elapsed, about 30s left",
+        "mmlu m.gguf: 16/40 items, 16s elapsed, about 24s left",  # 12/40 came 2 s after the last line
+        "mmlu m.gguf: 40/40 items, 30s elapsed",
+    ]
+    assert format_seconds(185) == "3m05s" and format_seconds(3720) == "1h02m"
+
+
+def test_quality_missing_weights_are_relative_to_the_current_directory(quality_registered, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with registered(FileScoringBackend(), name="file-scoring-fakes"):
+        result = _quality("--backend", "fake-file-scoring", "--weights", "model.gguf", "--benchmark", "mmlu")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"Error: --weights 'model.gguf': no such file or directory "
+                                     f"(relative to the current directory {tmp_path})")
+    assert "study file" not in result.output and "Usage:" not in result.output
+
+
+def test_quality_errors_are_one_error_line_with_the_cli_exit_statuses(quality_registered):
+    result = _quality("--backend", "no-such-backend", "--weights", "x.gguf", "--benchmark", "mmlu")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: backend 'no-such-backend' is not installed")
+    assert "Traceback" not in result.output
