@@ -322,7 +322,7 @@ class BaseBackend(abc.ABC):
             same, and the setting a deployment would keep), else the first searched value.
             Backends override it when their engine knows better.
         """
-        from autotune.formats import CACHE_TYPES
+        from autotune.cache_types import CACHE_TYPES
 
         ref = {name: values[0] for name, values in params.items()}
         known = [c for c in params.get("cache_type", ()) if c in CACHE_TYPES]

@@ -20,10 +20,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
 
-# Re-exported only until plugins/twin/physics.py, autotune/backend.py and
-# tests/plugins/test_llama_server_backend.py import them from autotune.cache_types, their home.
-from autotune.cache_types import (  # noqa: F401
-    CACHE_TYPES, CacheType, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token)
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import GgufTensor, read_gguf
 from autotune.models import ModelSpec

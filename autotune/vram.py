@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 
 from autotune.backend import MemoryEstimate
 from autotune.cache_types import kv_bytes_per_token
-from autotune.formats import gguf_file_weights
 from autotune.models import ModelSpec
 
 __all__ = [
@@ -40,11 +39,6 @@ __all__ = [
 ]
 
 MiB = 2**20
-
-
-# Old name of :func:`autotune.formats.gguf_file_weights`, kept only until
-# plugins/llama_server imports the new one; this module reads no files.
-gguf_weights = gguf_file_weights
 
 
 # ---------------------------------------------------------------------------------- KV cache

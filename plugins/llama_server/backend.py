@@ -43,7 +43,7 @@ from autotune.models import ModelSpec, model_from_gguf
 from autotune import processes
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
-from autotune.vram import gguf_weights
+from autotune.formats import gguf_file_weights
 from autotune_plugins.llama_server import engine, memory
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
 from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, free_port, loopback, \
@@ -213,7 +213,7 @@ class LlamaServerBackend(BaseBackend):
         path = self.weights_path(config.weights, ctx)
         on_gpu = self.gpu_layers(ctx, self._on_gpu(ctx)) > 0
         ub = config.option("ubatch")
-        return memory.estimate(_model_of(path), gguf_weights(path), config.ctx, config.parallel,
+        return memory.estimate(_model_of(path), gguf_file_weights(path), config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
                                ubatch=int(ub) if ub is not None else None, gpu=on_gpu)
 

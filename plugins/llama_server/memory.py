@@ -50,7 +50,7 @@ def estimate(model: ModelSpec, weights: WeightsBreakdown, ctx: int, parallel: in
 
     Args:
         model: The model's shape (from the GGUF file's metadata).
-        weights: The file's tensor bytes (:func:`autotune.vram.gguf_weights`).
+        weights: The file's tensor bytes (:func:`autotune.formats.gguf_file_weights`).
         ctx: Context of one sequence.
         parallel: Slots (``-np``).
         cache_type: K and V cache type (``-ctk``/``-ctv``).

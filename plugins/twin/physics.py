@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from autotune.backend import MemoryEstimate
-from autotune.formats import WeightsBreakdown, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
+from autotune.cache_types import cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
+from autotune.formats import WeightsBreakdown
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
 from autotune.vram import SlotLayout

@@ -13,7 +13,7 @@ import pytest
 
 from autotune.backend import TrialConfig
 from autotune.models import model_from_gguf
-from autotune.vram import gguf_weights
+from autotune.formats import gguf_file_weights
 from autotune_plugins.llama_server import memory
 from autotune import processes
 from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log
@@ -72,7 +72,7 @@ def models(tmp_path_factory):
 def test_estimate_matches_the_engines_own_figures(models, name, ctx, parallel, cache, fa, ub):
     path = models / name
     model = model_from_gguf(path)
-    predicted = memory.estimate(model, gguf_weights(path), ctx, parallel, cache, fa, ubatch=ub, gpu=False)
+    predicted = memory.estimate(model, gguf_file_weights(path), ctx, parallel, cache, fa, ubatch=ub, gpu=False)
 
     # The engine's figures: launch it with exactly these flags and read its log.
     backend = LlamaServerBackend()

@@ -21,7 +21,7 @@ import pytest
 from autotune.backend import StudyContext, TrialConfig, Workload
 from autotune import processes
 from autotune.errors import BackendError, ConfigError, EngineUnavailableError
-from autotune.formats import kv_bytes_per_token
+from autotune.cache_types import kv_bytes_per_token
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
