@@ -1,4 +1,4 @@
-"""Building and finding llama.cpp's ``llama-server``: ``autotune engine build llama.cpp``.
+"""Building and finding llama.cpp's ``llama-server`` and tools: ``autotune engine build llama.cpp``.
 
 The sources are the llama.cpp tree vendored in the llama-cpp-python source distribution on
 PyPI, pinned to :data:`LLAMA_CPP_PYTHON_VERSION`. PyPI is reachable from machines that cannot
@@ -13,12 +13,14 @@ A build goes into a cache directory keyed by version and GPU architecture::
         llama.cpp-0.3.36-sm_70/
             src/          the vendored llama.cpp tree (also the vocab-only GGUFs synth uses)
             build/        the CMake build tree, kept so that a rebuild is incremental
-            bin/          llama-server, llama-quantize and their shared libraries
+            bin/          llama-server, llama-quantize, llama-bench, llama-batched-bench
+                          and their shared libraries
             build.log     every command run and everything it printed
             engine.json   written last: its presence means the build is complete
 
-:func:`find_llama_server` resolves the binary a study uses, :func:`engine_version` reads its
-``--version``.
+:func:`find_llama_server` resolves the binary a study uses, :func:`find_engine_tool` the tools
+built beside it, :func:`engine_version` reads its ``--version`` and :func:`build_supports`
+tells whether a build can run on a card.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from autotune.errors import AutotuneError, ConfigError
+from autotune_plugins.llama_server import cuda_toolkit
 
 __all__ = [
     "BUILD_TARGETS",
+    "ENGINE_TOOLS",
     "LLAMA_CPP_PYTHON_SHA256",
     "LLAMA_CPP_PYTHON_VERSION",
     "BuildPlan",
@@ -55,6 +59,7 @@ __all__ = [
     "amx_guard_flags",
     "arch_tag",
     "build_llama_cpp",
+    "build_supports",
     "built_engines",
     "cmake_build_args",
     "cmake_configure_args",
@@ -63,6 +68,7 @@ __all__ = [
     "engine_version",
     "engines_dir",
     "extract_llama_cpp",
+    "find_engine_tool",
     "find_llama_quantize",
     "find_llama_server",
     "import_llama_cpp",
@@ -80,14 +86,20 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # sha256 of llama_cpp_python-0.3.36.tar.gz as PyPI served it (76,589,250 bytes).
 LLAMA_CPP_PYTHON_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
-# Only what autotune runs: the server it measures and the quantizer `autotune synth` calls.
-# Building every tool would roughly double a 2-core build.
-BUILD_TARGETS = ("llama-server", "llama-quantize")
+# Only what autotune runs: the server it measures, the quantizer `autotune synth` calls, and
+# llama.cpp's own benchmarks, against which autotune's measurement path is calibrated
+# (bench/calibrate_llama_cpu.py). Building every tool would roughly double a 2-core build; the
+# two benchmarks are one source file each over libraries the server already links, measured
+# at BENCH_TARGETS_SECONDS on 2 cores.
+SERVER = "llama-server"
+BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
+BUILD_TARGETS = (SERVER, "llama-quantize", *BENCH_TOOLS)
+ENGINE_TOOLS = BUILD_TARGETS
 
 MARKER = "engine.json"
-# Where NVIDIA's CUDA packages put nvcc, without adding it to PATH.
-DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
-MANIFEST_VERSION = 1
+# 2 adds "tools" (every executable built) and "cuda" (the toolkit and its architectures).
+# Readers accept 1: a build made before has a server as good as a new one's.
+MANIFEST_VERSION = 2
 
 # Debian packages that provide each tool, for the error messages.
 _DEBIAN_PACKAGES = {
@@ -316,6 +328,16 @@ class EngineBuild:
     manifest: Mapping[str, Any] = field(default_factory=dict)
     reused: bool = False
 
+    def tool(self, name: str) -> Path | None:
+        """The path of one of :data:`ENGINE_TOOLS` in this build, or None when it lacks it
+        (builds made before autotune built the benchmarks)."""
+        path = self.install_dir / "bin" / name
+        return path if _is_executable(path) else None
+
+    @property
+    def missing_tools(self) -> list[str]:
+        return [t for t in BUILD_TARGETS if self.tool(t) is None]
+
 
 # --------------------------------------------------------------------------------------
 # Version
@@ -525,6 +547,128 @@ def find_llama_quantize(
         if _is_executable(beside):
             return beside
     return _find_tool("llama-quantize", {}, None, cache_dir=cache_dir, arch=arch)
+
+
+def find_engine_tool(
+    name: str,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    arch: str | None = None,
+) -> Path:
+    """Finds one of llama.cpp's executables of the same tree as the server a study runs.
+
+    ``llama-bench`` and ``llama-batched-bench`` are looked for only beside the server
+    :func:`find_llama_server` resolves: a benchmark from another tree would calibrate
+    against another engine.
+
+    Args:
+        name: One of :data:`ENGINE_TOOLS`.
+        settings: Backend settings, as for :func:`find_llama_server`.
+        cache_dir: The engines directory; default :func:`engines_dir`.
+        arch: Preferred build architecture.
+
+    Returns:
+        The path of the executable.
+
+    Raises:
+        ConfigError: ``name`` is not a tool autotune builds.
+        EngineNotFoundError: No server, or none of this tool beside it; the message says how
+            to add it.
+    """
+    if name not in ENGINE_TOOLS:
+        raise ConfigError(f"engine tool {name!r}: autotune builds {', '.join(ENGINE_TOOLS)}")
+    if name == SERVER:
+        return find_llama_server(settings, cache_dir=cache_dir, arch=arch)
+    if name == "llama-quantize":
+        return find_llama_quantize(settings, cache_dir=cache_dir, arch=arch)
+    server = find_llama_server(settings, cache_dir=cache_dir, arch=arch)
+    beside = server.parent / name
+    if _is_executable(beside):
+        return beside
+    manifest, _ = _manifest_of(server)
+    if manifest is not None:
+        tag = str(manifest.get("arch", "cpu")).replace(";", ",")
+        raise EngineNotFoundError(
+            f"{name}: the llama.cpp build in {server.parent.parent} predates autotune building it: run "
+            f"`autotune engine build llama.cpp --cuda-arch {tag}`, which compiles only what is missing"
+        )
+    raise EngineNotFoundError(f"{name}: none beside {server}; build it from the same llama.cpp tree, or use "
+                              "`autotune engine build llama.cpp`")
+
+
+def _manifest_of(binary: Path) -> tuple[dict[str, Any] | None, Path]:
+    """The engine.json of the autotune build holding ``binary`` (in its bin/), if it is one,
+    and the build's directory (else the binary's)."""
+    for marker in (binary.parent.parent / MARKER, binary.parent / MARKER):
+        with contextlib.suppress(OSError, ValueError):
+            manifest = json.loads(marker.read_text(encoding="utf-8"))
+            if isinstance(manifest, dict):
+                return manifest, marker.parent
+    return None, binary.parent
+
+
+def build_supports(build: EngineBuild | str | os.PathLike[str], compute_capability: str | None) -> str | None:
+    """Whether a llama.cpp build can run on a card, from what the build recorded.
+
+    A CPU-only build on a machine with a card silently measures the CPU; a build without
+    kernels for the card fails every trial with "no kernel image is available"; a build for
+    an older architecture runs through PTX compiled for that one, without the kernels
+    llama.cpp has for the card: none of these measures what the study asks.
+
+    Args:
+        build: An :class:`EngineBuild`, its directory, or an executable (``llama-server``).
+        compute_capability: The card's "major.minor" ("7.0"); None or "" for no card.
+
+    Returns:
+        None when the build fits (or nothing is known against it: a binary autotune did not
+        build and whose libraries do not tell), else why not and the remedy, in one line.
+    """
+    if not compute_capability or compute_capability in ("0.0",):
+        return None
+    card = cuda_arch_from_cc(compute_capability)
+    if isinstance(build, EngineBuild):
+        manifest, where = dict(build.manifest), build.install_dir
+    else:
+        path = Path(build)
+        manifest, where = _manifest_of(path / "bin" / SERVER if path.is_dir() else path)
+    remedy = (f"build for it with `autotune engine build llama.cpp --cuda-arch {card}`"
+              f"{cuda_toolkit.toolkit_note(card)}, or set the backend setting binary to a build for it")
+    if manifest is None:
+        # Not autotune's: its shared libraries, when it has them beside it, tell the backends.
+        if (any(where.glob("libggml-base.so*")) or any(where.glob("libggml.so*"))) \
+                and not any(where.glob("libggml-cuda.so*")):
+            return f"llama.cpp in {where} has no CUDA backend (no libggml-cuda.so): {remedy}"
+        return None
+    built = str(manifest.get("arch", ""))
+    label = cuda_toolkit.card_arch_label(card)
+    if built == "cpu":
+        return f"the llama.cpp build in {where} is CPU-only: on this card, {label}, it would measure the CPU; {remedy}"
+    archs = [a for a in built.split(";") if a]
+    if any(_runs_natively(a, card) for a in archs):
+        return None
+    shown = ", ".join(f"sm_{a}" for a in archs)
+    older = [a for a in archs if _arch_number(a) < _arch_number(card)]
+    why = (f"it would run through PTX JIT-compiled for {shown}, without llama.cpp's kernels for this card"
+           if older and not any(a[-1:].isalpha() for a in older) else "it has no kernels this card can run")
+    return f"the llama.cpp build in {where} was built for {shown}, not {label}: {why}; {remedy}"
+
+
+def _arch_number(arch: str) -> int:
+    m = re.match(r"\d+", arch)
+    return int(m.group(0)) if m else 0
+
+
+def _runs_natively(built: str, card: str) -> bool:
+    """Whether machine code built for ``built`` ("80", "90a") runs on a ``card`` ("86").
+
+    CUDA's binary compatibility: code for X.y runs on X.z with z >= y; arch-specific code
+    ("90a") only on that very architecture.
+    """
+    b, c = _arch_number(built), _arch_number(card)
+    if built[-1:] == "a":
+        return b == c
+    return b // 10 == c // 10 and b % 10 <= c % 10
 
 
 def _find_tool(
@@ -961,7 +1105,8 @@ class Builder(Protocol):
     """What :func:`build_llama_cpp` needs from a builder (the real one is :class:`CMakeBuilder`)."""
 
     def check_tools(self, plan: BuildPlan) -> None:
-        """Raise EngineBuildError naming the missing tool and its package, before downloading."""
+        """Raise EngineBuildError naming the missing tool and its package, and ConfigError for a
+        CUDA compiler that cannot target ``plan.arch``, before downloading."""
 
     def build(self, plan: BuildPlan, log: IO[str], progress: Callable[[int, int, str], None] | None) -> None:
         """Build ``plan.src_dir`` and put ``llama-server``, ``llama-quantize`` and their shared
@@ -974,11 +1119,19 @@ _MAKE_STEP = re.compile(r"^\[\s*(\d+)%\]")
 
 
 class CMakeBuilder:
-    """Configures and builds with CMake (Ninja when installed), then copies the outputs."""
+    """Configures and builds with CMake (Ninja when installed), then copies the outputs.
 
-    def __init__(self, env: Mapping[str, str] | None = None):
+    Args:
+        env: The build's environment; default this process's.
+        cuda_compiler: ``nvcc`` to use (``--cuda-compiler``); default ``$CUDACXX``, ``nvcc`` on
+            PATH, /usr/local/cuda/bin/nvcc.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None, cuda_compiler: str | os.PathLike[str] | None = None):
         self.env = dict(os.environ if env is None else env)
+        self.requested_cuda_compiler = cuda_compiler
         self.cuda_compiler: str | None = None
+        self.cuda: cuda_toolkit.CudaCompiler | None = None  # for engine.json
         self.c_compiler: str | None = None
         self.host_flags: list[str] = []
         self.configure_args: list[str] = []  # what the last build ran, for engine.json
@@ -1002,18 +1155,22 @@ class CMakeBuilder:
                 self.c_compiler = found
         if not self._which("ninja") and not self._which("make"):
             missing.append("ninja")
+        found_nvcc = None
         if plan.arch != "cpu":
-            nvcc = self.env.get("CUDACXX") or self._which("nvcc")
-            if not nvcc and DEFAULT_NVCC.is_file():
-                nvcc = str(DEFAULT_NVCC)
-            if not nvcc:
+            found_nvcc = cuda_toolkit.find_cuda_compiler(self.requested_cuda_compiler, self.env)
+            if not found_nvcc:
                 missing.append("nvcc")
-            self.cuda_compiler = nvcc
+            else:
+                self.cuda_compiler = found_nvcc[0]
         if missing:
             labels = {"c++": "a C++ compiler", "cc": "a C compiler", "ninja": "ninja or make"}
             names_ = ", ".join(labels.get(m, m) for m in missing)
             packages = "; ".join(f"{labels.get(m, m)}: apt-get install {_DEBIAN_PACKAGES[m]}" for m in missing)
             raise EngineBuildError(f"cannot build llama.cpp: {names_} not found on PATH (Debian/Ubuntu: {packages})")
+        if found_nvcc:
+            # Minutes before CMake would stop on "nvcc fatal : Unsupported gpu architecture".
+            self.cuda = cuda_toolkit.inspect_cuda_compiler(*found_nvcc)
+            cuda_toolkit.check_cuda_archs(plan.arch.split(";"), self.cuda)
         self.host_flags = amx_guard_flags(self._which(self.c_compiler or "") or self.c_compiler)
 
     def _run(self, cmd: list[str], log: IO[str], progress: Callable[[int, int, str], None] | None, step: str) -> None:
@@ -1065,7 +1222,7 @@ class CMakeBuilder:
         install_outputs(plan.build_dir / "bin", plan.bin_dir)
 
 
-def install_outputs(built_bin: Path, bin_dir: Path) -> None:
+def install_outputs(built_bin: Path, bin_dir: Path, targets: Sequence[str] = BUILD_TARGETS) -> None:
     """Copies the built executables and every shared library beside them into ``bin_dir``.
 
     Symbolic links (libllama.so -> libllama.so.0) are copied as links, so that the
@@ -1074,11 +1231,11 @@ def install_outputs(built_bin: Path, bin_dir: Path) -> None:
     if bin_dir.exists():
         shutil.rmtree(bin_dir)
     bin_dir.mkdir(parents=True)
-    missing = [t for t in BUILD_TARGETS if not (built_bin / t).is_file()]
+    missing = [t for t in targets if not (built_bin / t).is_file()]
     if missing:
         raise EngineBuildError(f"the build finished without {', '.join(missing)} in {built_bin}")
     for item in sorted(built_bin.iterdir()):
-        if item.name in BUILD_TARGETS or ".so" in item.name:
+        if item.name in targets or ".so" in item.name:
             shutil.copy2(item, bin_dir / item.name, follow_symlinks=False)
 
 
@@ -1129,7 +1286,7 @@ def _read_build(plan: BuildPlan) -> EngineBuild | None:
         manifest = json.loads(plan.marker_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return EngineBuild(plan.install_dir, plan.bin_dir / "llama-server", plan.bin_dir / "llama-quantize",
+    return EngineBuild(plan.install_dir, plan.bin_dir / SERVER, plan.bin_dir / "llama-quantize",
                        plan.bin_dir, manifest, reused=True)
 
 
@@ -1144,12 +1301,15 @@ def build_llama_cpp(
     progress: Callable[[int, int, str], None] | None = None,
     status: Callable[[str], None] | None = None,
     gpus: Sequence[Any] | None = None,
+    cuda_compiler: str | os.PathLike[str] | None = None,
 ) -> EngineBuild:
-    """Builds llama.cpp's ``llama-server`` and ``llama-quantize`` into the cache, or reuses a build.
+    """Builds llama.cpp's :data:`BUILD_TARGETS` into the cache, or reuses a build.
 
     A directory counts as built only when ``engine.json`` exists; it is written last, after
     the binaries ran ``--version``, so an interrupted build is redone (incrementally: the CMake
-    tree is kept).
+    tree is kept). A complete build made before autotune built the benchmarks keeps its
+    directory (the cache key is unchanged) and gets only the missing executables compiled;
+    until then its server stays in use.
 
     Args:
         cuda_arch: "auto" (the detected cards, or CPU without one), "cpu", or architectures
@@ -1163,16 +1323,23 @@ def build_llama_cpp(
         progress: Called with (steps done, steps total, line) while compiling.
         status: Called with a one-line description of each phase.
         gpus: Detected GPUs for "auto"; None asks NVML.
+        cuda_compiler: The ``nvcc`` for a CUDA build (see :class:`CMakeBuilder`); an error
+            for a CPU build, which has no use for one.
 
     Returns:
         The build.
 
     Raises:
         EngineBuildError: A tool is missing, the download or the build failed.
-        ConfigError: A bad ``cuda_arch`` or ``sdist``.
+        ConfigError: A bad ``cuda_arch``, ``sdist`` or ``cuda_compiler``, or a CUDA compiler
+            that cannot target the architecture.
     """
     say = status or (lambda _msg: None)
     arch = resolve_arch(cuda_arch, gpus)
+    if cuda_compiler and arch == "cpu":
+        why = "no NVIDIA card was detected" if cuda_arch.strip().lower() == "auto" else "a CPU build was asked for"
+        raise ConfigError(f"--cuda-compiler {cuda_compiler}: the build is CPU-only ({why}); give --cuda-arch, "
+                          "e.g. --cuda-arch 70, for a CUDA build")
     sdist_path = Path(sdist).expanduser() if sdist else None
     if sdist_path is not None and not sdist_path.exists():
         raise ConfigError(f"--sdist {sdist}: no such file or directory")
@@ -1186,13 +1353,19 @@ def build_llama_cpp(
             )
     root = engines_dir(cache_dir)
     plan = BuildPlan(version, arch, root / f"llama.cpp-{version}-{arch_tag(arch)}", max(1, jobs or os.cpu_count() or 1))
-    builder = builder or CMakeBuilder()
+    builder = builder or CMakeBuilder(cuda_compiler=cuda_compiler)
 
     with _locked(plan.install_dir):
-        if not force and (done := _read_build(plan)) is not None:
+        done = None if force else _read_build(plan)
+        if done is not None and not done.missing_tools:
             say(f"reusing the build in {plan.install_dir}")
             return done
-        plan.marker_path.unlink(missing_ok=True)
+        if done is not None:
+            # Its marker stays until the new one is written: if adding the tools fails, the
+            # server it has keeps working.
+            say(f"adding {', '.join(done.missing_tools)} to the build in {plan.install_dir} (the rest is up to date)")
+        else:
+            plan.marker_path.unlink(missing_ok=True)
         builder.check_tools(plan)
         started = time.monotonic()
         with plan.log_path.open("w", encoding="utf-8") as log:
@@ -1211,7 +1384,7 @@ def build_llama_cpp(
             say(f"building llama.cpp{' ' + commit if commit else ''} for {arch_tag(arch)} with {plan.jobs} jobs "
                 f"(log: {plan.log_path})")
             builder.build(plan, log, progress)
-        server = plan.bin_dir / "llama-server"
+        server = plan.bin_dir / SERVER
         try:
             version_info = engine_version(server)
         except EngineNotFoundError as exc:
@@ -1231,9 +1404,22 @@ def build_llama_cpp(
             "lib_dir": str(plan.bin_dir),
             "version": asdict(version_info),
             "cmake_args": list(getattr(builder, "configure_args", None) or []),
+            "tools": {t: str(plan.bin_dir / t) for t in BUILD_TARGETS if _is_executable(plan.bin_dir / t)},
+            "cuda": _cuda_record(getattr(builder, "cuda", None), arch),
         }
         # Write-then-rename: a crash while writing must not leave a marker that says "done".
         tmp = plan.marker_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         tmp.replace(plan.marker_path)
     return EngineBuild(plan.install_dir, server, plan.bin_dir / "llama-quantize", plan.bin_dir, manifest, reused=False)
+
+
+def _cuda_record(compiler: cuda_toolkit.CudaCompiler | None, arch: str) -> dict[str, Any] | None:
+    """What :func:`build_supports` and a reader of engine.json need to know of a CUDA build."""
+    if arch == "cpu":
+        return None
+    record: dict[str, Any] = {"archs": arch.split(";")}
+    if compiler is not None:
+        record.update(compiler=compiler.path, source=compiler.source,
+                      version=f"{compiler.version[0]}.{compiler.version[1]}")
+    return record
