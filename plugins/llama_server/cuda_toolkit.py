@@ -37,18 +37,23 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from autotune.errors import AutotuneError, ConfigError
 
 __all__ = [
     "CudaCompiler",
+    "arch_number",
     "arch_problem",
     "card_arch_label",
+    "card_runs_code",
     "check_cuda_archs",
+    "cuda_arch_from_cc",
     "find_cuda_compiler",
     "inspect_cuda_compiler",
     "parse_gpu_arch_list",
     "parse_nvcc_version",
+    "resolve_arch",
     "toolkit_note",
 ]
 
@@ -291,3 +296,91 @@ def check_cuda_archs(archs: Sequence[str], compiler: CudaCompiler, *, others: Se
                   f"(or CUDACXX={example})")
     reasons = "; ".join(p for _, p in problems)
     raise ConfigError(f"--cuda-arch {','.join(bad)}: {reasons}. {remedy}")
+
+
+# --------------------------------------------------------------------------------------
+# Architectures of cards and builds
+# --------------------------------------------------------------------------------------
+
+
+_ARCH_RE = re.compile(r"^\d{2,3}[a-z]?$")
+
+
+def cuda_arch_from_cc(compute_capability: str) -> str:
+    """The CMake CUDA architecture of an NVML compute capability.
+
+    Args:
+        compute_capability: "major.minor", as :class:`autotune.hardware.DetectedGpu` has it.
+
+    Returns:
+        E.g. "70" for "7.0" (V100), "90" for "9.0" (H100).
+
+    Raises:
+        ConfigError: The value is not "major.minor".
+    """
+    m = re.fullmatch(r"(\d+)\.(\d+)", compute_capability.strip())
+    if not m:
+        raise ConfigError(f"compute capability {compute_capability!r}: use 'major.minor', e.g. 7.0")
+    return f"{int(m.group(1))}{int(m.group(2))}"
+
+
+def resolve_arch(spec: str, gpus: Sequence[Any] | None = None) -> str:
+    """Turns ``--cuda-arch`` into "cpu" or a CMake architecture list such as "70" or "70;86".
+
+    The first pitfall of building llama.cpp for an old card is a binary without kernels for it
+    (the V100 is sm_70, which recent CUDA defaults leave out): "auto" asks NVML for the compute
+    capability of every visible card, so the build has exactly their architectures.
+
+    Args:
+        spec: "auto", "cpu", or architectures separated by commas or semicolons ("70", "70,86",
+            "90a").
+        gpus: Detected GPUs (objects with ``compute_capability``); None detects them with
+            :func:`autotune.hardware.detect_gpus`.
+
+    Returns:
+        "cpu" or the architectures joined by ";", sorted and without duplicates.
+
+    Raises:
+        ConfigError: An architecture is not a number like 70 or 90a.
+    """
+    spec = spec.strip().lower()
+    if spec == "cpu":
+        return "cpu"
+    if spec == "auto":
+        if gpus is None:
+            from autotune.hardware import detect_gpus
+
+            gpus = detect_gpus()
+        archs = {cuda_arch_from_cc(g.compute_capability) for g in gpus if g.compute_capability not in ("", "0.0")}
+        # No NVIDIA card (or no driver): a CPU build is the only one that can run here.
+        return ";".join(sorted(archs, key=_arch_key)) if archs else "cpu"
+    parts = [p.strip().removeprefix("sm_") for p in re.split(r"[,;]", spec) if p.strip()]
+    bad = [p for p in parts if not _ARCH_RE.match(p)]
+    if not parts or bad:
+        raise ConfigError(
+            f"--cuda-arch {spec!r}: use auto, cpu, or CUDA architectures such as 70, 86 or 90 "
+            "(compute capability without the dot), separated by commas"
+        )
+    return ";".join(sorted(set(parts), key=_arch_key))
+
+
+def _arch_key(arch: str) -> tuple[int, str]:
+    digits = re.match(r"\d+", arch)
+    return (int(digits.group(0)) if digits else 0, arch)
+
+
+def arch_number(arch: str) -> int:
+    m = re.match(r"\d+", arch)
+    return int(m.group(0)) if m else 0
+
+
+def card_runs_code(built: str, card: str) -> bool:
+    """Whether machine code built for ``built`` ("80", "90a") runs on a ``card`` ("86").
+
+    CUDA's binary compatibility: code for X.y runs on X.z with z >= y; arch-specific code
+    ("90a") only on that very architecture.
+    """
+    b, c = arch_number(built), arch_number(card)
+    if built[-1:] == "a":
+        return b == c
+    return b // 10 == c // 10 and b % 10 <= c % 10

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from autotune import plugins
 from autotune.errors import ConfigError
-from autotune_plugins.llama_server import cuda_toolkit, engine
+from autotune_plugins.llama_server import cuda_toolkit, engine, llama_build
 from tests.conftest import plugin_registered
 from autotune_plugins.llama_server.engine import (
     BuildPlan,
@@ -240,7 +240,7 @@ AMX_CPUINFO = "processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx
 
 
 def test_amx_is_kept_out_of_native_builds(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(llama_build.platform, "machine", lambda: "x86_64")
     accepting = fake_exe(tmp_path / "cc", "")
     rejecting = fake_exe(tmp_path / "old-cc", "")
     rejecting.write_text(rejecting.read_text() + "exit 1\n")
@@ -402,7 +402,7 @@ def test_download_failure_says_to_pass_sdist(tmp_path, monkeypatch):
     # A fake "python" that fails as pip does without network.
     pip = fake_exe(tmp_path / "fake-python", "ERROR: Could not find a version that satisfies the requirement\n")
     pip.write_text(pip.read_text() + "exit 1\n")
-    monkeypatch.setattr(engine.sys, "executable", str(pip))
+    monkeypatch.setattr(llama_build.sys, "executable", str(pip))
     with pytest.raises(EngineBuildError, match="pass --sdist PATH") as info:
         engine.download_sdist("0.0.1", tmp_path / "dl")
     assert "Could not find a version" in info.value.log_tail
