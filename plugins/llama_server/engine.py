@@ -247,7 +247,8 @@ def build_llama_cpp(
             plan.marker_path.unlink(missing_ok=True)
         builder.check_tools(plan)
         started = time.monotonic()
-        with plan.log_path.open("w", encoding="utf-8") as log:
+        # Adding tools appends: the log of the build they join stays readable.
+        with plan.log_path.open("a" if done is not None else "w", encoding="utf-8") as log:
             log.write(f"autotune engine build llama.cpp: llama-cpp-python {version}, arch {arch}, jobs {plan.jobs}\n")
             if sdist_path is None:
                 cached = root / "downloads" / f"llama_cpp_python-{version}.tar.gz"

@@ -497,6 +497,7 @@ def test_a_build_made_before_the_benchmarks_gets_only_them_added(tmp_path):
     added = build_llama_cpp("cpu", cache_dir=tmp_path / "e", sdist=sdist, builder=builder)
     assert builder.calls == 1 and added.install_dir == first.install_dir and not added.missing_tools
     assert json.loads(marker.read_text())["manifest_version"] == engine.MANIFEST_VERSION
+    assert (first.install_dir / "build.log").read_text().count("fake build") == 3  # appended, not replaced
     assert engine.find_engine_tool("llama-batched-bench", cache_dir=tmp_path / "e", arch="cpu") == \
         first.install_dir / "bin" / "llama-batched-bench"
     build_llama_cpp("cpu", cache_dir=tmp_path / "e", sdist=sdist, builder=builder)
