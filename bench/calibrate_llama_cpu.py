@@ -176,13 +176,36 @@ def autotune_measure(model: Path, setup: Setup, parallel: int) -> dict[str, Any]
             "client_cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "client_cores": round(cpu / wall, 3)}
 
 
+def _spread(values: Sequence[float]) -> float:
+    """(max - min) / median: how far apart a tool's own runs were."""
+    return (max(values) - min(values)) / statistics.median(values) if values else 0.0
+
+
 def calibrate(models: dict[str, Path], setup: Setup) -> list[dict[str, Any]]:
-    """Every measurement for every model: one row per model with the ratios."""
+    """Every measurement for every model: one row per model with the ratios.
+
+    llama.cpp's tools run before and after autotune and their runs are pooled: on a shared
+    machine the load drifts, and the bracket keeps autotune's numbers from being compared
+    with a moment the machine was quieter or busier.
+    """
     rows = []
     for label, model in models.items():
-        bench = llama_bench_decode(model, setup)
-        batched = batched_bench(model, setup)
+        bench_runs = [llama_bench_decode(model, setup)]
+        batched_runs = [batched_bench(model, setup)]
         ours = {n: autotune_measure(model, setup, n) for n in setup.streams}
+        bench_runs.append(llama_bench_decode(model, setup))
+        batched_runs.append(batched_bench(model, setup))
+        samples = [s for b in bench_runs for s in b["samples"]]
+        bench = {"decode_tok_s": statistics.median(samples), "samples": samples, "spread": _spread(samples),
+                 "before_after": [b["decode_tok_s"] for b in bench_runs], "command": bench_runs[0]["command"]}
+        batched = {}
+        for n in setup.streams:
+            runs = [r for b in batched_runs for r in b[n]["runs"]]
+            batched[n] = {"e2e_tok_s": statistics.median(r["e2e_tok_s"] for r in runs),
+                          "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+                          "spread": _spread([r["e2e_tok_s"] for r in runs]),
+                          "before_after": [b[n]["e2e_tok_s"] for b in batched_runs], "runs": runs,
+                          "command": batched_runs[0][n]["command"]}
         single = ours[min(setup.streams)]
         rows.append({
             "model": label, "file": str(model), "bytes": model.stat().st_size,
@@ -190,6 +213,12 @@ def calibrate(models: dict[str, Path], setup: Setup) -> list[dict[str, Any]]:
             "autotune": {str(n): v for n, v in ours.items()},
             "decode_ratio": single["decode_tok_s"] / bench["decode_tok_s"],
             "aggregate_ratio": {str(n): ours[n]["aggregate_tok_s"] / batched[n]["e2e_tok_s"] for n in setup.streams},
+            # A constant cost per output token (sampling the vocabulary, detokenising, one SSE
+            # event) shows as the same number here at every stream count.
+            "extra_ms_per_token": {
+                "1": 1000 * (1 / single["decode_tok_s"] - 1 / bench["decode_tok_s"]),
+                **{f"{n} streams": 1000 * (1 / ours[n]["aggregate_tok_s"] - 1 / batched[n]["e2e_tok_s"])
+                   for n in setup.streams}},
         })
     return rows
 
@@ -198,18 +227,20 @@ def format_table(rows: list[dict[str, Any]], setup: Setup) -> str:
     """The comparison as a Markdown table: autotune, llama.cpp's tool, autotune / tool."""
     lines = [f"ctx {setup.ctx}, flash-attn {'on' if setup.flash_attn else 'off'}, {setup.prompt_tokens}-token prompt, "
              f"{setup.output_tokens} output tokens, {setup.threads} threads (tok/s; medians)", "",
-             "| model | quantity | autotune | llama.cpp tool | ratio | tool's decode-only S_TG | client CPU (cores) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| model | quantity | autotune | llama.cpp tool (spread of its runs) | ratio | extra ms per "
+             "output token | tool's decode-only S_TG | client CPU (cores) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         first = str(min(setup.streams))
-        a = r["autotune"][first]
+        a, b = r["autotune"][first], r["llama_bench"]
         lines.append(f"| {r['model']} | single-stream decode vs llama-bench tg{setup.output_tokens} | "
-                     f"{a['decode_tok_s']:.1f} | {r['llama_bench']['decode_tok_s']:.1f} | {r['decode_ratio']:.2f} | | "
-                     f"{a['client_cores']:.2f} |")
+                     f"{a['decode_tok_s']:.1f} | {b['decode_tok_s']:.1f} ({100 * b['spread']:.0f}%) | "
+                     f"{r['decode_ratio']:.2f} | {r['extra_ms_per_token']['1']:.2f} | | {a['client_cores']:.2f} |")
         for n in setup.streams:
             a, b = r["autotune"][str(n)], r["llama_batched_bench"][str(n)]
             lines.append(f"| {r['model']} | aggregate, {n} stream{'s' if n > 1 else ''} vs llama-batched-bench | "
-                         f"{a['aggregate_tok_s']:.1f} | {b['e2e_tok_s']:.1f} | {r['aggregate_ratio'][str(n)]:.2f} | "
+                         f"{a['aggregate_tok_s']:.1f} | {b['e2e_tok_s']:.1f} ({100 * b['spread']:.0f}%) | "
+                         f"{r['aggregate_ratio'][str(n)]:.2f} | {r['extra_ms_per_token'][f'{n} streams']:.2f} | "
                          f"{b['decode_tok_s']:.1f} | {a['client_cores']:.2f} |")
     return "\n".join(lines)
 
@@ -220,9 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Where the synthetic models go (reused when present) [default: a temporary directory].")
     parser.add_argument("--quant", default="Q8_0", help="Quantized copies to measure besides F16, comma-separated.")
     parser.add_argument("--json", type=Path, default=None, help="Write every number here.")
-    parser.add_argument("--runs", type=int, default=3, help="Runs of each llama.cpp tool (median kept).")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="Runs of each llama.cpp tool, before and after autotune's (all pooled, median kept).")
+    parser.add_argument("--min-runs", type=int, default=5, help="autotune's fewest measured runs per configuration.")
     args = parser.parse_args(argv)
-    setup = Setup(bench_runs=args.runs)
+    setup = Setup(bench_runs=args.runs, protocol=Protocol(warmup_runs=1, min_runs=args.min_runs,
+                                                          max_runs=max(10, args.min_runs), rel_spread_tol=0.05))
     with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
         models_dir = args.models_dir or Path(tmp)
         qtypes = [q.strip().upper() for q in args.quant.split(",") if q.strip()]

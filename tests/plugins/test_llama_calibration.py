@@ -13,10 +13,11 @@ loop, the HTTP thread) and a few more cache positions, so it should come out som
 * Above 1.10: autotune would report a decode faster than the engine can go: the rate is
   not the decode (e.g. tokens counted wrong, prompt time left out of a denominator that
   should have it, a different model or thread count).
-* Below 0.75: a quarter of the engine lost to how autotune drives it: the load generator
-  taking the engine's cores, threads not passed (``-t 1`` halves it on 2 cores), a debug
-  log level slowing the server. 0.75 leaves room for a shared 2-core CI machine's noise
-  under the ~10 % the server itself costs.
+* Below 0.70: nearly a third of the engine lost to how autotune drives it: the load
+  generator taking the engine's cores, threads not passed (``-t 1`` gives 0.5-0.65 on 2
+  cores), a debug log level slowing the server. The margin under the 10-15 % the server
+  itself costs is for a shared 2-core machine, where llama-bench's own runs of this model
+  were seen 30 % apart; the tool runs before and after autotune and the two are averaged.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ spec.loader.exec_module(calibrate)
 # ~45M parameters with llama's 32k SPM vocabulary: a decode step of a few milliseconds on
 # 2 cores, long enough that per-token server costs are a fraction, as on a real model.
 SHAPE = SynthSpec(arch="llama", n_layers=4, hidden=512, n_heads=8, n_kv_heads=4, ffn=1536, context_length=2048)
-BAND = (0.75, 1.10)
+BAND = (0.70, 1.10)
 SETUP = calibrate.Setup(output_tokens=64, streams=(1,), bench_runs=3,
                         protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=5, rel_spread_tol=0.05))
 
