@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import ConfigError, EngineUnavailableError
 from autotune_plugins.llama_server import cuda_toolkit
 from autotune_plugins.llama_server.cuda_toolkit import cuda_arch_from_cc, resolve_arch
 from autotune_plugins.llama_server.llama_build import BUILD_TARGETS, LLAMA_CPP_PYTHON_VERSION, MARKER, SERVER
@@ -46,8 +46,10 @@ ENGINE_TOOLS = BUILD_TARGETS
 MANIFEST_VERSION = 2
 
 
-class EngineNotFoundError(AutotuneError):
-    """No ``llama-server`` could be found, or the one configured does not exist."""
+class EngineNotFoundError(EngineUnavailableError):
+    """No ``llama-server`` (or tool) could be found, or the one configured is missing or does
+    not run: every trial would fail the same way, so it is the core's "engine unavailable"
+    (exit status 2, the message names the remedy)."""
 
 
 # --------------------------------------------------------------------------------------

@@ -682,3 +682,11 @@ def test_cli_cuda_compiler_for_a_cpu_build_is_exit_2(cli, clean_env):
                                       "--cache-dir", str(clean_env / "e")])
     assert result.exit_code == 2
     assert "--cuda-compiler /x/nvcc: the build is CPU-only (a CPU build was asked for)" in result.output
+
+
+def test_a_missing_engine_is_the_cores_engine_unavailable(clean_env):
+    from autotune.errors import EngineUnavailableError, exit_status
+
+    with pytest.raises(EngineUnavailableError) as info:  # what stops a study at its first trial
+        find_llama_server({}, cache_dir=clean_env / "cache")
+    assert exit_status(info.value) == 2
