@@ -254,9 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5,
                         help="Runs of each llama.cpp tool, before and after autotune's (all pooled, median kept).")
     parser.add_argument("--min-runs", type=int, default=5, help="autotune's fewest measured runs per configuration.")
+    parser.add_argument("--max-runs", type=int, default=10, help="autotune's most measured runs per configuration.")
     args = parser.parse_args(argv)
     setup = Setup(bench_runs=args.runs, protocol=Protocol(warmup_runs=1, min_runs=args.min_runs,
-                                                          max_runs=max(10, args.min_runs), rel_spread_tol=0.05))
+                                                          max_runs=max(args.max_runs, args.min_runs), rel_spread_tol=0.05))
     with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
         models_dir = args.models_dir or Path(tmp)
         qtypes = [q.strip().upper() for q in args.quant.split(",") if q.strip()]
