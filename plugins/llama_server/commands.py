@@ -17,31 +17,33 @@ from typing import Any
 
 import click
 
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import AutotuneError, ConfigError, handle_errors
 
 __all__ = ["add_engine_commands", "add_synth_command"]
 
 ENGINES = ("llama.cpp",)
 
 
-class _InputError(click.ClickException):
-    """A bad input: exit status 2, as the core CLI uses for ConfigError."""
-
-    exit_code = 2
-
-
 @contextlib.contextmanager
 def _errors() -> Iterator[None]:
-    """Turn library errors into one-line messages; build logs' tails go to stderr first."""
-    try:
-        yield
-    except ConfigError as exc:
-        raise _InputError(str(exc)) from None
-    except AutotuneError as exc:
-        tail = getattr(exc, "log_tail", "")
-        if tail:
-            click.echo(tail, err=True)
-        raise click.ClickException(str(exc)) from None
+    """The core's error-to-exit mapping (:func:`autotune.errors.handle_errors`), with the tail
+    of a build's or pip's log on stderr first: the one line alone rarely says why a compile
+    failed."""
+    with handle_errors(_debug()):
+        try:
+            yield
+        except AutotuneError as exc:
+            tail = getattr(exc, "log_tail", "")
+            if tail:
+                click.echo(tail, err=True)
+            raise
+
+
+def _debug() -> bool:
+    """``autotune --debug``: the core CLI keeps it in the context object."""
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return bool(obj.get("debug")) if isinstance(obj, dict) else False
 
 
 def _engine_group(cli: click.Group) -> click.Group:
@@ -107,6 +109,10 @@ def add_engine_commands(cli: click.Group) -> None:
     @click.option("--cuda-arch", default="auto", show_default=True,
                   help="auto (the detected GPUs' compute capability, or cpu without a GPU), cpu, "
                        "or CUDA architectures such as 70 (V100), 86, 90, comma-separated.")
+    @click.option("--cuda-compiler", type=click.Path(path_type=Path), default=None,
+                  help="nvcc of the CUDA toolkit to build with, e.g. /usr/local/cuda-12.9/bin/nvcc "
+                       "[default: $CUDACXX, else nvcc on PATH, else /usr/local/cuda/bin/nvcc]. "
+                       "CUDA 13 cannot build for sm_50 to sm_72 (V100, P100, P40): use a 12.x one.")
     @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
                   help="Parallel compile jobs [default: number of CPUs].")
     @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -120,31 +126,37 @@ def add_engine_commands(cli: click.Group) -> None:
     @click.option("--python", "python_bindings", is_flag=True,
                   help="Also install llama-cpp-python into this environment on top of the build "
                        "(no second compile): the in-process engine quality scoring uses.")
-    def build(engine: str, cuda_arch: str, jobs: int | None, cache_dir: Path | None, sdist: Path | None,
-              force: bool, cpu_only: bool, python_bindings: bool) -> None:
-        """Build ENGINE (llama.cpp: llama-server and llama-quantize) for this machine's GPU.
+    def build(engine: str, cuda_arch: str, cuda_compiler: Path | None, jobs: int | None, cache_dir: Path | None,
+              sdist: Path | None, force: bool, cpu_only: bool, python_bindings: bool) -> None:
+        """Build ENGINE (llama.cpp: llama-server, llama-quantize, llama-bench and
+        llama-batched-bench) for this machine's GPU.
 
         The sources are the llama.cpp tree vendored in llama-cpp-python's source distribution
         on PyPI, pinned to one version. The build is cached per version and GPU architecture,
-        and reused when complete.
+        and reused when complete. For a CUDA build, the toolkit is checked against the
+        architectures before anything is downloaded or compiled.
         """
         from autotune_plugins.llama_server import engine as engine_mod
 
-        if cpu_only and cuda_arch not in ("auto", "cpu"):
-            raise _InputError(f"--cpu and --cuda-arch {cuda_arch} contradict each other: give one of them")
         started = time.monotonic()
         with _errors(), _BuildProgress() as progress:
+            if cpu_only and cuda_arch not in ("auto", "cpu"):
+                raise ConfigError(f"--cpu and --cuda-arch {cuda_arch} contradict each other: give one of them")
             result = engine_mod.build_llama_cpp("cpu" if cpu_only else cuda_arch, jobs=jobs, cache_dir=cache_dir, sdist=sdist,
-                                                force=force, progress=progress, status=progress.status)
+                                                force=force, progress=progress, status=progress.status,
+                                                cuda_compiler=cuda_compiler)
         version = result.manifest.get("version", {})
         label = engine_mod.EngineVersion(**version).label if version else "llama.cpp"
         verb = "reused" if result.reused else f"built in {time.monotonic() - started:.0f}s"
         click.echo(f"{label} {result.manifest.get('tag', '')} {verb}")
-        click.echo(f"  llama-server:   {result.server}")
-        click.echo(f"  llama-quantize: {result.quantize}")
-        click.echo(f"  libraries:      {result.lib_dir}  (LLAMA_CPP_LIB_PATH for llama-cpp-python "
+        for tool in engine_mod.BUILD_TARGETS:
+            click.echo(f"  {tool + ':':21}{result.tool(tool) or 'missing'}")
+        cuda = result.manifest.get("cuda") or {}
+        if cuda.get("version"):
+            click.echo(f"  {'CUDA:':21}{cuda['version']} ({cuda.get('compiler')}) for sm_{', sm_'.join(cuda['archs'])}")
+        click.echo(f"  {'libraries:':21}{result.lib_dir}  (LLAMA_CPP_LIB_PATH for llama-cpp-python "
                    f"{result.manifest.get('llama_cpp_python', '')})")
-        click.echo(f"  build log:      {result.install_dir / 'build.log'}")
+        click.echo(f"  {'build log:':21}{result.install_dir / 'build.log'}")
         if python_bindings:
             with _errors(), (result.install_dir / "build.log").open("a", encoding="utf-8") as log:
                 installed = engine_mod.install_python_bindings(result, cache_dir=cache_dir, log=log)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from autotune import plugins
 from autotune.errors import ConfigError
-from autotune_plugins.llama_server import engine
+from autotune_plugins.llama_server import cuda_toolkit, engine, llama_build
 from tests.conftest import plugin_registered
 from autotune_plugins.llama_server.engine import (
     BuildPlan,
@@ -75,11 +75,15 @@ def fake_exe(path: Path, output: str = NEW_VERSION, to_stderr: bool = True) -> P
     return path
 
 
-def fake_build_dir(root: Path, arch: str = "cpu", version: str = engine.LLAMA_CPP_PYTHON_VERSION) -> Path:
-    """A complete build in an engines directory, as build_llama_cpp leaves it."""
+def fake_build_dir(root: Path, arch: str = "cpu", version: str = engine.LLAMA_CPP_PYTHON_VERSION,
+                   tools: tuple[str, ...] = engine.BUILD_TARGETS) -> Path:
+    """A complete build in an engines directory, as build_llama_cpp leaves it (``tools``
+    narrower for one made before autotune built the benchmarks)."""
     install = root / f"llama.cpp-{version}-{engine.arch_tag(arch)}"
     fake_exe(install / "bin" / "llama-server")
-    fake_exe(install / "bin" / "llama-quantize", "usage\n")
+    for tool in tools:
+        if tool != "llama-server":
+            fake_exe(install / "bin" / tool, "usage\n")
     (install / engine.MARKER).write_text(json.dumps({"arch": arch, "llama_cpp_python": version, "tag": engine.arch_tag(arch)}))
     return install
 
@@ -236,7 +240,7 @@ AMX_CPUINFO = "processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx
 
 
 def test_amx_is_kept_out_of_native_builds(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(llama_build.platform, "machine", lambda: "x86_64")
     accepting = fake_exe(tmp_path / "cc", "")
     rejecting = fake_exe(tmp_path / "old-cc", "")
     rejecting.write_text(rejecting.read_text() + "exit 1\n")
@@ -312,7 +316,8 @@ class FakeBuilder:
             fake_exe(plan.bin_dir / "llama-server")  # left behind by the "interrupted" build
             raise EngineBuildError("llama.cpp build failed (exit status 1)")
         fake_exe(plan.bin_dir / "llama-server")
-        fake_exe(plan.bin_dir / "llama-quantize", "usage\n")
+        for tool in engine.BUILD_TARGETS[1:]:
+            fake_exe(plan.bin_dir / tool, "usage\n")
 
 
 def test_build_then_reuse(tmp_path):
@@ -323,6 +328,8 @@ def test_build_then_reuse(tmp_path):
     assert first.install_dir == tmp_path / "engines" / "llama.cpp-9.9.9-cpu"
     manifest = json.loads((first.install_dir / "engine.json").read_text())
     assert manifest["arch"] == "cpu" and manifest["jobs"] == 3 and manifest["llama_cpp_commit"] == "0c1e57098"
+    assert manifest["tools"]["llama-bench"] == str(first.install_dir / "bin" / "llama-bench")
+    assert set(manifest["tools"]) == set(engine.BUILD_TARGETS) and manifest["cuda"] is None
     assert manifest["version"]["build_number"] == 6123
     assert "fake build" in (first.install_dir / "build.log").read_text()
 
@@ -376,7 +383,7 @@ def test_missing_nvcc_for_a_cuda_build(tmp_path, monkeypatch):
     tools = tmp_path / "bin"
     for name in ("cmake", "c++", "cc", "ninja"):
         fake_exe(tools / name, "")
-    monkeypatch.setattr(engine, "DEFAULT_NVCC", tmp_path / "no-cuda" / "nvcc")  # even on a CUDA machine
+    monkeypatch.setattr(cuda_toolkit, "DEFAULT_NVCC", tmp_path / "no-cuda" / "nvcc")  # even on a CUDA machine
     builder = CMakeBuilder(env={"PATH": str(tools)})
     builder.check_tools(plan_for("cpu", tmp_path))  # a CPU build needs no nvcc
     with pytest.raises(EngineBuildError, match="nvcc.*nvidia-cuda-toolkit"):
@@ -395,7 +402,7 @@ def test_download_failure_says_to_pass_sdist(tmp_path, monkeypatch):
     # A fake "python" that fails as pip does without network.
     pip = fake_exe(tmp_path / "fake-python", "ERROR: Could not find a version that satisfies the requirement\n")
     pip.write_text(pip.read_text() + "exit 1\n")
-    monkeypatch.setattr(engine.sys, "executable", str(pip))
+    monkeypatch.setattr(llama_build.sys, "executable", str(pip))
     with pytest.raises(EngineBuildError, match="pass --sdist PATH") as info:
         engine.download_sdist("0.0.1", tmp_path / "dl")
     assert "Could not find a version" in info.value.log_tail
@@ -464,3 +471,222 @@ def test_real_cpu_build():
     assert build.quantize.is_file()
     assert any(p.name.startswith("libllama.so") for p in build.lib_dir.iterdir())
     assert find_llama_server({}, arch="cpu") == build.server
+
+
+# ------------------------------------------------------------------ the benchmarks, built beside the server
+
+
+def test_a_build_made_before_the_benchmarks_gets_only_them_added(tmp_path):
+    sdist = make_sdist(tmp_path)
+    first = build_llama_cpp("cpu", cache_dir=tmp_path / "e", sdist=sdist, builder=FakeBuilder())
+    for tool in engine.BENCH_TOOLS:  # as a build of the previous release left it
+        (first.install_dir / "bin" / tool).unlink()
+    marker = first.install_dir / engine.MARKER
+    marker.write_text(json.dumps({"arch": "cpu", "llama_cpp_python": "9.9.9", "manifest_version": 1}))
+    # Lookups keep using it as it is: nothing is rebuilt by finding the server.
+    assert find_llama_server({}, cache_dir=tmp_path / "e", arch="cpu") == first.server
+    with pytest.raises(EngineNotFoundError, match=r"llama-bench: the llama.cpp build in .* predates.*--cuda-arch cpu"):
+        engine.find_engine_tool("llama-bench", cache_dir=tmp_path / "e", arch="cpu")
+
+    # Adding them fails: the old build is still complete and usable.
+    with pytest.raises(EngineBuildError):
+        build_llama_cpp("cpu", cache_dir=tmp_path / "e", sdist=sdist, builder=FakeBuilder(fail=True))
+    assert marker.is_file() and find_llama_server({}, cache_dir=tmp_path / "e", arch="cpu") == first.server
+
+    builder = FakeBuilder()
+    added = build_llama_cpp("cpu", cache_dir=tmp_path / "e", sdist=sdist, builder=builder)
+    assert builder.calls == 1 and added.install_dir == first.install_dir and not added.missing_tools
+    assert json.loads(marker.read_text())["manifest_version"] == engine.MANIFEST_VERSION
+    assert (first.install_dir / "build.log").read_text().count("fake build") == 3  # appended, not replaced
+    assert engine.find_engine_tool("llama-batched-bench", cache_dir=tmp_path / "e", arch="cpu") == \
+        first.install_dir / "bin" / "llama-batched-bench"
+    build_llama_cpp("cpu", cache_dir=tmp_path / "e", sdist=sdist, builder=builder)
+    assert builder.calls == 1  # now complete: reused
+
+
+def test_find_engine_tool_follows_the_server(clean_env):
+    server = fake_exe(clean_env / "engine" / "llama-server")
+    bench = fake_exe(clean_env / "engine" / "llama-bench", "usage\n")
+    fake_build_dir(clean_env / "cache")  # another tree: its llama-bench must not be picked
+    assert engine.find_engine_tool("llama-bench", {"binary": str(server)}, cache_dir=clean_env / "cache") == bench
+    with pytest.raises(EngineNotFoundError, match=r"llama-batched-bench: none beside .*engine/llama-server"):
+        engine.find_engine_tool("llama-batched-bench", {"binary": str(server)}, cache_dir=clean_env / "cache")
+    with pytest.raises(ConfigError, match=r"engine tool 'llama-cli': autotune builds llama-server, llama-quantize"):
+        engine.find_engine_tool("llama-cli")
+
+
+def test_install_outputs_copies_every_target_and_refuses_a_missing_one(tmp_path):
+    built = tmp_path / "build" / "bin"
+    for tool in engine.BUILD_TARGETS:
+        fake_exe(built / tool, "")
+    (built / "libllama-bench-impl.so").write_text("")
+    fake_exe(built / "llama-cli", "")  # built as a dependency, not ours to ship
+    engine.install_outputs(built, tmp_path / "bin")
+    assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == sorted(
+        [*engine.BUILD_TARGETS, "libllama-bench-impl.so"])
+    (built / "llama-batched-bench").unlink()
+    with pytest.raises(EngineBuildError, match="without llama-batched-bench"):
+        engine.install_outputs(built, tmp_path / "bin2")
+
+
+def test_cmake_builds_the_benchmarks(tmp_path):
+    args = engine.cmake_build_args(plan_for("cpu", tmp_path))
+    assert args[args.index("--target") + 1:] == ["llama-server", "llama-quantize", "llama-bench", "llama-batched-bench"]
+
+
+# ------------------------------------------------------------------ which card a build runs on
+
+
+@pytest.mark.parametrize(("built", "cc", "verdict"), [
+    ("70", "7.0", None),
+    ("70;86", "8.6", None),
+    ("80", "8.6", None),  # same major, newer minor: the sm_80 machine code runs
+    ("90a", "9.0", None),
+    ("75", "7.0", "no kernels this card can run"),
+    ("90", "7.0", "no kernels this card can run"),
+    ("70", "9.0", "PTX JIT-compiled for sm_70"),
+    ("90a", "10.0", "no kernels this card can run"),
+    ("cpu", "7.0", "CPU-only: on this card, sm_70 (Volta, e.g. V100), it would measure the CPU"),
+])
+def test_build_supports(tmp_path, built, cc, verdict):
+    install = fake_build_dir(tmp_path, built)
+    answer = engine.build_supports(install / "bin" / "llama-server", cc)
+    if verdict is None:
+        assert answer is None
+    else:
+        assert verdict in answer
+        card = engine.cuda_arch_from_cc(cc)
+        assert f"autotune engine build llama.cpp --cuda-arch {card}" in answer
+
+
+def test_build_supports_names_the_toolkit_an_old_card_needs(tmp_path):
+    fake_build_dir(tmp_path, "cpu")
+    [build] = engine.built_engines(tmp_path)
+    answer = engine.build_supports(build, "7.0")
+    assert "--cuda-compiler /usr/local/cuda-12.9/bin/nvcc" in answer  # CUDA 13 cannot build sm_70
+    assert "cuda-12.9" not in engine.build_supports(build, "9.0")
+    assert engine.build_supports(build, None) is None  # no card: a CPU build is the right one
+
+
+def test_build_supports_a_binary_autotune_did_not_build(tmp_path):
+    cpu_only = fake_exe(tmp_path / "cpu" / "llama-server")
+    (tmp_path / "cpu" / "libggml-base.so").write_text("")
+    assert "no CUDA backend" in engine.build_supports(cpu_only, "7.0")
+    (tmp_path / "cpu" / "libggml-cuda.so").write_text("")
+    assert engine.build_supports(cpu_only, "7.0") is None  # its architectures are unknown: not refused
+    static = fake_exe(tmp_path / "static" / "llama-server")
+    assert engine.build_supports(static, "7.0") is None
+
+
+# ------------------------------------------------------------------ the CUDA toolkit, checked before compiling
+
+NVCC_13 = ("nvcc: NVIDIA (R) Cuda compiler driver\nCopyright (c) 2005-2025 NVIDIA Corporation\n"
+           "Built on Wed_Aug_20_01:58:59_PM_PDT_2025\nCuda compilation tools, release 13.0, V13.0.88\n"
+           "Build cuda_13.0.r13.0/compiler.36424714_0\n")
+# What CUDA 13.0's nvcc --list-gpu-arch printed on an H200 machine.
+NVCC_13_ARCHS = ("compute_75 compute_80 compute_86 compute_87 compute_88 compute_89 compute_90 compute_100 "
+                 "compute_110 compute_103 compute_120 compute_121").replace(" ", "\n") + "\n"
+
+
+def fake_nvcc(path: Path, release: str, archs: str | None = None) -> Path:
+    """An nvcc that prints ``release``'s --version (on stdout, as nvcc does), and ``archs`` for
+    --list-gpu-arch (an unknown option before CUDA 11: exit 1)."""
+    version = NVCC_13.replace("13.0", release)
+    # Shell builtins only: the tests' PATH may hold nothing else.
+    listing = f"printf '%s' '{archs}'; exit 0" if archs else "echo 'nvcc fatal : Unknown option' >&2; exit 1"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\nif [ \"$1\" = --list-gpu-arch ]; then {listing}; fi\nprintf '%s' '{version}'\n")
+    path.chmod(0o755)
+    return path
+
+
+def build_tools(root: Path) -> Path:
+    tools = root / "tools"
+    for name in ("cmake", "c++", "cc", "ninja"):
+        fake_exe(tools / name, "")
+    return tools
+
+
+def test_parse_nvcc_output():
+    assert cuda_toolkit.parse_nvcc_version(NVCC_13) == (13, 0)
+    assert cuda_toolkit.parse_nvcc_version("Cuda compilation tools, release 12.9, V12.9.86") == (12, 9)
+    assert cuda_toolkit.parse_nvcc_version("bash: nvcc: command not found") is None
+    assert {"75", "90", "121"} <= cuda_toolkit.parse_gpu_arch_list(NVCC_13_ARCHS)
+    assert "70" not in cuda_toolkit.parse_gpu_arch_list(NVCC_13_ARCHS)
+
+
+@pytest.mark.parametrize("listing", [None, NVCC_13_ARCHS], ids=["version-only", "list-gpu-arch"])
+def test_cuda_13_refuses_volta_before_compiling(tmp_path, listing, monkeypatch):
+    monkeypatch.setattr(cuda_toolkit, "VERSIONED_NVCC_GLOB", str(tmp_path / "none" / "*"))
+    nvcc = fake_nvcc(tmp_path / "cuda-13.0" / "bin" / "nvcc", "13.0", listing)
+    builder = CMakeBuilder(env={"PATH": f"{build_tools(tmp_path)}:{nvcc.parent}"})
+    with pytest.raises(ConfigError) as info:
+        builder.check_tools(plan_for("70", tmp_path))
+    message = str(info.value)
+    for part in ("--cuda-arch 70", "CUDA 13.0", str(nvcc), "sm_70 (Volta, e.g. V100)",
+                 "the last toolkit that can is CUDA 12.9", "--cuda-compiler /usr/local/cuda-12.9/bin/nvcc",
+                 "CUDACXX=/usr/local/cuda-12.9/bin/nvcc"):
+        assert part in message
+    builder.check_tools(plan_for("75;90a", tmp_path))  # Turing and Hopper: fine with 13.0
+    assert builder.cuda_compiler == str(nvcc) and builder.cuda.version == (13, 0)
+
+
+def test_cuda_12_9_builds_volta_and_an_installed_one_is_named(tmp_path, monkeypatch):
+    cuda12 = fake_nvcc(tmp_path / "cuda-12.9" / "bin" / "nvcc", "12.9")
+    cuda13 = fake_nvcc(tmp_path / "cuda-13.0" / "bin" / "nvcc", "13.0")
+    monkeypatch.setattr(cuda_toolkit, "VERSIONED_NVCC_GLOB", str(tmp_path / "cuda-*" / "bin" / "nvcc"))
+    tools = build_tools(tmp_path)
+    with pytest.raises(ConfigError, match=rf"CUDA 12.9 is installed at {cuda12} and can: rerun with "
+                                          rf"--cuda-compiler {cuda12} \(or CUDACXX={cuda12}\)"):
+        CMakeBuilder(env={"PATH": str(tools), "CUDACXX": str(cuda13)}).check_tools(plan_for("70", tmp_path))
+    for builder in (CMakeBuilder(env={"PATH": f"{tools}:{cuda13.parent}"}, cuda_compiler=cuda12),  # flag over PATH
+                    CMakeBuilder(env={"PATH": f"{tools}:{cuda13.parent}", "CUDACXX": str(cuda12)})):
+        builder.check_tools(plan_for("70", tmp_path))
+        assert builder.cuda_compiler == str(cuda12)
+    args = cmake_configure_args(plan_for("70", tmp_path), known_options=KNOWN, cuda_compiler=builder.cuda_compiler)
+    assert f"-DCMAKE_CUDA_COMPILER={cuda12}" in args
+
+
+def test_a_new_card_needs_a_new_enough_toolkit(tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda_toolkit, "VERSIONED_NVCC_GLOB", str(tmp_path / "none" / "*"))
+    nvcc = fake_nvcc(tmp_path / "cuda-12.4" / "bin" / "nvcc", "12.4")
+    with pytest.raises(ConfigError, match=r"cannot compile for sm_120 \(Blackwell.*needs CUDA 12.8 or newer"):
+        CMakeBuilder(env={"PATH": str(build_tools(tmp_path))}, cuda_compiler=nvcc).check_tools(plan_for("120", tmp_path))
+
+
+def test_a_cuda_compiler_that_is_not_there_is_named(tmp_path):
+    tools = build_tools(tmp_path)
+    with pytest.raises(ConfigError, match=r"--cuda-compiler /nowhere/nvcc: no executable nvcc"):
+        CMakeBuilder(env={"PATH": str(tools)}, cuda_compiler="/nowhere/nvcc").check_tools(plan_for("70", tmp_path))
+    with pytest.raises(ConfigError, match=r"CUDACXX /nowhere/nvcc: no executable nvcc"):
+        CMakeBuilder(env={"PATH": str(tools), "CUDACXX": "/nowhere/nvcc"}).check_tools(plan_for("70", tmp_path))
+    broken = fake_exe(tmp_path / "broken" / "nvcc", "Segmentation fault\n")
+    with pytest.raises(ConfigError, match=r"no 'release X.Y' line \(Segmentation fault\)"):
+        CMakeBuilder(env={"PATH": str(tools)}, cuda_compiler=broken).check_tools(plan_for("70", tmp_path))
+
+
+def test_cli_cuda_13_for_a_v100_is_exit_2_before_any_download(cli, clean_env, monkeypatch):
+    monkeypatch.setattr(cuda_toolkit, "VERSIONED_NVCC_GLOB", str(clean_env / "none" / "*"))
+    nvcc = fake_nvcc(clean_env / "cuda-13.0" / "bin" / "nvcc", "13.0", NVCC_13_ARCHS)
+    monkeypatch.setenv("PATH", str(build_tools(clean_env)))
+    result = CliRunner().invoke(cli, ["engine", "build", "llama.cpp", "--cuda-arch", "70", "--cuda-compiler", str(nvcc),
+                                      "--cache-dir", str(clean_env / "e")])
+    assert result.exit_code == 2, result.output
+    assert "Error: --cuda-arch 70: CUDA 13.0" in result.output and "cuda-12.9" in result.output
+    assert "Traceback" not in result.output and "CMake" not in result.output
+    assert not (clean_env / "e" / "downloads").exists()
+
+
+def test_cli_cuda_compiler_for_a_cpu_build_is_exit_2(cli, clean_env):
+    result = CliRunner().invoke(cli, ["engine", "build", "llama.cpp", "--cpu", "--cuda-compiler", "/x/nvcc",
+                                      "--cache-dir", str(clean_env / "e")])
+    assert result.exit_code == 2
+    assert "--cuda-compiler /x/nvcc: the build is CPU-only (a CPU build was asked for)" in result.output
+
+
+def test_a_missing_engine_is_the_cores_engine_unavailable(clean_env):
+    from autotune.errors import EngineUnavailableError, exit_status
+
+    with pytest.raises(EngineUnavailableError) as info:  # what stops a study at its first trial
+        find_llama_server({}, cache_dir=clean_env / "cache")
+    assert exit_status(info.value) == 2
