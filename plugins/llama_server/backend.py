@@ -289,7 +289,8 @@ class LlamaServerBackend(BaseBackend):
             raise EngineUnavailableError(message) from exc
 
     def preflight(self, ctx: StudyContext) -> list[str]:
-        """The engine binary is there and runs (``--version``); else the remedy."""
+        """The engine binary is there, runs (``--version``) and, on a machine with a GPU, was
+        built for the study's card; else the remedy."""
         try:
             binary = self.binary(ctx)
         except EngineUnavailableError as exc:
@@ -299,6 +300,11 @@ class LlamaServerBackend(BaseBackend):
         except AutotuneError as exc:
             return [f"backend llama-server: {exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
                     "a llama-server that runs here"]
+        if _has_gpu():
+            # A build without this card's kernels fails every trial, or quietly measures the CPU.
+            why = engine.build_supports(binary, getattr(ctx.gpu, "compute_capability", None))
+            if why:
+                return [f"backend llama-server: {why}"]
         return []
 
     def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):

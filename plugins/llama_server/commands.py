@@ -227,7 +227,7 @@ def add_synth_command(cli: click.Group) -> None:
                                        tie_embeddings=tie_embeddings)
             vocab = vocab_from or synth_mod.find_vocab(arch)
             written = synth_mod.write_model(spec, out, vocab_from=vocab, seed=seed, overwrite=force,
-                                            progress=_echo_progress())
+                                            progress=_echo_progress(), quantize=quantize, say=click.echo)
             click.echo(f"wrote {written.path} ({written.size_bytes / 2**20:.1f} MiB, {written.n_params:,} "
                        f"parameters, vocab {written.n_vocab} from {vocab.name})")
             for qtype in quantize:

@@ -197,6 +197,18 @@ def test_an_engine_that_runs_passes_preflight(stories, tmp_path):
     assert LlamaServerBackend().preflight(make_ctx(stories, binary=str(fake_engine(tmp_path)))) == []
 
 
+def test_a_cpu_build_on_a_machine_with_a_card_fails_preflight(stories, monkeypatch):
+    # The CPU build would run every trial on the CPU while the study believes it measures the card.
+    import autotune_plugins.llama_server.backend as backend_mod
+
+    binary = llama_server_binary()  # the CPU build CI makes
+    monkeypatch.setattr(backend_mod, "_has_gpu", lambda: True)
+    [problem] = LlamaServerBackend().preflight(make_ctx(stories, binary=str(binary)))
+    assert problem.startswith("backend llama-server: ") and "autotune engine build llama.cpp --cuda-arch 75" in problem
+    monkeypatch.setattr(backend_mod, "_has_gpu", lambda: False)
+    assert LlamaServerBackend().preflight(make_ctx(stories, binary=str(binary))) == []
+
+
 def test_settings_are_declared_and_checked(stories):
     b = LlamaServerBackend()
     declared = {s.name: s for s in b.settings}
