@@ -186,7 +186,8 @@ RUNS = {
     "[--per-subject N] [--shots K] [--reference REF.gguf] [--json]": run_quality,
     "autotune plugins [--json]": run_plugins,
     "autotune dashboard [--storage URL] [--host 127.0.0.1] [--port 8080]": run_dashboard,
-    "autotune engine build llama.cpp [--cuda-arch auto|cpu|70|90] [--cpu] [--python] [--jobs N]": run_engine_build,
+    "autotune engine build llama.cpp [--cuda-arch auto|cpu|70|90] [--cuda-compiler NVCC] [--cpu] [--python] "
+    "[--jobs N]": run_engine_build,
     "autotune engine list": run_engine_list,
     "autotune synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --out q7b.gguf "
     "--quantize Q8_0,Q4_K_M,Q4_0": run_synth,
