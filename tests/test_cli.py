@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 from click.testing import CliRunner
@@ -213,38 +209,7 @@ def test_estimate_missing_weights_file_says_where_it_looked(twin_plugin, tmp_pat
     assert "study file" not in result.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_dashboard_serves_the_storage(seed_runs, tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen(_autotune("dashboard", "--storage", seed_runs[0]["storage"], "--port", str(port)),
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        body = None
-        for _ in range(300):  # bounded: at most ~30 s to start
-            if proc.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=5) as response:
-                    assert response.status == 200
-                    body = json.loads(response.read())
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.1)
-        assert body is not None, f"dashboard did not answer; exit {proc.poll()}"
-        names = [s["study_name"] for s in body["study_summaries"]]
-        assert names == ["v100-qwen27b"]
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+# `autotune dashboard` serving a study: tests/test_readme_usage.py runs it as the README types it.
 
 
 # ------------------------------------------------------------------------ bad input: exit 2

@@ -6,7 +6,6 @@ one line, their passwords masked."""
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from pathlib import Path
 
