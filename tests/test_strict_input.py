@@ -99,6 +99,15 @@ def test_a_value_only_some_backends_take_is_dropped_for_the_others_with_a_line(t
     assert caches == {"fake-strict": ("q8_0",), "fake-other": ("fp16",)}
 
 
+def test_an_engine_name_where_a_backend_belongs_names_the_engines_backends(tmp_path):
+    path = study(tmp_path, backend="fake-engine")  # StrictBackend.engine
+    with registered(StrictBackend()):
+        result = run("study", str(path))
+    assert result.exit_code == 2
+    assert "backend = 'fake-engine': not installed (installed: fake-strict); fake-engine is an engine: name one of " \
+           "its backends (fake-strict)" in result.output
+
+
 def test_a_misspelt_space_key_is_named_as_the_typo(tmp_path):
     path = study(tmp_path)
     path.write_text(path.read_text().replace("ctx = [", "ctxx = ["))

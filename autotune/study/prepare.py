@@ -160,8 +160,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
     contexts: dict[str, StudyContext] = {}
     for i, cand in enumerate(cfg.candidates):
         if cand.backend not in backends:
+            of_engine = [n for n, b in backends.items() if b.engine == cand.backend]
+            hint = f"; {cand.backend} is an engine: name one of its backends ({', '.join(of_engine)})" if of_engine else ""
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: not installed "
-                          f"(installed: {', '.join(backends) or 'none'})")
+                          f"(installed: {', '.join(backends) or 'none'}){hint}")
             continue
         if cand.backend in contexts or any(e.backend.name == cand.backend for e in entries):
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: listed twice; merge its weights into one entry")
