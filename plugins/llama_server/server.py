@@ -209,9 +209,13 @@ class Server:
         self.cpus = cpus or CpuPlan(None, None, "not pinned")
         self.url = _url(host, port)
         # A local server: never through a proxy the environment names. No pool limit, so
-        # ``parallel`` streams each get their connection at once.
+        # ``parallel`` streams each get their connection at once. No keep-alive: llama-server
+        # closes idle connections on its own schedule, and httpx (unlike urllib3) does not
+        # check a pooled connection before reusing it, so a reused one failed trials with
+        # "Server disconnected without sending a response"; a new loopback connection per
+        # request costs well under a millisecond.
         self.http = httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=None,
-                                                                      max_keepalive_connections=None))
+                                                                      max_keepalive_connections=0))
 
     def log(self) -> str:
         try:
