@@ -213,23 +213,17 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
 
 
 def _format_of(weights: str) -> str:
-    """A weights file as the speed model knows it: ``gguf:<its file type>``; other refs as they are.
+    """A weights file as the speed model knows it (``GgufFile.format_spec``); other refs as they are.
 
-    The speed model works from bytes per weight of a format, which a GGUF file's header names
-    (``general.file_type``); memory comes from the file's own tensors either way.
+    Memory comes from the file's own tensors either way.
     """
     path = Path(weights).expanduser()
     if not path.is_file():
         return weights
     try:
-        header = read_gguf(path)
+        return read_gguf(path).format_spec or weights
     except ConfigError:  # not a GGUF file: no speed prior
         return weights
-    if header.file_type is not None:
-        return "gguf:" + header.file_type
-    # No file type in the header: the type most of the layers' matrices have.
-    types = [t.ggml_type for t in header.tensors if t.layer is not None and len(t.shape) > 1]
-    return "gguf:" + max(set(types), key=types.count) if types else weights
 
 
 def estimate_text(r: dict[str, Any]) -> str:

@@ -93,6 +93,15 @@ class GgufFile:
         arch = self.metadata.get("general.architecture")
         return arch if isinstance(arch, str) else None
 
+    @property
+    def format_spec(self) -> str | None:
+        """The file as a format the speed and quality models know (``gguf:Q8_0``): its header's
+        file type, else the type most of its layers' matrices have; None when neither is known."""
+        if self.file_type is not None:
+            return "gguf:" + self.file_type
+        types = [t.ggml_type for t in self.tensors if t.layer is not None and len(t.shape) > 1]
+        return "gguf:" + max(set(types), key=types.count) if types else None
+
     def tensor(self, name: str) -> GgufTensor | None:
         """The tensor of that name, or None."""
         for t in self.tensors:

@@ -17,12 +17,14 @@ import functools
 import random
 import tomllib
 from importlib import resources
+from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune import hookimpl
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value
-from autotune.errors import AutotuneError, BackendError, UnsupportedError
-from autotune.formats import normalize_format, parse_format, weights_for
+from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
+from autotune.formats import gguf_file_weights, normalize_format, parse_format, weights_for
+from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol, Stat, repeat_until_stable_many
 from autotune.metric import BaseMetric, MetricValue
 
@@ -109,9 +111,33 @@ class TwinBackend(BaseBackend):
                   accepted=(True, False)),
         ]
 
+    def as_format(self, weights: str, ctx: StudyContext) -> str:
+        """A weights reference as the twin's models read it: a format as given, a GGUF file
+        as the format its header names, so the twin predicts for what a real study names.
+
+        Raises:
+            ConfigError: neither a format nor a GGUF file.
+        """
+        try:
+            parse_format(weights)
+            return weights
+        except ConfigError as exc:
+            path = ctx.path(weights)
+            if not path.is_file():
+                raise exc from None
+        spec = read_gguf(path).format_spec
+        if spec is None:
+            raise ConfigError(f"{path}: its tensors name no type the twin knows")
+        return spec
+
+    def weights_file(self, weights: str, ctx: StudyContext) -> Path | None:
+        """The artifact on disk behind ``weights`` (None for a format spec)."""
+        path = ctx.path(weights)
+        return path if path.is_file() else None
+
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         try:
-            family, _ = parse_format(weights)
+            family, _ = parse_format(self.as_format(weights, ctx))
         except AutotuneError as exc:
             return str(exc)
         if family not in self.weight_families:
@@ -133,7 +159,9 @@ class TwinBackend(BaseBackend):
             engine=self.engine,
             gpu=ctx.gpu,
             model=ctx.model,
-            weights=weights_for(ctx.model, config.weights),
+            # A real file's own tensor table; a format's predicted one.
+            weights=(gguf_file_weights(path) if (path := self.weights_file(config.weights, ctx)) is not None
+                     else weights_for(ctx.model, config.weights)),
             ctx=config.ctx,
             parallel=config.parallel,
             cache_type=config.option("cache_type", self.default_cache),
@@ -253,7 +281,9 @@ class TwinLlamaCpp(TwinBackend):
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         cache = config.option("cache_type", "f16")
         fa = "on" if config.option("flash_attn", True) else "off"
-        _, detail = parse_format(config.weights)
+        _, detail = parse_format(self.as_format(config.weights, ctx))
+        path = self.weights_file(config.weights, ctx)
+        model_file = str(path) if path is not None else f"{ctx.model.key}-{detail}.gguf"
         # The layers the simulation kept on the GPU, so the line serves what was simulated.
         scenario = self.scenario(config, ctx)
         on_gpu = physics.gpu_layer_split(scenario, self.constants(), physics.memory(scenario, self.constants()))
@@ -261,7 +291,7 @@ class TwinLlamaCpp(TwinBackend):
         ngl = on_gpu if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
         spilled = f"; {n - on_gpu} of {n} layers run on the CPU" if on_gpu < n else ""
         return (
-            f"llama-server -m {ctx.model.key}-{detail}.gguf -c {config.ctx * config.parallel} -np {config.parallel} "
+            f"llama-server -m {model_file} -c {config.ctx * config.parallel} -np {config.parallel} "
             f"-ngl {ngl} -fa {fa} -ctk {cache} -ctv {cache} --host 127.0.0.1 --port 8080"
             f"  # -c is ctx {config.ctx} x {config.parallel} slots{spilled}"
         )
@@ -367,7 +397,8 @@ class TwinMmlu(BaseMetric):
 
     def evaluate(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext) -> MetricValue:
         _, _, ppk = load_constants()
-        drop = quality.drop_points(ctx.model, config.weights, config.option("cache_type", "f16"), ppk)
+        weights = backend.as_format(config.weights, ctx) if isinstance(backend, TwinBackend) else config.weights
+        drop = quality.drop_points(ctx.model, weights, config.option("cache_type", "f16"), ppk)
         return MetricValue(value=1.0 - drop / 100.0, stderr=None, n=None, seconds=0.0,
                            details={"predicted_drop_points_vs_fp16": drop})
 

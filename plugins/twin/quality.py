@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 
+from autotune.errors import ConfigError
 from autotune.formats import parse_format
 from autotune.models import ModelSpec
 
 # (bits per weight, mean KLD vs F16) of llama.cpp file types, LLaMA 3 8B (see module doc).
 GGUF_KLD = {
+    "F32": (32.0, 0.0),  # holds every F16 value exactly: nothing lost against the F16 reference
     "F16": (16.0, 0.0),
     "Q8_0": (8.5008, 0.001355),
     "Q6_K": (6.5633, 0.005452),
@@ -79,7 +81,7 @@ def weights_kld(fmt: str) -> float:
         name = str(detail).upper()
         if name in GGUF_KLD:
             return GGUF_KLD[name][1]
-        raise KeyError(f"no published KLD for gguf:{name}")
+        raise ConfigError(f"no published KLD for gguf:{name}: the twin cannot predict its quality")
     bpw = float(detail)
     return math.exp(_INTERCEPT + _SLOPE * bpw)
 

@@ -223,3 +223,79 @@ def test_llama_cpp_deploy_line_offloads_the_layers_that_were_simulated_on_the_gp
     assert twin.run(config, big).attrs["host_layers"] == 0 and " -ngl 99 " in twin.deploy_command(config, big)
     # gpu_layers = a count: the simulation and the line keep that many.
     assert " -ngl 20 " in twin.deploy_command(config, ctx_for("a100-80gb", "qwen2.5-27b-article", gpu_layers=20))
+
+
+# ------------------------------------------------------------------------------ real artifacts
+
+
+def test_the_twin_predicts_for_a_real_gguf_file(tmp_path):
+    """A GGUF file is read as the format its header names, its weights from its own tensors."""
+    from autotune.backend import StudyContext, TrialConfig, Workload
+    from autotune.formats import gguf_file_weights
+    from autotune.hardware import get_gpu
+    from autotune.measure import Protocol
+    from autotune.models import model_from_gguf
+    from autotune_plugins.twin import TwinLlamaCpp, TwinMmlu
+    from tests.conftest import REPO
+
+    path = REPO / "tests" / "data" / "stories260K.gguf"
+    ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_gguf(path), workload=Workload(16, 16),
+                       vram_budget_bytes=2**34, protocol=Protocol(), base_dir=tmp_path)
+    twin = TwinLlamaCpp()
+    config = TrialConfig("twin-llama.cpp", str(path), 256, 2, (("cache_type", "f16"), ("flash_attn", True)))
+    assert twin.as_format(str(path), ctx) == "gguf:F32"
+    assert twin.check_weights(str(path), ctx) is None
+    predicted = twin.predict(config, ctx)
+    assert predicted["aggregate_tok_s"] > predicted["decode_tok_s"] > 0
+    assert twin.scenario(config, ctx).weights == gguf_file_weights(path)
+    assert f"-m {path} " in twin.deploy_command(config, ctx)
+    assert TwinMmlu().evaluate(config, twin, ctx).value == pytest.approx(1.0, abs=0.01)  # F32: nothing lost
+    assert "neither" in twin.check_weights(str(tmp_path / "missing.gguf"), ctx) or \
+        "format" in twin.check_weights(str(tmp_path / "missing.gguf"), ctx)
+
+
+def test_prior_ranks_a_real_llama_server_study_over_gguf_files(tmp_path, twin_plugin):
+    """`prior = true` on llama-server with GGUF candidates ranks through the twin (it crashed:
+    "unknown weights format '.../x.gguf'")."""
+    import autotune_plugins.llama_server as llama_server
+
+    from autotune.config import load_study_config
+    from autotune.study import StudyRunner, prepare_study, rank_by_prior
+    from tests.conftest import REPO, plugin_registered
+    from tests.engine_fixtures import llama_server_binary
+
+    llama_server_binary()  # the study's preflight needs the engine
+    model = REPO / "tests" / "data" / "stories260K.gguf"
+    path = tmp_path / "prior.toml"
+    path.write_text(f"""[study]
+name = "prior-real"
+prior = true
+prior_trials = 3
+
+[hardware]
+gpu = "t4"
+
+[model]
+ref = "{model}"
+
+[workload]
+prompt_tokens = 16
+output_tokens = 16
+
+[[candidates]]
+backend = "llama-server"
+weights = ["{model}"]
+
+[space]
+ctx = [256]
+parallel = [1, 2, 4]
+cache_type = ["f16"]
+flash_attn = [true, false]
+""")
+    with plugin_registered(llama_server, "llama_server"):
+        prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'p.db'}")
+        ranked = rank_by_prior(prepared)
+        assert len(ranked) == 6 and {c.backend for c, _ in ranked} == {"llama-server"}
+        assert ranked[0][1] >= ranked[-1][1]
+        runner = StudyRunner(prepared)
+        assert runner.enqueue_prior() == 3
