@@ -90,3 +90,38 @@ def fake_engine_calls(path: Path) -> list[dict[str, Any]]:
     if not log.is_file():
         return []
     return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+STORIES = Path(__file__).resolve().parent / "data" / "stories260K.gguf"
+
+
+def write_llama_study(path: Path, *, space: str = "", extra: str = "", study: str = "",
+                      parallel: str = "[1]") -> Path:
+    """A llama-server study file over the shipped stories260K on the catalog T4 (a budget
+    only: on a machine without a GPU the server runs on the CPU)."""
+    path.write_text(f"""[study]
+name = "{path.stem}"
+{study}
+
+[hardware]
+gpu = "t4"
+
+[model]
+ref = "{STORIES}"
+
+[workload]
+prompt_tokens = 16
+output_tokens = 16
+
+[[candidates]]
+backend = "llama-server"
+weights = ["{STORIES}"]
+
+[space]
+ctx = [256]
+parallel = {parallel}
+{space}
+
+{extra}
+""", encoding="utf-8")
+    return path

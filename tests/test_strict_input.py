@@ -270,32 +270,6 @@ def test_a_plugin_whose_hook_raises_is_reported_and_the_others_keep_working(caps
 # ------------------------------------------------------------------------------ llama-server, as a user meets it
 
 
-LLAMA_STUDY = """[study]
-name = "strict"
-
-[hardware]
-gpu = "t4"
-
-[model]
-ref = "{model}"
-
-[workload]
-prompt_tokens = 16
-output_tokens = 16
-
-[[candidates]]
-backend = "llama-server"
-weights = ["{model}"]
-
-[space]
-ctx = [256]
-parallel = [1]
-{space}
-
-{extra}
-"""
-
-
 @pytest.mark.parametrize("space, extra, expected", [
     ('flash_attn = ["no"]', "", "[space] flash_attn = 'no': no backend of this study accepts it (llama-server accepts true, false)"),
     ('cache_type = ["q9_0"]', "", "[space] cache_type = 'q9_0': no backend of this study accepts it (llama-server accepts 'f16'"),
@@ -305,10 +279,10 @@ parallel = [1]
 def test_llama_server_input_that_would_be_replaced_or_ignored_is_exit_2(tmp_path, space, extra, expected):
     import autotune_plugins.llama_server as llama_server
 
-    from tests.conftest import REPO, plugin_registered
+    from tests.conftest import plugin_registered
+    from tests.engine_fixtures import write_llama_study
 
-    path = tmp_path / "strict.toml"
-    path.write_text(LLAMA_STUDY.format(model=REPO / "tests" / "data" / "stories260K.gguf", space=space, extra=extra))
+    path = write_llama_study(tmp_path / "strict.toml", space=space, extra=extra)
     with plugin_registered(llama_server, "llama_server"):
         result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
     assert result.exit_code == 2, result.output

@@ -261,37 +261,12 @@ def test_prior_ranks_a_real_llama_server_study_over_gguf_files(tmp_path, twin_pl
 
     from autotune.config import load_study_config
     from autotune.study import StudyRunner, prepare_study, rank_by_prior
-    from tests.conftest import REPO, plugin_registered
-    from tests.engine_fixtures import llama_server_binary
+    from tests.conftest import plugin_registered
+    from tests.engine_fixtures import llama_server_binary, write_llama_study
 
     llama_server_binary()  # the study's preflight needs the engine
-    model = REPO / "tests" / "data" / "stories260K.gguf"
-    path = tmp_path / "prior.toml"
-    path.write_text(f"""[study]
-name = "prior-real"
-prior = true
-prior_trials = 3
-
-[hardware]
-gpu = "t4"
-
-[model]
-ref = "{model}"
-
-[workload]
-prompt_tokens = 16
-output_tokens = 16
-
-[[candidates]]
-backend = "llama-server"
-weights = ["{model}"]
-
-[space]
-ctx = [256]
-parallel = [1, 2, 4]
-cache_type = ["f16"]
-flash_attn = [true, false]
-""")
+    path = write_llama_study(tmp_path / "prior.toml", study="prior = true\nprior_trials = 3", parallel="[1, 2, 4]",
+                             space='cache_type = ["f16"]\nflash_attn = [true, false]')
     with plugin_registered(llama_server, "llama_server"):
         prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'p.db'}")
         ranked = rank_by_prior(prepared)
