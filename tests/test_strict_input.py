@@ -288,3 +288,14 @@ def test_llama_server_input_that_would_be_replaced_or_ignored_is_exit_2(tmp_path
     assert result.exit_code == 2, result.output
     assert f"Error: {path}: {expected}" in result.output
     assert not (tmp_path / "s.db").exists()  # nothing ran, nothing was stored
+
+
+def test_a_backend_listed_twice_is_named_even_when_the_gpu_is_unknown(tmp_path):
+    path = study(tmp_path)
+    text = path.read_text().replace('gpu = "v100-16gb"', 'gpu = "no-such-card"')
+    path.write_text(text + '\n[[candidates]]\nbackend = "fake-strict"\nweights = ["w"]\n')
+    with registered(StrictBackend()):
+        result = run("study", str(path))
+    assert result.exit_code == 2
+    assert "[candidates.1] backend = 'fake-strict': listed twice; merge its weights into one entry" in result.output
+    assert "no-such-card" in result.output

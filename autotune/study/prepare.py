@@ -157,6 +157,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
 
     entries: list[BackendSpace] = []
     offered: dict[str, list[Param]] = {}
+    seen: set[str] = set()
     contexts: dict[str, StudyContext] = {}
     for i, cand in enumerate(cfg.candidates):
         if cand.backend not in backends:
@@ -165,9 +166,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: not installed "
                           f"(installed: {', '.join(backends) or 'none'}){hint}")
             continue
-        if cand.backend in contexts or any(e.backend.name == cand.backend for e in entries):
+        if cand.backend in seen:
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: listed twice; merge its weights into one entry")
             continue
+        seen.add(cand.backend)
         backend = backends[cand.backend]
         if gpu is None or model is None or protocol is None or cand.backend in bad_settings:
             continue

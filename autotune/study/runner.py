@@ -178,6 +178,9 @@ class StudyRunner:
     def _enqueue(self, config: TrialConfig, **attrs: Any) -> None:
         self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={"config": config.as_dict(), **attrs})
 
+    def _has_waiting(self) -> bool:
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
     def _waiting_keys(self) -> set[str]:
         return {TrialConfig.from_dict(t.user_attrs["config"]).key
                 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if "config" in t.user_attrs}
@@ -194,7 +197,7 @@ class StudyRunner:
 
     def enqueue_grid(self) -> int:
         """Grid search: every configuration once, in a seeded random order."""
-        if self._waiting_keys() or any(t.state == TrialState.WAITING for t in self.study.get_trials(deepcopy=False)):
+        if self._has_waiting():
             return 0
         configs = list(self.prepared.space.enumerate())
         random.Random(self.seed).shuffle(configs)
@@ -249,8 +252,7 @@ class StudyRunner:
                     break
                 if budget_s is not None and time.monotonic() - start >= budget_s:
                     break
-                if self.cfg.sampler == "grid" and not any(
-                        t.state == TrialState.WAITING for t in self.study.get_trials(deepcopy=False)):
+                if self.cfg.sampler == "grid" and not self._has_waiting():
                     break
                 measured_before = self.n_measured
                 event = self._one_trial(heartbeat, start)

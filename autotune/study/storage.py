@@ -77,7 +77,7 @@ def _check_file(url: str, path: str, writable: bool) -> None:
         return
     if not writable:
         raise StorageError(f"storage {shown}: {p} does not exist (run 'autotune study' first, or give --storage)")
-    parent = p.parent if str(p.parent) else Path(".")
+    parent = p.parent
     if not parent.is_dir():
         raise StorageError(f"storage {shown}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
