@@ -5,7 +5,7 @@
 #   llama.cpp.tar.gz   the llama.cpp tree of the pinned llama-cpp-python sdist, with its
 #              gguf-py (convert_hf_to_gguf.py needs its own) but without docs, tests, models
 #              and the GPU backends other than CUDA (the whole sdist is over the 64 MiB carry)
-#   ggml-vocab-qwen2.gguf   the qwen2 tokenizer `autotune synth` copies
+#   ggml-vocab-qwen2.gguf, ggml-vocab-llama-bpe.gguf   the tokenizers `autotune synth` copies
 # Needs a CPU build made by `autotune engine build llama.cpp --cpu` (its src/ is the tree).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 sqlalchemy==2.1
 python3 -m pip download -q "${P[@]}" -d .carry/whl-exl2 exllamav2==0.3.2 fastparquet cramjam websockets
 rm -f .carry/whl/autotune-*.whl
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/whl .
-cp "$SRC/models/ggml-vocab-qwen2.gguf" .carry/
+cp "$SRC/models/ggml-vocab-qwen2.gguf" "$SRC/models/ggml-vocab-llama-bpe.gguf" .carry/
 tar czf .carry/llama.cpp.tar.gz -C "$SRC" \
     --exclude=./docs --exclude=./models --exclude=./.github --exclude=./examples --exclude='./tools/server/public*' \
     --exclude='./ggml/src/ggml-'{vulkan,sycl,metal,opencl,cann,musa,hip,hexagon,openvino,et,kompute,webgpu,zdnn,rpc} \

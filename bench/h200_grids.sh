@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The H200 session of issues 13 and 14 through the device tool (kind nvidia-h200-x2, carry
+# [".carry"], made by bench/make_carry.sh), one step per call, back to back while the machine
+# stays warm (everything lives under /tmp/g):
+#   bash bench/h200_grids.sh prep            # wheels; llama.cpp CUDA build beside two synthetic
+#                                            # models; six quantizations; llama-bench tg128/pp512
+#   bash bench/h200_grids.sh grids RUN SECS  # both exhaustive grids at once, one per GPU, for
+#                                            # SECS seconds (a later call resumes them); RUN 1 puts
+#                                            # the Qwen grid on GPU 0, RUN 2 swaps the GPUs
+# Each grid runs under a physical memory budget: bench/hold_gpu_memory.py takes the rest of its
+# card. Storages are copied to $OUT after every step.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/g/db
+export PYTHONPATH=/tmp/site
+AT=(python3 -c 'import sys; from autotune.cli import main; sys.exit(main())')
+t() { local n=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$n.log" 2>&1; local rc=$?; echo "$n $((SECONDS - t0)) s rc=$rc" | tee -a "$OUT/times.txt"; tail -n 3 "$OUT/$n.log"; }
+
+grid() {  # grid STUDY_FILE GPU RUN SECS LEAVE_GIB
+  local file=$1 gpu=$2 run=$3 secs=$4 leave=$5 name
+  name=$(basename "$file" .toml)-run$run
+  sed "s/^gpu = \"auto\"/gpu = \"auto\"\ngpu_index = $gpu/" "$file" >"/tmp/g/$name.toml"
+  CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
+  local holder=$!
+  sleep 20
+  cat "$OUT/hold-$name.log"
+  t "study-$name" "${AT[@]}" study "/tmp/g/$name.toml" --storage "sqlite:////tmp/g/db/$name.db" --budget "${secs}s"
+  kill "$holder"; wait "$holder" 2>/dev/null
+  cp "/tmp/g/db/$name.db" "$OUT/"
+}
+
+step=$1; shift
+case $step in
+prep)
+  python3 -V; nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
+  mkdir -p /tmp/g/src /tmp/g/m && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
+  t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+      && ninja -C /tmp/g/b llama-server llama-quantize llama-bench' &
+  t synth_q7b "${AT[@]}" synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 \
+      --ctx 32768 --vocab-from .carry/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
+  t synth_l8b "${AT[@]}" synth --arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
+      --ctx 131072 --vocab-from .carry/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
+  wait
+  for q in Q8_0 Q4_K_M Q4_0; do t "quant_q7b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/q7b-F16.gguf /tmp/g/m/q7b-$q.gguf $q 16 & done
+  for q in Q8_0 Q5_K_M Q4_K_M; do t "quant_l8b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/l8b-F16.gguf /tmp/g/m/l8b-$q.gguf $q 16 & done
+  wait
+  ls -la /tmp/g/m | tee "$OUT/models.txt"
+  # Single-stream decode and prefill as llama.cpp's own benchmark measures them (the published
+  # figures the twin is checked against are llama-bench tg128), one model family per GPU.
+  for fam in q7b:0 l8b:1; do
+    f=${fam%:*} gpu=${fam#*:}
+    models=$(ls /tmp/g/m/$f-*.gguf | paste -sd,)
+    CUDA_VISIBLE_DEVICES=$gpu /tmp/g/b/bin/llama-bench -m "$models" -p 512 -n 128 -fa 0,1 -r 5 -o json \
+        >"$OUT/llama_bench_$f.json" 2>"$OUT/llama_bench_$f.log" &
+  done
+  wait
+  echo "llama-bench done at $SECONDS s"; tail -n 2 "$OUT"/llama_bench_*.log
+  rm -f /tmp/g/m/*-F16.gguf  # 31 GB the grids do not need
+  ;;
+grids)
+  run=$1 secs=$2
+  if [ "$run" = 1 ]; then gq=0 gl=1; else gq=1 gl=0; fi
+  grid bench/h200_grid_qwen7b.toml $gq "$run" "$secs" 12 &
+  grid bench/h200_grid_llama8b.toml $gl "$run" "$secs" 16 &
+  wait
+  ;;
+*) echo "unknown step $step" >&2; exit 2 ;;
+esac
