@@ -26,7 +26,7 @@ from autotune import processes
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol, StreamResult
 from autotune.models import model_from_hf_config
-from autotune.safetensors_dir import read_safetensors_header
+from autotune.safetensors_dir import SAFETENSORS_DTYPE_BYTES, read_safetensors_header
 from tests.conftest import REPO, plugin_registered
 
 from autotune_plugins.exllamav2 import memory, protocol
@@ -49,10 +49,9 @@ CONFIG = {
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> int:
     """A safetensors file written by hand: header + zero bytes. Returns the data bytes."""
-    size = {"F16": 2, "I32": 4, "I16": 2}
     header, offset = {}, 0
     for name, (dtype, shape) in tensors.items():
-        n = math.prod(shape) * size[dtype]
+        n = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
