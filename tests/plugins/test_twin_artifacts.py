@@ -272,3 +272,45 @@ def test_the_prior_leaves_what_the_twin_cannot_speak_for_unranked(exl2_dir, tmp_
                           ctx, backends) is None
     (exl2_dir / "output-00002-of-00002.safetensors").write_bytes(b"\x01")  # the twin's ConfigError: no say
     assert _predictor_for(real, config, ctx, backends) is None
+
+
+# ------------------------------------------------------------------------------ autotune estimate
+
+
+def estimate(*args: str):
+    import autotune_plugins.exllamav2 as exllamav2
+    import autotune_plugins.twin as twin_module
+    from click.testing import CliRunner
+
+    from autotune.cli import cli
+    from tests.conftest import plugin_registered
+
+    with plugin_registered(exllamav2, "exllamav2"), plugin_registered(twin_module, "twin"):
+        return CliRunner().invoke(cli, ["estimate", "--gpu", "h200", "--ctx", "512", "--prompt-tokens", "64",
+                                        "--output-tokens", "16", *args], obj={})
+
+
+def test_estimate_predicts_for_an_exl2_directory(exl2_dir):
+    result = estimate("--model", str(exl2_dir), "--backend", "twin-exllamav2", "--cache", "q8", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["config"]["backend"] == r["predictor"] == "twin-exllamav2" and r["verdict"] == "fits"
+    assert r["vram"]["weights_bytes"] == memory.exl2_weights(exl2_dir, tied=True).gpu_bytes
+    assert r["predicted"]["decode_tok_s"] > 0
+    # The real backend estimates the memory; the twin, reading the same directory, the speed.
+    real = json.loads(estimate("--model", str(exl2_dir), "--backend", "exllamav2", "--cache", "q8", "--json").output)
+    assert real["config"]["backend"] == "exllamav2" and real["predictor"] == "twin-exllamav2"
+    assert real["predicted"] == r["predicted"]
+    wrong = estimate("--model", str(exl2_dir), "--backend", "twin-llama.cpp")
+    assert wrong.exit_code == 2
+    assert (f"--model '{exl2_dir}': {exl2_dir}: an EXL2 directory, which llama.cpp does not load (it loads GGUF "
+            f"files, or a format gguf:<TYPE>)") in wrong.stderr
+
+
+def test_estimate_predicts_for_a_hugging_face_directory(tmp_path):
+    hf = make_hf_dir(tmp_path)
+    result = estimate("--model", str(hf), "--backend", "vllm", "--cache", "auto", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["config"]["backend"] == "twin-vllm" and r["predicted"]["decode_tok_s"] > 0
+    assert r["vram"]["weights_bytes"] == safetensors_dir_weights(hf).total_bytes
