@@ -5,7 +5,7 @@ from one comes through :func:`read_safetensors_dir`: its quantization (``quantiz
 of an EXL2 directory: ``quant_method = "exl2"``, ``bits``, ``head_bits``), the tensor table of
 every safetensors header, and from those the weights as a format the speed and quality models
 know (:attr:`SafetensorsDir.format_spec`) and the exact bytes of every part of the model
-(:func:`safetensors_dir_weights`). The model's shape is :func:`autotune.models.model_from_hf_config`'s.
+(:func:`autotune.formats.safetensors_dir_weights`). The model's shape is :func:`autotune.models.model_from_hf_config`'s.
 
 Only the headers are read (8-byte little-endian length, then ``{name: {dtype, shape,
 data_offsets}}``), never the tensor data and never torch; a 40 GB directory costs what its
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import ConfigError
-from autotune.formats import WeightsBreakdown
 
 __all__ = [
     "Exl2Quantization",
@@ -40,7 +39,6 @@ __all__ = [
     "read_config_json",
     "read_safetensors_dir",
     "read_safetensors_header",
-    "safetensors_dir_weights",
 ]
 
 #: safetensors dtype names -> bytes per element (the format's spec lists these).
@@ -88,6 +86,16 @@ class SafetensorsTensor:
         """The decoder layer a ``model.layers.N.`` tensor belongs to; None for the others."""
         m = _LAYER_RX.match(self.name)
         return int(m.group(1)) if m else None
+
+    @property
+    def is_embedding(self) -> bool:
+        """The token embedding (``model.embed_tokens.weight``)."""
+        return _EMBEDDING_RX.match(self.name) is not None
+
+    @property
+    def is_head(self) -> bool:
+        """Part of the output head (``lm_head.*``)."""
+        return _HEAD_RX.match(self.name) is not None
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, SafetensorsTensor]:
@@ -272,37 +280,3 @@ def _read_cached(path: str, key: tuple[tuple[str, int, int], ...]) -> Safetensor
     return SafetensorsDir(path=Path(path), config=types.MappingProxyType(read_config_json(path)),
                           tensors=tuple(tensors.values()), files=tuple(Path(f).name for f in files))
 
-
-def safetensors_dir_weights(path: str | os.PathLike[str], tied: bool | None = None) -> WeightsBreakdown:
-    """The exact weight bytes of a model directory, from its safetensors headers.
-
-    Summed by part: the token embedding (``model.embed_tokens.weight``), the output head
-    (``lm_head.*``), each decoder layer (``model.layers.N.*``) and the rest (the final norm).
-    A directory says nothing of where an engine puts the embedding, so ``embedding_on_gpu`` is
-    True; an engine that keeps it in host memory (ExLlamaV2, llama.cpp) replaces that.
-
-    Args:
-        path: The directory.
-        tied: Whether the model ties its head to the embedding (default: config.json's
-            ``tie_word_embeddings``). A tied directory without ``lm_head`` tensors has
-            ``head_is_embedding``: the engine loads the embedding again as the head.
-
-    Raises:
-        ConfigError: As :func:`read_safetensors_dir`.
-    """
-    d = read_safetensors_dir(path)
-    per_layer: dict[int, int] = {}
-    emb = head = other = 0
-    for t in d.tensors:
-        layer = t.layer
-        if layer is not None:
-            per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes
-        elif _EMBEDDING_RX.match(t.name):
-            emb += t.n_bytes
-        elif _HEAD_RX.match(t.name):
-            head += t.n_bytes
-        else:
-            other += t.n_bytes
-    layers = tuple(per_layer.get(i, 0) for i in range(max(per_layer, default=-1) + 1))
-    is_tied = d.tied if tied is None else tied
-    return WeightsBreakdown(emb, head, layers, other, embedding_on_gpu=True, head_is_embedding=is_tied and head == 0)

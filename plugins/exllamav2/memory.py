@@ -34,7 +34,8 @@ from typing import Mapping
 from autotune.backend import MemoryEstimate
 from autotune.errors import ConfigError
 from autotune.models import ModelSpec, model_from_hf_config
-from autotune.safetensors_dir import read_safetensors_dir, safetensors_dir_weights
+from autotune.formats import safetensors_dir_weights
+from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 
@@ -85,7 +86,7 @@ class Exl2Weights:
 def exl2_weights(model_dir: str | os.PathLike[str], tied: bool) -> Exl2Weights:
     """The exact weight bytes of an EXL2 directory, by where ExLlamaV2 puts them.
 
-    The bytes are the directory's own (:func:`autotune.safetensors_dir.safetensors_dir_weights`,
+    The bytes are the directory's own (:func:`autotune.formats.safetensors_dir_weights`,
     read from the safetensors headers); where they go is ExLlamaV2's: the embedding in host
     memory, and again on the GPU as the head of a tied model without ``lm_head`` tensors
     (exllamav2/model.py).

@@ -25,11 +25,12 @@ from autotune import hookimpl
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
 from autotune.formats import (
-    EXL2_BPW_MAX, EXL2_BPW_MIN, WeightsBreakdown, gguf_file_weights, normalize_format, parse_format, weights_for)
+    EXL2_BPW_MAX, EXL2_BPW_MIN, WeightsBreakdown, gguf_file_weights, normalize_format, parse_format,
+    safetensors_dir_weights, weights_for)
 from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol, Stat, repeat_until_stable_many
 from autotune.metric import BaseMetric, MetricValue
-from autotune.safetensors_dir import read_safetensors_dir, safetensors_dir_weights
+from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.twin import physics, quality
 

@@ -19,13 +19,13 @@ from autotune.errors import ConfigError
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_hf_config
-from autotune.safetensors_dir import read_safetensors_dir, safetensors_dir_weights
+from autotune.formats import safetensors_dir_weights
+from autotune.safetensors_dir import read_safetensors_dir
 from autotune_plugins.exllamav2 import memory
 from autotune_plugins.exllamav2.generator_settings import CACHE_CHOICES
 from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVllm
-from tests.plugins.test_exllamav2_backend import CONFIG, FAKE, exl2_dir, write_safetensors  # noqa: F401 - a fixture
-
-assert exl2_dir  # the hand-written 4.0 bpw directory, used as a fixture below
+# exl2_dir: the hand-written 4.0 bpw directory, a fixture here too.
+from tests.plugins.test_exllamav2_backend import CONFIG, FAKE, exl2_dir, write_safetensors  # noqa: F401
 
 
 def exl2_layer(i: int, bits: float) -> dict[str, tuple[str, list[int]]]:
