@@ -183,7 +183,8 @@ def exl2_quantization(cfg: Mapping[str, Any]) -> Exl2Quantization | None:
     q = cfg.get("quantization_config")
     if isinstance(q, dict) and q.get("quant_method") == "exl2" and isinstance(q.get("bits"), (int, float)):
         head = q.get("head_bits")
-        return Exl2Quantization(float(q["bits"]), head if isinstance(head, int) and not isinstance(head, bool) else None)
+        head_bits = head if isinstance(head, int) and not isinstance(head, bool) else None
+        return Exl2Quantization(float(q["bits"]), head_bits)
     return None
 
 
@@ -219,8 +220,8 @@ class SafetensorsDir:
     def tied(self) -> bool:
         """``tie_word_embeddings`` (under ``text_config`` for a multimodal wrapper)."""
         text = self.config.get("text_config")
-        value = self.config.get("tie_word_embeddings", text.get("tie_word_embeddings") if isinstance(text, dict) else None)
-        return value is True
+        inner = text.get("tie_word_embeddings") if isinstance(text, dict) else None
+        return self.config.get("tie_word_embeddings", inner) is True
 
     @property
     def format_spec(self) -> str | None:

@@ -5,10 +5,10 @@ checked against NVML (the ``peak_vram_bytes`` of a real trial) and corrected her
 fitted away.
 
 * **Weights**: the exact bytes of every tensor in the directory's ``*.safetensors`` files,
-  read from their headers by :mod:`autotune.safetensors_dir`, no torch needed. The token embedding (``model.embed_tokens.weight``)
-  stays in host memory: ``ExLlamaV2.load`` puts module 0 on the CPU (exllamav2/model.py,
-  "Embedding layer on CPU"). A tied model whose file has no ``lm_head.*`` tensors loads the
-  embedding again on the GPU as its head.
+  read from their headers by :mod:`autotune.safetensors_dir`, no torch needed. The token
+  embedding (``model.embed_tokens.weight``) stays in host memory: ``ExLlamaV2.load`` puts
+  module 0 on the CPU (exllamav2/model.py, "Embedding layer on CPU"). A tied model whose file
+  has no ``lm_head.*`` tensors loads the embedding again on the GPU as its head.
 * **KV cache** (exllamav2/cache.py): per layer, K and V tensors of shape
   ``(batch, max_seq_len, n_kv_heads, head_dim // weights_per_byte)``: FP16 2 bytes a value;
   Q8 ``uint8`` 1 value a byte for K and V; Q6 K 1 a byte, V 2 a byte; Q4 2 a byte for both.

@@ -122,7 +122,7 @@ def _artifact_kind(path: Path) -> str:
 
 def _directory_format(path: Path) -> str:
     """A model directory as a format (``exl2:4.0``, ``gguf:BF16``); see ``TwinBackend.as_format``."""
-    _artifact_kind(path)
+    _artifact_kind(path)  # its config.json and safetensors are there
     directory = read_safetensors_dir(path)
     exl2 = directory.exl2
     if exl2 is not None and not EXL2_BPW_MIN <= exl2.bits <= EXL2_BPW_MAX:
@@ -448,8 +448,9 @@ class TwinVllm(TwinBackend):
             raise UnsupportedError(f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}")
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        model = self.weights_file(config.weights, ctx) or ctx.model.key
         return (
-            f"vllm serve {self.weights_file(config.weights, ctx) or ctx.model.key} --max-model-len {config.ctx} --max-num-seqs {config.parallel} "
+            f"vllm serve {model} --max-model-len {config.ctx} --max-num-seqs {config.parallel} "
             f"--kv-cache-dtype {config.option('cache_type', 'auto')} --dtype half"
         )
 

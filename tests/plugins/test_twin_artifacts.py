@@ -150,7 +150,8 @@ def test_what_the_twins_do_not_read_is_named_with_what_they_do(exl2_dir, tmp_pat
     assert "quantization_config.quant_method 'gptq': the twin predicts EXL2 directories" in \
         TwinVllm().check_weights("gptq", ctx)
     wide = make_exl2_dir(tmp_path, 9.0)
-    assert "quantization_config.bits = 9.0: the twin knows EXL2 at 2.0-8.0" in TwinExllamaV2().check_weights(wide.name, ctx)
+    assert "quantization_config.bits = 9.0: the twin knows EXL2 at 2.0-8.0" in \
+        TwinExllamaV2().check_weights(wide.name, ctx)
     (exl2_dir / "config.json").unlink()
     assert "no config.json" in TwinExllamaV2().check_weights("tiny-exl2-4.0", ctx)
 
