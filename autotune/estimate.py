@@ -4,7 +4,10 @@ Which backend answers (:data:`BACKEND_RULE`, also the ``--backend`` help): the n
 the engine, the weights pick the backend of that engine. A format (``gguf:Q4_K_M``,
 ``exl2:3.3``) is estimated by the engine's digital twin (the backend of that engine that
 implements ``predict``), from the model's shape; a file or directory by the engine's real
-backend, from the file's own tensors, with the speed from the twin. ``ctx`` is per sequence.
+backend, from the file's own tensors, with the speed from the twin; or, when the twin is named
+(``--backend twin-llama.cpp``) or the engine has no real backend installed, by the twin alone,
+which reads the same file or directory (GGUF files, EXL2 and Hugging Face directories).
+``ctx`` is per sequence.
 
 A configuration the engine would not run (a rule it breaks, e.g. a ctx beyond the model's
 context, or the engine's own refusal) gets the verdict "invalid" or "refused", never "fits":
@@ -19,7 +22,6 @@ from typing import Any
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.gguf_file import read_gguf
 from autotune.hardware import resolve_gpu
 from autotune.measure import Protocol
 from autotune.models import load_model_catalog, resolve_model
@@ -31,7 +33,8 @@ BACKEND_RULE = (
     "A backend name (autotune plugins) or an engine name (llama.cpp, exllamav2, vllm): either picks "
     "the engine. Weights given as a format (gguf:Q4_K_M, exl2:3.3) are estimated by that engine's "
     "digital twin; a file or directory by the engine's real backend (memory from the file's tensors, "
-    "speed from the twin)."
+    "speed from the twin), or by the twin when it is the backend named or the engine has no other (it reads "
+    "GGUF files, EXL2 and Hugging Face directories)."
 )
 # What the command says about each verdict; "invalid" and "refused" exit 2.
 VERDICTS = ("fits", "does not fit", "invalid", "refused")
@@ -65,7 +68,7 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
 
     Raises:
         UnknownNameError: ``name`` is neither a backend nor an engine; the message lists both.
-        ConfigError: The engine has no backend of the kind the weights need.
+        ConfigError: A format, and the engine has no twin to estimate it.
     """
     backends = plugins.get_backends()
     named = backends.get(name)
@@ -90,16 +93,10 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
                 f"engine {engine} is one (installed: {', '.join(b.name for b in same)}): give a weights file or "
                 "directory, or install the twin plugin"
             )
-    elif named is not None and not _predicts(named):
-        chosen = named
-    elif real:
-        chosen = real[0]
+    elif named is not None:
+        chosen = named  # the real backend or the twin, as named: both read the file
     else:
-        raise ConfigError(
-            f"--weights {weights!r} is a file or directory, which only a real backend reads, and no backend of "
-            f"engine {engine} is one (installed: {', '.join(b.name for b in same)}, which take formats such as "
-            "gguf:Q4_K_M or exl2:4.0)"
-        )
+        chosen = real[0] if real else twins[0]
     return chosen, chosen if _predicts(chosen) else (twins[0] if twins else None)
 
 
@@ -147,6 +144,9 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         model = resolve_model(model_ref)
     except UnknownNameError as exc:
         raise UnknownNameError(f"--model {exc}") from None
+    except ConfigError as exc:  # a path that is no model: its message says what is one; name the flag
+        raise ConfigError(f"--model {exc}") from None
+    flag = "--weights" if weights is not None else "--model"
     weights = _weights_of(model_ref, weights)
     backend, predictor = resolve_backends(backend_name, weights)
     options = {"flash_attn": flash_attn}
@@ -162,7 +162,7 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
                        vram_budget_bytes=gpu.vram_bytes, protocol=Protocol(), for_gpu=True)
     problem = backend.check_weights(weights, ctx)
     if problem:
-        raise ConfigError(f"--weights {weights!r}: {problem}")
+        raise ConfigError(f"{flag} {weights!r}: {problem}")
     config = TrialConfig(backend.name, weights, ctx_tokens, parallel, tuple(sorted(options.items())))
     invalid = backend.check(config, ctx)
     # Every engine refuses a ctx beyond the model's (llama.cpp's rules, ExLlamaV2's check, vLLM's
@@ -179,7 +179,8 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
     if invalid:
         no_prediction = "no speed is predicted for an invalid configuration"
     elif predictor is not None:
-        probe = TrialConfig(predictor.name, _format_of(weights), ctx_tokens, parallel, config.options)
+        # The twin reads the same file or directory, so it predicts for the real artifact.
+        probe = TrialConfig(predictor.name, weights, ctx_tokens, parallel, config.options)
         try:
             predictor.refuse(probe, ctx)  # type: ignore[attr-defined]
         except AttributeError:
@@ -210,20 +211,6 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         "no_prediction": no_prediction,
         "resolved": resolved,
     }
-
-
-def _format_of(weights: str) -> str:
-    """A weights file as the speed model knows it (``GgufFile.format_spec``); other refs as they are.
-
-    Memory comes from the file's own tensors either way.
-    """
-    path = Path(weights).expanduser()
-    if not path.is_file():
-        return weights
-    try:
-        return read_gguf(path).format_spec or weights
-    except ConfigError:  # not a GGUF file: no speed prior
-        return weights
 
 
 def estimate_text(r: dict[str, Any]) -> str:

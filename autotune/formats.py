@@ -5,7 +5,8 @@ Weights. A format is ``gguf:<TYPE>`` (a llama.cpp file type such as ``gguf:Q4_K_
 :func:`weights_for` predicts the bytes of every part of the model (embeddings, each decoder
 layer, the output head) from the architecture, tensor by tensor, and calibrates the prediction
 against artifact sizes the model spec quotes. For a GGUF file that exists,
-:func:`gguf_file_weights` gives the same breakdown from the file's own tensor table instead.
+:func:`gguf_file_weights` gives the same breakdown from the file's own tensor table instead, and
+:func:`safetensors_dir_weights` from a model directory's safetensors headers.
 
 KV-cache element types are in :mod:`autotune.cache_types`.
 """
@@ -23,6 +24,7 @@ from typing import NamedTuple
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import GgufTensor, read_gguf
 from autotune.models import ModelSpec
+from autotune.safetensors_dir import read_safetensors_dir
 
 __all__ = [
     "EXL2_BPW_MAX",
@@ -41,6 +43,7 @@ __all__ = [
     "normalize_format",
     "parse_format",
     "predict_gguf_weights",
+    "safetensors_dir_weights",
     "weights_for",
 ]
 
@@ -458,6 +461,37 @@ def gguf_file_weights(path: str | os.PathLike[str]) -> WeightsBreakdown:
     """
     header = read_gguf(path)
     return _gguf_breakdown(header.tensors, None, head_is_embedding=header.tensor("output.weight") is None)
+
+
+def safetensors_dir_weights(path: str | os.PathLike[str], tied: bool | None = None) -> WeightsBreakdown:
+    """The exact weight bytes of a model directory (EXL2 or Hugging Face), from its safetensors headers.
+
+    A directory says nothing of where an engine puts the embedding, so ``embedding_on_gpu`` is
+    True; an engine that keeps it in host memory (ExLlamaV2, llama.cpp) replaces that.
+
+    Args:
+        path: The directory (:func:`autotune.safetensors_dir.read_safetensors_dir`).
+        tied: Whether the head is tied to the embedding (default: config.json's
+            ``tie_word_embeddings``). Tied without ``lm_head`` tensors: ``head_is_embedding``.
+
+    Raises:
+        ConfigError: Not a directory, no safetensors file, or a malformed one.
+    """
+    d = read_safetensors_dir(path)
+    per_layer: dict[int, int] = {}
+    emb = head = other = 0
+    for t in d.tensors:
+        if t.layer is not None:
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + t.n_bytes
+        elif t.is_embedding:
+            emb += t.n_bytes
+        elif t.is_head:
+            head += t.n_bytes
+        else:
+            other += t.n_bytes
+    layers = tuple(per_layer.get(i, 0) for i in range(max(per_layer, default=-1) + 1))
+    tied = d.tied if tied is None else tied
+    return WeightsBreakdown(emb, head, layers, other, embedding_on_gpu=True, head_is_embedding=tied and head == 0)
 
 
 EXL2_BPW_MIN = 2.0

@@ -1,8 +1,12 @@
 """The prior: measure first what a model of the engine (the twin) predicts best.
 
 For each backend of the study, the predictor is the backend itself when it can predict, else
-a registered backend of the same engine that implements ``predict``, evaluated for the
-study's GPU and model. Only configurations the study's judge admits are ranked; the predicted
+a registered backend of the same engine that implements ``predict`` (the engine's twin),
+evaluated for the study's GPU and model on the configuration as it stands: the same weights
+(a format, or the file or directory the real backend loads) and options. A predictor speaks
+only for configurations whose option values it accepts (the real backend's cache type must be
+one of the twin's) and whose weights it can read; the others are left unranked, for the
+sampler. Only configurations the study's judge admits are ranked; the predicted
 metrics go through the study's own objective (penalty, per-user floor and, where a metric can
 predict quality for the predictor, the quality constraint).
 """
@@ -39,12 +43,12 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None) -> li
             continue
         real = prepared.backend(config.backend)
         ctx = prepared.contexts[config.backend]
-        predictor = _predictor_for(real, config, ctx, backends)
-        if predictor is None:
+        found = _predictor_for(real, config, ctx, backends)
+        if found is None:
             continue
+        predictor, predicted = found
         probe = replace(config, backend=predictor.name)
-        predicted = predictor.predict(probe, ctx)
-        if not predicted or objective.metric not in predicted:
+        if objective.metric not in predicted:
             continue
         drop = _predicted_drop(prepared, predictor, probe, prepared.reference.get(config.backend), ctx, metrics)
         s = objective_mod.score(objective, float(predicted[objective.metric]), verdict.estimate.total_bytes,
@@ -55,14 +59,30 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None) -> li
 
 
 def _predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
-                   backends: Mapping[str, BaseBackend]) -> BaseBackend | None:
-    if real.predict(config, ctx) is not None:
-        return real
-    for other in backends.values():
-        if other.engine == real.engine and other is not real:
-            if other.predict(replace(config, backend=other.name), ctx) is not None:
-                return other
+                   backends: Mapping[str, BaseBackend]) -> tuple[BaseBackend, Mapping[str, float]] | None:
+    """The backend that predicts ``config`` (``real`` itself, else one of its engine) and its prediction."""
+    others = [b for b in backends.values() if b.engine == real.engine and b is not real]
+    for predictor in [real, *others]:
+        probe = replace(config, backend=predictor.name)
+        if predictor is not real and not _takes_options(predictor, probe):
+            continue
+        try:
+            predicted = predictor.predict(probe, ctx)
+        except AutotuneError:
+            # Weights it cannot read (a quantization it has no model for): no say on this one.
+            continue
+        if predicted:
+            return predictor, predicted
     return None
+
+
+def _takes_options(predictor: BaseBackend, config: TrialConfig) -> bool:
+    """Whether every option of ``config`` that ``predictor`` declares has a value it accepts."""
+    for name, value in config.options:
+        offered = {p.name: p for p in predictor.parameters({name: (value,)})}
+        if name in offered and not offered[name].choices:
+            return False
+    return True
 
 
 def _predicted_drop(prepared: PreparedStudy, predictor: BaseBackend, config: TrialConfig,

@@ -39,6 +39,7 @@ from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import measure_with_telemetry
 from autotune.models import ModelSpec, model_from_hf_config
+from autotune.safetensors_dir import exl2_quantization, read_config_json
 
 from autotune_plugins.exllamav2 import memory
 from autotune_plugins.exllamav2.generator_settings import (
@@ -132,22 +133,6 @@ print(json.dumps(found))
 """
 
 
-def _config(model_dir: Path) -> dict:
-    """The directory's config.json as a dict; {} when it is missing or not a JSON object."""
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
-def _exl2_bits(cfg: dict) -> float | None:
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == "exl2" and isinstance(q.get("bits"), (int, float)):
-        return float(q["bits"])
-    return None
-
-
 def _rope_problem(cfg: dict, config_file: Path) -> str | None:
     """A config.json whose RoPE base ExLlamaV2 0.3.2 would not see.
 
@@ -208,8 +193,8 @@ class ExLlamaV2Backend(BaseBackend):
             return f"{p}: no such directory (weights are EXL2 directories relative to the study file)"
         if not (p / "config.json").is_file():
             return f"{p}: no config.json (an EXL2 directory holds config.json, tokenizer.json and *.safetensors)"
-        cfg = _config(p)
-        if _exl2_bits(cfg) is None:
+        cfg = read_config_json(p)
+        if exl2_quantization(cfg) is None:
             return (f"{p}/config.json: no quantization_config with quant_method 'exl2' and bits "
                     f"(convert with python -m exllamav2.conversion.convert_exl2 ... -cf {p})")
         if not (p / "tokenizer.json").is_file():

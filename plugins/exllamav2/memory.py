@@ -5,11 +5,10 @@ checked against NVML (the ``peak_vram_bytes`` of a real trial) and corrected her
 fitted away.
 
 * **Weights**: the exact bytes of every tensor in the directory's ``*.safetensors`` files,
-  read from their JSON headers (8-byte little-endian length, then ``{name: {dtype, shape,
-  data_offsets}}``), no torch needed. The token embedding (``model.embed_tokens.weight``)
-  stays in host memory: ``ExLlamaV2.load`` puts module 0 on the CPU (exllamav2/model.py,
-  "Embedding layer on CPU"). A tied model whose file has no ``lm_head.*`` tensors loads the
-  embedding again on the GPU as its head.
+  read from their headers by :mod:`autotune.safetensors_dir`, no torch needed. The token
+  embedding (``model.embed_tokens.weight``) stays in host memory: ``ExLlamaV2.load`` puts
+  module 0 on the CPU (exllamav2/model.py, "Embedding layer on CPU"). A tied model whose file
+  has no ``lm_head.*`` tensors loads the embedding again on the GPU as its head.
 * **KV cache** (exllamav2/cache.py): per layer, K and V tensors of shape
   ``(batch, max_seq_len, n_kv_heads, head_dim // weights_per_byte)``: FP16 2 bytes a value;
   Q8 ``uint8`` 1 value a byte for K and V; Q6 K 1 a byte, V 2 a byte; Q4 2 a byte for both.
@@ -27,18 +26,16 @@ fitted away.
 
 from __future__ import annotations
 
-import functools
-import json
-import math
 import os
-import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
 from autotune.backend import MemoryEstimate
 from autotune.errors import ConfigError
 from autotune.models import ModelSpec, model_from_hf_config
+from autotune.formats import safetensors_dir_weights
+from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 
@@ -46,27 +43,13 @@ __all__ = [
     "CACHE_LAYOUTS",
     "CacheLayout",
     "Exl2Weights",
-    "TensorInfo",
     "cache_bytes",
     "estimate",
     "exl2_weights",
-    "read_safetensors_header",
     "scratch_bytes",
 ]
 
-#: safetensors dtype names -> bytes per element (the format's spec lists these).
-SAFETENSORS_DTYPE_BYTES: Mapping[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}
-# A header larger than this is not a safetensors file (the reference implementation caps it
-# at 100 MB too) and must not make us read a whole weights file into memory.
-MAX_HEADER_BYTES = 100_000_000
-
 MiB = 2**20
-EMBEDDING_TENSOR = "model.embed_tokens.weight"
 # exllamav2/config.py defaults: max_input_len 2048, max_batch_size 1, max_dq_size 512 Mi values.
 MAX_INPUT_LEN = 2048
 MAX_DQ_VALUES = 512 * 2**20
@@ -76,69 +59,6 @@ MAX_DQ_VALUES = 512 * 2**20
 # allocator's slack). Other cards and drivers differ: a study learns its own from its first
 # measured trial.
 DEFAULT_CUDA_CONTEXT_MIB = 1190
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a safetensors file, as its header states it."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header alone.
-
-    Args:
-        path: A ``.safetensors`` file.
-
-    Returns:
-        Tensor name -> info, with ``nbytes`` from ``data_offsets`` (checked against dtype x
-        shape and the file's size).
-
-    Raises:
-        ConfigError: Unreadable or malformed; the message names the file and what is wrong.
-    """
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        with open(p, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise ConfigError(f"{p}: not a safetensors file (shorter than its 8-byte header length)")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > min(MAX_HEADER_BYTES, size - 8):
-                raise ConfigError(f"{p}: not a safetensors file (header length {n} exceeds the file)")
-            header = json.loads(f.read(n).decode("utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read ({exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{p}: safetensors header is not valid JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise ConfigError(f"{p}: safetensors header must be a JSON object")
-    data_bytes = size - 8 - n
-    out: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{p}: tensor '{name}': needs dtype, shape and data_offsets ({exc!r})") from None
-        if dtype not in SAFETENSORS_DTYPE_BYTES:
-            raise ConfigError(f"{p}: tensor '{name}': dtype {dtype!r} unknown "
-                              f"(known: {', '.join(SAFETENSORS_DTYPE_BYTES)})")
-        nbytes = end - begin
-        expected = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
-        if nbytes != expected or begin < 0 or end > data_bytes:
-            raise ConfigError(f"{p}: tensor '{name}': data_offsets [{begin}, {end}] do not hold "
-                              f"{dtype} x {list(shape)} = {expected} bytes within the file's {data_bytes}")
-        out[name] = TensorInfo(name, dtype, shape, nbytes)
-    return out
 
 
 @dataclass(frozen=True)
@@ -163,30 +83,13 @@ class Exl2Weights:
     head_from_embedding: bool = False
 
 
-def _weights_key(model_dir: Path) -> tuple:
-    files = sorted(model_dir.glob("*.safetensors"))
-    return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
-
-
-@functools.lru_cache(maxsize=32)
-def _exl2_weights_cached(model_dir: str, key: tuple, tied: bool) -> Exl2Weights:
-    tensors: dict[str, TensorInfo] = {}
-    for path, _, _ in key:
-        tensors.update(read_safetensors_header(path))
-    emb = sum(t.nbytes for n, t in tensors.items() if n == EMBEDDING_TENSOR)
-    head = sum(t.nbytes for n, t in tensors.items() if n.startswith("lm_head."))
-    gpu = sum(t.nbytes for n, t in tensors.items() if n != EMBEDDING_TENSOR)
-    from_emb = tied and head == 0
-    if from_emb:
-        # exllamav2/model.py: a tied model without lm_head loads the embedding as its head.
-        gpu += emb
-        head = emb
-    return Exl2Weights(gpu_bytes=gpu, host_bytes=emb, head_bytes=head, n_tensors=len(tensors),
-                       files=tuple(Path(p).name for p, _, _ in key), head_from_embedding=from_emb)
-
-
 def exl2_weights(model_dir: str | os.PathLike[str], tied: bool) -> Exl2Weights:
     """The exact weight bytes of an EXL2 directory, by where ExLlamaV2 puts them.
+
+    The bytes are the directory's own (:func:`autotune.formats.safetensors_dir_weights`,
+    read from the safetensors headers); where they go is ExLlamaV2's: the embedding in host
+    memory, and again on the GPU as the head of a tied model without ``lm_head`` tensors
+    (exllamav2/model.py).
 
     Args:
         model_dir: The directory with ``config.json`` and ``*.safetensors``.
@@ -195,11 +98,12 @@ def exl2_weights(model_dir: str | os.PathLike[str], tied: bool) -> Exl2Weights:
     Raises:
         ConfigError: No safetensors file, or one is malformed.
     """
-    d = Path(model_dir)
-    key = _weights_key(d)
-    if not key:
-        raise ConfigError(f"{d}: no *.safetensors files (an EXL2 directory holds output*.safetensors)")
-    return _exl2_weights_cached(str(d.resolve()), key, tied)
+    d = read_safetensors_dir(model_dir)
+    w = safetensors_dir_weights(model_dir, tied=tied)
+    from_emb = w.head_is_embedding
+    return Exl2Weights(gpu_bytes=replace(w, embedding_on_gpu=False).gpu_bytes, host_bytes=w.embedding_bytes,
+                       head_bytes=w.embedding_bytes if from_emb else w.output_bytes, n_tensors=len(d.tensors),
+                       files=d.files, head_from_embedding=from_emb)
 
 
 @dataclass(frozen=True)

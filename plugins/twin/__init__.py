@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import random
 import tomllib
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
@@ -23,10 +24,13 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune import hookimpl
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
-from autotune.formats import gguf_file_weights, normalize_format, parse_format, weights_for
+from autotune.formats import (
+    EXL2_BPW_MAX, EXL2_BPW_MIN, WeightsBreakdown, gguf_file_weights, normalize_format, parse_format,
+    safetensors_dir_weights, weights_for)
 from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol, Stat, repeat_until_stable_many
 from autotune.metric import BaseMetric, MetricValue
+from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.twin import physics, quality
 
@@ -90,12 +94,59 @@ def _kept(space: Mapping[str, Sequence[Any]], name: str, accepted: tuple[Any, ..
     return tuple(kept)
 
 
+#: The artifacts on disk a twin can read, as its messages name them (one, many).
+ARTIFACT_WORDS: Mapping[str, tuple[str, str]] = {
+    "gguf": ("a GGUF file", "GGUF files"),
+    "exl2": ("an EXL2 directory", "EXL2 directories (config.json with quantization_config.quant_method \"exl2\")"),
+    "hf": ("a Hugging Face directory", "Hugging Face directories (config.json and *.safetensors)"),
+}
+
+#: How a weights format of each family is written.
+FORMAT_WORDS: Mapping[str, str] = {"gguf": "gguf:<TYPE>", "exl2": "exl2:<bpw>"}
+
+
+def _artifact_kind(path: Path) -> str:
+    """``gguf`` (a GGUF file), ``exl2`` (an EXL2 directory) or ``hf`` (any other model directory).
+
+    Raises:
+        ConfigError: A file that is not GGUF, or a directory without config.json or safetensors.
+    """
+    if path.is_file():
+        read_gguf(path)
+        return "gguf"
+    directory = read_safetensors_dir(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path}: no config.json (a model directory holds config.json and *.safetensors)")
+    return "exl2" if directory.exl2 is not None else "hf"
+
+
+def _directory_format(path: Path) -> str:
+    """A model directory as a format (``exl2:4.0``, ``gguf:BF16``); see ``TwinBackend.as_format``."""
+    _artifact_kind(path)  # its config.json and safetensors are there
+    directory = read_safetensors_dir(path)
+    exl2 = directory.exl2
+    if exl2 is not None and not EXL2_BPW_MIN <= exl2.bits <= EXL2_BPW_MAX:
+        raise ConfigError(f"{path / 'config.json'}: quantization_config.bits = {exl2.bits}: the twin knows EXL2 "
+                          f"at {EXL2_BPW_MIN}-{EXL2_BPW_MAX} bits per weight")
+    spec = directory.format_spec
+    if spec is not None:
+        return spec
+    if directory.quant_method is not None:
+        raise ConfigError(f"{path / 'config.json'}: quantization_config.quant_method {directory.quant_method!r}: "
+                          f"the twin predicts EXL2 directories (quant_method \"exl2\") and unquantized ones "
+                          f"(F16, BF16 or F32)")
+    raise ConfigError(f"{path}: neither config.json's torch_dtype nor its layers' tensors are F16, BF16 or F32, "
+                      f"the unquantized types the twin predicts")
+
+
 class TwinBackend(BaseBackend):
     """Common machinery of the three twin backends."""
 
     settings: ClassVar[tuple[Setting, ...]] = TWIN_SETTINGS
     #: The weight formats the engine loads (a twin detail: the real backends check files).
     weight_families: ClassVar[tuple[str, ...]] = ()
+    #: The artifacts on disk the engine loads (keys of ``ARTIFACT_WORDS``).
+    artifacts: ClassVar[tuple[str, ...]] = ()
     cache_types: ClassVar[tuple[str, ...]] = ()
     default_cache: ClassVar[str] = ""
 
@@ -112,31 +163,55 @@ class TwinBackend(BaseBackend):
         ]
 
     def as_format(self, weights: str, ctx: StudyContext) -> str:
-        """A weights reference as the twin's models read it: a format as given, a GGUF file
-        as the format its header names, so the twin predicts for what a real study names.
+        """A weights reference as the twin's models read it: a format as given; a GGUF file as the
+        format its header names; a model directory as its EXL2 bits per weight (``exl2:4.0``) or,
+        unquantized, as the unquantized format of its element type (``gguf:BF16``); so the twin
+        predicts for what a real study names.
 
         Raises:
-            ConfigError: neither a format nor a GGUF file.
+            ConfigError: Neither a format nor a file or directory the twin reads; the message
+                names the path and what is accepted.
         """
         try:
             parse_format(weights)
             return weights
         except ConfigError as exc:
             path = ctx.path(weights)
-            if not path.is_file():
+            if not path.exists():
                 raise exc from None
+        if path.is_dir():
+            return _directory_format(path)
         spec = read_gguf(path).format_spec
         if spec is None:
             raise ConfigError(f"{path}: its tensors name no type the twin knows")
         return spec
 
     def weights_file(self, weights: str, ctx: StudyContext) -> Path | None:
-        """The artifact on disk behind ``weights`` (None for a format spec)."""
+        """The artifact on disk behind ``weights``: a file or a model directory (None for a format spec)."""
         path = ctx.path(weights)
-        return path if path.is_file() else None
+        return path if path.is_file() or path.is_dir() else None
+
+    def weights(self, weights: str, ctx: StudyContext) -> WeightsBreakdown:
+        """The bytes the engine loads: a real artifact's own (its tensor table or safetensors
+        headers), a format's predicted for the study's model."""
+        path = self.weights_file(weights, ctx)
+        if path is None:
+            return weights_for(ctx.model, weights)
+        if path.is_file():
+            return gguf_file_weights(path)
+        # A directory does not say where the embedding goes; the engine does (ExLlamaV2 keeps it
+        # on the host, and loads it again as the head of a tied model without lm_head tensors).
+        return replace(safetensors_dir_weights(path), embedding_on_gpu=not self.constants().keeps_embeddings_on_host)
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        path = self.weights_file(weights, ctx)
         try:
+            if path is not None:
+                kind = _artifact_kind(path)
+                if kind not in self.artifacts:
+                    return (f"{path}: {ARTIFACT_WORDS[kind][0]}, which {self.engine} does not load (it loads "
+                            f"{' and '.join(ARTIFACT_WORDS[a][1] for a in self.artifacts)}, or a format "
+                            f"{' or '.join(FORMAT_WORDS[f] for f in self.weight_families)})")
             family, _ = parse_format(self.as_format(weights, ctx))
         except AutotuneError as exc:
             return str(exc)
@@ -159,9 +234,7 @@ class TwinBackend(BaseBackend):
             engine=self.engine,
             gpu=ctx.gpu,
             model=ctx.model,
-            # A real file's own tensor table; a format's predicted one.
-            weights=(gguf_file_weights(path) if (path := self.weights_file(config.weights, ctx)) is not None
-                     else weights_for(ctx.model, config.weights)),
+            weights=self.weights(config.weights, ctx),
             ctx=config.ctx,
             parallel=config.parallel,
             cache_type=config.option("cache_type", self.default_cache),
@@ -263,6 +336,7 @@ class TwinLlamaCpp(TwinBackend):
     name = "twin-llama.cpp"
     engine = "llama.cpp"
     weight_families = ("gguf",)
+    artifacts = ("gguf",)
     cache_types = ("f16", "q8_0", "q4_0")
     default_cache = "f16"
     description = "digital twin of llama.cpp's llama-server (physics, no GPU needed)"
@@ -308,6 +382,7 @@ class TwinExllamaV2(TwinBackend):
     name = "twin-exllamav2"
     engine = "exllamav2"
     weight_families = ("exl2",)
+    artifacts = ("exl2",)
     cache_types = ("fp16", "q8", "q6", "q4")
     default_cache = "fp16"
     description = "digital twin of ExLlamaV2's dynamic generator (physics, no GPU needed)"
@@ -321,9 +396,12 @@ class TwinExllamaV2(TwinBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         cache = config.option("cache_type", "fp16").upper()
-        _, bpw = parse_format(config.weights)
+        _, bpw = parse_format(self.as_format(config.weights, ctx))
+        path = self.weights_file(config.weights, ctx)
+        model = (f"--model-dir {path.parent} --model-name {path.name}" if path is not None
+                 else f"--model-dir models --model-name {ctx.model.key}-exl2-{bpw}bpw")
         line = (
-            f"python main.py --model-dir models --model-name {ctx.model.key}-exl2-{bpw}bpw "
+            f"python main.py {model} "
             f"--max-seq-len {config.ctx} --cache-mode {cache} --max-batch-size {config.parallel}"
             f"  # TabbyAPI (ExLlamaV2 server); cache of {config.ctx} x {config.parallel} tokens"
         )
@@ -342,6 +420,7 @@ class TwinVllm(TwinBackend):
     name = "twin-vllm"
     engine = "vllm"
     weight_families = ("gguf",)
+    artifacts = ("hf", "gguf")
     cache_types = ("auto", "fp8")
     default_cache = "auto"
     description = "digital twin of vLLM (physics, no GPU needed); refuses Volta as recent vLLM does"
@@ -356,7 +435,7 @@ class TwinVllm(TwinBackend):
                 f"vLLM {version} does not support compute capability {ctx.gpu.compute_capability} "
                 f"({ctx.gpu.name}); the last releases for Volta are 0.5.x with CUDA 11.8"
             )
-        if normalize_format(config.weights) == "gguf:BF16" and not ctx.gpu.bf16:
+        if normalize_format(self.as_format(config.weights, ctx)) == "gguf:BF16" and not ctx.gpu.bf16:
             # The article's pitfall 2: BF16 weights on a card without BF16 (vLLM's own words).
             raise UnsupportedError(
                 f"Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your "
@@ -369,8 +448,9 @@ class TwinVllm(TwinBackend):
             raise UnsupportedError(f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}")
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        model = self.weights_file(config.weights, ctx) or ctx.model.key
         return (
-            f"vllm serve {ctx.model.key} --max-model-len {config.ctx} --max-num-seqs {config.parallel} "
+            f"vllm serve {model} --max-model-len {config.ctx} --max-num-seqs {config.parallel} "
             f"--kv-cache-dtype {config.option('cache_type', 'auto')} --dtype half"
         )
 

@@ -83,3 +83,28 @@ def test_readme_file_example_is_invalid_for_a_model_of_2048_tokens():
     # llama-server's own rule says it; the estimate does not say it a second time.
     assert result.stderr.count("exceeds the model's context length 2048") == 1
     assert "its block of 32 does not divide the head size 8" in result.stderr
+
+
+def test_the_twin_named_predicts_for_the_file_itself():
+    """`--model FILE.gguf --backend twin-llama.cpp`: the twin reads the file (format from its
+    header, bytes from its tensor table); no real backend is put in its place."""
+    path = shared_file("models/stories260K.gguf")
+    result = run("estimate", "--model", str(path), "--backend", "twin-llama.cpp", "--ctx", "1000", "--gpu", "t4",
+                 "--prompt-tokens", "600", "--output-tokens", "200", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["config"]["backend"] == r["predictor"] == "twin-llama.cpp" and r["resolved"] is None
+    assert r["vram"]["weights_bytes"] == gguf_file_weights(path).gpu_bytes and r["predicted"]["decode_tok_s"] > 0
+    # A twin of an engine that does not load GGUF files names the flag and what it loads.
+    wrong = run("estimate", "--model", str(path), "--backend", "twin-exllamav2", "--ctx", "1000", "--gpu", "t4")
+    assert wrong.exit_code == 2
+    assert f"--model '{path}': {path}: a GGUF file, which exllamav2 does not load (it loads EXL2 directories" \
+        in wrong.stderr and "or a format exl2:<bpw>)" in wrong.stderr
+
+
+def test_a_model_path_that_is_no_model_names_the_flag(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    result = run("estimate", "--model", str(text), "--backend", "twin-llama.cpp", "--ctx", "1000", "--gpu", "t4")
+    assert result.exit_code == 2
+    assert f"--model {text}: not a .gguf file, a config.json or a model directory" in result.stderr

@@ -26,6 +26,7 @@ from autotune import processes
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol, StreamResult
 from autotune.models import model_from_hf_config
+from autotune.safetensors_dir import SAFETENSORS_DTYPE_BYTES, read_safetensors_header
 from tests.conftest import REPO, plugin_registered
 
 from autotune_plugins.exllamav2 import memory, protocol
@@ -48,10 +49,9 @@ CONFIG = {
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> int:
     """A safetensors file written by hand: header + zero bytes. Returns the data bytes."""
-    size = {"F16": 2, "I32": 4, "I16": 2}
     header, offset = {}, 0
     for name, (dtype, shape) in tensors.items():
-        n = math.prod(shape) * size[dtype]
+        n = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
@@ -336,10 +336,10 @@ def test_malformed_safetensors_is_named(tmp_path):
     raw = json.dumps({"x": {"dtype": "F16", "shape": [4], "data_offsets": [0, 6]}}).encode()
     bad.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
     with pytest.raises(ConfigError, match=r"output.safetensors: tensor 'x': data_offsets \[0, 6\]"):
-        memory.read_safetensors_header(bad)
+        read_safetensors_header(bad)
     bad.write_bytes(b"\x01")
     with pytest.raises(ConfigError, match="not a safetensors file"):
-        memory.read_safetensors_header(bad)
+        read_safetensors_header(bad)
 
 
 def test_cache_bytes_follow_exllamav2_layouts(exl2_dir):
