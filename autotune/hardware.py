@@ -1,4 +1,5 @@
-"""GPUs: the catalog of known cards, and an NVML probe of the cards in this machine.
+"""GPUs: the catalog of known cards, an NVML probe of the cards in this machine, and which of
+them is this process's CUDA device N (:func:`resolve_cuda_device`).
 
 The catalog (``autotune/data/gpus.toml``) gives the numbers a memory or speed model needs for a
 card that is not in front of us (the digital twin answering "how would this run on a V100?").
@@ -387,8 +388,7 @@ def cuda_visible_entry(cuda_index: int = 0, environ: Mapping[str, str] | None = 
     env = os.environ if environ is None else environ
     if _VISIBLE not in env:
         return str(cuda_index)
-    entries = [e.strip() for e in env[_VISIBLE].split(",")]
-    entries = [e for e in entries if e]
+    entries = [e.strip() for e in env[_VISIBLE].split(",") if e.strip()]
     if cuda_index >= len(entries):
         raise ConfigError(f"{_VISIBLE}={env[_VISIBLE]!r} shows {len(entries)} GPU(s) but [hardware] gpu_index is "
                           f"{cuda_index}: gpu_index counts the GPUs {_VISIBLE} shows, from 0")
@@ -413,19 +413,24 @@ def _cuda_driver_uuid(cuda_index: int) -> str | None:
 
 
 def _nvml_cards(nvml: Any) -> list[tuple[int, str, str, str, list[str]]]:
-    """(NVML index, UUID, PCI bus id, name, its MIG instances' UUIDs) of every card NVML sees."""
+    """(NVML index, UUID, PCI bus id, name, its MIG instances' UUIDs) of every card NVML can
+    read; as in :func:`detect_gpus`, a card fallen off the bus does not hide the rest."""
     cards = []
     for index in range(int(nvml.nvmlDeviceGetCount())):
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid, name = _as_str(nvml.nvmlDeviceGetUUID(handle)), _as_str(nvml.nvmlDeviceGetName(handle))
+        except Exception:  # noqa: BLE001 - NVMLError_GpuIsLost and the like
+            continue
         pci = _optional(nvml.nvmlDeviceGetPciInfo, handle)
         migs = []
         for slot in range(_optional(getattr(nvml, "nvmlDeviceGetMaxMigDeviceCount", None), handle) or 0):
             mig = _optional(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)  # empty slots raise
-            if mig is not None:
-                migs.append(_as_str(nvml.nvmlDeviceGetUUID(mig)))
-        cards.append((index, _as_str(nvml.nvmlDeviceGetUUID(handle)),
-                      _as_str(pci.busId).lower() if pci is not None else f"nvml-{index:04d}",
-                      _as_str(nvml.nvmlDeviceGetName(handle)), migs))
+            mig_uuid = _optional(nvml.nvmlDeviceGetUUID, mig) if mig is not None else None
+            if mig_uuid is not None:
+                migs.append(_as_str(mig_uuid))
+        bus = _as_str(pci.busId).lower() if pci is not None else f"nvml-{index:04d}"
+        cards.append((index, uuid, bus, name, migs))
     return cards
 
 
@@ -460,14 +465,15 @@ def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | Non
             raise ConfigError(f"cannot tell which GPU CUDA device {cuda_index} is: NVML is not usable ({exc})") from None
     try:
         cards = _nvml_cards(nvml)
+    except Exception as exc:  # nvmlDeviceGetCount failed: NVML is there but answers nothing
+        raise ConfigError(f"cannot tell which GPU CUDA device {cuda_index} is: NVML query failed ({exc})") from None
     finally:
         if own:
             _optional(nvml.nvmlShutdown)
-    shown = env.get(_VISIBLE)
+    setting = f"{_VISIBLE}={env[_VISIBLE]!r}" if _VISIBLE in env else f"{_VISIBLE} unset"
     found = "; ".join(f"{i}: {name} {uuid} (PCI {bus})" for i, uuid, bus, name, _ in cards) or "none"
 
     def nothing(why: str) -> ConfigError:
-        setting = f"{_VISIBLE}={shown!r}" if shown is not None else f"{_VISIBLE} unset"
         return ConfigError(f"{setting}: CUDA device {cuda_index} ([hardware] gpu_index) {why}; NVML sees {found}")
 
     driver_uuid = _cuda_driver_uuid(cuda_index) if environ is None else None
@@ -493,6 +499,8 @@ def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | Non
         raise nothing(f"is index {entry}, but NVML sees {len(by_bus)} GPU(s)")
     index, uuid, _, name, _ = by_bus[int(entry)]
     note = None
+    # FASTEST_FIRST ranks cards by kind; identical cards tie and keep PCI bus order, so only a
+    # machine of mixed cards can be numbered otherwise.
     if env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") != "PCI_BUS_ID" and len({c[3] for c in cards}) > 1:
         note = (f"CUDA device {cuda_index} taken as the card at index {entry} in PCI bus order ({name}, {uuid}); "
                 f"CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA may number these mixed cards otherwise: set "
