@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol as _TypingProtocol
 
 from autotune.errors import ConfigError
+from autotune.hardware import CudaDevice, resolve_cuda_device
 from autotune.measure.protocol import Protocol, Stat, _is_real, repeat_until_stable_many
 
 __all__ = [
@@ -76,7 +77,9 @@ class NvmlReader(_TypingProtocol):
     """What :class:`GpuSampler` needs from NVML for one GPU; fakes implement it in tests.
 
     Any method may raise when the GPU does not support that reading; the
-    sampler then leaves that field out and keeps the others.
+    sampler then leaves that field out and keeps the others. A reader of a
+    real card also has ``device`` (a :class:`~autotune.hardware.CudaDevice`):
+    which card it reads, recorded with the telemetry.
     """
 
     def name(self) -> str:
@@ -108,11 +111,12 @@ class PynvmlReader:
     """:class:`NvmlReader` over the real NVML via ``pynvml`` (nvidia-ml-py)."""
 
     def __init__(self, index: int):
-        """Initialises NVML and opens GPU ``index``.
+        """Initialises NVML and opens the card that is this process's CUDA device ``index``.
 
         Raises:
             ImportError: nvidia-ml-py is not installed.
             RuntimeError: NVML or the GPU is not there; the message says which.
+            ConfigError: CUDA_VISIBLE_DEVICES and ``index`` name no card NVML sees.
         """
         try:
             import pynvml  # Imported here so the module loads on machines without it.
@@ -125,11 +129,10 @@ class PynvmlReader:
         except pynvml.NVMLError as exc:
             raise RuntimeError(f"NVML could not start ({exc}): no NVIDIA driver here") from exc
         try:
-            count = pynvml.nvmlDeviceGetCount()
-            if not 0 <= index < count:
-                raise RuntimeError(f"GPU index {index} not found: {count} GPU(s) visible "
-                                   f"(indices 0..{count - 1})")
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            # NVML numbers every card in the machine; CUDA, and so the engine, only those
+            # CUDA_VISIBLE_DEVICES shows: read the card the engine runs on, not NVML's card N.
+            self.device = resolve_cuda_device(index, nvml=pynvml)
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(self.device.nvml_index)
         except BaseException:
             pynvml.nvmlShutdown()
             raise
@@ -190,6 +193,8 @@ class GpuTelemetry:
         available: False when there was no NVML or no such GPU.
         reason: Why not available (or a per-metric failure note), else None.
         gpu_name: NVML's name of the GPU.
+        gpu_uuid: NVML's UUID of the card read (which of several identical cards it was).
+        device_note: Why that may not be the engine's card (see ``resolve_cuda_device``).
         peak_used_bytes: Highest device memory in use (all processes).
         baseline_used_bytes: Device memory in use when sampling started.
         peak_process_bytes: Highest memory of the watched pid.
@@ -204,6 +209,8 @@ class GpuTelemetry:
     available: bool
     reason: str | None = None
     gpu_name: str | None = None
+    gpu_uuid: str | None = None
+    device_note: str | None = None
     peak_used_bytes: int | None = None
     baseline_used_bytes: int | None = None
     peak_process_bytes: int | None = None
@@ -255,8 +262,9 @@ class GpuSampler:
         """Prepares a sampler; nothing is opened before entering the context.
 
         Args:
-            index: NVML index of the GPU (NVML order, which is PCI bus order and
-                can differ from CUDA_VISIBLE_DEVICES order).
+            index: The engine's card as CUDA numbers it in this process (the study's
+                ``gpu_index``, counted among the cards CUDA_VISIBLE_DEVICES shows);
+                the real reader finds NVML's card for it by UUID.
             interval_s: Seconds between samples, > 0.
             pid: Process whose own GPU memory to record too, or None.
             reader_factory: Opens a reader for ``index``; defaults to
@@ -275,6 +283,7 @@ class GpuSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._gpu_name: str | None = None
+        self._device: CudaDevice | None = None
         self._baseline_used_bytes: int | None = None
         self._used_bytes: list[int] = []
         self._process_bytes: list[int] = []
@@ -291,6 +300,7 @@ class GpuSampler:
         except Exception as exc:  # noqa: BLE001 - any failure here just means "no GPU".
             self._unavailable = f"no GPU telemetry for GPU {self.index}: {exc}"
             return self
+        self._device = getattr(self._reader, "device", None)
         try:
             self._gpu_name = self._reader.name()
         except Exception:  # noqa: BLE001 - the name is decoration, not a reason to stop.
@@ -367,6 +377,8 @@ class GpuSampler:
                 reason=(f"readings not supported on this GPU: {', '.join(sorted(self._failed))}"
                         if self._failed else None),
                 gpu_name=self._gpu_name,
+                gpu_uuid=self._device.uuid if self._device is not None else None,
+                device_note=self._device.note if self._device is not None else None,
                 peak_used_bytes=max(self._used_bytes, default=None),
                 baseline_used_bytes=self._baseline_used_bytes,
                 peak_process_bytes=max(self._process_bytes, default=None),
@@ -390,7 +402,7 @@ def measure_with_telemetry(sample: Callable[[], Mapping[str, float]], protocol: 
     Args:
         sample, protocol, units, key: As for :func:`repeat_until_stable_many`.
         gpu: Whether the engine runs on a GPU; without one no telemetry is taken.
-        gpu_index: The NVML index of the engine's card.
+        gpu_index: The engine's card: the study's ``gpu_index`` (see :class:`GpuSampler`).
         pid: The engine's process, for its own peak memory.
         reader_factory: As for :class:`GpuSampler` (tests pass fake NVML readers).
 

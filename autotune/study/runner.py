@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,6 +44,8 @@ from autotune.study.summary import StudySummary, best_trial, summarize
 # a run stops as converged.
 EXPLORE_AFTER_IDLE = 25
 MAX_IDLE_PROPOSALS = 300
+# Attempts cut short (interrupt, killed worker) after which a configuration is not queued again.
+MAX_CUT_SHORT = 3
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # Features we use on purpose through ask/tell: the RDB heartbeat (we beat it ourselves) and
@@ -169,9 +172,11 @@ class StudyRunner:
                                        TrialState.FAIL)
 
     def _cleanup_dead_workers(self) -> None:
-        """Fail the RUNNING trials of dead workers (heartbeat lapsed, or a dead local pid)."""
+        """Fail the RUNNING trials of dead workers (heartbeat lapsed, or a dead local pid), and
+        queue again what they and earlier runs left unmeasured."""
         optuna.storages.fail_stale_trials(self.study)
         self._fail_dead_local_workers()
+        self.requeue_cut_short()
 
     # ----------------------------------------------------------------------------- queueing
 
@@ -206,6 +211,25 @@ class StudyRunner:
         for config in todo:
             self._enqueue(config)
         return len(todo)
+
+    def requeue_cut_short(self) -> int:
+        """Queue again each configuration whose attempts were all cut short (interrupted, its
+        worker killed, its engine unavailable), so that it is measured once after all: a grid
+        queues every configuration once, and a lost attempt would leave it never measured.
+
+        A configuration cut short ``MAX_CUT_SHORT`` times is left alone: what kills the worker
+        every time (a host OOM, a crash in-process) would otherwise kill every resume too.
+        """
+        # A trial killed before it wrote its key still holds the configuration it was queued with.
+        cut_short = Counter(r.config_key or r.trial_config.key for r in records.records(self.study, (TrialState.FAIL,))
+                            if (r.config_key or r.config) and not r.stands_for_config and not r.answered)
+        skip = self._evaluated_keys() | self._waiting_keys()
+        n = 0
+        for config in self.prepared.space.enumerate():  # only what this study file still searches
+            if 0 < cut_short[config.key] < MAX_CUT_SHORT and config.key not in skip:
+                self._enqueue(config)
+                n += 1
+        return n
 
     def _enqueue_unexplored(self) -> bool:
         """Queue one random configuration that has not been evaluated and could run."""

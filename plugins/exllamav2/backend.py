@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune.backend import (
     BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
 from autotune.errors import AutotuneError, BackendError, ConfigError
+from autotune.hardware import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import measure_with_telemetry
 from autotune.models import ModelSpec, model_from_hf_config
@@ -257,8 +258,10 @@ class ExLlamaV2Backend(BaseBackend):
         if self.setting(ctx, "worker_command") is not None:
             return []
         python = self.python(ctx)
-        env = dict(os.environ)
-        env.setdefault("CUDA_VISIBLE_DEVICES", str(ctx.gpu_index))
+        try:
+            env = self.worker_env(ctx)
+        except AutotuneError as exc:
+            return [str(exc)]
         try:
             done = subprocess.run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout=300, env=env)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -318,9 +321,14 @@ class ExLlamaV2Backend(BaseBackend):
         command = self.setting(ctx, "worker_command")
         return default_worker_command(self.python(ctx)) if command is None else list(command)
 
+    @staticmethod
+    def worker_env(ctx: StudyContext) -> dict[str, str]:
+        """The worker's environment: it sees the study's one card as its CUDA device 0, named
+        as the user's own CUDA_VISIBLE_DEVICES names it (the card autotune's telemetry reads)."""
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": cuda_visible_entry(ctx.gpu_index)}
+
     def start_worker(self, ctx: StudyContext, log_dir: Path) -> WorkerProcess:
-        env = dict(os.environ)
-        env.setdefault("CUDA_VISIBLE_DEVICES", str(ctx.gpu_index))
+        env = self.worker_env(ctx)
         # The worker imports autotune_plugins from wherever this process does.
         roots = [str(Path(__file__).resolve().parents[2])]
         env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

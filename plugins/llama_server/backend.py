@@ -41,6 +41,7 @@ from autotune.measure import StreamResult, measure_with_telemetry, run_streams_t
 from autotune.models import ModelSpec, model_from_gguf
 
 from autotune import processes
+from autotune.hardware import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.formats import gguf_file_weights
@@ -251,10 +252,11 @@ class LlamaServerBackend(BaseBackend):
 
     @staticmethod
     def cuda_devices(ctx: StudyContext, has_gpu: bool) -> str | None:
-        """``CUDA_VISIBLE_DEVICES`` of the server: the user's own when set, else the study's GPU."""
+        """``CUDA_VISIBLE_DEVICES`` of the server: the study's one card, as the user's own
+        variable names it (so the server sees the card autotune watches, and only that one)."""
         if not has_gpu:
             return None
-        return os.environ.get("CUDA_VISIBLE_DEVICES", str(ctx.gpu_index))
+        return cuda_visible_entry(ctx.gpu_index)
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         has_gpu = self._on_gpu(ctx)
@@ -301,6 +303,10 @@ class LlamaServerBackend(BaseBackend):
             return [f"backend llama-server: {exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
                     "a llama-server that runs here"]
         if _has_gpu():
+            try:
+                cuda_visible_entry(ctx.gpu_index)
+            except AutotuneError as exc:
+                return [f"backend llama-server: {exc}"]
             # A build without this card's kernels fails every trial, or quietly measures the CPU.
             why = engine.build_supports(binary, getattr(ctx.gpu, "compute_capability", None))
             if why:
