@@ -73,6 +73,7 @@ class GpuSpec:
         mem_bandwidth_gb_s: Peak DRAM bandwidth, GB/s (1e9 B/s).
         fp16_tensor_tflops: Dense FP16 tensor-core throughput, TFLOPS (no sparsity).
         fp32_tflops: FP32 throughput, TFLOPS.
+        boost_clock_mhz: Boost clock of the SMs, MHz.
         compute_capability: CUDA compute capability, "major.minor".
         bf16: Whether the card supports BF16 natively (sm_80 and later).
         pcie_gen: Host-link PCIe generation.
@@ -88,6 +89,7 @@ class GpuSpec:
     mem_bandwidth_gb_s: float
     fp16_tensor_tflops: float
     fp32_tflops: float
+    boost_clock_mhz: float
     compute_capability: str
     bf16: bool
     pcie_gen: int
@@ -151,6 +153,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "mem_bandwidth_gb_s": (int, float),
     "fp16_tensor_tflops": (int, float),
     "fp32_tflops": (int, float),
+    "boost_clock_mhz": (int, float),
     "compute_capability": (str,),
     "bf16": (bool,),
     "pcie_gen": (int,),
@@ -174,7 +177,8 @@ def _spec_from_table(key: str, table: Mapping[str, Any], where: str) -> GpuSpec:
         raise ConfigError(f"{where}: [{key}] " + "; ".join(problems))
     values = {name: table[name] for name in _FIELD_TYPES}
     values["nvml_names"] = tuple(str(n) for n in values["nvml_names"])
-    for name in ("mem_bandwidth_gb_s", "fp16_tensor_tflops", "fp32_tflops", "pcie_gb_s", "host_mem_gb_s"):
+    for name in ("mem_bandwidth_gb_s", "fp16_tensor_tflops", "fp32_tflops", "boost_clock_mhz", "pcie_gb_s",
+                 "host_mem_gb_s"):
         values[name] = float(values[name])
     return GpuSpec(key=key, **values)
 
@@ -572,6 +576,8 @@ def spec_for_detected(d: DetectedGpu) -> GpuSpec:
         mem_bandwidth_gb_s=round(bandwidth_gb_s, 1),
         fp16_tensor_tflops=round(fp32_tflops * ratio, 2),
         fp32_tflops=round(fp32_tflops, 2),
+        # A card NVML cannot give a clock for gets a middling one (Volta/Ampere datacenter).
+        boost_clock_mhz=float(d.max_sm_clock_mhz or 1500),
         compute_capability=d.compute_capability if minor else f"{major}.0",
         bf16=bf16,
         pcie_gen=gen,

@@ -150,7 +150,7 @@ def fit(doc: dict[str, Any], rows: list[Row]) -> tuple[dict[str, physics.EngineC
     ]
 
     def build(x: list[float]) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants]:
-        e = {n: replace(v, per_layer_us=PER_LAYER_US) for n, v in engines.items()}
+        e = dict(engines)
         h = host
         for (eng, field, _, _), value in zip(names, x):
             if eng == "host":

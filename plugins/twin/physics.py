@@ -8,9 +8,18 @@ the terms below follow it.
 
 Decode, one step of ``P`` parallel streams, each holding ``c`` tokens of context:
 
-    t_mem  = (W_gpu + P * c * kv_read_bytes) / (B * eta_w)          weights streamed once per step
-    t_comp = P * 2 * N_lin / (F_core * eta_c)                        dequantize-and-multiply work
-    t_step = n_layers * t_layer + soft_max(t_mem, t_comp) + t_unfused + t_spill
+    t_mem    = (W_gpu + P * c * kv_read_bytes) / (B * eta_w)        weights streamed once per step
+    t_comp   = P * 2 * N_lin / (F_core * eta_c)                      dequantize-and-multiply work
+    t_fixed  = n_layers * k_layer / f_clock                          small kernels and launches
+    t_serve  = P * n_vocab * k_sample                                the server samples each stream
+    t_step   = t_fixed + soft_max(t_mem, t_comp) + t_serve + t_unfused + t_spill
+
+The fixed cost is what a fast card spends most of its step on: a 7B token takes 3-5 ms on an
+H200, of which about 2 ms are the ~10 small kernels of each layer (norms, rope, launches), whose
+duration scales with the GPU's clock rather than its bandwidth. The serving term is the host's
+per-stream work that an offline benchmark (llama-bench) never pays: sampling over the whole
+vocabulary for every stream at every step (H200, llama-server: ~0.85 ms per stream with a 152K
+vocabulary, the same for a 1.5B and a 7B model).
 
 ``soft_max`` is the roofline's corner, rounded (a p-norm), because memory and arithmetic do
 not overlap perfectly in real kernels. Prefill is compute-bound on the tensor cores:
@@ -52,7 +61,10 @@ class EngineConstants:
 
     Attributes:
         weight_bw_efficiency: Share of the card's bandwidth its decode kernels stream weights at.
-        per_layer_us: Fixed cost per layer and step (kernel launches, norms, small ops), in µs.
+        layer_us_ghz: Fixed cost per layer and step (kernel launches, norms, small ops), in µs
+            at a 1 GHz clock: the card's boost clock divides it.
+        sample_ns_per_vocab: Host time per stream, step and vocabulary entry that a serving
+            engine spends sampling (0 under an offline benchmark's harness), in ns.
         unfused_attn_per_layer_us: Extra cost per layer and step when attention is not fused
             (separate KQ, softmax and KQV kernels): llama.cpp without --flash-attn.
         unfused_attn_ns_per_token_layer: Cost per allocated cache token and layer of attention
@@ -69,7 +81,8 @@ class EngineConstants:
     """
 
     weight_bw_efficiency: float
-    per_layer_us: float
+    layer_us_ghz: float
+    sample_ns_per_vocab: float
     unfused_attn_per_layer_us: float
     unfused_attn_ns_per_token_layer: float
     quant_cache_extra_bytes: float
@@ -107,6 +120,10 @@ class Scenario:
     prompt_tokens: int
     output_tokens: int
     gpu_layers: int | str = "all"  # "all", "auto" (fit as many as the card holds) or a count
+    # "server": autotune's protocol, the engine's server sampling every token of every stream;
+    # "bench": an offline benchmark (llama-bench tg128, ExLlamaV2's test_inference), which
+    # samples nothing: what published single-stream figures measure.
+    harness: str = "server"
 
 
 def fp16_core_tflops(gpu: GpuSpec) -> float:
@@ -118,6 +135,19 @@ def fp16_core_tflops(gpu: GpuSpec) -> float:
     if gpu.compute_capability == "6.1":
         return gpu.fp32_tflops
     return 2.0 * gpu.fp32_tflops
+
+
+def int8_dot_tops(gpu: GpuSpec) -> float:
+    """INT8 dot-product rate of the CUDA cores (dp4a, sm_61 on: four per FP32 lane), which
+    quantized kernels fall back to where tensor cores are missing or FP16 is slow."""
+    return 4.0 * gpu.fp32_tflops
+
+
+def prefill_tflops(gpu: GpuSpec) -> float:
+    """The rate prompt processing runs at: the tensor cores, or on cards without them (Pascal)
+    the INT8 dot products llama.cpp's quantized matrix kernels use there (47 TOPS on a P40,
+    against its 0.18 TFLOPS of FP16)."""
+    return max(gpu.fp16_tensor_tflops, int8_dot_tops(gpu) if gpu.compute_capability_tuple < (7, 0) else 0.0)
 
 
 def linear_params(model: ModelSpec) -> int:
@@ -268,7 +298,8 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     t_mem = (weights_read + kv_read) / (bw * k.weight_bw_efficiency)
     n_lin = linear_params(m) * frac_gpu
     t_comp = parallel * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
-    t_fixed = n * k.per_layer_us * 1e-6
+    t_fixed = n * k.layer_us_ghz * 1e-6 / (g.boost_clock_mhz / 1000.0)
+    t_serve = parallel * m.vocab_size * k.sample_ns_per_vocab * 1e-9 if s.harness == "server" else 0.0
     t_unfused = 0.0
     if not s.flash_attn:
         t_unfused += n * k.unfused_attn_per_layer_us * 1e-6
@@ -281,6 +312,7 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
         t_host += 2 * parallel * m.hidden_size * 2 / (g.pcie_gb_s * 1e9)
     return {
         "fixed": t_fixed,
+        "serve": t_serve,
         "memory": t_mem,
         "compute": t_comp,
         "roofline": soft_max(t_mem, t_comp),
@@ -290,14 +322,14 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
 
 
 def step_seconds(terms: Mapping[str, float]) -> float:
-    return terms["fixed"] + terms["roofline"] + terms["unfused_attention"] + terms["host"]
+    return terms["fixed"] + terms["serve"] + terms["roofline"] + terms["unfused_attention"] + terms["host"]
 
 
 def prefill_tok_s(s: Scenario, k: EngineConstants, host: HostConstants, gpu_layers: int) -> float:
     """Prompt tokens per second: tensor-core bound on the GPU; spilled layers' weights cross PCIe
     once per ubatch (llama.cpp offloads large-batch matmuls of host layers to the GPU)."""
     g, m = s.gpu, s.model
-    t_gpu = 2 * linear_params(m) / (g.fp16_tensor_tflops * 1e12 * k.prefill_efficiency)
+    t_gpu = 2 * linear_params(m) / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
     layers_host = sum(s.weights.per_layer_bytes[gpu_layers:])
     t_host = layers_host / (g.pcie_gb_s * 1e9) / LLAMA_UBATCH if layers_host else 0.0
     return 1.0 / (t_gpu + t_host)
