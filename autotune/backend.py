@@ -174,6 +174,9 @@ class StudyContext:
         gpu_index: Which GPU to run on.
         for_gpu: Estimate for ``gpu`` even on a machine without it (``autotune estimate``);
             None lets a backend decide from the machine it runs on.
+        calibration: What a model backend's ``calibrate`` returned for this study (JSON-able),
+            as the study stores it; the model backend uses it in ``predict`` when it is its own
+            (its engine and card). None: predict with the published constants.
     """
 
     gpu: "GpuSpec"
@@ -186,6 +189,7 @@ class StudyContext:
     base_dir: Path = Path(".")
     gpu_index: int = 0
     for_gpu: bool | None = None
+    calibration: Mapping[str, Any] | None = None
 
     def path(self, ref: str) -> Path:
         """A file or directory the study file names, as an absolute path (relative ones are
@@ -342,6 +346,29 @@ class BaseBackend(abc.ABC):
 
     def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
         """Predicted metrics without running anything; only model backends implement it."""
+        return None
+
+    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
+                  ctx: StudyContext) -> Mapping[str, Any] | None:
+        """Refit this model backend's speed constants to what a real backend of its engine measured.
+
+        Only model backends implement it (the default: None, nothing learned). The study calls
+        it after each measured trial of a real backend this one predicts for, stores the result
+        and hands it back as ``ctx.calibration`` to ``predict``.
+
+        Args:
+            measured: Each measured configuration, renamed to this backend, with the medians of
+                the measured ``decode_tok_s``, ``aggregate_tok_s``, ``per_user_tok_s`` and
+                ``prefill_tok_s`` it has.
+            ctx: The real backend's study context.
+
+        Returns:
+            A JSON-able mapping; the core reads (for the report and ``autotune estimate
+            --study``) ``gpu`` (the card's key it holds for), ``n`` (configurations fitted),
+            ``before`` and ``after`` (each refit constant, published and fitted),
+            ``median_abs_error_before`` and ``median_abs_error_after`` (on ``measured``, as
+            fractions); anything else is the backend's own.
+        """
         return None
 
     def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext) -> "Scorer":

@@ -173,6 +173,34 @@ class RealExl2Backend(FakeBackend):
         return Measurement(metrics=stats_for(0.9 * predicted["aggregate_tok_s"], config.parallel))
 
 
+class FakeModelBackend(FakeBackend):
+    """A model backend of ``FakeBackend``'s engine: it predicts half of what the fake measures,
+    times its calibration's ``factor``, and calibrates that factor to the measured aggregate.
+    It records every ``calibrate`` call and the calibration each ``predict`` was given."""
+
+    name = "fake-model"
+    description = "test double of a model backend (predict and calibrate)"
+
+    def __init__(self, log_path: str | Path | None = None):
+        super().__init__(log_path)
+        self.calibrated: list[list[tuple[TrialConfig, Mapping[str, float]]]] = []
+        self.seen_calibrations: list[Mapping[str, Any] | None] = []
+
+    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
+        self.seen_calibrations.append(ctx.calibration)
+        factor = ctx.calibration["after"]["factor"] if ctx.calibration else 1.0
+        aggregate = 0.5 * self.speed(config) * factor
+        return {"aggregate_tok_s": aggregate, "per_user_tok_s": aggregate / config.parallel}
+
+    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
+                  ctx: StudyContext) -> Mapping[str, Any] | None:
+        self.calibrated.append(list(measured))
+        ratios = sorted(m["aggregate_tok_s"] / (0.5 * self.speed(c)) for c, m in measured)
+        factor = ratios[len(ratios) // 2]
+        return {"gpu": ctx.gpu.key, "n": len(measured), "before": {"factor": 1.0}, "after": {"factor": factor},
+                "median_abs_error_before": abs(1.0 / factor - 1.0), "median_abs_error_after": 0.0}
+
+
 class BackendsPlugin:
     """A plugin object that registers the given backend instances."""
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
+import optuna
+
 from autotune import objective as objective_mod
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig
@@ -25,14 +27,20 @@ from autotune.study.admission import Admission
 from autotune.study.prepare import PreparedStudy
 
 
-def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None) -> list[tuple[TrialConfig, float]]:
+def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
+                  study: optuna.Study | None = None) -> list[tuple[TrialConfig, float]]:
     """Every admitted configuration a predictor can speak for, predicted-feasible first, best first.
 
     Args:
         judge: The study's judge (with what its storage learned); by default one that knows
             only the rules and the raw memory model.
+        study: The study's storage: its predictors predict with what they learned from its
+            measured trials (``study/calibration.py``); None: with their published constants.
     """
+    from autotune.study.calibration import contexts_with_calibration  # it imports this module
+
     judge = judge or Admission(prepared.space, prepared.contexts, prepared.cfg.objective)
+    contexts = contexts_with_calibration(prepared, study)
     backends = plugins.get_backends()
     metrics = plugins.get_metrics()
     objective = prepared.cfg.objective
@@ -42,7 +50,7 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None) -> li
         if not verdict.admitted or verdict.estimate is None:
             continue
         real = prepared.backend(config.backend)
-        ctx = prepared.contexts[config.backend]
+        ctx = contexts[config.backend]
         found = _predictor_for(real, config, ctx, backends)
         if found is None:
             continue

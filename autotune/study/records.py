@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 SCHEMA_VERSION = 1
 SCHEMA_ATTR = "autotune_schema_version"
 QUALITY_PREFIX = "quality:"
+CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
 TrialState = optuna.trial.TrialState
 
 
@@ -188,3 +189,15 @@ def check_schema(study: optuna.Study, shown_storage: str) -> None:
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise StorageError(f"study '{study.study_name}' in {shown_storage} has schema version {version!r}; this "
                            f"autotune reads up to {SCHEMA_VERSION}: upgrade autotune to read it")
+
+
+def write_calibration(study: optuna.Study, backend: str, calibration: Mapping[str, Any]) -> None:
+    """Store what a model backend learned from ``backend``'s measured trials (replacing the last:
+    it is refit on all of them each time)."""
+    study.set_user_attr(CALIBRATION_PREFIX + backend, dict(calibration))
+
+
+def stored_calibrations(study: optuna.Study) -> dict[str, dict[str, Any]]:
+    """Each real backend's stored calibration, by the real backend's name."""
+    return {key[len(CALIBRATION_PREFIX):]: value for key, value in study.user_attrs.items()
+            if key.startswith(CALIBRATION_PREFIX)}

@@ -29,7 +29,7 @@ import optuna
 from autotune import objective as objective_mod
 from autotune.backend import TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
-from autotune.study import records, storage
+from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
 from autotune.study.prepare import PreparedStudy
@@ -194,7 +194,7 @@ class StudyRunner:
         """Measure the configurations a model backend predicts best first (``[study] prior``)."""
         done, waiting = self._evaluated_keys(), self._waiting_keys()
         n = 0
-        for config, _ in rank_by_prior(self.prepared, self.judge)[: self.cfg.prior_trials]:
+        for config, _ in rank_by_prior(self.prepared, self.judge, self.study)[: self.cfg.prior_trials]:
             if config.key not in done and config.key not in waiting:
                 self._enqueue(config, from_prior=True)
                 n += 1
@@ -458,6 +458,7 @@ class StudyRunner:
         write(trial, score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
                             "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
         self.study.tell(trial, list(s.values))
+        calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
         return _Outcome("COMPLETE", config.as_dict(), list(s.values))
 
     def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> _Outcome:

@@ -32,7 +32,7 @@ from autotune.measure import Protocol, Stat, repeat_until_stable_many
 from autotune.metric import BaseMetric, MetricValue
 from autotune.safetensors_dir import read_safetensors_dir
 
-from autotune_plugins.twin import physics, quality
+from autotune_plugins.twin import calibration, physics, quality
 
 __all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
 
@@ -244,6 +244,15 @@ class TwinBackend(BaseBackend):
             gpu_layers=gpu_layers,
         )
 
+    def calibrated_constants(self, ctx: StudyContext) -> physics.EngineConstants:
+        """The published constants, with a study's calibration (``ctx.calibration``) applied
+        when it was fitted for this engine on this card."""
+        k = self.constants()
+        cal = ctx.calibration
+        if not cal or cal.get("engine") != self.engine or cal.get("gpu") != ctx.gpu.key:
+            return k
+        return replace(k, **{f: float(v) for f, v in cal.get("after", {}).items() if f in calibration.CALIBRATED_FIELDS})
+
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         return physics.memory(self.scenario(config, ctx), self.constants())
 
@@ -253,7 +262,24 @@ class TwinBackend(BaseBackend):
         except UnsupportedError:
             return None
         _, host, _ = load_constants()
-        return physics.predict(self.scenario(config, ctx), self.constants(), host).as_dict()
+        return physics.predict(self.scenario(config, ctx), self.calibrated_constants(ctx), host).as_dict()
+
+    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
+                  ctx: StudyContext) -> Mapping[str, Any] | None:
+        """The speed constants refit to a real study's measurements (``calibration.fit``),
+        always from the published ones: the stored result is a function of the trials alone."""
+        observations = []
+        for config, metrics in measured:
+            try:
+                self.refuse(config, ctx)
+                observations.append((self.scenario(config, ctx), metrics))
+            except AutotuneError:
+                continue  # weights it cannot read, an option it refuses: no say on that trial
+        if not observations:
+            return None
+        _, host, _ = load_constants()
+        _, report = calibration.fit(self.constants(), host, observations)
+        return {"engine": self.engine, "gpu": ctx.gpu.key, **report}
 
     def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
         """Raise the engine's own error for a card or option it does not support."""
