@@ -68,6 +68,7 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
     from autotune.progress import LiveProgress
     from autotune.report import explain_best, summary_json, summary_text
     from autotune.study import StudyRunner, prepare_study
+    from autotune.study.records import stored_calibrations
 
     def go() -> None:
         cfg = load_study_config(config if config is not None else default_study_path())
@@ -82,6 +83,7 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update)
         summary.extra["why"] = explain_best(prepared, runner.study, summary.best)
         runner.study.set_user_attr("why_best", summary.extra["why"])
+        summary.extra["calibration"] = stored_calibrations(runner.study)
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
@@ -164,8 +166,10 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
 
 
 @cli.command()
-@click.option("--gpu", "gpu_key", default="auto", show_default=True, help="Catalog GPU key, or auto (NVML).")
-@click.option("--model", "model_ref", required=True, help="Catalog model key, a .gguf file or a model directory.")
+@click.option("--gpu", "gpu_key", default=None, help="Catalog GPU key, or auto (NVML) [default: auto; with --study, "
+              "the study's].")
+@click.option("--model", "model_ref", default=None, help="Catalog model key, a .gguf file or a model directory "
+              "[required, except with --study: the study's].")
 @click.option("--backend", "backend_name", required=True, help=BACKEND_RULE)
 @click.option("--weights", default=None,
               help="gguf:<TYPE>, exl2:<bpw>, or a weights file [default: --model, when it is a file or an EXL2 directory].")
@@ -175,11 +179,15 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-tokens", default=1500, show_default=True, type=click.IntRange(min=1))
 @click.option("--output-tokens", default=800, show_default=True, type=click.IntRange(min=1))
+@click.option("--study", "study_name", default=None,
+              help="A stored study: its GPU and model, and its twin calibrated on its measured trials, predict.")
+@click.option("--storage", default=None, help="Where --study is (default: $AUTOTUNE_STORAGE, else "
+              "sqlite:///<study name>.db).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
-def estimate(ctx: click.Context, gpu_key: str, model_ref: str, backend_name: str, weights: str | None, ctx_tokens: int,
-             cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int, output_tokens: int,
-             as_json: bool) -> None:
+def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
+             ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int,
+             output_tokens: int, study_name: str | None, storage: str | None, as_json: bool) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
 
     Exit status 2, after the estimate, when the configuration is invalid (a rule of the
@@ -189,8 +197,10 @@ def estimate(ctx: click.Context, gpu_key: str, model_ref: str, backend_name: str
     from autotune.estimate import estimate_config, estimate_text
 
     def go() -> None:
+        if storage is not None and study_name is None:
+            raise ConfigError("--storage is where --study is: give --study NAME too")
         result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
-                                 parallel, prompt_tokens, output_tokens)
+                                 parallel, prompt_tokens, output_tokens, study_name, storage)
         click.echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
         if result["verdict"] == "invalid":
             raise ConfigError("invalid configuration: " + "; ".join(result["invalid"]))

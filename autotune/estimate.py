@@ -12,15 +12,21 @@ which reads the same file or directory (GGUF files, EXL2 and Hugging Face direct
 A configuration the engine would not run (a rule it breaks, e.g. a ctx beyond the model's
 context, or the engine's own refusal) gets the verdict "invalid" or "refused", never "fits":
 the command prints the estimate and exits 2.
+
+With ``--study NAME`` the configuration is predicted for that study's GPU and model (unless
+``--gpu`` / ``--model`` say otherwise), by the twin as the study calibrated it on its own
+measured trials (``study/calibration.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
+from autotune.config import load_study_config
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.hardware import resolve_gpu
 from autotune.measure import Protocol
@@ -115,6 +121,34 @@ def _weights_of(model_ref: str, weights: str | None) -> str:
     return model_ref  # resolve_model has checked that it exists: the file is model and weights
 
 
+def study_gpu_and_model(study_name: str, storage: str | None) -> tuple[Any, str, str]:
+    """The stored study ``--study`` names, its GPU's catalog key and a reference to its model.
+
+    Raises:
+        ConfigError: No such study in the storage, or its model is neither a catalog model nor
+            found through its study file (then ``--model`` is needed).
+    """
+    from autotune.report import load_study
+    from autotune.study import records
+    from autotune.study.storage import resolve_url
+
+    study = load_study(resolve_url(storage, None, f"sqlite:///{study_name}.db"), study_name)
+    header = records.study_header(study)
+    gpu_key = (header.get("gpu") or {}).get("key")
+    model_key = header.get("model")
+    if not gpu_key or not model_key:
+        raise ConfigError(f"--study {study_name!r}: records no GPU or model (give --gpu and --model)")
+    if model_key in load_model_catalog():
+        return study, gpu_key, model_key
+    study_file = Path(header.get("study_file") or "")
+    if header.get("study_file") and study_file.is_file():
+        cfg = load_study_config(study_file)
+        in_dir = cfg.base_dir / cfg.model
+        return study, gpu_key, str(in_dir) if in_dir.exists() else cfg.model
+    raise ConfigError(f"--study {study_name!r}: its model {model_key!r} is a file named by its study file "
+                      f"{header.get('study_file')!r}, which is not there (from {Path.cwd()}): give --model")
+
+
 def _verdict(fits: bool, invalid: list[str], refused: str | None) -> str:
     if invalid:
         return "invalid"
@@ -123,23 +157,38 @@ def _verdict(fits: bool, invalid: list[str], refused: str | None) -> str:
     return "fits" if fits else "does not fit"
 
 
-def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: str | None, ctx_tokens: int,
-                    cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int = 1500,
-                    output_tokens: int = 800) -> dict[str, Any]:
+def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
+                    ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int = 1500,
+                    output_tokens: int = 800, study_name: str | None = None, storage: str | None = None
+                    ) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
 
     Args:
+        gpu_key: A catalog key or ``auto``; None: the study's GPU, else ``auto``.
+        model_ref: A catalog model, file or directory; None: the study's model.
         weights: A format, a file or directory, or None when ``model_ref`` is itself the file.
+        study_name: A stored study whose GPU and model are the defaults, and whose calibration
+            of the twin predicts (``storage``: where it is; default $AUTOTUNE_STORAGE, else
+            ``sqlite:///<name>.db``).
 
     Returns:
         ``{"config", "gpu", "model", "vram": {weights_bytes, kv_bytes, buffers_bytes,
         overhead_bytes, total_bytes, budget_bytes, fits, host_bytes}, "predicted":
         {decode_tok_s, prefill_tok_s, aggregate_tok_s, per_user_tok_s, roofline_tok_s} | None,
         "invalid": [reasons], "refused": reason | None, "verdict", "predictor": name | None,
-        "resolved": how --backend became the backend that answered | None}``. ``vram.fits``
+        "resolved": how --backend became the backend that answered | None, "calibration": the
+        study's calibration that predicted {study, n, median_abs_error_before, _after} | None,
+        "calibration_note": why a study's calibration was not used | None}``. ``vram.fits``
         is memory alone; ``verdict`` is "fits" only for a configuration that is also valid.
     """
-    gpu = resolve_gpu(gpu_key)
+    study = None
+    if study_name is not None:
+        study, study_gpu, study_model = study_gpu_and_model(study_name, storage)
+        gpu_key = gpu_key or study_gpu
+        model_ref = model_ref or study_model
+    if model_ref is None:
+        raise ConfigError("--model is needed (a catalog model, a .gguf file or a model directory), or --study NAME")
+    gpu = resolve_gpu(gpu_key or "auto")
     try:
         model = resolve_model(model_ref)
     except UnknownNameError as exc:
@@ -173,6 +222,15 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
     if ctx_tokens < prompt_tokens + output_tokens:
         invalid.append(f"ctx {ctx_tokens} cannot hold {prompt_tokens} prompt + {output_tokens} output tokens")
     mem = backend.estimate_memory(config, ctx)
+    calibration, calibration_note = None, None
+    if study is not None and predictor is not None:
+        from autotune.study.calibration import calibration_for
+
+        calibration = calibration_for(study, predictor.name, gpu.key)
+        if calibration is None:
+            calibration_note = (f"study {study_name!r} holds no calibration of {predictor.name} on {gpu.key} (a twin "
+                                "study, another card, or nothing measured yet): the published constants predict")
+        ctx = replace(ctx, calibration=calibration)
     predicted = None
     refused = None
     no_prediction = None if predictor is not None else "no speed model for this engine is installed"
@@ -210,7 +268,16 @@ def estimate_config(gpu_key: str, model_ref: str, backend_name: str, weights: st
         "predictor": predictor.name if predictor else None,
         "no_prediction": no_prediction,
         "resolved": resolved,
+        "calibration": None if calibration is None else {
+            "study": study_name, "n": calibration.get("n"),
+            "median_abs_error_before": calibration.get("median_abs_error_before"),
+            "median_abs_error_after": calibration.get("median_abs_error_after")},
+        "calibration_note": calibration_note,
     }
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def estimate_text(r: dict[str, Any]) -> str:
@@ -248,6 +315,12 @@ def estimate_text(r: dict[str, Any]) -> str:
         )
     elif not r.get("refused") and r.get("no_prediction"):
         lines.append(f"  {r['no_prediction']}")
+    cal = r.get("calibration")
+    if p and cal:
+        lines.append(f"  calibrated on {cal['n']} measured trials of study {cal['study']} (its median error there "
+                     f"{_percent(cal['median_abs_error_before'])} -> {_percent(cal['median_abs_error_after'])})")
+    elif r.get("calibration_note"):
+        lines.append(f"  {r['calibration_note']}")
     if verdict == "invalid":
         lines.append("  INVALID, the engine would not run it: " + "; ".join(r["invalid"]))
     elif verdict == "refused":

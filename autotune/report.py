@@ -40,6 +40,7 @@ def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     summary = summarize(study, mask_url(storage))
     summary.extra["excluded_before_search"] = study.user_attrs.get("excluded_before_search", [])
     summary.extra["why"] = study.user_attrs.get("why_best", [])
+    summary.extra["calibration"] = records.stored_calibrations(study)
     return summary
 
 
@@ -111,11 +112,35 @@ def summary_text(summary: StudySummary) -> str:
     if why:
         lines.append("why not a neighbour (one value changed):")
         lines += [f"  {line}" for line in why]
+    lines += calibration_lines(summary.extra.get("calibration") or {})
     excluded = summary.extra.get("excluded_before_search") or []
     if excluded:
         lines.append("excluded before the search (could never run):")
         lines += [f"  {line}" for line in excluded]
     return "\n".join(lines)
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def calibration_lines(calibrations: dict[str, Any]) -> list[str]:
+    """The "twin calibration" section: per real backend, what its model backend refit on the
+    study's measured trials (``study/calibration.py``): each constant before and after, and the
+    model's median error on those trials before and after."""
+    if not calibrations:
+        return []
+    lines = ["twin calibration (refit on this study's measured trials; the prior and `estimate --study` use it):"]
+    for backend, cal in sorted(calibrations.items()):
+        if "error" in cal:
+            lines.append(f"  {backend}: {cal.get('predictor')} could not calibrate: {cal['error']}")
+            continue
+        lines.append(f"  {backend} by {cal.get('predictor')} on {cal.get('gpu')}, {cal.get('n')} trials: median error "
+                     f"{_percent(cal.get('median_abs_error_before'))} -> {_percent(cal.get('median_abs_error_after'))}")
+        before, after = cal.get("before") or {}, cal.get("after") or {}
+        lines.append("    " + ", ".join(f"{name} {before[name]:.4g} -> {after[name]:.4g}"
+                                       for name in before if name in after))
+    return lines
 
 
 def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None) -> list[str]:

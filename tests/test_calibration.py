@@ -14,9 +14,9 @@ from autotune.study import StudyRunner, open_storage, prepare_study, rank_by_pri
 from autotune.study import calibration, records
 
 if __package__:  # tests/ is a package
-    from .fake_backends import FakeBackend, FakeModelBackend, memory_dir, registered, write_study
+    from .fake_backends import FakeBackend, FakeModelBackend, RealExl2Backend, memory_dir, registered, write_study
 else:
-    from fake_backends import FakeBackend, FakeModelBackend, memory_dir, registered, write_study
+    from fake_backends import FakeBackend, FakeModelBackend, RealExl2Backend, memory_dir, registered, write_study
 
 
 @pytest.fixture
@@ -96,3 +96,37 @@ def test_a_failing_model_backend_is_stored_as_an_error_and_the_study_goes_on(tmp
             "fake": {"predictor": "fake-model", "error": "ZeroDivisionError: no data"}}
         # An error is no calibration: the prior predicts with the published model.
         assert calibration.contexts_with_calibration(prepared, study)["fake"].calibration is None
+
+
+def test_estimate_and_report_use_the_twins_calibration_of_a_real_study(tmp_path, storage, twin_plugin):
+    """A real ExLlamaV2 study (its "measurements" 90% of the twin's aggregate) calibrates the
+    ExLlamaV2 twin; `estimate --study` predicts with it, for the study's GPU and model, and the
+    report shows it."""
+    from autotune.estimate import estimate_config, estimate_text
+    from autotune.report import stored_summary, summary_json, summary_text
+
+    path = write_study(tmp_path / "s.toml", "fake-exl2", ["exl2:3.0", "exl2:3.5"], ctx=(4096,), parallel=(1, 2, 4),
+                       extra_space='cache_type = ["q8"]\nflash_attn = [true]')
+    with registered(RealExl2Backend()):
+        StudyRunner(prepare_study(load_study_config(path), storage=storage)).run(n_trials=4)
+        stored = records.stored_calibrations(load(storage))["fake-exl2"]
+        assert stored["predictor"] == "twin-exllamav2" and stored["gpu"] == "v100-16gb" and stored["n"] == 4
+        assert stored["after"] != stored["before"]
+        assert stored["median_abs_error_after"] < stored["median_abs_error_before"]
+
+        args = ("exllamav2", "exl2:3.3", 4096, "q8", True, 2)
+        published = estimate_config("v100-16gb", "qwen2.5-27b-article", *args)
+        calibrated = estimate_config(None, None, *args, study_name="fake-study", storage=storage)
+        assert (calibrated["gpu"], calibrated["model"]) == ("v100-16gb", "qwen2.5-27b-article")  # the study's
+        assert calibrated["calibration"]["n"] == 4 and published["calibration"] is None
+        assert calibrated["predicted"]["decode_tok_s"] != published["predicted"]["decode_tok_s"]
+        assert "calibrated on 4 measured trials of study fake-study" in estimate_text(calibrated)
+        # Another card than the one it was fitted on: the published constants, and it says so.
+        elsewhere = estimate_config("a100-80gb", None, *args, study_name="fake-study", storage=storage)
+        assert elsewhere["calibration"] is None and "no calibration of twin-exllamav2 on a100-80gb" in \
+            estimate_text(elsewhere)
+
+        summary = stored_summary(storage, "fake-study")
+        text = summary_text(summary)
+        assert "twin calibration" in text and "fake-exl2 by twin-exllamav2 on v100-16gb, 4 trials" in text
+        assert summary_json(summary)["calibration"]["fake-exl2"]["n"] == 4

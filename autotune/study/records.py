@@ -174,6 +174,14 @@ def write_study_header(study: optuna.Study, header: Mapping[str, Any]) -> None:
         study.set_user_attr(key, value)
 
 
+def study_header(study: optuna.Study) -> dict[str, Any]:
+    """What a study was run with, as ``write_study_header`` recorded it (``gpu``, ``model``,
+    ``study_file``, ...; empty for a study autotune did not write)."""
+    attrs = study.user_attrs
+    return {key: value for key, value in attrs.items() if key != SCHEMA_ATTR
+            and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX))} if SCHEMA_ATTR in attrs else {}
+
+
 def check_schema(study: optuna.Study, shown_storage: str) -> None:
     """Refuse a study this autotune would misread.
 
