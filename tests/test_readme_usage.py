@@ -113,6 +113,15 @@ def run_estimate_file(work, studied, model_gguf):
     assert "fits" in out.stdout
 
 
+def run_estimate_study(work, studied):
+    args = ["estimate", "--study", "v100-qwen27b", "--storage", studied, "--backend", "llama.cpp", "--weights",
+            "gguf:Q4_K_M", "--ctx", "4096", "--parallel", "4"]
+    out = ok(autotune(*args, cwd=work)).stdout
+    # The default study runs on the twin, which predicts itself: nothing to calibrate, and it says so.
+    assert "on v100-16gb, model qwen2.5-27b-article" in out and "holds no calibration of twin-llama.cpp" in out
+    assert json.loads(ok(autotune(*args, "--json", cwd=work)).stdout)["gpu"] == "v100-16gb"
+
+
 def run_quality(work, studied):
     llama_cpp_module()  # skip (or fail in CI) without the engine's Python bindings
     out = ok(autotune("quality", "--backend", "llama-server", "--weights", str(STORIES), "--benchmark", "kld",
@@ -182,6 +191,8 @@ RUNS = {
     "--cache q8 --flash-attn --parallel 4 [--json]": run_estimate_catalog,
     "autotune estimate --model path/to/model.gguf --backend llama-server --ctx 4096 --parallel 4 --cache q8_0 "
     "--flash-attn --gpu v100-16gb": run_estimate_file,
+    "autotune estimate --study NAME [--storage URL] --backend llama.cpp --weights gguf:Q4_K_M --ctx 4096 "
+    "--parallel 4 [--json]": run_estimate_study,
     "autotune quality --backend llama-server --weights model.gguf --benchmark mmlu|ceval|kld [--cache TYPE] "
     "[--per-subject N] [--shots K] [--reference REF.gguf] [--json]": run_quality,
     "autotune plugins [--json]": run_plugins,

@@ -14,17 +14,22 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
 import pytest
 
 from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.study import records
+from autotune.study.calibration import SPEED_METRICS
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
+from autotune_plugins.twin import TwinLlamaCpp
+from autotune_plugins.twin.calibration import median_abs_error
 from tests.conftest import REPO, shared_file
 from tests.engine_fixtures import cpu_build
 from tests.plugins.test_llama_server_backend import servers_on
@@ -60,8 +65,10 @@ def run_env() -> dict[str, str]:
 def test_the_whole_study_on_real_servers(study_dir):
     storage = f"sqlite:///{study_dir / 'full.db'}"
     started = time.monotonic()
+    # With the twin loaded, as a user's study has it: it learns from every measured trial.
+    env = dict(run_env(), AUTOTUNE_LOAD_PLUGINS="llama_server,twin")
     proc = subprocess.run(autotune_cmd("study", "cpu-tiny.toml", "--storage", storage, "--json"), cwd=study_dir,
-                          env=run_env(), capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=900)
     seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -88,6 +95,28 @@ def test_the_whole_study_on_real_servers(study_dir):
     assert summary["best"]["metrics"]["aggregate_tok_s"] == pytest.approx(
         max(t.user_attrs["metrics"]["aggregate_tok_s"]["median"] for t in done))
     assert servers_on(study_dir / "models") == []
+    check_the_twin_learned_from_the_study(study, study_dir, summary)
+
+
+def check_the_twin_learned_from_the_study(study: optuna.Study, study_dir: Path, summary: dict) -> None:
+    """The stored calibration differs from the published constants and predicts the study's own
+    trials better (the twin predicts a T4, the study runs on this CPU: far off before)."""
+    cal = records.stored_calibrations(study)["llama-server"]
+    assert cal["predictor"] == "twin-llama.cpp" and cal["gpu"] == "t4" and cal["n"] >= 10
+    assert any(abs(cal["after"][f] / cal["before"][f] - 1) > 0.1 for f in cal["before"] if cal["before"][f] > 0)
+    assert summary["calibration"]["llama-server"] == cal  # the report shows it
+    ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(study_dir / "models" / "tiny-f16.gguf"),
+                       workload=Workload(prompt_tokens=128, output_tokens=64), vram_budget_bytes=15 * 2**30,
+                       protocol=Protocol(), settings={"threads": 2, "startup_timeout_s": 60}, base_dir=study_dir)
+    twin = TwinLlamaCpp()
+    trials = [(replace(r.trial_config, backend=twin.name), {m: r.median(m) for m in SPEED_METRICS if r.median(m)})
+              for r in records.measured(study)]
+    trials = [(c, m) for c, m in trials if twin.predict(c, ctx) is not None]
+    before = median_abs_error([twin.predict(c, ctx) for c, _ in trials], trials)
+    after = median_abs_error([twin.predict(c, replace(ctx, calibration=cal)) for c, _ in trials], trials)
+    print(f"cpu-tiny: twin's median error on its {len(trials)} trials {before:.0%} -> {after:.0%}; "
+          f"constants {cal['before']} -> {cal['after']}")
+    assert after < before
 
 
 def test_two_streams_serve_more_than_one(study_dir):
