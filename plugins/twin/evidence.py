@@ -170,7 +170,7 @@ def h200_grids() -> Iterator[Figure]:
     """The two exhaustive grids' first runs (bench/results/h200_grids/*-run1.db)."""
     for name, (model, prompt, output, role) in GRIDS.items():
         path = RESULTS / "h200_grids" / f"{name}-run1.db"
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        con = sqlite3.connect(f"file:{path}?immutable=1", uri=True)  # writes nothing beside it
         try:
             rows = con.execute(
                 "SELECT t.trial_id, t.number, a.key, a.value_json FROM trials t JOIN trial_user_attributes a "
