@@ -156,10 +156,11 @@ def twin_of(engine: str) -> BaseBackend:
     raise ConfigError(f"no backend of engine {engine!r} predicts (no twin installed): --model cannot be checked")
 
 
-def kv_mismatch(grid: RecordedGrid, model_ref: str, doc: Mapping[str, Any]) -> str | None:
-    """The first recorded configuration whose KV-cache bytes, as the real backend predicted
-    them, differ from what the engine's twin computes for ``model_ref`` (a model of another
-    shape); None when all agree."""
+def shape_mismatch(grid: RecordedGrid, model_ref: str, doc: Mapping[str, Any]) -> str | None:
+    """Why ``model_ref`` is not the model the grid ran, from the real backend's recorded memory
+    predictions: the engine's twin must give the same KV-cache bytes (the shape's layers and
+    KV heads) and weights bytes within 10% (the twin computes a format's bytes from the shape;
+    the real backend read the file). None when all agree."""
     twin = twin_of(grid.engine)
     workload = doc.get("workload", {})
     ctx = StudyContext(gpu=hardware.get_gpu(grid.header["gpu"]["key"]), model=resolve_model(model_ref),
@@ -169,31 +170,38 @@ def kv_mismatch(grid: RecordedGrid, model_ref: str, doc: Mapping[str, Any]) -> s
         c = grid.configs[key]
         probe = replace(c, backend=twin.name, weights=grid.format_of[c.weights])
         try:
-            kv = twin.estimate_memory(probe, ctx).kv_bytes
+            mine = twin.estimate_memory(probe, ctx)
         except AutotuneError as exc:
             return f"{key}: {exc}"
-        if abs(kv - recorded.kv_bytes) > 0.005 * recorded.kv_bytes:
-            return f"{key}: recorded KV {recorded.kv_bytes} bytes, {model_ref} gives {kv}"
+        if abs(mine.kv_bytes - recorded.kv_bytes) > 0.005 * recorded.kv_bytes:
+            return f"{key}: recorded KV {recorded.kv_bytes} bytes, {model_ref} gives {mine.kv_bytes}"
+        if abs(mine.weights_bytes - recorded.weights_bytes) > 0.10 * recorded.weights_bytes:
+            return f"{key}: recorded weights {recorded.weights_bytes} bytes, {model_ref} gives {mine.weights_bytes}"
     return None
 
 
 def replay_model(grid: RecordedGrid, doc: Mapping[str, Any], study_file: Path, given: str | None) -> str:
-    """The model a replay study names: ``--model``, else the study file's when it exists, else
-    the one catalog model whose shape gives the recorded KV-cache bytes (the grid's files are
-    not here, and the study stores only the model's name)."""
+    """The model a replay study names: ``--model``, else the study file's when it resolves
+    (a catalog key, or a file that is here), else the one catalog model whose shape gives the
+    recorded memory predictions (the grid's files are not here, and a study stores only its
+    model's name)."""
     ref = str(doc.get("model", {}).get("ref", ""))
-    if given is None and (study_file.parent / ref).exists():
-        return str(study_file.parent / ref)
     if given:
-        why = kv_mismatch(grid, given, doc)
+        why = shape_mismatch(grid, given, doc)
         if why:
-            raise ConfigError(f"--model {grid.name}={given}: not the shape the grid ran: {why}")
+            raise ConfigError(f"--model {grid.name}={given}: not the model the grid ran: {why}")
         return given
-    fitting = [m for m in load_model_catalog() if kv_mismatch(grid, m, doc) is None]
+    for candidate in (str(study_file.parent / ref), ref):
+        try:
+            resolve_model(candidate)
+            return candidate
+        except AutotuneError:
+            pass
+    fitting = [m for m in load_model_catalog() if shape_mismatch(grid, m, doc) is None]
     if len(fitting) != 1:
-        raise ConfigError(f"grid '{grid.name}': its model file {ref} is not here and "
-                          f"{'no' if not fitting else 'more than one'} catalog model has its KV-cache shape "
-                          f"({', '.join(fitting) or 'none'}); name it with --model {grid.name}=KEY")
+        raise ConfigError(f"grid '{grid.name}': its model {ref} is not here and {'no' if not fitting else 'more than one'} "
+                          f"catalog model has its shape ({', '.join(fitting) or 'none'}); name it with "
+                          f"--model {grid.name}=KEY")
     return fitting[0]
 
 
@@ -251,7 +259,9 @@ def truth_of(grid: RecordedGrid, key: str) -> Truth | None:
     users = [r.median("per_user_tok_s") for r in measured if r.median("per_user_tok_s") is not None]
     peaks = [r.measured_vram_bytes for r in measured if r.measured_vram_bytes is not None]
     drops = [r.quality_drop_points for r in measured if r.quality_drop_points is not None]
-    s = objective_mod.score(objective, metric, int(statistics.fmean(peaks)) if peaks else 0,
+    # What the runner scores memory by: the measured peak, else the prediction.
+    used = int(statistics.fmean(peaks)) if peaks else grid.predicted[key].total_bytes
+    s = objective_mod.score(objective, metric, used,
                             int(grid.header["vram_budget_bytes"]), statistics.fmean(drops) if drops else None,
                             statistics.fmean(users) if users else None)  # type: ignore[arg-type]
     return Truth(s.values[0], s.feasible)
