@@ -162,9 +162,9 @@ def shape_mismatch(grid: RecordedGrid, model_ref: str, doc: Mapping[str, Any]) -
     KV heads) and weights bytes within 10% (the twin computes a format's bytes from the shape;
     the real backend read the file). None when all agree."""
     twin = twin_of(grid.engine)
-    workload = doc.get("workload", {})
+    cfg = parse_study_config(doc)
     ctx = StudyContext(gpu=hardware.get_gpu(grid.header["gpu"]["key"]), model=resolve_model(model_ref),
-                       workload=Workload(int(workload.get("prompt_tokens", 512)), int(workload.get("output_tokens", 128))),
+                       workload=Workload(cfg.prompt_tokens, cfg.output_tokens),
                        vram_budget_bytes=int(grid.header["vram_budget_bytes"]), protocol=Protocol())
     for key, recorded in grid.predicted.items():
         c = grid.configs[key]
@@ -199,9 +199,9 @@ def replay_model(grid: RecordedGrid, doc: Mapping[str, Any], study_file: Path, g
             pass
     fitting = [m for m in load_model_catalog() if shape_mismatch(grid, m, doc) is None]
     if len(fitting) != 1:
-        raise ConfigError(f"grid '{grid.name}': its model {ref} is not here and {'no' if not fitting else 'more than one'} "
-                          f"catalog model has its shape ({', '.join(fitting) or 'none'}); name it with "
-                          f"--model {grid.name}=KEY")
+        how_many = "no" if not fitting else "more than one"
+        raise ConfigError(f"grid '{grid.name}': its model {ref} is not here and {how_many} catalog model has its "
+                          f"shape ({', '.join(fitting) or 'none'}); name it with --model {grid.name}=KEY")
     return fitting[0]
 
 
@@ -351,7 +351,7 @@ def replay_grid(grid: RecordedGrid, study_file: Path, model: str | None, strateg
         measuring_s = grid.measuring_seconds()
         budget_s = fraction * measuring_s
         out: dict[str, Any] = {
-            "study": grid.name, "storages": grid.storages, "study_file": str(study_file), "replay_model": model,
+            "study": grid.name, "storages": grid.storages, "study_file": _shown(study_file), "replay_model": model,
             "n_configs": len(grid.configs), "n_measured": len(truths), "n_feasible": len(feasible),
             "n_pruned": sum(1 for k in grid.configs if not grid.launched(k)),
             "measuring_s": measuring_s, "budget_fraction": fraction, "budget_s": budget_s,
@@ -364,11 +364,12 @@ def replay_grid(grid: RecordedGrid, study_file: Path, model: str | None, strateg
         for strategy in strategies:
             prepared = prepare_replay(grid, doc, study_file, model, strategy)
             outcomes = [replay_once(grid, backend, prepared, strategy, seed, budget_s, best) for seed in range(seeds)]
-            out["strategies"][strategy.name] = figures(outcomes)
-            out["strategies"][strategy.name]["pruned_but_measured"] = sorted({k for o in outcomes for k in o.pruned_but_measured})
+            pruned = sorted({k for o in outcomes for k in o.pruned_but_measured})
+            out["strategies"][strategy.name] = {**figures(outcomes), "pruned_but_measured": pruned}
             out["seeds"][strategy.name] = [{"seed": o.seed, "pick": json.loads(o.pick) if o.pick else None,
-                                            "ratio": o.ratio, "cost_fraction": o.cost_fraction,
-                                            "launches": o.launches} for o in outcomes]
+                                            "ratio": o.ratio, "pick_feasible": o.pick_feasible,
+                                            "cost_fraction": o.cost_fraction, "launches": o.launches}
+                                           for o in outcomes]
         return out
     finally:
         plugins.unregister_plugin(plugin_name)
@@ -402,7 +403,8 @@ def text_report(result: Mapping[str, Any]) -> str:
             f"  best by the grid's truth: {g['best']['truth']:.1f} ({_short(g['best']['config'])})",
             f"  between runs: median {_pct(spread['median_rel_diff'])}, worst {_pct(spread['max_rel_diff'])} "
             f"over {spread['n_configs']} configurations; noise: {g['noise']}",
-            f"  budget: {g['budget_fraction']:.2f} x {g['measuring_s']:.0f} s = {g['budget_s']:.0f} s of recorded launches",
+            f"  budget: {g['budget_fraction']:.2f} x {g['measuring_s']:.0f} s = {g['budget_s']:.0f} s of recorded "
+            "launches",
         ]
         lines += _table(g["strategies"])
         lines.append("")
@@ -413,11 +415,20 @@ def text_report(result: Mapping[str, Any]) -> str:
 
 
 def _table(strategies: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    out = [f"  {'strategy':<14}{'within 3%':>10}{'median pick/best':>18}{'median cost':>13}{'launches':>10}{'seeds':>7}"]
+    out = [f"  {'strategy':<14}{'within 3%':>10}{'median pick/best':>18}{'median cost':>13}{'launches':>10}"
+           f"{'seeds':>7}"]
     for name, f in strategies.items():
         out.append(f"  {name:<14}{f['within_3pct']:>10.2f}{f['median_ratio']:>18.3f}{f['median_cost_fraction']:>13.3f}"
                    f"{f['median_launches']:>10g}{f['n_seeds']:>7}")
     return out
+
+
+def _shown(path: Path) -> str:
+    """A path as a reader of the results would type it: relative to here when it is below."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _pct(x: float | None) -> str:
@@ -429,7 +440,8 @@ def _short(config: Mapping[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", action="append", required=True, metavar="STORAGE_URL",
                     help="storage of a recorded grid study; repeat for more runs of it, or for other grids")
     ap.add_argument("--study", help="the study to read when a storage holds several")
@@ -475,7 +487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      args.seeds, args.budget_fraction))
     pooled = {}
     for strategy in args.strategy_list:
-        outcomes = [Outcome(s["seed"], None, s["ratio"], s["cost_fraction"], s["launches"], s["ratio"] > 0)
+        outcomes = [Outcome(s["seed"], None, s["ratio"], s["cost_fraction"], s["launches"], s["pick_feasible"])
                     for g in grids for s in g["seeds"][strategy.name]]
         pooled[strategy.name] = figures(outcomes)
     return {"grids": grids, "strategies": pooled, "within": WITHIN,

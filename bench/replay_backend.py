@@ -124,7 +124,8 @@ class RecordedGrid:
             for key, estimate in raw_predictions(study).items():
                 self.predicted.setdefault(key, estimate)
         self.configs: dict[str, TrialConfig] = {
-            key: TrialConfig.from_dict(trials[0].record.config) for key, trials in self.by_key.items()}  # type: ignore[arg-type]
+            key: TrialConfig.from_dict(trials[0].record.config)  # type: ignore[arg-type]
+            for key, trials in self.by_key.items()}
         backends = {c.backend for c in self.configs.values()}
         if len(backends) != 1:
             raise ConfigError(f"grid '{self.name}': the replay takes a grid of one backend, this one has "
