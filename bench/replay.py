@@ -42,7 +42,7 @@ from replay_backend import REPLAY_BACKEND, RecordedGrid, ReplayBackend, ReplayPl
 from autotune import hardware, plugins  # noqa: E402
 from autotune import objective as objective_mod  # noqa: E402
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload  # noqa: E402
-from autotune.config import parse_study_config  # noqa: E402
+from autotune.config import Objective, parse_study_config  # noqa: E402
 from autotune.errors import AutotuneError, ConfigError, handle_errors  # noqa: E402
 from autotune.measure import Protocol  # noqa: E402
 from autotune.models import load_model_catalog, resolve_model  # noqa: E402
@@ -267,9 +267,7 @@ def truth_of(grid: RecordedGrid, key: str) -> Truth | None:
     return Truth(s.values[0], s.feasible)
 
 
-def parse_objective(grid: RecordedGrid):
-    from autotune.config import Objective
-
+def parse_objective(grid: RecordedGrid) -> Objective:
     return Objective(**grid.header["objective"])
 
 
