@@ -333,7 +333,8 @@ class StudyRunner:
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
                     per_user = m.metrics.get("per_user_tok_s")
-                    used = m.peak_vram_bytes if m.peak_vram_bytes is not None else (r.predicted_vram or {})["total_bytes"]
+                    predicted = (r.predicted_vram or {})["total_bytes"]
+                    used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted
                     s = objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
                                             ctx.vram_budget_bytes, r.quality_drop_points,
                                             per_user.median if per_user is not None else None)

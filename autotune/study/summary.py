@@ -89,10 +89,8 @@ def finish_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
 
 
 def _relative(a: float, b: float) -> float:
-    """How much ``a`` exceeds ``b``, as a fraction of ``b``."""
-    if b == 0:
-        return 0.0 if a == b else math.copysign(math.inf, a - b)
-    return (a - b) / abs(b)
+    """How much ``a`` exceeds ``b``, as a fraction of ``b`` (finite, for JSON, when ``b`` is 0)."""
+    return (a - b) / max(abs(b), 1e-9)
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,7 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
                    key=lambda c: (-c.median, -c.record.values[0]))  # type: ignore[index]
     measured_memory = all(c.memory(True) is not None for c in sound)
     out["contenders"] = [c.describe(measured_memory) for c in contenders]
-    failed = [c.record.number for c in contenders if c not in sound]
+    failed = [c.record.number for c in contenders if not c.values or c.failures]
     failed_note = f"; trial {_trials(failed)} failed when measured again" if failed else ""
     if not sound:
         out.update(verdict="failed", text="every configuration failed when measured again: "
