@@ -7,8 +7,10 @@ from typing import Mapping, Sequence
 
 import optuna
 import pytest
+from click.testing import CliRunner
 
 from autotune.backend import Measurement, StudyContext, TrialConfig
+from autotune.cli import cli
 from autotune.config import load_study_config
 from autotune.errors import BackendError, ConfigError
 from autotune.report import stored_summary, summary_json, summary_text
@@ -101,6 +103,8 @@ def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, s
     assert f"best (trial {b})" in text
     assert f"trial {a}: first 100.0, again 97.0 104.0 (median 100.5, spread 7.0%), 6.00 GiB measured" in text
     assert summary_json(summary)["finish"]["chosen"] == b
+    shown = CliRunner().invoke(cli, ["best", "--storage", storage])
+    assert shown.exit_code == 0 and f"chose {b}, 2.0 GiB less memory" in shown.output
 
 
 def test_tie_on_the_same_memory_goes_to_the_higher_per_user_speed(tmp_path, storage):
