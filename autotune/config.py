@@ -91,6 +91,8 @@ class StudyConfig:
     backend_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     description: str = ""
     quality_options: Mapping[str, Any] = field(default_factory=dict)
+    finish_top: int = 3
+    finish_rounds: int = 2
 
     @property
     def base_dir(self) -> Path:
@@ -225,6 +227,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     study = r.table("study")
     r.unknown_keys("study", study, {
         "name", "description", "seed", "sampler", "n_trials", "budget", "storage", "prior", "prior_trials",
+        "finish_top", "finish_rounds",
     })
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name,
@@ -245,6 +248,12 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     if prior is False:
         prior = None
     prior_trials = r.get("study", study, "prior_trials", int, 10, check=_at_least(1))
+    # The noise-aware finish (StudyRunner.finish): how many of the best configurations are
+    # measured again, and how many times each, before a winner is named.
+    finish_top = r.get("study", study, "finish_top", int, 3,
+                       check=lambda v: None if v == 0 or v >= 2 else "must be 0 (no finish) or >= 2 (a finish compares "
+                                                                    "the best configurations with each other)")
+    finish_rounds = r.get("study", study, "finish_rounds", int, 2, check=_at_least(1))
 
     hw = r.table("hardware", required=True)
     r.unknown_keys("hardware", hw, {"gpu", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
@@ -376,4 +385,6 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         backend_settings=backend_settings,
         description=str(study.get("description", "")),
         quality_options=quality_options,
+        finish_top=finish_top,
+        finish_rounds=finish_rounds,
     )

@@ -67,6 +67,20 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _contender_text(c: dict[str, Any]) -> str:
+    """One trial of the finish: its first score, each re-measured one, and what decides a tie."""
+    again = " ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
+    text = f"trial {c['number']}: first {c['first_value']:.1f}, again {again}"
+    if c["median"] is not None:
+        text += f" (median {c['median']:.1f}, spread {c['spread'] * 100:.1f}%)"
+    text += f", {_gib(c['memory_bytes'])} {'measured' if c['memory_measured'] else 'predicted'}"
+    if c["per_user_tok_s"] is not None:
+        text += f", per user {c['per_user_tok_s']:.1f} tok/s"
+    if c["failures"]:
+        text += f"; {c['failures'][0]}"
+    return text
+
+
 def summary_text(summary: StudySummary) -> str:
     """A few lines for a person: counts, the best configuration, its figures and command."""
     lines = [
@@ -81,6 +95,9 @@ def summary_text(summary: StudySummary) -> str:
         return "\n".join(lines)
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
     lines.append(f"best (trial {best['number']}): {params}")
+    finish = summary.extra.get("finish")
+    if finish:
+        lines.append(f"  {finish['text']}")
     m = best.get("metrics") or {}
     figures = []
     for key, label in (("decode_tok_s", "decode"), ("aggregate_tok_s", "aggregate"), ("per_user_tok_s", "per user"),
@@ -102,6 +119,9 @@ def summary_text(summary: StudySummary) -> str:
     lines.append(f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured {_gib(best.get('measured_vram_bytes'))}")
     if best.get("deploy_command"):
         lines.append("  deploy: " + best["deploy_command"])
+    if finish and finish.get("contenders"):
+        lines.append(f"measured again ({finish['rounds']} rounds, interleaved):")
+        lines += [f"  {_contender_text(c)}" for c in finish["contenders"]]
     front = summary.extra.get("pareto_front")
     if front:
         lines.append("Pareto front (throughput vs quality drop):")

@@ -126,7 +126,7 @@ def test_derived_properties():
 def test_get_model_unknown_lists_known_keys():
     with pytest.raises(UnknownNameError) as err:
         get_model("qwen-7b")
-    assert str(err.value).startswith("unknown model 'qwen-7b' (known: qwen2.5-27b-article, qwen2.5-7b, ")
+    assert str(err.value).startswith("unknown model 'qwen-7b' (known: qwen2.5-27b-article, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, ")
 
 
 def test_specs_are_frozen_and_hashable():

@@ -171,8 +171,9 @@ def test_failing_backend_does_not_stop_the_study(tmp_path, storage):
 
 def _interrupt_child(tmp_path: Path, scratch: Path, sig: int):
     """Run `autotune study` on a BlockingBackend in a child, signal it mid-launch; return facts."""
+    # It counts the search's launches; the finish's (tests/test_finish.py) would launch the best again.
     study_path = write_study(tmp_path / "slow.toml", "fake-blocking", ["a", "bb", "ccc"], parallel=(1, 2, 4, 8),
-                             sampler="tpe")
+                             sampler="tpe", study_extra="finish_top = 0")
     storage = f"sqlite:///{scratch / 'slow.db'}"
     log, marker = tmp_path / "launches.jsonl", tmp_path / "blocked"
     argv = ["study", str(study_path), "--storage", storage, "--trials", "50", "--json", "--quiet"]

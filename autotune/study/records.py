@@ -24,6 +24,8 @@ SCHEMA_VERSION = 1
 SCHEMA_ATTR = "autotune_schema_version"
 QUALITY_PREFIX = "quality:"
 CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
+REMEASURE_PREFIX = "remeasure:"
+FINISH_PLAN_ATTR = "finish_plan"
 TrialState = optuna.trial.TrialState
 
 
@@ -174,12 +176,72 @@ def write_study_header(study: optuna.Study, header: Mapping[str, Any]) -> None:
         study.set_user_attr(key, value)
 
 
+@dataclass(frozen=True)
+class Remeasure:
+    """One launch of the noise-aware finish (``StudyRunner.finish``): a trial's configuration
+    measured again, stored as the study attribute ``remeasure:<trial number>:<round>``.
+
+    Study attributes, not the trial's own: Optuna refuses to change a finished trial, and
+    re-measures stored as trials of their own would enter the sampler's model and the study's
+    counts as second copies of a configuration. One attribute per round, so that two workers
+    never overwrite each other's rounds and a finish cut short keeps the rounds it stored.
+    """
+
+    value: float | None = None           # the first objective, scored as the trial was
+    feasible: bool = True                # every constraint held in this run too
+    per_user_tok_s: float | None = None
+    peak_vram_bytes: int | None = None
+    error: str | None = None             # the launch failed: the round counts, as a failure
+    worker: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+_REMEASURE_FIELDS = frozenset(f.name for f in fields(Remeasure))
+
+
+def write_remeasure(study: optuna.Study, number: int, round_: int, **attrs: Any) -> None:
+    """Store round ``round_`` (0-based) of the finish for trial ``number``."""
+    unknown = sorted(set(attrs) - _REMEASURE_FIELDS)
+    if unknown:
+        raise KeyError(f"{unknown[0]!r} is not a Remeasure field")
+    study.set_user_attr(f"{REMEASURE_PREFIX}{number}:{round_}", attrs)
+
+
+def remeasures(study: optuna.Study) -> dict[int, dict[int, Remeasure]]:
+    """Every stored round of the finish: trial number -> round -> what it measured."""
+    out: dict[int, dict[int, Remeasure]] = {}
+    for key, value in study.user_attrs.items():
+        if not key.startswith(REMEASURE_PREFIX) or not isinstance(value, dict):
+            continue
+        number, _, round_ = key[len(REMEASURE_PREFIX):].partition(":")
+        if number.isdigit() and round_.isdigit():
+            known = {k: v for k, v in value.items() if k in _REMEASURE_FIELDS}
+            out.setdefault(int(number), {})[int(round_)] = Remeasure(**known)
+    return out
+
+
+def write_finish_plan(study: optuna.Study, trials: Iterable[int], rounds: int) -> None:
+    """Which trials the latest finish compares, and in how many rounds (its verdict reads
+    only those: rounds of trials an earlier finish compared may be stale)."""
+    study.set_user_attr(FINISH_PLAN_ATTR, {"trials": list(trials), "rounds": rounds})
+
+
+def finish_plan(study: optuna.Study) -> tuple[list[int], int] | None:
+    plan = study.user_attrs.get(FINISH_PLAN_ATTR)
+    if not isinstance(plan, dict):
+        return None
+    return [int(n) for n in plan.get("trials", [])], int(plan.get("rounds", 0))
+
+
 def study_header(study: optuna.Study) -> dict[str, Any]:
     """What a study was run with, as ``write_study_header`` recorded it (``gpu``, ``model``,
     ``study_file``, ...; empty for a study autotune did not write)."""
     attrs = study.user_attrs
-    return {key: value for key, value in attrs.items() if key != SCHEMA_ATTR
-            and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX))} if SCHEMA_ATTR in attrs else {}
+    return {key: value for key, value in attrs.items() if key not in (SCHEMA_ATTR, FINISH_PLAN_ATTR)
+            and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX, REMEASURE_PREFIX))} if SCHEMA_ATTR in attrs else {}
 
 
 def check_schema(study: optuna.Study, shown_storage: str) -> None:

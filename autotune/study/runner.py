@@ -37,7 +37,7 @@ from autotune.study.prior import rank_by_prior
 from autotune.study.quality import QualityBook
 from autotune.study.records import TrialRecord, TrialState, write
 from autotune.study.sampling import ScreenedSampler
-from autotune.study.summary import StudySummary, best_trial, summarize
+from autotune.study.summary import StudySummary, best_trial, finish_candidates, summarize
 
 # Proposals in a row that launch nothing before the runner slips in an unexplored
 # configuration (samplers on small discrete spaces keep proposing what they know), and before
@@ -292,6 +292,7 @@ class StudyRunner:
                 if idle >= MAX_IDLE_PROPOSALS:
                     self.converged = True
                     break
+            self.finish()
         except (KeyboardInterrupt, _Interrupted):
             interrupted = True
         finally:
@@ -306,6 +307,47 @@ class StudyRunner:
         summary.extra["converged"] = self.converged
         summary.extra["excluded_before_search"] = self.prepared.excluded
         return summary
+
+    def finish(self) -> int:
+        """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
+        again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
+        neighbour's load then touches each alike), and store every round for the summary's
+        verdict (``summary.finish_verdict``). Rounds already stored (a finish cut short) count
+        and are not measured again; a launch that fails is stored as a failed round and the
+        finish goes on. Returns the number of launches.
+        """
+        top = finish_candidates(self.study, self.cfg.finish_top)
+        if len(top) < 2 or len(self.study.directions) > 1:
+            return 0  # nothing to compare; a Pareto front has no single winner to confirm
+        records.write_finish_plan(self.study, [r.number for r in top], self.cfg.finish_rounds)
+        stored = records.remeasures(self.study)
+        launches = 0
+        for round_ in range(self.cfg.finish_rounds):
+            for r in top:
+                if round_ in stored.get(r.number, {}):
+                    continue
+                config = r.trial_config
+                assert config is not None
+                ctx = self.prepared.contexts[config.backend]
+                launches += 1
+                try:
+                    m = self.prepared.backend(config.backend).run(config, ctx)
+                    per_user = m.metrics.get("per_user_tok_s")
+                    predicted = (r.predicted_vram or {})["total_bytes"]
+                    used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted
+                    s = objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
+                                            ctx.vram_budget_bytes, r.quality_drop_points,
+                                            per_user.median if per_user is not None else None)
+                except EngineUnavailableError:
+                    return launches  # every launch would fail: the missing rounds wait for a later run
+                except Exception as exc:  # the study's outcome stands; the verdict counts the failure
+                    records.write_remeasure(self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}",
+                                            worker=self.worker)
+                    continue
+                records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
+                                        per_user_tok_s=per_user.median if per_user is not None else None,
+                                        peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
+        return launches
 
     def _one_trial(self, heartbeat: storage.Heartbeat, start: float) -> TrialEvent:
         now = time.monotonic()

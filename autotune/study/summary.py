@@ -1,7 +1,14 @@
-"""A study's outcome: counts, the best feasible trial and the Pareto front, from its records."""
+"""A study's outcome: counts, the best feasible trial and the Pareto front, from its records.
+
+After the noise-aware finish (``StudyRunner.finish``) the best is the finish's verdict: the
+top trials measured again, a winner only where its lead exceeds the spread between runs, and
+among configurations that tie, the one with more memory headroom (``finish_verdict``).
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,12 +75,163 @@ def trial_record(r: TrialRecord) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ the finish's verdict
+
+# Peak memory figures closer than this are one footprint seen through measurement noise, not
+# headroom worth a slower configuration: per-user speed decides between them instead.
+SAME_MEMORY = 0.02
+
+
+def finish_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
+    """The ``top`` best feasible measured trials, best first: what the finish measures again."""
+    pool = [r for r in records.measured(study) if r.feasible and r.values]
+    return sorted(pool, key=lambda r: -r.values[0])[:top]  # type: ignore[index]
+
+
+def _relative(a: float, b: float) -> float:
+    """How much ``a`` exceeds ``b``, as a fraction of ``b`` (finite, for JSON, when ``b`` is 0)."""
+    return (a - b) / max(abs(b), 1e-9)
+
+
+@dataclass(frozen=True)
+class _Contender:
+    record: TrialRecord
+    rounds: list[records.Remeasure]
+
+    @property
+    def values(self) -> list[float]:
+        return [m.value for m in self.rounds if not m.failed and m.feasible and m.value is not None]
+
+    @property
+    def failures(self) -> list[str]:
+        return [m.error if m.failed else "infeasible when measured again" for m in self.rounds
+                if m.failed or not m.feasible]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def spread(self) -> float:
+        """The range of every run of it (the first measurement and the finish's), relative to
+        the finish's median. The first run is biased upwards (it was picked for being high), so
+        counting it can only widen the range: a tie is then called rather than a false winner."""
+        runs = self.values + [self.record.values[0]]  # type: ignore[index]
+        return (max(runs) - min(runs)) / abs(self.median) if self.median else 0.0
+
+    def memory(self, measured: bool) -> int | None:
+        peaks = [m.peak_vram_bytes for m in self.rounds if m.peak_vram_bytes is not None]
+        if measured:
+            return int(statistics.median(peaks)) if peaks else self.record.measured_vram_bytes
+        return (self.record.predicted_vram or {}).get("total_bytes")
+
+    @property
+    def per_user(self) -> float | None:
+        seen = [m.per_user_tok_s for m in self.rounds if m.per_user_tok_s is not None and not m.failed]
+        return statistics.median(seen) if seen else None
+
+    def describe(self, measured_memory: bool) -> dict[str, Any]:
+        return {"number": self.record.number, "first_value": self.record.values[0],  # type: ignore[index]
+                "remeasured": [m.value for m in self.rounds], "median": self.median if self.values else None,
+                "spread": self.spread if self.values else None, "memory_bytes": self.memory(measured_memory),
+                "memory_measured": measured_memory, "per_user_tok_s": self.per_user, "failures": self.failures}
+
+
+def _trials(numbers: list[int]) -> str:
+    shown = [str(n) for n in numbers]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
+    """What the finish concluded, from its stored rounds; None where there was no finish, or
+    where a later run found a better trial that no finish has measured again.
+
+    A winner is called only when the lead of its median over the runner-up's median exceeds
+    the larger of their spreads (each one's range over all its runs): with two or three runs
+    a standard error means little, and a range is the variation between runs actually seen.
+    A lead inside it could turn round on the next run (measured on an H200: one configuration
+    gave 473 and 520 tok/s in two runs while each run's own spread was under 0.5%). Every
+    configuration within that reach of the leader ties with it; among them the smaller memory
+    footprint wins (more headroom for longer prompts and other processes), then the higher
+    per-user speed. A configuration that failed, or broke a constraint, when measured again
+    cannot win: a deploy line that fails one launch in three is worse than a slower one.
+    """
+    plan = records.finish_plan(study)
+    best = best_trial(study)
+    if plan is None or best is None or len(study.directions) > 1:
+        return None
+    numbers, n_rounds = plan
+    if best.number not in numbers:
+        return None
+    by_number = {r.number: r for r in records.measured(study)}
+    stored = records.remeasures(study)
+    contenders = [_Contender(by_number[n], [stored.get(n, {})[i] for i in range(n_rounds) if i in stored.get(n, {})])
+                  for n in numbers if n in by_number]
+    out: dict[str, Any] = {"rounds": n_rounds, "trials": [c.record.number for c in contenders], "chosen": None}
+    n_stored = sum(len(c.rounds) for c in contenders)
+    if n_stored < len(contenders) * n_rounds:
+        out.update(verdict="incomplete", text=f"finish incomplete: {n_stored} of {len(contenders) * n_rounds} "
+                                              "re-measures stored (run the study again to complete it); "
+                                              "best by its first measurement")
+        return out
+    sound = sorted((c for c in contenders if c.values and not c.failures),
+                   key=lambda c: (-c.median, -c.record.values[0]))  # type: ignore[index]
+    measured_memory = all(c.memory(True) is not None for c in sound)
+    out["contenders"] = [c.describe(measured_memory) for c in contenders]
+    failed = [c.record.number for c in contenders if not c.values or c.failures]
+    failed_note = f"; trial {_trials(failed)} failed when measured again" if failed else ""
+    if not sound:
+        out.update(verdict="failed", text="every configuration failed when measured again: "
+                                          "best by its first measurement, unconfirmed")
+        return out
+    leader = sound[0]
+    if len(sound) == 1:
+        out.update(verdict="winner", chosen=leader.record.number,
+                   text=f"winner: trial {leader.record.number} (the only one that ran every time{failed_note})")
+        return out
+    runner_up = sound[1]
+    lead = _relative(leader.median, runner_up.median)
+    spread = max(leader.spread, runner_up.spread)
+    out.update(lead=lead, spread=spread)
+    if lead > spread:
+        out.update(verdict="winner", chosen=leader.record.number, tied=[leader.record.number],
+                   text=f"winner: trial {leader.record.number} (lead {_pct(lead)} > spread {_pct(spread)} over "
+                        f"trial {runner_up.record.number}; {len(contenders)} configurations measured again "
+                        f"{n_rounds}x, interleaved{failed_note})")
+        return out
+    tied = [c for c in sound if _relative(leader.median, c.median) <= max(leader.spread, c.spread)]
+    memory = {c.record.number: c.memory(measured_memory) for c in tied}
+    least = min((m for m in memory.values() if m is not None), default=None)
+    near = [c for c in tied if least is None or (memory[c.record.number] or math.inf) <= least * (1 + SAME_MEMORY)]
+    chosen = max(near, key=lambda c: (c.per_user if c.per_user is not None else -math.inf, c.median))
+    other = next(c for c in tied if c is not chosen)  # the fastest of the rest
+    mine, theirs = memory[chosen.record.number], memory[other.record.number]
+    if mine is not None and theirs is not None and theirs > mine * (1 + SAME_MEMORY):
+        why = f"{(theirs - mine) / 2**30:.1f} GiB less memory" + ("" if measured_memory else " (predicted)")
+    elif chosen.per_user is not None and other.per_user is not None and chosen.per_user != other.per_user:
+        why = f"per-user {chosen.per_user:.1f} vs {other.per_user:.1f} tok/s"
+    else:
+        why = "the higher median"
+    out.update(verdict="tie", chosen=chosen.record.number, tied=[c.record.number for c in tied],
+               text=f"tie between trials {_trials([c.record.number for c in tied])} (lead {_pct(lead)} "
+                    f"{'<' if lead < spread else '='} spread {_pct(spread)}): chose {chosen.record.number}, {why}"
+                    f"{failed_note}")
+    return out
+
+
 def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
-    """Counts and best trial of a study as stored."""
+    """Counts and best trial of a study as stored (the finish's choice, where it made one)."""
     all_records = records.records(study)
     states = [r.state for r in all_records]
     n_answered = sum(1 for r in all_records if r.answered)
     best = best_trial(study)
+    finish = finish_verdict(study)
+    if finish is not None and finish["chosen"] is not None:
+        best = next(r for r in records.measured(study) if r.number == finish["chosen"])
     summary = StudySummary(
         study_name=study.study_name,
         storage=shown_storage,
@@ -88,6 +246,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         best=trial_record(best) if best else None,
         extra={"n_answered_from_storage": n_answered},
     )
+    if finish is not None:
+        summary.extra["finish"] = finish
     if len(study.directions) > 1:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
     return summary

@@ -143,6 +143,8 @@ class TwinBackend(BaseBackend):
     """Common machinery of the three twin backends."""
 
     settings: ClassVar[tuple[Setting, ...]] = TWIN_SETTINGS
+    #: Launches of each configuration in this process (a key's n-th launch draws the n-th noise).
+    _launches: ClassVar[dict[str, int]] = {}
     #: The weight formats the engine loads (a twin detail: the real backends check files).
     weight_families: ClassVar[tuple[str, ...]] = ()
     #: The artifacts on disk the engine loads (keys of ``ARTIFACT_WORDS``).
@@ -306,7 +308,10 @@ class TwinBackend(BaseBackend):
         self.load_failure(config, ctx, mem)
         p = physics.predict(scenario, k, host)
         noise = float(self.setting(ctx, "noise"))
-        rng = random.Random(f"{ctx.seed}:{config.key}")
+        # Seeded for reproducible studies, but each launch of a configuration draws afresh: the
+        # same noise on every re-measure would hide the between-run spread the finish looks for.
+        launch = self._launches[config.key] = self._launches.get(config.key, 0) + 1
+        rng = random.Random(f"{ctx.seed}:{config.key}:{launch}")
         after_s = self.setting(ctx, "throttle_after_s")
         clock = _SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
         truth = p.as_dict()

@@ -65,6 +65,17 @@ class EngineConstants:
             at a 1 GHz clock: the card's boost clock divides it.
         sample_ns_per_vocab: Host time per stream, step and vocabulary entry that a serving
             engine spends sampling (0 under an offline benchmark's harness), in ns.
+        request_ms: Fixed latency of one batch of requests under autotune's protocol (HTTP,
+            tokenizing, slot set-up, the first token's round trip), in ms.
+        spill_step_ms: Extra cost per step when the model is split between the GPU and the
+            host (synchronising the two halves of the graph, the host's thread pool), in ms.
+        vector_max_batch: The most streams the engine's matrix-vector decode kernels take; rows
+            beyond it run on the tensor cores like a prompt (llama.cpp: MMVQ_MAX_BATCH_SIZE = 8,
+            then its MMQ kernels).
+        volta_bw_factor: What the engine's decode kernels reach on Volta (sm_70) relative to
+            later cards: both engines' kernels are written for sm_75+ (asynchronous copies,
+            INT8 tensor cores), and the article's V100 rows run at about half the bandwidth
+            share the published Ampere/Ada/Hopper figures show.
         unfused_attn_per_layer_us: Extra cost per layer and step when attention is not fused
             (separate KQ, softmax and KQV kernels): llama.cpp without --flash-attn.
         unfused_attn_ns_per_token_layer: Cost per allocated cache token and layer of attention
@@ -83,6 +94,10 @@ class EngineConstants:
     weight_bw_efficiency: float
     layer_us_ghz: float
     sample_ns_per_vocab: float
+    request_ms: float
+    spill_step_ms: float
+    volta_bw_factor: float
+    vector_max_batch: int
     unfused_attn_per_layer_us: float
     unfused_attn_ns_per_token_layer: float
     quant_cache_extra_bytes: float
@@ -153,6 +168,11 @@ def prefill_tflops(gpu: GpuSpec) -> float:
 def linear_params(model: ModelSpec) -> int:
     """Parameters every generated token multiplies with: all of them but the embeddings."""
     return model.n_params - model.n_embedding_params
+
+
+def bandwidth_efficiency(gpu: GpuSpec, k: EngineConstants) -> float:
+    """Share of the card's bandwidth the engine's decode kernels stream weights at."""
+    return k.weight_bw_efficiency * (k.volta_bw_factor if gpu.compute_capability == "7.0" else 1.0)
 
 
 def soft_max(a: float, b: float, k: float = ROOFLINE_SHARPNESS) -> float:
@@ -295,9 +315,11 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     # The embedding row lookup reads one row per token: no bandwidth worth counting.
     weights_read = layers_gpu + w.output_bytes + w.other_bytes
     kv_read = parallel * context_tokens * kv_read_bytes_per_token(s, k) * frac_gpu
-    t_mem = (weights_read + kv_read) / (bw * k.weight_bw_efficiency)
+    t_mem = (weights_read + kv_read) / (bw * bandwidth_efficiency(g, k))
     n_lin = linear_params(m) * frac_gpu
-    t_comp = parallel * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
+    vector_rows = min(parallel, k.vector_max_batch)
+    t_comp = vector_rows * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
+    t_comp += (parallel - vector_rows) * 2 * n_lin / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
     t_fixed = n * k.layer_us_ghz * 1e-6 / (g.boost_clock_mhz / 1000.0)
     t_serve = parallel * m.vocab_size * k.sample_ns_per_vocab * 1e-9 if s.harness == "server" else 0.0
     t_unfused = 0.0
@@ -308,7 +330,7 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     if layers_host:
         # Spilled layers run on the CPU, streaming their weights from host memory; the
         # activations cross PCIe twice per step (negligible next to the weights).
-        t_host = layers_host / (g.host_mem_gb_s * 1e9 * host.host_bw_efficiency)
+        t_host = layers_host / (g.host_mem_gb_s * 1e9 * host.host_bw_efficiency) + k.spill_step_ms * 1e-3
         t_host += 2 * parallel * m.hidden_size * 2 / (g.pcie_gb_s * 1e9)
     return {
         "fixed": t_fixed,
@@ -345,7 +367,8 @@ def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
     t1, tp = step_seconds(t1_terms), step_seconds(tp_terms)
     pf = prefill_tok_s(s, k, host, gpu_layers)
     prefill_all_s = s.parallel * s.prompt_tokens / pf
-    wall = prefill_all_s + s.output_tokens * tp
+    request_s = k.request_ms * 1e-3 if s.harness == "server" else 0.0
+    wall = request_s + prefill_all_s + s.output_tokens * tp
     bytes_per_token = s.weights.layers_bytes + s.weights.output_bytes + c_decode * kv_read_bytes_per_token(s, k)
     return Prediction(
         decode_tok_s=1.0 / t1,

@@ -239,7 +239,7 @@ def test_the_twin_predicts_for_a_real_gguf_file(tmp_path):
     from tests.conftest import REPO
 
     path = REPO / "tests" / "data" / "stories260K.gguf"
-    ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_gguf(path), workload=Workload(16, 16),
+    ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_gguf(path), workload=Workload(16, 512),
                        vram_budget_bytes=2**34, protocol=Protocol(), base_dir=tmp_path)
     twin = TwinLlamaCpp()
     config = TrialConfig("twin-llama.cpp", str(path), 256, 2, (("cache_type", "f16"), ("flash_attn", True)))
@@ -274,3 +274,42 @@ def test_prior_ranks_a_real_llama_server_study_over_gguf_files(tmp_path, twin_pl
         assert ranked[0][1] >= ranked[-1][1]
         runner = StudyRunner(prepared)
         assert runner.enqueue_prior() == 3
+
+
+# ------------------------------------------------------------------------------ other cards
+
+
+def test_single_stream_decode_holds_on_every_card_with_published_figures():
+    """Issue 13's bar, per card: the median of twin / published within +-25% on every catalog
+    card with a figure, and every H200 single-stream figure held out from the fit within it."""
+    import statistics
+
+    from autotune_plugins.twin import evidence
+
+    engines, host, _ = load_constants()
+    by_card: dict[str, list[float]] = {}
+    for f in evidence.everything():
+        ratio = fit.predicted(f, engines, host) / f.value
+        if f.scenario.harness == "bench":
+            by_card.setdefault(f.gpu, []).append(ratio)
+        if f.gpu == "h200" and f.role == "check" and f.metric == "decode_tok_s" and f.scenario.parallel == 1:
+            assert abs(ratio - 1) <= 0.25, (f.id, ratio)
+    assert {"p40", "v100-16gb", "v100-32gb", "rtx3090", "rtx4090", "a100-80gb", "h200"} <= set(by_card)
+    for card, ratios in by_card.items():
+        assert abs(statistics.median(ratios) - 1) <= 0.25, (card, sorted(ratios))
+
+
+def test_batching_bends_like_the_h200_measured_it():
+    """Held-out H200 aggregate throughput (llama-server, 2-16 streams): the median of twin /
+    measured within +-25% at every stream count; the V100-fitted twin was 1.35-2.7x high."""
+    import statistics
+
+    from autotune_plugins.twin import evidence
+
+    engines, host, _ = load_constants()
+    by_streams: dict[int, list[float]] = {}
+    for f in evidence.everything():
+        if f.gpu == "h200" and f.role == "check" and f.metric == "aggregate_tok_s":
+            by_streams.setdefault(f.scenario.parallel, []).append(fit.predicted(f, engines, host) / f.value)
+    for streams in (2, 4, 8, 16):
+        assert abs(statistics.median(by_streams[streams]) - 1) <= 0.25, (streams, sorted(by_streams[streams]))

@@ -1,0 +1,185 @@
+"""The noise-aware finish: the best configurations measured again, interleaved, before a winner
+is named; a tie where the lead is inside the spread between runs, resolved by memory."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import optuna
+import pytest
+from click.testing import CliRunner
+
+from autotune.backend import Measurement, StudyContext, TrialConfig
+from autotune.cli import cli
+from autotune.config import load_study_config
+from autotune.errors import BackendError, ConfigError
+from autotune.report import stored_summary, summary_json, summary_text
+from autotune.study import StudyRunner, open_storage, prepare_study, records, run_study
+
+if __package__:  # tests/ is a package
+    from .fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
+else:
+    from fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
+
+
+class ScriptedBackend(FakeBackend):
+    """Measures what the test scripts: per weights, the aggregate tok/s of each launch in turn
+    (the first is the trial, the next ones the finish's), a measured peak, and launches that
+    fail (1-based launch numbers of those weights) or are interrupted (Ctrl-C)."""
+
+    name = "fake-scripted"
+
+    def __init__(self, speeds: Mapping[str, Sequence[float]], peaks_gib: Mapping[str, float] | None = None,
+                 fail: Mapping[str, int] | None = None, interrupt_on_call: int | None = None):
+        super().__init__()
+        self.speeds = {k: list(v) for k, v in speeds.items()}
+        self.peaks_gib = dict(peaks_gib or {})
+        self.fail = dict(fail or {})
+        self.interrupt_on_call = interrupt_on_call
+        self.launches: dict[str, int] = {}
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        self._log(config)
+        if self.interrupt_on_call is not None and len(self.calls) == self.interrupt_on_call:
+            raise KeyboardInterrupt
+        n = self.launches[config.weights] = self.launches.get(config.weights, 0) + 1
+        if self.fail.get(config.weights) == n:
+            raise BackendError("CUDA error: an illegal memory access was encountered")
+        values = self.speeds[config.weights]
+        peak = self.peaks_gib.get(config.weights)
+        return Measurement(metrics=stats_for(values[min(n, len(values)) - 1], config.parallel),
+                           peak_vram_bytes=int(peak * GIB) if peak is not None else None)
+
+
+@pytest.fixture
+def storage(tmp_path):
+    for scratch in memory_dir(tmp_path):
+        yield f"sqlite:///{scratch / 'finish.db'}"
+
+
+def study_file(tmp_path, weights: Sequence[str], extra: str = ""):
+    # A grid over the weights alone: every configuration measured once, in a seeded order.
+    return write_study(tmp_path / "finish.toml", "fake-scripted", list(weights), parallel=(1,), sampler="grid",
+                       study_extra=extra)
+
+
+def trial_of(storage: str, weights: str) -> int:
+    study = optuna.load_study(study_name="fake-study", storage=open_storage(storage))
+    return next(t.number for t in study.get_trials() if t.user_attrs.get("config", {}).get("weights") == weights)
+
+
+def test_top_three_measured_again_interleaved_and_a_clear_winner(tmp_path, storage):
+    backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81], "d": [60]})
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "abcd")), storage=storage)
+    launched = [c.weights for c in backend.calls]
+    assert sorted(launched[:4]) == ["a", "b", "c", "d"]  # the grid, each once
+    assert launched[4:] == ["a", "b", "c", "a", "b", "c"]  # the best three, best first, twice, interleaved
+    assert summary.n_measured == 4  # the finish's launches are not trials
+    finish = summary.extra["finish"]
+    assert finish["verdict"] == "winner" and finish["chosen"] == summary.best["number"] == trial_of(storage, "a")
+    assert finish["lead"] == pytest.approx(20 / 100) and finish["spread"] == pytest.approx(2 / 100)  # b ranges 99..101
+    assert finish["text"].startswith(f"winner: trial {finish['chosen']} (lead 20.0% > spread 2.0% over trial ")
+    study = optuna.load_study(study_name="fake-study", storage=open_storage(storage))
+    stored = records.remeasures(study)
+    assert [stored[trial_of(storage, "a")][i].value for i in (0, 1)] == [119, 121]
+    assert all(m.worker for rounds in stored.values() for m in rounds.values())
+
+
+def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, storage):
+    # a leads b by 1% on the medians, but a's own runs range over 7%: a tie; b needs 2 GiB less.
+    backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]},
+                              peaks_gib={"a": 6.0, "b": 4.0, "c": 3.0})
+    with registered(backend):
+        run_study(load_study_config(study_file(tmp_path, "abc")), storage=storage)
+    a, b = trial_of(storage, "a"), trial_of(storage, "b")
+    summary = stored_summary(storage)  # what `autotune best` reads
+    finish = summary.extra["finish"]
+    assert finish["verdict"] == "tie" and finish["tied"] == [a, b]
+    assert finish["lead"] < finish["spread"]
+    assert summary.best["number"] == b and summary.best["params"]["weights"] == "b"
+    text = summary_text(summary)
+    assert f"tie between trials {a} and {b} (lead 1.0% < spread 7.0%): chose {b}, 2.0 GiB less memory" in text
+    assert f"best (trial {b})" in text
+    assert f"trial {a}: first 100.0, again 97.0 104.0 (median 100.5, spread 7.0%), 6.00 GiB measured" in text
+    assert summary_json(summary)["finish"]["chosen"] == b
+    shown = CliRunner().invoke(cli, ["best", "--storage", storage])
+    assert shown.exit_code == 0 and f"chose {b}, 2.0 GiB less memory" in shown.output
+
+
+def test_tie_on_the_same_memory_goes_to_the_higher_per_user_speed(tmp_path, storage):
+    # Equal footprints (1% apart is noise): per-user speed decides; with parallel 1 it is the aggregate.
+    backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98]}, peaks_gib={"a": 4.0, "b": 4.04})
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "ab")), storage=storage)
+    a, b = trial_of(storage, "a"), trial_of(storage, "b")
+    assert summary.extra["finish"]["verdict"] == "tie" and summary.best["number"] == a
+    assert f"chose {a}, per-user 100.5 vs 99.5 tok/s" in summary.extra["finish"]["text"]
+
+
+@pytest.mark.parametrize("weights_failing", ["a", "b"])
+def test_a_failure_when_measured_again_does_not_stop_the_study_and_cannot_win(tmp_path, storage, weights_failing):
+    backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81]},
+                              fail={weights_failing: 2})  # its first re-measure
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "abc")), storage=storage)
+    assert not summary.interrupted and summary.n_failed == 0  # the trials stand; the finish noted it
+    assert len(backend.calls) == 3 + 6  # the finish went on after the failure
+    failing, winner = trial_of(storage, weights_failing), trial_of(storage, "b" if weights_failing == "a" else "a")
+    finish = summary.extra["finish"]
+    assert finish["verdict"] == "winner" and summary.best["number"] == winner
+    assert f"trial {failing} failed when measured again" in finish["text"]
+    described = next(c for c in finish["contenders"] if c["number"] == failing)
+    assert described["failures"] == ["BackendError: CUDA error: an illegal memory access was encountered"]
+    assert "failed" in summary_text(summary)
+
+
+def test_a_finish_cut_short_resumes_without_measuring_again_what_it_stored(tmp_path, storage):
+    speeds = {"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81]}
+    path = study_file(tmp_path, "abc")
+    first = ScriptedBackend(speeds, interrupt_on_call=3 + 4)  # Ctrl-C on the finish's fourth launch
+    with registered(first):
+        summary = run_study(load_study_config(path), storage=storage)
+    assert summary.interrupted
+    assert summary.extra["finish"]["verdict"] == "incomplete"
+    assert "3 of 6 re-measures stored" in summary.extra["finish"]["text"]
+    assert summary.best["params"]["weights"] == "a"  # by its first measurement meanwhile
+
+    second = ScriptedBackend({k: v[2:] for k, v in speeds.items()})  # what the missing round measures
+    with registered(second):
+        summary = run_study(load_study_config(path), storage=storage)
+    assert [c.weights for c in second.calls] == ["a", "b", "c"]  # the grid is done: only the missing round
+    finish = summary.extra["finish"]
+    assert finish["verdict"] == "winner" and summary.best["params"]["weights"] == "a"
+    a = next(c for c in finish["contenders"] if c["number"] == trial_of(storage, "a"))
+    assert a["remeasured"] == [119, 121]
+
+
+def test_no_finish_when_turned_off(tmp_path, storage):
+    backend = ScriptedBackend({"a": [120], "b": [100], "c": [80]})
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "abc", "finish_top = 0")), storage=storage)
+    assert len(backend.calls) == 3 and "finish" not in summary.extra
+    assert summary.best["params"]["weights"] == "a"
+
+
+def test_deterministic_runs_agree_and_the_lead_decides(tmp_path, storage):
+    # The twin without noise: every run measures the same; the smallest lead wins.
+    backend = ScriptedBackend({"a": [100.2], "b": [100.0], "c": [90.0]}, peaks_gib={"a": 9.0, "b": 4.0, "c": 4.0})
+    with registered(backend):
+        runner = StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abc")), storage=storage))
+        summary = runner.run()
+        assert runner.finish() == 0  # everything is stored already
+    assert summary.extra["finish"]["verdict"] == "winner" and summary.best["params"]["weights"] == "a"
+    assert summary.extra["finish"]["spread"] == 0.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("finish_top = 1", "[study] finish_top = 1: must be 0 (no finish) or >= 2"),
+    ("finish_rounds = 0", "[study] finish_rounds = 0: must be >= 1"),
+    ('finish_top = "3"', "[study] finish_top = '3': must be an integer"),
+])
+def test_bad_finish_settings_are_named(tmp_path, extra, message):
+    with pytest.raises(ConfigError) as err:
+        load_study_config(study_file(tmp_path, "ab", extra))
+    assert message in str(err.value)

@@ -1,0 +1,114 @@
+"""bench/replay.py on a tiny recorded grid: the figures it reports are computed right.
+
+The grid is recorded the way the real ones are (the real runner, ``sampler = "grid"``), twice,
+with a fake backend whose second run is 10% faster and whose trials take recorded seconds
+that differ by configuration; it holds measured configurations, a rule refusal and
+configurations over the memory budget.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import pytest
+
+from tests.fake_backends import REPO, FakeBackend, memory_dir, registered, write_study
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import replay  # noqa: E402
+from replay_backend import RecordedGrid  # noqa: E402
+
+from autotune.backend import Measurement, StudyContext, TrialConfig  # noqa: E402
+from autotune.config import load_study_config  # noqa: E402
+from autotune.study import StudyRunner, prepare_study  # noqa: E402
+
+WEIGHTS = ["tiny-Q4_0.gguf", "tiny-bigger-Q8_0.gguf"]  # the longer name is faster (FakeBackend.speed)
+
+
+class TimedFake(FakeBackend):
+    """A fake whose trials take time (parallel x 3 ms) and whose runs can be made faster;
+    ``mode = "odd"`` with one slot is refused by its rules."""
+
+    name = "fake-timed"
+
+    def __init__(self, factor: float = 1.0):
+        super().__init__()
+        self.factor = factor
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        return ["mode odd needs two slots"] if config.option("mode") == "odd" and config.parallel == 1 else []
+
+    def speed(self, config: TrialConfig) -> float:
+        return self.factor * super().speed(config)
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        time.sleep(0.003 * min(config.parallel, 8))
+        return super().run(config, ctx)
+
+
+@pytest.fixture(scope="module")
+def grid_files(tmp_path_factory):
+    """(study file, [run 1 storage, run 2 storage]) of the tiny grid."""
+    for tmp in memory_dir(tmp_path_factory.mktemp("grid")):
+        study = write_study(tmp / "tiny.toml", "fake-timed", WEIGHTS, name="tiny-grid", sampler="grid",
+                            parallel=(1, 2, 4, 4096), extra_space='mode = ["plain", "odd"]')
+        urls = []
+        for run, factor in enumerate((1.0, 1.1), start=1):
+            url = f"journal:{tmp}/tiny-run{run}.log"  # faster to write than SQLite
+            with registered(TimedFake(factor)):
+                StudyRunner(prepare_study(load_study_config(study), storage=url)).run()
+            urls.append(url)
+        yield study, urls
+
+
+def replayed(study: Path, urls: list[str], *extra: str) -> dict:
+    argv = [a for url in urls for a in ("--grid", url)]
+    return replay.run(replay.parse_args([*argv, "--study-file", str(study), *extra]))
+
+
+def test_the_recorded_grid_is_read_as_recorded(grid_files):
+    study, urls = grid_files
+    grid = RecordedGrid(urls)
+    assert len(grid.configs) == 16
+    measured = [k for k in grid.configs if grid.measured(k)]
+    assert len(measured) == 10  # 4 over the memory budget (4096 slots), 2 refused by the rule
+    # The truth is the mean of the two runs: 1.05 x the fake's speed.
+    key = next(k for k in measured if grid.configs[k].parallel == 4 and "bigger" in grid.configs[k].weights)
+    speed = FakeBackend().speed(grid.configs[key])
+    assert replay.truth_of(grid, key).value == pytest.approx(1.05 * speed)
+    assert replay.between_runs(grid)["median_rel_diff"] == pytest.approx(0.1 / 1.05)
+
+
+def test_budget_one_finds_the_best_at_the_whole_cost_and_prunes_what_the_grid_pruned(grid_files):
+    study, urls = grid_files
+    out = replayed(study, urls[:1], "--seeds", "2", "--strategies", "random,tpe", "--budget-fraction", "1.0")
+    g = out["grids"][0]
+    assert g["n_measured"] == 10 and g["n_pruned"] == 6
+    assert g["best"]["config"]["parallel"] == 4 and g["best"]["config"]["weights"] == WEIGHTS[1]
+    for name in ("random", "tpe"):
+        f = g["strategies"][name]
+        # One run: every launch costs exactly what the grid recorded, and all of it is spent.
+        assert f == {**f, "within_3pct": 1.0, "median_ratio": 1.0, "n_seeds": 2, "median_launches": 10}
+        assert f["median_cost_fraction"] == pytest.approx(1.0)
+        assert f["pruned_but_measured"] == []  # (and nothing the grid pruned was launched: it raises)
+
+
+def test_a_partial_budget_stops_at_the_first_launch_that_reaches_it(grid_files):
+    study, urls = grid_files
+    out = replayed(study, urls, "--seeds", "3", "--strategies", "random", "--budget-fraction", "0.3")
+    g = out["grids"][0]
+    grid = RecordedGrid(urls)
+    longest = max(t.seconds for k in grid.configs for t in grid.launched(k)) / g["measuring_s"]
+    best = g["best"]["truth"]
+    for seed in g["seeds"]["random"]:
+        assert 0.3 <= seed["cost_fraction"] < 0.3 + longest
+        assert seed["launches"] < 10
+        key = TrialConfig.from_dict(seed["pick"]).key
+        assert seed["ratio"] == pytest.approx(replay.truth_of(grid, key).value / best)
+    f = g["strategies"]["random"]
+    ratios = [s["ratio"] for s in g["seeds"]["random"]]
+    assert f["median_ratio"] == statistics.median(ratios)
+    assert f["within_3pct"] == sum(r >= 0.97 for r in ratios) / 3
