@@ -41,6 +41,9 @@ CALIBRATED_FIELDS = ("weight_bw_efficiency", "layer_us_ghz", "sample_ns_per_voca
                      "prefill_efficiency")
 #: How far, in log, one prior sigma lets a constant move from its published value (0.5: x1.65).
 PRIOR_SIGMA = 0.5
+#: Where a constant published at 0 starts, in ZERO_SCALES units: inside its bound, because the
+#: bounded solver (trf) scales a variable by its distance to the bound and would leave one that
+#: starts on it where it is.
 ABSOLUTE_START = 0.1
 #: The measured metrics compared with the prediction, where a trial has them.
 METRICS = ("decode_tok_s", "per_user_tok_s", "aggregate_tok_s", "prefill_tok_s")
@@ -51,8 +54,8 @@ METRICS = ("decode_tok_s", "per_user_tok_s", "aggregate_tok_s", "prefill_tok_s")
 #: against the data, each of whose residuals pulls with a bounded force beyond this scale (on
 #: the CPU study: 0.2 left the median error at 129%, 0.5 at 60%).
 ROBUST_SCALE = 0.5
-#: One prior sigma of a constant published at 0, in its unit. sample_ns_per_vocab: the host
-#: samples a 152K vocabulary in ~0.85 ms per stream on the H200 (physics.py), ~5.6 ns each.
+#: One prior sigma of a constant published at 0 (for some engine), in its unit. sample_ns_per_vocab:
+#: the host samples a 152K vocabulary in ~0.85 ms per stream on the H200 (physics.py), ~5.6 ns each.
 ZERO_SCALES: Mapping[str, float] = {"sample_ns_per_vocab": 5.0}
 
 
