@@ -28,6 +28,7 @@ from typing import Any
 from autotune._catalog import read_catalog
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
+from autotune.safetensors_dir import exl2_quantization
 
 __all__ = [
     "ModelSpec",
@@ -480,11 +481,11 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         sliding_window = window if n_swa else None
 
     artifacts: dict[str, int] = {}
-    quant = cfg.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "exl2" and isinstance(quant.get("bits"), (int, float)):
+    quant = exl2_quantization(cfg)
+    if quant is not None:
         size = sum(f.stat().st_size for f in p.parent.glob("*.safetensors"))
         if size:
-            artifacts[f"exl2:{round(float(quant['bits']), 2)}"] = size
+            artifacts[f"exl2:{round(quant.bits, 2)}"] = size
 
     key = p.parent.name or p.stem
     return ModelSpec(
