@@ -303,7 +303,7 @@ def table(items: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE)
-    ap.add_argument("--refit", action="store_true", help="fit the constants again (needs scipy)")
+    ap.add_argument("--refit", action="store_true", help="fit the constants again")
     ap.add_argument("--write", action="store_true", help="store the fitted constants in constants.toml")
     args = ap.parse_args(argv)
     doc, rows = load_rows(args.reference)
