@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from autotune.errors import ConfigError
 
-SAMPLERS = ("tpe", "random", "grid", "nsga2")
+SAMPLERS = ("tpe", "random", "grid", "nsga2", "twin")
 OBJECTIVE_MODES = ("single", "pareto")
 # [quality] table: field -> (min, max or None, what it is). Metrics that sample a benchmark
 # read them; the shipped samples hold 10 items and 5 dev examples per subject.

@@ -125,6 +125,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("tpe", {"sampler": "tpe"}, "autotune's multivariate TPE"),
     Strategy("prior", {"sampler": "tpe", "prior": True},
              "the twin's ranking first ([study] prior = true, its top prior_trials), then TPE"),
+    Strategy("twin", {"sampler": "twin"},
+             "each launch the twin's best unmeasured configuration, calibrated on the trials so far; one in four random"),
     # "multifidelity" goes here: Strategy("multifidelity", {...}, "...", drive=its own loop).
 )}
 
@@ -449,7 +451,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="the model a grid ran, as a catalog key or file (default: its study file's, else the "
                          "catalog model with the recorded KV-cache shape)")
     ap.add_argument("--seeds", type=int, default=20, help="replays per strategy (seeds 0..N-1)")
-    ap.add_argument("--strategies", default="random,tpe,prior", help=f"comma-separated: {', '.join(STRATEGIES)}")
+    ap.add_argument("--strategies", default="random,tpe,prior,twin", help=f"comma-separated: {', '.join(STRATEGIES)}")
     ap.add_argument("--budget-fraction", type=float, default=0.25,
                     help="recorded seconds each replay may launch, as a fraction of the grid's measuring seconds")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -43,6 +43,10 @@ from autotune.study.summary import StudySummary, best_trial, finish_candidates, 
 # configuration (samplers on small discrete spaces keep proposing what they know), and before
 # a run stops as converged.
 EXPLORE_AFTER_IDLE = 25
+# sampler = "twin": one launch in this many measures a random admissible configuration instead
+# of the twin's favourite, so that the calibration sees the space beyond what the twin already
+# believes (a twin wrong about a whole region would otherwise never be corrected there).
+TWIN_EXPLORE_EVERY = 4
 MAX_IDLE_PROPOSALS = 300
 # Attempts cut short (interrupt, killed worker) after which a configuration is not queued again.
 MAX_CUT_SHORT = 3
@@ -82,7 +86,7 @@ class _Outcome:
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
     """The study's inner sampler. Constraints reach it through ``Trial.set_constraint``."""
     sampler = prepared.cfg.sampler
-    if sampler in ("random", "grid"):
+    if sampler in ("random", "grid", "twin"):  # twin: the runner queues each choice itself
         return optuna.samplers.RandomSampler(seed=seed)
     if sampler == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
@@ -144,6 +148,7 @@ class StudyRunner:
         self.n_new = 0
         self.converged = False
         self._last_cleanup = float("-inf")
+        self._twin_choices = 0
         self._defer_signals = False
         self._deferred_signal: int | None = None
 
@@ -199,6 +204,22 @@ class StudyRunner:
                 self._enqueue(config, from_prior=True)
                 n += 1
         return n
+
+    def enqueue_twin_choice(self) -> bool:
+        """``sampler = "twin"``: queue the configuration the twin, calibrated on this study's
+        trials so far, predicts best among those not yet evaluated; every
+        ``TWIN_EXPLORE_EVERY``-th choice a random admissible one instead. False: nothing left."""
+        if self._has_waiting():
+            return True
+        self._twin_choices += 1
+        if self._twin_choices % TWIN_EXPLORE_EVERY == 0 and self._enqueue_unexplored():
+            return True
+        done = self._evaluated_keys()
+        for config, _ in rank_by_prior(self.prepared, self.judge, self.study):
+            if config.key not in done:
+                self._enqueue(config, from_prior=True)
+                return True
+        return self._enqueue_unexplored()
 
     def enqueue_grid(self) -> int:
         """Grid search: every configuration once, in a seeded random order."""
@@ -277,6 +298,9 @@ class StudyRunner:
                 if budget_s is not None and time.monotonic() - start >= budget_s:
                     break
                 if self.cfg.sampler == "grid" and not self._has_waiting():
+                    break
+                if self.cfg.sampler == "twin" and not self.enqueue_twin_choice():
+                    self.converged = True
                     break
                 measured_before = self.n_measured
                 event = self._one_trial(heartbeat, start)
