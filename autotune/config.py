@@ -75,7 +75,7 @@ class StudyConfig:
     n_trials: int | None
     budget_s: float | None
     storage: str | None
-    prior: str | None
+    prior: bool | None    # None: not given (on for a real study whose engine has a model, see StudyRunner)
     prior_trials: int
     gpu: str
     gpu_index: int
@@ -242,11 +242,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         except ConfigError as exc:
             r.errors.append(str(exc))
     storage = r.get("study", study, "storage", str, None)
-    prior = r.get("study", study, "prior", (str, bool), None)
-    if prior is True:
-        prior = "auto"
-    if prior is False:
-        prior = None
+    prior = r.get("study", study, "prior", bool, None)
     prior_trials = r.get("study", study, "prior_trials", int, 10, check=_at_least(1))
     # The noise-aware finish (StudyRunner.finish): how many of the best configurations are
     # measured again, and how many times each, before a winner is named.

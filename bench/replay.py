@@ -8,9 +8,9 @@ Storages that hold the same study are runs of one grid; storages of several stud
 several grids, replayed one after the other. For each grid, strategy and seed, the real
 ``StudyRunner`` runs a replay study (the grid's study file with the replay backend of
 ``replay_backend.py`` in place of the real one, bench/<file>.toml found by its ``[study]``
-name, or ``--study-file``) in an in-memory storage until the recorded seconds of what it
-launched reach ``--budget-fraction`` of the grid's measuring seconds (checked before each
-launch, as the runner checks its own ``budget``). Its pick is the study's best trial; the
+name, or ``--study-file``) in an in-memory storage while the next launch is expected to end
+within ``--budget-fraction`` of the grid's measuring seconds (recorded seconds; the same rule
+as the runner's own ``budget``). Its pick is the study's best trial; the
 pick is valued by the grid's truth (the mean of the runs' measurements of that configuration)
 against the best truth among the configurations that are feasible by that truth (per-user
 floor and memory). See docs/search.md.
@@ -89,12 +89,18 @@ class _BudgetSpent(Exception):
 def spend_budget(runner: StudyRunner, backend: ReplayBackend, budget_s: float) -> None:
     """Run until the recorded seconds spent reach ``budget_s``, or nothing is left to launch.
 
-    The runner's own budget counts wall seconds before each trial; here the trial's callback
-    stops the run once the recorded seconds reach the budget, which is the same rule (what
-    runs between two launches costs nothing). A trial is finished when its callback runs.
+    The runner's own budget starts no launch it expects not to finish within the budget (the
+    median of the launches so far); here the trial's callback applies the same rule to the
+    recorded seconds (what runs between two launches costs nothing). A trial is finished when
+    its callback runs.
     """
+    costs: list[float] = []
+
     def stop_when_spent(event: Any) -> None:
-        if backend.log.spent_s >= budget_s:
+        spent = backend.log.spent_s
+        if spent > sum(costs):
+            costs.append(spent - sum(costs))
+        if spent >= budget_s or (costs and spent + statistics.median(costs) > budget_s):
             raise _BudgetSpent
 
     if budget_s <= 0:
@@ -121,8 +127,8 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("random", {"sampler": "random"}, "Optuna's random sampler"),
-    Strategy("tpe", {"sampler": "tpe"}, "autotune's multivariate TPE"),
+    Strategy("random", {"sampler": "random", "prior": False}, "Optuna's random sampler"),
+    Strategy("tpe", {"sampler": "tpe", "prior": False}, "autotune's multivariate TPE"),
     Strategy("prior", {"sampler": "tpe", "prior": True},
              "the twin's ranking first ([study] prior = true, its top prior_trials), then TPE"),
     Strategy("twin", {"sampler": "twin"},

@@ -90,13 +90,15 @@ def test_budget_one_finds_the_best_at_the_whole_cost_and_prunes_what_the_grid_pr
     assert g["best"]["config"]["parallel"] == 4 and g["best"]["config"]["weights"] == WEIGHTS[1]
     for name in ("random", "tpe"):
         f = g["strategies"][name]
-        # One run: every launch costs exactly what the grid recorded, and all of it is spent.
-        assert f == {**f, "within_3pct": 1.0, "median_ratio": 1.0, "n_seeds": 2, "median_launches": 10}
-        assert f["median_cost_fraction"] == pytest.approx(1.0)
+        # One run: every launch costs exactly what the grid recorded. The whole grid's time buys
+        # every launch but, at most, a last one shorter than the median, which the budget's rule
+        # (start no launch expected to overrun) leaves out; the best is found either way.
+        assert f == {**f, "within_3pct": 1.0, "median_ratio": 1.0, "n_seeds": 2}
+        assert f["median_launches"] >= 9 and f["median_cost_fraction"] <= 1.0 + 1e-9
         assert f["pruned_but_measured"] == []  # (and nothing the grid pruned was launched: it raises)
 
 
-def test_a_partial_budget_stops_at_the_first_launch_that_reaches_it(grid_files):
+def test_a_partial_budget_starts_no_launch_expected_to_overrun_it(grid_files):
     study, urls = grid_files
     out = replayed(study, urls, "--seeds", "3", "--strategies", "random", "--budget-fraction", "0.3")
     g = out["grids"][0]
@@ -104,7 +106,7 @@ def test_a_partial_budget_stops_at_the_first_launch_that_reaches_it(grid_files):
     longest = max(t.seconds for k in grid.configs for t in grid.launched(k)) / g["measuring_s"]
     best = g["best"]["truth"]
     for seed in g["seeds"]["random"]:
-        assert 0.3 <= seed["cost_fraction"] < 0.3 + longest
+        assert 0.3 - longest < seed["cost_fraction"] < 0.3 + longest
         assert seed["launches"] < 10
         key = TrialConfig.from_dict(seed["pick"]).key
         assert seed["ratio"] == pytest.approx(replay.truth_of(grid, key).value / best)

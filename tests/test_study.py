@@ -430,7 +430,7 @@ def test_prior_measures_the_twins_best_predictions_first(tmp_path, storage, twin
     backend = RealExl2Backend()
     with registered(backend):
         cfg = load_study_config(path)
-        assert cfg.prior == "auto" and cfg.prior_trials == 4
+        assert cfg.prior is True and cfg.prior_trials == 4
         prepared = prepare_study(cfg, storage=storage)
         ranked = rank_by_prior(prepared)
         summary = StudyRunner(prepared).run(n_trials=6)

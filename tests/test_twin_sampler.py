@@ -81,3 +81,17 @@ def test_sampler_twin_needs_a_model_of_the_engine(tmp_path, storage):
     path = write_study(tmp_path / "s.toml", "fake", ["w1"], sampler="twin")
     with registered(FakeBackend()), pytest.raises(ConfigError, match="sampler = 'twin': no installed backend predicts"):
         prepare_study(load_study_config(path), storage=storage)
+
+
+def test_a_real_study_starts_from_its_twin_unless_told_otherwise(tmp_path, storage):
+    """``[study] prior`` not given: on where the engine has a model that is not the backend itself."""
+    real = write_study(tmp_path / "real.toml", "fake", ["w1", "w22"], sampler="tpe")
+    off = write_study(tmp_path / "off.toml", "fake", ["w1", "w22"], sampler="tpe", study_extra="prior = false",
+                      name="off")
+    own = write_study(tmp_path / "own.toml", "fake-model", ["w1", "w22"], sampler="tpe", name="own")
+    with registered(FakeBackend(), Misled()):
+        assert StudyRunner(prepare_study(load_study_config(real), storage=storage)).uses_prior
+        assert not StudyRunner(prepare_study(load_study_config(off), storage=storage)).uses_prior
+        assert not StudyRunner(prepare_study(load_study_config(own), storage=storage)).uses_prior
+    with registered(FakeBackend()):  # no model of the engine installed
+        assert not StudyRunner(prepare_study(load_study_config(real), storage=storage)).uses_prior
