@@ -7,6 +7,12 @@
 #   bash bench/h200_grids.sh grids RUN SECS  # both exhaustive grids at once, one per GPU, for
 #                                            # SECS seconds (a later call resumes them); RUN 1 puts
 #                                            # the Qwen grid on GPU 0, RUN 2 swaps the GPUs
+#   bash bench/h200_grids.sh seeds SEED...   # issue 14: the default strategy for real (prior on,
+#                                            # then TPE) on each grid, one per GPU, with --budget a
+#                                            # quarter of the grid's recorded measuring time
+#   bash bench/h200_grids.sh workers         # issue 14: the Qwen grid by two workers on one
+#                                            # storage, one per GPU (CUDA_VISIBLE_DEVICES=N)
+# The seeds and workers steps were written after the grids ran and have not run yet.
 # Each grid runs under a physical memory budget: bench/hold_gpu_memory.py takes the rest of its
 # card. Storages are copied to $OUT after every step.
 set -uo pipefail
@@ -66,6 +72,38 @@ grids)
   grid bench/h200_grid_qwen7b.toml $gq "$run" "$secs" 12 &
   grid bench/h200_grid_llama8b.toml $gl "$run" "$secs" 16 &
   wait
+  ;;
+seeds)
+  # A quarter of each grid's measuring seconds (bench/results/h200_grids: 544 s and 445 s).
+  for seed in "$@"; do
+    for spec in qwen7b:0:136:12 llama8b:1:111:16; do
+      IFS=: read -r g gpu secs leave <<<"$spec"
+      name=h200_grid_$g-seed$seed
+      sed -e "s/^sampler = \"grid\"/sampler = \"tpe\"\nprior = true/" -e "s/^seed = 0/seed = $seed/" \
+          -e "s/^gpu = \"auto\"/gpu = \"auto\"\ngpu_index = $gpu/" "bench/h200_grid_$g.toml" >"/tmp/g/$name.toml"
+      (CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
+       holder=$!; sleep 20
+       t "study-$name" "${AT[@]}" study "/tmp/g/$name.toml" --storage "sqlite:////tmp/g/db/$name.db" --budget "${secs}s" --json
+       kill "$holder"; cp "/tmp/g/db/$name.db" "$OUT/") &
+    done
+    wait
+  done
+  ;;
+workers)
+  # Two workers, one storage, one GPU each: the grid should take about half its one-GPU time
+  # (544 s) with no configuration measured twice.
+  sed "s/^name = .*/name = \"h200-grid-qwen7b-2workers\"/" bench/h200_grid_qwen7b.toml >/tmp/g/workers.toml
+  for gpu in 0 1; do
+    CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib 12 >"$OUT/hold-w$gpu.log" 2>&1 &
+  done
+  sleep 20
+  t0=$SECONDS
+  for gpu in 0 1; do
+    CUDA_VISIBLE_DEVICES=$gpu t "worker$gpu" "${AT[@]}" study /tmp/g/workers.toml --storage sqlite:////tmp/g/db/workers.db &
+  done
+  wait
+  echo "two workers: $((SECONDS - t0)) s" | tee -a "$OUT/times.txt"
+  pkill -f hold_gpu_memory.py; cp /tmp/g/db/workers.db "$OUT/"
   ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac
