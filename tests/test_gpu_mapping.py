@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune import hardware
+from autotune import cuda_devices, hardware
 from autotune.errors import ConfigError
-from autotune.hardware import cuda_visible_entry, resolve_cuda_device
+from autotune.cuda_devices import cuda_visible_entry, resolve_cuda_device
 from autotune.measure.gpu_telemetry import GpuSampler
 from tests.test_hardware import V100, _FakeNvml
 
@@ -74,7 +74,7 @@ def nvml(monkeypatch):
     """Three H200s behind a fake NVML; the CUDA driver absent, so the variable is read."""
     fake = _MappingNvml(CARDS)
     monkeypatch.setattr(hardware, "_import_pynvml", lambda: fake)
-    monkeypatch.setattr(hardware, "_cuda_driver_uuid", lambda index: None)
+    monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     return fake
@@ -132,7 +132,7 @@ def test_no_match_names_the_variable_and_what_was_found(nvml, visible, cuda_inde
 def test_mixed_cards_by_index_under_cuda_s_default_order_carry_a_note(monkeypatch):
     mixed = [{**V100, "uuid": UUID_A, "bus": "00000000:3b:00.0"}, {**CARDS[1]}]
     monkeypatch.setattr(hardware, "_import_pynvml", lambda: _MappingNvml(mixed))
-    monkeypatch.setattr(hardware, "_cuda_driver_uuid", lambda index: None)
+    monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: None)
     with pytest.warns(UserWarning, match="CUDA_DEVICE_ORDER is not PCI_BUS_ID"):
         d = resolve("0")
     assert d.nvml_index == 1 and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in d.note
@@ -144,7 +144,7 @@ def test_mixed_cards_by_index_under_cuda_s_default_order_carry_a_note(monkeypatc
 
 def test_the_cuda_driver_s_own_answer_wins(nvml, monkeypatch):
     # The driver applies CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER itself: its UUID is certain.
-    monkeypatch.setattr(hardware, "_cuda_driver_uuid", lambda index: UUID_C[len("GPU-"):])
+    monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: UUID_C[len("GPU-"):])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     d = resolve_cuda_device(0)
     assert (d.nvml_index, d.how, d.note) == (2, "CUDA driver", None)
@@ -159,7 +159,7 @@ def test_the_engine_is_shown_the_user_s_own_entry():
 def test_auto_gpu_is_the_card_cuda_visible_devices_shows(monkeypatch):
     cards = [{**V100, "uuid": UUID_A, "bus": "00000000:3b:00.0"}, {**CARDS[1], "bus": "00000000:5e:00.0"}]
     monkeypatch.setattr(hardware, "_import_pynvml", lambda: _MappingNvml(cards))
-    monkeypatch.setattr(hardware, "_cuda_driver_uuid", lambda index: None)
+    monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: None)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", UUID_B)
     assert hardware.resolve_gpu("auto", 0).key == "h200"  # not the V100, NVML's card 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-dead")
@@ -202,14 +202,14 @@ class _FakeLibcuda:
 
 def test_the_cuda_driver_is_asked_through_ctypes(monkeypatch):
     bare = UUID_B[len("GPU-"):]
-    monkeypatch.setattr(hardware.ctypes, "CDLL", lambda name: _FakeLibcuda(bare))
-    assert hardware._cuda_driver_uuid(0) == bare
-    assert hardware._cuda_driver_uuid(2) is None
-    monkeypatch.setattr(hardware.ctypes, "CDLL", lambda name: _FakeLibcuda(bare, init_result=100))
-    assert hardware._cuda_driver_uuid(0) is None  # CUDA_ERROR_NO_DEVICE: the variable hides every card
+    monkeypatch.setattr(cuda_devices.ctypes, "CDLL", lambda name: _FakeLibcuda(bare))
+    assert cuda_devices._cuda_driver_uuid(0) == bare
+    assert cuda_devices._cuda_driver_uuid(2) is None
+    monkeypatch.setattr(cuda_devices.ctypes, "CDLL", lambda name: _FakeLibcuda(bare, init_result=100))
+    assert cuda_devices._cuda_driver_uuid(0) is None  # CUDA_ERROR_NO_DEVICE: the variable hides every card
 
     def no_driver(name):
         raise OSError(f"{name}: cannot open shared object file")
 
-    monkeypatch.setattr(hardware.ctypes, "CDLL", no_driver)
-    assert hardware._cuda_driver_uuid(0) is None
+    monkeypatch.setattr(cuda_devices.ctypes, "CDLL", no_driver)
+    assert cuda_devices._cuda_driver_uuid(0) is None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol as _TypingProtocol
 
 from autotune.errors import ConfigError
-from autotune.hardware import CudaDevice, resolve_cuda_device
+from autotune.cuda_devices import CudaDevice, resolve_cuda_device
 from autotune.measure.protocol import Protocol, Stat, _is_real, repeat_until_stable_many
 
 __all__ = [

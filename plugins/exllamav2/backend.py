@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune.backend import (
     BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
 from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.hardware import cuda_visible_entry
+from autotune.cuda_devices import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import measure_with_telemetry
 from autotune.models import ModelSpec, model_from_hf_config

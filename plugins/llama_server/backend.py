@@ -41,7 +41,7 @@ from autotune.measure import StreamResult, measure_with_telemetry, run_streams_t
 from autotune.models import ModelSpec, model_from_gguf
 
 from autotune import processes
-from autotune.hardware import cuda_visible_entry
+from autotune.cuda_devices import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.formats import gguf_file_weights
