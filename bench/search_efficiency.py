@@ -82,7 +82,9 @@ def truth_plugin(seed: int):
 def study_file(tmp: Path, sampler: str, prior: bool, name: str) -> Path:
     text = (REPO / "studies" / "v100-qwen27b.toml").read_text(encoding="utf-8")
     text = text.replace('name = "v100-qwen27b"', f'name = "{name}"')
-    text = text.replace('sampler = "tpe"', f'sampler = "{sampler}"' + ("\nprior = true\nprior_trials = 10" if prior else ""))
+    # prior is explicit either way: a real study (these truth backends are not the twin) would
+    # start from the twin's ranking by default.
+    text = text.replace('sampler = "tpe"', f'sampler = "{sampler}"' + ("\nprior = true\nprior_trials = 10" if prior else "\nprior = false"))
     text = text.replace('backend = "twin-exllamav2"', 'backend = "truth-exllamav2"')
     text = text.replace('backend = "twin-llama.cpp"', 'backend = "truth-llama.cpp"')
     path = tmp / f"{name}.toml"
