@@ -28,7 +28,7 @@ from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
 from autotune.config import load_study_config
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.hardware import resolve_gpu
+from autotune.hardware import has_gpu, load_gpu_catalog, resolve_gpu
 from autotune.measure import Protocol
 from autotune.models import load_model_catalog, resolve_model
 
@@ -188,7 +188,17 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         model_ref = model_ref or study_model
     if model_ref is None:
         raise ConfigError("--model is needed (a catalog model, a .gguf file or a model directory), or --study NAME")
-    gpu = resolve_gpu(gpu_key or "auto")
+    if gpu_key is not None and gpu_key.startswith("nvml:"):
+        # The study ran on a card the catalog lacks, described by NVML on that machine: only that
+        # machine can describe it again.
+        here = resolve_gpu("auto") if has_gpu() else None
+        if here is None or here.key != gpu_key:
+            raise ConfigError(f"--study {study_name!r} ran on {gpu_key!r}, a card the catalog does not know; run this "
+                              f"on a machine with that card, or give --gpu (a catalog key: "
+                              f"{', '.join(load_gpu_catalog())})")
+        gpu = here
+    else:
+        gpu = resolve_gpu(gpu_key or "auto")
     try:
         model = resolve_model(model_ref)
     except UnknownNameError as exc:

@@ -10,6 +10,7 @@ import optuna
 import pytest
 
 from autotune.config import load_study_config
+from autotune.errors import ConfigError
 from autotune.study import StudyRunner, open_storage, prepare_study, rank_by_prior
 from autotune.study import calibration, records
 
@@ -125,6 +126,15 @@ def test_estimate_and_report_use_the_twins_calibration_of_a_real_study(tmp_path,
         elsewhere = estimate_config("a100-80gb", None, *args, study_name="fake-study", storage=storage)
         assert elsewhere["calibration"] is None and "no calibration of twin-exllamav2 on a100-80gb" in \
             estimate_text(elsewhere)
+
+        # A study that ran on a card the catalog lacks (NVML's description of it): only --gpu or
+        # that machine can stand for it.
+        study = load(storage)
+        study.set_user_attr("gpu", {**study.user_attrs["gpu"], "key": "nvml:nvidia-rtx-pro-6000"})
+        with pytest.raises(ConfigError, match=r"ran on 'nvml:nvidia-rtx-pro-6000', a card the catalog does not know.*"
+                                              r"give --gpu \(a catalog key: v100-16gb, "):
+            estimate_config(None, None, *args, study_name="fake-study", storage=storage)
+        assert estimate_config("v100-16gb", None, *args, study_name="fake-study", storage=storage)["gpu"] == "v100-16gb"
 
         summary = stored_summary(storage, "fake-study")
         text = summary_text(summary)
