@@ -80,7 +80,7 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
         with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
                           quiet=quiet) as live:
-            summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update)
+            summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note)
         summary.extra["why"] = explain_best(prepared, runner.study, summary.best)
         runner.study.set_user_attr("why_best", summary.extra["why"])
         summary.extra["calibration"] = stored_calibrations(runner.study)

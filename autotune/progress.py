@@ -37,6 +37,15 @@ class LiveProgress:
         if self.live is not None:
             self.live.__exit__(*exc)
 
+    def note(self, text: str) -> None:
+        """A line about work between trials (the finish's re-measures)."""
+        if self.quiet:
+            return
+        if self.live is not None:
+            self.live.update(Text(text))
+        else:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
     def update(self, event: Any) -> None:
         self.counts[event.state] = self.counts.get(event.state, 0) + 1
         if self.live is None:

@@ -86,6 +86,18 @@ def test_top_three_measured_again_interleaved_and_a_clear_winner(tmp_path, stora
     assert all(m.worker for rounds in stored.values() for m in rounds.values())
 
 
+def test_the_finish_says_what_it_measures_while_it_runs(tmp_path, storage):
+    """The finish runs after the budget: one line per launch tells the user why it is still busy."""
+    backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81], "d": [60]})
+    heard: list[str] = []
+    with registered(backend):
+        StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abcd")), storage=storage)).run(note=heard.append)
+    a = trial_of(storage, "a")
+    assert len(heard) == 6
+    assert heard[0].startswith(f"finish 1/6: trial {a} measured again (round 1 of 2, interleaved with trials {a}, ")
+    assert heard[-1].startswith("finish 6/6: trial ") and "(round 2 of 2," in heard[-1]
+
+
 def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, storage):
     # a leads b by 1% on the medians, but a's own runs range over 7%: a tie; b needs 2 GiB less.
     backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]},

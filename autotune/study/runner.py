@@ -287,7 +287,8 @@ class StudyRunner:
     # ----------------------------------------------------------------------------- loop
 
     def run(self, budget_s: float | None = None, n_trials: int | None = None,
-            callback: Callable[[TrialEvent], None] | None = None) -> StudySummary:
+            callback: Callable[[TrialEvent], None] | None = None,
+            note: Callable[[str], None] | None = None) -> StudySummary:
         """Run trials until ``budget_s`` seconds are spent or ``n_trials`` configurations launched.
 
         Only launches (measured or failed) count against ``n_trials``: configurations that the
@@ -343,7 +344,7 @@ class StudyRunner:
                 if idle >= MAX_IDLE_PROPOSALS:
                     self.converged = True
                     break
-            self.finish()
+            self.finish(note)
         except (KeyboardInterrupt, _Interrupted):
             interrupted = True
         finally:
@@ -359,19 +360,21 @@ class StudyRunner:
         summary.extra["excluded_before_search"] = self.prepared.excluded
         return summary
 
-    def finish(self) -> int:
+    def finish(self, note: Callable[[str], None] | None = None) -> int:
         """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
         again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
         neighbour's load then touches each alike), and store every round for the summary's
         verdict (``summary.finish_verdict``). Rounds already stored (a finish cut short) count
         and are not measured again; a launch that fails is stored as a failed round and the
-        finish goes on. Returns the number of launches.
+        finish goes on. ``note`` hears one line per launch (it runs after the budget: the user
+        must see why the study is still busy). Returns the number of launches.
         """
         top = finish_candidates(self.study, self.cfg.finish_top)
         if len(top) < 2 or len(self.study.directions) > 1:
             return 0  # nothing to compare; a Pareto front has no single winner to confirm
         records.write_finish_plan(self.study, [r.number for r in top], self.cfg.finish_rounds)
         stored = records.remeasures(self.study)
+        todo = sum(round_ not in stored.get(r.number, {}) for round_ in range(self.cfg.finish_rounds) for r in top)
         launches = 0
         for round_ in range(self.cfg.finish_rounds):
             for r in top:
@@ -381,6 +384,9 @@ class StudyRunner:
                 assert config is not None
                 ctx = self.prepared.contexts[config.backend]
                 launches += 1
+                if note is not None:
+                    note(f"finish {launches}/{todo}: trial {r.number} measured again (round {round_ + 1} of "
+                         f"{self.cfg.finish_rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
                     per_user = m.metrics.get("per_user_tok_s")
