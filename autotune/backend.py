@@ -386,6 +386,11 @@ class BaseBackend(abc.ABC):
         raise ScoringUnsupportedError(f"backend '{self.name}' has no scoring API (it does not implement scorer())")
 
     @property
+    def is_model(self) -> bool:
+        """Whether it predicts instead of measuring (implements ``predict``: a digital twin)."""
+        return type(self).predict is not BaseBackend.predict
+
+    @property
     def supports_scoring(self) -> bool:
         """Whether ``scorer`` is implemented (metrics' ``supports`` checks this)."""
         return type(self).scorer is not BaseBackend.scorer

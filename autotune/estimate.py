@@ -58,10 +58,6 @@ def is_format(weights: str) -> bool:
     return bool(sep) and family.lower() in FORMAT_FAMILIES
 
 
-def _predicts(backend: BaseBackend) -> bool:
-    return type(backend).predict is not BaseBackend.predict
-
-
 def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend | None]:
     """The backend that estimates ``weights`` for ``--backend name``, and the speed model.
 
@@ -86,10 +82,10 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
             f"--backend {name!r}: not an installed backend or engine "
             f"(backends: {', '.join(backends) or 'none'}; engines: {', '.join(engines) or 'none'})"
         )
-    twins = [b for b in same if _predicts(b)]
-    real = [b for b in same if not _predicts(b)]
+    twins = [b for b in same if b.is_model]
+    real = [b for b in same if not b.is_model]
     if is_format(weights):
-        if named is not None and _predicts(named):
+        if named is not None and named.is_model:
             chosen = named
         elif twins:
             chosen = twins[0]
@@ -103,7 +99,7 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
         chosen = named  # the real backend or the twin, as named: both read the file
     else:
         chosen = real[0] if real else twins[0]
-    return chosen, chosen if _predicts(chosen) else (twins[0] if twins else None)
+    return chosen, chosen if chosen.is_model else (twins[0] if twins else None)
 
 
 def _weights_of(model_ref: str, weights: str | None) -> str:
@@ -264,7 +260,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
     resolved = None
     if backend.name != backend_name:
         kind = "a format" if is_format(weights) else "a file or directory"
-        role = "the engine's digital twin" if _predicts(backend) else "the engine's real backend"
+        role = "the engine's digital twin" if backend.is_model else "the engine's real backend"
         resolved = f"--backend {backend_name} with {kind} as weights: estimated by {backend.name}, {role}"
     return {
         "config": config.as_dict(),

@@ -159,7 +159,7 @@ def study_file_for(name: str, given: Sequence[Path]) -> Path:
 def twin_of(engine: str) -> BaseBackend:
     """The registered backend of ``engine`` that predicts (its twin)."""
     for b in plugins.get_backends().values():
-        if b.engine == engine and type(b).predict is not BaseBackend.predict:
+        if b.engine == engine and b.is_model:
             return b
     raise ConfigError(f"no backend of engine {engine!r} predicts (no twin installed): --model cannot be checked")
 

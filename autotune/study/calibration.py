@@ -29,10 +29,6 @@ from autotune.study.prior import _predictor_for
 SPEED_METRICS = ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s", "prefill_tok_s")
 
 
-def _predicts_itself(backend: BaseBackend) -> bool:
-    return type(backend).predict is not BaseBackend.predict
-
-
 def _can_calibrate(backend: BaseBackend) -> bool:
     return type(backend).calibrate is not BaseBackend.calibrate
 
@@ -43,7 +39,7 @@ def learning_backends(prepared: PreparedStudy) -> list[str]:
     out = []
     for name in prepared.space.entries:
         real = prepared.backend(name)
-        if not _predicts_itself(real) and any(b.engine == real.engine and b is not real for b in others):
+        if not real.is_model and any(b.engine == real.engine and b is not real for b in others):
             out.append(name)
     return out
 

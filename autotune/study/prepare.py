@@ -178,8 +178,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
                            settings=cfg.backend_settings.get(cand.backend, {}), base_dir=cfg.base_dir,
                            gpu_index=cfg.gpu_index)
         contexts[cand.backend] = ctx
-        if cfg.sampler == "twin" and not any(type(b).predict is not BaseBackend.predict and b.engine == backend.engine
-                                             for b in backends.values()):
+        if cfg.sampler == "twin" and not any(b.is_model and b.engine == backend.engine for b in backends.values()):
             errors.append(f"{src}: [study] sampler = 'twin': no installed backend predicts engine "
                           f"{backend.engine} (of [candidates.{i}] backend = {cand.backend!r}); install its twin "
                           "or use sampler = 'tpe'")

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import optuna
 
 from autotune import objective as objective_mod
-from autotune.backend import TrialConfig
+from autotune.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
@@ -360,6 +360,15 @@ class StudyRunner:
         summary.extra["excluded_before_search"] = self.prepared.excluded
         return summary
 
+    def _score(self, m: Measurement, predicted_bytes: int, budget_bytes: int,
+               drop: float | None) -> objective_mod.Score:
+        """The objective of one measurement: against its measured peak memory where there is one,
+        else the predicted footprint."""
+        used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted_bytes
+        per_user = m.metrics.get("per_user_tok_s")
+        return objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
+                                   budget_bytes, drop, per_user.median if per_user is not None else None)
+
     def finish(self, note: Callable[[str], None] | None = None) -> int:
         """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
         again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
@@ -389,18 +398,15 @@ class StudyRunner:
                          f"{self.cfg.finish_rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
-                    per_user = m.metrics.get("per_user_tok_s")
-                    predicted = (r.predicted_vram or {})["total_bytes"]
-                    used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted
-                    s = objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
-                                            ctx.vram_budget_bytes, r.quality_drop_points,
-                                            per_user.median if per_user is not None else None)
+                    s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
+                                    r.quality_drop_points)
                 except EngineUnavailableError:
                     return launches  # every launch would fail: the missing rounds wait for a later run
                 except Exception as exc:  # the study's outcome stands; the verdict counts the failure
                     records.write_remeasure(self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}",
                                             worker=self.worker)
                     continue
+                per_user = m.metrics.get("per_user_tok_s")
                 records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
                                         per_user_tok_s=per_user.median if per_user is not None else None,
                                         peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
@@ -548,11 +554,8 @@ class StudyRunner:
         metric = self.cfg.objective.metric
         if metric not in measurement.metrics:
             raise BackendError(f"backend '{backend.name}' did not measure {metric}")
-        used = measurement.peak_vram_bytes if measurement.peak_vram_bytes is not None else verdict.estimate.total_bytes
-        drop = trial.user_attrs.get("quality_drop_points")
-        per_user = measurement.metrics.get("per_user_tok_s")
-        s = objective_mod.score(self.cfg.objective, measurement.metrics[metric].median, used, ctx.vram_budget_bytes,
-                                drop, per_user.median if per_user is not None else None)
+        s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
+                        trial.user_attrs.get("quality_drop_points"))
         records.set_constraints(trial, s.constraints)
         write(trial, score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
                             "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
