@@ -142,20 +142,9 @@ class RecordedGrid:
             seen[fmt] = path
 
     def _load(self, url: str, study_name: str | None) -> optuna.Study:
-        from autotune.study.storage import open_storage, study_names
+        from autotune.report import load_study  # opens for reading only, picks the one study, checks the schema
 
-        store = open_storage(url, create=False)
-        names = study_names(store, url)
-        if study_name is None:
-            if len(names) != 1:
-                raise ConfigError(f"--grid {url}: holds {len(names)} studies ({', '.join(names) or 'none'}); "
-                                  "name one with --study")
-            study_name = names[0]
-        elif study_name not in names:
-            raise ConfigError(f"--grid {url}: no study '{study_name}' (it holds: {', '.join(names) or 'none'})")
-        study = optuna.load_study(study_name=study_name, storage=store)
-        records.check_schema(study, url)
-        return study
+        return load_study(url, study_name)
 
     # ------------------------------------------------------------------ what the grid knows
 
