@@ -170,6 +170,15 @@ def test_noise_makes_the_protocol_repeat_and_throttling_slows_later_runs():
     assert throttled.metrics["decode_tok_s"].median == pytest.approx(0.75 * quiet.metrics["decode_tok_s"].median)
 
 
+def test_each_launch_of_a_noisy_twin_draws_afresh():
+    """The finish measures the same configuration again: the same draw would hide the spread."""
+    twin = TwinExllamaV2()
+    config = cfg("twin-exllamav2", "exl2:4.0", cache_type="q8", flash_attn=True)
+    ctx = ctx_for("v100-16gb", "qwen2.5-7b", noise=0.2)
+    first, second = (twin.run(config, ctx).metrics["aggregate_tok_s"].values for _ in range(2))
+    assert first != second
+
+
 def test_exllamav2_deploy_line_warns_where_the_real_engine_cannot_batch():
     # ExLlamaV2 0.3.2's dynamic generator needs flash-attn's paged attention (sm_80+) for
     # concurrent jobs; the twin batches as the article reports, and its deploy line says so.
