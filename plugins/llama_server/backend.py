@@ -32,11 +32,9 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-import httpx
-
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
     same_value
-from autotune.errors import AutotuneError, BackendError, ConfigError, EngineUnavailableError
+from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import StreamResult, measure_with_telemetry, run_streams_threaded
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
@@ -132,16 +130,6 @@ class LlamaServerBackend(BaseBackend):
         Setting("scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics",
                 check=_positive),
     )
-
-    def value(self, ctx: StudyContext, name: str) -> Any:
-        """A setting, checked against its declaration even when the core has not (direct callers)."""
-        v = self.setting(ctx, name)
-        if name in ctx.settings:
-            declared = next(s for s in self.settings if s.name == name)
-            problem = declared.problem(v)
-            if problem:
-                raise ConfigError(f"[backends.{self.name}] {name} = {v!r}: {problem}")
-        return v
 
     def resolved_settings(self, ctx: StudyContext) -> dict[str, Any]:
         """Every declared setting with its value or default, for the engine finder and the scorer."""

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import httpx
 
 from autotune.errors import BackendError, EngineUnavailableError
-from autotune.local_server import free_port, loopback, server_url, tail
+from autotune.local_server import server_url, tail
 
 __all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "median", "parse_log", "plan_cpus",
            "process_cpu_s"]

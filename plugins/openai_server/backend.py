@@ -26,14 +26,14 @@ import logging
 import shlex
 import shutil
 import subprocess
-import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
 from autotune.cache_types import CACHE_TYPES
 from autotune.cuda_devices import cuda_visible_entry
-from autotune.errors import AutotuneError, BackendError, ConfigError, EngineUnavailableError
+from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
 from autotune.measure import measure_with_telemetry, run_streams_threaded
@@ -122,16 +122,6 @@ class OpenAIServerBackend(BaseBackend):
 
     # -------------------------------------------------------------- the template
 
-    def value(self, ctx: StudyContext, name: str) -> Any:
-        """A setting, checked against its declaration even when the core has not (direct callers)."""
-        v = self.setting(ctx, name)
-        if name in ctx.settings:
-            declared = next(s for s in self.settings if s.name == name)
-            problem = declared.problem(v)
-            if problem:
-                raise ConfigError(f"[backends.{self.name}] {name} = {v!r}: {problem}")
-        return v
-
     def template(self, ctx: StudyContext) -> Template:
         """The study's template with its settings applied, checked.
 
@@ -152,8 +142,6 @@ class OpenAIServerBackend(BaseBackend):
         executable = self.value(ctx, "executable")
         extra = _args(self.value(ctx, "extra_args"))
         if executable or extra:
-            from dataclasses import replace
-
             cmd = ([str(Path(executable).expanduser())] if executable else [t.command[0]]) + list(t.command[1:]) + extra
             t = replace(t, command=tuple(cmd))
         return t
