@@ -12,7 +12,6 @@
 #                                            # quarter of the grid's recorded measuring time
 #   bash bench/h200_grids.sh workers         # issue 14: the Qwen grid by two workers on one
 #                                            # storage, one per GPU (CUDA_VISIBLE_DEVICES=N)
-# The seeds and workers steps were written after the grids ran and have not run yet.
 # Each grid runs under a physical memory budget: bench/hold_gpu_memory.py takes the rest of its
 # card. Storages are copied to $OUT after every step.
 set -uo pipefail
@@ -25,7 +24,7 @@ t() { local n=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$n.log" 2>&1; local rc=$
 grid() {  # grid STUDY_FILE GPU RUN SECS LEAVE_GIB
   local file=$1 gpu=$2 run=$3 secs=$4 leave=$5 name
   name=$(basename "$file" .toml)-run$run
-  sed "s/^gpu = \"auto\"/gpu = \"auto\"\ngpu_index = $gpu/" "$file" >"/tmp/g/$name.toml"
+  cp "$file" "/tmp/g/$name.toml"  # the card is CUDA_VISIBLE_DEVICES's: gpu_index counts from it
   CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
   local holder=$!
   sleep 20
@@ -80,7 +79,7 @@ seeds)
       IFS=: read -r g gpu secs leave <<<"$spec"
       name=h200_grid_$g-seed$seed
       sed -e "s/^sampler = \"grid\"/sampler = \"tpe\"\nprior = true/" -e "s/^seed = 0/seed = $seed/" \
-          -e "s/^gpu = \"auto\"/gpu = \"auto\"\ngpu_index = $gpu/" "bench/h200_grid_$g.toml" >"/tmp/g/$name.toml"
+          "bench/h200_grid_$g.toml" >"/tmp/g/$name.toml"
       (CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
        holder=$!; sleep 20
        t "study-$name" "${AT[@]}" study "/tmp/g/$name.toml" --storage "sqlite:////tmp/g/db/$name.db" --budget "${secs}s" --json
@@ -90,11 +89,11 @@ seeds)
   done
   ;;
 workers)
-  # Two workers, one storage, one GPU each: the grid should take about half its one-GPU time
-  # (544 s) with no configuration measured twice.
-  sed "s/^name = .*/name = \"h200-grid-qwen7b-2workers\"/" bench/h200_grid_qwen7b.toml >/tmp/g/workers.toml
+  # Two workers, one storage, one GPU each: the Llama grid should take about half its one-GPU
+  # time (445 s) with no configuration measured twice, the finish's rounds shared out.
+  sed "s/^name = .*/name = \"h200-grid-llama8b-2workers\"/" bench/h200_grid_llama8b.toml >/tmp/g/workers.toml
   for gpu in 0 1; do
-    CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib 12 >"$OUT/hold-w$gpu.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib 16 >"$OUT/hold-w$gpu.log" 2>&1 &
   done
   sleep 20
   t0=$SECONDS
