@@ -39,6 +39,8 @@ case $step in
 prep)
   python3 -V; nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
+  python3 -c 'import scipy' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl-scipy/*.whl
+  python3 -c 'import scipy, optuna, autotune; print("scipy", scipy.__version__, "optuna", optuna.__version__)'
   mkdir -p /tmp/g/src /tmp/g/m && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
   t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
