@@ -42,14 +42,15 @@ prep)
   python3 -c 'import scipy' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl-scipy/*.whl
   python3 -c 'import scipy, optuna, autotune; print("scipy", scipy.__version__, "optuna", optuna.__version__)'
   mkdir -p /tmp/g/src /tmp/g/m && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
+  for v in qwen2 llama-bpe; do gunzip -c .carry/ggml-vocab-$v.gguf.gz >/tmp/g/ggml-vocab-$v.gguf; done
   t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
       && ninja -C /tmp/g/b llama-server llama-quantize llama-bench' &
   t synth_q7b "${AT[@]}" synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 \
-      --ctx 32768 --vocab-from .carry/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
+      --ctx 32768 --vocab-from /tmp/g/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
   t synth_l8b "${AT[@]}" synth --arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
-      --ctx 131072 --vocab-from .carry/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
+      --ctx 131072 --vocab-from /tmp/g/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
   wait
   for q in Q8_0 Q4_K_M Q4_0; do t "quant_q7b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/q7b-F16.gguf /tmp/g/m/q7b-$q.gguf $q 16 & done
   for q in Q8_0 Q5_K_M Q4_K_M; do t "quant_l8b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/l8b-F16.gguf /tmp/g/m/l8b-$q.gguf $q 16 & done
