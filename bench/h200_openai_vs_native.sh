@@ -70,13 +70,16 @@ case $step in
 prep)
   python3 -V; nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
+  python3 -c 'import scipy' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl-scipy/*.whl
+  python3 -c 'import scipy, optuna, autotune; print("scipy", scipy.__version__, "optuna", optuna.__version__)'
   mkdir -p /tmp/g/src && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
+  gunzip -c .carry/ggml-vocab-qwen2.gguf.gz >/tmp/g/ggml-vocab-qwen2.gguf
   t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
       && ninja -C /tmp/g/b llama-server llama-quantize' &
   t synth_q7b "${AT[@]}" synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 \
-      --ctx 32768 --vocab-from .carry/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
+      --ctx 32768 --vocab-from /tmp/g/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
   wait
   t quant_q7b_Q4_K_M /tmp/g/b/bin/llama-quantize /tmp/g/m/q7b-F16.gguf /tmp/g/m/q7b-Q4_K_M.gguf Q4_K_M 16
   rm -f /tmp/g/m/q7b-F16.gguf
