@@ -109,7 +109,7 @@ for backend in ("llama-server", "openai-server"):
 print("# llama-server on an H200: openai-server (template llama-server) vs the native backend\n")
 print("Synthetic Qwen2.5-7B shape, Q4_K_M, ctx 4096 per stream, f16 KV, flash attention, prompt 512, "
       "output 128; medians of two rounds (order swapped); bench/h200_openai_vs_native.sh. "
-      "'engine warnings': runs where llama-server's /metrics and the client differ by more than 5%.\n")
+      "'engine warnings': openai-server trials whose /metrics figures and the client's differ by more than 5%.\n")
 print("| streams | native agg tok/s | openai agg tok/s | openai / native | native per-user | openai per-user "
       "| native TTFT ms | openai TTFT ms | native peak GiB | openai peak GiB | engine warnings |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
