@@ -12,6 +12,7 @@ configuration twice, and a heartbeat lets a survivor fail a dead worker's trial.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -30,9 +31,11 @@ import optuna
 from autotune import objective as objective_mod
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
+from autotune.measure import PROBE_STOP
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
+from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.prepare import PreparedStudy
 from autotune.study.prior import rank_by_prior
 from autotune.study.quality import QualityBook
@@ -140,6 +143,8 @@ class StudyRunner:
         self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
         self.study = storage.open_study(prepared, self.sampler)
+        if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
+            self.study.pruner = LeaderGapPruner(self.cfg.probe_margin)
         self.judge = judge_for(prepared, self.study)
         self.quality = self.judge.quality
         self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
@@ -550,8 +555,14 @@ class StudyRunner:
 
         write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_version()},
               gpu=records.gpu_attrs(prepared.gpu))
+        heard: dict[str, str] = {}
+        run_ctx = ctx
+        if isinstance(self.study.pruner, LeaderGapPruner):
+            run_ctx = dataclasses.replace(ctx, probe=make_probe(
+                trial, self.cfg.objective, verdict.estimate.total_bytes, ctx.vram_budget_bytes,  # type: ignore[union-attr]
+                trial.user_attrs.get("quality_drop_points"), self.study.pruner.margin, heard))
         try:
-            measurement = backend.run(config, ctx)
+            measurement = backend.run(config, run_ctx)
         except EngineUnavailableError:
             raise
         except BackendError as exc:
@@ -570,6 +581,11 @@ class StudyRunner:
         metric = self.cfg.objective.metric
         if metric not in measurement.metrics:
             raise BackendError(f"backend '{backend.name}' did not measure {metric}")
+        if measurement.metrics[metric].stop_reason == PROBE_STOP:
+            # One run is not a measurement to crown: recorded, never launched again, never best.
+            write(trial, prune_reason=heard.get("reason", "probe: stopped after the first run"), probe=True)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return _Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"))
         s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
                         trial.user_attrs.get("quality_drop_points"))
         records.set_constraints(trial, s.constraints)
