@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from autotune.errors import MeasurementError
-from autotune.measure.streams import StreamResult
+from autotune.measure.streams import StreamResult, event_data
 
 __all__ = ["DISAGREEMENT_TOL", "ServerCounters", "StreamedCompletion", "disagreements", "parse_prometheus",
            "stream_completion"]
@@ -75,10 +75,8 @@ def stream_completion(http: httpx.Client, url: str, body: Mapping[str, Any], pro
         if r.status_code != 200:
             r.read()
             raise MeasurementError(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
+        for data in event_data(r.iter_bytes()):  # not iter_lines: see event_data
+            data = data.strip()
             if data == "[DONE]":
                 break
             try:
