@@ -165,6 +165,25 @@ def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> 
     _run(ctx.obj["debug"], go)
 
 
+@cli.group("storage")
+def storage_group() -> None:
+    """Maintain study storages."""
+
+
+@storage_group.command("upgrade")
+@click.argument("url")
+@click.pass_context
+def storage_upgrade(ctx: click.Context, url: str) -> None:
+    """Rewrite the studies in URL that an older autotune stored to this one's schema, in place."""
+    from autotune.study.storage import upgrade
+
+    def go() -> None:
+        for line in upgrade(url):
+            click.echo(line)
+
+    _run(ctx.find_root().obj["debug"], go)
+
+
 @cli.command()
 @click.option("--gpu", "gpu_key", default=None, help="Catalog GPU key, or auto (NVML) [default: auto; with --study, "
               "the study's].")

@@ -30,6 +30,7 @@ import optuna
 from autotune import objective as objective_mod
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
+from autotune.space import NotOffered
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
@@ -507,7 +508,12 @@ class StudyRunner:
     def _evaluate(self, trial: optuna.Trial) -> _Outcome:
         """One trial through the flow."""
         prepared = self.prepared
-        config = prepared.space.suggest(trial)
+        try:
+            config = prepared.space.suggest(trial)
+        except NotOffered as exc:  # a shared knob's value the drawn backend lacks: free, recorded
+            write(trial, prune_reason=str(exc))
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return _Outcome("PRUNED", {}, reason=str(exc))
         backend = prepared.backend(config.backend)
         ctx = prepared.contexts[config.backend]
         write(trial, config=config.as_dict(), config_key=config.key, worker=self.worker)

@@ -89,8 +89,8 @@ def test_the_whole_study_on_real_servers(study_dir):
     # Invalid combinations are never launched: a q8_0 cache on stories260K (head size 8).
     for t in study.trials:
         if t.params.get("llama-server.weights") == "models/stories260K.gguf" and \
-                t.params.get("llama-server.cache_type") == "q8_0":
-            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["reason"]
+                t.params.get("kv_bits") == 8:  # q8_0, under the shared name of the cache's precision
+            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["prune_reason"]
     # The objective is plain aggregate tok/s: the best trial is the fastest one measured, or, where
     # the noise-aware finish measured the leaders again, the one it chose among them.
     fastest = max(done, key=lambda t: t.user_attrs["metrics"]["aggregate_tok_s"]["median"]).number
