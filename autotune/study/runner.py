@@ -442,6 +442,7 @@ class StudyRunner:
             self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
             outcome = _Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
         heartbeat.beat(None)
+        self._annotate(trial)
         best = best_trial(self.study)
         return TrialEvent(
             number=trial.number, state=outcome.state, config=outcome.config,
@@ -450,6 +451,16 @@ class StudyRunner:
             best_config=dict(best.config) if best and best.config else None,
             n_done=self.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
         )
+
+    def _annotate(self, trial: optuna.Trial) -> None:
+        """The trial's note for optuna-dashboard (``autotune.dashboard``); a note that cannot be
+        written costs the study nothing."""
+        from autotune.dashboard import annotate_trial
+
+        try:
+            annotate_trial(self.study, trial, self.prepared.storage_url)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"trial {trial.number}: no dashboard note ({type(exc).__name__}: {exc})")
 
     @contextlib.contextmanager
     def _signals_deferred(self):

@@ -8,6 +8,7 @@ other databases are not touched.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -47,6 +48,54 @@ def resolve_url(given: str | None, from_file: str | None, default: str) -> str:
     """The storage URL: ``--storage``, else $AUTOTUNE_STORAGE (so a password need not sit on a
     command line), else the study file's ``[study] storage``, else the default."""
     return given or os.environ.get(STORAGE_ENV) or from_file or default
+
+
+LAST_RUN_FILE = ".autotune-last-study.json"
+
+
+def remember_run(url: str, study_name: str, directory: Path | None = None) -> None:
+    """Record the study just run in the current directory, so that ``best``, ``report`` and
+    ``dashboard`` read it next without being told. A URL holding a password is not written
+    down (it came from $AUTOTUNE_STORAGE or the command line, and is given there again)."""
+    keep = url if mask_url(url) == url else None
+    path = (directory or Path.cwd()) / LAST_RUN_FILE
+    try:
+        path.write_text(json.dumps({"storage": keep, "study": study_name}) + "\n")
+    except OSError:
+        pass  # a read-only directory loses only this convenience
+
+
+def reading_target(given: str | None, study_file: str | Path | None, study_name: str | None,
+                   default_file: Path) -> tuple[str, str | None, str]:
+    """Where a command that only reads (``best``, ``report``, ``dashboard``) looks, and why.
+
+    ``--storage``, else $AUTOTUNE_STORAGE, else the study file given, else the study last run in
+    this directory (``remember_run``), else the default study's storage. The study name is
+    ``--study``, else the study file's or the last run's (None: the storage's only study).
+
+    Returns:
+        (URL, study name or None, where the URL came from: for the error that nothing is there).
+    """
+    from autotune.config import load_study_config
+
+    if given or os.environ.get(STORAGE_ENV):
+        source = "--storage" if given else f"${STORAGE_ENV}"
+        if study_file is not None and study_name is None:
+            study_name = load_study_config(Path(study_file)).name
+        return given or os.environ[STORAGE_ENV], study_name, source
+    if study_file is not None:
+        cfg = load_study_config(Path(study_file))
+        return resolve_url(None, cfg.storage, cfg.default_storage), study_name or cfg.name, f"study file {study_file}"
+    last = Path.cwd() / LAST_RUN_FILE
+    if last.is_file():
+        try:
+            data = json.loads(last.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if isinstance(data, dict) and data.get("storage"):
+            return str(data["storage"]), study_name or data.get("study"), f"the last study run here ({last})"
+    cfg = load_study_config(default_file)
+    return resolve_url(None, cfg.storage, cfg.default_storage), study_name, f"the default study ({default_file.name})"
 
 
 class _WalConnection(sqlite3.Connection):
@@ -245,6 +294,9 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
             f"mode = {cfg.objective.mode!r}; use another study name or storage")
     records.check_schema(study, shown)
     _check_same_space(study, prepared)
+    from autotune.dashboard import name_objectives
+
+    name_objectives(study, vars(cfg.objective))
     records.write_study_header(study, {
         "gpu": records.gpu_attrs(prepared.gpu),
         "model": prepared.model.key,
