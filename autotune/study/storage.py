@@ -50,19 +50,33 @@ def resolve_url(given: str | None, from_file: str | None, default: str) -> str:
     return given or os.environ.get(STORAGE_ENV) or from_file or default
 
 
-LAST_RUN_FILE = ".autotune-last-study.json"
+def _last_run_file(directory: Path | None = None) -> Path:
+    """Where the study last run in ``directory`` is recorded: in autotune's cache
+    (``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/autotune``, else ``~/.cache/autotune``), one
+    file per directory, so a run with ``--storage`` leaves nothing in the working directory."""
+    import hashlib
+
+    where = str((directory or Path.cwd()).resolve())
+    base = os.environ.get("AUTOTUNE_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotune")
+    return Path(base) / "last-study" / (hashlib.sha256(where.encode()).hexdigest()[:16] + ".json")
 
 
 def remember_run(url: str, study_name: str, directory: Path | None = None) -> None:
     """Record the study just run in the current directory, so that ``best``, ``report`` and
-    ``dashboard`` read it next without being told. A URL holding a password is not written
-    down (it came from $AUTOTUNE_STORAGE or the command line, and is given there again)."""
+    ``dashboard`` run there read it next without being told. A URL holding a password is not
+    written down (it came from $AUTOTUNE_STORAGE or the command line, and is given there again);
+    a relative SQLite path is kept absolute."""
+    here = (directory or Path.cwd()).resolve()
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////") and url != "sqlite:///:memory:":
+        url = "sqlite:///" + str(here / url[len("sqlite:///"):])
     keep = url if mask_url(url) == url else None
-    path = (directory or Path.cwd()) / LAST_RUN_FILE
+    path = _last_run_file(here)
     try:
-        path.write_text(json.dumps({"storage": keep, "study": study_name}) + "\n")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"storage": keep, "study": study_name, "directory": str(here)}) + "\n")
     except OSError:
-        pass  # a read-only directory loses only this convenience
+        pass  # an unwritable cache loses only this convenience
 
 
 def reading_target(given: str | None, study_file: str | Path | None, study_name: str | None,
@@ -86,14 +100,14 @@ def reading_target(given: str | None, study_file: str | Path | None, study_name:
     if study_file is not None:
         cfg = load_study_config(Path(study_file))
         return resolve_url(None, cfg.storage, cfg.default_storage), study_name or cfg.name, f"study file {study_file}"
-    last = Path.cwd() / LAST_RUN_FILE
+    last = _last_run_file()
     if last.is_file():
         try:
             data = json.loads(last.read_text())
         except (OSError, ValueError):
             data = {}
         if isinstance(data, dict) and data.get("storage"):
-            return str(data["storage"]), study_name or data.get("study"), f"the last study run here ({last})"
+            return str(data["storage"]), study_name or data.get("study"), "the study last run in this directory"
     cfg = load_study_config(default_file)
     return resolve_url(None, cfg.storage, cfg.default_storage), study_name, f"the default study ({default_file.name})"
 
