@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -42,6 +43,15 @@ def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     summary.extra["why"] = study.user_attrs.get("why_best", [])
     summary.extra["calibration"] = records.stored_calibrations(study)
     return summary
+
+
+def write_study_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
+    """The HTML report (``report_html``), with the summary's "why not a neighbour" lines."""
+    from autotune.report_html import write_report
+
+    if "why" not in summary.extra:
+        summary.extra["why"] = study.user_attrs.get("why_best", [])
+    return write_report(study, summary, out)
 
 
 def summary_json(summary: StudySummary) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from autotune import objective as objective_mod
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
+from autotune.space import NotOffered
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
@@ -485,6 +486,7 @@ class StudyRunner:
             self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
             outcome = _Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
         heartbeat.beat(None)
+        self._annotate(trial)
         best = best_trial(self.study)
         return TrialEvent(
             number=trial.number, state=outcome.state, config=outcome.config,
@@ -493,6 +495,16 @@ class StudyRunner:
             best_config=dict(best.config) if best and best.config else None,
             n_done=self.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
         )
+
+    def _annotate(self, trial: optuna.Trial) -> None:
+        """The trial's note for optuna-dashboard (``autotune.dashboard``); a note that cannot be
+        written costs the study nothing."""
+        from autotune.dashboard import annotate_trial
+
+        try:
+            annotate_trial(self.study, trial, self.prepared.storage_url)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"trial {trial.number}: no dashboard note ({type(exc).__name__}: {exc})")
 
     @contextlib.contextmanager
     def _signals_deferred(self):
@@ -551,7 +563,12 @@ class StudyRunner:
     def _evaluate(self, trial: optuna.Trial) -> _Outcome:
         """One trial through the flow."""
         prepared = self.prepared
-        config = prepared.space.suggest(trial)
+        try:
+            config = prepared.space.suggest(trial)
+        except NotOffered as exc:  # a shared knob's value the drawn backend lacks: free, recorded
+            write(trial, prune_reason=str(exc))
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return _Outcome("PRUNED", {}, reason=str(exc))
         backend = prepared.backend(config.backend)
         ctx = prepared.contexts[config.backend]
         write(trial, config=config.as_dict(), config_key=config.key, worker=self.worker)

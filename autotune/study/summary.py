@@ -67,6 +67,7 @@ def trial_record(r: TrialRecord) -> dict[str, Any]:
         "params": dict(r.config or {}),
         "values": list(r.values) if r.values else None,
         "metrics": {k: v.get("median") for k, v in r.metrics.items()},
+        "spreads": {k: v.get("spread") for k, v in r.metrics.items()},
         "quality": r.quality,
         "predicted_vram": r.predicted_vram,
         "measured_vram_bytes": r.measured_vram_bytes,
