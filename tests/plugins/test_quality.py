@@ -211,7 +211,12 @@ def test_cache_key_is_what_quality_depends_on(tmp_path):
     assert key("a.gguf") != key("b.gguf")  # content does
     assert key("a.gguf") != key("a.gguf", cache="q8_0")  # the KV cache does
     m.configure({"shots": 0}, {})
-    assert "shots=0" in key("a.gguf") and "per_subject=5" in key("a.gguf") and "seed=0" in key("a.gguf")
+    assert "shots=0" in key("a.gguf")  # the prompt does
+    # Results are stored per item under full-set ids: which items a study samples is not part
+    # of what one item's answer depends on.
+    same = key("a.gguf")
+    m.configure({"shots": 0, "per_subject": 2, "seed": 9, "pool": "full"}, {})
+    assert key("a.gguf") == same
 
 
 # ------------------------------------------------------------------------------ studies
@@ -226,13 +231,13 @@ def quality_study(tmp_path: Path, objective: str, quality_table: str = "[quality
 
 def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp_storage, quality_registered, monkeypatch):
     evaluated: list[str] = []
-    original = metrics.MmluMetric.evaluate
+    original = metrics.MmluMetric.evaluate_items
 
-    def counting(self, config, backend, ctx):
+    def counting(self, config, backend, ctx, items):
         evaluated.append(config.weights)
-        return original(self, config, backend, ctx)
+        return original(self, config, backend, ctx, items)
 
-    monkeypatch.setattr(metrics.MmluMetric, "evaluate", counting)
+    monkeypatch.setattr(metrics.MmluMetric, "evaluate_items", counting)
     path = quality_study(tmp_path, 'quality = "mmlu"\npenalty_per_point = 0.5\nreference_weights = "exact"\n')
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
@@ -247,10 +252,60 @@ def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp
         q, score = t.user_attrs["quality"], t.user_attrs["score"]
         expected_drop = 0.0 if t.user_attrs["config"]["weights"] == "exact" else (1.0 - always_a) * 100
         assert q["drop_points"] == pytest.approx(expected_drop)
-        assert q["n"] == 57 and q["reference_value"] == 1.0
-        assert q["drop_stderr_points"] == pytest.approx(100 * (always_a * (1 - always_a) / 56) ** 0.5 if expected_drop else 0.0)
+        assert q["n"] == q["items_used"] == 57 and q["reference_value"] == 1.0
+        # Paired: the reference answers every item right, so the items always-a gets wrong are
+        # the discordant ones (McNemar), with 0.5 added to each discordant count.
+        wrong = round(57 * (1 - always_a)) if expected_drop else 0
+        assert q["drop_stderr_points"] == pytest.approx(
+            100 * (((wrong + 1) - wrong ** 2 / 57) / (57 * 56)) ** 0.5)
+        # What two accuracies' errors in quadrature said before: larger.
+        assert q["unpaired_stderr_points"] == pytest.approx(100 * (always_a * (1 - always_a) / 56) ** 0.5 if expected_drop else 0.0)
+        assert q["verdict"] is None and q["decided_by"] == "no bound"
         assert score["penalty"] == pytest.approx(0.5 * expected_drop)
         assert score["values"][0] == pytest.approx(score["throughput"] - score["penalty"])
+
+
+def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path, tmp_storage, quality_registered):
+    # always-a loses ~75 points: over the 5-point bound after the first batch (one item per
+    # subject). exact against itself: no drop, but within only once the interval is narrow
+    # enough, at the second batch.
+    path = quality_study(tmp_path, 'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
+                         "[quality]\nper_subject = 2\nshots = 0\n")
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
+    study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
+    by_weights = {d["weights"]: d for d in summary.extra["quality_decisions"]}
+    assert by_weights["always-a"]["verdict"] == "over" and by_weights["always-a"]["items_used"] == 57
+    assert by_weights["exact"]["verdict"] == "within" and by_weights["exact"]["items_used"] == 114
+    for t in study.trials:
+        q = t.user_attrs.get("quality")
+        if t.user_attrs["config"]["weights"] == "always-a":
+            assert t.state == optuna.trial.TrialState.PRUNED
+            assert "over the bound" in t.user_attrs["prune_reason"]
+        elif t.state == optuna.trial.TrialState.COMPLETE:
+            assert (q["verdict"], q["items_used"], q["admitted"]) == ("within", 114, True)
+            assert q["drop_stderr_points"] < q["unpaired_stderr_points"] or q["unpaired_stderr_points"] == 0
+            assert t.user_attrs["score"]["feasible"]
+    assert "quality" in summary.extra["quality_power"] and "items per candidate" in summary.extra["quality_power"]
+
+
+@pytest.mark.parametrize("policy, admitted", [("reject", False), ("accept", True)])
+def test_an_undecided_configuration_is_treated_by_the_stated_policy(tmp_path, tmp_storage, quality_registered,
+                                                                     policy, admitted):
+    chosen = [d for docs in benchmarks.subset("mmlu", 1, seed=0).values() for d in docs]
+    drop = 100 * (1 - sum(d["answer"] == 0 for d in chosen) / len(chosen))
+    # A bound right at always-a's drop: no sample of the 57-item pool can tell which side it is.
+    path = quality_study(tmp_path, f'quality = "mmlu"\nmax_drop_points = {drop:.3f}\nreference_weights = "exact"\n',
+                         f'[quality]\nper_subject = 1\nshots = 0\nundecided = "{policy}"\n')
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
+    d = {d["weights"]: d for d in summary.extra["quality_decisions"]}["always-a"]
+    assert (d["verdict"], d["items_used"], d["stopped_by"]) == ("undecided", 57, "items")
+    assert d["admitted"] is admitted and d["decided_by"] == f"policy {policy}"
+    study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
+    states = {t.state for t in study.trials if t.user_attrs["config"]["weights"] == "always-a" and "answered_from" not in t.user_attrs}
+    reasons = [t.user_attrs.get("prune_reason") for t in study.trials]
+    assert states == {optuna.trial.TrialState.COMPLETE if admitted else optuna.trial.TrialState.PRUNED}, reasons
 
 
 def test_require_quality_refuses_a_backend_without_scoring(tmp_path, tmp_storage, quality_registered):
@@ -285,7 +340,8 @@ def test_quality_table_errors_are_all_reported(tmp_path):
     lines = str(err.value).splitlines()
     assert f"{path}: [quality] per_subject = 0: must be 1..10" in lines
     assert f"{path}: [quality] shots = 9: must be 0..5" in lines
-    assert f"{path}: [quality] subjects: unknown field (known: per_subject, seed, shots)" in lines
+    assert (f"{path}: [quality] subjects: unknown field (known: batch, expected_agreement, max_items, max_seconds, "
+            f"per_subject, pool, seed, shots, undecided)") in lines
 
 
 def test_quality_command_on_a_backend_without_scoring(twin_plugin, quality_registered):
