@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,7 +44,8 @@ def answer_table(benchmark: str) -> dict[str, int]:
 
 
 class ScriptedScorer(Scorer):
-    """Picks the right answer (``exact``) or always " A" (``always-a``); records every context."""
+    """Picks the right answer (``exact``), always " A" (``always-a``), or the right one except on
+    about one item in K (``miss-K``, by a hash of the question); records every context."""
 
     n_vocab = 8
     n_ctx = 4096
@@ -61,14 +63,18 @@ class ScriptedScorer(Scorer):
         out = []
         for context, continuation in requests:
             self.contexts.append(context)
-            answer = next(a for text, a in self.table.items() if context.endswith(text))
-            wanted = "ABCD"[answer] if self.mode == "exact" else "A"
+            text, answer = next((text, a) for text, a in self.table.items() if context.endswith(text))
+            if self.mode.startswith("miss-") and zlib.crc32(text.encode()) % int(self.mode[5:]) == 0:
+                answer = (answer + 1) % 4
+            wanted = "ABCD"[answer] if self.mode != "always-a" else "A"
             hit = continuation.strip() == wanted
             out.append(LogLikelihood(0.0 if hit else -5.0, hit, 1))
         return out
 
     def next_token_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
-        shift = 0.0 if self.mode == "exact" else 1.0
+        shift = {"exact": 0.0, "always-a": 1.0}.get(self.mode, 0.0)
+        if self.mode.startswith("miss-"):
+            shift = 2.0 / int(self.mode[5:])
         logits = np.tile(np.arange(self.n_vocab, dtype=np.float64) * (1.0 + shift), (len(tokens), 1))
         return (logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))).astype(np.float32)
 
@@ -102,6 +108,31 @@ def test_shipped_samples_have_every_subject_with_ten_items_and_five_dev():
     for licence in ("LICENSE-MMLU.txt", "LICENSE-CEVAL.txt", "SOURCES.md"):
         assert (data / licence).stat().st_size > 500
     assert "BY-NC-SA 4.0" in (data / "LICENSE-CEVAL.txt").read_text(encoding="utf-8")
+
+
+def test_full_sets_ship_with_every_sample_item_in_them():
+    for name, rows, n_subjects in (("mmlu", 13978, 57), ("ceval", 1346, 52)):
+        full = benchmarks.full_items(name)
+        assert len(full) == rows and len({r["subject"] for r in full}) == n_subjects
+        sample = [d for docs in benchmarks.load_items(name).values() for d in docs]
+        ids = benchmarks.item_ids(name, sample)
+        assert len(set(ids)) == len(sample)
+        assert all(full[i]["question"] == d["question"] for i, d in zip(ids, sample))
+    text = (benchmarks.data_dir() / "LICENSE-CEVAL.txt").read_text(encoding="utf-8")
+    assert "ceval_val.jsonl.gz" in text
+    assert "mmlu_test.jsonl.gz" in (benchmarks.data_dir() / "SOURCES.md").read_text(encoding="utf-8")
+
+
+def test_stratified_order_takes_one_item_per_subject_per_round():
+    order = benchmarks.stratified_order("ceval", "full", 5, seed=1)
+    assert sorted(order) == list(range(1346))  # every item, once
+    full = benchmarks.full_items("ceval")
+    assert len({full[i]["subject"] for i in order[:52]}) == 52  # the first batch covers every subject
+    assert order == benchmarks.stratified_order("ceval", "full", 5, seed=1)
+    assert order != benchmarks.stratified_order("ceval", "full", 5, seed=2)
+    sample = benchmarks.stratified_order("mmlu", "sample", 2, seed=0)
+    chosen = benchmarks.subset("mmlu", 2, seed=0)
+    assert sorted(sample) == sorted(benchmarks.item_ids("mmlu", [d for docs in chosen.values() for d in docs]))
 
 
 def test_subset_is_seeded_per_subject_and_deterministic():
@@ -306,6 +337,37 @@ def test_an_undecided_configuration_is_treated_by_the_stated_policy(tmp_path, tm
     states = {t.state for t in study.trials if t.user_attrs["config"]["weights"] == "always-a" and "answered_from" not in t.user_attrs}
     reasons = [t.user_attrs.get("prune_reason") for t in study.trials]
     assert states == {optuna.trial.TrialState.COMPLETE if admitted else optuna.trial.TrialState.PRUNED}, reasons
+
+
+def test_undecided_kld_policy_maps_kld_to_a_drop_fitted_on_the_other_artifacts(tmp_path, tmp_storage, quality_registered):
+    from autotune.study.quality import QualityBook
+
+    weights = ["exact", "miss-2", "miss-12", "miss-5"]  # 0, 32, 4 and 16 of the 57 items answered wrong
+    path = write_study(tmp_path / "study.toml", "fake-scoring", weights, parallel=(1,))
+    bound = 20.0
+    path.write_text(path.read_text(encoding="utf-8") + f'quality = "mmlu"\nmax_drop_points = {bound}\n'
+                    'reference_weights = "exact"\n\n[quality]\nper_subject = 1\nshots = 0\nundecided = "kld"\n',
+                    encoding="utf-8")
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        prepared = prepare_study(load_study_config(path), storage=tmp_storage)
+        assert prepared.quality_proxy is not None and prepared.quality_proxy.name == "kld"
+        book = QualityBook(prepared, None)
+        configs = {c.weights: c for c in prepared.space.enumerate()}
+        out = {w: book.trial_quality(configs[w]) for w in weights[:-1]}
+        assert {w: q["verdict"] for w, q in out.items()} == {"exact": "within", "miss-2": "over", "miss-12": "within"}
+        # Every candidate's KLD is measured (the relation's points); it grows as misses grow.
+        assert out["exact"]["kld"] == pytest.approx(0.0, abs=1e-9) and out["miss-2"]["kld"] > out["miss-12"]["kld"] > 0
+        last = book.trial_quality(configs["miss-5"])
+    decision = book._local[book._decision_attr(configs["miss-5"])]
+    assert last["verdict"] == "undecided" and last["decided_by"] == "kld"
+    from autotune.study import paired
+
+    fitted = paired.fit_kld_relation([out[w]["kld"] for w in out], [out[w]["drop_points"] for w in out])
+    assert decision["kld_relation"]["n"] == 3 and decision["kld_relation"]["slope_points_per_nat"] == pytest.approx(fitted.slope)
+    expected, se = fitted.expected_drop(last["kld"])
+    assert decision["kld_expected_drop_points"] == pytest.approx(expected)
+    assert last["admitted"] is (expected + fitted.t * se < bound)
+    assert "fitted on 3 artifacts" in last["how"]
 
 
 def test_require_quality_refuses_a_backend_without_scoring(tmp_path, tmp_storage, quality_registered):
