@@ -12,6 +12,7 @@ configuration twice, and a heartbeat lets a survivor fail a dead worker's trial.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -30,9 +31,11 @@ import optuna
 from autotune import objective as objective_mod
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
+from autotune.measure import PROBE_STOP
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
+from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.prepare import PreparedStudy
 from autotune.study.prior import rank_by_prior
 from autotune.study.quality import QualityBook
@@ -140,11 +143,15 @@ class StudyRunner:
         self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
         self.study = storage.open_study(prepared, self.sampler)
+        if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
+            self.study.pruner = LeaderGapPruner(self.cfg.probe_margin)
         self.judge = judge_for(prepared, self.study)
         self.quality = self.judge.quality
         self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
         self._fail_dead_local_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        # Holds this worker's claims on rounds of the finish; negative, so never a trial's id.
+        self._finish_token = -random.SystemRandom().randint(1, 2**31 - 1)
         self.n_measured = 0
         self.n_new = 0
         self.converged = False
@@ -401,25 +408,37 @@ class StudyRunner:
         records.write_finish_plan(self.study, [r.number for r in top], self.cfg.finish_rounds)
         stored = records.remeasures(self.study)
         todo = sum(round_ not in stored.get(r.number, {}) for round_ in range(self.cfg.finish_rounds) for r in top)
-        launches = 0
+        launches = others = 0
         for round_ in range(self.cfg.finish_rounds):
             for r in top:
                 if round_ in stored.get(r.number, {}):
+                    continue
+                # Workers sharing the study reach the finish together: each round is claimed, so
+                # they share the rounds out instead of each measuring all of them.
+                key = f"finish:{r.number}:{round_}"
+                if self.claims.claim(key, self._finish_token) not in (None, self._finish_token):
+                    others += 1
                     continue
                 config = r.trial_config
                 assert config is not None
                 ctx = self.prepared.contexts[config.backend]
                 launches += 1
                 if note is not None:
-                    note(f"finish {launches}/{todo}: trial {r.number} measured again (round {round_ + 1} of "
-                         f"{self.cfg.finish_rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
+                    note(f"finish {launches + others}/{todo}: trial {r.number} measured again (round {round_ + 1} "
+                         f"of {self.cfg.finish_rounds}, interleaved with trials "
+                         f"{', '.join(str(t.number) for t in top)})")
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
                     s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
                                     r.quality_drop_points, r.quality)
                 except EngineUnavailableError:
+                    self.claims.release(key, self._finish_token)
                     return launches  # every launch would fail: the missing rounds wait for a later run
-                except Exception as exc:  # the study's outcome stands; the verdict counts the failure
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):  # Ctrl-C: the round is measured when the study continues
+                        self.claims.release(key, self._finish_token)
+                        raise
+                    # The study's outcome stands; the verdict counts the failure.
                     records.write_remeasure(self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}",
                                             worker=self.worker)
                     continue
@@ -427,6 +446,8 @@ class StudyRunner:
                 records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
                                         per_user_tok_s=per_user.median if per_user is not None else None,
                                         peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
+        if others and note is not None:
+            note(f"finish: {others} round(s) measured by another worker of this study")
         return launches
 
     def _one_trial(self, heartbeat: storage.Heartbeat, start: float) -> TrialEvent:
@@ -551,8 +572,14 @@ class StudyRunner:
 
         write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_version()},
               gpu=records.gpu_attrs(prepared.gpu))
+        heard: dict[str, str] = {}
+        run_ctx = ctx
+        if isinstance(self.study.pruner, LeaderGapPruner):
+            run_ctx = dataclasses.replace(ctx, probe=make_probe(
+                trial, self.cfg.objective, verdict.estimate.total_bytes, ctx.vram_budget_bytes,  # type: ignore[union-attr]
+                trial.user_attrs.get("quality_drop_points"), self.study.pruner.margin, heard))
         try:
-            measurement = backend.run(config, ctx)
+            measurement = backend.run(config, run_ctx)
         except EngineUnavailableError:
             raise
         except BackendError as exc:
@@ -571,6 +598,11 @@ class StudyRunner:
         metric = self.cfg.objective.metric
         if metric not in measurement.metrics:
             raise BackendError(f"backend '{backend.name}' did not measure {metric}")
+        if measurement.metrics[metric].stop_reason == PROBE_STOP:
+            # One run is not a measurement to crown: recorded, never launched again, never best.
+            write(trial, prune_reason=heard.get("reason", "probe: stopped after the first run"), probe=True)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return _Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"))
         s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
                         trial.user_attrs.get("quality_drop_points"), trial.user_attrs.get("quality"))
         records.set_constraints(trial, s.constraints)
