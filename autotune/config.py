@@ -28,7 +28,7 @@ QUALITY_OPTIONS: dict[str, tuple[type, float, float | None, str]] = {
     "shots": (int, 0, 5, "dev examples before each question (0..5)"),
     "seed": (int, 0, None, "chooses the per-subject subset and the order items are drawn in"),
     "batch": (int, 1, None, "items added per look of a sequential measurement (default: one per subject)"),
-    "max_items": (int, 1, None, "the most items one artifact is measured on (default: the whole pool)"),
+    "max_items": (int, 2, None, "the most items one artifact is measured on (default: the whole pool)"),
     "max_seconds": (float, 1, None, "the most seconds one candidate's sequential measurement may take"),
     "expected_agreement": (float, 0.5, 1.0, "the fraction of items candidate and reference are expected to answer alike"),
 }

