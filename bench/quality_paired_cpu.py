@@ -113,7 +113,8 @@ def main() -> None:
                 "items_needed_for_1_point": paired.items_needed(1 - d.discordant / d.n, 1.0),
             }
     relation = paired.fit_kld_relation([drops[q]["kld"]["kld_mean"] for q in QUANTS],
-                                       [drops[q]["mmlu"]["drop_points"] for q in QUANTS])
+                                       [drops[q]["mmlu"]["drop_points"] for q in QUANTS],
+                                       [drops[q]["mmlu"]["paired_stderr_points"] for q in QUANTS])
     for name in files:
         for bench in ("mmlu", "ceval"):
             results[name][bench].pop("items")

@@ -130,3 +130,6 @@ def test_kld_relation_is_fitted_through_the_origin_with_its_uncertainty():
     assert rel is not None and rel.slope == pytest.approx(10.0, rel=0.05)
     low, high = rel.expected_drop(0.1), rel.expected_drop(1.0)
     assert low[0] < high[0] and low[1] < high[1]  # farther from the data: less certain
+    # Drops that happen to lie on a line claim no more certainty than their own errors.
+    flat = paired.fit_kld_relation([0.004, 0.26, 0.40], [0.0, 0.0, 0.0], [1.8, 3.1, 3.1])
+    assert flat is not None and flat.slope == 0.0 and flat.residual_sd == pytest.approx((( 1.8**2 + 2 * 3.1**2) / 3) ** 0.5)

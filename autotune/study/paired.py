@@ -166,12 +166,21 @@ class KldRelation:
 MIN_RELATION_POINTS = 3
 
 
-def fit_kld_relation(klds: Sequence[float], drops_points: Sequence[float]) -> KldRelation | None:
-    """The relation, or None with fewer than ``MIN_RELATION_POINTS`` artifacts or no spread in KLD."""
+def fit_kld_relation(klds: Sequence[float], drops_points: Sequence[float],
+                     stderrs_points: Sequence[float] | None = None) -> KldRelation | None:
+    """The relation, or None with fewer than ``MIN_RELATION_POINTS`` artifacts or no spread in KLD.
+
+    The spread around the line is never taken below the drops' own standard errors (their root
+    mean square): drops measured on few items may all happen to sit on a line, and the line
+    would then claim a certainty its points never had.
+    """
     x, y = np.asarray(klds, float), np.asarray(drops_points, float)
     if x.size < MIN_RELATION_POINTS or float((x * x).sum()) <= 0:
         return None
     sxx = float((x * x).sum())
     slope = float((x * y).sum()) / sxx
-    residual_sd = math.sqrt(float(((y - slope * x) ** 2).sum()) / (x.size - 1))
+    residual_var = float(((y - slope * x) ** 2).sum()) / (x.size - 1)
+    if stderrs_points is not None:
+        residual_var = max(residual_var, float(np.mean(np.asarray(stderrs_points, float) ** 2)))
+    residual_sd = math.sqrt(residual_var)
     return KldRelation(slope, residual_sd / math.sqrt(sxx), residual_sd, int(x.size))

@@ -269,8 +269,8 @@ class QualityBook:
         points = []
         for found in self._decisions().values():
             if found.get("weights") != config.weights and found.get("kld") is not None:
-                points.append((found["kld"], found["drop_points"]))
-        relation = paired.fit_kld_relation([p[0] for p in points], [p[1] for p in points])
+                points.append((found["kld"], found["drop_points"], found["drop_stderr_points"]))
+        relation = paired.fit_kld_relation([p[0] for p in points], [p[1] for p in points], [p[2] for p in points])
         out: dict[str, Any] = {"kld": kld}
         if relation is None:
             return {**out, "admitted": False, "decided_by": "kld (no relation): reject",
