@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import random
 import signal
@@ -87,6 +88,27 @@ class _Outcome:
     answered_from: int | None = None
 
 
+_PID_BITS = 22  # Linux's largest pid_max is 2**22
+
+
+def _host_tag(host: str) -> int:
+    return int.from_bytes(hashlib.sha1(host.encode()).digest()[:1], "big")
+
+
+def _finish_token(host: str, pid: int) -> int:
+    """What a worker's claims on rounds of the finish hold: negative, so never a trial's id, and
+    naming its host (8 bits of a hash) and pid, so that a worker killed mid-finish can be told
+    dead by the next run on its machine, which then takes its rounds over."""
+    return -((_host_tag(host) << _PID_BITS) | (pid % (1 << _PID_BITS)) or 1)
+
+
+def _dead_local_finisher(token: int) -> bool:
+    if token >= 0:
+        return False
+    value = -token
+    return value >> _PID_BITS == _host_tag(socket.gethostname()) and not _alive(value & ((1 << _PID_BITS) - 1))
+
+
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
     """The study's inner sampler. Constraints reach it through ``Trial.set_constraint``."""
     sampler = prepared.cfg.sampler
@@ -150,8 +172,7 @@ class StudyRunner:
         self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
         self._fail_dead_local_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        # Holds this worker's claims on rounds of the finish; negative, so never a trial's id.
-        self._finish_token = -random.SystemRandom().randint(1, 2**31 - 1)
+        self._finish_token = _finish_token(socket.gethostname(), os.getpid())
         self.n_measured = 0
         self.n_new = 0
         self.converged = False
@@ -416,7 +437,9 @@ class StudyRunner:
                 # Workers sharing the study reach the finish together: each round is claimed, so
                 # they share the rounds out instead of each measuring all of them.
                 key = f"finish:{r.number}:{round_}"
-                if self.claims.claim(key, self._finish_token) not in (None, self._finish_token):
+                holder = self.claims.claim(key, self._finish_token)
+                if holder not in (None, self._finish_token) and not (
+                        _dead_local_finisher(holder) and self.claims.take_over(key, holder, self._finish_token)):
                     others += 1
                     continue
                 config = r.trial_config
