@@ -27,6 +27,8 @@ SCHEMA_VERSION = 2
 UPGRADABLE = {1}
 SCHEMA_ATTR = "autotune_schema_version"
 QUALITY_PREFIX = "quality:"
+QUALITY_DECISION_PREFIX = QUALITY_PREFIX + "drop:"  # + a hash: one candidate's paired drop and verdict
+QUALITY_POWER_ATTR = "quality_power"
 CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
 REMEASURE_PREFIX = "remeasure:"
 FINISH_PLAN_ATTR = "finish_plan"
@@ -281,3 +283,10 @@ def stored_calibrations(study: optuna.Study) -> dict[str, dict[str, Any]]:
     """Each real backend's stored calibration, by the real backend's name."""
     return {key[len(CALIBRATION_PREFIX):]: value for key, value in study.user_attrs.items()
             if key.startswith(CALIBRATION_PREFIX)}
+
+
+def quality_decisions(study: optuna.Study) -> list[dict[str, Any]]:
+    """Every stored paired-drop decision of a study (``autotune.study.quality``), by weights:
+    which configurations were decided how."""
+    found = [v for k, v in study.user_attrs.items() if k.startswith(QUALITY_DECISION_PREFIX)]
+    return sorted(found, key=lambda d: str(d.get("weights")))

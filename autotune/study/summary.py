@@ -254,4 +254,9 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         summary.extra["finish"] = finish
     if len(study.directions) > 1:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
+    decisions = records.quality_decisions(study)
+    if decisions:
+        summary.extra["quality_decisions"] = decisions
+    if records.QUALITY_POWER_ATTR in study.user_attrs:
+        summary.extra["quality_power"] = study.user_attrs[records.QUALITY_POWER_ATTR]
     return summary
