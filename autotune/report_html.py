@@ -62,7 +62,8 @@ def roofline_share(r: TrialRecord) -> float | None:
     """The share of the card's memory bandwidth that streaming the weights takes at the measured
     per-user speed: with ``parallel`` streams, each decode step reads the weights once and gives
     each stream one token, so weights bytes x per-user tok/s is the bandwidth used (KV-cache
-    reads left out: a lower bound). None where the GPU's bandwidth is not known (a CPU study)."""
+    reads left out: a lower bound). None where the GPU's bandwidth is not known, or nothing was
+    measured on it (a twin trial, or a CPU study standing in for a card)."""
     bandwidth = (r.gpu or {}).get("mem_bandwidth_gb_s")
     weights = (r.predicted_vram or {}).get("weights_bytes")
     per_user = r.median("per_user_tok_s")
@@ -309,7 +310,9 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
     for name, fig in figures:
         if fig is None:
             plots.append(f"<p class='absent' id='{name}-absent'>({name}: no data in this study: "
-                         + ("no quality measured" if name == "pareto" else "no GPU bandwidth known") + ")</p>")
+                         + ("no quality measured" if name == "pareto"
+                            else "no trial measured on a GPU of known bandwidth: the twin predicts, a CPU study "
+                                 "has no card") + ")</p>")
             continue
         plots.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}",
                                  config={"displaylogo": False}))
