@@ -17,6 +17,7 @@ from autotune.models import ModelSpec
 __all__ = [
     "CACHE_TYPES",
     "CacheType",
+    "cache_bits",
     "cache_bytes_per_element",
     "cache_fixed_bytes",
     "kv_bytes_per_token",
@@ -24,11 +25,14 @@ __all__ = [
 
 
 class CacheType(NamedTuple):
-    """A KV-cache element type: the engine family, bytes per element, and where that comes from."""
+    """A KV-cache element type: the engine family, bytes per element, where that comes from, and
+    its nominal precision in bits (the number in its name: q8_0 and q8 are both 8, scales left
+    out), by which a study compares one engine's cache types with another's (``space.KV_BITS``)."""
 
     family: str
     bytes_per_element: Fraction
     source: str
+    bits: int
 
 
 _LLAMA_ARGS = "llama.cpp common/arg.cpp kv_cache_types (-ctk/-ctv)"
@@ -43,27 +47,33 @@ _EXL2_CACHE = "exllamav2/cache.py ExLlamaV2Cache_Q4/Q6/Q8: uint8 data + FP16 sca
 
 CACHE_TYPES: dict[str, CacheType] = {
     # llama.cpp: ggml types; sizes are the ggml block layouts above (ggml-common.h).
-    "f32": CacheType("llama.cpp", Fraction(4), f"{_LLAMA_ARGS}: F32"),
-    "f16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: F16 (the default)"),
-    "bf16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: BF16"),
-    "q8_0": CacheType("llama.cpp", Fraction(34, 32), f"{_LLAMA_ARGS}: block_q8_0, 34 B / 32"),
-    "q5_1": CacheType("llama.cpp", Fraction(24, 32), f"{_LLAMA_ARGS}: block_q5_1, 24 B / 32"),
-    "q5_0": CacheType("llama.cpp", Fraction(22, 32), f"{_LLAMA_ARGS}: block_q5_0, 22 B / 32"),
-    "q4_1": CacheType("llama.cpp", Fraction(20, 32), f"{_LLAMA_ARGS}: block_q4_1, 20 B / 32"),
-    "q4_0": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_q4_0, 18 B / 32"),
-    "iq4_nl": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_iq4_nl, 18 B / 32"),
+    "f32": CacheType("llama.cpp", Fraction(4), f"{_LLAMA_ARGS}: F32", 32),
+    "f16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: F16 (the default)", 16),
+    "bf16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: BF16", 16),
+    "q8_0": CacheType("llama.cpp", Fraction(34, 32), f"{_LLAMA_ARGS}: block_q8_0, 34 B / 32", 8),
+    "q5_1": CacheType("llama.cpp", Fraction(24, 32), f"{_LLAMA_ARGS}: block_q5_1, 24 B / 32", 5),
+    "q5_0": CacheType("llama.cpp", Fraction(22, 32), f"{_LLAMA_ARGS}: block_q5_0, 22 B / 32", 5),
+    "q4_1": CacheType("llama.cpp", Fraction(20, 32), f"{_LLAMA_ARGS}: block_q4_1, 20 B / 32", 4),
+    "q4_0": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_q4_0, 18 B / 32", 4),
+    "iq4_nl": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_iq4_nl, 18 B / 32", 4),
     # ExLlamaV2 (cache_mode FP16 / Q8 / Q6 / Q4 in TabbyAPI and the examples).
-    "fp16": CacheType("exllamav2", Fraction(2), "exllamav2/cache.py ExLlamaV2Cache: torch.half"),
-    "q8": CacheType("exllamav2", Fraction(17, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1 + 1/16"),
-    "q6": CacheType("exllamav2", Fraction(13, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1/2 + 1/16 (mean)"),
-    "q4": CacheType("exllamav2", Fraction(9, 16), f"{_EXL2_CACHE}: K 1/2 + 1/16, V 1/2 + 1/16"),
+    "fp16": CacheType("exllamav2", Fraction(2), "exllamav2/cache.py ExLlamaV2Cache: torch.half", 16),
+    "q8": CacheType("exllamav2", Fraction(17, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1 + 1/16", 8),
+    "q6": CacheType("exllamav2", Fraction(13, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1/2 + 1/16 (mean)", 6),
+    "q4": CacheType("exllamav2", Fraction(9, 16), f"{_EXL2_CACHE}: K 1/2 + 1/16, V 1/2 + 1/16", 4),
     # vLLM --kv-cache-dtype: "auto" is the model dtype (FP16/BF16, 2 bytes); the fp8 variants
     # store 1 byte per element (per-tensor scales, negligible).
-    "auto": CacheType("vllm", Fraction(2), "vLLM --kv-cache-dtype auto: the model dtype (FP16/BF16)"),
-    "fp8": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8 (= fp8_e4m3)"),
-    "fp8_e4m3": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e4m3"),
-    "fp8_e5m2": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e5m2"),
+    "auto": CacheType("vllm", Fraction(2), "vLLM --kv-cache-dtype auto: the model dtype (FP16/BF16)", 16),
+    "fp8": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8 (= fp8_e4m3)", 8),
+    "fp8_e4m3": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e4m3", 8),
+    "fp8_e5m2": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e5m2", 8),
 }
+
+
+def cache_bits(cache_type: str) -> int | None:
+    """Nominal bits of a cache type (``q8_0`` -> 8); None for a name the catalog lacks."""
+    ct = CACHE_TYPES.get(str(cache_type).lower())
+    return None if ct is None else ct.bits
 
 
 def _known_cache_types() -> str:

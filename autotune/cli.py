@@ -61,19 +61,23 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--seed", type=int, help="Sampler seed (default: the study file's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the HTML report (plots, every trial) to this file at the end.")
 @click.pass_context
 def study(ctx: click.Context, config: Path | None, budget: float | None, n_trials: int | None, storage: str | None,
-          seed: int | None, as_json: bool, quiet: bool) -> None:
+          seed: int | None, as_json: bool, quiet: bool, report_path: Path | None) -> None:
     """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
     from autotune.progress import LiveProgress
     from autotune.report import explain_best, summary_json, summary_text
     from autotune.study import StudyRunner, prepare_study
     from autotune.study.records import stored_calibrations
+    from autotune.study.storage import remember_run
 
     def go() -> None:
         cfg = load_study_config(config if config is not None else default_study_path())
         prepared = prepare_study(cfg, storage=storage)
         runner = StudyRunner(prepared, seed=seed)
+        remember_run(prepared.storage_url, cfg.name)
         plan_trials = n_trials
         plan_budget = budget
         if plan_trials is None and plan_budget is None:
@@ -84,10 +88,20 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         summary.extra["why"] = explain_best(prepared, runner.study, summary.best)
         runner.study.set_user_attr("why_best", summary.extra["why"])
         summary.extra["calibration"] = stored_calibrations(runner.study)
+        from autotune.dashboard import annotate_study
+
+        annotate_study(runner.study, summary_text(summary))
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
             click.echo(summary_text(summary))
+        if report_path is not None:
+            from autotune.report import write_study_report
+
+            click.echo(f"report: {write_study_report(runner.study, summary, report_path)}", err=True)
+        else:
+            click.echo(f"an HTML report of this study: autotune report --storage '{prepared.shown_storage}' "
+                       f"--study {cfg.name} --out {cfg.name}.html (or --report PATH next time)", err=True)
         if summary.interrupted:
             click.echo("interrupted: the storage is consistent; run the same command again to continue", err=True)
             sys.exit(130)
@@ -95,26 +109,57 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
     _run(ctx.obj["debug"], go)
 
 
-def _default_storage(given: str | None) -> str:
-    """Where ``best`` and ``dashboard`` read: --storage, $AUTOTUNE_STORAGE, else the default study's."""
-    from autotune.study.storage import resolve_url
+def _reading(storage: str | None, study_file: Path | None, study_name: str | None) -> tuple[str, str | None]:
+    """Where ``best``, ``report`` and ``dashboard`` read (``storage.reading_target``)."""
+    from autotune.study.storage import reading_target
 
-    cfg = load_study_config(default_study_path())
-    return resolve_url(given, cfg.storage, cfg.default_storage)
+    url, name, _ = reading_target(storage, study_file, study_name, default_study_path())
+    return url, name
+
+
+_STUDY_FILE = click.argument("study_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+_READ_STORAGE = click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else STUDY_FILE's, "
+                             "else the study last run in this directory, else the default study's).")
 
 
 @cli.command()
-@click.option("--study", "study_name", help="Study name (default: the storage's only study).")
-@click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the default study's).")
+@_STUDY_FILE
+@click.option("--study", "study_name", help="Study name (default: STUDY_FILE's or the last run's, else the storage's "
+              "only study).")
+@_READ_STORAGE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
-def best(ctx: click.Context, study_name: str | None, storage: str | None, as_json: bool) -> None:
+def best(ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None,
+         as_json: bool) -> None:
     """The best trial of a study, its metrics and its deploy command."""
     from autotune.report import stored_summary, summary_json, summary_text
 
     def go() -> None:
-        summary = stored_summary(_default_storage(storage), study_name)
+        summary = stored_summary(*_reading(storage, study_file, study_name))
         click.echo(json.dumps(summary_json(summary), indent=2, default=str) if as_json else summary_text(summary))
+
+    _run(ctx.obj["debug"], go)
+
+
+@cli.command()
+@_STUDY_FILE
+@click.option("--study", "study_name", help="Study name (default: STUDY_FILE's or the last run's, else the storage's "
+              "only study).")
+@_READ_STORAGE
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="HTML file to write [default: <study name>.html].")
+@click.pass_context
+def report(ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None,
+           out: Path | None) -> None:
+    """Write a study's report: one self-contained HTML file with the winner, plots and every trial."""
+    from autotune.report import load_study, stored_summary, write_study_report
+
+    def go() -> None:
+        url, name = _reading(storage, study_file, study_name)
+        study = load_study(url, name)
+        summary = stored_summary(url, study.study_name)
+        path = write_study_report(study, summary, out or Path(f"{study.study_name}.html"))
+        click.echo(str(path))
 
     _run(ctx.obj["debug"], go)
 
@@ -145,24 +190,48 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the default study's).")
+@_STUDY_FILE
+@_READ_STORAGE
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
 @click.pass_context
-def dashboard(ctx: click.Context, storage: str | None, host: str, port: int) -> None:
+def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, host: str, port: int) -> None:
     """Start optuna-dashboard on the study storage (localhost by default)."""
 
     def go() -> None:
         from optuna_dashboard import run_server
 
-        from autotune.study.storage import mask_url, open_storage
+        from autotune.dashboard import artifact_store
+        from autotune.report import load_study
+        from autotune.study.storage import mask_url, open_storage, study_names
 
-        url = _default_storage(storage)
+        url, name = _reading(storage, study_file, None)
         store = open_storage(url, create=False)  # only reads: a mistyped path must not make a database
+        for each in ([name] if name else study_names(store, mask_url(url))):
+            load_study(url, each)  # refuse a study of another schema before serving it
         click.echo(f"optuna-dashboard for {mask_url(url)} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
-        run_server(store, host=host, port=port)
+        run_server(store, host=host, port=port, artifact_store=artifact_store(url, create=False))
 
     _run(ctx.obj["debug"], go)
+
+
+@cli.group("storage")
+def storage_group() -> None:
+    """Maintain study storages."""
+
+
+@storage_group.command("upgrade")
+@click.argument("url")
+@click.pass_context
+def storage_upgrade(ctx: click.Context, url: str) -> None:
+    """Rewrite the studies in URL that an older autotune stored to this one's schema, in place."""
+    from autotune.study.storage import upgrade
+
+    def go() -> None:
+        for line in upgrade(url):
+            click.echo(line)
+
+    _run(ctx.find_root().obj["debug"], go)
 
 
 @cli.command()

@@ -20,13 +20,22 @@ from autotune.errors import ConfigError
 
 SAMPLERS = ("tpe", "random", "grid", "nsga2", "twin")
 OBJECTIVE_MODES = ("single", "pareto")
-# [quality] table: field -> (min, max or None, what it is). Metrics that sample a benchmark
-# read them; the shipped samples hold 10 items and 5 dev examples per subject.
-QUALITY_OPTIONS = {
-    "per_subject": (1, 10, "items per subject (the shipped samples hold 10)"),
-    "shots": (0, 5, "dev examples before each question (0..5)"),
-    "seed": (0, None, "chooses the per-subject subset"),
+# [quality] table: field -> (type, min, max or None, what it is). Metrics that sample a
+# benchmark read the first three (the shipped samples hold 10 items and 5 dev examples per
+# subject); the rest say how the study measures a paired drop (autotune/study/quality.py).
+QUALITY_OPTIONS: dict[str, tuple[type, float, float | None, str]] = {
+    "per_subject": (int, 1, 10, "items per subject (the shipped samples hold 10)"),
+    "shots": (int, 0, 5, "dev examples before each question (0..5)"),
+    "seed": (int, 0, None, "chooses the per-subject subset and the order items are drawn in"),
+    "batch": (int, 1, None, "items added per look of a sequential measurement (default: one per subject)"),
+    "max_items": (int, 2, None, "the most items one artifact is measured on (default: the whole pool)"),
+    "max_seconds": (float, 1, None, "the most seconds one candidate's sequential measurement may take"),
+    "expected_agreement": (float, 0.5, 1.0, "the fraction of items candidate and reference are expected to answer alike"),
 }
+# [quality] pool: where items are drawn from; undecided: what a configuration whose drop is
+# still undecided at the cap counts as (the safe answer by default).
+QUALITY_POOLS = ("sample", "full")
+UNDECIDED_POLICIES = ("reject", "accept", "kld")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh])\s*$")
 
 
@@ -342,11 +351,15 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     # How the quality metric samples its benchmark; part of its cache key, so two studies with
     # the same settings share nothing by accident and a change re-measures.
     quality_t = r.table("quality")
-    r.unknown_keys("quality", quality_t, set(QUALITY_OPTIONS))
-    quality_options = {}
-    for key, (low, high, what) in QUALITY_OPTIONS.items():
+    r.unknown_keys("quality", quality_t, set(QUALITY_OPTIONS) | {"pool", "undecided"})
+    quality_options: dict[str, Any] = {}
+    for key, (kind, low, high, what) in QUALITY_OPTIONS.items():
         check = _at_least(low) if high is None else _between(low, high)
-        value = r.get("quality", quality_t, key, int, None, accepted=what, check=check)
+        value = r.get("quality", quality_t, key, kind, None, accepted=what, check=check)
+        if value is not None:
+            quality_options[key] = value
+    for key, options in (("pool", QUALITY_POOLS), ("undecided", UNDECIDED_POLICIES)):
+        value = r.get("quality", quality_t, key, str, None, check=_one_of(options))
         if value is not None:
             quality_options[key] = value
     if quality_t and objective.quality is None:

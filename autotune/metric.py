@@ -25,6 +25,10 @@ class MetricValue:
         n: How many items it was computed on.
         seconds: Wall time it took.
         details: Anything else worth recording (per-subject scores...).
+        per_item: Item by item, for metrics that answer items (see ``BaseMetric.item_order``):
+            ``{"item": [ids], "correct": [1.0 or 0.0], "margin": [nats]}``, where margin is the
+            log-probability of the right answer minus the best wrong one's. Drops between two
+            artifacts are computed on the items both answered (``autotune.study.paired``).
     """
 
     value: float
@@ -32,15 +36,19 @@ class MetricValue:
     n: int | None = None
     seconds: float | None = None
     details: dict[str, Any] | None = None
+    per_item: dict[str, list[Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "value": self.value,
             "stderr": self.stderr,
             "n": self.n,
             "seconds": self.seconds,
             "details": self.details or {},
         }
+        if self.per_item is not None:
+            out["per_item"] = self.per_item
+        return out
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,23 @@ class BaseMetric(abc.ABC):
     def supports(self, backend: "BaseBackend") -> str | None:
         """Why this metric cannot evaluate ``backend``'s configurations (None: it can)."""
         return None
+
+    def item_order(self) -> tuple[tuple[int, ...], int] | None:
+        """The items a paired measurement may draw, in the order it draws them, and the batch
+        that keeps its strata balanced (one item per subject); None (the default): the metric
+        answers one figure, not items, and its drop is the difference of two figures.
+
+        A metric that returns an order implements ``evaluate_items``; the study then measures
+        both artifacts on the same items, batch by batch, until the paired drop is decided
+        against the study's bound (``autotune.study.quality``).
+        """
+        return None
+
+    def evaluate_items(self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext",
+                       items: "tuple[int, ...] | list[int]") -> MetricValue:
+        """Measure the artifact of ``config`` on ``items`` only (ids from ``item_order``);
+        the result carries ``per_item``."""
+        raise NotImplementedError(f"metric '{self.name}' answers no items")
 
     @abc.abstractmethod
     def evaluate(self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext") -> MetricValue:

@@ -42,6 +42,9 @@ def directions(objective: Objective) -> list[str]:
 VRAM = "vram_over_budget"
 QUALITY = "quality_drop_over_max"
 PER_USER = "per_user_below_min"
+# The quality constraint of a configuration refused by its verdict although its point estimate
+# is below the bound (undecided, [quality] undecided = "reject"): infeasible, by a hair.
+QUALITY_REFUSED = 1e-3
 
 
 def vram_constraint(used_bytes: int, budget_bytes: int) -> float:
@@ -69,6 +72,7 @@ def score(
     vram_budget_bytes: int,
     quality_drop_points: float | None,
     per_user_tok_s: float | None = None,
+    quality_admitted: bool | None = None,
 ) -> Score:
     """Score one measured trial.
 
@@ -80,6 +84,10 @@ def score(
         quality_drop_points: Accuracy points lost against the reference (may be negative when
             the artifact scores better), or None when the study has no quality metric.
         per_user_tok_s: Measured decode speed each user sees at the trial's parallel streams.
+        quality_admitted: The study's verdict on a paired drop (``autotune.study.quality``):
+            True when its interval lies within the bound (or the undecided policy accepts it),
+            False when it lies over (or the policy rejects it); None: the bound is applied to
+            the point estimate. The verdict sets the constraint's sign, the distance its size.
     """
     drop = quality_drop_points
     penalty = objective.penalty_per_point * max(drop, 0.0) if drop is not None else 0.0
@@ -87,7 +95,12 @@ def score(
     if objective.max_drop_points is not None:
         # No quality figure counts as the worst: a study that caps the drop must not pass a
         # trial it could not check (float('inf') is not storable; a large finite value is).
-        constraints[QUALITY] = (drop - objective.max_drop_points) if drop is not None else 1e9
+        over = (drop - objective.max_drop_points) if drop is not None else 1e9
+        if quality_admitted is True:
+            over = min(over, 0.0)
+        elif quality_admitted is False:
+            over = max(over, QUALITY_REFUSED)
+        constraints[QUALITY] = over
     if objective.min_per_user_tok_s is not None:
         floor = objective.min_per_user_tok_s
         constraints[PER_USER] = (floor - per_user_tok_s) / floor if per_user_tok_s is not None else 1e9

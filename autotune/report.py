@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -42,6 +43,15 @@ def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     summary.extra["why"] = study.user_attrs.get("why_best", [])
     summary.extra["calibration"] = records.stored_calibrations(study)
     return summary
+
+
+def write_study_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
+    """The HTML report (``report_html``), with the summary's "why not a neighbour" lines."""
+    from autotune.report_html import write_report
+
+    if "why" not in summary.extra:
+        summary.extra["why"] = study.user_attrs.get("why_best", [])
+    return write_report(study, summary, out)
 
 
 def summary_json(summary: StudySummary) -> dict[str, Any]:
@@ -93,7 +103,7 @@ def summary_text(summary: StudySummary) -> str:
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")
-        return "\n".join(lines)
+        return "\n".join(lines + quality_lines(summary.extra))
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
     lines.append(f"best (trial {best['number']}): {params}")
     finish = summary.extra.get("finish")
@@ -114,7 +124,8 @@ def summary_text(summary: StudySummary) -> str:
         se = q.get("drop_stderr_points")
         lines.append(
             f"  quality: {q['metric']} {q['value']:.4f}, {q['drop_points']:+.2f} points vs {q['reference_weights']}"
-            + (f" (+- {se:.2f})" if se is not None else "")
+            + (f" (+- {se:.2f}{' paired' if q.get('items_used') else ''})" if se is not None else "")
+            + (f", {q['items_used']} items, {q['verdict'] or 'no bound'}" if q.get("items_used") else "")
         )
     vram = best.get("predicted_vram") or {}
     lines.append(f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured {_gib(best.get('measured_vram_bytes'))}")
@@ -138,7 +149,22 @@ def summary_text(summary: StudySummary) -> str:
     if excluded:
         lines.append("excluded before the search (could never run):")
         lines += [f"  {line}" for line in excluded]
-    return "\n".join(lines)
+    return "\n".join(lines + quality_lines(summary.extra))
+
+
+def quality_lines(extra: dict[str, Any]) -> list[str]:
+    """The "quality" section: what the bound costs, and how each artifact's paired drop was
+    decided (within, over, or undecided and then the policy)."""
+    lines = []
+    if extra.get("quality_power"):
+        lines.append(extra["quality_power"])
+    decisions = extra.get("quality_decisions") or []
+    if decisions:
+        lines.append("quality, artifact by artifact (paired drop vs the reference, 95% interval):")
+        for d in decisions:
+            verdict = "admitted" if d.get("admitted") else ("refused" if d.get("admitted") is False else "scored")
+            lines.append(f"  {d['weights']}: {verdict} ({d.get('decided_by')}): {d.get('how')}")
+    return lines
 
 
 def _percent(fraction: float | None) -> str:

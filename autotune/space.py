@@ -1,8 +1,18 @@
 """The conditional search space: the backend picks which parameters exist.
 
-Every backend-specific parameter is stored as ``<backend>.<name>`` so that Optuna sees one
-distribution per name (a cache type of llama.cpp is not one of ExLlamaV2) and multivariate
-TPE can group each backend's parameters together. ``backend`` itself is the root choice.
+``backend`` is the root choice. The knobs every backend means the same by have one Optuna
+name across backends, so that the dashboard's plots and the sampler compare them: ``ctx``,
+``parallel``, ``flash_attn`` and ``kv_bits``, the KV cache's nominal precision (a cache type's
+bits in ``cache_types.CACHE_TYPES``: llama.cpp's ``q8_0`` and ExLlamaV2's ``q8`` are both 8).
+Everything engine-specific stays ``<backend>.<name>`` (the weights, ``ubatch``, and a
+backend's ``cache_type`` where two of its searched types share a precision, so that bits
+could not say which one is meant).
+
+Optuna fixes one distribution per parameter name for a whole study, so a shared knob is drawn
+over the union of every backend's values (``SearchSpace.distributions``); a value the drawn
+backend does not offer is a configuration it cannot run: the study's sampler never proposes
+one (``ScreenedSampler`` completes proposals from each backend's own values), and a draw that
+still holds one is refused, free, with ``NotOffered`` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -12,11 +22,59 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig
+from autotune.cache_types import cache_bits
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
 CORE_OPTIONS = ("ctx", "parallel")
+SHARED_OPTIONS = ("flash_attn",)  # backend options every engine means the same by
+KV_BITS = "kv_bits"
+
+
+class NotOffered(ValueError):
+    """A draw holds a shared knob's value that the drawn backend does not offer."""
+
+
+def canonical_order(values: Any) -> tuple[Any, ...]:
+    """A shared knob's values in one order, whichever backend listed them first."""
+    return tuple(sorted(set(values), key=lambda v: (type(v).__name__, v)))
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One parameter as Optuna stores it, and the configuration field it sets.
+
+    ``choices`` are what Optuna sees; ``values`` the configuration's, in the same order (they
+    differ for ``kv_bits``: 8 stands for the backend's ``q8_0``)."""
+
+    name: str
+    option: str
+    choices: tuple[Any, ...]
+    values: tuple[Any, ...]
+
+    @property
+    def shared(self) -> bool:
+        return "." not in self.name
+
+    def encode(self, value: Any) -> Any:
+        return self.choices[self.values.index(value)]
+
+    def decode(self, choice: Any) -> Any:
+        return self.values[self.choices.index(choice)]
+
+
+def dimension_of(backend: str, option: str, values: tuple[Any, ...]) -> Dimension:
+    """The parameter a backend's option is searched as (the module docstring's naming rule):
+    a shared name for ctx, parallel and ``SHARED_OPTIONS``; ``kv_bits`` for ``cache_type`` when
+    the nominal bits name each of the backend's searched types; else ``<backend>.<option>``."""
+    if option in CORE_OPTIONS or option in SHARED_OPTIONS:
+        return Dimension(option, option, values, values)
+    if option == "cache_type":
+        bits = tuple(cache_bits(c) for c in values)
+        if None not in bits and len(set(bits)) == len(bits):
+            return Dimension(KV_BITS, option, bits, values)
+    return Dimension(f"{backend}.{option}", option, values, values)
 
 
 @dataclass(frozen=True)
@@ -36,11 +94,12 @@ class BackendSpace:
             n *= len(p.choices)
         return n
 
-    def dimensions(self) -> list[tuple[str, tuple[Any, ...]]]:
+    def dimensions(self) -> list[Dimension]:
+        """Its parameters as Optuna names them (module docstring), in a stable order."""
         name = self.backend.name
-        dims = [(f"{name}.weights", self.weights), (f"{name}.ctx", self.ctx), (f"{name}.parallel", self.parallel)]
-        dims += [(f"{name}.{p.name}", p.choices) for p in self.params]
-        return dims
+        dims = [dimension_of(name, "weights", self.weights), dimension_of(name, "ctx", self.ctx),
+                dimension_of(name, "parallel", self.parallel)]
+        return dims + [dimension_of(name, p.name, p.choices) for p in self.params]
 
 
 class SearchSpace:
@@ -55,16 +114,34 @@ class SearchSpace:
     def size(self) -> int:
         return sum(e.size for e in self.entries.values())
 
+    def distributions(self) -> dict[str, tuple[Any, ...]]:
+        """Each Optuna parameter's choices for the whole study: a shared knob's over every
+        backend (one distribution per name, as Optuna requires), in a canonical order."""
+        out: dict[str, tuple[Any, ...]] = {"backend": tuple(self.entries)}
+        for entry in self.entries.values():
+            for dim in entry.dimensions():
+                out[dim.name] = canonical_order(out.get(dim.name, ()) + dim.choices) if dim.shared else dim.choices
+        return out
+
     def suggest(self, trial: "optuna.Trial") -> TrialConfig:
-        """Draw one configuration through Optuna's sampler."""
+        """Draw one configuration through Optuna's sampler.
+
+        Raises:
+            NotOffered: a shared knob drawn at a value this backend does not offer.
+        """
+        union = self.distributions()
         backend = trial.suggest_categorical("backend", list(self.entries))
         entry = self.entries[backend]
-        values = {dim: trial.suggest_categorical(dim, list(choices)) for dim, choices in entry.dimensions()}
-        return self.config_of(entry, values)
+        drawn = {dim.name: trial.suggest_categorical(dim.name, list(union[dim.name])) for dim in entry.dimensions()}
+        for dim in entry.dimensions():
+            if drawn[dim.name] not in dim.choices:
+                raise NotOffered(f"backend '{backend}' does not offer {dim.name} = {drawn[dim.name]!r} "
+                                 f"(it offers {', '.join(map(repr, dim.choices))})")
+        return self.config_of(entry, drawn)
 
-    def config_of(self, entry: BackendSpace, values: Mapping[str, Any]) -> TrialConfig:
-        prefix = entry.backend.name + "."
-        plain = {k[len(prefix):]: v for k, v in values.items()}
+    def config_of(self, entry: BackendSpace, drawn: Mapping[str, Any]) -> TrialConfig:
+        """The configuration of one backend's drawn parameters (keyed by Optuna name)."""
+        plain = {dim.option: dim.decode(drawn[dim.name]) for dim in entry.dimensions()}
         options = tuple(sorted((p.name, plain[p.name]) for p in entry.params))
         return TrialConfig(entry.backend.name, plain["weights"], int(plain["ctx"]), int(plain["parallel"]), options)
 
@@ -72,20 +149,17 @@ class SearchSpace:
         """Every configuration, backend by backend, in a stable order."""
         for entry in self.entries.values():
             dims = entry.dimensions()
-            for combo in itertools.product(*(choices for _, choices in dims)):
-                yield self.config_of(entry, dict(zip((d for d, _ in dims), combo)))
+            for combo in itertools.product(*(d.choices for d in dims)):
+                yield self.config_of(entry, dict(zip((d.name for d in dims), combo)))
 
     def params_of(self, config: TrialConfig) -> dict[str, Any]:
         """Optuna parameters that reproduce ``config`` (for ``enqueue_trial``)."""
-        name = config.backend
-        params: dict[str, Any] = {
-            "backend": name,
-            f"{name}.weights": config.weights,
-            f"{name}.ctx": config.ctx,
-            f"{name}.parallel": config.parallel,
-        }
-        for key, value in config.options:
-            params[f"{name}.{key}"] = value
+        plain = config.as_dict()
+        params: dict[str, Any] = {"backend": config.backend}
+        for dim in self.entries[config.backend].dimensions():
+            if dim.option in plain:  # an option left out is drawn by the sampler
+                value = plain[dim.option]
+                params[dim.name] = dim.encode(value) if value in dim.values else value
         return params
 
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:

@@ -100,6 +100,17 @@ def run_best(work, studied):
     assert "deploy:" in ok(autotune("best", "--storage", studied, cwd=work)).stdout
 
 
+def run_report(work, studied):
+    ok(autotune("report", "--storage", studied, "--out", "readme.html", cwd=work))
+    page = (work / "readme.html").read_text()
+    assert "Winner: trial" in page and "plot-knee" in page and "plot-vram" in page
+
+
+def run_storage_upgrade(work, studied):
+    # The study was written by this autotune: nothing to rename, and it says so.
+    assert "left as it is" in ok(autotune("storage", "upgrade", studied, cwd=work)).stdout
+
+
 def run_estimate_catalog(work, studied):
     args = ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article", "--backend", "exllamav2",
             "--weights", "exl2:3.3", "--ctx", "4096", "--cache", "q8", "--flash-attn", "--parallel", "4"]
@@ -185,8 +196,10 @@ def run_synth(work, studied):
 
 # README line (as written, placeholders and all) -> the run that types it for real.
 RUNS = {
-    "autotune study [STUDY.toml] [--budget 2h|45m|90s] [--trials N] [--storage URL] [--seed N] [--json]": run_study,
-    "autotune best [--study NAME] [--storage URL] [--json]": run_best,
+    "autotune study [STUDY.toml] [--budget 2h|45m|90s] [--trials N] [--storage URL] [--seed N] [--json] "
+    "[--report PATH]": run_study,
+    "autotune best [STUDY.toml] [--study NAME] [--storage URL] [--json]": run_best,
+    "autotune report [STUDY.toml] [--study NAME] [--storage URL] [--out report.html]": run_report,
     "autotune estimate --gpu v100-16gb --model qwen2.5-27b-article --backend exllamav2 --weights exl2:3.3 --ctx 4096 "
     "--cache q8 --flash-attn --parallel 4 [--json]": run_estimate_catalog,
     "autotune estimate --model path/to/model.gguf --backend llama-server --ctx 4096 --parallel 4 --cache q8_0 "
@@ -196,7 +209,8 @@ RUNS = {
     "autotune quality --backend llama-server --weights model.gguf --benchmark mmlu|ceval|kld [--cache TYPE] "
     "[--per-subject N] [--shots K] [--reference REF.gguf] [--json]": run_quality,
     "autotune plugins [--json]": run_plugins,
-    "autotune dashboard [--storage URL] [--host 127.0.0.1] [--port 8080]": run_dashboard,
+    "autotune dashboard [STUDY.toml] [--storage URL] [--host 127.0.0.1] [--port 8080]": run_dashboard,
+    "autotune storage upgrade URL": run_storage_upgrade,
     "autotune engine build llama.cpp [--cuda-arch auto|cpu|70|90] [--cuda-compiler NVCC] [--cpu] [--python] "
     "[--jobs N]": run_engine_build,
     "autotune engine list": run_engine_list,

@@ -117,13 +117,20 @@ class Admission:
     def _known_low_quality(self, config: TrialConfig) -> Verdict | None:
         limit = self.objective.max_drop_points
         drop = self.quality.cached_drop(config) if self.quality is not None and limit is not None else None
-        if drop is None or limit is None or drop.points <= limit:
+        if drop is None or limit is None:
             return None
+        if drop.admitted is None:  # only a point estimate: the bound applies to it
+            if drop.points <= limit:
+                return None
+            reason = f"infeasible: quality drop {drop.points:.2f} points > max_drop_points {limit:g}"
+        elif drop.admitted:
+            return None
+        else:
+            reason = f"infeasible: quality {drop.reason} (max_drop_points {limit:g})"
         constraints = objective_mod.unmeasured_constraints(self.objective, 0.0)
-        constraints[objective_mod.QUALITY] = drop.points - limit
+        constraints[objective_mod.QUALITY] = max(drop.points - limit, objective_mod.QUALITY_REFUSED)
         base = self._memo[config.key]
-        return Verdict(LOW_QUALITY, f"infeasible: quality drop {drop.points:.2f} points > max_drop_points {limit:g}",
-                       base.estimate, base.raw_total_bytes, constraints, drop.points)
+        return Verdict(LOW_QUALITY, reason, base.estimate, base.raw_total_bytes, constraints, drop.points)
 
     def screen(self, entry: BackendSpace) -> tuple[BackendSpace | None, list[str]]:
         """Drop values that no configuration can use, before the sampler ever sees them.

@@ -37,6 +37,9 @@ class PreparedStudy:
     reference: dict[str, TrialConfig]
     storage_url: str
     excluded: list[str] = field(default_factory=list)
+    # The metric that judges a configuration whose paired drop is still undecided at the cap,
+    # through the study's fitted KLD relation ([quality] undecided = "kld").
+    quality_proxy: BaseMetric | None = None
 
     def backend(self, name: str) -> BaseBackend:
         return plugins.get_backend(name) if name not in self.space.entries else self.space.entries[name].backend
@@ -212,14 +215,25 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
                         f"{src}: [objective] quality = {quality.name!r} cannot evaluate backend "
                         f"'{entry.backend.name}': {why} (set require_quality = false to run without it)"
                     )
+    proxy = None
+    if quality is not None and cfg.quality_options.get("undecided") == "kld":
+        try:
+            proxy = plugins.get_metric("kld")
+        except AutotuneError as exc:
+            errors.append(f"{src}: [quality] undecided = 'kld': {exc} (or use 'reject' or 'accept')")
+        else:
+            if type(quality).item_order is BaseMetric.item_order or proxy is quality:
+                errors.append(f"{src}: [quality] undecided = 'kld': the metric {quality.name!r} answers no items, so "
+                              "nothing is undecided; use it with mmlu or ceval")
     if errors:
         raise ConfigError("\n".join(errors))
 
     reference = _references(cfg, SearchSpace(entries), contexts) if quality else {}
-    if quality is not None:
-        quality.configure(cfg.quality_options, {
-            name: QualityReference(ref, backends[ref.backend], contexts[ref.backend]) for name, ref in reference.items()
-        })
+    for metric in (quality, proxy):
+        if metric is not None:
+            metric.configure(cfg.quality_options, {
+                name: QualityReference(ref, backends[ref.backend], contexts[ref.backend]) for name, ref in reference.items()
+            })
     # The pre-search screen asks the same judge as every trial (no learned correction yet:
     # no storage is open).
     from autotune.study.admission import Admission
@@ -235,7 +249,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
         raise ConfigError(f"{src}: nothing in the search space can run:\n  " + "\n  ".join(excluded))
     return PreparedStudy(
         cfg=cfg, gpu=gpu, model=model, vram_budget_bytes=budget, space=SearchSpace(screened), contexts=contexts,
-        quality=quality, reference=reference,
+        quality=quality, reference=reference, quality_proxy=proxy,
         storage_url=storage_mod.resolve_url(storage, cfg.storage, cfg.default_storage), excluded=excluded,
     )
 

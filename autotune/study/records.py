@@ -20,9 +20,15 @@ from autotune.errors import StorageError
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1 -> 2: the knobs every backend shares are stored under one parameter name (``ctx``,
+# ``parallel``, ``flash_attn``, ``kv_bits``; space.py) instead of ``<backend>.<name>``; the
+# trials' attributes did not change. ``autotune storage upgrade`` renames a version-1 study.
+UPGRADABLE = {1}
 SCHEMA_ATTR = "autotune_schema_version"
 QUALITY_PREFIX = "quality:"
+QUALITY_DECISION_PREFIX = QUALITY_PREFIX + "drop:"  # + a hash: one candidate's paired drop and verdict
+QUALITY_POWER_ATTR = "quality_power"
 CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
 REMEASURE_PREFIX = "remeasure:"
 FINISH_PLAN_ATTR = "finish_plan"
@@ -257,6 +263,11 @@ def check_schema(study: optuna.Study, shown_storage: str) -> None:
             raise StorageError(f"study '{study.study_name}' in {shown_storage} was not written by autotune "
                                "(no schema version); use another study name or storage")
         return
+    if version in UPGRADABLE:
+        raise StorageError(
+            f"study '{study.study_name}' in {shown_storage} has schema version {version}: its parameters are named "
+            f"per backend (llama-server.ctx), which this autotune would misread; run 'autotune storage upgrade "
+            f"{shown_storage}' once to rename them (the trials' records stay as they are)")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise StorageError(f"study '{study.study_name}' in {shown_storage} has schema version {version!r}; this "
                            f"autotune reads up to {SCHEMA_VERSION}: upgrade autotune to read it")
@@ -272,3 +283,10 @@ def stored_calibrations(study: optuna.Study) -> dict[str, dict[str, Any]]:
     """Each real backend's stored calibration, by the real backend's name."""
     return {key[len(CALIBRATION_PREFIX):]: value for key, value in study.user_attrs.items()
             if key.startswith(CALIBRATION_PREFIX)}
+
+
+def quality_decisions(study: optuna.Study) -> list[dict[str, Any]]:
+    """Every stored paired-drop decision of a study (``autotune.study.quality``), by weights:
+    which configurations were decided how."""
+    found = [v for k, v in study.user_attrs.items() if k.startswith(QUALITY_DECISION_PREFIX)]
+    return sorted(found, key=lambda d: str(d.get("weights")))

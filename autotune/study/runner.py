@@ -25,14 +25,15 @@ import traceback
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import optuna
 
 from autotune import objective as objective_mod
 from autotune.backend import Measurement, TrialConfig
-from autotune.errors import BackendError, EngineUnavailableError
+from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
+from autotune.space import NotOffered
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
@@ -335,6 +336,7 @@ class StudyRunner:
             self.enqueue_grid()
         elif self.uses_prior:
             self.enqueue_prior()
+        self._announce_quality_power(note)
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
         interrupted = False
@@ -388,14 +390,30 @@ class StudyRunner:
         summary.extra["excluded_before_search"] = self.prepared.excluded
         return summary
 
+    def _announce_quality_power(self, note: Callable[[str], None] | None) -> None:
+        """Say up front what the quality bound costs (items and seconds on this machine); kept in
+        the study's attributes for ``best``. A failure to time it is said, never fatal."""
+        if self.quality is None or records.QUALITY_POWER_ATTR in self.study.user_attrs:
+            return
+        try:
+            line = self.quality.power()
+        except (BackendError, AutotuneError) as exc:
+            line = f"quality: could not time the reference's first batch ({exc})"
+        if line is None:
+            return
+        self.study.set_user_attr(records.QUALITY_POWER_ATTR, line)
+        if note is not None:
+            note(line)
+
     def _score(self, m: Measurement, predicted_bytes: int, budget_bytes: int,
-               drop: float | None) -> objective_mod.Score:
+               drop: float | None, quality: Mapping[str, Any] | None = None) -> objective_mod.Score:
         """The objective of one measurement: against its measured peak memory where there is one,
         else the predicted footprint."""
         used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted_bytes
         per_user = m.metrics.get("per_user_tok_s")
         return objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
-                                   budget_bytes, drop, per_user.median if per_user is not None else None)
+                                   budget_bytes, drop, per_user.median if per_user is not None else None,
+                                   (quality or {}).get("admitted"))
 
     def finish(self, note: Callable[[str], None] | None = None) -> int:
         """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
@@ -436,7 +454,7 @@ class StudyRunner:
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
                     s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
-                                    r.quality_drop_points)
+                                    r.quality_drop_points, r.quality)
                 except EngineUnavailableError:
                     self.claims.release(key, self._finish_token)
                     return launches  # every launch would fail: the missing rounds wait for a later run
@@ -485,6 +503,7 @@ class StudyRunner:
             self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
             outcome = _Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
         heartbeat.beat(None)
+        self._annotate(trial)
         best = best_trial(self.study)
         return TrialEvent(
             number=trial.number, state=outcome.state, config=outcome.config,
@@ -493,6 +512,16 @@ class StudyRunner:
             best_config=dict(best.config) if best and best.config else None,
             n_done=self.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
         )
+
+    def _annotate(self, trial: optuna.Trial) -> None:
+        """The trial's note for optuna-dashboard (``autotune.dashboard``); a note that cannot be
+        written costs the study nothing."""
+        from autotune.dashboard import annotate_trial
+
+        try:
+            annotate_trial(self.study, trial, self.prepared.storage_url)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"trial {trial.number}: no dashboard note ({type(exc).__name__}: {exc})")
 
     @contextlib.contextmanager
     def _signals_deferred(self):
@@ -551,7 +580,12 @@ class StudyRunner:
     def _evaluate(self, trial: optuna.Trial) -> _Outcome:
         """One trial through the flow."""
         prepared = self.prepared
-        config = prepared.space.suggest(trial)
+        try:
+            config = prepared.space.suggest(trial)
+        except NotOffered as exc:  # a shared knob's value the drawn backend lacks: free, recorded
+            write(trial, prune_reason=str(exc))
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return _Outcome("PRUNED", {}, reason=str(exc))
         backend = prepared.backend(config.backend)
         ctx = prepared.contexts[config.backend]
         write(trial, config=config.as_dict(), config_key=config.key, worker=self.worker)
@@ -610,7 +644,7 @@ class StudyRunner:
             self.study.tell(trial, state=TrialState.PRUNED)
             return _Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"))
         s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
-                        trial.user_attrs.get("quality_drop_points"))
+                        trial.user_attrs.get("quality_drop_points"), trial.user_attrs.get("quality"))
         records.set_constraints(trial, s.constraints)
         write(trial, score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
                             "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})

@@ -51,10 +51,8 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
         self.max_tries = max_tries
         self._rng = random.Random(seed)
         self._independent = optuna.samplers.RandomSampler(seed=seed)
-        self._full: dict[str, BaseDistribution] = {"backend": CategoricalDistribution(list(space.entries))}
-        for entry in space.entries.values():
-            for name, choices in entry.dimensions():
-                self._full[name] = CategoricalDistribution(list(choices))
+        self._full: dict[str, BaseDistribution] = {
+            name: CategoricalDistribution(list(choices)) for name, choices in space.distributions().items()}
 
     def reseed_rng(self) -> None:
         self.inner.reseed_rng()
@@ -70,9 +68,9 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
             backend = self._rng.choice(list(self.space.entries))
         entry = self.space.entries[backend]
         values = {}
-        for name, choices in entry.dimensions():
-            value = proposal.get(name)
-            values[name] = value if value in choices else self._rng.choice(choices)
+        for dim in entry.dimensions():  # a shared knob's value this backend lacks is drawn again
+            value = proposal.get(dim.name)
+            values[dim.name] = value if value in dim.choices else self._rng.choice(dim.choices)
         return self.space.config_of(entry, values)
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]) -> dict[str, Any]:

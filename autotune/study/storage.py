@@ -8,6 +8,7 @@ other databases are not touched.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -47,6 +48,68 @@ def resolve_url(given: str | None, from_file: str | None, default: str) -> str:
     """The storage URL: ``--storage``, else $AUTOTUNE_STORAGE (so a password need not sit on a
     command line), else the study file's ``[study] storage``, else the default."""
     return given or os.environ.get(STORAGE_ENV) or from_file or default
+
+
+def _last_run_file(directory: Path | None = None) -> Path:
+    """Where the study last run in ``directory`` is recorded: in autotune's cache
+    (``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/autotune``, else ``~/.cache/autotune``), one
+    file per directory, so a run with ``--storage`` leaves nothing in the working directory."""
+    import hashlib
+
+    where = str((directory or Path.cwd()).resolve())
+    base = os.environ.get("AUTOTUNE_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotune")
+    return Path(base) / "last-study" / (hashlib.sha256(where.encode()).hexdigest()[:16] + ".json")
+
+
+def remember_run(url: str, study_name: str, directory: Path | None = None) -> None:
+    """Record the study just run in the current directory, so that ``best``, ``report`` and
+    ``dashboard`` run there read it next without being told. A URL holding a password is not
+    written down (it came from $AUTOTUNE_STORAGE or the command line, and is given there again);
+    a relative SQLite path is kept absolute."""
+    here = (directory or Path.cwd()).resolve()
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////") and url != "sqlite:///:memory:":
+        url = "sqlite:///" + str(here / url[len("sqlite:///"):])
+    keep = url if mask_url(url) == url else None
+    path = _last_run_file(here)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"storage": keep, "study": study_name, "directory": str(here)}) + "\n")
+    except OSError:
+        pass  # an unwritable cache loses only this convenience
+
+
+def reading_target(given: str | None, study_file: str | Path | None, study_name: str | None,
+                   default_file: Path) -> tuple[str, str | None, str]:
+    """Where a command that only reads (``best``, ``report``, ``dashboard``) looks, and why.
+
+    ``--storage``, else $AUTOTUNE_STORAGE, else the study file given, else the study last run in
+    this directory (``remember_run``), else the default study's storage. The study name is
+    ``--study``, else the study file's or the last run's (None: the storage's only study).
+
+    Returns:
+        (URL, study name or None, where the URL came from: for the error that nothing is there).
+    """
+    from autotune.config import load_study_config
+
+    if given or os.environ.get(STORAGE_ENV):
+        source = "--storage" if given else f"${STORAGE_ENV}"
+        if study_file is not None and study_name is None:
+            study_name = load_study_config(Path(study_file)).name
+        return given or os.environ[STORAGE_ENV], study_name, source
+    if study_file is not None:
+        cfg = load_study_config(Path(study_file))
+        return resolve_url(None, cfg.storage, cfg.default_storage), study_name or cfg.name, f"study file {study_file}"
+    last = _last_run_file()
+    if last.is_file():
+        try:
+            data = json.loads(last.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if isinstance(data, dict) and data.get("storage"):
+            return str(data["storage"]), study_name or data.get("study"), "the study last run in this directory"
+    cfg = load_study_config(default_file)
+    return resolve_url(None, cfg.storage, cfg.default_storage), study_name, f"the default study ({default_file.name})"
 
 
 class _WalConnection(sqlite3.Connection):
@@ -245,6 +308,9 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
             f"mode = {cfg.objective.mode!r}; use another study name or storage")
     records.check_schema(study, shown)
     _check_same_space(study, prepared)
+    from autotune.dashboard import name_objectives
+
+    name_objectives(study, vars(cfg.objective))
     records.write_study_header(study, {
         "gpu": records.gpu_attrs(prepared.gpu),
         "model": prepared.model.key,
@@ -265,9 +331,7 @@ def _check_same_space(study: optuna.Study, prepared: "PreparedStudy") -> None:
     Optuna fixes a categorical parameter's choices for the life of a study; asking with other
     choices fails every trial ("does not support dynamic value space"). Said once, up front.
     """
-    wanted: dict[str, tuple[Any, ...]] = {"backend": tuple(prepared.space.entries)}
-    for entry in prepared.space.entries.values():
-        wanted.update({dim: tuple(choices) for dim, choices in entry.dimensions()})
+    wanted = prepared.space.distributions()
     stored: dict[str, tuple[Any, ...]] = {}
     for t in study.get_trials(deepcopy=False):
         for name, dist in t.distributions.items():
@@ -282,3 +346,74 @@ def _check_same_space(study: optuna.Study, prepared: "PreparedStudy") -> None:
             f"study '{prepared.cfg.name}' in {prepared.shown_storage} was run with other choices for "
             f"{'; '.join(changed)}. Optuna cannot change a parameter's choices within a study: give the "
             "study a new [study] name (or another --storage) to search the new space")
+
+
+# ------------------------------------------------------------------ schema upgrades
+
+
+def upgrade(url: str) -> list[str]:
+    """Rename a version-1 storage's parameters to the shared names of schema 2 (space.py), in
+    place: each study whose schema is 1 gets ``ctx``, ``parallel``, ``flash_attn`` and
+    ``kv_bits`` for its ``<backend>.<name>`` parameters, every shared name with the union of
+    its backends' choices (one distribution per name), and schema version 2. Trial numbers,
+    states, values and attributes are untouched, so a study's records read as before.
+
+    Optuna has no public way to rename a finished trial's parameter, so this rewrites its
+    ``trial_params`` rows (param_value is the index of the choice: it is recomputed for the new
+    choices), in one transaction per study. Journal storages are refused (an append-only log).
+
+    Returns:
+        One line per study: what was renamed, or why it was left alone.
+
+    Raises:
+        StorageError: not an RDB storage, or no such database.
+    """
+    from optuna.distributions import CategoricalDistribution, distribution_to_json, json_to_distribution
+
+    from autotune.space import canonical_order, dimension_of
+    from autotune.study import records
+
+    shown = mask_url(url)
+    if url.startswith("journal:"):
+        raise StorageError(f"storage {shown}: a journal file cannot be upgraded in place; copy the study into "
+                           "SQLite first (optuna.copy_study) and upgrade that")
+    store = open_storage(url, create=False)
+    engine = getattr(store, "engine", None)
+    assert engine is not None
+    done = []
+    for name in study_names(store, shown):
+        study = optuna.load_study(study_name=name, storage=store)
+        version = study.user_attrs.get(records.SCHEMA_ATTR)
+        if version not in records.UPGRADABLE:
+            done.append(f"{name}: schema {version!r}, left as it is")
+            continue
+        sid = study_id_of(study)
+        with engine.begin() as conn:
+            rows = conn.execute(sqlalchemy.text(
+                "SELECT p.param_id, p.trial_id, p.param_name, p.param_value, p.distribution_json FROM trial_params p "
+                "JOIN trials t ON t.trial_id = p.trial_id WHERE t.study_id = :sid"), {"sid": sid}).all()
+            renamed = []  # (param_id, new name, new external value)
+            choices: dict[str, tuple] = {}
+            for param_id, _trial_id, pname, internal, dist_json in rows:
+                dist = json_to_distribution(dist_json)
+                value = dist.to_external_repr(internal)
+                backend, dot, option = pname.rpartition(".")
+                if not dot or not isinstance(dist, CategoricalDistribution):
+                    new_name, new_value, new_choices = pname, value, tuple(getattr(dist, "choices", ()))
+                else:
+                    dim = dimension_of(backend, option, tuple(dist.choices))
+                    new_name, new_value, new_choices = dim.name, dim.encode(value), dim.choices
+                shared = "." not in new_name and new_name != "backend"
+                choices[new_name] = canonical_order(choices.get(new_name, ()) + new_choices) if shared else new_choices
+                renamed.append((param_id, new_name, new_value))
+            for param_id, new_name, new_value in renamed:
+                dist = CategoricalDistribution(list(choices[new_name]))
+                conn.execute(sqlalchemy.text(
+                    "UPDATE trial_params SET param_name = :n, param_value = :v, distribution_json = :d "
+                    "WHERE param_id = :id"),
+                    {"n": new_name, "v": dist.to_internal_repr(new_value), "d": distribution_to_json(dist), "id": param_id})
+        study.set_user_attr(records.SCHEMA_ATTR, records.SCHEMA_VERSION)
+        names = sorted(n for n in choices if "." not in n and n != "backend")
+        done.append(f"{name}: schema {version} -> {records.SCHEMA_VERSION}, {len(rows)} parameters of "
+                    f"{len({r[1] for r in rows})} trials; shared names: {', '.join(names) or '(none)'}")
+    return done

@@ -67,6 +67,7 @@ def trial_record(r: TrialRecord) -> dict[str, Any]:
         "params": dict(r.config or {}),
         "values": list(r.values) if r.values else None,
         "metrics": {k: v.get("median") for k, v in r.metrics.items()},
+        "spreads": {k: v.get("spread") for k, v in r.metrics.items()},
         "quality": r.quality,
         "predicted_vram": r.predicted_vram,
         "measured_vram_bytes": r.measured_vram_bytes,
@@ -253,4 +254,9 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         summary.extra["finish"] = finish
     if len(study.directions) > 1:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
+    decisions = records.quality_decisions(study)
+    if decisions:
+        summary.extra["quality_decisions"] = decisions
+    if records.QUALITY_POWER_ATTR in study.user_attrs:
+        summary.extra["quality_power"] = study.user_attrs[records.QUALITY_POWER_ATTR]
     return summary

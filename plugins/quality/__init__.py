@@ -12,8 +12,10 @@ Metrics (through the ``register_metrics`` hook), all measured through the backen
 Command (through the ``register_commands`` hook): ``autotune quality`` measures one artifact
 outside a study (:mod:`~autotune_plugins.quality.commands`).
 
-Study files configure the benchmark sample in a ``[quality]`` table: ``per_subject`` (default
-5), ``shots`` (default 5), ``seed`` (default 0).
+Study files configure the benchmark items in a ``[quality]`` table: ``per_subject`` (default
+5), ``shots`` (default 5), ``seed`` (default 0) and ``pool`` (``sample``, the default, or
+``full``: the full MMLU test and C-Eval validation sets, for sequential sampling); the study
+measures the items it needs, paired with the reference's (``autotune.study.quality``).
 """
 
 from __future__ import annotations

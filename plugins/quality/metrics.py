@@ -72,12 +72,14 @@ class _ScoringMetric(BaseMetric):
 
     def __init__(self) -> None:
         self.options: dict[str, int] = dict(self.defaults)
+        self.pool = "sample"  # where a paired measurement draws items: the seeded sample or the full set
         self.references: dict[str, QualityReference] = {}
         # Set by ``autotune quality`` to draw a progress bar: called with (done, total).
         self.progress: Callable[[int, int], None] | None = None
 
     def configure(self, options: Mapping[str, Any], references: Mapping[str, QualityReference]) -> None:
         self.options = {**self.defaults, **{k: int(v) for k, v in options.items() if k in self.defaults}}
+        self.pool = str(options.get("pool", "sample"))
         self.references = dict(references)
 
     def supports(self, backend: BaseBackend) -> str | None:
@@ -93,16 +95,31 @@ class _ScoringMetric(BaseMetric):
 
 
 class BenchmarkMetric(_ScoringMetric):
-    """Accuracy on a seeded per-subject subset of a multiple-choice benchmark, through lm-eval."""
+    """Accuracy on a multiple-choice benchmark through lm-eval, item by item: on a seeded
+    per-subject subset (``evaluate``), or on the items a study's paired measurement draws
+    (``item_order``, ``evaluate_items``)."""
 
     benchmark: ClassVar[str] = ""
     unit: ClassVar[str] = "accuracy"
     higher_is_better: ClassVar[bool] = True
 
     def cache_key(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext) -> str:
+        # Results are kept item by item under full-set ids, so the sample (per_subject, seed)
+        # and the pool are not part of the key: a study that grows its sample, or draws from
+        # the full set, reuses every item already answered.
+        return f"{self.name}|{self.artifact_key(config, ctx)}|benchmark={self.benchmark}|shots={self.options['shots']}|items=v2"
+
+    def item_order(self) -> tuple[tuple[int, ...], int]:
         o = self.options
-        return (f"{self.name}|{self.artifact_key(config, ctx)}|benchmark={self.benchmark}|shots={o['shots']}"
-                f"|per_subject={o['per_subject']}|seed={o['seed']}")
+        order = benchmarks.stratified_order(self.benchmark, self.pool, o["per_subject"], o["seed"])
+        return order, len(benchmarks.load_items(self.benchmark))
+
+    def evaluate_items(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext,
+                       items: tuple[int, ...] | list[int]) -> MetricValue:
+        from autotune_plugins.quality.tasks import evaluate_items
+
+        with self.open_scorer(config, backend, ctx) as scorer:
+            return evaluate_items(scorer, self.benchmark, items, shots=self.options["shots"], progress=self.progress)
 
     def supports(self, backend: BaseBackend) -> str | None:
         why = super().supports(backend) or lm_eval_missing()

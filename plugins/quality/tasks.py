@@ -29,7 +29,7 @@ from autotune.scoring import Scorer
 from autotune_plugins.quality import benchmarks
 from autotune_plugins.quality.adapter import ScorerLM, require_lm_eval
 
-__all__ = ["build_tasks", "evaluate_benchmark"]
+__all__ = ["build_tasks", "evaluate_benchmark", "evaluate_items"]
 
 LETTERS = ["A", "B", "C", "D"]
 DESCRIPTIONS = {
@@ -64,6 +64,11 @@ def _quiet_lm_eval() -> Iterator[None]:
 
 def build_tasks(benchmark: str, per_subject: int, shots: int, seed: int) -> dict[str, Any]:
     """lm-eval tasks by name (``autotune_<benchmark>_<subject>``) for a seeded subset."""
+    return build_item_tasks(benchmark, benchmarks.subset(benchmark, per_subject, seed), shots)
+
+
+def build_item_tasks(benchmark: str, items: dict[str, list[dict[str, Any]]], shots: int) -> dict[str, Any]:
+    """lm-eval tasks by name (``autotune_<benchmark>_<subject>``) for the given items by subject."""
     require_lm_eval()
     # The tasks read in-memory tables; nothing may reach the hub even by accident (lm-eval
     # imports datasets, which would otherwise look for updates of cached builders).
@@ -75,14 +80,13 @@ def build_tasks(benchmark: str, per_subject: int, shots: int, seed: int) -> dict
     b = benchmarks.BENCHMARKS[benchmark]
     if not 0 <= shots <= b.max_shots:
         raise benchmarks.AutotuneError(f"shots {shots}: {benchmark} ships {b.max_shots} dev items per subject (use 0..{b.max_shots})")
-    items = benchmarks.subset(benchmark, per_subject, seed)
     dev = benchmarks.load_items(benchmark, "dev")
     names = benchmarks.subject_names(benchmark)
-    columns = ("subject", "question", "choices", "answer")
+    columns = ("subject", "question", "choices", "answer", "item")
     tasks = {}
     for subject, docs in items.items():
         def dataset(_docs=docs, _dev=dev.get(subject, []), **_: Any) -> Any:
-            as_table = lambda rows: datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in columns})
+            as_table = lambda rows: datasets.Dataset.from_dict({c: [r.get(c, -1) for r in rows] for c in columns})
             return datasets.DatasetDict({"test": as_table(_docs), "dev": as_table(_dev)})
 
         name = f"autotune_{benchmark}_{subject}"
@@ -104,6 +108,74 @@ def build_tasks(benchmark: str, per_subject: int, shots: int, seed: int) -> dict
     return tasks
 
 
+def _margin(sample: dict[str, Any]) -> float:
+    """Log-probability of the right answer minus the best wrong one's (> 0: answered right)."""
+    lls = [float(r[0]) for r in sample["filtered_resps"]]
+    target = int(sample["target"])
+    return lls[target] - max(ll for i, ll in enumerate(lls) if i != target)
+
+
+def evaluate_items(
+    scorer: Scorer,
+    benchmark: str,
+    items: list[int] | tuple[int, ...],
+    *,
+    shots: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> MetricValue:
+    """Accuracy of ``scorer``'s artifact on the given items of the full set, item by item.
+
+    Args:
+        scorer: The artifact, as its backend loads it.
+        benchmark: ``mmlu`` or ``ceval``.
+        items: Full-set ids (``benchmarks.stratified_order`` draws them).
+        shots: Dev examples before each question (0..5).
+        progress: Called with (items done, items in all) after each batch of requests.
+
+    Returns:
+        Accuracy over the items, its standard error, ``n``, per-subject accuracies in
+        ``details``, and ``per_item``: each item's id, 1.0/0.0 for right/wrong, and the margin
+        of the right answer's log-probability over the best wrong one (nats), the paired drop's
+        two ingredients. The standard error is that of a mean of n 0/1 outcomes,
+        sqrt(p(1-p)/(n-1)) as lm-eval reports ``acc_stderr``.
+    """
+    from lm_eval.evaluator import evaluate
+
+    started = time.monotonic()
+    with _quiet_lm_eval():
+        tasks = build_item_tasks(benchmark, benchmarks.docs_by_subject(benchmark, items), shots)
+    n_items = sum(len(t.eval_docs) for t in tasks.values())
+    requests = 0
+
+    def advance(n: int) -> None:
+        # lm-eval asks one request per answer choice; a person counts questions.
+        nonlocal requests
+        requests += n
+        if progress is not None:
+            progress(requests // len(LETTERS), n_items)
+
+    with _quiet_lm_eval():
+        out = evaluate(ScorerLM(scorer, advance), tasks, log_samples=True, bootstrap_iters=0, verbosity="ERROR")
+    per_subject_acc: dict[str, float] = {}
+    ids: list[int] = []
+    correct: list[float] = []
+    margins: list[float] = []
+    for name, samples in out["samples"].items():
+        outcomes = [float(s["acc"]) for s in samples]
+        per_subject_acc[name.removeprefix(f"autotune_{benchmark}_")] = sum(outcomes) / len(outcomes)
+        ids += [int(s["doc"]["item"]) for s in samples]
+        correct += outcomes
+        margins += [round(_margin(s), 5) for s in samples]
+    n = len(correct)
+    acc = sum(correct) / n
+    stderr = math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else None
+    return MetricValue(
+        value=acc, stderr=stderr, n=n, seconds=time.monotonic() - started,
+        details={"benchmark": benchmark, "shots": shots, "subjects": per_subject_acc, "scorer": scorer.description},
+        per_item={"item": ids, "correct": correct, "margin": margins},
+    )
+
+
 def evaluate_benchmark(
     scorer: Scorer,
     benchmark: str,
@@ -113,7 +185,7 @@ def evaluate_benchmark(
     seed: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> MetricValue:
-    """Accuracy of ``scorer``'s artifact on a seeded subset, through lm-eval.
+    """Accuracy of ``scorer``'s artifact on a seeded subset (``evaluate_items`` on its items).
 
     Args:
         scorer: The artifact, as its backend loads it.
@@ -124,38 +196,13 @@ def evaluate_benchmark(
         progress: Called with (items done, items in all) after each batch of requests.
 
     Returns:
-        Accuracy over all scored items, its standard error, ``n`` items and per-subject
-        accuracies in ``details``. The standard error is that of a mean of n 0/1 outcomes,
-        sqrt(p(1-p)/(n-1)) as lm-eval reports ``acc_stderr``: on 57 x 5 items a 30 % accuracy
-        carries about 2.7 points, which is why a drop is reported with it.
+        As ``evaluate_items``, with ``per_subject`` and ``seed`` in ``details``: on 57 x 5
+        items a 30 % accuracy carries a standard error of about 2.7 points, which is why a
+        study compares artifacts item by item.
     """
-    from lm_eval.evaluator import evaluate
-
-    started = time.monotonic()
-    with _quiet_lm_eval():
-        tasks = build_tasks(benchmark, per_subject, shots, seed)
-    items = sum(len(t.eval_docs) for t in tasks.values())
-    requests = 0
-
-    def advance(n: int) -> None:
-        # lm-eval asks one request per answer choice; a person counts questions.
-        nonlocal requests
-        requests += n
-        if progress is not None:
-            progress(requests // len(LETTERS), items)
-
-    with _quiet_lm_eval():
-        out = evaluate(ScorerLM(scorer, advance), tasks, log_samples=True, bootstrap_iters=0, verbosity="ERROR")
-    per_subject_acc, correct = {}, []
-    for name, samples in out["samples"].items():
-        outcomes = [float(s["acc"]) for s in samples]
-        correct += outcomes
-        per_subject_acc[name.removeprefix(f"autotune_{benchmark}_")] = sum(outcomes) / len(outcomes)
-    n = len(correct)
-    acc = sum(correct) / n
-    stderr = math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else None
-    return MetricValue(
-        value=acc, stderr=stderr, n=n, seconds=time.monotonic() - started,
-        details={"benchmark": benchmark, "shots": shots, "per_subject": per_subject, "seed": seed,
-                 "subjects": per_subject_acc, "scorer": scorer.description},
-    )
+    chosen = benchmarks.subset(benchmark, per_subject, seed)
+    ids = [i for docs in chosen.values() for i in benchmarks.item_ids(benchmark, docs)]
+    value = evaluate_items(scorer, benchmark, ids, shots=shots, progress=progress)
+    assert value.details is not None
+    value.details.update(per_subject=per_subject, seed=seed)
+    return value

@@ -31,6 +31,7 @@ from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
 from autotune_plugins.twin import TwinLlamaCpp
 from autotune_plugins.twin.calibration import median_abs_error
 from tests.conftest import REPO, shared_file
+from tests.browser import check_report
 from tests.engine_fixtures import cpu_build
 from tests.plugins.test_llama_server_backend import servers_on
 
@@ -67,8 +68,8 @@ def test_the_whole_study_on_real_servers(study_dir):
     started = time.monotonic()
     # With the twin loaded, as a user's study has it: it learns from every measured trial.
     env = dict(run_env(), AUTOTUNE_LOAD_PLUGINS="llama_server,twin")
-    proc = subprocess.run(autotune_cmd("study", "cpu-tiny.toml", "--storage", storage, "--json"), cwd=study_dir,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(autotune_cmd("study", "cpu-tiny.toml", "--storage", storage, "--json", "--report",
+                                       "report.html"), cwd=study_dir, env=env, capture_output=True, text=True, timeout=900)
     seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -89,8 +90,8 @@ def test_the_whole_study_on_real_servers(study_dir):
     # Invalid combinations are never launched: a q8_0 cache on stories260K (head size 8).
     for t in study.trials:
         if t.params.get("llama-server.weights") == "models/stories260K.gguf" and \
-                t.params.get("llama-server.cache_type") == "q8_0":
-            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["reason"]
+                t.params.get("kv_bits") == 8:  # q8_0, under the shared name of the cache's precision
+            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["prune_reason"]
     # The objective is plain aggregate tok/s: the best trial is the fastest one measured, or, where
     # the noise-aware finish measured the leaders again, the one it chose among them.
     fastest = max(done, key=lambda t: t.user_attrs["metrics"]["aggregate_tok_s"]["median"]).number
@@ -99,6 +100,9 @@ def test_the_whole_study_on_real_servers(study_dir):
     assert fastest in finish.get("trials", [fastest])
     assert servers_on(study_dir / "models") == []
     check_the_twin_learned_from_the_study(study, study_dir, summary)
+    # The report of a real study renders in a browser: knee, memory (measured peaks) at least.
+    n, rows, winner = check_report(study_dir / "report.html", min_plots=2)
+    assert rows >= len(done) and f"Winner: trial {summary['best']['number']}" in winner
 
 
 def check_the_twin_learned_from_the_study(study: optuna.Study, study_dir: Path, summary: dict) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,7 +44,8 @@ def answer_table(benchmark: str) -> dict[str, int]:
 
 
 class ScriptedScorer(Scorer):
-    """Picks the right answer (``exact``) or always " A" (``always-a``); records every context."""
+    """Picks the right answer (``exact``), always " A" (``always-a``), or the right one except on
+    about one item in K (``miss-K``, by a hash of the question); records every context."""
 
     n_vocab = 8
     n_ctx = 4096
@@ -61,14 +63,18 @@ class ScriptedScorer(Scorer):
         out = []
         for context, continuation in requests:
             self.contexts.append(context)
-            answer = next(a for text, a in self.table.items() if context.endswith(text))
-            wanted = "ABCD"[answer] if self.mode == "exact" else "A"
+            text, answer = next((text, a) for text, a in self.table.items() if context.endswith(text))
+            if self.mode.startswith("miss-") and zlib.crc32(text.encode()) % int(self.mode[5:]) == 0:
+                answer = (answer + 1) % 4
+            wanted = "ABCD"[answer] if self.mode != "always-a" else "A"
             hit = continuation.strip() == wanted
             out.append(LogLikelihood(0.0 if hit else -5.0, hit, 1))
         return out
 
     def next_token_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
-        shift = 0.0 if self.mode == "exact" else 1.0
+        shift = {"exact": 0.0, "always-a": 1.0}.get(self.mode, 0.0)
+        if self.mode.startswith("miss-"):
+            shift = 2.0 / int(self.mode[5:])
         logits = np.tile(np.arange(self.n_vocab, dtype=np.float64) * (1.0 + shift), (len(tokens), 1))
         return (logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))).astype(np.float32)
 
@@ -102,6 +108,31 @@ def test_shipped_samples_have_every_subject_with_ten_items_and_five_dev():
     for licence in ("LICENSE-MMLU.txt", "LICENSE-CEVAL.txt", "SOURCES.md"):
         assert (data / licence).stat().st_size > 500
     assert "BY-NC-SA 4.0" in (data / "LICENSE-CEVAL.txt").read_text(encoding="utf-8")
+
+
+def test_full_sets_ship_with_every_sample_item_in_them():
+    for name, rows, n_subjects in (("mmlu", 13978, 57), ("ceval", 1346, 52)):
+        full = benchmarks.full_items(name)
+        assert len(full) == rows and len({r["subject"] for r in full}) == n_subjects
+        sample = [d for docs in benchmarks.load_items(name).values() for d in docs]
+        ids = benchmarks.item_ids(name, sample)
+        assert len(set(ids)) == len(sample)
+        assert all(full[i]["question"] == d["question"] for i, d in zip(ids, sample))
+    text = (benchmarks.data_dir() / "LICENSE-CEVAL.txt").read_text(encoding="utf-8")
+    assert "ceval_val.jsonl.gz" in text
+    assert "mmlu_test.jsonl.gz" in (benchmarks.data_dir() / "SOURCES.md").read_text(encoding="utf-8")
+
+
+def test_stratified_order_takes_one_item_per_subject_per_round():
+    order = benchmarks.stratified_order("ceval", "full", 5, seed=1)
+    assert sorted(order) == list(range(1346))  # every item, once
+    full = benchmarks.full_items("ceval")
+    assert len({full[i]["subject"] for i in order[:52]}) == 52  # the first batch covers every subject
+    assert order == benchmarks.stratified_order("ceval", "full", 5, seed=1)
+    assert order != benchmarks.stratified_order("ceval", "full", 5, seed=2)
+    sample = benchmarks.stratified_order("mmlu", "sample", 2, seed=0)
+    chosen = benchmarks.subset("mmlu", 2, seed=0)
+    assert sorted(sample) == sorted(benchmarks.item_ids("mmlu", [d for docs in chosen.values() for d in docs]))
 
 
 def test_subset_is_seeded_per_subject_and_deterministic():
@@ -211,7 +242,12 @@ def test_cache_key_is_what_quality_depends_on(tmp_path):
     assert key("a.gguf") != key("b.gguf")  # content does
     assert key("a.gguf") != key("a.gguf", cache="q8_0")  # the KV cache does
     m.configure({"shots": 0}, {})
-    assert "shots=0" in key("a.gguf") and "per_subject=5" in key("a.gguf") and "seed=0" in key("a.gguf")
+    assert "shots=0" in key("a.gguf")  # the prompt does
+    # Results are stored per item under full-set ids: which items a study samples is not part
+    # of what one item's answer depends on.
+    same = key("a.gguf")
+    m.configure({"shots": 0, "per_subject": 2, "seed": 9, "pool": "full"}, {})
+    assert key("a.gguf") == same
 
 
 # ------------------------------------------------------------------------------ studies
@@ -226,13 +262,13 @@ def quality_study(tmp_path: Path, objective: str, quality_table: str = "[quality
 
 def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp_storage, quality_registered, monkeypatch):
     evaluated: list[str] = []
-    original = metrics.MmluMetric.evaluate
+    original = metrics.MmluMetric.evaluate_items
 
-    def counting(self, config, backend, ctx):
+    def counting(self, config, backend, ctx, items):
         evaluated.append(config.weights)
-        return original(self, config, backend, ctx)
+        return original(self, config, backend, ctx, items)
 
-    monkeypatch.setattr(metrics.MmluMetric, "evaluate", counting)
+    monkeypatch.setattr(metrics.MmluMetric, "evaluate_items", counting)
     path = quality_study(tmp_path, 'quality = "mmlu"\npenalty_per_point = 0.5\nreference_weights = "exact"\n')
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
@@ -247,10 +283,95 @@ def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp
         q, score = t.user_attrs["quality"], t.user_attrs["score"]
         expected_drop = 0.0 if t.user_attrs["config"]["weights"] == "exact" else (1.0 - always_a) * 100
         assert q["drop_points"] == pytest.approx(expected_drop)
-        assert q["n"] == 57 and q["reference_value"] == 1.0
-        assert q["drop_stderr_points"] == pytest.approx(100 * (always_a * (1 - always_a) / 56) ** 0.5 if expected_drop else 0.0)
+        assert q["n"] == q["items_used"] == 57 and q["reference_value"] == 1.0
+        # Paired: the reference answers every item right, so the items always-a gets wrong are
+        # the discordant ones (McNemar), with 0.5 added to each discordant count.
+        wrong = round(57 * (1 - always_a)) if expected_drop else 0
+        assert q["drop_stderr_points"] == pytest.approx(
+            100 * (((wrong + 1) - wrong ** 2 / 57) / (57 * 56)) ** 0.5)
+        # What two accuracies' errors in quadrature said before: larger.
+        assert q["unpaired_stderr_points"] == pytest.approx(100 * (always_a * (1 - always_a) / 56) ** 0.5 if expected_drop else 0.0)
+        assert q["verdict"] is None and q["decided_by"] == "no bound"
         assert score["penalty"] == pytest.approx(0.5 * expected_drop)
         assert score["values"][0] == pytest.approx(score["throughput"] - score["penalty"])
+
+
+def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path, tmp_storage, quality_registered):
+    # always-a loses ~75 points: over the 5-point bound after the first batch (one item per
+    # subject). exact against itself: no drop, but within only once the interval is narrow
+    # enough, at the second batch.
+    path = quality_study(tmp_path, 'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
+                         "[quality]\nper_subject = 2\nshots = 0\n")
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
+    study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
+    by_weights = {d["weights"]: d for d in summary.extra["quality_decisions"]}
+    assert by_weights["always-a"]["verdict"] == "over" and by_weights["always-a"]["items_used"] == 57
+    assert by_weights["exact"]["verdict"] == "within" and by_weights["exact"]["items_used"] == 114
+    for t in study.trials:
+        q = t.user_attrs.get("quality")
+        if t.user_attrs["config"]["weights"] == "always-a":
+            assert t.state == optuna.trial.TrialState.PRUNED
+            assert "over the bound" in t.user_attrs["prune_reason"]
+        elif t.state == optuna.trial.TrialState.COMPLETE:
+            assert (q["verdict"], q["items_used"], q["admitted"]) == ("within", 114, True)
+            assert q["drop_stderr_points"] < q["unpaired_stderr_points"] or q["unpaired_stderr_points"] == 0
+            assert t.user_attrs["score"]["feasible"]
+    assert "quality" in summary.extra["quality_power"] and "items per candidate" in summary.extra["quality_power"]
+    from autotune.report import summary_text
+
+    text = summary_text(summary)
+    assert "always-a: refused (paired): over the bound" in text and "exact: admitted (paired): within the bound" in text
+
+
+@pytest.mark.parametrize("policy, admitted", [("reject", False), ("accept", True)])
+def test_an_undecided_configuration_is_treated_by_the_stated_policy(tmp_path, tmp_storage, quality_registered,
+                                                                     policy, admitted):
+    chosen = [d for docs in benchmarks.subset("mmlu", 1, seed=0).values() for d in docs]
+    drop = 100 * (1 - sum(d["answer"] == 0 for d in chosen) / len(chosen))
+    # A bound right at always-a's drop: no sample of the 57-item pool can tell which side it is.
+    path = quality_study(tmp_path, f'quality = "mmlu"\nmax_drop_points = {drop:.3f}\nreference_weights = "exact"\n',
+                         f'[quality]\nper_subject = 1\nshots = 0\nundecided = "{policy}"\n')
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
+    d = {d["weights"]: d for d in summary.extra["quality_decisions"]}["always-a"]
+    assert (d["verdict"], d["items_used"], d["stopped_by"]) == ("undecided", 57, "items")
+    assert d["admitted"] is admitted and d["decided_by"] == f"policy {policy}"
+    study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
+    states = {t.state for t in study.trials if t.user_attrs["config"]["weights"] == "always-a" and "answered_from" not in t.user_attrs}
+    reasons = [t.user_attrs.get("prune_reason") for t in study.trials]
+    assert states == {optuna.trial.TrialState.COMPLETE if admitted else optuna.trial.TrialState.PRUNED}, reasons
+
+
+def test_undecided_kld_policy_maps_kld_to_a_drop_fitted_on_the_other_artifacts(tmp_path, tmp_storage, quality_registered):
+    from autotune.study.quality import QualityBook
+
+    weights = ["exact", "miss-2", "miss-12", "miss-5"]  # 0, 32, 4 and 16 of the 57 items answered wrong
+    path = write_study(tmp_path / "study.toml", "fake-scoring", weights, parallel=(1,))
+    bound = 20.0
+    path.write_text(path.read_text(encoding="utf-8") + f'quality = "mmlu"\nmax_drop_points = {bound}\n'
+                    'reference_weights = "exact"\n\n[quality]\nper_subject = 1\nshots = 0\nundecided = "kld"\n',
+                    encoding="utf-8")
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        prepared = prepare_study(load_study_config(path), storage=tmp_storage)
+        assert prepared.quality_proxy is not None and prepared.quality_proxy.name == "kld"
+        book = QualityBook(prepared, None)
+        configs = {c.weights: c for c in prepared.space.enumerate()}
+        out = {w: book.trial_quality(configs[w]) for w in weights[:-1]}
+        assert {w: q["verdict"] for w, q in out.items()} == {"exact": "within", "miss-2": "over", "miss-12": "within"}
+        # Every candidate's KLD is measured (the relation's points); it grows as misses grow.
+        assert out["exact"]["kld"] == pytest.approx(0.0, abs=1e-9) and out["miss-2"]["kld"] > out["miss-12"]["kld"] > 0
+        last = book.trial_quality(configs["miss-5"])
+    decision = book._local[book._decision_attr(configs["miss-5"])]
+    assert last["verdict"] == "undecided" and last["decided_by"] == "kld"
+    from autotune.study import paired
+
+    fitted = paired.fit_kld_relation([out[w]["kld"] for w in out], [out[w]["drop_points"] for w in out])
+    assert decision["kld_relation"]["n"] == 3 and decision["kld_relation"]["slope_points_per_nat"] == pytest.approx(fitted.slope)
+    expected, se = fitted.expected_drop(last["kld"])
+    assert decision["kld_expected_drop_points"] == pytest.approx(expected)
+    assert last["admitted"] is (expected + fitted.t * se < bound)
+    assert "fitted on 3 artifacts" in last["how"]
 
 
 def test_require_quality_refuses_a_backend_without_scoring(tmp_path, tmp_storage, quality_registered):
@@ -285,7 +406,8 @@ def test_quality_table_errors_are_all_reported(tmp_path):
     lines = str(err.value).splitlines()
     assert f"{path}: [quality] per_subject = 0: must be 1..10" in lines
     assert f"{path}: [quality] shots = 9: must be 0..5" in lines
-    assert f"{path}: [quality] subjects: unknown field (known: per_subject, seed, shots)" in lines
+    assert (f"{path}: [quality] subjects: unknown field (known: batch, expected_agreement, max_items, max_seconds, "
+            f"per_subject, pool, seed, shots, undecided)") in lines
 
 
 def test_quality_command_on_a_backend_without_scoring(twin_plugin, quality_registered):

@@ -1,0 +1,150 @@
+"""What optuna-dashboard shows of a study: objective names, a note per trial, the study's note,
+and failed trials' engine logs.
+
+The trial attributes stay machine-readable (``records``); the notes are for people: each
+trial's is a short Markdown card (the configuration in words, the figures with their spread,
+memory predicted and measured, the deploy command, why it was pruned or failed), and the
+study's holds the summary. A failed trial's engine log is attached as an artifact of the study
+(a finished trial's own attributes cannot change) where the storage is a file with room beside
+it for artifacts.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import optuna
+
+from autotune.study.records import TrialRecord, TrialState
+
+GIB = 2**30
+
+
+def objective_names(objective: Mapping[str, Any], n_objectives: int) -> list[str]:
+    """The names the dashboard gives the objectives (``objective.score``'s values, in order)."""
+    metric = str(objective.get("metric", "aggregate_tok_s"))
+    if n_objectives > 1:
+        return [metric, "quality drop (points)"][:n_objectives]
+    return [f"score ({metric} - penalty)"]
+
+
+def name_objectives(study: optuna.Study, objective: Mapping[str, Any]) -> None:
+    names = objective_names(objective, len(study.directions))
+    if study.metric_names != names:
+        study.set_metric_names(names)
+
+
+def artifact_store(url: str, create: bool = True) -> Any:
+    """A file store beside a SQLite or journal storage (``<file>.artifacts/``); None for a
+    database server (nowhere of ours to put files) or, when ``create`` is false, when the
+    directory does not exist (a reader never creates it)."""
+    from optuna.artifacts import FileSystemArtifactStore
+
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+    elif url.startswith("journal:"):
+        path = url[len("journal:"):]
+    else:
+        return None
+    if path in ("", ":memory:"):
+        return None
+    folder = Path(path).expanduser().with_name(Path(path).name + ".artifacts")
+    if not folder.is_dir():
+        if not create:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+    return FileSystemArtifactStore(str(folder))
+
+
+def _gib(n: Any) -> str:
+    return "-" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def _figure(r: TrialRecord, key: str, label: str) -> str | None:
+    m = r.metrics.get(key)
+    if not m or m.get("median") is None:
+        return None
+    spread = m.get("spread")
+    return f"{label} **{m['median']:.1f}** tok/s" + ("" if spread is None else f" (spread {100 * spread:.1f}%)")
+
+
+def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
+    """A trial's note: a few Markdown lines a person reads instead of the attributes."""
+    c = dict(r.config or {})
+    options = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("backend", "weights", "ctx", "parallel"))
+    lines = [f"### {c.get('backend', '?')}: {Path(str(c.get('weights', '?'))).name}",
+             f"{c.get('parallel', '?')} parallel streams of {c.get('ctx', '?')} tokens each"
+             + (f"; {options}" if options else ""), ""]
+    if r.answered:
+        lines.append(f"Answered from trial {r.answered_from}: {r.prune_reason}")
+        return "\n".join(lines)
+    figures = [f for f in (_figure(r, "aggregate_tok_s", "aggregate"), _figure(r, "per_user_tok_s", "per user"),
+                           _figure(r, "decode_tok_s", "one stream")) if f]
+    if figures:
+        lines.append("- " + ", ".join(figures))
+    if r.values:
+        violated = [k for k, v in r.constraints.items() if v > 0]
+        lines.append(f"- score {r.values[0]:.1f}" + (f", **infeasible**: {', '.join(violated)}" if violated else ""))
+    if r.quality_drop_points is not None:
+        lines.append(f"- quality drop {r.quality_drop_points:+.2f} points")
+    predicted = (r.predicted_vram or {}).get("total_bytes")
+    if predicted is not None or r.measured_vram_bytes is not None:
+        lines.append(f"- VRAM predicted {_gib(predicted)}, measured {_gib(r.measured_vram_bytes)}")
+    if r.state == TrialState.PRUNED:
+        lines.append(f"- **not launched**: {r.prune_reason}")
+    elif r.state == TrialState.FAIL:
+        lines.append(f"- **failed**: {r.fail_reason or 'no reason recorded'}")
+        if log_artifact:
+            lines.append(f"- engine log: the study's artifact `{log_artifact}`")
+    if r.deploy_command:
+        lines += ["", "```", *_wrapped(r.deploy_command), "```"]
+    return "\n".join(lines)
+
+
+def _wrapped(command: str, width: int = 76) -> list[str]:
+    """A deploy command as shell lines of at most ``width`` characters (a note's code block does
+    not wrap, and one 300-character line makes the trial page that wide); its trailing comment
+    goes on lines of its own."""
+    import shlex
+
+    line, _, comment = command.partition("  # ")
+    out, current = [], ""
+    for word in shlex.split(line):
+        word = shlex.quote(word) if "=" not in word else word
+        if current and len(current) + len(word) + 3 > width:
+            out.append(current + " \\")
+            current = "  "
+        current += ("" if current.strip() == "" else " ") + word
+    out.append(current)
+    for part in comment.split("; ") if comment else ():
+        out.append(f"# {part}")
+    return out
+
+
+def annotate_trial(study: optuna.Study, trial: optuna.Trial, url: str | None = None) -> None:
+    """Write the note of a finished trial (and attach its engine log if it failed with one)."""
+    from optuna_dashboard import save_note
+
+    from autotune.study import storage as storage_mod
+
+    r = TrialRecord.of(storage_mod.frozen(study, storage_mod.trial_id_of(trial)))
+    log_name = None
+    store = artifact_store(url) if url and r.state == TrialState.FAIL and r.log_tail else None
+    if store is not None:
+        from optuna.artifacts import upload_artifact
+
+        with tempfile.TemporaryDirectory() as tmp:
+            log_name = f"trial-{r.number}-engine.log"
+            path = Path(tmp) / log_name
+            path.write_text(str(r.log_tail))
+            upload_artifact(artifact_store=store, file_path=str(path), study_or_trial=study, mimetype="text/plain")
+    save_note(trial, trial_card(r, log_name))
+
+
+def annotate_study(study: optuna.Study, summary_text: str) -> None:
+    """The study's note: the summary a person would print with ``autotune best``."""
+    from optuna_dashboard import save_note
+
+    save_note(study, "```\n" + summary_text + "\n```")
