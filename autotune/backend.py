@@ -282,6 +282,23 @@ class BaseBackend(abc.ABC):
                 return ctx.settings.get(name, s.default)
         raise KeyError(f"backend '{self.name}' declares no setting {name!r}")
 
+    def value(self, ctx: StudyContext, name: str) -> Any:
+        """``setting``, checked against its declaration even when the core has not (a direct
+        caller such as ``autotune quality`` or a test builds its own context).
+
+        Raises:
+            ConfigError: The value is not what the setting accepts.
+        """
+        v = self.setting(ctx, name)
+        if name in ctx.settings:
+            declared = next(s for s in self.settings if s.name == name)
+            problem = declared.problem(v)
+            if problem:
+                from autotune.errors import ConfigError
+
+                raise ConfigError(f"[backends.{self.name}] {name} = {v!r}: {problem}")
+        return v
+
     def preflight(self, ctx: StudyContext) -> list[str]:
         """Problems that would fail every trial of this backend here (engine missing, a build
         without this card's architecture...), each with its remedy. The study refuses to

@@ -1,7 +1,7 @@
 """The benchmark protocol every backend shares.
 
 A trial's number is only worth comparing with another trial's when both were measured the
-same way. This package is that way, in three rooms:
+same way. This package is that way, in these rooms:
 
 * :mod:`autotune.measure.protocol`: :class:`Protocol` (warm-ups, runs, when to stop),
   :class:`Stat` (the runs of one quantity, median and spread together) and
@@ -10,7 +10,10 @@ same way. This package is that way, in three rooms:
   that really overlap and summarises them as a :class:`ConcurrentResult`;
 * :mod:`autotune.measure.gpu_telemetry`: :class:`GpuSampler` records what the GPU did
   meanwhile through NVML as :class:`GpuTelemetry`, and :func:`measure_with_telemetry` is
-  the block every backend measures with (repeat under the sampler, take the peak memory).
+  the block every backend measures with (repeat under the sampler, take the peak memory);
+* :mod:`autotune.measure.openai_api`: a streamed ``/v1/completions`` request as a
+  :class:`StreamResult`, and an engine's Prometheus ``/metrics`` read beside the client's
+  figures (any OpenAI-compatible server); :mod:`autotune.measure.prompts`: the prompt text.
 
 Import from here: the names below are the public API, whichever module holds them.
 """

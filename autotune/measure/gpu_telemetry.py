@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import os
+
 import statistics
 import threading
 from collections.abc import Callable, Mapping
@@ -171,15 +173,26 @@ class PynvmlReader:
         return int(self._reasons_fn(self._handle))
 
     def process_used_bytes(self, pid: int) -> int | None:
+        # The engine's whole process group: autotune starts each engine as the leader of a
+        # session of its own (autotune.processes), and servers such as vLLM and SGLang hold
+        # the card's memory in worker processes they start, not in the process autotune ran.
         used = [p.usedGpuMemory for p in
                 self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-                if p.pid == pid]
+                if p.pid == pid or _group_of(p.pid) == pid]
         # usedGpuMemory is None where the driver hides it (WDDM, some containers).
         known = [u for u in used if u is not None]
         return int(sum(known)) if known else None
 
     def close(self) -> None:
         self._nvml.nvmlShutdown()
+
+
+def _group_of(pid: int) -> int | None:
+    """The process group of ``pid`` (None: gone, or not visible from here)."""
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -266,7 +279,8 @@ class GpuSampler:
                 ``gpu_index``, counted among the cards CUDA_VISIBLE_DEVICES shows);
                 the real reader finds NVML's card for it by UUID.
             interval_s: Seconds between samples, > 0.
-            pid: Process whose own GPU memory to record too, or None.
+            pid: Process whose own GPU memory to record too (with its process group, for
+                engines whose workers hold the memory), or None.
             reader_factory: Opens a reader for ``index``; defaults to
                 :class:`PynvmlReader`. Whatever it raises means "no GPU".
         """

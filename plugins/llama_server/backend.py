@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-import httpx
-
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
     same_value
-from autotune.errors import AutotuneError, BackendError, ConfigError, EngineUnavailableError
+from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
+from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import StreamResult, event_data, measure_with_telemetry, run_streams_threaded
+from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.models import ModelSpec, model_from_gguf
 
 from autotune import processes
@@ -47,8 +47,8 @@ from autotune.rules import Rule, load_rules, violations
 from autotune.formats import gguf_file_weights
 from autotune_plugins.llama_server import engine, memory
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
-from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, free_port, loopback, \
-    median, parse_log, plan_cpus, process_cpu_s, tail
+from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, median, parse_log, \
+    plan_cpus, process_cpu_s
 
 __all__ = ["LlamaServerBackend", "parse_log"]
 
@@ -63,15 +63,6 @@ UNITS = {
     "aggregate_tok_s": "tok/s",
     "per_user_tok_s": "tok/s",
 }
-
-# Real text for prompts; tokenized by the server and repeated/trimmed to the workload's length.
-PROMPT_TEXT = (
-    "Once upon a time, in a small town by the sea, there lived an old clockmaker who repaired "
-    "every watch the fishermen brought him. Each morning he opened his shop, swept the floor, "
-    "and listened to the ticking of a hundred clocks. One day a girl came in with a broken "
-    "compass and asked him whether he could make it point home again. He smiled, took out his "
-    "smallest screwdriver, and began to explain how the needle feels the pull of the earth. "
-)
 
 # ------------------------------------------------------------------------------ GGUF file
 
@@ -139,16 +130,6 @@ class LlamaServerBackend(BaseBackend):
         Setting("scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics",
                 check=_positive),
     )
-
-    def value(self, ctx: StudyContext, name: str) -> Any:
-        """A setting, checked against its declaration even when the core has not (direct callers)."""
-        v = self.setting(ctx, name)
-        if name in ctx.settings:
-            declared = next(s for s in self.settings if s.name == name)
-            problem = declared.problem(v)
-            if problem:
-                raise ConfigError(f"[backends.{self.name}] {name} = {v!r}: {problem}")
-        return v
 
     def resolved_settings(self, ctx: StudyContext) -> dict[str, Any]:
         """Every declared setting with its value or default, for the engine finder and the scorer."""
@@ -350,17 +331,7 @@ class LlamaServerBackend(BaseBackend):
         return Server(proc, port, log_path, cmd, host=host, cpus=cpus)
 
     def wait_ready(self, server: Server, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                raise server.failure("failed to start")
-            try:
-                if server.http.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise server.failure(f"not ready after {timeout_s:.0f} s")
+        wait_ready(server.proc, server.http, f"{server.url}/health", timeout_s, server.failure)
 
     def prompt_tokens(self, server: Server, n: int) -> list[int]:
         r = server.http.post(f"{server.url}/tokenize", json={"content": PROMPT_TEXT}, timeout=30)
@@ -368,10 +339,7 @@ class LlamaServerBackend(BaseBackend):
         base = [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
         if not base:
             raise server.failure("the tokenizer returned no tokens for the prompt text")
-        tokens: list[int] = []
-        while len(tokens) < n:
-            tokens += base
-        return tokens[:max(1, n)]
+        return prompt_of(base, n)
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         # No check() here: the runner has done it, and a refused configuration must fail with
@@ -402,9 +370,7 @@ class LlamaServerBackend(BaseBackend):
         url = f"{server.url}/completion"
 
         def body(i: int, stream: bool) -> dict[str, Any]:
-            # A different first token per request keeps the server from reusing a cached prefix.
-            toks = [prompt[(i * 7) % len(prompt)], *prompt[1:]] if len(prompt) > 1 else prompt
-            return {"prompt": toks, "n_predict": wl.output_tokens, "ignore_eos": True, "temperature": 0,
+            return {"prompt": varied(prompt, i), "n_predict": wl.output_tokens, "ignore_eos": True, "temperature": 0,
                     "cache_prompt": False, "stream": stream}
 
         def single(i: int) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ from typing import Any, Sequence
 import httpx
 
 from autotune.errors import BackendError, EngineUnavailableError
+from autotune.local_server import server_url, tail
 
-__all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "free_port", "loopback", "median",
-           "parse_log", "plan_cpus", "process_cpu_s", "tail"]
+__all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "median", "parse_log", "plan_cpus",
+           "process_cpu_s"]
 
 BUILD_REMEDY = "run `autotune engine build llama.cpp` (it builds for this machine's GPU, or the CPU without one)"
 
@@ -76,50 +76,7 @@ def engine_reason(log_text: str) -> str:
     return " | ".join(pick)[:800] or "no output"
 
 
-def tail(text: str, n: int = 40) -> str:
-    return "\n".join(text.splitlines()[-n:])
-
-
 # ------------------------------------------------------------------------------ the process
-
-
-def loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-
-
-def _connect_host(host: str) -> str:
-    """Where autotune's client reaches a server bound to ``host`` (a wildcard: the loopback)."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host in ("::", "[::]"):
-        return "::1"
-    return host
-
-
-def _url(host: str, port: int) -> str:
-    h = _connect_host(host)
-    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(20):
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port_free(port, host):
-            return port
-    raise BackendError(f"no free TCP port on {host} for llama-server")
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -207,7 +164,7 @@ class Server:
         self.log_path = log_path
         self.cmd = cmd
         self.cpus = cpus or CpuPlan(None, None, "not pinned")
-        self.url = _url(host, port)
+        self.url = server_url(host, port)
         # A local server: never through a proxy the environment names. No pool limit, so
         # ``parallel`` streams each get their connection at once. No keep-alive: llama-server
         # closes idle connections on its own schedule, and httpx (unlike urllib3) does not

@@ -1,0 +1,27 @@
+"""Any OpenAI-compatible server (vLLM, SGLang, TGI, TabbyAPI, llama-server) as a backend.
+
+Backends (through the ``register_backends`` hook):
+
+* ``openai-server``: starts the server a command template names, drives the workload through
+  ``/v1/completions`` and reads the engine's own ``/metrics``
+  (:mod:`autotune_plugins.openai_server.backend`). Templates are data, one TOML file per engine
+  in ``templates/`` (:mod:`autotune_plugins.openai_server.templates`).
+"""
+
+from __future__ import annotations
+
+from autotune import hookimpl
+
+__all__ = ["register_backends"]
+
+
+@hookimpl
+def register_backends(register):
+    """Add the ``openai-server`` backend.
+
+    Args:
+        register: Called with each backend instance.
+    """
+    from autotune_plugins.openai_server.backend import OpenAIServerBackend
+
+    register(OpenAIServerBackend())

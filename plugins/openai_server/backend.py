@@ -1,0 +1,469 @@
+"""Any OpenAI-compatible server as a backend, started from a command template.
+
+A trial's lifecycle (see :mod:`autotune.backend`):
+
+* the study names a template (``[backends.openai-server] template = "vllm"``, or a TOML file of
+  its own) and may replace its ``command``, ``ready`` path, executable or memory model; all of it
+  is checked before the study starts (:meth:`OpenAIServerBackend.preflight`: a bad placeholder
+  or an unknown flag mapping is exit 2, naming the file and the field);
+* ``check`` refuses what the template does not map (a cache type, flash attention, an option)
+  and what its ``[[rule]]`` table says the engine refuses;
+* ``estimate_memory``: for an engine that pre-allocates a share of the card (vLLM's
+  ``--gpu-memory-utilization``), that share; otherwise the weights on disk plus the KV cache,
+  and the trial records the server's measured NVML peak (its whole process group);
+* ``run`` renders the template to an argument list (never through a shell), starts it with
+  :mod:`autotune.processes`, waits for the ready path, then measures one stream and
+  ``parallel`` concurrent streams of ``/v1/completions`` with
+  :func:`autotune.measure.measure_with_telemetry`, reading the engine's own ``/metrics``
+  before and after each concurrent phase; it always stops the server;
+* ``deploy_command`` prints the same argument list with the deploy port.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shlex
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
+
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
+from autotune.cache_types import CACHE_TYPES
+from autotune.cuda_devices import cuda_visible_entry
+from autotune.errors import AutotuneError, BackendError, ConfigError
+from autotune.hardware import has_gpu as _has_gpu
+from autotune.local_server import free_port, loopback
+from autotune.measure import measure_with_telemetry, run_streams_threaded
+from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
+from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
+from autotune.rules import violations
+from autotune.vram import SlotLayout, kv_cache_bytes
+from autotune_plugins.openai_server.server import OpenAIServer
+from autotune_plugins.openai_server.templates import Template, load_template, render, shipped, template_path, \
+    with_overrides
+
+__all__ = ["OpenAIServerBackend"]
+
+log = logging.getLogger(__name__)
+
+UNITS = {
+    "decode_tok_s": "tok/s",
+    "prefill_tok_s": "tok/s",
+    "ttft_ms": "ms",
+    "aggregate_tok_s": "tok/s",
+    "per_user_tok_s": "tok/s",
+}
+CORE = ("ctx", "parallel")
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def _fraction(value: Any) -> str | None:
+    return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+def _port_problem(value: Any) -> str | None:
+    return None if 1 <= value <= 65535 else "must be a TCP port, 1 to 65535"
+
+
+def _args_problem(value: Any) -> str | None:
+    if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        return "must be a list of strings (one per argument) or one string split as a shell would"
+    if isinstance(value, str):
+        try:
+            shlex.split(value)
+        except ValueError as exc:
+            return f"cannot be split into arguments ({exc})"
+    return None
+
+
+def _args(value: Any) -> list[str]:
+    return shlex.split(value) if isinstance(value, str) else list(value or ())
+
+
+@functools.lru_cache(maxsize=32)
+def _load(path: str, mtime_ns: int) -> Template:
+    return load_template(Path(path))
+
+
+class OpenAIServerBackend(BaseBackend):
+    name: ClassVar[str] = "openai-server"
+    engine: ClassVar[str] = "openai-api"
+    description: ClassVar[str] = ("any OpenAI-compatible server started from a command template (shipped: "
+                                  + ", ".join(shipped()) + ")")
+    settings: ClassVar[tuple[Setting, ...]] = (
+        Setting("template", str, "llama-server", "a shipped template (" + ", ".join(shipped()) + ") or a template "
+                                                 "TOML file, relative to the study file"),
+        Setting("command", (str, list), None, "the server's command with placeholders, in place of the template's "
+                                              "(a list of arguments; a string is split as a shell would, never run "
+                                              "by one)", check=_args_problem),
+        Setting("executable", str, None, "the engine's executable, in place of the command's first argument"),
+        Setting("extra_args", (str, list), None, "arguments added after the template's command",
+                check=_args_problem),
+        Setting("ready", str, None, "the health path polled until it answers 200 (default: the template's)"),
+        Setting("startup_timeout_s", float, None, "bound on the server's start, seconds (default: the template's)",
+                check=_positive),
+        Setting("request_timeout_s", float, 600.0, "bound on one measurement's requests, seconds", check=_positive),
+        Setting("memory", str, None, "memory model: 'fraction' (the engine pre-allocates memory_fraction of the "
+                                     "card) or 'measured' (default: the template's)", choices=("fraction", "measured")),
+        Setting("memory_fraction", float, None, "the share of the card a pre-allocating engine takes "
+                                                "(default: the template's)", check=_fraction),
+        Setting("host", str, "127.0.0.1", "address of the deploy command's server, {host} (trials use 127.0.0.1)"),
+        Setting("port", int, 8000, "port of the deploy command, {port} (trials use a free port)", check=_port_problem),
+        Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop "
+                                                            "repeating", choices=tuple(UNITS)),
+        Setting("scoring_ctx", int, 2048, "context of the server that quality metrics score through", check=_positive),
+    )
+
+    # -------------------------------------------------------------- the template
+
+    def template(self, ctx: StudyContext) -> Template:
+        """The study's template with its settings applied, checked.
+
+        Raises:
+            ConfigError: Naming the template file or the setting, the field and what is accepted.
+        """
+        ref = str(self.value(ctx, "template"))
+        path = template_path(ref, ctx.base_dir)
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            mtime = 0
+        base = _load(str(path), mtime)
+        command = self.value(ctx, "command")
+        t = with_overrides(base, command=_args(command) if command is not None else None,
+                           ready=self.value(ctx, "ready"), memory=self.value(ctx, "memory"),
+                           memory_fraction=self.value(ctx, "memory_fraction"), where=f"[backends.{self.name}]")
+        executable = self.value(ctx, "executable")
+        extra = _args(self.value(ctx, "extra_args"))
+        if executable or extra:
+            cmd = ([str(Path(executable).expanduser())] if executable else [t.command[0]]) + list(t.command[1:]) + extra
+            t = replace(t, command=tuple(cmd))
+        return t
+
+    def executable(self, t: Template) -> str | None:
+        """The command's executable as an absolute path, or None when it is not there."""
+        first = t.command[0]
+        if "/" in first:
+            p = Path(first).expanduser().absolute()
+            return str(p) if p.is_file() else None
+        return shutil.which(first)
+
+    def preflight(self, ctx: StudyContext) -> list[str]:
+        """The template and the study's settings render (every placeholder known, every mapping
+        well formed) and the executable is there; else the problem, naming the file and field."""
+        try:
+            t = self.template(ctx)
+        except ConfigError as exc:
+            return [f"backend {self.name}: {exc}"]
+        problems = []
+        if self.executable(t) is None:
+            problems.append(f"backend {self.name}: template {t.name}: {t.command[0]!r} is not an executable here "
+                            f"(not found on PATH): install {t.engine}, or set [backends.{self.name}] executable to "
+                            "its path")
+        if _has_gpu():
+            try:
+                cuda_visible_entry(ctx.gpu_index)
+            except AutotuneError as exc:
+                problems.append(f"backend {self.name}: {exc}")
+        return problems
+
+    # -------------------------------------------------------------- space and rules
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """The study's values as given: which of them the template maps is known only with the
+        study's settings, so ``check`` refuses the others (naming the template and the key). A
+        key the study does not name is left to the engine's default."""
+        params = []
+        for name, values in space.items():
+            if name in CORE:
+                continue
+            if name == "flash_attn":
+                params.append(Param(name, tuple(v for v in values if isinstance(v, bool)),
+                                    "flash attention, as the template's [flash_attn] maps it", accepted=(True, False)))
+            elif name == "cache_type":
+                params.append(Param(name, tuple(v for v in values if isinstance(v, str)),
+                                    "KV-cache type, as the template's [cache_type] maps it",
+                                    accepted=("a key of the template's [cache_type]",)))
+            else:
+                params.append(Param(name, tuple(v for v in values if isinstance(v, (int, float, str))
+                                                and not isinstance(v, bool)),
+                                    f"{name}, as the template's [options] maps it",
+                                    accepted=("a number or a string the template's [options] maps",)))
+        return params
+
+    def weights_path(self, weights: str, ctx: StudyContext) -> Path:
+        return ctx.path(weights)
+
+    def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        try:
+            t = self.template(ctx)
+        except ConfigError:
+            return None  # preflight reports the template
+        p = self.weights_path(weights, ctx)
+        if t.weights == "file" and not p.is_file():
+            return f"{p}: no such file (template {t.name} loads a weights file; paths are relative to the study file)"
+        if t.weights == "directory" and not p.is_dir():
+            return f"{p}: no such directory (template {t.name} loads a model directory)"
+        return None
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        try:
+            t = self.template(ctx)
+        except ConfigError as exc:
+            return [str(exc)]
+        problem = self.check_weights(config.weights, ctx)
+        if problem:
+            return [problem]
+        reasons = []
+        options = dict(config.options)
+        cache = options.get("cache_type")
+        if cache is not None and cache not in t.cache_type:
+            reasons.append(f"cache_type {cache!r}: template {t.name} maps only {', '.join(t.cache_type) or 'none'} "
+                           f"({t.source} [cache_type])")
+        flash = options.get("flash_attn")
+        if flash is not None and flash not in t.flash_attn:
+            mapped = ", ".join(str(k).lower() for k in t.flash_attn) or "neither value"
+            reasons.append(f"flash_attn {str(flash).lower()}: template {t.name} maps only {mapped} "
+                           f"({t.source} [flash_attn])")
+        for name in options:
+            if name not in ("cache_type", "flash_attn") and name not in t.options:
+                reasons.append(f"{name}: template {t.name} maps no such option "
+                               f"({t.source} [options]: {', '.join(t.options) or 'none'})")
+        if reasons:
+            return reasons
+        model = ctx.model
+        facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
+                 "compute_capability": getattr(ctx.gpu, "compute_capability", None)}
+        return violations(list(t.rules), {**options, "ctx": config.ctx, "parallel": config.parallel}, facts)
+
+    # -------------------------------------------------------------- memory
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        t = self.template(ctx)
+        path = self.weights_path(config.weights, ctx)
+        weights = _bytes_on_disk(path)
+        cache = config.option("cache_type")
+        kv_type = cache if cache in CACHE_TYPES else "f16"
+        kv, _, how = kv_cache_bytes(ctx.model, kv_type, config.ctx, config.parallel, SlotLayout())
+        notes = [f"weights: {weights} bytes on disk ({path.name})",
+                 f"KV: {how} x {ctx.model.n_layers} layers x {ctx.model.kv_dim} x (K+V {kv_type})"
+                 + ("" if cache == kv_type else f" (cache_type {cache!r} is not in autotune's catalog: sized as f16)")]
+        if t.memory == "fraction":
+            pool = int(float(t.memory_fraction or 0) * ctx.gpu.vram_bytes)
+            notes.append(f"template {t.name} pre-allocates {t.memory_fraction:g} of the card's {ctx.gpu.vram_bytes} "
+                         f"bytes ({pool}): admission uses that share; weights + KV beyond it cannot start")
+            return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, buffers_bytes=0,
+                                  overhead_bytes=max(0, pool - weights - kv), notes=tuple(notes))
+        notes.append(f"template {t.name}: measured only; this is weights + KV, the trial records the engine's "
+                     "NVML peak and the study learns the rest from it")
+        return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, buffers_bytes=0, overhead_bytes=0, notes=tuple(notes))
+
+    # -------------------------------------------------------------- the command line
+
+    def argv(self, config: TrialConfig, ctx: StudyContext, *, host: str, port: int, has_gpu: bool,
+             t: Template | None = None) -> list[str]:
+        """The one place the command is rendered: trials launch it, deploy prints it."""
+        t = t or self.template(ctx)
+        path = self.weights_path(config.weights, ctx)
+        values = {
+            "weights": str(path), "weights_dir": str(path.parent), "weights_name": path.name,
+            "ctx": config.ctx, "ctx_total": config.ctx * config.parallel, "ctx_input": max(1, config.ctx - 1),
+            "parallel": config.parallel, "port": port, "host": host,
+            "gpu": cuda_visible_entry(ctx.gpu_index) if has_gpu else "",
+            "memory_fraction": "" if t.memory_fraction is None else f"{t.memory_fraction:g}",
+        }
+        options = {k: v for k, v in config.options if k not in ("cache_type", "flash_attn")}
+        argv = render(t, values, cache_type=config.option("cache_type"), flash_attn=config.option("flash_attn"),
+                      options=options)
+        exe = self.executable(t)
+        if exe:
+            argv[0] = exe
+        return argv
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        has_gpu = _has_gpu() if ctx.for_gpu is None else ctx.for_gpu
+        t = self.template(ctx)
+        host = str(self.value(ctx, "host"))
+        argv = self.argv(config, ctx, host=host, port=int(self.value(ctx, "port")), has_gpu=has_gpu, t=t)
+        notes = [f"template {t.name} ({t.docs or t.source})"]
+        if "{ctx_total}" in t.command:
+            notes.append(f"ctx {config.ctx} x {config.parallel} slots share {config.ctx * config.parallel}")
+        if self.executable(t) is None:
+            notes.append(f"{t.command[0]} was not found here")
+        if "{host}" in t.command:
+            notes.append(f"listens on {host} only; [backends.{self.name}] host = \"0.0.0.0\" serves other machines"
+                         if loopback(host) else f"listens on {host}")
+        prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(cuda_visible_entry(ctx.gpu_index))} " if has_gpu else ""
+        return prefix + shlex.join(argv) + "  # " + "; ".join(notes)
+
+    def engine_version(self) -> str:
+        return "unknown (depends on the study's template)"
+
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def _version_of(argv: tuple[str, ...]) -> str:
+        try:
+            out = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"unknown ({exc})"
+        lines = [ln.strip() for ln in (out.stdout + "\n" + out.stderr).splitlines() if ln.strip()]
+        return next((ln for ln in lines if "version" in ln.lower()), lines[0] if lines else "unknown")[:200]
+
+    def version(self, t: Template) -> str:
+        exe = self.executable(t)
+        if not t.version or exe is None:
+            return "unknown (the template names no version arguments)" if not t.version else "unknown (not found)"
+        return f"{t.name}: {self._version_of((exe, *t.version))}"
+
+    # -------------------------------------------------------------- run
+
+    def launch(self, config: TrialConfig, ctx: StudyContext, *, has_gpu: bool, t: Template) -> OpenAIServer:
+        host = "127.0.0.1"
+        port = free_port(host)
+        argv = self.argv(config, ctx, host=host, port=port, has_gpu=has_gpu, t=t)
+        devices = cuda_visible_entry(ctx.gpu_index) if has_gpu else None
+        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices), label=t.name)
+
+    def startup_timeout(self, ctx: StudyContext, t: Template) -> float:
+        given = self.value(ctx, "startup_timeout_s")
+        return float(given) if given is not None else t.startup_timeout_s
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        t = self.template(ctx)
+        has_gpu = _has_gpu()
+        request_s = float(self.value(ctx, "request_timeout_s"))
+        with self.launch(config, ctx, has_gpu=has_gpu, t=t) as server:
+            try:
+                server.wait_ready(t.ready, self.startup_timeout(ctx, t))
+                return self._measure(server, t, config, ctx, has_gpu, request_s)
+            except BackendError:
+                raise
+            except Exception as exc:  # HTTP errors, measurement errors: with the engine's view too
+                if server.proc.poll() is not None:
+                    raise server.failure(f"died while measuring ({exc})") from exc
+                raise server.failure(f"measurement failed ({exc})") from exc
+
+    def _prompt(self, server: OpenAIServer, t: Template, n: int) -> tuple[Any, int]:
+        """The workload's prompt: token ids when the template can tokenize, else text."""
+        if t.prompt == "tokens":
+            data = server.post(t.tokenize or "/tokenize", {t.tokenize_field: PROMPT_TEXT}, 30)
+            raw = data.get("tokens") if isinstance(data, dict) else data
+            base = [tok if isinstance(tok, int) else tok["id"] for tok in raw or ()]
+            if not base:
+                raise server.failure("the tokenizer returned no tokens for the prompt text")
+            tokens = prompt_of(base, n)
+            return tokens, len(tokens)
+        words = PROMPT_TEXT.split()
+        # About 4/3 tokens per English word; the server's usage gives the real count.
+        text = " ".join((words * (n // len(words) + 2))[:max(1, int(n * 0.75))])
+        return text, n
+
+    def _measure(self, server: OpenAIServer, t: Template, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
+                 request_s: float) -> Measurement:
+        wl = ctx.workload
+        prompt, n_prompt = self._prompt(server, t, wl.prompt_tokens)
+        model = server.served_model()
+        url = f"{server.url}/v1/completions"
+
+        def body(i: int) -> dict[str, Any]:
+            p = varied(prompt, i) if isinstance(prompt, list) else f"{i} {prompt}"
+            out = {"prompt": p, "max_tokens": wl.output_tokens, "temperature": 0, **t.request}
+            if model:
+                out["model"] = model
+            return out
+
+        def metrics() -> dict[str, float] | None:
+            if not t.metrics_path:
+                return None
+            try:
+                r = server.http.get(f"{server.url}{t.metrics_path}", timeout=10)
+            except Exception:  # noqa: BLE001 - the engine's view is a check, not the measurement
+                return None
+            return parse_prometheus(r.text) if r.status_code == 200 else None
+
+        server_rows: list[dict[str, Any]] = []
+
+        def sample() -> dict[str, float]:
+            i = len(server_rows)
+            single = stream_completion(server.http, url, body(i), n_prompt, request_s).result
+            before = metrics()
+            conc = run_streams_threaded(lambda j: stream_completion(server.http, url, body(1000 + 100 * i + j),
+                                                                    n_prompt, request_s).result,
+                                        config.parallel, request_s)
+            after = metrics()
+            row: dict[str, Any] = {"client": {"generated_tokens": float(conc.total_output_tokens),
+                                              "decode_tok_s": float(sum(s.decode_tok_s for s in conc.streams)
+                                                                    / conc.n_streams)}}
+            if before is not None and after is not None:
+                row["server"] = t.counters.figures(before, after)
+            server_rows.append(row)
+            return {"decode_tok_s": single.decode_tok_s, "prefill_tok_s": single.prefill_tok_s,
+                    "ttft_ms": single.ttft_ms, "aggregate_tok_s": conc.aggregate_tok_s,
+                    "per_user_tok_s": conc.per_user_tok_s}
+
+        stream_completion(server.http, url, body(-1), n_prompt, request_s)  # warm-up: allocator, caches, graphs
+        key = str(self.value(ctx, "stability_metric"))
+        stats, telemetry, peak = measure_with_telemetry(sample, ctx.protocol, UNITS, key, gpu=has_gpu,
+                                                        gpu_index=ctx.gpu_index, pid=server.proc.pid)
+        attrs: dict[str, Any] = {
+            "engine_version": self.version(t),
+            "template": t.name, "template_file": t.source, "template_docs": t.docs,
+            "command": shlex.join(server.argv), "argv": list(server.argv), "gpu": has_gpu,
+            "prompt_tokens": n_prompt,
+            "server_metrics": _compare(server_rows[ctx.protocol.warmup_runs:], t),
+        }
+        for warning in attrs["server_metrics"]["warnings"]:
+            log.warning("%s (template %s, %s)", warning, t.name, config.key)
+        return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
+
+    # -------------------------------------------------------------- quality
+
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        """Log-likelihoods through the server's ``/v1/completions`` log-probabilities.
+
+        Raises:
+            ScoringUnsupportedError: The template's engine returns no usable log-probabilities
+                (``[api] logprobs = "none"``), with the template's reason.
+        """
+        from autotune_plugins.openai_server.scoring import OpenAIServerScorer
+
+        return OpenAIServerScorer(self, weights, cache_type, ctx)
+
+
+def _bytes_on_disk(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return 0
+
+
+def _median(values: Sequence[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
+
+
+def _compare(rows: Sequence[Mapping[str, Any]], t: Template) -> dict[str, Any]:
+    """The engine's own figures beside the client's, medians over the measured runs, and a warning
+    for each that differs by more than 5%."""
+    if not t.metrics_path:
+        return {"available": False, "reason": f"template {t.name} names no metrics endpoint", "warnings": []}
+    with_server = [r for r in rows if "server" in r]
+    if not with_server:
+        return {"available": False, "reason": f"{t.metrics_path} did not answer", "warnings": []}
+
+    def med(side: str, key: str) -> float | None:
+        return _median([r[side][key] for r in with_server if r[side].get(key) is not None])
+
+    keys = ("generated_tokens", "decode_tok_s")
+    server = {k: med("server", k) for k in keys}
+    client = {k: med("client", k) for k in keys}
+    return {"available": True, "path": t.metrics_path, "server": server, "client": client,
+            "warnings": disagreements(server, client)}

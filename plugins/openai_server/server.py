@@ -1,0 +1,111 @@
+"""One running OpenAI-compatible server: started from a rendered template, its log, its address.
+
+Its lifetime belongs to :mod:`autotune.processes` (its own session, dies with autotune, stopped in
+a ``finally``); this module adds what an HTTP engine has: the client, readiness, the model name
+it serves, and a failure message that carries the server's own log tail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import httpx
+
+from autotune import processes
+from autotune.errors import BackendError, EngineUnavailableError
+from autotune.local_server import server_url, tail, wait_ready
+
+__all__ = ["OpenAIServer"]
+
+
+class OpenAIServer:
+    """A server process started from ``argv``; use as a context manager (stops it on exit).
+
+    Args:
+        argv: The rendered command.
+        host, port: Where it listens.
+        env: Its environment.
+        label: The template's name, for messages.
+    """
+
+    def __init__(self, argv: Sequence[str], *, host: str, port: int, env: Mapping[str, str], label: str):
+        self.argv = list(argv)
+        self.label = label
+        self.url = server_url(host, port)
+        self._tmp = tempfile.TemporaryDirectory(prefix="autotune-openai-server-")
+        self.log_path = Path(self._tmp.name) / "server.log"
+        # A local server: no proxy from the environment, no pool limit (every stream gets its
+        # connection at once), no keep-alive (a server closing idle connections on its own
+        # schedule failed pooled requests: see the llama-server plugin's Server).
+        self.http = httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=None,
+                                                                      max_keepalive_connections=0))
+        with open(self.log_path, "w") as log:
+            try:
+                self.proc = processes.start(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=dict(env))
+            except OSError as exc:
+                self.close()
+                raise EngineUnavailableError(f"template {label}: {self.argv[0]} cannot be started ({exc}); set "
+                                             "[backends.openai-server] executable or command to the engine's "
+                                             "executable") from exc
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def failure(self, what: str) -> BackendError:
+        """The error for ``what`` went wrong, with the server's exit status and its log's tail."""
+        text = self.log()
+        rc = self.proc.poll()
+        status = f"exited with code {rc}" if rc is not None else "is running"
+        last = [ln.strip() for ln in text.splitlines() if ln.strip()][-3:]
+        message = f"{self.label} server {status}: {what}: {' | '.join(last) or 'no output'}"
+        if rc in (126, 127):  # the shell's "cannot execute" / "not found": every trial would fail
+            return EngineUnavailableError(f"{message}. The engine cannot run here", log_tail=tail(text))
+        return BackendError(message, log_tail=tail(text))
+
+    def wait_ready(self, path: str, timeout_s: float) -> None:
+        wait_ready(self.proc, self.http, f"{self.url}{path}", timeout_s, self.failure)
+
+    def served_model(self) -> str | None:
+        """The model name ``/v1/models`` lists first (vLLM and SGLang want it in each request)."""
+        try:
+            r = self.http.get(f"{self.url}/v1/models", timeout=10)
+            data = r.json().get("data") or []
+            return str(data[0]["id"]) if r.status_code == 200 and data else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def post(self, path: str, body: Mapping[str, Any], timeout_s: float) -> Any:
+        r = self.http.post(f"{self.url}{path}", json=dict(body), timeout=timeout_s)
+        if r.status_code != 200:
+            raise self.failure(f"HTTP {r.status_code} from {path}: {r.text[:300]}")
+        return r.json()
+
+    def close(self) -> None:
+        proc = getattr(self, "proc", None)
+        try:
+            if proc is not None:
+                processes.stop(proc)
+        finally:
+            self.http.close()
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "OpenAIServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def environment(cuda_devices: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        if cuda_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cuda_devices
+        return env

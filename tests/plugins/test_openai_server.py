@@ -1,0 +1,326 @@
+"""The openai-server backend: templates as data, checked up front; a real CPU study through the
+llama-server template (launch, load, tear-down, deploy line, a failing command's log tail,
+quality through logprobs) and the native llama-server backend's throughput beside it.
+
+The engine tests need a llama.cpp build (``autotune engine build llama.cpp --cpu --python``);
+CI sets AUTOTUNE_REQUIRE_ENGINE=1, so there they fail rather than skip.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+
+from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.errors import BackendError, ConfigError
+from autotune.hardware import get_gpu
+from autotune.measure import Protocol
+from autotune.measure.openai_api import ServerCounters, disagreements, parse_prometheus
+from autotune.models import model_from_gguf
+from autotune.scoring import ScoringUnsupportedError
+from tests.engine_fixtures import STORIES, llama_cpp_module, llama_server_binary
+from tests.plugins.test_llama_server_backend import servers_on
+
+from autotune_plugins.llama_server.backend import LlamaServerBackend
+from autotune_plugins.openai_server.backend import OpenAIServerBackend
+from autotune_plugins.openai_server.templates import load_template, shipped, template_path
+
+FAST = Protocol(warmup_runs=1, min_runs=3, max_runs=3, rel_spread_tol=0.5)
+
+
+def make_ctx(base: Path, gpu: str = "t4", model: Path = STORIES, **settings) -> StudyContext:
+    return StudyContext(gpu=get_gpu(gpu), model=model_from_gguf(model), workload=Workload(16, 32),
+                        vram_budget_bytes=get_gpu(gpu).vram_bytes - 2**30, protocol=FAST, settings=settings,
+                        base_dir=base, for_gpu=False)
+
+
+def cfg(weights: str, parallel: int = 1, ctx: int = 256, **options) -> TrialConfig:
+    return TrialConfig("openai-server", weights, ctx, parallel, tuple(sorted(options.items())))
+
+
+# ------------------------------------------------------------------ templates, without an engine
+
+
+def test_every_shipped_template_renders_to_an_argument_list(tmp_path):
+    assert shipped() == ["llama-server", "sglang", "tabbyapi", "tgi", "vllm"]
+    (tmp_path / "model").mkdir()
+    shutil.copy(STORIES, tmp_path / "m.gguf")
+    b = OpenAIServerBackend()
+    for name in shipped():
+        t = load_template(template_path(name, tmp_path))
+        assert t.docs.startswith("https://") and all(r.source for r in t.rules)
+        weights = "m.gguf" if t.weights == "file" else "model"
+        options = {"cache_type": next(iter(t.cache_type))}
+        if t.flash_attn:
+            options["flash_attn"] = next(iter(t.flash_attn))
+        argv = b.argv(cfg(weights, 4, 1024, **options), make_ctx(tmp_path, template=name), host="127.0.0.1",
+                      port=8123, has_gpu=False)
+        assert not any("{" in a for a in argv), (name, argv)
+        assert "8123" in argv and str(tmp_path) in " ".join(argv)
+        assert str(1024) in argv or "4096" in argv  # ctx of one sequence, or the shared total
+    vllm = b.argv(cfg("model", 4, 1024, cache_type="fp8", flash_attn=True), make_ctx(tmp_path, template="vllm"),
+                  host="127.0.0.1", port=8000, has_gpu=False)
+    assert vllm[:3] == [shutil.which("vllm") or "vllm", "serve", str(tmp_path / "model")]
+    for flag, value in (("--max-model-len", "1024"), ("--max-num-seqs", "4"), ("--kv-cache-dtype", "fp8"),
+                        ("--gpu-memory-utilization", "0.9")):
+        assert vllm[vllm.index(flag) + 1] == value
+    llama = b.argv(cfg("m.gguf", 4, 1024, cache_type="q8_0", flash_attn=False, ubatch=128),
+                   make_ctx(tmp_path, template="llama-server"), host="127.0.0.1", port=8000, has_gpu=False)
+    for flag, value in (("-c", "4096"), ("-np", "4"), ("-ctk", "q8_0"), ("-ctv", "q8_0"), ("-fa", "off"),
+                        ("-ub", "128")):
+        assert llama[llama.index(flag) + 1] == value
+
+
+def test_a_bad_placeholder_or_flag_mapping_names_the_file_and_the_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("""
+[template]
+command = ["srv", "{wieghts}", "{flash_attn}x", "{cache_type}"]
+memory = "preallocated"
+[cache_type]
+f16 = "-ctk f16"
+fp8 = 8
+[flash_attn]
+yes = ["-fa"]
+[options]
+ubatch = ["-ub", "{val}"]
+[[rule]]
+name = "r"
+when = { kv_dtype = ["fp8"] }
+reason = "no"
+source = "here"
+""")
+    with pytest.raises(ConfigError) as err:
+        load_template(bad)
+    text = str(err.value)
+    for expected in (f"{bad}: [template] command: unknown placeholder {{wieghts}}",
+                     "{flash_attn} must be an argument of its own",
+                     "[template] memory = 'preallocated'",
+                     f"{bad}: [cache_type] fp8 = 8: must be a list of arguments",
+                     f"{bad}: [flash_attn] yes: not a value this table maps (true or false)",
+                     f"{bad}: [options] ubatch: unknown placeholder {{val}}",
+                     "when kv_dtype: not an option of this template"):
+        assert expected in text, (expected, text)
+    assert "f16 = " not in text  # a string is split into arguments, as documented
+
+
+def test_a_study_with_a_bad_template_is_exit_2_before_anything_runs(tmp_path):
+    shutil.copy(STORIES, tmp_path / "m.gguf")
+    study = tmp_path / "s.toml"
+    study.write_text(f"""[study]
+name = "s"
+[hardware]
+gpu = "t4"
+[model]
+ref = "m.gguf"
+[workload]
+prompt_tokens = 16
+output_tokens = 16
+[[candidates]]
+backend = "openai-server"
+weights = ["m.gguf"]
+[space]
+ctx = [256]
+parallel = [1]
+[backends.openai-server]
+executable = "{sys.executable}"
+command = ["llama-server", "-m", "{{weights}}", "--port", "{{prot}}"]
+""")
+    proc = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "study", str(study),
+                           "--storage", f"sqlite:///{tmp_path / 's.db'}"], capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "AUTOTUNE_LOAD_PLUGINS": "openai_server"})
+    assert proc.returncode == 2, proc.stderr
+    assert "[backends.openai-server] command: unknown placeholder {prot}" in proc.stderr
+    assert not (tmp_path / "s.db").exists()
+
+
+def test_a_pre_allocating_engine_is_admitted_by_its_fraction(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "w.safetensors").write_bytes(b"\0" * 1000)
+    b = OpenAIServerBackend()
+    h200 = get_gpu("h200")
+    est = b.estimate_memory(cfg("model", 8, 4096), make_ctx(tmp_path, "h200", template="vllm"))
+    assert est.total_bytes == int(0.9 * h200.vram_bytes)
+    est = b.estimate_memory(cfg("model", 8, 4096), make_ctx(tmp_path, "h200", template="vllm", memory_fraction=0.5))
+    assert est.total_bytes == int(0.5 * h200.vram_bytes)
+    # A measured-only engine is weights + KV, to be corrected by the study's measured peaks.
+    shutil.copy(STORIES, tmp_path / "m.gguf")
+    est = b.estimate_memory(cfg("m.gguf", 2, 256, cache_type="f16"), make_ctx(tmp_path))
+    assert est.weights_bytes == STORIES.stat().st_size and est.kv_bytes > 0 and est.overhead_bytes == 0
+
+
+def test_validity_rules_and_mappings_refuse_before_launching(tmp_path):
+    (tmp_path / "model").mkdir()
+    shutil.copy(STORIES, tmp_path / "m.gguf")
+    b = OpenAIServerBackend()
+    reasons = b.check(cfg("model", 1, 256, cache_type="fp8", flash_attn=True), make_ctx(tmp_path, "t4", template="vllm"))
+    assert reasons and "compute capability 8.9" in reasons[0]
+    assert b.check(cfg("model", 1, 256, cache_type="fp8", flash_attn=True), make_ctx(tmp_path, "h200", template="vllm")) == []
+    assert "7.0" in b.check(cfg("model", 1, 256), make_ctx(tmp_path, "p40", template="vllm"))[0]
+    reasons = b.check(cfg("m.gguf", 1, 256, cache_type="q6", flash_attn=True), make_ctx(tmp_path))
+    assert "template llama-server maps only f16, q8_0, q4_0" in reasons[0] and "[cache_type]" in reasons[0]
+    assert "head size 8" in b.check(cfg("m.gguf", 1, 256, cache_type="q8_0", flash_attn=True), make_ctx(tmp_path))[0]
+
+
+def test_an_engine_without_prompt_logprobs_refuses_quality_clearly(tmp_path):
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ScoringUnsupportedError, match=r"template tgi cannot score: TGI's /v1/completions has no echo"):
+        OpenAIServerBackend().scorer("model", None, make_ctx(tmp_path, template="tgi"))
+
+
+def test_server_metrics_beside_the_client_warn_beyond_five_percent():
+    page = """# HELP vllm:generation_tokens_total x
+vllm:generation_tokens_total{model_name="m"} 96.0
+vllm:time_per_output_token_seconds_sum{model_name="m"} 1.5
+vllm:time_per_output_token_seconds_count{model_name="m"} 150
+"""
+    before = parse_prometheus(page.replace("96.0", "0").replace("1.5", "0.5").replace("150", "50"))
+    after = parse_prometheus(page)
+    counters = ServerCounters("vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_count",
+                              "vllm:time_per_output_token_seconds_sum")
+    server = counters.figures(before, after)
+    assert server == {"generated_tokens": 96.0, "decode_tok_s": 100.0}
+    assert disagreements(server, {"generated_tokens": 96.0, "decode_tok_s": 104.0}) == []
+    (warning,) = disagreements(server, {"generated_tokens": 96.0, "decode_tok_s": 110.0})
+    assert warning.startswith("decode_tok_s: the engine says 100, the client measured 110 (-9%)")
+
+
+# ------------------------------------------------------------------ a real CPU study
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory) -> Path:
+    binary = llama_server_binary()
+    root = tmp_path_factory.mktemp("openai-server")
+    shutil.copy(STORIES, root / "stories260K.gguf")
+    (root / "study.toml").write_text(f"""[study]
+name = "openai-cpu"
+finish_top = 0
+
+[hardware]
+gpu = "t4"
+
+[model]
+ref = "stories260K.gguf"
+
+[workload]
+prompt_tokens = 16
+output_tokens = 16
+
+[measure]
+warmup_runs = 1
+min_runs = 2
+max_runs = 2
+rel_spread_tol = 0.5
+
+[[candidates]]
+backend = "openai-server"
+weights = ["stories260K.gguf"]
+
+[space]
+ctx = [256]
+parallel = [1, 2]
+cache_type = ["f16", "q8_0"]
+flash_attn = [true]
+
+[backends.openai-server]
+template = "llama-server"
+executable = "{binary}"
+extra_args = ["-t", "2"]
+startup_timeout_s = 60
+""")
+    return root
+
+
+def test_a_cpu_study_through_the_llama_server_template(study_dir):
+    storage = f"sqlite:///{study_dir / 'study.db'}"
+    proc = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "study", "study.toml",
+                           "--storage", storage, "--json"], cwd=study_dir, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "AUTOTUNE_LOAD_PLUGINS": "openai_server"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["n_complete"] == 2  # parallel 1 and 2 with an f16 cache; q8_0 refused (head size 8)
+    study = optuna.load_study(study_name="openai-cpu", storage=storage)
+    for t in study.trials:
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            m, facts = t.user_attrs["metrics"], t.user_attrs["engine_facts"]
+            assert m["aggregate_tok_s"]["median"] > 0 and m["aggregate_tok_s"]["n"] >= 2
+            assert facts["template"] == "llama-server" and facts["engine_version"].startswith("llama-server: version")
+            # The engine's own counters, read around each concurrent phase, saw the tokens the client counted.
+            sm = facts["server_metrics"]
+            assert sm["available"] and sm["server"]["generated_tokens"] == sm["client"]["generated_tokens"] > 0
+        elif t.params.get("openai-server.cache_type") == "q8_0":
+            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["prune_reason"]
+    deploy = summary["best"]["deploy_command"]
+    assert deploy.startswith(str(llama_server_binary().absolute()) + " -m " + str(study_dir / "stories260K.gguf"))
+    assert " -ctk f16 -ctv f16 -fa on " in deploy and "--port 8000" in deploy and deploy.endswith(
+        "[backends.openai-server] host = \"0.0.0.0\" serves other machines")
+    assert servers_on(study_dir) == []
+
+
+def test_a_server_that_refuses_its_command_fails_with_its_own_log(study_dir):
+    b = OpenAIServerBackend()
+    ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["--no-such-flag"],
+                   startup_timeout_s=30)
+    with pytest.raises(BackendError) as err:
+        b.run(cfg("stories260K.gguf", 1, cache_type="f16", flash_attn=True), ctx)
+    assert "llama-server server exited with code" in str(err.value)
+    assert "--no-such-flag" in err.value.log_tail
+    assert servers_on(study_dir) == []
+
+
+def test_throughput_matches_the_native_backend(study_dir):
+    """The same configuration through both backends, interleaved; each one's best run (the least
+    disturbed by whatever else the machine does) within 10% of the other's."""
+    binary = str(llama_server_binary())
+    config = dict(cache_type="f16", flash_attn=True)
+    # Many short runs per launch: a run is tens of milliseconds, a launch a second or more.
+    many = Protocol(warmup_runs=2, min_runs=12, max_runs=12, rel_spread_tol=1.0)
+    openai_ctx = replace(make_ctx(study_dir, executable=binary, extra_args=["-t", "2"], startup_timeout_s=30),
+                         protocol=many)
+    native_ctx = replace(make_ctx(study_dir, threads=2, startup_timeout_s=30), protocol=many)
+    best = {"openai-server": 0.0, "llama-server": 0.0}
+    for _ in range(2):
+        m = OpenAIServerBackend().run(cfg("stories260K.gguf", 2, **config), openai_ctx)
+        best["openai-server"] = max(best["openai-server"], *m.metrics["aggregate_tok_s"].values)
+        native = TrialConfig("llama-server", "stories260K.gguf", 256, 2, tuple(sorted(config.items())))
+        m = LlamaServerBackend().run(native, native_ctx)
+        best["llama-server"] = max(best["llama-server"], *m.metrics["aggregate_tok_s"].values)
+    print(f"aggregate tok/s, 2 streams, best run: {best}")
+    assert best["openai-server"] == pytest.approx(best["llama-server"], rel=0.10)
+    assert servers_on(study_dir) == []
+
+
+def test_quality_through_logprobs_matches_the_in_process_scorer(study_dir):
+    llama_cpp_module()
+    from autotune_plugins.llama_server.scoring import LlamaCppScorer
+
+    ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["-t", "2"], scoring_ctx=256)
+    requests = [("Once upon a time, there was a little girl", " named Lily."), ("The cat sat on the", " mat.")]
+    text = "Once upon a time there was"
+    with OpenAIServerBackend().scorer("stories260K.gguf", "f16", ctx) as served:
+        got = served.loglikelihood(requests)
+        tokens = served.tokenize(text, add_bos=True)
+        rows = served.next_token_logprobs(tokens)
+    with LlamaCppScorer(study_dir / "stories260K.gguf", "f16", {"threads": 2, "scoring_ctx": 256}) as local:
+        want = local.loglikelihood(requests)
+        assert local.tokenize(text, add_bos=True) == tokens
+        ref = local.next_token_logprobs(tokens)
+    for g, w in zip(got, want):
+        assert (g.n_tokens, g.is_greedy) == (w.n_tokens, w.is_greedy)
+        assert g.logprob == pytest.approx(w.logprob, abs=5e-3)
+    # The server sends probabilities (their logarithm loses digits far down the tail) and evaluates
+    # each prefix on top of its cache, the in-process scorer the whole window at once: the first
+    # rows agree to 1e-6, later ones to about 1e-3.
+    likely = ref > -12
+    assert np.abs(rows[likely] - ref[likely]).max() < 1e-2
+    assert np.abs(rows[0] - ref[0]).max() < 1e-4
+    assert servers_on(study_dir) == []
