@@ -27,7 +27,9 @@ from typing import Any, Callable
 
 import optuna
 
+from autotune import artifacts
 from autotune import objective as objective_mod
+from autotune.artifacts import ArtifactError
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.study import calibration, records, storage
@@ -153,6 +155,11 @@ class StudyRunner:
         self._launch_seconds: list[float] = []
         self._defer_signals = False
         self._deferred_signal: int | None = None
+        self._note: Callable[[str], None] | None = None
+
+    def _say(self, text: str) -> None:
+        if self._note is not None:
+            self._note(text)
 
     # ----------------------------------------------------------------------------- lookups
 
@@ -307,6 +314,7 @@ class StudyRunner:
             self.enqueue_grid()
         elif self.uses_prior:
             self.enqueue_prior()
+        self._note = note
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
         interrupted = False
@@ -522,6 +530,18 @@ class StudyRunner:
         write(trial, deploy_command=backend.deploy_command(config, ctx))
         if not verdict.admitted:
             return self._prune(trial, config, verdict)
+        try:
+            self._ensure_artifacts(trial, config)
+        except ArtifactError as exc:
+            # Only the trials needing this artifact fail (each at once: the failure is remembered).
+            write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
+            self.study.tell(trial, state=TrialState.FAIL)
+            return _Outcome("FAIL", config.as_dict(), reason=str(exc))
+        verdict = self.judge.judge(config)  # a made artifact: its own tensors, not the prediction
+        if verdict.estimate is not None:
+            write(trial, predicted_vram=verdict.estimate.to_dict())
+        if not verdict.admitted:
+            return self._prune(trial, config, verdict)
         if self.quality is not None:
             # Quality depends on the artifact, not on ctx or parallel, and is measured once per
             # study; when it rules the configuration out, launching it would be waste.
@@ -562,6 +582,25 @@ class StudyRunner:
         self.study.tell(trial, list(s.values))
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
         return _Outcome("COMPLETE", config.as_dict(), list(s.values))
+
+    def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig) -> None:
+        """Make (or find in the cache) the weights this trial loads, and its quality reference's.
+
+        Inside the trial, so the making counts in the study's budget and in this trial's time;
+        each artifact is recorded in the trial (path, sha256, seconds to make).
+        """
+        backend = self.prepared.backend(config.backend)
+        ctx = self.prepared.contexts[config.backend]
+        wanted = [config.weights]
+        reference = self.prepared.reference.get(config.backend) if self.quality is not None else None
+        if reference is not None and reference.weights not in wanted:
+            wanted.append(reference.weights)
+        made = []
+        for weights in wanted:
+            artifact = artifacts.ensure(backend, weights, ctx, say=self._say)
+            if artifact is not None:
+                made.append({**artifact.to_dict(), "weights": weights})
+                write(trial, artifacts=made)
 
     def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> _Outcome:
         write(trial, prune_reason=verdict.reason)
