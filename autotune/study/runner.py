@@ -156,6 +156,7 @@ class StudyRunner:
         self._defer_signals = False
         self._deferred_signal: int | None = None
         self._note: Callable[[str], None] | None = None
+        self._failed_artifacts: set[tuple[str, str]] = set()
 
     def _say(self, text: str) -> None:
         if self._note is not None:
@@ -164,8 +165,9 @@ class StudyRunner:
     # ----------------------------------------------------------------------------- lookups
 
     def admissible(self, config: TrialConfig) -> bool:
-        """Whether ``config`` could run and be accepted, as far as is known without launching it."""
-        return self.judge.judge(config).admitted
+        """Whether ``config`` could run and be accepted, as far as is known without launching it
+        (weights whose making failed in this run are not proposed again: each would fail alike)."""
+        return (config.backend, config.weights) not in self._failed_artifacts and self.judge.judge(config).admitted
 
     def _evaluated_keys(self) -> set[str]:
         return set(records.standing_by_key(self.study))
@@ -533,7 +535,10 @@ class StudyRunner:
         try:
             self._ensure_artifacts(trial, config)
         except ArtifactError as exc:
-            # Only the trials needing this artifact fail (each at once: the failure is remembered).
+            # Only the trials needing this artifact fail; the sampler proposes it no more this run
+            # (a later run tries again: the user may have fixed what the tool said).
+            self._failed_artifacts.add((config.backend, config.weights))
+            self.n_measured += 1
             write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
             self.study.tell(trial, state=TrialState.FAIL)
             return _Outcome("FAIL", config.as_dict(), reason=str(exc))

@@ -195,7 +195,8 @@ class ExLlamaV2Backend(BaseBackend):
         from autotune_plugins.exllamav2.recipes import exl2_recipe
 
         version = self.engine_version().partition(" (")[0].replace(" ", "-")
-        return exl2_recipe(fmt, source, self.python(ctx), self.worker_env(ctx), version)
+        # The environment names the study's card; it is asked for only when converting.
+        return exl2_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version)
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The EXL2 directory a candidate names: relative to the study file, or for a format

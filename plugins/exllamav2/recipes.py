@@ -79,7 +79,8 @@ def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], sa
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str], tool: str) -> Recipe:
+def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Callable[[], Mapping[str, str]],
+                tool: str) -> Recipe | None:
     """The recipe for ``fmt`` (``exl2:<bpw>``) from the Hugging Face directory ``source``.
 
     Args:
@@ -89,12 +90,15 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str], too
         env: The converter's environment (the study's card as CUDA device 0).
         tool: ``exllamav2-<version>``, part of the cache key.
 
+    Returns:
+        None for a format that is not EXL2 (another engine's).
+
     Raises:
-        AutotuneError: ``fmt`` is not an EXL2 format, or ``source`` is not an HF directory.
+        AutotuneError: ``source`` is not an HF directory.
     """
     family, detail = parse_format(fmt)
     if family != "exl2":
-        raise AutotuneError(f"{fmt}: exllamav2 loads EXL2 directories; the formats it makes are exl2:<bpw>")
+        return None
     if not source.is_dir():
         raise AutotuneError(f"{source}: EXL2 is converted from a Hugging Face model directory (config.json and "
                             "*.safetensors), not a single file")
@@ -106,11 +110,12 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str], too
     expected = exl2_weights(model, bpw).total_bytes + extra
 
     def convert(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
-        measurement = _measured(inputs[0], out.parent, python, env, say)
+        run_env = env() if callable(env) else env
+        measurement = _measured(inputs[0], out.parent, python, run_env, say)
         with tempfile.TemporaryDirectory(prefix="exl2-job-", dir=out.parent) as work:
             _run([python, "-m", CONVERTER_MODULE, "-i", str(inputs[0]), "-o", work + "/job", "-nr",
                   "-m", str(measurement), "-cf", str(out), "-b", str(bpw)],
-                 f"exllamav2 convert {inputs[0].name} -b {bpw}", say, env)
+                 f"exllamav2 convert {inputs[0].name} -b {bpw}", say, run_env)
         with contextlib.suppress(OSError):
             shutil.rmtree(out / "out_tensor", ignore_errors=True)  # the converter's scratch, when it leaves it
 

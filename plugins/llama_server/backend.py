@@ -184,7 +184,7 @@ class LlamaServerBackend(BaseBackend):
         """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
         from autotune_plugins.llama_server.recipes import gguf_recipe
 
-        return gguf_recipe(fmt, source, self.resolved_settings(ctx), self.binary(ctx))
+        return gguf_recipe(fmt, source, self.resolved_settings(ctx), lambda: self.binary(ctx))
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The GGUF file a candidate names: a path relative to the study file, or for a format

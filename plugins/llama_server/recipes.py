@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 from autotune.artifacts import Recipe
 from autotune.errors import AutotuneError
-from autotune.formats import GGUF_FILE_TYPES, parse_format, predict_gguf_weights
+from autotune.formats import parse_format, predict_gguf_weights
 from autotune.gguf_file import read_gguf
 from autotune.models import ModelSpec, resolve_model
 from autotune_plugins.llama_server import engine
@@ -104,17 +104,22 @@ def _source_kind(source: Path) -> tuple[str, str | None]:
     return "gguf", None
 
 
-def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Path) -> Recipe:
+def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Path | Callable[[], Path]
+                ) -> Recipe | None:
     """The recipe for ``fmt`` (``gguf:<TYPE>``) from ``source`` with the build of ``server``.
 
+    Returns:
+        None for a format that is not GGUF (another engine's).
+
     Raises:
-        AutotuneError: ``fmt`` is not a GGUF format, or ``source`` is not a model llama.cpp can
-            start from (the message says why and what would do).
+        AutotuneError: ``source`` is not a model llama.cpp can start from (the message says why
+            and what would do).
     """
     family, detail = parse_format(fmt)
     if family != "gguf":
-        raise AutotuneError(f"{fmt}: llama-server loads GGUF files; formats it makes are gguf:<TYPE> "
-                            f"({', '.join(GGUF_FILE_TYPES)})")
+        return None
+    if callable(server):
+        server = server()
     qtype = str(detail)
     kind, source_type = _source_kind(source)
     if kind == "gguf" and source_type not in FULL_PRECISION:
