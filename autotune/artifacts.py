@@ -313,10 +313,10 @@ def _ensure(backend: "BaseBackend", fmt: str, ctx: "StudyContext", say: Callable
         if not partial.exists():
             _failed[path] = f"{what} failed: the recipe wrote nothing at {partial}"
             raise ArtifactError(_failed[path])
-        seconds = time.monotonic() - started
+        seconds = round(time.monotonic() - started, 2)
         digest = _sha256_tree(partial)
         manifest = {"format": recipe.fmt, "tool": recipe.tool, "source": str(ctx.source), "source_sha256": src_hash,
-                    "sha256": digest, "make_seconds": round(seconds, 2), "made_by": backend.name,
+                    "sha256": digest, "make_seconds": seconds, "made_by": backend.name,
                     "made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "inputs": [str(p) for p in inputs]}
         # The record first, the artifact last: an artifact in place always has its record.
         _manifest_path(path).write_text(json.dumps(manifest, indent=2))
