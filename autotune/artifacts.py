@@ -250,12 +250,13 @@ def ensure(backend: "BaseBackend", weights: str, ctx: "StudyContext",
         say: Progress lines ("making gguf:Q8_0 ...", "cache hit ...").
 
     Returns:
-        The artifact, with the seconds it took to make (0 and ``made_now`` False on a cache hit).
+        The artifact, with the seconds it took to make (``made_now`` False on a cache hit); None
+        for a file path, and for a model backend (the twin predicts a format, it loads nothing).
 
     Raises:
         ArtifactError: No source, a disk too small, or the tool failed (its own error quoted).
     """
-    if not is_format(weights):
+    if backend.is_model or not is_format(weights):
         return None
     return _ensure(backend, weights, ctx, say or (lambda _: None), depth=0)
 
