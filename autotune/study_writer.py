@@ -42,6 +42,7 @@ __all__ = ["FORMATS", "StudyDraft", "draft_study", "render"]
 # source. Full precision first: with a quality metric, the largest candidate is the reference.
 FORMATS = ("gguf:F16", "gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M", "gguf:Q4_0",
            "exl2:8.0", "exl2:6.0", "exl2:5.0", "exl2:4.0", "exl2:3.0")
+FULL_PRECISION = ("F16", "BF16", "F32")
 PARALLEL = (1, 2, 4, 8, 16)
 # One request: a chat turn on a GPU; shorter on a CPU, where a trial must stay seconds long.
 WORKLOAD_GPU = (1024, 256)
@@ -180,6 +181,12 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                     f"{'host memory' if spec.is_cpu else spec.name}")
                 continue
             kept.append(fmt)
+        if not any(fmt.endswith(FULL_PRECISION) for fmt in kept) and backend.check_weights(str(source), ctx) is None:
+            # No full-precision format of its own, but it loads the source as it is (ExLlamaV2 an
+            # FP16 directory): the source is its quality reference, when it fits.
+            probe, estimate, _ = _lightest(backend, str(source), draft.ctx[0], ctx)
+            if probe is not None and estimate.total_bytes <= budget_bytes:
+                kept.append(str(source))
         if kept:
             draft.candidates[backend_name] = kept
             ctx_of[backend_name] = ctx
@@ -195,7 +202,8 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             values += [v for v in p.choices if v not in values]
     draft.space = space
 
-    full_precision = any(fmt.endswith(("F16", "BF16", "F32")) for fmts in draft.candidates.values() for fmt in fmts)
+    full_precision = any(fmt.endswith(FULL_PRECISION) or fmt == str(source)
+                         for fmts in draft.candidates.values() for fmt in fmts)
     try:
         metric = plugins.get_metric(QUALITY_METRIC)
     except AutotuneError as exc:
@@ -260,7 +268,8 @@ def render(draft: StudyDraft, out: Path) -> str:
         lines += ["[measure]", "warmup_runs = 1", "min_runs = 3", "max_runs = 6", "rel_spread_tol = 0.15",
                   "max_seconds = 20", ""]
     for backend_name, fmts in draft.candidates.items():
-        lines += ["[[candidates]]", f"backend = {_toml_value(backend_name)}", f"weights = {_toml_value(fmts)}", ""]
+        shown = [source if w == str(draft.source) else w for w in fmts]  # the source itself, as [model] names it
+        lines += ["[[candidates]]", f"backend = {_toml_value(backend_name)}", f"weights = {_toml_value(shown)}", ""]
     if draft.left_out:
         lines.append("# Left out:")
         for why in draft.left_out:

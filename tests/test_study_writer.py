@@ -36,6 +36,9 @@ class GgufMaker(BaseBackend):
 
         return Recipe(fmt, "maker-1", fmt.split(":")[1] + ".gguf", 1, make)
 
+    def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        return None if weights.startswith("gguf:") else f"{weights}: gguf-maker loads only what it makes"
+
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         return [Param("cache_type", ("f16", "q8_0"), "cache", accepted=("f16", "q8_0"))]
 
@@ -117,3 +120,38 @@ def test_nothing_that_can_run_is_an_error_listing_why(seven_b):
         with pytest.raises(ConfigError, match="no backend here can make a format of this model that fits:\n"
                                               "  backend unready: .*not built"):
             draft_study(str(seven_b), gpu="t4")
+
+
+def test_a_backend_that_loads_the_source_itself_takes_it_as_its_reference(seven_b, tmp_path):
+    class SourceLoader(GgufMaker):
+        """Makes only quantized formats, and loads the full-precision source as it is (as
+        ExLlamaV2 loads an FP16 directory)."""
+
+        name = "source-loader"
+        engine = "loader-engine"
+
+        def artifact_recipe(self, fmt, source, ctx):
+            return None if fmt.endswith("F16") else super().artifact_recipe(fmt, source, ctx)
+
+        def check_weights(self, weights, ctx):
+            return None if weights.startswith("gguf:") or ctx.path(weights) == ctx.source else "no"
+
+        def estimate_memory(self, config, ctx):
+            if config.weights.startswith("gguf:"):
+                return super().estimate_memory(config, ctx)
+            return MemoryEstimate(2 * ctx.model.n_params, 0, 2**30, 0)
+
+    class Loader:
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(SourceLoader())
+
+    with plugin_registered(Loader, "loader"):
+        draft = draft_study(str(seven_b), gpu="h200")
+        assert draft.candidates["source-loader"][-1] == str(seven_b)
+        out = tmp_path / "s.toml"
+        out.write_text(render(draft, out))
+        assert '"gguf:Q4_0", "Qwen2.5-7B"]' in out.read_text()
+        prepared = prepare_study(load_study_config(out))
+        assert prepared.space.entries["source-loader"].weights[-1] == "Qwen2.5-7B"

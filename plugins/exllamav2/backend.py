@@ -218,7 +218,10 @@ class ExLlamaV2Backend(BaseBackend):
         if not (p / "config.json").is_file():
             return f"{p}: no config.json (an EXL2 directory holds config.json, tokenizer.json and *.safetensors)"
         cfg = read_config_json(p)
-        if exl2_quantization(cfg) is None:
+        # The study's own full-precision source loads as it is (ExLlamaV2 reads FP16 safetensors):
+        # the reference its EXL2 conversions' quality is measured against.
+        is_source = ctx.source is not None and p.resolve() == Path(ctx.source).resolve()
+        if exl2_quantization(cfg) is None and not is_source:
             return (f"{p}/config.json: no quantization_config with quant_method 'exl2' and bits "
                     f"(convert with python -m exllamav2.conversion.convert_exl2 ... -cf {p})")
         if not (p / "tokenizer.json").is_file():
