@@ -2,6 +2,8 @@
 # Makes .carry/ (gitignored), what the H200 sessions carry to a device with no network:
 #   whl/       optuna, sqlalchemy, alembic, mako, colorlog, gguf, greenlet (cp312) + the autotune wheel
 #   whl-exl2/  exllamav2 0.3.2, fastparquet, cramjam, websockets (cp312)
+#   whl-convert/  transformers 4.57.6 (llama.cpp's pin for convert_hf_to_gguf.py), tokenizers,
+#              sentencepiece and their dependencies, less numpy (the device image's torch needs its own)
 #   llama.cpp.tar.gz   the llama.cpp tree of the pinned llama-cpp-python sdist, with its
 #              gguf-py (convert_hf_to_gguf.py needs its own) but without docs, tests, models
 #              and the GPU backends other than CUDA (the whole sdist is over the 64 MiB carry)
@@ -16,6 +18,9 @@ P=(--only-binary=:all: --python-version 3.12 --implementation cp --platform many
    --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 --no-deps)
 python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 sqlalchemy==2.1.9 alembic mako colorlog gguf greenlet
 python3 -m pip download -q "${P[@]}" -d .carry/whl-exl2 exllamav2==0.3.2 fastparquet cramjam websockets
+mkdir -p .carry/whl-convert
+python3 -m pip download -q "${P[@]:0:${#P[@]}-1}" -d .carry/whl-convert transformers==4.57.6 sentencepiece
+rm -f .carry/whl-convert/numpy-*.whl
 rm -f .carry/whl/autotune-*.whl
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/whl .
 cp "$SRC/models/ggml-vocab-qwen2.gguf" "$SRC/models/ggml-vocab-llama-bpe.gguf" .carry/
