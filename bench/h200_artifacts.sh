@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 on the H200 through the device tool (kind nvidia-h200, carry [".carry"], made by
-# bench/make_carry.sh), one step per call while the machine stays warm (everything under /tmp/g):
+# `CONVERT=1 bash bench/make_carry.sh`: the converter's wheels too), one step per call while the machine stays warm (everything under /tmp/g):
 #   bash bench/h200_artifacts.sh prep    # wheels; `autotune engine build llama.cpp --cuda-arch 90`
 #                                        # from the carried tree (offline, --sdist); ExLlamaV2's JIT
 #                                        # build; the HF source (build_qwen_source.py)
@@ -24,6 +24,8 @@ prep)
   python3 -V; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
       .carry/whl/*.whl .carry/whl-exl2/*.whl .carry/whl-convert/*.whl
+  python3 -c 'import scipy' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl-scipy/*.whl
+  python3 -c 'import scipy, transformers, sentencepiece, autotune; print("transformers", transformers.__version__)'
   # The carried llama.cpp tree as an extracted llama-cpp-python sdist, so that `engine build`
   # runs offline and records its source tree (convert_hf_to_gguf.py and gguf-py) beside the build.
   if [ ! -f /tmp/g/sdist/vendor/llama.cpp/CMakeLists.txt ]; then

@@ -12,7 +12,6 @@
 #                                            # quarter of the grid's recorded measuring time
 #   bash bench/h200_grids.sh workers         # issue 14: the Qwen grid by two workers on one
 #                                            # storage, one per GPU (CUDA_VISIBLE_DEVICES=N)
-# The seeds and workers steps were written after the grids ran and have not run yet.
 # Each grid runs under a physical memory budget: bench/hold_gpu_memory.py takes the rest of its
 # card. Storages are copied to $OUT after every step.
 set -uo pipefail
@@ -25,7 +24,7 @@ t() { local n=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$n.log" 2>&1; local rc=$
 grid() {  # grid STUDY_FILE GPU RUN SECS LEAVE_GIB
   local file=$1 gpu=$2 run=$3 secs=$4 leave=$5 name
   name=$(basename "$file" .toml)-run$run
-  sed "s/^gpu = \"auto\"/gpu = \"auto\"\ngpu_index = $gpu/" "$file" >"/tmp/g/$name.toml"
+  cp "$file" "/tmp/g/$name.toml"  # the card is CUDA_VISIBLE_DEVICES's: gpu_index counts from it
   CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
   local holder=$!
   sleep 20
@@ -40,15 +39,18 @@ case $step in
 prep)
   python3 -V; nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
+  python3 -c 'import scipy' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl-scipy/*.whl
+  python3 -c 'import scipy, optuna, autotune; print("scipy", scipy.__version__, "optuna", optuna.__version__)'
   mkdir -p /tmp/g/src /tmp/g/m && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
+  for v in qwen2 llama-bpe; do gunzip -c .carry/ggml-vocab-$v.gguf.gz >/tmp/g/ggml-vocab-$v.gguf; done
   t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
       && ninja -C /tmp/g/b llama-server llama-quantize llama-bench' &
   t synth_q7b "${AT[@]}" synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 \
-      --ctx 32768 --vocab-from .carry/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
+      --ctx 32768 --vocab-from /tmp/g/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
   t synth_l8b "${AT[@]}" synth --arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
-      --ctx 131072 --vocab-from .carry/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
+      --ctx 131072 --vocab-from /tmp/g/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
   wait
   for q in Q8_0 Q4_K_M Q4_0; do t "quant_q7b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/q7b-F16.gguf /tmp/g/m/q7b-$q.gguf $q 16 & done
   for q in Q8_0 Q5_K_M Q4_K_M; do t "quant_l8b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/l8b-F16.gguf /tmp/g/m/l8b-$q.gguf $q 16 & done
@@ -80,7 +82,7 @@ seeds)
       IFS=: read -r g gpu secs leave <<<"$spec"
       name=h200_grid_$g-seed$seed
       sed -e "s/^sampler = \"grid\"/sampler = \"tpe\"\nprior = true/" -e "s/^seed = 0/seed = $seed/" \
-          -e "s/^gpu = \"auto\"/gpu = \"auto\"\ngpu_index = $gpu/" "bench/h200_grid_$g.toml" >"/tmp/g/$name.toml"
+          "bench/h200_grid_$g.toml" >"/tmp/g/$name.toml"
       (CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
        holder=$!; sleep 20
        t "study-$name" "${AT[@]}" study "/tmp/g/$name.toml" --storage "sqlite:////tmp/g/db/$name.db" --budget "${secs}s" --json
@@ -90,11 +92,11 @@ seeds)
   done
   ;;
 workers)
-  # Two workers, one storage, one GPU each: the grid should take about half its one-GPU time
-  # (544 s) with no configuration measured twice.
-  sed "s/^name = .*/name = \"h200-grid-qwen7b-2workers\"/" bench/h200_grid_qwen7b.toml >/tmp/g/workers.toml
+  # Two workers, one storage, one GPU each: the Llama grid should take about half its one-GPU
+  # time (445 s) with no configuration measured twice, the finish's rounds shared out.
+  sed "s/^name = .*/name = \"h200-grid-llama8b-2workers\"/" bench/h200_grid_llama8b.toml >/tmp/g/workers.toml
   for gpu in 0 1; do
-    CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib 12 >"$OUT/hold-w$gpu.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib 16 >"$OUT/hold-w$gpu.log" 2>&1 &
   done
   sleep 20
   t0=$SECONDS

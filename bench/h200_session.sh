@@ -11,7 +11,7 @@
 # .carry is made by bench/make_carry.sh: whl/ (optuna, sqlalchemy, ..., the autotune wheel),
 # whl-exl2/ (exllamav2 0.3.2, fastparquet, cramjam, websockets), llama.cpp.tar.gz (the
 # vendored tree of the llama-cpp-python 0.3.36 sdist with its gguf-py, docs/tests/other GPU
-# backends stripped), ggml-vocab-qwen2.gguf.
+# backends stripped), ggml-vocab-qwen2.gguf.gz (gunzipped to /tmp).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -31,8 +31,9 @@ prep)
       && ninja -C /tmp/p/b llama-server llama-quantize' &
   t exl2_jit python3 -c 'import time; t=time.time(); from exllamav2 import ext; import exllamav2.attn as a; print("ext built in", round(time.time()-t), "s; flash_attn", a.has_flash_attn, "xformers", a.has_xformers, "sdpa_lower_right", a.has_lower_right_sdpa)' &
   t hf_model python3 bench/exllamav2_h200/build_model.py /tmp/x/m/q15b-fp16 &
+  gunzip -c .carry/ggml-vocab-qwen2.gguf.gz >/tmp/ggml-vocab-qwen2.gguf
   t synth_7b "${AT[@]}" synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 \
-      --ctx 32768 --vocab-from .carry/ggml-vocab-qwen2.gguf --out /tmp/q7b/q7b-f16.gguf &
+      --ctx 32768 --vocab-from /tmp/ggml-vocab-qwen2.gguf --out /tmp/q7b/q7b-f16.gguf &
   wait
   for q in Q8_0 Q4_K_M; do t "quant_$q" /tmp/p/b/bin/llama-quantize /tmp/q7b/q7b-f16.gguf /tmp/q7b/q7b-$q.gguf $q 32 & done
   wait

@@ -2,28 +2,35 @@
 # Makes .carry/ (gitignored), what the H200 sessions carry to a device with no network:
 #   whl/       optuna, sqlalchemy, alembic, mako, colorlog, gguf, greenlet (cp312) + the autotune wheel
 #   whl-exl2/  exllamav2 0.3.2, fastparquet, cramjam, websockets (cp312)
-#   whl-convert/  transformers 4.57.6 (llama.cpp's pin for convert_hf_to_gguf.py), tokenizers,
-#              sentencepiece and their dependencies, less numpy (the device image's torch needs its own)
+#   whl-scipy/ scipy (cp312; the twin's calibration needs it, and images without it exist)
+#   whl-convert/  only with CONVERT=1 (bench/h200_artifacts.sh): transformers 4.57.6 (llama.cpp's
+#              pin for convert_hf_to_gguf.py), tokenizers, sentencepiece and their dependencies,
+#              less numpy (the image's torch needs its own); about 25 MB, so with whl-scipy the
+#              carry may pass 64 MiB: leave whl-scipy out where the image has scipy
 #   llama.cpp.tar.gz   the llama.cpp tree of the pinned llama-cpp-python sdist, with its
 #              gguf-py (convert_hf_to_gguf.py needs its own) but without docs, tests, models
 #              and the GPU backends other than CUDA (the whole sdist is over the 64 MiB carry)
-#   ggml-vocab-qwen2.gguf, ggml-vocab-llama-bpe.gguf   the tokenizers `autotune synth` copies
+#   ggml-vocab-{qwen2,llama-bpe}.gguf.gz   the tokenizers `autotune synth` copies
 # Needs a CPU build made by `autotune engine build llama.cpp --cpu` (its src/ is the tree).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=${SRC:-$HOME/.cache/autotune/engines/llama.cpp-0.3.36-cpu/src}
 [ -d "$SRC" ] || { echo "no llama.cpp tree at $SRC: run autotune engine build llama.cpp --cpu first" >&2; exit 2; }
-mkdir -p .carry/whl .carry/whl-exl2
+mkdir -p .carry/whl .carry/whl-exl2 .carry/whl-scipy
 P=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
    --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 --no-deps)
 python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 sqlalchemy==2.1.9 alembic mako colorlog gguf greenlet
 python3 -m pip download -q "${P[@]}" -d .carry/whl-exl2 exllamav2==0.3.2 fastparquet cramjam websockets
-mkdir -p .carry/whl-convert
-python3 -m pip download -q "${P[@]:0:${#P[@]}-1}" -d .carry/whl-convert transformers==4.57.6 sentencepiece
-rm -f .carry/whl-convert/numpy-*.whl
+python3 -m pip download -q "${P[@]}" -d .carry/whl-scipy 'scipy>=1.11,<2'
+if [ "${CONVERT:-0}" = 1 ]; then
+  mkdir -p .carry/whl-convert  # with dependencies: every P option but the last (--no-deps)
+  python3 -m pip download -q "${P[@]:0:${#P[@]}-1}" -d .carry/whl-convert transformers==4.57.6 sentencepiece
+  rm -f .carry/whl-convert/numpy-*.whl
+fi
 rm -f .carry/whl/autotune-*.whl
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/whl .
-cp "$SRC/models/ggml-vocab-qwen2.gguf" "$SRC/models/ggml-vocab-llama-bpe.gguf" .carry/
+# gzipped: with scipy the carry is near its 64 MiB limit (a vocabulary shrinks to a quarter)
+for v in qwen2 llama-bpe; do gzip -9 -c "$SRC/models/ggml-vocab-$v.gguf" >".carry/ggml-vocab-$v.gguf.gz"; done
 tar czf .carry/llama.cpp.tar.gz -C "$SRC" \
     --exclude=./docs --exclude=./models --exclude=./.github --exclude=./examples --exclude='./tools/server/public*' \
     --exclude='./ggml/src/ggml-'{vulkan,sycl,metal,opencl,cann,musa,hip,hexagon,openvino,et,kompute,webgpu,zdnn,rpc} \

@@ -98,6 +98,23 @@ def test_the_finish_says_what_it_measures_while_it_runs(tmp_path, storage):
     assert heard[-1].startswith("finish 6/6: trial ") and "(round 2 of 2," in heard[-1]
 
 
+def test_workers_sharing_a_study_share_the_finish_out(tmp_path, storage):
+    """Two workers reach the finish together: a round another worker has claimed is not measured
+    again here, and the user hears that it was left to that worker."""
+    backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81]})
+    heard: list[str] = []
+    with registered(backend):
+        runner = StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abc")), storage=storage))
+        other_worker = -12345
+        for number in (0, 1):  # the grid's first two trials: both among the top three
+            assert runner.claims.claim(f"finish:{number}:0", other_worker) is None
+        runner.run(note=heard.append)
+    assert len(backend.calls) == 3 + 4  # the grid, then the four rounds nobody else claimed
+    assert heard[-1] == "finish: 2 round(s) measured by another worker of this study"
+    assert {(n, r) for n, rounds in records.remeasures(runner.study).items() for r in rounds} == \
+        {(0, 1), (1, 1), (2, 0), (2, 1)}
+
+
 def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, storage):
     # a leads b by 1% on the medians, but a's own runs range over 7%: a tie; b needs 2 GiB less.
     backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]},

@@ -71,3 +71,12 @@ class Claims:
                 .values(trial_id=trial_id)
             )
         return result.rowcount == 1
+
+    def release(self, key: str, holder_id: int) -> None:
+        """Give up ``key`` held by ``holder_id`` (its work was interrupted before anything was stored)."""
+        if self.engine is None:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(CLAIMS.delete().where(CLAIMS.c.study_id == self.study_id,
+                                               CLAIMS.c.config_hash == self._hash(key),
+                                               CLAIMS.c.trial_id == holder_id))

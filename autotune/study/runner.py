@@ -147,6 +147,8 @@ class StudyRunner:
         self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
         self._fail_dead_local_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        # Holds this worker's claims on rounds of the finish; negative, so never a trial's id.
+        self._finish_token = -random.SystemRandom().randint(1, 2**31 - 1)
         self.n_measured = 0
         self.n_new = 0
         self.converged = False
@@ -394,25 +396,37 @@ class StudyRunner:
         records.write_finish_plan(self.study, [r.number for r in top], self.cfg.finish_rounds)
         stored = records.remeasures(self.study)
         todo = sum(round_ not in stored.get(r.number, {}) for round_ in range(self.cfg.finish_rounds) for r in top)
-        launches = 0
+        launches = others = 0
         for round_ in range(self.cfg.finish_rounds):
             for r in top:
                 if round_ in stored.get(r.number, {}):
+                    continue
+                # Workers sharing the study reach the finish together: each round is claimed, so
+                # they share the rounds out instead of each measuring all of them.
+                key = f"finish:{r.number}:{round_}"
+                if self.claims.claim(key, self._finish_token) not in (None, self._finish_token):
+                    others += 1
                     continue
                 config = r.trial_config
                 assert config is not None
                 ctx = self.prepared.contexts[config.backend]
                 launches += 1
                 if note is not None:
-                    note(f"finish {launches}/{todo}: trial {r.number} measured again (round {round_ + 1} of "
-                         f"{self.cfg.finish_rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
+                    note(f"finish {launches + others}/{todo}: trial {r.number} measured again (round {round_ + 1} "
+                         f"of {self.cfg.finish_rounds}, interleaved with trials "
+                         f"{', '.join(str(t.number) for t in top)})")
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
                     s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
                                     r.quality_drop_points)
                 except EngineUnavailableError:
+                    self.claims.release(key, self._finish_token)
                     return launches  # every launch would fail: the missing rounds wait for a later run
-                except Exception as exc:  # the study's outcome stands; the verdict counts the failure
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):  # Ctrl-C: the round is measured when the study continues
+                        self.claims.release(key, self._finish_token)
+                        raise
+                    # The study's outcome stands; the verdict counts the failure.
                     records.write_remeasure(self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}",
                                             worker=self.worker)
                     continue
@@ -420,6 +434,8 @@ class StudyRunner:
                 records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
                                         per_user_tok_s=per_user.median if per_user is not None else None,
                                         peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
+        if others and note is not None:
+            note(f"finish: {others} round(s) measured by another worker of this study")
         return launches
 
     def _one_trial(self, heartbeat: storage.Heartbeat, start: float) -> TrialEvent:
