@@ -251,12 +251,13 @@ def ensure(backend: "BaseBackend", weights: str, ctx: "StudyContext",
 
     Returns:
         The artifact, with the seconds it took to make (``made_now`` False on a cache hit); None
-        for a file path, and for a model backend (the twin predicts a format, it loads nothing).
+        for a file path, for a model backend (the twin predicts a format, it loads nothing) and
+        for a backend that makes no artifacts (``artifact_recipe`` not implemented).
 
     Raises:
         ArtifactError: No source, a disk too small, or the tool failed (its own error quoted).
     """
-    if backend.is_model or not is_format(weights):
+    if backend.is_model or not backend.makes_artifacts or not is_format(weights):
         return None
     return _ensure(backend, weights, ctx, say or (lambda _: None), depth=0)
 

@@ -414,6 +414,12 @@ class BaseBackend(abc.ABC):
         return type(self).predict is not BaseBackend.predict
 
     @property
+    def makes_artifacts(self) -> bool:
+        """Whether it makes weights formats from a source (implements ``artifact_recipe``); a
+        backend that does not reads a format-like weights name as it sees fit."""
+        return type(self).artifact_recipe is not BaseBackend.artifact_recipe
+
+    @property
     def supports_scoring(self) -> bool:
         """Whether ``scorer`` is implemented (metrics' ``supports`` checks this)."""
         return type(self).scorer is not BaseBackend.scorer

@@ -106,8 +106,8 @@ def check_space_values(offered: Mapping[str, list[Param]], space: Mapping[str, t
 def _format_problem(backend: BaseBackend, weights: str, ctx: StudyContext, given_source: str | None) -> str | None:
     """Why a real backend cannot make the format ``weights`` names (None: it can). A model
     backend predicts formats and needs no source."""
-    if backend.is_model:
-        return None
+    if backend.is_model or not backend.makes_artifacts:
+        return None  # it predicts a format, or reads a format-like name its own way
     if ctx.source is None:
         if given_source is not None:
             return None  # the missing source is reported once, under [model] source
