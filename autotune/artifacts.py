@@ -154,6 +154,9 @@ def _sha256_tree(path: Path) -> str:
     return h.hexdigest()
 
 
+_seen: dict[str, tuple[list[list[Any]], str]] = {}
+
+
 def source_hash(source: str | os.PathLike[str]) -> str:
     """The sha256 of a source model's content (a file, or every file of a directory by relative name).
 
@@ -166,6 +169,9 @@ def source_hash(source: str | os.PathLike[str]) -> str:
         raise ConfigError(f"{src}: no such file or directory (the model source)")
     stamp = [[p.relative_to(src).as_posix() if src.is_dir() else p.name, p.stat().st_size, p.stat().st_mtime_ns]
              for p in _files_of(src)]
+    seen = _seen.get(str(src))
+    if seen is not None and seen[0] == stamp:
+        return seen[1]  # asked at every admission judgement: no file read when nothing changed
     memo_path = artifacts_dir() / "sources.json"
     try:
         memo = json.loads(memo_path.read_text())
@@ -173,8 +179,10 @@ def source_hash(source: str | os.PathLike[str]) -> str:
         memo = {}
     known = memo.get(str(src))
     if isinstance(known, dict) and known.get("stamp") == stamp and isinstance(known.get("sha256"), str):
+        _seen[str(src)] = (stamp, known["sha256"])
         return known["sha256"]
     digest = _sha256_tree(src)
+    _seen[str(src)] = (stamp, digest)
     memo[str(src)] = {"stamp": stamp, "sha256": digest}
     with contextlib.suppress(OSError):
         memo_path.parent.mkdir(parents=True, exist_ok=True)

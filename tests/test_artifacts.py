@@ -4,7 +4,6 @@ the tool's version and the format; failures, disk space and records (autotune/ar
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
