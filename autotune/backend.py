@@ -419,6 +419,14 @@ class BaseBackend(abc.ABC):
         backend that does not reads a format-like weights name as it sees fit."""
         return type(self).artifact_recipe is not BaseBackend.artifact_recipe
 
+    def scoring_problem(self) -> str | None:
+        """Why ``scorer`` cannot work here (None: it can), checked before a study starts so that a
+        quality metric does not fail every trial. The default: only whether ``scorer`` is
+        implemented; a backend whose scorer needs a package checks that it is installed."""
+        if not self.supports_scoring:
+            return f"backend '{self.name}' has no scoring API (it does not implement scorer())"
+        return None
+
     @property
     def supports_scoring(self) -> bool:
         """Whether ``scorer`` is implemented (metrics' ``supports`` checks this)."""

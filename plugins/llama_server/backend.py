@@ -340,6 +340,12 @@ class LlamaServerBackend(BaseBackend):
                 return [f"backend llama-server: {why}"]
         return []
 
+    def scoring_problem(self) -> str | None:
+        """The scorer runs in-process through llama-cpp-python: is it installed?"""
+        from autotune_plugins.llama_server.python_bindings import bindings_missing
+
+        return bindings_missing()
+
     def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
         """Log-likelihoods of ``weights`` through llama-cpp-python on this engine's build."""
         from autotune_plugins.llama_server.scoring import LlamaCppScorer

@@ -89,9 +89,7 @@ class _ScoringMetric(BaseMetric):
         self.references = dict(references)
 
     def supports(self, backend: BaseBackend) -> str | None:
-        if not backend.supports_scoring:
-            return f"backend '{backend.name}' has no scoring API (it does not implement scorer())"
-        return None
+        return backend.scoring_problem()
 
     def artifact_key(self, config: TrialConfig, ctx: StudyContext) -> str:
         return f"{artifact_hash(config.weights, ctx)}|cache={config.option('cache_type')}"
