@@ -238,6 +238,8 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
         click.echo(f"wrote {out}: {', '.join(f'{b} {len(w)} formats' for b, w in draft.candidates.items())} on "
                    f"{draft.gpu.name}; ctx {draft.ctx[0]}..{draft.ctx[-1]}, parallel 1..16"
                    + (f", quality {draft.quality} against the source" if draft.quality else ""))
+        for note in draft.notes:
+            click.echo(f"  note: {note}")
         for why in draft.left_out:
             click.echo(f"  left out: {why}")
         click.echo(f"next: autotune study {out}    then: autotune best --storage sqlite:///{draft.name}.db")
