@@ -223,12 +223,15 @@ class StudyRunner:
         """``[study] prior``, or when not given: on for a real study whose engine has a model
         (the twin) that is not the study's backend itself. Replayed on the H200 grids it finds
         the best in 20 of 20 seeds at a quarter of the grid's time, TPE in 6 (docs/search.md);
-        a twin study, which would rank with itself, keeps its sampler. ``sampler = "twin"``
+        a twin study, which would rank with itself, keeps its sampler, and so does a study on the
+        CPU (``gpu = "cpu"``: the twin models GPUs). ``sampler = "twin"``
         ranks before every launch, so it needs no head start."""
         if self.cfg.sampler == "twin":
             return False
         if self.cfg.prior is not None:
             return self.cfg.prior
+        if self.prepared.gpu.is_cpu:
+            return False  # the twin models GPUs: on the host its ranking would be a guess
         return bool(calibration.learning_backends(self.prepared))
 
     def _next_launch_fits(self, left_s: float) -> bool:
