@@ -94,6 +94,7 @@ class StudyConfig:
     quality_options: Mapping[str, Any] = field(default_factory=dict)
     finish_top: int = 3
     finish_rounds: int = 2
+    probe_margin: float | None = None  # None: every launch measured in full (see autotune.study.probe)
 
     @property
     def base_dir(self) -> Path:
@@ -228,7 +229,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     study = r.table("study")
     r.unknown_keys("study", study, {
         "name", "description", "seed", "sampler", "n_trials", "budget", "storage", "prior", "prior_trials",
-        "finish_top", "finish_rounds",
+        "finish_top", "finish_rounds", "probe_margin",
     })
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name,
@@ -251,6 +252,10 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                        check=lambda v: None if v == 0 or v >= 2 else "must be 0 (no finish) or >= 2 (a finish compares "
                                                                     "the best configurations with each other)")
     finish_rounds = r.get("study", study, "finish_rounds", int, 2, check=_at_least(1))
+    # Multi-fidelity (autotune.study.probe): a launch whose first run is this far below the
+    # leader stops there.
+    probe_margin = r.get("study", study, "probe_margin", float, None,
+                         check=lambda v: None if 0 < v < 1 else "must be a fraction between 0 and 1, e.g. 0.15")
 
     hw = r.table("hardware", required=True)
     r.unknown_keys("hardware", hw, {"gpu", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
@@ -390,4 +395,5 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         quality_options=quality_options,
         finish_top=finish_top,
         finish_rounds=finish_rounds,
+        probe_margin=probe_margin,
     )

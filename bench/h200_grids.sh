@@ -25,7 +25,9 @@ grid() {  # grid STUDY_FILE GPU RUN SECS LEAVE_GIB
   local file=$1 gpu=$2 run=$3 secs=$4 leave=$5 name
   name=$(basename "$file" .toml)-run$run
   cp "$file" "/tmp/g/$name.toml"  # the card is CUDA_VISIBLE_DEVICES's: gpu_index counts from it
-  CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
+  # Exported: the holder and the study (its engine, its NVML reads) must both see this card only.
+  export CUDA_VISIBLE_DEVICES=$gpu
+  setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
   local holder=$!
   sleep 20
   cat "$OUT/hold-$name.log"
@@ -83,7 +85,8 @@ seeds)
       name=h200_grid_$g-seed$seed
       sed -e "s/^sampler = \"grid\"/sampler = \"tpe\"\nprior = true/" -e "s/^seed = 0/seed = $seed/" \
           "bench/h200_grid_$g.toml" >"/tmp/g/$name.toml"
-      (CUDA_VISIBLE_DEVICES=$gpu setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
+      (export CUDA_VISIBLE_DEVICES=$gpu  # for the holder and the study alike
+       setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$name.log" 2>&1 &
        holder=$!; sleep 20
        t "study-$name" "${AT[@]}" study "/tmp/g/$name.toml" --storage "sqlite:////tmp/g/db/$name.db" --budget "${secs}s" --json
        kill "$holder"; cp "/tmp/g/db/$name.db" "$OUT/") &
@@ -100,10 +103,12 @@ workers)
   done
   sleep 20
   t0=$SECONDS
+  pids=()
   for gpu in 0 1; do
     CUDA_VISIBLE_DEVICES=$gpu t "worker$gpu" "${AT[@]}" study /tmp/g/workers.toml --storage sqlite:////tmp/g/db/workers.db &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"  # the workers only: a bare wait would wait for the holders too, for ever
   echo "two workers: $((SECONDS - t0)) s" | tee -a "$OUT/times.txt"
   pkill -f hold_gpu_memory.py; cp /tmp/g/db/workers.db "$OUT/"
   ;;

@@ -15,8 +15,11 @@ pick is valued by the grid's truth (the mean of the runs' measurements of that c
 against the best truth among the configurations that are feasible by that truth (per-user
 floor and memory). See docs/search.md.
 
-A strategy is a set of ``[study]`` keys (``STRATEGIES``); one that needs its own loop (e.g.
-multi-fidelity: a cheap probe before a full measurement) gives ``Strategy.drive``.
+A strategy is a set of ``[study]`` keys (``STRATEGIES``); one that needs its own loop gives
+``Strategy.drive``. "multifidelity" is the runner's probe (``[study] probe_margin``): the
+replay backend answers a launch the probe stops with the recorded first run, and charges the
+recorded seconds less the later runs (estimated from the trial's own rates: the grids stored
+seconds per trial, not per run).
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "the twin's ranking first ([study] prior = true, its top prior_trials), then TPE"),
     Strategy("twin", {"sampler": "twin"},
              "each launch the twin's best unmeasured configuration, calibrated on the trials so far; one in four random"),
-    # "multifidelity" goes here: Strategy("multifidelity", {...}, "...", drive=its own loop).
+    Strategy("multifidelity", {"sampler": "tpe", "prior": True, "probe_margin": 0.15},
+             "prior, and every launch's first run a probe: more than 15% below the leader, it stops there"),
 )}
 
 
@@ -304,6 +308,7 @@ class Outcome:
     launches: int
     pick_feasible: bool
     pruned_but_measured: list[str] = field(default_factory=list)
+    probe_stops: int = 0
 
 
 def replay_once(grid: RecordedGrid, backend: ReplayBackend, prepared: PreparedStudy, strategy: Strategy,
@@ -326,7 +331,7 @@ def replay_once(grid: RecordedGrid, backend: ReplayBackend, prepared: PreparedSt
     feasible = truth is not None and truth.feasible
     return Outcome(seed, pick, truth.value / best if feasible and truth else 0.0,  # type: ignore[union-attr]
                    backend.log.spent_s / grid.measuring_seconds(), len(backend.log.launches), feasible,
-                   pruned_but_measured)
+                   pruned_but_measured, backend.log.probe_stops)
 
 
 def figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
@@ -336,6 +341,7 @@ def figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "median_cost_fraction": statistics.median(o.cost_fraction for o in outcomes),
         "n_seeds": len(outcomes),
         "median_launches": statistics.median(o.launches for o in outcomes),
+        "median_probe_stops": statistics.median(o.probe_stops for o in outcomes),
         "infeasible_picks": sum(not o.pick_feasible for o in outcomes),
     }
 
@@ -422,10 +428,10 @@ def text_report(result: Mapping[str, Any]) -> str:
 
 def _table(strategies: Mapping[str, Mapping[str, Any]]) -> list[str]:
     out = [f"  {'strategy':<14}{'within 3%':>10}{'median pick/best':>18}{'median cost':>13}{'launches':>10}"
-           f"{'seeds':>7}"]
+           f"{'probe stops':>13}{'seeds':>7}"]
     for name, f in strategies.items():
         out.append(f"  {name:<14}{f['within_3pct']:>10.2f}{f['median_ratio']:>18.3f}{f['median_cost_fraction']:>13.3f}"
-                   f"{f['median_launches']:>10g}{f['n_seeds']:>7}")
+                   f"{f['median_launches']:>10g}{f['median_probe_stops']:>13g}{f['n_seeds']:>7}")
     return out
 
 
@@ -457,7 +463,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="the model a grid ran, as a catalog key or file (default: its study file's, else the "
                          "catalog model with the recorded KV-cache shape)")
     ap.add_argument("--seeds", type=int, default=20, help="replays per strategy (seeds 0..N-1)")
-    ap.add_argument("--strategies", default="random,tpe,prior,twin", help=f"comma-separated: {', '.join(STRATEGIES)}")
+    ap.add_argument("--strategies", default="random,tpe,prior,twin,multifidelity", help=f"comma-separated: {', '.join(STRATEGIES)}")
     ap.add_argument("--budget-fraction", type=float, default=0.25,
                     help="recorded seconds each replay may launch, as a fraction of the grid's measuring seconds")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -34,10 +34,11 @@ from typing import Any, Mapping, Sequence
 import optuna
 
 from autotune import hookimpl, vram
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, same_value
+from autotune.backend import (BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload,
+                              same_value)
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format
-from autotune.measure import Stat
+from autotune.measure import PROBE_STOP, Stat
 from autotune.study import records
 from autotune.study.records import TrialRecord, TrialState
 
@@ -186,6 +187,20 @@ class ReplayLog:
     spent_s: float = 0.0
     launches: list[str] = field(default_factory=list)          # recorded keys, in order
     unrecorded: list[str] = field(default_factory=list)        # launched, but the grid never did
+    probe_stops: int = 0                                       # launches the probe ended after one run
+
+
+def run_seconds(r: TrialRecord, workload: Workload) -> float:
+    """Seconds one run of a recorded llama-server trial took, from its own figures (the grid
+    stored per-trial seconds, not per-run ones): one request alone (prefill, then the output at
+    the single-stream decode rate), then ``parallel`` streams together (their output at the
+    aggregate rate, after the first token)."""
+    assert r.config is not None
+    med = r.median
+    single = workload.prompt_tokens / (med("prefill_tok_s") or float("inf")) + \
+        workload.output_tokens / (med("decode_tok_s") or float("inf"))
+    together = int(r.config["parallel"]) * workload.output_tokens / (med("aggregate_tok_s") or float("inf"))
+    return single + together + (med("ttft_ms") or 0.0) / 1000
 
 
 def _stat(d: Mapping[str, Any]) -> Stat:
@@ -244,13 +259,22 @@ class ReplayBackend(BaseBackend):
             self.log.unrecorded.append(key)
             raise BackendError(f"replay: the grid never launched {key}")
         drawn = self.rng.choice(launched)
-        self.log.spent_s += drawn.seconds
         self.log.launches.append(key)
         r = drawn.record
         if r.state != TrialState.COMPLETE:
+            self.log.spent_s += drawn.seconds
             raise BackendError(r.fail_reason or "failed in the recorded run", log_tail=r.log_tail)
-        return Measurement(metrics={name: _stat(d) for name, d in r.metrics.items()},
-                           peak_vram_bytes=r.measured_vram_bytes, attrs=dict(r.engine_facts))
+        metrics = {name: _stat(d) for name, d in r.metrics.items()}
+        if ctx.probe is not None and not ctx.probe({name: st.values[0] for name, st in metrics.items()}):
+            # The launch stops after its first run: the recorded trial less its later runs.
+            later = min(st.n for st in metrics.values()) - 1
+            self.log.spent_s += max(drawn.seconds - later * run_seconds(r, ctx.workload), 0.0)
+            self.log.probe_stops += 1
+            return Measurement(metrics={name: replace(st, values=st.values[:1], stop_reason=PROBE_STOP)
+                                        for name, st in metrics.items()},
+                               peak_vram_bytes=r.measured_vram_bytes, attrs=dict(r.engine_facts))
+        self.log.spent_s += drawn.seconds
+        return Measurement(metrics=metrics, peak_vram_bytes=r.measured_vram_bytes, attrs=dict(r.engine_facts))
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         key = self.grid.recorded_key(config)

@@ -3,6 +3,10 @@ is named; a tie where the lead is inside the spread between runs, resolved by me
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from typing import Mapping, Sequence
 
 import optuna
@@ -15,6 +19,7 @@ from autotune.config import load_study_config
 from autotune.errors import BackendError, ConfigError
 from autotune.report import stored_summary, summary_json, summary_text
 from autotune.study import StudyRunner, open_storage, prepare_study, records, run_study
+from autotune.study.runner import _finish_token, _host_tag
 
 if __package__:  # tests/ is a package
     from .fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
@@ -105,7 +110,9 @@ def test_workers_sharing_a_study_share_the_finish_out(tmp_path, storage):
     heard: list[str] = []
     with registered(backend):
         runner = StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abc")), storage=storage))
-        other_worker = -12345
+        host = socket.gethostname()
+        elsewhere = next(h for h in (f"other-{i}" for i in range(999)) if _host_tag(h) != _host_tag(host))
+        other_worker = _finish_token(elsewhere, os.getpid())  # alive or not, not ours to judge
         for number in (0, 1):  # the grid's first two trials: both among the top three
             assert runner.claims.claim(f"finish:{number}:0", other_worker) is None
         runner.run(note=heard.append)
@@ -113,6 +120,20 @@ def test_workers_sharing_a_study_share_the_finish_out(tmp_path, storage):
     assert heard[-1] == "finish: 2 round(s) measured by another worker of this study"
     assert {(n, r) for n, rounds in records.remeasures(runner.study).items() for r in rounds} == \
         {(0, 1), (1, 1), (2, 0), (2, 1)}
+
+
+def test_rounds_claimed_by_a_worker_killed_on_this_machine_are_taken_over(tmp_path, storage):
+    """A worker killed -9 mid-finish leaves its claims; the next run on its machine sees its pid
+    gone and measures those rounds itself."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81]})
+    with registered(backend):
+        runner = StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abc")), storage=storage))
+        assert runner.claims.claim("finish:0:0", _finish_token(socket.gethostname(), dead.pid)) is None
+        runner.run()
+    assert len(backend.calls) == 3 + 6
+    assert len([r for rounds in records.remeasures(runner.study).values() for r in rounds]) == 6
 
 
 def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, storage):

@@ -20,6 +20,7 @@ from autotune.measure import (
     Stat,
     measure_with_telemetry,
     StreamResult,
+    event_data,
     relative_spread,
     repeat_until_stable_many,
     run_streams_threaded,
@@ -557,3 +558,14 @@ def test_one_outlier_in_three_runs_does_not_force_more_runs():
     stat = repeat_one(sample, Protocol(warmup_runs=0, min_runs=3))
     assert stat.values == (100.0, 180.0, 101.0)
     assert stat.median == 101.0 and stat.stable
+
+
+def test_event_data_keeps_a_token_holding_a_unicode_line_separator_whole():
+    """JSON leaves U+2028 and U+0085 unescaped inside strings; an SSE event ends at CR/LF only.
+    A line reader that splits like str.splitlines() cut such an event in two."""
+    events = ['{"content": "a\u2028b\x85c"}', '{"stop": true}']
+    wire = "".join(f"data: {e}\r\n\r\n" if i else f"data: {e}\n\n" for i, e in enumerate(events)).encode()
+    chunks = [wire[i:i + 7] for i in range(0, len(wire), 7)]  # boundaries inside characters and lines
+    assert list(event_data(chunks)) == events
+    assert [json.loads(p)["content"] for p in list(event_data(chunks))[:1]] == ["a\u2028b\x85c"]
+    assert list(event_data([b": comment\nevent: x\ndata: 1\n", b"data: 2"])) == ["1", "2"]

@@ -27,20 +27,22 @@ from autotune.measure.gpu_telemetry import (
     measure_with_telemetry,
     throttle_reason_names,
 )
-from autotune.measure.protocol import Protocol, Stat, relative_spread, repeat_until_stable_many
-from autotune.measure.streams import CONCURRENT_UNITS, ConcurrentResult, StreamResult, run_streams_threaded
+from autotune.measure.protocol import PROBE_STOP, Protocol, Stat, relative_spread, repeat_until_stable_many
+from autotune.measure.streams import CONCURRENT_UNITS, ConcurrentResult, StreamResult, event_data, run_streams_threaded
 
 __all__ = [
     "CONCURRENT_UNITS",
     "ConcurrentResult",
     "GpuSampler",
     "GpuTelemetry",
+    "PROBE_STOP",
     "NvmlReader",
     "PynvmlReader",
     "Protocol",
     "SLOWDOWN_REASONS",
     "Stat",
     "StreamResult",
+    "event_data",
     "THROTTLE_REASON_BITS",
     "measure_with_telemetry",
     "relative_spread",

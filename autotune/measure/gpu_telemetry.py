@@ -395,12 +395,13 @@ class GpuSampler:
 def measure_with_telemetry(sample: Callable[[], Mapping[str, float]], protocol: Protocol,
                            units: Mapping[str, str], key: str, *, gpu: bool, gpu_index: int = 0,
                            pid: int | None = None,
-                           reader_factory: Callable[[int], NvmlReader] | None = None
+                           reader_factory: Callable[[int], NvmlReader] | None = None,
+                           probe: Callable[[Mapping[str, float]], bool] | None = None
                            ) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:
     """Every backend's measuring block: repeat ``sample`` by the protocol while NVML watches.
 
     Args:
-        sample, protocol, units, key: As for :func:`repeat_until_stable_many`.
+        sample, protocol, units, key, probe: As for :func:`repeat_until_stable_many`.
         gpu: Whether the engine runs on a GPU; without one no telemetry is taken.
         gpu_index: The engine's card: the study's ``gpu_index`` (see :class:`GpuSampler`).
         pid: The engine's process, for its own peak memory.
@@ -412,9 +413,9 @@ def measure_with_telemetry(sample: Callable[[], Mapping[str, float]], protocol: 
         the rise of the card's used memory, None when neither was readable.
     """
     if not gpu:
-        return repeat_until_stable_many(sample, protocol, units, key=key), None, None
+        return repeat_until_stable_many(sample, protocol, units, key=key, probe=probe), None, None
     with GpuSampler(index=gpu_index, pid=pid, reader_factory=reader_factory) as sampler:
-        stats = repeat_until_stable_many(sample, protocol, units, key=key)
+        stats = repeat_until_stable_many(sample, protocol, units, key=key, probe=probe)
     telemetry = sampler.result()
     peak = None
     if telemetry.available:

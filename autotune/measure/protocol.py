@@ -28,7 +28,10 @@ from typing import Any
 
 from autotune.errors import ConfigError, MeasurementError
 
-__all__ = ["Protocol", "Stat", "relative_spread", "repeat_until_stable_many"]
+__all__ = ["PROBE_STOP", "Protocol", "Stat", "relative_spread", "repeat_until_stable_many"]
+
+# The stop reason of a measurement its probe ended after the first run (multi-fidelity).
+PROBE_STOP = "probe"
 
 
 def _is_int(value: Any) -> bool:
@@ -136,7 +139,7 @@ class Stat:
         min_runs: Runs the protocol wanted at least; fewer (a spent time
             budget) makes the Stat unstable.
         stop_reason: Why repetition stopped: ``"stable"``, ``"max_runs"``,
-            ``"max_seconds"``, or None for a Stat built by hand.
+            ``"max_seconds"``, :data:`PROBE_STOP`, or None for a Stat built by hand.
     """
 
     values: tuple[float, ...]
@@ -220,6 +223,8 @@ class Stat:
     @property
     def warning(self) -> str | None:
         """A sentence saying why the median is not to be trusted and what to do, or None."""
+        if self.stop_reason == PROBE_STOP:
+            return "one run only: the probe found it below the leaders (study.probe_margin)"
         if self.n < self.min_runs:
             return (f"only {self.n} of the {self.min_runs} runs wanted fit in the time "
                     f"budget: raise measure.max_seconds or lower measure.min_runs")
@@ -281,7 +286,7 @@ def _check_run(result: Any, units: Mapping[str, str], what: str) -> dict[str, fl
 
 
 def _repeat(sample: Callable[[], dict[str, float]], protocol: Protocol, key: str,
-            clock: Callable[[], float]
+            clock: Callable[[], float], probe: Callable[[Mapping[str, float]], bool] | None = None
             ) -> tuple[list[dict[str, float]], list[dict[str, float]], str]:
     """Runs the protocol on checked samples; returns (warm-ups, runs, stop reason)."""
     start_s = clock()
@@ -290,6 +295,8 @@ def _repeat(sample: Callable[[], dict[str, float]], protocol: Protocol, key: str
     while True:
         runs.append(sample())
         n = len(runs)
+        if n == 1 and probe is not None and not probe(runs[0]):
+            return warmups, runs, PROBE_STOP
         if n >= protocol.min_runs and \
                 relative_spread([r[key] for r in runs]) <= protocol.rel_spread_tol:
             return warmups, runs, "stable"
@@ -302,7 +309,8 @@ def _repeat(sample: Callable[[], dict[str, float]], protocol: Protocol, key: str
 
 def repeat_until_stable_many(sample: Callable[[], Mapping[str, float]], protocol: Protocol,
                              units: Mapping[str, str], key: str,
-                             clock: Callable[[], float] = time.monotonic) -> dict[str, Stat]:
+                             clock: Callable[[], float] = time.monotonic,
+                             probe: Callable[[Mapping[str, float]], bool] | None = None) -> dict[str, Stat]:
     """Measures several quantities that one run yields together.
 
     Stability is judged on ``key`` only (e.g. ``"aggregate_tok_s"``); every
@@ -316,6 +324,9 @@ def repeat_until_stable_many(sample: Callable[[], Mapping[str, float]], protocol
         units: Unit of each quantity, e.g. ``CONCURRENT_UNITS``.
         key: The quantity that decides stability; must be in ``units``.
         clock: Seconds, monotonic; injectable so tests need not sleep.
+        probe: Hears the first run's values and says whether to go on (the study's
+            multi-fidelity, ``StudyContext.probe``); False stops after that run, with stop
+            reason :data:`PROBE_STOP`.
 
     Returns:
         A Stat per key of ``units``.
@@ -333,7 +344,7 @@ def repeat_until_stable_many(sample: Callable[[], Mapping[str, float]], protocol
     def checked() -> dict[str, float]:
         return _check_run(sample(), units, f"sample call {next(counter)}")
 
-    warmups, runs, reason = _repeat(checked, protocol, key, clock)
+    warmups, runs, reason = _repeat(checked, protocol, key, clock, probe)
     return {k: Stat(values=tuple(r[k] for r in runs), warmups=tuple(w[k] for w in warmups),
                     unit=u, rel_spread_tol=protocol.rel_spread_tol,
                     min_runs=protocol.min_runs, stop_reason=reason)

@@ -1,6 +1,7 @@
 """Concurrent generation streams: N requests that really overlap, and what they add up to.
 
 * :class:`StreamResult` is one request as a client saw it (three timestamps).
+* :func:`event_data` reads the ``data:`` payloads of a server-sent event stream.
 * :func:`run_streams_threaded` runs N blocking streams released together behind a barrier
   and summarises them as a :class:`ConcurrentResult`, whose :meth:`~ConcurrentResult.metrics`
   feed :func:`autotune.measure.repeat_until_stable_many` with :data:`CONCURRENT_UNITS`.
@@ -11,14 +12,14 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import ConfigError, MeasurementError
 from autotune.measure.protocol import _is_int, _is_real
 
-__all__ = ["CONCURRENT_UNITS", "ConcurrentResult", "StreamResult", "run_streams_threaded"]
+__all__ = ["CONCURRENT_UNITS", "ConcurrentResult", "StreamResult", "event_data", "run_streams_threaded"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,25 @@ class ConcurrentResult:
             "wall_s": self.wall_s,
             "streams": [vars(s).copy() for s in self.streams],
         }
+
+
+def event_data(chunks: Iterable[bytes]) -> Iterator[str]:
+    """The payload of every ``data:`` line of a server-sent event stream, as bytes arrive.
+
+    Lines end at CR, LF or CRLF only, as the SSE format says. Not ``str.splitlines()``, which
+    HTTP clients' line readers use (httpx's ``iter_lines``): it also breaks at U+2028, U+0085,
+    U+001C..U+001E, which JSON leaves unescaped inside strings, so a generated token holding one
+    cut an event in two (seen on an H200: "Unterminated string" failed a trial).
+    """
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].decode("utf-8").lstrip(" ")
+    if pending.startswith(b"data:"):
+        yield pending[5:].decode("utf-8").lstrip(" ")
 
 
 def _check_driver_args(n_streams: int, timeout_s: float) -> None:

@@ -45,6 +45,7 @@ class TrialRecord:
     answered_from: int | None = None   # a proposal the storage already answered: not a measurement
     from_prior: bool = False
     explore: bool = False
+    probe: bool = False                # multi-fidelity stopped it after its first run (study.probe)
     retry: bool = False                # interrupted or its worker died: measure the configuration again
     prune_reason: str | None = None
     fail_reason: str | None = None

@@ -12,6 +12,8 @@ configuration twice, and a heartbeat lets a survivor fail a dead worker's trial.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import os
 import random
 import signal
@@ -32,9 +34,11 @@ from autotune import objective as objective_mod
 from autotune.artifacts import ArtifactError
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
+from autotune.measure import PROBE_STOP
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
+from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.prepare import PreparedStudy
 from autotune.study.prior import rank_by_prior
 from autotune.study.quality import QualityBook
@@ -84,6 +88,27 @@ class _Outcome:
     values: list[float] | None = None
     reason: str | None = None
     answered_from: int | None = None
+
+
+_PID_BITS = 22  # Linux's largest pid_max is 2**22
+
+
+def _host_tag(host: str) -> int:
+    return int.from_bytes(hashlib.sha1(host.encode()).digest()[:1], "big")
+
+
+def _finish_token(host: str, pid: int) -> int:
+    """What a worker's claims on rounds of the finish hold: negative, so never a trial's id, and
+    naming its host (8 bits of a hash) and pid, so that a worker killed mid-finish can be told
+    dead by the next run on its machine, which then takes its rounds over."""
+    return -((_host_tag(host) << _PID_BITS) | (pid % (1 << _PID_BITS)) or 1)
+
+
+def _dead_local_finisher(token: int) -> bool:
+    if token >= 0:
+        return False
+    value = -token
+    return value >> _PID_BITS == _host_tag(socket.gethostname()) and not _alive(value & ((1 << _PID_BITS) - 1))
 
 
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
@@ -142,13 +167,14 @@ class StudyRunner:
         self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
         self.study = storage.open_study(prepared, self.sampler)
+        if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
+            self.study.pruner = LeaderGapPruner(self.cfg.probe_margin)
         self.judge = judge_for(prepared, self.study)
         self.quality = self.judge.quality
         self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
         self._fail_dead_local_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        # Holds this worker's claims on rounds of the finish; negative, so never a trial's id.
-        self._finish_token = -random.SystemRandom().randint(1, 2**31 - 1)
+        self._finish_token = _finish_token(socket.gethostname(), os.getpid())
         self.n_measured = 0
         self.n_new = 0
         self.converged = False
@@ -407,7 +433,9 @@ class StudyRunner:
                 # Workers sharing the study reach the finish together: each round is claimed, so
                 # they share the rounds out instead of each measuring all of them.
                 key = f"finish:{r.number}:{round_}"
-                if self.claims.claim(key, self._finish_token) not in (None, self._finish_token):
+                holder = self.claims.claim(key, self._finish_token)
+                if holder not in (None, self._finish_token) and not (
+                        _dead_local_finisher(holder) and self.claims.take_over(key, holder, self._finish_token)):
                     others += 1
                     continue
                 config = r.trial_config
@@ -578,8 +606,14 @@ class StudyRunner:
 
         write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_version()},
               gpu=records.gpu_attrs(prepared.gpu))
+        heard: dict[str, str] = {}
+        run_ctx = ctx
+        if isinstance(self.study.pruner, LeaderGapPruner):
+            run_ctx = dataclasses.replace(ctx, probe=make_probe(
+                trial, self.cfg.objective, verdict.estimate.total_bytes, ctx.vram_budget_bytes,  # type: ignore[union-attr]
+                trial.user_attrs.get("quality_drop_points"), self.study.pruner.margin, heard))
         try:
-            measurement = backend.run(config, ctx)
+            measurement = backend.run(config, run_ctx)
         except EngineUnavailableError:
             raise
         except BackendError as exc:
@@ -598,6 +632,11 @@ class StudyRunner:
         metric = self.cfg.objective.metric
         if metric not in measurement.metrics:
             raise BackendError(f"backend '{backend.name}' did not measure {metric}")
+        if measurement.metrics[metric].stop_reason == PROBE_STOP:
+            # One run is not a measurement to crown: recorded, never launched again, never best.
+            write(trial, prune_reason=heard.get("reason", "probe: stopped after the first run"), probe=True)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return _Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"))
         s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
                         trial.user_attrs.get("quality_drop_points"))
         records.set_constraints(trial, s.constraints)

@@ -402,7 +402,7 @@ class ExLlamaV2Backend(BaseBackend):
 
                 stats, telemetry, peak = measure_with_telemetry(
                     sample, ctx.protocol, UNITS, self.setting(ctx, "stability_metric"), gpu=has_gpu,
-                    gpu_index=ctx.gpu_index, pid=worker.pid)
+                    gpu_index=ctx.gpu_index, pid=worker.pid, probe=ctx.probe)
             except BackendError:
                 raise
             except Exception as exc:  # measurement errors, a malformed reply: the worker's log says more

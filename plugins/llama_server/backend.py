@@ -39,7 +39,7 @@ import httpx
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
     same_value
 from autotune.errors import AutotuneError, BackendError, ConfigError, EngineUnavailableError
-from autotune.measure import StreamResult, measure_with_telemetry, run_streams_threaded
+from autotune.measure import StreamResult, event_data, measure_with_telemetry, run_streams_threaded
 from autotune.models import ModelSpec, model_from_gguf
 
 from autotune import processes
@@ -456,10 +456,8 @@ class LlamaServerBackend(BaseBackend):
                 if r.status_code != 200:
                     r.read()
                     raise server.failure(f"HTTP {r.status_code} from /completion: {r.text[:300]}")
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = json.loads(line[5:])
+                for payload in event_data(r.iter_bytes()):
+                    data = json.loads(payload)
                     if first is None and data.get("content") is not None and not data.get("stop"):
                         first = time.monotonic()
                     if data.get("stop"):
@@ -506,7 +504,8 @@ class LlamaServerBackend(BaseBackend):
         key = str(self.value(ctx, "stability_metric"))
         with Pinned(server.cpus.client) as client_pin:
             stats, telemetry, peak = measure_with_telemetry(sample, ctx.protocol, UNITS, key, gpu=has_gpu,
-                                                            gpu_index=ctx.gpu_index, pid=server.proc.pid)
+                                                            gpu_index=ctx.gpu_index, pid=server.proc.pid,
+                                                            probe=ctx.probe)
         cpus = server.cpus
         if client_pin.error:
             cpus = CpuPlan(cpus.engine, None, f"{cpus.note}, but the load generator was {client_pin.error}")
