@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autotune.measure import GpuTelemetry, Protocol, Stat
     from autotune.models import ModelSpec
     from autotune.scoring import Scorer
+    from autotune.artifacts import Recipe
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,9 @@ class StudyContext:
         calibration: What a model backend's ``calibrate`` returned for this study (JSON-able),
             as the study stores it; the model backend uses it in ``predict`` when it is its own
             (its engine and card). None: predict with the published constants.
+        source: The study's ``[model] source`` as an absolute path (a Hugging Face directory or
+            a full-precision GGUF file): what candidates named as formats are made from
+            (:mod:`autotune.artifacts`). None: the study names its weights as files.
     """
 
     gpu: "GpuSpec"
@@ -194,6 +198,7 @@ class StudyContext:
     for_gpu: bool | None = None
     calibration: Mapping[str, Any] | None = None
     probe: Callable[[Mapping[str, float]], bool] | None = None
+    source: Path | None = None
 
     def path(self, ref: str) -> Path:
         """A file or directory the study file names, as an absolute path (relative ones are
@@ -361,6 +366,24 @@ class BaseBackend(abc.ABC):
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""
         return None
 
+    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext) -> "Recipe | None":
+        """How this engine makes weights format ``fmt`` from a source model, for the artifact cache.
+
+        A real backend whose candidates may be formats (``gguf:Q4_K_M``, ``exl2:4.0``) implements
+        it; :func:`autotune.artifacts.ensure` decides when to make what, keeps the result and
+        records it in the trial. Nothing is made here: the recipe is a description (cheap to
+        build, called to find the artifact's path as well as to make it).
+
+        Args:
+            fmt: A canonical format (:func:`autotune.formats.normalize_format`).
+            source: The study's model source, absolute.
+            ctx: The study's context for this backend (its settings name the engine's tools).
+
+        Returns:
+            The recipe, or None when this engine cannot make ``fmt`` (the default: it makes nothing).
+        """
+        return None
+
     def engine_version(self) -> str:
         """Version/build of the engine, recorded with every trial."""
         return "unknown"
@@ -410,6 +433,20 @@ class BaseBackend(abc.ABC):
     def is_model(self) -> bool:
         """Whether it predicts instead of measuring (implements ``predict``: a digital twin)."""
         return type(self).predict is not BaseBackend.predict
+
+    @property
+    def makes_artifacts(self) -> bool:
+        """Whether it makes weights formats from a source (implements ``artifact_recipe``); a
+        backend that does not reads a format-like weights name as it sees fit."""
+        return type(self).artifact_recipe is not BaseBackend.artifact_recipe
+
+    def scoring_problem(self) -> str | None:
+        """Why ``scorer`` cannot work here (None: it can), checked before a study starts so that a
+        quality metric does not fail every trial. The default: only whether ``scorer`` is
+        implemented; a backend whose scorer needs a package checks that it is installed."""
+        if not self.supports_scoring:
+            return f"backend '{self.name}' has no scoring API (it does not implement scorer())"
+        return None
 
     @property
     def supports_scoring(self) -> bool:

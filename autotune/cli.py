@@ -279,6 +279,43 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
     _run(ctx.obj["debug"], go)
 
 
+@cli.command()
+@click.argument("model", type=click.Path(exists=True, path_type=Path))
+@click.option("--gpu", "gpu_key", default="auto", show_default=True,
+              help="auto (NVML; the CPU when there is no GPU), a catalog GPU key, or cpu.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("study.toml"), show_default=True,
+              help="Where to write the study file.")
+@click.option("--name", default=None, help="Study name (default: the model's file or directory name).")
+@click.option("--force", is_flag=True, help="Replace an existing --out file.")
+@click.pass_context
+def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | None, force: bool) -> None:
+    """Write a study for MODEL (a Hugging Face directory or a full-precision .gguf) on this machine."""
+    from autotune.config import load_study_config
+    from autotune.study import prepare_study
+    from autotune.study_writer import draft_study, render
+
+    def go() -> None:
+        if out.exists() and not force:
+            raise ConfigError(f"--out {out}: already exists (pass --force to replace it)")
+        draft = draft_study(str(model), gpu_key, name)
+        out.write_text(render(draft, out), encoding="utf-8")
+        try:
+            prepare_study(load_study_config(out))  # what `autotune study` will check first
+        except ConfigError as exc:
+            raise ConfigError(f"{out}: written, but it does not validate (a bug in autotune init; please report "
+                              f"it):\n{exc}") from None
+        click.echo(f"wrote {out}: {', '.join(f'{b} {len(w)} formats' for b, w in draft.candidates.items())} on "
+                   f"{draft.gpu.name}; ctx {draft.ctx[0]}..{draft.ctx[-1]}, parallel 1..16"
+                   + (f", quality {draft.quality} against the source" if draft.quality else ""))
+        for note in draft.notes:
+            click.echo(f"  note: {note}")
+        for why in draft.left_out:
+            click.echo(f"  left out: {why}")
+        click.echo(f"next: autotune study {out}    then: autotune best --storage sqlite:///{draft.name}.db")
+
+    _run(ctx.obj["debug"], go)
+
+
 plugins.add_commands(cli)
 
 

@@ -91,6 +91,7 @@ class StudyConfig:
     vram_budget_bytes: int | None
     safety_margin_bytes: int
     model: str
+    model_source: str | None
     prompt_tokens: int
     output_tokens: int
     measure: Mapping[str, Any]
@@ -273,9 +274,14 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     margin_mib = r.get("hardware", hw, "safety_margin_mib", float, 256, check=_at_least(0))
 
     model_t = r.table("model", required=True)
-    r.unknown_keys("model", model_t, {"ref"})
-    model = r.get("model", model_t, "ref", str, "", required=True,
-                  accepted="a catalog key (autotune estimate --help lists them), a .gguf file or a model directory")
+    r.unknown_keys("model", model_t, {"ref", "source"})
+    # source: the model that candidates named as formats (gguf:Q8_0, exl2:4.0) are made from;
+    # it is also the model's shape unless ref names another.
+    model_source = r.get("model", model_t, "source", str, None,
+                         check=lambda v: None if v.strip() else "must name a model directory or a .gguf file")
+    model = r.get("model", model_t, "ref", str, model_source or "", required=model_source is None,
+                  accepted="a catalog key (autotune estimate --help lists them), a .gguf file or a model directory "
+                           "(or give [model] source, the model formats are made from)")
 
     wl = r.table("workload", required=True)
     r.unknown_keys("workload", wl, {"prompt_tokens", "output_tokens"})
@@ -390,6 +396,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         vram_budget_bytes=int(vram_gib * 2**30) if vram_gib else None,
         safety_margin_bytes=int(margin_mib * 2**20),
         model=model,
+        model_source=model_source,
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         measure=measure,

@@ -14,6 +14,7 @@ an empty list and :func:`nvml_unavailable_reason` says why.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -32,6 +33,8 @@ __all__ = [
     "nvml_unavailable_reason",
     "resolve_gpu",
     "spec_for_detected",
+    "CPU_KEY",
+    "cpu_spec",
 ]
 
 _CATALOG_FILE = "gpus.toml"
@@ -90,6 +93,11 @@ class GpuSpec:
     pcie_gb_s: float
     host_mem_gb_s: float
     source: str
+
+    @property
+    def is_cpu(self) -> bool:
+        """The host itself (``[hardware] gpu = "cpu"``): no GPU is used, memory is host memory."""
+        return self.key == CPU_KEY
 
     @property
     def compute_capability_tuple(self) -> tuple[int, int]:
@@ -425,11 +433,74 @@ def spec_for_detected(d: DetectedGpu) -> GpuSpec:
     )
 
 
+# [hardware] gpu = "cpu": the study runs on the host, and its memory budget is host memory.
+CPU_KEY = "cpu"
+# ASSUMPTION for the CPU mode's bandwidth, GB/s: what one process streams from dual-channel
+# DDR4/DDR5 on a desktop or a small cloud VM (the gpus.toml header's host_mem_gb_s reasoning).
+# Only a model backend's prediction (the twin's prior) reads it; the study measures the truth
+# and the online calibration refits the twin to it.
+_CPU_MEM_GB_S = 30.0
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def cpu_spec() -> GpuSpec:
+    """This machine's CPU and host memory as the study's device (``[hardware] gpu = "cpu"``).
+
+    Memory is the host's total (``/proc/meminfo``): a configuration's weights, KV cache and
+    buffers all live there, and the study's memory budget is checked against it. The speed
+    figures are assumptions, as for an unknown card; nothing here pretends to be a GPU model.
+    """
+    total = _meminfo_bytes("MemTotal")
+    if total is None:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores = os.cpu_count() or 1
+    return GpuSpec(
+        key=CPU_KEY,
+        name=f"CPU: {_cpu_name()} ({cores} threads), host memory",
+        nvml_names=(),
+        vram_bytes=int(total),
+        mem_bandwidth_gb_s=_CPU_MEM_GB_S,
+        # ~16 FP32 FLOP per cycle per core (one AVX2 FMA port) at ~3 GHz: a rough bound.
+        fp16_tensor_tflops=round(cores * 16 * 3e9 / 1e12, 3),
+        fp32_tflops=round(cores * 16 * 3e9 / 1e12, 3),
+        boost_clock_mhz=3000.0,
+        compute_capability="0.0",
+        bf16=False,
+        pcie_gen=3,
+        pcie_gb_s=16.0,
+        host_mem_gb_s=_CPU_MEM_GB_S,
+        source="this machine's CPU (/proc/cpuinfo, /proc/meminfo); bandwidth and FLOPS assumed",
+    )
+
+
 def resolve_gpu(key: str, index: int = 0, *, source: str = "--gpu") -> GpuSpec:
     """The card a study or an estimate is for: a catalog key, or the one NVML finds for ``auto``.
 
     Args:
-        key: A catalog key or ``auto``.
+        key: A catalog key, ``auto``, or ``cpu`` (the host: :func:`cpu_spec`).
         index: For ``auto``, which card: CUDA's number for it in this process (the study's
             ``gpu_index``, counted among the cards CUDA_VISIBLE_DEVICES shows).
         source: How to name the setting in errors (``path: [hardware] gpu``, ``--gpu``).
@@ -438,11 +509,14 @@ def resolve_gpu(key: str, index: int = 0, *, source: str = "--gpu") -> GpuSpec:
         ConfigError: No GPU for ``auto``, none that CUDA_VISIBLE_DEVICES and ``index`` name,
             or an unknown key.
     """
+    if key == CPU_KEY:
+        return cpu_spec()
     if key == "auto":
         found = detect_gpus()
         if not found:
             reason = nvml_unavailable_reason() or "no GPU found"
-            raise ConfigError(f"{source} = 'auto': no GPU detected ({reason}); name a catalog GPU such as v100-16gb")
+            raise ConfigError(f"{source} = 'auto': no GPU detected ({reason}); name a catalog GPU such as v100-16gb, "
+                              f"or '{CPU_KEY}' to run on this machine's CPU")
         try:
             from autotune.cuda_devices import resolve_cuda_device  # it reads NVML through this module
 

@@ -44,7 +44,7 @@ class LiveProgress:
         if self.live is not None:
             self.live.update(Text(text))
         else:
-            self.console.print(text, highlight=False, soft_wrap=True)
+            self.console.print(text, highlight=False, soft_wrap=True, markup=False)
 
     def update(self, event: Any) -> None:
         self.counts[event.state] = self.counts.get(event.state, 0) + 1
@@ -54,7 +54,7 @@ class LiveProgress:
                 outcome = f"{event.value:.1f}" if event.value is not None else f"failed: {event.reason}"
                 self.console.print(
                     f"trial {event.number}: {cfg.get('backend')} {cfg.get('weights')} ctx {cfg.get('ctx')} "
-                    f"x{cfg.get('parallel')} -> {outcome}", highlight=False, soft_wrap=True)
+                    f"x{cfg.get('parallel')} -> {outcome}", highlight=False, soft_wrap=True, markup=False)
             return
         done = f"{event.n_done}" + (f"/{self.n_trials}" if self.n_trials else "")
         elapsed = time.monotonic() - self.start

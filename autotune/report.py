@@ -7,6 +7,7 @@ from typing import Any
 
 import optuna
 
+from autotune.hardware import CPU_KEY
 from autotune.errors import ConfigError
 from autotune.study import records
 from autotune.study.storage import mask_url, open_storage, study_names
@@ -128,7 +129,14 @@ def summary_text(summary: StudySummary) -> str:
             + (f", {q['items_used']} items, {q['verdict'] or 'no bound'}" if q.get("items_used") else "")
         )
     vram = best.get("predicted_vram") or {}
-    lines.append(f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured {_gib(best.get('measured_vram_bytes'))}")
+    if (best.get("gpu") or {}).get("key") == CPU_KEY:  # gpu = "cpu": everything is in host memory
+        lines.append(f"  host memory: predicted {_gib(vram.get('total_bytes'))}")
+    else:
+        lines.append(f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured "
+                     f"{_gib(best.get('measured_vram_bytes'))}")
+    for a in best.get("artifacts") or ():
+        how = f"made in {a['make_seconds']:.1f} s" if a.get("made_now") else "from the artifact cache"
+        lines.append(f"  weights {a['weights']}: {a['path']} ({how}, sha256 {str(a['sha256'])[:12]})")
     if best.get("deploy_command"):
         lines.append("  deploy: " + best["deploy_command"])
     if finish and finish.get("contenders"):

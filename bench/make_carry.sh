@@ -3,6 +3,10 @@
 #   whl/       optuna, sqlalchemy, alembic, mako, colorlog, gguf, greenlet (cp312) + the autotune wheel
 #   whl-exl2/  exllamav2 0.3.2, fastparquet, cramjam, websockets (cp312)
 #   whl-scipy/ scipy (cp312; the twin's calibration needs it, and images without it exist)
+#   whl-convert/  only with CONVERT=1 (bench/h200_artifacts.sh): transformers 4.57.6 (llama.cpp's
+#              pin for convert_hf_to_gguf.py), tokenizers, sentencepiece and their dependencies,
+#              less numpy (the image's torch needs its own); about 25 MB, so with whl-scipy the
+#              carry may pass 64 MiB: leave whl-scipy out where the image has scipy
 #   llama.cpp.tar.gz   the llama.cpp tree of the pinned llama-cpp-python sdist, with its
 #              gguf-py (convert_hf_to_gguf.py needs its own) but without docs, tests, models
 #              and the GPU backends other than CUDA (the whole sdist is over the 64 MiB carry)
@@ -18,6 +22,11 @@ P=(--only-binary=:all: --python-version 3.12 --implementation cp --platform many
 python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 sqlalchemy==2.1.9 alembic mako colorlog gguf greenlet
 python3 -m pip download -q "${P[@]}" -d .carry/whl-exl2 exllamav2==0.3.2 fastparquet cramjam websockets
 python3 -m pip download -q "${P[@]}" -d .carry/whl-scipy 'scipy>=1.11,<2'
+if [ "${CONVERT:-0}" = 1 ]; then
+  mkdir -p .carry/whl-convert  # with dependencies: every P option but the last (--no-deps)
+  python3 -m pip download -q "${P[@]:0:${#P[@]}-1}" -d .carry/whl-convert transformers==4.57.6 sentencepiece
+  rm -f .carry/whl-convert/numpy-*.whl
+fi
 rm -f .carry/whl/autotune-*.whl
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/whl .
 # gzipped: with scipy the carry is near its 64 MiB limit (a vocabulary shrinks to a quarter)

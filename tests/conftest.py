@@ -32,6 +32,21 @@ def shared_file(relative: str) -> Path:
     pytest.skip(f"shared/{relative} is not available on this machine")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _artifacts_elsewhere(tmp_path_factory):
+    """Artifacts made by tests go to a throwaway cache, never the user's ~/.cache/autotune/artifacts
+    (subprocesses inherit the variable)."""
+    from autotune.artifacts import ARTIFACTS_ENV
+
+    before = os.environ.get(ARTIFACTS_ENV)
+    os.environ[ARTIFACTS_ENV] = str(tmp_path_factory.mktemp("artifacts"))
+    yield
+    if before is None:
+        os.environ.pop(ARTIFACTS_ENV, None)
+    else:
+        os.environ[ARTIFACTS_ENV] = before
+
+
 @contextlib.contextmanager
 def plugin_registered(module: object, name: str, source: str = "autotune"):
     """Register a plugin as its entry point would, and always unregister it afterwards."""

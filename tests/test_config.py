@@ -213,3 +213,16 @@ def test_prepare_default_study(default_study_path, twin_plugin, tmp_storage):
     assert any("ctx 2048 cannot hold the workload" in note for note in prepared.excluded)
     assert all(2048 not in entry.ctx for entry in prepared.space.entries.values())
     assert "exl2:5.0" not in prepared.space.entries["twin-exllamav2"].weights
+
+
+def test_model_source_alone_names_the_model_and_neither_is_an_error(tmp_path, default_study_path):
+    text = default_study_path.read_text()
+    assert 'ref = "qwen2.5-27b-article"' in text
+    with_source = tmp_path / "source.toml"
+    with_source.write_text(text.replace('ref = "qwen2.5-27b-article"', 'source = "models/my-model"'))
+    cfg = load_study_config(with_source)
+    assert cfg.model_source == "models/my-model" and cfg.model == "models/my-model"
+    neither = tmp_path / "neither.toml"
+    neither.write_text(text.replace('ref = "qwen2.5-27b-article"', ''))
+    with pytest.raises(ConfigError, match=r"neither\.toml: \[model\] ref = \(missing\): required; .*\[model\] source"):
+        load_study_config(neither)

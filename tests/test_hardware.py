@@ -303,3 +303,12 @@ def test_resolve_gpu_names_the_setting_in_its_errors(monkeypatch):
     monkeypatch.setattr(hardware, "detect_gpus", lambda: [])
     with pytest.raises(ConfigError, match=r"^s\.toml: \[hardware\] gpu = 'auto': no GPU detected .*v100-16gb"):
         hardware.resolve_gpu("auto", source="s.toml: [hardware] gpu")
+
+
+def test_cpu_is_the_host_with_its_memory():
+    spec = hardware.resolve_gpu("cpu", source="[hardware] gpu")
+    assert spec.is_cpu and spec.key == "cpu" and spec.nvml_names == ()
+    with open("/proc/meminfo") as f:
+        total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    assert spec.vram_bytes == total_kib * 1024
+    assert not hardware.get_gpu("t4").is_cpu

@@ -194,8 +194,19 @@ def run_synth(work, studied):
     assert out.is_file() and (work / "q-Q8_0.gguf").is_file() and (work / "q-Q4_0.gguf").is_file()
 
 
+def run_init(work, studied):
+    llama_server_binary()  # the study it writes must validate: the engine must be there
+    out = ok(autotune("init", str(STORIES), "--gpu", "cpu", "--out", "mine.toml", "--name", "mine", cwd=work))
+    assert "next: autotune study mine.toml" in out.stdout
+    text = (work / "mine.toml").read_text()
+    assert 'gpu = "cpu"' in text and "gguf:Q4_0" in text
+    refused = autotune("init", str(STORIES), "--gpu", "cpu", "--out", "mine.toml", cwd=work)
+    assert refused.returncode == 2 and "already exists (pass --force" in refused.stderr
+
+
 # README line (as written, placeholders and all) -> the run that types it for real.
 RUNS = {
+    "autotune init MODEL [--gpu auto|KEY|cpu] [--out study.toml] [--name NAME] [--force]": run_init,
     "autotune study [STUDY.toml] [--budget 2h|45m|90s] [--trials N] [--storage URL] [--seed N] [--json] "
     "[--report PATH]": run_study,
     "autotune best [STUDY.toml] [--study NAME] [--storage URL] [--json]": run_best,

@@ -9,12 +9,15 @@ reported at once, each naming the file, the table, the key and what would be acc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from autotune import hardware, plugins
+from autotune.artifacts import is_format
 from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, Workload, same_value
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, ConfigError
+from autotune.formats import normalize_format
 from autotune.hardware import GpuSpec
 from autotune.measure import Protocol
 from autotune.metric import BaseMetric, QualityReference
@@ -103,6 +106,25 @@ def check_space_values(offered: Mapping[str, list[Param]], space: Mapping[str, t
     return errors, notes
 
 
+def _format_problem(backend: BaseBackend, weights: str, ctx: StudyContext, given_source: str | None) -> str | None:
+    """Why a real backend cannot make the format ``weights`` names (None: it can). A model
+    backend predicts formats and needs no source."""
+    if backend.is_model or not backend.makes_artifacts:
+        return None  # it predicts a format, or reads a format-like name its own way
+    if ctx.source is None:
+        if given_source is not None:
+            return None  # the missing source is reported once, under [model] source
+        return ("a format is made from the model's source: add [model] source = \"path/to/model\" (a Hugging Face "
+                "directory or a full-precision .gguf file), or name a weights file")
+    try:
+        recipe = backend.artifact_recipe(normalize_format(weights), ctx.source, ctx)
+    except AutotuneError as exc:
+        return str(exc)
+    if recipe is None:
+        return f"backend '{backend.name}' cannot make {weights} from {ctx.source}"
+    return None
+
+
 def _list(values: tuple[Any, ...]) -> str:
     return ", ".join(repr(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
                      for v in values)
@@ -128,11 +150,19 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
     except ConfigError as exc:
         errors.append(str(exc))
     model = None
+    field_name = "ref" if cfg.model != cfg.model_source else "source"
     try:
         candidate_path = cfg.base_dir / cfg.model
         model = resolve_model(str(candidate_path) if candidate_path.exists() else cfg.model)
     except AutotuneError as exc:
-        errors.append(f"{src}: [model] ref = {cfg.model!r}: {exc}")
+        errors.append(f"{src}: [model] {field_name} = {cfg.model!r}: {exc}")
+    source = None
+    if cfg.model_source is not None:
+        source = (cfg.base_dir / Path(cfg.model_source).expanduser()).absolute()
+        if not source.exists():
+            errors.append(f"{src}: [model] source = {cfg.model_source!r}: {source}: no such file or directory "
+                          "(a Hugging Face model directory or a full-precision .gguf file)")
+            source = None
 
     backends = plugins.get_backends()
     protocol = None
@@ -179,7 +209,9 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
         ctx = StudyContext(gpu=gpu, model=model, workload=Workload(cfg.prompt_tokens, cfg.output_tokens),
                            vram_budget_bytes=budget, protocol=protocol, seed=cfg.seed,
                            settings=cfg.backend_settings.get(cand.backend, {}), base_dir=cfg.base_dir,
-                           gpu_index=cfg.gpu_index)
+                           gpu_index=cfg.gpu_index, source=source,
+                           # gpu = "cpu": nothing is offloaded, even on a machine that has a GPU.
+                           for_gpu=False if gpu.is_cpu else None)
         contexts[cand.backend] = ctx
         if cfg.sampler == "twin" and not any(b.is_model and b.engine == backend.engine for b in backends.values()):
             errors.append(f"{src}: [study] sampler = 'twin': no installed backend predicts engine "
@@ -188,7 +220,8 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
         for problem in backend.preflight(ctx):
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}")
         for w in cand.weights:
-            problem = backend.check_weights(w, ctx)
+            problem = _format_problem(backend, w, ctx, cfg.model_source) if is_format(w) else None
+            problem = problem or backend.check_weights(w, ctx)
             if problem:
                 errors.append(f"{src}: [candidates.{i}] weights {w!r}: {problem}")
         if "ctx" in cfg.space and "parallel" in cfg.space:

@@ -68,6 +68,7 @@ class TrialRecord:
     engine_facts: Mapping[str, Any] = field(default_factory=dict)
     quality: Mapping[str, Any] | None = None
     quality_drop_points: float | None = None
+    artifacts: tuple[Mapping[str, Any], ...] | list[Mapping[str, Any]] = ()  # weights made for it or found cached
     score: Mapping[str, Any] | None = None
 
     @classmethod

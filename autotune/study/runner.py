@@ -29,7 +29,9 @@ from typing import Any, Callable, Mapping
 
 import optuna
 
+from autotune import artifacts
 from autotune import objective as objective_mod
+from autotune.artifacts import ArtifactError
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
@@ -182,12 +184,19 @@ class StudyRunner:
         self._launch_seconds: list[float] = []
         self._defer_signals = False
         self._deferred_signal: int | None = None
+        self._note: Callable[[str], None] | None = None
+        self._failed_artifacts: set[tuple[str, str]] = set()
+
+    def _say(self, text: str) -> None:
+        if self._note is not None:
+            self._note(text)
 
     # ----------------------------------------------------------------------------- lookups
 
     def admissible(self, config: TrialConfig) -> bool:
-        """Whether ``config`` could run and be accepted, as far as is known without launching it."""
-        return self.judge.judge(config).admitted
+        """Whether ``config`` could run and be accepted, as far as is known without launching it
+        (weights whose making failed in this run are not proposed again: each would fail alike)."""
+        return (config.backend, config.weights) not in self._failed_artifacts and self.judge.judge(config).admitted
 
     def _evaluated_keys(self) -> set[str]:
         return set(records.standing_by_key(self.study))
@@ -241,12 +250,15 @@ class StudyRunner:
         """``[study] prior``, or when not given: on for a real study whose engine has a model
         (the twin) that is not the study's backend itself. Replayed on the H200 grids it finds
         the best in 20 of 20 seeds at a quarter of the grid's time, TPE in 6 (docs/search.md);
-        a twin study, which would rank with itself, keeps its sampler. ``sampler = "twin"``
+        a twin study, which would rank with itself, keeps its sampler, and so does a study on the
+        CPU (``gpu = "cpu"``: the twin models GPUs). ``sampler = "twin"``
         ranks before every launch, so it needs no head start."""
         if self.cfg.sampler == "twin":
             return False
         if self.cfg.prior is not None:
             return self.cfg.prior
+        if self.prepared.gpu.is_cpu:
+            return False  # the twin models GPUs: on the host its ranking would be a guess
         return bool(calibration.learning_backends(self.prepared))
 
     def _next_launch_fits(self, left_s: float) -> bool:
@@ -337,6 +349,7 @@ class StudyRunner:
         elif self.uses_prior:
             self.enqueue_prior()
         self._announce_quality_power(note)
+        self._note = note
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
         interrupted = False
@@ -600,6 +613,21 @@ class StudyRunner:
         write(trial, deploy_command=backend.deploy_command(config, ctx))
         if not verdict.admitted:
             return self._prune(trial, config, verdict)
+        try:
+            self._ensure_artifacts(trial, config)
+        except ArtifactError as exc:
+            # Only the trials needing this artifact fail; the sampler proposes it no more this run
+            # (a later run tries again: the user may have fixed what the tool said).
+            self._failed_artifacts.add((config.backend, config.weights))
+            self.n_measured += 1
+            write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
+            self.study.tell(trial, state=TrialState.FAIL)
+            return _Outcome("FAIL", config.as_dict(), reason=str(exc))
+        verdict = self.judge.judge(config)  # a made artifact: its own tensors, not the prediction
+        if verdict.estimate is not None:
+            write(trial, predicted_vram=verdict.estimate.to_dict())
+        if not verdict.admitted:
+            return self._prune(trial, config, verdict)
         if self.quality is not None:
             # Quality depends on the artifact, not on ctx or parallel, and is measured once per
             # study; when it rules the configuration out, launching it would be waste.
@@ -651,6 +679,25 @@ class StudyRunner:
         self.study.tell(trial, list(s.values))
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
         return _Outcome("COMPLETE", config.as_dict(), list(s.values))
+
+    def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig) -> None:
+        """Make (or find in the cache) the weights this trial loads, and its quality reference's.
+
+        Inside the trial, so the making counts in the study's budget and in this trial's time;
+        each artifact is recorded in the trial (path, sha256, seconds to make).
+        """
+        backend = self.prepared.backend(config.backend)
+        ctx = self.prepared.contexts[config.backend]
+        wanted = [config.weights]
+        reference = self.prepared.reference.get(config.backend) if self.quality is not None else None
+        if reference is not None and reference.weights not in wanted:
+            wanted.append(reference.weights)
+        made = []
+        for weights in wanted:
+            artifact = artifacts.ensure(backend, weights, ctx, say=self._say)
+            if artifact is not None:
+                made.append({**artifact.to_dict(), "weights": weights})
+                write(trial, artifacts=made)
 
     def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> _Outcome:
         write(trial, prune_reason=verdict.reason)

@@ -73,6 +73,8 @@ def trial_record(r: TrialRecord) -> dict[str, Any]:
         "measured_vram_bytes": r.measured_vram_bytes,
         "deploy_command": r.deploy_command,
         "engine": r.engine,
+        "gpu": r.gpu,
+        "artifacts": list(r.artifacts),
     }
 
 

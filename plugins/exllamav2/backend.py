@@ -3,7 +3,9 @@
 A trial's lifecycle (see :mod:`autotune.backend`):
 
 * weights are EXL2 directories (``config.json`` with ``quantization_config.quant_method =
-  "exl2"`` and ``*.safetensors``), relative to the study file's directory;
+  "exl2"`` and ``*.safetensors``), relative to the study file's directory, or formats
+  (``exl2:4.0``) converted from the study's ``[model] source`` when a trial first needs them
+  (:mod:`autotune.artifacts`, recipes in :mod:`~autotune_plugins.exllamav2.recipes`);
 * ``check`` refuses what ExLlamaV2 refuses (a context beyond the model's, more concurrent
   jobs than the generator's step buffer holds);
 * ``estimate_memory`` reads the directory's tensor bytes and follows ExLlamaV2 0.3.2's
@@ -35,7 +37,9 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.backend import (
     BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
+from autotune.artifacts import artifact_path, is_format
 from autotune.errors import AutotuneError, BackendError, ConfigError
+from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import measure_with_telemetry
@@ -185,17 +189,39 @@ class ExLlamaV2Backend(BaseBackend):
         return [Param("cache_type", caches, "KV-cache mode: fp16, q8, q6, q4 (TabbyAPI's cache_mode)",
                       accepted=CACHE_CHOICES)]
 
+    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
+        """EXL2 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
+        interpreter on the study's card."""
+        from autotune_plugins.exllamav2.recipes import exl2_recipe
+
+        version = self.engine_version().partition(" (")[0].replace(" ", "-")
+        # The environment names the study's card; it is asked for only when converting.
+        return exl2_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version)
+
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
+        """The EXL2 directory a candidate names: relative to the study file, or for a format
+        (``exl2:4.0``) its place in the artifact cache, made or not yet."""
+        if is_format(weights) and ctx.source is not None:
+            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights), ctx.source, ctx))
         return ctx.path(weights)
 
+    def _made(self, weights: str, ctx: StudyContext) -> Path | None:
+        p = self.weights_path(weights, ctx)
+        return None if is_format(weights) and not p.is_dir() else p
+
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        if is_format(weights):
+            return None  # whether it can be made is the study's check (artifact_recipe)
         p = self.weights_path(weights, ctx)
         if not p.is_dir():
             return f"{p}: no such directory (weights are EXL2 directories relative to the study file)"
         if not (p / "config.json").is_file():
             return f"{p}: no config.json (an EXL2 directory holds config.json, tokenizer.json and *.safetensors)"
         cfg = read_config_json(p)
-        if exl2_quantization(cfg) is None:
+        # The study's own full-precision source loads as it is (ExLlamaV2 reads FP16 safetensors):
+        # the reference its EXL2 conversions' quality is measured against.
+        is_source = ctx.source is not None and p.resolve() == Path(ctx.source).resolve()
+        if exl2_quantization(cfg) is None and not is_source:
             return (f"{p}/config.json: no quantization_config with quant_method 'exl2' and bits "
                     f"(convert with python -m exllamav2.conversion.convert_exl2 ... -cf {p})")
         if not (p / "tokenizer.json").is_file():
@@ -219,7 +245,8 @@ class ExLlamaV2Backend(BaseBackend):
         if problem:
             return [problem]
         reasons = []
-        model = self._model_of(self.weights_path(config.weights, ctx))
+        made = self._made(config.weights, ctx)
+        model = ctx.model if made is None else self._model_of(made)
         try:
             normalize_cache_type(config.option("cache_type", "fp16"))
         except ConfigError as exc:
@@ -288,7 +315,13 @@ class ExLlamaV2Backend(BaseBackend):
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         context_mib = float(self.setting(ctx, "cuda_context_mib"))
-        return memory.estimate(self.weights_path(config.weights, ctx), self.generator_settings(config, ctx),
+        made = self._made(config.weights, ctx)
+        if made is None:  # a format not converted yet: its bytes predicted from the source's shape
+            _, bpw = parse_format(config.weights)
+            return memory.estimate_for(ctx.model, memory.predicted_exl2_weights(ctx.model, float(bpw)),
+                                       self.generator_settings(config, ctx), ctx.workload.prompt_tokens,
+                                       int(context_mib * memory.MiB))
+        return memory.estimate(made, self.generator_settings(config, ctx),
                                ctx.workload.prompt_tokens, int(context_mib * memory.MiB))
 
     # -------------------------------------------------------------- commands

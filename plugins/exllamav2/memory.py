@@ -197,7 +197,23 @@ def estimate(model_dir: Path, settings: GeneratorSettings, prompt_tokens: int,
         cuda_context_bytes: CUDA context + PyTorch kernels + cuBLAS workspace.
     """
     model = model_from_hf_config(model_dir)
-    w = exl2_weights(model_dir, model.tie_embeddings)
+    return estimate_for(model, exl2_weights(model_dir, model.tie_embeddings), settings, prompt_tokens,
+                        cuda_context_bytes)
+
+
+def predicted_exl2_weights(model: ModelSpec, bpw: float) -> Exl2Weights:
+    """Where an EXL2 conversion of ``model`` at ``bpw`` will put its bytes, before it exists
+    (:func:`autotune.formats.exl2_weights`; the converter quantizes a tied head as its own copy)."""
+    from autotune.formats import exl2_weights as predicted
+
+    w = predicted(model, bpw)
+    return Exl2Weights(gpu_bytes=w.gpu_bytes, host_bytes=w.host_bytes, head_bytes=w.output_bytes, n_tensors=0,
+                       files=("(not converted yet: predicted from the source's shape)",))
+
+
+def estimate_for(model: ModelSpec, w: Exl2Weights, settings: GeneratorSettings, prompt_tokens: int,
+                 cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB) -> MemoryEstimate:
+    """:func:`estimate` for a model and its weights' bytes given (a conversion not made yet)."""
     cache = cache_bytes(model, settings.cache_type, settings.cache_batch_size, settings.cache_max_seq_len)
     scratch = scratch_bytes(model, head_quantized=not w.head_from_embedding)
     lay = cache_layout(settings.cache_type)

@@ -2,7 +2,9 @@
 
 A trial's lifecycle (see :mod:`autotune.backend`):
 
-* weights are GGUF file paths, relative to the study file's directory;
+* weights are GGUF file paths, relative to the study file's directory, or formats
+  (``gguf:Q4_K_M``) made from the study's ``[model] source`` when a trial first needs them
+  (:mod:`autotune.artifacts`, recipes in :mod:`~autotune_plugins.llama_server.recipes`);
 * ``check`` refuses what llama.cpp refuses (a quantized V cache without flash attention, a
   quantized cache whose block does not divide the head size, a context beyond the model's);
 * ``estimate_memory`` reads the file's real tensor bytes and adds llama-server's KV layout,
@@ -44,7 +46,8 @@ from autotune import processes
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
-from autotune.formats import gguf_file_weights
+from autotune.artifacts import artifact_path, is_format
+from autotune.formats import gguf_file_weights, normalize_format, weights_for
 from autotune_plugins.llama_server import engine, memory
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
 from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, median, parse_log, \
@@ -158,10 +161,31 @@ class LlamaServerBackend(BaseBackend):
             params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
         return params
 
+    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
+        """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
+        from autotune_plugins.llama_server.recipes import gguf_recipe
+
+        return gguf_recipe(fmt, source, self.resolved_settings(ctx), lambda: self.binary(ctx))
+
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
+        """The GGUF file a candidate names: a path relative to the study file, or for a format
+        (``gguf:Q4_K_M``) its place in the artifact cache, made or not yet."""
+        if is_format(weights) and ctx.source is not None:
+            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights), ctx.source, ctx))
         return ctx.path(weights)
 
+    def _made(self, weights: str, ctx: StudyContext) -> Path | None:
+        """The file to read for ``weights``: None for a format not made yet (predict from the source)."""
+        p = self.weights_path(weights, ctx)
+        return None if is_format(weights) and not p.is_file() else p
+
+    def _model_for(self, weights: str, ctx: StudyContext) -> ModelSpec:
+        p = self._made(weights, ctx)
+        return ctx.model if p is None else _model_of(p)
+
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        if is_format(weights):
+            return None  # whether it can be made is the study's check (artifact_recipe)
         p = self.weights_path(weights, ctx)
         if not p.is_file():
             return f"{p}: no such file (weights are GGUF paths relative to the study file)"
@@ -182,7 +206,7 @@ class LlamaServerBackend(BaseBackend):
         problem = self.check_weights(config.weights, ctx)
         if problem:
             return [problem]
-        model = _model_of(self.weights_path(config.weights, ctx))
+        model = self._model_for(config.weights, ctx)
         options = {"cache_type": "f16", "flash_attn": True, **dict(config.options),
                    "ctx": config.ctx, "parallel": config.parallel}
         facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
@@ -192,10 +216,13 @@ class LlamaServerBackend(BaseBackend):
     # -------------------------------------------------------------- memory
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
-        path = self.weights_path(config.weights, ctx)
+        path = self._made(config.weights, ctx)
         on_gpu = self.gpu_layers(ctx, self._on_gpu(ctx)) > 0
         ub = config.option("ubatch")
-        return memory.estimate(_model_of(path), gguf_file_weights(path), config.ctx, config.parallel,
+        # A format not made yet: its tensors as llama-quantize will write them, from the source's shape.
+        weights = weights_for(ctx.model, config.weights) if path is None else gguf_file_weights(path)
+        model = ctx.model if path is None else _model_of(path)
+        return memory.estimate(model, weights, config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
                                ubatch=int(ub) if ub is not None else None, gpu=on_gpu)
 
@@ -283,7 +310,7 @@ class LlamaServerBackend(BaseBackend):
         except AutotuneError as exc:
             return [f"backend llama-server: {exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
                     "a llama-server that runs here"]
-        if _has_gpu():
+        if self._on_gpu(ctx):
             try:
                 cuda_visible_entry(ctx.gpu_index)
             except AutotuneError as exc:
@@ -293,6 +320,12 @@ class LlamaServerBackend(BaseBackend):
             if why:
                 return [f"backend llama-server: {why}"]
         return []
+
+    def scoring_problem(self) -> str | None:
+        """The scorer runs in-process through llama-cpp-python: is it installed?"""
+        from autotune_plugins.llama_server.python_bindings import bindings_missing
+
+        return bindings_missing()
 
     def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
         """Log-likelihoods of ``weights`` through llama-cpp-python on this engine's build."""
@@ -344,7 +377,7 @@ class LlamaServerBackend(BaseBackend):
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         # No check() here: the runner has done it, and a refused configuration must fail with
         # the engine's own reason.
-        has_gpu = _has_gpu()
+        has_gpu = self._on_gpu(ctx)
         startup_s = float(self.value(ctx, "startup_timeout_s"))
         request_s = float(self.value(ctx, "request_timeout_s"))
         with tempfile.TemporaryDirectory(prefix="autotune-llama-server-") as tmp:

@@ -63,6 +63,19 @@ def install_python_bindings(
     return version
 
 
+INSTALL_HINT = ("run `autotune engine build llama.cpp --python` (installs llama-cpp-python on that build, "
+                "no second compile) or `pip install 'autotune[llama]'`")
+
+
+def bindings_missing() -> str | None:
+    """Why llama-cpp-python cannot be imported (None: it is installed), without importing it."""
+    import importlib.util
+
+    if "llama_cpp" in sys.modules or importlib.util.find_spec("llama_cpp") is not None:
+        return None
+    return f"llama-cpp-python is not installed: {INSTALL_HINT}"
+
+
 def import_llama_cpp(
     settings: Mapping[str, Any] | None = None,
     *,
@@ -95,10 +108,10 @@ def import_llama_cpp(
 
     if "llama_cpp" in sys.modules:
         return sys.modules["llama_cpp"]
-    install_hint = ("run `autotune engine build llama.cpp --python` (installs llama-cpp-python on that build, "
-                    "no second compile) or `pip install 'autotune[llama]'`")
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise EngineNotFoundError(f"llama-cpp-python is not installed: {install_hint}")
+    install_hint = INSTALL_HINT
+    missing = bindings_missing()
+    if missing:
+        raise EngineNotFoundError(missing)
     installed = importlib.metadata.version("llama_cpp_python")
     if not os.environ.get("LLAMA_CPP_LIB_PATH"):
         with contextlib.suppress(EngineNotFoundError):

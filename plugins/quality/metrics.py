@@ -11,7 +11,9 @@ import functools
 import hashlib
 from typing import Any, Callable, ClassVar, Mapping
 
+from autotune.artifacts import is_format, source_hash
 from autotune.backend import BaseBackend, StudyContext, TrialConfig
+from autotune.formats import normalize_format
 from autotune.errors import AutotuneError
 from autotune.metric import BaseMetric, MetricValue, QualityReference
 
@@ -46,12 +48,18 @@ def _file_hash(path: str, size: int, mtime_ns: int) -> str:
 
 
 def artifact_hash(weights: str, ctx: StudyContext) -> str:
-    """Content hash of a weights artifact: a file, a directory (EXL2), or the reference itself.
+    """Content hash of a weights artifact: a file, a directory (EXL2), a format made from the
+    study's source, or the reference itself.
 
     Relative paths are relative to the study file, as backends read them. A directory hashes
     its files' names and content hashes; a reference that is not a local path (a hub name) is
     hashed as text.
     """
+    if is_format(weights) and ctx.source is not None:
+        # Made from the study's source (autotune.artifacts): the source's content and the format
+        # name it, known before the artifact is made (the key is asked at every proposal).
+        return "made:" + hashlib.sha256(f"{source_hash(ctx.source)}|{normalize_format(weights)}".encode()
+                                        ).hexdigest()[:20]
     path = ctx.path(weights)
     if path.is_file():
         st = path.stat()
@@ -83,9 +91,7 @@ class _ScoringMetric(BaseMetric):
         self.references = dict(references)
 
     def supports(self, backend: BaseBackend) -> str | None:
-        if not backend.supports_scoring:
-            return f"backend '{backend.name}' has no scoring API (it does not implement scorer())"
-        return None
+        return backend.scoring_problem()
 
     def artifact_key(self, config: TrialConfig, ctx: StudyContext) -> str:
         return f"{artifact_hash(config.weights, ctx)}|cache={config.option('cache_type')}"

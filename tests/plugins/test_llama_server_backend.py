@@ -401,3 +401,19 @@ time.sleep(60)
             child.wait()
         if pid is not None and pid in servers_on(stories):  # the test failed: do not leave it behind
             os.killpg(pid, signal.SIGKILL)
+
+
+def test_without_the_python_bindings_quality_is_refused_before_the_study(monkeypatch):
+    """A quality metric would fail every trial without llama-cpp-python: the metric says so
+    when the study is prepared (exit 2 with the remedy), and `autotune init` leaves it out."""
+    import importlib.util
+
+    from autotune_plugins.llama_server.backend import LlamaServerBackend
+    from autotune_plugins.quality.metrics import KldMetric
+
+    real = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    why = KldMetric().supports(LlamaServerBackend())
+    assert why is not None and why.startswith("llama-cpp-python is not installed: run `autotune engine build llama.cpp "
+                                              "--python`")

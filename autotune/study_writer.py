@@ -1,0 +1,286 @@
+"""``autotune init MODEL``: a study file written for one model on this machine.
+
+From one source model (a Hugging Face directory or a full-precision GGUF file) it writes a
+study that validates and runs as it is:
+
+* the device: the card NVML finds (``--gpu auto``), a catalog card, or ``cpu`` (the host, its
+  memory the budget) when there is no GPU;
+* the backends whose engine is ready here (each backend's own ``preflight``), the others named
+  in a comment with the reason;
+* for each, the weights formats it can make from the source (``artifact_recipe``) that can fit:
+  the memory model judges each at the lightest configuration (ctx of one request, one slot),
+  and a format that never fits is left out with the figures that say why;
+* ctx values from one request's length up to the model's own limit, parallel 1..16, and the
+  options each engine searches by default (its cache types, flash attention);
+* quality ``kld`` against the source itself (its full-precision format, the largest candidate)
+  when the source is full precision and the metric can score the backend.
+
+Nothing is converted here: artifacts are made by the first trial that needs them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune import hardware, plugins
+from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
+from autotune.errors import AutotuneError, ConfigError
+from autotune.formats import normalize_format
+from autotune.measure import Protocol
+from autotune.models import ModelSpec, resolve_model
+
+__all__ = ["FORMATS", "StudyDraft", "draft_study", "render"]
+
+# Formats offered to every backend, widest first; each backend keeps those it can make from the
+# source. Full precision first: with a quality metric, the largest candidate is the reference.
+FORMATS = ("gguf:F16", "gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M", "gguf:Q4_0",
+           "exl2:8.0", "exl2:6.0", "exl2:5.0", "exl2:4.0", "exl2:3.0")
+FULL_PRECISION = ("F16", "BF16", "F32")
+PARALLEL = (1, 2, 4, 8, 16)
+# One request: a chat turn on a GPU; shorter on a CPU, where a trial must stay seconds long.
+WORKLOAD_GPU = (1024, 256)
+WORKLOAD_CPU = (128, 64)
+MIN_CTX = 256  # config.py's lower bound of [space] ctx
+# Host memory the CPU mode's configurations may use: the rest is the OS's, autotune's and the
+# load generator's.
+CPU_BUDGET_SHARE = 0.75
+QUALITY_METRIC = "kld"
+
+
+@dataclass
+class StudyDraft:
+    """What ``init`` decided, before it is written as TOML."""
+
+    name: str
+    source: Path
+    model: ModelSpec
+    gpu: hardware.GpuSpec
+    gpu_key: str
+    budget_gib: float | None
+    workload: tuple[int, int]
+    candidates: dict[str, list[str]] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)
+    ctx: list[int] = field(default_factory=list)
+    space: dict[str, list[Any]] = field(default_factory=dict)
+    quality: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _ctx_values(model: ModelSpec, sequence: int) -> list[int]:
+    """Powers of two from one request's length to the model's context, the limit itself included."""
+    low = max(MIN_CTX, 1 << (max(sequence, 1) - 1).bit_length())
+    values = []
+    c = low
+    while c <= model.max_context:
+        values.append(c)
+        c *= 2
+    if model.max_context >= low and model.max_context not in values:
+        values.append(model.max_context)
+    # A long list makes a long study; keep the short end and the limit.
+    if len(values) > 6:
+        values = values[:5] + [values[-1]]
+    return values
+
+
+def _lightest(backend: BaseBackend, fmt: str, ctx_tokens: int, ctx: StudyContext
+              ) -> tuple[TrialConfig | None, Any, list[str]]:
+    """The configuration of ``fmt`` with the smallest footprint the engine accepts (one slot, the
+    shortest ctx, each combination of its default options), its estimate, and the engine's
+    reasons when it accepts none."""
+    params = [p for p in backend.parameters({}) if p.choices]
+    best: tuple[TrialConfig | None, Any] = (None, None)
+    refused: list[str] = []
+    for values in itertools.product(*(p.choices for p in params)):
+        probe = TrialConfig(backend.name, fmt, ctx_tokens, 1, tuple(sorted(zip((p.name for p in params), values))))
+        reasons = backend.check(probe, ctx)
+        if reasons:
+            refused = reasons
+            continue
+        estimate = backend.estimate_memory(probe, ctx)
+        if best[1] is None or estimate.total_bytes < best[1].total_bytes:
+            best = (probe, estimate)
+    return best[0], best[1], refused
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> StudyDraft:
+    """Decide a study for ``model_ref`` on this machine (see the module docstring).
+
+    Raises:
+        ConfigError: The model cannot be read, the GPU key is unknown, or no backend here can
+            make any format of it that fits (the message lists each reason).
+    """
+    source = Path(model_ref).expanduser().absolute()
+    if not source.exists():
+        raise ConfigError(f"{model_ref}: no such file or directory (give a Hugging Face model directory or a "
+                          "full-precision .gguf file)")
+    model = resolve_model(str(source))
+    notes: list[str] = []
+    if gpu == "auto" and not hardware.detect_gpus():
+        notes.append(f"no GPU found ({hardware.nvml_unavailable_reason()}): the study runs on the CPU")
+        gpu = hardware.CPU_KEY
+    spec = hardware.resolve_gpu(gpu, 0, source="--gpu")
+    # A card the catalog lacks is found again by NVML ("auto"); its nvml: key is no catalog key.
+    gpu_key = spec.key if spec.key in hardware.load_gpu_catalog() or spec.is_cpu else "auto"
+    if spec.is_cpu:
+        budget_gib = round(spec.vram_bytes * CPU_BUDGET_SHARE / 2**30, 1)
+        workload = WORKLOAD_CPU
+    else:
+        budget_gib = None
+        workload = WORKLOAD_GPU
+    budget_bytes = int(budget_gib * 2**30) if budget_gib else spec.vram_bytes - 256 * 2**20
+    if model.max_context < workload[0] + workload[1]:
+        # A model with a short context (stories260K: 128 tokens... here 2048) gets a request that fits.
+        prompt = max(1, model.max_context // 2)
+        workload = (prompt, max(1, min(workload[1], model.max_context - prompt)))
+    name = name or re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem if source.is_file() else source.name).strip("-") or "study"
+    draft = StudyDraft(name=name, source=source, model=model, gpu=spec, gpu_key=gpu_key, budget_gib=budget_gib,
+                       workload=workload, notes=notes)
+    draft.ctx = _ctx_values(model, sum(workload))
+    if not draft.ctx:
+        raise ConfigError(f"{source}: the model's context ({model.max_context} tokens) is shorter than the smallest "
+                          f"ctx a study searches ({MIN_CTX})")
+
+    ctx_of: dict[str, StudyContext] = {}
+    for backend_name, backend in plugins.get_backends().items():
+        if backend.is_model:
+            continue
+        ctx = StudyContext(gpu=spec, model=model, workload=Workload(*workload), vram_budget_bytes=budget_bytes,
+                           protocol=Protocol(), source=source, for_gpu=False if spec.is_cpu else None)
+        problems = backend.preflight(ctx)
+        if problems:
+            draft.left_out.append(f"backend {backend_name}: " + "; ".join(problems))
+            continue
+        kept: list[str] = []
+        for fmt in FORMATS:
+            try:
+                recipe = backend.artifact_recipe(normalize_format(fmt), source, ctx)
+            except AutotuneError as exc:
+                draft.left_out.append(f"{backend_name} {fmt}: {exc}")
+                continue
+            if recipe is None:
+                continue  # another engine's format
+            probe, estimate, refused = _lightest(backend, fmt, draft.ctx[0], ctx)
+            if probe is None:
+                draft.left_out.append(f"{backend_name} {fmt}: {'; '.join(refused)}")
+                continue
+            if estimate.total_bytes > budget_bytes:
+                draft.left_out.append(
+                    f"{backend_name} {fmt}: never fits: ctx {probe.ctx} x 1 needs {_gib(estimate.total_bytes)} "
+                    f"(weights {_gib(estimate.weights_bytes)}) > {_gib(budget_bytes)} of "
+                    f"{'host memory' if spec.is_cpu else spec.name}")
+                continue
+            kept.append(fmt)
+        if not any(fmt.endswith(FULL_PRECISION) for fmt in kept) and backend.check_weights(str(source), ctx) is None:
+            # No full-precision format of its own, but it loads the source as it is (ExLlamaV2 an
+            # FP16 directory): the source is its quality reference, when it fits.
+            probe, estimate, _ = _lightest(backend, str(source), draft.ctx[0], ctx)
+            if probe is not None and estimate.total_bytes <= budget_bytes:
+                kept.append(str(source))
+        if kept:
+            draft.candidates[backend_name] = kept
+            ctx_of[backend_name] = ctx
+    if not draft.candidates:
+        raise ConfigError(f"{source}: no backend here can make a format of this model that fits:\n  "
+                          + "\n  ".join(draft.left_out or ["no real backend is installed (autotune plugins)"]))
+
+    # Each engine's own defaults for the options every study searches, merged.
+    space: dict[str, list[Any]] = {}
+    for backend_name in draft.candidates:
+        for p in plugins.get_backend(backend_name).parameters({}):
+            values = space.setdefault(p.name, [])
+            values += [v for v in p.choices if v not in values]
+    draft.space = space
+
+    full_precision = any(fmt.endswith(FULL_PRECISION) or fmt == str(source)
+                         for fmts in draft.candidates.values() for fmt in fmts)
+    try:
+        metric = plugins.get_metric(QUALITY_METRIC)
+    except AutotuneError as exc:
+        draft.notes.append(f"quality: no '{QUALITY_METRIC}' metric ({exc})")
+    else:
+        unsupported = [f"{b}: {why}" for b in draft.candidates
+                       if (why := metric.supports(plugins.get_backend(b)))]
+        if unsupported:
+            draft.notes.append(f"quality: {QUALITY_METRIC} left out ({'; '.join(unsupported)})")
+        elif not full_precision:
+            draft.notes.append(f"quality: {QUALITY_METRIC} left out: no full-precision format of the source fits "
+                               "here to compare against")
+        else:
+            draft.quality = QUALITY_METRIC
+    return draft
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def _comment(text: str) -> list[str]:
+    return ["# " + line for line in text.splitlines()]
+
+
+def render(draft: StudyDraft, out: Path) -> str:
+    """The study file's text; paths relative to ``out``'s directory where they can be."""
+    try:
+        source = os.path.relpath(draft.source, out.absolute().parent)
+    except ValueError:
+        source = str(draft.source)
+    if source.startswith("../../.."):
+        source = str(draft.source)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    lines = [
+        f"# Written by `autotune init` on {stamp} for {draft.source.name} on this machine",
+        f"# ({draft.gpu.name}). Run it with: autotune study {out.name}",
+        "# Weights named as formats (gguf:Q8_0, exl2:4.0) are made from [model] source by the first",
+        "# trial that needs them and kept in ~/.cache/autotune/artifacts for every later study.",
+    ]
+    for note in draft.notes:
+        lines += _comment(note)
+    lines += ["", "[study]", f"name = {_toml_value(draft.name)}",
+              f"budget = {_toml_value('15m' if draft.gpu.is_cpu else '2h')}", "", "[hardware]"]
+    if draft.gpu.is_cpu:
+        lines += ["# The host: nothing is offloaded; the budget is host memory (a share of this machine's "
+                  f"{_gib(draft.gpu.vram_bytes)}).",
+                  f"gpu = {_toml_value(hardware.CPU_KEY)}", f"vram_budget_gib = {draft.budget_gib}"]
+    else:
+        lines += [f"gpu = {_toml_value(draft.gpu_key)}  # {draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}"]
+    lines += ["", "[model]", f"source = {_toml_value(source)}",
+              "", "[workload]", f"prompt_tokens = {draft.workload[0]}", f"output_tokens = {draft.workload[1]}", ""]
+    if draft.gpu.is_cpu:
+        lines += ["[measure]", "warmup_runs = 1", "min_runs = 3", "max_runs = 6", "rel_spread_tol = 0.15",
+                  "max_seconds = 20", ""]
+    for backend_name, fmts in draft.candidates.items():
+        shown = [source if w == str(draft.source) else w for w in fmts]  # the source itself, as [model] names it
+        lines += ["[[candidates]]", f"backend = {_toml_value(backend_name)}", f"weights = {_toml_value(shown)}", ""]
+    if draft.left_out:
+        lines.append("# Left out:")
+        for why in draft.left_out:
+            lines += ["#   " + line for line in why.splitlines()]
+        lines.append("")
+    lines += ["[space]", f"ctx = {_toml_value(draft.ctx)}  # up to the model's context, {draft.model.max_context}",
+              f"parallel = {_toml_value(list(PARALLEL))}"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in draft.space.items()]
+    lines += ["", "[objective]", "metric = \"aggregate_tok_s\""]
+    if draft.quality:
+        lines += [f"# KL divergence of each format's next-token distributions against the source's own",
+                  "# (its full-precision format, the largest candidate), measured once per format.",
+                  f"quality = {_toml_value(draft.quality)}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,123 @@
+"""How ExLlamaV2 makes an EXL2 directory from a Hugging Face source (the backend's ``artifact_recipe``).
+
+ExLlamaV2's converter (``python -m exllamav2.conversion.convert_exl2``, doc/convert.md) works
+in two passes: a measurement pass that quantizes every module about a dozen times to learn how
+each one suffers, then the quantization at the target bits per weight. The measurement depends
+on the source only, so it is made once per source (``measurement.json`` in the cache entry,
+under a lock of its own) and handed to every bpw with ``-m``: exl2:3.0, 4.0 and 5.0 of one
+model cost one measurement and three quantizations. ``-cf`` compiles a full model directory
+(config, tokenizer and the quantized safetensors), which is what the backend loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Mapping
+
+from autotune.artifacts import Recipe
+from autotune.errors import AutotuneError
+from autotune.formats import exl2_weights, normalize_format, parse_format
+from autotune.models import model_from_hf_config
+
+__all__ = ["CONVERTER_MODULE", "exl2_recipe"]
+
+CONVERTER_MODULE = "exllamav2.conversion.convert_exl2"
+MEASUREMENT = "measurement.json"
+
+
+def _run(argv: list[str], what: str, say: Callable[[str], None], env: Mapping[str, str]) -> None:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="replace", env=dict(env))
+    lines: list[str] = []
+    last = time.monotonic()
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line:
+                lines = [*lines[-40:], line]
+                if time.monotonic() - last >= 10:
+                    say(f"  {what}: {line[:160]}")
+                    last = time.monotonic()
+        code = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if code != 0:
+        errors = [ln for ln in lines if re.search(r"error|Error|Traceback|No module", ln)]
+        raise AutotuneError(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}")
+
+
+def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], say: Callable[[str], None]) -> Path:
+    """The source's measurement pass, made once for every bpw (in the cache entry ``entry``)."""
+    target = entry / MEASUREMENT
+    entry.mkdir(parents=True, exist_ok=True)
+    with open(entry / (MEASUREMENT + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if target.is_file():
+                say(f"exl2 measurement of {source.name}: cache hit, {target}")
+                return target
+            say(f"exl2 measurement of {source.name}: one pass shared by every bpw -> {target}")
+            with tempfile.TemporaryDirectory(prefix="exl2-measure-", dir=entry) as work:
+                partial = Path(work) / MEASUREMENT
+                _run([python, "-m", CONVERTER_MODULE, "-i", str(source), "-o", work + "/job", "-nr",
+                      "-om", str(partial)], f"exllamav2 measurement of {source.name}", say, env)
+                if not partial.is_file():
+                    raise AutotuneError(f"exllamav2 measurement of {source.name} wrote no {MEASUREMENT}")
+                partial.replace(target)
+            return target
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Callable[[], Mapping[str, str]],
+                tool: str) -> Recipe | None:
+    """The recipe for ``fmt`` (``exl2:<bpw>``) from the Hugging Face directory ``source``.
+
+    Args:
+        fmt: An ``exl2:<bpw>`` format.
+        source: The FP16/BF16 Hugging Face model directory.
+        python: The interpreter with exllamav2 and torch (the backend's ``python`` setting).
+        env: The converter's environment (the study's card as CUDA device 0).
+        tool: ``exllamav2-<version>``, part of the cache key.
+
+    Returns:
+        None for a format that is not EXL2 (another engine's).
+
+    Raises:
+        AutotuneError: ``source`` is not an HF directory.
+    """
+    family, detail = parse_format(fmt)
+    if family != "exl2":
+        return None
+    if not source.is_dir():
+        raise AutotuneError(f"{source}: EXL2 is converted from a Hugging Face model directory (config.json and "
+                            "*.safetensors), not a single file")
+    model = model_from_hf_config(source)
+    bpw = float(detail)
+    canonical = normalize_format(fmt)
+    # The compiled directory copies the source's small files (tokenizer, config) beside the weights.
+    extra = sum(p.stat().st_size for p in source.iterdir() if p.is_file() and p.suffix != ".safetensors")
+    expected = exl2_weights(model, bpw).total_bytes + extra
+
+    def convert(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
+        run_env = env() if callable(env) else env
+        measurement = _measured(inputs[0], out.parent, python, run_env, say)
+        with tempfile.TemporaryDirectory(prefix="exl2-job-", dir=out.parent) as work:
+            _run([python, "-m", CONVERTER_MODULE, "-i", str(inputs[0]), "-o", work + "/job", "-nr",
+                  "-m", str(measurement), "-cf", str(out), "-b", str(bpw)],
+                 f"exllamav2 convert {inputs[0].name} -b {bpw}", say, run_env)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(out / "out_tensor", ignore_errors=True)  # the converter's scratch, when it leaves it
+
+    return Recipe(canonical, tool, f"exl2-{bpw:g}bpw", expected, convert,
+                  description=f"exllamav2 convert_exl2 -b {bpw:g} (measurement shared)")

@@ -1,0 +1,152 @@
+"""How llama.cpp makes a GGUF artifact from a source model (the backend's ``artifact_recipe``).
+
+* A Hugging Face directory becomes ``gguf:F16`` (or BF16, F32) through llama.cpp's own
+  ``convert_hf_to_gguf.py`` from the engine build's vendored tree (``<build>/src``, with its
+  ``gguf-py``), run by this Python (it needs ``torch`` and ``transformers``: ``pip install -e
+  '.[convert]'``). Every quantized type is then made from that F16 file by ``llama-quantize``.
+* A full-precision GGUF file (F32, F16, BF16) is quantized directly by ``llama-quantize``. A
+  quantized GGUF is no source: requantizing compounds the errors, and the study would compare
+  artifacts that are not what users download.
+
+The tool version in the cache key is the llama.cpp commit of the build (``engine.json``), or the
+server's ``--version`` for a binary autotune did not build: the quantizer and the converter come
+from the same tree as the server that loads their output.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from autotune.artifacts import Recipe
+from autotune.errors import AutotuneError
+from autotune.formats import parse_format, predict_gguf_weights
+from autotune.gguf_file import read_gguf
+from autotune.models import ModelSpec, resolve_model
+from autotune_plugins.llama_server import engine
+from autotune_plugins.llama_server.builds import _manifest_of
+
+__all__ = ["CONVERTER", "FULL_PRECISION", "gguf_recipe"]
+
+CONVERTER = "convert_hf_to_gguf.py"
+# What convert_hf_to_gguf.py writes itself (its --outtype); the rest is llama-quantize's.
+_CONVERT_TYPES = {"F16": "f16", "BF16": "bf16", "F32": "f32"}
+FULL_PRECISION = frozenset(_CONVERT_TYPES)
+# Vocabulary and metadata beside the tensors: a 150k-token vocabulary is ~10 MB in a header.
+_HEADER_ALLOWANCE = 32 * 2**20
+
+
+def _tool(server: Path) -> str:
+    manifest, _ = _manifest_of(server)
+    if manifest and manifest.get("llama_cpp_commit"):
+        return f"llama.cpp-{manifest['llama_cpp_commit']}"
+    label = engine.engine_version(server).label
+    return "llama.cpp-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
+
+
+def converter_of(server: Path) -> Path:
+    """``convert_hf_to_gguf.py`` of the tree the server was built from.
+
+    Raises:
+        AutotuneError: The server is not an autotune build with its sources.
+    """
+    _, install_dir = _manifest_of(server)
+    script = install_dir / "src" / CONVERTER
+    if not script.is_file():
+        raise AutotuneError(f"{script}: not found; a Hugging Face source is converted with the llama.cpp tree of an "
+                            "`autotune engine build llama.cpp` (this llama-server has none beside it)")
+    return script
+
+
+def _run(argv: list[str], what: str, say: Callable[[str], None], cwd: Path | None = None) -> None:
+    """Run a tool, passing a progress line on every ~10 s, and raise with its own last lines."""
+    import time
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="replace", cwd=cwd)
+    lines: list[str] = []
+    last = time.monotonic()
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line:
+                lines = [*lines[-40:], line]
+                if time.monotonic() - last >= 10:
+                    say(f"  {what}: {line[:160]}")
+                    last = time.monotonic()
+        code = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if code != 0:
+        errors = [ln for ln in lines if re.search(r"error|Error|ERROR|Traceback|No module", ln)]
+        shown = " | ".join((errors or lines)[-3:])
+        raise AutotuneError(f"{what} failed (exit status {code}): {shown}")
+
+
+def _source_kind(source: Path) -> tuple[str, str | None]:
+    """("hf", None) for a model directory, ("gguf", TYPE) for a GGUF file: its
+    ``general.file_type``, else (files written without one, as stories260K) the widest type
+    of its tensors when every tensor is full precision."""
+    if source.is_dir():
+        return "hf", None
+    header = read_gguf(source)
+    if header.file_type is not None:
+        return "gguf", header.file_type
+    types = {t.ggml_type for t in header.tensors}
+    if types and types <= FULL_PRECISION:
+        return "gguf", "F32" if "F32" in types and len(types) == 1 else sorted(types - {"F32"})[0]
+    return "gguf", None
+
+
+def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Path | Callable[[], Path]
+                ) -> Recipe | None:
+    """The recipe for ``fmt`` (``gguf:<TYPE>``) from ``source`` with the build of ``server``.
+
+    Returns:
+        None for a format that is not GGUF (another engine's).
+
+    Raises:
+        AutotuneError: ``source`` is not a model llama.cpp can start from (the message says why
+            and what would do).
+    """
+    family, detail = parse_format(fmt)
+    if family != "gguf":
+        return None
+    if callable(server):
+        server = server()
+    qtype = str(detail)
+    kind, source_type = _source_kind(source)
+    if kind == "gguf" and source_type not in FULL_PRECISION:
+        raise AutotuneError(f"{source}: a {source_type or 'unknown-type'} GGUF is no source to make {fmt} from; "
+                            f"give a full-precision one ({', '.join(sorted(FULL_PRECISION))}) or the Hugging Face "
+                            "model directory")
+    model: ModelSpec = resolve_model(str(source))
+    expected = predict_gguf_weights(model, qtype).total_bytes + _HEADER_ALLOWANCE
+    tool = _tool(server)
+    name = f"{qtype}.gguf"
+    canonical = f"gguf:{qtype}"
+    if kind == "hf" and qtype in _CONVERT_TYPES:
+        script = converter_of(server)
+
+        def convert(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
+            _run([sys.executable, str(script), str(inputs[0]), "--outfile", str(out), "--outtype",
+                  _CONVERT_TYPES[qtype]], f"{CONVERTER} {inputs[0].name} --outtype {_CONVERT_TYPES[qtype]}", say,
+                 cwd=script.parent)
+
+        return Recipe(canonical, tool, name, expected, convert,
+                      description=f"llama.cpp {CONVERTER} --outtype {_CONVERT_TYPES[qtype]}")
+    quantizer = engine.find_llama_quantize(settings)
+    needs = ("gguf:F16",) if kind == "hf" else ()
+
+    def quantize(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
+        src = inputs[-1]  # the F16 made first for an HF source; the GGUF source itself otherwise
+        _run([str(quantizer), str(src), str(out), qtype], f"llama-quantize {src.name} {qtype}", say)
+
+    return Recipe(canonical, tool, name, expected, quantize, needs=needs,
+                  description=f"llama-quantize {qtype}" + (" from gguf:F16" if needs else ""))

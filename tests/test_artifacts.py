@@ -1,0 +1,204 @@
+"""The artifact cache: made once by the first trial that needs it, keyed by the source's content,
+the tool's version and the format; failures, disk space and records (autotune/artifacts.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import optuna
+import pytest
+
+from autotune import artifacts
+from autotune.artifacts import ARTIFACTS_ENV, ArtifactError, Recipe, ensure, is_format, source_hash
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload
+from autotune.config import parse_study_config
+from autotune.errors import AutotuneError
+from autotune.hardware import get_gpu
+from autotune.measure import Protocol
+from autotune.models import get_model
+from tests.fake_backends import stats_for
+
+
+class MakingBackend(BaseBackend):
+    """Makes ``fake:<n>``-free formats: any gguf:<TYPE> by writing the type into a file, from an
+    F16 it makes first; ``gguf:Q2_K`` fails as a tool would."""
+
+    name = "maker"
+    engine = "maker-engine"
+
+    def __init__(self) -> None:
+        self.made: list[str] = []
+        self.loaded: list[str] = []
+
+    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext) -> Recipe | None:
+        if not fmt.startswith("gguf:"):
+            return None
+        qtype = fmt.split(":")[1]
+
+        def make(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
+            self.made.append(fmt)
+            if qtype == "Q2_K":
+                raise AutotuneError("maker-quantize: error: unsupported tensor shape")
+            out.write_text(f"{qtype} from {[p.name for p in inputs]}")
+
+        return Recipe(fmt, "maker-1.0", f"{qtype}.bin", 1000, make,
+                      needs=() if qtype == "F16" else ("gguf:F16",), description=f"maker {qtype}")
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        return []
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        return MemoryEstimate(2**20, 0, 0, 0)
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        path = artifacts.artifact_path(ctx.source, self.artifact_recipe(config.weights, ctx.source, ctx))
+        self.loaded.append(path.read_text())
+        return Measurement(metrics=stats_for(10.0 + config.parallel, config.parallel))
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return f"maker-serve {config.weights}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv(ARTIFACTS_ENV, str(tmp_path / "cache"))
+    artifacts._failed.clear()
+    yield
+    artifacts._failed.clear()
+
+
+def context(source: Path) -> StudyContext:
+    return StudyContext(gpu=get_gpu("t4"), model=get_model("qwen2.5-7b"), workload=Workload(8, 8),
+                        vram_budget_bytes=2**30, protocol=Protocol(), source=source)
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    d = tmp_path / "hf-model"
+    d.mkdir()
+    (d / "config.json").write_text('{"a": 1}')
+    (d / "model.safetensors").write_bytes(b"weights")
+    return d
+
+
+def test_formats_and_files_are_told_apart():
+    assert is_format("gguf:Q4_K_M") and is_format("exl2:4.0") and is_format("gguf:q8_0")
+    assert not is_format("models/x.gguf") and not is_format("gguf:NOPE") and not is_format("C:/m.gguf")
+
+
+def test_made_once_then_found_with_its_record(source):
+    backend, lines = MakingBackend(), []
+    first = ensure(backend, "gguf:Q8_0", context(source), lines.append)
+    assert first.made_now and first.path.read_text() == "Q8_0 from ['hf-model', 'F16.bin']"
+    assert backend.made == ["gguf:F16", "gguf:Q8_0"]  # the F16 it needs is an artifact of its own
+    again = ensure(backend, "gguf:Q8_0", context(source), lines.append)
+    assert backend.made == ["gguf:F16", "gguf:Q8_0"]  # nothing made the second time
+    assert not again.made_now and again.path == first.path and again.sha256 == first.sha256
+    assert again.make_seconds == first.make_seconds  # the seconds it took when it was made
+    assert any("cache hit" in line for line in lines)
+    manifest = json.loads(first.path.with_name("Q8_0.bin.json").read_text())
+    assert manifest["source_sha256"] == source_hash(source) and manifest["tool"] == "maker-1.0"
+    # Keyed by content: the same model copied elsewhere finds the same artifact.
+    copy = source.parent / "copy-of-model"
+    shutil.copytree(source, copy)
+    assert ensure(backend, "gguf:Q8_0", context(copy)).path == first.path
+    assert backend.made == ["gguf:F16", "gguf:Q8_0"]
+    # A changed source is another source.
+    (copy / "model.safetensors").write_bytes(b"other weights")
+    assert ensure(backend, "gguf:Q8_0", context(copy)).path != first.path
+
+
+def test_a_file_path_makes_nothing(source):
+    assert ensure(MakingBackend(), "models/x.gguf", context(source)) is None
+
+
+def test_a_failure_carries_the_tool_error_and_is_not_retried_in_the_run(source):
+    backend = MakingBackend()
+    with pytest.raises(ArtifactError, match="maker-quantize: error: unsupported tensor shape"):
+        ensure(backend, "gguf:Q2_K", context(source))
+    with pytest.raises(ArtifactError, match="unsupported tensor shape"):
+        ensure(backend, "gguf:Q2_K", context(source))
+    assert backend.made.count("gguf:Q2_K") == 1
+    # Nothing half-made is left where a later run would take it for the artifact.
+    entry = artifacts.artifact_path(source, backend.artifact_recipe("gguf:Q2_K", source, context(source))).parent
+    assert [p.name for p in entry.glob("Q2_K.bin*")] == ["Q2_K.bin.lock"]
+
+
+def test_disk_space_is_checked_before_making(source, monkeypatch):
+    monkeypatch.setattr(artifacts, "_free_bytes", lambda directory: 500)
+    with pytest.raises(ArtifactError, match=r"needs about 0\.00 GiB in .* but 0\.00 GiB is free.*AUTOTUNE_ARTIFACTS_DIR"):
+        ensure(MakingBackend(), "gguf:F16", context(source))
+
+
+def test_without_a_source_the_error_says_what_to_add():
+    with pytest.raises(ArtifactError, match=r"no \[model\] source"):
+        ensure(MakingBackend(), "gguf:Q8_0", context(None))  # type: ignore[arg-type]
+
+
+def test_a_study_makes_each_artifact_once_and_records_it(source, tmp_path):
+    from autotune.study.prepare import prepare_study
+    from autotune.study.runner import StudyRunner
+    from tests.conftest import plugin_registered
+
+    backend = MakingBackend()
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(backend)
+
+    doc = {"study": {"name": "made", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
+           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
+           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q2_K"]}],
+           "space": {"ctx": [256], "parallel": [1, 2]}}
+    with plugin_registered(Plugin, "maker-plugin"):
+        cfg = parse_study_config(doc, source="made.toml", path=tmp_path / "made.toml")
+        runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}"))
+        runner.run(n_trials=10)
+    assert sorted(backend.made) == ["gguf:F16", "gguf:Q2_K", "gguf:Q4_0", "gguf:Q8_0"]
+    trials = runner.study.get_trials()
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 4 and sorted(backend.loaded) == ["Q4_0 from ['hf-model', 'F16.bin']"] * 2 + \
+        ["Q8_0 from ['hf-model', 'F16.bin']"] * 2
+    for t in done:
+        (record,) = t.user_attrs["artifacts"]
+        assert record["weights"] == t.user_attrs["config"]["weights"] and len(record["sha256"]) == 64
+        assert Path(record["path"]).is_file() and record["make_seconds"] >= 0
+    assert sum(t.user_attrs["artifacts"][0]["made_now"] for t in done) == 2  # one maker per artifact
+    failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    # The failed conversion fails the trials that need it (the grid queued both), with the tool's
+    # error, and is not run again for the second: the study goes on.
+    assert {t.user_attrs["config"]["weights"] for t in failed} == {"gguf:Q2_K"} and len(failed) == 2
+    assert all("maker-quantize: error: unsupported tensor shape" in t.user_attrs["fail_reason"] for t in failed)
+    assert backend.made.count("gguf:Q2_K") == 1
+
+
+def test_a_format_without_a_source_is_an_error_naming_the_field(tmp_path):
+    from autotune.study.prepare import prepare_study
+    from tests.conftest import plugin_registered
+
+    backend = MakingBackend()
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(backend)
+
+    doc = {"hardware": {"gpu": "t4"}, "model": {"ref": "qwen2.5-7b"},
+           "workload": {"prompt_tokens": 8, "output_tokens": 8},
+           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0"]}], "space": {"ctx": [256], "parallel": [1]}}
+    with plugin_registered(Plugin, "maker-plugin"):
+        with pytest.raises(AutotuneError, match=r"s\.toml: \[candidates\.0\] weights 'gguf:Q8_0': .*add \[model\] source"):
+            prepare_study(parse_study_config(doc, source="s.toml", path=tmp_path / "s.toml"))
+        doc["model"]["source"] = str(tmp_path / "missing")
+        with pytest.raises(AutotuneError, match=r"\[model\] source = .*missing.*: no such file or directory"):
+            prepare_study(parse_study_config(doc, source="s.toml", path=tmp_path / "s.toml"))

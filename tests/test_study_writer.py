@@ -1,0 +1,157 @@
+"""`autotune init`'s decisions (autotune/study_writer.py): formats that never fit are left out with
+the figures, backends that are not ready are named with their reason, and the file it writes
+validates. The engine-backed runs are in tests/plugins/test_made_artifacts_cpu.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import pytest
+
+from autotune import hookimpl
+from autotune.artifacts import Recipe
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.config import load_study_config
+from autotune.errors import ConfigError
+from autotune.formats import weights_for
+from autotune.study.prepare import prepare_study
+from autotune.study_writer import draft_study, render
+from tests.conftest import plugin_registered
+
+
+class GgufMaker(BaseBackend):
+    """Makes gguf formats; its memory is the predicted weights plus 1 GiB."""
+
+    name = "gguf-maker"
+    engine = "gguf-engine"
+
+    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext) -> Recipe | None:
+        if not fmt.startswith("gguf:"):
+            return None
+
+        def make(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
+            out.write_text(fmt)
+
+        return Recipe(fmt, "maker-1", fmt.split(":")[1] + ".gguf", 1, make)
+
+    def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        return None if weights.startswith("gguf:") else f"{weights}: gguf-maker loads only what it makes"
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        return [Param("cache_type", ("f16", "q8_0"), "cache", accepted=("f16", "q8_0"))]
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        return MemoryEstimate(weights_for(ctx.model, config.weights).total_bytes, 0, 2**30, 0)
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:  # pragma: no cover - not run here
+        raise NotImplementedError
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return "serve"
+
+
+class Unready(GgufMaker):
+    name = "unready"
+    engine = "unready-engine"
+
+    def preflight(self, ctx: StudyContext) -> list[str]:
+        return ["backend unready: its engine is not built (run the build)"]
+
+
+class Plugin:
+    @staticmethod
+    @hookimpl
+    def register_backends(register):
+        register(GgufMaker())
+        register(Unready())
+
+
+@pytest.fixture
+def seven_b(tmp_path) -> Path:
+    d = tmp_path / "Qwen2.5-7B"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False}))
+    (d / "model.safetensors").write_bytes(b"not read by init")
+    return d
+
+
+def test_formats_that_never_fit_are_left_out_with_the_figures(seven_b, tmp_path):
+    with plugin_registered(Plugin, "makers"):
+        draft = draft_study(str(seven_b), gpu="t4")
+        assert draft.candidates == {"gguf-maker": ["gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M",
+                                                   "gguf:Q4_0"]}
+        (f16,) = [why for why in draft.left_out if "gguf:F16" in why]
+        assert "never fits" in f16 and "Tesla T4" in f16 and "(weights 14." in f16
+        assert any(why.startswith("backend unready: backend unready: its engine is not built") for why in draft.left_out)
+        # ctx from one request (1024 + 256 tokens) up to the model's own 32768, the short end kept.
+        assert draft.ctx == [2048, 4096, 8192, 16384, 32768]
+        assert draft.space == {"cache_type": ["f16", "q8_0"]}
+        assert draft.quality is None  # no kld metric installed here, and no full-precision format fits
+        out = tmp_path / "study.toml"
+        text = render(draft, out)
+        out.write_text(text)
+        assert 'source = "Qwen2.5-7B"' in text and 'gpu = "t4"' in text and "# Left out:" in text
+        prepared = prepare_study(load_study_config(out))  # the file validates as `autotune study` reads it
+        assert prepared.cfg.model_source == "Qwen2.5-7B" and prepared.contexts["gguf-maker"].source == seven_b
+
+
+def test_cpu_mode_budget_is_host_memory(seven_b, tmp_path):
+    with plugin_registered(Plugin, "makers"):
+        draft = draft_study(str(seven_b), gpu="cpu")
+    assert draft.gpu.is_cpu and draft.budget_gib is not None
+    assert draft.budget_gib * 2**30 <= draft.gpu.vram_bytes  # a share of the host's memory
+    text = render(draft, tmp_path / "s.toml")
+    assert 'gpu = "cpu"' in text and f"vram_budget_gib = {draft.budget_gib}" in text
+
+
+def test_nothing_that_can_run_is_an_error_listing_why(seven_b):
+    class OnlyUnready:
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(Unready())
+
+    with plugin_registered(OnlyUnready, "unready-only"):
+        with pytest.raises(ConfigError, match="no backend here can make a format of this model that fits:\n"
+                                              "  backend unready: .*not built"):
+            draft_study(str(seven_b), gpu="t4")
+
+
+def test_a_backend_that_loads_the_source_itself_takes_it_as_its_reference(seven_b, tmp_path):
+    class SourceLoader(GgufMaker):
+        """Makes only quantized formats, and loads the full-precision source as it is (as
+        ExLlamaV2 loads an FP16 directory)."""
+
+        name = "source-loader"
+        engine = "loader-engine"
+
+        def artifact_recipe(self, fmt, source, ctx):
+            return None if fmt.endswith("F16") else super().artifact_recipe(fmt, source, ctx)
+
+        def check_weights(self, weights, ctx):
+            return None if weights.startswith("gguf:") or ctx.path(weights) == ctx.source else "no"
+
+        def estimate_memory(self, config, ctx):
+            if config.weights.startswith("gguf:"):
+                return super().estimate_memory(config, ctx)
+            return MemoryEstimate(2 * ctx.model.n_params, 0, 2**30, 0)
+
+    class Loader:
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(SourceLoader())
+
+    with plugin_registered(Loader, "loader"):
+        draft = draft_study(str(seven_b), gpu="h200")
+        assert draft.candidates["source-loader"][-1] == str(seven_b)
+        out = tmp_path / "s.toml"
+        out.write_text(render(draft, out))
+        assert '"gguf:Q4_0", "Qwen2.5-7B"]' in out.read_text()
+        prepared = prepare_study(load_study_config(out))
+        assert prepared.space.entries["source-loader"].weights[-1] == "Qwen2.5-7B"
