@@ -140,7 +140,7 @@ def test_a_study_resumed_with_other_choices_is_refused_up_front(tmp_path):
     with registered(FakeBackend()):
         run_study(load_study_config(write_study(tmp_path / "a.toml", "fake", ["w"], parallel=(1,))),
                   n_trials=1, storage=storage)
-        with pytest.raises(ConfigError, match=r"fake.parallel: stored \[1\], file \[1, 2\].*new \[study\] name"):
+        with pytest.raises(ConfigError, match=r"other choices for parallel: stored \[1\], file \[1, 2\].*new \[study\] name"):
             run_study(load_study_config(write_study(tmp_path / "b.toml", "fake", ["w"], parallel=(1, 2))),
                       n_trials=1, storage=storage)
 
