@@ -26,11 +26,13 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from autotune.errors import AutotuneError, BackendError, ConfigError
 
@@ -59,6 +61,34 @@ _HASH_CHUNK = 1 << 22
 class ArtifactError(BackendError):
     """Making an artifact failed; the message carries the tool's own error. Fails the trials
     that need this artifact, not the study."""
+
+
+def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Path | None = None,
+             env: Mapping[str, str] | None = None) -> None:
+    """Run a converter or quantizer: its latest line passed to ``say`` about every 10 s (a
+    conversion can take minutes), and on failure an error carrying the tool's own last lines
+    (its error lines first), so the trials that needed the artifact say why."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="replace", cwd=cwd, env=None if env is None else dict(env))
+    lines: list[str] = []
+    last = time.monotonic()
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line:
+                lines = [*lines[-40:], line]
+                if time.monotonic() - last >= 10:
+                    say(f"  {what}: {line[:160]}")
+                    last = time.monotonic()
+        code = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if code != 0:
+        errors = [ln for ln in lines if re.search(r"error|Error|ERROR|Traceback|No module", ln)]
+        raise AutotuneError(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}")
 
 
 def is_format(weights: str) -> bool:

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import re
 import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-from autotune.artifacts import Recipe
+from autotune.artifacts import Recipe, run_tool
 from autotune.errors import AutotuneError
 from autotune.formats import exl2_weights, normalize_format, parse_format
 from autotune.models import model_from_hf_config
@@ -30,30 +27,6 @@ __all__ = ["CONVERTER_MODULE", "exl2_recipe"]
 
 CONVERTER_MODULE = "exllamav2.conversion.convert_exl2"
 MEASUREMENT = "measurement.json"
-
-
-def _run(argv: list[str], what: str, say: Callable[[str], None], env: Mapping[str, str]) -> None:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, errors="replace", env=dict(env))
-    lines: list[str] = []
-    last = time.monotonic()
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                lines = [*lines[-40:], line]
-                if time.monotonic() - last >= 10:
-                    say(f"  {what}: {line[:160]}")
-                    last = time.monotonic()
-        code = proc.wait()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    if code != 0:
-        errors = [ln for ln in lines if re.search(r"error|Error|Traceback|No module", ln)]
-        raise AutotuneError(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}")
 
 
 def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], say: Callable[[str], None]) -> Path:
@@ -69,8 +42,8 @@ def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], sa
             say(f"exl2 measurement of {source.name}: one pass shared by every bpw -> {target}")
             with tempfile.TemporaryDirectory(prefix="exl2-measure-", dir=entry) as work:
                 partial = Path(work) / MEASUREMENT
-                _run([python, "-m", CONVERTER_MODULE, "-i", str(source), "-o", work + "/job", "-nr",
-                      "-om", str(partial)], f"exllamav2 measurement of {source.name}", say, env)
+                run_tool([python, "-m", CONVERTER_MODULE, "-i", str(source), "-o", work + "/job", "-nr",
+                      "-om", str(partial)], f"exllamav2 measurement of {source.name}", say, env=env)
                 if not partial.is_file():
                     raise AutotuneError(f"exllamav2 measurement of {source.name} wrote no {MEASUREMENT}")
                 partial.replace(target)
@@ -113,9 +86,9 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
         run_env = env() if callable(env) else env
         measurement = _measured(inputs[0], out.parent, python, run_env, say)
         with tempfile.TemporaryDirectory(prefix="exl2-job-", dir=out.parent) as work:
-            _run([python, "-m", CONVERTER_MODULE, "-i", str(inputs[0]), "-o", work + "/job", "-nr",
+            run_tool([python, "-m", CONVERTER_MODULE, "-i", str(inputs[0]), "-o", work + "/job", "-nr",
                   "-m", str(measurement), "-cf", str(out), "-b", str(bpw)],
-                 f"exllamav2 convert {inputs[0].name} -b {bpw}", say, run_env)
+                 f"exllamav2 convert {inputs[0].name} -b {bpw}", say, env=run_env)
         with contextlib.suppress(OSError):
             shutil.rmtree(out / "out_tensor", ignore_errors=True)  # the converter's scratch, when it leaves it
 

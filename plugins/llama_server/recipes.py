@@ -16,12 +16,11 @@ from the same tree as the server that loads their output.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from autotune.artifacts import Recipe
+from autotune.artifacts import Recipe, run_tool
 from autotune.errors import AutotuneError
 from autotune.formats import parse_format, predict_gguf_weights
 from autotune.gguf_file import read_gguf
@@ -59,34 +58,6 @@ def converter_of(server: Path) -> Path:
         raise AutotuneError(f"{script}: not found; a Hugging Face source is converted with the llama.cpp tree of an "
                             "`autotune engine build llama.cpp` (this llama-server has none beside it)")
     return script
-
-
-def _run(argv: list[str], what: str, say: Callable[[str], None], cwd: Path | None = None) -> None:
-    """Run a tool, passing a progress line on every ~10 s, and raise with its own last lines."""
-    import time
-
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, errors="replace", cwd=cwd)
-    lines: list[str] = []
-    last = time.monotonic()
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                lines = [*lines[-40:], line]
-                if time.monotonic() - last >= 10:
-                    say(f"  {what}: {line[:160]}")
-                    last = time.monotonic()
-        code = proc.wait()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    if code != 0:
-        errors = [ln for ln in lines if re.search(r"error|Error|ERROR|Traceback|No module", ln)]
-        shown = " | ".join((errors or lines)[-3:])
-        raise AutotuneError(f"{what} failed (exit status {code}): {shown}")
 
 
 def _source_kind(source: Path) -> tuple[str, str | None]:
@@ -135,7 +106,7 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
         script = converter_of(server)
 
         def convert(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
-            _run([sys.executable, str(script), str(inputs[0]), "--outfile", str(out), "--outtype",
+            run_tool([sys.executable, str(script), str(inputs[0]), "--outfile", str(out), "--outtype",
                   _CONVERT_TYPES[qtype]], f"{CONVERTER} {inputs[0].name} --outtype {_CONVERT_TYPES[qtype]}", say,
                  cwd=script.parent)
 
@@ -146,7 +117,7 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
 
     def quantize(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
         src = inputs[-1]  # the F16 made first for an HF source; the GGUF source itself otherwise
-        _run([str(quantizer), str(src), str(out), qtype], f"llama-quantize {src.name} {qtype}", say)
+        run_tool([str(quantizer), str(src), str(out), qtype], f"llama-quantize {src.name} {qtype}", say)
 
     return Recipe(canonical, tool, name, expected, quantize, needs=needs,
                   description=f"llama-quantize {qtype}" + (" from gguf:F16" if needs else ""))
