@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import httpx
@@ -60,6 +61,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port_free(port, host):
             return port
     raise BackendError(f"no free TCP port on {host} for the engine's server")
+
+
+def read_log(path: Path) -> str:
+    """A server's log as far as it is written ("" when it cannot be read: the error at hand matters more)."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def tail(text: str, n: int = 40) -> str:

@@ -93,6 +93,19 @@ class Scorer(abc.ABC):
             One :class:`LogLikelihood` per request, in the same order.
         """
 
+    def split(self, context: str, continuation: str) -> tuple[list[int], int]:
+        """The tokens :meth:`loglikelihood` scores for one request, and where the continuation
+        starts in them: split as lm-eval's adapters split (see :meth:`loglikelihood`)."""
+        ctx_tokens = self.tokenize(context, add_bos=True)
+        whole = self.tokenize(context + continuation, add_bos=True)
+        cont = whole[len(ctx_tokens):]
+        if not cont:
+            cont = self.tokenize(continuation)
+            whole = ctx_tokens + cont
+        if len(whole) > self.n_ctx:
+            whole = whole[-self.n_ctx:]  # cut the context from the left, keep every answer token
+        return whole, len(whole) - len(cont)
+
     @abc.abstractmethod
     def next_token_logprobs(self, tokens: Sequence[int]) -> "np.ndarray":
         """The full next-token distribution after every prefix of ``tokens``.

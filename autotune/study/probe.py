@@ -75,13 +75,12 @@ def make_probe(trial: optuna.Trial, objective: "Objective", used_bytes: int, bud
             return True  # nothing to judge by: measure in full
         per_user = first_run.get("per_user_tok_s")
         s = objective_mod.score(objective, metric, used_bytes, budget_bytes, drop, per_user)
+        trial.report(s.values[0], PROBE_STEP)
         floor = objective.min_per_user_tok_s
         if floor is not None and per_user is not None and per_user < (1 - margin) * floor:
             heard["reason"] = (f"probe: per-user {per_user:.1f} tok/s in the first run, more than "
                                f"{margin:.0%} below the floor of {floor:g}")
-            trial.report(s.values[0], PROBE_STEP)
             return False
-        trial.report(s.values[0], PROBE_STEP)
         if trial.should_prune():
             pruner = trial.study.pruner
             leader = pruner.leader(trial.study) if isinstance(pruner, LeaderGapPruner) else None

@@ -107,18 +107,9 @@ class LlamaCppScorer(Scorer):
     def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[LogLikelihood]:
         out = []
         for context, continuation in requests:
-            # Encode the whole text once and split at the context's length (lm-eval's own
-            # rule): a continuation such as " B" then gets the tokens it has in running text.
-            ctx_tokens = self.tokenize(context, add_bos=True)
-            whole = self.tokenize(context + continuation, add_bos=True)
-            cont = whole[len(ctx_tokens):]
-            if not cont:
-                cont = self.tokenize(continuation)
-                whole = ctx_tokens + cont
-            if len(whole) > self.n_ctx:
-                whole = whole[-self.n_ctx:]  # cut the context from the left, keep every answer token
+            whole, start = self.split(context, continuation)
+            cont = whole[start:]
             logits = self._evaluate(whole)
-            start = len(whole) - len(cont)
             rows = log_softmax(logits[start - 1: len(whole) - 1])
             picked = rows[np.arange(len(cont)), cont]
             greedy = bool(np.all(rows.argmax(axis=-1) == np.asarray(cont)))

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import httpx
 
 from autotune.errors import BackendError, EngineUnavailableError
-from autotune.local_server import server_url, tail
+from autotune.local_server import read_log, server_url, tail
 
 __all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "median", "parse_log", "plan_cpus",
            "process_cpu_s"]
@@ -175,10 +175,7 @@ class Server:
                                                                       max_keepalive_connections=0))
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def failure(self, what: str) -> BackendError:
         text = self.log()

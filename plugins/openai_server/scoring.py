@@ -108,22 +108,10 @@ class OpenAIServerScorer(Scorer):
         raw = data.get("tokens") if isinstance(data, dict) else data
         return [tok if isinstance(tok, int) else int(tok["id"]) for tok in raw or ()]
 
-    def _split(self, context: str, continuation: str) -> tuple[list[int], int]:
-        """The whole sequence and where the continuation starts (lm-eval's split; see Scorer)."""
-        ctx_tokens = self.tokenize(context, add_bos=True)
-        whole = self.tokenize(context + continuation, add_bos=True)
-        cont = whole[len(ctx_tokens):]
-        if not cont:
-            cont = self.tokenize(continuation)
-            whole = ctx_tokens + cont
-        if len(whole) > self.n_ctx:
-            whole = whole[-self.n_ctx:]
-        return whole, len(whole) - len(cont)
-
     def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[LogLikelihood]:
         out = []
         for context, continuation in requests:
-            whole, start = self._split(context, continuation)
+            whole, start = self.split(context, continuation)
             if self.template.logprobs == "echo":
                 out.append(self._echo(whole, start))
                 continue

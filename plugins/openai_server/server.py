@@ -17,7 +17,7 @@ import httpx
 
 from autotune import processes
 from autotune.errors import BackendError, EngineUnavailableError
-from autotune.local_server import server_url, tail, wait_ready
+from autotune.local_server import read_log, server_url, tail, wait_ready
 
 __all__ = ["OpenAIServer"]
 
@@ -54,10 +54,7 @@ class OpenAIServer:
                                              "executable") from exc
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def failure(self, what: str) -> BackendError:
         """The error for ``what`` went wrong, with the server's exit status and its log's tail."""
