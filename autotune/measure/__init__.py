@@ -31,7 +31,14 @@ from autotune.measure.gpu_telemetry import (
     throttle_reason_names,
 )
 from autotune.measure.protocol import PROBE_STOP, Protocol, Stat, relative_spread, repeat_until_stable_many
-from autotune.measure.streams import CONCURRENT_UNITS, ConcurrentResult, StreamResult, event_data, run_streams_threaded
+from autotune.measure.streams import (
+    CONCURRENT_UNITS,
+    SERVING_UNITS,
+    ConcurrentResult,
+    StreamResult,
+    event_data,
+    run_streams_threaded,
+)
 
 __all__ = [
     "CONCURRENT_UNITS",
@@ -42,6 +49,7 @@ __all__ = [
     "NvmlReader",
     "PynvmlReader",
     "Protocol",
+    "SERVING_UNITS",
     "SLOWDOWN_REASONS",
     "Stat",
     "StreamResult",

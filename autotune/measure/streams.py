@@ -19,7 +19,7 @@ from typing import Any
 from autotune.errors import ConfigError, MeasurementError
 from autotune.measure.protocol import _is_int, _is_real
 
-__all__ = ["CONCURRENT_UNITS", "ConcurrentResult", "StreamResult", "event_data", "run_streams_threaded"]
+__all__ = ["CONCURRENT_UNITS", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "run_streams_threaded"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,16 @@ CONCURRENT_UNITS: Mapping[str, str] = {
     "aggregate_tok_s": "tok/s",
     "per_user_tok_s": "tok/s",
     "ttft_ms": "ms",
+}
+
+# What a serving backend measures per run: one request alone (its decode and prefill rates), then
+# the concurrent streams. The stability key a backend's settings accept is one of these.
+SERVING_UNITS: Mapping[str, str] = {
+    "decode_tok_s": "tok/s",
+    "prefill_tok_s": "tok/s",
+    "ttft_ms": "ms",
+    "aggregate_tok_s": "tok/s",
+    "per_user_tok_s": "tok/s",
 }
 
 

@@ -42,7 +42,7 @@ from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import measure_with_telemetry
+from autotune.measure import SERVING_UNITS, measure_with_telemetry
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.safetensors_dir import exl2_quantization, read_config_json
 
@@ -54,13 +54,7 @@ from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_wor
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
 
-UNITS = {
-    "decode_tok_s": "tok/s",
-    "prefill_tok_s": "tok/s",
-    "ttft_ms": "ms",
-    "aggregate_tok_s": "tok/s",
-    "per_user_tok_s": "tok/s",
-}
+UNITS = SERVING_UNITS
 MIN_PAGED_FLASH_ATTN = (2, 5, 7)  # exllamav2/attn.py: has_flash_attn_with_paged
 # exllamav2/generator/dynamic.py: max_batch_size * max_q_size must fit the model's
 # max_batch_size (1) * max_input_len (2048).

@@ -38,7 +38,7 @@ from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Se
     same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
-from autotune.measure import StreamResult, event_data, measure_with_telemetry, run_streams_threaded
+from autotune.measure import SERVING_UNITS, StreamResult, event_data, measure_with_telemetry, run_streams_threaded
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.models import ModelSpec, model_from_gguf
 
@@ -59,13 +59,7 @@ CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
 
-UNITS = {
-    "decode_tok_s": "tok/s",
-    "prefill_tok_s": "tok/s",
-    "ttft_ms": "ms",
-    "aggregate_tok_s": "tok/s",
-    "per_user_tok_s": "tok/s",
-}
+UNITS = SERVING_UNITS
 
 # ------------------------------------------------------------------------------ GGUF file
 

@@ -36,7 +36,7 @@ from autotune.cuda_devices import cuda_visible_entry
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
-from autotune.measure import measure_with_telemetry, run_streams_threaded
+from autotune.measure import SERVING_UNITS, measure_with_telemetry, run_streams_threaded
 from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.rules import violations
@@ -49,13 +49,7 @@ __all__ = ["OpenAIServerBackend"]
 
 log = logging.getLogger(__name__)
 
-UNITS = {
-    "decode_tok_s": "tok/s",
-    "prefill_tok_s": "tok/s",
-    "ttft_ms": "ms",
-    "aggregate_tok_s": "tok/s",
-    "per_user_tok_s": "tok/s",
-}
+UNITS = SERVING_UNITS
 CORE = ("ctx", "parallel")
 
 
