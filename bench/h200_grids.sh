@@ -4,6 +4,7 @@
 # stays warm (everything lives under /tmp/g):
 #   bash bench/h200_grids.sh prep            # wheels; llama.cpp CUDA build beside two synthetic
 #                                            # models; six quantizations; llama-bench tg128/pp512
+#                                            # (BENCH=0 leaves llama-bench out: ~60 s less)
 #   bash bench/h200_grids.sh grids RUN SECS  # both exhaustive grids at once, one per GPU, for
 #                                            # SECS seconds (a later call resumes them); RUN 1 puts
 #                                            # the Qwen grid on GPU 0, RUN 2 swaps the GPUs
@@ -60,6 +61,7 @@ prep)
   ls -la /tmp/g/m | tee "$OUT/models.txt"
   # Single-stream decode and prefill as llama.cpp's own benchmark measures them (the published
   # figures the twin is checked against are llama-bench tg128), one model family per GPU.
+  [ "${BENCH:-1}" = 0 ] && { rm -f /tmp/g/m/*-F16.gguf; exit 0; }
   for fam in q7b:0 l8b:1; do
     f=${fam%:*} gpu=${fam#*:}
     models=$(ls /tmp/g/m/$f-*.gguf | paste -sd,)

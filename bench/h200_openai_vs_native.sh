@@ -7,7 +7,9 @@
 #   bash bench/h200_openai_vs_native.sh prep      # wheels; llama.cpp CUDA build; the 7B GGUF
 #   bash bench/h200_openai_vs_native.sh compare   # both backends, two rounds in swapped order,
 #                                                 # then $OUT/h200_openai_vs_native.md
-# Not run yet (written in the session of issue 16, whose machine has no GPU).
+# On kind nvidia-h200-x2 the two rounds run at once, round N on GPU N-1, each round measuring
+# both backends on its own card; after `bash bench/h200_grids.sh prep` (same /tmp/g layout) the
+# prep step is not needed.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/g/db /tmp/g/m
@@ -88,8 +90,14 @@ prep)
 compare)
   # Two rounds, the order swapped, so that a drift of the card (clocks, temperature) does not
   # favour one backend.
-  study llama-server 1; study openai-server 1
-  study openai-server 2; study llama-server 2
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    (export CUDA_VISIBLE_DEVICES=0; study llama-server 1; study openai-server 1) &
+    (export CUDA_VISIBLE_DEVICES=1; study openai-server 2; study llama-server 2) &
+    wait
+  else
+    study llama-server 1; study openai-server 1
+    study openai-server 2; study llama-server 2
+  fi
   python3 - "$OUT" <<'EOF' | tee "$OUT/h200_openai_vs_native.md"
 import statistics, sys
 import optuna
