@@ -83,7 +83,7 @@ def _contender_text(c: dict[str, Any]) -> str:
     again = " ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
     text = f"trial {c['number']}: first {c['first_value']:.1f}, again {again}"
     if c["median"] is not None:
-        text += f" (median {c['median']:.1f}, spread {c['spread'] * 100:.1f}%)"
+        text += f" (mean {c['mean']:.1f}, median {c['median']:.1f}, range {c['spread'] * 100:.1f}%)"
     text += f", {_gib(c['memory_bytes'])} {'measured' if c['memory_measured'] else 'predicted'}"
     if c["per_user_tok_s"] is not None:
         text += f", per user {c['per_user_tok_s']:.1f} tok/s"
