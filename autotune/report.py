@@ -98,6 +98,8 @@ def summary_text(summary: StudySummary) -> str:
         f"study {summary.study_name} ({summary.storage}): {summary.n_trials} trials, "
         f"{summary.n_complete} complete, {summary.n_pruned} pruned, {summary.n_failed} failed"
         + (f", {summary.extra['n_cut_short']} cut short and queued again" if summary.extra.get("n_cut_short") else "")
+        + (f", {summary.extra['n_deferred']} not started (their weights would take longer to make than the budget "
+           "had left)" if summary.extra.get("n_deferred") else "")
         + (f"; this run: {summary.n_new} new, {summary.n_measured} measured" if summary.n_new else "")
         + (" [interrupted]" if summary.interrupted else ""),
     ]

@@ -186,6 +186,8 @@ class StudyRunner:
         self._deferred_signal: int | None = None
         self._note: Callable[[str], None] | None = None
         self._failed_artifacts: set[tuple[str, str]] = set()
+        self._deferred_artifacts: set[tuple[str, str]] = set()  # too long to make in what is left of the budget
+        self._deadline: float | None = None  # time.monotonic() at which this run's budget ends
 
     def _say(self, text: str) -> None:
         if self._note is not None:
@@ -195,8 +197,11 @@ class StudyRunner:
 
     def admissible(self, config: TrialConfig) -> bool:
         """Whether ``config`` could run and be accepted, as far as is known without launching it
-        (weights whose making failed in this run are not proposed again: each would fail alike)."""
-        return (config.backend, config.weights) not in self._failed_artifacts and self.judge.judge(config).admitted
+        (weights whose making failed in this run are not proposed again: each would fail alike;
+        nor weights too long to make in what is left of the budget)."""
+        weights = (config.backend, config.weights)
+        return (weights not in self._failed_artifacts and weights not in self._deferred_artifacts
+                and self.judge.judge(config).admitted)
 
     def _evaluated_keys(self) -> set[str]:
         return set(records.standing_by_key(self.study))
@@ -307,12 +312,19 @@ class StudyRunner:
         every time (a host OOM, a crash in-process) would otherwise kill every resume too.
         """
         # A trial killed before it wrote its key still holds the configuration it was queued with.
-        cut_short = Counter(r.config_key or r.trial_config.key for r in records.records(self.study, (TrialState.FAIL,))
-                            if (r.config_key or r.config) and not r.stands_for_config and not r.answered)
+        failed = records.records(self.study, (TrialState.FAIL,))
+        cut_short = Counter(r.config_key or r.trial_config.key for r in failed
+                            if (r.config_key or r.config) and not r.stands_for_config and not r.answered
+                            and not r.deferred)
+        deferred = {r.config_key for r in failed if r.deferred and r.config_key}
         skip = self._evaluated_keys() | self._waiting_keys()
         n = 0
         for config in self.prepared.space.enumerate():  # only what this study file still searches
-            if 0 < cut_short[config.key] < MAX_CUT_SHORT and config.key not in skip:
+            if config.key in skip:
+                continue
+            # A configuration deferred for the cost of its weights waits for a run with the time
+            # to make them; never tried, it never counts as cut short.
+            if (0 < cut_short[config.key] < MAX_CUT_SHORT or config.key in deferred) and self._affordable(config):
                 self._enqueue(config)
                 n += 1
         return n
@@ -352,6 +364,7 @@ class StudyRunner:
         self._note = note
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
+        self._deadline = None if budget_s is None else start + budget_s
         interrupted = False
         idle = 0
         previous = {}
@@ -613,6 +626,15 @@ class StudyRunner:
         write(trial, deploy_command=backend.deploy_command(config, ctx))
         if not verdict.admitted:
             return self._prune(trial, config, verdict)
+        deferred = self._over_budget_to_make(config)
+        if deferred is not None:
+            # Not the configuration's fault, and nothing launched: a later run with the time
+            # for it tries it (retry), and this run proposes these weights no more.
+            self._deferred_artifacts.add((config.backend, config.weights))
+            write(trial, fail_reason=deferred, retry=True, deferred=True)
+            self.study.tell(trial, state=TrialState.FAIL)
+            self._say(f"trial {trial.number}: {deferred}")
+            return _Outcome("FAIL", config.as_dict(), reason=deferred)
         try:
             self._ensure_artifacts(trial, config)
         except ArtifactError as exc:
@@ -679,6 +701,28 @@ class StudyRunner:
         self.study.tell(trial, list(s.values))
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
         return _Outcome("COMPLETE", config.as_dict(), list(s.values))
+
+    def _affordable(self, config: TrialConfig) -> bool:
+        return (config.backend, config.weights) not in self._deferred_artifacts
+
+    def _over_budget_to_make(self, config: TrialConfig) -> str | None:
+        """Why ``config`` is not started, when making its weights (``artifacts.predict_making``)
+        and then one launch (the median so far) would end after the budget; None when it fits,
+        when there is nothing to make, or before anything was measured in this run (a study
+        must measure something, and the first making teaches the rate)."""
+        if self._deadline is None or not self._launch_seconds:
+            return None
+        backend = self.prepared.backend(config.backend)
+        ctx = self.prepared.contexts[config.backend]
+        need = artifacts.predict_making(backend, config.weights, ctx)
+        if need is None or need.seconds is None:
+            return None  # nothing to make, or no way to tell what it costs: it is tried
+        left = self._deadline - time.monotonic()
+        launch = statistics.median(self._launch_seconds)
+        if need.seconds + launch <= left:
+            return None
+        return (f"not started: making {' then '.join(need.formats)} would take about {need.seconds:.0f} s "
+                f"({need.basis}) and a launch {launch:.0f} s, with {max(left, 0):.0f} s of the budget left")
 
     def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig) -> None:
         """Make (or find in the cache) the weights this trial loads, and its quality reference's.

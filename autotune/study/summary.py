@@ -267,7 +267,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     n_answered = sum(1 for r in all_records if r.answered)
     # An attempt cut short (interrupted, its worker killed) is queued again and says nothing
     # about its configuration: counted apart, not as a failure of the configuration.
-    n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry)
+    n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry and not r.deferred)
+    n_deferred = sum(1 for r in all_records if r.state == TrialState.FAIL and r.deferred)
     best = best_trial(study)
     finish = finish_verdict(study)
     if finish is not None and finish["chosen"] is not None:
@@ -277,14 +278,15 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         storage=shown_storage,
         n_trials=len(all_records),
         n_complete=states.count(TrialState.COMPLETE),
-        n_failed=states.count(TrialState.FAIL) - n_cut_short,
+        n_failed=states.count(TrialState.FAIL) - n_cut_short - n_deferred,
         n_pruned=states.count(TrialState.PRUNED) - n_answered,
         n_new=0,
         n_measured=0,
         interrupted=False,
         elapsed_s=0.0,
         best=trial_record(best) if best else None,
-        extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short},
+        extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short,
+               **({"n_deferred": n_deferred} if n_deferred else {})},
     )
     if finish is not None:
         summary.extra["finish"] = finish
