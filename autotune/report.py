@@ -80,7 +80,7 @@ def _gib(n: int | None) -> str:
 
 def _contender_text(c: dict[str, Any]) -> str:
     """One trial of the finish: its first score, each re-measured one, and what decides a tie."""
-    again = " ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
+    again = ", ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
     text = f"trial {c['number']}: first {c['first_value']:.1f}, again {again}"
     if c["median"] is not None:
         text += f" (mean {c['mean']:.1f}, median {c['median']:.1f}, range {c['spread'] * 100:.1f}%)"

@@ -157,7 +157,7 @@ def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, s
     assert (f"tie between trials {a} and {b} (lead 1.0%, within the 6.2% that run-to-run noise explains at 95% "
             f"confidence, 3 runs each): chose {b}, 2.0 GiB less memory") in text
     assert f"best (trial {b})" in text
-    assert f"trial {a}: first 100.0, again 97.0 104.0 (mean 100.3, median 100.5, range 7.0%), 6.00 GiB measured" in text
+    assert f"trial {a}: first 100.0, again 97.0, 104.0 (mean 100.3, median 100.5, range 7.0%), 6.00 GiB measured" in text
     assert summary_json(summary)["finish"]["chosen"] == b
     shown = CliRunner().invoke(cli, ["best", "--storage", storage])
     assert shown.exit_code == 0 and f"chose {b}, 2.0 GiB less memory" in shown.output
