@@ -255,3 +255,40 @@ def test_bad_finish_settings_are_named(tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
         load_study_config(study_file(tmp_path, "ab", extra))
     assert message in str(err.value)
+
+
+def test_a_close_tie_gets_more_rounds_until_it_resolves_or_reaches_the_cap(tmp_path, storage):
+    """A 3% lead, runs 4% apart: after 2 rounds the lead is over half what noise explains, so
+    rounds are added one at a time; 5 rounds resolve it, a cap of 4 leaves it a tie."""
+    speeds = {"a": [104, 100] * 4, "b": [101, 97] * 4, "c": [50] * 8}
+
+    def finish(max_rounds: int) -> tuple[dict, ScriptedBackend, list[str]]:
+        backend, heard = ScriptedBackend(speeds), []
+        with registered(backend):
+            path = study_file(tmp_path, "abc", f"finish_max_rounds = {max_rounds}")
+            runner = StudyRunner(prepare_study(load_study_config(path), storage=storage.replace(".db", f"{max_rounds}.db")))
+            runner.run(note=heard.append)
+            return stored_summary(runner.prepared.storage_url).extra["finish"], backend, heard
+
+    capped, backend, heard = finish(4)
+    assert capped["verdict"] == "tie" and capped["rounds"] == 4
+    assert len(backend.calls) == 3 + 3 * 4  # the grid, then 4 rounds of all three, interleaved
+    assert [c.weights for c in backend.calls[3:9]] == ["a", "b", "c"] * 2
+    assert any(line.startswith("finish: trials ") and "one more round (3 of at most 4)" in line for line in heard)
+    resolved, backend, _ = finish(6)
+    assert resolved["verdict"] == "winner" and resolved["rounds"] == 5 and len(backend.calls) == 3 + 3 * 5
+    assert resolved["lead"] > resolved["needed"]
+
+
+def test_a_tie_of_equals_gets_no_more_rounds(tmp_path, storage):
+    # 1% apart with 7% between runs: more runs would confirm the tie, not resolve it.
+    backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]})
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "abc")), storage=storage)
+    assert summary.extra["finish"]["rounds"] == 2 and len(backend.calls) == 3 + 6
+
+
+def test_finish_max_rounds_below_finish_rounds_is_named(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_study_config(study_file(tmp_path, "ab", "finish_rounds = 3\nfinish_max_rounds = 2"))
+    assert "[study] finish_max_rounds = 2: must be >= finish_rounds (3)" in str(err.value)

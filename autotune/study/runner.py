@@ -45,7 +45,8 @@ from autotune.study.prior import rank_by_prior
 from autotune.study.quality import QualityBook
 from autotune.study.records import TrialRecord, TrialState, write
 from autotune.study.sampling import ScreenedSampler
-from autotune.study.summary import StudySummary, best_trial, finish_candidates, summarize
+from autotune.study.summary import (StudySummary, best_trial, finish_candidates, finish_verdict, summarize,
+                                    worth_another_round)
 
 # Proposals in a row that launch nothing before the runner slips in an unexplored
 # configuration (samplers on small discrete spaces keep proposing what they know), and before
@@ -445,19 +446,49 @@ class StudyRunner:
         """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
         again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
         neighbour's load then touches each alike), and store every round for the summary's
-        verdict (``summary.finish_verdict``). Rounds already stored (a finish cut short) count
-        and are not measured again; a launch that fails is stored as a failed round and the
-        finish goes on. ``note`` hears one line per launch (it runs after the budget: the user
-        must see why the study is still busy). Returns the number of launches.
+        verdict (``summary.finish_verdict``). A tie that more runs could resolve
+        (``summary.worth_another_round``) gets one more round of all of them, up to
+        ``finish_max_rounds``. Rounds already stored (a finish cut short) count and are not
+        measured again; a launch that fails is stored as a failed round and the finish goes
+        on. ``note`` hears one line per launch (it runs after the budget: the user must see why
+        the study is still busy). Returns the number of launches.
         """
         top = finish_candidates(self.study, self.cfg.finish_top)
         if len(top) < 2 or len(self.study.directions) > 1:
             return 0  # nothing to compare; a Pareto front has no single winner to confirm
-        records.write_finish_plan(self.study, [r.number for r in top], self.cfg.finish_rounds)
-        stored = records.remeasures(self.study)
-        todo = sum(round_ not in stored.get(r.number, {}) for round_ in range(self.cfg.finish_rounds) for r in top)
+        numbers = [r.number for r in top]
+        rounds = self.cfg.finish_rounds
+        plan = records.finish_plan(self.study)
+        if plan is not None and plan[0] == numbers:
+            rounds = min(max(rounds, plan[1]), self.cfg.finish_max_rounds)  # rounds a finish added stay
+        records.write_finish_plan(self.study, numbers, rounds)
         launches = others = 0
-        for round_ in range(self.cfg.finish_rounds):
+        while True:
+            done, skipped, go_on = self._finish_rounds(top, rounds, note, launches + others)
+            launches, others = launches + done, others + skipped
+            if not go_on:
+                return launches
+            verdict = finish_verdict(self.study)
+            if rounds >= self.cfg.finish_max_rounds or not worth_another_round(verdict):
+                break
+            rounds += 1
+            records.write_finish_plan(self.study, numbers, rounds)
+            if note is not None:
+                note(f"finish: trials {', '.join(map(str, verdict['tied']))} tie with a lead of "  # type: ignore[index]
+                     f"{verdict['lead'] * 100:.1f}% against the {verdict['needed'] * 100:.1f}% noise "  # type: ignore[index]
+                     f"explains: one more round ({rounds} of at most {self.cfg.finish_max_rounds})")
+        if others and note is not None:
+            note(f"finish: {others} round(s) measured by another worker of this study")
+        return launches
+
+    def _finish_rounds(self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None,
+                       said: int) -> tuple[int, int, bool]:
+        """The finish's rounds not stored yet: (launches, rounds left to another worker, whether
+        to go on: False when the engine is unavailable, and every launch would fail)."""
+        stored = records.remeasures(self.study)
+        todo = said + sum(round_ not in stored.get(r.number, {}) for round_ in range(rounds) for r in top)
+        launches = others = 0
+        for round_ in range(rounds):
             for r in top:
                 if round_ in stored.get(r.number, {}):
                     continue
@@ -474,16 +505,15 @@ class StudyRunner:
                 ctx = self.prepared.contexts[config.backend]
                 launches += 1
                 if note is not None:
-                    note(f"finish {launches + others}/{todo}: trial {r.number} measured again (round {round_ + 1} "
-                         f"of {self.cfg.finish_rounds}, interleaved with trials "
-                         f"{', '.join(str(t.number) for t in top)})")
+                    note(f"finish {said + launches + others}/{todo}: trial {r.number} measured again (round "
+                         f"{round_ + 1} of {rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
                     s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
                                     r.quality_drop_points, r.quality)
                 except EngineUnavailableError:
                     self.claims.release(key, self._finish_token)
-                    return launches  # every launch would fail: the missing rounds wait for a later run
+                    return launches, others, False  # the missing rounds wait for a later run
                 except BaseException as exc:
                     if not isinstance(exc, Exception):  # Ctrl-C: the round is measured when the study continues
                         self.claims.release(key, self._finish_token)
@@ -496,9 +526,7 @@ class StudyRunner:
                 records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
                                         per_user_tok_s=per_user.median if per_user is not None else None,
                                         peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
-        if others and note is not None:
-            note(f"finish: {others} round(s) measured by another worker of this study")
-        return launches
+        return launches, others, True
 
     def _one_trial(self, heartbeat: storage.Heartbeat, start: float) -> TrialEvent:
         now = time.monotonic()

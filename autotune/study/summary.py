@@ -260,6 +260,15 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
     return out
 
 
+def worth_another_round(verdict: dict[str, Any] | None) -> bool:
+    """Whether a finish's tie may be a real gap measured too few times: a lead of at least half
+    what noise explains (below that, the configurations are as good as equal, and more runs
+    would most likely confirm the tie). On the H200 a 7.7% gap (11 runs each) was called a tie
+    on 3 runs each, at a lead of 4.7% against 5.9% (docs/search.md)."""
+    return (verdict is not None and verdict.get("verdict") == "tie"
+            and verdict.get("lead", 0.0) >= verdict.get("needed", math.inf) / 2)
+
+
 def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     """Counts and best trial of a study as stored (the finish's choice, where it made one)."""
     all_records = records.records(study)
