@@ -130,7 +130,9 @@ llama-seeds)
     gpu=$((gpu + 1))
   done
   wait
-  (cd /tmp/g && tar czf "$OUT/llama-seeds.tgz" db/*.db) && rm -f "$OUT"/hold-*.log
+  # Few files come back from a call: the storages and the logs, one archive each.
+  (cd /tmp/g && tar czf "$OUT/llama-seeds.tgz" db/*.db)
+  (cd "$OUT" && tar czf logs.tgz ./*.log times.txt && rm -f ./*.log)
   ;;
 workers)
   # Two workers, one storage, one GPU each: the Llama grid should take about half its one-GPU
