@@ -104,6 +104,7 @@ class StudyConfig:
     finish_top: int = 3
     finish_rounds: int = 2
     probe_margin: float | None = None  # None: every launch measured in full (see autotune.study.probe)
+    baseline: bool = True  # measure each backend's default launch once, before the search (study/baseline.py)
 
     @property
     def base_dir(self) -> Path:
@@ -238,7 +239,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     study = r.table("study")
     r.unknown_keys("study", study, {
         "name", "description", "seed", "sampler", "n_trials", "budget", "storage", "prior", "prior_trials",
-        "finish_top", "finish_rounds", "probe_margin",
+        "finish_top", "finish_rounds", "probe_margin", "baseline",
     })
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name,
@@ -261,6 +262,8 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                        check=lambda v: None if v == 0 or v >= 2 else "must be 0 (no finish) or >= 2 (a finish compares "
                                                                     "the best configurations with each other)")
     finish_rounds = r.get("study", study, "finish_rounds", int, 2, check=_at_least(1))
+    # "How much better than doing nothing": each backend's default launch, measured once per study.
+    baseline = r.get("study", study, "baseline", bool, True)
     # Multi-fidelity (autotune.study.probe): a launch whose first run is this far below the
     # leader stops there.
     probe_margin = r.get("study", study, "probe_margin", float, None,
@@ -409,4 +412,5 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         finish_top=finish_top,
         finish_rounds=finish_rounds,
         probe_margin=probe_margin,
+        baseline=baseline,
     )
