@@ -46,8 +46,10 @@ __all__ = [
     "Recipe",
     "artifact_path",
     "artifacts_dir",
+    "MakeEstimate",
     "ensure",
     "is_format",
+    "predict_making",
     "source_hash",
 ]
 
@@ -127,6 +129,11 @@ class Recipe:
         needs: Formats made first and handed to ``make`` (an HF source becomes ``gguf:F16``
             before it is quantized); each is an artifact of its own, made once.
         description: The command it runs, in words, for the progress line.
+        step: Which tool run this is (``llama-quantize``): what the seconds of earlier makings
+            are learned per, with ``tool``.
+        seconds_per_gib: A first guess of the seconds it takes per GiB it writes, from a
+            measurement the backend cites, until this machine's cache has made one of its
+            ``step``; None: no guess (the study then cannot tell the cost before making it).
     """
 
     fmt: str
@@ -136,6 +143,24 @@ class Recipe:
     make: Callable[[list[Path], Path, Callable[[str], None]], None] = field(compare=False)
     needs: tuple[str, ...] = ()
     description: str = ""
+    step: str = ""
+    seconds_per_gib: float | None = None
+
+
+@dataclass(frozen=True)
+class MakeEstimate:
+    """What making a trial's weights would cost before it starts (``predict_making``).
+
+    Attributes:
+        seconds: The predicted seconds, the recipe and every unmade need together; None where
+            a step has neither a rate learned on this machine nor a first guess.
+        formats: What would be made, needs first.
+        basis: Where each rate came from, in words.
+    """
+
+    seconds: float | None
+    formats: tuple[str, ...]
+    basis: str
 
 
 @dataclass(frozen=True)
@@ -356,7 +381,8 @@ def _ensure(backend: "BaseBackend", fmt: str, ctx: "StudyContext", say: Callable
         seconds = round(time.monotonic() - started, 2)
         digest = _sha256_tree(partial)
         manifest = {"format": recipe.fmt, "tool": recipe.tool, "source": str(ctx.source), "source_sha256": src_hash,
-                    "sha256": digest, "make_seconds": seconds, "made_by": backend.name,
+                    "sha256": digest, "make_seconds": seconds, "step": recipe.step,
+                    "bytes": _size_of(partial), "made_by": backend.name,
                     "made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "inputs": [str(p) for p in inputs]}
         # The record first, the artifact last: an artifact in place always has its record.
         _manifest_path(path).write_text(json.dumps(manifest, indent=2))
@@ -364,6 +390,75 @@ def _ensure(backend: "BaseBackend", fmt: str, ctx: "StudyContext", say: Callable
         partial.replace(path)
     say(f"artifact {recipe.fmt}: made in {seconds:.1f} s, {path}")
     return Artifact(recipe.fmt, path, digest, src_hash, recipe.tool, seconds, True)
+
+
+def _size_of(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in _files_of(path))
+
+
+def _learned_rates() -> dict[tuple[str, str], list[float]]:
+    """Seconds per GiB written, per (tool, step), of every artifact this machine's cache made."""
+    rates: dict[tuple[str, str], list[float]] = {}
+    root = artifacts_dir()
+    for manifest in root.glob("*/*/*.json"):
+        try:
+            m = json.loads(manifest.read_text())
+            step, n_bytes, seconds = str(m["step"]), int(m["bytes"]), float(m["make_seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a manifest, or one written before steps were recorded
+        if step and n_bytes > 0 and seconds >= 0:
+            rates.setdefault((str(m.get("tool")), step), []).append(seconds / (n_bytes / 2**30))
+    return rates
+
+
+def predict_making(backend: "BaseBackend", weights: str, ctx: "StudyContext") -> MakeEstimate | None:
+    """How long making ``weights`` would take now: None when there is nothing to make (a file
+    path, a cached artifact, a backend that makes none) or no recipe to ask.
+
+    Each unmade step is predicted from its expected size at the median rate this machine's
+    cache recorded for the same tool and step (conversions scale with the bytes they write),
+    else at the recipe's own first guess; ``seconds`` is None where neither exists.
+    """
+    if backend.is_model or not backend.makes_artifacts or not is_format(weights):
+        return None
+    try:
+        plan = _unmade(backend, weights, ctx, depth=0)
+    except AutotuneError:
+        return None  # the making itself will fail and say why
+    if not plan:
+        return None
+    learned = _learned_rates()
+    total: float | None = 0.0
+    bases = []
+    for recipe in plan:
+        seen = learned.get((recipe.tool, recipe.step))
+        if seen:
+            rate = sorted(seen)[len(seen) // 2]
+            bases.append(f"{recipe.fmt} at {rate:.0f} s/GiB ({len(seen)} {recipe.step} run(s) on this machine)")
+        elif recipe.seconds_per_gib is not None:
+            rate = recipe.seconds_per_gib
+            bases.append(f"{recipe.fmt} at {rate:.0f} s/GiB (the backend's first guess)")
+        else:
+            total = None
+            bases.append(f"{recipe.fmt}: no rate known")
+            continue
+        if total is not None:
+            total += rate * recipe.expected_bytes / 2**30
+    return MakeEstimate(total, tuple(r.fmt for r in plan), "; ".join(bases))
+
+
+def _unmade(backend: "BaseBackend", fmt: str, ctx: "StudyContext", depth: int) -> list[Recipe]:
+    """The recipes that would run to make ``fmt``, needs first (none when it is cached)."""
+    if depth > 4:
+        return []
+    recipe = _recipe(backend, fmt, ctx)
+    assert ctx.source is not None
+    if _read(artifact_path(ctx.source, recipe), recipe) is not None:
+        return []
+    plan: list[Recipe] = []
+    for need in recipe.needs:
+        plan += [r for r in _unmade(backend, need, ctx, depth + 1) if r not in plan]
+    return plan + [recipe]
 
 
 def _read(path: Path, recipe: Recipe) -> Artifact | None:

@@ -88,13 +88,16 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         summary.extra["why"] = explain_best(prepared, runner.study, summary.best)
         runner.study.set_user_attr("why_best", summary.extra["why"])
         summary.extra["calibration"] = stored_calibrations(runner.study)
-        from autotune.dashboard import annotate_study
-
-        annotate_study(runner.study, summary_text(summary))
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
             click.echo(summary_text(summary))
+        from autotune.dashboard import annotate_study
+
+        try:  # the study's dashboard note is a copy of what was just printed: losing it loses nothing
+            annotate_study(runner.study, summary_text(summary))
+        except Exception as exc:  # noqa: BLE001
+            click.echo(f"warning: no dashboard note for the study ({type(exc).__name__}: {exc})", err=True)
         if report_path is not None:
             from autotune.report import write_study_report
 

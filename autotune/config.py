@@ -103,6 +103,7 @@ class StudyConfig:
     quality_options: Mapping[str, Any] = field(default_factory=dict)
     finish_top: int = 3
     finish_rounds: int = 2
+    finish_max_rounds: int = 4
     probe_margin: float | None = None  # None: every launch measured in full (see autotune.study.probe)
     baseline: bool = True  # measure each backend's default launch once, before the search (study/baseline.py)
 
@@ -239,7 +240,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     study = r.table("study")
     r.unknown_keys("study", study, {
         "name", "description", "seed", "sampler", "n_trials", "budget", "storage", "prior", "prior_trials",
-        "finish_top", "finish_rounds", "probe_margin", "baseline",
+        "finish_top", "finish_rounds", "finish_max_rounds", "probe_margin", "baseline",
     })
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name,
@@ -262,6 +263,11 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                        check=lambda v: None if v == 0 or v >= 2 else "must be 0 (no finish) or >= 2 (a finish compares "
                                                                     "the best configurations with each other)")
     finish_rounds = r.get("study", study, "finish_rounds", int, 2, check=_at_least(1))
+    # A tie whose lead is at least half what noise explains may be a real gap measured too few
+    # times: rounds are added, one at a time, up to this many.
+    finish_max_rounds = r.get("study", study, "finish_max_rounds", int, max(4, finish_rounds),
+                              check=lambda v: None if v >= finish_rounds else
+                              f"must be >= finish_rounds ({finish_rounds})")
     # "How much better than doing nothing": each backend's default launch, measured once per study.
     baseline = r.get("study", study, "baseline", bool, True)
     # Multi-fidelity (autotune.study.probe): a launch whose first run is this far below the
@@ -411,6 +417,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         quality_options=quality_options,
         finish_top=finish_top,
         finish_rounds=finish_rounds,
+        finish_max_rounds=finish_max_rounds,
         probe_margin=probe_margin,
         baseline=baseline,
     )

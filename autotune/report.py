@@ -80,10 +80,10 @@ def _gib(n: int | None) -> str:
 
 def _contender_text(c: dict[str, Any]) -> str:
     """One trial of the finish: its first score, each re-measured one, and what decides a tie."""
-    again = " ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
+    again = ", ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
     text = f"trial {c['number']}: first {c['first_value']:.1f}, again {again}"
     if c["median"] is not None:
-        text += f" (median {c['median']:.1f}, spread {c['spread'] * 100:.1f}%)"
+        text += f" (mean {c['mean']:.1f}, median {c['median']:.1f}, range {c['spread'] * 100:.1f}%)"
     text += f", {_gib(c['memory_bytes'])} {'measured' if c['memory_measured'] else 'predicted'}"
     if c["per_user_tok_s"] is not None:
         text += f", per user {c['per_user_tok_s']:.1f} tok/s"
@@ -98,6 +98,8 @@ def summary_text(summary: StudySummary) -> str:
         f"study {summary.study_name} ({summary.storage}): {summary.n_trials} trials, "
         f"{summary.n_complete} complete, {summary.n_pruned} pruned, {summary.n_failed} failed"
         + (f", {summary.extra['n_cut_short']} cut short and queued again" if summary.extra.get("n_cut_short") else "")
+        + (f", {summary.extra['n_deferred']} not started (their weights would take longer to make than the budget "
+           "had left)" if summary.extra.get("n_deferred") else "")
         + (f"; this run: {summary.n_new} new, {summary.n_measured} measured" if summary.n_new else "")
         + (" [interrupted]" if summary.interrupted else ""),
     ]

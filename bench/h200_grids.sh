@@ -11,6 +11,11 @@
 #   bash bench/h200_grids.sh seeds SEED...   # issue 14: the default strategy for real (prior on,
 #                                            # then TPE) on each grid, one per GPU, with --budget a
 #                                            # quarter of the grid's recorded measuring time
+#   bash bench/h200_grids.sh llama-seeds S0 S1  # in one call from a bare machine: the Llama
+#                                            # model and build only, then seeds S0 (GPU 0) and S1
+#                                            # (GPU 1) at once, interrupted cleanly (SIGINT)
+#                                            # before LIMIT seconds (default 570) so the storages
+#                                            # come back whatever happens
 #   bash bench/h200_grids.sh workers         # issue 14: the Qwen grid by two workers on one
 #                                            # storage, one per GPU (CUDA_VISIBLE_DEVICES=N)
 # Each grid runs under a physical memory budget: bench/hold_gpu_memory.py takes the rest of its
@@ -95,6 +100,39 @@ seeds)
     done
     wait
   done
+  ;;
+llama-seeds)
+  limit=${LIMIT:-570}
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
+  mkdir -p /tmp/g/src /tmp/g/m && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
+  gunzip -c .carry/ggml-vocab-llama-bpe.gguf.gz >/tmp/g/ggml-vocab-llama-bpe.gguf
+  t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+      && ninja -C /tmp/g/b llama-server llama-quantize' &
+  t synth_l8b "${AT[@]}" synth --arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
+      --ctx 131072 --vocab-from /tmp/g/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
+  wait
+  for q in Q8_0 Q5_K_M Q4_K_M; do t "quant_l8b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/l8b-F16.gguf /tmp/g/m/l8b-$q.gguf $q 16 & done
+  wait
+  echo "prepared at $SECONDS s"
+  gpu=0
+  for seed in "$@"; do
+    name=h200_grid_llama8b-seed$seed
+    sed -e "s/^sampler = \"grid\"/sampler = \"tpe\"\nprior = true/" -e "s/^seed = 0/seed = $seed/" \
+        bench/h200_grid_llama8b.toml >"/tmp/g/$name.toml"
+    (export CUDA_VISIBLE_DEVICES=$gpu
+     setsid python3 bench/hold_gpu_memory.py --leave-gib 16 >"$OUT/hold-$name.log" 2>&1 &
+     holder=$!; sleep 20
+     t "study-$name" timeout -s INT $((limit - SECONDS)) "${AT[@]}" study "/tmp/g/$name.toml" \
+         --storage "sqlite:////tmp/g/db/$name.db" --budget 111s --json
+     kill "$holder") &
+    gpu=$((gpu + 1))
+  done
+  wait
+  # Few files come back from a call: the storages and the logs, one archive each.
+  (cd /tmp/g && tar czf "$OUT/llama-seeds.tgz" db/*.db)
+  (cd "$OUT" && tar czf logs.tgz ./*.log times.txt && rm -f ./*.log)
   ;;
 workers)
   # Two workers, one storage, one GPU each: the Llama grid should take about half its one-GPU

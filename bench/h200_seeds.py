@@ -9,6 +9,13 @@ its two grid runs, scored by the study's own objective), the ratio to the grid's
 the study spent launching (the sum of its trials' seconds) against one grid run's launching
 seconds. For the two-worker study: how many configurations each worker measured, how many were
 measured twice, and whether it covered the grid.
+
+The grid's truth is two runs recorded on another day; the seed studies measured the top
+configurations again, many times (their first runs and their finish's rounds). So each pick is
+also valued by every measurement of its configuration pooled (the grid's runs, every seed
+study's first runs and finish rounds): its pooled mean against the best pooled mean, and
+whether the two differ by more than their runs' noise explains (the finish's own test,
+``needed_lead``, at 95%): a pick inside it is a tie with the best, not a loss.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from replay_backend import RecordedGrid, trial_seconds  # noqa: E402
 
 from autotune.report import load_study  # noqa: E402
 from autotune.study import records  # noqa: E402
-from autotune.study.summary import summarize  # noqa: E402
+from autotune.study.summary import _Contender, needed_lead, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GRIDS = {"qwen7b": "h200_grid_qwen7b", "llama8b": "h200_grid_llama8b"}
@@ -51,6 +58,53 @@ def launch_seconds(study) -> tuple[float, int]:
     return sum(trial_seconds(study.trials[r.number]) for r in launched), len(launched)
 
 
+def pooled_runs(grid: RecordedGrid, studies: list) -> dict[str, list[float]]:
+    """Every measurement of each configuration: the grid's runs, then each study's trials (their
+    first runs) and its finish's rounds; configurations the grid finds infeasible left out."""
+    metric = grid.header["objective"]["metric"]
+    runs: dict[str, list[float]] = {}
+    for key in grid.configs:
+        truth = truth_of(grid, key)
+        if truth is not None and truth.feasible:
+            runs[key] = [t.record.median(metric) for t in grid.measured(key)]  # type: ignore[misc]
+    for study in studies:
+        by_number = {}
+        for r in records.measured(study):
+            if r.config_key in runs and r.values:
+                runs[r.config_key].append(r.values[0])
+                by_number[r.number] = r.config_key
+        for number, rounds in records.remeasures(study).items():
+            for m in rounds.values():
+                if number in by_number and not m.failed and m.feasible and m.value is not None:
+                    runs[by_number[number]].append(m.value)
+    return runs
+
+
+class _Pooled(_Contender):
+    """A configuration's pooled runs, in the shape the finish's test reads."""
+
+    def __init__(self, values: list[float]):
+        self._values = values
+
+    @property
+    def runs(self) -> list[float]:
+        return self._values
+
+
+def pooled_value(runs: dict[str, list[float]], key: str | None) -> dict | None:
+    """The pick's pooled mean against the best pooled mean, and whether noise explains the gap."""
+    if key is None or key not in runs:
+        return None
+    means = {k: sum(v) / len(v) for k, v in runs.items() if len(v) >= 2}
+    best = max(means, key=means.__getitem__)
+    pick, top = _Pooled(runs[key]), _Pooled(runs[best])
+    gap = top.mean / pick.mean - 1
+    needed = needed_lead(top, pick) if key != best else 0.0
+    return {"ratio": pick.mean / top.mean, "n_runs": len(runs[key]), "best_n_runs": len(runs[best]),
+            "best_is_pick": key == best, "gap": gap, "needed": needed, "tie_with_best": gap <= needed,
+            "best": json.loads(best)}
+
+
 def value_seed(grid: RecordedGrid, path: Path, best_value: float) -> dict:
     study = load_study(url(path))
     summary = summarize(study, str(path))
@@ -62,7 +116,16 @@ def value_seed(grid: RecordedGrid, path: Path, best_value: float) -> dict:
     return {"storage": str(path.relative_to(RESULTS.parent.parent)), "pick": pick["params"] if pick else None,
             "ratio": truth.value / best_value if truth is not None and truth.feasible else 0.0,
             "launch_seconds": round(spent, 1), "launches": n,
-            "cost_fraction": spent / grid.measuring_seconds(), "finish": finish.get("text")}
+            "cost_fraction": spent / grid.measuring_seconds(), "finish": finish.get("text"),
+            "pick_key": picked.config_key if picked is not None else None,
+            "grid_best_launched": any(r.config_key == _best_key(grid) and r.launched for r in records.records(study)),
+            "grid_best_in_finish": any(by.config_key == _best_key(grid) for by in records.measured(study)
+                                       if by.number in (finish.get("trials") or [])),
+            "tied": finish.get("tied")}
+
+
+def _best_key(grid: RecordedGrid) -> str:
+    return grid_best(grid)[0]
 
 
 def workers(grid: RecordedGrid, path: Path) -> dict:
@@ -89,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         best_key, best_value = grid_best(grid)
         seeds = sorted((RESULTS / "h200_seeds").glob(f"{GRIDS[short]}-seed*.db"))
         rows = [value_seed(grid, p, best_value) for p in seeds]
+        runs = pooled_runs(grid, [load_study(url(p)) for p in seeds])
+        for r in rows:
+            r["pooled"] = pooled_value(runs, r.pop("pick_key"))
         out["grids"][short] = {"grid_best": grid.configs[best_key].as_dict(), "grid_best_value": best_value,
                                "grid_launch_seconds": grid.measuring_seconds(), "seeds": rows,
                                "within_3pct": sum(r["ratio"] >= 1 - WITHIN for r in rows)}
@@ -105,8 +171,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {Path(r['storage']).stem}: pick/best {r['ratio']:.3f}, {r['launches']} launches, "
                   f"{r['launch_seconds']:.0f} s = {r['cost_fraction']:.2f} of the grid; {r['pick']}")
             print(f"      finish: {r['finish']}")
+            print(f"      grid's best launched: {r['grid_best_launched']}, in the finish: {r['grid_best_in_finish']}")
+            pl = r["pooled"]
+            if pl is not None:
+                print(f"      pooled ({pl['n_runs']} runs of the pick, {pl['best_n_runs']} of the pooled best): "
+                      f"pick/best {pl['ratio']:.3f}, " + ("the pooled best itself" if pl["best_is_pick"] else
+                      f"gap {pl['gap'] * 100:.1f}% {'within' if pl['tie_with_best'] else 'beyond'} the "
+                      f"{pl['needed'] * 100:.1f}% noise explains: {'a tie with' if pl['tie_with_best'] else 'slower than'} "
+                      f"{pl['best']['weights'].rsplit('/', 1)[-1]} p{pl['best']['parallel']} {pl['best']['cache_type']}"))
         if g["seeds"]:
-            print(f"  within 3% of the grid's best: {g['within_3pct']} of {len(g['seeds'])}")
+            print(f"  within 3% of the grid's best: {g['within_3pct']} of {len(g['seeds'])}; pooled: the best or "
+                  f"a tie with it in {sum(1 for r in g['seeds'] if r['pooled'] and r['pooled']['tie_with_best'])} "
+                  f"of {len(g['seeds'])}")
         else:
             print("  no seed study recorded")
         if "two_workers" in g:

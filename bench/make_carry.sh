@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes .carry/ (gitignored), what the H200 sessions carry to a device with no network:
-#   whl/       optuna, sqlalchemy, alembic, mako, colorlog, gguf, greenlet (cp312) + the autotune wheel
+#   whl/       optuna, optuna-dashboard, bottle, sqlalchemy, alembic, mako, colorlog, gguf, greenlet (cp312)
+#              + the autotune wheel (the study writes its dashboard notes through optuna-dashboard)
 #   whl-exl2/  exllamav2 0.3.2, fastparquet, cramjam, websockets (cp312)
 #   whl-scipy/ scipy (cp312; the twin's calibration needs it, and images without it exist)
 #   whl-convert/  only with CONVERT=1 (bench/h200_artifacts.sh): transformers 4.57.6 (llama.cpp's
@@ -19,7 +20,7 @@ SRC=${SRC:-$HOME/.cache/autotune/engines/llama.cpp-0.3.36-cpu/src}
 mkdir -p .carry/whl .carry/whl-exl2 .carry/whl-scipy
 P=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
    --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 --no-deps)
-python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 sqlalchemy==2.1.9 alembic mako colorlog gguf greenlet
+python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 optuna-dashboard==0.21.0 bottle sqlalchemy==2.1.9 alembic mako colorlog gguf greenlet
 python3 -m pip download -q "${P[@]}" -d .carry/whl-exl2 exllamav2==0.3.2 fastparquet cramjam websockets
 python3 -m pip download -q "${P[@]}" -d .carry/whl-scipy 'scipy>=1.11,<2'
 if [ "${CONVERT:-0}" = 1 ]; then

@@ -202,3 +202,101 @@ def test_a_format_without_a_source_is_an_error_naming_the_field(tmp_path):
         doc["model"]["source"] = str(tmp_path / "missing")
         with pytest.raises(AutotuneError, match=r"\[model\] source = .*missing.*: no such file or directory"):
             prepare_study(parse_study_config(doc, source="s.toml", path=tmp_path / "s.toml"))
+
+
+def _set_record(path: Path, seconds: float, n_bytes: int) -> None:
+    """What a making on this machine recorded (the seconds are the test's, not a clock's)."""
+    manifest = path.with_name(path.name + ".json")
+    record = json.loads(manifest.read_text())
+    assert record["step"] == "maker" and record["bytes"] == path.stat().st_size  # written by ensure()
+    manifest.write_text(json.dumps({**record, "make_seconds": seconds, "bytes": n_bytes}))
+
+
+class GuessingBackend(MakingBackend):
+    """MakingBackend whose recipes guess a rate: ``seconds_per_gib`` per GiB of 1000 bytes."""
+
+    name = "guesser"
+
+    def __init__(self, seconds_per_gib: float | None) -> None:
+        super().__init__()
+        self.guess = seconds_per_gib
+
+    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext) -> Recipe | None:
+        from dataclasses import replace
+
+        recipe = super().artifact_recipe(fmt, source, ctx)
+        return None if recipe is None else replace(recipe, step="maker", seconds_per_gib=self.guess)
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        if not is_format(config.weights):
+            return Measurement(metrics=stats_for(10.0 + config.parallel, config.parallel))
+        return super().run(config, ctx)
+
+
+def test_making_is_predicted_from_a_first_guess_then_from_this_machines_records(source):
+    backend, ctx = GuessingBackend(seconds_per_gib=2**30), context(source)  # 1 s per byte: 1000 s each
+    first = artifacts.predict_making(backend, "gguf:Q4_0", ctx)
+    assert first.formats == ("gguf:F16", "gguf:Q4_0") and first.seconds == pytest.approx(2000)
+    assert "first guess" in first.basis
+    assert artifacts.predict_making(GuessingBackend(None), "gguf:Q8_0", ctx).seconds is None  # no way to tell
+    f16 = ensure(backend, "gguf:F16", ctx)
+    _set_record(f16.path, seconds=3.0, n_bytes=2**30)  # 3 s per GiB measured here
+    second = artifacts.predict_making(backend, "gguf:Q4_0", ctx)
+    assert second.formats == ("gguf:Q4_0",) and second.seconds == pytest.approx(3.0 * 1000 / 2**30)
+    assert "1 maker run(s) on this machine" in second.basis
+    assert artifacts.predict_making(backend, "gguf:F16", ctx) is None  # made: nothing to pay
+    assert artifacts.predict_making(backend, str(source / "model.safetensors"), ctx) is None  # a file
+
+
+def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source, tmp_path):
+    """A budget is a promise: after a launch, a configuration whose weights would take longer to
+    make than the budget has left is not started; it is not a failure of the configuration, and
+    a later run with the time for it makes and measures it."""
+    import random
+
+    from autotune.report import summary_text
+    from autotune.study.prepare import prepare_study
+    from autotune.study.runner import StudyRunner
+    from tests.conftest import plugin_registered
+
+    backend = GuessingBackend(seconds_per_gib=2**30 * 10)  # 10 s per byte: 20,000 s for F16 then Q4_0
+    (tmp_path / "ready.gguf").write_text("a file already made")
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(backend)
+
+    doc = {"study": {"name": "deferred", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
+           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
+           "candidates": [{"backend": "guesser", "weights": [str(tmp_path / "ready.gguf"), "gguf:Q4_0"]}],
+           "space": {"ctx": [256], "parallel": [1, 2]}}
+    with plugin_registered(Plugin, "guesser-plugin"):
+        cfg = parse_study_config(doc, source="d.toml", path=tmp_path / "d.toml")
+        prepared = prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'd.db'}")
+        # A seed whose grid order launches the ready file first (the gate needs a launch to go by).
+        def first_of(seed: int) -> TrialConfig:
+            configs = list(prepared.space.enumerate())
+            random.Random(seed).shuffle(configs)  # as enqueue_grid orders them
+            return configs[0]
+
+        seed = next(s for s in range(100) if not is_format(first_of(s).weights))
+        runner = StudyRunner(prepared, seed=seed)
+        summary = runner.run(budget_s=600)
+        assert backend.made == []  # nothing made: 20,000 s predicted against 600
+        states = [t.state for t in runner.study.get_trials()]
+        assert states.count(optuna.trial.TrialState.COMPLETE) == 2
+        deferred = [t for t in runner.study.get_trials() if t.user_attrs.get("deferred")]
+        assert len(deferred) == 2 and all(t.state == optuna.trial.TrialState.FAIL for t in deferred)
+        assert "not started: making gguf:F16 then gguf:Q4_0 would take about 20000 s" in deferred[0].user_attrs["fail_reason"]
+        assert summary.n_failed == 0 and "2 not started (their weights would take longer to make" in summary_text(summary)
+
+        later = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'd.db'}"))
+        later.run(n_trials=5)  # no budget: the deferred configurations are made and measured
+    assert sorted(backend.made) == ["gguf:F16", "gguf:Q4_0"]
+    complete = [t for t in later.study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+    assert {t.user_attrs["config"]["weights"] for t in complete} == {str(tmp_path / "ready.gguf"), "gguf:Q4_0"}
+    assert len(complete) == 4

@@ -311,3 +311,20 @@ def test_plugins_json_lists_the_twin(twin_plugin):
     assert set(backends) == {"twin-exllamav2", "twin-llama.cpp", "twin-vllm"}
     assert backends["twin-exllamav2"]["plugin"] == "twin"
     assert [m["name"] for m in found["metrics"]] == ["twin-mmlu"]
+
+
+def test_study_prints_its_summary_when_the_dashboard_note_cannot_be_written(tmp_path, monkeypatch, twin_plugin):
+    """optuna-dashboard missing (a machine given only the study's wheels): the study's note is a
+    copy of the printed summary, so the study still ends with its summary and exit 0."""
+    import autotune.dashboard
+
+    def no_dashboard(study, text):
+        raise ModuleNotFoundError("No module named 'optuna_dashboard'")
+
+    monkeypatch.setattr(autotune.dashboard, "annotate_study", no_dashboard)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["study", "--trials", "2", "--quiet", "--json",
+                                      "--storage", f"sqlite:///{tmp_path / 's.db'}"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["n_trials"] >= 2
+    assert "no dashboard note for the study (ModuleNotFoundError" in result.stderr

@@ -1,5 +1,5 @@
 """The noise-aware finish: the best configurations measured again, interleaved, before a winner
-is named; a tie where the lead is inside the spread between runs, resolved by memory."""
+is named; a tie where the lead is inside what run-to-run noise explains, resolved by memory."""
 
 from __future__ import annotations
 
@@ -83,8 +83,12 @@ def test_top_three_measured_again_interleaved_and_a_clear_winner(tmp_path, stora
     assert summary.n_measured == 4  # the finish's launches are not trials
     finish = summary.extra["finish"]
     assert finish["verdict"] == "winner" and finish["chosen"] == summary.best["number"] == trial_of(storage, "a")
-    assert finish["lead"] == pytest.approx(20 / 100) and finish["spread"] == pytest.approx(2 / 100)  # b ranges 99..101
-    assert finish["text"].startswith(f"winner: trial {finish['chosen']} (lead 20.0% > spread 2.0% over trial ")
+    # Means 120 and 100, each run 1 from its mean: pooled sd 1, t(0.975, 4 df) = 2.776, so noise
+    # explains a lead up to 2.776 * 1 * sqrt(2/3) / 100 = 2.27%.
+    assert finish["lead"] == pytest.approx(20 / 100) and finish["needed"] == pytest.approx(0.02267, abs=1e-4)
+    assert finish["spread"] == pytest.approx(2 / 100)  # b ranges 99..101: shown, not the test
+    assert finish["text"].startswith(f"winner: trial {finish['chosen']} (lead 20.0% over trial {trial_of(storage, 'b')}, "
+                                     "beyond the 2.3% that run-to-run noise explains at 95% confidence, 3 runs each")
     study = optuna.load_study(study_name="fake-study", storage=open_storage(storage))
     stored = records.remeasures(study)
     assert [stored[trial_of(storage, "a")][i].value for i in (0, 1)] == [119, 121]
@@ -137,7 +141,8 @@ def test_rounds_claimed_by_a_worker_killed_on_this_machine_are_taken_over(tmp_pa
 
 
 def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, storage):
-    # a leads b by 1% on the medians, but a's own runs range over 7%: a tie; b needs 2 GiB less.
+    # a leads b by 1% on the means (100.3 vs 99.3), but a's runs vary by 3.5 (sd): noise explains
+    # a lead up to 6.2%, a tie; b needs 2 GiB less.
     backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]},
                               peaks_gib={"a": 6.0, "b": 4.0, "c": 3.0})
     with registered(backend):
@@ -146,12 +151,13 @@ def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, s
     summary = stored_summary(storage)  # what `autotune best` reads
     finish = summary.extra["finish"]
     assert finish["verdict"] == "tie" and finish["tied"] == [a, b]
-    assert finish["lead"] < finish["spread"]
+    assert finish["lead"] == pytest.approx(1 / 99.333, rel=1e-3) and finish["needed"] == pytest.approx(0.0618, abs=1e-3)
     assert summary.best["number"] == b and summary.best["params"]["weights"] == "b"
     text = summary_text(summary)
-    assert f"tie between trials {a} and {b} (lead 1.0% < spread 7.0%): chose {b}, 2.0 GiB less memory" in text
+    assert (f"tie between trials {a} and {b} (lead 1.0%, within the 6.2% that run-to-run noise explains at 95% "
+            f"confidence, 3 runs each): chose {b}, 2.0 GiB less memory") in text
     assert f"best (trial {b})" in text
-    assert f"trial {a}: first 100.0, again 97.0 104.0 (median 100.5, spread 7.0%), 6.00 GiB measured" in text
+    assert f"trial {a}: first 100.0, again 97.0, 104.0 (mean 100.3, median 100.5, range 7.0%), 6.00 GiB measured" in text
     assert summary_json(summary)["finish"]["chosen"] == b
     shown = CliRunner().invoke(cli, ["best", "--storage", storage])
     assert shown.exit_code == 0 and f"chose {b}, 2.0 GiB less memory" in shown.output
@@ -221,8 +227,24 @@ def test_deterministic_runs_agree_and_the_lead_decides(tmp_path, storage):
         summary = runner.run()
         assert runner.finish() == 0  # everything is stored already
     assert summary.extra["finish"]["verdict"] == "winner" and summary.best["params"]["weights"] == "a"
-    assert summary.extra["finish"]["spread"] == 0.0
+    assert summary.extra["finish"]["spread"] == 0.0 and summary.extra["finish"]["needed"] == 0.0
 
+
+def test_more_runs_of_the_same_noise_resolve_a_lead_instead_of_hiding_it(tmp_path, storage):
+    """A 3% lead with runs 4% apart: a lead under the range of the runs stays under it however
+    many runs there are (a range only widens); the noise of a mean shrinks with more runs, so
+    measuring more calls the winner."""
+    speeds = {"a": [104, 100] * 4, "b": [101, 97] * 4, "c": [50] * 8}
+
+    def verdict(rounds: int) -> dict:
+        with registered(ScriptedBackend(speeds)):
+            path = study_file(tmp_path, "abc", f"finish_rounds = {rounds}")
+            return run_study(load_study_config(path), storage=storage.replace(".db", f"{rounds}.db")).extra["finish"]
+
+    few, many = verdict(1), verdict(6)
+    assert few["verdict"] == "tie" and many["verdict"] == "winner"
+    assert many["lead"] == pytest.approx(0.0303, abs=1e-3) and many["lead"] < many["spread"]
+    assert many["needed"] < few["needed"]
 
 @pytest.mark.parametrize("extra, message", [
     ("finish_top = 1", "[study] finish_top = 1: must be 0 (no finish) or >= 2"),
@@ -233,3 +255,40 @@ def test_bad_finish_settings_are_named(tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
         load_study_config(study_file(tmp_path, "ab", extra))
     assert message in str(err.value)
+
+
+def test_a_close_tie_gets_more_rounds_until_it_resolves_or_reaches_the_cap(tmp_path, storage):
+    """A 3% lead, runs 4% apart: after 2 rounds the lead is over half what noise explains, so
+    rounds are added one at a time; 5 rounds resolve it, a cap of 4 leaves it a tie."""
+    speeds = {"a": [104, 100] * 4, "b": [101, 97] * 4, "c": [50] * 8}
+
+    def finish(max_rounds: int) -> tuple[dict, ScriptedBackend, list[str]]:
+        backend, heard = ScriptedBackend(speeds), []
+        with registered(backend):
+            path = study_file(tmp_path, "abc", f"finish_max_rounds = {max_rounds}")
+            runner = StudyRunner(prepare_study(load_study_config(path), storage=storage.replace(".db", f"{max_rounds}.db")))
+            runner.run(note=heard.append)
+            return stored_summary(runner.prepared.storage_url).extra["finish"], backend, heard
+
+    capped, backend, heard = finish(4)
+    assert capped["verdict"] == "tie" and capped["rounds"] == 4
+    assert len(backend.calls) == 3 + 3 * 4  # the grid, then 4 rounds of all three, interleaved
+    assert [c.weights for c in backend.calls[3:9]] == ["a", "b", "c"] * 2
+    assert any(line.startswith("finish: trials ") and "one more round (3 of at most 4)" in line for line in heard)
+    resolved, backend, _ = finish(6)
+    assert resolved["verdict"] == "winner" and resolved["rounds"] == 5 and len(backend.calls) == 3 + 3 * 5
+    assert resolved["lead"] > resolved["needed"]
+
+
+def test_a_tie_of_equals_gets_no_more_rounds(tmp_path, storage):
+    # 1% apart with 7% between runs: more runs would confirm the tie, not resolve it.
+    backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]})
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "abc")), storage=storage)
+    assert summary.extra["finish"]["rounds"] == 2 and len(backend.calls) == 3 + 6
+
+
+def test_finish_max_rounds_below_finish_rounds_is_named(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_study_config(study_file(tmp_path, "ab", "finish_rounds = 3\nfinish_max_rounds = 2"))
+    assert "[study] finish_max_rounds = 2: must be >= finish_rounds (3)" in str(err.value)

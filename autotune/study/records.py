@@ -54,6 +54,7 @@ class TrialRecord:
     explore: bool = False
     probe: bool = False                # multi-fidelity stopped it after its first run (study.probe)
     retry: bool = False                # interrupted or its worker died: measure the configuration again
+    deferred: bool = False             # not started: making its weights would overrun the budget (retry too)
     prune_reason: str | None = None
     fail_reason: str | None = None
     log_tail: str | None = None

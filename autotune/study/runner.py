@@ -45,7 +45,8 @@ from autotune.study.prior import rank_by_prior
 from autotune.study.quality import QualityBook
 from autotune.study.records import TrialRecord, TrialState, write
 from autotune.study.sampling import ScreenedSampler
-from autotune.study.summary import StudySummary, best_trial, finish_candidates, summarize
+from autotune.study.summary import (StudySummary, best_trial, finish_candidates, finish_verdict, summarize,
+                                    worth_another_round)
 
 # Proposals in a row that launch nothing before the runner slips in an unexplored
 # configuration (samplers on small discrete spaces keep proposing what they know), and before
@@ -186,6 +187,8 @@ class StudyRunner:
         self._deferred_signal: int | None = None
         self._note: Callable[[str], None] | None = None
         self._failed_artifacts: set[tuple[str, str]] = set()
+        self._deferred_artifacts: set[tuple[str, str]] = set()  # too long to make in what is left of the budget
+        self._deadline: float | None = None  # time.monotonic() at which this run's budget ends
 
     def _say(self, text: str) -> None:
         if self._note is not None:
@@ -195,8 +198,11 @@ class StudyRunner:
 
     def admissible(self, config: TrialConfig) -> bool:
         """Whether ``config`` could run and be accepted, as far as is known without launching it
-        (weights whose making failed in this run are not proposed again: each would fail alike)."""
-        return (config.backend, config.weights) not in self._failed_artifacts and self.judge.judge(config).admitted
+        (weights whose making failed in this run are not proposed again: each would fail alike;
+        nor weights too long to make in what is left of the budget)."""
+        weights = (config.backend, config.weights)
+        return (weights not in self._failed_artifacts and weights not in self._deferred_artifacts
+                and self.judge.judge(config).admitted)
 
     def _evaluated_keys(self) -> set[str]:
         return set(records.standing_by_key(self.study))
@@ -307,12 +313,19 @@ class StudyRunner:
         every time (a host OOM, a crash in-process) would otherwise kill every resume too.
         """
         # A trial killed before it wrote its key still holds the configuration it was queued with.
-        cut_short = Counter(r.config_key or r.trial_config.key for r in records.records(self.study, (TrialState.FAIL,))
-                            if (r.config_key or r.config) and not r.stands_for_config and not r.answered)
+        failed = records.records(self.study, (TrialState.FAIL,))
+        cut_short = Counter(r.config_key or r.trial_config.key for r in failed
+                            if (r.config_key or r.config) and not r.stands_for_config and not r.answered
+                            and not r.deferred)
+        deferred = {r.config_key for r in failed if r.deferred and r.config_key}
         skip = self._evaluated_keys() | self._waiting_keys()
         n = 0
         for config in self.prepared.space.enumerate():  # only what this study file still searches
-            if 0 < cut_short[config.key] < MAX_CUT_SHORT and config.key not in skip:
+            if config.key in skip:
+                continue
+            # A configuration deferred for the cost of its weights waits for a run with the time
+            # to make them; never tried, it never counts as cut short.
+            if (0 < cut_short[config.key] < MAX_CUT_SHORT or config.key in deferred) and self._affordable(config):
                 self._enqueue(config)
                 n += 1
         return n
@@ -352,6 +365,7 @@ class StudyRunner:
         self._note = note
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
+        self._deadline = None if budget_s is None else start + budget_s
         interrupted = False
         idle = 0
         previous = {}
@@ -460,19 +474,49 @@ class StudyRunner:
         """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
         again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
         neighbour's load then touches each alike), and store every round for the summary's
-        verdict (``summary.finish_verdict``). Rounds already stored (a finish cut short) count
-        and are not measured again; a launch that fails is stored as a failed round and the
-        finish goes on. ``note`` hears one line per launch (it runs after the budget: the user
-        must see why the study is still busy). Returns the number of launches.
+        verdict (``summary.finish_verdict``). A tie that more runs could resolve
+        (``summary.worth_another_round``) gets one more round of all of them, up to
+        ``finish_max_rounds``. Rounds already stored (a finish cut short) count and are not
+        measured again; a launch that fails is stored as a failed round and the finish goes
+        on. ``note`` hears one line per launch (it runs after the budget: the user must see why
+        the study is still busy). Returns the number of launches.
         """
         top = finish_candidates(self.study, self.cfg.finish_top)
         if len(top) < 2 or len(self.study.directions) > 1:
             return 0  # nothing to compare; a Pareto front has no single winner to confirm
-        records.write_finish_plan(self.study, [r.number for r in top], self.cfg.finish_rounds)
-        stored = records.remeasures(self.study)
-        todo = sum(round_ not in stored.get(r.number, {}) for round_ in range(self.cfg.finish_rounds) for r in top)
+        numbers = [r.number for r in top]
+        rounds = self.cfg.finish_rounds
+        plan = records.finish_plan(self.study)
+        if plan is not None and plan[0] == numbers:
+            rounds = min(max(rounds, plan[1]), self.cfg.finish_max_rounds)  # rounds a finish added stay
+        records.write_finish_plan(self.study, numbers, rounds)
         launches = others = 0
-        for round_ in range(self.cfg.finish_rounds):
+        while True:
+            done, skipped, go_on = self._finish_rounds(top, rounds, note, launches + others)
+            launches, others = launches + done, others + skipped
+            if not go_on:
+                return launches
+            verdict = finish_verdict(self.study)
+            if rounds >= self.cfg.finish_max_rounds or not worth_another_round(verdict):
+                break
+            rounds += 1
+            records.write_finish_plan(self.study, numbers, rounds)
+            if note is not None:
+                note(f"finish: trials {', '.join(map(str, verdict['tied']))} tie with a lead of "  # type: ignore[index]
+                     f"{verdict['lead'] * 100:.1f}% against the {verdict['needed'] * 100:.1f}% noise "  # type: ignore[index]
+                     f"explains: one more round ({rounds} of at most {self.cfg.finish_max_rounds})")
+        if others and note is not None:
+            note(f"finish: {others} round(s) measured by another worker of this study")
+        return launches
+
+    def _finish_rounds(self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None,
+                       said: int) -> tuple[int, int, bool]:
+        """The finish's rounds not stored yet: (launches, rounds left to another worker, whether
+        to go on: False when the engine is unavailable, and every launch would fail)."""
+        stored = records.remeasures(self.study)
+        todo = said + sum(round_ not in stored.get(r.number, {}) for round_ in range(rounds) for r in top)
+        launches = others = 0
+        for round_ in range(rounds):
             for r in top:
                 if round_ in stored.get(r.number, {}):
                     continue
@@ -489,16 +533,15 @@ class StudyRunner:
                 ctx = self.prepared.contexts[config.backend]
                 launches += 1
                 if note is not None:
-                    note(f"finish {launches + others}/{todo}: trial {r.number} measured again (round {round_ + 1} "
-                         f"of {self.cfg.finish_rounds}, interleaved with trials "
-                         f"{', '.join(str(t.number) for t in top)})")
+                    note(f"finish {said + launches + others}/{todo}: trial {r.number} measured again (round "
+                         f"{round_ + 1} of {rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
                     s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
                                     r.quality_drop_points, r.quality)
                 except EngineUnavailableError:
                     self.claims.release(key, self._finish_token)
-                    return launches  # every launch would fail: the missing rounds wait for a later run
+                    return launches, others, False  # the missing rounds wait for a later run
                 except BaseException as exc:
                     if not isinstance(exc, Exception):  # Ctrl-C: the round is measured when the study continues
                         self.claims.release(key, self._finish_token)
@@ -511,9 +554,7 @@ class StudyRunner:
                 records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
                                         per_user_tok_s=per_user.median if per_user is not None else None,
                                         peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
-        if others and note is not None:
-            note(f"finish: {others} round(s) measured by another worker of this study")
-        return launches
+        return launches, others, True
 
     def _one_trial(self, heartbeat: storage.Heartbeat, start: float) -> TrialEvent:
         now = time.monotonic()
@@ -641,6 +682,15 @@ class StudyRunner:
         write(trial, deploy_command=backend.deploy_command(config, ctx))
         if not verdict.admitted:
             return self._prune(trial, config, verdict)
+        deferred = self._over_budget_to_make(config)
+        if deferred is not None:
+            # Not the configuration's fault, and nothing launched: a later run with the time
+            # for it tries it (retry), and this run proposes these weights no more.
+            self._deferred_artifacts.add((config.backend, config.weights))
+            write(trial, fail_reason=deferred, retry=True, deferred=True)
+            self.study.tell(trial, state=TrialState.FAIL)
+            self._say(f"trial {trial.number}: {deferred}")
+            return _Outcome("FAIL", config.as_dict(), reason=deferred)
         try:
             self._ensure_artifacts(trial, config)
         except ArtifactError as exc:
@@ -707,6 +757,28 @@ class StudyRunner:
         self.study.tell(trial, list(s.values))
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
         return _Outcome("COMPLETE", config.as_dict(), list(s.values))
+
+    def _affordable(self, config: TrialConfig) -> bool:
+        return (config.backend, config.weights) not in self._deferred_artifacts
+
+    def _over_budget_to_make(self, config: TrialConfig) -> str | None:
+        """Why ``config`` is not started, when making its weights (``artifacts.predict_making``)
+        and then one launch (the median so far) would end after the budget; None when it fits,
+        when there is nothing to make, or before anything was measured in this run (a study
+        must measure something, and the first making teaches the rate)."""
+        if self._deadline is None or not self._launch_seconds:
+            return None
+        backend = self.prepared.backend(config.backend)
+        ctx = self.prepared.contexts[config.backend]
+        need = artifacts.predict_making(backend, config.weights, ctx)
+        if need is None or need.seconds is None:
+            return None  # nothing to make, or no way to tell what it costs: it is tried
+        left = self._deadline - time.monotonic()
+        launch = statistics.median(self._launch_seconds)
+        if need.seconds + launch <= left:
+            return None
+        return (f"not started: making {' then '.join(need.formats)} would take about {need.seconds:.0f} s "
+                f"({need.basis}) and a launch {launch:.0f} s, with {max(left, 0):.0f} s of the budget left")
 
     def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig) -> None:
         """Make (or find in the cache) the weights this trial loads, and its quality reference's.

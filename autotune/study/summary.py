@@ -1,8 +1,9 @@
 """A study's outcome: counts, the best feasible trial and the Pareto front, from its records.
 
 After the noise-aware finish (``StudyRunner.finish``) the best is the finish's verdict: the
-top trials measured again, a winner only where its lead exceeds the spread between runs, and
-among configurations that tie, the one with more memory headroom (``finish_verdict``).
+top trials measured again, a winner only where its lead is larger than the noise between runs
+can explain, and among configurations that tie, the one with more memory headroom
+(``finish_verdict``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def trial_record(r: TrialRecord) -> dict[str, Any]:
 # Peak memory figures closer than this are one footprint seen through measurement noise, not
 # headroom worth a slower configuration: per-user speed decides between them instead.
 SAME_MEMORY = 0.02
+# A lead is called at this two-sided confidence (pyperf's compare_to uses the same level).
+CONFIDENCE = 0.95
 
 
 def finish_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
@@ -111,15 +114,24 @@ class _Contender:
                 if m.failed or not m.feasible]
 
     @property
+    def runs(self) -> list[float]:
+        """Every value of it: the first measurement and the finish's. The first is biased upwards
+        (it was picked for being high), as is every contender's, so the bias mostly cancels in a
+        comparison, and it adds a degree of freedom to the noise estimate."""
+        return self.values + [self.record.values[0]]  # type: ignore[index]
+
+    @property
     def median(self) -> float:
         return statistics.median(self.values)
 
     @property
+    def mean(self) -> float:
+        return statistics.fmean(self.runs)
+
+    @property
     def spread(self) -> float:
-        """The range of every run of it (the first measurement and the finish's), relative to
-        the finish's median. The first run is biased upwards (it was picked for being high), so
-        counting it can only widen the range: a tie is then called rather than a false winner."""
-        runs = self.values + [self.record.values[0]]  # type: ignore[index]
+        """The range of every run of it, relative to the finish's median (shown; not the test)."""
+        runs = self.runs
         return (max(runs) - min(runs)) / abs(self.median) if self.median else 0.0
 
     def memory(self, measured: bool) -> int | None:
@@ -136,8 +148,27 @@ class _Contender:
     def describe(self, measured_memory: bool) -> dict[str, Any]:
         return {"number": self.record.number, "first_value": self.record.values[0],  # type: ignore[index]
                 "remeasured": [m.value for m in self.rounds], "median": self.median if self.values else None,
+                "mean": self.mean if self.values else None,
                 "spread": self.spread if self.values else None, "memory_bytes": self.memory(measured_memory),
                 "memory_measured": measured_memory, "per_user_tok_s": self.per_user, "failures": self.failures}
+
+
+def needed_lead(a: _Contender, b: _Contender) -> float:
+    """The lead of ``a``'s mean over ``b``'s (relative to ``b``'s) that the runs' noise cannot
+    explain: Student's two-sample t-test with pooled variance at ``CONFIDENCE`` (two-sided).
+
+    Not the range of the runs: a range only grows with more runs, so measuring more would call
+    fewer winners. Zero where every run of both agreed exactly (the twin without noise)."""
+    from scipy.stats import t as student
+
+    na, nb = len(a.runs), len(b.runs)
+    df = na + nb - 2
+    if df < 1:
+        return math.inf
+    pooled = ((na - 1) * statistics.variance(a.runs) if na > 1 else 0.0) + \
+        ((nb - 1) * statistics.variance(b.runs) if nb > 1 else 0.0)
+    se = math.sqrt(pooled / df * (1 / na + 1 / nb))
+    return float(student.ppf(0.5 + CONFIDENCE / 2, df)) * se / max(abs(b.mean), 1e-9)
 
 
 def _trials(numbers: list[int]) -> str:
@@ -153,15 +184,14 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
     """What the finish concluded, from its stored rounds; None where there was no finish, or
     where a later run found a better trial that no finish has measured again.
 
-    A winner is called only when the lead of its median over the runner-up's median exceeds
-    the larger of their spreads (each one's range over all its runs): with two or three runs
-    a standard error means little, and a range is the variation between runs actually seen.
-    A lead inside it could turn round on the next run (measured on an H200: one configuration
-    gave 473 and 520 tok/s in two runs while each run's own spread was under 0.5%). Every
-    configuration within that reach of the leader ties with it; among them the smaller memory
-    footprint wins (more headroom for longer prompts and other processes), then the higher
-    per-user speed. A configuration that failed, or broke a constraint, when measured again
-    cannot win: a deploy line that fails one launch in three is worse than a slower one.
+    A winner is called only when the lead of its mean (over every run: the first measurement
+    and the finish's) over the runner-up's is larger than the noise between runs can explain
+    (``needed_lead``, a two-sample t-test): measured on an H200, one configuration gave 473 and
+    520 tok/s in two runs while each run's own spread was under 0.5%. Every configuration whose
+    gap to the leader is inside that noise ties with it; among them the smaller memory footprint
+    wins (more headroom for longer prompts and other processes), then the higher per-user speed.
+    A configuration that failed, or broke a constraint, when measured again cannot win: a deploy
+    line that fails one launch in three is worse than a slower one.
     """
     plan = records.finish_plan(study)
     best = best_trial(study)
@@ -182,7 +212,7 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
                                               "best by its first measurement")
         return out
     sound = sorted((c for c in contenders if c.values and not c.failures),
-                   key=lambda c: (-c.median, -c.record.values[0]))  # type: ignore[index]
+                   key=lambda c: (-c.mean, -c.record.values[0]))  # type: ignore[index]
     measured_memory = all(c.memory(True) is not None for c in sound)
     out["contenders"] = [c.describe(measured_memory) for c in contenders]
     failed = [c.record.number for c in contenders if not c.values or c.failures]
@@ -197,16 +227,19 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
                    text=f"winner: trial {leader.record.number} (the only one that ran every time{failed_note})")
         return out
     runner_up = sound[1]
-    lead = _relative(leader.median, runner_up.median)
+    lead = _relative(leader.mean, runner_up.mean)
+    needed = needed_lead(leader, runner_up)
     spread = max(leader.spread, runner_up.spread)
-    out.update(lead=lead, spread=spread)
-    if lead > spread:
+    out.update(lead=lead, needed=needed, spread=spread, confidence=CONFIDENCE)
+    runs = f"{len(leader.runs)} and {len(runner_up.runs)} runs" if len(leader.runs) != len(runner_up.runs) \
+        else f"{len(leader.runs)} runs each"
+    if lead > needed:
         out.update(verdict="winner", chosen=leader.record.number, tied=[leader.record.number],
-                   text=f"winner: trial {leader.record.number} (lead {_pct(lead)} > spread {_pct(spread)} over "
-                        f"trial {runner_up.record.number}; {len(contenders)} configurations measured again "
-                        f"{n_rounds}x, interleaved{failed_note})")
+                   text=f"winner: trial {leader.record.number} (lead {_pct(lead)} over trial {runner_up.record.number}, "
+                        f"beyond the {_pct(needed)} that run-to-run noise explains at {CONFIDENCE:.0%} confidence, "
+                        f"{runs}; {len(contenders)} configurations measured again {n_rounds}x, interleaved{failed_note})")
         return out
-    tied = [c for c in sound if _relative(leader.median, c.median) <= max(leader.spread, c.spread)]
+    tied = [c for c in sound if c is leader or _relative(leader.mean, c.mean) <= needed_lead(leader, c)]
     memory = {c.record.number: c.memory(measured_memory) for c in tied}
     least = min((m for m in memory.values() if m is not None), default=None)
     near = [c for c in tied if least is None or (memory[c.record.number] or math.inf) <= least * (1 + SAME_MEMORY)]
@@ -220,10 +253,20 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
     else:
         why = "the higher median"
     out.update(verdict="tie", chosen=chosen.record.number, tied=[c.record.number for c in tied],
-               text=f"tie between trials {_trials([c.record.number for c in tied])} (lead {_pct(lead)} "
-                    f"{'<' if lead < spread else '='} spread {_pct(spread)}): chose {chosen.record.number}, {why}"
+               text=f"tie between trials {_trials([c.record.number for c in tied])} (lead {_pct(lead)}, within "
+                    f"the {_pct(needed)} that run-to-run noise explains at {CONFIDENCE:.0%} confidence, {runs}): "
+                    f"chose {chosen.record.number}, {why}"
                     f"{failed_note}")
     return out
+
+
+def worth_another_round(verdict: dict[str, Any] | None) -> bool:
+    """Whether a finish's tie may be a real gap measured too few times: a lead of at least half
+    what noise explains (below that, the configurations are as good as equal, and more runs
+    would most likely confirm the tie). On the H200 a 7.7% gap (11 runs each) was called a tie
+    on 3 runs each, at a lead of 4.7% against 5.9% (docs/search.md)."""
+    return (verdict is not None and verdict.get("verdict") == "tie"
+            and verdict.get("lead", 0.0) >= verdict.get("needed", math.inf) / 2)
 
 
 def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
@@ -233,7 +276,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     n_answered = sum(1 for r in all_records if r.answered)
     # An attempt cut short (interrupted, its worker killed) is queued again and says nothing
     # about its configuration: counted apart, not as a failure of the configuration.
-    n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry)
+    n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry and not r.deferred)
+    n_deferred = sum(1 for r in all_records if r.state == TrialState.FAIL and r.deferred)
     best = best_trial(study)
     finish = finish_verdict(study)
     if finish is not None and finish["chosen"] is not None:
@@ -243,14 +287,15 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         storage=shown_storage,
         n_trials=len(all_records),
         n_complete=states.count(TrialState.COMPLETE),
-        n_failed=states.count(TrialState.FAIL) - n_cut_short,
+        n_failed=states.count(TrialState.FAIL) - n_cut_short - n_deferred,
         n_pruned=states.count(TrialState.PRUNED) - n_answered,
         n_new=0,
         n_measured=0,
         interrupted=False,
         elapsed_s=0.0,
         best=trial_record(best) if best else None,
-        extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short},
+        extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short,
+               **({"n_deferred": n_deferred} if n_deferred else {})},
     )
     if finish is not None:
         summary.extra["finish"] = finish

@@ -27,6 +27,11 @@ __all__ = ["CONVERTER_MODULE", "exl2_recipe"]
 
 CONVERTER_MODULE = "exllamav2.conversion.convert_exl2"
 MEASUREMENT = "measurement.json"
+# A first guess of the seconds per GiB written, until the cache has timed this machine's own
+# (artifacts.predict_making): a Qwen2.5-1.5B-shaped model on an H200 (bench/results/
+# h200_exllamav2_times.txt) took 300 s to measure, once per source, and 210-224 s per bpw, each
+# about 0.9 GiB: with the measurement spread over three bpw, about 340 s per GiB.
+CONVERT_S_PER_GIB = 340.0
 
 
 def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], say: Callable[[str], None]) -> Path:
@@ -93,4 +98,5 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
             shutil.rmtree(out / "out_tensor", ignore_errors=True)  # the converter's scratch, when it leaves it
 
     return Recipe(canonical, tool, f"exl2-{bpw:g}bpw", expected, convert,
-                  description=f"exllamav2 convert_exl2 -b {bpw:g} (measurement shared)")
+                  description=f"exllamav2 convert_exl2 -b {bpw:g} (measurement shared)",
+                  step="convert_exl2", seconds_per_gib=CONVERT_S_PER_GIB)

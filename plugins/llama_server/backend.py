@@ -423,23 +423,27 @@ class LlamaServerBackend(BaseBackend):
         prompt = self.prompt_tokens(server, wl.prompt_tokens)
         url = f"{server.url}/completion"
 
-        def body(i: int, stream: bool) -> dict[str, Any]:
+        def body(i: int) -> dict[str, Any]:
             return {"prompt": varied(prompt, i), "n_predict": wl.output_tokens, "ignore_eos": True, "temperature": 0,
-                    "cache_prompt": False, "stream": stream}
+                    "cache_prompt": False, "stream": True}
 
         def single(i: int) -> dict[str, Any]:
-            r = server.http.post(url, json=body(i, False), timeout=request_s)
-            if r.status_code != 200:
-                raise server.failure(f"HTTP {r.status_code} from /completion: {r.text[:300]}")
-            return r.json()["timings"]
+            """One request alone: the engine's timings, and the time to its first token as a
+            client sees it (``ttft_ms`` means that for every backend; the engine's ``prompt_ms``
+            leaves out queueing, tokenizing and slot handling)."""
+            seen: list[dict[str, Any]] = []
+            result = stream(i, seen)
+            if not seen[0]["timings"].get("predicted_per_second"):
+                raise server.failure("/completion gave no timings (predicted_per_second) for a request alone")
+            return {**seen[0]["timings"], "client_ttft_ms": result.ttft_ms}
 
-        def stream(i: int, seen: list[dict[str, float]]) -> StreamResult:
+        def stream(i: int, seen: list[dict[str, Any]]) -> StreamResult:
             start = time.monotonic()
             first = None
             n_out = 0
             n_prompt = len(prompt)
             timings: dict[str, Any] = {}
-            with server.http.stream("POST", url, json=body(1000 + i, True), timeout=request_s) as r:
+            with server.http.stream("POST", url, json=body(i), timeout=request_s) as r:
                 if r.status_code != 200:
                     r.read()
                     raise server.failure(f"HTTP {r.status_code} from /completion: {r.text[:300]}")
@@ -457,7 +461,7 @@ class LlamaServerBackend(BaseBackend):
             client = StreamResult.from_timestamps(n_prompt, n_out, start, first, end)
             seen.append({"client_decode": client.decode_tok_s, "client_ttft_ms": client.ttft_ms,
                          "engine_decode": float(timings.get("predicted_per_second") or 0.0),
-                         "engine_prefill": float(timings.get("prompt_per_second") or 0.0)})
+                         "engine_prefill": float(timings.get("prompt_per_second") or 0.0), "timings": timings})
             if not timings.get("predicted_per_second"):
                 return client
             # The server's own clock for the rates: on a fast model a whole burst of tokens
@@ -474,7 +478,7 @@ class LlamaServerBackend(BaseBackend):
             t = single(i)
             seen: list[dict[str, float]] = []
             cpu0, engine0, wall0 = time.process_time(), process_cpu_s(server.proc.pid), time.monotonic()
-            conc = run_streams_threaded(lambda j: stream(j, seen), config.parallel, request_s)
+            conc = run_streams_threaded(lambda j: stream(1000 + j, seen), config.parallel, request_s)
             wall = time.monotonic() - wall0
             cpu, engine1 = time.process_time() - cpu0, process_cpu_s(server.proc.pid)
             runs.append({"single": t, "streams": seen, "wall_s": wall, "client_cpu_s": cpu,
@@ -483,7 +487,7 @@ class LlamaServerBackend(BaseBackend):
             return {
                 "decode_tok_s": float(t["predicted_per_second"]),
                 "prefill_tok_s": float(t["prompt_per_second"]),
-                "ttft_ms": float(t["prompt_ms"]),
+                "ttft_ms": float(t["client_ttft_ms"]),
                 "aggregate_tok_s": conc.aggregate_tok_s,
                 "per_user_tok_s": conc.per_user_tok_s,
             }
@@ -542,6 +546,7 @@ def _timings(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "engine_timings": {
             "single_decode_tok_s": over_runs(lambda r: float(r["single"]["predicted_per_second"])),
             "single_prefill_tok_s": over_runs(lambda r: float(r["single"]["prompt_per_second"])),
+            "single_prompt_ms": over_runs(lambda r: r["single"].get("prompt_ms")),
             "streams_decode_tok_s_sum": over_runs(lambda r: sum(streams(r, "engine_decode")) or None),
             "streams_decode_tok_s_median": over_runs(lambda r: median(streams(r, "engine_decode"))),
             "streams_prefill_tok_s_median": over_runs(lambda r: median(streams(r, "engine_prefill"))),

@@ -31,6 +31,12 @@ from autotune_plugins.llama_server.builds import _manifest_of
 __all__ = ["CONVERTER", "FULL_PRECISION", "gguf_recipe"]
 
 CONVERTER = "convert_hf_to_gguf.py"
+# First guesses of the seconds per GiB written, until the cache has timed this machine's own
+# (artifacts.predict_making): a Qwen2.5-1.5B-shaped model on an H200 host, 16 cores
+# (bench/results/h200_exllamav2_times.txt): 17.3 s for its 2.9 GiB F16, 12.1 s for its 0.92 GiB
+# Q4_K_M. A slower disk or fewer cores take longer; the first making corrects it.
+CONVERT_S_PER_GIB = 6.0
+QUANTIZE_S_PER_GIB = 13.0
 # What convert_hf_to_gguf.py writes itself (its --outtype); the rest is llama-quantize's.
 _CONVERT_TYPES = {"F16": "f16", "BF16": "bf16", "F32": "f32"}
 FULL_PRECISION = frozenset(_CONVERT_TYPES)
@@ -111,7 +117,8 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
                  cwd=script.parent)
 
         return Recipe(canonical, tool, name, expected, convert,
-                      description=f"llama.cpp {CONVERTER} --outtype {_CONVERT_TYPES[qtype]}")
+                      description=f"llama.cpp {CONVERTER} --outtype {_CONVERT_TYPES[qtype]}",
+                      step=CONVERTER, seconds_per_gib=CONVERT_S_PER_GIB)
     quantizer = engine.find_llama_quantize(settings)
     needs = ("gguf:F16",) if kind == "hf" else ()
 
@@ -120,4 +127,5 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
         run_tool([str(quantizer), str(src), str(out), qtype], f"llama-quantize {src.name} {qtype}", say)
 
     return Recipe(canonical, tool, name, expected, quantize, needs=needs,
-                  description=f"llama-quantize {qtype}" + (" from gguf:F16" if needs else ""))
+                  description=f"llama-quantize {qtype}" + (" from gguf:F16" if needs else ""),
+                  step="llama-quantize", seconds_per_gib=QUANTIZE_S_PER_GIB)

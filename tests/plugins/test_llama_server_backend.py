@@ -327,6 +327,8 @@ def test_run_measures_and_matches_the_logged_buffers(server_binary, stories):
     assert without_port(a["argv"]) == without_port(deploy_tokens(b.deploy_command(config, c))[1])
     # The engine's own timings beside the client's, and what the load generator cost.
     assert a["engine_timings"]["streams_decode_tok_s_sum"] > 0 and a["engine_timings"]["single_decode_tok_s"] > 0
+    # ttft_ms is the client's (as for every backend): it includes the engine's prompt time.
+    assert m.metrics["ttft_ms"].median >= a["engine_timings"]["single_prompt_ms"] > 0
     assert a["client_timings"]["aggregate_tok_s"] == pytest.approx(m.metrics["aggregate_tok_s"].median)
     assert a["client_timings"]["streams_decode_tok_s_median"] > 0
     assert a["load_generator"]["client_cpu_cores"] > 0 and a["load_generator"]["note"]
