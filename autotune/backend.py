@@ -13,6 +13,9 @@ Lifecycle of one trial, as the study runner drives it (see ``autotune.study``):
    records the trial as failed and the study goes on.
 5. ``deploy_command(config, ctx)``: the exact command a user runs to serve this configuration.
 
+Before the search a study also measures, once, each backend's ``default_launch``: what a user
+gets without tuning (the engine's defaults), the baseline every winner is compared against.
+
 A backend never decides scores or constraints: that is ``autotune.objective``'s job.
 """
 
@@ -263,6 +266,24 @@ class Measurement:
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DefaultLaunch:
+    """What a user gets from this engine without tuning: its default launch on the user's weights.
+
+    Args:
+        config: What ``run`` and ``deploy_command`` are given. ``ctx`` and ``parallel`` say what
+            the defaults amount to in the study's terms (``parallel``: the streams the baseline is
+            measured with, the engine's default number of concurrent requests); a backend marks
+            it with an option of its own when its command must leave flags out to keep the
+            engine's defaults (llama-server: ``engine_defaults``).
+        description: In words, which settings are left at which default and where those
+            defaults come from (the engine's source or documentation), for the summary.
+    """
+
+    config: TrialConfig
+    description: str
+
+
 class BaseBackend(abc.ABC):
     """A serving engine autotune can launch and measure. See the module docstring.
 
@@ -361,6 +382,25 @@ class BaseBackend(abc.ABC):
         if True in params.get("flash_attn", ()):
             ref["flash_attn"] = True
         return ref
+
+    def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
+        """The engine's default launch on ``weights``: the baseline a study measures once, before
+        the search, and compares its winner with ("how much better than doing nothing").
+
+        It is never a search trial: it is not admitted by the judge, never becomes the best and
+        never reaches the sampler; ``run`` measures it and ``deploy_command`` prints it like any
+        configuration (a model backend's ``run`` predicts it).
+
+        Args:
+            weights: The study's highest-precision candidate of this backend (what the user has
+                before quantizing anything).
+            ctx: The study's context for this backend.
+
+        Returns:
+            The launch, or None to decline (the default: the summary then says nothing about a
+            baseline of this backend).
+        """
+        return None
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""

@@ -105,6 +105,7 @@ class StudyConfig:
     finish_rounds: int = 2
     finish_max_rounds: int = 4
     probe_margin: float | None = None  # None: every launch measured in full (see autotune.study.probe)
+    baseline: bool = True  # measure each backend's default launch once, before the search (study/baseline.py)
 
     @property
     def base_dir(self) -> Path:
@@ -239,7 +240,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     study = r.table("study")
     r.unknown_keys("study", study, {
         "name", "description", "seed", "sampler", "n_trials", "budget", "storage", "prior", "prior_trials",
-        "finish_top", "finish_rounds", "finish_max_rounds", "probe_margin",
+        "finish_top", "finish_rounds", "finish_max_rounds", "probe_margin", "baseline",
     })
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name,
@@ -267,6 +268,8 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     finish_max_rounds = r.get("study", study, "finish_max_rounds", int, max(4, finish_rounds),
                               check=lambda v: None if v >= finish_rounds else
                               f"must be >= finish_rounds ({finish_rounds})")
+    # "How much better than doing nothing": each backend's default launch, measured once per study.
+    baseline = r.get("study", study, "baseline", bool, True)
     # Multi-fidelity (autotune.study.probe): a launch whose first run is this far below the
     # leader stops there.
     probe_margin = r.get("study", study, "probe_margin", float, None,
@@ -416,4 +419,5 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         finish_rounds=finish_rounds,
         finish_max_rounds=finish_max_rounds,
         probe_margin=probe_margin,
+        baseline=baseline,
     )

@@ -106,7 +106,7 @@ def summary_text(summary: StudySummary) -> str:
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")
-        return "\n".join(lines + quality_lines(summary.extra))
+        return "\n".join(lines + baseline_lines(summary.extra) + quality_lines(summary.extra))
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
     lines.append(f"best (trial {best['number']}): {params}")
     finish = summary.extra.get("finish")
@@ -141,6 +141,7 @@ def summary_text(summary: StudySummary) -> str:
         lines.append(f"  weights {a['weights']}: {a['path']} ({how}, sha256 {str(a['sha256'])[:12]})")
     if best.get("deploy_command"):
         lines.append("  deploy: " + best["deploy_command"])
+    lines += baseline_lines(summary.extra)
     if finish and finish.get("contenders"):
         lines.append(f"measured again ({finish['rounds']} rounds, interleaved):")
         lines += [f"  {_contender_text(c)}" for c in finish["contenders"]]
@@ -160,6 +161,21 @@ def summary_text(summary: StudySummary) -> str:
         lines.append("excluded before the search (could never run):")
         lines += [f"  {line}" for line in excluded]
     return "\n".join(lines + quality_lines(summary.extra))
+
+
+def baseline_lines(extra: dict[str, Any]) -> list[str]:
+    """The "vs doing nothing" section: each engine's default launch (``study.baseline``), what the
+    best gains over it, and the line the user runs today."""
+    found = extra.get("baseline") or {}
+    if not found:
+        return []
+    lines = ["vs doing nothing (each engine's default launch, measured once before the search, not a trial):"]
+    for entry in found.values():
+        lines.append(f"  {entry['text']}")
+        lines.append(f"    weights {entry['weights']} ({entry['weights_why']}); {entry['description']}")
+        if entry.get("deploy_command"):
+            lines.append(f"    today: {entry['deploy_command']}")
+    return lines
 
 
 def quality_lines(extra: dict[str, Any]) -> list[str]:

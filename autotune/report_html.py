@@ -256,9 +256,13 @@ def _winner(summary: StudySummary) -> str:
     if spreads.get("aggregate_tok_s") is not None:
         figures.append(f"measured spread {100 * spreads['aggregate_tok_s']:.1f}%")
     parts.append(f"<p>{html.escape(', '.join(figures))}</p>")
-    baseline = summary.extra.get("baseline")
-    if baseline and baseline.get("text"):
-        parts.append(f"<p id='baseline'><b>{html.escape(baseline['text'])}</b></p>")
+    baselines = summary.extra.get("baseline") or {}
+    if baselines:  # each engine's default launch (study/baseline.py): how much better than doing nothing
+        items = "".join(f"<li><b>{html.escape(b['text'])}</b><br>weights {html.escape(str(b['weights']))}: "
+                        f"{html.escape(b['weights_why'])}; {html.escape(b['description'])}"
+                        f"<pre>{html.escape(b.get('deploy_command') or '')}</pre></li>" for b in baselines.values())
+        parts.append(f"<div id='baseline'><p>Against doing nothing (each engine's default launch, measured once "
+                     f"before the search, not a trial):</p><ul>{items}</ul></div>")
     finish = summary.extra.get("finish")
     if finish:
         parts.append(f"<p>{html.escape(finish['text'])}</p>")

@@ -287,6 +287,16 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
     )
 
 
+def highest_precision(backend: BaseBackend, weights: tuple[str, ...] | list[str], ctx: StudyContext) -> str:
+    """The candidate with the most bytes of weights by the backend's own estimate: the highest
+    precision the user has (their unquantized file where they listed it). The quality reference
+    and the default launch (``study.baseline``) both start from it."""
+    def size(w: str) -> int:
+        probe = TrialConfig(backend.name, w, ctx.workload.sequence_tokens, 1)
+        return backend.estimate_memory(probe, ctx).weights_bytes
+    return max(weights, key=size)
+
+
 def _references(cfg: StudyConfig, space: SearchSpace, contexts: Mapping[str, StudyContext]) -> dict[str, TrialConfig]:
     """The configuration each backend's quality is compared against.
 
@@ -304,10 +314,7 @@ def _references(cfg: StudyConfig, space: SearchSpace, contexts: Mapping[str, Stu
         elif named and any(named in e.weights for e in space.entries.values()):
             continue  # another backend owns the reference: compare against that one's quality
         else:
-            def size(w: str) -> int:
-                probe = TrialConfig(name, w, entry.ctx[0], 1, tuple((p.name, p.choices[0]) for p in entry.params))
-                return entry.backend.estimate_memory(probe, ctx).weights_bytes
-            chosen = max(weights, key=size)
+            chosen = highest_precision(entry.backend, entry.weights, ctx)
         options = entry.backend.quality_reference({p.name: p.choices for p in entry.params})
         refs[name] = TrialConfig(name, chosen, max(entry.ctx), 1, tuple(sorted(options.items())))
     if named and refs:

@@ -31,6 +31,7 @@ QUALITY_DECISION_PREFIX = QUALITY_PREFIX + "drop:"  # + a hash: one candidate's 
 QUALITY_POWER_ATTR = "quality_power"
 CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
 REMEASURE_PREFIX = "remeasure:"
+BASELINE_PREFIX = "baseline:"  # + a backend's name: its default launch, measured once (``Baseline``)
 FINISH_PLAN_ATTR = "finish_plan"
 TrialState = optuna.trial.TrialState
 
@@ -232,6 +233,61 @@ def remeasures(study: optuna.Study) -> dict[int, dict[int, Remeasure]]:
     return out
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """One backend's default launch (``BaseBackend.default_launch``), measured once per study
+    before the search, stored as the study attribute ``baseline:<backend>``.
+
+    A study attribute, not a trial: a trial would enter the sampler's model, could become the
+    best, and its configuration (flags left out) is not a point of the search space.
+    """
+
+    backend: str
+    weights: str
+    weights_why: str = ""                # why these weights: the user's highest-precision candidate
+    config: Mapping[str, Any] | None = None
+    description: str = ""                # which defaults, and where they come from
+    deploy_command: str | None = None    # what the user runs today
+    metrics: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # Stat.to_dict() by name
+    peak_vram_bytes: int | None = None
+    error: str | None = None             # it failed (out of memory, timeout...): why
+    log_tail: str | None = None
+    seconds: float | None = None
+    engine: Mapping[str, Any] | None = None
+    worker: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def median(self, metric: str) -> float | None:
+        m = self.metrics.get(metric)
+        return None if m is None else m.get("median")
+
+
+_BASELINE_FIELDS = frozenset(f.name for f in fields(Baseline))
+
+
+def write_baseline(study: optuna.Study, backend: str, **attrs: Any) -> None:
+    """Store ``backend``'s measured (or failed) default launch; it is never measured again."""
+    unknown = sorted(set(attrs) - _BASELINE_FIELDS)
+    if unknown:
+        raise KeyError(f"{unknown[0]!r} is not a Baseline field")
+    study.set_user_attr(BASELINE_PREFIX + backend, {"backend": backend, **attrs})
+
+
+def baselines(study: optuna.Study) -> dict[str, Baseline]:
+    """Every stored default launch, by backend name."""
+    out = {}
+    for key, value in study.user_attrs.items():
+        if key.startswith(BASELINE_PREFIX) and isinstance(value, dict):
+            known = {k: v for k, v in value.items() if k in _BASELINE_FIELDS}
+            known.setdefault("backend", key[len(BASELINE_PREFIX):])
+            if "weights" in known:
+                out[key[len(BASELINE_PREFIX):]] = Baseline(**known)
+    return out
+
+
 def write_finish_plan(study: optuna.Study, trials: Iterable[int], rounds: int) -> None:
     """Which trials the latest finish compares, and in how many rounds (its verdict reads
     only those: rounds of trials an earlier finish compared may be stale)."""
@@ -250,7 +306,7 @@ def study_header(study: optuna.Study) -> dict[str, Any]:
     ``study_file``, ...; empty for a study autotune did not write)."""
     attrs = study.user_attrs
     return {key: value for key, value in attrs.items() if key not in (SCHEMA_ATTR, FINISH_PLAN_ATTR)
-            and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX, REMEASURE_PREFIX))} if SCHEMA_ATTR in attrs else {}
+            and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX, REMEASURE_PREFIX, BASELINE_PREFIX))} if SCHEMA_ATTR in attrs else {}
 
 
 def check_schema(study: optuna.Study, shown_storage: str) -> None:

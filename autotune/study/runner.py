@@ -374,6 +374,7 @@ class StudyRunner:
                 previous[signum] = signal.getsignal(signum)
                 signal.signal(signum, self._on_signal)
         try:
+            self.measure_baseline(note)
             while True:
                 if n_trials is not None and self.n_measured >= n_trials:
                     break
@@ -416,6 +417,33 @@ class StudyRunner:
         summary.extra["converged"] = self.converged
         summary.extra["excluded_before_search"] = self.prepared.excluded
         return summary
+
+    def measure_baseline(self, note: Callable[[str], None] | None = None) -> int:
+        """Each backend's default launch, once per study, before the search (``study.baseline``):
+        not a trial, inside the run so that its seconds count in the budget. Workers sharing the
+        study claim it, so one of them measures it; a claim of a worker killed on this machine is
+        taken over, and an interrupted one is given back for the next run."""
+        from autotune.study import baseline
+
+        held: list[str] = []
+
+        def claim(backend: str) -> bool:
+            key = f"baseline:{backend}"
+            holder = self.claims.claim(key, self._finish_token)
+            if holder in (None, self._finish_token) or (
+                    _dead_local_finisher(holder) and self.claims.take_over(key, holder, self._finish_token)):
+                held.append(key)
+                return True
+            return False
+
+        try:
+            return baseline.measure(self.prepared, self.study, claim, self.worker, note)
+        except BaseException:
+            stored = records.baselines(self.study)
+            for key in held:
+                if key.partition(":")[2] not in stored:
+                    self.claims.release(key, self._finish_token)
+            raise
 
     def _announce_quality_power(self, note: Callable[[str], None] | None) -> None:
         """Say up front what the quality bound costs (items and seconds on this machine); kept in

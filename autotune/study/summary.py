@@ -301,6 +301,11 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         summary.extra["finish"] = finish
     if len(study.directions) > 1:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
+    baselines = records.baselines(study)
+    if baselines:  # each backend's default launch, and how many times faster the best is
+        from autotune.study.baseline import compare
+
+        summary.extra["baseline"] = compare(summary.best, baselines)
     decisions = records.quality_decisions(study)
     if decisions:
         summary.extra["quality_decisions"] = decisions

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.backend import (
-    BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
+    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
 from autotune.artifacts import artifact_path, is_format
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format, parse_format
@@ -202,6 +202,17 @@ class ExLlamaV2Backend(BaseBackend):
     def _made(self, weights: str, ctx: StudyContext) -> Path | None:
         p = self.weights_path(weights, ctx)
         return None if is_format(weights) and not p.is_dir() else p
+
+    def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
+        """ExLlamaV2's defaults: ``ExLlamaV2Config`` keeps the model's own ``max_seq_len`` (its
+        config.json), ``ExLlamaV2Cache`` is FP16 and holds one sequence of that length
+        (``batch_size=1``); TabbyAPI's cache_mode and cache_size default to the same."""
+        made = self._made(weights, ctx)
+        model = ctx.model if made is None else self._model_of(made)
+        config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
+        return DefaultLaunch(config, (
+            f"ExLlamaV2's defaults: FP16 cache of the model's own {model.max_context} tokens (max_seq_len from "
+            "config.json, cache batch 1), one sequence at a time; one user"))
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights):

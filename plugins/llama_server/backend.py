@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
-    same_value
+from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
+    TrialConfig, same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import SERVING_UNITS, StreamResult, event_data, measure_with_telemetry, run_streams_threaded
@@ -58,6 +58,14 @@ __all__ = ["LlamaServerBackend", "parse_log"]
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
+# llama-server's defaults when a user types `llama-server -m MODEL -ngl 999` (llama.cpp 0.3.36's
+# sources, vendored in the engine build's src/): -c 0, the model's trained context
+# (common/common.h: n_ctx = 0); -np -1, "auto" (common/arg.cpp sets it for LLAMA_EXAMPLE_SERVER),
+# which tools/server/server.cpp turns into 4 slots sharing one unified KV pool (kv_unified = true);
+# -fa auto, -ctk/-ctv f16, -b 2048, -ub 512, --fit on (shrinks an unset context to fit the card,
+# not below 4096; common/common.h), -t the machine's math cores.
+DEFAULT_SLOTS = 4
+ENGINE_DEFAULTS = "engine_defaults"  # the baseline's marker option: leave every flag but -m/-ngl out
 
 UNITS = SERVING_UNITS
 
@@ -161,6 +169,18 @@ class LlamaServerBackend(BaseBackend):
 
         return gguf_recipe(fmt, source, self.resolved_settings(ctx), lambda: self.binary(ctx))
 
+    def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
+        """``llama-server -m WEIGHTS -ngl N``: the GPU offload the study uses, every other flag at
+        llama-server's default (``DEFAULT_SLOTS`` slots sharing the model's trained context)."""
+        model = self._model_for(weights, ctx)
+        config = TrialConfig(self.name, weights, max(1, model.max_context // DEFAULT_SLOTS), DEFAULT_SLOTS,
+                             ((ENGINE_DEFAULTS, True),))
+        return DefaultLaunch(config, (
+            f"llama-server -m and -ngl only: -c 0 (the model's own {model.max_context} tokens, one KV pool "
+            f"shared by {DEFAULT_SLOTS} slots: -np auto), -fa auto, f16 KV cache, -b 2048 -ub 512, --fit on, "
+            f"threads chosen by the engine (llama.cpp's defaults: common/common.h, common/arg.cpp, "
+            f"tools/server/server.cpp); measured with {DEFAULT_SLOTS} users at once"))
+
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The GGUF file a candidate names: a path relative to the study file, or for a format
         (``gguf:Q4_K_M``) its place in the artifact cache, made or not yet."""
@@ -247,6 +267,12 @@ class LlamaServerBackend(BaseBackend):
     def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
                     has_gpu: bool) -> list[str]:
         """The one place the server's command line is built: trials launch it, deploy prints it."""
+        if config.option(ENGINE_DEFAULTS):
+            # The default launch (``default_launch``): no -c/-np/-fa/-ctk/-t/--fit, so the engine's own
+            # defaults apply; --host/--port/--no-webui/-lv only say where it listens and what it logs.
+            return [binary, "-m", str(self.weights_path(config.weights, ctx)),
+                    "-ngl", str(self.gpu_layers(ctx, has_gpu)), "--host", str(self.value(ctx, "host")),
+                    "--port", str(port), "--no-webui", "-lv", "4"]
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
                 *self.flags(config, self.gpu_layers(ctx, has_gpu)), "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
@@ -262,7 +288,8 @@ class LlamaServerBackend(BaseBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         has_gpu = self._on_gpu(ctx)
-        notes = [f"-c is shared by the slots: ctx {config.ctx} x {config.parallel} slots"]
+        notes = ["every flag but -m and -ngl at llama-server's default" if config.option(ENGINE_DEFAULTS) else
+                 f"-c is shared by the slots: ctx {config.ctx} x {config.parallel} slots"]
         try:
             binary = str(self.binary(ctx).absolute())
         except EngineUnavailableError:

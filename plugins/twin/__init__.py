@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune import hookimpl
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value
+from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
+    TrialConfig, same_value
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
 from autotune.formats import (
     EXL2_BPW_MAX, EXL2_BPW_MIN, WeightsBreakdown, gguf_file_weights, normalize_format, parse_format,
@@ -363,6 +364,12 @@ class _SimulatedClock:
         return self.factor if self.throttled else 1.0
 
 
+# llama-server's default launch, as the llama_server plugin describes it (its DEFAULT_SLOTS, with
+# the llama.cpp sources each default comes from): -np auto is 4 slots sharing one KV pool.
+DEFAULT_SLOTS = 4
+ENGINE_DEFAULTS = "engine_defaults"  # the baseline's marker option: the deploy line leaves flags at their defaults
+
+
 class TwinLlamaCpp(TwinBackend):
     name = "twin-llama.cpp"
     engine = "llama.cpp"
@@ -383,7 +390,25 @@ class TwinLlamaCpp(TwinBackend):
     def load_failure(self, config: TrialConfig, ctx: StudyContext, mem: MemoryEstimate) -> None:
         """llama.cpp does not fail: it spills layers to the CPU (recorded as host_layers)."""
 
+    def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
+        """The real llama-server's default launch (its ``default_launch`` says where each default
+        comes from): the model's trained context in one pool of 4 slots, f16 cache, flash attention
+        on (``-fa auto`` where the card has it). llama.cpp's ``--fit`` would shrink that context to
+        fit the card; the twin does not model it and spills layers instead, as it does for every
+        configuration that does not fit."""
+        config = TrialConfig(self.name, weights, max(1, ctx.model.max_context // DEFAULT_SLOTS), DEFAULT_SLOTS,
+                             (("cache_type", "f16"), (ENGINE_DEFAULTS, True), ("flash_attn", True)))
+        return DefaultLaunch(config, (
+            f"predicted for llama-server -m and -ngl only: the model's own {ctx.model.max_context} tokens in one "
+            f"KV pool of {DEFAULT_SLOTS} slots (-c 0, -np auto), f16 cache, -fa auto; {DEFAULT_SLOTS} users at once"))
+
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        if config.option(ENGINE_DEFAULTS):
+            _, detail = parse_format(self.as_format(config.weights, ctx))
+            path = self.weights_file(config.weights, ctx)
+            model_file = str(path) if path is not None else f"{ctx.model.key}-{detail}.gguf"
+            return (f"llama-server -m {model_file} -ngl 999 --host 127.0.0.1 --port 8080  # every other flag at "
+                    f"llama-server's default")
         cache = config.option("cache_type", "f16")
         fa = "on" if config.option("flash_attn", True) else "off"
         _, detail = parse_format(self.as_format(config.weights, ctx))
@@ -424,6 +449,15 @@ class TwinExllamaV2(TwinBackend):
         # flash-attn 2 needs sm_80; before that ExLlamaV2 falls back to SDPA/xformers, which
         # is still fused (no scores over the allocated cache).
         return "flash_attn" if ctx.gpu.compute_capability_tuple >= FLASH_ATTN2_MIN_CC else "sdpa"
+
+    def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
+        """ExLlamaV2's defaults, as the real backend's ``default_launch``: an FP16 cache of the
+        model's own context, one sequence."""
+        config = TrialConfig(self.name, weights, ctx.model.max_context, 1,
+                             (("cache_type", "fp16"), ("flash_attn", True)))
+        return DefaultLaunch(config, (
+            f"predicted for ExLlamaV2's defaults: FP16 cache of the model's own {ctx.model.max_context} tokens "
+            "(max_seq_len from config.json), one sequence at a time; one user"))
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         cache = config.option("cache_type", "fp16").upper()

@@ -99,6 +99,13 @@ def test_the_whole_study_on_real_servers(study_dir):
     assert summary["best"]["number"] == finish.get("chosen", fastest)
     assert fastest in finish.get("trials", [fastest])
     assert servers_on(study_dir / "models") == []
+    # Before the search, llama-server's default launch (-m and -ngl only) on the largest file, measured
+    # once with 4 users (-np auto), and how many times faster the winner is.
+    base = summary["baseline"]["llama-server"]
+    assert base["error"] is None and base["weights"] == "models/tiny-f16.gguf", base
+    assert base["aggregate_tok_s"]["median"] > 0 and base["ratio"]["aggregate"]["ratio"] > 0
+    assert " -ngl 0 " in base["deploy_command"] and " -c " not in base["deploy_command"]
+    assert not any((t.user_attrs.get("config") or {}).get("engine_defaults") for t in study.trials)
     check_the_twin_learned_from_the_study(study, study_dir, summary)
     # The report of a real study renders in a browser: knee, memory (measured peaks) at least.
     n, rows, winner = check_report(study_dir / "report.html", min_plots=2)
