@@ -19,6 +19,7 @@ from autotune.errors import AutotuneError
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import get_model
+from autotune.study.records import TrialRecord
 from tests.fake_backends import stats_for
 
 
@@ -167,15 +168,15 @@ def test_a_study_makes_each_artifact_once_and_records_it(source, tmp_path):
     assert len(done) == 4 and sorted(backend.loaded) == ["Q4_0 from ['hf-model', 'F16.bin']"] * 2 + \
         ["Q8_0 from ['hf-model', 'F16.bin']"] * 2
     for t in done:
-        (record,) = t.user_attrs["artifacts"]
+        (record,) = TrialRecord.of(t).artifacts
         assert record["weights"] == t.user_attrs["config"]["weights"] and len(record["sha256"]) == 64
         assert Path(record["path"]).is_file() and record["make_seconds"] >= 0
-    assert sum(t.user_attrs["artifacts"][0]["made_now"] for t in done) == 2  # one maker per artifact
+    assert sum(TrialRecord.of(t).artifacts[0]["made_now"] for t in done) == 2  # one maker per artifact
     failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
     # The failed conversion fails the trials that need it (the grid queued both), with the tool's
     # error, and is not run again for the second: the study goes on.
     assert {t.user_attrs["config"]["weights"] for t in failed} == {"gguf:Q2_K"} and len(failed) == 2
-    assert all("maker-quantize: error: unsupported tensor shape" in t.user_attrs["fail_reason"] for t in failed)
+    assert all("maker-quantize: error: unsupported tensor shape" in TrialRecord.of(t).fail_reason for t in failed)
     assert backend.made.count("gguf:Q2_K") == 1
 
 
@@ -291,7 +292,7 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
         assert states.count(optuna.trial.TrialState.COMPLETE) == 2
         deferred = [t for t in runner.study.get_trials() if t.user_attrs.get("deferred")]
         assert len(deferred) == 2 and all(t.state == optuna.trial.TrialState.FAIL for t in deferred)
-        assert "not started: making gguf:F16 then gguf:Q4_0 would take about 20000 s" in deferred[0].user_attrs["fail_reason"]
+        assert "not started: making gguf:F16 then gguf:Q4_0 would take about 20000 s" in TrialRecord.of(deferred[0]).fail_reason
         assert summary.n_failed == 0 and "2 not started (their weights would take longer to make" in summary_text(summary)
 
         later = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'd.db'}"))

@@ -78,6 +78,11 @@ def test_the_dashboard_speaks_autotune(twin_study):
                      what=f"trial {measured.number}'s note")
             text = browser.find_element("tag name", "body").text
             assert "aggregate" in text and "VRAM predicted" in text
+            # Each user attribute is one unwrapped line: the long values are stored in parts
+            # (records.cells), so the page is about as wide as the window (it was 9,238 px).
+            browser.set_window_size(1280, 1000)
+            width = browser.execute_script("return document.documentElement.scrollWidth")
+            assert width < 2000, f"the trial page is {width} px wide in a 1280 px window"
             assert not console_errors(browser), console_errors(browser)
     finally:
         server.terminate()

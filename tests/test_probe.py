@@ -13,6 +13,7 @@ from autotune.config import load_study_config
 from autotune.errors import ConfigError
 from autotune.measure import PROBE_STOP, Protocol, repeat_until_stable_many
 from autotune.study import open_storage, run_study
+from autotune.study.records import TrialRecord
 
 if __package__:
     from .fake_backends import FakeBackend, memory_dir, registered, write_study
@@ -74,8 +75,8 @@ def test_a_probe_far_below_the_leader_stops_the_launch_after_one_run(tmp_path, s
     assert backend.runs == {"fast": 3, "slow": 1, "close": 3}  # slow stopped by its probe; close is 10% behind
     assert slow.state == optuna.trial.TrialState.PRUNED and slow.user_attrs["probe"] is True
     assert slow.intermediate_values == {0: pytest.approx(50.05)}
-    assert slow.user_attrs["prune_reason"].startswith("probe: 50.0 in the first run, more than 20% below the leader's")
-    assert slow.user_attrs["metrics"]["aggregate_tok_s"]["stop_reason"] == PROBE_STOP
+    assert TrialRecord.of(slow).prune_reason.startswith("probe: 50.0 in the first run, more than 20% below the leader's")
+    assert TrialRecord.of(slow).metrics["aggregate_tok_s"]["stop_reason"] == PROBE_STOP
     assert summary.best["params"]["weights"] == "fast"
 
 

@@ -20,6 +20,7 @@ import autotune.study.storage as study_storage
 from autotune.backend import TrialConfig
 from autotune.config import load_study_config
 from autotune.study import StudyRunner, open_storage, prepare_study, rank_by_prior, run_study
+from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
     from .fake_backends import (BlockingBackend, FaultyBackend, RealExl2Backend, child_script,
@@ -96,9 +97,9 @@ def test_resume_grows_the_study_and_never_measures_twice(default_study_path, twi
     assert answered.user_attrs["answered_from"] == done.number
     assert answered.state == State.PRUNED
     assert answered.user_attrs["config_key"] == done.user_attrs["config_key"]
-    assert answered.user_attrs["prune_reason"].startswith(f"already evaluated as trial {done.number} (COMPLETE")
+    assert TrialRecord.of(answered).prune_reason.startswith(f"already evaluated as trial {done.number} (COMPLETE")
     # The answer carries the earlier outcome but never counts as a second measurement.
-    assert answered.user_attrs["metrics"] == done.user_attrs["metrics"]
+    assert TrialRecord.of(answered).metrics == TrialRecord.of(done).metrics
     assert second.extra["n_answered_from_storage"] >= 1
     n_pruned = sum(1 for t in trials if t.state == State.PRUNED)
     assert second.n_pruned == n_pruned - second.extra["n_answered_from_storage"]
@@ -140,15 +141,15 @@ def test_failing_backend_does_not_stop_the_study(tmp_path, storage):
         assert [t.state for t in by_weights[w]] == [State.COMPLETE] * 2
     for t in by_weights["backend-error"]:
         assert t.state == State.FAIL
-        assert t.user_attrs["fail_reason"] == "engine refused to load: unsupported tensor type"
-        assert t.user_attrs["log_tail"] == "load_tensors: failed\n"
+        assert TrialRecord.of(t).fail_reason == "engine refused to load: unsupported tensor type"
+        assert TrialRecord.of(t).log_tail == "load_tensors: failed\n"
     for t in by_weights["bug"]:
         assert t.state == State.FAIL
-        assert t.user_attrs["fail_reason"] == "RuntimeError: plugin bug: list index out of range"
-        assert "Traceback" in t.user_attrs["log_tail"]
+        assert TrialRecord.of(t).fail_reason == "RuntimeError: plugin bug: list index out of range"
+        assert "Traceback" in TrialRecord.of(t).log_tail
     for t in by_weights["crash"]:
         assert t.state == State.FAIL
-        assert "exited with status -9 during measurement" in t.user_attrs["fail_reason"]
+        assert "exited with status -9 during measurement" in TrialRecord.of(t).fail_reason
     assert summary.n_failed == 6 and summary.n_complete == 4
     assert summary.best["params"] == {"backend": "fake-faulty", "weights": "okay", "ctx": 4096, "parallel": 2,
                                       "mode": "plain"}
@@ -211,7 +212,7 @@ def test_signal_leaves_the_storage_consistent(tmp_path, scratch, sig):
     failed = study.get_trials(states=(State.FAIL,))
     assert len(failed) == 1
     assert failed[0].user_attrs["config_key"] == blocked_key
-    assert failed[0].user_attrs["fail_reason"] == "interrupted"
+    assert TrialRecord.of(failed[0]).fail_reason == "interrupted"
     assert failed[0].user_attrs["retry"] is True
     first_keys = set(complete_keys(study))
 
@@ -240,7 +241,7 @@ def test_keyboard_interrupt_in_backend_run(tmp_path, storage):
     assert_consistent(study)
     (failed,) = study.get_trials(states=(State.FAIL,))
     assert failed.user_attrs["config_key"] == backend.calls[1].key
-    assert failed.user_attrs["fail_reason"] == "interrupted"
+    assert TrialRecord.of(failed).fail_reason == "interrupted"
     assert failed.user_attrs["retry"] is True
     # An interrupted configuration is not an outcome: the next run may propose it again.
     with registered(BlockingBackend()):
@@ -341,7 +342,7 @@ def test_restart_fails_a_killed_local_workers_trial_at_once(tmp_path, scratch):
         summary = run_study(load_study_config(study_path), n_trials=5, storage=storage)
     assert summary.n_measured == 5
     dead = _assert_measured_again(storage, log, running)
-    assert dead.user_attrs["retry"] is True and "died" in dead.user_attrs["fail_reason"]
+    assert dead.user_attrs["retry"] is True and "died" in TrialRecord.of(dead).fail_reason
 
 
 def test_restart_fails_a_dead_remote_workers_trial_after_the_heartbeat_grace(tmp_path, scratch, monkeypatch):
@@ -404,17 +405,17 @@ def test_over_budget_and_invalid_configurations_are_pruned_unlaunched(default_st
 
     assert t_over.state == State.PRUNED
     assert t_over.user_attrs["config_key"] == over.key
-    assert t_over.user_attrs["prune_reason"].startswith("infeasible: predicted ")
-    predicted = t_over.user_attrs["predicted_vram"]
+    assert TrialRecord.of(t_over).prune_reason.startswith("infeasible: predicted ")
+    predicted = TrialRecord.of(t_over).predicted_vram
     assert predicted["total_bytes"] > budget
     assert predicted["total_bytes"] == sum(predicted[k] for k in ("weights_bytes", "kv_bytes", "buffers_bytes",
                                                                      "overhead_bytes"))
-    assert f"budget {budget / 2**30:.2f} GiB" in t_over.user_attrs["prune_reason"]
+    assert f"budget {budget / 2**30:.2f} GiB" in TrialRecord.of(t_over).prune_reason
     assert t_over.constraints["vram_over_budget"] > 0  # infeasible to the sampler too
     assert "metrics" not in t_over.user_attrs and "engine" not in t_over.user_attrs  # never launched
 
     assert t_invalid.state == State.PRUNED
-    assert t_invalid.user_attrs["prune_reason"] == "invalid: " + "; ".join(invalid[1])
+    assert TrialRecord.of(t_invalid).prune_reason == "invalid: " + "; ".join(invalid[1])
     assert "predicted_vram" not in t_invalid.user_attrs and "metrics" not in t_invalid.user_attrs
     assert summary.n_measured == 1 and summary.n_complete == 1
 

@@ -15,6 +15,7 @@ from autotune.study import StudyRunner, prepare_study
 from autotune.study import runner as runner_mod
 from autotune.study import storage as study_storage
 from autotune.study.records import write
+from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
     from .fake_backends import FakeBackend, memory_dir, read_log, registered, write_study
@@ -34,7 +35,7 @@ def test_a_killed_local_worker_s_trial_is_failed_for_retry_at_restart(twin_plugi
     again = StudyRunner(prepare_study(cfg, storage=tmp_storage), seed=1)
     t = again.study.trials[orphan.number]
     assert t.state == optuna.trial.TrialState.FAIL
-    assert t.user_attrs["retry"] is True and "died" in t.user_attrs["fail_reason"]
+    assert t.user_attrs["retry"] is True and "died" in TrialRecord.of(t).fail_reason
     # Retried trials never answer for their configuration.
     assert "whatever was being measured" not in again._evaluated_keys()
     summary = again.run(n_trials=2)

@@ -9,6 +9,7 @@ that autotune did not write, is refused instead of misread.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -76,7 +77,7 @@ class TrialRecord:
     @classmethod
     def of(cls, t: optuna.trial.FrozenTrial) -> "TrialRecord":
         a = t.user_attrs
-        stored = {name: a[name] for name in STORED if name in a}
+        stored = {name: joined(a, name) for name in STORED if name in a}
         return cls(number=t.number, state=t.state, values=tuple(t.values) if t.values else None,
                    constraints=dict(t.constraints), raw=a, **stored)
 
@@ -121,13 +122,86 @@ STORED = tuple(f.name for f in fields(TrialRecord) if f.name not in _FROM_OPTUNA
 _STORED_SET = frozenset(STORED)
 
 
+# optuna-dashboard shows each user attribute on one line that does not wrap: a long JSON value
+# (a trial's metrics are 1,600 characters, an engine's log tail 4,000) made a trial page 9,000 px
+# wide. A dict, list or string whose line would be longer than this is stored as one attribute
+# per key, item or piece, under ``<field>.<key>`` (recursively), with ``<field>`` holding a
+# marker; ``joined`` puts it back.
+CELL_CHARS = 160
+SPLIT_MARK = "_split"  # {"_split": "dict"}, "list" or "text" (a long string, in pieces)
+STALE = {SPLIT_MARK: "stale"}  # a part of an earlier, longer value (attributes cannot be deleted)
+# Identity fields, read raw by Optuna's queue and compared whole: never split.
+WHOLE = frozenset({"config", "config_key"})
+
+
+def _pieces(text: str, width: int) -> list[str]:
+    """``text`` in pieces of at most ``width`` characters, cut after a line's end where one is near."""
+    out, piece = [], ""
+    for line in text.splitlines(keepends=True):
+        while len(line) > width:
+            if piece:
+                out.append(piece)
+                piece = ""
+            out.append(line[:width])
+            line = line[width:]
+        if len(piece) + len(line) > width:
+            out.append(piece)
+            piece = ""
+        piece += line
+    return out + ([piece] if piece else [])
+
+
+def cells(name: str, value: Any) -> list[tuple[str, Any]]:
+    """The user attributes that store ``value`` under ``name``: itself, or a marker and its parts."""
+    if name in WHOLE:
+        return [(name, value)]
+    if isinstance(value, str) and len(name) + len(value) + 2 > CELL_CHARS:
+        pieces = _pieces(value, max(CELL_CHARS - len(name) - 8, 40))
+        return [(name, {SPLIT_MARK: "text"})] + [(f"{name}.{i}", p) for i, p in enumerate(pieces)]
+    if not isinstance(value, (dict, list)) or not value:
+        return [(name, value)]
+    if len(name) + len(json.dumps(value, default=str)) <= CELL_CHARS:
+        return [(name, value)]
+    if isinstance(value, dict):
+        if any(not isinstance(k, str) or "." in k for k in value):
+            return [(name, value)]  # its keys could not be told from the path: kept whole
+        items: Iterable[tuple[str, Any]] = value.items()
+        kind = "dict"
+    else:
+        items, kind = ((str(i), v) for i, v in enumerate(value)), "list"
+    out: list[tuple[str, Any]] = [(name, {SPLIT_MARK: kind})]
+    for key, item in items:
+        out += cells(f"{name}.{key}", item)
+    return out
+
+
+def joined(attrs: Mapping[str, Any], name: str) -> Any:
+    """The value ``cells`` stored under ``name`` (a value stored whole is returned as is)."""
+    value = attrs.get(name)
+    if not (isinstance(value, dict) and set(value) == {SPLIT_MARK}):
+        return value
+    prefix = name + "."
+    keys = {k[len(prefix):].split(".", 1)[0] for k in attrs if k.startswith(prefix)}
+    parts = {k: joined(attrs, prefix + k) for k in keys if attrs.get(prefix + k) != STALE}
+    if value[SPLIT_MARK] in ("list", "text"):
+        ordered = [parts[k] for k in sorted(parts, key=int)]
+        return "".join(ordered) if value[SPLIT_MARK] == "text" else ordered
+    return parts
+
+
 def write(trial: optuna.Trial, **attrs: Any) -> None:
     """Store fields of ``TrialRecord`` on a running trial (each one is saved at once, so a
-    crash keeps what was known)."""
+    crash keeps what was known); long dicts and lists as ``cells``."""
     for key, value in attrs.items():
         if key not in _STORED_SET:
             raise KeyError(f"{key!r} is not a TrialRecord field")
-        trial.set_user_attr(key, value)
+        new = dict(cells(key, value))
+        prefix = key + "."
+        had = trial.user_attrs if isinstance(value, (dict, list, str)) else {}
+        for k in [k for k, v in had.items() if k.startswith(prefix) and k not in new and v != STALE]:
+            trial.set_user_attr(k, STALE)
+        for k, v in new.items():
+            trial.set_user_attr(k, v)
 
 
 def write_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) -> None:

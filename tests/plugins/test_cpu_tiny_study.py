@@ -30,6 +30,7 @@ from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
 from autotune_plugins.twin import TwinLlamaCpp
 from autotune_plugins.twin.calibration import median_abs_error
+from autotune.study.records import TrialRecord
 from tests.conftest import REPO, shared_file
 from tests.browser import check_report
 from tests.engine_fixtures import cpu_build
@@ -79,11 +80,11 @@ def test_the_whole_study_on_real_servers(study_dir):
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) >= 20
     for t in done:
-        m = t.user_attrs["metrics"]
+        m = TrialRecord.of(t).metrics
         # Real measurements: positive rates, a spread, several runs each, from the engine itself.
         assert m["decode_tok_s"]["median"] > 0 and m["aggregate_tok_s"]["median"] > 0
         assert m["aggregate_tok_s"]["n"] >= 3
-        assert t.user_attrs["engine"]["version"].startswith("llama.cpp")
+        assert TrialRecord.of(t).engine["version"].startswith("llama.cpp")
     # Every file in the space was loaded by the engine, and each in its own format.
     assert {t.params["llama-server.weights"] for t in done} >= {
         "models/tiny-f16.gguf", "models/tiny-f16-Q8_0.gguf", "models/tiny-f16-Q4_0.gguf", "models/stories260K.gguf"}
@@ -91,10 +92,10 @@ def test_the_whole_study_on_real_servers(study_dir):
     for t in study.trials:
         if t.params.get("llama-server.weights") == "models/stories260K.gguf" and \
                 t.params.get("kv_bits") == 8:  # q8_0, under the shared name of the cache's precision
-            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["prune_reason"]
+            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in TrialRecord.of(t).prune_reason
     # The objective is plain aggregate tok/s: the best trial is the fastest one measured, or, where
     # the noise-aware finish measured the leaders again, the one it chose among them.
-    fastest = max(done, key=lambda t: t.user_attrs["metrics"]["aggregate_tok_s"]["median"]).number
+    fastest = max(done, key=lambda t: TrialRecord.of(t).metrics["aggregate_tok_s"]["median"]).number
     finish = summary.get("finish") or {}
     assert summary["best"]["number"] == finish.get("chosen", fastest)
     assert fastest in finish.get("trials", [fastest])

@@ -20,6 +20,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from autotune.study.records import TrialRecord
 from tests.conftest import REPO
 from tests.engine_fixtures import cpu_build
 
@@ -88,10 +89,10 @@ def test_formats_are_made_once_and_found_by_the_next_study(workdir):
     assert {t.params["llama-server.weights"] for t in trials} == {"gguf:Q8_0", "gguf:Q4_0"}
     made = {}
     for t in trials:
-        (a,) = t.user_attrs["artifacts"]
+        (a,) = TrialRecord.of(t).artifacts
         assert a["made_now"] and a["tool"].startswith("llama.cpp-") and Path(a["path"]).is_file()
         # The engine loaded the file it was given: the deploy line names it.
-        assert a["path"] in t.user_attrs["deploy_command"]
+        assert a["path"] in TrialRecord.of(t).deploy_command
         made[a["format"]] = a
     from autotune.gguf_file import read_gguf
 
@@ -105,7 +106,7 @@ def test_formats_are_made_once_and_found_by_the_next_study(workdir):
     assert "making" not in second.stderr
     assert second.stderr.count("cache hit") >= 2
     for t in completed(f"sqlite:///{workdir / 'two.db'}", "made"):
-        (a,) = t.user_attrs["artifacts"]
+        (a,) = TrialRecord.of(t).artifacts
         assert not a["made_now"] and a["sha256"] == made[a["format"]]["sha256"]
     print(f"two studies from one source: {time.monotonic() - started:.0f} s")
 
@@ -130,8 +131,8 @@ def test_init_on_a_gguf_file_writes_a_study_that_runs(workdir):
     assert "ctx = [256, 512, 1024, 2048]" in text  # up to stories260K's own context, 2048
     (t,) = trials
     # The quality is KLD against the source's full-precision format, made like any artifact.
-    assert t.user_attrs["quality"]["reference_weights"] == "gguf:F16"
-    assert {a["format"] for a in t.user_attrs["artifacts"]} >= {"gguf:F16"}
+    assert TrialRecord.of(t).quality["reference_weights"] == "gguf:F16"
+    assert {a["format"] for a in TrialRecord.of(t).artifacts} >= {"gguf:F16"}
 
 
 needs_converter = pytest.mark.skipif(
@@ -148,7 +149,7 @@ def test_init_on_a_hugging_face_directory_writes_a_study_that_runs(workdir):
     text, trials = run_init_study(workdir, "tiny-llama")
     assert 'source = "tiny-llama"' in text
     (t,) = trials
-    formats = {a["format"]: a for a in t.user_attrs["artifacts"]}
+    formats = {a["format"]: a for a in TrialRecord.of(t).artifacts}
     assert "gguf:F16" in formats  # converted by llama.cpp's convert_hf_to_gguf.py, then quantized from it
     from autotune.gguf_file import read_gguf
 

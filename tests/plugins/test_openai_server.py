@@ -26,6 +26,7 @@ from autotune.measure import Protocol
 from autotune.measure.openai_api import ServerCounters, disagreements, parse_prometheus
 from autotune.models import model_from_gguf
 from autotune.scoring import ScoringUnsupportedError
+from autotune.study.records import TrialRecord
 from tests.engine_fixtures import STORIES, llama_cpp_module, llama_server_binary
 from tests.plugins.test_cpu_tiny_study import TINY
 from tests.plugins.test_llama_server_backend import servers_on
@@ -253,14 +254,14 @@ def test_a_cpu_study_through_the_llama_server_template(study_dir):
     study = optuna.load_study(study_name="openai-cpu", storage=storage)
     for t in study.trials:
         if t.state == optuna.trial.TrialState.COMPLETE:
-            m, facts = t.user_attrs["metrics"], t.user_attrs["engine_facts"]
+            m, facts = TrialRecord.of(t).metrics, TrialRecord.of(t).engine_facts
             assert m["aggregate_tok_s"]["median"] > 0 and m["aggregate_tok_s"]["n"] >= 2
             assert facts["template"] == "llama-server" and facts["engine_version"].startswith("llama-server: version")
             # The engine's own counters, read around each concurrent phase, saw the tokens the client counted.
             sm = facts["server_metrics"]
             assert sm["available"] and sm["server"]["generated_tokens"] == sm["client"]["generated_tokens"] > 0
         elif t.params.get("openai-server.cache_type") == "q8_0":
-            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in t.user_attrs["prune_reason"]
+            assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in TrialRecord.of(t).prune_reason
     deploy = summary["best"]["deploy_command"]
     assert deploy.startswith(str(llama_server_binary().absolute()) + " -m " + str(study_dir / "stories260K.gguf"))
     assert " -ctk f16 -ctv f16 -fa on " in deploy and "--port 8000" in deploy and deploy.endswith(

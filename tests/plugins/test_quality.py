@@ -25,6 +25,7 @@ from autotune.config import load_study_config
 from autotune.errors import ConfigError
 from autotune.scoring import LogLikelihood, Scorer
 from autotune.study import prepare_study, run_study
+from autotune.study.records import TrialRecord
 from tests.conftest import plugin_registered
 from tests.fake_backends import FakeBackend, registered, write_study
 
@@ -280,7 +281,7 @@ def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == 4
     for t in complete:
-        q, score = t.user_attrs["quality"], t.user_attrs["score"]
+        q, score = TrialRecord.of(t).quality, TrialRecord.of(t).score
         expected_drop = 0.0 if t.user_attrs["config"]["weights"] == "exact" else (1.0 - always_a) * 100
         assert q["drop_points"] == pytest.approx(expected_drop)
         assert q["n"] == q["items_used"] == 57 and q["reference_value"] == 1.0
@@ -309,14 +310,14 @@ def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path
     assert by_weights["always-a"]["verdict"] == "over" and by_weights["always-a"]["items_used"] == 57
     assert by_weights["exact"]["verdict"] == "within" and by_weights["exact"]["items_used"] == 114
     for t in study.trials:
-        q = t.user_attrs.get("quality")
+        q = TrialRecord.of(t).quality
         if t.user_attrs["config"]["weights"] == "always-a":
             assert t.state == optuna.trial.TrialState.PRUNED
-            assert "over the bound" in t.user_attrs["prune_reason"]
+            assert "over the bound" in TrialRecord.of(t).prune_reason
         elif t.state == optuna.trial.TrialState.COMPLETE:
             assert (q["verdict"], q["items_used"], q["admitted"]) == ("within", 114, True)
             assert q["drop_stderr_points"] < q["unpaired_stderr_points"] or q["unpaired_stderr_points"] == 0
-            assert t.user_attrs["score"]["feasible"]
+            assert TrialRecord.of(t).score["feasible"]
     assert "quality" in summary.extra["quality_power"] and "items per candidate" in summary.extra["quality_power"]
     from autotune.report import summary_text
 
@@ -339,7 +340,7 @@ def test_an_undecided_configuration_is_treated_by_the_stated_policy(tmp_path, tm
     assert d["admitted"] is admitted and d["decided_by"] == f"policy {policy}"
     study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
     states = {t.state for t in study.trials if t.user_attrs["config"]["weights"] == "always-a" and "answered_from" not in t.user_attrs}
-    reasons = [t.user_attrs.get("prune_reason") for t in study.trials]
+    reasons = [TrialRecord.of(t).prune_reason for t in study.trials]
     assert states == {optuna.trial.TrialState.COMPLETE if admitted else optuna.trial.TrialState.PRUNED}, reasons
 
 
