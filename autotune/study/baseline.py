@@ -21,6 +21,7 @@ import optuna
 
 from autotune import artifacts
 from autotune.artifacts import ArtifactError
+from autotune.backend import BaseBackend
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.study import records
 from autotune.study.prepare import PreparedStudy, highest_precision
@@ -50,6 +51,8 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
         if name in stored or name not in prepared.contexts:
             continue
         backend = prepared.backend(name)
+        if type(backend).default_launch is BaseBackend.default_launch:
+            continue  # declines without being asked (a replay answers only for recorded configurations)
         ctx = prepared.contexts[name]
         weights = highest_precision(backend, cand.weights, ctx)
         launch = backend.default_launch(weights, ctx)
