@@ -127,7 +127,7 @@ _STORED_SET = frozenset(STORED)
 # wide. A dict, list or string whose line would be longer than this is stored as one attribute
 # per key, item or piece, under ``<field>.<key>`` (recursively), with ``<field>`` holding a
 # marker; ``joined`` puts it back.
-CELL_CHARS = 160
+CELL_CHARS = 100
 SPLIT_MARK = "_split"  # {"_split": "dict"}, "list" or "text" (a long string, in pieces)
 STALE = {SPLIT_MARK: "stale"}  # a part of an earlier, longer value (attributes cannot be deleted)
 # Identity fields, read raw by Optuna's queue and compared whole: never split.
