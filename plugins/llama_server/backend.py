@@ -455,6 +455,9 @@ class LlamaServerBackend(BaseBackend):
                         timings = data.get("timings") or {}
                         n_out = int(timings.get("predicted_n", data.get("tokens_predicted", 0)))
                         n_prompt = int(timings.get("prompt_n", n_prompt))
+                        # The last event: waiting for the server to close the stream as well
+                        # hung a finish's request alone until the timeout (seen on the CPU).
+                        break
             end = time.monotonic()
             if first is None:
                 first = end
