@@ -429,9 +429,7 @@ class StudyRunner:
 
         def claim(backend: str) -> bool:
             key = f"baseline:{backend}"
-            holder = self.claims.claim(key, self._finish_token)
-            if holder in (None, self._finish_token) or (
-                    _dead_local_finisher(holder) and self.claims.take_over(key, holder, self._finish_token)):
+            if self._claim_once(key):
                 held.append(key)
                 return True
             return False
@@ -469,6 +467,13 @@ class StudyRunner:
         return objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
                                    budget_bytes, drop, per_user.median if per_user is not None else None,
                                    (quality or {}).get("admitted"))
+
+    def _claim_once(self, key: str) -> bool:
+        """Whether this worker holds ``key`` (work done once per study, not per worker): claimed
+        now, held already, or taken over from a worker killed on this machine."""
+        holder = self.claims.claim(key, self._finish_token)
+        return holder in (None, self._finish_token) or (
+            _dead_local_finisher(holder) and self.claims.take_over(key, holder, self._finish_token))
 
     def finish(self, note: Callable[[str], None] | None = None) -> int:
         """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
@@ -523,9 +528,7 @@ class StudyRunner:
                 # Workers sharing the study reach the finish together: each round is claimed, so
                 # they share the rounds out instead of each measuring all of them.
                 key = f"finish:{r.number}:{round_}"
-                holder = self.claims.claim(key, self._finish_token)
-                if holder not in (None, self._finish_token) and not (
-                        _dead_local_finisher(holder) and self.claims.take_over(key, holder, self._finish_token)):
+                if not self._claim_once(key):
                     others += 1
                     continue
                 config = r.trial_config
