@@ -33,7 +33,7 @@ from replay_backend import RecordedGrid, trial_seconds  # noqa: E402
 
 from autotune.report import load_study  # noqa: E402
 from autotune.study import records  # noqa: E402
-from autotune.study.summary import _Contender, needed_lead, summarize  # noqa: E402
+from autotune.study.summary import needed_lead, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GRIDS = {"qwen7b": "h200_grid_qwen7b", "llama8b": "h200_grid_llama8b"}
@@ -80,27 +80,16 @@ def pooled_runs(grid: RecordedGrid, studies: list) -> dict[str, list[float]]:
     return runs
 
 
-class _Pooled(_Contender):
-    """A configuration's pooled runs, in the shape the finish's test reads."""
-
-    def __init__(self, values: list[float]):
-        self._values = values
-
-    @property
-    def runs(self) -> list[float]:
-        return self._values
-
-
 def pooled_value(runs: dict[str, list[float]], key: str | None) -> dict | None:
     """The pick's pooled mean against the best pooled mean, and whether noise explains the gap."""
     if key is None or key not in runs:
         return None
     means = {k: sum(v) / len(v) for k, v in runs.items() if len(v) >= 2}
     best = max(means, key=means.__getitem__)
-    pick, top = _Pooled(runs[key]), _Pooled(runs[best])
-    gap = top.mean / pick.mean - 1
-    needed = needed_lead(top, pick) if key != best else 0.0
-    return {"ratio": pick.mean / top.mean, "n_runs": len(runs[key]), "best_n_runs": len(runs[best]),
+    pick = sum(runs[key]) / len(runs[key])
+    gap = means[best] / pick - 1
+    needed = needed_lead(runs[best], runs[key]) if key != best else 0.0
+    return {"ratio": pick / means[best], "n_runs": len(runs[key]), "best_n_runs": len(runs[best]),
             "best_is_pick": key == best, "gap": gap, "needed": needed, "tie_with_best": gap <= needed,
             "best": json.loads(best)}
 

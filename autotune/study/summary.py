@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import optuna
 
@@ -153,22 +153,23 @@ class _Contender:
                 "memory_measured": measured_memory, "per_user_tok_s": self.per_user, "failures": self.failures}
 
 
-def needed_lead(a: _Contender, b: _Contender) -> float:
-    """The lead of ``a``'s mean over ``b``'s (relative to ``b``'s) that the runs' noise cannot
-    explain: Student's two-sample t-test with pooled variance at ``CONFIDENCE`` (two-sided).
+def needed_lead(a: Sequence[float], b: Sequence[float]) -> float:
+    """The lead of the mean of runs ``a`` over that of runs ``b`` (relative to ``b``'s) that the
+    runs' noise cannot explain: Student's two-sample t-test with pooled variance at
+    ``CONFIDENCE`` (two-sided).
 
     Not the range of the runs: a range only grows with more runs, so measuring more would call
     fewer winners. Zero where every run of both agreed exactly (the twin without noise)."""
     from scipy.stats import t as student
 
-    na, nb = len(a.runs), len(b.runs)
+    na, nb = len(a), len(b)
     df = na + nb - 2
     if df < 1:
         return math.inf
-    pooled = ((na - 1) * statistics.variance(a.runs) if na > 1 else 0.0) + \
-        ((nb - 1) * statistics.variance(b.runs) if nb > 1 else 0.0)
+    pooled = ((na - 1) * statistics.variance(a) if na > 1 else 0.0) + \
+        ((nb - 1) * statistics.variance(b) if nb > 1 else 0.0)
     se = math.sqrt(pooled / df * (1 / na + 1 / nb))
-    return float(student.ppf(0.5 + CONFIDENCE / 2, df)) * se / max(abs(b.mean), 1e-9)
+    return float(student.ppf(0.5 + CONFIDENCE / 2, df)) * se / max(abs(statistics.fmean(b)), 1e-9)
 
 
 def _trials(numbers: list[int]) -> str:
@@ -228,7 +229,7 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
         return out
     runner_up = sound[1]
     lead = _relative(leader.mean, runner_up.mean)
-    needed = needed_lead(leader, runner_up)
+    needed = needed_lead(leader.runs, runner_up.runs)
     spread = max(leader.spread, runner_up.spread)
     out.update(lead=lead, needed=needed, spread=spread, confidence=CONFIDENCE)
     runs = f"{len(leader.runs)} and {len(runner_up.runs)} runs" if len(leader.runs) != len(runner_up.runs) \
@@ -239,7 +240,7 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
                         f"beyond the {_pct(needed)} that run-to-run noise explains at {CONFIDENCE:.0%} confidence, "
                         f"{runs}; {len(contenders)} configurations measured again {n_rounds}x, interleaved{failed_note})")
         return out
-    tied = [c for c in sound if c is leader or _relative(leader.mean, c.mean) <= needed_lead(leader, c)]
+    tied = [c for c in sound if c is leader or _relative(leader.mean, c.mean) <= needed_lead(leader.runs, c.runs)]
     memory = {c.record.number: c.memory(measured_memory) for c in tied}
     least = min((m for m in memory.values() if m is not None), default=None)
     near = [c for c in tied if least is None or (memory[c.record.number] or math.inf) <= least * (1 + SAME_MEMORY)]
