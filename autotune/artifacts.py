@@ -320,9 +320,15 @@ def ensure(backend: "BaseBackend", weights: str, ctx: "StudyContext",
     Raises:
         ArtifactError: No source, a disk too small, or the tool failed (its own error quoted).
     """
-    if backend.is_model or not backend.makes_artifacts or not is_format(weights):
+    if not _made_by(backend, weights):
         return None
     return _ensure(backend, weights, ctx, say or (lambda _: None), depth=0)
+
+
+def _made_by(backend: "BaseBackend", weights: str) -> bool:
+    """Whether ``backend`` makes ``weights`` (a format it has recipes for) rather than loading a
+    file as given; a model backend (the twin) predicts a format and makes nothing."""
+    return not backend.is_model and backend.makes_artifacts and is_format(weights)
 
 
 def _recipe(backend: "BaseBackend", fmt: str, ctx: "StudyContext") -> Recipe:
@@ -419,7 +425,7 @@ def predict_making(backend: "BaseBackend", weights: str, ctx: "StudyContext") ->
     cache recorded for the same tool and step (conversions scale with the bytes they write),
     else at the recipe's own first guess; ``seconds`` is None where neither exists.
     """
-    if backend.is_model or not backend.makes_artifacts or not is_format(weights):
+    if not _made_by(backend, weights):
         return None
     try:
         plan = _unmade(backend, weights, ctx, depth=0)
