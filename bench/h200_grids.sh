@@ -27,6 +27,18 @@ export PYTHONPATH=/tmp/site
 AT=(python3 -c 'import sys; from autotune.cli import main; sys.exit(main())')
 t() { local n=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$n.log" 2>&1; local rc=$?; echo "$n $((SECONDS - t0)) s rc=$rc" | tee -a "$OUT/times.txt"; tail -n 3 "$OUT/$n.log"; }
 
+build() {  # build TARGET...: the carried llama.cpp tree for sm_90 under /tmp/g/b
+  t llama_build bash -c "cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+      && ninja -C /tmp/g/b $*"
+}
+
+synth_l8b() {  # the Llama 3.1 8B shape, F16, at /tmp/g/m/l8b-F16.gguf
+  t synth_l8b "${AT[@]}" synth --arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
+      --ctx 131072 --vocab-from /tmp/g/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf
+}
+
 grid() {  # grid STUDY_FILE GPU RUN SECS LEAVE_GIB
   local file=$1 gpu=$2 run=$3 secs=$4 leave=$5 name
   name=$(basename "$file" .toml)-run$run
@@ -51,14 +63,10 @@ prep)
   python3 -c 'import scipy, optuna, autotune; print("scipy", scipy.__version__, "optuna", optuna.__version__)'
   mkdir -p /tmp/g/src /tmp/g/m && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
   for v in qwen2 llama-bpe; do gunzip -c .carry/ggml-vocab-$v.gguf.gz >/tmp/g/ggml-vocab-$v.gguf; done
-  t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-      && ninja -C /tmp/g/b llama-server llama-quantize llama-bench' &
+  build llama-server llama-quantize llama-bench &
   t synth_q7b "${AT[@]}" synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 \
       --ctx 32768 --vocab-from /tmp/g/ggml-vocab-qwen2.gguf --out /tmp/g/m/q7b-F16.gguf &
-  t synth_l8b "${AT[@]}" synth --arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
-      --ctx 131072 --vocab-from /tmp/g/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
+  synth_l8b &
   wait
   for q in Q8_0 Q4_K_M Q4_0; do t "quant_q7b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/q7b-F16.gguf /tmp/g/m/q7b-$q.gguf $q 16 & done
   for q in Q8_0 Q5_K_M Q4_K_M; do t "quant_l8b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/l8b-F16.gguf /tmp/g/m/l8b-$q.gguf $q 16 & done
@@ -106,12 +114,8 @@ llama-seeds)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
   mkdir -p /tmp/g/src /tmp/g/m && tar xzf .carry/llama.cpp.tar.gz -C /tmp/g/src
   gunzip -c .carry/ggml-vocab-llama-bpe.gguf.gz >/tmp/g/ggml-vocab-llama-bpe.gguf
-  t llama_build bash -c 'cmake -S /tmp/g/src -B /tmp/g/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-      && ninja -C /tmp/g/b llama-server llama-quantize' &
-  t synth_l8b "${AT[@]}" synth --arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
-      --ctx 131072 --vocab-from /tmp/g/ggml-vocab-llama-bpe.gguf --out /tmp/g/m/l8b-F16.gguf &
+  build llama-server llama-quantize &
+  synth_l8b &
   wait
   for q in Q8_0 Q5_K_M Q4_K_M; do t "quant_l8b_$q" /tmp/g/b/bin/llama-quantize /tmp/g/m/l8b-F16.gguf /tmp/g/m/l8b-$q.gguf $q 16 & done
   wait
