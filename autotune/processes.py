@@ -44,7 +44,10 @@ def die_with_parent() -> None:
 def stop_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     """SIGTERM the process group ``proc`` leads, wait, SIGKILL it if it lingers.
 
-    When the leader has already exited, what is left of its group is killed outright.
+    When the leader has already exited, what is left of its group is killed outright. An
+    interrupt while waiting ends the grace at once (the group is killed, the interrupt goes on),
+    and a group that outlives even SIGKILL's wait is left to the kernel: neither may replace the
+    error the caller is already raising with a ``TimeoutExpired`` that looks like a failed trial.
     """
     if proc.poll() is None:
         try:
@@ -53,17 +56,26 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
             pass
         try:
             proc.wait(timeout=timeout_s)
+            return
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=timeout_s)
-    else:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
             pass
+        except BaseException:
+            _kill_group(proc)
+            raise
+        _kill_group(proc)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    else:
+        _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _run_cleanups() -> None:

@@ -11,15 +11,12 @@ configuration twice, and a heartbeat lets a survivor fail a dead worker's trial.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
 import random
-import signal
 import statistics
 import socket
-import threading
 import time
 import traceback
 import warnings
@@ -39,6 +36,7 @@ from autotune.space import NotOffered
 from autotune.study import calibration, records, storage
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
+from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.prepare import PreparedStudy
 from autotune.study.prior import rank_by_prior
@@ -144,11 +142,6 @@ def judge_for(prepared: PreparedStudy, study: optuna.Study | None) -> Admission:
                      learned_residuals(study) if study is not None else None)
 
 
-class _Interrupted(BaseException):
-    """Ctrl-C or SIGTERM: a BaseException, like KeyboardInterrupt, so that a plugin's
-    ``except Exception`` cannot turn the user's interrupt into one failed trial and go on."""
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -183,8 +176,7 @@ class StudyRunner:
         self._last_cleanup = float("-inf")
         self._twin_choices = 0
         self._launch_seconds: list[float] = []
-        self._defer_signals = False
-        self._deferred_signal: int | None = None
+        self.interrupts = Interrupts()
         self._note: Callable[[str], None] | None = None
         self._failed_artifacts: set[tuple[str, str]] = set()
         self._deferred_artifacts: set[tuple[str, str]] = set()  # too long to make in what is left of the budget
@@ -367,48 +359,16 @@ class StudyRunner:
         start = time.monotonic()
         self._deadline = None if budget_s is None else start + budget_s
         interrupted = False
-        idle = 0
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                previous[signum] = signal.getsignal(signum)
-                signal.signal(signum, self._on_signal)
-        try:
-            self.measure_baseline(note)
-            while True:
-                if n_trials is not None and self.n_measured >= n_trials:
-                    break
-                if budget_s is not None and not self._next_launch_fits(budget_s - (time.monotonic() - start)):
-                    break
-                if self.cfg.sampler == "grid" and not self._has_waiting():
-                    break
-                if self.cfg.sampler == "twin" and not self.enqueue_twin_choice():
-                    self.converged = True
-                    break
-                measured_before = self.n_measured
-                launch_start = time.monotonic()
-                event = self._one_trial(heartbeat, start)
-                if self.n_measured > measured_before:
-                    self._launch_seconds.append(time.monotonic() - launch_start)
-                self.n_new += 1
-                # Proposals answered from the storage, and refused configurations, launch
-                # nothing; very many in a row mean nothing is left that could run.
-                idle = 0 if self.n_measured > measured_before else idle + 1
-                if callback:
-                    callback(event)
-                if idle and idle % EXPLORE_AFTER_IDLE == 0 and not self._enqueue_unexplored():
-                    self.converged = True  # everything that can run has been evaluated
-                    break
-                if idle >= MAX_IDLE_PROPOSALS:
-                    self.converged = True
-                    break
-            self.finish(note)
-        except (KeyboardInterrupt, _Interrupted):
-            interrupted = True
-        finally:
-            heartbeat.close()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+        with self.interrupts.installed():
+            try:
+                self.measure_baseline(note)
+                self._search(heartbeat, start, budget_s, n_trials, callback)
+                self.finish(note)
+            except (KeyboardInterrupt, Interrupted):
+                self.interrupts.caught()
+                interrupted = True
+            finally:
+                heartbeat.close()
         summary = summarize(self.study, self.prepared.shown_storage)
         summary.n_new = self.n_new
         summary.n_measured = self.n_measured
@@ -417,6 +377,39 @@ class StudyRunner:
         summary.extra["converged"] = self.converged
         summary.extra["excluded_before_search"] = self.prepared.excluded
         return summary
+
+    def _search(self, heartbeat: storage.Heartbeat, start: float, budget_s: float | None, n_trials: int | None,
+                callback: Callable[[TrialEvent], None] | None) -> None:
+        """Trials until the budget, the trial count or the space runs out."""
+        idle = 0
+        while True:
+            self.interrupts.raise_if_interrupted()
+            if n_trials is not None and self.n_measured >= n_trials:
+                return
+            if budget_s is not None and not self._next_launch_fits(budget_s - (time.monotonic() - start)):
+                return
+            if self.cfg.sampler == "grid" and not self._has_waiting():
+                return
+            if self.cfg.sampler == "twin" and not self.enqueue_twin_choice():
+                self.converged = True
+                return
+            measured_before = self.n_measured
+            launch_start = time.monotonic()
+            event = self._one_trial(heartbeat, start)
+            if self.n_measured > measured_before:
+                self._launch_seconds.append(time.monotonic() - launch_start)
+            self.n_new += 1
+            # Proposals answered from the storage, and refused configurations, launch
+            # nothing; very many in a row mean nothing is left that could run.
+            idle = 0 if self.n_measured > measured_before else idle + 1
+            if callback:
+                callback(event)
+            if idle and idle % EXPLORE_AFTER_IDLE == 0 and not self._enqueue_unexplored():
+                self.converged = True  # everything that can run has been evaluated
+                return
+            if idle >= MAX_IDLE_PROPOSALS:
+                self.converged = True
+                return
 
     def measure_baseline(self, note: Callable[[str], None] | None = None) -> int:
         """Each backend's default launch, once per study, before the search (``study.baseline``):
@@ -533,6 +526,7 @@ class StudyRunner:
                     continue
                 config = r.trial_config
                 assert config is not None
+                self.interrupts.raise_if_interrupted()
                 ctx = self.prepared.contexts[config.backend]
                 launches += 1
                 if note is not None:
@@ -568,11 +562,11 @@ class StudyRunner:
             self._cleanup_dead_workers()
         trial = None
         try:
-            with self._signals_deferred():
+            with self.interrupts.deferred():
                 trial = self.study.ask()
                 heartbeat.beat(trial)
             outcome = self._evaluate(trial)
-        except (KeyboardInterrupt, _Interrupted):
+        except (KeyboardInterrupt, Interrupted):
             if trial is not None:
                 self._fail_quietly(trial, "interrupted", retry=True)
             raise
@@ -607,28 +601,6 @@ class StudyRunner:
             annotate_trial(self.study, trial, self.prepared.storage_url)
         except Exception as exc:  # noqa: BLE001
             warnings.warn(f"trial {trial.number}: no dashboard note ({type(exc).__name__}: {exc})")
-
-    @contextlib.contextmanager
-    def _signals_deferred(self):
-        """Hold Ctrl-C/SIGTERM while a trial is being created, then deliver it.
-
-        An interrupt inside ``study.ask()`` would leave a RUNNING trial that nobody holds a
-        handle to; deferring it until ``ask`` returns lets the runner fail that trial cleanly.
-        """
-        self._defer_signals = True
-        try:
-            yield
-        finally:
-            self._defer_signals = False
-        if self._deferred_signal is not None:
-            self._deferred_signal = None
-            raise _Interrupted()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._defer_signals:
-            self._deferred_signal = signum
-            return
-        raise _Interrupted()
 
     def _fail_quietly(self, trial: optuna.Trial, reason: str, retry: bool = False) -> None:
         """Record ``trial`` as failed unless it already finished (an interrupt after tell)."""

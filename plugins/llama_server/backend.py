@@ -413,8 +413,10 @@ class LlamaServerBackend(BaseBackend):
                 text = server.log()
                 raise BackendError(f"llama-server measurement failed: {exc}", log_tail=tail(text)) from exc
             finally:
-                processes.stop(server.proc)
+                # Our streams first: llama-server finishes the requests it holds before it
+                # exits, so an interrupt mid-measurement would otherwise wait out the grace.
                 server.close()
+                processes.stop(server.proc)
 
     def _measure(self, server: Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
                  startup_s: float, request_s: float) -> Measurement:

@@ -87,11 +87,11 @@ class OpenAIServer:
 
     def close(self) -> None:
         proc = getattr(self, "proc", None)
+        self.http.close()  # our streams first: a server may finish the requests it holds before exiting
         try:
             if proc is not None:
                 processes.stop(proc)
         finally:
-            self.http.close()
             self._tmp.cleanup()
 
     def __enter__(self) -> "OpenAIServer":

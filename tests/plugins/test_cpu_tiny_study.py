@@ -161,8 +161,10 @@ def test_two_streams_serve_more_than_one(study_dir):
                          ids=["SIGINT-at-first-launch", "SIGINT-mid-study", "SIGKILL"])
 def test_no_server_survives_autotune_interrupted_or_killed(study_dir, sig, after_s, tmp_path):
     storage = f"sqlite:///{tmp_path / 'killed.db'}"
+    # PYTHONFAULTHANDLER: a study that does not end is made to print where it is stuck.
     child = subprocess.Popen(autotune_cmd("study", "cpu-tiny.toml", "--storage", storage), cwd=study_dir,
-                             env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             env=dict(run_env(), PYTHONFAULTHANDLER="1"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not servers_on(study_dir / "models") and time.monotonic() < deadline and child.poll() is None:
@@ -174,7 +176,12 @@ def test_no_server_survives_autotune_interrupted_or_killed(study_dir, sig, after
         # study (130), not become one failed trial that the study shrugs off.
         time.sleep(after_s)
         child.send_signal(sig)
-        code = child.wait(timeout=60)
+        try:
+            code = child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGABRT)
+            child.wait()
+            pytest.fail(f"the study did not end within 60 s of {sig.name}: {child.stderr.read()[-6000:]}")
         deadline = time.monotonic() + 10
         while servers_on(study_dir / "models") and time.monotonic() < deadline:
             time.sleep(0.05)
