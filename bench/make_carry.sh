@@ -2,9 +2,11 @@
 # Makes .carry/ (gitignored), what the H200 sessions carry to a device with no network:
 #   whl/       optuna, optuna-dashboard, bottle, sqlalchemy, alembic, mako, colorlog, gguf, greenlet (cp312)
 #              + the autotune wheel (the study writes its dashboard notes through optuna-dashboard)
+#              + llama-cpp-python's bindings without their own llama.cpp (CMAKE_ARGS=-DLLAMA_BUILD=OFF,
+#              pure Python: they load the engine build's libllama, for KLD of GGUF) and diskcache
 #   whl-exl2/  exllamav2 0.3.2, fastparquet, cramjam, websockets (cp312)
 #   whl-scipy/ scipy (cp312; the twin's calibration needs it, and images without it exist)
-#   whl-convert/  only with CONVERT=1 (bench/h200_artifacts.sh): transformers 4.57.6 (llama.cpp's
+#   whl-convert/  only with CONVERT=1 (where the image lacks them): transformers 4.57.6 (llama.cpp's
 #              pin for convert_hf_to_gguf.py), tokenizers, sentencepiece and their dependencies,
 #              less numpy (the image's torch needs its own); about 25 MB, so with whl-scipy the
 #              carry may pass 64 MiB: leave whl-scipy out where the image has scipy
@@ -21,6 +23,8 @@ mkdir -p .carry/whl .carry/whl-exl2 .carry/whl-scipy
 P=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
    --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 --no-deps)
 python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 optuna-dashboard==0.21.0 bottle sqlalchemy==2.1.9 alembic mako colorlog gguf greenlet
+python3 -m pip download -q "${P[@]}" -d .carry/whl diskcache==5.6.3
+CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" python3 -m pip wheel -q --no-deps -w .carry/whl llama-cpp-python==0.3.36
 python3 -m pip download -q "${P[@]}" -d .carry/whl-exl2 exllamav2==0.3.2 fastparquet cramjam websockets
 python3 -m pip download -q "${P[@]}" -d .carry/whl-scipy 'scipy>=1.11,<2'
 if [ "${CONVERT:-0}" = 1 ]; then

@@ -75,6 +75,12 @@ def _command_problem(command: list) -> str | None:
     return "must be a non-empty list of non-empty strings (the worker's whole command line)"
 
 
+def _convert_args_problem(args: list) -> str | None:
+    from autotune_plugins.exllamav2.recipes import convert_args_problem
+
+    return convert_args_problem(args)
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("python", str, None, "the interpreter that runs the worker and has torch and exllamav2 "
             "(absent: autotune's own)"),
@@ -97,6 +103,10 @@ SETTINGS: tuple[Setting, ...] = (
             "model's context)", check=lambda v: None if v >= 1 else "must be >= 1"),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
             choices=tuple(UNITS)),
+    Setting("convert_args", list, [], "more arguments for ExLlamaV2's converter when an EXL2 format is made, "
+            "e.g. [\"-hsol\", \"16\"] (measurement states kept on the card: faster) or [\"-l\", \"512\", "
+            "\"-ml\", \"512\"] (shorter calibration rows); they are part of the artifact's cache key",
+            check=_convert_args_problem),
 )
 
 
@@ -190,7 +200,8 @@ class ExLlamaV2Backend(BaseBackend):
 
         version = self.engine_version().partition(" (")[0].replace(" ", "-")
         # The environment names the study's card; it is asked for only when converting.
-        return exl2_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version)
+        return exl2_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,
+                           tuple(self.value(ctx, "convert_args")))
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The EXL2 directory a candidate names: relative to the study file, or for a format

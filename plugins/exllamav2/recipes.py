@@ -7,12 +7,17 @@ on the source only, so it is made once per source (``measurement.json`` in the c
 under a lock of its own) and handed to every bpw with ``-m``: exl2:3.0, 4.0 and 5.0 of one
 model cost one measurement and three quantizations. ``-cf`` compiles a full model directory
 (config, tokenizer and the quantized safetensors), which is what the backend loads.
+
+The ``convert_args`` setting hands the converter more arguments (calibration lengths, states
+kept on the card); an artifact made with them is another artifact, so they name a cache entry
+of their own (the measurement included, which depends on them too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,7 +28,7 @@ from autotune.errors import AutotuneError
 from autotune.formats import exl2_weights, normalize_format, parse_format
 from autotune.models import model_from_hf_config
 
-__all__ = ["CONVERTER_MODULE", "exl2_recipe"]
+__all__ = ["CONVERTER_MODULE", "convert_args_problem", "exl2_recipe"]
 
 CONVERTER_MODULE = "exllamav2.conversion.convert_exl2"
 MEASUREMENT = "measurement.json"
@@ -34,7 +39,24 @@ MEASUREMENT = "measurement.json"
 CONVERT_S_PER_GIB = 340.0
 
 
-def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], say: Callable[[str], None]) -> Path:
+# What the recipe itself says to the converter: the same flag from the study would contradict it.
+OWN_FLAGS = {"-i": "--in_dir", "-o": "--out_dir", "-nr": "--no_resume", "-res": "--resume", "-om": "--output_measurement",
+             "-m": "--measurement", "-cf": "--compile_full", "-b": "--bits"}
+
+
+def convert_args_problem(args: list) -> str | None:
+    """Why ``args`` cannot be handed to the converter (None: they can)."""
+    if not all(isinstance(a, str) and a for a in args):
+        return "must be a list of non-empty strings (arguments of python -m " + CONVERTER_MODULE + ")"
+    own = sorted({a.partition("=")[0] for a in args} & (set(OWN_FLAGS) | set(OWN_FLAGS.values())))
+    if own:
+        return (f"{', '.join(own)}: set by autotune for each format (the source, the output, the bits, the "
+                "shared measurement); accepted are the converter's other options, such as -l, -ml, -r, -mr, -hsol")
+    return None
+
+
+def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], say: Callable[[str], None],
+              extra: tuple[str, ...] = ()) -> Path:
     """The source's measurement pass, made once for every bpw (in the cache entry ``entry``)."""
     target = entry / MEASUREMENT
     entry.mkdir(parents=True, exist_ok=True)
@@ -48,7 +70,7 @@ def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], sa
             with tempfile.TemporaryDirectory(prefix="exl2-measure-", dir=entry) as work:
                 partial = Path(work) / MEASUREMENT
                 run_tool([python, "-m", CONVERTER_MODULE, "-i", str(source), "-o", work + "/job", "-nr",
-                      "-om", str(partial)], f"exllamav2 measurement of {source.name}", say, env=env)
+                          "-om", str(partial), *extra], f"exllamav2 measurement of {source.name}", say, env=env)
                 if not partial.is_file():
                     raise AutotuneError(f"exllamav2 measurement of {source.name} wrote no {MEASUREMENT}")
                 partial.replace(target)
@@ -58,7 +80,7 @@ def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], sa
 
 
 def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Callable[[], Mapping[str, str]],
-                tool: str) -> Recipe | None:
+                tool: str, convert_args: tuple[str, ...] = ()) -> Recipe | None:
     """The recipe for ``fmt`` (``exl2:<bpw>``) from the Hugging Face directory ``source``.
 
     Args:
@@ -67,6 +89,8 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
         python: The interpreter with exllamav2 and torch (the backend's ``python`` setting).
         env: The converter's environment (the study's card as CUDA device 0).
         tool: ``exllamav2-<version>``, part of the cache key.
+        convert_args: More converter arguments (the backend's setting), checked by
+            ``convert_args_problem``; with any, the key's tool names a hash of them.
 
     Returns:
         None for a format that is not EXL2 (another engine's).
@@ -82,6 +106,8 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
                             "*.safetensors), not a single file")
     model = model_from_hf_config(source)
     bpw = float(detail)
+    if convert_args:
+        tool += "-args" + hashlib.sha256("\0".join(convert_args).encode()).hexdigest()[:8]
     canonical = normalize_format(fmt)
     # The compiled directory copies the source's small files (tokenizer, config) beside the weights.
     extra = sum(p.stat().st_size for p in source.iterdir() if p.is_file() and p.suffix != ".safetensors")
@@ -89,14 +115,15 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
 
     def convert(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
         run_env = env() if callable(env) else env
-        measurement = _measured(inputs[0], out.parent, python, run_env, say)
+        measurement = _measured(inputs[0], out.parent, python, run_env, say, convert_args)
         with tempfile.TemporaryDirectory(prefix="exl2-job-", dir=out.parent) as work:
             run_tool([python, "-m", CONVERTER_MODULE, "-i", str(inputs[0]), "-o", work + "/job", "-nr",
-                  "-m", str(measurement), "-cf", str(out), "-b", str(bpw)],
-                 f"exllamav2 convert {inputs[0].name} -b {bpw}", say, env=run_env)
+                      "-m", str(measurement), "-cf", str(out), "-b", str(bpw), *convert_args],
+                     f"exllamav2 convert {inputs[0].name} -b {bpw}", say, env=run_env)
         with contextlib.suppress(OSError):
             shutil.rmtree(out / "out_tensor", ignore_errors=True)  # the converter's scratch, when it leaves it
 
+    args = "".join(" " + a for a in convert_args)
     return Recipe(canonical, tool, f"exl2-{bpw:g}bpw", expected, convert,
-                  description=f"exllamav2 convert_exl2 -b {bpw:g} (measurement shared)",
+                  description=f"exllamav2 convert_exl2 -b {bpw:g}{args} (measurement shared)",
                   step="convert_exl2", seconds_per_gib=CONVERT_S_PER_GIB)

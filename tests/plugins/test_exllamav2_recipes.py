@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,26 @@ def test_a_gguf_source_is_no_exl2_source(ctx, tmp_path):
     assert exl2_recipe("gguf:Q8_0", gguf, "python", {}, "exllamav2") is None  # another engine's format
     with pytest.raises(Exception, match="converted from a Hugging Face model directory"):
         exl2_recipe("exl2:4.0", gguf, "python", {}, "exllamav2")
+
+
+def test_convert_args_reach_both_passes_and_name_their_own_entry(ctx, tmp_path):
+    b = ExLlamaV2Backend()
+    plain = ensure(b, "exl2:4.0", ctx)
+    shorter = replace(ctx, settings={**ctx.settings, "convert_args": ["-l", "512", "-ml", "512", "-hsol", "16"]})
+    made = ensure(b, "exl2:4.0", shorter)
+    log = calls(tmp_path)
+    assert len(log) == 4  # another artifact: its own measurement and quantization, not a cache hit
+    assert all(c.get("-l") == "512" and c.get("-ml") == "512" and c.get("-hsol") == "16" for c in log[2:])
+    assert made.path != plain.path and made.path.parent.name.startswith(plain.path.parent.name + "-args")
+    assert ensure(b, "exl2:4.0", shorter).path == made.path and len(calls(tmp_path)) == 4  # made once
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["-b", "3.0"], "-b: set by autotune"),
+    (["--compile_full=/x"], "--compile_full: set by autotune"),
+    (["-l", 512], "list of non-empty strings"),
+])
+def test_convert_args_that_contradict_the_recipe_are_refused(args, problem):
+    from autotune_plugins.exllamav2.recipes import convert_args_problem
+
+    assert problem in convert_args_problem(args)
