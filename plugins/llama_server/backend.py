@@ -49,6 +49,7 @@ from autotune.rules import Rule, load_rules, violations
 from autotune.artifacts import artifact_path, is_format
 from autotune.formats import gguf_file_weights, normalize_format, weights_for
 from autotune_plugins.llama_server import engine, memory
+from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
 from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, median, parse_log, \
     plan_cpus, process_cpu_s
@@ -58,15 +59,6 @@ __all__ = ["LlamaServerBackend", "parse_log"]
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
-# llama-server's defaults when a user types `llama-server -m MODEL -ngl 999` (llama.cpp 0.3.36's
-# sources, vendored in the engine build's src/): -c 0, the model's trained context
-# (common/common.h: n_ctx = 0); -np -1, "auto" (common/arg.cpp sets it for LLAMA_EXAMPLE_SERVER),
-# which tools/server/server.cpp turns into 4 slots sharing one unified KV pool (kv_unified = true);
-# -fa auto, -ctk/-ctv f16, -b 2048, -ub 512, --fit on (shrinks an unset context to fit the card,
-# not below 4096; common/common.h), -t the machine's math cores.
-DEFAULT_SLOTS = 4
-ENGINE_DEFAULTS = "engine_defaults"  # the baseline's marker option: leave every flag but -m/-ngl out
-
 UNITS = SERVING_UNITS
 
 # ------------------------------------------------------------------------------ GGUF file

@@ -33,6 +33,7 @@ from autotune.measure import Protocol, Stat, repeat_until_stable_many
 from autotune.metric import BaseMetric, MetricValue
 from autotune.safetensors_dir import read_safetensors_dir
 
+from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.twin import calibration, physics, quality
 
 __all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
@@ -362,12 +363,6 @@ class _SimulatedClock:
         self._elapsed[key] = elapsed
         self.throttled = elapsed > self.after_s
         return self.factor if self.throttled else 1.0
-
-
-# llama-server's default launch, as the llama_server plugin describes it (its DEFAULT_SLOTS, with
-# the llama.cpp sources each default comes from): -np auto is 4 slots sharing one KV pool.
-DEFAULT_SLOTS = 4
-ENGINE_DEFAULTS = "engine_defaults"  # the baseline's marker option: the deploy line leaves flags at their defaults
 
 
 class TwinLlamaCpp(TwinBackend):

@@ -1,0 +1,12 @@
+"""llama-server's defaults when a user types ``llama-server -m MODEL -ngl 999``: what a study's
+baseline measures (the ``llama-server`` backend) and predicts (the twin of it).
+
+From llama.cpp 0.3.36's sources, vendored in the engine build's src/: -c 0, the model's trained
+context (common/common.h: n_ctx = 0); -np -1, "auto" (common/arg.cpp sets it for
+LLAMA_EXAMPLE_SERVER), which tools/server/server.cpp turns into 4 slots sharing one unified KV
+pool (kv_unified = true); -fa auto, -ctk/-ctv f16, -b 2048, -ub 512, --fit on (shrinks an unset
+context to fit the card, not below 4096; common/common.h), -t the machine's math cores.
+"""
+
+DEFAULT_SLOTS = 4
+ENGINE_DEFAULTS = "engine_defaults"  # the baseline's marker option: leave every flag but -m/-ngl out
