@@ -301,3 +301,75 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
     complete = [t for t in later.study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
     assert {t.user_attrs["config"]["weights"] for t in complete} == {str(tmp_path / "ready.gguf"), "gguf:Q4_0"}
     assert len(complete) == 4
+
+
+class MakerTwin(BaseBackend):
+    """A model of the maker's engine: predicts each weights' throughput, makes and runs nothing."""
+
+    name = "maker-twin"
+    engine = "maker-engine"
+
+    def __init__(self, predicted: Mapping[str, float]) -> None:
+        self.predicted = predicted  # weights (a format, or a file's name) -> aggregate tok/s
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        return []
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        return MemoryEstimate(2**20, 0, 0, 0)
+
+    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
+        return {"aggregate_tok_s": self.predicted[config.weights if is_format(config.weights) else Path(config.weights).name]}
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        raise AssertionError("a model is never run")
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return "none"
+
+
+@pytest.mark.parametrize("q4_0, first", [(102.0, "ready.gguf"), (110.0, "gguf:Q4_0")],
+                         ids=["a near tie: the made file first", "clearly better: made first"])
+def test_the_prior_measures_made_weights_before_near_equals_still_to_make(source, tmp_path, q4_0, first):
+    from autotune.study.prepare import prepare_study
+    from autotune.study.runner import StudyRunner
+    from tests.conftest import plugin_registered
+
+    maker, twin = GuessingBackend(seconds_per_gib=2**30), MakerTwin({"ready.gguf": 100.0, "gguf:Q4_0": q4_0})
+    (tmp_path / "ready.gguf").write_text("a file already made")
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(maker)
+            register(twin)
+
+    doc = {"study": {"name": "prior-cost", "prior": True}, "hardware": {"gpu": "t4"},
+           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
+           "candidates": [{"backend": "guesser", "weights": [str(tmp_path / "ready.gguf"), "gguf:Q4_0"]}],
+           "space": {"ctx": [256], "parallel": [1]}}
+    with plugin_registered(Plugin, "maker-plugin"):
+        cfg = parse_study_config(doc, source="p.toml", path=tmp_path / "p.toml")
+        runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'p.db'}"))
+        assert runner.uses_prior and runner.enqueue_prior() == 2
+    queued = [t.user_attrs["config"]["weights"] for t in runner.study.get_trials()
+              if t.state == optuna.trial.TrialState.WAITING]
+    assert [Path(w).name if not is_format(w) else w for w in queued] == \
+        [first, ({"ready.gguf", "gguf:Q4_0"} - {first}).pop()]
+
+
+def test_ties_band_from_their_best_and_only_above_zero():
+    from autotune.study.prior import cheaper_first_among_ties
+
+    def c(name: str) -> TrialConfig:
+        return TrialConfig("maker", name, 256, 1)
+
+    cost = {"a": 50.0, "b": 0.0, "c": float("inf"), "d": 0.0, "e": 9.0, "f": 0.0}
+    ranked = [(c("a"), 100.0), (c("b"), 98.0), (c("c"), 97.5), (c("d"), 96.0), (c("e"), -1.0), (c("f"), -1.0)]
+    order = [cfg.weights for cfg, _ in cheaper_first_among_ties(ranked, lambda cfg: cost[cfg.weights])]
+    # a, b, c are within 3% of a (100); d is not (96 < 97) and starts its own band; at or under
+    # zero nothing bands, so e keeps its place before f although f costs less.
+    assert order == ["b", "a", "c", "d", "e", "f"]

@@ -9,12 +9,16 @@ one of the twin's) and whose weights it can read; the others are left unranked, 
 sampler. Only configurations the study's judge admits are ranked; the predicted
 metrics go through the study's own objective (penalty, per-user floor and, where a metric can
 predict quality for the predictor, the quality constraint).
+
+What the study measures first is that ranking with one exception (``cheaper_first_among_ties``):
+weights that must still be made (an EXL2 conversion takes minutes) go after weights predicted
+about as good that cost nothing to load.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 import optuna
 
@@ -64,6 +68,34 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
         ranked.append((config, s.values[0], s.feasible))
     ranked.sort(key=lambda item: (not item[2], -item[1]))
     return [(c, v) for c, v, _ in ranked]
+
+
+# Predictions this close are a tie for ordering: the twin's own error on a card it has calibrated
+# on is of this order, and a pick within 3% of the best is what the search counts as found.
+PRIOR_TIE = 0.03
+
+
+def cheaper_first_among_ties(ranked: list[tuple[TrialConfig, float]], making_s: Callable[[TrialConfig], float],
+                             tie: float = PRIOR_TIE) -> list[tuple[TrialConfig, float]]:
+    """``ranked`` (best first) in the order to measure it: configurations predicted within ``tie``
+    of the best still unplaced form a band, and inside a band the one whose weights take the
+    fewest seconds to make (``making_s``: 0 when made, ``inf`` when unknown) goes first.
+
+    Only positive predictions band together (a relative tie means nothing around zero); the
+    rest keep their rank.
+    """
+    out: list[tuple[TrialConfig, float]] = []
+    i = 0
+    while i < len(ranked):
+        top = ranked[i][1]
+        j = i + 1
+        if top > 0:
+            while j < len(ranked) and ranked[j][1] >= top * (1 - tie):
+                j += 1
+        band = ranked[i:j]
+        out += sorted(band, key=lambda item: making_s(item[0]))  # stable: rank order among equals
+        i = j
+    return out
 
 
 def _predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,

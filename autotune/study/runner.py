@@ -39,7 +39,7 @@ from autotune.study.claims import Claims
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.prepare import PreparedStudy
-from autotune.study.prior import rank_by_prior
+from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
 from autotune.study.quality import QualityBook
 from autotune.study.records import TrialRecord, TrialState, write
 from autotune.study.sampling import ScreenedSampler
@@ -237,11 +237,22 @@ class StudyRunner:
         """Measure the configurations a model backend predicts best first (``[study] prior``)."""
         done, waiting = self._evaluated_keys(), self._waiting_keys()
         n = 0
-        for config, _ in rank_by_prior(self.prepared, self.judge, self.study)[: self.cfg.prior_trials]:
+        for config, _ in self._prior_order()[: self.cfg.prior_trials]:
             if config.key not in done and config.key not in waiting:
                 self._enqueue(config, from_prior=True)
                 n += 1
         return n
+
+    def _prior_order(self) -> list[tuple[TrialConfig, float]]:
+        """The prior's ranking, weights already made first among near-equals (``prior.PRIOR_TIE``)."""
+        def making_s(config: TrialConfig) -> float:
+            need = artifacts.predict_making(self.prepared.backend(config.backend), config.weights,
+                                            self.prepared.contexts[config.backend])
+            if need is None:
+                return 0.0
+            return need.seconds if need.seconds is not None else float("inf")
+
+        return cheaper_first_among_ties(rank_by_prior(self.prepared, self.judge, self.study), making_s)
 
     @property
     def uses_prior(self) -> bool:
@@ -278,7 +289,7 @@ class StudyRunner:
         if self._twin_choices % TWIN_EXPLORE_EVERY == 0 and self._enqueue_unexplored():
             return True
         done = self._evaluated_keys()
-        for config, _ in rank_by_prior(self.prepared, self.judge, self.study):
+        for config, _ in self._prior_order():
             if config.key not in done:
                 self._enqueue(config, from_prior=True)
                 return True
