@@ -73,12 +73,19 @@ def test_single_stream_decode_is_within_the_band_of_llama_bench(bench_model):
     # a single bracket decided the verdict by luck.
     bench = [calibrate.llama_bench_decode(bench_model, SETUP)["decode_tok_s"]]
     ours = []
-    for _ in range(ROUNDS):
-        ours.append(calibrate.autotune_measure(bench_model, SETUP, parallel=1))
-        bench.append(calibrate.llama_bench_decode(bench_model, SETUP)["decode_tok_s"])
-    reference = statistics.median(bench)
-    decode = statistics.median(o["decode_tok_s"] for o in ours)
-    ratio = decode / reference
+    # A ratio outside the band gets as many rounds again before the verdict, on the medians of
+    # all: a neighbour's load on the shared machine once moved one side for a whole bracket
+    # (0.68 in a full suite, 0.84-0.89 alone), while what the band guards against (-t 1, a
+    # debug log level) stays out of it however long it is measured.
+    for _ in range(2):
+        for _ in range(ROUNDS):
+            ours.append(calibrate.autotune_measure(bench_model, SETUP, parallel=1))
+            bench.append(calibrate.llama_bench_decode(bench_model, SETUP)["decode_tok_s"])
+        reference = statistics.median(bench)
+        decode = statistics.median(o["decode_tok_s"] for o in ours)
+        ratio = decode / reference
+        if BAND[0] <= ratio <= BAND[1]:
+            break
     ours_runs = ", ".join(f"{o['decode_tok_s']:.0f}" for o in ours)
     bench_runs = ", ".join(f"{b:.0f}" for b in bench)
     print(f"decode tok/s: autotune {decode:.1f} (runs {ours_runs}), "
@@ -87,5 +94,5 @@ def test_single_stream_decode_is_within_the_band_of_llama_bench(bench_model):
           f"{time.monotonic() - started:.0f} s")
     assert BAND[0] <= ratio <= BAND[1], (
         f"autotune's decode is {ratio:.2f}x llama-bench's ({decode:.1f} vs {reference:.1f} tok/s, medians of "
-        f"{ROUNDS} and {ROUNDS + 1} interleaved passes), outside {BAND}: see this file's docstring for what each "
+        f"{len(ours)} and {len(bench)} interleaved passes), outside {BAND}: see this file's docstring for what each "
         f"side means; command: {ours[0]['command']}")
