@@ -63,6 +63,20 @@ class MakingBackend(BaseBackend):
         return f"maker-serve {config.weights}"
 
 
+def plugin_of(*backends: BaseBackend) -> type:
+    """A plugin registering ``backends``, for ``plugin_registered``."""
+    from autotune import hookimpl
+
+    class Plugin:
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            for backend in backends:
+                register(backend)
+
+    return Plugin
+
+
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path, monkeypatch):
     monkeypatch.setenv(ARTIFACTS_ENV, str(tmp_path / "cache"))
@@ -146,13 +160,7 @@ def test_a_study_makes_each_artifact_once_and_records_it(source, tmp_path):
 
     backend = MakingBackend()
 
-    class Plugin:
-        from autotune import hookimpl
-
-        @staticmethod
-        @hookimpl
-        def register_backends(register):
-            register(backend)
+    Plugin = plugin_of(backend)
 
     doc = {"study": {"name": "made", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
            "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
@@ -186,13 +194,7 @@ def test_a_format_without_a_source_is_an_error_naming_the_field(tmp_path):
 
     backend = MakingBackend()
 
-    class Plugin:
-        from autotune import hookimpl
-
-        @staticmethod
-        @hookimpl
-        def register_backends(register):
-            register(backend)
+    Plugin = plugin_of(backend)
 
     doc = {"hardware": {"gpu": "t4"}, "model": {"ref": "qwen2.5-7b"},
            "workload": {"prompt_tokens": 8, "output_tokens": 8},
@@ -263,13 +265,7 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
     backend = GuessingBackend(seconds_per_gib=2**30 * 10)  # 10 s per byte: 20,000 s for F16 then Q4_0
     (tmp_path / "ready.gguf").write_text("a file already made")
 
-    class Plugin:
-        from autotune import hookimpl
-
-        @staticmethod
-        @hookimpl
-        def register_backends(register):
-            register(backend)
+    Plugin = plugin_of(backend)
 
     doc = {"study": {"name": "deferred", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
            "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
@@ -319,7 +315,8 @@ class MakerTwin(BaseBackend):
         return MemoryEstimate(2**20, 0, 0, 0)
 
     def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
-        return {"aggregate_tok_s": self.predicted[config.weights if is_format(config.weights) else Path(config.weights).name]}
+        name = config.weights if is_format(config.weights) else Path(config.weights).name
+        return {"aggregate_tok_s": self.predicted[name]}
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         raise AssertionError("a model is never run")
@@ -338,14 +335,7 @@ def test_the_prior_measures_made_weights_before_near_equals_still_to_make(source
     maker, twin = GuessingBackend(seconds_per_gib=2**30), MakerTwin({"ready.gguf": 100.0, "gguf:Q4_0": q4_0})
     (tmp_path / "ready.gguf").write_text("a file already made")
 
-    class Plugin:
-        from autotune import hookimpl
-
-        @staticmethod
-        @hookimpl
-        def register_backends(register):
-            register(maker)
-            register(twin)
+    Plugin = plugin_of(maker, twin)
 
     doc = {"study": {"name": "prior-cost", "prior": True}, "hardware": {"gpu": "t4"},
            "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},

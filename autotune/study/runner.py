@@ -12,6 +12,7 @@ configuration twice, and a heartbeat lets a survivor fail a dead worker's trial.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import random
@@ -245,14 +246,15 @@ class StudyRunner:
 
     def _prior_order(self) -> list[tuple[TrialConfig, float]]:
         """The prior's ranking, weights already made first among near-equals (``prior.PRIOR_TIE``)."""
-        def making_s(config: TrialConfig) -> float:
-            need = artifacts.predict_making(self.prepared.backend(config.backend), config.weights,
-                                            self.prepared.contexts[config.backend])
+        @functools.cache  # per weights, not per configuration: each prediction reads the cache's records
+        def weights_s(backend: str, weights: str) -> float:
+            need = artifacts.predict_making(self.prepared.backend(backend), weights, self.prepared.contexts[backend])
             if need is None:
                 return 0.0
             return need.seconds if need.seconds is not None else float("inf")
 
-        return cheaper_first_among_ties(rank_by_prior(self.prepared, self.judge, self.study), making_s)
+        return cheaper_first_among_ties(rank_by_prior(self.prepared, self.judge, self.study),
+                                        lambda config: weights_s(config.backend, config.weights))
 
     @property
     def uses_prior(self) -> bool:

@@ -50,6 +50,7 @@ from autotune_plugins.exllamav2 import memory
 from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
+from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
 from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
@@ -73,12 +74,6 @@ def _command_problem(command: list) -> str | None:
     if command and all(isinstance(c, str) and c for c in command):
         return None
     return "must be a non-empty list of non-empty strings (the worker's whole command line)"
-
-
-def _convert_args_problem(args: list) -> str | None:
-    from autotune_plugins.exllamav2.recipes import convert_args_problem
-
-    return convert_args_problem(args)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -106,7 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("convert_args", list, [], "more arguments for ExLlamaV2's converter when an EXL2 format is made, "
             "e.g. [\"-hsol\", \"16\"] (measurement states kept on the card: faster) or [\"-l\", \"512\", "
             "\"-ml\", \"512\"] (shorter calibration rows); they are part of the artifact's cache key",
-            check=_convert_args_problem),
+            check=convert_args_problem),
 )
 
 
@@ -196,8 +191,6 @@ class ExLlamaV2Backend(BaseBackend):
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
         """EXL2 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
         interpreter on the study's card."""
-        from autotune_plugins.exllamav2.recipes import exl2_recipe
-
         version = self.engine_version().partition(" (")[0].replace(" ", "-")
         # The environment names the study's card; it is asked for only when converting.
         return exl2_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,

@@ -40,8 +40,8 @@ CONVERT_S_PER_GIB = 340.0
 
 
 # What the recipe itself says to the converter: the same flag from the study would contradict it.
-OWN_FLAGS = {"-i": "--in_dir", "-o": "--out_dir", "-nr": "--no_resume", "-res": "--resume", "-om": "--output_measurement",
-             "-m": "--measurement", "-cf": "--compile_full", "-b": "--bits"}
+OWN_FLAGS = {"-i": "--in_dir", "-o": "--out_dir", "-nr": "--no_resume", "-res": "--resume",
+             "-om": "--output_measurement", "-m": "--measurement", "-cf": "--compile_full", "-b": "--bits"}
 
 
 def convert_args_problem(args: list) -> str | None:
