@@ -31,3 +31,46 @@ def test_start_registers_and_stop_ends_the_group():
         time.sleep(0.05)
     assert proc.poll() is not None and not alive(grandchild)
     assert proc not in processes.live()
+
+
+def _ignores_sigterm() -> subprocess.Popen:
+    proc = processes.start(["sh", "-c", "trap '' TERM; echo ready; sleep 60"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"  # its trap is set
+    return proc
+
+
+def test_an_interrupt_during_the_grace_kills_the_group_at_once(monkeypatch):
+    """Ctrl-C while a lingering engine is given its grace: the user wants out now, and the
+    engine must not outlive the interrupt."""
+    proc = _ignores_sigterm()
+    wait = proc.wait
+
+    def interrupted(timeout=None):
+        if timeout is not None:
+            raise KeyboardInterrupt  # as the signal handler raises inside the wait
+        return wait()
+
+    monkeypatch.setattr(proc, "wait", interrupted)
+    started = time.monotonic()
+    try:
+        processes.stop(proc, timeout_s=30)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt was swallowed")
+    assert wait(timeout=5) == -9 and time.monotonic() - started < 5
+    assert proc not in processes.live()
+
+
+def test_a_group_that_outlives_sigkills_wait_does_not_raise(monkeypatch):
+    """Stopping runs in ``finally`` blocks: a TimeoutExpired there would replace the error in
+    flight (an interrupt looked like a failed trial, and the study went on)."""
+    proc = _ignores_sigterm()
+    wait = proc.wait
+
+    def never(timeout=None):
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+
+    monkeypatch.setattr(proc, "wait", never)
+    processes.stop(proc, timeout_s=0.1)  # no exception
+    assert wait(timeout=5) == -9  # SIGKILLed all the same
