@@ -196,7 +196,27 @@ def describe() -> dict[str, list[dict[str, str]]]:
 
 
 def add_commands(cli: Any) -> None:
-    """Let plugins add subcommands."""
+    """Let plugins add subcommands.
+
+    Each plugin's ``register_commands`` is called on its own: one that raises is reported
+    (stderr and ``autotune plugins``) and the commands it added before raising are taken back,
+    so a half-registered command never runs and every other command keeps working. Through
+    pluggy's single hook call one broken plugin made ``import autotune.cli`` fail.
+    """
     load_plugins()
-    pm.hook.register_commands(cli=cli)
+    impls = pm.hook.register_commands.get_hookimpls()
+    if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
+        # Called one by one here, not through pluggy's hook caller, which its monitoring sees.
+        print(f"autotune trace: register_commands({{'cli': {cli!r}}}) -> {[i.plugin_name for i in impls]}",
+              file=sys.stderr)
+    for impl in impls:
+        before = dict(getattr(cli, "commands", {}))
+        try:
+            impl.function(**{arg: cli for arg in impl.argnames if arg == "cli"})
+        except Exception as exc:
+            commands = getattr(cli, "commands", None)
+            if isinstance(commands, dict):
+                commands.clear()
+                commands.update(before)
+            _report_broken(impl.plugin_name, "register_commands", exc)
 

@@ -241,6 +241,43 @@ def plugins_json(env: dict[str, str]) -> dict:
     return json.loads(result.stdout)
 
 
+def test_a_broken_register_commands_is_reported_and_the_cli_works():
+    class Broken:
+        @hookimpl
+        def register_commands(self, cli):
+            @cli.command()
+            def half():
+                """Added before the plugin raised: must not stay."""
+
+            raise RuntimeError("boom in register_commands")
+
+    class Fine:
+        @hookimpl
+        def register_commands(self, cli):
+            @cli.command()
+            def fine():
+                """Still registered."""
+                click.echo("fine")
+
+    @click.group()
+    def cli():
+        """A fresh group, so the real one keeps its commands."""
+
+    @cli.command()
+    def own():
+        """The group's own command."""
+        click.echo("own")
+
+    with registered(Broken(), "throwaway-broken-commands"), registered(Fine(), "throwaway-fine-commands"):
+        plugins.add_commands(cli)  # raised RuntimeError through pluggy's single hook call
+        broken = plugins.broken_plugins()
+    assert {"plugin": "throwaway-broken-commands", "hook": "register_commands",
+            "error": "RuntimeError: boom in register_commands"} in broken
+    assert set(cli.commands) == {"own", "fine"}
+    assert CliRunner().invoke(cli, ["own"]).output == "own\n"
+    assert CliRunner().invoke(cli, ["fine"]).output == "fine\n"
+
+
 def test_load_plugins_allow_list():
     everything = plugins_json(clean_env())
     twin = [b for b in everything["backends"] if b["name"] == "twin-exllamav2"]
