@@ -291,7 +291,7 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
             parameter, or a schema this autotune does not read.
     """
     from autotune import objective as objective_mod
-    from autotune.study import records
+    from autotune.study import comparable, records
 
     cfg = prepared.cfg
     shown = prepared.shown_storage
@@ -308,6 +308,8 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
             f"mode = {cfg.objective.mode!r}; use another study name or storage")
     records.check_schema(study, shown)
     _check_same_space(study, prepared)
+    engines = comparable.engines_of(prepared)
+    comparable.check_comparable(study, prepared, engines)
     from autotune.dashboard import name_objectives
 
     name_objectives(study, vars(cfg.objective))
@@ -318,7 +320,10 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
         "objective": vars(cfg.objective),
         "study_file": str(cfg.path) if cfg.path else None,
         "excluded_before_search": prepared.excluded,
+        comparable.ENGINES_ATTR: engines,
     })
+    if comparable.ENGINES_ATTR not in study.user_attrs:  # a study stored before the check
+        study.set_user_attr(comparable.ENGINES_ATTR, engines)
     # A worker that died mid-trial left it RUNNING; fail it so the configuration is measured
     # again (it carries no fail_reason, so it never answers for its configuration).
     optuna.storages.fail_stale_trials(study)

@@ -347,10 +347,12 @@ class LlamaServerBackend(BaseBackend):
         return LlamaCppScorer(self.weights_path(weights, ctx), cache_type, self.resolved_settings(ctx))
 
     def engine_version(self) -> str:
+        # Asked for every trial and by every resume's comparability check: one --version per binary.
         try:
-            return engine.engine_version(self.binary()).label
+            binary = str(self.binary().absolute())
         except AutotuneError as exc:
             return f"unknown ({exc})"
+        return self._version_of(binary)
 
     # -------------------------------------------------------------- run
 
