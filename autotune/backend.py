@@ -178,9 +178,9 @@ class StudyContext:
         gpu_index: Which GPU to run on.
         for_gpu: Estimate for ``gpu`` even on a machine without it (``autotune estimate``);
             None lets a backend decide from the machine it runs on.
-        probe: Multi-fidelity (``[study] probe_margin``): set by the runner for one launch; a
-            backend passes it to :func:`autotune.measure.measure_with_telemetry`, which stops
-            after the first run when it says so. None: measure in full.
+        probe: Multi-fidelity (``[study] probe_margin``): set by the runner for one launch;
+            :func:`autotune.measure.measure_engine`, every backend's loop, stops after the
+            first run when it says so. None: measure in full.
         calibration: What a model backend's ``calibrate`` returned for this study (JSON-able),
             as the study stores it; the model backend uses it in ``predict`` when it is its own
             (its engine and card). None: predict with the published constants.

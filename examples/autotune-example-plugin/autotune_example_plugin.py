@@ -27,7 +27,7 @@ from autotune import hookimpl
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext
 from autotune.errors import AutotuneError, BackendError, MeasurementError
 from autotune.formats import bits_per_weight, parse_format
-from autotune.measure import CONCURRENT_UNITS, StreamResult, repeat_until_stable_many, run_streams_threaded
+from autotune.measure import StreamResult, measure_engine, serving_run
 from autotune.models import ModelSpec, resolve_model
 
 __version__ = "0.1.0"
@@ -35,7 +35,6 @@ __version__ = "0.1.0"
 CACHE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}  # bytes per element; q8_0: 32 int8 + one f16 scale
 PREFILL_BATCH = 64  # prompt tokens per pass over the weights: prefill is batched, decode is not
 OVERHEAD_BYTES = 300 * 2**20  # what a CUDA context costs an engine; a guess, fit yours to measurements
-UNITS = {**CONCURRENT_UNITS, "decode_tok_s": "tok/s", "prefill_tok_s": "tok/s"}
 
 
 class ToyEngine:
@@ -117,14 +116,16 @@ class EchoBackend(BaseBackend):
                 pass
             return StreamResult.from_timestamps(len(prompt), ctx.workload.output_tokens, start, first, time.monotonic())
 
-        def sample() -> dict[str, float]:
-            together = run_streams_threaded(stream, config.parallel, timeout_s)
-            alone = run_streams_threaded(stream, 1, timeout_s).streams[0]
+        def around_streams(streams):
+            together = streams()
             engine.log.append(f"{config.parallel} streams: {together.aggregate_tok_s:.0f} tok/s in all")
-            return {**together.metrics(), "decode_tok_s": alone.decode_tok_s, "prefill_tok_s": alone.prefill_tok_s}
+            return together
 
         try:
-            stats = repeat_until_stable_many(sample, ctx.protocol, UNITS, key="aggregate_tok_s")
+            # The core's loop: one request alone, then `parallel` at once, as often as the
+            # study's protocol asks, stopped early by its probe. A backend writes no loop.
+            stats, _, _ = measure_engine(ctx, serving_run(stream, stream, config.parallel, timeout_s,
+                                                          around_streams=around_streams))
         except MeasurementError as exc:
             raise BackendError(f"example-echo: {exc}", log_tail="\n".join(engine.log[-20:])) from exc
         return Measurement(metrics=stats, attrs={"scale": _scale(ctx), "weights_buffer_bytes": len(engine.weights)})

@@ -11,7 +11,7 @@ A trial's lifecycle (see :mod:`autotune.backend`):
 * ``estimate_memory`` reads the directory's tensor bytes and follows ExLlamaV2 0.3.2's
   allocations (:mod:`.memory`);
 * ``run`` starts ``python -m autotune_plugins.exllamav2.worker`` in its own session, loads
-  the model there, and measures with :func:`autotune.measure.measure_with_telemetry`, one
+  the model there, and measures with the core's loop, :func:`autotune.measure.measure_engine`, one
   worker round trip per run (a single stream, then ``parallel`` streams together), NVML
   watching the worker's pid. The worker is always stopped, also on a crash, a hang,
   ``atexit`` or SIGTERM (:mod:`.worker_process`).
@@ -42,7 +42,7 @@ from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import SERVING_UNITS, measure_with_telemetry
+from autotune.measure import SERVING_UNITS, measure_engine
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.safetensors_dir import exl2_quantization, read_config_json
 
@@ -409,9 +409,11 @@ class ExLlamaV2Backend(BaseBackend):
                     last.update(reply)
                     return reply["metrics"]
 
-                stats, telemetry, peak = measure_with_telemetry(
-                    sample, ctx.protocol, UNITS, self.setting(ctx, "stability_metric"), gpu=has_gpu,
-                    gpu_index=ctx.gpu_index, pid=worker.pid, probe=ctx.probe)
+                # The worker composes a run in its own process (one request alone, then the
+                # batch, as autotune.measure.serving_metrics defines it); the core's loop decides
+                # how many, the probe and the telemetry.
+                stats, telemetry, peak = measure_engine(ctx, sample, key=str(self.setting(ctx, "stability_metric")),
+                                                        units=UNITS, gpu=has_gpu, pid=worker.pid)
             except BackendError:
                 raise
             except Exception as exc:  # measurement errors, a malformed reply: the worker's log says more

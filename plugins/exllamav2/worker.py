@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from autotune.errors import BackendError, ConfigError
-from autotune.measure import ConcurrentResult, StreamResult
+from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, encode, serve
@@ -118,15 +118,8 @@ def score_passes(n_tokens: int, starts: Sequence[int]) -> list[tuple[int, int]]:
     return [(b, e) for b, e in zip(cuts, cuts[1:] + [n_tokens])]
 
 
-def sample_metrics(single: StreamResult, together: ConcurrentResult) -> dict[str, float]:
-    """One run's numbers, with the keys every backend reports (see ``autotune.backend.Measurement``)."""
-    return {
-        "decode_tok_s": single.decode_tok_s,
-        "prefill_tok_s": single.prefill_tok_s,
-        "ttft_ms": single.ttft_ms,
-        "aggregate_tok_s": together.aggregate_tok_s,
-        "per_user_tok_s": together.per_user_tok_s,
-    }
+# One run's numbers: the core's definition, so a run means the same for every backend.
+sample_metrics = serving_metrics
 
 
 PROMPT_TEXT = (

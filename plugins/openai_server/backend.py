@@ -13,9 +13,9 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   and the trial records the server's measured NVML peak (its whole process group);
 * ``run`` renders the template to an argument list (never through a shell), starts it with
   :mod:`autotune.processes`, waits for the ready path, then measures one stream and
-  ``parallel`` concurrent streams of ``/v1/completions`` with
-  :func:`autotune.measure.measure_with_telemetry`, reading the engine's own ``/metrics``
-  before and after each concurrent phase; it always stops the server;
+  ``parallel`` concurrent streams of ``/v1/completions`` through the core's loop,
+  :func:`autotune.measure.measure_engine` (the study's protocol and probe), reading the
+  engine's own ``/metrics`` before and after each concurrent phase; it always stops the server;
 * ``deploy_command`` prints the same argument list with the deploy port.
 """
 
@@ -28,7 +28,7 @@ import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
 from autotune.cache_types import CACHE_TYPES
@@ -36,7 +36,7 @@ from autotune.cuda_devices import cuda_visible_entry
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
-from autotune.measure import SERVING_UNITS, measure_with_telemetry, run_streams_threaded
+from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_run
 from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.rules import violations
@@ -383,13 +383,12 @@ class OpenAIServerBackend(BaseBackend):
 
         server_rows: list[dict[str, Any]] = []
 
-        def sample() -> dict[str, float]:
-            i = len(server_rows)
-            single = stream_completion(server.http, url, body(i), n_prompt, request_s).result
+        def request(i: int) -> StreamResult:
+            return stream_completion(server.http, url, body(i), n_prompt, request_s).result
+
+        def around_streams(streams: Callable[[], ConcurrentResult]) -> ConcurrentResult:
             before = metrics()
-            conc = run_streams_threaded(lambda j: stream_completion(server.http, url, body(1000 + 100 * i + j),
-                                                                    n_prompt, request_s).result,
-                                        config.parallel, request_s)
+            conc = streams()
             after = metrics()
             row: dict[str, Any] = {"client": {"generated_tokens": float(conc.total_output_tokens),
                                               "decode_tok_s": float(sum(s.decode_tok_s for s in conc.streams)
@@ -397,14 +396,12 @@ class OpenAIServerBackend(BaseBackend):
             if before is not None and after is not None:
                 row["server"] = t.counters.figures(before, after)
             server_rows.append(row)
-            return {"decode_tok_s": single.decode_tok_s, "prefill_tok_s": single.prefill_tok_s,
-                    "ttft_ms": single.ttft_ms, "aggregate_tok_s": conc.aggregate_tok_s,
-                    "per_user_tok_s": conc.per_user_tok_s}
+            return conc
 
-        stream_completion(server.http, url, body(-1), n_prompt, request_s)  # warm-up: allocator, caches, graphs
-        key = str(self.value(ctx, "stability_metric"))
-        stats, telemetry, peak = measure_with_telemetry(sample, ctx.protocol, UNITS, key, gpu=has_gpu,
-                                                        gpu_index=ctx.gpu_index, pid=server.proc.pid)
+        stats, telemetry, peak = measure_engine(
+            ctx, serving_run(request, request, config.parallel, request_s, around_streams=around_streams),
+            warm_up=lambda: request(-1),  # allocator, caches, graphs
+            key=str(self.value(ctx, "stability_metric")), gpu=has_gpu, pid=server.proc.pid)
         attrs: dict[str, Any] = {
             "engine_version": self.version(t),
             "template": t.name, "template_file": t.source, "template_docs": t.docs,

@@ -29,7 +29,7 @@ from autotune.formats import (
     EXL2_BPW_MAX, EXL2_BPW_MIN, WeightsBreakdown, gguf_file_weights, normalize_format, parse_format,
     safetensors_dir_weights, weights_for)
 from autotune.gguf_file import read_gguf
-from autotune.measure import Protocol, Stat, repeat_until_stable_many
+from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
 from autotune.safetensors_dir import read_safetensors_dir
 
@@ -327,9 +327,9 @@ class TwinBackend(BaseBackend):
             out["ttft_ms"] = truth["ttft_ms"] / factor
             return out
 
-        protocol = ctx.protocol if noise else Protocol(warmup_runs=0, min_runs=1, max_runs=1)
-        stats: dict[str, Stat] = repeat_until_stable_many(sample, protocol, UNITS,
-                                                          key=self.setting(ctx, "stability_metric"))
+        # Without noise every run would say the same: one run is the measurement.
+        runs_in = ctx if noise else replace(ctx, protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1))
+        stats, _, _ = measure_engine(runs_in, sample, key=str(self.setting(ctx, "stability_metric")), units=UNITS)
         return Measurement(
             metrics=stats,
             peak_vram_bytes=None,

@@ -79,7 +79,7 @@ def test_estimate_matches_the_engines_own_figures(models, name, ctx, parallel, c
     c = make_ctx(path)
     config = TrialConfig("llama-server", name, ctx, parallel,
                          (("cache_type", cache), ("flash_attn", fa), ("ubatch", ub)))
-    server = backend.launch(config, c, False, models)
+    server = backend.launch(config, c, False, models, verbose=True)
     try:
         backend.wait_ready(server, 120)
         logged = parse_log(server.log())

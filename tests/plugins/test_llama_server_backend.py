@@ -312,6 +312,7 @@ def test_estimate_reads_the_file(stories, monkeypatch):
 
 
 def test_run_measures_and_matches_the_logged_buffers(server_binary, stories):
+    lsb._STARTUP_FACTS.clear()  # this test's first configuration is the one launched for the facts
     b = LlamaServerBackend()
     c = make_ctx(stories)
     config = cfg("stories260K.gguf", ctx=600, parallel=2)
@@ -341,6 +342,13 @@ def test_run_measures_and_matches_the_logged_buffers(server_binary, stories):
     assert est.kv_bytes == a["kv_cells"] * kv_bytes_per_token(model, "f16")
     logged_kv = sum(a["kv_buffer_mib"].values()) * MiB
     assert abs(est.kv_bytes - logged_kv) <= 0.01 * est.kv_bytes
+    # Measured at the engine's default verbosity, as deployed: the buffers came from a launch
+    # of their own, at -lv 4, which a second configuration of the same file does not repeat.
+    assert "-lv" not in a["argv"] and "startup_facts_of" not in a
+    other = cfg("stories260K.gguf", ctx=300, parallel=1)
+    o = b.run(other, c).attrs
+    assert o["startup_facts_of"] == config.key and o["model_buffer_mib"] == a["model_buffer_mib"]
+    assert "kv_buffer_mib" not in o and "compute_buffer_mib" not in o  # those were another config's
     assert servers_on(stories) == [] and not processes.live()
 
 

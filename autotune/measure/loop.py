@@ -1,0 +1,102 @@
+"""The one measurement loop: what a run is, and how often it is done.
+
+Every backend's number must mean the same thing, so the backends do not write loops. A backend
+starts its engine and hands this module the primitives of that engine; this module does the
+warm-up, the runs the study's protocol asks for (``StudyContext.protocol``), the probe that may
+end a launch after its first run (``StudyContext.probe``), and the telemetry around them:
+
+* :func:`serving_run` makes one run out of the two primitives of a serving engine, one request
+  alone (its decode and prefill rates, its time to first token) and ``parallel`` streams at once
+  (aggregate and per-user rates), with an optional hook around the streams for the engine's own
+  counters;
+* :func:`measure_engine` runs a warm-up, then the protocol's runs under NVML, and returns the
+  stats, the telemetry and the peak memory.
+
+A backend whose engine composes a run itself (a worker process, a model) gives
+:func:`measure_engine` its own ``run_once``, with the same keys (:data:`SERVING_UNITS`), and still
+gets the protocol, the probe and the telemetry from here. Before this module each backend
+called the repetition itself, and openai-server never passed the probe, so ``probe_margin``
+silently did nothing there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from autotune.measure.gpu_telemetry import GpuTelemetry, measure_with_telemetry
+from autotune.measure.protocol import Stat
+from autotune.measure.streams import SERVING_UNITS, ConcurrentResult, StreamResult, run_streams_threaded
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.backend import StudyContext
+
+__all__ = ["measure_engine", "serving_metrics", "serving_run"]
+
+
+def serving_metrics(alone: StreamResult, together: ConcurrentResult) -> dict[str, float]:
+    """The quantities of one run (:data:`SERVING_UNITS`): the request alone's decode, prefill
+    and time to first token; the streams' aggregate and median per-user rate."""
+    return {"decode_tok_s": alone.decode_tok_s, "prefill_tok_s": alone.prefill_tok_s,
+            "ttft_ms": alone.ttft_ms, "aggregate_tok_s": together.aggregate_tok_s,
+            "per_user_tok_s": together.per_user_tok_s}
+
+
+def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], StreamResult], parallel: int,
+                timeout_s: float, *, around_streams: Callable[[Callable[[], ConcurrentResult]], ConcurrentResult]
+                | None = None) -> Callable[[], dict[str, float]]:
+    """One run of a serving engine, as every serving backend defines it.
+
+    Args:
+        alone: Sends request number ``i`` with nothing else in flight and returns its result.
+        stream: Sends stream request number ``i``; ``parallel`` of them run at once.
+        parallel: Streams at once (the configuration's slots).
+        timeout_s: Bound on the streams together.
+        around_streams: Wraps the streams (called with the function that runs them, returns
+            its result): where a backend reads the engine's counters or CPU time before and
+            after.
+
+    Returns:
+        A ``run_once`` for :func:`measure_engine`. Request numbers never repeat within a
+        launch (a prompt differs per number, so no engine answers from its prompt cache).
+    """
+    counter = iter(range(10**9))
+
+    def run_once() -> dict[str, float]:
+        i = next(counter)
+        single = alone(i)
+
+        def streams() -> ConcurrentResult:
+            return run_streams_threaded(lambda j: stream(1000 + parallel * i + j), parallel, timeout_s)
+
+        together = around_streams(streams) if around_streams is not None else streams()
+        return serving_metrics(single, together)
+
+    return run_once
+
+
+def measure_engine(ctx: "StudyContext", run_once: Callable[[], Mapping[str, float]], *,
+                   warm_up: Callable[[], Any] | None = None, key: str = "aggregate_tok_s",
+                   units: Mapping[str, str] = SERVING_UNITS, gpu: bool = False, pid: int | None = None,
+                   ) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:
+    """Measure one started engine by the study's protocol: every backend's loop.
+
+    Args:
+        ctx: The study's context: its ``protocol`` (warm-up runs, runs, when to stop), its
+            ``probe`` (multi-fidelity; None: measure in full) and ``gpu_index``.
+        run_once: One run (e.g. :func:`serving_run`), returning a value per key of ``units``.
+        warm_up: Called once before any run, outside the protocol's own warm-up runs: what
+            the first request of a fresh engine pays (allocator, caches, CUDA graphs).
+        key: The quantity whose spread decides when the runs are stable (a backend's
+            ``stability_metric`` setting).
+        units: The quantities and their units.
+        gpu: Whether the engine runs on a GPU (then NVML watches the runs).
+        pid: The engine's process, for its own peak memory.
+
+    Returns:
+        The stats, the telemetry (None without a GPU) and the peak device memory.
+    """
+    if warm_up is not None:
+        warm_up()
+    return measure_with_telemetry(run_once, ctx.protocol, units, key, gpu=gpu, gpu_index=ctx.gpu_index,
+                                  pid=pid, probe=ctx.probe)
