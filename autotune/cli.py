@@ -249,18 +249,25 @@ def storage_upgrade(ctx: click.Context, url: str) -> None:
 @click.option("--cache", "cache_type", default=None, help="KV-cache type (the engine's own names).")
 @click.option("--flash-attn/--no-flash-attn", default=False)
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--prompt-tokens", default=1500, show_default=True, type=click.IntRange(min=1))
-@click.option("--output-tokens", default=800, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-tokens", default=None, type=click.IntRange(min=1),
+              help="Prompt of one request [default: 1500; with --study, the study's].")
+@click.option("--output-tokens", default=None, type=click.IntRange(min=1),
+              help="Answer of one request [default: 800; with --study, the study's].")
 @click.option("--study", "study_name", default=None,
-              help="A stored study: its GPU and model, and its twin calibrated on its measured trials, predict.")
+              help="A stored study: its GPU, model and workload, its twin calibrated on its measured trials, its "
+                   "budget and the memory correction it learned judge.")
 @click.option("--storage", default=None, help="Where --study is (default: $AUTOTUNE_STORAGE, else "
               "sqlite:///<study name>.db).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
-             ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int,
-             output_tokens: int, study_name: str | None, storage: str | None, as_json: bool) -> None:
+             ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int | None,
+             output_tokens: int | None, study_name: str | None, storage: str | None, as_json: bool) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
+
+    Fits or not is the study's judge's verdict: the memory model (with the correction a
+    --study learned) against the budget, the card's memory less the safety margin (256 MiB,
+    or the study's).
 
     Exit status 2, after the estimate, when the configuration is invalid (a rule of the
     engine it breaks, e.g. ctx beyond the model's context) or the engine refuses it;

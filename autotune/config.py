@@ -18,6 +18,10 @@ from typing import Any, Callable, Mapping
 
 from autotune.errors import ConfigError
 
+# Memory kept free of the budget when a study file does not say ([hardware] safety_margin_mib):
+# `autotune init` and `autotune estimate` judge with it too, so a study they describe agrees.
+SAFETY_MARGIN_MIB = 256
+
 SAMPLERS = ("tpe", "random", "grid", "nsga2", "twin")
 OBJECTIVE_MODES = ("single", "pareto")
 # [quality] table: field -> (type, min, max or None, what it is). Metrics that sample a
@@ -280,7 +284,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     gpu = r.get("hardware", hw, "gpu", str, "auto", accepted="a catalog key such as v100-16gb, or 'auto'")
     gpu_index = r.get("hardware", hw, "gpu_index", int, 0, check=_at_least(0))
     vram_gib = r.get("hardware", hw, "vram_budget_gib", float, None, check=lambda v: None if v > 0 else "must be > 0")
-    margin_mib = r.get("hardware", hw, "safety_margin_mib", float, 256, check=_at_least(0))
+    margin_mib = r.get("hardware", hw, "safety_margin_mib", float, SAFETY_MARGIN_MIB, check=_at_least(0))
 
     model_t = r.table("model", required=True)
     r.unknown_keys("model", model_t, {"ref", "source"})

@@ -9,28 +9,36 @@ backend, from the file's own tensors, with the speed from the twin; or, when the
 which reads the same file or directory (GGUF files, EXL2 and Hugging Face directories).
 ``ctx`` is per sequence.
 
-A configuration the engine would not run (a rule it breaks, e.g. a ctx beyond the model's
-context, or the engine's own refusal) gets the verdict "invalid" or "refused", never "fits":
-the command prints the estimate and exits 2.
+Whether it runs and fits is the study's own judge's answer (``autotune.study.admission``): the
+core's rules and the backend's, then the memory model against the budget, the card's memory
+less the safety margin (autotune's default, or the study's). A configuration the engine would
+not run (a rule it breaks, e.g. a ctx beyond the model's context, or the engine's own refusal)
+gets the verdict "invalid" or "refused", never "fits": the command prints the estimate and
+exits 2.
 
-With ``--study NAME`` the configuration is predicted for that study's GPU and model (unless
-``--gpu`` / ``--model`` say otherwise), by the twin as the study calibrated it on its own
-measured trials (``study/calibration.py``).
+With ``--study NAME`` the configuration is predicted for that study's GPU, model and workload
+(unless ``--gpu`` / ``--model`` / ``--prompt-tokens`` / ``--output-tokens`` say otherwise), by
+the twin as the study calibrated it on its own measured trials (``study/calibration.py``), and
+judged against the study's budget with the memory correction the study learned for the backend
+that answers, so it says what the study's report says of the same configuration.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
-from autotune.config import load_study_config
+from autotune.config import SAFETY_MARGIN_MIB, load_study_config
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.hardware import has_gpu, load_gpu_catalog, resolve_gpu
 from autotune.measure import Protocol
 from autotune.models import load_model_catalog, resolve_model
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.study.admission import Budget
 
 __all__ = ["BACKEND_RULE", "FORMAT_FAMILIES", "estimate_config", "estimate_text", "resolve_backends"]
 
@@ -44,6 +52,7 @@ BACKEND_RULE = (
 )
 # What the command says about each verdict; "invalid" and "refused" exit 2.
 VERDICTS = ("fits", "does not fit", "invalid", "refused")
+DEFAULT_WORKLOAD = (1500, 800)
 
 
 def is_format(weights: str) -> bool:
@@ -145,43 +154,84 @@ def study_gpu_and_model(study_name: str, storage: str | None) -> tuple[Any, str,
                       f"{header.get('study_file')!r}, which is not there (from {Path.cwd()}): give --model")
 
 
-def _verdict(fits: bool, invalid: list[str], refused: str | None) -> str:
-    if invalid:
+def _verdict(kind: str, refused: str | None) -> str:
+    from autotune.study.admission import INVALID, OVER_BUDGET
+
+    if kind == INVALID:
         return "invalid"
     if refused:
         return "refused"
-    return "fits" if fits else "does not fit"
+    return "does not fit" if kind == OVER_BUDGET else "fits"
+
+
+def _study_budget(study: Any, study_name: str, gpu: Any) -> tuple["Budget", list[int] | None, str | None]:
+    """The budget ``--study`` judges with, whether its learned corrections apply, and why not.
+
+    Returns:
+        (the budget, None when the corrections do not apply else [], a note or None).
+    """
+    from autotune.study import records
+    from autotune.study.admission import Budget, budget_of
+
+    header = records.study_header(study)
+    study_gpu = (header.get("gpu") or {}).get("key")
+    margin = header.get("safety_margin_bytes")
+    if study_gpu != gpu.key:
+        margin = SAFETY_MARGIN_MIB * 2**20 if margin is None else int(margin)
+        return (budget_of(gpu, None, margin), None,
+                f"study {study_name!r} ran on {study_gpu}, not {gpu.key}: judged against {gpu.key}'s memory with "
+                "the study's safety margin and without the memory correction it learned there")
+    stored = int(header["vram_budget_bytes"])
+    if margin is None:  # a study written before the header kept its margin
+        return Budget(stored, 0, f"study {study_name!r}'s budget, its safety margin already off"), [], None
+    margin = int(margin)
+    source = f"{gpu.name}'s memory" if stored + margin == gpu.vram_bytes else "[hardware] vram_budget_gib"
+    return Budget(stored + margin, margin, f"{source}, study {study_name!r}"), [], None
 
 
 def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
-                    ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int = 1500,
-                    output_tokens: int = 800, study_name: str | None = None, storage: str | None = None
-                    ) -> dict[str, Any]:
+                    ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int,
+                    prompt_tokens: int | None = None, output_tokens: int | None = None, study_name: str | None = None,
+                    storage: str | None = None) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
 
     Args:
         gpu_key: A catalog key or ``auto``; None: the study's GPU, else ``auto``.
         model_ref: A catalog model, file or directory; None: the study's model.
         weights: A format, a file or directory, or None when ``model_ref`` is itself the file.
-        study_name: A stored study whose GPU and model are the defaults, and whose calibration
-            of the twin predicts (``storage``: where it is; default $AUTOTUNE_STORAGE, else
+        prompt_tokens, output_tokens: One request (None: the study's, else 1500 and 800).
+        study_name: A stored study whose GPU, model and workload are the defaults, whose
+            calibration of the twin predicts, and whose budget and learned memory correction
+            judge (``storage``: where it is; default $AUTOTUNE_STORAGE, else
             ``sqlite:///<name>.db``).
 
     Returns:
         ``{"config", "gpu", "model", "vram": {weights_bytes, kv_bytes, buffers_bytes,
-        overhead_bytes, total_bytes, budget_bytes, fits, host_bytes}, "predicted":
+        overhead_bytes, total_bytes, budget_bytes, fits, host_bytes, predicted_bytes,
+        correction_bytes, correction_trials}, "budget": {memory_bytes, safety_margin_bytes,
+        memory_source, study}, "budget_note", "predicted":
         {decode_tok_s, prefill_tok_s, aggregate_tok_s, per_user_tok_s, roofline_tok_s} | None,
         "invalid": [reasons], "refused": reason | None, "verdict", "predictor": name | None,
         "resolved": how --backend became the backend that answered | None, "calibration": the
         study's calibration that predicted {study, n, median_abs_error_before, _after} | None,
-        "calibration_note": why a study's calibration was not used | None}``. ``vram.fits``
-        is memory alone; ``verdict`` is "fits" only for a configuration that is also valid.
+        "calibration_note": why a study's calibration was not used | None}``. ``vram`` is the
+        judge's estimate, the learned correction (``correction_bytes``, from
+        ``correction_trials`` measured trials) in its overhead; ``predicted_bytes`` is the
+        backend's own total. ``vram.fits`` is memory alone; ``verdict`` is "fits" only for a
+        configuration that is also valid.
     """
     study = None
     if study_name is not None:
+        from autotune.study import records
+
         study, study_gpu, study_model = study_gpu_and_model(study_name, storage)
         gpu_key = gpu_key or study_gpu
         model_ref = model_ref or study_model
+        stored = records.study_header(study).get("workload") or {}
+        prompt_tokens = prompt_tokens or stored.get("prompt_tokens")
+        output_tokens = output_tokens or stored.get("output_tokens")
+    prompt_tokens = prompt_tokens or DEFAULT_WORKLOAD[0]
+    output_tokens = output_tokens or DEFAULT_WORKLOAD[1]
     if model_ref is None:
         raise ConfigError("--model is needed (a catalog model, a .gguf file or a model directory), or --study NAME")
     if gpu_key is not None and gpu_key.startswith("nvml:"):
@@ -213,21 +263,33 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         options["cache_type"] = cache_type
     elif "cache_type" in params:
         options["cache_type"] = params["cache_type"].choices[0]
+    # The study's own judge (imported here: it brings the study machinery, which `estimate
+    # --help` and the CLI's import do not need).
+    from autotune.study.admission import Admission, budget_of
+
+    residuals: list[int] | None = None
+    budget_note = None
+    if study is not None:
+        from autotune.study.runner import learned_residuals
+
+        budget, residuals, budget_note = _study_budget(study, study_name or "", gpu)
+        if residuals is not None:
+            residuals = learned_residuals(study).get(backend.name, [])
+    else:
+        budget = budget_of(gpu, None, SAFETY_MARGIN_MIB * 2**20)
     ctx = StudyContext(gpu=gpu, model=model, workload=Workload(prompt_tokens, output_tokens),
-                       vram_budget_bytes=gpu.vram_bytes, protocol=Protocol(), for_gpu=True)
+                       vram_budget_bytes=budget.bytes, protocol=Protocol(), for_gpu=True)
     problem = backend.check_weights(weights, ctx)
     if problem:
         raise ConfigError(f"{flag} {weights!r}: {problem}")
     config = TrialConfig(backend.name, weights, ctx_tokens, parallel, tuple(sorted(options.items())))
-    invalid = backend.check(config, ctx)
-    # Every engine refuses a ctx beyond the model's (llama.cpp's rules, ExLlamaV2's check, vLLM's
-    # max_model_len), but not every backend checks it (the twins do not): say it once, unless
-    # the backend's own reason already names the model's length.
-    if ctx_tokens > model.max_context and not any(str(model.max_context) in reason for reason in invalid):
-        invalid.append(f"ctx {ctx_tokens} exceeds the model's context length {model.max_context}")
-    if ctx_tokens < prompt_tokens + output_tokens:
-        invalid.append(f"ctx {ctx_tokens} cannot hold {prompt_tokens} prompt + {output_tokens} output tokens")
-    mem = backend.estimate_memory(config, ctx)
+    # The study's judge: its rules, its memory model with what it learned, its budget.
+    judge = Admission.for_backend(backend, ctx, residuals=residuals)
+    verdict = judge.judge(config)
+    invalid = list(verdict.reasons)
+    mem, raw_total = (verdict.estimate, verdict.raw_total_bytes) if verdict.estimate is not None \
+        else judge.memory(config)
+    n_learned = judge.correction(backend.name)[1]
     calibration, calibration_note = None, None
     if study is not None and predictor is not None:
         from autotune.study.calibration import calibration_for
@@ -256,7 +318,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
                 predicted = predictor.predict(probe, ctx)
             except ConfigError as exc:  # a weights file whose format the speed model has no entry for
                 no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
-    fits = mem.total_bytes <= gpu.vram_bytes
+    fits = mem.total_bytes <= budget.bytes
     resolved = None
     if backend.name != backend_name:
         kind = "a format" if is_format(weights) else "a file or directory"
@@ -266,11 +328,15 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         "config": config.as_dict(),
         "gpu": gpu.key,
         "model": model.key,
-        "vram": {**mem.to_dict(), "budget_bytes": gpu.vram_bytes, "fits": fits},
+        "vram": {**mem.to_dict(), "budget_bytes": budget.bytes, "fits": fits, "predicted_bytes": raw_total,
+                 "correction_bytes": mem.total_bytes - raw_total, "correction_trials": n_learned},
+        "budget": {"memory_bytes": budget.memory_bytes, "safety_margin_bytes": budget.margin_bytes,
+                   "memory_source": budget.memory_source, "study": study_name},
+        "budget_note": budget_note,
         "predicted": dict(predicted) if predicted else None,
         "refused": refused,
         "invalid": invalid,
-        "verdict": _verdict(fits, invalid, refused),
+        "verdict": _verdict(verdict.kind, refused),
         "predictor": predictor.name if predictor else None,
         "no_prediction": no_prediction,
         "resolved": resolved,
@@ -303,11 +369,25 @@ def estimate_text(r: dict[str, Any]) -> str:
     ]
     if r.get("resolved"):
         lines.append(f"  ({r['resolved']})")
+    learned = v.get("correction_bytes", 0)
     lines.append(
         f"  VRAM: weights {v['weights_bytes'] / gib:.2f} + KV {v['kv_bytes'] / gib:.2f} + buffers "
-        f"{v['buffers_bytes'] / gib:.2f} + overhead {v['overhead_bytes'] / gib:.2f} = {v['total_bytes'] / gib:.2f} {unit} "
-        f"of {v['budget_bytes'] / 2**30:.2f} GiB: {memory}"
+        f"{v['buffers_bytes'] / gib:.2f} + overhead {(v['overhead_bytes'] - learned) / gib:.2f}"
+        + (f" + learned {learned / gib:.2f}" if learned else "")
+        + f" = {v['total_bytes'] / gib:.2f} {unit} of budget {v['budget_bytes'] / 2**30:.2f} GiB: {memory}"
     )
+    b = r.get("budget")
+    if b:
+        lines.append(f"  budget {v['budget_bytes'] / 2**30:.2f} GiB = {b['memory_bytes'] / 2**30:.2f} GiB "
+                     f"({b['memory_source']}) - {b['safety_margin_bytes'] / 2**30:.2f} GiB safety margin"
+                     + ("" if b.get("study") else " (autotune's default; a study sets [hardware] safety_margin_mib)"))
+        n = v.get("correction_trials", 0)
+        if b.get("study") and not learned and not r.get("budget_note"):
+            lines.append(f"  no learned memory correction: study {b['study']!r} has no measured peak of {c['backend']}"
+                         if not n else f"  no learned memory correction: the median of {c['backend']}'s {n} measured "
+                         f"peaks in study {b['study']!r} is not above its prediction")
+    if r.get("budget_note"):
+        lines.append(f"  {r['budget_note']}")
     if v["host_bytes"]:
         lines.append(f"  host memory: {v['host_bytes'] / gib:.2f} {unit}")
     for note in v.get("notes", []):

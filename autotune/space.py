@@ -171,5 +171,12 @@ class SearchSpace:
                 f"ctx {config.ctx} cannot hold the workload: one sequence needs "
                 f"{ctx.workload.prompt_tokens} prompt + {ctx.workload.output_tokens} output = {need} tokens"
             )
-        reasons += self.entries[config.backend].backend.check(config, ctx)
+        own = self.entries[config.backend].backend.check(config, ctx)
+        reasons += own
+        # Every engine refuses a ctx beyond the model's (llama.cpp's rules, ExLlamaV2's check,
+        # vLLM's max_model_len), but not every backend checks it (the twins do not): said once,
+        # unless the backend's own reason already names the model's length.
+        limit = ctx.model.max_context
+        if config.ctx > limit and not any(str(limit) in reason for reason in own):
+            reasons.append(f"ctx {config.ctx} exceeds the model's context length {limit}")
         return reasons

@@ -8,8 +8,10 @@ study that validates and runs as it is:
 * the backends whose engine is ready here (each backend's own ``preflight``), the others named
   in a comment with the reason;
 * for each, the weights formats it can make from the source (``artifact_recipe``) that can fit:
-  the memory model judges each at the lightest configuration (ctx of one request, one slot),
-  and a format that never fits is left out with the figures that say why;
+  the study's own judge (``autotune.study.admission``: the rules, the memory model, the budget
+  less the safety margin the written file will have) takes each at the lightest configuration
+  (ctx of one request, one slot), and a format that never fits is left out with the same line
+  the study's pre-search screen would print;
 * ctx values from one request's length up to the model's own limit, parallel 1..16, and the
   options each engine searches by default (its cache types, flash attention);
 * quality ``kld`` against the source itself (its full-precision format, the largest candidate)
@@ -21,7 +23,6 @@ Nothing is converted here: artifacts are made by the first trial that needs them
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import os
 import re
@@ -30,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from autotune import hardware, plugins
-from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
+from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.config import SAFETY_MARGIN_MIB
 from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
 from autotune.measure import Protocol
 from autotune.models import ModelSpec, resolve_model
+from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of
 
 __all__ = ["FORMATS", "StudyDraft", "draft_study", "render"]
 
@@ -71,6 +74,7 @@ class StudyDraft:
     space: dict[str, list[Any]] = field(default_factory=dict)
     quality: str | None = None
     notes: list[str] = field(default_factory=list)
+    budget: Budget | None = None  # what the study's judge will allow, as init judged with it
 
 
 def _ctx_values(model: ModelSpec, sequence: int) -> list[int]:
@@ -87,26 +91,6 @@ def _ctx_values(model: ModelSpec, sequence: int) -> list[int]:
     if len(values) > 6:
         values = values[:5] + [values[-1]]
     return values
-
-
-def _lightest(backend: BaseBackend, fmt: str, ctx_tokens: int, ctx: StudyContext
-              ) -> tuple[TrialConfig | None, Any, list[str]]:
-    """The configuration of ``fmt`` with the smallest footprint the engine accepts (one slot, the
-    shortest ctx, each combination of its default options), its estimate, and the engine's
-    reasons when it accepts none."""
-    params = [p for p in backend.parameters({}) if p.choices]
-    best: tuple[TrialConfig | None, Any] = (None, None)
-    refused: list[str] = []
-    for values in itertools.product(*(p.choices for p in params)):
-        probe = TrialConfig(backend.name, fmt, ctx_tokens, 1, tuple(sorted(zip((p.name for p in params), values))))
-        reasons = backend.check(probe, ctx)
-        if reasons:
-            refused = reasons
-            continue
-        estimate = backend.estimate_memory(probe, ctx)
-        if best[1] is None or estimate.total_bytes < best[1].total_bytes:
-            best = (probe, estimate)
-    return best[0], best[1], refused
 
 
 def _gib(n: float) -> str:
@@ -138,14 +122,19 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     else:
         budget_gib = None
         workload = WORKLOAD_GPU
-    budget_bytes = int(budget_gib * 2**30) if budget_gib else spec.vram_bytes - 256 * 2**20
+    # The budget the written file gives the study: its cap (on the CPU) or the card, less the
+    # default safety margin it does not override.
+    budget = budget_of(spec, int(budget_gib * 2**30) if budget_gib else None, SAFETY_MARGIN_MIB * 2**20)
+    if budget_gib:
+        budget = Budget(budget.memory_bytes, budget.margin_bytes,
+                        f"{CPU_BUDGET_SHARE:.0%} of host memory, [hardware] vram_budget_gib")
     if model.max_context < workload[0] + workload[1]:
         # A model with a short context (stories260K: 128 tokens... here 2048) gets a request that fits.
         prompt = max(1, model.max_context // 2)
         workload = (prompt, max(1, min(workload[1], model.max_context - prompt)))
     name = name or re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem if source.is_file() else source.name).strip("-") or "study"
     draft = StudyDraft(name=name, source=source, model=model, gpu=spec, gpu_key=gpu_key, budget_gib=budget_gib,
-                       workload=workload, notes=notes)
+                       workload=workload, notes=notes, budget=budget)
     draft.ctx = _ctx_values(model, sum(workload))
     if not draft.ctx:
         raise ConfigError(f"{source}: the model's context ({model.max_context} tokens) is shorter than the smallest "
@@ -155,12 +144,18 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     for backend_name, backend in plugins.get_backends().items():
         if backend.is_model:
             continue
-        ctx = StudyContext(gpu=spec, model=model, workload=Workload(*workload), vram_budget_bytes=budget_bytes,
+        ctx = StudyContext(gpu=spec, model=model, workload=Workload(*workload), vram_budget_bytes=budget.bytes,
                            protocol=Protocol(), source=source, for_gpu=False if spec.is_cpu else None)
         problems = backend.preflight(ctx)
         if problems:
             draft.left_out.append(f"backend {backend_name}: " + "; ".join(problems))
             continue
+        judge = Admission.for_backend(backend, ctx)
+        params = [p for p in backend.parameters({}) if p.choices]
+
+        def lightest(weights: str) -> tuple[TrialConfig, Any] | None:
+            return judge.lightest(TrialConfig(backend_name, weights, draft.ctx[0], 1), params)
+
         kept: list[str] = []
         for fmt in FORMATS:
             try:
@@ -170,22 +165,18 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                 continue
             if recipe is None:
                 continue  # another engine's format
-            probe, estimate, refused = _lightest(backend, fmt, draft.ctx[0], ctx)
-            if probe is None:
-                draft.left_out.append(f"{backend_name} {fmt}: {'; '.join(refused)}")
-                continue
-            if estimate.total_bytes > budget_bytes:
-                draft.left_out.append(
-                    f"{backend_name} {fmt}: never fits: ctx {probe.ctx} x 1 needs {_gib(estimate.total_bytes)} "
-                    f"(weights {_gib(estimate.weights_bytes)}) > {_gib(budget_bytes)} of "
-                    f"{'host memory' if spec.is_cpu else spec.name}")
-                continue
-            kept.append(fmt)
+            found = lightest(fmt)
+            if found is not None and found[1].kind == INVALID:
+                draft.left_out.append(f"{backend_name} {fmt}: {'; '.join(found[1].reasons)}")
+            elif found is not None and found[1].kind != ADMITTED:
+                draft.left_out.append(f"{judge.never_fits(*found)} = {budget.describe()}")
+            else:
+                kept.append(fmt)
         if not any(fmt.endswith(FULL_PRECISION) for fmt in kept) and backend.check_weights(str(source), ctx) is None:
             # No full-precision format of its own, but it loads the source as it is (ExLlamaV2 an
             # FP16 directory): the source is its quality reference, when it fits.
-            probe, estimate, _ = _lightest(backend, str(source), draft.ctx[0], ctx)
-            if probe is not None and estimate.total_bytes <= budget_bytes:
+            found = lightest(str(source))
+            if found is not None and found[1].admitted:
                 kept.append(str(source))
         if kept:
             draft.candidates[backend_name] = kept

@@ -3,14 +3,15 @@
 In order: the rules (the core's and the backend's ``check``), the memory model with what this
 study learned about it (the median of measured - predicted peaks, per backend), and an
 already-measured quality drop over the study's bound. The runner, the sampler's screening,
-the prior's ranking, the pre-search screen and the report's "why not a neighbour" all ask
-this judge, so they cannot disagree.
+the prior's ranking, the pre-search screen, the report's "why not a neighbour", ``autotune
+init`` (which formats can fit) and ``autotune estimate`` all ask this judge, with the budget
+:func:`budget_of` gives, so they cannot disagree.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
 from autotune import objective as objective_mod
@@ -20,9 +21,42 @@ from autotune.config import Objective
 from autotune.space import BackendSpace, SearchSpace
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autotune.backend import BaseBackend, Param
+    from autotune.hardware import GpuSpec
     from autotune.study.quality import QualityBook
 
 ADMITTED, INVALID, OVER_BUDGET, LOW_QUALITY = "admitted", "invalid", "over_budget", "low_quality"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a configuration may hold in device memory, and where the figure comes from.
+
+    Args:
+        memory_bytes: The card's memory, or the cap a study file sets ([hardware]
+            vram_budget_gib; on the CPU, the share of host memory ``init`` writes there).
+        margin_bytes: Kept free of it ([hardware] safety_margin_mib).
+        memory_source: What ``memory_bytes`` is, for people ("Tesla V100-SXM2-16GB's memory").
+    """
+
+    memory_bytes: int
+    margin_bytes: int
+    memory_source: str
+
+    @property
+    def bytes(self) -> int:
+        return self.memory_bytes - self.margin_bytes
+
+    def describe(self) -> str:
+        """Where the budget comes from: "15.00 GiB (Tesla T4's memory) - 0.25 GiB safety margin"."""
+        return f"{_gib(self.memory_bytes)} GiB ({self.memory_source}) - {_gib(self.margin_bytes)} GiB safety margin"
+
+
+def budget_of(gpu: "GpuSpec", cap_bytes: int | None, margin_bytes: int) -> Budget:
+    """The budget of a study on ``gpu``: its cap, else the card's memory, less the margin."""
+    if cap_bytes:
+        return Budget(cap_bytes, margin_bytes, "[hardware] vram_budget_gib")
+    return Budget(gpu.vram_bytes, margin_bytes, "host memory" if gpu.is_cpu else f"{gpu.name}'s memory")
 
 
 @dataclass(frozen=True)
@@ -36,6 +70,7 @@ class Verdict:
         raw_total_bytes: The backend's own prediction, before the correction.
         constraints: What Optuna is told of a refused configuration that never ran.
         quality_drop_points: The known drop that refused it (``low_quality`` only).
+        reasons: The rules it breaks, one each (``invalid`` only).
     """
 
     kind: str
@@ -44,6 +79,7 @@ class Verdict:
     raw_total_bytes: int | None = None
     constraints: Mapping[str, float] = field(default_factory=dict)
     quality_drop_points: float | None = None
+    reasons: tuple[str, ...] = ()
 
     @property
     def admitted(self) -> bool:
@@ -74,6 +110,23 @@ class Admission:
         self.residuals: dict[str, list[int]] = {k: list(v) for k, v in (residuals or {}).items()}
         self._memo: dict[str, Verdict] = {}
 
+    @classmethod
+    def for_backend(cls, backend: "BaseBackend", ctx: StudyContext, objective: Objective | None = None,
+                    residuals: list[int] | None = None) -> "Admission":
+        """The judge of one backend's configurations outside a study's search (``init``,
+        ``estimate``): the same rules, memory model and budget, with ``residuals`` the
+        measured - predicted peaks a stored study learned for this backend."""
+        # The space's values are not asked: the judge reads only the backend and the rules.
+        space = SearchSpace([BackendSpace(backend, (), (), (), ())])
+        return cls(space, {backend.name: ctx}, objective or Objective(), None,
+                   {backend.name: residuals} if residuals else None)
+
+    def correction(self, backend: str) -> tuple[int | None, int]:
+        """Bytes the judge adds to ``backend``'s predictions (None: nothing learned), and from
+        how many measured trials."""
+        found = self.residuals.get(backend, [])
+        return vram.learned_correction(found), len(found)
+
     def learn(self, backend: str, residual_bytes: int) -> None:
         """Add one measured - predicted peak; every later memory verdict uses it."""
         self.residuals.setdefault(backend, []).append(int(residual_bytes))
@@ -83,8 +136,7 @@ class Admission:
         """The backend's estimate plus what the study learned about it; and the raw total."""
         backend = self.space.entries[config.backend].backend
         raw = backend.estimate_memory(config, self.contexts[config.backend])
-        found = self.residuals.get(config.backend, [])
-        return vram.apply_correction(raw, vram.learned_correction(found), len(found)), raw.total_bytes
+        return vram.apply_correction(raw, *self.correction(config.backend)), raw.total_bytes
 
     def judge(self, config: TrialConfig) -> Verdict:
         """Rules, then memory, then an already-measured quality drop."""
@@ -102,7 +154,7 @@ class Admission:
         reasons = self.space.check(config, ctx)
         if reasons:
             return Verdict(INVALID, "invalid: " + "; ".join(reasons),
-                           constraints=objective_mod.unmeasured_constraints(self.objective))
+                           constraints=objective_mod.unmeasured_constraints(self.objective), reasons=tuple(reasons))
         estimate, raw = self.memory(config)
         budget = ctx.vram_budget_bytes
         if estimate.total_bytes > budget:
@@ -132,6 +184,29 @@ class Admission:
         base = self._memo[config.key]
         return Verdict(LOW_QUALITY, reason, base.estimate, base.raw_total_bytes, constraints, drop.points)
 
+    def lightest(self, base: TrialConfig, params: "tuple[Param, ...] | list[Param]"
+                 ) -> tuple[TrialConfig, Verdict] | None:
+        """Of ``base`` under each combination of ``params``' choices, the one the rules accept
+        with the smallest footprint (learned correction included), and its verdict; when the
+        rules accept none, the last one and its ``invalid`` verdict (None: no combination)."""
+        best: tuple[TrialConfig, Verdict] | None = None
+        refused: tuple[TrialConfig, Verdict] | None = None
+        for combo in itertools.product(*(p.choices for p in params)):
+            config = replace(base, options=tuple(sorted(zip((p.name for p in params), combo))))
+            verdict = self.judge(config)
+            if verdict.estimate is None:
+                refused = (config, verdict)
+            elif best is None or verdict.estimate.total_bytes < best[1].estimate.total_bytes:  # type: ignore[union-attr]
+                best = (config, verdict)
+        return best or refused
+
+    def never_fits(self, config: TrialConfig, verdict: Verdict) -> str:
+        """Why weights never fit, from their lightest configuration's verdict (``lightest``)."""
+        e, budget = verdict.estimate, self.contexts[config.backend].vram_budget_bytes
+        assert e is not None
+        return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
+                f"needs {_gib(e.total_bytes)} GiB (weights {_gib(e.weights_bytes)}) > budget {_gib(budget)} GiB")
+
     def screen(self, entry: BackendSpace) -> tuple[BackendSpace | None, list[str]]:
         """Drop values that no configuration can use, before the sampler ever sees them.
 
@@ -157,18 +232,9 @@ class Admission:
         lightest_ctx, lightest_parallel = min(ctx_ok), min(entry.parallel)
         weights_ok = []
         for w in entry.weights:
-            best = None
-            for combo in itertools.product(*(p.choices for p in entry.params)):
-                options = tuple(sorted(zip((p.name for p in entry.params), combo)))
-                verdict = self.judge(TrialConfig(name, w, lightest_ctx, lightest_parallel, options))
-                if verdict.estimate is not None and (best is None or verdict.estimate.total_bytes < best.total_bytes):
-                    best = verdict.estimate
-            if best is not None and best.total_bytes > ctx.vram_budget_bytes:
-                notes.append(
-                    f"{name}: weights {w} never fit: even ctx {lightest_ctx} x {lightest_parallel} needs "
-                    f"{_gib(best.total_bytes)} GiB (weights {_gib(best.weights_bytes)}) > budget "
-                    f"{_gib(ctx.vram_budget_bytes)} GiB"
-                )
+            lightest = self.lightest(TrialConfig(name, w, lightest_ctx, lightest_parallel), entry.params)
+            if lightest is not None and lightest[1].kind == OVER_BUDGET:
+                notes.append(self.never_fits(*lightest))
             else:
                 weights_ok.append(w)
         if not weights_ok:

@@ -171,12 +171,14 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
     except (AutotuneError, TypeError) as exc:
         errors.append(f"{src}: [measure]: {exc}")
 
+    from autotune.study.admission import Admission, budget_of
+
     budget = 0
     if gpu is not None:
-        total = cfg.vram_budget_bytes or gpu.vram_bytes
-        budget = total - cfg.safety_margin_bytes
+        budget = budget_of(gpu, cfg.vram_budget_bytes, cfg.safety_margin_bytes).bytes
         if budget <= 0:
-            errors.append(f"{src}: [hardware] safety_margin_mib leaves no memory of {total} bytes")
+            errors.append(f"{src}: [hardware] safety_margin_mib leaves no memory of "
+                          f"{cfg.vram_budget_bytes or gpu.vram_bytes} bytes")
 
     bad_settings: set[str] = set()
     for name, settings in cfg.backend_settings.items():
@@ -269,8 +271,6 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
             })
     # The pre-search screen asks the same judge as every trial (no learned correction yet:
     # no storage is open).
-    from autotune.study.admission import Admission
-
     judge = Admission(SearchSpace(entries), contexts, cfg.objective)
     screened, excluded = [], list(notes)
     for entry in entries:

@@ -317,6 +317,10 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
         "gpu": records.gpu_attrs(prepared.gpu),
         "model": prepared.model.key,
         "vram_budget_bytes": prepared.vram_budget_bytes,
+        # What `estimate --study` needs to judge as the study does: the margin inside the
+        # budget, and the workload the core's rules measure ctx against.
+        "safety_margin_bytes": cfg.safety_margin_bytes,
+        "workload": {"prompt_tokens": cfg.prompt_tokens, "output_tokens": cfg.output_tokens},
         "objective": vars(cfg.objective),
         "study_file": str(cfg.path) if cfg.path else None,
         "excluded_before_search": prepared.excluded,
