@@ -171,14 +171,14 @@ def report(ctx: click.Context, study_file: Path | None, study_name: str | None, 
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
-    """Every backend and metric, with the plugin and distribution that provides it."""
+    """Every backend, metric and search strategy, with the plugin and distribution that provides it."""
 
     def go() -> None:
         found = plugins.describe()
         if as_json:
             click.echo(json.dumps(found, indent=2))
             return
-        for kind in ("backends", "metrics"):
+        for kind in ("backends", "metrics", "strategies"):
             click.echo(f"{kind}:")
             for item in found[kind]:
                 click.echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")

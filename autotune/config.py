@@ -5,6 +5,8 @@ file, the field, the bad value and what would be accepted:
 ``studies/v100.toml: [space] ctx = 0: must be >= 256``.
 Only structure and values are checked here; names of backends, models and GPUs are resolved
 against plugins and catalogs by ``autotune.study.prepare``, which reports those the same way.
+``[study] sampler`` is the exception: a strategy may stand in another for a Pareto objective
+(``BaseStrategy.pareto``), so its name is checked against the registry here.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from autotune import plugins
 from autotune.errors import ConfigError
 
 # Memory kept free of the budget when a study file does not say ([hardware] safety_margin_mib):
 # `autotune init` and `autotune estimate` judge with it too, so a study they describe agrees.
 SAFETY_MARGIN_MIB = 256
 
-SAMPLERS = ("tpe", "random", "grid", "nsga2", "twin")
 OBJECTIVE_MODES = ("single", "pareto")
 # [quality] table: field -> (type, min, max or None, what it is). Metrics that sample a
 # benchmark read the first three (the shipped samples hold 10 items and 5 dev examples per
@@ -250,7 +252,8 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     name = r.get("study", study, "name", str, default_name,
                  check=lambda v: None if re.fullmatch(r"[A-Za-z0-9_.-]+", v) else "use letters, digits, '.', '_' or '-'")
     seed = r.get("study", study, "seed", int, 0)
-    sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(SAMPLERS))
+    strategies = plugins.get_strategies()
+    sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(tuple(strategies)))
     n_trials = r.get("study", study, "n_trials", int, None, check=_at_least(1))
     budget_s = None
     if "budget" in study:
@@ -364,8 +367,8 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         r.errors.append(
             f"{source}: [objective] quality is missing: penalty_per_point, max_drop_points and mode = 'pareto' need a quality metric"
         )
-    if objective.mode == "pareto" and sampler == "tpe":
-        sampler = "nsga2"  # TPE handles several objectives too, but NSGA-II is the Pareto workhorse
+    if objective.mode == "pareto" and sampler in strategies:
+        sampler = strategies[sampler].pareto or sampler
 
     # How the quality metric samples its benchmark; part of its cache key, so two studies with
     # the same settings share nothing by accident and a change re-measures.

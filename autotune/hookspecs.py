@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover - types only
 
     from autotune.backend import BaseBackend
     from autotune.metric import BaseMetric
+    from autotune.strategy import BaseStrategy
 
 hookspec = pluggy.HookspecMarker("autotune")
 hookimpl = pluggy.HookimplMarker("autotune")
@@ -44,6 +45,21 @@ def register_metrics(register: Callable[["BaseMetric"], None]) -> None:
     Args:
         register: Call once per metric instance. Names are unique across plugins, as for
             backends.
+    """
+
+
+@hookspec
+def register_strategies(register: Callable[["BaseStrategy"], None]) -> None:
+    """Register search strategies: what a study file names as ``[study] sampler``.
+
+    The core registers its own (tpe, prior, random, nsga2, grid) the same way, from
+    ``autotune.default_strategies``; a plugin adds one that needs what it ships (the twin's
+    ``twin``, which ranks with the twin before every launch).
+
+    Args:
+        register: Call once per strategy instance (an ``autotune.strategy.BaseStrategy``).
+            Names are unique across plugins, as for backends: a name already taken is a
+            ``PluginError`` naming both plugins.
     """
 
 

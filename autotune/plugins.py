@@ -1,7 +1,10 @@
 """The plugin manager: loads the ``autotune`` entry-point group and owns the registries.
 
 Built-in plugins are entry points of this very distribution, so there is no list of them
-here: the core never names a backend. Two environment variables steer loading:
+here: the core never names a backend. The core's own search strategies
+(``autotune.default_strategies``) are the one plugin always registered, whatever the variables
+say, as pytest's essential plugins: every study needs one. Two environment variables steer
+loading:
 
 * ``AUTOTUNE_LOAD_PLUGINS``: comma-separated allow-list of entry-point names to load
   (empty string: load none); unset loads every installed plugin.
@@ -11,6 +14,7 @@ here: the core never names a backend. Two environment variables steer loading:
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import sys
@@ -24,8 +28,12 @@ from autotune.errors import PluginError, UnknownNameError
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend
     from autotune.metric import BaseMetric
+    from autotune.strategy import BaseStrategy
 
 ENTRY_POINT_GROUP = "autotune"
+# Plugin name -> module of the plugins registered even when autoloading is off (tests) or an
+# allow-list leaves them out.
+ESSENTIAL_PLUGINS = {"autotune": "autotune.default_strategies"}
 
 pm = pluggy.PluginManager("autotune")
 pm.add_hookspecs(hookspecs)
@@ -44,6 +52,10 @@ def load_plugins() -> None:
     if _loaded:
         return
     _loaded = True
+    for name, module_name in ESSENTIAL_PLUGINS.items():
+        if pm.get_plugin(name) is None:
+            pm.register(importlib.import_module(module_name), name=name)
+            _sources[name] = "autotune"
     if getattr(sys, "_called_from_test", False):
         return
     allow = os.environ.get("AUTOTUNE_LOAD_PLUGINS")
@@ -158,6 +170,21 @@ def get_metrics() -> dict[str, "BaseMetric"]:
     return {name: obj for name, (obj, _) in sorted(_collect("register_metrics", "metric").items())}
 
 
+def get_strategies() -> dict[str, "BaseStrategy"]:
+    """Every registered search strategy by name (``[study] sampler``)."""
+    return {name: obj for name, (obj, _) in sorted(_collect("register_strategies", "strategy").items())}
+
+
+def get_strategy(name: str) -> "BaseStrategy":
+    """One search strategy by name, or an error listing the installed ones."""
+    strategies = get_strategies()
+    if name not in strategies:
+        raise UnknownNameError(
+            f"strategy '{name}' is not installed (installed: {', '.join(strategies) or 'none'})"
+        )
+    return strategies[name]
+
+
 def get_backend(name: str) -> "BaseBackend":
     """One backend by name, or an error listing the installed ones."""
     backends = get_backends()
@@ -179,9 +206,10 @@ def get_metric(name: str) -> "BaseMetric":
 
 
 def describe() -> dict[str, list[dict[str, str]]]:
-    """What ``autotune plugins`` shows: each backend and metric with its plugin and distribution."""
-    out: dict[str, list[dict[str, str]]] = {"backends": [], "metrics": [], "broken": []}
-    for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric")):
+    """What ``autotune plugins`` shows: each backend, metric and strategy with its plugin and distribution."""
+    out: dict[str, list[dict[str, str]]] = {"backends": [], "metrics": [], "strategies": [], "broken": []}
+    for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric"),
+                            ("strategies", "register_strategies", "strategy")):
         for name, (obj, plugin) in sorted(_collect(hook, kind).items()):
             out[key].append(
                 {

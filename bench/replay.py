@@ -15,11 +15,13 @@ pick is valued by the grid's truth (the mean of the runs' measurements of that c
 against the best truth among the configurations that are feasible by that truth (per-user
 floor and memory). See docs/search.md.
 
-A strategy is a set of ``[study]`` keys (``STRATEGIES``); one that needs its own loop gives
-``Strategy.drive``. "multifidelity" is the runner's probe (``[study] probe_margin``): the
-replay backend answers a launch the probe stops with the recorded first run, and charges the
-recorded seconds less the later runs (estimated from the trial's own rates: the grids stored
-seconds per trial, not per run).
+A strategy is one registered with ``register_strategies`` (``autotune plugins`` lists them:
+the core's tpe, prior, random, nsga2 and grid, the twin's twin, any plugin's), replayed as
+``[study] sampler = NAME`` without the prior head start unless the strategy's own default
+turns it on (``prior``). ``NAME+probe`` adds the runner's probe (``[study] probe_margin =
+0.15``), and "multifidelity" is ``prior+probe``: the replay backend answers a launch the probe
+stops with the recorded first run, and charges the recorded seconds less the later runs
+(estimated from the trial's own rates: the grids stored seconds per trial, not per run).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from autotune.config import Objective, parse_study_config  # noqa: E402
 from autotune.errors import AutotuneError, ConfigError, handle_errors  # noqa: E402
 from autotune.measure import Protocol  # noqa: E402
 from autotune.models import load_model_catalog, resolve_model  # noqa: E402
+from autotune.strategy import BaseStrategy  # noqa: E402
 from autotune.study import records, storage  # noqa: E402
 from autotune.study.prepare import PreparedStudy, prepare_study  # noqa: E402
 from autotune.study.records import TrialState  # noqa: E402
@@ -129,16 +132,32 @@ class Strategy:
     drive: Callable[[StudyRunner, ReplayBackend, float], None] = spend_budget
 
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("random", {"sampler": "random", "prior": False}, "Optuna's random sampler"),
-    Strategy("tpe", {"sampler": "tpe", "prior": False}, "autotune's multivariate TPE"),
-    Strategy("prior", {"sampler": "tpe", "prior": True},
-             "the twin's ranking first ([study] prior = true, its top prior_trials), then TPE"),
-    Strategy("twin", {"sampler": "twin"},
-             "each launch the twin's best unmeasured configuration, calibrated on the trials so far; one in four random"),
-    Strategy("multifidelity", {"sampler": "tpe", "prior": True, "probe_margin": 0.15},
-             "prior, and every launch's first run a probe: more than 15% below the leader, it stops there"),
-)}
+PROBE = "+probe"
+PROBE_MARGIN = 0.15
+# Names of earlier replays (docs/search.md, bench/results/) for what is now a composition.
+ALIASES = {"multifidelity": "prior" + PROBE}
+
+
+def replayed(registered: BaseStrategy, probe: bool = False) -> Strategy:
+    """A registered strategy as the replay runs it: the prior head start only where the strategy
+    itself defaults to it (a plain ``tpe`` replays TPE alone, not the real study's default)."""
+    study: dict[str, Any] = {"sampler": registered.name, "prior": bool(registered.prior)}
+    doc = registered.description or registered.name
+    if probe:
+        study["probe_margin"] = PROBE_MARGIN
+        doc += (f"; every launch's first run a probe: more than {PROBE_MARGIN:.0%} below the leader, "
+                "it stops there")
+    return Strategy(registered.name + (PROBE if probe else ""), study, doc)
+
+
+def strategy_named(name: str, registry: Mapping[str, BaseStrategy]) -> Strategy | None:
+    """``NAME``, ``NAME+probe`` or an alias, from the registry; None when it names none."""
+    base = ALIASES.get(name, name)
+    probe = base.endswith(PROBE)
+    base = base.removesuffix(PROBE)
+    if base not in registry:
+        return None
+    return replace(replayed(registry[base], probe), name=name)
 
 
 # ----------------------------------------------------------------------------- the replay study
@@ -463,18 +482,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="the model a grid ran, as a catalog key or file (default: its study file's, else the "
                          "catalog model with the recorded KV-cache shape)")
     ap.add_argument("--seeds", type=int, default=20, help="replays per strategy (seeds 0..N-1)")
-    ap.add_argument("--strategies", default="random,tpe,prior,twin,multifidelity", help=f"comma-separated: {', '.join(STRATEGIES)}")
+    registry = plugins.get_strategies()
+    known = [*registry, *ALIASES]
+    ap.add_argument("--strategies", default="random,tpe,prior,twin,multifidelity",
+                    help=f"comma-separated: {', '.join(known)}, or NAME{PROBE} for any of them with the probe")
     ap.add_argument("--budget-fraction", type=float, default=0.25,
                     help="recorded seconds each replay may launch, as a fraction of the grid's measuring seconds")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--out", type=Path, help="also write PREFIX.txt and PREFIX.json")
     args = ap.parse_args(argv)
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [n for n in names if n not in STRATEGIES]
+    found = {n: strategy_named(n, registry) for n in names}
+    unknown = [n for n, s in found.items() if s is None]
     if unknown or not names:
         ap.error(f"--strategies {args.strategies!r}: unknown {', '.join(unknown) or '(none given)'} "
-                 f"(known: {', '.join(STRATEGIES)})")
-    args.strategy_list = [STRATEGIES[n] for n in names]
+                 f"(known: {', '.join(known)}, each also as NAME{PROBE})")
+    args.strategy_list = [found[n] for n in names]
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: must be at least 1")
     if not 0 < args.budget_fraction <= 1:

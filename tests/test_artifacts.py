@@ -277,7 +277,7 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
         # A seed whose grid order launches the ready file first (the gate needs a launch to go by).
         def first_of(seed: int) -> TrialConfig:
             configs = list(prepared.space.enumerate())
-            random.Random(seed).shuffle(configs)  # as enqueue_grid orders them
+            random.Random(seed).shuffle(configs)  # as the grid strategy orders them (default_strategies.GridStrategy)
             return configs[0]
 
         seed = next(s for s in range(100) if not is_format(first_of(s).weights))

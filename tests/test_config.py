@@ -226,3 +226,13 @@ def test_model_source_alone_names_the_model_and_neither_is_an_error(tmp_path, de
     neither.write_text(text.replace('ref = "qwen2.5-27b-article"', ''))
     with pytest.raises(ConfigError, match=r"neither\.toml: \[model\] ref = \(missing\): required; .*\[model\] source"):
         load_study_config(neither)
+
+
+def test_a_pareto_objective_runs_the_strategys_pareto_default(tmp_path, default_study_path):
+    """``BaseStrategy.pareto``: tpe gives way to nsga2; a strategy without one is kept."""
+    text = default_study_path.read_text(encoding="utf-8").replace("[objective]\n", '[objective]\nmode = "pareto"\n', 1)
+    path = tmp_path / "pareto.toml"
+    path.write_text(text, encoding="utf-8")
+    assert load_study_config(path).sampler == "nsga2"
+    path.write_text(text.replace('sampler = "tpe"', 'sampler = "random"'), encoding="utf-8")
+    assert load_study_config(path).sampler == "random"

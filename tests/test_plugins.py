@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 import click
+import optuna
 import pytest
 from click.testing import CliRunner
 
@@ -31,6 +32,7 @@ from autotune.hardware import get_gpu
 from autotune.measure import Protocol, Stat
 from autotune.metric import BaseMetric, MetricValue
 from autotune.models import get_model
+from autotune.strategy import BaseStrategy
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "autotune-example-plugin"
@@ -66,6 +68,40 @@ class ThrowawayMetric(BaseMetric):
 
     def evaluate(self, config, backend, ctx):
         return MetricValue(value=0.5, n=2)
+
+
+def cheapest(config: TrialConfig) -> tuple:
+    return (config.ctx, config.parallel, config.key)
+
+
+class SortedOrder(BaseStrategy):
+    """Before each launch, the smallest configuration the study has not evaluated."""
+
+    name = "throwaway-sorted"
+    description = "a strategy that only exists in tests"
+    takes_prior = False
+    queues_each_launch = True
+
+    def sampler(self, seed):
+        return optuna.samplers.RandomSampler(seed=seed)
+
+    def queue_next(self, search, n):
+        done = search.evaluated_keys()
+        todo = [c for c in search.configurations() if c.key not in done]
+        if not todo:
+            return False
+        search.enqueue(min(todo, key=cheapest))
+        return True
+
+
+def strategies_plugin(*strategies: BaseStrategy) -> object:
+    class Plugin:
+        @hookimpl
+        def register_strategies(self, register):
+            for strategy in strategies:
+                register(strategy)
+
+    return Plugin()
 
 
 def named_backend(name: str) -> BaseBackend:
@@ -126,6 +162,63 @@ def test_hook_register_metrics():
     assert "throwaway-metric" not in plugins.get_metrics()
 
 
+SORTED_TWIN_STUDY = """
+[study]
+name = "sorted-twin"
+sampler = "throwaway-sorted"
+finish_top = 0
+baseline = false
+
+[hardware]
+gpu = "v100-16gb"
+safety_margin_mib = 1792
+
+[model]
+ref = "qwen2.5-27b-article"
+
+[workload]
+prompt_tokens = 1500
+output_tokens = 800
+
+[[candidates]]
+backend = "twin-llama.cpp"
+weights = ["gguf:Q4_K_M", "gguf:Q2_K"]
+
+[space]
+ctx = [4096, 16384]
+cache_type = ["f16", "q8_0"]
+parallel = [1, 2, 16]
+"""
+
+
+def test_hook_register_strategies(twin_plugin, tmp_path):
+    """A plugin's strategy is accepted as ``[study] sampler`` and drives a twin study: every
+    launch is the one it queued."""
+    from autotune.config import load_study_config
+    from autotune.study import StudyRunner, prepare_study, records
+
+    path = tmp_path / "sorted.toml"
+    path.write_text(SORTED_TWIN_STUDY, encoding="utf-8")
+    with registered(strategies_plugin(SortedOrder()), "throwaway-strategies"):
+        assert isinstance(plugins.get_strategy("throwaway-sorted"), SortedOrder)
+        assert {"name": "throwaway-sorted", "plugin": "throwaway-strategies", "distribution": "throwaway-dist",
+                "description": "a strategy that only exists in tests"} in plugins.describe()["strategies"]
+        prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'sorted.db'}")
+        runner = StudyRunner(prepared)
+        assert not runner.uses_prior  # its own queue comes first
+        summary = runner.run(n_trials=2)
+        assert summary.n_measured == 2
+        trials = records.records(runner.study)
+        # Refused configurations are trials too (pruned): the trials are the strategy's order.
+        assert [r.config_key for r in trials] == [c.key for c in sorted(prepared.space.enumerate(), key=cheapest)][
+            :len(trials)]
+        assert len(trials) < 25  # no exploring configuration slipped in (EXPLORE_AFTER_IDLE)
+        assert not any(r.from_prior or r.explore for r in trials)
+    assert "throwaway-sorted" not in plugins.get_strategies()
+    with pytest.raises(Exception, match=r"\[study\] sampler.*'throwaway-sorted'.*must be one of .*tpe.*twin"):
+        load_study_config(path)
+
+
 def test_hook_register_commands():
     class Plugin:
         @hookimpl
@@ -173,6 +266,19 @@ def test_duplicate_backend_name_names_both_plugins():
     message = str(err.value)
     assert "backend name 'dup' is registered twice" in message
     assert "'first-plugin'" in message and "'second-plugin'" in message
+
+
+def test_duplicate_strategy_name_names_both_plugins():
+    with registered(strategies_plugin(SortedOrder()), "s-one"), registered(strategies_plugin(SortedOrder()), "s-two"):
+        with pytest.raises(PluginError, match="strategy name 'throwaway-sorted' is registered twice") as err:
+            plugins.get_strategies()
+    assert "'s-one'" in str(err.value) and "'s-two'" in str(err.value)
+
+
+def test_core_strategies_are_registered_without_autoload():
+    """Tests turn autoload off, as ``AUTOTUNE_LOAD_PLUGINS=`` does: the core's strategies stay."""
+    assert {"tpe", "prior", "random", "nsga2", "grid"} <= set(plugins.get_strategies())
+    assert "twin" not in plugins.get_strategies()  # the twin plugin's, not the core's
 
 
 def test_duplicate_metric_name_names_both_plugins():
@@ -284,7 +390,10 @@ def test_load_plugins_allow_list():
     assert len(twin) == 1, everything
     assert (twin[0]["plugin"], twin[0]["distribution"]) == ("twin", "autotune")
 
-    assert plugins_json(clean_env(AUTOTUNE_LOAD_PLUGINS="")) == {"backends": [], "metrics": [], "broken": []}
+    nothing = plugins_json(clean_env(AUTOTUNE_LOAD_PLUGINS=""))
+    assert {k: v for k, v in nothing.items() if k != "strategies"} == {"backends": [], "metrics": [], "broken": []}
+    assert {s["plugin"] for s in nothing["strategies"]} == {"autotune"}  # the core's own, always there
+    assert {s["name"]: s["plugin"] for s in everything["strategies"]}["twin"] == "twin"
 
     only_twin = plugins_json(clean_env(AUTOTUNE_LOAD_PLUGINS="twin"))
     assert {b["plugin"] for b in only_twin["backends"]} == {"twin"}

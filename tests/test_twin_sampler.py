@@ -1,5 +1,8 @@
 """``sampler = "twin"``: every launch measures what the twin, calibrated on the study's trials so
-far, predicts best among the configurations not yet evaluated; one in four explores."""
+far, predicts best among the configurations not yet evaluated; one in four explores.
+
+The strategy is the twin plugin's (``autotune_plugins.twin.strategy``): each test registers the
+plugin (``twin_plugin``), and ranks with a fake model of the fake engine."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from autotune.backend import StudyContext, TrialConfig
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
 from autotune.study import StudyRunner, open_storage, prepare_study, records
-from autotune.study import runner as runner_mod
+from autotune_plugins.twin.strategy import TwinStrategy
 
 if __package__:  # tests/ is a package
     from .fake_backends import FakeBackend, FakeModelBackend, memory_dir, registered, write_study
@@ -40,7 +43,7 @@ class Misled(FakeModelBackend):
 
 
 @pytest.fixture
-def storage(tmp_path):
+def storage(tmp_path, twin_plugin):
     for scratch in memory_dir(tmp_path):
         yield f"sqlite:///{scratch / 'study.db'}"
 
@@ -53,7 +56,7 @@ def launched(storage: str) -> list[tuple[str, int, bool]]:
 def test_each_launch_follows_the_twin_as_calibrated_so_far(tmp_path, storage, monkeypatch):
     path = write_study(tmp_path / "s.toml", "fake", ["w1", "w22", "w333"], parallel=(1, 2, 4, 8), sampler="twin")
     with registered(FakeBackend(), Misled()):
-        monkeypatch.setattr(runner_mod, "TWIN_EXPLORE_EVERY", 10**9)
+        monkeypatch.setattr(TwinStrategy, "explore_every", 10**9)
         prepared = prepare_study(load_study_config(path), storage=storage)
         StudyRunner(prepared).run(n_trials=3)
         # The twin's favourites, best first (w22 believed slow; w333 is the fastest it believes in).

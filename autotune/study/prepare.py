@@ -165,6 +165,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
             source = None
 
     backends = plugins.get_backends()
+    strategy = plugins.get_strategy(cfg.sampler)
     protocol = None
     try:
         protocol = Protocol(**cfg.measure)
@@ -215,8 +216,8 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
                            # gpu = "cpu": nothing is offloaded, even on a machine that has a GPU.
                            for_gpu=False if gpu.is_cpu else None)
         contexts[cand.backend] = ctx
-        if cfg.sampler == "twin" and not any(b.is_model and b.engine == backend.engine for b in backends.values()):
-            errors.append(f"{src}: [study] sampler = 'twin': no installed backend predicts engine "
+        if strategy.needs_model and not any(b.is_model and b.engine == backend.engine for b in backends.values()):
+            errors.append(f"{src}: [study] sampler = {strategy.name!r}: no installed backend predicts engine "
                           f"{backend.engine} (of [candidates.{i}] backend = {cand.backend!r}); install its twin "
                           "or use sampler = 'tpe'")
         for problem in backend.preflight(ctx):

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import hashlib
 import os
-import random
 import statistics
 import socket
 import time
@@ -27,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import optuna
 
-from autotune import artifacts
+from autotune import artifacts, plugins
 from autotune import objective as objective_mod
 from autotune.artifacts import ArtifactError
 from autotune.backend import Measurement, TrialConfig
@@ -44,6 +43,7 @@ from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
 from autotune.study.quality import QualityBook
 from autotune.study.records import TrialRecord, TrialState, write
 from autotune.study.sampling import ScreenedSampler
+from autotune.strategy import Search
 from autotune.study.summary import (StudySummary, best_trial, finish_candidates, finish_verdict, summarize,
                                     worth_another_round)
 
@@ -51,10 +51,6 @@ from autotune.study.summary import (StudySummary, best_trial, finish_candidates,
 # configuration (samplers on small discrete spaces keep proposing what they know), and before
 # a run stops as converged.
 EXPLORE_AFTER_IDLE = 25
-# sampler = "twin": one launch in this many measures a random admissible configuration instead
-# of the twin's favourite, so that the calibration sees the space beyond what the twin already
-# believes (a twin wrong about a whole region would otherwise never be corrected there).
-TWIN_EXPLORE_EVERY = 4
 MAX_IDLE_PROPOSALS = 300
 # Attempts cut short (interrupt, killed worker) after which a configuration is not queued again.
 MAX_CUT_SHORT = 3
@@ -113,17 +109,9 @@ def _dead_local_finisher(token: int) -> bool:
 
 
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
-    """The study's inner sampler. Constraints reach it through ``Trial.set_constraint``."""
-    sampler = prepared.cfg.sampler
-    if sampler in ("random", "grid", "twin"):  # twin: the runner queues each choice itself
-        return optuna.samplers.RandomSampler(seed=seed)
-    if sampler == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
-    # Multivariate TPE with groups models each backend's parameters jointly: the space is
-    # conditional on the backend, and cache type, ctx and parallel interact through memory.
-    # Exact duplicates from parallel workers are caught by the claims, so no constant liar.
-    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
-                                      constant_liar=False)
+    """The study's inner sampler, from its strategy (``[study] sampler``). Constraints reach it
+    through ``Trial.set_constraint``."""
+    return plugins.get_strategy(prepared.cfg.sampler).sampler(seed)
 
 
 def learned_residuals(study: optuna.Study) -> dict[str, list[int]]:
@@ -160,7 +148,8 @@ class StudyRunner:
         self.prepared = prepared
         self.cfg = prepared.cfg
         self.seed = self.cfg.seed if seed is None else seed
-        self.sampler = ScreenedSampler(make_sampler(prepared, self.seed), prepared.space, self.admissible,
+        self.strategy = plugins.get_strategy(self.cfg.sampler)
+        self.sampler = ScreenedSampler(self.strategy.sampler(self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
         self.study = storage.open_study(prepared, self.sampler)
         if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
@@ -175,7 +164,11 @@ class StudyRunner:
         self.n_new = 0
         self.converged = False
         self._last_cleanup = float("-inf")
-        self._twin_choices = 0
+        self._strategy_asks = 0  # queue_next's n
+        self.search = Search(seed=self.seed, configurations=prepared.space.enumerate,
+                             evaluated_keys=self._evaluated_keys, has_waiting=self._has_waiting,
+                             enqueue=self._enqueue, enqueue_unexplored=self._enqueue_unexplored,
+                             ranking=lambda: [config for config, _ in self._prior_order()])
         self._launch_seconds: list[float] = []
         self.interrupts = Interrupts()
         self._note: Callable[[str], None] | None = None
@@ -258,16 +251,18 @@ class StudyRunner:
 
     @property
     def uses_prior(self) -> bool:
-        """``[study] prior``, or when not given: on for a real study whose engine has a model
-        (the twin) that is not the study's backend itself. Replayed on the H200 grids it finds
-        the best in 20 of 20 seeds at a quarter of the grid's time, TPE in 6 (docs/search.md);
-        a twin study, which would rank with itself, keeps its sampler, and so does a study on the
-        CPU (``gpu = "cpu"``: the twin models GPUs). ``sampler = "twin"``
-        ranks before every launch, so it needs no head start."""
-        if self.cfg.sampler == "twin":
+        """``[study] prior``, else the strategy's default (``BaseStrategy.prior``), else on for a
+        real study whose engine has a model (the twin) that is not the study's backend itself.
+        Replayed on the H200 grids it finds the best in 20 of 20 seeds at a quarter of the grid's
+        time, TPE in 6 (docs/search.md); a twin study, which would rank with itself, keeps its
+        sampler, and so does a study on the CPU (``gpu = "cpu"``: the twin models GPUs). A
+        strategy that queues its own choices (``takes_prior`` false: a grid, ``sampler = "twin"``
+        ranking before every launch) needs no head start."""
+        if not self.strategy.takes_prior:
             return False
-        if self.cfg.prior is not None:
-            return self.cfg.prior
+        given = self.cfg.prior if self.cfg.prior is not None else self.strategy.prior
+        if given is not None:
+            return given
         if self.prepared.gpu.is_cpu:
             return False  # the twin models GPUs: on the host its ranking would be a guess
         return bool(calibration.learning_backends(self.prepared))
@@ -281,33 +276,13 @@ class StudyRunner:
             return False
         return not self._launch_seconds or statistics.median(self._launch_seconds) <= left_s
 
-    def enqueue_twin_choice(self) -> bool:
-        """``sampler = "twin"``: queue the configuration the twin, calibrated on this study's
-        trials so far, predicts best among those not yet evaluated; every
-        ``TWIN_EXPLORE_EVERY``-th choice a random admissible one instead. False: nothing left."""
+    def queue_strategy_choice(self) -> bool:
+        """Let a strategy that queues its own choices (``queues_each_launch``) queue the next,
+        unless something waits already. False: it has nothing left to choose."""
         if self._has_waiting():
             return True
-        self._twin_choices += 1
-        if self._twin_choices % TWIN_EXPLORE_EVERY == 0 and self._enqueue_unexplored():
-            return True
-        done = self._evaluated_keys()
-        for config, _ in self._prior_order():
-            if config.key not in done:
-                self._enqueue(config, from_prior=True)
-                return True
-        return self._enqueue_unexplored()
-
-    def enqueue_grid(self) -> int:
-        """Grid search: every configuration once, in a seeded random order."""
-        if self._has_waiting():
-            return 0
-        configs = list(self.prepared.space.enumerate())
-        random.Random(self.seed).shuffle(configs)
-        done = self._evaluated_keys()
-        todo = [c for c in configs if c.key not in done]
-        for config in todo:
-            self._enqueue(config)
-        return len(todo)
+        self._strategy_asks += 1
+        return self.strategy.queue_next(self.search, self._strategy_asks)
 
     def requeue_cut_short(self) -> int:
         """Queue again each configuration whose attempts were all cut short (interrupted, its
@@ -362,9 +337,8 @@ class StudyRunner:
             budget_s, n_trials = self.cfg.budget_s, self.cfg.n_trials
             if budget_s is None and n_trials is None:
                 n_trials = 50
-        if self.cfg.sampler == "grid":
-            self.enqueue_grid()
-        elif self.uses_prior:
+        self.strategy.queue_first(self.search)
+        if self.uses_prior:
             self.enqueue_prior()
         self._announce_quality_power(note)
         self._note = note
@@ -401,9 +375,9 @@ class StudyRunner:
                 return
             if budget_s is not None and not self._next_launch_fits(budget_s - (time.monotonic() - start)):
                 return
-            if self.cfg.sampler == "grid" and not self._has_waiting():
+            if self.strategy.ends_with_queue and not self._has_waiting():
                 return
-            if self.cfg.sampler == "twin" and not self.enqueue_twin_choice():
+            if self.strategy.queues_each_launch and not self.queue_strategy_choice():
                 self.converged = True
                 return
             measured_before = self.n_measured

@@ -35,6 +35,7 @@ from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.twin import calibration, physics, quality
+from autotune_plugins.twin.strategy import TwinStrategy
 
 __all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
 
@@ -552,3 +553,8 @@ def register_backends(register):
 @hookimpl
 def register_metrics(register):
     register(TwinMmlu())
+
+
+@hookimpl
+def register_strategies(register):
+    register(TwinStrategy())
