@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -35,15 +36,26 @@ from autotune_plugins.llama_server.backend import LlamaServerBackend
 QUANTITIES = ("decode_tok_s", "prefill_tok_s", "aggregate_tok_s", "per_user_tok_s", "ttft_ms")
 
 
-def measure(backend: LlamaServerBackend, config: TrialConfig, ctx: StudyContext, verbose: bool) -> dict[str, float]:
+def measure(backend: LlamaServerBackend, config: TrialConfig, ctx: StudyContext, verbose: bool,
+            gpu: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="autotune-verbosity-") as tmp:
-        server = backend.launch(config, ctx, False, Path(tmp), verbose=verbose)
+        server = backend.launch(config, ctx, gpu, Path(tmp), verbose=verbose)
         try:
-            m = backend._measure(server, config, ctx, False, 120.0, 300.0)
+            m = backend._measure(server, config, ctx, gpu, 300.0, 300.0)
         finally:
             server.close()
             processes.stop(server.proc)
     return {q: m.metrics[q].median for q in QUANTITIES if q in m.metrics}
+
+
+def _gpu_name() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    except Exception as exc:  # noqa: BLE001 - a label only
+        return f"unknown GPU ({exc})"
 
 
 def main() -> int:
@@ -55,14 +67,15 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--gpu", action="store_true", help="every layer on the GPU (-ngl 999), else the CPU only")
     args = ap.parse_args()
 
     path = args.model.resolve()
     model = model_from_gguf(path)
     backend = LlamaServerBackend()
-    ctx = StudyContext(gpu=get_gpu("v100-16gb"), model=model, workload=Workload(args.prompt, args.output),
+    ctx = StudyContext(gpu=get_gpu("h200" if args.gpu else "v100-16gb"), model=model, workload=Workload(args.prompt, args.output),
                        vram_budget_bytes=16 * 2**30, protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=3),
-                       base_dir=path.parent, for_gpu=False)
+                       base_dir=path.parent, for_gpu=args.gpu)
     config = TrialConfig("llama-server", path.name, args.ctx, args.parallel,
                          (("cache_type", "f16"), ("flash_attn", True)))
     sides = {"default": [], "lv4": []}
@@ -70,14 +83,15 @@ def main() -> int:
         order = ("default", "lv4") if r % 2 == 0 else ("lv4", "default")
         for side in order:
             t0 = time.monotonic()
-            sides[side].append(measure(backend, config, ctx, verbose=(side == "lv4")))
+            sides[side].append(measure(backend, config, ctx, verbose=(side == "lv4"), gpu=args.gpu))
             print(f"round {r + 1}/{args.rounds} {side:>7}: "
                   + ", ".join(f"{q} {v:.1f}" for q, v in sides[side][-1].items())
                   + f" ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
 
     lines = [f"llama-server at its default verbosity vs -lv 4, {args.rounds} interleaved rounds (ABBA)",
              f"model {path.name}, ctx {args.ctx} x {args.parallel} slots, prompt {args.prompt}, output {args.output}, "
-             f"machine: {platform.node()} ({platform.processor() or platform.machine()}), no GPU",
+             f"machine: {platform.node()}, {os.cpu_count()} cores, "
+             + (f"every layer on the GPU ({_gpu_name()})" if args.gpu else "CPU only (-ngl 0)"),
              "", f"{'quantity':<16} {'default':>10} {'-lv 4':>10} {'ratio':>7}  per-round ratios (min..max)"]
     summary = {}
     for q in QUANTITIES:
