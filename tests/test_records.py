@@ -4,10 +4,13 @@ attribute on one unwrapped line), read back whole by ``TrialRecord.of``."""
 from __future__ import annotations
 
 import json
+import os
+import uuid
 
 import optuna
+import pytest
 
-from autotune.study import records
+from autotune.study import records, storage
 from autotune.study.records import CELL_CHARS, TrialRecord
 
 
@@ -67,3 +70,104 @@ def test_a_dict_stored_one_key_per_attribute_reads_as_before():
 def test_keys_that_look_like_parts_keep_their_dict_whole():
     value = {"~0": "a" * 60, "b": "b" * 60}
     assert records.cells("f", value) == [("f", value)]
+
+
+def _optuna_and_batched(url_of, attrs, constraints):
+    """One trial written through Optuna's calls one at a time, one through ``write``'s batch."""
+    out = []
+    for batched in (False, True):
+        study = optuna.create_study(storage=url_of(batched), study_name="s")
+        trial = study.ask()
+        if batched:
+            storage.set_user_attrs(trial, attrs)
+            storage.set_constraints(trial, constraints)
+        else:
+            for k, v in attrs.items():
+                trial.set_user_attr(k, v)
+            for k, v in constraints.items():
+                trial.set_constraint(k, v)
+        seen = (dict(trial.user_attrs), trial.constraints)  # what the running trial holds
+        study.tell(trial, 1.0)
+        stored = optuna.load_study(study_name="s", storage=url_of(batched)).trials[0]
+        out.append((seen, list(stored.user_attrs.items()), stored.system_attrs))
+    return out
+
+
+ATTRS = {"config": {"backend": "b", "ctx": 4096}, "note": "é" * 3, "n": 3, "none": None, "flag": True,
+         "metrics": {"_split": "dict"}, "metrics.~0": {"median": 1.5}, "list": [1, 2.5, "x"]}
+
+
+def test_a_batched_write_stores_what_optunas_calls_store(tmp_path):
+    """``storage.set_user_attrs`` and ``set_constraints`` write a trial in one transaction (one
+    each per attribute made most of the default study's storage time): the stored attributes,
+    as Optuna reads them back, and the running trial's view are Optuna's own."""
+    a, b = _optuna_and_batched(lambda batched: f"sqlite:///{tmp_path}/{batched}.db", ATTRS, {"vram": -1.0, "q": 2})
+    assert a == b
+    assert dict(b[1]) == ATTRS and b[0][1] == {"vram": -1.0, "q": 2.0}
+
+
+def test_storages_without_a_batch_take_optunas_calls(tmp_path):
+    def journal(batched):
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{tmp_path}/{batched}.log"))
+    a, b = _optuna_and_batched(journal, ATTRS, {"vram": 0.5})
+    assert a == b
+
+
+def test_a_batched_write_to_a_finished_trial_is_refused_whole(tmp_path):
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
+    trial = study.ask()
+    study.tell(trial, 1.0)
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        storage.set_user_attrs(trial, {"a": 1, "b": 2})
+    assert study.trials[0].user_attrs == {}
+
+
+def test_a_constraint_set_twice_keeps_optunas_warning(tmp_path):
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
+    trial = study.ask()
+    storage.set_constraints(trial, {"a": 1.0, "b": 2.0})
+    with pytest.warns(UserWarning, match="already set"):
+        storage.set_constraints(trial, {"a": 3.0, "c": 4.0})
+    assert trial.constraints == {"a": 1.0, "b": 2.0, "c": 4.0}
+
+
+def test_records_write_once_per_call(tmp_path, monkeypatch):
+    """A record's attributes, the stale marks of a longer earlier value among them, reach the
+    storage in one batch per ``write`` (and one per ``write_measurement``)."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
+    trial = study.ask()
+    records.write(trial, predicted_vram={"total_bytes": 1, "notes": ["n" * 100, "m" * 100]})
+    batches = []
+    real = storage.set_user_attrs
+    monkeypatch.setattr(storage, "set_user_attrs", lambda t, attrs: (batches.append(dict(attrs)), real(t, attrs)))
+    records.write(trial, predicted_vram={"total_bytes": 2, "notes": ["short"]}, worker="w")
+    assert len(batches) == 1 and records.STALE in batches[0].values() and batches[0]["worker"] == "w"
+    assert TrialRecord.of(study.trials[0]).predicted_vram == {"total_bytes": 2, "notes": ["short"]}
+
+
+@pytest.mark.skipif(not os.environ.get("AUTOTUNE_TEST_POSTGRES_URL"),
+                    reason="set AUTOTUNE_TEST_POSTGRES_URL to a PostgreSQL database to run")
+def test_a_batched_write_stores_what_optunas_calls_store_in_postgres():
+    import sqlalchemy
+
+    url = os.environ["AUTOTUNE_TEST_POSTGRES_URL"]
+    schemas = {b: f"batch_{uuid.uuid4().hex[:8]}" for b in (False, True)}
+    engine = sqlalchemy.create_engine(url)
+    with engine.begin() as conn:
+        for s in schemas.values():
+            conn.execute(sqlalchemy.text(f"CREATE SCHEMA {s}"))
+    try:
+        storages = {b: optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"options": f"-csearch_path={s}"}})
+                    for b, s in schemas.items()}
+        a, b = _optuna_and_batched(storages.__getitem__, ATTRS, {"vram": -1.0, "q": 2})
+        assert a == b
+    finally:
+        with engine.begin() as conn:
+            for s in schemas.values():
+                conn.execute(sqlalchemy.text(f"DROP SCHEMA {s} CASCADE"))
+
+
+def test_a_database_without_an_upsert_gets_optunas_per_key_write_in_one_session(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_upsert", lambda table, dialect: None)
+    a, b = _optuna_and_batched(lambda batched: f"sqlite:///{tmp_path}/{batched}.db", ATTRS, {"vram": -1.0})
+    assert a == b

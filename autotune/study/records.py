@@ -18,6 +18,7 @@ import optuna
 
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import StorageError
+from autotune.study import storage
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
@@ -234,37 +235,46 @@ def joined(attrs: Mapping[str, Any], name: str) -> Any:
 
 
 def write(trial: optuna.Trial, **attrs: Any) -> None:
-    """Store fields of ``TrialRecord`` on a running trial (each one is saved at once, so a
-    crash keeps what was known); long dicts and lists as ``cells``."""
-    for key, value in attrs.items():
+    """Store fields of ``TrialRecord`` on a running trial, in one transaction (saved at once, so
+    a crash keeps what was known); long dicts and lists as ``cells``."""
+    storage.set_user_attrs(trial, _attrs_of(trial, attrs))
+
+
+def _attrs_of(trial: optuna.Trial, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The user attributes that store ``fields``: their cells, and a stale mark on each part of
+    an earlier, longer value that the new one does not overwrite."""
+    had = storage.user_attrs_of(trial)
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
         if key not in _STORED_SET:
             raise KeyError(f"{key!r} is not a TrialRecord field")
         new = dict(cells(key, value))
-        prefix = key + "."
-        had = trial.user_attrs if isinstance(value, (dict, list, str)) else {}
-        for k in [k for k, v in had.items() if k.startswith(prefix) and k not in new and v != STALE]:
-            trial.set_user_attr(k, STALE)
-        for k, v in new.items():
-            trial.set_user_attr(k, v)
+        if isinstance(value, (dict, list, str)):
+            prefix = key + "."
+            out.update((k, STALE) for k, v in had.items() if k.startswith(prefix) and k not in new and v != STALE)
+        out.update(new)
+    return out
 
 
 def write_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) -> None:
-    metrics = {k: v.to_dict() for k, v in m.metrics.items()}
-    write(trial, metrics=metrics)
-    for k, v in m.metrics.items():
-        trial.set_user_attr(k, v.median)  # flat copies: sortable columns in optuna-dashboard, never read back
+    """A measurement's fields, and a flat copy of each metric's median, in one transaction."""
+    attrs = _attrs_of(trial, {"metrics": {k: v.to_dict() for k, v in m.metrics.items()}})
+    # flat copies: sortable columns in optuna-dashboard, never read back
+    attrs.update((k, v.median) for k, v in m.metrics.items())
+    fields: dict[str, Any] = {}
     if m.peak_vram_bytes is not None:
-        write(trial, measured_vram_bytes=m.peak_vram_bytes,
-              vram_prediction_error=(predicted_bytes - m.peak_vram_bytes) / m.peak_vram_bytes)
+        fields.update(measured_vram_bytes=m.peak_vram_bytes,
+                      vram_prediction_error=(predicted_bytes - m.peak_vram_bytes) / m.peak_vram_bytes)
     if m.telemetry is not None:
-        write(trial, telemetry=m.telemetry.to_dict())
+        fields["telemetry"] = m.telemetry.to_dict()
     if m.attrs:
-        write(trial, engine_facts=dict(m.attrs))
+        fields["engine_facts"] = dict(m.attrs)
+    attrs.update(_attrs_of(trial, fields))
+    storage.set_user_attrs(trial, attrs)
 
 
 def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
-    for key, value in constraints.items():
-        trial.set_constraint(key, value)
+    storage.set_constraints(trial, constraints)
 
 
 def records(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:

@@ -569,8 +569,10 @@ class StudyRunner:
             self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
             outcome = _Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
         heartbeat.beat(None)
-        self._annotate(trial)
+        # First: it brings the finished trial into the storage's cache, where the note reads it
+        # (else the note reads the whole trial back from the database).
         best = best_trial(self.study)
+        self._annotate(trial)
         return TrialEvent(
             number=trial.number, state=outcome.state, config=outcome.config,
             value=outcome.values[0] if outcome.values else None, reason=outcome.reason,
@@ -776,9 +778,8 @@ class StudyRunner:
         """
         skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason",
                 "retry"}
-        for key, value in earlier.raw.items():
-            if key not in skip:
-                trial.set_user_attr(key, value)  # the earlier trial's record, flat columns included
+        # the earlier trial's record, flat columns included
+        storage.set_user_attrs(trial, {key: value for key, value in earlier.raw.items() if key not in skip})
         if earlier.state == TrialState.RUNNING:
             reason = f"being measured by trial {earlier.number} (worker {earlier.worker})"
         else:
