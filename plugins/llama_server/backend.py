@@ -277,8 +277,9 @@ class LlamaServerBackend(BaseBackend):
                     "-ngl", str(self.gpu_layers(ctx, has_gpu)), "--host", str(self.value(ctx, "host")),
                     "--port", str(port), "--no-webui"]
         # At the engine's default log verbosity, as deployed: -lv 4, which the start-up buffer
-        # sizes need, measured 8% lower decode and 17% lower aggregate on 2 cores (its trace
-        # lines per request and slot). Those sizes come from a launch of their own (startup_facts).
+        # sizes need, logs trace lines per request and slot, and cost 9% of the aggregate at 8
+        # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
+        # their own (startup_facts).
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
                 *self.flags(config, self.gpu_layers(ctx, has_gpu)), "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
