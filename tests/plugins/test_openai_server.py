@@ -295,8 +295,10 @@ def test_throughput_matches_the_native_backend(study_dir):
     common = dict(model=tiny)
     openai_ctx = replace(make_ctx(study_dir, executable=binary, extra_args=["-t", "1"], startup_timeout_s=30, **common),
                          protocol=many, workload=Workload(64, 192))
-    native_ctx = replace(make_ctx(study_dir, threads=1, startup_timeout_s=30, **common), protocol=many,
-                         workload=Workload(64, 192))
+    # Not pinned, as the template's server is not: on a loaded machine a pinned engine shares its
+    # one core with whatever else runs there, and the gap measured the pinning (seen: 0.73).
+    native_ctx = replace(make_ctx(study_dir, threads=1, pin_cores=False, startup_timeout_s=30, **common),
+                         protocol=many, workload=Workload(64, 192))
     rounds: dict[str, list[float]] = {"openai-server": [], "llama-server": []}  # each launch's median
     for _ in range(2):
         m = OpenAIServerBackend().run(cfg("tiny-f16.gguf", 2, 512, **config), openai_ctx)
