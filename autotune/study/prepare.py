@@ -23,6 +23,7 @@ from autotune.measure import Protocol
 from autotune.metric import BaseMetric, QualityReference
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import CORE_OPTIONS, BackendSpace, SearchSpace
+from autotune.study.admission import Admission
 from autotune.study import storage as storage_mod
 
 
@@ -269,8 +270,6 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
             })
     # The pre-search screen asks the same judge as every trial (no learned correction yet:
     # no storage is open).
-    from autotune.study.admission import Admission
-
     judge = Admission(SearchSpace(entries), contexts, cfg.objective)
     screened, excluded = [], list(notes)
     for entry in entries:

@@ -21,7 +21,12 @@ import sqlalchemy
 import sqlalchemy.exc
 from optuna.storages._heartbeat import is_heartbeat_enabled  # RDBStorage's heartbeat, used by optimize()
 
+from autotune import objective as objective_mod
+from autotune.config import load_study_config
 from autotune.errors import ConfigError, StorageError
+from autotune.objective import name_objectives
+from autotune.space import canonical_order, dimension_of
+from autotune.study import comparable, records
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.prepare import PreparedStudy
@@ -90,8 +95,6 @@ def reading_target(given: str | None, study_file: str | Path | None, study_name:
     Returns:
         (URL, study name or None, where the URL came from: for the error that nothing is there).
     """
-    from autotune.config import load_study_config
-
     if given or os.environ.get(STORAGE_ENV):
         source = "--storage" if given else f"${STORAGE_ENV}"
         if study_file is not None and study_name is None:
@@ -290,9 +293,6 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
         ConfigError: the stored study has another number of objectives, other choices for a
             parameter, or a schema this autotune does not read.
     """
-    from autotune import objective as objective_mod
-    from autotune.study import comparable, records
-
     cfg = prepared.cfg
     shown = prepared.shown_storage
     store = open_storage(prepared.storage_url)
@@ -310,8 +310,6 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
     _check_same_space(study, prepared)
     engines = comparable.engines_of(prepared)
     comparable.check_comparable(study, prepared, engines)
-    from autotune.dashboard import name_objectives
-
     name_objectives(study, vars(cfg.objective))
     records.write_study_header(study, {
         "gpu": records.gpu_attrs(prepared.gpu),
@@ -374,9 +372,6 @@ def upgrade(url: str) -> list[str]:
         StorageError: not an RDB storage, or no such database.
     """
     from optuna.distributions import CategoricalDistribution, distribution_to_json, json_to_distribution
-
-    from autotune.space import canonical_order, dimension_of
-    from autotune.study import records
 
     shown = mask_url(url)
     if url.startswith("journal:"):
