@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from autotune.errors import AutotuneError, BackendError, ConfigError
+from autotune.errors import AutotuneError, BackendError, ConfigError, UnknownNameError
+from autotune.formats import parse_format
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend, StudyContext
@@ -95,9 +96,6 @@ def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Pat
 
 def is_format(weights: str) -> bool:
     """Whether a candidate's weights name a format (``gguf:Q8_0``, ``exl2:4.0``) rather than a file."""
-    from autotune.formats import parse_format
-    from autotune.errors import UnknownNameError
-
     if ":" not in weights or "/" in weights.partition(":")[0]:
         return False
     try:

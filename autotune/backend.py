@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
+from autotune.cache_types import CACHE_TYPES
+from autotune.errors import ConfigError
+from autotune.scoring import ScoringUnsupportedError
+
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
     from autotune.measure import GpuTelemetry, Protocol, Stat
@@ -320,8 +324,6 @@ class BaseBackend(abc.ABC):
             declared = next(s for s in self.settings if s.name == name)
             problem = declared.problem(v)
             if problem:
-                from autotune.errors import ConfigError
-
                 raise ConfigError(f"[backends.{self.name}] {name} = {v!r}: {problem}")
         return v
 
@@ -373,8 +375,6 @@ class BaseBackend(abc.ABC):
             same, and the setting a deployment would keep), else the first searched value.
             Backends override it when their engine knows better.
         """
-        from autotune.cache_types import CACHE_TYPES
-
         ref = {name: values[0] for name, values in params.items()}
         known = [c for c in params.get("cache_type", ()) if c in CACHE_TYPES]
         if known:
@@ -465,8 +465,6 @@ class BaseBackend(abc.ABC):
             ScoringUnsupportedError: This backend has no scoring API (the default).
             ScoringError: The artifact could not be loaded for scoring.
         """
-        from autotune.scoring import ScoringUnsupportedError
-
         raise ScoringUnsupportedError(f"backend '{self.name}' has no scoring API (it does not implement scorer())")
 
     @property

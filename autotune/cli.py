@@ -19,6 +19,10 @@ from autotune.config import load_study_config, parse_duration
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
 
+# The study machinery (optuna, SQLAlchemy, the runner, the report) is imported inside the commands
+# that use it: it takes about as long again as this module's own import, which `autotune --help`
+# and `autotune estimate` (without --study) do not need.
+
 DEFAULT_STUDY = "v100-qwen27b.toml"
 
 
@@ -69,7 +73,8 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
     """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
     from autotune.progress import LiveProgress
     from autotune.report import explain_best, summary_json, summary_text
-    from autotune.study import StudyRunner, prepare_study
+    from autotune.study.prepare import prepare_study
+    from autotune.study.runner import StudyRunner
     from autotune.study.records import stored_calibrations
     from autotune.study.storage import remember_run
 
@@ -300,8 +305,7 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
 @click.pass_context
 def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | None, force: bool) -> None:
     """Write a study for MODEL (a Hugging Face directory or a full-precision .gguf) on this machine."""
-    from autotune.config import load_study_config
-    from autotune.study import prepare_study
+    from autotune.study.prepare import prepare_study
     from autotune.study_writer import draft_study, render
 
     def go() -> None:

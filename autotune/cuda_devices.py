@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autotune import nvml as _nvml  # by module: tests swap NVML there
 from autotune.errors import ConfigError
-from autotune import hardware  # its NVML helpers, by module: tests swap NVML there
 
 __all__ = ["CudaDevice", "cuda_visible_entry", "resolve_cuda_device"]
 
@@ -85,17 +85,17 @@ def _nvml_cards(nvml: Any) -> list[tuple[int, str, str, str, list[str]]]:
     for index in range(int(nvml.nvmlDeviceGetCount())):
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            uuid, name = hardware._as_str(nvml.nvmlDeviceGetUUID(handle)), hardware._as_str(nvml.nvmlDeviceGetName(handle))
+            uuid, name = _nvml.text(nvml.nvmlDeviceGetUUID(handle)), _nvml.text(nvml.nvmlDeviceGetName(handle))
         except Exception:  # noqa: BLE001 - NVMLError_GpuIsLost and the like
             continue
-        pci = hardware._optional(nvml.nvmlDeviceGetPciInfo, handle)
+        pci = _nvml.optional(nvml.nvmlDeviceGetPciInfo, handle)
         migs = []
-        for slot in range(hardware._optional(getattr(nvml, "nvmlDeviceGetMaxMigDeviceCount", None), handle) or 0):
-            mig = hardware._optional(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)  # empty slots raise
-            mig_uuid = hardware._optional(nvml.nvmlDeviceGetUUID, mig) if mig is not None else None
+        for slot in range(_nvml.optional(getattr(nvml, "nvmlDeviceGetMaxMigDeviceCount", None), handle) or 0):
+            mig = _nvml.optional(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)  # empty slots raise
+            mig_uuid = _nvml.optional(nvml.nvmlDeviceGetUUID, mig) if mig is not None else None
             if mig_uuid is not None:
-                migs.append(hardware._as_str(mig_uuid))
-        bus = hardware._as_str(pci.busId).lower() if pci is not None else f"nvml-{index:04d}"
+                migs.append(_nvml.text(mig_uuid))
+        bus = _nvml.text(pci.busId).lower() if pci is not None else f"nvml-{index:04d}"
         cards.append((index, uuid, bus, name, migs))
     return cards
 
@@ -125,7 +125,7 @@ def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | Non
     own = nvml is None
     if own:
         try:
-            nvml = hardware._import_pynvml()
+            nvml = _nvml.load()
             nvml.nvmlInit()
         except Exception as exc:  # ImportError, NVMLError_LibraryNotFound / DriverNotLoaded ...
             raise ConfigError(f"cannot tell which GPU CUDA device {cuda_index} is: NVML is not usable ({exc})") from None
@@ -135,7 +135,7 @@ def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | Non
         raise ConfigError(f"cannot tell which GPU CUDA device {cuda_index} is: NVML query failed ({exc})") from None
     finally:
         if own:
-            hardware._optional(nvml.nvmlShutdown)
+            _nvml.optional(nvml.nvmlShutdown)
     setting = f"{_VISIBLE}={env[_VISIBLE]!r}" if _VISIBLE in env else f"{_VISIBLE} unset"
     found = "; ".join(f"{i}: {name} {uuid} (PCI {bus})" for i, uuid, bus, name, _ in cards) or "none"
 

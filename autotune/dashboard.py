@@ -13,27 +13,14 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import optuna
 
+from autotune.study import storage as storage_mod
 from autotune.study.records import TrialRecord, TrialState
 
 GIB = 2**30
-
-
-def objective_names(objective: Mapping[str, Any], n_objectives: int) -> list[str]:
-    """The names the dashboard gives the objectives (``objective.score``'s values, in order)."""
-    metric = str(objective.get("metric", "aggregate_tok_s"))
-    if n_objectives > 1:
-        return [metric, "quality drop (points)"][:n_objectives]
-    return [f"score ({metric} - penalty)"]
-
-
-def name_objectives(study: optuna.Study, objective: Mapping[str, Any]) -> None:
-    names = objective_names(objective, len(study.directions))
-    if study.metric_names != names:
-        study.set_metric_names(names)
 
 
 def artifact_store(url: str, create: bool = True) -> Any:
@@ -126,8 +113,6 @@ def _wrapped(command: str, width: int = 76) -> list[str]:
 def annotate_trial(study: optuna.Study, trial: optuna.Trial, url: str | None = None) -> None:
     """Write the note of a finished trial (and attach its engine log if it failed with one)."""
     from optuna_dashboard import save_note
-
-    from autotune.study import storage as storage_mod
 
     r = TrialRecord.of(storage_mod.frozen(study, storage_mod.trial_id_of(trial)))
     log_name = None

@@ -20,7 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autotune import nvml as _nvml
 from autotune._catalog import read_catalog
+from autotune.cuda_devices import resolve_cuda_device
 from autotune.errors import ConfigError, UnknownNameError
 
 __all__ = [
@@ -257,26 +259,6 @@ _nvml_reason: str | None = None
 _nvml_probed = False
 
 
-def _import_pynvml() -> Any:
-    """Imports pynvml (package nvidia-ml-py); a function so tests can replace it."""
-    import pynvml
-
-    return pynvml
-
-
-def _as_str(value: Any) -> str:
-    # nvidia-ml-py returned bytes before 11.515; str since.
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _optional(call: Any, *args: Any) -> Any:
-    """Calls an NVML query that old drivers or some cards do not support; None on any failure."""
-    try:
-        return call(*args)
-    except Exception:  # NVMLError_NotSupported, FunctionNotFound, AttributeError on old bindings
-        return None
-
-
 def has_gpu() -> bool:
     """Whether NVML sees at least one GPU here (False without a driver)."""
     try:
@@ -297,7 +279,7 @@ def detect_gpus() -> list[DetectedGpu]:
     global _nvml_reason, _nvml_probed
     _nvml_probed = True
     try:
-        nvml = _import_pynvml()
+        nvml = _nvml.load()
     except ImportError as exc:
         _nvml_reason = f"pynvml is not installed ({exc}); install nvidia-ml-py"
         return []
@@ -309,7 +291,7 @@ def detect_gpus() -> list[DetectedGpu]:
     try:
         try:
             count = int(nvml.nvmlDeviceGetCount())
-            driver = _as_str(nvml.nvmlSystemGetDriverVersion())
+            driver = _nvml.text(nvml.nvmlSystemGetDriverVersion())
         except Exception as exc:
             _nvml_reason = f"NVML query failed: {exc}"
             return []
@@ -328,14 +310,14 @@ def detect_gpus() -> list[DetectedGpu]:
             _nvml_reason = "NVML found no GPU"
         return found
     finally:
-        _optional(nvml.nvmlShutdown)
+        _nvml.optional(nvml.nvmlShutdown)
 
 
 def _probe(nvml: Any, index: int, driver: str) -> DetectedGpu:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
-    name = _as_str(nvml.nvmlDeviceGetName(handle))
+    name = _nvml.text(nvml.nvmlDeviceGetName(handle))
     mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-    cc = _optional(nvml.nvmlDeviceGetCudaComputeCapability, handle)
+    cc = _nvml.optional(nvml.nvmlDeviceGetCudaComputeCapability, handle)
     compute_capability = f"{cc[0]}.{cc[1]}" if cc else "0.0"
     clock_mem = getattr(nvml, "NVML_CLOCK_MEM", 2)
     clock_sm = getattr(nvml, "NVML_CLOCK_SM", 1)
@@ -349,12 +331,12 @@ def _probe(nvml: Any, index: int, driver: str) -> DetectedGpu:
         driver_version=driver,
         compute_capability=compute_capability,
         spec=match_catalog(name, total),
-        memory_bus_width_bits=_optional(getattr(nvml, "nvmlDeviceGetMemoryBusWidth", None), handle),
-        max_memory_clock_mhz=_optional(nvml.nvmlDeviceGetMaxClockInfo, handle, clock_mem),
-        max_sm_clock_mhz=_optional(nvml.nvmlDeviceGetMaxClockInfo, handle, clock_sm),
-        n_cuda_cores=_optional(getattr(nvml, "nvmlDeviceGetNumGpuCores", None), handle),
-        pcie_gen=_optional(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
-        pcie_width=_optional(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+        memory_bus_width_bits=_nvml.optional(getattr(nvml, "nvmlDeviceGetMemoryBusWidth", None), handle),
+        max_memory_clock_mhz=_nvml.optional(nvml.nvmlDeviceGetMaxClockInfo, handle, clock_mem),
+        max_sm_clock_mhz=_nvml.optional(nvml.nvmlDeviceGetMaxClockInfo, handle, clock_sm),
+        n_cuda_cores=_nvml.optional(getattr(nvml, "nvmlDeviceGetNumGpuCores", None), handle),
+        pcie_gen=_nvml.optional(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+        pcie_width=_nvml.optional(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
     )
 
 
@@ -518,8 +500,6 @@ def resolve_gpu(key: str, index: int = 0, *, source: str = "--gpu") -> GpuSpec:
             raise ConfigError(f"{source} = 'auto': no GPU detected ({reason}); name a catalog GPU such as v100-16gb, "
                               f"or '{CPU_KEY}' to run on this machine's CPU")
         try:
-            from autotune.cuda_devices import resolve_cuda_device  # it reads NVML through this module
-
             nvml_index = resolve_cuda_device(index).nvml_index
         except ConfigError as exc:
             raise ConfigError(f"{source} = 'auto': {exc}") from None

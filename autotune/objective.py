@@ -12,9 +12,12 @@ serves many users but each of them slowly is not taken for a good one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from autotune.config import Objective
+
+if TYPE_CHECKING:  # pragma: no cover
+    import optuna
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,21 @@ def directions(objective: Objective) -> list[str]:
     if objective.mode == "pareto":
         return ["maximize", "minimize"]
     return ["maximize"]
+
+
+def objective_names(objective: Mapping[str, Any], n_objectives: int) -> list[str]:
+    """The names of the objectives (``score``'s values, in order) that Optuna and its dashboard
+    show; ``objective`` is the study file's [objective] as stored (``vars(Objective)``)."""
+    metric = str(objective.get("metric", "aggregate_tok_s"))
+    if n_objectives > 1:
+        return [metric, "quality drop (points)"][:n_objectives]
+    return [f"score ({metric} - penalty)"]
+
+
+def name_objectives(study: optuna.Study, objective: Mapping[str, Any]) -> None:
+    names = objective_names(objective, len(study.directions))
+    if study.metric_names != names:
+        study.set_metric_names(names)
 
 
 VRAM = "vram_over_budget"

@@ -7,11 +7,14 @@ from typing import Any
 
 import optuna
 
+from autotune.backend import TrialConfig
 from autotune.hardware import CPU_KEY
 from autotune.errors import ConfigError
+from autotune.report_html import write_report
 from autotune.study import records
+from autotune.study.runner import judge_for
 from autotune.study.storage import mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, summarize
+from autotune.study.summary import StudySummary, contender_text, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -48,8 +51,6 @@ def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
 
 def write_study_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
     """The HTML report (``report_html``), with the summary's "why not a neighbour" lines."""
-    from autotune.report_html import write_report
-
     if "why" not in summary.extra:
         summary.extra["why"] = study.user_attrs.get("why_best", [])
     return write_report(study, summary, out)
@@ -76,20 +77,6 @@ def summary_json(summary: StudySummary) -> dict[str, Any]:
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def _contender_text(c: dict[str, Any]) -> str:
-    """One trial of the finish: its first score, each re-measured one, and what decides a tie."""
-    again = ", ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
-    text = f"trial {c['number']}: first {c['first_value']:.1f}, again {again}"
-    if c["median"] is not None:
-        text += f" (mean {c['mean']:.1f}, median {c['median']:.1f}, range {c['spread'] * 100:.1f}%)"
-    text += f", {_gib(c['memory_bytes'])} {'measured' if c['memory_measured'] else 'predicted'}"
-    if c["per_user_tok_s"] is not None:
-        text += f", per user {c['per_user_tok_s']:.1f} tok/s"
-    if c["failures"]:
-        text += f"; {c['failures'][0]}"
-    return text
 
 
 def summary_text(summary: StudySummary) -> str:
@@ -144,7 +131,7 @@ def summary_text(summary: StudySummary) -> str:
     lines += baseline_lines(summary.extra)
     if finish and finish.get("contenders"):
         lines.append(f"measured again ({finish['rounds']} rounds, interleaved):")
-        lines += [f"  {_contender_text(c)}" for c in finish["contenders"]]
+        lines += [f"  {contender_text(c)}" for c in finish["contenders"]]
     front = summary.extra.get("pareto_front")
     if front:
         lines.append("Pareto front (throughput vs quality drop):")
@@ -223,9 +210,6 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
     learned, cached quality), and, where the storage holds it, by its latest measured outcome
     (after a resume, a configuration interrupted once and measured later shows the measurement).
     """
-    from autotune.backend import TrialConfig
-    from autotune.study.runner import judge_for
-
     if not best:
         return []
     config = TrialConfig.from_dict(best["params"])

@@ -19,7 +19,8 @@ import optuna
 
 from autotune.study import records
 from autotune.study.records import TrialRecord, TrialState
-from autotune.study.summary import StudySummary
+from autotune.errors import ConfigError
+from autotune.study.summary import StudySummary, contender_text
 
 GIB = 2**30
 FADED = 0.25
@@ -267,9 +268,7 @@ def _winner(summary: StudySummary) -> str:
     if finish:
         parts.append(f"<p>{html.escape(finish['text'])}</p>")
         if finish.get("contenders"):
-            from autotune.report import _contender_text
-
-            parts.append("<ul>" + "".join(f"<li>{html.escape(_contender_text(c))}</li>" for c in finish["contenders"])
+            parts.append("<ul>" + "".join(f"<li>{html.escape(contender_text(c))}</li>" for c in finish["contenders"])
                          + "</ul>")
     if best.get("deploy_command"):
         parts.append(f"<p>deploy:</p><pre>{html.escape(best['deploy_command'])}</pre>")
@@ -342,8 +341,6 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
 
 def write_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
     """Write the report to ``out`` (its directory must exist) and return the path."""
-    from autotune.errors import ConfigError
-
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: the directory {out.parent} does not exist")
     out.write_text(render(study, summary), encoding="utf-8")

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from autotune import cuda_devices, hardware
+from autotune import nvml as nvml_mod
 from autotune.errors import ConfigError
 from autotune.cuda_devices import cuda_visible_entry, resolve_cuda_device
 from autotune.measure.gpu_telemetry import GpuSampler
@@ -73,7 +74,7 @@ class _MappingNvml(_FakeNvml):
 def nvml(monkeypatch):
     """Three H200s behind a fake NVML; the CUDA driver absent, so the variable is read."""
     fake = _MappingNvml(CARDS)
-    monkeypatch.setattr(hardware, "_import_pynvml", lambda: fake)
+    monkeypatch.setattr(nvml_mod, "load", lambda: fake)
     monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
@@ -131,7 +132,7 @@ def test_no_match_names_the_variable_and_what_was_found(nvml, visible, cuda_inde
 
 def test_mixed_cards_by_index_under_cuda_s_default_order_carry_a_note(monkeypatch):
     mixed = [{**V100, "uuid": UUID_A, "bus": "00000000:3b:00.0"}, {**CARDS[1]}]
-    monkeypatch.setattr(hardware, "_import_pynvml", lambda: _MappingNvml(mixed))
+    monkeypatch.setattr(nvml_mod, "load", lambda: _MappingNvml(mixed))
     monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: None)
     with pytest.warns(UserWarning, match="CUDA_DEVICE_ORDER is not PCI_BUS_ID"):
         d = resolve("0")
@@ -158,7 +159,7 @@ def test_the_engine_is_shown_the_user_s_own_entry():
 
 def test_auto_gpu_is_the_card_cuda_visible_devices_shows(monkeypatch):
     cards = [{**V100, "uuid": UUID_A, "bus": "00000000:3b:00.0"}, {**CARDS[1], "bus": "00000000:5e:00.0"}]
-    monkeypatch.setattr(hardware, "_import_pynvml", lambda: _MappingNvml(cards))
+    monkeypatch.setattr(nvml_mod, "load", lambda: _MappingNvml(cards))
     monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: None)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", UUID_B)
     assert hardware.resolve_gpu("auto", 0).key == "h200"  # not the V100, NVML's card 0

@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import REPO
 
 from autotune import hardware
+from autotune import nvml as nvml_mod
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.hardware import (
     DetectedGpu,
@@ -201,14 +202,14 @@ UNKNOWN = {"name": "NVIDIA RTX 6000 Ada Generation", "total": 51527024640, "used
 
 
 def _use_fake(monkeypatch, fake):
-    monkeypatch.setattr(hardware, "_import_pynvml", lambda: fake)
+    monkeypatch.setattr(nvml_mod, "load", lambda: fake)
 
 
 def test_detect_gpus_without_pynvml_returns_empty(monkeypatch):
     def missing():
         raise ImportError("No module named 'pynvml'")
 
-    monkeypatch.setattr(hardware, "_import_pynvml", missing)
+    monkeypatch.setattr(nvml_mod, "load", missing)
     assert detect_gpus() == []
     assert "nvidia-ml-py" in nvml_unavailable_reason()
 

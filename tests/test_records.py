@@ -10,7 +10,7 @@ import uuid
 import optuna
 import pytest
 
-from autotune.study import records, storage
+from autotune.study import records, trial_writes
 from autotune.study.records import CELL_CHARS, TrialRecord
 
 
@@ -79,8 +79,8 @@ def _optuna_and_batched(url_of, attrs, constraints):
         study = optuna.create_study(storage=url_of(batched), study_name="s")
         trial = study.ask()
         if batched:
-            storage.set_user_attrs(trial, attrs)
-            storage.set_constraints(trial, constraints)
+            trial_writes.set_user_attrs(trial, attrs)
+            trial_writes.set_constraints(trial, constraints)
         else:
             for k, v in attrs.items():
                 trial.set_user_attr(k, v)
@@ -98,7 +98,7 @@ ATTRS = {"config": {"backend": "b", "ctx": 4096}, "note": "é" * 3, "n": 3, "non
 
 
 def test_a_batched_write_stores_what_optunas_calls_store(tmp_path):
-    """``storage.set_user_attrs`` and ``set_constraints`` write a trial in one transaction (one
+    """``trial_writes.set_user_attrs`` and ``set_constraints`` write a trial in one transaction (one
     each per attribute made most of the default study's storage time): the stored attributes,
     as Optuna reads them back, and the running trial's view are Optuna's own."""
     a, b = _optuna_and_batched(lambda batched: f"sqlite:///{tmp_path}/{batched}.db", ATTRS, {"vram": -1.0, "q": 2})
@@ -118,16 +118,16 @@ def test_a_batched_write_to_a_finished_trial_is_refused_whole(tmp_path):
     trial = study.ask()
     study.tell(trial, 1.0)
     with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
-        storage.set_user_attrs(trial, {"a": 1, "b": 2})
+        trial_writes.set_user_attrs(trial, {"a": 1, "b": 2})
     assert study.trials[0].user_attrs == {}
 
 
 def test_a_constraint_set_twice_keeps_optunas_warning(tmp_path):
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
     trial = study.ask()
-    storage.set_constraints(trial, {"a": 1.0, "b": 2.0})
+    trial_writes.set_constraints(trial, {"a": 1.0, "b": 2.0})
     with pytest.warns(UserWarning, match="already set"):
-        storage.set_constraints(trial, {"a": 3.0, "c": 4.0})
+        trial_writes.set_constraints(trial, {"a": 3.0, "c": 4.0})
     assert trial.constraints == {"a": 1.0, "b": 2.0, "c": 4.0}
 
 
@@ -138,8 +138,8 @@ def test_records_write_once_per_call(tmp_path, monkeypatch):
     trial = study.ask()
     records.write(trial, predicted_vram={"total_bytes": 1, "notes": ["n" * 100, "m" * 100]})
     batches = []
-    real = storage.set_user_attrs
-    monkeypatch.setattr(storage, "set_user_attrs", lambda t, attrs: (batches.append(dict(attrs)), real(t, attrs)))
+    real = trial_writes.set_user_attrs
+    monkeypatch.setattr(trial_writes, "set_user_attrs", lambda t, attrs: (batches.append(dict(attrs)), real(t, attrs)))
     records.write(trial, predicted_vram={"total_bytes": 2, "notes": ["short"]}, worker="w")
     assert len(batches) == 1 and records.STALE in batches[0].values() and batches[0]["worker"] == "w"
     assert TrialRecord.of(study.trials[0]).predicted_vram == {"total_bytes": 2, "notes": ["short"]}
@@ -168,6 +168,6 @@ def test_a_batched_write_stores_what_optunas_calls_store_in_postgres():
 
 
 def test_a_database_without_an_upsert_gets_optunas_per_key_write_in_one_session(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "_upsert", lambda table, dialect: None)
+    monkeypatch.setattr(trial_writes, "_upsert", lambda table, dialect: None)
     a, b = _optuna_and_batched(lambda batched: f"sqlite:///{tmp_path}/{batched}.db", ATTRS, {"vram": -1.0})
     assert a == b

@@ -10,18 +10,55 @@ The modules, in the order a study flows through them (docs/architecture.md):
 * ``records``: what a trial and a study store (the one writer and reader).
 * ``storage``: opening and checking storages; every Optuna internal.
 * ``summary``: the best trial and the Pareto front.
+
+Import from here or from the module that holds a name: the names below are the public API.
+They are loaded when first asked for, not when this package is imported: every module of the
+package (``records``, ``storage``) is imported through this file, and an eager import of
+``runner`` here would load the whole study machinery for each of them and close a loop through
+every module the runner uses that reads records (``autotune.dashboard``, ``autotune.report``).
 """
 
-from autotune.study.admission import Admission, Verdict
-from autotune.study.prepare import PreparedStudy, prepare_study, resolve_gpu
-from autotune.study.prior import rank_by_prior
-from autotune.study.records import SCHEMA_VERSION, TrialRecord
-from autotune.study.runner import StudyRunner, TrialEvent, judge_for, make_sampler, run_study
-from autotune.study.storage import mask_url, open_storage
-from autotune.study.summary import StudySummary, best_trial, pareto_front, summarize, trial_record
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOME = {
+    "Admission": "admission", "Verdict": "admission",
+    "PreparedStudy": "prepare", "prepare_study": "prepare", "resolve_gpu": "prepare",
+    "rank_by_prior": "prior",
+    "SCHEMA_VERSION": "records", "TrialRecord": "records",
+    "StudyRunner": "runner", "TrialEvent": "runner", "judge_for": "runner", "make_sampler": "runner",
+    "run_study": "runner",
+    "mask_url": "storage", "open_storage": "storage",
+    "StudySummary": "summary", "best_trial": "summary", "pareto_front": "summary", "summarize": "summary",
+    "trial_record": "summary",
+}
 
 __all__ = [
     "Admission", "PreparedStudy", "SCHEMA_VERSION", "StudyRunner", "StudySummary", "TrialEvent", "TrialRecord",
     "Verdict", "best_trial", "judge_for", "make_sampler", "mask_url", "open_storage", "pareto_front",
     "prepare_study", "rank_by_prior", "resolve_gpu", "run_study", "summarize", "trial_record",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value  # asked once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
+
+if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
+    from autotune.study.admission import Admission, Verdict
+    from autotune.study.prepare import PreparedStudy, prepare_study, resolve_gpu
+    from autotune.study.prior import rank_by_prior
+    from autotune.study.records import SCHEMA_VERSION, TrialRecord
+    from autotune.study.runner import StudyRunner, TrialEvent, judge_for, make_sampler, run_study
+    from autotune.study.storage import mask_url, open_storage
+    from autotune.study.summary import StudySummary, best_trial, pareto_front, summarize, trial_record

@@ -1,7 +1,7 @@
 """Online calibration: what a study's model backends learn from its measured trials.
 
 A real backend's speed is predicted by a model backend of its engine (the prior's predictor,
-``prior._predictor_for``). After each measured trial the model backend refits its constants to
+``predictor.predictor_for``). After each measured trial the model backend refits its constants to
 every measured trial of that real backend (``BaseBackend.calibrate``); the result is stored in
 the study (``records.write_calibration``), so that everything that predicts afterwards, in this
 process or another, predicts with it: the prior's ranking (``contexts_with_calibration``),
@@ -23,7 +23,7 @@ from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.study import records
 from autotune.study.prepare import PreparedStudy
-from autotune.study.prior import _predictor_for
+from autotune.study.predictor import predictor_for
 
 #: The measured metrics a model backend is calibrated on (``BaseBackend.calibrate``).
 SPEED_METRICS = ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s", "prefill_tok_s")
@@ -70,7 +70,7 @@ def calibrate(prepared: PreparedStudy, study: optuna.Study) -> dict[str, dict[st
             if config is None or config.backend != name or (r.gpu and r.gpu.get("key") != ctx.gpu.key):
                 continue  # another backend's, or measured on another card before a resume
             metrics = {m: float(v) for m in SPEED_METRICS if (v := r.median(m)) is not None}
-            found = _predictor_for(real, config, ctx, backends)
+            found = predictor_for(real, config, ctx, backends)
             if not metrics or found is None or found[0] is real:
                 continue
             predictor = found[0]

@@ -23,6 +23,7 @@ from autotune.measure import Protocol
 from autotune.metric import BaseMetric, QualityReference
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import CORE_OPTIONS, BackendSpace, SearchSpace
+from autotune.study.admission import Admission, budget_of
 from autotune.study import storage as storage_mod
 
 
@@ -172,7 +173,6 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
     except (AutotuneError, TypeError) as exc:
         errors.append(f"{src}: [measure]: {exc}")
 
-    from autotune.study.admission import Admission, budget_of
 
     budget = 0
     if gpu is not None:

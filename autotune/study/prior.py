@@ -28,7 +28,10 @@ from autotune.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.errors import AutotuneError
 from autotune.metric import BaseMetric
 from autotune.study.admission import Admission
+from autotune.study.calibration import contexts_with_calibration
+from autotune.study.predictor import predictor_for
 from autotune.study.prepare import PreparedStudy
+from autotune.study.quality import drop_between
 
 
 def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
@@ -41,8 +44,6 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
         study: The study's storage: its predictors predict with what they learned from its
             measured trials (``study/calibration.py``); None: with their published constants.
     """
-    from autotune.study.calibration import contexts_with_calibration  # it imports this module
-
     judge = judge or Admission(prepared.space, prepared.contexts, prepared.cfg.objective)
     contexts = contexts_with_calibration(prepared, study)
     backends = plugins.get_backends()
@@ -55,7 +56,7 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
             continue
         real = prepared.backend(config.backend)
         ctx = contexts[config.backend]
-        found = _predictor_for(real, config, ctx, backends)
+        found = predictor_for(real, config, ctx, backends)
         if found is None:
             continue
         predictor, predicted = found
@@ -98,38 +99,9 @@ def cheaper_first_among_ties(ranked: list[tuple[TrialConfig, float]], making_s: 
     return out
 
 
-def _predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
-                   backends: Mapping[str, BaseBackend]) -> tuple[BaseBackend, Mapping[str, float]] | None:
-    """The backend that predicts ``config`` (``real`` itself, else one of its engine) and its prediction."""
-    others = [b for b in backends.values() if b.engine == real.engine and b is not real]
-    for predictor in [real, *others]:
-        probe = replace(config, backend=predictor.name)
-        if predictor is not real and not _takes_options(predictor, probe):
-            continue
-        try:
-            predicted = predictor.predict(probe, ctx)
-        except AutotuneError:
-            # Weights it cannot read (a quantization it has no model for): no say on this one.
-            continue
-        if predicted:
-            return predictor, predicted
-    return None
-
-
-def _takes_options(predictor: BaseBackend, config: TrialConfig) -> bool:
-    """Whether every option of ``config`` that ``predictor`` declares has a value it accepts."""
-    for name, value in config.options:
-        offered = {p.name: p for p in predictor.parameters({name: (value,)})}
-        if name in offered and not offered[name].choices:
-            return False
-    return True
-
-
 def _predicted_drop(prepared: PreparedStudy, predictor: BaseBackend, config: TrialConfig,
                     ref: TrialConfig | None, ctx: StudyContext, metrics: Mapping[str, BaseMetric]) -> float | None:
     """Quality drop a metric that can evaluate the predictor expects, against the reference."""
-    from autotune.study.quality import drop_between
-
     if ref is None:
         return None
     candidates = [prepared.quality] if prepared.quality is not None else []

@@ -18,7 +18,7 @@ import optuna
 
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import StorageError
-from autotune.study import storage
+from autotune.study import trial_writes
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
@@ -237,13 +237,13 @@ def joined(attrs: Mapping[str, Any], name: str) -> Any:
 def write(trial: optuna.Trial, **attrs: Any) -> None:
     """Store fields of ``TrialRecord`` on a running trial, in one transaction (saved at once, so
     a crash keeps what was known); long dicts and lists as ``cells``."""
-    storage.set_user_attrs(trial, _attrs_of(trial, attrs))
+    trial_writes.set_user_attrs(trial, _attrs_of(trial, attrs))
 
 
 def _attrs_of(trial: optuna.Trial, fields: Mapping[str, Any]) -> dict[str, Any]:
     """The user attributes that store ``fields``: their cells, and a stale mark on each part of
     an earlier, longer value that the new one does not overwrite."""
-    had = storage.user_attrs_of(trial)
+    had = trial_writes.user_attrs_of(trial)
     out: dict[str, Any] = {}
     for key, value in fields.items():
         if key not in _STORED_SET:
@@ -270,11 +270,11 @@ def write_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int)
     if m.attrs:
         fields["engine_facts"] = dict(m.attrs)
     attrs.update(_attrs_of(trial, fields))
-    storage.set_user_attrs(trial, attrs)
+    trial_writes.set_user_attrs(trial, attrs)
 
 
 def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
-    storage.set_constraints(trial, constraints)
+    trial_writes.set_constraints(trial, constraints)
 
 
 def records(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:

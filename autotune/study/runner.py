@@ -30,15 +30,16 @@ from autotune import artifacts, plugins
 from autotune import objective as objective_mod
 from autotune.artifacts import ArtifactError
 from autotune.backend import Measurement, TrialConfig
+from autotune.dashboard import annotate_trial
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
 from autotune.space import NotOffered
-from autotune.study import calibration, records, storage
+from autotune.study import baseline, calibration, records, storage, trial_writes
 from autotune.study.admission import Admission, Verdict
 from autotune.study.claims import Claims
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.probe import LeaderGapPruner, make_probe
-from autotune.study.prepare import PreparedStudy
+from autotune.study.prepare import PreparedStudy, prepare_study
 from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
 from autotune.study.quality import QualityBook
 from autotune.study.records import TrialRecord, TrialState, write
@@ -403,8 +404,6 @@ class StudyRunner:
         not a trial, inside the run so that its seconds count in the budget. Workers sharing the
         study claim it, so one of them measures it; a claim of a worker killed on this machine is
         taken over, and an interrupted one is given back for the next run."""
-        from autotune.study import baseline
-
         held: list[str] = []
 
         def claim(backend: str) -> bool:
@@ -584,8 +583,6 @@ class StudyRunner:
     def _annotate(self, trial: optuna.Trial) -> None:
         """The trial's note for optuna-dashboard (``autotune.dashboard``); a note that cannot be
         written costs the study nothing."""
-        from autotune.dashboard import annotate_trial
-
         try:
             annotate_trial(self.study, trial, self.prepared.storage_url)
         except Exception as exc:  # noqa: BLE001
@@ -779,7 +776,7 @@ class StudyRunner:
         skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason",
                 "retry"}
         # the earlier trial's record, flat columns included
-        storage.set_user_attrs(trial, {key: value for key, value in earlier.raw.items() if key not in skip})
+        trial_writes.set_user_attrs(trial, {key: value for key, value in earlier.raw.items() if key not in skip})
         if earlier.state == TrialState.RUNNING:
             reason = f"being measured by trial {earlier.number} (worker {earlier.worker})"
         else:
@@ -794,7 +791,5 @@ class StudyRunner:
 def run_study(cfg: Any, budget_s: float | None = None, n_trials: int | None = None, storage: str | None = None,
               seed: int | None = None, callback: Callable[[TrialEvent], None] | None = None) -> StudySummary:
     """Prepare and run a study; the library entry point behind ``autotune study``."""
-    from autotune.study.prepare import prepare_study
-
     runner = StudyRunner(prepare_study(cfg, storage=storage), seed=seed)
     return runner.run(budget_s=budget_s, n_trials=n_trials, callback=callback)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import optuna
 
 from autotune.study import records
+from autotune.study.baseline import compare
 from autotune.study.records import TrialRecord, TrialState
 
 
@@ -172,6 +173,22 @@ def needed_lead(a: Sequence[float], b: Sequence[float]) -> float:
     return float(student.ppf(0.5 + CONFIDENCE / 2, df)) * se / max(abs(statistics.fmean(b)), 1e-9)
 
 
+def contender_text(c: dict[str, Any]) -> str:
+    """One trial of the finish (``finish_verdict``'s contenders) for people: its first score,
+    each re-measured one, and what decides a tie."""
+    again = ", ".join("failed" if v is None else f"{v:.1f}" for v in c["remeasured"])
+    text = f"trial {c['number']}: first {c['first_value']:.1f}, again {again}"
+    if c["median"] is not None:
+        text += f" (mean {c['mean']:.1f}, median {c['median']:.1f}, range {c['spread'] * 100:.1f}%)"
+    memory = "-" if c["memory_bytes"] is None else f"{c['memory_bytes'] / 2**30:.2f} GiB"
+    text += f", {memory} {'measured' if c['memory_measured'] else 'predicted'}"
+    if c["per_user_tok_s"] is not None:
+        text += f", per user {c['per_user_tok_s']:.1f} tok/s"
+    if c["failures"]:
+        text += f"; {c['failures'][0]}"
+    return text
+
+
 def _trials(numbers: list[int]) -> str:
     shown = [str(n) for n in numbers]
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
@@ -304,8 +321,6 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
     baselines = records.baselines(study)
     if baselines:  # each backend's default launch, and how many times faster the best is
-        from autotune.study.baseline import compare
-
         summary.extra["baseline"] = compare(summary.best, baselines)
     decisions = records.quality_decisions(study)
     if decisions:

@@ -260,19 +260,19 @@ def test_prior_ranks_a_real_exllamav2_study_over_exl2_directories(exl2_dir, tmp_
 
 def test_the_prior_leaves_what_the_twin_cannot_speak_for_unranked(exl2_dir, tmp_path):
     """A cache mode the twin lacks, or weights it cannot read: no prediction, not a crash."""
-    from autotune.study.prior import _predictor_for
+    from autotune.study.predictor import predictor_for
     from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 
     real, twin = ExLlamaV2Backend(), TwinExllamaV2()
     backends = {twin.name: twin, real.name: real}
     ctx = ctx_for(tmp_path, exl2_dir)
     config = TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q8"),))
-    predictor, predicted = _predictor_for(real, config, ctx, backends)
+    predictor, predicted = predictor_for(real, config, ctx, backends)
     assert predictor is twin and predicted == twin.predict(replace(config, backend=twin.name), ctx)
-    assert _predictor_for(real, TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q5"),)),
+    assert predictor_for(real, TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q5"),)),
                           ctx, backends) is None
     (exl2_dir / "output-00002-of-00002.safetensors").write_bytes(b"\x01")  # the twin's ConfigError: no say
-    assert _predictor_for(real, config, ctx, backends) is None
+    assert predictor_for(real, config, ctx, backends) is None
 
 
 # ------------------------------------------------------------------------------ autotune estimate
