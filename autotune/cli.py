@@ -72,10 +72,9 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
           seed: int | None, as_json: bool, quiet: bool, report_path: Path | None) -> None:
     """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
     from autotune.progress import LiveProgress
-    from autotune.report import explain_best, summary_json, summary_text
+    from autotune.report import summary_json, summary_text
     from autotune.study.prepare import prepare_study
     from autotune.study.runner import StudyRunner
-    from autotune.study.records import stored_calibrations
     from autotune.study.storage import remember_run
 
     def go() -> None:
@@ -90,9 +89,6 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
                           quiet=quiet) as live:
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note)
-        summary.extra["why"] = explain_best(prepared, runner.study, summary.best)
-        runner.study.set_user_attr("why_best", summary.extra["why"])
-        summary.extra["calibration"] = stored_calibrations(runner.study)
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:

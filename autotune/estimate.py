@@ -270,7 +270,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
     residuals: list[int] | None = None
     budget_note = None
     if study is not None:
-        from autotune.study.runner import learned_residuals
+        from autotune.study.judge import learned_residuals
 
         budget, residuals, budget_note = _study_budget(study, study_name or "", gpu)
         if residuals is not None:

@@ -7,12 +7,10 @@ from typing import Any
 
 import optuna
 
-from autotune.backend import TrialConfig
 from autotune.hardware import CPU_KEY
 from autotune.errors import ConfigError
 from autotune.report_html import write_report
 from autotune.study import records
-from autotune.study.runner import judge_for
 from autotune.study.storage import mask_url, open_storage, study_names
 from autotune.study.summary import StudySummary, contender_text, summarize
 
@@ -41,18 +39,12 @@ def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
 
 
 def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
-    study = load_study(storage, study_name)
-    summary = summarize(study, mask_url(storage))
-    summary.extra["excluded_before_search"] = study.user_attrs.get("excluded_before_search", [])
-    summary.extra["why"] = study.user_attrs.get("why_best", [])
-    summary.extra["calibration"] = records.stored_calibrations(study)
-    return summary
+    """The summary of a stored study (``best``, ``report``): the same one ``study`` printed."""
+    return summarize(load_study(storage, study_name), mask_url(storage))
 
 
 def write_study_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
-    """The HTML report (``report_html``), with the summary's "why not a neighbour" lines."""
-    if "why" not in summary.extra:
-        summary.extra["why"] = study.user_attrs.get("why_best", [])
+    """The HTML report (``report_html``) of a study and its summary."""
     return write_report(study, summary, out)
 
 
@@ -203,57 +195,3 @@ def calibration_lines(calibrations: dict[str, Any]) -> list[str]:
     return lines
 
 
-def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None) -> list[str]:
-    """Why the best configuration beats its neighbours: one line per single-value change.
-
-    Each alternative is judged by the study's own judge (rules, memory with what the study
-    learned, cached quality), and, where the storage holds it, by its latest measured outcome
-    (after a resume, a configuration interrupted once and measured later shows the measurement).
-    """
-    if not best:
-        return []
-    config = TrialConfig.from_dict(best["params"])
-    backend = prepared.backend(config.backend)
-    cfg = prepared.cfg
-    judge = judge_for(prepared, study)
-    candidates = next((c.weights for c in cfg.candidates if c.backend == config.backend), (config.weights,))
-    options = {k: v for k, v in cfg.space.items() if k not in ("ctx", "parallel")}
-    dims: list[tuple[str, tuple[Any, ...]]] = [
-        ("weights", tuple(candidates)), ("ctx", tuple(cfg.space["ctx"])), ("parallel", tuple(cfg.space["parallel"])),
-    ]
-    dims += [(p.name, p.choices) for p in backend.parameters(options) if p.choices]
-    latest = records.standing_by_key(study, latest=True)
-    best_value = best["values"][0] if best.get("values") else None
-    lines = []
-    for name, choices in dims:
-        for value in choices:
-            data = config.as_dict()
-            if data.get(name) == value:
-                continue
-            data[name] = value
-            alt = TrialConfig.from_dict(data)
-            label = f"{name} {value}"
-            verdict = judge.judge(alt)
-            if verdict.kind == "invalid":
-                lines.append(f"{label}: {verdict.reason}")
-                continue
-            if verdict.kind == "over_budget" and verdict.estimate is not None:
-                budget = prepared.contexts[config.backend].vram_budget_bytes
-                lines.append(f"{label}: does not fit: needs {_gib(verdict.estimate.total_bytes)} > budget {_gib(budget)}")
-                continue
-            if verdict.kind == "low_quality":
-                limit = cfg.objective.max_drop_points
-                lines.append(f"{label}: loses too much quality: {verdict.quality_drop_points:.2f} points > max {limit:g}")
-                continue
-            r = latest.get(alt.key)
-            if r is None:
-                lines.append(f"{label}: not measured")
-            elif r.state == optuna.trial.TrialState.COMPLETE and r.values:
-                violated = [k for k, v in r.constraints.items() if v > 0]
-                score = r.values[0]
-                tail = f" but violates {', '.join(violated)}" if violated else ""
-                cmp = "" if best_value is None else f" ({score - best_value:+.1f})"
-                lines.append(f"{label}: measured score {score:.1f}{cmp}{tail} (trial {r.number})")
-            else:
-                lines.append(f"{label}: {r.reason} (trial {r.number})")
-    return lines

@@ -18,7 +18,7 @@ from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, St
 from autotune.cli import cli
 from autotune.config import load_study_config
 from autotune.formats import weights_for
-from autotune.report import explain_best
+from autotune.study.explain import explain_best
 from autotune.study import StudyRunner, judge_for, prepare_study, run_study
 from autotune.study_writer import draft_study, render
 from tests.conftest import plugin_registered

@@ -32,7 +32,7 @@ def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, d
 
 def test_the_explanation_of_a_resumed_study_uses_the_latest_result_per_configuration(tmp_path):
     from autotune.backend import TrialConfig
-    from autotune.report import explain_best
+    from autotune.study.explain import explain_best
     from autotune.study import StudyRunner, prepare_study
     from tests.fake_backends import FakeBackend, registered, write_study
 
@@ -60,3 +60,17 @@ def test_the_explanation_of_a_resumed_study_uses_the_latest_result_per_configura
     assert summary.best["params"]["parallel"] == 2
     (line,) = [w for w in why if w.startswith("parallel 1:")]
     assert line.startswith("parallel 1: measured score") and "interrupted" not in line
+
+
+def test_study_and_best_give_one_summary(twin_plugin, default_study_path, tmp_storage):
+    """The summary is built once, from the storage: what a run returns (``study --json``) and
+    what ``best --json`` reads back afterwards are the same object but for what only the run
+    knows (how many it launched, how long it took). ``converged`` was the run's alone."""
+    from autotune.report import stored_summary, summary_json
+
+    ran = summary_json(run_study(load_study_config(default_study_path), n_trials=6, storage=tmp_storage, seed=0))
+    stored = summary_json(stored_summary(tmp_storage, ran["study"]))
+    assert set(ran) == set(stored)
+    run_only = {"n_new", "n_measured", "interrupted", "elapsed_s"}
+    assert {k: v for k, v in ran.items() if k not in run_only} == {k: v for k, v in stored.items() if k not in run_only}
+    assert isinstance(stored["converged"], bool) and stored["why"]  # stored by the run, not by the CLI

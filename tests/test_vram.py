@@ -156,7 +156,7 @@ class PredictingHungryBackend(HungryBackend):
 
 def test_one_judge_refuses_over_budget_only_after_the_learned_correction(tmp_path):
     # parallel 3 is 13 GiB by the raw model (under the 14.25 GiB budget) and 15 GiB really.
-    from autotune.report import explain_best
+    from autotune.study.explain import explain_best
     from autotune.study import judge_for, rank_by_prior
 
     storage = f"sqlite:///{tmp_path / 's.db'}"

@@ -28,7 +28,7 @@ _HOME = {
     "PreparedStudy": "prepare", "prepare_study": "prepare", "resolve_gpu": "prepare",
     "rank_by_prior": "prior",
     "SCHEMA_VERSION": "records", "TrialRecord": "records",
-    "StudyRunner": "runner", "TrialEvent": "runner", "judge_for": "runner", "make_sampler": "runner",
+    "StudyRunner": "runner", "TrialEvent": "runner", "judge_for": "judge", "make_sampler": "runner",
     "run_study": "runner",
     "mask_url": "storage", "open_storage": "storage",
     "StudySummary": "summary", "best_trial": "summary", "pareto_front": "summary", "summarize": "summary",

@@ -32,6 +32,10 @@ SCHEMA_ATTR = "autotune_schema_version"
 QUALITY_PREFIX = "quality:"
 QUALITY_DECISION_PREFIX = QUALITY_PREFIX + "drop:"  # + a hash: one candidate's paired drop and verdict
 QUALITY_POWER_ATTR = "quality_power"
+# What a run stores beside the trials for the study's summary (study/summary.py, summarize):
+LAST_RUN_ATTR = "last_run"                     # {"converged": bool}: how the latest run ended
+EXCLUDED_ATTR = "excluded_before_search"       # the pre-search screen's lines (also in the header)
+WHY_BEST_ATTR = "why_best"                     # "why not a neighbour" of the best (study/explain.py)
 CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
 REMEASURE_PREFIX = "remeasure:"
 BASELINE_PREFIX = "baseline:"  # + a backend's name: its default launch, measured once (``Baseline``)

@@ -35,18 +35,19 @@ from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
 from autotune.space import NotOffered
 from autotune.study import baseline, calibration, records, storage, trial_writes
-from autotune.study.admission import Admission, Verdict
+from autotune.study.admission import Verdict
 from autotune.study.claims import Claims
+from autotune.study.explain import explain_best
 from autotune.study.interrupts import Interrupted, Interrupts
+from autotune.study.judge import judge_for
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.prepare import PreparedStudy, prepare_study
 from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
-from autotune.study.quality import QualityBook
 from autotune.study.records import TrialRecord, TrialState, write
 from autotune.study.sampling import ScreenedSampler
 from autotune.strategy import Search
-from autotune.study.summary import (StudySummary, best_trial, finish_candidates, finish_verdict, summarize,
-                                    worth_another_round)
+from autotune.study.summary import (StudySummary, best_trial, chosen_best, finish_candidates, finish_verdict,
+                                    summarize, trial_record, worth_another_round)
 
 # Proposals in a row that launch nothing before the runner slips in an unexplored
 # configuration (samplers on small discrete spaces keep proposing what they know), and before
@@ -113,23 +114,6 @@ def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSamp
     """The study's inner sampler, from its strategy (``[study] sampler``). Constraints reach it
     through ``Trial.set_constraint``."""
     return plugins.get_strategy(prepared.cfg.sampler).sampler(seed)
-
-
-def learned_residuals(study: optuna.Study) -> dict[str, list[int]]:
-    """Measured - predicted peak bytes by backend, as the study stored them (so a resumed
-    study, the prior and the report judge memory as the runner does)."""
-    found: dict[str, list[int]] = {}
-    for r in records.records(study, (TrialState.COMPLETE,)):
-        if r.vram_residual_bytes is not None and r.config:
-            found.setdefault(str(r.config.get("backend")), []).append(int(r.vram_residual_bytes))
-    return found
-
-
-def judge_for(prepared: PreparedStudy, study: optuna.Study | None) -> Admission:
-    """The study's judge, with what its storage learned (memory corrections, quality values)."""
-    book = QualityBook(prepared, study) if prepared.quality is not None else None
-    return Admission(prepared.space, prepared.contexts, prepared.cfg.objective, book,
-                     learned_residuals(study) if study is not None else None)
 
 
 def _alive(pid: int) -> bool:
@@ -357,14 +341,24 @@ class StudyRunner:
                 interrupted = True
             finally:
                 heartbeat.close()
+        self._store_run_facts()
+        # Built once, from the storage, as `best`, `report` and the dashboard build it; what only
+        # this run knows (how many it launched, how long it took) is added here.
         summary = summarize(self.study, self.prepared.shown_storage)
         summary.n_new = self.n_new
         summary.n_measured = self.n_measured
         summary.interrupted = interrupted
         summary.elapsed_s = time.monotonic() - start
-        summary.extra["converged"] = self.converged
-        summary.extra["excluded_before_search"] = self.prepared.excluded
         return summary
+
+    def _store_run_facts(self) -> None:
+        """What the summary of this study reads beside its trials: whether this run converged,
+        what was excluded before the search, and why the best beats its neighbours."""
+        best = chosen_best(self.study)
+        why = explain_best(self.prepared, self.study, trial_record(best) if best else None)
+        self.study.set_user_attr(records.LAST_RUN_ATTR, {"converged": self.converged})
+        self.study.set_user_attr(records.EXCLUDED_ATTR, self.prepared.excluded)
+        self.study.set_user_attr(records.WHY_BEST_ATTR, why)
 
     def _search(self, heartbeat: storage.Heartbeat, start: float, budget_s: float | None, n_trials: int | None,
                 callback: Callable[[TrialEvent], None] | None) -> None:

@@ -287,8 +287,20 @@ def worth_another_round(verdict: dict[str, Any] | None) -> bool:
             and verdict.get("lead", 0.0) >= verdict.get("needed", math.inf) / 2)
 
 
+def chosen_best(study: optuna.Study, finish: dict[str, Any] | None = None) -> TrialRecord | None:
+    """The study's best: the finish's choice where it made one (``finish``: its verdict, if the
+    caller has it), else the best feasible trial."""
+    finish = finish_verdict(study) if finish is None else finish
+    if finish is not None and finish["chosen"] is not None:
+        return next(r for r in records.measured(study) if r.number == finish["chosen"])
+    return best_trial(study)
+
+
 def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
-    """Counts and best trial of a study as stored (the finish's choice, where it made one)."""
+    """The summary of a study as stored, the one ``study``, ``best``, ``report`` and the
+    dashboard note show: counts, the best trial (the finish's choice, where it made one), the
+    baselines, and what the last run stored beside the trials (whether it converged, what was
+    excluded before the search, why the best beats its neighbours, the twin's calibration)."""
     all_records = records.records(study)
     states = [r.state for r in all_records]
     n_answered = sum(1 for r in all_records if r.answered)
@@ -296,10 +308,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     # about its configuration: counted apart, not as a failure of the configuration.
     n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry and not r.deferred)
     n_deferred = sum(1 for r in all_records if r.state == TrialState.FAIL and r.deferred)
-    best = best_trial(study)
     finish = finish_verdict(study)
-    if finish is not None and finish["chosen"] is not None:
-        best = next(r for r in records.measured(study) if r.number == finish["chosen"])
+    best = chosen_best(study, finish)
     summary = StudySummary(
         study_name=study.study_name,
         storage=shown_storage,
@@ -325,6 +335,13 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     decisions = records.quality_decisions(study)
     if decisions:
         summary.extra["quality_decisions"] = decisions
-    if records.QUALITY_POWER_ATTR in study.user_attrs:
-        summary.extra["quality_power"] = study.user_attrs[records.QUALITY_POWER_ATTR]
+    attrs = study.user_attrs
+    if records.QUALITY_POWER_ATTR in attrs:
+        summary.extra["quality_power"] = attrs[records.QUALITY_POWER_ATTR]
+    last_run = attrs.get(records.LAST_RUN_ATTR)
+    if isinstance(last_run, dict) and "converged" in last_run:
+        summary.extra["converged"] = bool(last_run["converged"])
+    summary.extra["excluded_before_search"] = attrs.get(records.EXCLUDED_ATTR, [])
+    summary.extra["why"] = attrs.get(records.WHY_BEST_ATTR, [])
+    summary.extra["calibration"] = records.stored_calibrations(study)
     return summary
