@@ -35,8 +35,12 @@ def test_a_gguf_file_is_its_own_weights():
     assert r["vram"]["kv_bytes"] == 2 * 1024 * kv_bytes_per_token(model, "f16")  # 2 slots x pad256(1000)
     assert r["config"]["weights"] == str(path)
     assert r["predictor"] == "twin-llama.cpp" and r["predicted"]["decode_tok_s"] > 0  # its F32 type, read from the file
-    text = run("estimate", "--model", str(path), "--backend", "llama-server", "--ctx", "1000", "--gpu", "t4")
-    assert "KV: 1024 cells" in text.output and "MiB of 15.00 GiB" in text.output
+    text = run("estimate", "--model", str(path), "--backend", "llama-server", "--ctx", "1000", "--gpu", "t4",
+               "--prompt-tokens", "600", "--output-tokens", "200")
+    assert "KV: 1024 cells" in text.output and "MiB of budget 14.75 GiB" in text.output
+    # The study's judge: a ctx that cannot hold the workload (1500 + 800 by default) is refused.
+    refused = run("estimate", "--model", str(path), "--backend", "llama-server", "--ctx", "1000", "--gpu", "t4")
+    assert refused.exit_code == 2 and "ctx 1000 cannot hold the workload" in refused.output
 
 
 def test_a_catalog_model_still_needs_its_weights_format():
