@@ -28,11 +28,17 @@ __all__ = [
 _catalog: tuple[int, dict[str, CacheType]] | None = None
 
 
+def _figures(ct: CacheType) -> tuple:
+    return ct.bytes_per_element, ct.bits, ct.dequant_layers
+
+
 def catalog() -> dict[str, CacheType]:
     """Every cache type the installed backends declare, by (lower-case) name.
 
-    Computed once per change of the installed plugins. Two backends may declare the same type
-    (a real engine and its twin share one table); the same name with other sizes is refused.
+    Computed once per change of the installed plugins. Two backends may declare one name with
+    the same figures (a real engine and its twin share one table; another engine spells its
+    FP16 cache ``f16`` too): the first is kept. The same name with other figures (bytes per
+    element, bits, dequantize layers) is refused, since a study's value would mean two sizes.
 
     Raises:
         PluginError: Two backends declare one name differently; the message names both.
@@ -47,7 +53,7 @@ def catalog() -> dict[str, CacheType]:
     for name, backend in plugins.get_backends().items():
         for ct in getattr(backend, "kv_cache_types", ()):
             key = ct.name.lower()
-            if key in found and found[key] != ct:
+            if key in found and _figures(found[key]) != _figures(ct):
                 raise PluginError(f"cache type '{key}' is declared twice, differently: by backend '{owner[key]}' "
                                   f"({found[key]}) and by backend '{name}' ({ct})")
             found.setdefault(key, ct)

@@ -428,3 +428,26 @@ def test_the_twins_declare_their_engines_own_tables():
     # The twins search a subset of what their engines store.
     for twin in (TwinLlamaCpp, TwinExllamaV2):
         assert set(twin.cache_types) <= {ct.name for ct in twin.kv_cache_types}
+
+
+def test_another_engine_may_spell_a_cache_type_alike_with_the_same_figures(engine_plugins):
+    """A third engine's ``f16`` of 2 bytes and 16 bits is llama.cpp's ``f16`` for sizing: no clash."""
+    from autotune.backend import BaseBackend
+    from autotune.declarations import CacheType
+    from tests.conftest import plugin_registered
+
+    class Other(BaseBackend):
+        name = "other"
+        kv_cache_types = (CacheType("f16", "other-engine", Fraction(2), "other/cache.h: half", 16),)
+        parameters = estimate_memory = run = deploy_command = lambda self, *a: None
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(Other())
+
+    with plugin_registered(Plugin, "other"):
+        assert cache_bytes_per_element("f16") == 2 and catalog()["f16"].bits == 16
