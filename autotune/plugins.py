@@ -217,9 +217,10 @@ def get_metric(name: str) -> "BaseMetric":
     return metrics[name]
 
 
-def describe() -> dict[str, list[dict[str, str]]]:
-    """What ``autotune plugins`` shows: each backend, metric and strategy with its plugin and distribution."""
-    out: dict[str, list[dict[str, str]]] = {"backends": [], "metrics": [], "strategies": [], "broken": []}
+def describe() -> dict[str, list[dict[str, Any]]]:
+    """What ``autotune plugins`` shows: each backend, metric and strategy with its plugin and
+    distribution; a backend also with the weight formats and KV-cache types it declares."""
+    out: dict[str, list[dict[str, Any]]] = {"backends": [], "metrics": [], "strategies": [], "broken": []}
     for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric"),
                             ("strategies", "register_strategies", "strategy")):
         for name, (obj, plugin) in sorted(_collect(hook, kind).items()):
@@ -231,6 +232,9 @@ def describe() -> dict[str, list[dict[str, str]]]:
                     "description": (getattr(obj, "description", "") or "").strip(),
                 }
             )
+            if key == "backends":
+                out[key][-1]["formats"] = [f.syntax for f in getattr(obj, "weight_formats", ())]
+                out[key][-1]["cache_types"] = [c.name for c in getattr(obj, "kv_cache_types", ())]
     out["broken"] = broken_plugins()
     return out
 
