@@ -25,7 +25,7 @@ __all__ = [
     "resolve",
 ]
 
-_catalog: tuple[int, dict[str, CacheType]] | None = None
+_catalog: tuple[int, dict[str, CacheType], dict[str, frozenset[str]]] | None = None
 
 
 def _figures(ct: CacheType) -> tuple:
@@ -43,13 +43,19 @@ def catalog() -> dict[str, CacheType]:
     Raises:
         PluginError: Two backends declare one name differently; the message names both.
     """
+    return _gathered()[1]
+
+
+def _gathered() -> tuple[int, dict[str, CacheType], dict[str, frozenset[str]]]:
+    """(plugins' version, the catalog, the engines that declare each name)."""
     global _catalog
     plugins.load_plugins()
     version = plugins.version()
     if _catalog is not None and _catalog[0] == version:
-        return _catalog[1]
+        return _catalog
     found: dict[str, CacheType] = {}
     owner: dict[str, str] = {}
+    families: dict[str, set[str]] = {}
     for name, backend in plugins.get_backends().items():
         for ct in getattr(backend, "kv_cache_types", ()):
             key = ct.name.lower()
@@ -58,8 +64,14 @@ def catalog() -> dict[str, CacheType]:
                                   f"({found[key]}) and by backend '{name}' ({ct})")
             found.setdefault(key, ct)
             owner.setdefault(key, name)
-    _catalog = (version, found)
-    return found
+            families.setdefault(key, set()).add(ct.family)
+    _catalog = (version, found, {k: frozenset(v) for k, v in families.items()})
+    return _catalog
+
+
+def _engines_of(ct: CacheType) -> frozenset[str]:
+    """The engines that store ``ct``: its own, and any other that declares its name alike."""
+    return frozenset({ct.family}) | _gathered()[2].get(ct.name.lower(), frozenset())
 
 
 def resolve(cache_type: str | CacheType, declared: Iterable[CacheType] = ()) -> CacheType | None:
@@ -137,7 +149,7 @@ def kv_bytes_per_token(
     """
     k = _cache_type(k_type)
     v = _cache_type(v_type) if v_type is not None else k
-    if k.family != v.family:
+    if not _engines_of(k) & _engines_of(v):
         raise ConfigError(
             f"cache types '{k_type}' ({k.family}) and '{v_type}' ({v.family}) belong to different engines"
         )

@@ -451,3 +451,30 @@ def test_another_engine_may_spell_a_cache_type_alike_with_the_same_figures(engin
 
     with plugin_registered(Plugin, "other"):
         assert cache_bytes_per_element("f16") == 2 and catalog()["f16"].bits == 16
+
+
+def test_a_shared_name_does_not_make_one_engines_k_and_v_foreign(article, engine_plugins):
+    """With another engine's f16 found first, llama.cpp's q8_0 K and f16 V still go together."""
+    from autotune.backend import BaseBackend
+    from autotune.declarations import CacheType
+    from tests.conftest import plugin_registered
+
+    class Early(BaseBackend):
+        name = "aaa-early"  # sorted before llama-server: its f16 is the catalog's
+        kv_cache_types = (CacheType("f16", "early-engine", Fraction(2), "early/cache.h: half", 16),)
+        parameters = estimate_memory = run = deploy_command = lambda self, *a: None
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(Early())
+
+    with plugin_registered(Plugin, "early"):
+        assert catalog()["f16"].family == "early-engine"
+        f16 = kv_bytes_per_token(article, "f16")
+        assert kv_bytes_per_token(article, "q8_0", "f16") == f16 / 2 * 34 / 32 / 2 + f16 / 2
+        with pytest.raises(ConfigError, match="different engines"):
+            kv_bytes_per_token(article, "q8_0", "q8")
