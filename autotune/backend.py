@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.cache_types import CACHE_TYPES
+from autotune import cache_types
+from autotune.declarations import CacheType, WeightFormats
 from autotune.errors import ConfigError
 from autotune.scoring import ScoringUnsupportedError
 
@@ -297,6 +298,10 @@ class BaseBackend(abc.ABC):
             backend with the same ``engine`` can predict for it (the twin as a prior).
         settings: The ``[backends.<name>]`` keys it reads (see ``Setting``).
         description: One line for ``autotune plugins``.
+        kv_cache_types: The KV-cache types its engine stores, as data (``CacheType``): the core
+            sizes a cache and compares engines' caches by these (``autotune.cache_types``).
+        weight_formats: The weight-format families it can make and load (``WeightFormats``):
+            what a ``NAME:...`` weights value is, and the formats ``autotune init`` offers.
     """
 
     name: ClassVar[str] = ""
@@ -304,6 +309,8 @@ class BaseBackend(abc.ABC):
     description: ClassVar[str] = ""
     settings: ClassVar[tuple[Setting, ...]] = ()
     """The keys of ``[backends.<name>]`` this backend reads; any other key is refused."""
+    kv_cache_types: ClassVar[tuple[CacheType, ...]] = ()
+    weight_formats: ClassVar[tuple[WeightFormats, ...]] = ()
 
     def setting(self, ctx: StudyContext, name: str) -> Any:
         """A ``[backends.<name>]`` value, or its declared default (one owner of each default)."""
@@ -376,9 +383,9 @@ class BaseBackend(abc.ABC):
             Backends override it when their engine knows better.
         """
         ref = {name: values[0] for name, values in params.items()}
-        known = [c for c in params.get("cache_type", ()) if c in CACHE_TYPES]
+        known = {c: ct for c in params.get("cache_type", ()) if (ct := cache_types.resolve(c, self.kv_cache_types))}
         if known:
-            ref["cache_type"] = max(known, key=lambda c: CACHE_TYPES[c].bytes_per_element)
+            ref["cache_type"] = max(known, key=lambda c: known[c].bytes_per_element)
         if True in params.get("flash_attn", ()):
             ref["flash_attn"] = True
         return ref

@@ -1,100 +1,120 @@
-"""KV-cache element types, as data: bytes per cached value of each engine's cache types.
+"""KV-cache element types: the catalog of those the installed backends declare, and their sizes.
 
-:data:`CACHE_TYPES` lists the cache element types of llama.cpp, ExLlamaV2 and vLLM with their
-bytes per element, scales included; :func:`kv_bytes_per_token` turns a model and a cache type
-into bytes per token of context; :func:`cache_fixed_bytes` adds what a cache type allocates
-once per device.
+Each backend declares its engine's cache types as data (``BaseBackend.kv_cache_types``, a tuple
+of :class:`~autotune.declarations.CacheType`); :func:`catalog` gathers those of the installed
+backends by name; :func:`kv_bytes_per_token` turns a model and a cache type into bytes per
+token of context; :func:`cache_fixed_bytes` adds what a cache type allocates once per device.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
-from typing import NamedTuple
+from collections.abc import Iterable
 
-from autotune.errors import ConfigError, UnknownNameError
+from autotune import plugins
+from autotune.declarations import CacheType
+from autotune.errors import ConfigError, PluginError, UnknownNameError
 from autotune.models import ModelSpec
 
 __all__ = [
-    "CACHE_TYPES",
     "CacheType",
     "cache_bits",
     "cache_bytes_per_element",
     "cache_fixed_bytes",
+    "catalog",
     "kv_bytes_per_token",
+    "resolve",
 ]
 
-
-class CacheType(NamedTuple):
-    """A KV-cache element type: the engine family, bytes per element, where that comes from, and
-    its nominal precision in bits (the number in its name: q8_0 and q8 are both 8, scales left
-    out), by which a study compares one engine's cache types with another's (``space.KV_BITS``)."""
-
-    family: str
-    bytes_per_element: Fraction
-    source: str
-    bits: int
+_catalog: tuple[int, dict[str, CacheType], dict[str, frozenset[str]]] | None = None
 
 
-_LLAMA_ARGS = "llama.cpp common/arg.cpp kv_cache_types (-ctk/-ctv)"
-# ExLlamaV2's quantized caches (exllamav2/cache.py): ExLlamaV2Cache_Q4/Q6/Q8 store K and V as
-# uint8 tensors of head_dim // weights_per_byte per head and token (Q4: 2 and 2 per byte; Q6:
-# K 1 per byte, V 2 per byte, i.e. 8-bit keys and 4-bit values; Q8: 1 and 1), plus FP16 scales
-# of shape head_dim // 32 for K and for V: 2 bytes per 32 elements = 1/16 B per element each.
-# Per element, K and V averaged: Q4 1/2 + 1/16 = 9/16; Q6 (1 + 1/2)/2 + 1/16 = 13/16;
-# Q8 1 + 1/16 = 17/16. They also keep one FP16 K/V buffer per device, the size of one layer's
-# full cache, to dequantize into (touch_device): see cache_fixed_bytes.
-_EXL2_CACHE = "exllamav2/cache.py ExLlamaV2Cache_Q4/Q6/Q8: uint8 data + FP16 scale per 32 elements"
-
-CACHE_TYPES: dict[str, CacheType] = {
-    # llama.cpp: ggml types; sizes are the ggml block layouts above (ggml-common.h).
-    "f32": CacheType("llama.cpp", Fraction(4), f"{_LLAMA_ARGS}: F32", 32),
-    "f16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: F16 (the default)", 16),
-    "bf16": CacheType("llama.cpp", Fraction(2), f"{_LLAMA_ARGS}: BF16", 16),
-    "q8_0": CacheType("llama.cpp", Fraction(34, 32), f"{_LLAMA_ARGS}: block_q8_0, 34 B / 32", 8),
-    "q5_1": CacheType("llama.cpp", Fraction(24, 32), f"{_LLAMA_ARGS}: block_q5_1, 24 B / 32", 5),
-    "q5_0": CacheType("llama.cpp", Fraction(22, 32), f"{_LLAMA_ARGS}: block_q5_0, 22 B / 32", 5),
-    "q4_1": CacheType("llama.cpp", Fraction(20, 32), f"{_LLAMA_ARGS}: block_q4_1, 20 B / 32", 4),
-    "q4_0": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_q4_0, 18 B / 32", 4),
-    "iq4_nl": CacheType("llama.cpp", Fraction(18, 32), f"{_LLAMA_ARGS}: block_iq4_nl, 18 B / 32", 4),
-    # ExLlamaV2 (cache_mode FP16 / Q8 / Q6 / Q4 in TabbyAPI and the examples).
-    "fp16": CacheType("exllamav2", Fraction(2), "exllamav2/cache.py ExLlamaV2Cache: torch.half", 16),
-    "q8": CacheType("exllamav2", Fraction(17, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1 + 1/16", 8),
-    "q6": CacheType("exllamav2", Fraction(13, 16), f"{_EXL2_CACHE}: K 1 + 1/16, V 1/2 + 1/16 (mean)", 6),
-    "q4": CacheType("exllamav2", Fraction(9, 16), f"{_EXL2_CACHE}: K 1/2 + 1/16, V 1/2 + 1/16", 4),
-    # vLLM --kv-cache-dtype: "auto" is the model dtype (FP16/BF16, 2 bytes); the fp8 variants
-    # store 1 byte per element (per-tensor scales, negligible).
-    "auto": CacheType("vllm", Fraction(2), "vLLM --kv-cache-dtype auto: the model dtype (FP16/BF16)", 16),
-    "fp8": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8 (= fp8_e4m3)", 8),
-    "fp8_e4m3": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e4m3", 8),
-    "fp8_e5m2": CacheType("vllm", Fraction(1), "vLLM --kv-cache-dtype fp8_e5m2", 8),
-}
+def _figures(ct: CacheType) -> tuple:
+    return ct.bytes_per_element, ct.bits, ct.dequant_layers
 
 
-def cache_bits(cache_type: str) -> int | None:
-    """Nominal bits of a cache type (``q8_0`` -> 8); None for a name the catalog lacks."""
-    ct = CACHE_TYPES.get(str(cache_type).lower())
+def catalog() -> dict[str, CacheType]:
+    """Every cache type the installed backends declare, by (lower-case) name.
+
+    Computed once per change of the installed plugins. Two backends may declare one name with
+    the same figures (a real engine and its twin share one table; another engine spells its
+    FP16 cache ``f16`` too): the first is kept. The same name with other figures (bytes per
+    element, bits, dequantize layers) is refused, since a study's value would mean two sizes.
+
+    Raises:
+        PluginError: Two backends declare one name differently; the message names both.
+    """
+    return _gathered()[1]
+
+
+def _gathered() -> tuple[int, dict[str, CacheType], dict[str, frozenset[str]]]:
+    """(plugins' version, the catalog, the engines that declare each name)."""
+    global _catalog
+    plugins.load_plugins()
+    version = plugins.version()
+    if _catalog is not None and _catalog[0] == version:
+        return _catalog
+    found: dict[str, CacheType] = {}
+    owner: dict[str, str] = {}
+    families: dict[str, set[str]] = {}
+    for name, backend in plugins.get_backends().items():
+        for ct in getattr(backend, "kv_cache_types", ()):
+            key = ct.name.lower()
+            if key in found and _figures(found[key]) != _figures(ct):
+                raise PluginError(f"cache type '{key}' is declared twice, differently: by backend '{owner[key]}' "
+                                  f"({found[key]}) and by backend '{name}' ({ct})")
+            found.setdefault(key, ct)
+            owner.setdefault(key, name)
+            families.setdefault(key, set()).add(ct.family)
+    _catalog = (version, found, {k: frozenset(v) for k, v in families.items()})
+    return _catalog
+
+
+def _engines_of(ct: CacheType) -> frozenset[str]:
+    """The engines that store ``ct``: its own, and any other that declares its name alike."""
+    return frozenset({ct.family}) | _gathered()[2].get(ct.name.lower(), frozenset())
+
+
+def resolve(cache_type: str | CacheType, declared: Iterable[CacheType] = ()) -> CacheType | None:
+    """The declaration of ``cache_type``: itself when it is one; else, by name (any case), the
+    first of ``declared`` (a backend's own, so that a backend used without the registry knows
+    its types) or the installed backends' :func:`catalog`; None when neither has it."""
+    if isinstance(cache_type, CacheType):
+        return cache_type
+    key = str(cache_type).lower()
+    for ct in declared:
+        if ct.name.lower() == key:
+            return ct
+    return catalog().get(key)
+
+
+def cache_bits(cache_type: str | CacheType, declared: Iterable[CacheType] = ()) -> int | None:
+    """Nominal bits of a cache type (``q8_0`` -> 8); None for a name neither ``declared`` nor
+    the catalog has (see :func:`resolve`)."""
+    ct = resolve(cache_type, declared)
     return None if ct is None else ct.bits
 
 
 def _known_cache_types() -> str:
     families: dict[str, list[str]] = {}
-    for name, ct in CACHE_TYPES.items():
+    for name, ct in catalog().items():
         families.setdefault(ct.family, []).append(name)
     return "; ".join(f"{family}: {', '.join(names)}" for family, names in families.items())
 
 
-def _cache_type(name: str) -> CacheType:
-    try:
-        return CACHE_TYPES[name.lower()]
-    except (KeyError, AttributeError):
-        raise UnknownNameError(f"unknown KV cache type '{name}' (known: {_known_cache_types()})") from None
+def _cache_type(name: str | CacheType) -> CacheType:
+    ct = resolve(name)
+    if ct is None:
+        known = _known_cache_types() or "none: no installed backend declares one"
+        raise UnknownNameError(f"unknown KV cache type '{name}' (known: {known})")
+    return ct
 
 
-def cache_bytes_per_element(cache_type: str) -> float:
+def cache_bytes_per_element(cache_type: str | CacheType) -> float:
     """Bytes one cached K or V element takes in ``cache_type``, scales included.
 
     Args:
-        cache_type: A key of :data:`CACHE_TYPES` (case-insensitive): ``f16``, ``q8_0``, ``q8``...
+        cache_type: A declaration, or a name of :func:`catalog` (case-insensitive): ``f16``,
+            ``q8_0``, ``q8``...
 
     Returns:
         Bytes per element (``q8_0`` -> 1.0625).
@@ -106,15 +126,16 @@ def cache_bytes_per_element(cache_type: str) -> float:
 
 
 def kv_bytes_per_token(
-    model: ModelSpec, k_type: str, v_type: str | None = None, *, n_layers: int | None = None
+    model: ModelSpec, k_type: str | CacheType, v_type: str | CacheType | None = None, *,
+    n_layers: int | None = None
 ) -> float:
     """KV-cache bytes per token of context: ``layers * n_kv_heads * head_dim * (bytes_k + bytes_v)``.
 
     Args:
         model: The model.
         k_type: Cache type of K.
-        v_type: Cache type of V; defaults to ``k_type`` (ExLlamaV2 and vLLM have one setting
-            for both; llama.cpp has ``-ctk`` and ``-ctv``).
+        v_type: Cache type of V; defaults to ``k_type`` (most engines have one setting for
+            both; llama.cpp has ``-ctk`` and ``-ctv``).
         n_layers: Layers whose cache grows with every token; defaults to all of them. For
             models with sliding-window layers, pass ``model.n_layers - model.n_swa_layers`` and
             add the windowed layers' fixed ``sliding_window`` tokens yourself.
@@ -128,7 +149,7 @@ def kv_bytes_per_token(
     """
     k = _cache_type(k_type)
     v = _cache_type(v_type) if v_type is not None else k
-    if k.family != v.family:
+    if not _engines_of(k) & _engines_of(v):
         raise ConfigError(
             f"cache types '{k_type}' ({k.family}) and '{v_type}' ({v.family}) belong to different engines"
         )
@@ -136,13 +157,12 @@ def kv_bytes_per_token(
     return float(layers * model.kv_dim * (k.bytes_per_element + v.bytes_per_element))
 
 
-def cache_fixed_bytes(model: ModelSpec, cache_type: str, n_tokens: int) -> int:
+def cache_fixed_bytes(model: ModelSpec, cache_type: str | CacheType, n_tokens: int) -> int:
     """Bytes a cache type allocates once per device, on top of the per-token cache.
 
-    ExLlamaV2's quantized caches (q8/q6/q4) keep an FP16 K and V buffer of shape
-    (batch, max_seq_len, n_kv_heads, head_dim) per device to dequantize into
-    (exllamav2/cache.py, ``touch_device``): the size of one layer's FP16 cache for the whole
-    context. Other cache types have none.
+    A type that declares ``dequant_layers`` keeps that many layers of FP16 K and V, of shape
+    (batch, max_seq_len, n_kv_heads, head_dim), per device to dequantize into (ExLlamaV2's
+    quantized caches keep one: exllamav2/cache.py, ``touch_device``). Other types have none.
 
     Args:
         model: The model.
@@ -155,7 +175,4 @@ def cache_fixed_bytes(model: ModelSpec, cache_type: str, n_tokens: int) -> int:
     Raises:
         UnknownNameError: An unknown cache type.
     """
-    ct = _cache_type(cache_type)
-    if ct.family == "exllamav2" and cache_type.lower() != "fp16":
-        return 2 * 2 * n_tokens * model.kv_dim
-    return 0
+    return _cache_type(cache_type).dequant_layers * 2 * 2 * n_tokens * model.kv_dim

@@ -183,6 +183,10 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
             click.echo(f"{kind}:")
             for item in found[kind]:
                 click.echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")
+                declared = [f"{what} {', '.join(item[key])}" for key, what in (("formats", "formats"),
+                            ("cache_types", "cache types")) if item.get(key)]
+                if declared:
+                    click.echo(f"  {'':<22} {'; '.join(declared)}")
             if not found[kind]:
                 click.echo("  (none)")
         if found["broken"]:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
 from autotune.config import SAFETY_MARGIN_MIB, load_study_config
+from autotune.declarations import installed_weight_formats
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.hardware import has_gpu, load_gpu_catalog, resolve_gpu
 from autotune.measure import Protocol
@@ -40,9 +41,8 @@ from autotune.models import load_model_catalog, resolve_model
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.admission import Budget
 
-__all__ = ["BACKEND_RULE", "FORMAT_FAMILIES", "estimate_config", "estimate_text", "resolve_backends"]
+__all__ = ["BACKEND_RULE", "estimate_config", "estimate_text", "resolve_backends"]
 
-FORMAT_FAMILIES = ("gguf", "exl2")
 BACKEND_RULE = (
     "A backend name (autotune plugins) or an engine name (llama.cpp, exllamav2, vllm): either picks "
     "the engine. Weights given as a format (gguf:Q4_K_M, exl2:3.3) are estimated by that engine's "
@@ -58,13 +58,19 @@ DEFAULT_WORKLOAD = (1500, 800)
 def is_format(weights: str) -> bool:
     """Whether ``weights`` names a format (``gguf:Q4_K_M``) rather than a file or directory.
 
-    Something on disk is a file even with a colon in its name; ``family:...`` for a known
-    family is a format even when the rest is wrong, so that the twin names the accepted ones.
+    Something on disk is a file even with a colon in its name; ``family:...`` for a family an
+    installed backend declares (``BaseBackend.weight_formats``) is a format even when the rest
+    is wrong, so that the twin names the accepted ones.
     """
     if Path(weights).expanduser().exists():
         return False
     family, sep, _ = weights.partition(":")
-    return bool(sep) and family.lower() in FORMAT_FAMILIES
+    return bool(sep) and family.lower() in installed_weight_formats()
+
+
+def _format_syntax() -> str:
+    """How the installed backends' formats are written (``gguf:<TYPE> or exl2:<bpw>``)."""
+    return " or ".join(f.syntax for f in installed_weight_formats().values()) or "none (no installed backend declares one)"
 
 
 def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend | None]:
@@ -117,7 +123,7 @@ def _weights_of(model_ref: str, weights: str | None) -> str:
         if not is_format(weights) and not Path(weights).expanduser().exists():
             raise ConfigError(
                 f"--weights {weights!r}: no such file or directory (relative to the current directory "
-                f"{Path.cwd()}); a format is gguf:<TYPE> or exl2:<bpw>"
+                f"{Path.cwd()}); a format is {_format_syntax()}"
             )
         return weights
     if model_ref in load_model_catalog():

@@ -40,6 +40,13 @@ pm.add_hookspecs(hookspecs)
 
 _loaded = False
 _sources: dict[str, str] = {}  # plugin name in pm -> distribution that provides it
+_version = 0  # moves whenever the set of plugins changes: what is read from them is kept until then
+
+
+def version() -> int:
+    """A number that changes whenever a plugin is registered or unregistered, so that what is
+    derived from the installed plugins (``cache_types.catalog``) is computed once per change."""
+    return _version
 
 
 def load_plugins() -> None:
@@ -48,10 +55,11 @@ def load_plugins() -> None:
     Autoloading is skipped under pytest (``sys._called_from_test``, set by our conftest), so
     tests decide exactly which plugins exist.
     """
-    global _loaded
+    global _loaded, _version
     if _loaded:
         return
     _loaded = True
+    _version += 1
     for name, module_name in ESSENTIAL_PLUGINS.items():
         if pm.get_plugin(name) is None:
             pm.register(importlib.import_module(module_name), name=name)
@@ -92,12 +100,16 @@ def _trace() -> None:
 
 def register_plugin(plugin: object, name: str, source: str = "(test)") -> None:
     """Register a plugin object by hand (tests, embedding applications)."""
+    global _version
     pm.register(plugin, name=name)
+    _version += 1
     _sources[name] = source
 
 
 def unregister_plugin(name: str) -> None:
     """Undo ``register_plugin``."""
+    global _version
+    _version += 1
     plugin = pm.get_plugin(name)
     if plugin is not None:
         pm.unregister(plugin)
@@ -205,9 +217,10 @@ def get_metric(name: str) -> "BaseMetric":
     return metrics[name]
 
 
-def describe() -> dict[str, list[dict[str, str]]]:
-    """What ``autotune plugins`` shows: each backend, metric and strategy with its plugin and distribution."""
-    out: dict[str, list[dict[str, str]]] = {"backends": [], "metrics": [], "strategies": [], "broken": []}
+def describe() -> dict[str, list[dict[str, Any]]]:
+    """What ``autotune plugins`` shows: each backend, metric and strategy with its plugin and
+    distribution; a backend also with the weight formats and KV-cache types it declares."""
+    out: dict[str, list[dict[str, Any]]] = {"backends": [], "metrics": [], "strategies": [], "broken": []}
     for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric"),
                             ("strategies", "register_strategies", "strategy")):
         for name, (obj, plugin) in sorted(_collect(hook, kind).items()):
@@ -219,6 +232,9 @@ def describe() -> dict[str, list[dict[str, str]]]:
                     "description": (getattr(obj, "description", "") or "").strip(),
                 }
             )
+            if key == "backends":
+                out[key][-1]["formats"] = [f.syntax for f in getattr(obj, "weight_formats", ())]
+                out[key][-1]["cache_types"] = [c.name for c in getattr(obj, "kv_cache_types", ())]
     out["broken"] = broken_plugins()
     return out
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig
 from autotune.cache_types import cache_bits
+from autotune.declarations import CacheType
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -64,14 +65,15 @@ class Dimension:
         return self.values[self.choices.index(choice)]
 
 
-def dimension_of(backend: str, option: str, values: tuple[Any, ...]) -> Dimension:
+def dimension_of(backend: str, option: str, values: tuple[Any, ...], declared: Sequence[CacheType] = ()) -> Dimension:
     """The parameter a backend's option is searched as (the module docstring's naming rule):
     a shared name for ctx, parallel and ``SHARED_OPTIONS``; ``kv_bits`` for ``cache_type`` when
-    the nominal bits name each of the backend's searched types; else ``<backend>.<option>``."""
+    the nominal bits name each of the backend's searched types (its ``declared`` cache types,
+    else the installed backends'); else ``<backend>.<option>``."""
     if option in CORE_OPTIONS or option in SHARED_OPTIONS:
         return Dimension(option, option, values, values)
     if option == "cache_type":
-        bits = tuple(cache_bits(c) for c in values)
+        bits = tuple(cache_bits(c, declared) for c in values)
         if None not in bits and len(set(bits)) == len(bits):
             return Dimension(KV_BITS, option, bits, values)
     return Dimension(f"{backend}.{option}", option, values, values)
@@ -99,7 +101,8 @@ class BackendSpace:
         name = self.backend.name
         dims = [dimension_of(name, "weights", self.weights), dimension_of(name, "ctx", self.ctx),
                 dimension_of(name, "parallel", self.parallel)]
-        return dims + [dimension_of(name, p.name, p.choices) for p in self.params]
+        declared = self.backend.kv_cache_types
+        return dims + [dimension_of(name, p.name, p.choices, declared) for p in self.params]
 
 
 class SearchSpace:

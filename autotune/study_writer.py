@@ -33,19 +33,15 @@ from typing import Any
 from autotune import hardware, plugins
 from autotune.backend import StudyContext, TrialConfig, Workload
 from autotune.config import SAFETY_MARGIN_MIB
+from autotune.declarations import installed_weight_formats
 from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
 from autotune.measure import Protocol
 from autotune.models import ModelSpec, resolve_model
 from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of
 
-__all__ = ["FORMATS", "StudyDraft", "draft_study", "render"]
+__all__ = ["StudyDraft", "draft_study", "offered_formats", "render"]
 
-# Formats offered to every backend, widest first; each backend keeps those it can make from the
-# source. Full precision first: with a quality metric, the largest candidate is the reference.
-FORMATS = ("gguf:F16", "gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M", "gguf:Q4_0",
-           "exl2:8.0", "exl2:6.0", "exl2:5.0", "exl2:4.0", "exl2:3.0")
-FULL_PRECISION = ("F16", "BF16", "F32")
 PARALLEL = (1, 2, 4, 8, 16)
 # One request: a chat turn on a GPU; shorter on a CPU, where a trial must stay seconds long.
 WORKLOAD_GPU = (1024, 256)
@@ -91,6 +87,16 @@ def _ctx_values(model: ModelSpec, sequence: int) -> list[int]:
     if len(values) > 6:
         values = values[:5] + [values[-1]]
     return values
+
+
+def offered_formats() -> tuple[tuple[str, ...], frozenset[str]]:
+    """The formats offered to every backend, and those of them at full precision: what the
+    installed backends declare (``BaseBackend.weight_formats``), each family widest first. Each
+    backend keeps those it can make from the source; full precision first, because with a
+    quality metric the largest candidate is the reference."""
+    families = installed_weight_formats().values()
+    return (tuple(fmt for f in families for fmt in f.offered),
+            frozenset(fmt for f in families for fmt in f.full_precision))
 
 
 def _gib(n: float) -> str:
@@ -141,6 +147,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                           f"ctx a study searches ({MIN_CTX})")
 
     ctx_of: dict[str, StudyContext] = {}
+    formats, full_precision_formats = offered_formats()
     for backend_name, backend in plugins.get_backends().items():
         if backend.is_model:
             continue
@@ -157,7 +164,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             return judge.lightest(TrialConfig(backend_name, weights, draft.ctx[0], 1), params)
 
         kept: list[str] = []
-        for fmt in FORMATS:
+        for fmt in formats:
             try:
                 recipe = backend.artifact_recipe(normalize_format(fmt), source, ctx)
             except AutotuneError as exc:
@@ -172,7 +179,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                 draft.left_out.append(f"{judge.never_fits(*found)} = {budget.describe()}")
             else:
                 kept.append(fmt)
-        if not any(fmt.endswith(FULL_PRECISION) for fmt in kept) and backend.check_weights(str(source), ctx) is None:
+        if not any(fmt in full_precision_formats for fmt in kept) and backend.check_weights(str(source), ctx) is None:
             # No full-precision format of its own, but it loads the source as it is (ExLlamaV2 an
             # FP16 directory): the source is its quality reference, when it fits.
             found = lightest(str(source))
@@ -193,7 +200,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             values += [v for v in p.choices if v not in values]
     draft.space = space
 
-    full_precision = any(fmt.endswith(FULL_PRECISION) or fmt == str(source)
+    full_precision = any(fmt in full_precision_formats or fmt == str(source)
                          for fmts in draft.candidates.values() for fmt in fmts)
     try:
         metric = plugins.get_metric(QUALITY_METRIC)

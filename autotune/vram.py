@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from autotune.backend import MemoryEstimate
 from autotune.cache_types import kv_bytes_per_token
+from autotune.declarations import CacheType
 from autotune.models import ModelSpec
 
 __all__ = [
@@ -79,13 +80,14 @@ class SlotLayout:
         return per_seq * parallel if not self.unified else min(self.cells(ctx, parallel), per_seq * parallel)
 
 
-def kv_cache_bytes(model: ModelSpec, cache_type: str, ctx: int, parallel: int, layout: SlotLayout,
-                   v_type: str | None = None) -> tuple[int, int, str]:
+def kv_cache_bytes(model: ModelSpec, cache_type: str | CacheType, ctx: int, parallel: int, layout: SlotLayout,
+                   v_type: str | CacheType | None = None) -> tuple[int, int, str]:
     """KV-cache bytes of ``parallel`` sequences of ``ctx`` tokens in an engine's layout.
 
     Args:
         model: Layers, KV heads and head size (and sliding-window layers, if any).
-        cache_type: K cache type (and V's, unless ``v_type`` is given).
+        cache_type: K cache type (and V's, unless ``v_type`` is given): the engine's
+            declaration, or a name the installed backends declare.
         ctx: Context of one sequence, in tokens.
         parallel: Sequences served at once.
         layout: The engine's slot layout.

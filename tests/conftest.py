@@ -69,6 +69,19 @@ def twin_plugin():
 
 
 @pytest.fixture
+def engine_plugins():
+    """The built-in real engines (llama-server, exllamav2, openai-server), registered as their
+    entry points would: what they declare (cache types, formats) is what the core then knows."""
+    import autotune_plugins.exllamav2 as exllamav2
+    import autotune_plugins.llama_server as llama_server
+    import autotune_plugins.openai_server as openai_server
+
+    with plugin_registered(llama_server, "llama-server"), plugin_registered(exllamav2, "exllamav2"), \
+            plugin_registered(openai_server, "openai-server"):
+        yield
+
+
+@pytest.fixture
 def default_study_path() -> Path:
     return REPO / "studies" / "v100-qwen27b.toml"
 

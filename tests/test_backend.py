@@ -24,7 +24,8 @@ def test_paths_are_absolute_and_relative_to_the_study_file(tmp_path, monkeypatch
     assert c.path("~/c.gguf") == Path.home() / "c.gguf"
 
 
-def test_the_default_quality_reference_is_the_most_precise_searched_setting():
+def test_the_default_quality_reference_is_the_most_precise_searched_setting(engine_plugins):
+    # FakeBackend declares no cache types: the installed backends' (llama-server's here) rank its names.
     b = FakeBackend()
     assert b.quality_reference({"cache_type": ("q4_0", "f16", "q8_0"), "flash_attn": (False, True),
                                 "mode": ("x", "y")}) == {"cache_type": "f16", "flash_attn": True, "mode": "x"}

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.cache_types import CACHE_TYPES, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
+from autotune.cache_types import catalog, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
 from autotune.formats import (
     GGML_TYPES,
     GGUF_FILE_TYPES,
@@ -285,21 +285,22 @@ def test_bits_per_weight(qwen7b):
 
 
 # ---------------------------------------------------------------------------------- KV cache
+# The cache types are those the installed backends declare: these tests install the real ones.
 
 
-def test_article_kv_per_token_f16(article):
+def test_article_kv_per_token_f16(article, engine_plugins):
     assert kv_bytes_per_token(article, "f16") == 131072
     assert kv_bytes_per_token(article, "fp16") == 131072  # ExLlamaV2's name
     assert kv_bytes_per_token(article, "f16") * 4096 == 512 * 2**20  # 512 MiB at 4k, as the article says
 
 
-def test_q8_0_cache_is_34_32_of_half_f16(article):
+def test_q8_0_cache_is_34_32_of_half_f16(article, engine_plugins):
     f16 = kv_bytes_per_token(article, "f16")
     assert kv_bytes_per_token(article, "q8_0") == f16 / 2 * 34 / 32
     assert kv_bytes_per_token(article, "q8_0", "f16") == f16 / 2 * 34 / 32 / 2 + f16 / 2
 
 
-def test_cache_element_sizes():
+def test_cache_element_sizes(engine_plugins):
     assert cache_bytes_per_element("f16") == 2
     assert cache_bytes_per_element("q8_0") == 34 / 32
     assert cache_bytes_per_element("q4_0") == 18 / 32
@@ -310,28 +311,170 @@ def test_cache_element_sizes():
     assert cache_bytes_per_element("q6") == (1 + 0.5) / 2 + 2 / 32
     assert cache_bytes_per_element("q4") == 0.5 + 2 / 32
     assert cache_bytes_per_element("auto") == 2 and cache_bytes_per_element("fp8") == 1
-    assert all(isinstance(ct.bytes_per_element, Fraction) and ct.source for ct in CACHE_TYPES.values())
+    assert all(isinstance(ct.bytes_per_element, Fraction) and ct.source for ct in catalog().values())
 
 
-def test_unknown_cache_type_lists_known_names():
+def test_unknown_cache_type_lists_known_names(engine_plugins):
     with pytest.raises(UnknownNameError) as err:
         cache_bytes_per_element("int4")
     msg = str(err.value)
-    assert msg.startswith("unknown KV cache type 'int4' (known: llama.cpp: f32, f16")
-    assert "exllamav2: fp16, q8, q6, q4" in msg and "vllm: auto, fp8" in msg
+    assert msg.startswith("unknown KV cache type 'int4' (known: ")
+    assert "llama.cpp: f32, f16" in msg and "exllamav2: fp16, q8, q6, q4" in msg and "vllm: auto, fp8" in msg
 
 
-def test_mixed_engine_cache_types_rejected(article):
+def test_mixed_engine_cache_types_rejected(article, engine_plugins):
     with pytest.raises(ConfigError, match="different engines"):
         kv_bytes_per_token(article, "q8_0", "q8")
 
 
-def test_sliding_window_layers_param(article):
+def test_sliding_window_layers_param(article, engine_plugins):
     full = kv_bytes_per_token(article, "f16")
     assert kv_bytes_per_token(article, "f16", n_layers=16) == full / 4
 
 
-def test_exllamav2_quantized_cache_temp_buffers(article):
+def test_exllamav2_quantized_cache_temp_buffers(article, engine_plugins):
     assert cache_fixed_bytes(article, "q8", 4096) == 2 * 2 * 4096 * 512  # one FP16 K+V layer
     assert cache_fixed_bytes(article, "fp16", 4096) == 0
     assert cache_fixed_bytes(article, "q8_0", 4096) == 0
+
+
+def test_a_backend_declares_a_new_cache_type_and_format(article, tmp_path):
+    """A new engine's cache type and format are known to the core from its declarations alone:
+    sizes, bits and the dequantize buffer; a ``fp4x:...`` weights value is a format for estimate
+    and is offered by init, full precision marked; unregistered, they are unknown again."""
+    from autotune import estimate, study_writer
+    from autotune.backend import BaseBackend
+    from autotune.declarations import CacheType, WeightFormats
+    from tests.conftest import plugin_registered
+
+    class Fp4Engine(BaseBackend):
+        name = "fp4-engine"
+        engine = "fp4x"
+        kv_cache_types = (CacheType("nvfp4", "fp4x", Fraction(9, 16), "fp4x docs: 4-bit + FP8 scale per 16", 4,
+                                    dequant_layers=2),)
+        weight_formats = (WeightFormats("fp4x", "fp4x:<scheme>", offered=("fp4x:bf16", "fp4x:nvfp4"),
+                                        full_precision=("fp4x:bf16",)),)
+
+        def parameters(self, space):
+            return []
+
+        def estimate_memory(self, config, ctx):
+            raise NotImplementedError
+
+        def run(self, config, ctx):
+            raise NotImplementedError
+
+        def deploy_command(self, config, ctx):
+            return ""
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(Fp4Engine())
+
+    assert not estimate.is_format("fp4x:nvfp4")
+    with plugin_registered(Plugin, "fp4"):
+        assert cache_bytes_per_element("NVFP4") == 9 / 16
+        assert kv_bytes_per_token(article, "nvfp4") == article.n_layers * article.kv_dim * 2 * 9 / 16
+        assert cache_fixed_bytes(article, "nvfp4", 100) == 2 * 2 * 2 * 100 * article.kv_dim
+        assert estimate.is_format("fp4x:nvfp4") and not estimate.is_format("gguf:Q4_0")
+        assert study_writer.offered_formats() == (("fp4x:bf16", "fp4x:nvfp4"), frozenset({"fp4x:bf16"}))
+        from autotune.space import KV_BITS, dimension_of
+        assert dimension_of("fp4-engine", "cache_type", ("nvfp4",)).name == KV_BITS
+    assert not estimate.is_format("fp4x:nvfp4")
+    with pytest.raises(UnknownNameError, match="known: none"):
+        cache_bytes_per_element("nvfp4")
+
+
+def test_two_backends_declaring_one_cache_type_differently_are_refused():
+    from autotune.backend import BaseBackend
+    from autotune.declarations import CacheType
+    from autotune.errors import PluginError
+    from tests.conftest import plugin_registered
+
+    def engine(backend: str, size: Fraction) -> BaseBackend:
+        cls = type(backend, (BaseBackend,), {
+            "name": backend, "kv_cache_types": (CacheType("q8", "x", size, "test", 8),),
+            "parameters": lambda self, space: [], "estimate_memory": lambda self, c, x: None,
+            "run": lambda self, c, x: None, "deploy_command": lambda self, c, x: ""})
+        return cls()
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(engine("one", Fraction(1)))
+            register(engine("two", Fraction(17, 16)))
+
+    with plugin_registered(Plugin, "clash"), pytest.raises(PluginError, match="'q8' is declared twice.*'one'.*'two'"):
+        cache_bytes_per_element("q8")
+
+
+def test_the_twins_declare_their_engines_own_tables():
+    """One table per engine: each twin declares what the real backend of its engine declares."""
+    from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
+    from autotune_plugins.llama_server.backend import LlamaServerBackend
+    from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp
+
+    assert TwinLlamaCpp.kv_cache_types is LlamaServerBackend.kv_cache_types
+    assert TwinLlamaCpp.weight_formats == LlamaServerBackend.weight_formats
+    assert TwinExllamaV2.kv_cache_types is ExLlamaV2Backend.kv_cache_types
+    assert TwinExllamaV2.weight_formats == ExLlamaV2Backend.weight_formats
+    # The twins search a subset of what their engines store.
+    for twin in (TwinLlamaCpp, TwinExllamaV2):
+        assert set(twin.cache_types) <= {ct.name for ct in twin.kv_cache_types}
+
+
+def test_another_engine_may_spell_a_cache_type_alike_with_the_same_figures(engine_plugins):
+    """A third engine's ``f16`` of 2 bytes and 16 bits is llama.cpp's ``f16`` for sizing: no clash."""
+    from autotune.backend import BaseBackend
+    from autotune.declarations import CacheType
+    from tests.conftest import plugin_registered
+
+    class Other(BaseBackend):
+        name = "other"
+        kv_cache_types = (CacheType("f16", "other-engine", Fraction(2), "other/cache.h: half", 16),)
+        parameters = estimate_memory = run = deploy_command = lambda self, *a: None
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(Other())
+
+    with plugin_registered(Plugin, "other"):
+        assert cache_bytes_per_element("f16") == 2 and catalog()["f16"].bits == 16
+
+
+def test_a_shared_name_does_not_make_one_engines_k_and_v_foreign(article, engine_plugins):
+    """With another engine's f16 found first, llama.cpp's q8_0 K and f16 V still go together."""
+    from autotune.backend import BaseBackend
+    from autotune.declarations import CacheType
+    from tests.conftest import plugin_registered
+
+    class Early(BaseBackend):
+        name = "aaa-early"  # sorted before llama-server: its f16 is the catalog's
+        kv_cache_types = (CacheType("f16", "early-engine", Fraction(2), "early/cache.h: half", 16),)
+        parameters = estimate_memory = run = deploy_command = lambda self, *a: None
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(Early())
+
+    with plugin_registered(Plugin, "early"):
+        assert catalog()["f16"].family == "early-engine"
+        f16 = kv_bytes_per_token(article, "f16")
+        assert kv_bytes_per_token(article, "q8_0", "f16") == f16 / 2 * 34 / 32 / 2 + f16 / 2
+        with pytest.raises(ConfigError, match="different engines"):
+            kv_bytes_per_token(article, "q8_0", "q8")

@@ -21,6 +21,7 @@ from autotune.formats import weights_for
 from autotune.study.explain import explain_best
 from autotune.study import StudyRunner, judge_for, prepare_study, run_study
 from autotune.study_writer import draft_study, render
+from autotune_plugins.llama_server.declarations import GGUF
 from tests.conftest import plugin_registered
 from tests.fake_backends import GIB, stats_for
 
@@ -34,6 +35,7 @@ class Judged(BaseBackend):
 
     name = "fake-judged"
     engine = "judged-engine"
+    weight_formats = (GGUF,)
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext) -> Recipe | None:
         if not fmt.startswith("gguf:"):

@@ -144,6 +144,8 @@ def test_hook_register_backends():
             "plugin": "throwaway-plugin",
             "distribution": "throwaway-dist",
             "description": "a backend that only exists in tests",
+            "formats": [],
+            "cache_types": [],
         } in plugins.describe()["backends"]
     assert "throwaway" not in plugins.get_backends()
 

@@ -70,7 +70,8 @@ def _v1_storage(path) -> str:
     return url
 
 
-def test_a_version_1_study_is_refused_then_upgraded_in_place(tmp_path):
+def test_a_version_1_study_is_refused_then_upgraded_in_place(tmp_path, engine_plugins):
+    # The upgrade names a cache by its bits as the installed backends declare them (llama-server here).
     url = _v1_storage(tmp_path / "old.db")
     with pytest.raises(StorageError, match="schema version 1.*autotune storage upgrade"):
         load_study(url)

@@ -18,6 +18,7 @@ from autotune.errors import ConfigError
 from autotune.formats import weights_for
 from autotune.study.prepare import prepare_study
 from autotune.study_writer import draft_study, render
+from autotune_plugins.llama_server.declarations import GGUF
 from tests.conftest import plugin_registered
 
 
@@ -26,6 +27,7 @@ class GgufMaker(BaseBackend):
 
     name = "gguf-maker"
     engine = "gguf-engine"
+    weight_formats = (GGUF,)  # what init offers it: llama.cpp's GGUF formats
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext) -> Recipe | None:
         if not fmt.startswith("gguf:"):

@@ -58,7 +58,7 @@ def test_slot_layouts():
     assert SlotLayout().cells(600, 2) == 1200  # ExLlamaV2-like: max_seq_len x batch
 
 
-def test_kv_bytes_follow_the_cache_type_and_sliding_window():
+def test_kv_bytes_follow_the_cache_type_and_sliding_window(engine_plugins):
     model = get_model("qwen2.5-7b")
     f16, cells, _ = kv_cache_bytes(model, "f16", 4096, 4, SlotLayout(pad=256))
     q8, _, _ = kv_cache_bytes(model, "q8_0", 4096, 4, SlotLayout(pad=256))

@@ -20,11 +20,13 @@ import platform
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 
 import click
 
 from autotune import hookimpl
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext
+from autotune.declarations import CacheType
 from autotune.errors import AutotuneError, BackendError, MeasurementError
 from autotune.formats import bits_per_weight, parse_format
 from autotune.measure import StreamResult, measure_engine, serving_run
@@ -32,7 +34,13 @@ from autotune.models import ModelSpec, resolve_model
 
 __version__ = "0.1.0"
 
-CACHE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}  # bytes per element; q8_0: 32 int8 + one f16 scale
+# The engine's KV-cache types, declared as data: the core sizes caches and compares engines'
+# caches (by bits) with these; q8_0 is 32 int8 + one f16 scale per block.
+CACHE_TYPES = (
+    CacheType("f16", "example-echo", Fraction(2), "ToyEngine: a half per element", 16),
+    CacheType("q8_0", "example-echo", Fraction(34, 32), "ToyEngine: 32 int8 + one f16 scale per 32", 8),
+)
+CACHE_BYTES = {ct.name: float(ct.bytes_per_element) for ct in CACHE_TYPES}  # bytes per element
 PREFILL_BATCH = 64  # prompt tokens per pass over the weights: prefill is batched, decode is not
 OVERHEAD_BYTES = 300 * 2**20  # what a CUDA context costs an engine; a guess, fit yours to measurements
 
@@ -66,6 +74,7 @@ class EchoBackend(BaseBackend):
     name = "example-echo"
     engine = "example-echo"
     description = "toy CPU engine from the example plugin: echoes prompts, speed measured for real"
+    kv_cache_types = CACHE_TYPES
     # Declared settings are checked before a study runs: a typo or a bad value is exit 2.
     settings = (
         Setting("timeout_s", float, 60.0, "seconds one measurement may take", check=lambda v: None if v > 0 else "must be > 0"),

@@ -46,7 +46,8 @@ from autotune.measure import SERVING_UNITS, measure_engine
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.safetensors_dir import exl2_quantization, read_config_json
 
-from autotune_plugins.exllamav2 import memory
+from autotune.declarations import CacheType, WeightFormats
+from autotune_plugins.exllamav2 import declarations, memory
 from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
@@ -171,6 +172,8 @@ class ExLlamaV2Backend(BaseBackend):
     engine: ClassVar[str] = "exllamav2"
     description: ClassVar[str] = "ExLlamaV2's dynamic generator on an EXL2 directory, one worker process per trial"
     settings: ClassVar[tuple[Setting, ...]] = SETTINGS
+    kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
+    weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL2,)
 
     # -------------------------------------------------------------- space and rules
 

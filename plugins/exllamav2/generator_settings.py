@@ -40,7 +40,7 @@ __all__ = ["CACHE_CHOICES", "PAGE_SIZE", "UNPAGED_CHOICES", "GeneratorSettings",
 PAGE_SIZE = 256  # exllamav2/generator/dynamic.py PAGED_PAGE_SIZE
 MAX_Q_SIZE = 8  # the dynamic generator's default max_q_size (tokens per sequence per step)
 #: ExLlamaV2 cache modes as TabbyAPI and the examples name them (lower case in autotune, like
-#: the twin's and autotune.cache_types.CACHE_TYPES' keys).
+#: the names plugins/exllamav2/declarations.py declares).
 CACHE_CHOICES = ("fp16", "q8", "q6", "q4")
 #: How ``parallel > 1`` runs without paged attention (see the module's docstring).
 UNPAGED_CHOICES = ("queue", "batched")

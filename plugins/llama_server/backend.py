@@ -50,7 +50,8 @@ from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.artifacts import artifact_path, is_format
 from autotune.formats import gguf_file_weights, normalize_format, weights_for
-from autotune_plugins.llama_server import engine, memory
+from autotune.declarations import CacheType, WeightFormats
+from autotune_plugins.llama_server import declarations, engine, memory
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
 from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, median, parse_log, \
@@ -119,6 +120,8 @@ class LlamaServerBackend(BaseBackend):
     name: ClassVar[str] = "llama-server"
     engine: ClassVar[str] = "llama.cpp"
     description: ClassVar[str] = "llama.cpp's llama-server on a GGUF file, launched and measured"
+    kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
+    weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.GGUF,)
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
                                      "else the newest `autotune engine build llama.cpp`, else PATH)"),

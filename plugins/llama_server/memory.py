@@ -27,7 +27,9 @@ from __future__ import annotations
 from autotune.backend import MemoryEstimate
 from autotune.formats import WeightsBreakdown
 from autotune.models import ModelSpec
+from autotune.cache_types import resolve
 from autotune.vram import GraphBuffers, SlotLayout, kv_cache_bytes
+from autotune_plugins.llama_server.declarations import CACHE_TYPES
 
 __all__ = ["CPU_BUFFERS", "CUDA_BUFFERS", "CUDA_CONTEXT_BYTES", "LAYOUT", "DEFAULT_UBATCH", "estimate"]
 
@@ -59,7 +61,8 @@ def estimate(model: ModelSpec, weights: WeightsBreakdown, ctx: int, parallel: in
         gpu: Whether the server runs on a GPU (a CUDA context, CUDA's buffers) or the CPU.
     """
     ub = min(ubatch or DEFAULT_UBATCH, ctx * parallel)
-    kv, cells, how = kv_cache_bytes(model, cache_type, ctx, parallel, LAYOUT)
+    # llama.cpp's own table: the memory model needs no registry (the twin uses it too).
+    kv, cells, how = kv_cache_bytes(model, resolve(cache_type, CACHE_TYPES) or cache_type, ctx, parallel, LAYOUT)
     buffers = (CUDA_BUFFERS if gpu else CPU_BUFFERS).bytes(model, LAYOUT.cells_per_sequence(ctx), ub, flash_attn)
     notes = [f"KV: {how} x {model.n_layers} layers x {model.kv_dim} x (K+V {cache_type})",
              f"compute buffer: ubatch {ub}, {'fused' if flash_attn else 'unfused'} attention over "

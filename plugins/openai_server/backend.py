@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
-from autotune.cache_types import CACHE_TYPES
+from autotune.declarations import CacheType
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
@@ -41,6 +41,9 @@ from autotune.measure.openai_api import disagreements, parse_prometheus, stream_
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.rules import violations
 from autotune.vram import SlotLayout, kv_cache_bytes
+from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.llama_server import declarations as llama_declared
+from autotune_plugins.openai_server import declarations
 from autotune_plugins.openai_server.server import OpenAIServer
 from autotune_plugins.openai_server.templates import Template, load_template, render, shipped, template_path, \
     with_overrides
@@ -90,6 +93,10 @@ class OpenAIServerBackend(BaseBackend):
     engine: ClassVar[str] = "openai-api"
     description: ClassVar[str] = ("any OpenAI-compatible server started from a command template (shipped: "
                                   + ", ".join(shipped()) + ")")
+    # The cache types of the engines its shipped templates serve: vLLM's and SGLang's
+    # --kv-cache-dtype, llama-server's -ctk, TabbyAPI's (ExLlamaV2's) cache_mode.
+    kv_cache_types: ClassVar[tuple[CacheType, ...]] = (declarations.CACHE_TYPES + llama_declared.CACHE_TYPES
+                                                       + exllamav2_declared.CACHE_TYPES)
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("template", str, "llama-server", "a shipped template (" + ", ".join(shipped()) + ") or a template "
                                                  "TOML file, relative to the study file"),
@@ -243,8 +250,9 @@ class OpenAIServerBackend(BaseBackend):
         path = self.weights_path(config.weights, ctx)
         weights = _bytes_on_disk(path)
         cache = config.option("cache_type")
-        kv_type = cache if cache in CACHE_TYPES else "f16"
-        kv, _, how = kv_cache_bytes(ctx.model, kv_type, config.ctx, config.parallel, SlotLayout())
+        known = {ct.name: ct for ct in self.kv_cache_types}
+        kv_type = cache if cache in known else "f16"
+        kv, _, how = kv_cache_bytes(ctx.model, known[kv_type], config.ctx, config.parallel, SlotLayout())
         notes = [f"weights: {weights} bytes on disk ({path.name})",
                  f"KV: {how} x {ctx.model.n_layers} layers x {ctx.model.kv_dim} x (K+V {kv_type})"
                  + ("" if cache == kv_type else f" (cache_type {cache!r} is not in autotune's catalog: sized as f16)")]

@@ -33,7 +33,10 @@ from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
 from autotune.safetensors_dir import read_safetensors_dir
 
+from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
+from autotune_plugins.openai_server import declarations as vllm_declared
 from autotune_plugins.twin import calibration, physics, quality
 from autotune_plugins.twin.strategy import TwinStrategy
 
@@ -104,9 +107,6 @@ ARTIFACT_WORDS: Mapping[str, tuple[str, str]] = {
     "hf": ("a Hugging Face directory", "Hugging Face directories (config.json and *.safetensors)"),
 }
 
-#: How a weights format of each family is written.
-FORMAT_WORDS: Mapping[str, str] = {"gguf": "gguf:<TYPE>", "exl2": "exl2:<bpw>"}
-
 
 def _artifact_kind(path: Path) -> str:
     """``gguf`` (a GGUF file), ``exl2`` (an EXL2 directory) or ``hf`` (any other model directory).
@@ -148,14 +148,17 @@ class TwinBackend(BaseBackend):
     settings: ClassVar[tuple[Setting, ...]] = TWIN_SETTINGS
     #: Launches of each configuration in this process (a key's n-th launch draws the n-th noise).
     _launches: ClassVar[dict[str, int]] = {}
-    #: The weight formats the engine loads (a twin detail: the real backends check files).
-    weight_families: ClassVar[tuple[str, ...]] = ()
     #: The artifacts on disk the engine loads (keys of ``ARTIFACT_WORDS``).
     artifacts: ClassVar[tuple[str, ...]] = ()
     cache_types: ClassVar[tuple[str, ...]] = ()
     default_cache: ClassVar[str] = ""
 
     # ------------------------------------------------------------------ space and rules
+
+    @property
+    def weight_families(self) -> tuple[str, ...]:
+        """The format families the engine loads: those its twin declares (``weight_formats``)."""
+        return tuple(f.name for f in self.weight_formats)
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         """``cache_type`` and ``flash_attn``: the study's values this engine has, as given; an
@@ -216,7 +219,7 @@ class TwinBackend(BaseBackend):
                 if kind not in self.artifacts:
                     return (f"{path}: {ARTIFACT_WORDS[kind][0]}, which {self.engine} does not load (it loads "
                             f"{' and '.join(ARTIFACT_WORDS[a][1] for a in self.artifacts)}, or a format "
-                            f"{' or '.join(FORMAT_WORDS[f] for f in self.weight_families)})")
+                            f"{' or '.join(f.syntax for f in self.weight_formats)})")
             family, _ = parse_format(self.as_format(weights, ctx))
         except AutotuneError as exc:
             return str(exc)
@@ -369,8 +372,11 @@ class _SimulatedClock:
 class TwinLlamaCpp(TwinBackend):
     name = "twin-llama.cpp"
     engine = "llama.cpp"
-    weight_families = ("gguf",)
     artifacts = ("gguf",)
+    # The engine's own tables (the real backends' declarations): its cache types and formats are
+    # known to the core with the twin alone installed.
+    kv_cache_types = llama_declared.CACHE_TYPES
+    weight_formats = (llama_declared.GGUF,)
     cache_types = ("f16", "q8_0", "q4_0")
     default_cache = "f16"
     description = "digital twin of llama.cpp's llama-server (physics, no GPU needed)"
@@ -433,8 +439,9 @@ FLASH_ATTN2_MIN_CC = (8, 0)
 class TwinExllamaV2(TwinBackend):
     name = "twin-exllamav2"
     engine = "exllamav2"
-    weight_families = ("exl2",)
     artifacts = ("exl2",)
+    kv_cache_types = exllamav2_declared.CACHE_TYPES
+    weight_formats = (exllamav2_declared.EXL2,)
     cache_types = ("fp16", "q8", "q6", "q4")
     default_cache = "fp16"
     description = "digital twin of ExLlamaV2's dynamic generator (physics, no GPU needed)"
@@ -480,8 +487,9 @@ class TwinExllamaV2(TwinBackend):
 class TwinVllm(TwinBackend):
     name = "twin-vllm"
     engine = "vllm"
-    weight_families = ("gguf",)
     artifacts = ("hf", "gguf")
+    kv_cache_types = vllm_declared.CACHE_TYPES
+    weight_formats = (llama_declared.GGUF,)
     cache_types = ("auto", "fp8")
     default_cache = "auto"
     description = "digital twin of vLLM (physics, no GPU needed); refuses Volta as recent vLLM does"

@@ -34,11 +34,15 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from autotune.backend import MemoryEstimate
-from autotune.cache_types import cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
+from autotune.cache_types import cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token, resolve
+from autotune.declarations import CacheType
 from autotune.formats import WeightsBreakdown
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
 from autotune.vram import SlotLayout
+from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.llama_server import declarations as llama_declared
+from autotune_plugins.openai_server import declarations as vllm_declared
 
 GiB = 2**30
 
@@ -49,6 +53,8 @@ ROOFLINE_SHARPNESS = 4.0
 
 # llama.cpp pads its KV cache to a multiple of 256 cells (llama_kv_cache: n_ctx_pad) and
 # reserves compute buffers for a ubatch of 512 tokens by default (-ub 512).
+# The cache types of the engines the twin models: their real backends' own tables.
+TWINNED_CACHE_TYPES = llama_declared.CACHE_TYPES + exllamav2_declared.CACHE_TYPES + vllm_declared.CACHE_TYPES
 LLAMA_KV_PAD = 256
 LLAMA_UBATCH = 512
 # ExLlamaV2 runs prompts in chunks of max_input_len tokens (config.max_input_len, 2048).
@@ -227,8 +233,8 @@ def memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
         host = w.total_bytes - w.gpu_bytes
         if host:
             notes.append(f"token embeddings ({host / GiB:.2f} GiB) stay in host memory")
-    kv = int(kv_cells(s) * kv_bytes_per_token(s.model, s.cache_type))
-    kv += cache_fixed_bytes(s.model, s.cache_type, s.ctx * s.parallel)
+    kv = int(kv_cells(s) * kv_bytes_per_token(s.model, _cache(s)))
+    kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * s.parallel)
     buffers = compute_buffer_bytes(s)
     return MemoryEstimate(
         weights_bytes=int(weights_gpu),
@@ -295,9 +301,15 @@ class Prediction:
         }
 
 
+def _cache(s: Scenario) -> CacheType | str:
+    """The scenario's cache type as the twinned engines declare it (the twin models them without
+    the registry); a name they lack goes on to the installed backends' catalog."""
+    return resolve(s.cache_type, TWINNED_CACHE_TYPES) or s.cache_type
+
+
 def kv_read_bytes_per_token(s: Scenario, k: EngineConstants) -> float:
     """Bytes of cache traffic per context token and decode step (all layers, K and V)."""
-    per_elem = cache_bytes_per_element(s.cache_type)
+    per_elem = cache_bytes_per_element(_cache(s))
     if per_elem < 2.0:  # quantized: some engines dequantize into an FP16 copy first
         per_elem += k.quant_cache_extra_bytes
     return s.model.n_layers * s.model.kv_dim * 2 * per_elem

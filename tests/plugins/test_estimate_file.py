@@ -9,7 +9,8 @@ from click.testing import CliRunner
 import autotune_plugins.llama_server as llama_plugin
 import autotune_plugins.twin as twin_plugin
 from autotune.cli import cli
-from autotune.cache_types import kv_bytes_per_token
+from autotune.cache_types import kv_bytes_per_token, resolve
+from autotune_plugins.llama_server.declarations import CACHE_TYPES
 from autotune.formats import gguf_file_weights
 from autotune.models import model_from_gguf
 from autotune_plugins.llama_server import memory
@@ -32,7 +33,8 @@ def test_a_gguf_file_is_its_own_weights():
     # For the named card, even on a machine without it: a CUDA context, the head on the GPU.
     assert r["vram"]["overhead_bytes"] == memory.CUDA_CONTEXT_BYTES
     assert r["vram"]["weights_bytes"] == w.gpu_bytes and r["vram"]["host_bytes"] == w.embedding_bytes
-    assert r["vram"]["kv_bytes"] == 2 * 1024 * kv_bytes_per_token(model, "f16")  # 2 slots x pad256(1000)
+    f16 = resolve("f16", CACHE_TYPES)  # llama.cpp's own declaration (the plugins are unregistered here)
+    assert r["vram"]["kv_bytes"] == 2 * 1024 * kv_bytes_per_token(model, f16)  # 2 slots x pad256(1000)
     assert r["config"]["weights"] == str(path)
     assert r["predictor"] == "twin-llama.cpp" and r["predicted"]["decode_tok_s"] > 0  # its F32 type, read from the file
     text = run("estimate", "--model", str(path), "--backend", "llama-server", "--ctx", "1000", "--gpu", "t4",

@@ -291,7 +291,7 @@ def test_check_rules(stories, tmp_path):
     assert b.check_weights(str(stories), c) is None  # absolute paths too
 
 
-def test_estimate_reads_the_file(stories, monkeypatch):
+def test_estimate_reads_the_file(stories, monkeypatch, engine_plugins):
     b = LlamaServerBackend()
     c = make_ctx(stories)
     on_cpu = b.estimate_memory(cfg("stories260K.gguf", ctx=600, parallel=2), c) if not lsb._has_gpu() else None
@@ -311,7 +311,7 @@ def test_estimate_reads_the_file(stories, monkeypatch):
 # ------------------------------------------------------------------------------ real engine
 
 
-def test_run_measures_and_matches_the_logged_buffers(server_binary, stories):
+def test_run_measures_and_matches_the_logged_buffers(server_binary, stories, engine_plugins):
     lsb._STARTUP_FACTS.clear()  # this test's first configuration is the one launched for the facts
     b = LlamaServerBackend()
     c = make_ctx(stories)
