@@ -187,34 +187,25 @@ def get_strategies() -> dict[str, "BaseStrategy"]:
     return {name: obj for name, (obj, _) in sorted(_collect("register_strategies", "strategy").items())}
 
 
+def _one(kind: str, name: str, found: dict[str, Any]) -> Any:
+    if name not in found:
+        raise UnknownNameError(f"{kind} '{name}' is not installed (installed: {', '.join(found) or 'none'})")
+    return found[name]
+
+
 def get_strategy(name: str) -> "BaseStrategy":
     """One search strategy by name, or an error listing the installed ones."""
-    strategies = get_strategies()
-    if name not in strategies:
-        raise UnknownNameError(
-            f"strategy '{name}' is not installed (installed: {', '.join(strategies) or 'none'})"
-        )
-    return strategies[name]
+    return _one("strategy", name, get_strategies())
 
 
 def get_backend(name: str) -> "BaseBackend":
     """One backend by name, or an error listing the installed ones."""
-    backends = get_backends()
-    if name not in backends:
-        raise UnknownNameError(
-            f"backend '{name}' is not installed (installed: {', '.join(backends) or 'none'})"
-        )
-    return backends[name]
+    return _one("backend", name, get_backends())
 
 
 def get_metric(name: str) -> "BaseMetric":
     """One metric by name, or an error listing the installed ones."""
-    metrics = get_metrics()
-    if name not in metrics:
-        raise UnknownNameError(
-            f"metric '{name}' is not installed (installed: {', '.join(metrics) or 'none'})"
-        )
-    return metrics[name]
+    return _one("metric", name, get_metrics())
 
 
 def describe() -> dict[str, list[dict[str, Any]]]:
