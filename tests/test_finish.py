@@ -19,7 +19,7 @@ from autotune.config import load_study_config
 from autotune.errors import BackendError, ConfigError
 from autotune.report import stored_summary, summary_json, summary_text
 from autotune.study import StudyRunner, open_storage, prepare_study, records, run_study
-from autotune.study.runner import _finish_token, _host_tag
+from autotune.study.finish import finish_token, host_tag
 
 if __package__:  # tests/ is a package
     from .fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
@@ -115,8 +115,8 @@ def test_workers_sharing_a_study_share_the_finish_out(tmp_path, storage):
     with registered(backend):
         runner = StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abc")), storage=storage))
         host = socket.gethostname()
-        elsewhere = next(h for h in (f"other-{i}" for i in range(999)) if _host_tag(h) != _host_tag(host))
-        other_worker = _finish_token(elsewhere, os.getpid())  # alive or not, not ours to judge
+        elsewhere = next(h for h in (f"other-{i}" for i in range(999)) if host_tag(h) != host_tag(host))
+        other_worker = finish_token(elsewhere, os.getpid())  # alive or not, not ours to judge
         for number in (0, 1):  # the grid's first two trials: both among the top three
             assert runner.claims.claim(f"finish:{number}:0", other_worker) is None
         runner.run(note=heard.append)
@@ -134,7 +134,7 @@ def test_rounds_claimed_by_a_worker_killed_on_this_machine_are_taken_over(tmp_pa
     backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81]})
     with registered(backend):
         runner = StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abc")), storage=storage))
-        assert runner.claims.claim("finish:0:0", _finish_token(socket.gethostname(), dead.pid)) is None
+        assert runner.claims.claim("finish:0:0", finish_token(socket.gethostname(), dead.pid)) is None
         runner.run()
     assert len(backend.calls) == 3 + 6
     assert len([r for rounds in records.remeasures(runner.study).values() for r in rounds]) == 6

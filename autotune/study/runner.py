@@ -11,9 +11,7 @@ configuration twice, and a heartbeat lets a survivor fail a dead worker's trial.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 import os
 import statistics
 import socket
@@ -22,32 +20,27 @@ import traceback
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import optuna
 
 from autotune import artifacts, plugins
-from autotune import objective as objective_mod
-from autotune.artifacts import ArtifactError
-from autotune.backend import Measurement, TrialConfig
-from autotune.dashboard import annotate_trial
+from autotune.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
-from autotune.measure import PROBE_STOP
-from autotune.space import NotOffered
-from autotune.study import baseline, calibration, records, storage, trial_writes
-from autotune.study.admission import Verdict
+from autotune.study import baseline, calibration, records, storage
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
+from autotune.study.finish import FinishPhase, process_alive, finish_token
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.judge import judge_for
-from autotune.study.probe import LeaderGapPruner, make_probe
+from autotune.study.probe import LeaderGapPruner
 from autotune.study.prepare import PreparedStudy, prepare_study
 from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
-from autotune.study.records import TrialRecord, TrialState, write
+from autotune.study.records import TrialState, write
 from autotune.study.sampling import ScreenedSampler
+from autotune.study.trial_phase import TrialPhase, Outcome
 from autotune.strategy import Search
-from autotune.study.summary import (StudySummary, best_trial, chosen_best, finish_candidates, finish_verdict,
-                                    summarize, trial_record, worth_another_round)
+from autotune.study.summary import StudySummary, best_trial, chosen_best, summarize, trial_record
 
 # Proposals in a row that launch nothing before the runner slips in an unexplored
 # configuration (samplers on small discrete spaces keep proposing what they know), and before
@@ -80,53 +73,13 @@ class TrialEvent:
     answered_from: int | None = None
 
 
-@dataclass
-class _Outcome:
-    state: str
-    config: dict[str, Any]
-    values: list[float] | None = None
-    reason: str | None = None
-    answered_from: int | None = None
-
-
-_PID_BITS = 22  # Linux's largest pid_max is 2**22
-
-
-def _host_tag(host: str) -> int:
-    return int.from_bytes(hashlib.sha1(host.encode()).digest()[:1], "big")
-
-
-def _finish_token(host: str, pid: int) -> int:
-    """What a worker's claims on rounds of the finish hold: negative, so never a trial's id, and
-    naming its host (8 bits of a hash) and pid, so that a worker killed mid-finish can be told
-    dead by the next run on its machine, which then takes its rounds over."""
-    return -((_host_tag(host) << _PID_BITS) | (pid % (1 << _PID_BITS)) or 1)
-
-
-def _dead_local_finisher(token: int) -> bool:
-    if token >= 0:
-        return False
-    value = -token
-    return value >> _PID_BITS == _host_tag(socket.gethostname()) and not _alive(value & ((1 << _PID_BITS) - 1))
-
-
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
     """The study's inner sampler, from its strategy (``[study] sampler``). Constraints reach it
     through ``Trial.set_constraint``."""
     return plugins.get_strategy(prepared.cfg.sampler).sampler(seed)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class StudyRunner:
+class StudyRunner(TrialPhase, FinishPhase):
     """Runs trials of a prepared study until its budget is spent."""
 
     def __init__(self, prepared: PreparedStudy, seed: int | None = None):
@@ -144,7 +97,7 @@ class StudyRunner:
         self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
         self._fail_dead_local_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        self._finish_token = _finish_token(socket.gethostname(), os.getpid())
+        self.finish_token = finish_token(socket.gethostname(), os.getpid())
         self.n_measured = 0
         self.n_new = 0
         self.converged = False
@@ -188,7 +141,7 @@ class StudyRunner:
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             worker = str(t.user_attrs.get("worker", ""))
             name, _, pid = worker.rpartition(":")
-            if name != host or not pid.isdigit() or _alive(int(pid)):
+            if name != host or not pid.isdigit() or process_alive(int(pid)):
                 continue
             storage.set_finished_attrs(self.study, t, {"fail_reason": f"worker {worker} died", "retry": True},
                                        TrialState.FAIL)
@@ -413,7 +366,7 @@ class StudyRunner:
             stored = records.baselines(self.study)
             for key in held:
                 if key.partition(":")[2] not in stored:
-                    self.claims.release(key, self._finish_token)
+                    self.claims.release(key, self.finish_token)
             raise
 
     def _announce_quality_power(self, note: Callable[[str], None] | None) -> None:
@@ -430,108 +383,6 @@ class StudyRunner:
         self.study.set_user_attr(records.QUALITY_POWER_ATTR, line)
         if note is not None:
             note(line)
-
-    def _score(self, m: Measurement, predicted_bytes: int, budget_bytes: int,
-               drop: float | None, quality: Mapping[str, Any] | None = None) -> objective_mod.Score:
-        """The objective of one measurement: against its measured peak memory where there is one,
-        else the predicted footprint."""
-        used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted_bytes
-        per_user = m.metrics.get("per_user_tok_s")
-        return objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
-                                   budget_bytes, drop, per_user.median if per_user is not None else None,
-                                   (quality or {}).get("admitted"))
-
-    def _claim_once(self, key: str) -> bool:
-        """Whether this worker holds ``key`` (work done once per study, not per worker): claimed
-        now, held already, or taken over from a worker killed on this machine."""
-        holder = self.claims.claim(key, self._finish_token)
-        return holder in (None, self._finish_token) or (
-            _dead_local_finisher(holder) and self.claims.take_over(key, holder, self._finish_token))
-
-    def finish(self, note: Callable[[str], None] | None = None) -> int:
-        """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
-        again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
-        neighbour's load then touches each alike), and store every round for the summary's
-        verdict (``summary.finish_verdict``). A tie that more runs could resolve
-        (``summary.worth_another_round``) gets one more round of all of them, up to
-        ``finish_max_rounds``. Rounds already stored (a finish cut short) count and are not
-        measured again; a launch that fails is stored as a failed round and the finish goes
-        on. ``note`` hears one line per launch (it runs after the budget: the user must see why
-        the study is still busy). Returns the number of launches.
-        """
-        top = finish_candidates(self.study, self.cfg.finish_top)
-        if len(top) < 2 or len(self.study.directions) > 1:
-            return 0  # nothing to compare; a Pareto front has no single winner to confirm
-        numbers = [r.number for r in top]
-        rounds = self.cfg.finish_rounds
-        plan = records.finish_plan(self.study)
-        if plan is not None and plan[0] == numbers:
-            rounds = min(max(rounds, plan[1]), self.cfg.finish_max_rounds)  # rounds a finish added stay
-        records.write_finish_plan(self.study, numbers, rounds)
-        launches = others = 0
-        while True:
-            done, skipped, go_on = self._finish_rounds(top, rounds, note, launches + others)
-            launches, others = launches + done, others + skipped
-            if not go_on:
-                return launches
-            verdict = finish_verdict(self.study)
-            if rounds >= self.cfg.finish_max_rounds or not worth_another_round(verdict):
-                break
-            rounds += 1
-            records.write_finish_plan(self.study, numbers, rounds)
-            if note is not None:
-                note(f"finish: trials {', '.join(map(str, verdict['tied']))} tie with a lead of "  # type: ignore[index]
-                     f"{verdict['lead'] * 100:.1f}% against the {verdict['needed'] * 100:.1f}% noise "  # type: ignore[index]
-                     f"explains: one more round ({rounds} of at most {self.cfg.finish_max_rounds})")
-        if others and note is not None:
-            note(f"finish: {others} round(s) measured by another worker of this study")
-        return launches
-
-    def _finish_rounds(self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None,
-                       said: int) -> tuple[int, int, bool]:
-        """The finish's rounds not stored yet: (launches, rounds left to another worker, whether
-        to go on: False when the engine is unavailable, and every launch would fail)."""
-        stored = records.remeasures(self.study)
-        todo = said + sum(round_ not in stored.get(r.number, {}) for round_ in range(rounds) for r in top)
-        launches = others = 0
-        for round_ in range(rounds):
-            for r in top:
-                if round_ in stored.get(r.number, {}):
-                    continue
-                # Workers sharing the study reach the finish together: each round is claimed, so
-                # they share the rounds out instead of each measuring all of them.
-                key = f"finish:{r.number}:{round_}"
-                if not self._claim_once(key):
-                    others += 1
-                    continue
-                config = r.trial_config
-                assert config is not None
-                self.interrupts.raise_if_interrupted()
-                ctx = self.prepared.contexts[config.backend]
-                launches += 1
-                if note is not None:
-                    note(f"finish {said + launches + others}/{todo}: trial {r.number} measured again (round "
-                         f"{round_ + 1} of {rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
-                try:
-                    m = self.prepared.backend(config.backend).run(config, ctx)
-                    s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
-                                    r.quality_drop_points, r.quality)
-                except EngineUnavailableError:
-                    self.claims.release(key, self._finish_token)
-                    return launches, others, False  # the missing rounds wait for a later run
-                except BaseException as exc:
-                    if not isinstance(exc, Exception):  # Ctrl-C: the round is measured when the study continues
-                        self.claims.release(key, self._finish_token)
-                        raise
-                    # The study's outcome stands; the verdict counts the failure.
-                    records.write_remeasure(self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}",
-                                            worker=self.worker)
-                    continue
-                per_user = m.metrics.get("per_user_tok_s")
-                records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
-                                        per_user_tok_s=per_user.median if per_user is not None else None,
-                                        peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
-        return launches, others, True
 
     def _one_trial(self, heartbeat: storage.Heartbeat, start: float) -> TrialEvent:
         now = time.monotonic()
@@ -560,7 +411,7 @@ class StudyRunner:
                 self.n_measured += 1  # it was launched: it counts like a BackendError
             write(trial, log_tail=traceback.format_exc()[-4000:])
             self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
-            outcome = _Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
+            outcome = Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
         heartbeat.beat(None)
         # First: it brings the finished trial into the storage's cache, where the note reads it
         # (else the note reads the whole trial back from the database).
@@ -574,212 +425,8 @@ class StudyRunner:
             n_done=self.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
         )
 
-    def _annotate(self, trial: optuna.Trial) -> None:
-        """The trial's note for optuna-dashboard (``autotune.dashboard``); a note that cannot be
-        written costs the study nothing."""
-        try:
-            annotate_trial(self.study, trial, self.prepared.storage_url)
-        except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"trial {trial.number}: no dashboard note ({type(exc).__name__}: {exc})")
-
-    def _fail_quietly(self, trial: optuna.Trial, reason: str, retry: bool = False) -> None:
-        """Record ``trial`` as failed unless it already finished (an interrupt after tell)."""
-        try:
-            write(trial, fail_reason=reason, **({"retry": True} if retry else {}))
-            self.study.tell(trial, state=TrialState.FAIL)
-        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
-            pass  # it is finished already: its outcome stands
 
     # ----------------------------------------------------------------------------- one trial
-
-    def _claim(self, trial: optuna.Trial, config: TrialConfig) -> TrialRecord | None:
-        """Claim ``config`` for ``trial``; returns the trial that answers for it instead, if any."""
-        if self.claims.engine is None:
-            earlier = records.standing_by_key(self.study).get(config.key)
-            return earlier if earlier is not None and earlier.number != trial.number else None
-        holder = None
-        for _ in range(3):
-            holder_id = self.claims.claim(config.key, storage.trial_id_of(trial))
-            if holder_id is None or holder_id == storage.trial_id_of(trial):
-                return None
-            frozen = storage.frozen(self.study, holder_id)
-            if frozen.state == TrialState.RUNNING:
-                self._cleanup_dead_workers()
-                frozen = storage.frozen(self.study, holder_id)
-            holder = TrialRecord.of(frozen)
-            abandoned = holder.state == TrialState.FAIL and (holder.retry or not holder.fail_reason)
-            if not abandoned:
-                return holder
-            if self.claims.take_over(config.key, holder_id, storage.trial_id_of(trial)):
-                return None
-        return holder
-
-    def _evaluate(self, trial: optuna.Trial) -> _Outcome:
-        """One trial through the flow."""
-        prepared = self.prepared
-        try:
-            config = prepared.space.suggest(trial)
-        except NotOffered as exc:  # a shared knob's value the drawn backend lacks: free, recorded
-            write(trial, prune_reason=str(exc))
-            self.study.tell(trial, state=TrialState.PRUNED)
-            return _Outcome("PRUNED", {}, reason=str(exc))
-        backend = prepared.backend(config.backend)
-        ctx = prepared.contexts[config.backend]
-        write(trial, config=config.as_dict(), config_key=config.key, worker=self.worker)
-
-        earlier = self._claim(trial, config)
-        if earlier is not None:
-            return self._answer_from(trial, earlier, config)
-
-        verdict = self.judge.judge(config)
-        if verdict.estimate is not None:
-            write(trial, predicted_vram=verdict.estimate.to_dict())
-        write(trial, deploy_command=backend.deploy_command(config, ctx))
-        if not verdict.admitted:
-            return self._prune(trial, config, verdict)
-        deferred = self._over_budget_to_make(config)
-        if deferred is not None:
-            # Not the configuration's fault, and nothing launched: a later run with the time
-            # for it tries it (retry), and this run proposes these weights no more.
-            self._deferred_artifacts.add((config.backend, config.weights))
-            write(trial, fail_reason=deferred, retry=True, deferred=True)
-            self.study.tell(trial, state=TrialState.FAIL)
-            self._say(f"trial {trial.number}: {deferred}")
-            return _Outcome("FAIL", config.as_dict(), reason=deferred)
-        try:
-            self._ensure_artifacts(trial, config)
-        except ArtifactError as exc:
-            # Only the trials needing this artifact fail; the sampler proposes it no more this run
-            # (a later run tries again: the user may have fixed what the tool said).
-            self._failed_artifacts.add((config.backend, config.weights))
-            self.n_measured += 1
-            write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
-            self.study.tell(trial, state=TrialState.FAIL)
-            return _Outcome("FAIL", config.as_dict(), reason=str(exc))
-        verdict = self.judge.judge(config)  # a made artifact: its own tensors, not the prediction
-        if verdict.estimate is not None:
-            write(trial, predicted_vram=verdict.estimate.to_dict())
-        if not verdict.admitted:
-            return self._prune(trial, config, verdict)
-        if self.quality is not None:
-            # Quality depends on the artifact, not on ctx or parallel, and is measured once per
-            # study; when it rules the configuration out, launching it would be waste.
-            described = self.quality.trial_quality(config)
-            write(trial, quality=described, **({"quality_drop_points": described["drop_points"]}
-                                               if "drop_points" in described else {}))
-            verdict = self.judge.judge(config)
-            if not verdict.admitted:
-                return self._prune(trial, config, verdict)
-
-        write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_version()},
-              gpu=records.gpu_attrs(prepared.gpu))
-        heard: dict[str, str] = {}
-        run_ctx = ctx
-        if isinstance(self.study.pruner, LeaderGapPruner):
-            run_ctx = dataclasses.replace(ctx, probe=make_probe(
-                trial, self.cfg.objective, verdict.estimate.total_bytes, ctx.vram_budget_bytes,  # type: ignore[union-attr]
-                trial.user_attrs.get("quality_drop_points"), self.study.pruner.margin, heard))
-        try:
-            measurement = backend.run(config, run_ctx)
-        except EngineUnavailableError:
-            raise
-        except BackendError as exc:
-            self.n_measured += 1
-            write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
-            self.study.tell(trial, state=TrialState.FAIL)
-            return _Outcome("FAIL", config.as_dict(), reason=str(exc))
-        self.n_measured += 1
-        assert verdict.estimate is not None and verdict.raw_total_bytes is not None
-        records.write_measurement(trial, measurement, verdict.estimate.total_bytes)
-        if measurement.peak_vram_bytes is not None:
-            residual = measurement.peak_vram_bytes - verdict.raw_total_bytes
-            write(trial, vram_residual_bytes=int(residual))
-            self.judge.learn(backend.name, residual)
-
-        metric = self.cfg.objective.metric
-        if metric not in measurement.metrics:
-            raise BackendError(f"backend '{backend.name}' did not measure {metric}")
-        if measurement.metrics[metric].stop_reason == PROBE_STOP:
-            # One run is not a measurement to crown: recorded, never launched again, never best.
-            write(trial, prune_reason=heard.get("reason", "probe: stopped after the first run"), probe=True)
-            self.study.tell(trial, state=TrialState.PRUNED)
-            return _Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"))
-        s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
-                        trial.user_attrs.get("quality_drop_points"), trial.user_attrs.get("quality"))
-        records.set_constraints(trial, s.constraints)
-        write(trial, score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
-                            "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
-        self.study.tell(trial, list(s.values))
-        calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
-        return _Outcome("COMPLETE", config.as_dict(), list(s.values))
-
-    def _affordable(self, config: TrialConfig) -> bool:
-        return (config.backend, config.weights) not in self._deferred_artifacts
-
-    def _over_budget_to_make(self, config: TrialConfig) -> str | None:
-        """Why ``config`` is not started, when making its weights (``artifacts.predict_making``)
-        and then one launch (the median so far) would end after the budget; None when it fits,
-        when there is nothing to make, or before anything was measured in this run (a study
-        must measure something, and the first making teaches the rate)."""
-        if self._deadline is None or not self._launch_seconds:
-            return None
-        backend = self.prepared.backend(config.backend)
-        ctx = self.prepared.contexts[config.backend]
-        need = artifacts.predict_making(backend, config.weights, ctx)
-        if need is None or need.seconds is None:
-            return None  # nothing to make, or no way to tell what it costs: it is tried
-        left = self._deadline - time.monotonic()
-        launch = statistics.median(self._launch_seconds)
-        if need.seconds + launch <= left:
-            return None
-        return (f"not started: making {' then '.join(need.formats)} would take about {need.seconds:.0f} s "
-                f"({need.basis}) and a launch {launch:.0f} s, with {max(left, 0):.0f} s of the budget left")
-
-    def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig) -> None:
-        """Make (or find in the cache) the weights this trial loads, and its quality reference's.
-
-        Inside the trial, so the making counts in the study's budget and in this trial's time;
-        each artifact is recorded in the trial (path, sha256, seconds to make).
-        """
-        backend = self.prepared.backend(config.backend)
-        ctx = self.prepared.contexts[config.backend]
-        wanted = [config.weights]
-        reference = self.prepared.reference.get(config.backend) if self.quality is not None else None
-        if reference is not None and reference.weights not in wanted:
-            wanted.append(reference.weights)
-        made = []
-        for weights in wanted:
-            artifact = artifacts.ensure(backend, weights, ctx, say=self._say)
-            if artifact is not None:
-                made.append({**artifact.to_dict(), "weights": weights})
-                write(trial, artifacts=made)
-
-    def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> _Outcome:
-        write(trial, prune_reason=verdict.reason)
-        records.set_constraints(trial, verdict.constraints)
-        self.study.tell(trial, state=TrialState.PRUNED)
-        return _Outcome("PRUNED", config.as_dict(), reason=verdict.reason)
-
-    def _answer_from(self, trial: optuna.Trial, earlier: TrialRecord, config: TrialConfig) -> _Outcome:
-        """Answer a configuration already in the storage without launching it again.
-
-        The answer is recorded as PRUNED with the earlier trial's outcome attached, not as a
-        second COMPLETE copy: copies would crowd the sampler's model of good regions (TPE
-        keeps its best 10%) with one point and stop it from exploring.
-        """
-        skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason",
-                "retry"}
-        # the earlier trial's record, flat columns included
-        trial_writes.set_user_attrs(trial, {key: value for key, value in earlier.raw.items() if key not in skip})
-        if earlier.state == TrialState.RUNNING:
-            reason = f"being measured by trial {earlier.number} (worker {earlier.worker})"
-        else:
-            outcome = earlier.values[0] if earlier.values else (earlier.prune_reason or earlier.fail_reason)
-            reason = f"already evaluated as trial {earlier.number} ({earlier.state.name}: {outcome})"
-        write(trial, answered_from=earlier.number, prune_reason=reason)
-        self.study.tell(trial, state=TrialState.PRUNED)
-        return _Outcome(earlier.state.name, config.as_dict(), list(earlier.values) if earlier.values else None,
-                        reason, earlier.number)
 
 
 def run_study(cfg: Any, budget_s: float | None = None, n_trials: int | None = None, storage: str | None = None,

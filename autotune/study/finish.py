@@ -1,0 +1,144 @@
+"""The finish of a study: its leaders measured again, interleaved, until a winner or a tie.
+
+The phase of ``StudyRunner`` after the search (``StudyRunner.finish``); workers sharing a study
+claim each round (``_claim_once``), and a claim names its host and pid so that the next run on
+that machine can take over the rounds of a worker killed mid-finish. The verdict itself (a
+two-sample t-test) is ``summary.finish_verdict``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from typing import Callable
+
+
+from autotune.errors import EngineUnavailableError
+from autotune.study import records
+from autotune.study.records import TrialRecord
+from autotune.study.summary import finish_candidates, finish_verdict, worth_another_round
+
+
+_PID_BITS = 22  # Linux's largest pid_max is 2**22
+
+def host_tag(host: str) -> int:
+    return int.from_bytes(hashlib.sha1(host.encode()).digest()[:1], "big")
+
+def finish_token(host: str, pid: int) -> int:
+    """What a worker's claims on rounds of the finish hold: negative, so never a trial's id, and
+    naming its host (8 bits of a hash) and pid, so that a worker killed mid-finish can be told
+    dead by the next run on its machine, which then takes its rounds over."""
+    return -((host_tag(host) << _PID_BITS) | (pid % (1 << _PID_BITS)) or 1)
+
+def dead_local_finisher(token: int) -> bool:
+    if token >= 0:
+        return False
+    value = -token
+    return value >> _PID_BITS == host_tag(socket.gethostname()) and not process_alive(value & ((1 << _PID_BITS) - 1))
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FinishPhase:
+    """The finish and the claims on work done once per study (a finish round, a baseline);
+    mixed into ``StudyRunner``, whose state it uses."""
+
+    def _claim_once(self, key: str) -> bool:
+        """Whether this worker holds ``key`` (work done once per study, not per worker): claimed
+        now, held already, or taken over from a worker killed on this machine."""
+        holder = self.claims.claim(key, self.finish_token)
+        return holder in (None, self.finish_token) or (
+            dead_local_finisher(holder) and self.claims.take_over(key, holder, self.finish_token))
+
+    def finish(self, note: Callable[[str], None] | None = None) -> int:
+        """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
+        again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
+        neighbour's load then touches each alike), and store every round for the summary's
+        verdict (``summary.finish_verdict``). A tie that more runs could resolve
+        (``summary.worth_another_round``) gets one more round of all of them, up to
+        ``finish_max_rounds``. Rounds already stored (a finish cut short) count and are not
+        measured again; a launch that fails is stored as a failed round and the finish goes
+        on. ``note`` hears one line per launch (it runs after the budget: the user must see why
+        the study is still busy). Returns the number of launches.
+        """
+        top = finish_candidates(self.study, self.cfg.finish_top)
+        if len(top) < 2 or len(self.study.directions) > 1:
+            return 0  # nothing to compare; a Pareto front has no single winner to confirm
+        numbers = [r.number for r in top]
+        rounds = self.cfg.finish_rounds
+        plan = records.finish_plan(self.study)
+        if plan is not None and plan[0] == numbers:
+            rounds = min(max(rounds, plan[1]), self.cfg.finish_max_rounds)  # rounds a finish added stay
+        records.write_finish_plan(self.study, numbers, rounds)
+        launches = others = 0
+        while True:
+            done, skipped, go_on = self._finish_rounds(top, rounds, note, launches + others)
+            launches, others = launches + done, others + skipped
+            if not go_on:
+                return launches
+            verdict = finish_verdict(self.study)
+            if rounds >= self.cfg.finish_max_rounds or not worth_another_round(verdict):
+                break
+            rounds += 1
+            records.write_finish_plan(self.study, numbers, rounds)
+            if note is not None:
+                note(f"finish: trials {', '.join(map(str, verdict['tied']))} tie with a lead of "  # type: ignore[index]
+                     f"{verdict['lead'] * 100:.1f}% against the {verdict['needed'] * 100:.1f}% noise "  # type: ignore[index]
+                     f"explains: one more round ({rounds} of at most {self.cfg.finish_max_rounds})")
+        if others and note is not None:
+            note(f"finish: {others} round(s) measured by another worker of this study")
+        return launches
+
+    def _finish_rounds(self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None,
+                       said: int) -> tuple[int, int, bool]:
+        """The finish's rounds not stored yet: (launches, rounds left to another worker, whether
+        to go on: False when the engine is unavailable, and every launch would fail)."""
+        stored = records.remeasures(self.study)
+        todo = said + sum(round_ not in stored.get(r.number, {}) for round_ in range(rounds) for r in top)
+        launches = others = 0
+        for round_ in range(rounds):
+            for r in top:
+                if round_ in stored.get(r.number, {}):
+                    continue
+                # Workers sharing the study reach the finish together: each round is claimed, so
+                # they share the rounds out instead of each measuring all of them.
+                key = f"finish:{r.number}:{round_}"
+                if not self._claim_once(key):
+                    others += 1
+                    continue
+                config = r.trial_config
+                assert config is not None
+                self.interrupts.raise_if_interrupted()
+                ctx = self.prepared.contexts[config.backend]
+                launches += 1
+                if note is not None:
+                    note(f"finish {said + launches + others}/{todo}: trial {r.number} measured again (round "
+                         f"{round_ + 1} of {rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
+                try:
+                    m = self.prepared.backend(config.backend).run(config, ctx)
+                    s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
+                                    r.quality_drop_points, r.quality)
+                except EngineUnavailableError:
+                    self.claims.release(key, self.finish_token)
+                    return launches, others, False  # the missing rounds wait for a later run
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):  # Ctrl-C: the round is measured when the study continues
+                        self.claims.release(key, self.finish_token)
+                        raise
+                    # The study's outcome stands; the verdict counts the failure.
+                    records.write_remeasure(self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}",
+                                            worker=self.worker)
+                    continue
+                per_user = m.metrics.get("per_user_tok_s")
+                records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
+                                        per_user_tok_s=per_user.median if per_user is not None else None,
+                                        peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
+        return launches, others, True
