@@ -15,9 +15,9 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   streams (client timestamps) through the core's loop, :func:`autotune.measure.measure_engine`. The server
   is always stopped, also when autotune itself is interrupted (``atexit`` and ``SIGTERM``).
 
-What a trial keeps beside its metrics (``Measurement.attrs``): the command, the buffers the
-engine logged at start (from a launch of their own at ``-lv 4``, once per weights file: the
-measured launch runs at the default verbosity, as deployed; ``startup_facts``), the engine's own
+What a trial keeps beside its metrics (``Measurement.attrs``): the command, with the setting
+``startup_facts`` the buffers the engine logged at start (from a launch of their own at ``-lv 4``,
+once per weights file: the measured launch runs at the default verbosity, as deployed), the engine's own
 timings next to the client's (``engine_timings``, ``client_timings``), and what the load
 generator cost and where it ran (``load_generator``).
 
@@ -134,6 +134,9 @@ class LlamaServerBackend(BaseBackend):
         Setting("port", int, 8080, "port of the deploy command, --port (trials use a free port)", check=_port_problem),
         Setting("pin_cores", bool, True, "when the machine has more cores than threads, pin llama-server to "
                                          "threads cores and autotune's load generator to the others"),
+        Setting("startup_facts", bool, False, "record llama.cpp's start-up buffer sizes with each trial, from a short "
+                                              "launch of their own at -lv 4 per weights file, after the measured one "
+                                              "(the measured launch is at the default verbosity, as deployed)"),
         Setting("startup_timeout_s", float, 120.0, "bound on loading the model, seconds", check=_positive),
         Setting("request_timeout_s", float, 600.0, "bound on one measurement's requests, seconds", check=_positive),
         Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop "
@@ -435,11 +438,15 @@ class LlamaServerBackend(BaseBackend):
                 server.close()
                 processes.stop(server.proc)
             # After the measured server has stopped, so the two never share the card; and only
-            # for a configuration that ran, so a failing one costs one launch, as deployed.
-            try:
-                measured.attrs.update(self.startup_facts(config, ctx, has_gpu, Path(tmp), startup_s))
-            except BackendError as exc:  # the figures are the engine's notes, not the trial's result
-                measured.attrs["startup_facts_error"] = str(exc)[:500]
+            # for a configuration that ran, so a failing one costs one launch, as deployed. Off by
+            # default: a study uses none of these figures (the memory model is checked against
+            # them by tests and bench/, the learned correction uses the measured peak), and each
+            # costs a launch.
+            if self.value(ctx, "startup_facts"):
+                try:
+                    measured.attrs.update(self.startup_facts(config, ctx, has_gpu, Path(tmp), startup_s))
+                except BackendError as exc:  # the figures are the engine's notes, not the trial's result
+                    measured.attrs["startup_facts_error"] = str(exc)[:500]
             return measured
 
     def startup_facts(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path,

@@ -314,7 +314,7 @@ def test_estimate_reads_the_file(stories, monkeypatch, engine_plugins):
 def test_run_measures_and_matches_the_logged_buffers(server_binary, stories, engine_plugins):
     lsb._STARTUP_FACTS.clear()  # this test's first configuration is the one launched for the facts
     b = LlamaServerBackend()
-    c = make_ctx(stories)
+    c = make_ctx(stories, startup_facts=True)
     config = cfg("stories260K.gguf", ctx=600, parallel=2)
     m = b.run(config, c)
     assert m.metrics["decode_tok_s"].median > 0
@@ -349,6 +349,8 @@ def test_run_measures_and_matches_the_logged_buffers(server_binary, stories, eng
     o = b.run(other, c).attrs
     assert o["startup_facts_of"] == config.key and o["model_buffer_mib"] == a["model_buffer_mib"]
     assert "kv_buffer_mib" not in o and "compute_buffer_mib" not in o  # those were another config's
+    # Off (the default), a trial records none and launches once.
+    assert "model_buffer_mib" not in b.run(other, make_ctx(stories)).attrs
     assert servers_on(stories) == [] and not processes.live()
 
 
