@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -89,3 +90,16 @@ def default_study_path() -> Path:
 @pytest.fixture
 def tmp_storage(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'study.db'}"
+
+
+@pytest.fixture
+def seven_b(tmp_path) -> Path:
+    """A Hugging Face directory of the Qwen2.5-7B shape whose weights `init` never reads."""
+    d = tmp_path / "Qwen2.5-7B"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False}))
+    (d / "model.safetensors").write_bytes(b"not read by init")
+    return d

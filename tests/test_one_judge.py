@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import pytest
 from click.testing import CliRunner
 
 from autotune import hookimpl
@@ -74,18 +73,6 @@ class Plugin:
     @hookimpl
     def register_backends(register):
         register(Judged())
-
-
-@pytest.fixture
-def seven_b(tmp_path) -> Path:
-    d = tmp_path / "Qwen2.5-7B"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-        "max_position_embeddings": 32768, "tie_word_embeddings": False}))
-    (d / "model.safetensors").write_bytes(b"not read by init")
-    return d
 
 
 def _estimate(*args: str) -> dict[str, Any]:

@@ -4,7 +4,6 @@ validates. The engine-backed runs are in tests/plugins/test_made_artifacts_cpu.p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -68,18 +67,6 @@ class Plugin:
     def register_backends(register):
         register(GgufMaker())
         register(Unready())
-
-
-@pytest.fixture
-def seven_b(tmp_path) -> Path:
-    d = tmp_path / "Qwen2.5-7B"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-        "max_position_embeddings": 32768, "tie_word_embeddings": False}))
-    (d / "model.safetensors").write_bytes(b"not read by init")
-    return d
 
 
 def test_formats_that_never_fit_are_left_out_with_the_figures(seven_b, tmp_path):
