@@ -194,6 +194,15 @@ def run_synth(work, studied):
     assert out.is_file() and (work / "q-Q8_0.gguf").is_file() and (work / "q-Q4_0.gguf").is_file()
 
 
+def run_synth_moe(work, studied):
+    llama_server_binary()  # the vocab file comes from the engine build's sources
+    out = work / "moe.gguf"
+    ok(autotune("synth", "--arch", "qwen3moe", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                "--head-dim", "32", "--ffn", "96", "--experts", "4", "--experts-used", "2", "--expert-ffn", "32",
+                "--out", str(out), cwd=work))
+    assert out.is_file()
+
+
 def run_init(work, studied):
     llama_server_binary()  # the study it writes must validate: the engine must be there
     out = ok(autotune("init", str(STORIES), "--gpu", "cpu", "--out", "mine.toml", "--name", "mine", cwd=work))
@@ -227,6 +236,8 @@ RUNS = {
     "autotune engine list": run_engine_list,
     "autotune synth --arch qwen2 --layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --out q7b.gguf "
     "--quantize Q8_0,Q4_K_M,Q4_0": run_synth,
+    "autotune synth --arch qwen3moe --layers 48 --hidden 2048 --heads 32 --kv-heads 4 --head-dim 128 --ffn 6144 "
+    "--experts 128 --experts-used 8 --expert-ffn 768 --out q30b-a3b.gguf": run_synth_moe,
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from autotune.errors import AutotuneError, ConfigError, handle_errors
+from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS
 
 __all__ = ["add_engine_commands", "add_synth_command"]
 
@@ -190,12 +191,21 @@ def add_synth_command(cli: click.Group) -> None:
     """Add ``synth`` to ``cli``."""
 
     @cli.command("synth")
-    @click.option("--arch", type=click.Choice(["llama", "qwen2"]), required=True, help="GGUF architecture.")
+    @click.option("--arch", type=click.Choice(sorted(ARCH_DEFAULTS)), required=True, help="GGUF architecture.")
     @click.option("--layers", type=click.IntRange(min=1), required=True, help="Transformer blocks.")
     @click.option("--hidden", type=click.IntRange(min=1), required=True, help="Embedding width.")
     @click.option("--heads", type=click.IntRange(min=1), required=True, help="Attention (query) heads.")
     @click.option("--kv-heads", type=click.IntRange(min=1), required=True, help="Key/value heads (GQA).")
-    @click.option("--ffn", type=click.IntRange(min=1), required=True, help="Feed-forward width.")
+    @click.option("--ffn", type=click.IntRange(min=1), required=True,
+                  help="Feed-forward width (of a dense block; a MoE's config value is written as is).")
+    @click.option("--head-dim", type=click.IntRange(min=1), default=None,
+                  help="Width of one head when it is not hidden / heads (Qwen3: 128).")
+    @click.option("--experts", type=click.IntRange(min=0), default=0, show_default=True,
+                  help="Routed experts per block (a MoE architecture such as qwen3moe).")
+    @click.option("--experts-used", type=click.IntRange(min=0), default=0, show_default=True,
+                  help="Experts each token is routed to.")
+    @click.option("--expert-ffn", type=click.IntRange(min=0), default=0, show_default=True,
+                  help="Feed-forward width of one expert.")
     @click.option("--ctx", "context_length", type=click.IntRange(min=16), default=32768, show_default=True,
                   help="Trained context length written to the metadata.")
     @click.option("--vocab-from", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -209,9 +219,9 @@ def add_synth_command(cli: click.Group) -> None:
                   help="No output.weight: the head reuses the embeddings (small Qwen2.5 models).")
     @click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the weights.")
     @click.option("--force", is_flag=True, help="Overwrite existing output files.")
-    def synth(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, context_length: int,
-              vocab_from: Path | None, out: Path, quantize: tuple[str, ...], tie_embeddings: bool, seed: int,
-              force: bool) -> None:
+    def synth(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int | None,
+              experts: int, experts_used: int, expert_ffn: int, context_length: int, vocab_from: Path | None,
+              out: Path, quantize: tuple[str, ...], tie_embeddings: bool, seed: int, force: bool) -> None:
         """Write a random-weight GGUF model of a real architecture and size.
 
         The model has the real speed and memory behaviour of a model of that shape (same
@@ -224,7 +234,8 @@ def add_synth_command(cli: click.Group) -> None:
         with _errors():
             spec = synth_mod.SynthSpec(arch=arch, n_layers=layers, hidden=hidden, n_heads=heads,
                                        n_kv_heads=kv_heads, ffn=ffn, context_length=context_length,
-                                       tie_embeddings=tie_embeddings)
+                                       tie_embeddings=tie_embeddings, head_size=head_dim, experts=experts,
+                                       experts_used=experts_used, expert_ffn=expert_ffn)
             vocab = vocab_from or synth_mod.find_vocab(arch)
             written = synth_mod.write_model(spec, out, vocab_from=vocab, seed=seed, overwrite=force,
                                             progress=_echo_progress(), quantize=quantize, say=click.echo)

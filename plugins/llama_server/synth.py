@@ -29,6 +29,7 @@ import numpy as np
 
 from autotune.errors import AutotuneError, ConfigError
 from autotune_plugins.llama_server.gguf_tokenizer import read_tokenizer
+from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, SynthSpec, TensorPlan, tensor_plan
 
 __all__ = [
     "ARCH_DEFAULTS",
@@ -46,14 +47,6 @@ __all__ = [
     "write_model",
 ]
 
-# Per-architecture constants of the real families, from their Hugging Face configs: Llama 3
-# (rope_theta 500000, rms_norm_eps 1e-5) and Qwen2/2.5 (rope_theta 1e6, rms_norm_eps 1e-6).
-# They do not change speed or memory; they keep the file a plausible member of its family.
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rope_freq_base": 500000.0, "rms_eps": 1e-5, "vocab_file": "ggml-vocab-llama-bpe.gguf", "qkv_bias": False},
-    "qwen2": {"rope_freq_base": 1000000.0, "rms_eps": 1e-6, "vocab_file": "ggml-vocab-qwen2.gguf", "qkv_bias": True},
-}
-
 # Standard deviation of the weights: the usual initialiser scale (GPT-2, Llama's
 # initializer_range = 0.02). With unit norms it keeps activations and logits small, so
 # generation yields finite numbers at any depth instead of NaN.
@@ -63,80 +56,6 @@ WEIGHT_STD = 0.02
 CHUNK_ELEMENTS = 4 * 2**20
 
 _F16 = 1  # gguf.LlamaFileType.MOSTLY_F16: "all F16 except 1-d tensors"
-
-
-@dataclass(frozen=True)
-class SynthSpec:
-    """The shape of a synthetic model.
-
-    Attributes:
-        arch: GGUF architecture: "llama" or "qwen2" (Q/K/V biases).
-        n_layers: Transformer blocks.
-        hidden: Embedding width.
-        n_heads: Query heads; ``hidden`` must be a multiple of it.
-        n_kv_heads: Key/value heads; ``n_heads`` must be a multiple of it (GQA).
-        ffn: Feed-forward width.
-        context_length: Trained context written to ``{arch}.context_length``.
-        tie_embeddings: Leave out ``output.weight`` (the output head reuses the embeddings), as
-            small Qwen2.5 models do.
-    """
-
-    arch: str
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    ffn: int
-    context_length: int = 32768
-    tie_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.arch not in ARCH_DEFAULTS:
-            problems.append(f"arch {self.arch!r}: use one of {', '.join(sorted(ARCH_DEFAULTS))}")
-        for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "context_length"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                problems.append(f"{name} = {getattr(self, name)!r}: must be a positive integer")
-        if not problems:
-            if self.hidden % self.n_heads:
-                problems.append(f"hidden = {self.hidden}: must be a multiple of heads ({self.n_heads})")
-            if self.n_heads % self.n_kv_heads:
-                problems.append(f"kv_heads = {self.n_kv_heads}: must divide heads ({self.n_heads})")
-        if problems:
-            raise ConfigError("synthetic model: " + "; ".join(problems))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
-
-    @property
-    def name(self) -> str:
-        return f"synthetic-{self.arch}-{self.n_layers}L-{self.hidden}H"
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """One tensor to write.
-
-    Attributes:
-        name: llama.cpp's tensor name (``blk.0.attn_q.weight``).
-        shape: numpy (row-major) shape; GGUF stores it reversed (``ne[0]`` is the last axis).
-        dtype: np.float16 for matrices, np.float32 for norms and biases.
-        fill: "normal" (random, std :data:`WEIGHT_STD`) or "ones" (RMS-norm weights).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: Any
-    fill: str
-
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return self.n_elements * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -154,46 +73,6 @@ class SynthResult:
     size_bytes: int
     n_params: int
     n_vocab: int
-
-
-def tensor_plan(spec: SynthSpec, n_vocab: int) -> list[TensorPlan]:
-    """The tensors of a model, in llama.cpp's order and with its names (``llm_tensor`` names).
-
-    Args:
-        spec: The model's shape.
-        n_vocab: Vocabulary size (the tokenizer's token count).
-
-    Returns:
-        Every tensor: embeddings, each block's attention and MLP, final norm, output head.
-    """
-    h, q, kv, f = spec.hidden, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.ffn
-    f16, f32 = np.float16, np.float32
-    plan = [TensorPlan("token_embd.weight", (n_vocab, h), f16, "normal")]
-    for i in range(spec.n_layers):
-        b = f"blk.{i}."
-        plan += [
-            TensorPlan(b + "attn_norm.weight", (h,), f32, "ones"),
-            TensorPlan(b + "attn_q.weight", (q, h), f16, "normal"),
-            TensorPlan(b + "attn_k.weight", (kv, h), f16, "normal"),
-            TensorPlan(b + "attn_v.weight", (kv, h), f16, "normal"),
-        ]
-        if ARCH_DEFAULTS[spec.arch]["qkv_bias"]:
-            plan += [
-                TensorPlan(b + "attn_q.bias", (q,), f32, "normal"),
-                TensorPlan(b + "attn_k.bias", (kv,), f32, "normal"),
-                TensorPlan(b + "attn_v.bias", (kv,), f32, "normal"),
-            ]
-        plan += [
-            TensorPlan(b + "attn_output.weight", (h, q), f16, "normal"),
-            TensorPlan(b + "ffn_norm.weight", (h,), f32, "ones"),
-            TensorPlan(b + "ffn_gate.weight", (f, h), f16, "normal"),
-            TensorPlan(b + "ffn_up.weight", (f, h), f16, "normal"),
-            TensorPlan(b + "ffn_down.weight", (h, f), f16, "normal"),
-        ]
-    plan.append(TensorPlan("output_norm.weight", (h,), f32, "ones"))
-    if not spec.tie_embeddings:
-        plan.append(TensorPlan("output.weight", (n_vocab, h), f16, "normal"))
-    return plan
 
 
 # --------------------------------------------------------------------------------------
@@ -362,9 +241,13 @@ def disk_plan(spec: SynthSpec, out: str | os.PathLike[str], *, tokenizer: list[t
     f16 = header + sum(-(-t.nbytes // _ALIGN) * _ALIGN for t in plan)
     files = [(out_path, f16, "F16 matrices, F32 norms")]
     if quantize:
-        model = _as_model(spec, n_vocab)
+        model = None if spec.is_moe else _as_model(spec, n_vocab)
         for qtype in quantize:
-            size, how = _quantized_bytes(model, qtype, f16 - header)
+            if model is None:
+                # The size tables know dense blocks only: a copy is no larger than its source.
+                size, how = f16 - header, "MoE: counted at the unquantized size, an upper bound"
+            else:
+                size, how = _quantized_bytes(model, qtype, f16 - header)
             files.append((quantized_path(out_path, qtype), header + size, how))
     directory, free = _free_bytes(out_path.parent)
     return DiskPlan(directory, tuple(files), free)
@@ -457,6 +340,13 @@ def write_model(
     w.add_layer_norm_rms_eps(defaults["rms_eps"])
     w.add_rope_freq_base(defaults["rope_freq_base"])
     w.add_rope_dimension_count(spec.head_dim)
+    if spec.head_size is not None:
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+    if spec.is_moe:
+        w.add_expert_count(spec.experts)
+        w.add_expert_used_count(spec.experts_used)
+        w.add_expert_feed_forward_length(spec.expert_ffn)
     w.add_vocab_size(n_vocab)
     w.add_file_type(_F16)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -565,10 +455,16 @@ def _check_quantized_space(src: Path, qtype: str, dst: Path) -> None:
     """Refuse a copy that would not fit, before llama-quantize fills the disk."""
     from autotune.models import model_from_gguf
 
+    from autotune.gguf_file import read_gguf
+
     try:
         model = model_from_gguf(src)
+        experts = read_gguf(src).get(f"{model.architecture}.expert_count")
     except AutotuneError:
         return  # not a model autotune reads: llama-quantize reports what is wrong with it
-    size, how = _quantized_bytes(model, qtype, src.stat().st_size)
+    if experts:
+        size, how = src.stat().st_size, "MoE: counted at the source's size, an upper bound"
+    else:
+        size, how = _quantized_bytes(model, qtype, src.stat().st_size)
     directory, free = _free_bytes(dst.parent)
     DiskPlan(directory, ((dst, size, how),), free).check()

@@ -163,6 +163,55 @@ def test_qwen2_has_qkv_biases_and_tied_embeddings(stories, tmp_path):
     assert model_from_gguf(out).tie_embeddings
 
 
+# A Qwen3-30B-A3B-like block in miniature: heads wider than hidden / heads, QK norms, a router
+# and three expert tensors of 8 experts, 2 used per token.
+TINY_MOE = SynthSpec(arch="qwen3moe", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=192, head_size=32,
+                     experts=8, experts_used=2, expert_ffn=48, context_length=2048)
+
+
+def test_qwen3moe_tensors_and_metadata(stories, tmp_path):
+    import gguf
+
+    out = write_model(TINY_MOE, tmp_path / "moe.gguf", vocab_from=stories).path
+    kv, tensors = fields(out)
+    for key, value in {"general.architecture": "qwen3moe", "qwen3moe.expert_count": 8,
+                       "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 48,
+                       "qwen3moe.attention.key_length": 32, "qwen3moe.attention.value_length": 32,
+                       "qwen3moe.rope.dimension_count": 32, "qwen3moe.feed_forward_length": 192}.items():
+        assert kv[key].contents() == value, key
+    # ne[0] first: llama.cpp's create_tensor shapes in src/models/qwen3moe.cpp.
+    expect = {
+        "blk.0.attn_q.weight": ((64, 128), "F16"),  # 4 heads x 32 = 128 wide, from hidden 64
+        "blk.0.attn_k.weight": ((64, 64), "F16"),
+        "blk.0.attn_output.weight": ((128, 64), "F16"),
+        "blk.0.attn_q_norm.weight": ((32,), "F32"),
+        "blk.0.attn_k_norm.weight": ((32,), "F32"),
+        "blk.1.ffn_gate_inp.weight": ((64, 8), "F32"),
+        "blk.1.ffn_gate_exps.weight": ((64, 48, 8), "F16"),
+        "blk.1.ffn_up_exps.weight": ((64, 48, 8), "F16"),
+        "blk.1.ffn_down_exps.weight": ((48, 64, 8), "F16"),
+    }
+    for name, (shape, kind) in expect.items():
+        assert tuple(int(d) for d in tensors[name].shape) == shape, name
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType[kind], name
+    assert not any(n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", ".bias")) for n in tensors)
+    m = model_from_gguf(out)
+    assert (m.architecture, m.head_dim, m.q_dim) == ("qwen3moe", 32, 128)
+    assert m.n_params == sum(t.n_elements for t in synth.tensor_plan(TINY_MOE, 512))
+
+
+def test_expert_fields_are_checked():
+    with pytest.raises(ConfigError, match=r"experts: llama is a dense architecture \(a MoE one: qwen3moe\)"):
+        SynthSpec(arch="llama", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, ffn=8, experts=4)
+    with pytest.raises(ConfigError, match=r"experts_used: qwen3moe needs it.*expert_ffn: qwen3moe needs it"):
+        SynthSpec(arch="qwen3moe", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, ffn=8, experts=4)
+    with pytest.raises(ConfigError, match=r"experts_used = 5: at most experts \(4\)"):
+        SynthSpec(arch="qwen3moe", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, ffn=8, experts=4,
+                  experts_used=5, expert_ffn=8)
+    # An explicit head size frees hidden from being a multiple of the heads, as in Qwen3.
+    assert SynthSpec(arch="qwen3", n_layers=1, hidden=72, n_heads=4, n_kv_heads=2, ffn=8, head_size=32).head_dim == 32
+
+
 def test_streaming_in_chunks_matches_one_shot(stories, tmp_path, monkeypatch):
     whole = write_model(TINY, tmp_path / "a.gguf", vocab_from=stories, seed=7).path
     # Chunks far smaller than a tensor, and not a divisor of its size: the layout must not change.
@@ -331,6 +380,17 @@ def test_llama_server_loads_the_synthetic_model(tiny, built_engine, tmp_path, qt
                                                       binary=built_engine.quantize, timeout_s=120)
     text = _serve_until_healthy(built_engine.server, model)
     assert isinstance(text, str)  # gibberish, but generated: no NaN abort, no load failure
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_llama_server_loads_a_synthetic_moe(built_engine, tmp_path, qtype):
+    """llama.cpp's loader accepts every tensor of the qwen3moe plan (it names any it misses),
+    quantized copies too, and generates from them."""
+    model = write_model(TINY_MOE, tmp_path / "moe.gguf", vocab_from=synth.find_vocab("qwen3moe")).path
+    if qtype:
+        model = synth.quantize(model, qtype, out=tmp_path / f"moe-{qtype}.gguf", binary=built_engine.quantize,
+                               timeout_s=120)
+    assert isinstance(_serve_until_healthy(built_engine.server, model), str)
 
 
 def test_llama_cpp_vocab_files(built_engine, tmp_path):
