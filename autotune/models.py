@@ -77,6 +77,9 @@ class ModelSpec:
         sliding_window: Window of the sliding-window attention layers, in tokens, or None.
         n_swa_layers: How many layers use the sliding window (their KV cache stops growing
             at ``sliding_window`` tokens); 0 when none do.
+        n_experts: Routed experts per block of a mixture-of-experts model; 0 for a dense one.
+        n_experts_used: Experts each token is routed to.
+        expert_ffn_size: MLP width of one expert.
     """
 
     key: str
@@ -99,6 +102,9 @@ class ModelSpec:
     )
     sliding_window: int | None = None
     n_swa_layers: int = 0
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_size: int = 0
 
     def __post_init__(self) -> None:
         # Freeze the mapping so a spec shared through the cached catalog cannot be edited.
@@ -113,8 +119,25 @@ class ModelSpec:
         max_swa = self.n_layers if isinstance(self.n_layers, int) else 0
         if not isinstance(self.n_swa_layers, int) or not 0 <= self.n_swa_layers <= max_swa:
             bad.append(f"n_swa_layers = {self.n_swa_layers!r}: must be between 0 and n_layers")
+        experts = (self.n_experts, self.n_experts_used, self.expert_ffn_size)
+        if not all(isinstance(v, int) and v >= 0 for v in experts):
+            bad.append(f"experts {experts!r}: must be non-negative integers")
+        elif self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn_size > 0):
+            bad.append(f"n_experts = {self.n_experts}: needs 1 to {self.n_experts} experts used "
+                       f"(got {self.n_experts_used}) and an expert width (got {self.expert_ffn_size})")
         if bad:
             raise ConfigError(f"model '{self.key}': " + "; ".join(bad))
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts model."""
+        return self.n_experts > 0
+
+    @property
+    def mlp_width(self) -> int:
+        """Width of one token's MLP activations: a MoE token runs ``n_experts_used`` experts of
+        ``expert_ffn_size`` each, whatever the total number of experts."""
+        return self.n_experts_used * self.expert_ffn_size if self.is_moe else self.ffn_size
 
     @property
     def kv_dim(self) -> int:
@@ -286,7 +309,8 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     ``{arch}.attention.head_count``, ``{arch}.attention.head_count_kv`` (defaults to the head
     count), ``{arch}.feed_forward_length``, ``{arch}.context_length``,
     ``{arch}.attention.key_length`` (head_dim; defaults to embedding_length / head_count),
-    ``{arch}.attention.sliding_window``. The vocabulary size is the length of
+    ``{arch}.attention.sliding_window``, and for a mixture of experts ``{arch}.expert_count``,
+    ``{arch}.expert_used_count`` and ``{arch}.expert_feed_forward_length``. The vocabulary size is the length of
     ``tokenizer.ggml.tokens``, else the second dimension of ``token_embd.weight``. The parameter
     count is the sum of all tensors' element counts; embeddings are tied when the file has no
     ``output.weight``. When ``general.file_type`` names a known type, the file's size on disk is
@@ -354,6 +378,12 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         pattern = header.get(f"{arch}.attention.sliding_window_pattern")
         n_swa = n_layers - n_layers // int(pattern) if isinstance(pattern, int) and pattern > 0 else n_layers
 
+    n_experts = int(widest(header.get(f"{arch}.expert_count")) or 0)
+    n_used = int(widest(header.get(f"{arch}.expert_used_count")) or 0) if n_experts else 0
+    expert_ffn = int(widest(header.get(f"{arch}.expert_feed_forward_length")) or 0) if n_experts else 0
+    if n_experts and not expert_ffn and n_used:
+        expert_ffn = ffn // n_used  # llama.cpp's own fallback when the key is absent
+
     artifacts = {f"gguf:{header.file_type}": header.size} if header.file_type is not None else {}
     name = header.get("general.name")
     return ModelSpec(
@@ -374,6 +404,9 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         artifact_bytes=artifacts,
         sliding_window=sliding_window,
         n_swa_layers=n_swa,
+        n_experts=n_experts,
+        n_experts_used=n_used,
+        expert_ffn_size=expert_ffn,
     )
 
 

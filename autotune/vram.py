@@ -120,8 +120,9 @@ class GraphBuffers:
 
     Two phases compete for the peak, per micro-batch of ``ubatch`` tokens:
 
-    * the MLP: ``ubatch x (ffn_coef x ffn + hidden_coef x hidden)`` activations of
-      ``act_bytes`` each;
+    * the MLP: ``ubatch x (ffn_coef x mlp + hidden_coef x hidden)`` activations of
+      ``act_bytes`` each, ``mlp`` a token's MLP width (:attr:`ModelSpec.mlp_width`: the experts it
+      is routed to, for a mixture of experts);
     * attention without a fused kernel: the score matrix ``ubatch x cells x heads`` in F32,
       plus ``attn_hidden_coef x hidden`` activations per token.
 
@@ -157,7 +158,7 @@ class GraphBuffers:
             flash_attn: Fused attention (no score matrix, a half-size mask).
         """
         mask = cells_per_sequence * ubatch * (self.mask_bytes_fused if flash_attn else self.mask_bytes)
-        mlp = ubatch * (self.ffn_coef * model.ffn_size + self.hidden_coef * model.hidden_size) * self.act_bytes
+        mlp = ubatch * (self.ffn_coef * model.mlp_width + self.hidden_coef * model.hidden_size) * self.act_bytes
         peak = mlp
         if not flash_attn:
             scores = ubatch * cells_per_sequence * model.n_heads * 4

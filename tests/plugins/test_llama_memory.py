@@ -30,6 +30,10 @@ SHAPES = {
     # Qwen2 0.5B widths on 4 layers, the real 151,936-token vocabulary, tied head.
     "qwen": SynthSpec(arch="qwen2", n_layers=4, hidden=896, n_heads=14, n_kv_heads=2, ffn=4864,
                       context_length=32768, tie_embeddings=True),
+    # A mixture of experts (qwen3moe): 16 experts, 4 used, so a token's MLP is 4 x 256 wide, not
+    # the 512 its feed_forward_length says: the compute buffer must follow the experts.
+    "moe": SynthSpec(arch="qwen3moe", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, head_size=64,
+                     experts=16, experts_used=4, expert_ffn=256, context_length=8192),
 }
 
 # (model file, ctx per sequence, parallel, cache type, flash attention, ubatch)
@@ -48,6 +52,8 @@ CASES = [
     ("qwen-f16.gguf", 1024, 4, "f16", False, 512),
     ("qwen-f16-Q8_0.gguf", 4096, 2, "f16", True, 512),
     ("qwen-f16-Q5_K_M.gguf", 2048, 1, "q4_0", True, 512),
+    ("moe-f16.gguf", 2048, 1, "f16", True, 512),
+    ("moe-f16-Q8_0.gguf", 4096, 2, "f16", False, 256),
 ]
 
 
@@ -56,7 +62,8 @@ def models(tmp_path_factory):
     build = cpu_build()
     root = tmp_path_factory.mktemp("vram-models")
     shutil.copy(shared_file("models/stories260K.gguf"), root / "stories260K.gguf")
-    vocab = {"llama": root / "stories260K.gguf", "qwen2": build.install_dir / "src" / "models" / "ggml-vocab-qwen2.gguf"}
+    qwen_vocab = build.install_dir / "src" / "models" / "ggml-vocab-qwen2.gguf"
+    vocab = {"llama": root / "stories260K.gguf", "qwen2": qwen_vocab, "qwen3moe": root / "stories260K.gguf"}
     for name, spec in SHAPES.items():
         f16 = write_model(spec, root / f"{name}-f16.gguf", vocab_from=vocab[spec.arch], seed=0).path
         # Not Q4_0/Q4_K: a CPU build repacks those into a second, interleaved copy for its SIMD

@@ -197,6 +197,7 @@ def test_qwen3moe_tensors_and_metadata(stories, tmp_path):
     assert not any(n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", ".bias")) for n in tensors)
     m = model_from_gguf(out)
     assert (m.architecture, m.head_dim, m.q_dim) == ("qwen3moe", 32, 128)
+    assert (m.n_experts, m.n_experts_used, m.expert_ffn_size, m.mlp_width) == (8, 2, 48, 96)
     assert m.n_params == sum(t.n_elements for t in synth.tensor_plan(TINY_MOE, 512))
 
 
