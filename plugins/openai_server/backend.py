@@ -109,7 +109,9 @@ class OpenAIServerBackend(BaseBackend):
         Setting("ready", str, None, "the health path polled until it answers 200 (default: the template's)"),
         Setting("startup_timeout_s", float, None, "bound on the server's start, seconds (default: the template's)",
                 check=_positive),
-        Setting("request_timeout_s", float, 600.0, "bound on one measurement's requests, seconds", check=_positive),
+        Setting("request_timeout_s", float, 600.0, "bound on each request, from sending it to its "
+                "last byte, seconds (not per read: a stream kept open without finishing fails the trial then)",
+                check=_positive),
         Setting("memory", str, None, "memory model: 'fraction' (the engine pre-allocates memory_fraction of the "
                                      "card) or 'measured' (default: the template's)", choices=("fraction", "measured")),
         Setting("memory_fraction", float, None, "the share of the card a pre-allocating engine takes "
