@@ -33,6 +33,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
 from autotune.declarations import CacheType
 from autotune.cuda_devices import cuda_visible_entry
+from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
@@ -313,7 +314,7 @@ class OpenAIServerBackend(BaseBackend):
     @functools.lru_cache(maxsize=16)
     def _version_of(argv: tuple[str, ...]) -> str:
         try:
-            out = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+            out = processes.run(list(argv), capture_output=True, text=True, timeout_s=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"unknown ({exc})"
         lines = [ln.strip() for ln in (out.stdout + "\n" + out.stderr).splitlines() if ln.strip()]

@@ -153,9 +153,24 @@ def test_the_study_budget_ends_a_request_its_own_timeout_would_not(tmp_path, mon
 
     monkeypatch.setattr("autotune_plugins.llama_server.backend._has_gpu", lambda: False)
     events: list[Any] = []
-    exc = outcome(lambda: run_study(study_over(tmp_path, 600), budget_s=3, storage=f"sqlite:///{tmp_path / 's.db'}",
+    exc = outcome(lambda: run_study(study_over(tmp_path, 600), budget_s=2, storage=f"sqlite:///{tmp_path / 's.db'}",
                                     callback=events.append))
     assert exc is None, exc
     assert [e.state for e in events] == ["FAIL"]  # no launch fits in what is left: the study ends
-    assert "the study's budget (3 s) ran out" in (events[0].reason or ""), events
+    assert "the study's budget (2 s) ran out" in (events[0].reason or ""), events
     assert not processes.live()
+
+
+def test_a_hanging_version_probe_is_ended_with_its_children(tmp_path):
+    """A --version that never answers, whose child holds its output pipe: the probe ends at its
+    timeout and the child with it (subprocess.run killed the probe alone, then waited for the pipe)."""
+    from autotune_plugins.llama_server.builds import EngineNotFoundError, engine_version
+    from tests.test_processes import gone
+
+    pidfile = tmp_path / "child.pid"
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!/bin/sh\nsleep 120 &\necho $! > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}\nwait\n")
+    fake.chmod(0o755)
+    exc = outcome(lambda: engine_version(fake, timeout_s=1))
+    assert isinstance(exc, EngineNotFoundError) and "no answer after 1s" in str(exc), exc
+    assert gone(int(pidfile.read_text()))
