@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
+from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnknownNameError
 from autotune.formats import parse_format
 
@@ -71,8 +72,8 @@ def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Pat
     """Run a converter or quantizer: its latest line passed to ``say`` about every 10 s (a
     conversion can take minutes), and on failure an error carrying the tool's own last lines
     (its error lines first), so the trials that needed the artifact say why."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, errors="replace", cwd=cwd, env=None if env is None else dict(env))
+    proc = processes.start(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                           text=True, errors="replace", cwd=cwd, env=None if env is None else dict(env))
     lines: list[str] = []
     last = time.monotonic()
     assert proc.stdout is not None
@@ -85,10 +86,8 @@ def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Pat
                     say(f"  {what}: {line[:160]}")
                     last = time.monotonic()
         code = proc.wait()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+    finally:
+        processes.stop(proc)  # an interrupted tool's group, and what a finished one left running
     if code != 0:
         errors = [ln for ln in lines if re.search(r"error|Error|ERROR|Traceback|No module", ln)]
         raise AutotuneError(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}")

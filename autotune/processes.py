@@ -1,28 +1,47 @@
-"""Engine processes that never outlive autotune: one implementation for every backend plugin.
+"""Child processes that never outlive autotune: one way to start them, for the core and every plugin.
 
-A backend starts its engine (a server, a worker) with :func:`start`: a session (process group)
-of its own, :func:`die_with_parent` in the child, and a registry of live engines that is
-emptied at interpreter exit and on SIGTERM. It ends it with :func:`stop`, in a ``finally``.
-The kernel's parent-death signal covers the one case no handler can: autotune being SIGKILLed.
+Every child autotune starts (an engine, a converter, a build step, a ``--version`` probe) is
+started with :func:`start` (a long-lived child, ended with :func:`stop` in a ``finally``) or
+:func:`run` (a tool run to its end, or to its timeout): a session (process group) of its own,
+:func:`die_with_parent` in the child, a mark in its environment that its descendants inherit,
+and a registry of live children that is emptied at interpreter exit and on SIGTERM. The
+kernel's parent-death signal covers the one case no handler can: autotune being SIGKILLed.
+
+Stopping ends the child's process group and then every process that still carries its mark:
+a grandchild that left the group with ``setsid`` (and was reparented to init by a double fork)
+kept running before. Why a mark and not a subreaper (``PR_SET_CHILD_SUBREAPER``): a subreaper
+is process-wide (autotune, or pytest embedding it, would adopt the orphans of every tool it
+ever ran and have to reap them) and still cannot tell which child an adopted orphan came from,
+so stopping one engine could not end only its own; walking ``/proc`` by parent misses exactly
+the double-forked process, whose parent is init. The environment is inherited across fork,
+``setsid`` and exec, so the mark finds them by ``/proc/PID/environ``; only a descendant that
+clears its environment on purpose escapes it (none of the engines or tools autotune runs does).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["die_with_parent", "live", "on_exit", "start", "stop", "stop_group"]
+__all__ = ["MARK_ENV", "die_with_parent", "live", "marked", "on_exit", "run", "start", "stop", "stop_group"]
+
+#: The environment variable that marks a child and all its descendants (a token per child).
+MARK_ENV = "AUTOTUNE_PROCESS_MARK"
 
 _CLEANUPS: list[Callable[[], None]] = []
 _LOCK = threading.Lock()
 _INSTALLED = False
 _LIVE: set[subprocess.Popen] = set()
 _LIVE_LOCK = threading.Lock()
+_MARKS: dict[subprocess.Popen, str] = {}
 
 
 def die_with_parent() -> None:
@@ -32,13 +51,21 @@ def die_with_parent() -> None:
     parent-death signal still fires then. Use it with ``start_new_session=True`` and start the
     child from the main thread: the signal follows the thread that forked.
     """
+    libc = _libc()
+    if libc is not None:  # not Linux/glibc: the atexit and SIGTERM paths still apply
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    # Loaded in the parent (start() calls it first): importing ctypes in every forked child
+    # cost ~25 ms a child on a 2-core VM, which a --version probe pays each time.
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux/glibc: the atexit and SIGTERM paths still apply
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def stop_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -121,7 +148,7 @@ def on_exit(cleanup: Callable[[], None]) -> None:
 
 
 def live() -> set[subprocess.Popen]:
-    """Engine processes started with :func:`start` and not stopped yet."""
+    """Children started with :func:`start` (or :func:`run`) and not stopped yet."""
     with _LIVE_LOCK:
         return set(_LIVE)
 
@@ -134,28 +161,117 @@ def _stop_live() -> None:
             pass
 
 
-def start(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen:
-    """Start an engine in its own session, dying with autotune, registered until :func:`stop`.
+def start(cmd: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """Start a child in its own session, dying with autotune, marked, registered until :func:`stop`.
 
     Args:
         cmd: The command line.
-        popen_kwargs: Anything else for ``subprocess.Popen`` (streams, env, cwd).
+        popen_kwargs: Anything else for ``subprocess.Popen`` (streams, env, cwd, text); not
+            ``start_new_session`` nor ``preexec_fn``, which are this function's.
 
     Raises:
         OSError: It could not be started.
     """
     on_exit(_stop_live)
+    _libc()
+    mark = uuid.uuid4().hex
+    env = dict(os.environ if popen_kwargs.get("env") is None else popen_kwargs["env"])
+    # Added to the marks it inherits: a child that starts children of its own the same way
+    # (autotune run by autotune) must not take them out of its parent's reach.
+    env[MARK_ENV] = f"{env[MARK_ENV]}:{mark}" if env.get(MARK_ENV) else mark
+    popen_kwargs["env"] = env
     # Registered under the lock it was started under: a SIGTERM between the two cannot miss it.
     with _LIVE_LOCK:
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent, **popen_kwargs)
+        proc = subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=die_with_parent, **popen_kwargs)
         _LIVE.add(proc)
+        _MARKS[proc] = mark
     return proc
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """End ``proc``'s whole process group (:func:`stop_group`) and forget it."""
+    """End ``proc``'s whole process group (:func:`stop_group`), then whatever of its descendants
+    escaped the group (:func:`marked`), and forget it. Those are killed outright: the child had
+    its grace, and a process that left its group is not one it waits for."""
     try:
         stop_group(proc, timeout_s)
     finally:
         with _LIVE_LOCK:
             _LIVE.discard(proc)
+            mark = _MARKS.pop(proc, None)
+        if mark is not None:
+            _kill_marked(mark)
+
+
+def marked(mark: str) -> list[int]:
+    """The processes whose environment carries ``mark`` in ``MARK_ENV`` (a zombie's reads as empty)."""
+    prefix = f"{MARK_ENV}=".encode()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: the group kill is all there is
+        return found
+    for name in entries:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone meanwhile, or not ours to read (so not our descendant either)
+            continue
+        if prefix not in environ:
+            continue
+        for var in environ.split(b"\0"):
+            if var.startswith(prefix) and mark in var[len(prefix):].decode("ascii", "replace").split(":"):
+                found.append(int(name))
+    return found
+
+
+def _kill_marked(mark: str) -> None:
+    # A few rounds: a marked process may fork while the previous round kills it.
+    for _ in range(10):
+        pids = marked(mark)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+
+
+def run(cmd: Sequence[str], *, timeout_s: float | None = None, capture_output: bool = False,
+        **popen_kwargs: Any) -> subprocess.CompletedProcess:
+    """Run a tool to its end through :func:`start`; what it leaves running is stopped.
+
+    As ``subprocess.run`` (``check`` aside), with one difference that matters: at the timeout
+    the whole group and the tool's marked descendants are killed before its output is read, so
+    a probe whose child holds its pipe open cannot hang the caller (``subprocess.run`` kills
+    the child alone and then waits for the pipe).
+
+    Args:
+        cmd: The command line.
+        timeout_s: Bound on the run, seconds; None waits.
+        capture_output: Collect stdout and stderr (as ``subprocess.run``).
+        popen_kwargs: Anything else for ``subprocess.Popen`` (``stdout``, ``env``, ``text``...).
+
+    Raises:
+        OSError: It could not be started.
+        subprocess.TimeoutExpired: It ran past ``timeout_s`` (it and its descendants are dead).
+    """
+    if capture_output:
+        popen_kwargs["stdout"] = popen_kwargs["stderr"] = subprocess.PIPE
+    proc = start(cmd, **popen_kwargs)
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(proc, timeout_s=2.0)
+            try:
+                out, err = proc.communicate(timeout=5.0)
+            except (subprocess.TimeoutExpired, ValueError):
+                out = err = None
+            raise subprocess.TimeoutExpired(list(cmd), timeout_s or 0.0, output=out, stderr=err) from None
+    finally:
+        stop(proc)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)

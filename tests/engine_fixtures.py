@@ -92,6 +92,63 @@ def fake_engine_calls(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+KEEPALIVE_ENGINE = '''#!{python}
+"""A stand-in for an engine that answers /health and then never finishes a completion: it sends
+an SSE comment every 0.2 s for as long as the client stays (what kept trials running forever)."""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+if "--version" in sys.argv:
+    print("version: 1 (fake000)", file=sys.stderr)
+    sys.exit(0)
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.answer({{"data": [{{"id": "fake"}}]}} if self.path.startswith("/v1/models") else {{"status": "ok"}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if "tokenize" in self.path:
+            return self.answer({{"tokens": list(range(1, 17))}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        try:
+            while True:
+                self.wfile.write(b": keepalive\\n\\n")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def keepalive_engine(directory: Path, name: str = "llama-server") -> Path:
+    """An executable named ``name`` in ``directory``: a server on ``--port`` that answers
+    ``/health``, ``/v1/models`` and ``/tokenize``, and answers every other POST with an event
+    stream of SSE comments that never ends."""
+    import sys
+
+    path = Path(directory) / name
+    path.write_text(KEEPALIVE_ENGINE.format(python=sys.executable), encoding="utf-8")
+    path.chmod(0o755)
+    return path
+
+
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K.gguf"
 
 

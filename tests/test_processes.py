@@ -74,3 +74,84 @@ def test_a_group_that_outlives_sigkills_wait_does_not_raise(monkeypatch):
     monkeypatch.setattr(proc, "wait", never)
     processes.stop(proc, timeout_s=0.1)  # no exception
     assert wait(timeout=5) == -9  # SIGKILLed all the same
+
+
+# A child that leaves a grandchild behind the way daemons do: fork, setsid (out of the child's
+# process group and session), fork again, and the middle process exits (the grandchild is
+# reparented to init, out of the child's tree). The grandchild's pid is written to PIDFILE.
+DOUBLE_FORK = """
+import os, sys, time
+pidfile, then = sys.argv[1], sys.argv[2]
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)  # holds none of the child's pipes: what is tested is its life
+        with open(pidfile + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(pidfile + ".tmp", pidfile)
+        time.sleep(30)
+        os._exit(0)
+    os._exit(0)
+while not os.path.exists(pidfile):
+    time.sleep(0.01)
+if then == "hang":
+    time.sleep(30)
+"""
+
+
+def escaped_grandchild(pidfile, group: int | None = None) -> int:
+    deadline = time.monotonic() + 30
+    while not pidfile.exists():
+        assert time.monotonic() < deadline, "the grandchild never started"
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    # A session of its own (its middle process's), so the group kill cannot reach it
+    assert os.getsid(pid) != os.getsid(0) and (group is None or os.getpgid(pid) != group)
+    return pid
+
+
+def gone(pid: int, limit_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)  # not left behind by a failing test
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_grandchild_that_left_the_group_with_setsid_is_stopped_too(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    proc = processes.start([sys.executable, "-c", DOUBLE_FORK, str(pidfile), "hang"])
+    grandchild = escaped_grandchild(pidfile, group=proc.pid)
+    processes.stop(proc, timeout_s=5)
+    assert gone(grandchild), "the setsid grandchild outlived stop()"
+
+
+def test_run_ends_a_hanging_tool_and_everything_it_started(tmp_path):
+    """A probe that hangs (a --version that never answers) is killed at its timeout with its
+    children, escaped or not, and the caller gets TimeoutExpired, not a wait on their pipes."""
+    pidfile = tmp_path / "grandchild.pid"
+    script = "import subprocess, sys; print(subprocess.Popen(['sleep', '30']).pid, flush=True); exec(sys.argv[3])"
+    try:
+        processes.run([sys.executable, "-c", script, str(pidfile), "hang", DOUBLE_FORK], timeout_s=2,
+                      capture_output=True, text=True)
+    except subprocess.TimeoutExpired as exc:
+        child = int(exc.output.split()[0])
+    else:
+        raise AssertionError("the hanging tool returned")
+    assert gone(child) and gone(escaped_grandchild(pidfile))
+    assert not processes.live()
+
+
+def test_what_a_finished_tool_leaves_running_is_stopped(tmp_path):
+    """A converter or build step that exits 0 but left a daemon behind (artifacts.run_tool)."""
+    from autotune.artifacts import run_tool
+
+    pidfile = tmp_path / "grandchild.pid"
+    run_tool([sys.executable, "-c", DOUBLE_FORK, str(pidfile), "exit"], "a converter", lambda _: None)
+    assert gone(escaped_grandchild(pidfile)), "run_tool left the converter's daemon running"
+    result = processes.run([sys.executable, "-c", DOUBLE_FORK, str(tmp_path / "again.pid"), "exit"], timeout_s=30)
+    assert result.returncode == 0 and gone(escaped_grandchild(tmp_path / "again.pid"))

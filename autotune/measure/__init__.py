@@ -11,7 +11,9 @@ same way. This package is that way, in these rooms:
   :func:`repeat_until_stable_many` (applies the protocol to one sample function; through
   :func:`measure_engine`, which every backend uses);
 * :mod:`autotune.measure.streams`: :func:`run_streams_threaded` runs N generation streams
-  that really overlap and summarises them as a :class:`ConcurrentResult`;
+  that really overlap and summarises them as a :class:`ConcurrentResult`; :func:`post_events`
+  is the streaming client, each request ended by one total deadline
+  (:mod:`autotune.measure.deadline`: its own, or an outer one such as the study's budget);
 * :mod:`autotune.measure.gpu_telemetry`: :class:`GpuSampler` records what the GPU did
   meanwhile through NVML as :class:`GpuTelemetry`, and :func:`measure_with_telemetry` repeats
   under the sampler and takes the peak memory (for :func:`measure_engine`);
@@ -24,6 +26,7 @@ Import from here: the names below are the public API, whichever module holds the
 
 from __future__ import annotations
 
+from autotune.measure.deadline import DeadlineExceeded, within
 from autotune.measure.gpu_telemetry import (
     SLOWDOWN_REASONS,
     THROTTLE_REASON_BITS,
@@ -42,12 +45,14 @@ from autotune.measure.streams import (
     ConcurrentResult,
     StreamResult,
     event_data,
+    post_events,
     run_streams_threaded,
 )
 
 __all__ = [
     "CONCURRENT_UNITS",
     "ConcurrentResult",
+    "DeadlineExceeded",
     "GpuSampler",
     "GpuTelemetry",
     "PROBE_STOP",
@@ -62,10 +67,12 @@ __all__ = [
     "THROTTLE_REASON_BITS",
     "measure_engine",
     "measure_with_telemetry",
+    "post_events",
     "relative_spread",
     "repeat_until_stable_many",
     "run_streams_threaded",
     "serving_metrics",
     "serving_run",
     "throttle_reason_names",
+    "within",
 ]

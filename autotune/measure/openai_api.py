@@ -13,6 +13,7 @@ client measures them all the same way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -24,7 +25,7 @@ from typing import Any
 import httpx
 
 from autotune.errors import MeasurementError
-from autotune.measure.streams import StreamResult, event_data
+from autotune.measure.streams import StreamResult, post_events
 
 __all__ = ["DISAGREEMENT_TOL", "ServerCounters", "StreamedCompletion", "disagreements", "parse_prometheus",
            "stream_completion"]
@@ -61,9 +62,11 @@ def stream_completion(http: httpx.Client, url: str, body: Mapping[str, Any], pro
         url: The completions URL.
         body: The request; ``stream`` and ``stream_options`` are set here.
         prompt_tokens: Tokens in the prompt, unless the server's usage says otherwise.
-        timeout_s: Bound on the whole request.
+        timeout_s: Bound on the whole request, from sending it to its last byte (see
+            :func:`~autotune.measure.streams.post_events`).
 
     Raises:
+        DeadlineExceeded: The request was still open at its deadline.
         MeasurementError: HTTP status other than 200, or a stream that is not server-sent JSON.
     """
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -71,11 +74,8 @@ def stream_completion(http: httpx.Client, url: str, body: Mapping[str, Any], pro
     first: float | None = None
     chunks = 0
     usage: Mapping[str, Any] | None = None
-    with http.stream("POST", url, json=payload, timeout=timeout_s) as r:
-        if r.status_code != 200:
-            r.read()
-            raise MeasurementError(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
-        for data in event_data(r.iter_bytes()):  # not iter_lines: see event_data
+    with contextlib.closing(post_events(http, url, payload, timeout_s)) as events:
+        for data in events:
             data = data.strip()
             if data == "[DONE]":
                 break

@@ -60,7 +60,8 @@ class Protocol:
             included, or None for no budget. When spent, repetition stops and
             what was measured is kept; the budget can be overrun by one run,
             since a run is never cut short, and at least one measured run is
-            always taken.
+            always taken. What bounds a run is its requests' own total deadline
+            (a backend's ``request_timeout_s``, :mod:`autotune.measure.deadline`).
     """
 
     warmup_runs: int = 1

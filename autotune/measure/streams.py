@@ -1,7 +1,9 @@
 """Concurrent generation streams: N requests that really overlap, and what they add up to.
 
 * :class:`StreamResult` is one request as a client saw it (three timestamps).
-* :func:`event_data` reads the ``data:`` payloads of a server-sent event stream.
+* :func:`event_data` reads the ``data:`` payloads of a server-sent event stream, and
+  :func:`post_events` sends a streamed POST and yields them, ended by its total deadline
+  (:mod:`autotune.measure.deadline`): every backend's streaming client.
 * :func:`run_streams_threaded` runs N blocking streams released together behind a barrier
   and summarises them as a :class:`ConcurrentResult`, whose :meth:`~ConcurrentResult.metrics`
   feed :func:`autotune.measure.repeat_until_stable_many` with :data:`CONCURRENT_UNITS`.
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import statistics
 import threading
 import time
@@ -16,10 +19,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from autotune.errors import ConfigError, MeasurementError
+from autotune.measure.deadline import Deadline, DeadlineExceeded, request_deadline
 from autotune.measure.protocol import _is_int, _is_real
 
-__all__ = ["CONCURRENT_UNITS", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "run_streams_threaded"]
+__all__ = ["CONCURRENT_UNITS", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "post_events",
+           "run_streams_threaded"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +206,50 @@ def event_data(chunks: Iterable[bytes]) -> Iterator[str]:
         yield pending[5:].decode("utf-8").lstrip(" ")
 
 
+def _until(chunks: Iterable[bytes], deadline: Deadline) -> Iterator[bytes]:
+    for chunk in chunks:
+        deadline.check()  # bytes that finish nothing (an SSE comment, a keep-alive) must not extend it
+        yield chunk
+
+
+def post_events(http: httpx.Client, url: str, payload: Any, timeout_s: float, *,
+                failure: Callable[[str], Exception] = MeasurementError,
+                setting: str = "request_timeout_s") -> Iterator[str]:
+    """POST ``payload`` as JSON to ``url`` and yield the ``data:`` payloads of the event stream
+    it answers with (:func:`event_data`), until the stream ends or the consumer stops reading.
+
+    ``timeout_s`` bounds the whole request, from sending it to its last byte, not each read
+    (an HTTP client's timeout): no read may outlast what is left of it, and every chunk that
+    arrives is checked against it. An outer deadline in force (:func:`autotune.measure.deadline.within`)
+    ends it sooner. Use it in a ``with contextlib.closing(...)`` so that a consumer that stops
+    early closes the response at once.
+
+    Args:
+        http: The client.
+        url: Where to POST.
+        payload: The request body (JSON).
+        timeout_s: Bound on the whole request, seconds.
+        failure: Builds the error for an HTTP status other than 200 (a backend's, with its log).
+        setting: The setting ``timeout_s`` comes from, for the message.
+
+    Raises:
+        DeadlineExceeded: The request was still open at its deadline.
+        MeasurementError: From ``failure``: the status was not 200.
+    """
+    deadline = request_deadline(timeout_s, setting)
+    deadline.check()
+    try:
+        # Every read waits at most what was left at the start: a read that times out has
+        # therefore outlived the whole request's deadline too.
+        with http.stream("POST", url, json=payload, timeout=max(0.001, deadline.left_s())) as r:
+            if r.status_code != 200:
+                r.read()
+                raise failure(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
+            yield from event_data(_until(r.iter_bytes(), deadline))  # not iter_lines: see event_data
+    except httpx.TimeoutException as exc:
+        raise DeadlineExceeded(f"{deadline.reason}; the engine sent nothing more ({exc or 'timed out'})") from exc
+
+
 def _check_driver_args(n_streams: int, timeout_s: float) -> None:
     if not _is_int(n_streams) or n_streams < 1:
         raise ConfigError(f"n_streams = {n_streams!r}: must be an integer >= 1")
@@ -267,7 +318,9 @@ def run_streams_threaded(stream_fn: Callable[[int], StreamResult], n_streams: in
             with lock:
                 failures.append((index, exc))
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True,
+    # Each thread runs in a copy of the caller's context, so the deadline in force here
+    # (autotune.measure.deadline) ends its requests too.
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(worker, i), daemon=True,
                                 name=f"autotune-stream-{i}") for i in range(n_streams)]
     try:
         for thread in threads:

@@ -27,6 +27,7 @@ import optuna
 from autotune import artifacts, plugins
 from autotune.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
+from autotune.measure import deadline
 from autotune.study import baseline, calibration, records, storage
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
@@ -286,8 +287,11 @@ class StudyRunner(TrialPhase, FinishPhase):
         interrupted = False
         with self.interrupts.installed():
             try:
-                self.measure_baseline(note)
-                self._search(heartbeat, start, budget_s, n_trials, callback)
+                # The budget ends a request still open at its end (an engine that keeps a stream
+                # alive without finishing); the finish runs after the budget, unbounded by it.
+                with deadline.within(self._deadline, f"the study's budget ({budget_s or 0:g} s) ran out"):
+                    self.measure_baseline(note)
+                    self._search(heartbeat, start, budget_s, n_trials, callback)
                 self.finish(note)
             except (KeyboardInterrupt, Interrupted):
                 self.interrupts.caught()

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune.backend import (
     BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
 from autotune.artifacts import artifact_path, is_format
+from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
@@ -115,8 +116,10 @@ def flash_attn_version(python: str) -> tuple[int, ...] | None:
 
             text = m.version("flash_attn")
         else:
-            text = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
-                                  timeout=60, check=True).stdout.strip()
+            probed = processes.run([python, "-c", _PROBE], capture_output=True, text=True, timeout_s=60)
+            if probed.returncode != 0:
+                return None
+            text = probed.stdout.strip()
     except Exception:  # noqa: BLE001 - not installed, or no such interpreter: no paged attention
         return None
     parts = tuple(int(p) for p in text.split("+")[0].split(".") if p.isdigit())
@@ -302,7 +305,7 @@ class ExLlamaV2Backend(BaseBackend):
         except AutotuneError as exc:
             return [str(exc)]
         try:
-            done = subprocess.run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout=300, env=env)
+            done = processes.run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout_s=300, env=env)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return [f"[backends.exllamav2] python = {python!r} cannot be run ({exc}): name an interpreter "
                     f"that has torch and exllamav2"]

@@ -26,6 +26,7 @@ Settings (study file, ``[backends.llama-server]``): see ``LlamaServerBackend.set
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -40,7 +41,7 @@ from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEsti
     TrialConfig, same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
-from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, event_data, measure_engine, serving_run
+from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.models import ModelSpec, model_from_gguf
 
@@ -138,7 +139,9 @@ class LlamaServerBackend(BaseBackend):
                                               "launch of their own at -lv 4 per weights file, after the measured one "
                                               "(the measured launch is at the default verbosity, as deployed)"),
         Setting("startup_timeout_s", float, 120.0, "bound on loading the model, seconds", check=_positive),
-        Setting("request_timeout_s", float, 600.0, "bound on one measurement's requests, seconds", check=_positive),
+        Setting("request_timeout_s", float, 600.0, "bound on each request, from sending it to its "
+                "last byte, seconds (not per read: a stream kept open without finishing fails the trial then)",
+                check=_positive),
         Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop "
                                                             "repeating", choices=tuple(UNITS)),
         Setting("scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics",
@@ -506,11 +509,9 @@ class LlamaServerBackend(BaseBackend):
             n_out = 0
             n_prompt = len(prompt)
             timings: dict[str, Any] = {}
-            with server.http.stream("POST", url, json=body(i), timeout=request_s) as r:
-                if r.status_code != 200:
-                    r.read()
-                    raise server.failure(f"HTTP {r.status_code} from /completion: {r.text[:300]}")
-                for payload in event_data(r.iter_bytes()):
+            events = post_events(server.http, url, body(i), request_s, failure=server.failure)
+            with contextlib.closing(events):
+                for payload in events:
                     data = json.loads(payload)
                     if first is None and data.get("content") is not None and not data.get("stop"):
                         first = time.monotonic()

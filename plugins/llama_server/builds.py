@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune import processes
 from autotune.errors import ConfigError, EngineUnavailableError
 from autotune_plugins.llama_server import cuda_toolkit
 from autotune_plugins.llama_server.cuda_toolkit import cuda_arch_from_cc, resolve_arch
@@ -204,13 +205,12 @@ def engine_version(binary: str | os.PathLike[str], timeout_s: float = 30.0) -> E
     """
     path = Path(binary)
     try:
-        proc = subprocess.run(
+        proc = processes.run(
             [str(path), "--version"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # build info goes to stderr
             stdin=subprocess.DEVNULL,
-            timeout=timeout_s,
-            check=False,
+            timeout_s=timeout_s,
         )
     except FileNotFoundError:
         raise EngineNotFoundError(f"{path}: no such executable") from None

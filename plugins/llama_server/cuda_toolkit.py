@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune import processes
 from autotune.errors import AutotuneError, ConfigError
 
 __all__ = [
@@ -178,8 +179,8 @@ def inspect_cuda_compiler(path: str, source: str, timeout_s: float = 60.0) -> Cu
         ConfigError: It does not run or prints no version; the message quotes its output.
     """
     try:
-        proc = subprocess.run([path, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
+        proc = processes.run([path, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, timeout_s=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ConfigError(f"CUDA compiler {path} (from {source}) does not run: {exc}") from None
     text = proc.stdout.decode("utf-8", "replace")
@@ -190,8 +191,8 @@ def inspect_cuda_compiler(path: str, source: str, timeout_s: float = 60.0) -> Cu
                           f"{proc.returncode} and no 'release X.Y' line ({tail})")
     archs = None
     try:
-        listed = subprocess.run([path, "--list-gpu-arch"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
+        listed = processes.run([path, "--list-gpu-arch"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               stdin=subprocess.DEVNULL, timeout_s=timeout_s)
         if listed.returncode == 0:
             archs = parse_gpu_arch_list(listed.stdout.decode("utf-8", "replace")) or None
     except (OSError, subprocess.TimeoutExpired):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
+from autotune import processes
 from autotune.errors import AutotuneError, ConfigError
 from autotune_plugins.llama_server import cuda_toolkit
 
@@ -210,7 +211,7 @@ def download_sdist(version: str, dest: Path, log: IO[str] | None = None) -> Path
         return target
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
            f"llama-cpp-python=={version}", "-d", str(dest)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False)
+    proc = processes.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     out = proc.stdout.decode("utf-8", "replace")
     if log is not None:
         log.write(f"$ {' '.join(cmd)}\n{out}\n")
@@ -423,8 +424,8 @@ def amx_guard_flags(compiler: str | None, cpuinfo: str | None = None) -> list[st
         return []
     if not compiler:
         return []
-    probe = subprocess.run([compiler, *AMX_FLAGS, "-E", "-x", "c", os.devnull], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, check=False)
+    probe = processes.run([compiler, *AMX_FLAGS, "-E", "-x", "c", os.devnull], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     return list(AMX_FLAGS) if probe.returncode == 0 else []
 
 
@@ -509,20 +510,23 @@ class CMakeBuilder:
     def _run(self, cmd: list[str], log: IO[str], progress: Callable[[int, int, str], None] | None, step: str) -> None:
         log.write(f"\n$ {' '.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self.env, text=True, errors="replace", bufsize=1)
+        proc = processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=self.env, text=True, errors="replace", bufsize=1)
         assert proc.stdout is not None
         tail: list[str] = []
-        for line in proc.stdout:
-            log.write(line)
-            tail = (tail + [line.rstrip()])[-25:]
-            if progress is not None:
-                m = _NINJA_STEP.match(line)
-                if m:
-                    progress(int(m.group(1)), int(m.group(2)), line.rstrip())
-                elif (m := _MAKE_STEP.match(line)):
-                    progress(int(m.group(1)), 100, line.rstrip())
-        rc = proc.wait()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                tail = (tail + [line.rstrip()])[-25:]
+                if progress is not None:
+                    m = _NINJA_STEP.match(line)
+                    if m:
+                        progress(int(m.group(1)), int(m.group(2)), line.rstrip())
+                    elif (m := _MAKE_STEP.match(line)):
+                        progress(int(m.group(1)), 100, line.rstrip())
+            rc = proc.wait()
+        finally:
+            processes.stop(proc)  # an interrupted build's compilers, and what a finished one left running
         log.flush()
         if rc != 0:
             errors = [t for t in tail if "error" in t.lower()]

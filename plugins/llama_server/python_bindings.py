@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from autotune import processes
 from autotune_plugins.llama_server.builds import MARKER, EngineBuild, EngineNotFoundError, engines_dir, find_llama_server
 from autotune_plugins.llama_server.llama_build import LLAMA_CPP_PYTHON_VERSION, EngineBuildError
 
@@ -51,8 +52,7 @@ def install_python_bindings(
     # With its dependencies (diskcache, jinja2...): a fresh environment has none of them.
     cmd = [sys.executable, "-m", "pip", "install", source]
     env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                          env=env, check=False)
+    proc = processes.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     out = proc.stdout.decode("utf-8", "replace")
     if log is not None:
         log.write(f"$ CMAKE_ARGS='{env['CMAKE_ARGS']}' {' '.join(cmd)}\n{out}\n")

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from autotune import processes
 from autotune.errors import AutotuneError, ConfigError
 from autotune_plugins.llama_server.gguf_tokenizer import read_tokenizer
 from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, SynthSpec, TensorPlan, tensor_plan
@@ -436,8 +437,8 @@ def quantize(
     exe = Path(binary) if binary else engine.find_llama_quantize()
     tmp = dst.with_name(dst.name + ".partial")
     try:
-        proc = subprocess.run([str(exe), str(src), str(tmp), qtype], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
+        proc = processes.run([str(exe), str(src), str(tmp), qtype], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout_s=timeout_s)
     except FileNotFoundError:
         raise AutotuneError(f"{exe}: no such executable") from None
     except subprocess.TimeoutExpired:

@@ -33,6 +33,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
 from autotune.declarations import CacheType
 from autotune.cuda_devices import cuda_visible_entry
+from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
@@ -109,7 +110,9 @@ class OpenAIServerBackend(BaseBackend):
         Setting("ready", str, None, "the health path polled until it answers 200 (default: the template's)"),
         Setting("startup_timeout_s", float, None, "bound on the server's start, seconds (default: the template's)",
                 check=_positive),
-        Setting("request_timeout_s", float, 600.0, "bound on one measurement's requests, seconds", check=_positive),
+        Setting("request_timeout_s", float, 600.0, "bound on each request, from sending it to its "
+                "last byte, seconds (not per read: a stream kept open without finishing fails the trial then)",
+                check=_positive),
         Setting("memory", str, None, "memory model: 'fraction' (the engine pre-allocates memory_fraction of the "
                                      "card) or 'measured' (default: the template's)", choices=("fraction", "measured")),
         Setting("memory_fraction", float, None, "the share of the card a pre-allocating engine takes "
@@ -311,7 +314,7 @@ class OpenAIServerBackend(BaseBackend):
     @functools.lru_cache(maxsize=16)
     def _version_of(argv: tuple[str, ...]) -> str:
         try:
-            out = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+            out = processes.run(list(argv), capture_output=True, text=True, timeout_s=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"unknown ({exc})"
         lines = [ln.strip() for ln in (out.stdout + "\n" + out.stderr).splitlines() if ln.strip()]
