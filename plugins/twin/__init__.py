@@ -52,6 +52,10 @@ def load_constants(doc: Mapping[str, Any] | None = None) -> tuple[dict[str, phys
     """Engine constants by engine, host constants, and MMLU points per unit KLD at 8B."""
     doc = doc or _constants_doc()
     engines = {name: physics.EngineConstants(**values) for name, values in doc["engines"].items()}
+    for name, k in engines.items():
+        if k.memory_model not in physics.MEMORY_MODELS:
+            raise ConfigError(f"plugins/twin/constants.toml: [engines.\"{name}\"] memory_model = {k.memory_model!r}: "
+                              f"accepted: {', '.join(map(repr, physics.MEMORY_MODELS))}")
     return engines, physics.HostConstants(**doc["host"]), float(doc["quality"]["points_per_kld_8b"])
 
 
@@ -66,6 +70,10 @@ def _at_least_zero(value: float) -> str | None:
 
 def _fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be > 0 and <= 1 (a speed multiplier)"
+
+
+def _card_share(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a share of the card's memory)"
 
 
 def _layers(value: Any) -> str | None:
@@ -494,7 +502,24 @@ class TwinVllm(TwinBackend):
     default_cache = "auto"
     description = "digital twin of vLLM (physics, no GPU needed); refuses Volta as recent vLLM does"
     settings = TWIN_SETTINGS + (
-        Setting("version", str, "0.11", "the vLLM release to answer like (0.6 and later refuse Volta)"),)
+        Setting("version", str, "0.11", "the vLLM release to answer like (0.6 and later refuse Volta)"),
+        Setting("gpu_memory_utilization", float, physics.VLLM_GPU_MEMORY_UTILIZATION,
+                "the share of the card vLLM reserves (--gpu-memory-utilization): its memory footprint",
+                check=_card_share),)
+
+    def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
+        return replace(super().scenario(config, ctx),
+                       gpu_memory_utilization=float(self.setting(ctx, "gpu_memory_utilization")))
+
+    def load_failure(self, config: TrialConfig, ctx: StudyContext, mem: MemoryEstimate) -> None:
+        """vLLM fails at start-up when weights, runtime and the KV of ``ctx x parallel`` tokens
+        exceed its share of the card (``physics.vllm_memory`` then estimates more than the share)."""
+        share = float(self.setting(ctx, "gpu_memory_utilization"))
+        if mem.total_bytes > int(share * ctx.gpu.vram_bytes):
+            raise BackendError(
+                f"ValueError: needs {mem.total_bytes / 2**30:.2f} GiB, more than gpu_memory_utilization "
+                f"{share:g} of the card ({share * ctx.gpu.vram_bytes / 2**30:.2f} GiB): try increasing "
+                "`gpu_memory_utilization` or decreasing `max_model_len` (vLLM's advice)")
 
     def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
         cc = ctx.gpu.compute_capability_tuple
@@ -520,7 +545,8 @@ class TwinVllm(TwinBackend):
         model = self.weights_file(config.weights, ctx) or ctx.model.key
         return (
             f"vllm serve {model} --max-model-len {config.ctx} --max-num-seqs {config.parallel} "
-            f"--kv-cache-dtype {config.option('cache_type', 'auto')} --dtype half"
+            f"--kv-cache-dtype {config.option('cache_type', 'auto')} --dtype half "
+            f"--gpu-memory-utilization {float(self.setting(ctx, 'gpu_memory_utilization')):g}"
         )
 
     def engine_version(self) -> str:

@@ -31,7 +31,7 @@ prefilled, then decoded together, total output tokens over the wall time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from autotune.backend import MemoryEstimate
 from autotune.cache_types import cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token, resolve
@@ -39,9 +39,10 @@ from autotune.declarations import CacheType
 from autotune.formats import WeightsBreakdown
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
-from autotune.vram import SlotLayout
+from autotune.vram import SlotLayout, kv_cache_bytes
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
 from autotune_plugins.llama_server import declarations as llama_declared
+from autotune_plugins.llama_server import memory as llama_memory
 from autotune_plugins.openai_server import declarations as vllm_declared
 
 GiB = 2**30
@@ -51,14 +52,16 @@ GiB = 2**30
 # kernels are neither purely bandwidth- nor purely ALU-bound.
 ROOFLINE_SHARPNESS = 4.0
 
-# llama.cpp pads its KV cache to a multiple of 256 cells (llama_kv_cache: n_ctx_pad) and
-# reserves compute buffers for a ubatch of 512 tokens by default (-ub 512).
 # The cache types of the engines the twin models: their real backends' own tables.
 TWINNED_CACHE_TYPES = llama_declared.CACHE_TYPES + exllamav2_declared.CACHE_TYPES + vllm_declared.CACHE_TYPES
-LLAMA_KV_PAD = 256
-LLAMA_UBATCH = 512
+# llama.cpp prefills in ubatches of 512 tokens by default (-ub 512): llama-server's memory model's own.
+LLAMA_UBATCH = llama_memory.DEFAULT_UBATCH
 # ExLlamaV2 runs prompts in chunks of max_input_len tokens (config.max_input_len, 2048).
 EXL2_CHUNK = 2048
+# vLLM's KV blocks (--block-size, 16 tokens on CUDA) and the share of the card it reserves by
+# default (--gpu-memory-utilization 0.9).
+VLLM_BLOCK_TOKENS = 16
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,14 @@ class EngineConstants:
         decode_compute_efficiency: Share of the card's CUDA-core FP16 rate that the
             dequantize-and-multiply decode kernels reach.
         prefill_efficiency: Share of the tensor-core FP16 rate reached on prompts.
-        context_bytes: CUDA context, allocator and library workspaces, in bytes.
+        context_bytes: CUDA context, allocator and library workspaces, in bytes (an engine whose
+            memory model is a real backend's, as llama.cpp's is, takes that model's own: 0 here).
         keeps_embeddings_on_host: Whether the token embeddings stay in host memory.
         spill: ``layers`` (the engine moves layers that do not fit to the CPU, as llama.cpp
             does) or ``oom`` (it fails to load).
+        memory_model: The engine's memory model, a key of ``MEMORY_MODELS``: ``llama-server``
+            (the real backend's, ``plugins/llama_server/memory.py``), ``exllamav2`` (the chunked
+            scratch and measured overhead) or ``vllm`` (the share of the card it reserves).
     """
 
     weight_bw_efficiency: float
@@ -112,6 +119,7 @@ class EngineConstants:
     context_bytes: float
     keeps_embeddings_on_host: bool
     spill: str
+    memory_model: str
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,8 @@ class Scenario:
     # "bench": an offline benchmark (llama-bench tg128, ExLlamaV2's test_inference), which
     # samples nothing: what published single-stream figures measure.
     harness: str = "server"
+    # vLLM's --gpu-memory-utilization; engines that allocate what they need ignore it.
+    gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
 
 
 def fp16_core_tflops(gpu: GpuSpec) -> float:
@@ -186,64 +196,79 @@ def soft_max(a: float, b: float, k: float = ROOFLINE_SHARPNESS) -> float:
 
 
 # ----------------------------------------------------------------------------------- memory
+#
+# Each engine's memory model is named by its own description (``memory_model`` in its
+# constants.toml table) and looked up in MEMORY_MODELS; an engine without one is an error, not
+# another engine's formula.
 
 
-def kv_cells(s: Scenario) -> int:
-    """Cache cells the engine allocates for ``parallel`` sequences of ``ctx`` tokens each."""
-    # llama-server gives each slot a cache of its own (not unified), padded on its own:
-    # -c 600 -np 2 holds 2 x 512 cells, as its log says. Others allocate ctx x batch.
-    layout = SlotLayout(pad=LLAMA_KV_PAD) if s.engine == "llama.cpp" else SlotLayout()
-    return layout.cells(s.ctx, s.parallel)
+def _weights_on_gpu(s: Scenario, k: EngineConstants) -> tuple[int, int, list[str]]:
+    """(bytes on the GPU, bytes left on the host, notes) of the weights in the engine's placement."""
+    w = s.weights
+    if k.keeps_embeddings_on_host or not w.embedding_on_gpu:
+        # gpu_bytes keeps a tied head (the embedding matrix loaded on the GPU again as the output layer).
+        host = w.total_bytes - w.gpu_bytes
+        notes = [f"token embeddings ({host / GiB:.2f} GiB) stay in host memory"] if host else []
+        return int(w.gpu_bytes), int(host), notes
+    return int(w.total_bytes), 0, []
 
 
-def compute_buffer_bytes(s: Scenario) -> int:
-    """Activation/compute buffers the engine reserves.
+def llama_server_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
+    """llama-server's own memory model (:func:`autotune_plugins.llama_server.memory.estimate`, within
+    ~1% of NVML on an H200), every layer on the GPU: the twin and the real backend give the same
+    bytes for the same configuration, so a twin-admitted configuration is a real-admitted one."""
+    return llama_memory.estimate(s.model, s.weights, s.ctx, s.parallel, s.cache_type, s.flash_attn, gpu=True)
 
-    llama.cpp reserves its graph for the worst ubatch: the residual stream and FFN
-    activations of ``LLAMA_UBATCH`` tokens in F32 and, without flash-attn, the KQ score
-    matrix over the whole cache (``ubatch x cells x n_heads`` F32), the term that makes
-    flash-attn save "a few hundred MB" (seed/ARTICLE.md, row 3). ExLlamaV2 sizes its scratch
-    by the prompt chunk (``EXL2_CHUNK`` tokens), and its matmul attention materialises the
-    chunk's scores against the allocated cache in FP16 when attention is not fused.
-    """
+
+def exllamav2_buffer_bytes(s: Scenario) -> int:
+    """ExLlamaV2's scratch: sized by the prompt chunk (``EXL2_CHUNK`` tokens); its matmul attention
+    materialises the chunk's scores against the allocated cache in FP16 when attention is not fused."""
     m = s.model
-    if s.engine == "llama.cpp":
-        ub = LLAMA_UBATCH
-        act = ub * (4 * m.hidden_size + 2 * m.ffn_size) * 4
-        scores = 0 if s.flash_attn else ub * kv_cells(s) * m.n_heads * 4
-        logits = s.parallel * m.vocab_size * 4
-        return int(act + scores + logits)
-    chunk = EXL2_CHUNK
-    act = chunk * (4 * m.hidden_size + 3 * m.ffn_size) * 2
-    scores = 0 if s.flash_attn else chunk * s.ctx * m.n_heads * 2
+    act = EXL2_CHUNK * (4 * m.hidden_size + 3 * m.ffn_size) * 2
+    scores = 0 if s.flash_attn else EXL2_CHUNK * s.ctx * m.n_heads * 2
     logits = s.parallel * m.vocab_size * 4 * 2
     return int(act + scores + logits)
 
 
-def memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
-    """Device memory of the configuration with every layer on the GPU."""
-    w = s.weights
-    weights_gpu = w.total_bytes
-    host = 0
-    notes = []
-    if k.keeps_embeddings_on_host or not w.embedding_on_gpu:
-        # gpu_bytes keeps a tied head (the embedding matrix that llama.cpp loads on the GPU
-        # again as the output layer).
-        weights_gpu = w.gpu_bytes
-        host = w.total_bytes - w.gpu_bytes
-        if host:
-            notes.append(f"token embeddings ({host / GiB:.2f} GiB) stay in host memory")
-    kv = int(kv_cells(s) * kv_bytes_per_token(s.model, _cache(s)))
+def exllamav2_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
+    """ExLlamaV2: a cache of ``ctx x parallel`` cells (no padding), the chunk's scratch, and the
+    context/allocator overhead row 2 of the article measured (``context_bytes``)."""
+    weights_gpu, host, notes = _weights_on_gpu(s, k)
+    kv = int(SlotLayout().cells(s.ctx, s.parallel) * kv_bytes_per_token(s.model, _cache(s)))
     kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * s.parallel)
-    buffers = compute_buffer_bytes(s)
-    return MemoryEstimate(
-        weights_bytes=int(weights_gpu),
-        kv_bytes=kv,
-        buffers_bytes=buffers,
-        overhead_bytes=int(k.context_bytes),
-        host_bytes=host,
-        notes=tuple(notes),
-    )
+    return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=kv, buffers_bytes=exllamav2_buffer_bytes(s),
+                          overhead_bytes=int(k.context_bytes), host_bytes=host, notes=tuple(notes))
+
+
+def vllm_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
+    """vLLM reserves ``gpu_memory_utilization`` of the card at start-up, whatever the configuration
+    needs: weights, its runtime (CUDA context, the profiling run's activations, CUDA graphs:
+    ``context_bytes``) and a KV pool of ``VLLM_BLOCK_TOKENS``-token blocks that fills the rest.
+    The footprint is that share; a configuration whose weights, runtime and KV of ``ctx x
+    parallel`` tokens exceed it does not start (``TwinVllm.load_failure``), and its estimate says
+    by how much."""
+    weights_gpu, host, notes = _weights_on_gpu(s, k)
+    kv, _, how = kv_cache_bytes(s.model, _cache(s), s.ctx, s.parallel, SlotLayout(pad=VLLM_BLOCK_TOKENS))
+    runtime = int(k.context_bytes)
+    share = int(s.gpu_memory_utilization * s.gpu.vram_bytes)
+    pool = max(kv, share - weights_gpu - runtime)
+    notes.append(f"vLLM reserves gpu_memory_utilization {s.gpu_memory_utilization:g} of the card "
+                 f"({share / GiB:.2f} GiB); KV of {how}: {kv / GiB:.2f} GiB, the pool {pool / GiB:.2f} GiB")
+    return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=pool, buffers_bytes=0, overhead_bytes=runtime,
+                          host_bytes=host, notes=tuple(notes))
+
+
+#: The engines' memory models, by the name an engine's ``memory_model`` gives.
+MEMORY_MODELS: Mapping[str, Callable[[Scenario, EngineConstants], MemoryEstimate]] = {
+    "llama-server": llama_server_memory,
+    "exllamav2": exllamav2_memory,
+    "vllm": vllm_memory,
+}
+
+
+def memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
+    """Device memory of the configuration with every layer on the GPU, by the engine's own model."""
+    return MEMORY_MODELS[k.memory_model](s, k)
 
 
 def gpu_layer_split(s: Scenario, k: EngineConstants, mem: MemoryEstimate) -> int:
