@@ -11,7 +11,7 @@ from autotune.hardware import CPU_KEY
 from autotune.errors import ConfigError
 from autotune.report_html import write_report
 from autotune.study import records
-from autotune.study.storage import mask_url, open_storage, study_names
+from autotune.study.storage import faults, mask_url, open_storage, study_names
 from autotune.study.summary import StudySummary, contender_text, summarize
 
 
@@ -23,6 +23,11 @@ def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
             or a study this autotune would misread.
     """
     shown = mask_url(storage)
+    with faults(shown):
+        return _load_study(storage, shown, study_name)
+
+
+def _load_study(storage: str, shown: str, study_name: str | None) -> optuna.Study:
     store = open_storage(storage, create=False)
     names = study_names(store, shown)
     if not names:
@@ -40,7 +45,8 @@ def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
 
 def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     """The summary of a stored study (``best``, ``report``): the same one ``study`` printed."""
-    return summarize(load_study(storage, study_name), mask_url(storage))
+    with faults(mask_url(storage)):
+        return summarize(load_study(storage, study_name), mask_url(storage))
 
 
 def write_study_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
