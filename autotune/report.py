@@ -77,6 +77,27 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def being_measured_lines(extra: dict[str, Any]) -> list[str]:
+    """What the summary says of configurations still RUNNING (``summary.summarize``): measured
+    by a live worker, the best may change; left by a dead one, the next run measures them."""
+    holders = extra.get("being_measured") or []
+    live = [h["text"] for h in holders if h["alive"]]
+    dead = [h["text"] for h in holders if not h["alive"]]
+    lines = []
+    if live:
+        lines.append(f"{_configurations(len(live))} still being measured by {', '.join(live)}; the best may change")
+    if dead:
+        lines.append(f"{_configurations(len(dead))} left RUNNING by a dead worker: {', '.join(dead)}; the next "
+                     "'autotune study' measures it again" if len(dead) == 1 else
+                     f"{_configurations(len(dead))} left RUNNING by dead workers: {', '.join(dead)}; the next "
+                     "'autotune study' measures them again")
+    return lines
+
+
+def _configurations(n: int) -> str:
+    return f"{n} configuration{'s' if n != 1 else ''}"
+
+
 def summary_text(summary: StudySummary) -> str:
     """A few lines for a person: counts, the best configuration, its figures and command."""
     lines = [
@@ -88,6 +109,7 @@ def summary_text(summary: StudySummary) -> str:
         + (f"; this run: {summary.n_new} new, {summary.n_measured} measured" if summary.n_new else "")
         + (" [interrupted]" if summary.interrupted else ""),
     ]
+    lines += being_measured_lines(summary.extra)
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")

@@ -26,7 +26,7 @@ from autotune.cli import cli
 from autotune.config import load_study_config
 from autotune.errors import StorageError
 from autotune.study import StudyRunner, prepare_study
-from autotune.study import runner as runner_mod
+from autotune.study import claims as claims_mod
 from autotune.study import storage as study_storage
 
 if __package__:  # tests/ is a package
@@ -79,7 +79,7 @@ def test_a_full_disk_stops_the_study_with_the_cause_and_its_trial_is_measured_ag
         assert re.search(r"trial \d+ (was failed, to be measured again|is left RUNNING: the next run fails it)", said)
         # The disk has room again; the failed process is gone (what SIGKILL or its exit leaves).
         engine.dispose()
-        monkeypatch.setattr(runner_mod, "process_alive", lambda pid: False)
+        monkeypatch.setattr(claims_mod, "process_alive", lambda pid: False)
         resumed = StudyRunner(prepare_study(cfg, storage=url), seed=0)
         monkeypatch.undo()
         resumed.run()

@@ -27,10 +27,10 @@ import optuna
 from autotune import artifacts, plugins
 from autotune.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
-from autotune.study import baseline, calibration, records, storage
+from autotune.study import baseline, calibration, claims, records, storage
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
-from autotune.study.finish import FinishPhase, process_alive, finish_token
+from autotune.study.finish import FinishPhase, finish_token
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.judge import judge_for
 from autotune.study.probe import LeaderGapPruner
@@ -96,7 +96,7 @@ class StudyRunner(TrialPhase, FinishPhase):
             self.judge = judge_for(prepared, self.study)
             self.quality = self.judge.quality
             self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
-            self._fail_dead_local_workers()
+            self._fail_dead_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.finish_token = finish_token(socket.gethostname(), os.getpid())
         self.n_measured = 0
@@ -132,26 +132,21 @@ class StudyRunner(TrialPhase, FinishPhase):
     def _evaluated_keys(self) -> set[str]:
         return set(records.standing_by_key(self.study))
 
-    def _fail_dead_local_workers(self) -> None:
-        """Fail RUNNING trials of processes on this host that no longer exist (killed -9).
-
-        The heartbeat catches dead workers on any host, but only after its grace period; a
-        study restarted right after a crash on the same machine should not wait for that.
-        """
-        host = socket.gethostname()
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            worker = str(t.user_attrs.get("worker", ""))
-            name, _, pid = worker.rpartition(":")
-            if name != host or not pid.isdigit() or process_alive(int(pid)):
-                continue
-            storage.set_finished_attrs(self.study, t, {"fail_reason": f"worker {worker} died", "retry": True},
-                                       TrialState.FAIL)
+    def _fail_dead_workers(self) -> None:
+        """Fail the RUNNING trials of dead workers, by the one rule for every host
+        (``claims.holder``): on this host a pid that no longer exists (killed -9: a study
+        restarted right after a crash need not wait for the heartbeat), on any host a heartbeat
+        older than ``storage.HEARTBEAT_GRACE_S``. Failed for a retry: never answers for its
+        configuration, which is measured again."""
+        for t, holder in claims.running_holders(self.study):
+            if not holder.alive:
+                storage.set_finished_attrs(self.study, t, {"fail_reason": f"worker {holder.worker or '?'} died: "
+                                                           f"{holder.describe()}", "retry": True}, TrialState.FAIL)
 
     def _cleanup_dead_workers(self) -> None:
-        """Fail the RUNNING trials of dead workers (heartbeat lapsed, or a dead local pid), and
-        queue again what they and earlier runs left unmeasured."""
-        optuna.storages.fail_stale_trials(self.study)
-        self._fail_dead_local_workers()
+        """Fail the RUNNING trials of dead workers (``_fail_dead_workers``), and queue again
+        what they and earlier runs left unmeasured."""
+        self._fail_dead_workers()
         self.requeue_cut_short()
 
     # ----------------------------------------------------------------------------- queueing
@@ -314,7 +309,7 @@ class StudyRunner(TrialPhase, FinishPhase):
         """The error that stops the study when its storage fails under ``trial``. The trial is
         failed for a retry where the storage still takes that write; else it stays RUNNING, and
         the next run fails it and measures its configuration again: on this host because its
-        process is gone (``_fail_dead_local_workers``), on another once its heartbeat is older
+        process is gone (``_fail_dead_workers``), on another once its heartbeat is older
         than ``storage.HEARTBEAT_GRACE_S``."""
         error = storage.fault(exc, self.prepared.shown_storage)
         if trial is None:

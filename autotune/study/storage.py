@@ -334,6 +334,26 @@ def set_finished_attrs(study: optuna.Study, trial: optuna.trial.FrozenTrial, att
     return True
 
 
+def heartbeat_ages(study: optuna.Study) -> dict[int, float]:
+    """Seconds since the last heartbeat of each RUNNING trial that has one, by trial id, at the
+    database's clock (as Optuna's own stale check reads it: the workers' clocks may differ);
+    empty for a storage without heartbeats."""
+    from optuna.storages._rdb import models
+
+    engine = sql_engine(study)
+    if engine is None or not is_heartbeat_enabled(study._storage):
+        return {}
+    beats = models.TrialHeartbeatModel
+    with engine.connect() as conn:
+        now = conn.execute(sqlalchemy.select(sqlalchemy.func.now())).scalar()
+        rows = conn.execute(sqlalchemy.select(beats.trial_id, beats.heartbeat)
+                            .join(models.TrialModel, models.TrialModel.trial_id == beats.trial_id)
+                            .where(models.TrialModel.study_id == study._study_id,
+                                   models.TrialModel.state == optuna.trial.TrialState.RUNNING)).all()
+    now = now.replace(tzinfo=None)
+    return {int(trial_id): max((now - beat.replace(tzinfo=None)).total_seconds(), 0.0) for trial_id, beat in rows}
+
+
 def frozen(study: optuna.Study, trial_id: int) -> optuna.trial.FrozenTrial:
     return study._storage.get_trial(trial_id)
 
@@ -412,9 +432,8 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
     })
     if comparable.ENGINES_ATTR not in study.user_attrs:  # a study stored before the check
         study.set_user_attr(comparable.ENGINES_ATTR, engines)
-    # A worker that died mid-trial left it RUNNING; fail it so the configuration is measured
-    # again (it carries no fail_reason, so it never answers for its configuration).
-    optuna.storages.fail_stale_trials(study)
+    # A worker that died mid-trial left its trial RUNNING: the runner fails it, by the one
+    # liveness rule of every host (claims.holder), so that its configuration is measured again.
     return study
 
 
