@@ -486,7 +486,8 @@ def upgrade(url: str) -> list[str]:
     if url.startswith("journal:"):
         raise StorageError(f"storage {shown}: a journal file cannot be upgraded in place; copy the study into "
                            "SQLite first (optuna.copy_study) and upgrade that")
-    store = open_storage(url, create=False)
+    _check_file(url, url.split(":///", 1)[1] if url.startswith("sqlite:") and ":///" in url else "", writable=True)
+    store = open_storage(url, create=False)  # it rewrites a database, never creates one
     engine = getattr(store, "engine", None)
     assert engine is not None
     done = []
