@@ -11,7 +11,7 @@ from autotune.hardware import CPU_KEY
 from autotune.errors import ConfigError
 from autotune.report_html import write_report
 from autotune.study import records
-from autotune.study.storage import mask_url, open_storage, study_names
+from autotune.study.storage import faults, mask_url, open_storage, study_names
 from autotune.study.summary import StudySummary, contender_text, summarize
 
 
@@ -23,6 +23,11 @@ def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
             or a study this autotune would misread.
     """
     shown = mask_url(storage)
+    with faults(shown):
+        return _load_study(storage, shown, study_name)
+
+
+def _load_study(storage: str, shown: str, study_name: str | None) -> optuna.Study:
     store = open_storage(storage, create=False)
     names = study_names(store, shown)
     if not names:
@@ -40,7 +45,8 @@ def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
 
 def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     """The summary of a stored study (``best``, ``report``): the same one ``study`` printed."""
-    return summarize(load_study(storage, study_name), mask_url(storage))
+    with faults(mask_url(storage)):
+        return summarize(load_study(storage, study_name), mask_url(storage))
 
 
 def write_study_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
@@ -71,6 +77,27 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def being_measured_lines(extra: dict[str, Any]) -> list[str]:
+    """What the summary says of configurations still RUNNING (``summary.summarize``): measured
+    by a live worker, the best may change; left by a dead one, the next run measures them."""
+    holders = extra.get("being_measured") or []
+    live = [h["text"] for h in holders if h["alive"]]
+    dead = [h["text"] for h in holders if not h["alive"]]
+    lines = []
+    if live:
+        lines.append(f"{_configurations(len(live))} still being measured by {', '.join(live)}; the best may change")
+    if dead:
+        lines.append(f"{_configurations(len(dead))} left RUNNING by a dead worker: {', '.join(dead)}; the next "
+                     "'autotune study' measures it again" if len(dead) == 1 else
+                     f"{_configurations(len(dead))} left RUNNING by dead workers: {', '.join(dead)}; the next "
+                     "'autotune study' measures them again")
+    return lines
+
+
+def _configurations(n: int) -> str:
+    return f"{n} configuration{'s' if n != 1 else ''}"
+
+
 def summary_text(summary: StudySummary) -> str:
     """A few lines for a person: counts, the best configuration, its figures and command."""
     lines = [
@@ -82,6 +109,7 @@ def summary_text(summary: StudySummary) -> str:
         + (f"; this run: {summary.n_new} new, {summary.n_measured} measured" if summary.n_new else "")
         + (" [interrupted]" if summary.interrupted else ""),
     ]
+    lines += being_measured_lines(summary.extra)
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")

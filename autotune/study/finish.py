@@ -16,6 +16,7 @@ from typing import Callable
 
 from autotune.errors import EngineUnavailableError
 from autotune.study import records
+from autotune.study.claims import process_alive
 from autotune.study.records import TrialRecord
 from autotune.study.summary import finish_candidates, finish_verdict, worth_another_round
 
@@ -36,16 +37,6 @@ def dead_local_finisher(token: int) -> bool:
         return False
     value = -token
     return value >> _PID_BITS == host_tag(socket.gethostname()) and not process_alive(value & ((1 << _PID_BITS) - 1))
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 class FinishPhase:
     """The finish and the claims on work done once per study (a finish round, a baseline);

@@ -28,10 +28,10 @@ from autotune import artifacts, plugins
 from autotune.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
-from autotune.study import baseline, calibration, records, storage
+from autotune.study import baseline, calibration, claims, records, storage
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
-from autotune.study.finish import FinishPhase, process_alive, finish_token
+from autotune.study.finish import FinishPhase, finish_token
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.judge import judge_for
 from autotune.study.probe import LeaderGapPruner
@@ -90,13 +90,14 @@ class StudyRunner(TrialPhase, FinishPhase):
         self.strategy = plugins.get_strategy(self.cfg.sampler)
         self.sampler = ScreenedSampler(self.strategy.sampler(self.seed), prepared.space, self.admissible,
                                        self._evaluated_keys, seed=self.seed)
-        self.study = storage.open_study(prepared, self.sampler)
-        if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
-            self.study.pruner = LeaderGapPruner(self.cfg.probe_margin)
-        self.judge = judge_for(prepared, self.study)
-        self.quality = self.judge.quality
-        self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
-        self._fail_dead_local_workers()
+        with storage.faults(prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
+            self.study = storage.open_study(prepared, self.sampler)
+            if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
+                self.study.pruner = LeaderGapPruner(self.cfg.probe_margin)
+            self.judge = judge_for(prepared, self.study)
+            self.quality = self.judge.quality
+            self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
+            self._fail_dead_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.finish_token = finish_token(socket.gethostname(), os.getpid())
         self.n_measured = 0
@@ -132,26 +133,21 @@ class StudyRunner(TrialPhase, FinishPhase):
     def _evaluated_keys(self) -> set[str]:
         return set(records.standing_by_key(self.study))
 
-    def _fail_dead_local_workers(self) -> None:
-        """Fail RUNNING trials of processes on this host that no longer exist (killed -9).
-
-        The heartbeat catches dead workers on any host, but only after its grace period; a
-        study restarted right after a crash on the same machine should not wait for that.
-        """
-        host = socket.gethostname()
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            worker = str(t.user_attrs.get("worker", ""))
-            name, _, pid = worker.rpartition(":")
-            if name != host or not pid.isdigit() or process_alive(int(pid)):
-                continue
-            storage.set_finished_attrs(self.study, t, {"fail_reason": f"worker {worker} died", "retry": True},
-                                       TrialState.FAIL)
+    def _fail_dead_workers(self) -> None:
+        """Fail the RUNNING trials of dead workers, by the one rule for every host
+        (``claims.holder``): on this host a pid that no longer exists (killed -9: a study
+        restarted right after a crash need not wait for the heartbeat), on any host a heartbeat
+        older than ``storage.HEARTBEAT_GRACE_S``. Failed for a retry: never answers for its
+        configuration, which is measured again."""
+        for t, holder in claims.running_holders(self.study):
+            if not holder.alive:
+                storage.set_finished_attrs(self.study, t, {"fail_reason": f"worker {holder.worker or '?'} died: "
+                                                           f"{holder.describe()}", "retry": True}, TrialState.FAIL)
 
     def _cleanup_dead_workers(self) -> None:
-        """Fail the RUNNING trials of dead workers (heartbeat lapsed, or a dead local pid), and
-        queue again what they and earlier runs left unmeasured."""
-        optuna.storages.fail_stale_trials(self.study)
-        self._fail_dead_local_workers()
+        """Fail the RUNNING trials of dead workers (``_fail_dead_workers``), and queue again
+        what they and earlier runs left unmeasured."""
+        self._fail_dead_workers()
         self.requeue_cut_short()
 
     # ----------------------------------------------------------------------------- queueing
@@ -272,6 +268,11 @@ class StudyRunner(TrialPhase, FinishPhase):
         run measures it again) and returns with the storage consistent. An engine that cannot
         run at all (``EngineUnavailableError``) stops the study at once: every trial would fail.
         """
+        with storage.faults(self.prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
+            return self._run(budget_s, n_trials, callback, note)
+
+    def _run(self, budget_s: float | None, n_trials: int | None, callback: Callable[[TrialEvent], None] | None,
+             note: Callable[[str], None] | None) -> StudySummary:
         if budget_s is None and n_trials is None:
             budget_s, n_trials = self.cfg.budget_s, self.cfg.n_trials
             if budget_s is None and n_trials is None:
@@ -307,6 +308,24 @@ class StudyRunner(TrialPhase, FinishPhase):
         summary.interrupted = interrupted
         summary.elapsed_s = time.monotonic() - start
         return summary
+
+    def _storage_failed(self, trial: optuna.Trial | None, exc: BaseException) -> AutotuneError:
+        """The error that stops the study when its storage fails under ``trial``. The trial is
+        failed for a retry where the storage still takes that write; else it stays RUNNING, and
+        the next run fails it and measures its configuration again: on this host because its
+        process is gone (``_fail_dead_workers``), on another once its heartbeat is older
+        than ``storage.HEARTBEAT_GRACE_S``."""
+        error = storage.fault(exc, self.prepared.shown_storage)
+        if trial is None:
+            return error
+        try:
+            write(trial, fail_reason=f"the storage failed: {error}", retry=True)
+            self.study.tell(trial, state=TrialState.FAIL)
+            left = f"trial {trial.number} was failed, to be measured again"
+        except Exception:  # noqa: BLE001 - the storage refuses this write too
+            left = (f"trial {trial.number} is left RUNNING: the next run fails it and measures its "
+                    "configuration again")
+        return type(error)(f"{error}; {left}")
 
     def _store_run_facts(self) -> None:
         """What the summary of this study reads beside its trials: whether this run converged,
@@ -409,6 +428,10 @@ class StudyRunner(TrialPhase, FinishPhase):
             assert trial is not None
             self._fail_quietly(trial, str(exc), retry=True)  # not the configuration's fault
             raise
+        except storage.FAULTS as exc:
+            # The storage failed under the trial (a disk full, a lock held past the wait): not the
+            # configuration's fault, and every next trial would fail alike. The study stops.
+            raise self._storage_failed(trial, exc) from None
         except Exception as exc:  # a bug in a plugin must not kill the study either
             assert trial is not None
             if "engine" in trial.user_attrs:

@@ -8,13 +8,14 @@ are set on our own engine's connections only: a host program's other databases a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import optuna
 import sqlalchemy
@@ -34,6 +35,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 HEARTBEAT_INTERVAL_S = 20
 HEARTBEAT_GRACE_S = 60
+# How long a write to SQLite waits for another process's lock before it is an error (SQLite's
+# busy timeout: it retries until then); said in the error, so the user knows it was waited for.
+SQLITE_LOCK_WAIT_S = 60
+# Optuna's own tables: a SQLite file with tables but none of these belongs to another application.
+_OPTUNA_TABLES = frozenset({"studies", "version_info", "alembic_version"})
 STORAGE_ENV = "AUTOTUNE_STORAGE"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -74,7 +80,7 @@ def remember_run(url: str, study_name: str, directory: Path | None = None) -> No
     written down (it came from $AUTOTUNE_STORAGE or the command line, and is given there again);
     a relative SQLite path is kept absolute."""
     here = (directory or Path.cwd()).resolve()
-    if url.startswith("sqlite:///") and not url.startswith("sqlite:////") and url != "sqlite:///:memory:":
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
         url = "sqlite:///" + str(here / url[len("sqlite:///"):])
     keep = url if mask_url(url) == url else None
     path = _last_run_file(here)
@@ -130,6 +136,9 @@ class _WalConnection(sqlite3.Connection):
 def _check_file(url: str, path: str, writable: bool) -> None:
     shown = mask_url(url)
     p = Path(path).expanduser()
+    if url.startswith("sqlite:") and path in ("", ":memory:"):
+        raise StorageError(f"storage {shown}: an in-memory database ends with this process, so 'autotune best', "
+                           "'report' and a resumed study would find nothing; give a file, e.g. sqlite:///study.db")
     if path in ("", ":memory:"):
         return
     if p.exists():
@@ -141,6 +150,11 @@ def _check_file(url: str, path: str, writable: bool) -> None:
             with open(p, "rb") as f:
                 if f.read(16) != _SQLITE_MAGIC:
                     raise StorageError(f"storage {shown}: {p} is not a SQLite database")
+            tables = _sqlite_tables(p)
+            if tables and not tables & _OPTUNA_TABLES:
+                raise StorageError(f"storage {shown}: {p} is a SQLite database of another application (tables: "
+                                   f"{', '.join(sorted(tables)[:8])}{', ...' if len(tables) > 8 else ''}); "
+                                   "give a new file")
         return
     if not writable:
         raise StorageError(f"storage {shown}: {p} does not exist (run 'autotune study' first, or give --storage)")
@@ -149,6 +163,29 @@ def _check_file(url: str, path: str, writable: bool) -> None:
         raise StorageError(f"storage {shown}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise StorageError(f"storage {shown}: cannot create {p}: the directory {parent} is not writable")
+
+
+def _sqlite_tables(p: Path) -> set[str]:
+    """The tables of a SQLite file, read without writing anything (empty where it cannot be
+    read this way: opening it for real then says why)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=SQLITE_LOCK_WAIT_S)) as conn:
+            return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error:
+        return set()
+
+
+def _read_only_sqlite(path: str) -> str | None:
+    """The URL that opens SQLite file ``path`` read-only, where this process cannot write it or
+    its directory (read-only media, another user's study); None where it can (a reader beside
+    a running study then shares its write-ahead log). Immutable where no write-ahead log is
+    there: no process has the database open for writing, and SQLite could not create the
+    log's index beside a file in a read-only directory."""
+    p = Path(path).expanduser().resolve()
+    if os.access(p, os.W_OK) and os.access(p.parent, os.W_OK):
+        return None
+    immutable = "" if Path(f"{p}-wal").exists() else "&immutable=1"
+    return f"sqlite:///file:{p}?mode=ro{immutable}&uri=true"
 
 
 def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorage:
@@ -172,12 +209,17 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
     if url.startswith("sqlite:"):
         path = url.split(":///", 1)[1] if ":///" in url else ""
         _check_file(url, path, writable=create)
-        engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 60, "factory": _WalConnection}}
+        read_only = None if create else _read_only_sqlite(path)
+        # A read-only connection cannot switch the journal to write-ahead logging
+        factory = sqlite3.Connection if read_only else _WalConnection
+        engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": SQLITE_LOCK_WAIT_S, "factory": factory}}
     else:
+        read_only = None
         engine_kwargs = {"pool_pre_ping": True}
     for attempt in range(5):
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S,
+            return optuna.storages.RDBStorage(read_only or url, engine_kwargs=engine_kwargs,
+                                              heartbeat_interval=HEARTBEAT_INTERVAL_S,
                                               grace_period=HEARTBEAT_GRACE_S, skip_table_creation=not create)
         except ImportError as exc:
             extra = "postgres" if url.startswith("postgresql") else "a driver for it"
@@ -190,11 +232,11 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
                 raise StorageError(f"storage {shown}: {_first_line(exc)}") from None
             time.sleep(0.2 * (attempt + 1))
         except sqlalchemy.exc.OperationalError as exc:
-            raise StorageError(f"storage {shown}: cannot open the database: {_first_line(exc)}") from None
+            raise fault(exc, shown, "cannot open the database: ") from None
         except sqlalchemy.exc.SQLAlchemyError as exc:
             raise StorageError(f"storage {shown}: {_first_line(exc)}") from None
         except optuna.exceptions.StorageInternalError as exc:
-            raise StorageError(f"storage {shown}: not a study storage ({_first_line(exc.__cause__ or exc)})") from None
+            raise fault(exc, shown) from None
         except RuntimeError as exc:  # Optuna's schema version check
             raise StorageError(f"storage {shown}: {exc}") from None
     raise AssertionError("unreachable")
@@ -205,10 +247,53 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# The database's own words for each cause (SQLite's, PostgreSQL's, MySQL's), lower case.
+_CAUSES = (
+    (("disk is full", "no space left", "disk full", "could not extend file"),
+     "the disk is full (or the database reached its size limit); free space there and run the same command again"),
+    (("database is locked", "database table is locked", "lock timeout", "lock wait timeout", "deadlock"),
+     "the database is locked by another process (waited {wait:g} s); let it finish or stop it, then run again"),
+    (("readonly", "read-only", "read only"),
+     "the database is read-only here; give a writable --storage (a study writes), or copy the file"),
+    (("no such table", 'relation "', "doesn't exist"),
+     "not an autotune storage (Optuna's tables are missing)"),
+)
+
+
+def fault(exc: BaseException, shown: str, prefix: str = "") -> StorageError:
+    """The one-line error for a storage that failed under a command, naming the cause: disk
+    full, locked by another process, read-only, not an autotune storage, else the database's
+    own first line. Optuna wraps every database error as "invalid data in the commit, e.g.
+    exceeding max length" (StorageInternalError): the database's error under it says why."""
+    while isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    said = _first_line(exc)
+    low = said.lower()
+    for words, why in _CAUSES:
+        if any(w in low for w in words):
+            return StorageError(f"storage {shown}: {why.format(wait=SQLITE_LOCK_WAIT_S)} ({said})")
+    return StorageError(f"storage {shown}: {prefix}{said}")
+
+
+# What a database that fails under a running command raises (through Optuna, or our own SQL).
+FAULTS = (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError)
+
+
+@contextlib.contextmanager
+def faults(shown: str) -> Iterator[None]:
+    """Turn a database failing under the body into ``fault``'s StorageError (exit status 2)."""
+    try:
+        yield
+    except FAULTS as exc:
+        raise fault(exc, shown) from None
+
+
 def study_names(storage: optuna.storages.BaseStorage, shown: str) -> list[str]:
     """Names of the studies in a storage (a database that is not Optuna's is an error)."""
     try:
         return [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    except sqlalchemy.exc.OperationalError as exc:
+        raise fault(exc, shown) from None
     except sqlalchemy.exc.SQLAlchemyError as exc:
         raise StorageError(f"storage {shown}: not a study storage ({_first_line(exc)})") from None
 
@@ -247,6 +332,26 @@ def set_finished_attrs(study: optuna.Study, trial: optuna.trial.FrozenTrial, att
     except optuna.exceptions.UpdateFinishedTrialError:
         return False
     return True
+
+
+def heartbeat_ages(study: optuna.Study) -> dict[int, float]:
+    """Seconds since the last heartbeat of each RUNNING trial that has one, by trial id, at the
+    database's clock (as Optuna's own stale check reads it: the workers' clocks may differ);
+    empty for a storage without heartbeats."""
+    from optuna.storages._rdb import models
+
+    engine = sql_engine(study)
+    if engine is None or not is_heartbeat_enabled(study._storage):
+        return {}
+    beats = models.TrialHeartbeatModel
+    with engine.connect() as conn:
+        now = conn.execute(sqlalchemy.select(sqlalchemy.func.now())).scalar()
+        rows = conn.execute(sqlalchemy.select(beats.trial_id, beats.heartbeat)
+                            .join(models.TrialModel, models.TrialModel.trial_id == beats.trial_id)
+                            .where(models.TrialModel.study_id == study._study_id,
+                                   models.TrialModel.state == optuna.trial.TrialState.RUNNING)).all()
+    now = now.replace(tzinfo=None)
+    return {int(trial_id): max((now - beat.replace(tzinfo=None)).total_seconds(), 0.0) for trial_id, beat in rows}
 
 
 def frozen(study: optuna.Study, trial_id: int) -> optuna.trial.FrozenTrial:
@@ -327,9 +432,8 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
     })
     if comparable.ENGINES_ATTR not in study.user_attrs:  # a study stored before the check
         study.set_user_attr(comparable.ENGINES_ATTR, engines)
-    # A worker that died mid-trial left it RUNNING; fail it so the configuration is measured
-    # again (it carries no fail_reason, so it never answers for its configuration).
-    optuna.storages.fail_stale_trials(study)
+    # A worker that died mid-trial left its trial RUNNING: the runner fails it, by the one
+    # liveness rule of every host (claims.holder), so that its configuration is measured again.
     return study
 
 
@@ -382,7 +486,8 @@ def upgrade(url: str) -> list[str]:
     if url.startswith("journal:"):
         raise StorageError(f"storage {shown}: a journal file cannot be upgraded in place; copy the study into "
                            "SQLite first (optuna.copy_study) and upgrade that")
-    store = open_storage(url, create=False)
+    _check_file(url, url.split(":///", 1)[1] if url.startswith("sqlite:") and ":///" in url else "", writable=True)
+    store = open_storage(url, create=False)  # it rewrites a database, never creates one
     engine = getattr(store, "engine", None)
     assert engine is not None
     done = []

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import optuna
 
-from autotune.study import records
+from autotune.study import claims, records
 from autotune.study.baseline import compare
 from autotune.study.records import TrialRecord, TrialState
 
@@ -327,6 +327,12 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     )
     if finish is not None:
         summary.extra["finish"] = finish
+    # Configurations another worker (this host or another) still measures, or left RUNNING when
+    # it died: until they end, the best above may not be the study's.
+    measuring = [h.as_dict() for t, h in claims.running_holders(study)
+                 if t.user_attrs.get("config_key") and t.user_attrs.get("answered_from") is None]
+    if measuring:
+        summary.extra["being_measured"] = measuring
     if len(study.directions) > 1:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
     baselines = records.baselines(study)
