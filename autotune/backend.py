@@ -302,6 +302,7 @@ class BaseBackend(abc.ABC):
             sizes a cache and compares engines' caches by these (``autotune.cache_types``).
         weight_formats: The weight-format families it can make and load (``WeightFormats``):
             what a ``NAME:...`` weights value is, and the formats ``autotune init`` offers.
+        engine_variables: What its engine needs of autotune's environment (see below).
     """
 
     name: ClassVar[str] = ""
@@ -311,6 +312,10 @@ class BaseBackend(abc.ABC):
     """The keys of ``[backends.<name>]`` this backend reads; any other key is refused."""
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = ()
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = ()
+    engine_variables: ClassVar[tuple[str, ...]] = ()
+    """Variables of autotune's environment (names or ``fnmatch`` patterns) its engine needs beyond
+    the allow-list of :func:`autotune.redact.engine_environment`; the engine gets no others. A
+    pattern never hands on a secret-looking variable, a name does."""
 
     def setting(self, ctx: StudyContext, name: str) -> Any:
         """A ``[backends.<name>]`` value, or its declared default (one owner of each default)."""

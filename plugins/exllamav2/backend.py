@@ -42,6 +42,7 @@ from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
+from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import SERVING_UNITS, measure_engine
 from autotune.models import ModelSpec, model_from_hf_config
@@ -177,6 +178,8 @@ class ExLlamaV2Backend(BaseBackend):
     settings: ClassVar[tuple[Setting, ...]] = SETTINGS
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL2,)
+    # The worker and the converter are Python: see the declaration.
+    engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
 
     # -------------------------------------------------------------- space and rules
 
@@ -369,11 +372,11 @@ class ExLlamaV2Backend(BaseBackend):
         command = self.setting(ctx, "worker_command")
         return default_worker_command(self.python(ctx)) if command is None else list(command)
 
-    @staticmethod
-    def worker_env(ctx: StudyContext) -> dict[str, str]:
+    @classmethod
+    def worker_env(cls, ctx: StudyContext) -> dict[str, str]:
         """The worker's environment: it sees the study's one card as its CUDA device 0, named
         as the user's own CUDA_VISIBLE_DEVICES names it (the card autotune's telemetry reads)."""
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": cuda_visible_entry(ctx.gpu_index)}
+        return engine_environment(cls.engine_variables, CUDA_VISIBLE_DEVICES=cuda_visible_entry(ctx.gpu_index))
 
     def start_worker(self, ctx: StudyContext, log_dir: Path) -> WorkerProcess:
         env = self.worker_env(ctx)

@@ -47,6 +47,7 @@ from autotune.models import ModelSpec, model_from_gguf
 
 from autotune import processes
 from autotune.cuda_devices import cuda_visible_entry
+from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.artifacts import artifact_path, is_format
@@ -123,6 +124,7 @@ class LlamaServerBackend(BaseBackend):
     description: ClassVar[str] = "llama.cpp's llama-server on a GGUF file, launched and measured"
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.GGUF,)
+    engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*",)  # ggml's own switches (GGML_CUDA_*, GGML_VK_*)
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
                                      "else the newest `autotune engine build llama.cpp`, else PATH)"),
@@ -390,7 +392,8 @@ class LlamaServerBackend(BaseBackend):
         cmd = self.server_argv(config, ctx, binary=str(binary.absolute()), port=port, has_gpu=has_gpu)
         if verbose:
             cmd += ["-lv", str(STARTUP_LOG_VERBOSITY)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+        # No LLAMA_ARG_*: each would set a flag the deploy line does not show.
+        env = engine_environment(self.engine_variables)
         devices = self.cuda_devices(ctx, has_gpu)
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices

@@ -98,6 +98,10 @@ class OpenAIServerBackend(BaseBackend):
     # --kv-cache-dtype, llama-server's -ctk, TabbyAPI's (ExLlamaV2's) cache_mode.
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = (declarations.CACHE_TYPES + llama_declared.CACHE_TYPES
                                                        + exllamav2_declared.CACHE_TYPES)
+    # What the shipped templates' engines read: ggml's switches (llama-server), a Python
+    # engine's setup (vLLM, SGLang, TabbyAPI) and vLLM's and SGLang's own.
+    engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*", *exllamav2_declared.PYTHON_ENGINE_VARIABLES,
+                                                   "TOKENIZERS_*", "VLLM_*", "SGLANG_*", "FLASHINFER_*")
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("template", str, "llama-server", "a shipped template (" + ", ".join(shipped()) + ") or a template "
                                                  "TOML file, relative to the study file"),
@@ -333,7 +337,8 @@ class OpenAIServerBackend(BaseBackend):
         port = free_port(host)
         argv = self.argv(config, ctx, host=host, port=port, has_gpu=has_gpu, t=t)
         devices = cuda_visible_entry(ctx.gpu_index) if has_gpu else None
-        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices), label=t.name)
+        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices, self.engine_variables),
+                            label=t.name)
 
     def startup_timeout(self, ctx: StudyContext, t: Template) -> float:
         given = self.value(ctx, "startup_timeout_s")
