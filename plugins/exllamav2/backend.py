@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.backend import (
-    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
+    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line,
+    same_value)
 from autotune.artifacts import artifact_path, is_format
 from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError
@@ -348,15 +349,17 @@ class ExLlamaV2Backend(BaseBackend):
         s = self.generator_settings(config, ctx)
         args = [self.python(ctx), "main.py", *tabbyapi_args(s, self.weights_path(config.weights, ctx)),
                 "--host", "127.0.0.1", "--port", "5000"]
-        line = (" ".join(args) + "  # TabbyAPI, run from its checkout by the interpreter whose exllamav2 was "
-                "measured (config.yml model: keys of the same names); --host 0.0.0.0 serves other machines")
+        notes = ["TabbyAPI, run from its checkout by the interpreter whose exllamav2 was measured (config.yml "
+                 "model: keys of the same names)", "--host 0.0.0.0 serves other machines"]
         if s.paged:
-            return line + f"; cache of {config.parallel} x pad256({config.ctx}) tokens, paged attention"
-        if s.mode == "batched":
-            return line + (f"; measured as batched forward passes of {config.parallel} rows (offline batch "
-                           f"work); without flash-attn >= 2.5.7 this server answers one request at a time")
-        return line + ("; without flash-attn >= 2.5.7 requests are served one at a time (as measured); "
-                       "install it for concurrent jobs")
+            notes.append(f"cache of {config.parallel} x pad256({config.ctx}) tokens, paged attention")
+        elif s.mode == "batched":
+            notes.append(f"measured as batched forward passes of {config.parallel} rows (offline batch work); "
+                         "without flash-attn >= 2.5.7 this server answers one request at a time")
+        else:
+            notes.append("without flash-attn >= 2.5.7 requests are served one at a time (as measured); install it "
+                         "for concurrent jobs")
+        return deploy_line(args, notes)
 
     def engine_version(self) -> str:
         try:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, same_value
+    TrialConfig, deploy_line, same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
@@ -323,8 +323,7 @@ class LlamaServerBackend(BaseBackend):
         else:
             notes.append(f"listens on {host}")
         devices = self.cuda_devices(ctx, has_gpu)
-        prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)} " if devices is not None else ""
-        return prefix + shlex.join(argv) + "  # " + "; ".join(notes)
+        return deploy_line(argv, notes, None if devices is None else {"CUDA_VISIBLE_DEVICES": devices})
 
     def binary(self, ctx: StudyContext | None = None) -> Path:
         settings = self.resolved_settings(ctx) if ctx is not None else {}

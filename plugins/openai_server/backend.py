@@ -30,7 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
+    deploy_line
 from autotune.declarations import CacheType
 from autotune.cuda_devices import cuda_visible_entry
 from autotune import processes
@@ -308,8 +309,7 @@ class OpenAIServerBackend(BaseBackend):
         if "{host}" in t.command:
             notes.append(f"listens on {host} only; [backends.{self.name}] host = \"0.0.0.0\" serves other machines"
                          if loopback(host) else f"listens on {host}")
-        prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(cuda_visible_entry(ctx.gpu_index))} " if has_gpu else ""
-        return prefix + shlex.join(argv) + "  # " + "; ".join(notes)
+        return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible_entry(ctx.gpu_index)} if has_gpu else None)
 
     def engine_version(self) -> str:
         return "unknown (depends on the study's template)"
