@@ -34,10 +34,13 @@ the escape hatch for what neither the allow-list nor the backend names (``HF_TOK
 server that downloads a gated model)."""
 
 # What every engine may need of our environment: where programs, libraries and temporary files
-# are, the locale, and the accelerator runtimes' own variables.
+# are, the locale, the accelerator runtimes' own variables, and the network's proxy and CA
+# certificates (an engine that downloads its model; a proxy's password is scrubbed from output).
 ALLOWED = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM", "TMPDIR", "TMP",
            "TEMP", "LD_LIBRARY_PATH", "XDG_CACHE_HOME", "XDG_RUNTIME_DIR", "CUDA_*", "NVIDIA_*", "HIP_*",
-           "ROCR_*", "ROCM_*", "HSA_*", "GPU_DEVICE_ORDINAL", "OMP_*", "KMP_*", "MKL_*", "OPENBLAS_*")
+           "ROCR_*", "ROCM_*", "HSA_*", "GPU_DEVICE_ORDINAL", "OMP_*", "KMP_*", "MKL_*", "OPENBLAS_*",
+           "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+           "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 
 # Words of a variable or query key that name a secret; matched against the name's parts
 # (split at anything but letters and digits), so TOKENIZERS_PARALLELISM is not one.
