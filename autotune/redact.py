@@ -49,6 +49,7 @@ _SECRET_WORDS = {"pass", "pwd", "token", "key", "apikey", "auth", "cookie", "pri
 _SECRET_PARTS = ("passw", "secret", "apikey", "credential")
 _NOT_SECRET = {"PWD", "OLDPWD"}  # the working directory, not a password
 _MIN_SCRUB = 4  # shorter values would mangle ordinary text; such a password is no protection anyway
+_NOT_SECRET_VALUES = {"true", "false", "none", "null", "auto", "always", "never", "enabled", "disabled"}
 
 _known: set[str] = set()
 _known_lock = threading.Lock()
@@ -146,7 +147,8 @@ def secret_values(environ: Mapping[str, str] | None = None) -> set[str]:
             found |= url_secrets(v)
     with _known_lock:
         found |= _known
-    return {v for v in found if len(v) >= _MIN_SCRUB}
+    # A flag's value (HF_HUB_DISABLE_TOKEN=true) is no secret, and hiding it would mangle every log.
+    return {v for v in found if len(v) >= _MIN_SCRUB and v.lower() not in _NOT_SECRET_VALUES and not v.isdigit()}
 
 
 def scrub(text: str, secrets: Iterable[str] | None = None) -> str:

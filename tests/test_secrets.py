@@ -115,6 +115,7 @@ def test_engine_output_is_scrubbed_of_known_secrets(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret1")
     monkeypatch.setenv("AUTOTUNE_STORAGE", "postgresql://bob:pw1234@h/x?sslpassword=ssl9876")
     assert {"hf_secret1", "pw1234", "ssl9876"} <= secret_values()
+    assert not {"true", "8443"} & secret_values({"HF_HUB_DISABLE_TOKEN": "true", "AUTH_PORT": "8443"})  # flags
     printed = "environ: HF_TOKEN=hf_secret1 AUTOTUNE_STORAGE=postgresql://bob:pw1234@h/x?sslpassword=ssl9876\n"
     assert scrub(printed) == "environ: HF_TOKEN=*** AUTOTUNE_STORAGE=postgresql://bob:***@h/x?sslpassword=***\n"
     # every backend's failure goes through BackendError: its message and log tail are what is
