@@ -24,6 +24,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from urllib.parse import unquote
 
+from autotune.processes import MARK_ENV
+
 __all__ = ["MASK", "PASS_ENV", "engine_environment", "is_secret_name", "mask_url", "remember_url", "scrub",
            "secret_values", "split_url", "url_secrets"]
 
@@ -171,7 +173,9 @@ def engine_environment(declared: Iterable[str] = (), *, environ: Mapping[str, st
     """
     env = os.environ if environ is None else environ
     extra = [n.strip() for n in env.get(PASS_ENV, "").split(",") if n.strip()]
-    patterns = [*ALLOWED, *declared, *extra]
+    # The marks of an autotune run by autotune: processes.start adds the engine's own to them, so
+    # the outer run still finds (and ends) this engine and what it starts.
+    patterns = [*ALLOWED, MARK_ENV, *declared, *extra]
     exact = {p for p in patterns if not any(c in p for c in "*?[")}
     out = {}
     for name, value in env.items():

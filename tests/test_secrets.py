@@ -91,6 +91,8 @@ def test_an_engine_gets_the_allow_list_and_what_its_backend_declares():
     # a variable named exactly, by the backend or the user, passes: the escape hatch for a gated download
     env = engine_environment(("HF_*",), environ={**ours, "AUTOTUNE_ENGINE_ENV": "HF_TOKEN, MY_TOOL_*"})
     assert env["HF_TOKEN"] == "hf_secret1" and env["MY_TOOL_DIR"] == "/t" and "PGPASSWORD" not in env
+    # the marks of an autotune run by autotune reach its engines (processes.start adds theirs)
+    assert engine_environment(environ={"AUTOTUNE_PROCESS_MARK": "outer"}) == {"AUTOTUNE_PROCESS_MARK": "outer"}
     # a proxy is handed on (a server may download its model); a password in it is scrubbed from output
     proxied = {"HTTPS_PROXY": "http://me:prx4321@proxy:3128"}
     assert engine_environment(environ=proxied) == proxied and "prx4321" in secret_values(proxied)
