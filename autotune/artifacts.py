@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnknownNameError
 from autotune.formats import parse_format
+from autotune.redact import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend, StudyContext
@@ -83,14 +84,14 @@ def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Pat
             if line:
                 lines = [*lines[-40:], line]
                 if time.monotonic() - last >= 10:
-                    say(f"  {what}: {line[:160]}")
+                    say(f"  {what}: {scrub(line)[:160]}")  # relayed to the terminal
                     last = time.monotonic()
         code = proc.wait()
     finally:
         processes.stop(proc)  # an interrupted tool's group, and what a finished one left running
     if code != 0:
         errors = [ln for ln in lines if re.search(r"error|Error|ERROR|Traceback|No module", ln)]
-        raise AutotuneError(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}")
+        raise AutotuneError(scrub(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}"))
 
 
 def is_format(weights: str) -> bool:

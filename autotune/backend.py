@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import abc
 import json
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
@@ -64,6 +66,29 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def control_problem(value: str) -> str | None:
+    """Why a one-line value (a host, a name, a template's docs) is refused: a control character,
+    which would end the deploy line's comment and start a shell command when it is pasted."""
+    found = _CONTROL.search(value)
+    return None if found is None else (f"holds the control character {found.group()!r} at {found.start()}; it "
+                                       "must be one line of printable text")
+
+
+def deploy_line(argv: Sequence[Any], notes: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:
+    """A deploy command as the one shell line a person pastes: ``VAR=value argv...  # note; note``.
+
+    Every word is quoted as a shell needs it (``shlex.quote``: a plain word stays as it is), and
+    each control character of a note becomes a space, so nothing in a setting, a path or a
+    template can end the comment and start a command of its own.
+    """
+    words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()] + [shlex.quote(str(a)) for a in argv]
+    line = " ".join(words)
+    if notes:
+        line += "  # " + _CONTROL.sub(" ", "; ".join(notes))
+    return line
 
 
 @dataclass(frozen=True)
@@ -104,6 +129,9 @@ class Setting:
             ok = True
         if not ok or (self.choices and not any(same_value(value, c) for c in self.choices)):
             return f"must be {self.accepted()} ({self.help})"
+        # A string that is an argument list (a command) is split into words; any other is one line.
+        if isinstance(value, str) and list not in kinds and control_problem(value):
+            return control_problem(value)
         return self.check(value) if self.check else None
 
 
@@ -302,6 +330,7 @@ class BaseBackend(abc.ABC):
             sizes a cache and compares engines' caches by these (``autotune.cache_types``).
         weight_formats: The weight-format families it can make and load (``WeightFormats``):
             what a ``NAME:...`` weights value is, and the formats ``autotune init`` offers.
+        engine_variables: What its engine needs of autotune's environment (see below).
     """
 
     name: ClassVar[str] = ""
@@ -311,6 +340,10 @@ class BaseBackend(abc.ABC):
     """The keys of ``[backends.<name>]`` this backend reads; any other key is refused."""
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = ()
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = ()
+    engine_variables: ClassVar[tuple[str, ...]] = ()
+    """Variables of autotune's environment (names or ``fnmatch`` patterns) its engine needs beyond
+    the allow-list of :func:`autotune.redact.engine_environment`; the engine gets no others. A
+    pattern never hands on a secret-looking variable, a name does."""
 
     def setting(self, ctx: StudyContext, name: str) -> Any:
         """A ``[backends.<name>]`` value, or its declared default (one owner of each default)."""

@@ -99,7 +99,9 @@ def _wrapped(command: str, width: int = 76) -> list[str]:
     line, _, comment = command.partition("  # ")
     out, current = [], ""
     for word in shlex.split(line):
-        word = shlex.quote(word) if "=" not in word else word
+        name, eq, value = word.partition("=")
+        # An assignment (VAR=value) keeps its name bare, or the shell would read it as a command.
+        word = f"{name}={shlex.quote(value)}" if eq and name.isidentifier() else shlex.quote(word)
         if current and len(current) + len(word) + 3 > width:
             out.append(current + " \\")
             current = "  "

@@ -7,6 +7,8 @@ import sys
 import traceback
 from typing import Iterator
 
+from autotune.redact import scrub
+
 
 class AutotuneError(Exception):
     """Base of every error autotune raises on purpose."""
@@ -31,13 +33,17 @@ class PluginError(AutotuneError):
 class BackendError(AutotuneError):
     """A backend could not launch or measure a configuration; the message is the engine's reason.
 
+    The message and the log tail are scrubbed of known secrets (``autotune.redact.scrub``) here,
+    where every backend's engine output enters the core: both are printed and stored in the trial,
+    and an engine may print its environment or its command line when it fails.
+
     Attributes:
         log_tail: The last lines of the engine's log, when there is one.
     """
 
     def __init__(self, message: str, log_tail: str = ""):
-        super().__init__(message)
-        self.log_tail = log_tail
+        super().__init__(scrub(str(message)))
+        self.log_tail = scrub(log_tail)
 
 
 class UnsupportedError(BackendError):

@@ -28,6 +28,7 @@ from autotune import artifacts, plugins
 from autotune.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
+from autotune.redact import scrub
 from autotune.study import baseline, calibration, claims, records, storage
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
@@ -436,9 +437,9 @@ class StudyRunner(TrialPhase, FinishPhase):
             assert trial is not None
             if "engine" in trial.user_attrs:
                 self.n_measured += 1  # it was launched: it counts like a BackendError
-            write(trial, log_tail=traceback.format_exc()[-4000:])
-            self._fail_quietly(trial, f"{type(exc).__name__}: {exc}")
-            outcome = Outcome("FAIL", trial.user_attrs.get("config", {}), reason=str(exc))
+            write(trial, log_tail=scrub(traceback.format_exc())[-4000:])
+            self._fail_quietly(trial, scrub(f"{type(exc).__name__}: {exc}"))
+            outcome = Outcome("FAIL", trial.user_attrs.get("config", {}), reason=scrub(str(exc)))
         heartbeat.beat(None)
         # First: it brings the finished trial into the storage's cache, where the note reads it
         # (else the note reads the whole trial back from the database).

@@ -26,6 +26,7 @@ from autotune import objective as objective_mod
 from autotune.config import load_study_config
 from autotune.errors import ConfigError, StorageError
 from autotune.objective import name_objectives
+from autotune.redact import mask_url, remember_url, scrub, split_url
 from autotune.space import canonical_order, dimension_of
 from autotune.study import comparable, records
 
@@ -44,16 +45,32 @@ STORAGE_ENV = "AUTOTUNE_STORAGE"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
-def mask_url(url: str) -> str:
-    """The URL with its password replaced by ``***``: what autotune shows, stores and logs."""
-    if "@" not in url or "://" not in url:
-        return url
+def check_url(url: str) -> None:
+    """Refuse a server URL that the driver would misread, before it is given one: the message
+    names what is wrong and never quotes the password (a driver's own error may: a port it
+    cannot read is part of a password with an unencoded '@' or ':').
+
+    Raises:
+        StorageError: the password holds an unencoded '@', '/', '?' or '#', or the URL does
+            not parse (a port that is not a number).
+    """
+    shown = mask_url(url)
+    parts = split_url(url)
+    if parts is None or url.startswith(("sqlite:", "journal:")):
+        return
+    password = parts[1].partition(":")[2]
+    bad = sorted({c for c in password if c in "@/?#"})
+    if bad:
+        raise StorageError(f"storage {shown}: the password holds an unencoded {' '.join(repr(c) for c in bad)}, "
+                           "which the database driver reads as part of the host; percent-encode it ('@' is %40, "
+                           "'/' %2F, '?' %3F, '#' %23) or give the password as $PGPASSWORD")
     try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except (sqlalchemy.exc.ArgumentError, ValueError):
-        scheme, _, rest = url.partition("://")
-        creds, _, host = rest.rpartition("@")
-        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
+        port = sqlalchemy.engine.make_url(url).port
+    except (sqlalchemy.exc.ArgumentError, ValueError, TypeError):
+        port = "bad"
+    if port == "bad" or (port is not None and not 0 < port < 65536):
+        raise StorageError(f"storage {shown}: not a URL the driver can read (the port after the host must be a "
+                           "number from 1 to 65535); use postgresql://USER:PASSWORD@HOST:PORT/DB")
 
 
 def resolve_url(given: str | None, from_file: str | None, default: str) -> str:
@@ -200,12 +217,14 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
             unreachable server, or a schema this Optuna cannot read; one line, password masked.
     """
     shown = mask_url(url)
+    remember_url(url)  # engines' output is scrubbed of its password from now on
     if url.startswith("journal:"):
         path = url[len("journal:"):]
         _check_file(url, path, writable=create)
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
     if not url.startswith(("sqlite:", "postgresql", "mysql")):
         raise StorageError(f"storage {shown}: use sqlite:///FILE.db, postgresql://USER@HOST/DB or journal:FILE")
+    check_url(url)
     if url.startswith("sqlite:"):
         path = url.split(":///", 1)[1] if ":///" in url else ""
         _check_file(url, path, writable=create)
@@ -243,7 +262,9 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
+    """A driver error's first line, without any password of the URLs opened (a driver may
+    quote its connection string)."""
+    text = scrub(str(getattr(exc, "orig", None) or exc).strip())
     return text.splitlines()[0] if text else type(exc).__name__
 
 

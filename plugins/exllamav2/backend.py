@@ -36,12 +36,14 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.backend import (
-    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value)
+    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line,
+    same_value)
 from autotune.artifacts import artifact_path, is_format
 from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
+from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import SERVING_UNITS, measure_engine
 from autotune.models import ModelSpec, model_from_hf_config
@@ -177,6 +179,8 @@ class ExLlamaV2Backend(BaseBackend):
     settings: ClassVar[tuple[Setting, ...]] = SETTINGS
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL2,)
+    # The worker and the converter are Python: see the declaration.
+    engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
 
     # -------------------------------------------------------------- space and rules
 
@@ -345,15 +349,17 @@ class ExLlamaV2Backend(BaseBackend):
         s = self.generator_settings(config, ctx)
         args = [self.python(ctx), "main.py", *tabbyapi_args(s, self.weights_path(config.weights, ctx)),
                 "--host", "127.0.0.1", "--port", "5000"]
-        line = (" ".join(args) + "  # TabbyAPI, run from its checkout by the interpreter whose exllamav2 was "
-                "measured (config.yml model: keys of the same names); --host 0.0.0.0 serves other machines")
+        notes = ["TabbyAPI, run from its checkout by the interpreter whose exllamav2 was measured (config.yml "
+                 "model: keys of the same names)", "--host 0.0.0.0 serves other machines"]
         if s.paged:
-            return line + f"; cache of {config.parallel} x pad256({config.ctx}) tokens, paged attention"
-        if s.mode == "batched":
-            return line + (f"; measured as batched forward passes of {config.parallel} rows (offline batch "
-                           f"work); without flash-attn >= 2.5.7 this server answers one request at a time")
-        return line + ("; without flash-attn >= 2.5.7 requests are served one at a time (as measured); "
-                       "install it for concurrent jobs")
+            notes.append(f"cache of {config.parallel} x pad256({config.ctx}) tokens, paged attention")
+        elif s.mode == "batched":
+            notes.append(f"measured as batched forward passes of {config.parallel} rows (offline batch work); "
+                         "without flash-attn >= 2.5.7 this server answers one request at a time")
+        else:
+            notes.append("without flash-attn >= 2.5.7 requests are served one at a time (as measured); install it "
+                         "for concurrent jobs")
+        return deploy_line(args, notes)
 
     def engine_version(self) -> str:
         try:
@@ -369,11 +375,11 @@ class ExLlamaV2Backend(BaseBackend):
         command = self.setting(ctx, "worker_command")
         return default_worker_command(self.python(ctx)) if command is None else list(command)
 
-    @staticmethod
-    def worker_env(ctx: StudyContext) -> dict[str, str]:
+    @classmethod
+    def worker_env(cls, ctx: StudyContext) -> dict[str, str]:
         """The worker's environment: it sees the study's one card as its CUDA device 0, named
         as the user's own CUDA_VISIBLE_DEVICES names it (the card autotune's telemetry reads)."""
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": cuda_visible_entry(ctx.gpu_index)}
+        return engine_environment(cls.engine_variables, CUDA_VISIBLE_DEVICES=cuda_visible_entry(ctx.gpu_index))
 
     def start_worker(self, ctx: StudyContext, log_dir: Path) -> WorkerProcess:
         env = self.worker_env(ctx)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, same_value
+    TrialConfig, deploy_line, same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
@@ -47,6 +47,7 @@ from autotune.models import ModelSpec, model_from_gguf
 
 from autotune import processes
 from autotune.cuda_devices import cuda_visible_entry
+from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.artifacts import artifact_path, is_format
@@ -123,6 +124,7 @@ class LlamaServerBackend(BaseBackend):
     description: ClassVar[str] = "llama.cpp's llama-server on a GGUF file, launched and measured"
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.GGUF,)
+    engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*",)  # ggml's own switches (GGML_CUDA_*, GGML_VK_*)
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
                                      "else the newest `autotune engine build llama.cpp`, else PATH)"),
@@ -321,8 +323,7 @@ class LlamaServerBackend(BaseBackend):
         else:
             notes.append(f"listens on {host}")
         devices = self.cuda_devices(ctx, has_gpu)
-        prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)} " if devices is not None else ""
-        return prefix + shlex.join(argv) + "  # " + "; ".join(notes)
+        return deploy_line(argv, notes, None if devices is None else {"CUDA_VISIBLE_DEVICES": devices})
 
     def binary(self, ctx: StudyContext | None = None) -> Path:
         settings = self.resolved_settings(ctx) if ctx is not None else {}
@@ -390,7 +391,8 @@ class LlamaServerBackend(BaseBackend):
         cmd = self.server_argv(config, ctx, binary=str(binary.absolute()), port=port, has_gpu=has_gpu)
         if verbose:
             cmd += ["-lv", str(STARTUP_LOG_VERBOSITY)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+        # No LLAMA_ARG_*: each would set a flag the deploy line does not show.
+        env = engine_environment(self.engine_variables)
         devices = self.cuda_devices(ctx, has_gpu)
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices

@@ -30,7 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
+    deploy_line
 from autotune.declarations import CacheType
 from autotune.cuda_devices import cuda_visible_entry
 from autotune import processes
@@ -98,6 +99,10 @@ class OpenAIServerBackend(BaseBackend):
     # --kv-cache-dtype, llama-server's -ctk, TabbyAPI's (ExLlamaV2's) cache_mode.
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = (declarations.CACHE_TYPES + llama_declared.CACHE_TYPES
                                                        + exllamav2_declared.CACHE_TYPES)
+    # What the shipped templates' engines read: ggml's switches (llama-server), a Python
+    # engine's setup (vLLM, SGLang, TabbyAPI) and vLLM's and SGLang's own.
+    engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*", *exllamav2_declared.PYTHON_ENGINE_VARIABLES,
+                                                   "TOKENIZERS_*", "VLLM_*", "SGLANG_*", "FLASHINFER_*")
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("template", str, "llama-server", "a shipped template (" + ", ".join(shipped()) + ") or a template "
                                                  "TOML file, relative to the study file"),
@@ -304,8 +309,7 @@ class OpenAIServerBackend(BaseBackend):
         if "{host}" in t.command:
             notes.append(f"listens on {host} only; [backends.{self.name}] host = \"0.0.0.0\" serves other machines"
                          if loopback(host) else f"listens on {host}")
-        prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(cuda_visible_entry(ctx.gpu_index))} " if has_gpu else ""
-        return prefix + shlex.join(argv) + "  # " + "; ".join(notes)
+        return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible_entry(ctx.gpu_index)} if has_gpu else None)
 
     def engine_version(self) -> str:
         return "unknown (depends on the study's template)"
@@ -333,7 +337,8 @@ class OpenAIServerBackend(BaseBackend):
         port = free_port(host)
         argv = self.argv(config, ctx, host=host, port=port, has_gpu=has_gpu, t=t)
         devices = cuda_visible_entry(ctx.gpu_index) if has_gpu else None
-        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices), label=t.name)
+        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices, self.engine_variables),
+                            label=t.name)
 
     def startup_timeout(self, ctx: StudyContext, t: Template) -> float:
         given = self.value(ctx, "startup_timeout_s")

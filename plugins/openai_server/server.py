@@ -7,7 +7,6 @@ it serves, and a failure message that carries the server's own log tail.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ import httpx
 from autotune import processes
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.local_server import read_log, server_url, tail, wait_ready
+from autotune.redact import engine_environment
 
 __all__ = ["OpenAIServer"]
 
@@ -101,8 +101,10 @@ class OpenAIServer:
         self.close()
 
     @staticmethod
-    def environment(cuda_devices: str | None) -> dict[str, str]:
-        env = dict(os.environ)
+    def environment(cuda_devices: str | None, declared: Sequence[str] = ()) -> dict[str, str]:
+        """The server's environment: the allow-list and ``declared`` (``engine_environment``),
+        the study's card as ``CUDA_VISIBLE_DEVICES``."""
+        env = engine_environment(declared)
         if cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices
         return env

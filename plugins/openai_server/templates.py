@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from autotune.backend import control_problem
 from autotune.errors import ConfigError
 from autotune.measure.openai_api import ServerCounters
 from autotune.rules import Rule, load_rules
@@ -210,6 +211,8 @@ def load_template(path: Path) -> Template:
     for key, kind in (("ready", str), ("name", str), ("docs", str), ("engine", str), ("notes", str)):
         if key in t and not isinstance(t[key], kind):
             problems.append(f"{src}: [template] {key} = {t[key]!r}: must be a string")
+        elif key in t and control_problem(t[key]):  # each is printed in the deploy line's comment
+            problems.append(f"{src}: [template] {key} = {t[key]!r}: {control_problem(t[key])}")
     if not str(t.get("ready", "/health")).startswith("/"):
         problems.append(f"{src}: [template] ready = {t.get('ready')!r}: must be a path such as /health or /v1/models")
     timeout = t.get("startup_timeout_s", 300.0)

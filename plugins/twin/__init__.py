@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune import hookimpl
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, same_value
+    TrialConfig, deploy_line, same_value
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
 from autotune.formats import (
     EXL2_BPW_MAX, EXL2_BPW_MIN, WeightsBreakdown, gguf_file_weights, normalize_format, parse_format,
@@ -417,8 +417,8 @@ class TwinLlamaCpp(TwinBackend):
             _, detail = parse_format(self.as_format(config.weights, ctx))
             path = self.weights_file(config.weights, ctx)
             model_file = str(path) if path is not None else f"{ctx.model.key}-{detail}.gguf"
-            return (f"llama-server -m {model_file} -ngl 999 --host 127.0.0.1 --port 8080  # every other flag at "
-                    f"llama-server's default")
+            return deploy_line(["llama-server", "-m", model_file, "-ngl", "999", "--host", "127.0.0.1", "--port", "8080"],
+                               ["every other flag at llama-server's default"])
         cache = config.option("cache_type", "f16")
         fa = "on" if config.option("flash_attn", True) else "off"
         _, detail = parse_format(self.as_format(config.weights, ctx))
@@ -429,12 +429,12 @@ class TwinLlamaCpp(TwinBackend):
         on_gpu = physics.gpu_layer_split(scenario, self.constants(), physics.memory(scenario, self.constants()))
         n = ctx.model.n_layers
         ngl = on_gpu if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
-        spilled = f"; {n - on_gpu} of {n} layers run on the CPU" if on_gpu < n else ""
-        return (
-            f"llama-server -m {model_file} -c {config.ctx * config.parallel} -np {config.parallel} "
-            f"-ngl {ngl} -fa {fa} -ctk {cache} -ctv {cache} --host 127.0.0.1 --port 8080"
-            f"  # -c is ctx {config.ctx} x {config.parallel} slots{spilled}"
-        )
+        notes = [f"-c is ctx {config.ctx} x {config.parallel} slots"]
+        if on_gpu < n:
+            notes.append(f"{n - on_gpu} of {n} layers run on the CPU")
+        return deploy_line(["llama-server", "-m", model_file, "-c", config.ctx * config.parallel, "-np", config.parallel,
+                            "-ngl", ngl, "-fa", fa, "-ctk", cache, "-ctv", cache, "--host", "127.0.0.1", "--port", "8080"],
+                           notes)
 
     def engine_version(self) -> str:
         return "twin"
@@ -474,19 +474,16 @@ class TwinExllamaV2(TwinBackend):
         cache = config.option("cache_type", "fp16").upper()
         _, bpw = parse_format(self.as_format(config.weights, ctx))
         path = self.weights_file(config.weights, ctx)
-        model = (f"--model-dir {path.parent} --model-name {path.name}" if path is not None
-                 else f"--model-dir models --model-name {ctx.model.key}-exl2-{bpw}bpw")
-        line = (
-            f"python main.py {model} "
-            f"--max-seq-len {config.ctx} --cache-mode {cache} --max-batch-size {config.parallel}"
-            f"  # TabbyAPI (ExLlamaV2 server); cache of {config.ctx} x {config.parallel} tokens"
-        )
+        model = (["--model-dir", path.parent, "--model-name", path.name] if path is not None
+                 else ["--model-dir", "models", "--model-name", f"{ctx.model.key}-exl2-{bpw}bpw"])
+        notes = ["TabbyAPI (ExLlamaV2 server)", f"cache of {config.ctx} x {config.parallel} tokens"]
         if config.parallel > 1 and ctx.gpu.compute_capability_tuple < FLASH_ATTN2_MIN_CC:
             # The twin batches these streams as the article reports; the real engine cannot here
             # (its dynamic generator needs flash-attn's paged attention for concurrent jobs).
-            line += ("; concurrent jobs need paged attention (flash-attn >= 2.5.7, sm_80+): on this card "
-                     "ExLlamaV2 0.3.2 serves them one at a time, so measure before relying on it")
-        return line
+            notes.append("concurrent jobs need paged attention (flash-attn >= 2.5.7, sm_80+): on this card "
+                         "ExLlamaV2 0.3.2 serves them one at a time, so measure before relying on it")
+        return deploy_line(["python", "main.py", *model, "--max-seq-len", config.ctx, "--cache-mode", cache,
+                            "--max-batch-size", config.parallel], notes)
 
     def engine_version(self) -> str:
         return "twin"
@@ -543,11 +540,9 @@ class TwinVllm(TwinBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         model = self.weights_file(config.weights, ctx) or ctx.model.key
-        return (
-            f"vllm serve {model} --max-model-len {config.ctx} --max-num-seqs {config.parallel} "
-            f"--kv-cache-dtype {config.option('cache_type', 'auto')} --dtype half "
-            f"--gpu-memory-utilization {float(self.setting(ctx, 'gpu_memory_utilization')):g}"
-        )
+        return deploy_line(["vllm", "serve", model, "--max-model-len", config.ctx, "--max-num-seqs", config.parallel,
+                            "--kv-cache-dtype", config.option("cache_type", "auto"), "--dtype", "half",
+                            "--gpu-memory-utilization", f"{float(self.setting(ctx, 'gpu_memory_utilization')):g}"])
 
     def engine_version(self) -> str:
         return "twin"

@@ -234,6 +234,7 @@ def test_deploy_command_is_a_tabbyapi_launch(exl2_dir, tmp_path):
 def test_the_deploy_line_serves_the_generator_the_worker_was_told_to_build(exl2_dir, tmp_path, monkeypatch, settings):
     requests = tmp_path / "requests.jsonl"
     monkeypatch.setenv("EXL2_FAKE_REQUESTS", str(requests))
+    monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "EXL2_FAKE_REQUESTS")  # the worker gets only what it is given
     b = ExLlamaV2Backend()
     config, c = cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path, worker_command=fake("ok"), **settings)
     m = b.run(config, c)

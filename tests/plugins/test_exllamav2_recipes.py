@@ -67,6 +67,7 @@ def ctx(tmp_path, source, monkeypatch) -> StudyContext:
     python.write_text(FAKE_PYTHON)
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("CONVERT_LOG", str(tmp_path / "convert.log"))
+    monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "CONVERT_LOG,CONVERT_FAIL")  # the converter gets only what it is given
     monkeypatch.setenv(artifacts.ARTIFACTS_ENV, str(tmp_path / "cache"))
     artifacts._failed.clear()
     return StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(source), workload=Workload(64, 16),
