@@ -15,7 +15,7 @@ from typing import Any, Callable
 import click
 
 from autotune import plugins
-from autotune.config import load_study_config, parse_duration
+from autotune.config import SEED_MAX, load_study_config, parse_duration
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
 
@@ -62,7 +62,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--trials", "n_trials", type=click.IntRange(min=1), help="Number of new trials for this run.")
 @click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the study file's, else "
               "sqlite:///<study name>.db).")
-@click.option("--seed", type=int, help="Sampler seed (default: the study file's).")
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), help="Sampler seed (default: the study file's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),

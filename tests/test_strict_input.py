@@ -299,3 +299,13 @@ def test_a_backend_listed_twice_is_named_even_when_the_gpu_is_unknown(tmp_path):
     assert result.exit_code == 2
     assert "[candidates.1] backend = 'fake-strict': listed twice; merge its weights into one entry" in result.output
     assert "no-such-card" in result.output
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63 - 1)])
+def test_a_seed_numpy_cannot_take_is_exit_2_before_any_storage_is_made(tmp_path, seed):
+    path = study(tmp_path)
+    with registered(StrictBackend()):
+        result = run("study", str(path), "--seed", seed, "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2
+    assert f"Invalid value for '--seed': {seed} is not in the range 0<=x<=4294967295" in result.output
+    assert not (tmp_path / "s.db").exists()
