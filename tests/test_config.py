@@ -302,3 +302,18 @@ def test_a_budget_of_no_time_is_told_what_is_wrong_not_to_add_the_unit_it_has():
         parse_duration("0s")
     with pytest.raises(ConfigError, match=r"^--budget nan: must be a finite number of seconds > 0"):
         parse_duration(float("nan"))
+
+
+def test_a_budget_the_card_cannot_hold_is_refused_naming_both_figures(tmp_path, default_study_path, twin_plugin):
+    text = default_study_path.read_text(encoding="utf-8")
+    path = tmp_path / "big.toml"
+    path.write_text(text.replace("[hardware]\n", "[hardware]\nvram_budget_gib = 1000\n", 1), encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'x.db'}")
+    assert str(err.value) == (
+        f"{path}: [hardware] vram_budget_gib = 1000: more than Tesla V100 16GB (the GPU catalog's v100-16gb) holds, "
+        "15.78 GiB; give at most 15.78, or leave it out for all of it less [hardware] safety_margin_mib")
+    assert not (tmp_path / "x.db").exists()
+    path.write_text(text.replace("[hardware]\n", "[hardware]\nvram_budget_gib = 15.5\n", 1), encoding="utf-8")
+    assert prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'x.db'}").vram_budget_bytes == \
+        int(15.5 * 2**30) - 1792 * 2**20
