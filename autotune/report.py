@@ -12,7 +12,7 @@ from autotune.errors import ConfigError
 from autotune.report_html import write_report
 from autotune.study import records
 from autotune.study.storage import mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, contender_text, summarize
+from autotune.study.summary import StudySummary, contender_text, failures_text, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -82,6 +82,8 @@ def summary_text(summary: StudySummary) -> str:
         + (f"; this run: {summary.n_new} new, {summary.n_measured} measured" if summary.n_new else "")
         + (" [interrupted]" if summary.interrupted else ""),
     ]
+    if summary.extra.get("failed_by_reason"):
+        lines.append(failures_text(summary.extra["failed_by_reason"]))
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")

@@ -207,7 +207,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
     bad_settings: set[str] = set()
     for name, settings in cfg.backend_settings.items():
         if name not in backends:
-            errors.append(f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'})")
+            # TOML reads [backends.twin-llama.cpp] as the table twin-llama holding a table cpp.
+            dotted = [f"{name}.{k}" for k, v in settings.items() if isinstance(v, dict) and f"{name}.{k}" in backends]
+            hint = f"; a dot in a table name nests tables: write [backends.\"{dotted[0]}\"]" if dotted else ""
+            errors.append(f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'}){hint}")
             continue
         problems = check_settings(backends[name], settings, src)
         if problems:
