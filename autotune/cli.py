@@ -15,9 +15,10 @@ from typing import Any, Callable
 import click
 
 from autotune import plugins
-from autotune.config import load_study_config, parse_duration
+from autotune.config import SEED_MAX, load_study_config, parse_duration
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
+from autotune.paths import path_problem
 
 # The study machinery (optuna, SQLAlchemy, the runner, the report) is imported inside the commands
 # that use it: it takes about as long again as this module's own import, which `autotune --help`
@@ -62,7 +63,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--trials", "n_trials", type=click.IntRange(min=1), help="Number of new trials for this run.")
 @click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the study file's, else "
               "sqlite:///<study name>.db).")
-@click.option("--seed", type=int, help="Sampler seed (default: the study file's).")
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), help="Sampler seed (default: the study file's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -79,6 +80,11 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
 
     def go() -> None:
         cfg = load_study_config(config if config is not None else default_study_path())
+        if report_path is not None:  # found out now, not after the whole study ran
+            problem = path_problem(report_path.absolute().parent, "directory")
+            if problem:
+                raise ConfigError(f"--report {report_path}: {report_path.absolute().parent}: {problem} "
+                                  "(the report's directory must exist)")
         prepared = prepare_study(cfg, storage=storage)
         runner = StudyRunner(prepared, seed=seed)
         remember_run(prepared.storage_url, cfg.name)
@@ -209,7 +215,7 @@ def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, 
     def go() -> None:
         from optuna_dashboard import run_server
 
-        from autotune.dashboard import artifact_store
+        from autotune.dashboard import artifact_store, port_problem
         from autotune.report import load_study
         from autotune.study.storage import mask_url, open_storage, study_names
 
@@ -217,6 +223,9 @@ def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, 
         store = open_storage(url, create=False)  # only reads: a mistyped path must not make a database
         for each in ([name] if name else study_names(store, mask_url(url))):
             load_study(url, each)  # refuse a study of another schema before serving it
+        busy = port_problem(host, port)
+        if busy:
+            raise ConfigError(busy)
         click.echo(f"optuna-dashboard for {mask_url(url)} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
         run_server(store, host=host, port=port, artifact_store=artifact_store(url, create=False))
 

@@ -12,6 +12,7 @@ against plugins and catalogs by ``autotune.study.prepare``, which reports those 
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from autotune import plugins
 from autotune.errors import ConfigError
+from autotune.measure.protocol import Protocol
 
 # Memory kept free of the budget when a study file does not say ([hardware] safety_margin_mib):
 # `autotune init` and `autotune estimate` judge with it too, so a study they describe agrees.
@@ -38,23 +40,42 @@ QUALITY_OPTIONS: dict[str, tuple[type, float, float | None, str]] = {
     "max_seconds": (float, 1, None, "the most seconds one candidate's sequential measurement may take"),
     "expected_agreement": (float, 0.5, 1.0, "the fraction of items candidate and reference are expected to answer alike"),
 }
+# [measure] table: field -> (type, min, what it is); max_runs' minimum is min_runs, and
+# max_seconds must be above its minimum (see autotune.measure.Protocol).
+MEASURE_OPTIONS: dict[str, tuple[type, float, str]] = {
+    "warmup_runs": (int, 0, "runs kept apart before measuring"),
+    "min_runs": (int, 1, "runs always measured"),
+    "max_runs": (int, 1, "the most runs measured, at least min_runs"),
+    "rel_spread_tol": (float, 0, "a fraction of the median, e.g. 0.05 for 5%"),
+    "max_seconds": (float, 0, "seconds for one configuration's whole measurement"),
+}
 # [quality] pool: where items are drawn from; undecided: what a configuration whose drop is
 # still undecided at the cap counts as (the safe answer by default).
 QUALITY_POOLS = ("sample", "full")
 UNDECIDED_POLICIES = ("reject", "accept", "kld")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh])\s*$")
+# Optuna's samplers seed numpy's generator, which takes 0..2**32-1: a seed outside it would be a
+# numpy traceback after the storage was made, so the file and --seed are checked against this.
+SEED_MAX = 2**32 - 1
+# No single card holds more (the largest in 2026 hold under 300 GB): a budget or margin above it
+# is a typo of unit, and its byte count would overflow.
+MAX_VRAM_GIB = 1024
 
 
 def parse_duration(text: str | int | float, source: str = "--budget") -> float:
     """``'2h'``, ``'45m'``, ``'90s'`` (or a number of seconds) -> seconds."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text <= 0:
-            raise ConfigError(f"{source} {text!r}: must be > 0")
+        if not math.isfinite(text) or text <= 0:
+            raise ConfigError(f"{source} {_show(text)}: must be a finite number of seconds > 0, or a string such as "
+                              "'90m' or '2h'")
         return float(text)
     match = _DURATION.match(str(text))
-    if not match or float(match.group(1)) <= 0:
+    if not match:
         raise ConfigError(f"{source} {text!r}: use a number with s, m or h, e.g. 90m or 2h")
-    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
+    seconds = float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
+    if seconds <= 0:
+        raise ConfigError(f"{source} {text!r}: must be more than no time, e.g. 90m or 2h")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,24 @@ class _Reader:
         self.source = source
         self.doc = doc
         self.errors: list[str] = []
+        # TOML reads inf and nan as numbers and no field means either: each one that got
+        # through was a traceback or a silent wrong result far from the file. All of them, in
+        # every table (those read below and those a backend reads later), are reported here
+        # once; ``get`` then skips them.
+        self.not_finite: set[tuple[str, str]] = set()
+        self._find_not_finite("", doc)
+
+    def _find_not_finite(self, section: str, table: Mapping[str, Any]) -> None:
+        for key, value in table.items():
+            inner = f"{section}.{key}" if section else key
+            if isinstance(value, dict):
+                self._find_not_finite(inner, value)
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                for i, each in enumerate(value):
+                    self._find_not_finite(f"{inner}.{i}", each)
+            elif _not_finite(value):
+                self.not_finite.add((section, key))
+                self.error(section, key, value, "must be a finite number (inf and nan are not accepted)")
 
     def error(self, section: str, key: str, value: Any, message: str) -> None:
         where = f"[{section}] {key}" if section else key
@@ -159,6 +198,8 @@ class _Reader:
         accepted: str = "",
     ) -> Any:
         value = table.get(key, _MISSING)
+        if (section, key) in self.not_finite:
+            return default
         if value is _MISSING:
             if required:
                 self.error(section, key, value, f"required{'; ' + accepted if accepted else ''}")
@@ -193,6 +234,12 @@ class _Missing:
 
 _MISSING: Any = _Missing()
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a table"}
+
+
+def _not_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, list) and any(_not_finite(v) for v in value)
 
 
 def _show(value: Any) -> str:
@@ -251,12 +298,12 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name,
                  check=lambda v: None if re.fullmatch(r"[A-Za-z0-9_.-]+", v) else "use letters, digits, '.', '_' or '-'")
-    seed = r.get("study", study, "seed", int, 0)
+    seed = r.get("study", study, "seed", int, 0, check=_between(0, SEED_MAX))
     strategies = plugins.get_strategies()
     sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(tuple(strategies)))
     n_trials = r.get("study", study, "n_trials", int, None, check=_at_least(1))
     budget_s = None
-    if "budget" in study:
+    if "budget" in study and ("study", "budget") not in r.not_finite:
         try:
             budget_s = parse_duration(study["budget"], source=f"{source}: [study] budget =")
         except ConfigError as exc:
@@ -286,8 +333,12 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     r.unknown_keys("hardware", hw, {"gpu", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
     gpu = r.get("hardware", hw, "gpu", str, "auto", accepted="a catalog key such as v100-16gb, or 'auto'")
     gpu_index = r.get("hardware", hw, "gpu_index", int, 0, check=_at_least(0))
-    vram_gib = r.get("hardware", hw, "vram_budget_gib", float, None, check=lambda v: None if v > 0 else "must be > 0")
-    margin_mib = r.get("hardware", hw, "safety_margin_mib", float, SAFETY_MARGIN_MIB, check=_at_least(0))
+    vram_gib = r.get("hardware", hw, "vram_budget_gib", float, None,
+                     check=lambda v: None if 0 < v <= MAX_VRAM_GIB else
+                     f"must be > 0 and at most {MAX_VRAM_GIB} (GiB of one card)")
+    margin_mib = r.get("hardware", hw, "safety_margin_mib", float, SAFETY_MARGIN_MIB,
+                       check=lambda v: None if 0 <= v <= MAX_VRAM_GIB * 1024 else
+                       f"must be >= 0 and at most {MAX_VRAM_GIB * 1024} (MiB of one card)")
 
     model_t = r.table("model", required=True)
     r.unknown_keys("model", model_t, {"ref", "source"})
@@ -304,8 +355,21 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     prompt_tokens = r.get("workload", wl, "prompt_tokens", int, 0, required=True, check=_at_least(1))
     output_tokens = r.get("workload", wl, "output_tokens", int, 0, required=True, check=_at_least(1))
 
-    measure = dict(r.table("measure"))
-    r.unknown_keys("measure", measure, {"warmup_runs", "min_runs", "max_runs", "rel_spread_tol", "max_seconds"})
+    # Read here like every other table, so all its bad fields are reported at once; Protocol
+    # checks the same again for callers that build one in code.
+    measure_t = r.table("measure")
+    r.unknown_keys("measure", measure_t, set(MEASURE_OPTIONS))
+    measure: dict[str, Any] = {}
+    for key, (kind, low, what) in MEASURE_OPTIONS.items():
+        check = _at_least(low)
+        if key == "max_runs":
+            floor = measure.get("min_runs", Protocol.min_runs)
+            check = lambda v, floor=floor: None if v >= floor else f"must be >= min_runs ({floor})"  # noqa: E731
+        elif key == "max_seconds":
+            check = lambda v: None if v > 0 else "must be > 0"  # noqa: E731
+        value = r.get("measure", measure_t, key, kind, None, check=check, accepted=what)
+        if value is not None:
+            measure[key] = value
 
     candidates: list[Candidates] = []
     raw_candidates = doc.get("candidates", _MISSING)
@@ -326,6 +390,8 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     space_t = r.table("space", required=True)
     space: dict[str, tuple[Any, ...]] = {}
     for key, values in space_t.items():
+        if ("space", key) in r.not_finite:
+            continue
         if not isinstance(values, list) or not values:
             r.error("space", key, values, "must be a non-empty list of values")
             continue

@@ -11,6 +11,7 @@ it for artifacts.
 
 from __future__ import annotations
 
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,27 @@ from autotune.study import storage as storage_mod
 from autotune.study.records import TrialRecord, TrialState
 
 GIB = 2**30
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the dashboard cannot listen on ``host:port`` (None: it can).
+
+    optuna-dashboard's server says "Listening on" before it binds, so a busy port was that line
+    and then a traceback; binding here first, as its server does (SO_REUSEADDR, so a port left in
+    TIME_WAIT is free), turns it into one line before anything is printed.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"--host {host}: cannot be resolved ({exc.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); give another --port"
+    return None
 
 
 def artifact_store(url: str, create: bool = True) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import traceback
 from typing import Iterator
@@ -26,6 +27,22 @@ class MeasurementError(AutotuneError):
     """A measurement could not be completed (timeout, engine died, nonsense values)."""
 
 
+# An ANSI escape sequence (CSI such as colours and cursor moves, OSC such as a window title,
+# or a two-character escape), then any other control character but tab and newline.
+_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Text an engine wrote, made safe to print to a terminal and to store: ANSI escapes are
+    dropped (an engine's colours, or a sequence that rewrites the user's terminal), a carriage
+    return ends a line (progress bars), and every other control character, raw binary among
+    them, is shown as ``\\xNN`` rather than sent. Only this: masking secrets in the same text
+    is a separate function, applied to what this returns."""
+    text = _ESCAPE.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 class PluginError(AutotuneError):
     """A plugin broke the contract: a duplicate name, a missing method, a bad registration."""
 
@@ -42,8 +59,10 @@ class BackendError(AutotuneError):
     """
 
     def __init__(self, message: str, log_tail: str = ""):
-        super().__init__(scrub(str(message)))
-        self.log_tail = scrub(log_tail)
+        # Every backend's error carries the engine's own words to the terminal and the storage:
+        # made printable, then scrubbed of secrets, here, once, whoever raised it.
+        super().__init__(scrub(printable(message)))
+        self.log_tail = scrub(printable(log_tail)) if log_tail else log_tail
 
 
 class UnsupportedError(BackendError):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import ConfigError
+from autotune.paths import path_problem
 
 __all__ = ["GGUF_MAGIC", "GgufFile", "GgufTensor", "read_gguf", "read_gguf_key_values"]
 
@@ -124,6 +125,9 @@ def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
             damaged or truncated; the message names the file.
     """
     p = Path(path).expanduser()
+    problem = path_problem(p, "file")
+    if problem:  # a FIFO or a device would block or never end
+        raise ConfigError(f"{p}: {problem}")
     try:
         with p.open("rb") as f:
             magic = f.read(4)

@@ -28,6 +28,7 @@ from typing import Any
 from autotune._catalog import read_catalog
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
+from autotune.paths import path_problem
 from autotune.safetensors_dir import exl2_quantization
 
 __all__ = [
@@ -419,8 +420,9 @@ def _config_path(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such file")
+    problem = path_problem(p, "file")
+    if problem:
+        raise ConfigError(f"{p}: {problem}")
     return p
 
 

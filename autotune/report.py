@@ -12,7 +12,7 @@ from autotune.errors import ConfigError
 from autotune.report_html import write_report
 from autotune.study import records
 from autotune.study.storage import faults, mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, contender_text, summarize
+from autotune.study.summary import StudySummary, contender_text, failures_text, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -110,6 +110,8 @@ def summary_text(summary: StudySummary) -> str:
         + (" [interrupted]" if summary.interrupted else ""),
     ]
     lines += being_measured_lines(summary.extra)
+    if summary.extra.get("failed_by_reason"):
+        lines.append(failures_text(summary.extra["failed_by_reason"]))
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")

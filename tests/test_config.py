@@ -236,3 +236,84 @@ def test_a_pareto_objective_runs_the_strategys_pareto_default(tmp_path, default_
     assert load_study_config(path).sampler == "nsga2"
     path.write_text(text.replace('sampler = "tpe"', 'sampler = "random"'), encoding="utf-8")
     assert load_study_config(path).sampler == "random"
+
+
+# ------------------------------------------------------------------------ numbers that are not numbers
+
+
+@pytest.mark.parametrize("after, line, expected", [
+    ("[hardware]", "vram_budget_gib = inf", "[hardware] vram_budget_gib = inf: must be a finite number"),
+    ("[hardware]", "vram_budget_gib = 1e300", "[hardware] vram_budget_gib = 1e+300: must be > 0 and at most 1024"),
+    ("[hardware]", "vram_budget_gib = 1000", None),  # within one card's range: the card is compared later
+    ("[study]", "budget = nan", "[study] budget = nan: must be a finite number"),
+    ("seed = 0", "seed = 9223372036854775807", "[study] seed = 9223372036854775807: must be 0..4294967295"),
+    ("seed = 0", "seed = -1", "[study] seed = -1: must be 0..4294967295"),
+    ("max_drop_points = 1.0", "max_drop_points = -inf", "[objective] max_drop_points = -inf: must be a finite number"),
+    ("[space]", "rope_scale = [1.0, nan]", "[space] rope_scale = [1.0, nan]: must be a finite number"),
+    ("[space]", "[backends.twin-llama.cpp]\nthreads = inf", "[backends.twin-llama.cpp] threads = inf: must be a finite"),
+])
+def test_non_finite_and_absurd_numbers_are_refused_naming_the_field(tmp_path, default_study_path, after, line, expected):
+    text = default_study_path.read_text(encoding="utf-8")
+    if line.startswith("[backends"):
+        text += f"\n{line}\n"
+    elif after.startswith("["):
+        text = text.replace(f"{after}\n", f"{after}\n{line}\n", 1)
+    else:
+        text = text.replace(after, line, 1)
+    path = tmp_path / "numbers.toml"
+    path.write_text(text, encoding="utf-8")
+    if expected is None:
+        assert load_study_config(path).vram_budget_bytes == 1000 * 2**30
+        return
+    with pytest.raises(ConfigError) as err:
+        load_study_config(path)
+    lines = str(err.value).splitlines()
+    assert lines == [next(line for line in lines if line.startswith(f"{path}: {expected}"))], lines
+
+
+@pytest.mark.parametrize("key, line", [("safety_margin_mib", "safety_margin_mib = inf"),
+                                       ("penalty_per_point", "penalty_per_point = inf"),
+                                       ("min_per_user_tok_s", "min_per_user_tok_s = nan")])
+def test_a_non_finite_number_in_the_default_study_is_one_line(tmp_path, default_study_path, key, line):
+    path = _edit(default_study_path, tmp_path / "inf.toml", {key: line})
+    with pytest.raises(ConfigError) as err:
+        load_study_config(path)
+    assert str(err.value) == f"{path}: [{'hardware' if key == 'safety_margin_mib' else 'objective'}] {line}: " \
+                             "must be a finite number (inf and nan are not accepted)"
+
+
+def test_every_bad_measure_field_is_reported_at_once(tmp_path, default_study_path):
+    text = default_study_path.read_text(encoding="utf-8")
+    path = tmp_path / "measure.toml"
+    path.write_text(text + "\n[measure]\nwarmup_runs = -1\nmin_runs = 0\nmax_runs = 2.5\nrel_spread_tol = nan\n"
+                    "max_seconds = 0\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        load_study_config(path)
+    lines = str(err.value).splitlines()
+    assert sorted(line.split(" = ")[0] for line in lines) == [
+        f"{path}: [measure] {key}" for key in ("max_runs", "max_seconds", "min_runs", "rel_spread_tol", "warmup_runs")]
+    path.write_text(text + "\n[measure]\nmin_runs = 5\nmax_runs = 4\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"\[measure\] max_runs = 4: must be >= min_runs \(5\)$"):
+        load_study_config(path)
+
+
+def test_a_budget_of_no_time_is_told_what_is_wrong_not_to_add_the_unit_it_has():
+    with pytest.raises(ConfigError, match=r"^--budget '0s': must be more than no time"):
+        parse_duration("0s")
+    with pytest.raises(ConfigError, match=r"^--budget nan: must be a finite number of seconds > 0"):
+        parse_duration(float("nan"))
+
+
+def test_a_budget_the_card_cannot_hold_is_refused_naming_both_figures(tmp_path, default_study_path, twin_plugin):
+    text = default_study_path.read_text(encoding="utf-8")
+    path = tmp_path / "big.toml"
+    path.write_text(text.replace("[hardware]\n", "[hardware]\nvram_budget_gib = 1000\n", 1), encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'x.db'}")
+    assert str(err.value) == (
+        f"{path}: [hardware] vram_budget_gib = 1000: more than Tesla V100 16GB (the GPU catalog's v100-16gb) holds, "
+        "15.78 GiB; give at most 15.78, or leave it out for all of it less [hardware] safety_margin_mib")
+    assert not (tmp_path / "x.db").exists()
+    path.write_text(text.replace("[hardware]\n", "[hardware]\nvram_budget_gib = 15.5\n", 1), encoding="utf-8")
+    assert prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'x.db'}").vram_budget_bytes == \
+        int(15.5 * 2**30) - 1792 * 2**20

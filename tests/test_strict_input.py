@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from autotune import hookimpl, plugins
 from autotune.backend import Param, Setting, StudyContext, TrialConfig
 from autotune.cli import cli
-from autotune.errors import EngineUnavailableError
+from autotune.errors import BackendError, EngineUnavailableError
 from tests.fake_backends import FakeBackend, registered, write_study
 
 
@@ -299,3 +299,101 @@ def test_a_backend_listed_twice_is_named_even_when_the_gpu_is_unknown(tmp_path):
     assert result.exit_code == 2
     assert "[candidates.1] backend = 'fake-strict': listed twice; merge its weights into one entry" in result.output
     assert "no-such-card" in result.output
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63 - 1)])
+def test_a_seed_numpy_cannot_take_is_exit_2_before_any_storage_is_made(tmp_path, seed):
+    path = study(tmp_path)
+    with registered(StrictBackend()):
+        result = run("study", str(path), "--seed", seed, "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2
+    assert f"Invalid value for '--seed': {seed} is not in the range 0<=x<=4294967295" in result.output
+    assert not (tmp_path / "s.db").exists()
+
+
+class FailingBackend(StrictBackend):
+    """Runs out of memory on weights ``oom``; on ``garbage`` its engine exits writing colours,
+    a terminal title, a screen clear and raw bytes."""
+
+    name = "fake-failing"
+
+    def run(self, config: TrialConfig, ctx: StudyContext):
+        self._log(config)
+        if config.weights == "oom":
+            raise BackendError("fake-server exited with code 1: failed to start: CUDA error: out of memory")
+        if config.weights == "garbage":
+            raise BackendError("fake-server exited with code 3: \x1b[31mboom\x1b[0m\x1b]0;owned\x07\x1b[2J\x00\xff",
+                               log_tail="loading\r50%\r\x1b[1mdone\x1b[0m\x07\n")
+        return self.measure(config)
+
+
+def test_the_summary_says_why_trials_failed_and_engine_text_reaches_no_terminal_raw(tmp_path):
+    path = write_study(tmp_path / "s.toml", "fake-failing", ["w", "oom", "garbage"], parallel=(1, 2), sampler="grid")
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    with registered(FailingBackend()):
+        result = run("study", str(path), "--storage", storage, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "4 trials failed: 2 engine exited (code 3), 2 out of memory" in result.output.splitlines()
+    assert "\x1b" not in result.output and "\x00" not in result.output and "\x07" not in result.output
+    study = optuna.load_study(study_name="fake-study", storage=storage)
+    failed = [t for t in study.trials if t.user_attrs["config"]["weights"] == "garbage"]
+    assert [t.user_attrs["fail_reason"] for t in failed] == ["fake-server exited with code 3: boom\\x00\xff"] * 2
+    assert failed[0].user_attrs["log_tail"] == "loading\n50%\ndone\\x07\n"
+
+
+def test_a_study_without_failures_has_no_failures_line(tmp_path):
+    path = write_study(tmp_path / "s.toml", "fake-failing", ["w"], parallel=(1, 2), sampler="grid")
+    with registered(FailingBackend()):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}", "--quiet")
+    assert result.exit_code == 0 and "0 failed" in result.output and "failed:" not in result.output
+
+
+def test_an_unquoted_dotted_backend_table_is_told_to_quote_its_name(tmp_path):
+    path = study(tmp_path, backend="fake.strict", extra='\n[backends.fake.strict]\nthreads = 2\n')
+    backend = StrictBackend()
+    backend.name = "fake.strict"
+    with registered(backend):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2
+    assert (f"{path}: [backends.fake]: no such backend (installed: fake.strict); a dot in a table name nests "
+            'tables: write [backends."fake.strict"]') in result.output
+
+
+def test_a_missing_database_driver_names_the_module_to_install(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("pymysql") is not None:
+        pytest.skip("pymysql is installed: its absence is what is tested")
+    result = run("best", "--storage", "mysql+pymysql://u@localhost/db")
+    assert result.exit_code == 2
+    assert "a driver for it" not in result.output
+    assert "the database driver is missing" in result.output and "(pip install pymysql)" in result.output
+
+
+def test_a_report_into_a_missing_directory_is_refused_before_the_study_runs(tmp_path):
+    path = study(tmp_path)
+    with registered(StrictBackend()) as (backend,):
+        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}",
+                     "--report", str(tmp_path / "no-dir" / "r.html"))
+    assert result.exit_code == 2
+    assert result.output.strip() == (f"Error: --report {tmp_path / 'no-dir' / 'r.html'}: {tmp_path / 'no-dir'}: no such "
+                                     "directory (the report's directory must exist)")
+    assert backend.calls == [] and not (tmp_path / "s.db").exists()
+
+
+def test_the_dashboard_on_a_busy_port_is_one_line_and_no_listening(tmp_path):
+    import socket
+
+    path = study(tmp_path)
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    with registered(StrictBackend()):
+        assert run("study", str(path), "--storage", storage, "--trials", "1", "--quiet").exit_code == 0
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run("dashboard", "--storage", storage, "--port", str(port))
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        f"Error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use); give another --port")
+    assert "Listening" not in result.output and "optuna-dashboard for" not in result.output

@@ -126,6 +126,26 @@ def _format_problem(backend: BaseBackend, weights: str, ctx: StudyContext, given
     return None
 
 
+def _budget_over_card(cfg: StudyConfig, gpu: GpuSpec, src: str) -> str | None:
+    """Why ``[hardware] vram_budget_gib`` is more than the study's card holds (None: it is not).
+
+    Refused rather than capped: a budget above the card is a typo (of unit, of the card) or the
+    wrong [hardware] gpu, and a study that quietly ran on a smaller budget than its file says
+    would be judged and stored under a figure nobody wrote. On a 16 GB card, 1000 GiB let 39 of
+    60 launches fail out of memory. The card is the one the study measures or models: NVML's
+    for gpu = 'auto', the catalog's for a named GPU (a twin's included), host memory for 'cpu'.
+    """
+    cap = cfg.vram_budget_bytes
+    if not cap or cap <= gpu.vram_bytes:
+        return None
+    card = ("this machine's memory" if gpu.is_cpu else
+            f"{gpu.name} (GPU {cfg.gpu_index}, as NVML reports it)" if cfg.gpu == "auto" else
+            f"{gpu.name} (the GPU catalog's {gpu.key})")
+    return (f"{src}: [hardware] vram_budget_gib = {cap / 2**30:g}: more than {card} holds, {gpu.vram_bytes / 2**30:.2f} "
+            f"GiB; give at most {gpu.vram_bytes / 2**30:.2f}, or leave it out for all of it less [hardware] "
+            "safety_margin_mib")
+
+
 def _list(values: tuple[Any, ...]) -> str:
     return ", ".join(repr(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
                      for v in values)
@@ -175,7 +195,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
 
 
     budget = 0
-    if gpu is not None:
+    over = _budget_over_card(cfg, gpu, src) if gpu is not None else None
+    if over:
+        errors.append(over)
+    elif gpu is not None:
         budget = budget_of(gpu, cfg.vram_budget_bytes, cfg.safety_margin_bytes).bytes
         if budget <= 0:
             errors.append(f"{src}: [hardware] safety_margin_mib leaves no memory of "
@@ -184,7 +207,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
     bad_settings: set[str] = set()
     for name, settings in cfg.backend_settings.items():
         if name not in backends:
-            errors.append(f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'})")
+            # TOML reads [backends.twin-llama.cpp] as the table twin-llama holding a table cpp.
+            dotted = [f"{name}.{k}" for k, v in settings.items() if isinstance(v, dict) and f"{name}.{k}" in backends]
+            hint = f"; a dot in a table name nests tables: write [backends.\"{dotted[0]}\"]" if dotted else ""
+            errors.append(f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'}){hint}")
             continue
         problems = check_settings(backends[name], settings, src)
         if problems:

@@ -241,9 +241,13 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
                                               heartbeat_interval=HEARTBEAT_INTERVAL_S,
                                               grace_period=HEARTBEAT_GRACE_S, skip_table_creation=not create)
         except ImportError as exc:
-            extra = "postgres" if url.startswith("postgresql") else "a driver for it"
-            raise StorageError(f"storage {shown}: the database driver is missing ({exc}); "
-                               f"pip install 'autotune[{extra}]'") from None
+            # autotune ships an extra for PostgreSQL only; another database's driver is the
+            # module SQLAlchemy tried to import.
+            module = exc.name or getattr(exc.__cause__ or exc.__context__, "name", None)  # Optuna re-raises
+            remedy = "pip install 'autotune[postgres]'" if url.startswith("postgresql") else \
+                f"install the driver SQLAlchemy imports for it (pip install {module})" if module else \
+                "install the SQLAlchemy driver for this database"
+            raise StorageError(f"storage {shown}: the database driver is missing ({exc}); {remedy}") from None
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as exc:
             # Workers started together on an empty database all create Optuna's tables; all but
             # one lose that race (optuna/optuna#1092). The tables exist by now.

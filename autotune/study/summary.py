@@ -9,7 +9,9 @@ can explain, and among configurations that tie, the one with more memory headroo
 from __future__ import annotations
 
 import math
+import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -287,6 +289,30 @@ def worth_another_round(verdict: dict[str, Any] | None) -> bool:
             and verdict.get("lead", 0.0) >= verdict.get("needed", math.inf) / 2)
 
 
+_OUT_OF_MEMORY = re.compile(r"out of memory|\bOOM\b|failed to allocate|CUDA_ERROR_OUT_OF_MEMORY", re.IGNORECASE)
+_EXITED = re.compile(r"exited with (?:code|status) (-?\d+)")
+
+
+def failure_kind(reason: str | None) -> str:
+    """A failed trial's reason in a few words, to group a study's failures by: out of memory,
+    the engine's exit code, else the reason's first clause."""
+    if not reason:
+        return "no reason recorded"
+    if _OUT_OF_MEMORY.search(reason):
+        return "out of memory"
+    exited = _EXITED.search(reason)
+    if exited:
+        return f"engine exited (code {exited.group(1)})"
+    first = reason.split(": ", 1)[0].strip()
+    return first if len(first) <= 60 else first[:57] + "..."
+
+
+def failures_text(kinds: dict[str, int]) -> str:
+    """``3 trials failed: 2 out of memory, 1 engine exited (code 1)``."""
+    n = sum(kinds.values())
+    return f"{n} trial{'s' if n != 1 else ''} failed: " + ", ".join(f"{k} {kind}" for kind, k in kinds.items())
+
+
 def chosen_best(study: optuna.Study, finish: dict[str, Any] | None = None) -> TrialRecord | None:
     """The study's best: the finish's choice where it made one (``finish``: its verdict, if the
     caller has it), else the best feasible trial."""
@@ -308,6 +334,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     # about its configuration: counted apart, not as a failure of the configuration.
     n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry and not r.deferred)
     n_deferred = sum(1 for r in all_records if r.state == TrialState.FAIL and r.deferred)
+    # Why the failed ones failed, most common first: a count alone sends the user to the logs.
+    failed_by = Counter(failure_kind(r.fail_reason) for r in all_records if r.state == TrialState.FAIL and not r.retry)
     finish = finish_verdict(study)
     best = chosen_best(study, finish)
     summary = StudySummary(
@@ -323,7 +351,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         elapsed_s=0.0,
         best=trial_record(best) if best else None,
         extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short,
-               **({"n_deferred": n_deferred} if n_deferred else {})},
+               **({"n_deferred": n_deferred} if n_deferred else {}),
+               **({"failed_by_reason": dict(sorted(failed_by.items(), key=lambda kv: (-kv[1], kv[0])))} if failed_by else {})},
     )
     if finish is not None:
         summary.extra["finish"] = finish

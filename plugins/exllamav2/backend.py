@@ -47,6 +47,7 @@ from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import SERVING_UNITS, measure_engine
 from autotune.models import ModelSpec, model_from_hf_config
+from autotune.paths import path_problem
 from autotune.safetensors_dir import exl2_quantization, read_config_json
 
 from autotune.declarations import CacheType, WeightFormats
@@ -232,8 +233,9 @@ class ExLlamaV2Backend(BaseBackend):
         if is_format(weights):
             return None  # whether it can be made is the study's check (artifact_recipe)
         p = self.weights_path(weights, ctx)
-        if not p.is_dir():
-            return f"{p}: no such directory (weights are EXL2 directories relative to the study file)"
+        problem = path_problem(p, "directory")
+        if problem:
+            return f"{p}: {problem} (weights are EXL2 directories relative to the study file)"
         if not (p / "config.json").is_file():
             return f"{p}: no config.json (an EXL2 directory holds config.json, tokenizer.json and *.safetensors)"
         cfg = read_config_json(p)

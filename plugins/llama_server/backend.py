@@ -44,6 +44,7 @@ from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.models import ModelSpec, model_from_gguf
+from autotune.paths import path_problem
 
 from autotune import processes
 from autotune.cuda_devices import cuda_visible_entry
@@ -215,8 +216,9 @@ class LlamaServerBackend(BaseBackend):
         if is_format(weights):
             return None  # whether it can be made is the study's check (artifact_recipe)
         p = self.weights_path(weights, ctx)
-        if not p.is_file():
-            return f"{p}: no such file (weights are GGUF paths relative to the study file)"
+        problem = path_problem(p, "file")
+        if problem:
+            return f"{p}: {problem} (weights are GGUF paths relative to the study file)"
         try:
             with open(p, "rb") as f:
                 magic = f.read(4)

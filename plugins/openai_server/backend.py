@@ -41,6 +41,7 @@ from autotune.local_server import free_port, loopback
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_run
 from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
+from autotune.paths import path_problem
 from autotune.rules import violations
 from autotune.vram import SlotLayout, kv_cache_bytes
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
@@ -215,10 +216,11 @@ class OpenAIServerBackend(BaseBackend):
         except ConfigError:
             return None  # preflight reports the template
         p = self.weights_path(weights, ctx)
-        if t.weights == "file" and not p.is_file():
-            return f"{p}: no such file (template {t.name} loads a weights file; paths are relative to the study file)"
-        if t.weights == "directory" and not p.is_dir():
-            return f"{p}: no such directory (template {t.name} loads a model directory)"
+        problem = path_problem(p, t.weights) if t.weights in ("file", "directory") else None
+        if problem and t.weights == "file":
+            return f"{p}: {problem} (template {t.name} loads a weights file; paths are relative to the study file)"
+        if problem:
+            return f"{p}: {problem} (template {t.name} loads a model directory)"
         return None
 
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:

@@ -288,6 +288,21 @@ def test_check_rules(stories, tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + bytes(8))
     assert b.check_weights("broken.gguf", c) is not None
+
+
+def test_weights_that_are_not_a_regular_file_are_named_for_what_they_are(stories, tmp_path):
+    """Not "no such file" for what exists; and a FIFO or a device is never opened (it would block)."""
+    b = LlamaServerBackend()
+    c = make_ctx(stories)
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    where = " (weights are GGUF paths relative to the study file)"
+    assert b.check_weights("/dev/zero", c) == f"/dev/zero: is a character device, not a regular file{where}"
+    assert b.check_weights(str(tmp_path), c) == f"{tmp_path}: is a directory, not a regular file{where}"
+    assert b.check_weights(str(fifo), c) == f"{fifo}: is a named pipe (FIFO), not a regular file{where}"
+    (tmp_path / "gone.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    assert b.check_weights(str(tmp_path / "gone.gguf"), c) == \
+        f"{tmp_path / 'gone.gguf'}: a symbolic link to {tmp_path / 'nowhere.gguf'}, which does not exist{where}"
     assert b.check_weights(str(stories), c) is None  # absolute paths too
 
 
