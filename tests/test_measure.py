@@ -178,21 +178,38 @@ def test_noisy_samples_run_to_max_runs_and_warn():
 
 def test_max_seconds_keeps_what_was_measured_with_fake_clock():
     clock = FakeClock()
-    values = itertools.cycle([100.0, 200.0])  # never stable
+    values = itertools.cycle([100.0, 150.0, 200.0])  # never stable
 
     def sample():
         clock.advance(1.0)  # each run "takes" one second
         return next(values)
 
-    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10, max_seconds=2.5),
+    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10, max_seconds=4.5),
                       "tok/s", clock=clock)
-    # Warm-up ends at 1 s, run 1 at 2 s, run 2 at 3 s >= 2.5 s: stop there.
+    # Warm-up ends at 1 s, runs 1-3 at 2, 3, 4 s (min_runs), run 4 at 5 s >= 4.5 s: stop there.
     assert stat.warmups == (100.0,)
-    assert stat.values == (200.0, 100.0)
+    assert stat.values == (150.0, 200.0, 100.0, 150.0)
     assert stat.stop_reason == "max_seconds"
     assert not stat.stable
-    assert "only 2 of the 3 runs wanted" in stat.warning
-    assert "max_seconds" in stat.warning
+    assert "raise measure.max_seconds" in stat.warning
+
+
+@pytest.mark.parametrize("seconds_per_run", [0.1, 1.0, 10.0, 1000.0])
+def test_min_runs_are_taken_however_slow_the_runs(seconds_per_run):
+    """A loaded machine makes every run slower: the time budget then ends the extra runs the
+    spread asks for, never the min_runs the study asked for (on main, 10 s runs under a 2.5 s
+    budget gave a one-run median and the CPU study's test n = 1 under load)."""
+    clock = FakeClock()
+    values = itertools.cycle([100.0, 150.0, 200.0])  # never stable
+
+    def sample():
+        clock.advance(seconds_per_run)
+        return next(values)
+
+    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=6, max_seconds=2.5), "tok/s",
+                      clock=clock)
+    assert 3 <= stat.n <= 6 and stat.n == (3 if seconds_per_run >= 1.0 else 6)
+    assert stat.stop_reason == ("max_seconds" if seconds_per_run >= 1.0 else "max_runs")
 
 
 def test_max_seconds_still_takes_one_run_after_long_warmups():

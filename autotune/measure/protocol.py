@@ -51,17 +51,20 @@ class Protocol:
     Attributes:
         warmup_runs: Runs done first and kept apart (caches, JIT, clocks
             ramping up); they never enter the median.
-        min_runs: Measured runs always taken before stability is judged.
+        min_runs: Measured runs always taken, whatever the time budget: the count is the
+            same on a quiet machine and a loaded one (where runs are slower), never a
+            one-run median with no spread to judge it by.
         max_runs: Measured runs never exceeded, stable or not.
         rel_spread_tol: Largest accepted relative spread, ``MAD / |median|``
             (see the module docstring); 0.05 means half of the runs lie
             within 5% of the median.
-        max_seconds: Time budget for the whole measurement, warm-ups
-            included, or None for no budget. When spent, repetition stops and
-            what was measured is kept; the budget can be overrun by one run,
-            since a run is never cut short, and at least one measured run is
-            always taken. What bounds a run is its requests' own total deadline
-            (a backend's ``request_timeout_s``, :mod:`autotune.measure.deadline`).
+        max_seconds: Time budget for the runs beyond ``min_runs`` (the whole
+            measurement, warm-ups included, is timed), or None for no budget.
+            When spent after ``min_runs`` runs, repetition stops and what was
+            measured is kept; a run is never cut short, so the budget can be
+            overrun by the warm-ups, the ``min_runs`` runs, or one run more.
+            What bounds a run is its requests' own total deadline (a backend's
+            ``request_timeout_s``, :mod:`autotune.measure.deadline`).
     """
 
     warmup_runs: int = 1
@@ -137,8 +140,8 @@ class Stat:
         unit: Unit of the values, e.g. ``"tok/s"`` or ``"ms"``.
         rel_spread_tol: Tolerance that ``stable`` is judged against (the
             protocol's, copied so the Stat explains itself).
-        min_runs: Runs the protocol wanted at least; fewer (a spent time
-            budget) makes the Stat unstable.
+        min_runs: Runs the protocol wanted at least; fewer (a probe's one run,
+            a Stat built by hand) makes the Stat unstable.
         stop_reason: Why repetition stopped: ``"stable"``, ``"max_runs"``,
             ``"max_seconds"``, :data:`PROBE_STOP`, or None for a Stat built by hand.
     """
@@ -227,8 +230,7 @@ class Stat:
         if self.stop_reason == PROBE_STOP:
             return "one run only: the probe found it below the leaders (study.probe_margin)"
         if self.n < self.min_runs:
-            return (f"only {self.n} of the {self.min_runs} runs wanted fit in the time "
-                    f"budget: raise measure.max_seconds or lower measure.min_runs")
+            return f"only {self.n} of the {self.min_runs} runs wanted were measured"
         if self.rel_spread > self.rel_spread_tol:
             spread = "undefined (median 0)" if math.isinf(self.rel_spread) \
                 else f"{self.rel_spread:.0%} of median"
@@ -303,7 +305,8 @@ def _repeat(sample: Callable[[], dict[str, float]], protocol: Protocol, key: str
             return warmups, runs, "stable"
         if n >= protocol.max_runs:
             return warmups, runs, "max_runs"
-        if protocol.max_seconds is not None and clock() - start_s >= protocol.max_seconds:
+        if protocol.max_seconds is not None and n >= protocol.min_runs and \
+                clock() - start_s >= protocol.max_seconds:
             return warmups, runs, "max_seconds"
 
 

@@ -83,11 +83,10 @@ def test_the_whole_study_on_real_servers(study_dir):
         m = TrialRecord.of(t).metrics
         # Real measurements: positive rates, a spread, several runs each, from the engine itself.
         assert m["decode_tok_s"]["median"] > 0 and m["aggregate_tok_s"]["median"] > 0
-        # min_runs 3, unless the study's [measure] max_seconds ended it first: on a loaded
-        # machine a run takes longer, and the time budget is the protocol's answer (this
-        # assertion alone failed once under load, n = 1 by the time budget).
+        # min_runs 3 on any machine: the study's [measure] max_seconds bounds only the runs beyond
+        # them, so a loaded machine (slower runs) gives the same count, never a one-run median.
         agg = m["aggregate_tok_s"]
-        assert agg["n"] >= 3 or (agg["stop_reason"] == "max_seconds" and agg["n"] >= 1), agg
+        assert 3 <= agg["n"] <= 6 and agg["stop_reason"] in ("stable", "max_runs", "max_seconds"), agg
         assert TrialRecord.of(t).engine["version"].startswith("llama.cpp")
     # Every file in the space was loaded by the engine, and each in its own format.
     assert {t.params["llama-server.weights"] for t in done} >= {
