@@ -209,6 +209,12 @@ def _read_cached(path: str, mtime_ns: int, size: int) -> GgufFile:
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
+# ggml's GGML_MAX_DIMS: a tensor has at most 4 dimensions.
+_MAX_DIMS = 4
+# The fewest bytes one entry can take, to refuse a count the file cannot hold before looping
+# over it: a key-value pair is a key (u64 length), a u32 type and a value of at least one byte;
+# a tensor info is a name (u64 length), u32 n_dims, u32 type, u64 offset; a string is its u64 length.
+_MIN_KV_BYTES, _MIN_TENSOR_INFO_BYTES, _MIN_STRING_BYTES = 13, 24, 8
 
 
 class _Damaged(Exception):
@@ -227,28 +233,40 @@ class _Cursor:
         self.pos += st.size
         return value
 
-    def raw_string(self) -> bytes:
+    def count(self, what: str, min_bytes: int) -> int:
+        """A u64 count of entries of at least ``min_bytes`` each, refused when the rest of the
+        file cannot hold them (a crafted count would otherwise be looped over, or allocated)."""
+        at = self.pos
+        n = self.take("Q")
+        if n * min_bytes > len(self.buf) - self.pos:
+            raise _Damaged(f"{what} = {n} at byte {at}: the {len(self.buf) - self.pos} bytes after it hold "
+                           f"at most {(len(self.buf) - self.pos) // min_bytes}")
+        return n
+
+    def raw_string(self, what: str = "a string") -> bytes:
         n = self.take("Q")
         if self.pos + n > len(self.buf):
-            raise _Damaged(f"a string of {n} bytes at byte {self.pos} runs past the end")
+            raise _Damaged(f"{what}: a length of {n} bytes at byte {self.pos - 8} runs past the end "
+                           f"of the file ({len(self.buf)} bytes)")
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         return raw
 
-    def string(self) -> str:
-        return self.raw_string().decode("utf-8", errors="replace")
+    def string(self, what: str = "a string") -> str:
+        return self.raw_string(what).decode("utf-8", errors="replace")
 
     def typed_value(self, vtype: int, key: str) -> tuple[Any, int | None]:
         """(the value with strings as bytes and arrays whole, the element type of an array)."""
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype]), None
         if vtype == _STRING:
-            return self.raw_string(), None
+            return self.raw_string(f"key {key!r}"), None
         if vtype != _ARRAY:
             raise _Damaged(f"key {key!r} has value type {vtype}, which GGUF does not define")
-        etype, count = self.take("I"), self.take("Q")
+        etype = self.take("I")
+        count = self.count(f"array {key!r}: length", _element_bytes(etype, self.order))
         if etype == _STRING:
-            return [self.raw_string() for _ in range(count)], etype
+            return [self.raw_string(f"array {key!r}") for _ in range(count)], etype
         if etype not in _SCALARS:
             raise _Damaged(f"array {key!r} has element type {etype}; nested arrays are not supported")
         st = struct.Struct(f"{self.order}{count}{_SCALARS[etype]}")
@@ -267,10 +285,11 @@ class _Cursor:
         if vtype in _SCALARS:
             return True, self.take(_SCALARS[vtype])
         if vtype == _STRING:
-            return True, self.string()
+            return True, self.string(f"key {key!r}")
         if vtype != _ARRAY:
             raise _Damaged(f"key {key!r} has value type {vtype}, which GGUF does not define")
-        etype, count = self.take("I"), self.take("Q")
+        etype = self.take("I")
+        count = self.count(f"array {key!r}: length", _element_bytes(etype, self.order))
         lengths[key] = count
         if count > MAX_DECODED_ARRAY:
             if etype in _SCALARS:
@@ -284,6 +303,14 @@ class _Cursor:
                 raise _Damaged(f"array {key!r} of {count} elements runs past the end")
             return False, None
         return True, [self.value(etype, key, {})[1] for _ in range(count)]
+
+
+def _element_bytes(etype: int, order: str) -> int:
+    """The fewest bytes one array element of type ``etype`` takes (an unknown type: 1, so that
+    the count check passes and the type's own error names it)."""
+    if etype in _SCALARS:
+        return struct.calcsize(order + _SCALARS[etype])
+    return _MIN_STRING_BYTES if etype == _STRING else 1
 
 
 def _byte_order(buf: Any) -> str:
@@ -301,18 +328,21 @@ def _parse(buf: Any) -> tuple[dict[str, Any], dict[str, int], tuple[GgufTensor, 
     version = cur.take("I")
     if version not in (2, 3):
         raise _Damaged(f"GGUF version {version}; autotune reads versions 2 and 3")
-    n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+    n_tensors = cur.count("tensor count", _MIN_TENSOR_INFO_BYTES)
+    n_kv = cur.count("key-value count", _MIN_KV_BYTES)
     metadata: dict[str, Any] = {}
     lengths: dict[str, int] = {}
     for _ in range(n_kv):
-        key = cur.string()
+        key = cur.string("a key")
         decoded, value = cur.value(cur.take("I"), key, lengths)
         if decoded:
             metadata[key] = value
     infos = []
     for _ in range(n_tensors):
-        name = cur.string()
+        name = cur.string("a tensor name")
         n_dims = cur.take("I")
+        if n_dims > _MAX_DIMS:
+            raise _Damaged(f"tensor {name!r} has {n_dims} dimensions; ggml's tensors have at most {_MAX_DIMS}")
         shape = tuple(cur.take("Q") for _ in range(n_dims))
         infos.append((name, shape, cur.take("I"), cur.take("Q")))
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)

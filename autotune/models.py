@@ -52,6 +52,43 @@ _HF_TO_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 _CATALOG_FILE = "models.toml"
 
+# The accepted range of each shape field, whatever the source (catalog, GGUF header, config.json):
+# the largest real decoder-only models with room to spare (Llama 3.1 405B: 126 layers, 16384
+# wide, 53248 FFN, 128 heads; Llama 4 Scout: a 10M-token context; Gemma 3: a 262k vocabulary).
+# A value beyond them is a damaged or crafted file, and would reach the memory and speed models
+# as a division by zero or a per-layer table of billions of entries.
+SHAPE_LIMITS: Mapping[str, tuple[int, int]] = types.MappingProxyType({
+    "n_layers": (1, 4096),
+    "hidden_size": (1, 1 << 20),
+    "n_heads": (1, 1 << 16),
+    "n_kv_heads": (1, 1 << 16),
+    "head_dim": (1, 1 << 16),
+    "ffn_size": (1, 1 << 24),
+    "vocab_size": (1, 1 << 24),
+    "max_context": (1, 1 << 30),
+})
+
+
+def _shape_problem(key: str, value: Any, field_name: str) -> str | None:
+    """Why ``value`` (read as ``key``) cannot be the model's ``field_name``, or None."""
+    lo, hi = SHAPE_LIMITS[field_name]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        return f"{key} = {value!r}: must be an integer from {lo} to {hi:,}"
+    return None
+
+
+def _consistency_problems(n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, vocab: int,
+                          n_params: int) -> list[str]:
+    """The shape's fields against one another (each already within its range)."""
+    problems = []
+    if n_kv_heads > n_heads:
+        problems.append(f"{n_kv_heads} key/value heads but {n_heads} query heads: a layer has no more "
+                        "key/value heads than query heads")
+    if n_params <= vocab * hidden:
+        problems.append(f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x "
+                        f"{hidden:,} wide): the {n_layers} decoder layers hold none")
+    return problems
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -111,12 +148,9 @@ class ModelSpec:
         # Freeze the mapping so a spec shared through the cached catalog cannot be edited.
         if not isinstance(self.artifact_bytes, types.MappingProxyType):
             object.__setattr__(self, "artifact_bytes", types.MappingProxyType(dict(self.artifact_bytes)))
-        bad = [
-            f"{name} = {getattr(self, name)!r}: must be a positive integer"
-            for name in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim",
-                         "ffn_size", "vocab_size", "n_params", "max_context")
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0
-        ]
+        bad = [why for name in SHAPE_LIMITS if (why := _shape_problem(name, getattr(self, name), name))]
+        if isinstance(self.n_params, bool) or not isinstance(self.n_params, int) or self.n_params <= 0:
+            bad.append(f"n_params = {self.n_params!r}: must be a positive integer")
         max_swa = self.n_layers if isinstance(self.n_layers, int) else 0
         if not isinstance(self.n_swa_layers, int) or not 0 <= self.n_swa_layers <= max_swa:
             bad.append(f"n_swa_layers = {self.n_swa_layers!r}: must be between 0 and n_layers")
@@ -336,48 +370,71 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     def widest(value: Any) -> Any:
         # Per-layer arrays (e.g. head_count_kv of hybrid models): size for the widest layer.
         if isinstance(value, list):
-            return max(value) if value else None
+            return max(value) if value and all(isinstance(v, int) for v in value) else value or None
         return value
 
     missing: list[str] = []
+    problems: list[str] = []
 
-    def need_int(key: str) -> int:
-        value = widest(header.get(key))
+    def read_int(key: str, field_name: str, default: Any = None) -> int:
+        value = widest(header.get(key, default))
         if value is None:
-            missing.append(key)
-            return 0
-        return int(value)
+            missing.append(f"field '{key}' missing")
+            return 1
+        if why := _shape_problem(key, value, field_name):
+            problems.append(why)
+            return 1
+        return value
 
-    n_layers = need_int(f"{arch}.block_count")
-    hidden = need_int(f"{arch}.embedding_length")
-    n_heads = need_int(f"{arch}.attention.head_count")
-    ffn = need_int(f"{arch}.feed_forward_length")
-    max_context = need_int(f"{arch}.context_length")
+    n_layers = read_int(f"{arch}.block_count", "n_layers")
+    hidden = read_int(f"{arch}.embedding_length", "hidden_size")
+    n_heads = read_int(f"{arch}.attention.head_count", "n_heads")
+    ffn = read_int(f"{arch}.feed_forward_length", "ffn_size")
+    max_context = read_int(f"{arch}.context_length", "max_context")
     if missing:
-        raise ConfigError(f"{p}: " + "; ".join(f"field '{k}' missing" for k in missing))
-
-    kv = widest(header.get(f"{arch}.attention.head_count_kv"))
-    n_kv_heads = int(kv) if kv is not None else n_heads
-    key_length = header.get(f"{arch}.attention.key_length")
-    head_dim = int(key_length) if key_length is not None else hidden // n_heads
+        raise ConfigError(f"{p}: " + "; ".join(missing))
+    n_kv_heads = read_int(f"{arch}.attention.head_count_kv", "n_kv_heads", n_heads)
+    key_length = f"{arch}.attention.key_length"
+    if header.get(key_length) is not None:
+        head_dim = read_int(key_length, "head_dim")
+    elif not problems and n_heads > hidden:
+        problems.append(f"{arch}.attention.head_count = {n_heads} exceeds {arch}.embedding_length = {hidden} "
+                        f"and there is no {key_length}: a head would be {hidden / n_heads:.2f} wide")
+        head_dim = 1
+    else:
+        head_dim = max(hidden // n_heads, 1)
 
     embeddings = header.tensor("token_embd.weight")
     if header.array_lengths.get("tokenizer.ggml.tokens"):
         vocab = header.array_lengths["tokenizer.ggml.tokens"]
+        vocab_key = "the length of tokenizer.ggml.tokens"
     elif embeddings is not None:
         # GGUF shapes list ne[0] first: token_embd is [hidden, vocab].
         vocab = embeddings.shape[-1]
+        vocab_key = "token_embd.weight's second dimension"
     else:
         raise ConfigError(f"{p}: field 'tokenizer.ggml.tokens' missing and no token_embd.weight tensor")
+    if why := _shape_problem(vocab_key, vocab, "vocab_size"):
+        problems.append(why)
+        vocab = 1
 
     window = header.get(f"{arch}.attention.sliding_window")
-    sliding_window = int(window) if window else None
+    sliding_window = None
     n_swa = 0
-    if sliding_window:
-        # A pattern N means every N-th layer is global (llama.cpp's sliding_window_pattern);
-        # without one, treat every layer as windowed, as Mistral-style models are.
-        pattern = header.get(f"{arch}.attention.sliding_window_pattern")
-        n_swa = n_layers - n_layers // int(pattern) if isinstance(pattern, int) and pattern > 0 else n_layers
+    if window:
+        if why := _shape_problem(f"{arch}.attention.sliding_window", window, "max_context"):
+            problems.append(why)
+        else:
+            sliding_window = window
+            # A pattern N means every N-th layer is global (llama.cpp's sliding_window_pattern);
+            # without one, treat every layer as windowed, as Mistral-style models are.
+            pattern = header.get(f"{arch}.attention.sliding_window_pattern")
+            n_swa = n_layers - n_layers // pattern if isinstance(pattern, int) and pattern > 0 else n_layers
+    n_params = sum(t.n_elements for t in header.tensors)
+    if not problems:
+        problems += _consistency_problems(n_layers, hidden, n_heads, n_kv_heads, vocab, n_params)
+    if problems:
+        raise ConfigError(f"{p}: " + "; ".join(problems) + " (a damaged or hand-made header?)")
 
     n_experts = int(widest(header.get(f"{arch}.expert_count")) or 0)
     n_used = int(widest(header.get(f"{arch}.expert_used_count")) or 0) if n_experts else 0
@@ -398,7 +455,7 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         head_dim=head_dim,
         ffn_size=ffn,
         vocab_size=vocab,
-        n_params=sum(t.n_elements for t in header.tensors),
+        n_params=n_params,
         tie_embeddings=header.tensor("output.weight") is None,
         max_context=max_context,
         source=str(p),
@@ -465,25 +522,28 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
 
     problems: list[str] = []
 
-    def pos_int(key: str, default: int | None = None) -> int:
+    def pos_int(key: str, field_name: str, default: int | None = None) -> int:
         value = cfg.get(key, default)
         if value is None:
             problems.append(f"field '{key}' missing")
             return 1
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            problems.append(f"field '{key}' = {value!r}: must be a positive integer")
+        if why := _shape_problem(f"field '{key}'", value, field_name):
+            problems.append(why)
             return 1
         return value
 
-    n_layers = pos_int("num_hidden_layers")
-    hidden = pos_int("hidden_size")
-    n_heads = pos_int("num_attention_heads")
-    ffn = pos_int("intermediate_size")
-    vocab = pos_int("vocab_size")
-    max_context = pos_int("max_position_embeddings")
-    n_kv_heads = pos_int("num_key_value_heads", n_heads)
+    n_layers = pos_int("num_hidden_layers", "n_layers")
+    hidden = pos_int("hidden_size", "hidden_size")
+    n_heads = pos_int("num_attention_heads", "n_heads")
+    ffn = pos_int("intermediate_size", "ffn_size")
+    vocab = pos_int("vocab_size", "vocab_size")
+    max_context = pos_int("max_position_embeddings", "max_context")
+    n_kv_heads = pos_int("num_key_value_heads", "n_kv_heads", n_heads)
     head_dim = cfg.get("head_dim")
-    head_dim = pos_int("head_dim") if head_dim is not None else max(hidden // n_heads, 1)
+    head_dim = pos_int("head_dim", "head_dim") if head_dim is not None else max(hidden // n_heads, 1)
+    if not problems and n_kv_heads > n_heads:
+        problems.append(f"field 'num_key_value_heads' = {n_kv_heads} exceeds field 'num_attention_heads' = "
+                        f"{n_heads}: a layer has no more key/value heads than query heads")
     tie = cfg.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         problems.append(f"field 'tie_word_embeddings' = {tie!r}: must be true or false")
@@ -516,7 +576,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         sliding_window = window if n_swa else None
 
     artifacts: dict[str, int] = {}
-    quant = exl2_quantization(cfg)
+    quant = exl2_quantization(cfg, p)
     if quant is not None:
         size = sum(f.stat().st_size for f in p.parent.glob("*.safetensors"))
         if size:

@@ -51,6 +51,8 @@ SAFETENSORS_DTYPE_BYTES: Mapping[str, int] = {
 # A header larger than this is not a safetensors file (the reference implementation caps it
 # at 100 MB too) and must not make us read a whole weights file into memory.
 MAX_HEADER_BYTES = 100_000_000
+# ExLlamaV2 quantizes to 2-8 bits per weight; 16 leaves room for an unquantized head's share.
+EXL2_MAX_BITS = 16.0
 
 # Hugging Face tensor names of a decoder-only model (transformers' LlamaModel / Qwen2Model; a
 # multimodal wrapper puts the language model under language_model.). EXL2 keeps these names
@@ -139,6 +141,9 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, Safetenso
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{p}: tensor '{name}': needs dtype, shape and data_offsets ({exc!r})") from None
+        if any(d < 0 for d in shape):
+            # Two negative dimensions multiply to a positive size that could match the offsets.
+            raise ConfigError(f"{p}: tensor '{name}': shape {list(shape)} has a negative dimension")
         if dtype not in SAFETENSORS_DTYPE_BYTES:
             raise ConfigError(f"{p}: tensor '{name}': dtype {dtype!r} unknown "
                               f"(known: {', '.join(SAFETENSORS_DTYPE_BYTES)})")
@@ -177,11 +182,16 @@ class Exl2Quantization:
     head_bits: int | None
 
 
-def exl2_quantization(cfg: Mapping[str, Any]) -> Exl2Quantization | None:
+def exl2_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "config.json") -> Exl2Quantization | None:
     """The EXL2 quantization a config.json states (``quantization_config.quant_method = "exl2"``
-    with numeric ``bits``), or None."""
+    with numeric ``bits``), or None; bits outside (0, EXL2_MAX_BITS] are a ConfigError naming
+    ``where`` (the file)."""
     q = cfg.get("quantization_config")
     if isinstance(q, dict) and q.get("quant_method") == "exl2" and isinstance(q.get("bits"), (int, float)):
+        if isinstance(q["bits"], bool) or not 0 < q["bits"] <= EXL2_MAX_BITS:
+            # nan, inf, 0 or 1e9 bits per weight would price the weights at nothing or at exabytes.
+            raise ConfigError(f"{where}: quantization_config.bits = {q['bits']!r}: an EXL2 model has "
+                              f"more than 0 and at most {EXL2_MAX_BITS} bits per weight")
         head = q.get("head_bits")
         head_bits = head if isinstance(head, int) and not isinstance(head, bool) else None
         return Exl2Quantization(float(q["bits"]), head_bits)
@@ -207,7 +217,7 @@ class SafetensorsDir:
     @property
     def exl2(self) -> Exl2Quantization | None:
         """The EXL2 quantization, or None for any other directory."""
-        return exl2_quantization(self.config)
+        return exl2_quantization(self.config, self.path / "config.json")
 
     @property
     def quant_method(self) -> str | None:

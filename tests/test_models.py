@@ -139,7 +139,7 @@ def test_specs_are_frozen_and_hashable():
 
 
 def test_spec_rejects_nonsense():
-    with pytest.raises(ConfigError, match="n_layers = 0: must be a positive integer"):
+    with pytest.raises(ConfigError, match="n_layers = 0: must be an integer from 1 to 4,096"):
         ModelSpec("x", "x", "llama", 0, 64, 8, 4, 8, 172, 512, 1, False, 2048, "test")
 
 
@@ -189,6 +189,65 @@ def test_gguf_missing_field_names_it(tmp_path):
     with pytest.raises(ConfigError) as err:
         model_from_gguf(path)
     assert str(err.value) == f"{path}: field 'llama.feed_forward_length' missing"
+
+
+def _crafted_gguf(path: Path, *, layer_tensors: bool = True, **over) -> Path:
+    """A small llama GGUF with the header values given (a hostile file in a few KB)."""
+    import gguf
+    import numpy as np
+
+    kv = dict(block_count=2, embedding_length=64, head_count=8, head_count_kv=4, feed_forward_length=172,
+              context_length=512)
+    kv.update(over)
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in kv.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float16))
+    if layer_tensors:
+        w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("over, expected", [
+    # Each was a traceback (ZeroDivisionError, MemoryError) or a silent nonsense on main.
+    ({"head_count": 0}, "llama.attention.head_count = 0: must be an integer from 1 to 65,536"),
+    ({"block_count": 2**32 - 1}, "llama.block_count = 4294967295: must be an integer from 1 to 4,096"),
+    ({"embedding_length": 0}, "llama.embedding_length = 0: must be an integer from 1 to 1,048,576"),
+    ({"feed_forward_length": 2**31}, "llama.feed_forward_length = 2147483648: must be an integer from 1 to 16,777,216"),
+    ({"context_length": 2**32 - 1}, "llama.context_length = 4294967295: must be an integer from 1 to 1,073,741,824"),
+    ({"head_count_kv": 0}, "llama.attention.head_count_kv = 0: must be an integer from 1 to 65,536"),
+    ({"head_count_kv": 16}, "16 key/value heads but 8 query heads"),
+    ({"head_count": 128}, "llama.attention.head_count = 128 exceeds llama.embedding_length = 64 and there is "
+                          "no llama.attention.key_length"),
+    ({"layer_tensors": False}, "2,048 parameters, no more than the embeddings alone (32 tokens x 64 wide): "
+                               "the 2 decoder layers hold none"),
+], ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None)
+def test_gguf_header_values_out_of_range_name_the_file_key_value_and_range(tmp_path, over, expected):
+    path = _crafted_gguf(tmp_path / "crafted.gguf", **over)
+    with pytest.raises(ConfigError) as err:
+        model_from_gguf(path)
+    assert str(err.value).startswith(f"{path}: ") and expected in str(err.value), str(err.value)
+
+
+def test_a_sane_crafted_gguf_is_read(tmp_path):
+    m = model_from_gguf(_crafted_gguf(tmp_path / "ok.gguf"))
+    assert (m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size) == (2, 8, 4, 8, 32)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("num_hidden_layers", 2**32 - 1, "field 'num_hidden_layers' = 4294967295: must be an integer from 1 to 4,096"),
+    ("num_attention_heads", 0, "field 'num_attention_heads' = 0: must be an integer from 1 to 65,536"),
+    ("num_key_value_heads", 64, "field 'num_key_value_heads' = 64 exceeds field 'num_attention_heads' = 28"),
+])
+def test_hf_config_values_out_of_range(tmp_path, field, value, expected):
+    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN25_7B_CONFIG, **{field: value})))
+    with pytest.raises(ConfigError) as err:
+        model_from_hf_config(tmp_path)
+    assert str(err.value).startswith(str(tmp_path / "config.json")) and expected in str(err.value)
 
 
 # ----------------------------------------------------------------------------------- HF config
@@ -243,7 +302,7 @@ def test_hf_config_lists_every_bad_field(tmp_path):
     with pytest.raises(ConfigError) as err:
         model_from_hf_config(path)
     msg = str(err.value)
-    assert "field 'hidden_size' = 'big': must be a positive integer" in msg
+    assert "field 'hidden_size' = 'big': must be an integer from 1 to 1,048,576" in msg
     assert "field 'vocab_size' missing" in msg
 
 
@@ -282,3 +341,23 @@ def test_resolve_model_errors(tmp_path):
         resolve_model("path/to/model.gguf")
     with pytest.raises(ConfigError, match="directory has no config.json"):
         resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("bits", [0, -3.0, 1e9, float("inf"), float("nan")])
+def test_exl2_bits_outside_what_exllamav2_writes_are_refused(tmp_path, bits):
+    cfg = dict(QWEN25_7B_CONFIG, quantization_config={"quant_method": "exl2", "bits": bits})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        model_from_hf_config(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: quantization_config.bits = {bits!r}: ")
+
+
+def test_safetensors_negative_dimensions_are_refused(tmp_path):
+    from autotune.safetensors_dir import read_safetensors_header
+
+    # -2 x -2 x F16 = 8 bytes: the offsets agree with the product, so only the sign shows it.
+    header = json.dumps({"w": {"dtype": "F16", "shape": [-2, -2], "data_offsets": [0, 8]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    with pytest.raises(ConfigError, match=r"model\.safetensors: tensor 'w': shape \[-2, -2\] has a negative dimension"):
+        read_safetensors_header(path)

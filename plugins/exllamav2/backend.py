@@ -242,7 +242,7 @@ class ExLlamaV2Backend(BaseBackend):
         # The study's own full-precision source loads as it is (ExLlamaV2 reads FP16 safetensors):
         # the reference its EXL2 conversions' quality is measured against.
         is_source = ctx.source is not None and p.resolve() == Path(ctx.source).resolve()
-        if exl2_quantization(cfg) is None and not is_source:
+        if exl2_quantization(cfg, p / "config.json") is None and not is_source:
             return (f"{p}/config.json: no quantization_config with quant_method 'exl2' and bits "
                     f"(convert with python -m exllamav2.conversion.convert_exl2 ... -cf {p})")
         if not (p / "tokenizer.json").is_file():
