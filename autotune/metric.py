@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend, StudyContext, TrialConfig
+    from autotune.models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,12 @@ class BaseMetric(abc.ABC):
 
     def supports(self, backend: "BaseBackend") -> str | None:
         """Why this metric cannot evaluate ``backend``'s configurations (None: it can)."""
+        return None
+
+    def covers(self, model: "ModelSpec") -> str | None:
+        """Why this metric's figures mean nothing for ``model`` (None: they do); a predicting
+        metric says where its evidence ends, and the study is refused before the search rather
+        than scored by numbers outside it. Measuring metrics cover every model (the default)."""
         return None
 
     def item_order(self) -> tuple[tuple[int, ...], int] | None:

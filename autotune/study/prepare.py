@@ -270,6 +270,8 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
         except AutotuneError as exc:
             errors.append(f"{src}: [objective] quality = {cfg.objective.quality!r}: {exc}")
         else:
+            if model is not None and (why := quality.covers(model)):
+                errors.append(f"{src}: [objective] quality = {quality.name!r}: {why}")
             for entry in entries:
                 why = quality.supports(entry.backend)
                 if why and cfg.objective.require_quality:

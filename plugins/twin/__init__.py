@@ -31,6 +31,7 @@ from autotune.formats import (
 from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
+from autotune.models import ModelSpec
 from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
@@ -564,6 +565,9 @@ class TwinMmlu(BaseMetric):
         if not isinstance(backend, TwinBackend):
             return "the twin predicts quality for its own backends only; use a measured metric (mmlu, ceval, kld)"
         return None
+
+    def covers(self, model: ModelSpec) -> str | None:
+        return quality.uncovered(model)
 
     def evaluate(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext) -> MetricValue:
         _, _, ppk = load_constants()

@@ -60,6 +60,12 @@ ARCH_KV_SENSITIVITY = {"qwen2": 2.7, "qwen3": 2.7}
 # MMLU points per unit of KLD fall as models grow: ~x0.43 from 8B to 70B at Q4_K_M.
 SIZE_EXPONENT = math.log(0.43) / math.log(70 / 8)
 
+# The model sizes this model covers, in parameters: its figures are LLaMA 3 8B's and LLaMA 2
+# 70B's, and the size power law is taken about 16x beyond either end. Further out it is no
+# prediction: at 6,000 parameters (a hand-made file) it prices a unit of KLD at ~1,700 points,
+# a Q2_K file at a 770-point drop of a 100-point scale.
+COVERED_PARAMS = (5e8, 1e12)
+
 
 def _kquant_regression() -> tuple[float, float]:
     """Least-squares line of ln(KLD) against bits per weight over the quantized k-quant types."""
@@ -90,7 +96,19 @@ def cache_kld(cache_type: str, model: ModelSpec) -> float:
     return CACHE_KLD[cache_type.lower()] * ARCH_KV_SENSITIVITY.get(model.architecture, 1.0)
 
 
+def uncovered(model: ModelSpec) -> str | None:
+    """Why this quality model cannot price ``model`` (its size is beyond the evidence), or None."""
+    lo, hi = COVERED_PARAMS
+    if lo <= model.n_params <= hi:
+        return None
+    return (f"model '{model.key}' has {model.n_params:,} parameters; the twin's quality model covers "
+            f"{lo / 1e9:g}B to {hi / 1e12:g}T (its figures are LLaMA 3 8B's and LLaMA 2 70B's) and cannot "
+            "predict this one's quality: measure it (quality = 'mmlu' or 'kld') or leave [objective] quality out")
+
+
 def points_per_kld(model: ModelSpec, points_per_kld_8b: float) -> float:
+    if why := uncovered(model):
+        raise ConfigError(why)
     return points_per_kld_8b * (model.n_params / 8e9) ** SIZE_EXPONENT
 
 

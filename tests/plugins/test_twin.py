@@ -323,3 +323,34 @@ def test_batching_bends_like_the_h200_measured_it():
             by_streams.setdefault(f.scenario.parallel, []).append(fit.predicted(f, engines, host) / f.value)
     for streams in (2, 4, 8, 16):
         assert abs(statistics.median(by_streams[streams]) - 1) <= 0.25, (streams, sorted(by_streams[streams]))
+
+
+def test_quality_is_refused_for_a_model_outside_what_the_quality_model_covers(twin_plugin, tmp_path):
+    """A hand-made 13M-parameter file as the twin's model: the size power law (fitted on 8B and 70B)
+    priced its Q2_K at a 300-point drop of a 100-point scale, and the study ran to exit 0 with it.
+    The study is refused before the search instead, naming the model, its size and the range."""
+    from autotune.config import parse_study_config
+    from autotune.errors import ConfigError
+    from autotune.models import ModelSpec
+    from autotune.study.prepare import prepare_study
+
+    tiny = ModelSpec("tiny", "tiny", "llama", 4, 512, 8, 4, 64, 1536, 512, 13_000_000, False, 2048, "test")
+    assert quality.uncovered(get_model("qwen2.5-27b-article")) is None
+    assert TwinMmlu().covers(tiny).startswith("model 'tiny' has 13,000,000 parameters; the twin's quality model "
+                                              "covers 0.5B to 1T")
+    with pytest.raises(ConfigError, match="the twin's quality model covers"):
+        quality.drop_points(tiny, "gguf:Q2_K", "f16", 8.17)  # estimate's and the prior's way in, too
+
+    doc = {"study": {"name": "tiny"}, "hardware": {"gpu": "t4"}, "model": {"ref": "qwen2.5-1.5b"},
+           "workload": {"prompt_tokens": 64, "output_tokens": 32},
+           "candidates": [{"backend": "twin-llama.cpp", "weights": ["gguf:Q8_0", "gguf:Q2_K"]}],
+           "space": {"ctx": [512], "parallel": [1]}, "objective": {"quality": "twin-mmlu", "reference_weights": "gguf:Q8_0"}}
+    prepare_study(parse_study_config(doc, source="ok.toml", path=tmp_path / "ok.toml"),
+                  storage=f"sqlite:///{tmp_path / 'ok.db'}")  # a covered model is prepared as before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("autotune.study.prepare.resolve_model", lambda ref: tiny)
+        with pytest.raises(ConfigError) as err:
+            prepare_study(parse_study_config(doc, source="tiny.toml", path=tmp_path / "tiny.toml"),
+                          storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    assert "tiny.toml: [objective] quality = 'twin-mmlu': model 'tiny' has 13,000,000 parameters" in str(err.value)
+    assert not (tmp_path / "tiny.db").exists()
