@@ -31,6 +31,10 @@ OBJECTIVE_MODES = ("single", "pareto")
 # [quality] table: field -> (type, min, max or None, what it is). Metrics that sample a
 # benchmark read the first three (the shipped samples hold 10 items and 5 dev examples per
 # subject); the rest say how the study measures a paired drop (autotune/study/quality.py).
+# The longest study name: it becomes file names (<name>.db, <name>.html, <name>.<suffix> of
+# the report's assets), and a file name has at most 255 bytes on the usual filesystems.
+MAX_STUDY_NAME = 200
+
 QUALITY_OPTIONS: dict[str, tuple[type, float, float | None, str]] = {
     "per_subject": (int, 1, 10, "items per subject (the shipped samples hold 10)"),
     "shots": (int, 0, 5, "dev examples before each question (0..5)"),
@@ -297,7 +301,9 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     })
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name,
-                 check=lambda v: None if re.fullmatch(r"[A-Za-z0-9_.-]+", v) else "use letters, digits, '.', '_' or '-'")
+                 check=lambda v: None if re.fullmatch(r"[A-Za-z0-9_.-]+", v) and len(v) <= MAX_STUDY_NAME
+                 else f"use letters, digits, '.', '_' or '-', at most {MAX_STUDY_NAME} of them (it names the "
+                 "study's files, <name>.db and <name>.html, and a file name has at most 255 bytes)")
     seed = r.get("study", study, "seed", int, 0, check=_between(0, SEED_MAX))
     strategies = plugins.get_strategies()
     sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(tuple(strategies)))

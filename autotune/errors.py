@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import re
 import sys
 import traceback
@@ -111,3 +113,21 @@ def handle_errors(debug: bool = False) -> Iterator[None]:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
+    except OSError as exc:
+        # A path the user gave (a study file, a model, a storage) that no filesystem call can
+        # take: bad input wherever it is first touched, not a bug.
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"Error: {too_long(exc.filename)}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def too_long(path: object) -> str:
+    """The message for a path the filesystem refuses as too long (ENAMETOOLONG)."""
+    text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+    longest = max((len(os.fsencode(part)) for part in text.split(os.sep)), default=0)
+    shown = text if len(text) <= 120 else f"{text[:60]}...{text[-40:]} ({len(text):,} characters)"
+    return (f"{shown}: too long for the filesystem (its longest name is {longest:,} bytes; a name may "
+            "have 255 and a whole path 4,096 on Linux): give a shorter path or name")

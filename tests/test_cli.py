@@ -328,3 +328,28 @@ def test_study_prints_its_summary_when_the_dashboard_note_cannot_be_written(tmp_
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["n_trials"] >= 2
     assert "no dashboard note for the study (ModuleNotFoundError" in result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["study", "d/" * 2500 + "x.toml"],
+    ["estimate", "--model", "m" * 5000 + ".gguf", "--backend", "twin-llama.cpp", "--gpu", "t4", "--ctx", "256"],
+], ids=["study-file", "model-file"])
+def test_a_path_too_long_for_the_filesystem_is_bad_input(args, twin_plugin):
+    """ENAMETOOLONG was an OSError traceback (exit 1) wherever a path was first touched."""
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "too long for the filesystem" in result.output and "characters)" in result.output
+    assert "Traceback" not in result.output and len(result.output) < 500
+
+
+def test_a_study_name_too_long_for_a_file_name_is_refused(tmp_path):
+    from autotune.config import parse_study_config
+    from autotune.errors import ConfigError
+
+    doc = {"study": {"name": "n" * 5000}, "hardware": {"gpu": "t4"}, "model": {"ref": "qwen2.5-7b"},
+           "workload": {"prompt_tokens": 64, "output_tokens": 32},
+           "candidates": [{"backend": "twin-llama.cpp", "weights": ["gguf:Q8_0"]}], "space": {"ctx": [512], "parallel": [1]}}
+    with pytest.raises(ConfigError, match=r"\[study\] name = 'n+': use letters, digits, '.', '_' or '-', at most 200"):
+        parse_study_config(doc, source="long.toml", path=tmp_path / "long.toml")
+    doc["study"]["name"] = "n" * 200
+    assert parse_study_config(doc, source="ok.toml", path=tmp_path / "ok.toml").name == "n" * 200
