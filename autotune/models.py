@@ -58,14 +58,8 @@ _CATALOG_FILE = "models.toml"
 # A value beyond them is a damaged or crafted file, and would reach the memory and speed models
 # as a division by zero or a per-layer table of billions of entries.
 SHAPE_LIMITS: Mapping[str, tuple[int, int]] = types.MappingProxyType({
-    "n_layers": (1, 4096),
-    "hidden_size": (1, 1 << 20),
-    "n_heads": (1, 1 << 16),
-    "n_kv_heads": (1, 1 << 16),
-    "head_dim": (1, 1 << 16),
-    "ffn_size": (1, 1 << 24),
-    "vocab_size": (1, 1 << 24),
-    "max_context": (1, 1 << 30),
+    "n_layers": (1, 4096), "hidden_size": (1, 1 << 20), "n_heads": (1, 1 << 16), "n_kv_heads": (1, 1 << 16),
+    "head_dim": (1, 1 << 16), "ffn_size": (1, 1 << 24), "vocab_size": (1, 1 << 24), "max_context": (1, 1 << 30),
 })
 
 
@@ -75,19 +69,6 @@ def _shape_problem(key: str, value: Any, field_name: str) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         return f"{key} = {value!r}: must be an integer from {lo} to {hi:,}"
     return None
-
-
-def _consistency_problems(n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, vocab: int,
-                          n_params: int) -> list[str]:
-    """The shape's fields against one another (each already within its range)."""
-    problems = []
-    if n_kv_heads > n_heads:
-        problems.append(f"{n_kv_heads} key/value heads but {n_heads} query heads: a layer has no more "
-                        "key/value heads than query heads")
-    if n_params <= vocab * hidden:
-        problems.append(f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x "
-                        f"{hidden:,} wide): the {n_layers} decoder layers hold none")
-    return problems
 
 
 @dataclass(frozen=True)
@@ -431,8 +412,12 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
             pattern = header.get(f"{arch}.attention.sliding_window_pattern")
             n_swa = n_layers - n_layers // pattern if isinstance(pattern, int) and pattern > 0 else n_layers
     n_params = sum(t.n_elements for t in header.tensors)
-    if not problems:
-        problems += _consistency_problems(n_layers, hidden, n_heads, n_kv_heads, vocab, n_params)
+    if not problems and n_kv_heads > n_heads:
+        problems.append(f"{n_kv_heads} key/value heads but {n_heads} query heads: a layer has no more "
+                        "key/value heads than query heads")
+    if not problems and n_params <= vocab * hidden:
+        problems.append(f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x "
+                        f"{hidden:,} wide): the {n_layers} decoder layers hold none")
     if problems:
         raise ConfigError(f"{p}: " + "; ".join(problems) + " (a damaged or hand-made header?)")
 
