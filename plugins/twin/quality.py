@@ -114,7 +114,9 @@ def points_per_kld(model: ModelSpec, points_per_kld_8b: float) -> float:
 
 def drop_points(model: ModelSpec, fmt: str, cache_type: str, points_per_kld_8b: float) -> float:
     """Predicted MMLU points lost against the FP16 model with an FP16 cache."""
-    return points_per_kld(model, points_per_kld_8b) * (weights_kld(fmt) + cache_kld(cache_type, model))
+    kld = weights_kld(fmt) + cache_kld(cache_type, model)
+    # Full precision loses nothing at any size; only a loss is priced by the size law.
+    return points_per_kld(model, points_per_kld_8b) * kld if kld else 0.0
 
 
 def per_bit_factor() -> float:
