@@ -30,6 +30,7 @@ from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
 from autotune.paths import path_problem
 from autotune.safetensors_dir import exl2_quantization
+from autotune.shape_limits import SHAPE_LIMITS, shape_problem
 
 __all__ = [
     "ModelSpec",
@@ -51,25 +52,6 @@ QKV_BIAS_ARCHITECTURES = frozenset({"qwen2"})
 _HF_TO_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 _CATALOG_FILE = "models.toml"
-
-# The accepted range of each shape field, whatever the source (catalog, GGUF header, config.json):
-# the largest real decoder-only models with room to spare (Llama 3.1 405B: 126 layers, 16384
-# wide, 53248 FFN, 128 heads; Llama 4 Scout: a 10M-token context; Gemma 3: a 262k vocabulary).
-# A value beyond them is a damaged or crafted file, and would reach the memory and speed models
-# as a division by zero or a per-layer table of billions of entries.
-SHAPE_LIMITS: Mapping[str, tuple[int, int]] = types.MappingProxyType({
-    "n_layers": (1, 4096), "hidden_size": (1, 1 << 20), "n_heads": (1, 1 << 16), "n_kv_heads": (1, 1 << 16),
-    "head_dim": (1, 1 << 16), "ffn_size": (1, 1 << 24), "vocab_size": (1, 1 << 24), "max_context": (1, 1 << 30),
-})
-
-
-def _shape_problem(key: str, value: Any, field_name: str) -> str | None:
-    """Why ``value`` (read as ``key``) cannot be the model's ``field_name``, or None."""
-    lo, hi = SHAPE_LIMITS[field_name]
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        return f"{key} = {value!r}: must be an integer from {lo} to {hi:,}"
-    return None
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -129,7 +111,7 @@ class ModelSpec:
         # Freeze the mapping so a spec shared through the cached catalog cannot be edited.
         if not isinstance(self.artifact_bytes, types.MappingProxyType):
             object.__setattr__(self, "artifact_bytes", types.MappingProxyType(dict(self.artifact_bytes)))
-        bad = [why for name in SHAPE_LIMITS if (why := _shape_problem(name, getattr(self, name), name))]
+        bad = [why for name in SHAPE_LIMITS if (why := shape_problem(name, getattr(self, name), name))]
         if isinstance(self.n_params, bool) or not isinstance(self.n_params, int) or self.n_params <= 0:
             bad.append(f"n_params = {self.n_params!r}: must be a positive integer")
         max_swa = self.n_layers if isinstance(self.n_layers, int) else 0
@@ -350,22 +332,18 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
 
     def widest(value: Any) -> Any:
         # Per-layer arrays (e.g. head_count_kv of hybrid models): size for the widest layer.
-        if isinstance(value, list):
-            return max(value) if value and all(isinstance(v, int) for v in value) else value or None
-        return value
+        return (max(value) if value and all(isinstance(v, int) for v in value) else value) or None \
+            if isinstance(value, list) else value
 
     missing: list[str] = []
     problems: list[str] = []
 
     def read_int(key: str, field_name: str, default: Any = None) -> int:
         value = widest(header.get(key, default))
-        if value is None:
-            missing.append(f"field '{key}' missing")
-            return 1
-        if why := _shape_problem(key, value, field_name):
-            problems.append(why)
-            return 1
-        return value
+        why = f"field '{key}' missing" if value is None else shape_problem(key, value, field_name)
+        if why:
+            (missing if value is None else problems).append(why)
+        return 1 if why else value
 
     n_layers = read_int(f"{arch}.block_count", "n_layers")
     hidden = read_int(f"{arch}.embedding_length", "hidden_size")
@@ -378,32 +356,27 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     key_length = f"{arch}.attention.key_length"
     if header.get(key_length) is not None:
         head_dim = read_int(key_length, "head_dim")
-    elif not problems and n_heads > hidden:
-        problems.append(f"{arch}.attention.head_count = {n_heads} exceeds {arch}.embedding_length = {hidden} "
-                        f"and there is no {key_length}: a head would be {hidden / n_heads:.2f} wide")
-        head_dim = 1
     else:
         head_dim = max(hidden // n_heads, 1)
+        if not problems and n_heads > hidden:
+            problems.append(f"{arch}.attention.head_count = {n_heads} exceeds {arch}.embedding_length = {hidden} "
+                            f"and there is no {key_length}: a head would be {hidden / n_heads:.2f} wide")
 
     embeddings = header.tensor("token_embd.weight")
     if header.array_lengths.get("tokenizer.ggml.tokens"):
-        vocab = header.array_lengths["tokenizer.ggml.tokens"]
-        vocab_key = "the length of tokenizer.ggml.tokens"
-    elif embeddings is not None:
-        # GGUF shapes list ne[0] first: token_embd is [hidden, vocab].
-        vocab = embeddings.shape[-1]
-        vocab_key = "token_embd.weight's second dimension"
+        vocab, vocab_key = header.array_lengths["tokenizer.ggml.tokens"], "the length of tokenizer.ggml.tokens"
+    elif embeddings is not None:  # GGUF shapes list ne[0] first: token_embd is [hidden, vocab].
+        vocab, vocab_key = embeddings.shape[-1], "token_embd.weight's second dimension"
     else:
         raise ConfigError(f"{p}: field 'tokenizer.ggml.tokens' missing and no token_embd.weight tensor")
-    if why := _shape_problem(vocab_key, vocab, "vocab_size"):
+    if why := shape_problem(vocab_key, vocab, "vocab_size"):
         problems.append(why)
         vocab = 1
 
     window = header.get(f"{arch}.attention.sliding_window")
-    sliding_window = None
-    n_swa = 0
+    sliding_window, n_swa = None, 0
     if window:
-        if why := _shape_problem(f"{arch}.attention.sliding_window", window, "max_context"):
+        if why := shape_problem(f"{arch}.attention.sliding_window", window, "max_context"):
             problems.append(why)
         else:
             sliding_window = window
@@ -413,11 +386,10 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
             n_swa = n_layers - n_layers // pattern if isinstance(pattern, int) and pattern > 0 else n_layers
     n_params = sum(t.n_elements for t in header.tensors)
     if not problems and n_kv_heads > n_heads:
-        problems.append(f"{n_kv_heads} key/value heads but {n_heads} query heads: a layer has no more "
-                        "key/value heads than query heads")
+        problems.append(f"{n_kv_heads} key/value heads but {n_heads} query heads: a layer has no more of them")
     if not problems and n_params <= vocab * hidden:
-        problems.append(f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x "
-                        f"{hidden:,} wide): the {n_layers} decoder layers hold none")
+        problems.append(f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x {hidden:,} "
+                        f"wide): the {n_layers} decoder layers hold none")
     if problems:
         raise ConfigError(f"{p}: " + "; ".join(problems) + " (a damaged or hand-made header?)")
 
@@ -512,7 +484,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         if value is None:
             problems.append(f"field '{key}' missing")
             return 1
-        if why := _shape_problem(f"field '{key}'", value, field_name):
+        if why := shape_problem(f"field '{key}'", value, field_name):
             problems.append(why)
             return 1
         return value
@@ -527,8 +499,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     head_dim = cfg.get("head_dim")
     head_dim = pos_int("head_dim", "head_dim") if head_dim is not None else max(hidden // n_heads, 1)
     if not problems and n_kv_heads > n_heads:
-        problems.append(f"field 'num_key_value_heads' = {n_kv_heads} exceeds field 'num_attention_heads' = "
-                        f"{n_heads}: a layer has no more key/value heads than query heads")
+        problems.append(f"field 'num_key_value_heads' = {n_kv_heads} exceeds field 'num_attention_heads' = {n_heads}")
     tie = cfg.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         problems.append(f"field 'tie_word_embeddings' = {tie!r}: must be true or false")

@@ -220,7 +220,7 @@ def _crafted_gguf(path: Path, *, layer_tensors: bool = True, **over) -> Path:
     ({"feed_forward_length": 2**31}, "llama.feed_forward_length = 2147483648: must be an integer from 1 to 16,777,216"),
     ({"context_length": 2**32 - 1}, "llama.context_length = 4294967295: must be an integer from 1 to 1,073,741,824"),
     ({"head_count_kv": 0}, "llama.attention.head_count_kv = 0: must be an integer from 1 to 65,536"),
-    ({"head_count_kv": 16}, "16 key/value heads but 8 query heads"),
+    ({"head_count_kv": 16}, "16 key/value heads but 8 query heads: a layer has no more of them"),
     ({"head_count": 128}, "llama.attention.head_count = 128 exceeds llama.embedding_length = 64 and there is "
                           "no llama.attention.key_length"),
     ({"layer_tensors": False}, "2,048 parameters, no more than the embeddings alone (32 tokens x 64 wide): "
