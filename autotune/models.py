@@ -30,7 +30,7 @@ from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
 from autotune.paths import path_problem
 from autotune.safetensors_dir import exl2_quantization
-from autotune.shape_limits import SHAPE_LIMITS, shape_problem
+from autotune.shape_limits import expert_fields, SHAPE_LIMITS, shape_problem
 
 __all__ = [
     "ModelSpec",
@@ -390,14 +390,9 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     if not problems and n_params <= vocab * hidden:
         problems.append(f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x {hidden:,} "
                         f"wide): the {n_layers} decoder layers hold none")
+    n_experts, n_used, expert_ffn = expert_fields(lambda k: widest(header.get(f"{arch}.{k}")), arch, ffn, problems)
     if problems:
         raise ConfigError(f"{p}: " + "; ".join(problems) + " (a damaged or hand-made header?)")
-
-    n_experts = int(widest(header.get(f"{arch}.expert_count")) or 0)
-    n_used = int(widest(header.get(f"{arch}.expert_used_count")) or 0) if n_experts else 0
-    expert_ffn = int(widest(header.get(f"{arch}.expert_feed_forward_length")) or 0) if n_experts else 0
-    if n_experts and not expert_ffn and n_used:
-        expert_ffn = ffn // n_used  # llama.cpp's own fallback when the key is absent
 
     artifacts = {f"gguf:{header.file_type}": header.size} if header.file_type is not None else {}
     name = header.get("general.name")

@@ -225,6 +225,10 @@ def _crafted_gguf(path: Path, *, layer_tensors: bool = True, **over) -> Path:
                           "no llama.attention.key_length"),
     ({"layer_tensors": False}, "2,048 parameters, no more than the embeddings alone (32 tokens x 64 wide): "
                                "the 2 decoder layers hold none"),
+    # A mixture of experts: the routing keys get the same checks.
+    ({"expert_count": 2**31, "expert_used_count": 2}, "llama.expert_count = 2147483648: must be an integer from 1 to 16,384"),
+    ({"expert_count": 8, "expert_used_count": 0}, "llama.expert_used_count = 0: must be an integer from 1"),
+    ({"expert_count": 8, "expert_used_count": 9}, "llama.expert_used_count = 9: more than the 8 experts"),
 ], ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None)
 def test_gguf_header_values_out_of_range_name_the_file_key_value_and_range(tmp_path, over, expected):
     path = _crafted_gguf(tmp_path / "crafted.gguf", **over)
@@ -236,6 +240,11 @@ def test_gguf_header_values_out_of_range_name_the_file_key_value_and_range(tmp_p
 def test_a_sane_crafted_gguf_is_read(tmp_path):
     m = model_from_gguf(_crafted_gguf(tmp_path / "ok.gguf"))
     assert (m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size) == (2, 8, 4, 8, 32)
+
+
+def test_expert_width_falls_back_as_llama_cpp_does(tmp_path):
+    m = model_from_gguf(_crafted_gguf(tmp_path / "moe.gguf", expert_count=8, expert_used_count=2))
+    assert (m.n_experts, m.n_experts_used, m.expert_ffn_size, m.mlp_width) == (8, 2, 86, 172)  # ffn 172 / 2 used
 
 
 @pytest.mark.parametrize("field, value, expected", [
