@@ -23,7 +23,7 @@ from optuna.storages._rdb import models as _rdb_models  # a trial's record in on
 from optuna.storages._rdb.storage import _create_scoped_session as _rdb_session
 from optuna.study._constrained_optimization import _CONSTRAINTS_KEY  # set_constraints, batched
 
-__all__ = ["set_constraints", "set_user_attrs", "user_attrs_of"]
+__all__ = ["remember_user_attrs", "set_constraints", "set_user_attrs", "user_attrs_of"]
 
 
 def set_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
@@ -41,7 +41,13 @@ def set_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
     if not _write_attrs(trial, _rdb_models.TrialUserAttributeModel, attrs):
         for key, value in attrs.items():
             trial.storage.set_trial_user_attr(trial._trial_id, key, value)
-    trial._cached_frozen_trial.user_attrs.update(attrs)  # what Trial.set_user_attr keeps, uncopied
+    remember_user_attrs(trial, attrs)
+
+
+def remember_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
+    """Show ``attrs`` in the running trial's own copy of its attributes (what ``Trial.user_attrs``
+    reads), as ``Trial.set_user_attr`` does, uncopied; the storage is not written."""
+    trial._cached_frozen_trial.user_attrs.update(attrs)
 
 
 def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
