@@ -238,9 +238,9 @@ def joined(attrs: Mapping[str, Any], name: str) -> Any:
     return out
 
 
-# Fields ``hold`` keeps for a running trial until its next ``write`` (the trial's object -> its
-# user attributes, in the order they were held).
-_HELD: "weakref.WeakKeyDictionary[optuna.Trial, dict[str, Any]]" = weakref.WeakKeyDictionary()
+# What ``hold`` and ``set_constraints`` keep for a running trial until its next ``write`` (the
+# trial's object -> its user attributes in the order they were held, its constraints).
+_HELD: "weakref.WeakKeyDictionary[optuna.Trial, tuple[dict[str, Any], dict[str, float]]]" = weakref.WeakKeyDictionary()
 
 
 def write(trial: optuna.Trial, **attrs: Any) -> None:
@@ -259,13 +259,13 @@ def hold(trial: optuna.Trial, **attrs: Any) -> None:
 
 
 def _held(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
-    _HELD.setdefault(trial, {}).update(attrs)
+    _HELD.setdefault(trial, ({}, {}))[0].update(attrs)
     trial_writes.remember_user_attrs(trial, attrs)
 
 
 def _store(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
-    held = _HELD.pop(trial, None)
-    trial_writes.set_user_attrs(trial, {**held, **attrs} if held else attrs)
+    held, constraints = _HELD.pop(trial, ({}, {}))
+    trial_writes.set_user_attrs(trial, {**held, **attrs} if held else attrs, constraints or None)
 
 
 def _attrs_of(trial: optuna.Trial, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,7 +303,9 @@ def hold_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) 
 
 
 def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
-    trial_writes.set_constraints(trial, constraints)
+    """The trial's constraints (what the sampler reads as feasibility), stored with its next
+    ``write``, in the same transaction; the runner writes before it tells."""
+    _HELD.setdefault(trial, ({}, {}))[1].update(constraints)
 
 
 def records(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:

@@ -238,8 +238,8 @@ class TrialPhase:
                 write(trial, artifacts=made)
 
     def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> Outcome:
-        write(trial, prune_reason=verdict.reason)
         records.set_constraints(trial, verdict.constraints)
+        write(trial, prune_reason=verdict.reason)
         self.study.tell(trial, state=TrialState.PRUNED)
         return Outcome("PRUNED", config.as_dict(), reason=verdict.reason)
 
