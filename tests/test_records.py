@@ -133,16 +133,61 @@ def test_a_constraint_set_twice_keeps_optunas_warning(tmp_path):
 
 def test_records_write_once_per_call(tmp_path, monkeypatch):
     """A record's attributes, the stale marks of a longer earlier value among them, reach the
-    storage in one batch per ``write`` (and one per ``write_measurement``)."""
+    storage in one batch per ``write``."""
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
     trial = study.ask()
     records.write(trial, predicted_vram={"total_bytes": 1, "notes": ["n" * 100, "m" * 100]})
     batches = []
     real = trial_writes.set_user_attrs
-    monkeypatch.setattr(trial_writes, "set_user_attrs", lambda t, attrs: (batches.append(dict(attrs)), real(t, attrs)))
+    monkeypatch.setattr(trial_writes, "set_user_attrs", lambda t, attrs, *rest: (batches.append(dict(attrs)), real(t, attrs, *rest)))
     records.write(trial, predicted_vram={"total_bytes": 2, "notes": ["short"]}, worker="w")
     assert len(batches) == 1 and records.STALE in batches[0].values() and batches[0]["worker"] == "w"
     assert TrialRecord.of(study.trials[0]).predicted_vram == {"total_bytes": 2, "notes": ["short"]}
+
+
+def test_held_fields_are_read_at_once_and_stored_with_the_next_write(tmp_path, monkeypatch):
+    """``hold`` writes nothing; the trial reads the held fields at once, and the next ``write``
+    stores them with its own in one batch, a field held twice with its last value."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
+    trial = study.ask()
+    batches = []
+    real = trial_writes.set_user_attrs
+    monkeypatch.setattr(trial_writes, "set_user_attrs", lambda t, attrs, *rest: (batches.append(dict(attrs)), real(t, attrs, *rest)))
+    records.hold(trial, predicted_vram={"total_bytes": 1}, deploy_command="serve --a")
+    records.hold(trial, predicted_vram={"total_bytes": 2})
+    assert batches == [] and study.trials[0].user_attrs == {}
+    assert trial.user_attrs["deploy_command"] == "serve --a"
+    records.write(trial, worker="w")
+    assert len(batches) == 1
+    stored = TrialRecord.of(study.trials[0])
+    assert (stored.predicted_vram, stored.deploy_command, stored.worker) == ({"total_bytes": 2}, "serve --a", "w")
+    records.write(trial, config_key="k")  # nothing held any more
+    assert set(batches[1]) == {"config_key"}
+
+
+def test_constraints_are_stored_with_the_next_write_in_its_transaction(tmp_path, monkeypatch):
+    """``records.set_constraints`` stores nothing by itself; the next ``write`` stores them and
+    the fields in one transaction (one commit), as Optuna's ``set_constraint`` would store them."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
+    trial = study.ask()
+    records.set_constraints(trial, {"vram_over_budget": 2.5, "per_user_below_min": -1.0})
+    assert study.trials[0].constraints == {}
+    import sqlalchemy
+
+    commits = []
+
+    def count(conn):
+        commits.append(conn)
+
+    engine = study._storage._backend.engine
+    sqlalchemy.event.listen(engine, "commit", count)
+    records.write(trial, prune_reason="does not fit")
+    sqlalchemy.event.remove(engine, "commit", count)
+    assert len(commits) == 1
+    stored = study.trials[0]
+    assert stored.constraints == {"vram_over_budget": 2.5, "per_user_below_min": -1.0}
+    assert trial.constraints == stored.constraints
+    assert TrialRecord.of(stored).prune_reason == "does not fit"
 
 
 @pytest.mark.skipif(not os.environ.get("AUTOTUNE_TEST_POSTGRES_URL"),

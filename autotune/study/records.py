@@ -238,10 +238,34 @@ def joined(attrs: Mapping[str, Any], name: str) -> Any:
     return out
 
 
+# What ``hold`` and ``set_constraints`` keep for a running trial until its next ``write`` (the
+# trial's object -> its user attributes in the order they were held, its constraints).
+_HELD: "weakref.WeakKeyDictionary[optuna.Trial, tuple[dict[str, Any], dict[str, float]]]" = weakref.WeakKeyDictionary()
+
+
 def write(trial: optuna.Trial, **attrs: Any) -> None:
-    """Store fields of ``TrialRecord`` on a running trial, in one transaction (saved at once, so
-    a crash keeps what was known); long dicts and lists as ``cells``."""
-    trial_writes.set_user_attrs(trial, _attrs_of(trial, attrs))
+    """Store fields of ``TrialRecord`` on a running trial, in one transaction with the fields
+    held for it (saved at once, so a crash keeps what was known); long dicts and lists as
+    ``cells``. With no fields, it stores what is held."""
+    _store(trial, _attrs_of(trial, attrs))
+
+
+def hold(trial: optuna.Trial, **attrs: Any) -> None:
+    """``write`` these fields with the trial's next ``write``, in its transaction: for fields
+    learnt one after another with nothing slow or outside the process in between (the runner
+    ``write``s before it launches, makes, measures or tells; each storage transaction was a
+    few milliseconds, some eight a trial). The trial reads them at once (``Trial.user_attrs``)."""
+    _held(trial, _attrs_of(trial, attrs))
+
+
+def _held(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
+    _HELD.setdefault(trial, ({}, {}))[0].update(attrs)
+    trial_writes.remember_user_attrs(trial, attrs)
+
+
+def _store(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
+    held, constraints = _HELD.pop(trial, ({}, {}))
+    trial_writes.set_user_attrs(trial, {**held, **attrs} if held else attrs, constraints or None)
 
 
 def _attrs_of(trial: optuna.Trial, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -260,8 +284,9 @@ def _attrs_of(trial: optuna.Trial, fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) -> None:
-    """A measurement's fields, and a flat copy of each metric's median, in one transaction."""
+def hold_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) -> None:
+    """``hold`` a measurement's fields, and a flat copy of each metric's median (the score and
+    the tell follow at once)."""
     attrs = _attrs_of(trial, {"metrics": {k: v.to_dict() for k, v in m.metrics.items()}})
     # flat copies: sortable columns in optuna-dashboard, never read back
     attrs.update((k, v.median) for k, v in m.metrics.items())
@@ -274,11 +299,13 @@ def write_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int)
     if m.attrs:
         fields["engine_facts"] = dict(m.attrs)
     attrs.update(_attrs_of(trial, fields))
-    trial_writes.set_user_attrs(trial, attrs)
+    _held(trial, attrs)
 
 
 def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
-    trial_writes.set_constraints(trial, constraints)
+    """The trial's constraints (what the sampler reads as feasibility), stored with its next
+    ``write``, in the same transaction; the runner writes before it tells."""
+    _HELD.setdefault(trial, ({}, {}))[1].update(constraints)
 
 
 def records(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:

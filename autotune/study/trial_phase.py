@@ -28,7 +28,7 @@ from autotune.space import NotOffered
 from autotune.study import calibration, records, storage, trial_writes
 from autotune.study.admission import Verdict
 from autotune.study.probe import LeaderGapPruner, make_probe
-from autotune.study.records import TrialRecord, TrialState, write
+from autotune.study.records import TrialRecord, TrialState, hold, write
 
 
 @dataclass
@@ -109,10 +109,13 @@ class TrialPhase:
         if earlier is not None:
             return self._answer_from(trial, earlier, config)
 
+        # The configuration is stored before the claim (another worker that meets the claim reads
+        # it); what follows is held (records.hold) and stored by the next write, which comes
+        # before anything that makes, measures, launches or tells.
         verdict = self.judge.judge(config)
         if verdict.estimate is not None:
-            write(trial, predicted_vram=verdict.estimate.to_dict())
-        write(trial, deploy_command=backend.deploy_command(config, ctx))
+            hold(trial, predicted_vram=verdict.estimate.to_dict())
+        hold(trial, deploy_command=backend.deploy_command(config, ctx))
         if not verdict.admitted:
             return self._prune(trial, config, verdict)
         deferred = self._over_budget_to_make(config)
@@ -124,6 +127,7 @@ class TrialPhase:
             self.study.tell(trial, state=TrialState.FAIL)
             self._say(f"trial {trial.number}: {deferred}")
             return Outcome("FAIL", config.as_dict(), reason=deferred)
+        write(trial)  # making weights can take minutes: a crash then keeps what is known
         try:
             self._ensure_artifacts(trial, config)
         except ArtifactError as exc:
@@ -136,15 +140,16 @@ class TrialPhase:
             return Outcome("FAIL", config.as_dict(), reason=str(exc))
         verdict = self.judge.judge(config)  # a made artifact: its own tensors, not the prediction
         if verdict.estimate is not None:
-            write(trial, predicted_vram=verdict.estimate.to_dict())
+            hold(trial, predicted_vram=verdict.estimate.to_dict())
         if not verdict.admitted:
             return self._prune(trial, config, verdict)
         if self.quality is not None:
+            write(trial)  # measuring quality can take minutes
             # Quality depends on the artifact, not on ctx or parallel, and is measured once per
             # study; when it rules the configuration out, launching it would be waste.
             described = self.quality.trial_quality(config)
-            write(trial, quality=described, **({"quality_drop_points": described["drop_points"]}
-                                               if "drop_points" in described else {}))
+            hold(trial, quality=described, **({"quality_drop_points": described["drop_points"]}
+                                              if "drop_points" in described else {}))
             verdict = self.judge.judge(config)
             if not verdict.admitted:
                 return self._prune(trial, config, verdict)
@@ -168,10 +173,10 @@ class TrialPhase:
             return Outcome("FAIL", config.as_dict(), reason=str(exc))
         self.n_measured += 1
         assert verdict.estimate is not None and verdict.raw_total_bytes is not None
-        records.write_measurement(trial, measurement, verdict.estimate.total_bytes)
+        records.hold_measurement(trial, measurement, verdict.estimate.total_bytes)
         if measurement.peak_vram_bytes is not None:
             residual = measurement.peak_vram_bytes - verdict.raw_total_bytes
-            write(trial, vram_residual_bytes=int(residual))
+            hold(trial, vram_residual_bytes=int(residual))
             self.judge.learn(backend.name, residual)
 
         metric = self.cfg.objective.metric
@@ -233,8 +238,8 @@ class TrialPhase:
                 write(trial, artifacts=made)
 
     def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> Outcome:
-        write(trial, prune_reason=verdict.reason)
         records.set_constraints(trial, verdict.constraints)
+        write(trial, prune_reason=verdict.reason)
         self.study.tell(trial, state=TrialState.PRUNED)
         return Outcome("PRUNED", config.as_dict(), reason=verdict.reason)
 

@@ -23,11 +23,13 @@ from optuna.storages._rdb import models as _rdb_models  # a trial's record in on
 from optuna.storages._rdb.storage import _create_scoped_session as _rdb_session
 from optuna.study._constrained_optimization import _CONSTRAINTS_KEY  # set_constraints, batched
 
-__all__ = ["set_constraints", "set_user_attrs", "user_attrs_of"]
+__all__ = ["remember_user_attrs", "set_constraints", "set_user_attrs", "user_attrs_of"]
 
 
-def set_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
-    """Write user attributes of a running trial in one transaction, in order.
+def set_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any],
+                   constraints: Mapping[str, float] | None = None) -> None:
+    """Write user attributes of a running trial, and ``constraints`` as ``set_constraints``
+    does, in one transaction, in order.
 
     Optuna's RDB storage spends a transaction, a query of the trial's state and a statement
     built anew on each ``set_user_attr``: a trial's record is some 60 attributes
@@ -36,12 +38,30 @@ def set_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
     Raises:
         optuna.exceptions.UpdateFinishedTrialError: the trial is finished (nothing is written).
     """
-    if not attrs:
+    keyed = _batchable_constraints(trial, constraints) if constraints else {}
+    if constraints and keyed is None:  # Optuna's own path, with its warning or error
+        set_user_attrs(trial, attrs)
+        for key, value in constraints.items():
+            trial.set_constraint(key, value)
         return
-    if not _write_attrs(trial, _rdb_models.TrialUserAttributeModel, attrs):
+    if not attrs and not keyed:
+        return
+    parts = [(_rdb_models.TrialUserAttributeModel, attrs, False), (_rdb_models.TrialSystemAttributeModel, keyed, True)]
+    if not _write_attrs(trial, [(m, a, fresh) for m, a, fresh in parts if a]):
         for key, value in attrs.items():
             trial.storage.set_trial_user_attr(trial._trial_id, key, value)
-    trial._cached_frozen_trial.user_attrs.update(attrs)  # what Trial.set_user_attr keeps, uncopied
+        remember_user_attrs(trial, attrs)
+        for key, value in (constraints or {}).items():
+            trial.set_constraint(key, value)
+        return
+    remember_user_attrs(trial, attrs)
+    trial._cached_frozen_trial.system_attrs.update(keyed)
+
+
+def remember_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
+    """Show ``attrs`` in the running trial's own copy of its attributes (what ``Trial.user_attrs``
+    reads), as ``Trial.set_user_attr`` does, uncopied; the storage is not written."""
+    trial._cached_frozen_trial.user_attrs.update(attrs)
 
 
 def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
@@ -51,27 +71,31 @@ def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> No
     A constraint already set, or a value Optuna would refuse (not a number, NaN), takes
     Optuna's own path, with its warning or error.
     """
+    set_user_attrs(trial, {}, constraints)
+
+
+def _batchable_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> dict[str, float] | None:
+    """The system attributes that store ``constraints``; None where Optuna's own
+    ``set_constraint`` must take them (a value it would refuse, a constraint already set)."""
     keyed = {f"{_CONSTRAINTS_KEY}:{k}": v for k, v in constraints.items()}
     plain = all(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
                 for v in constraints.values())
-    if (not plain or any(k in trial._cached_frozen_trial.system_attrs for k in keyed)
-            or not _write_attrs(trial, _rdb_models.TrialSystemAttributeModel,
-                                {k: float(v) for k, v in keyed.items()}, fresh=True)):
-        for key, value in constraints.items():
-            trial.set_constraint(key, value)
-        return
-    trial._cached_frozen_trial.system_attrs.update((k, float(v)) for k, v in keyed.items())
+    if not plain or any(k in trial._cached_frozen_trial.system_attrs for k in keyed):
+        return None
+    return {k: float(v) for k, v in keyed.items()}
 
 
-def _write_attrs(trial: optuna.Trial, model: type, attrs: Mapping[str, Any], fresh: bool = False) -> bool:
-    """Write attributes (a trial's user or system ones: ``model``) in one transaction where the
-    storage is an RDB one; False, with nothing written, where the caller must use Optuna's own
-    calls instead: another storage (journal, in-memory), one attribute, an integrity error (a
-    racing writer where the database has no upsert), or, with ``fresh``, a key already stored.
+def _write_attrs(trial: optuna.Trial, parts: list[tuple[type, Mapping[str, Any], bool]]) -> bool:
+    """Write attributes (a trial's user or system ones: each part's model) in one transaction
+    where the storage is an RDB one; False, with nothing written, where the caller must use
+    Optuna's own calls instead: another storage (journal, in-memory), one attribute, an
+    integrity error (a racing writer where the database has no upsert), or, for a part marked
+    fresh, a key already stored.
 
-    On SQLite, PostgreSQL and MySQL the trial's state is checked once and the attributes
-    upserted in one statement run over all rows, as Optuna's own per-key upsert stores each
-    (json.dumps of the value); another RDB database gets Optuna's per-key write in one session.
+    On SQLite, PostgreSQL and MySQL the trial's state is checked once and each part's
+    attributes upserted in one statement run over all its rows, as Optuna's own per-key upsert
+    stores each (json.dumps of the value); another RDB database gets Optuna's per-key write in
+    one session.
 
     Raises:
         optuna.exceptions.UpdateFinishedTrialError: the trial is finished.
@@ -79,22 +103,24 @@ def _write_attrs(trial: optuna.Trial, model: type, attrs: Mapping[str, Any], fre
     store = trial.storage
     backend = getattr(store, "_backend", store)  # a study wraps its RDBStorage in a cache
     trial_id = trial._trial_id
-    if not isinstance(backend, optuna.storages.RDBStorage) or len(attrs) < 2:
+    if not isinstance(backend, optuna.storages.RDBStorage) or sum(len(a) for _, a, _ in parts) < 2:
         return False
     try:
         with _rdb_session(backend.scoped_session) as session:
             state = _rdb_models.TrialModel.find_or_raise_by_id(trial_id, session).state
             backend.check_trial_is_updatable(trial_id, state)
-            stored = session.query(model.key).filter(model.trial_id == trial_id, model.key.in_(list(attrs)))
-            if fresh and stored.first() is not None:
-                return False
-            upsert = _upsert(model.__table__, backend.engine.name)
-            if upsert is not None:
-                rows = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()]
-                session.connection().execute(upsert, rows)
-            else:
-                for key, value in attrs.items():
-                    backend._set_trial_attr_without_commit(session, model, trial_id, key, value)
+            for model, attrs, fresh in parts:  # every check before any write
+                stored = session.query(model.key).filter(model.trial_id == trial_id, model.key.in_(list(attrs)))
+                if fresh and stored.first() is not None:
+                    return False
+            for model, attrs, _ in parts:
+                upsert = _upsert(model.__table__, backend.engine.name)
+                if upsert is not None:
+                    rows = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()]
+                    session.connection().execute(upsert, rows)
+                else:
+                    for key, value in attrs.items():
+                        backend._set_trial_attr_without_commit(session, model, trial_id, key, value)
     except sqlalchemy.exc.IntegrityError:
         return False
     return True
