@@ -32,7 +32,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnknownNameError
@@ -41,6 +41,7 @@ from autotune.redact import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend, StudyContext
+    from autotune.declarations import WeightFormats
 
 __all__ = [
     "ARTIFACTS_ENV",
@@ -94,12 +95,13 @@ def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Pat
         raise AutotuneError(scrub(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}"))
 
 
-def is_format(weights: str) -> bool:
-    """Whether a candidate's weights name a format (``gguf:Q8_0``, ``exl2:4.0``) rather than a file."""
+def is_format(weights: str, declared: Iterable[WeightFormats] = ()) -> bool:
+    """Whether a candidate's weights name a format (``gguf:Q8_0``, ``exl2:4.0``) rather than a file:
+    one of ``declared`` (a backend's own) or of an installed backend."""
     if ":" not in weights or "/" in weights.partition(":")[0]:
         return False
     try:
-        parse_format(weights)
+        parse_format(weights, declared)
     except UnknownNameError:
         return False
     return True
@@ -326,7 +328,7 @@ def ensure(backend: "BaseBackend", weights: str, ctx: "StudyContext",
 def _made_by(backend: "BaseBackend", weights: str) -> bool:
     """Whether ``backend`` makes ``weights`` (a format it has recipes for) rather than loading a
     file as given; a model backend (the twin) predicts a format and makes nothing."""
-    return not backend.is_model and backend.makes_artifacts and is_format(weights)
+    return not backend.is_model and backend.makes_artifacts and is_format(weights, backend.weight_formats)
 
 
 def _recipe(backend: "BaseBackend", fmt: str, ctx: "StudyContext") -> Recipe:

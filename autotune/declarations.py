@@ -9,10 +9,18 @@ declared by the plugin that understands it; the core names none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING, Any
 
 from autotune import plugins
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from autotune.formats import WeightsBreakdown
+    from autotune.models import ModelSpec
 
 __all__ = ["CacheType", "WeightFormats", "installed_weight_formats"]
 
@@ -44,10 +52,16 @@ class CacheType:
     dequant_layers: int = 0
 
 
-@dataclass(frozen=True)
+# eq=False: a declaration is itself (hashed by identity), as the cache of predicted sizes keys
+# it at every proposal; hashing its fields each time was most of a cached weights_for.
+@dataclass(frozen=True, eq=False)
 class WeightFormats:
     """A family of weight formats, ``NAME:VARIANT`` (``gguf:Q4_K_M``), that a backend can make
-    from a model's source and load.
+    from a model's source and load, with what the core needs to read, spell and size one.
+
+    :mod:`autotune.formats` dispatches on the family's name to these callables; it knows no
+    format of its own. A family that declares only ``name`` and ``syntax`` is a format for
+    ``estimate`` and ``init`` (its variants taken as written) but has no predicted size.
 
     Attributes:
         name: The family, the part before the colon (lower-case): a ``--weights`` or
@@ -57,12 +71,34 @@ class WeightFormats:
             its ``artifact_recipe`` can make from the source.
         full_precision: Those of ``offered`` at the source's own precision: with a quality
             metric, one of them (or the source itself) is the reference.
+        accepts: What a bad format's message says is accepted (``exl2:<bpw> with bpw
+            2.0-8.0``); ``syntax`` when empty.
+        parse: The variant as written (after the colon, stripped) -> its value, in the form
+            the other callables take (``"q4_k_m"`` -> ``"Q4_K_M"``, ``"4"`` -> ``4.0``); raises
+            ``ValueError`` for one the family does not have. None: the variant as written.
+        spell: A value -> its canonical variant text (``4.0`` -> ``"4.0"``), so that two
+            spellings of one format are one key.
+        predict: ``(model, value) -> WeightsBreakdown``: the weight bytes from the
+            architecture, before :func:`autotune.formats.weights_for` calibrates them against
+            the sizes the model quotes. None: the family's sizes are not predicted.
+        bits: ``(value, model or None) -> float``: nominal bits per weight of the decoder's
+            linear layers, scales included (with a model, averaged over its matrices).
+        quote: ``(path) -> (format, bytes) or None``: a model source on disk that is an
+            artifact of this family (a GGUF file, an EXL2 directory), as its format and size;
+            :mod:`autotune.models` quotes them, and :func:`autotune.formats.weights_for`
+            calibrates against the quotes.
     """
 
     name: str
     syntax: str
     offered: tuple[str, ...] = ()
     full_precision: tuple[str, ...] = ()
+    accepts: str = ""
+    parse: Callable[[str], Any] | None = None
+    spell: Callable[[Any], str] = str
+    predict: Callable[[ModelSpec, Any], WeightsBreakdown] | None = None
+    bits: Callable[[Any, ModelSpec | None], float] | None = None
+    quote: Callable[[Path], tuple[str, int] | None] | None = None
 
 
 def installed_weight_formats() -> dict[str, WeightFormats]:

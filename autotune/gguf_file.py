@@ -2,7 +2,8 @@
 
 Everything autotune learns from a GGUF file comes through :func:`read_gguf`: the model's shape
 (:func:`autotune.models.model_from_gguf`), the exact bytes of its tensors
-(:func:`autotune.formats.gguf_file_weights`) and its file type (``autotune estimate``). The
+(:func:`autotune_plugins.llama_server.formats.gguf_file_weights`, for the plugin that declares
+the ``gguf:`` formats) and its file type. The
 result is cached by (path, mtime, size): a study asks about the same file at every proposal and
 parses it once, and a file rewritten in place is parsed again.
 
@@ -93,15 +94,6 @@ class GgufFile:
         """``general.architecture`` ("llama", "qwen2", ...)."""
         arch = self.metadata.get("general.architecture")
         return arch if isinstance(arch, str) else None
-
-    @property
-    def format_spec(self) -> str | None:
-        """The file as a format the speed and quality models know (``gguf:Q8_0``): its header's
-        file type, else the type most of its layers' matrices have; None when neither is known."""
-        if self.file_type is not None:
-            return "gguf:" + self.file_type
-        types = [t.ggml_type for t in self.tensors if t.layer is not None and len(t.shape) > 1]
-        return "gguf:" + max(set(types), key=types.count) if types else None
 
     def tensor(self, name: str) -> GgufTensor | None:
         """The tensor of that name, or None."""

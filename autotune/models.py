@@ -28,8 +28,8 @@ from typing import Any
 from autotune._catalog import read_catalog
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
+from autotune.formats import families
 from autotune.paths import path_problem
-from autotune.safetensors_dir import exl2_quantization
 from autotune.shape_limits import expert_fields, SHAPE_LIMITS, shape_problem
 
 __all__ = [
@@ -300,6 +300,11 @@ def get_model(key: str) -> ModelSpec:
 # ---------------------------------------------------------------------------------------------
 
 
+def _quoted(source: Path) -> dict[str, int]:
+    """``source``'s size under its format, as the family that knows it says (``WeightFormats.quote``)."""
+    return dict(q for f in families().values() if f.quote is not None and (q := f.quote(source)) is not None)
+
+
 def model_from_gguf(path: str | Path) -> ModelSpec:
     """A model's shape from a GGUF file's header (:func:`autotune.gguf_file.read_gguf`).
 
@@ -394,7 +399,7 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     if problems:
         raise ConfigError(f"{p}: " + "; ".join(problems) + " (a damaged or hand-made header?)")
 
-    artifacts = {f"gguf:{header.file_type}": header.size} if header.file_type is not None else {}
+    artifacts = _quoted(p)
     name = header.get("general.name")
     return ModelSpec(
         key=p.stem,
@@ -526,12 +531,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
             n_swa = n_layers
         sliding_window = window if n_swa else None
 
-    artifacts: dict[str, int] = {}
-    quant = exl2_quantization(cfg, p)
-    if quant is not None:
-        size = sum(f.stat().st_size for f in p.parent.glob("*.safetensors"))
-        if size:
-            artifacts[f"exl2:{round(quant.bits, 2)}"] = size
+    artifacts = _quoted(p)
 
     key = p.parent.name or p.stem
     return ModelSpec(

@@ -1,10 +1,10 @@
 """The one reader of safetensors model directories: Hugging Face and EXL2 alike.
 
 A model directory holds ``config.json`` and ``*.safetensors`` files. Everything autotune learns
-from one comes through :func:`read_safetensors_dir`: its quantization (``quantization_config``
-of an EXL2 directory: ``quant_method = "exl2"``, ``bits``, ``head_bits``), the tensor table of
-every safetensors header, and from those the weights as a format the speed and quality models
-know (:attr:`SafetensorsDir.format_spec`) and the exact bytes of every part of the model
+from one comes through :func:`read_safetensors_dir`: its config.json (whose
+``quantization_config`` the plugin of that quantization reads: EXL2's is
+:func:`autotune_plugins.exllamav2.formats.exl2_quantization`), the tensor table of every
+safetensors header, and from those the exact bytes of every part of the model
 (:func:`autotune.formats.safetensors_dir_weights`). The model's shape is :func:`autotune.models.model_from_hf_config`'s.
 
 Only the headers are read (8-byte little-endian length, then ``{name: {dtype, shape,
@@ -31,11 +31,9 @@ from typing import Any
 from autotune.errors import ConfigError
 
 __all__ = [
-    "Exl2Quantization",
     "SAFETENSORS_DTYPE_BYTES",
     "SafetensorsDir",
     "SafetensorsTensor",
-    "exl2_quantization",
     "read_config_json",
     "read_safetensors_dir",
     "read_safetensors_header",
@@ -51,8 +49,6 @@ SAFETENSORS_DTYPE_BYTES: Mapping[str, int] = {
 # A header larger than this is not a safetensors file (the reference implementation caps it
 # at 100 MB too) and must not make us read a whole weights file into memory.
 MAX_HEADER_BYTES = 100_000_000
-# ExLlamaV2 quantizes to 2-8 bits per weight; 16 leaves room for an unquantized head's share.
-EXL2_MAX_BITS = 16.0
 
 # Hugging Face tensor names of a decoder-only model (transformers' LlamaModel / Qwen2Model; a
 # multimodal wrapper puts the language model under language_model.). EXL2 keeps these names
@@ -60,12 +56,6 @@ EXL2_MAX_BITS = 16.0
 _LAYER_RX = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
 _EMBEDDING_RX = re.compile(r"^(?:language_model\.)?model\.embed_tokens\.weight$")
 _HEAD_RX = re.compile(r"^(?:language_model\.)?lm_head\.")
-
-# config.json's torch_dtype (transformers 5 writes "dtype") -> the unquantized format of that
-# element type. autotune.formats names unquantized weights by their GGUF file type.
-_UNQUANTIZED_FORMATS = {"float16": "gguf:F16", "bfloat16": "gguf:BF16", "float32": "gguf:F32"}
-_TENSOR_FORMATS = {"F16": "gguf:F16", "BF16": "gguf:BF16", "F32": "gguf:F32"}
-
 
 @dataclass(frozen=True)
 class SafetensorsTensor:
@@ -170,35 +160,6 @@ def read_config_json(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Exl2Quantization:
-    """An EXL2 directory's ``quantization_config``.
-
-    Attributes:
-        bits: Average bits per weight of the decoder's linear layers (``bits``).
-        head_bits: Bits per weight of the output head (``head_bits``; None when absent).
-    """
-
-    bits: float
-    head_bits: int | None
-
-
-def exl2_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "config.json") -> Exl2Quantization | None:
-    """The EXL2 quantization a config.json states (``quantization_config.quant_method = "exl2"``
-    with numeric ``bits``), or None; bits outside (0, EXL2_MAX_BITS] are a ConfigError naming
-    ``where`` (the file)."""
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == "exl2" and isinstance(q.get("bits"), (int, float)):
-        if isinstance(q["bits"], bool) or not 0 < q["bits"] <= EXL2_MAX_BITS:
-            # nan, inf, 0 or 1e9 bits per weight would price the weights at nothing or at exabytes.
-            raise ConfigError(f"{where}: quantization_config.bits = {q['bits']!r}: an EXL2 model has "
-                              f"more than 0 and at most {EXL2_MAX_BITS} bits per weight")
-        head = q.get("head_bits")
-        head_bits = head if isinstance(head, int) and not isinstance(head, bool) else None
-        return Exl2Quantization(float(q["bits"]), head_bits)
-    return None
-
-
-@dataclass(frozen=True)
 class SafetensorsDir:
     """What a model directory's config.json and safetensors headers say.
 
@@ -215,11 +176,6 @@ class SafetensorsDir:
     files: tuple[str, ...]
 
     @property
-    def exl2(self) -> Exl2Quantization | None:
-        """The EXL2 quantization, or None for any other directory."""
-        return exl2_quantization(self.config, self.path / "config.json")
-
-    @property
     def quant_method(self) -> str | None:
         """``quantization_config.quant_method`` (``exl2``, ``gptq``, ...); None when unquantized."""
         q = self.config.get("quantization_config")
@@ -232,25 +188,6 @@ class SafetensorsDir:
         text = self.config.get("text_config")
         inner = text.get("tie_word_embeddings") if isinstance(text, dict) else None
         return self.config.get("tie_word_embeddings", inner) is True
-
-    @property
-    def format_spec(self) -> str | None:
-        """The weights as a format the speed and quality models know: ``exl2:<bits>`` for an EXL2
-        directory; for an unquantized one the unquantized format of its element type
-        (``gguf:BF16``: config.json's torch_dtype, else the type most of its layers' matrices
-        have); None for another quantization or an element type of no format."""
-        exl2 = self.exl2
-        if exl2 is not None:
-            return f"exl2:{round(exl2.bits, 2)}"
-        if self.quant_method is not None:
-            return None
-        dtype = self.config.get("torch_dtype", self.config.get("dtype"))
-        if isinstance(dtype, str) and dtype in _UNQUANTIZED_FORMATS:
-            return _UNQUANTIZED_FORMATS[dtype]
-        kinds = [t.dtype for t in self.tensors if t.layer is not None and len(t.shape) > 1]
-        common = max(set(kinds), key=kinds.count) if kinds else None
-        return _TENSOR_FORMATS.get(common) if common else None
-
 
 def _files_key(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
     files = sorted(model_dir.glob("*.safetensors"))

@@ -166,7 +166,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         kept: list[str] = []
         for fmt in formats:
             try:
-                recipe = backend.artifact_recipe(normalize_format(fmt), source, ctx)
+                recipe = backend.artifact_recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
             except AutotuneError as exc:
                 draft.left_out.append(f"{backend_name} {fmt}: {exc}")
                 continue
@@ -247,7 +247,7 @@ def render(draft: StudyDraft, out: Path) -> str:
     lines = [
         f"# Written by `autotune init` on {stamp} for {draft.source.name} on this machine",
         f"# ({draft.gpu.name}). Run it with: autotune study {out.name}",
-        "# Weights named as formats (gguf:Q8_0, exl2:4.0) are made from [model] source by the first",
+        "# Weights named as formats (family:variant) are made from [model] source by the first",
         "# trial that needs them and kept in ~/.cache/autotune/artifacts for every later study.",
     ]
     for note in draft.notes:

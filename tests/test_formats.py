@@ -1,4 +1,5 @@
-"""Tests for autotune.formats (GGUF/EXL2 weight sizes) and autotune.cache_types (KV-cache element types)."""
+"""Tests for autotune.formats (the registry of weight formats; the GGUF and EXL2 sizes their plugins
+declare) and autotune.cache_types (KV-cache element types)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,11 @@ from tests.conftest import shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.cache_types import catalog, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
-from autotune.formats import (
-    GGML_TYPES,
-    GGUF_FILE_TYPES,
-    WeightsBreakdown,
-    bits_per_weight,
-    exl2_weights,
-    gguf_tensor_plan,
-    normalize_format,
-    parse_format,
-    predict_gguf_weights,
-    weights_for,
-)
+from autotune.formats import WeightsBreakdown, bits_per_weight, normalize_format, parse_format, weights_for
 from autotune.models import get_model, model_from_gguf
+from autotune_plugins.exllamav2.formats import exl2_weights
+from autotune_plugins.llama_server.formats import predict_gguf_weights
+from autotune_plugins.llama_server.quant import GGML_TYPES, GGUF_FILE_TYPES, gguf_tensor_plan
 
 
 
@@ -177,7 +170,7 @@ def test_exl2_breakdown(article):
     assert exl2_weights(article, 4.0, head_bits=8).output_bytes == article.n_embedding_params
 
 
-def test_exl2_monotonic_in_bpw(article):
+def test_exl2_monotonic_in_bpw(article, engine_plugins):
     bpws = [2.0, 2.5, 3.0, 3.29, 3.3, 3.31, 3.5, 4.0, 4.01, 4.65, 5.0, 6.0, 8.0]
     raw = [exl2_weights(article, x).total_bytes for x in bpws]
     calibrated = [weights_for(article, f"exl2:{x}").total_bytes for x in bpws]
@@ -196,17 +189,17 @@ def test_exl2_range_errors(article):
 
 
 @pytest.mark.parametrize("fmt", ["gguf:Q8_0", "gguf:Q4_K_M", "gguf:Q4_0", "gguf:Q3_K_M", "exl2:4.0", "exl2:3.3"])
-def test_quoted_artifacts_come_back_exactly(article, fmt):
+def test_quoted_artifacts_come_back_exactly(article, fmt, engine_plugins):
     b = weights_for(article, fmt)
     assert b.total_bytes == article.artifact_bytes[fmt]
 
 
-def test_quoted_lookup_uses_canonical_spelling(article):
+def test_quoted_lookup_uses_canonical_spelling(article, engine_plugins):
     assert weights_for(article, "exl2:4").total_bytes == 15_300_000_000
     assert weights_for(article, "GGUF:q4_k_m").total_bytes == 16_300_000_000
 
 
-def test_scaling_keeps_proportions(article):
+def test_scaling_keeps_proportions(article, engine_plugins):
     raw = predict_gguf_weights(article, "Q4_K_M")
     quoted = weights_for(article, "gguf:Q4_K_M")
     k = quoted.total_bytes / raw.total_bytes
@@ -215,12 +208,12 @@ def test_scaling_keeps_proportions(article):
     assert quoted.embedding_on_gpu == raw.embedding_on_gpu
 
 
-def test_unquoted_exl2_between_its_quoted_neighbours(article):
+def test_unquoted_exl2_between_its_quoted_neighbours(article, engine_plugins):
     size = weights_for(article, "exl2:3.5").total_bytes
     assert 12.8e9 < size < 15.3e9
 
 
-def test_unquoted_gguf_consistent_with_quoted(article):
+def test_unquoted_gguf_consistent_with_quoted(article, engine_plugins):
     q5 = weights_for(article, "gguf:Q5_K_M").total_bytes
     q6 = weights_for(article, "gguf:Q6_K").total_bytes
     assert 16.3e9 < q5 < q6 < 27.0e9
@@ -229,12 +222,12 @@ def test_unquoted_gguf_consistent_with_quoted(article):
     assert q6 == pytest.approx(21e9, rel=0.05)
 
 
-def test_models_without_quotes_are_not_scaled(qwen7b):
+def test_models_without_quotes_are_not_scaled(qwen7b, engine_plugins):
     assert weights_for(qwen7b, "gguf:Q4_K_M") == predict_gguf_weights(qwen7b, "Q4_K_M")
     assert weights_for(qwen7b, "exl2:4.0") == exl2_weights(qwen7b, 4.0)
 
 
-def test_one_quoted_exl2_calibrates_all_exl2_not_gguf(qwen7b):
+def test_one_quoted_exl2_calibrates_all_exl2_not_gguf(qwen7b, engine_plugins):
     m = dataclasses.replace(qwen7b, artifact_bytes={"exl2:4.0": 5_000_000_000})
     ratio = 5e9 / exl2_weights(qwen7b, 4.0).total_bytes
     assert weights_for(m, "exl2:5.0").total_bytes == pytest.approx(exl2_weights(qwen7b, 5.0).total_bytes * ratio, abs=1)
@@ -251,7 +244,7 @@ def test_scaled_to_is_exact():
 # ------------------------------------------------------------------------------- format names
 
 
-def test_parse_format():
+def test_parse_format(engine_plugins):
     assert parse_format("gguf:Q4_K_M") == ("gguf", "Q4_K_M")
     assert parse_format("gguf:q8_0") == ("gguf", "Q8_0")
     assert parse_format("exl2:3.5") == ("exl2", 3.5)
@@ -261,21 +254,21 @@ def test_parse_format():
 
 
 @pytest.mark.parametrize("bad", ["gguf:Q4_K_X", "exl2:1.5", "exl2:9", "exl2:four", "awq:4", "Q4_K_M", ""])
-def test_bad_formats_say_what_is_accepted(bad):
+def test_bad_formats_say_what_is_accepted(bad, engine_plugins):
     with pytest.raises(UnknownNameError) as err:
         parse_format(bad)
     msg = str(err.value)
-    assert msg.startswith(f"unknown weights format '{bad}' (use gguf:<TYPE> with TYPE in ")
-    assert "Q4_K_M" in msg
-    assert msg.endswith("or exl2:<bpw> with bpw 2.0-8.0)")
+    # Each family the installed backends declare says what it accepts, in the backends' order.
+    assert msg.startswith(f"unknown weights format '{bad}' (use exl2:<bpw> with bpw 2.0-8.0 or gguf:<TYPE> with TYPE in ")
+    assert "Q4_K_M" in msg and msg.endswith(", Q2_K)")
 
 
-def test_bad_format_through_weights_for(article):
+def test_bad_format_through_weights_for(article, engine_plugins):
     with pytest.raises(UnknownNameError, match="unknown weights format 'gguf:IQ4_XS'"):
         weights_for(article, "gguf:IQ4_XS")
 
 
-def test_bits_per_weight(qwen7b):
+def test_bits_per_weight(qwen7b, engine_plugins):
     assert bits_per_weight("exl2:3.3") == 3.3
     assert bits_per_weight("gguf:Q4_K_M") == 4.5
     assert bits_per_weight("gguf:Q8_0") == 8.5
@@ -478,3 +471,64 @@ def test_a_shared_name_does_not_make_one_engines_k_and_v_foreign(article, engine
         assert kv_bytes_per_token(article, "q8_0", "f16") == f16 / 2 * 34 / 32 / 2 + f16 / 2
         with pytest.raises(ConfigError, match="different engines"):
             kv_bytes_per_token(article, "q8_0", "q8")
+
+
+def test_a_plugin_s_format_family_is_read_spelled_and_sized_by_its_own_callables(article):
+    """The core knows a family only through its declaration: a new one (awq:<bits>-g<group>, as
+    docs/plugins.md writes it) is parsed, spelled, sized and calibrated by its callables, and
+    its bad variants are refused with what it accepts; unregistered, it is unknown again."""
+    from autotune.backend import BaseBackend
+    from autotune.declarations import WeightFormats
+    from tests.conftest import plugin_registered
+
+    def awq_variant(variant: str) -> tuple[int, int]:
+        bits, _, group = variant.lower().partition("-g")
+        if not (bits.isdigit() and group.isdigit() and int(bits) in (4, 8)):
+            raise ValueError(variant)
+        return int(bits), int(group)
+
+    def awq_weights(model, value) -> WeightsBreakdown:
+        layer = model.n_params // model.n_layers * value[0] // 8
+        return WeightsBreakdown(2 * model.n_embedding_params, 0, (layer,) * model.n_layers, 0)
+
+    awq = WeightFormats("awq", "awq:<bits>-g<group>", offered=("awq:4-g128",),
+                        accepts="awq:<bits>-g<group> with bits 4 or 8", parse=awq_variant,
+                        spell=lambda v: f"{v[0]}-g{v[1]}", predict=awq_weights, bits=lambda v, model: v[0] + 16 / v[1])
+    bare = WeightFormats("fp4x", "fp4x:<scheme>")
+
+    class AwqEngine(BaseBackend):
+        name = "awq-engine"
+        weight_formats = (awq, bare)
+        parameters = lambda self, space: []  # noqa: E731
+        estimate_memory = run = lambda self, config, ctx: None  # noqa: E731
+        deploy_command = lambda self, config, ctx: ""  # noqa: E731
+
+    class Plugin:
+        from autotune import hookimpl
+
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(AwqEngine())
+
+    quoted = dataclasses.replace(article, artifact_bytes={"awq:4-g128": 10_000_000_000})
+    with plugin_registered(Plugin, "awq"):
+        assert parse_format(" AWQ:4-G128 ") == ("awq", (4, 128))
+        assert normalize_format("awq:4-G128") == "awq:4-g128"
+        assert bits_per_weight("awq:4-g128") == 4.125
+        assert weights_for(article, "awq:8-g64") == awq_weights(article, (8, 64))
+        assert weights_for(quoted, "AWQ:4-G128").total_bytes == 10_000_000_000  # the quote, by canonical spelling
+        ratio = 10e9 / awq_weights(article, (4, 128)).total_bytes
+        assert weights_for(quoted, "awq:8-g128").total_bytes == pytest.approx(
+            awq_weights(article, (8, 128)).total_bytes * ratio, abs=1)
+        with pytest.raises(UnknownNameError) as err:
+            parse_format("awq:3-g128")
+        assert str(err.value) == ("unknown weights format 'awq:3-g128' (use awq:<bits>-g<group> with bits 4 or 8 "
+                                  "or fp4x:<scheme>)")
+        assert parse_format("fp4x:NVFP4") == ("fp4x", "NVFP4")  # no parse: as written
+        with pytest.raises(UnknownNameError, match="'fp4x' .* declares no size prediction"):
+            weights_for(article, "fp4x:nvfp4")
+    with pytest.raises(UnknownNameError, match="use none: no installed backend declares a format"):
+        parse_format("awq:4-g128")
+    # A backend used without the registry passes its own declarations.
+    assert normalize_format("awq:8-G32", AwqEngine.weight_formats) == "awq:8-g32"

@@ -323,12 +323,18 @@ def test_hf_config_invalid_json(tmp_path):
 
 
 def test_exl2_directory_records_its_size(tmp_path):
+    """The size is quoted by the family that knows the directory (the exllamav2 plugin's EXL2
+    declaration, ``WeightFormats.quote``); with no plugin that declares it, nothing is quoted."""
+    from autotune_plugins import exllamav2
+    from tests.conftest import plugin_registered
+
     cfg = dict(QWEN25_7B_CONFIG, quantization_config={"quant_method": "exl2", "bits": 4.0, "head_bits": 6})
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "output-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "output-00002-of-00002.safetensors").write_bytes(b"\0" * 500)
-    m = model_from_hf_config(tmp_path)
-    assert dict(m.artifact_bytes) == {"exl2:4.0": 1500}
+    with plugin_registered(exllamav2, "exllamav2"):
+        assert dict(model_from_hf_config(tmp_path).artifact_bytes) == {"exl2:4.0": 1500}
+    assert dict(model_from_hf_config(tmp_path).artifact_bytes) == {}
 
 
 # ------------------------------------------------------------------------------- resolve_model
@@ -353,7 +359,7 @@ def test_resolve_model_errors(tmp_path):
 
 
 @pytest.mark.parametrize("bits", [0, -3.0, 1e9, float("inf"), float("nan")])
-def test_exl2_bits_outside_what_exllamav2_writes_are_refused(tmp_path, bits):
+def test_exl2_bits_outside_what_exllamav2_writes_are_refused(tmp_path, bits, engine_plugins):  # EXL2's reader
     cfg = dict(QWEN25_7B_CONFIG, quantization_config={"quant_method": "exl2", "bits": bits})
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as err:

@@ -10,7 +10,7 @@ from autotune.backend import MemoryEstimate, Measurement, StudyContext, TrialCon
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
 from autotune.cache_types import kv_bytes_per_token
-from autotune.formats import gguf_file_weights
+from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune.models import get_model, model_from_gguf
 from autotune.study import StudyRunner, prepare_study, run_study
 from autotune.vram import GraphBuffers, SlotLayout, apply_correction, kv_cache_bytes, learned_correction

@@ -118,7 +118,7 @@ def _format_problem(backend: BaseBackend, weights: str, ctx: StudyContext, given
         return ("a format is made from the model's source: add [model] source = \"path/to/model\" (a Hugging Face "
                 "directory or a full-precision .gguf file), or name a weights file")
     try:
-        recipe = backend.artifact_recipe(normalize_format(weights), ctx.source, ctx)
+        recipe = backend.artifact_recipe(normalize_format(weights, backend.weight_formats), ctx.source, ctx)
     except AutotuneError as exc:
         return str(exc)
     if recipe is None:
@@ -249,7 +249,8 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
         for problem in backend.preflight(ctx):
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}")
         for w in cand.weights:
-            problem = _format_problem(backend, w, ctx, cfg.model_source) if is_format(w) else None
+            made = is_format(w, backend.weight_formats)
+            problem = _format_problem(backend, w, ctx, cfg.model_source) if made else None
             problem = problem or backend.check_weights(w, ctx)
             if problem:
                 errors.append(f"{src}: [candidates.{i}] weights {w!r}: {problem}")

@@ -31,6 +31,12 @@ from autotune.errors import AutotuneError, BackendError, MeasurementError
 from autotune.formats import bits_per_weight, parse_format
 from autotune.measure import StreamResult, measure_engine, serving_run
 from autotune.models import ModelSpec, resolve_model
+from autotune_plugins.llama_server.declarations import GGUF
+
+# The weight formats the toy loads: GGUF files, as the llama-server plugin declares them (how a
+# `gguf:<TYPE>` is written, its bits per weight, its predicted size). A backend of a format no
+# installed plugin declares writes its own WeightFormats (docs/plugins.md).
+WEIGHT_FORMATS = (GGUF,)
 
 __version__ = "0.1.0"
 
@@ -49,7 +55,7 @@ class ToyEngine:
     """The model's weights and KV cache, ``scale`` times smaller, and a token loop over them."""
 
     def __init__(self, model: ModelSpec, weights: str, cache_type: str, scale: int):
-        self.weights = bytes(int(model.n_params * bits_per_weight(weights) / 8 / scale))
+        self.weights = bytes(int(model.n_params * bits_per_weight(weights, declared=WEIGHT_FORMATS) / 8 / scale))
         self.kv_bytes_per_token = max(1, round(kv_bytes_per_token(model, cache_type) / scale))
         self.log = [f"loaded {len(self.weights)} weight bytes (1/{scale} of {model.key} {weights})"]
 
@@ -75,6 +81,7 @@ class EchoBackend(BaseBackend):
     engine = "example-echo"
     description = "toy CPU engine from the example plugin: echoes prompts, speed measured for real"
     kv_cache_types = CACHE_TYPES
+    weight_formats = WEIGHT_FORMATS
     # Declared settings are checked before a study runs: a typo or a bad value is exit 2.
     settings = (
         Setting("timeout_s", float, 60.0, "seconds one measurement may take", check=lambda v: None if v > 0 else "must be > 0"),
@@ -89,11 +96,14 @@ class EchoBackend(BaseBackend):
         return [Param("cache_type", caches, "KV-cache element type (f16, q8_0)", accepted=tuple(CACHE_BYTES))]
 
     def check_weights(self, weights, ctx):
+        family = weights.partition(":")[0].lower()
+        if family != GGUF.name:
+            return f"example-echo loads {GGUF.name} weights, not {family}"
         try:
-            family, _ = parse_format(weights)
+            parse_format(weights, self.weight_formats)  # a variant GGUF has, or what it accepts
         except AutotuneError as exc:
             return str(exc)
-        return None if family == "gguf" else f"example-echo loads gguf weights, not {family}"
+        return None
 
     def check(self, config, ctx):
         if config.ctx > ctx.model.max_context:
@@ -102,7 +112,7 @@ class EchoBackend(BaseBackend):
 
     def estimate_memory(self, config, ctx):
         model = ctx.model
-        weights = int(model.n_params * bits_per_weight(config.weights) / 8)
+        weights = int(model.n_params * bits_per_weight(config.weights, declared=self.weight_formats) / 8)
         kv = int(kv_bytes_per_token(model, config.option("cache_type", "f16")) * config.ctx * config.parallel)
         logits = 4 * model.vocab_size * PREFILL_BATCH  # f32 logits of one prefill batch
         return MemoryEstimate(weights, kv, logits, OVERHEAD_BYTES,

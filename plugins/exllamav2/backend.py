@@ -48,10 +48,11 @@ from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import SERVING_UNITS, measure_engine
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.paths import path_problem
-from autotune.safetensors_dir import exl2_quantization, read_config_json
+from autotune.safetensors_dir import read_config_json
 
 from autotune.declarations import CacheType, WeightFormats
 from autotune_plugins.exllamav2 import declarations, memory
+from autotune_plugins.exllamav2.formats import exl2_quantization
 from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
@@ -210,13 +211,13 @@ class ExLlamaV2Backend(BaseBackend):
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The EXL2 directory a candidate names: relative to the study file, or for a format
         (``exl2:4.0``) its place in the artifact cache, made or not yet."""
-        if is_format(weights) and ctx.source is not None:
-            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights), ctx.source, ctx))
+        if is_format(weights, self.weight_formats) and ctx.source is not None:
+            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights, self.weight_formats), ctx.source, ctx))
         return ctx.path(weights)
 
     def _made(self, weights: str, ctx: StudyContext) -> Path | None:
         p = self.weights_path(weights, ctx)
-        return None if is_format(weights) and not p.is_dir() else p
+        return None if is_format(weights, self.weight_formats) and not p.is_dir() else p
 
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """ExLlamaV2's defaults: ``ExLlamaV2Config`` keeps the model's own ``max_seq_len`` (its
@@ -230,7 +231,7 @@ class ExLlamaV2Backend(BaseBackend):
             "config.json, cache batch 1), one sequence at a time; one user"))
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
-        if is_format(weights):
+        if is_format(weights, self.weight_formats):
             return None  # whether it can be made is the study's check (artifact_recipe)
         p = self.weights_path(weights, ctx)
         problem = path_problem(p, "directory")
@@ -338,7 +339,7 @@ class ExLlamaV2Backend(BaseBackend):
         context_mib = float(self.setting(ctx, "cuda_context_mib"))
         made = self._made(config.weights, ctx)
         if made is None:  # a format not converted yet: its bytes predicted from the source's shape
-            _, bpw = parse_format(config.weights)
+            _, bpw = parse_format(config.weights, self.weight_formats)
             return memory.estimate_for(ctx.model, memory.predicted_exl2_weights(ctx.model, float(bpw)),
                                        self.generator_settings(config, ctx), ctx.workload.prompt_tokens,
                                        int(context_mib * memory.MiB))

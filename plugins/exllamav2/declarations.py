@@ -2,7 +2,8 @@
 
 Declared by the exllamav2 backend and by the twin of ExLlamaV2 (``BaseBackend.kv_cache_types``,
 ``BaseBackend.weight_formats``); TabbyAPI, behind openai-server, names the same modes. Importing
-this module costs nothing (no torch).
+this module costs nothing (no torch); the formats' callables are
+:mod:`autotune_plugins.exllamav2.formats`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from autotune.declarations import CacheType, WeightFormats
+from autotune_plugins.exllamav2 import formats
 
 __all__ = ["CACHE_TYPES", "EXL2", "PYTHON_ENGINE_VARIABLES"]
 
@@ -33,7 +35,11 @@ CACHE_TYPES = (
 
 # What `autotune init` offers, widest first. None is full precision: an FP16 model directory,
 # loaded as it is, is the quality reference (init checks check_weights on the source).
-EXL2 = WeightFormats("exl2", "exl2:<bpw>", offered=("exl2:8.0", "exl2:6.0", "exl2:5.0", "exl2:4.0", "exl2:3.0"))
+EXL2 = WeightFormats(
+    "exl2", "exl2:<bpw>", offered=("exl2:8.0", "exl2:6.0", "exl2:5.0", "exl2:4.0", "exl2:3.0"),
+    accepts=formats.ACCEPTS, parse=formats.bpw_of, spell=formats.spell, predict=formats.exl2_weights,
+    bits=formats.bits_per_weight, quote=formats.quote,
+)
 
 # What a Python engine (the worker, the converter, TabbyAPI) needs of autotune's environment
 # beyond the core's allow-list (``BaseBackend.engine_variables``): its interpreter's setup,

@@ -204,7 +204,7 @@ def estimate(model_dir: Path, settings: GeneratorSettings, prompt_tokens: int,
 def predicted_exl2_weights(model: ModelSpec, bpw: float) -> Exl2Weights:
     """Where an EXL2 conversion of ``model`` at ``bpw`` will put its bytes, before it exists
     (:func:`autotune.formats.exl2_weights`; the converter quantizes a tied head as its own copy)."""
-    from autotune.formats import exl2_weights as predicted
+    from autotune_plugins.exllamav2.formats import exl2_weights as predicted
 
     w = predicted(model, bpw)
     return Exl2Weights(gpu_bytes=w.gpu_bytes, host_bytes=w.host_bytes, head_bytes=w.output_bytes, n_tensors=0,

@@ -25,8 +25,10 @@ from typing import Callable, Mapping
 
 from autotune.artifacts import Recipe, run_tool
 from autotune.errors import AutotuneError
-from autotune.formats import exl2_weights, normalize_format, parse_format
+from autotune.formats import family_of, normalize_format, parse_format
 from autotune.models import model_from_hf_config
+from autotune_plugins.exllamav2 import declarations
+from autotune_plugins.exllamav2.formats import exl2_weights
 
 __all__ = ["CONVERTER_MODULE", "convert_args_problem", "exl2_recipe"]
 
@@ -98,9 +100,9 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
     Raises:
         AutotuneError: ``source`` is not an HF directory.
     """
-    family, detail = parse_format(fmt)
-    if family != "exl2":
+    if family_of(fmt, (declarations.EXL2,)) is not declarations.EXL2:
         return None
+    _, detail = parse_format(fmt, (declarations.EXL2,))
     if not source.is_dir():
         raise AutotuneError(f"{source}: EXL2 is converted from a Hugging Face model directory (config.json and "
                             "*.safetensors), not a single file")
@@ -108,7 +110,7 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
     bpw = float(detail)
     if convert_args:
         tool += "-args" + hashlib.sha256("\0".join(convert_args).encode()).hexdigest()[:8]
-    canonical = normalize_format(fmt)
+    canonical = normalize_format(fmt, (declarations.EXL2,))
     # The compiled directory copies the source's small files (tokenizer, config) beside the weights.
     extra = sum(p.stat().st_size for p in source.iterdir() if p.is_file() and p.suffix != ".safetensors")
     expected = exl2_weights(model, bpw).total_bytes + extra

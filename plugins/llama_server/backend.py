@@ -52,10 +52,11 @@ from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.rules import Rule, load_rules, violations
 from autotune.artifacts import artifact_path, is_format
-from autotune.formats import gguf_file_weights, normalize_format, weights_for
+from autotune.formats import normalize_format, weights_for
 from autotune.declarations import CacheType, WeightFormats
 from autotune_plugins.llama_server import declarations, engine, memory
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
+from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
 from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, median, parse_log, \
     plan_cpus, process_cpu_s
@@ -199,21 +200,21 @@ class LlamaServerBackend(BaseBackend):
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The GGUF file a candidate names: a path relative to the study file, or for a format
         (``gguf:Q4_K_M``) its place in the artifact cache, made or not yet."""
-        if is_format(weights) and ctx.source is not None:
-            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights), ctx.source, ctx))
+        if is_format(weights, self.weight_formats) and ctx.source is not None:
+            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights, self.weight_formats), ctx.source, ctx))
         return ctx.path(weights)
 
     def _made(self, weights: str, ctx: StudyContext) -> Path | None:
         """The file to read for ``weights``: None for a format not made yet (predict from the source)."""
         p = self.weights_path(weights, ctx)
-        return None if is_format(weights) and not p.is_file() else p
+        return None if is_format(weights, self.weight_formats) and not p.is_file() else p
 
     def _model_for(self, weights: str, ctx: StudyContext) -> ModelSpec:
         p = self._made(weights, ctx)
         return ctx.model if p is None else _model_of(p)
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
-        if is_format(weights):
+        if is_format(weights, self.weight_formats):
             return None  # whether it can be made is the study's check (artifact_recipe)
         p = self.weights_path(weights, ctx)
         problem = path_problem(p, "file")
@@ -250,7 +251,7 @@ class LlamaServerBackend(BaseBackend):
         on_gpu = self.gpu_layers(ctx, self._on_gpu(ctx)) > 0
         ub = config.option("ubatch")
         # A format not made yet: its tensors as llama-quantize will write them, from the source's shape.
-        weights = weights_for(ctx.model, config.weights) if path is None else gguf_file_weights(path)
+        weights = weights_for(ctx.model, config.weights, self.weight_formats) if path is None else gguf_file_weights(path)
         model = ctx.model if path is None else _model_of(path)
         return memory.estimate(model, weights, config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),

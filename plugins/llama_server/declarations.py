@@ -1,7 +1,8 @@
 """What llama.cpp knows, as data: its KV-cache types (``-ctk``/``-ctv``) and the GGUF formats.
 
 Declared by the llama-server backend and by the twin of llama.cpp (``BaseBackend.kv_cache_types``,
-``BaseBackend.weight_formats``); importing this module costs nothing.
+``BaseBackend.weight_formats``); importing this module costs nothing. The formats' callables
+are :mod:`autotune_plugins.llama_server.formats`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from autotune.declarations import CacheType, WeightFormats
+from autotune_plugins.llama_server import formats
 
 __all__ = ["CACHE_TYPES", "GGUF"]
 
@@ -33,4 +35,6 @@ GGUF = WeightFormats(
     "gguf", "gguf:<TYPE>",
     offered=("gguf:F16", "gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M", "gguf:Q4_0"),
     full_precision=("gguf:F16", "gguf:BF16", "gguf:F32"),
+    accepts=formats.ACCEPTS, parse=formats.file_type, predict=formats.predict_gguf_weights,
+    bits=formats.bits_per_weight, quote=formats.quote,
 )

@@ -22,11 +22,12 @@ from typing import Any, Callable, Mapping
 
 from autotune.artifacts import Recipe, run_tool
 from autotune.errors import AutotuneError
-from autotune.formats import parse_format, predict_gguf_weights
+from autotune.formats import family_of, parse_format
 from autotune.gguf_file import read_gguf
 from autotune.models import ModelSpec, resolve_model
-from autotune_plugins.llama_server import engine
+from autotune_plugins.llama_server import declarations, engine
 from autotune_plugins.llama_server.builds import _manifest_of
+from autotune_plugins.llama_server.formats import predict_gguf_weights
 
 __all__ = ["CONVERTER", "FULL_PRECISION", "gguf_recipe"]
 
@@ -92,9 +93,9 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
         AutotuneError: ``source`` is not a model llama.cpp can start from (the message says why
             and what would do).
     """
-    family, detail = parse_format(fmt)
-    if family != "gguf":
+    if family_of(fmt, (declarations.GGUF,)) is not declarations.GGUF:
         return None
+    _, detail = parse_format(fmt, (declarations.GGUF,))
     if callable(server):
         server = server()
     qtype = str(detail)

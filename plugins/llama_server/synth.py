@@ -208,7 +208,7 @@ def _quantized_bytes(model: Any, qtype: str, unquantized_bytes: int) -> tuple[in
     """Tensor bytes of a ``qtype`` copy (autotune.formats' per-tensor types), or the
     unquantized size as a bound for a type it has no table for."""
     from autotune.errors import UnknownNameError
-    from autotune.formats import predict_gguf_weights
+    from autotune_plugins.llama_server.formats import predict_gguf_weights
 
     try:
         return predict_gguf_weights(model, qtype).total_bytes, "estimated"

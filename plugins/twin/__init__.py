@@ -25,9 +25,7 @@ from autotune import hookimpl
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
     TrialConfig, deploy_line, same_value
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
-from autotune.formats import (
-    EXL2_BPW_MAX, EXL2_BPW_MIN, WeightsBreakdown, gguf_file_weights, normalize_format, parse_format,
-    safetensors_dir_weights, weights_for)
+from autotune.formats import WeightsBreakdown, normalize_format, parse_format, safetensors_dir_weights, weights_for
 from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
@@ -35,10 +33,13 @@ from autotune.models import ModelSpec
 from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.exllamav2.formats import EXL2_BPW_MAX, EXL2_BPW_MIN, exl2_quantization
 from autotune_plugins.llama_server import declarations as llama_declared
+from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.openai_server import declarations as vllm_declared
 from autotune_plugins.twin import calibration, physics, quality
+from autotune_plugins.twin.formats import directory_format
 from autotune_plugins.twin.strategy import TwinStrategy
 
 __all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
@@ -129,18 +130,18 @@ def _artifact_kind(path: Path) -> str:
     directory = read_safetensors_dir(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path}: no config.json (a model directory holds config.json and *.safetensors)")
-    return "exl2" if directory.exl2 is not None else "hf"
+    return "exl2" if exl2_quantization(directory.config, directory.path / "config.json") is not None else "hf"
 
 
 def _directory_format(path: Path) -> str:
     """A model directory as a format (``exl2:4.0``, ``gguf:BF16``); see ``TwinBackend.as_format``."""
     _artifact_kind(path)  # its config.json and safetensors are there
     directory = read_safetensors_dir(path)
-    exl2 = directory.exl2
+    exl2 = exl2_quantization(directory.config, directory.path / "config.json")
     if exl2 is not None and not EXL2_BPW_MIN <= exl2.bits <= EXL2_BPW_MAX:
         raise ConfigError(f"{path / 'config.json'}: quantization_config.bits = {exl2.bits}: the twin knows EXL2 "
                           f"at {EXL2_BPW_MIN}-{EXL2_BPW_MAX} bits per weight")
-    spec = directory.format_spec
+    spec = directory_format(directory)
     if spec is not None:
         return spec
     if directory.quant_method is not None:
@@ -190,7 +191,7 @@ class TwinBackend(BaseBackend):
                 names the path and what is accepted.
         """
         try:
-            parse_format(weights)
+            parse_format(weights, self.weight_formats)
             return weights
         except ConfigError as exc:
             path = ctx.path(weights)
@@ -198,7 +199,7 @@ class TwinBackend(BaseBackend):
                 raise exc from None
         if path.is_dir():
             return _directory_format(path)
-        spec = read_gguf(path).format_spec
+        spec = format_of(read_gguf(path))
         if spec is None:
             raise ConfigError(f"{path}: its tensors name no type the twin knows")
         return spec
@@ -213,7 +214,7 @@ class TwinBackend(BaseBackend):
         headers), a format's predicted for the study's model."""
         path = self.weights_file(weights, ctx)
         if path is None:
-            return weights_for(ctx.model, weights)
+            return weights_for(ctx.model, weights, self.weight_formats)
         if path.is_file():
             return gguf_file_weights(path)
         # A directory does not say where the embedding goes; the engine does (ExLlamaV2 keeps it
@@ -229,7 +230,7 @@ class TwinBackend(BaseBackend):
                     return (f"{path}: {ARTIFACT_WORDS[kind][0]}, which {self.engine} does not load (it loads "
                             f"{' and '.join(ARTIFACT_WORDS[a][1] for a in self.artifacts)}, or a format "
                             f"{' or '.join(f.syntax for f in self.weight_formats)})")
-            family, _ = parse_format(self.as_format(weights, ctx))
+            family, _ = parse_format(self.as_format(weights, ctx), self.weight_formats)
         except AutotuneError as exc:
             return str(exc)
         if family not in self.weight_families:
@@ -415,14 +416,14 @@ class TwinLlamaCpp(TwinBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         if config.option(ENGINE_DEFAULTS):
-            _, detail = parse_format(self.as_format(config.weights, ctx))
+            _, detail = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
             path = self.weights_file(config.weights, ctx)
             model_file = str(path) if path is not None else f"{ctx.model.key}-{detail}.gguf"
             return deploy_line(["llama-server", "-m", model_file, "-ngl", "999", "--host", "127.0.0.1", "--port", "8080"],
                                ["every other flag at llama-server's default"])
         cache = config.option("cache_type", "f16")
         fa = "on" if config.option("flash_attn", True) else "off"
-        _, detail = parse_format(self.as_format(config.weights, ctx))
+        _, detail = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
         path = self.weights_file(config.weights, ctx)
         model_file = str(path) if path is not None else f"{ctx.model.key}-{detail}.gguf"
         # The layers the simulation kept on the GPU, so the line serves what was simulated.
@@ -473,7 +474,7 @@ class TwinExllamaV2(TwinBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         cache = config.option("cache_type", "fp16").upper()
-        _, bpw = parse_format(self.as_format(config.weights, ctx))
+        _, bpw = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
         path = self.weights_file(config.weights, ctx)
         model = (["--model-dir", path.parent, "--model-name", path.name] if path is not None
                  else ["--model-dir", "models", "--model-name", f"{ctx.model.key}-exl2-{bpw}bpw"])
@@ -527,7 +528,7 @@ class TwinVllm(TwinBackend):
                 f"vLLM {version} does not support compute capability {ctx.gpu.compute_capability} "
                 f"({ctx.gpu.name}); the last releases for Volta are 0.5.x with CUDA 11.8"
             )
-        if normalize_format(self.as_format(config.weights, ctx)) == "gguf:BF16" and not ctx.gpu.bf16:
+        if normalize_format(self.as_format(config.weights, ctx), self.weight_formats) == "gguf:BF16" and not ctx.gpu.bf16:
             # The article's pitfall 2: BF16 weights on a card without BF16 (vLLM's own words).
             raise UnsupportedError(
                 f"Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your "

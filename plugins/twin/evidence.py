@@ -31,6 +31,7 @@ from autotune.hardware import get_gpu, load_gpu_catalog
 from autotune.models import get_model, load_model_catalog
 
 from autotune_plugins.twin import physics
+from autotune_plugins.twin.formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLISHED = REPO / "autotune" / "data" / "published_decode.toml"
@@ -66,7 +67,7 @@ def _scenario(engine: str, gpu: str, model: str, weights: str, *, ctx: int = 409
               harness: str = "bench") -> physics.Scenario:
     m = get_model(model)
     return physics.Scenario(
-        engine=engine, gpu=get_gpu(gpu), model=m, weights=weights_for(m, weights), ctx=ctx, parallel=parallel,
+        engine=engine, gpu=get_gpu(gpu), model=m, weights=weights_for(m, weights, FORMATS), ctx=ctx, parallel=parallel,
         cache_type=cache or ("f16" if engine == "llama.cpp" else "fp16"),
         flash_attn=(engine == "exllamav2") if flash_attn is None else flash_attn,
         prompt_tokens=max(prompt, 1), output_tokens=output, harness=harness)

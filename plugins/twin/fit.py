@@ -26,6 +26,7 @@ from autotune.hardware import get_gpu
 from autotune.models import get_model
 
 from autotune_plugins.twin import evidence, load_constants, physics, quality
+from autotune_plugins.twin.formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REFERENCE = REPO / "reference" / "article_v100_qwen27b.toml"
@@ -69,7 +70,7 @@ def scenario(row: Row, doc: dict[str, Any], parallel: int | None = None, **chang
     gpu = get_gpu("v100-16gb")
     auto = "auto" in str(row.data.get("gpu_layers", "")) or "offloaded" in str(row.data.get("note", ""))
     s = physics.Scenario(
-        engine=row.engine, gpu=gpu, model=model, weights=weights_for(model, row.weights), ctx=row.ctx,
+        engine=row.engine, gpu=gpu, model=model, weights=weights_for(model, row.weights, FORMATS), ctx=row.ctx,
         parallel=parallel or row.parallel, cache_type=row.cache, flash_attn=row.flash_attn,
         prompt_tokens=doc["workload"]["max_prompt_tokens"], output_tokens=doc["workload"]["max_new_tokens"],
         gpu_layers="auto" if (auto or row.engine == "llama.cpp") else "all",

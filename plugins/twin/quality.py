@@ -28,6 +28,7 @@ import math
 from autotune.errors import ConfigError
 from autotune.formats import parse_format
 from autotune.models import ModelSpec
+from autotune_plugins.twin.formats import FORMATS
 
 # (bits per weight, mean KLD vs F16) of llama.cpp file types, LLaMA 3 8B (see module doc).
 GGUF_KLD = {
@@ -82,7 +83,7 @@ _INTERCEPT, _SLOPE = _kquant_regression()
 
 def weights_kld(fmt: str) -> float:
     """Mean KLD a weights format causes (LLaMA-3-8B scale)."""
-    family, detail = parse_format(fmt)
+    family, detail = parse_format(fmt, FORMATS)
     if family == "gguf":
         name = str(detail).upper()
         if name in GGUF_KLD:

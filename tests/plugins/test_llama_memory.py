@@ -13,7 +13,7 @@ import pytest
 
 from autotune.backend import TrialConfig
 from autotune.models import model_from_gguf
-from autotune.formats import gguf_file_weights
+from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server import memory
 from autotune import processes
 from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log

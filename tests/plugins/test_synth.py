@@ -322,7 +322,7 @@ def test_quantize_checks_the_space_before_running(tiny, tmp_path, monkeypatch):
 # ------------------------------------------------------------------ with the built engine
 
 
-def test_quantize(tiny, built_engine, tmp_path):
+def test_quantize(tiny, built_engine, tmp_path, engine_plugins):  # the llama-server plugin quotes a GGUF file
     import gguf
 
     for qtype in ("Q8_0", "Q4_0"):

@@ -241,7 +241,7 @@ def test_llama_cpp_deploy_line_offloads_the_layers_that_were_simulated_on_the_gp
 def test_the_twin_predicts_for_a_real_gguf_file(tmp_path):
     """A GGUF file is read as the format its header names, its weights from its own tensors."""
     from autotune.backend import StudyContext, TrialConfig, Workload
-    from autotune.formats import gguf_file_weights
+    from autotune_plugins.llama_server.formats import gguf_file_weights
     from autotune.hardware import get_gpu
     from autotune.measure import Protocol
     from autotune.models import model_from_gguf

@@ -22,8 +22,10 @@ from autotune.models import model_from_hf_config
 from autotune.formats import safetensors_dir_weights
 from autotune.safetensors_dir import read_safetensors_dir
 from autotune_plugins.exllamav2 import memory
+from autotune_plugins.exllamav2.formats import exl2_quantization
 from autotune_plugins.exllamav2.generator_settings import CACHE_CHOICES
 from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVllm
+from autotune_plugins.twin.formats import directory_format
 # exl2_dir: the hand-written 4.0 bpw directory, a fixture here too.
 from tests.plugins.test_exllamav2_backend import CONFIG, FAKE, exl2_dir, write_safetensors  # noqa: F401
 
@@ -80,7 +82,8 @@ def ctx_for(base: Path, model_dir: Path, gpu: str = "h200") -> StudyContext:
 
 def test_a_model_directory_reads_as_its_format_and_bytes(exl2_dir, tmp_path):
     d = read_safetensors_dir(exl2_dir)
-    assert d.format_spec == "exl2:4.0" and (d.exl2.bits, d.exl2.head_bits) == (4.0, 6) and d.tied
+    quant = exl2_quantization(d.config)
+    assert directory_format(d) == "exl2:4.0" and (quant.bits, quant.head_bits) == (4.0, 6) and d.tied
     assert d.files == ("output-00001-of-00002.safetensors", "output-00002-of-00002.safetensors")
     w = safetensors_dir_weights(exl2_dir)
     # The same bytes the exllamav2 backend puts on the GPU and the host: one reader for both.
@@ -89,11 +92,11 @@ def test_a_model_directory_reads_as_its_format_and_bytes(exl2_dir, tmp_path):
     assert w.total_bytes - w.embedding_bytes == exl2.gpu_bytes and len(w.per_layer_bytes) == 2
     assert w.per_layer_bytes[0] == w.per_layer_bytes[1] and not w.head_is_embedding
     hf = make_hf_dir(tmp_path)
-    assert read_safetensors_dir(hf).format_spec == "gguf:BF16"
+    assert directory_format(read_safetensors_dir(hf)) == "gguf:BF16"
     assert safetensors_dir_weights(hf).head_is_embedding  # tied, no lm_head: the embedding serves
     # No torch_dtype: the layers' own element type.
     (hf / "config.json").write_text(json.dumps({k: v for k, v in CONFIG.items() if k != "quantization_config"}))
-    assert read_safetensors_dir(hf).format_spec == "gguf:BF16"
+    assert directory_format(read_safetensors_dir(hf)) == "gguf:BF16"
     with pytest.raises(ConfigError, match=r"no \*\.safetensors files"):
         read_safetensors_dir(tmp_path)
 

@@ -2,8 +2,8 @@
 file type (a ``llama-quantize`` target such as ``Q4_K_M``), which type every tensor of a model
 gets (:func:`gguf_tensor_plan`).
 
-:mod:`autotune.formats` sums these plans into a model's weight bytes (``gguf:<TYPE>`` formats)
-and re-exports the names below.
+:mod:`autotune_plugins.llama_server.formats` sums these plans into a model's weight bytes (the
+``gguf:<TYPE>`` formats the llama-server backend declares).
 """
 
 from __future__ import annotations
