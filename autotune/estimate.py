@@ -73,6 +73,12 @@ def _format_syntax() -> str:
     return " or ".join(f.syntax for f in installed_weight_formats().values()) or "none (no installed backend declares one)"
 
 
+def _format_examples() -> str:
+    """The formats the installed backends offer (``autotune init``'s), else how they are written."""
+    offered = [fmt for family in installed_weight_formats().values() for fmt in family.offered]
+    return f"such as {', '.join(offered)}" if offered else _format_syntax()
+
+
 def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend | None]:
     """The backend that estimates ``weights`` for ``--backend name``, and the speed model.
 
@@ -128,7 +134,7 @@ def _weights_of(model_ref: str, weights: str | None) -> str:
         return weights
     if model_ref in load_model_catalog():
         raise ConfigError(f"--weights is needed: --model {model_ref!r} is a catalog model, not a file "
-                          "(give e.g. --weights gguf:Q4_K_M or --weights exl2:4.0)")
+                          f"(give --weights: a file, a directory or a format, {_format_examples()})")
     return model_ref  # resolve_model has checked that it exists: the file is model and weights
 
 

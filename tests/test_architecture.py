@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,6 +200,63 @@ def test_no_module_of_the_core_is_over_600_lines():
     long = {str(p.relative_to(REPO)): n for p in CORE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+# The core names no engine (issue 25): an engine's name, its backends' and strategies' names and
+# the weight-format families its plugin declares live in that plugin. Docstrings may name them
+# (they explain), and so may ``__all__`` (the module's own names, such as ``read_gguf``).
+# Prose may say what kind of file the core's model-source readers read (".gguf file", "EXL2
+# model directory"), as it says "safetensors", but not name an engine; code may not compare
+# with a family or a plugin's name, nor spell a format: ``"exl2"``, ``"twin"``, ``"gguf:"``.
+ENGINE_NAMES = re.compile(r"llama[.\-_ ]?(cpp|server)|exllama|vllm|sglang|tabby", re.IGNORECASE)
+FORMAT_SPEC = re.compile(r"\b(gguf|exl2):", re.IGNORECASE)
+PLUGIN_NAME = re.compile(r"(gguf|exl2|twin)([-_.][\w.-]*)?", re.IGNORECASE)
+# Help is documentation, as docstrings are (click shows a command's docstring beside it): an
+# option's ``help=`` and these constants, (module, name), that are one.
+HELP_CONSTANTS = {("autotune.estimate", "BACKEND_RULE")}  # the --backend help, with the estimate's rule
+
+
+def engine_literals(root: Path) -> list[str]:
+    """``file:line: 'literal'`` for each string literal of the package at ``root`` that names an
+    engine, spells a format or is a family's or a plugin's name; docstrings, ``__all__`` and help
+    left out."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        module = _module_name(path, root)
+        skip: set[int] = set()
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                skip.add(id(body[0].value))
+            names = {t.id for t in getattr(node, "targets", ()) if isinstance(t, ast.Name)}
+            if isinstance(node, ast.Assign) and ("__all__" in names or {(module, n) for n in names} & HELP_CONSTANTS):
+                skip.update(id(n) for n in ast.walk(node.value))
+            if isinstance(node, ast.keyword) and node.arg == "help":
+                skip.update(id(n) for n in ast.walk(node.value))
+        for node in sorted(ast.walk(tree), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
+                continue
+            text = node.value
+            if ENGINE_NAMES.search(text) or FORMAT_SPEC.search(text) or PLUGIN_NAME.fullmatch(text.strip()):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {text!r}")
+    return found
+
+
+def test_the_core_names_no_engine_outside_docstrings():
+    assert not engine_literals(CORE), "\n".join(engine_literals(CORE))
+
+
+def test_engine_literals_are_found_and_docstrings_are_not(tmp_path):
+    root = _package(tmp_path, {"a.py": (
+        '"""Reads llama.cpp\'s gguf:Q4_K_M."""\n__all__ = ["read_gguf"]\n'
+        'def f(x):\n    """The twin\'s exl2:4.0."""\n'
+        '    return x == "exl2" or x == "twin" or x.startswith("gguf:") or "a .gguf file" in x\n'
+        'MSG = "start llama-server first"\nSAMPLER = "twin-llama.cpp"\nOK = "a digital twin of an EXL2 directory"\n'
+        'option("--weights", help="gguf:<TYPE> or exl2:<bpw>")\n')})
+    assert [line.split(": ", 1)[1] for line in engine_literals(root)] == [
+        "'exl2'", "'twin'", "'gguf:'", "'start llama-server first'", "'twin-llama.cpp'"]
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:

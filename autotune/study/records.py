@@ -483,7 +483,7 @@ def check_schema(study: optuna.Study, shown_storage: str) -> None:
     if version in UPGRADABLE:
         raise StorageError(
             f"study '{study.study_name}' in {shown_storage} has schema version {version}: its parameters are named "
-            f"per backend (llama-server.ctx), which this autotune would misread; run 'autotune storage upgrade "
+            f"per backend (<backend>.ctx), which this autotune would misread; run 'autotune storage upgrade "
             f"{shown_storage}' once to rename them (the trials' records stay as they are)")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise StorageError(f"study '{study.study_name}' in {shown_storage} has schema version {version!r}; this "
