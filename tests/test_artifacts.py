@@ -22,6 +22,9 @@ from autotune.models import get_model
 from autotune.study.records import TrialRecord
 from tests.fake_backends import stats_for
 
+# Formats (gguf:, exl2:) are what the engine plugins declare.
+pytestmark = pytest.mark.usefixtures("engine_plugins")
+
 
 class MakingBackend(BaseBackend):
     """Makes ``fake:<n>``-free formats: any gguf:<TYPE> by writing the type into a file, from an

@@ -25,6 +25,9 @@ from autotune.backend import Measurement, StudyContext, TrialConfig  # noqa: E40
 from autotune.config import load_study_config  # noqa: E402
 from autotune.study import StudyRunner, prepare_study  # noqa: E402
 
+# Formats (gguf:, exl2:) are what the engine plugins declare.
+pytestmark = pytest.mark.usefixtures("engine_plugins")
+
 WEIGHTS = ["tiny-Q4_0.gguf", "tiny-bigger-Q8_0.gguf"]  # the longer name is faster (FakeBackend.speed)
 
 

@@ -50,7 +50,7 @@ def test_the_twin_and_llama_server_give_the_same_bytes(gpu, model, weights, ctx,
     assert twin == real  # every part, and the notes that explain them
 
 
-def test_the_issues_example_is_llama_servers_figure():
+def test_the_issues_example_is_llama_servers_figure(engine_plugins):
     # qwen2.5-7b Q4_K_M, ctx 4096 x 4 slots, q8_0, flash attention: the twin's own formulas said
     # 4.89 GiB (a 256 MiB context, no mask); llama-server's model, within ~1% of NVML, says 5.26.
     m = get_model("qwen2.5-7b")
