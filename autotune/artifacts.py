@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnknownNameError
 from autotune.formats import parse_format
-from autotune.redact import scrub
+from autotune.redact import engine_environment, scrub
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend, StudyContext
@@ -73,9 +73,12 @@ def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Pat
              env: Mapping[str, str] | None = None) -> None:
     """Run a converter or quantizer: its latest line passed to ``say`` about every 10 s (a
     conversion can take minutes), and on failure an error carrying the tool's own last lines
-    (its error lines first), so the trials that needed the artifact say why."""
+    (its error lines first), so the trials that needed the artifact say why. Like an engine, it
+    gets the allow-listed environment (``autotune.redact.engine_environment``) unless ``env`` is
+    given: a converter has no use for the storage URL or a token, and prints what it likes."""
+    env = engine_environment() if env is None else dict(env)
     proc = processes.start(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                           text=True, errors="replace", cwd=cwd, env=None if env is None else dict(env))
+                           text=True, errors="replace", cwd=cwd, env=env)
     lines: list[str] = []
     last = time.monotonic()
     assert proc.stdout is not None

@@ -427,7 +427,9 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         metric=r.get("objective", obj_t, "metric", str, "aggregate_tok_s",
                      check=_one_of(("aggregate_tok_s", "decode_tok_s", "per_user_tok_s"))),
         quality=r.get("objective", obj_t, "quality", str, None),
-        penalty_per_point=r.get("objective", obj_t, "penalty_per_point", float, 0.0, check=_at_least(0)),
+        # tok/s taken off per point of quality lost; a million is beyond any throughput, and a
+        # finite 1e308 still overflowed the score to -inf.
+        penalty_per_point=r.get("objective", obj_t, "penalty_per_point", float, 0.0, check=_between(0, 10**6)),
         max_drop_points=r.get("objective", obj_t, "max_drop_points", float, None, check=_at_least(0)),
         reference_weights=r.get("objective", obj_t, "reference_weights", str, None),
         mode=r.get("objective", obj_t, "mode", str, "single", check=_one_of(OBJECTIVE_MODES)),

@@ -17,6 +17,8 @@ from typing import Callable
 import httpx
 
 from autotune.errors import BackendError
+from autotune.measure.deadline import DeadlineExceeded
+from autotune.measure.streams import fetch
 
 __all__ = ["connect_host", "free_port", "loopback", "port_free", "server_url", "tail", "wait_ready"]
 
@@ -95,9 +97,9 @@ def wait_ready(proc: subprocess.Popen, http: httpx.Client, url: str, timeout_s: 
         if proc.poll() is not None:
             raise failure("failed to start")
         try:
-            if http.get(url, timeout=2).status_code == 200:
+            if fetch(http, "GET", url, 2, setting="health check").status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
+        except (httpx.HTTPError, DeadlineExceeded):
+            pass  # not listening yet, or answering too slowly: the model is still loading
         time.sleep(0.1)
     raise failure(f"not ready after {timeout_s:.0f} s")

@@ -249,6 +249,8 @@ def test_a_pareto_objective_runs_the_strategys_pareto_default(tmp_path, default_
     ("seed = 0", "seed = 9223372036854775807", "[study] seed = 9223372036854775807: must be 0..4294967295"),
     ("seed = 0", "seed = -1", "[study] seed = -1: must be 0..4294967295"),
     ("max_drop_points = 1.0", "max_drop_points = -inf", "[objective] max_drop_points = -inf: must be a finite number"),
+    # Finite, but it overflowed every score to -inf.
+    ("penalty_per_point = 1.0", "penalty_per_point = 1e308", "[objective] penalty_per_point = 1e+308: must be 0..1000000"),
     ("[space]", "rope_scale = [1.0, nan]", "[space] rope_scale = [1.0, nan]: must be a finite number"),
     ("[space]", "[backends.twin-llama.cpp]\nthreads = inf", "[backends.twin-llama.cpp] threads = inf: must be a finite"),
 ])

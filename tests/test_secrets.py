@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from autotune.cli import cli
-from autotune.errors import BackendError, StorageError
+from autotune.errors import AutotuneError, BackendError, StorageError
 from autotune.redact import engine_environment, is_secret_name, mask_url, scrub, secret_values
 from autotune.study.storage import _last_run_file, open_storage, remember_run
 
@@ -168,3 +168,29 @@ def test_llama_server_gets_no_secret_and_no_llama_arg(tmp_path, monkeypatch):
     tail = err.value.log_tail
     assert "storage=[] ctx=[]" in tail and "GGML_SCHED_MAX_COPIES=1" in tail and "PATH=" in tail
     assert "HF_TOKEN" not in tail and "hf_secret1" not in tail + str(err.value)
+
+
+def _env_printer(path, *, version: bool = False):
+    """An executable that prints the names of its environment variables (on --version, when
+    ``version``), as a failing engine or tool may."""
+    head = "print('version: 1 (fake000)')\n" if version else ""
+    tail = "" if version else "raise SystemExit(1)\n"
+    path.write_text(f"#!{sys.executable}\nimport os\n{head}print(' '.join(sorted(os.environ)))\n{tail}")
+    path.chmod(0o755)
+    return path
+
+
+def test_version_probes_and_tools_get_the_allow_list_too(tmp_path, monkeypatch):
+    """Not only the measured engine: its --version probe, and the converters and quantizers
+    run_tool starts, get the allow-listed environment."""
+    from autotune.artifacts import run_tool
+    from autotune_plugins.llama_server.builds import engine_version
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret1")
+    monkeypatch.setenv("AUTOTUNE_STORAGE", "postgresql://bob:pw1234@h/x")
+    with pytest.raises(AutotuneError) as failed:  # a failing tool's error quotes its last lines
+        run_tool([str(_env_printer(tmp_path / "tool"))], "a converter", lambda _: None)
+    probed = engine_version(_env_printer(tmp_path / "llama-server", version=True))
+    for names in (str(failed.value), probed.raw):
+        assert "PATH" in names, names
+        assert "HF_TOKEN" not in names and "AUTOTUNE_STORAGE" not in names, names

@@ -25,8 +25,8 @@ from autotune.errors import ConfigError, MeasurementError
 from autotune.measure.deadline import Deadline, DeadlineExceeded, request_deadline
 from autotune.measure.protocol import _is_int, _is_real
 
-__all__ = ["CONCURRENT_UNITS", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "post_events",
-           "run_streams_threaded"]
+__all__ = ["CONCURRENT_UNITS", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "fetch",
+           "post_events", "run_streams_threaded"]
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,43 @@ def post_events(http: httpx.Client, url: str, payload: Any, timeout_s: float, *,
                 r.read()
                 raise failure(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
             yield from event_data(_until(r.iter_bytes(), deadline))  # not iter_lines: see event_data
+    except httpx.TimeoutException as exc:
+        raise DeadlineExceeded(f"{deadline.reason}; the engine sent nothing more ({exc or 'timed out'})") from exc
+
+
+# Headers that describe the bytes on the wire, not the decoded body a fetched response holds.
+_WIRE_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
+
+
+def fetch(http: httpx.Client, method: str, url: str, timeout_s: float, *, setting: str = "request_timeout_s",
+          **kwargs: Any) -> httpx.Response:
+    """One request whose whole answer must arrive within ``timeout_s`` (or an outer deadline in
+    force): what :func:`post_events` does for a stream, for ``/health``, ``/tokenize``,
+    ``/metrics`` and the like, where an engine that trickles its answer a byte at a time would
+    otherwise never let a read time out.
+
+    Args:
+        http: The client.
+        method: "GET", "POST"...
+        url: Where.
+        timeout_s: Bound on the whole request, seconds.
+        setting: Where ``timeout_s`` comes from, for the message.
+        **kwargs: Passed to ``httpx.Client.stream`` (``json=``, ``params=``...).
+
+    Returns:
+        The response, its body read and decoded.
+
+    Raises:
+        DeadlineExceeded: The answer was not complete by the deadline.
+        httpx.HTTPError: The connection failed.
+    """
+    deadline = request_deadline(timeout_s, setting)
+    deadline.check()
+    try:
+        with http.stream(method, url, timeout=max(0.001, deadline.left_s()), **kwargs) as r:
+            body = b"".join(_until(r.iter_bytes(), deadline))
+            headers = [(k, v) for k, v in r.headers.multi_items() if k.lower() not in _WIRE_HEADERS]
+            return httpx.Response(r.status_code, headers=headers, content=body, request=r.request)
     except httpx.TimeoutException as exc:
         raise DeadlineExceeded(f"{deadline.reason}; the engine sent nothing more ({exc or 'timed out'})") from exc
 

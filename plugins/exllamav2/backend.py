@@ -120,7 +120,8 @@ def flash_attn_version(python: str) -> tuple[int, ...] | None:
 
             text = m.version("flash_attn")
         else:
-            probed = processes.run([python, "-c", _PROBE], capture_output=True, text=True, timeout_s=60)
+            probed = processes.run([python, "-c", _PROBE], capture_output=True, text=True, timeout_s=60,
+                                   env=engine_environment(declarations.PYTHON_ENGINE_VARIABLES))
             if probed.returncode != 0:
                 return None
             text = probed.stdout.strip()

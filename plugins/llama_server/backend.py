@@ -42,6 +42,7 @@ from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEsti
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
+from autotune.measure.streams import fetch
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.models import ModelSpec, model_from_gguf
 from autotune.paths import path_problem
@@ -416,7 +417,8 @@ class LlamaServerBackend(BaseBackend):
         wait_ready(server.proc, server.http, f"{server.url}/health", timeout_s, server.failure)
 
     def prompt_tokens(self, server: Server, n: int) -> list[int]:
-        r = server.http.post(f"{server.url}/tokenize", json={"content": PROMPT_TEXT}, timeout=30)
+        r = fetch(server.http, "POST", f"{server.url}/tokenize", 30, setting="tokenize",
+                  json={"content": PROMPT_TEXT})
         r.raise_for_status()
         base = [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
         if not base:

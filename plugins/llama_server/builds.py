@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import processes
+from autotune.redact import engine_environment
 from autotune.errors import ConfigError, EngineUnavailableError
 from autotune_plugins.llama_server import cuda_toolkit
 from autotune_plugins.llama_server.cuda_toolkit import cuda_arch_from_cc, resolve_arch
@@ -207,6 +208,7 @@ def engine_version(binary: str | os.PathLike[str], timeout_s: float = 30.0) -> E
     try:
         proc = processes.run(
             [str(path), "--version"],
+            env=engine_environment(),  # an engine, like the server it is: no storage URL, no tokens
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # build info goes to stderr
             stdin=subprocess.DEVNULL,

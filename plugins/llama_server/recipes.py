@@ -25,6 +25,7 @@ from autotune.errors import AutotuneError
 from autotune.formats import family_of, parse_format
 from autotune.gguf_file import read_gguf
 from autotune.models import ModelSpec, resolve_model
+from autotune.redact import engine_environment
 from autotune_plugins.llama_server import declarations, engine
 from autotune_plugins.llama_server.builds import _manifest_of
 from autotune_plugins.llama_server.formats import predict_gguf_weights
@@ -32,6 +33,9 @@ from autotune_plugins.llama_server.formats import predict_gguf_weights
 __all__ = ["CONVERTER", "FULL_PRECISION", "gguf_recipe"]
 
 CONVERTER = "convert_hf_to_gguf.py"
+# What llama.cpp's converter (a Python script run by this interpreter) may need of our
+# environment beyond the engines' allow-list: its Python and transformers' cache settings.
+CONVERTER_VARIABLES = ("PYTHON*", "VIRTUAL_ENV", "TRANSFORMERS_*", "HF_HOME", "HF_HUB_OFFLINE")
 # First guesses of the seconds per GiB written, until the cache has timed this machine's own
 # (artifacts.predict_making): a Qwen2.5-1.5B-shaped model on an H200 host, 16 cores
 # (bench/results/h200_exllamav2_times.txt): 17.3 s for its 2.9 GiB F16, 12.1 s for its 0.92 GiB
@@ -115,7 +119,7 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
         def convert(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
             run_tool([sys.executable, str(script), str(inputs[0]), "--outfile", str(out), "--outtype",
                   _CONVERT_TYPES[qtype]], f"{CONVERTER} {inputs[0].name} --outtype {_CONVERT_TYPES[qtype]}", say,
-                 cwd=script.parent)
+                 cwd=script.parent, env=engine_environment(CONVERTER_VARIABLES))
 
         return Recipe(canonical, tool, name, expected, convert,
                       description=f"llama.cpp {CONVERTER} --outtype {_CONVERT_TYPES[qtype]}",

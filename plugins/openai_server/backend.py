@@ -35,12 +35,14 @@ from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Se
 from autotune.declarations import CacheType
 from autotune.cuda_devices import cuda_visible_entry
 from autotune import processes
+from autotune.redact import engine_environment
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_run
 from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
+from autotune.measure.streams import fetch
 from autotune.paths import path_problem
 from autotune.rules import violations
 from autotune.vram import SlotLayout, kv_cache_bytes
@@ -320,7 +322,7 @@ class OpenAIServerBackend(BaseBackend):
     @functools.lru_cache(maxsize=16)
     def _version_of(argv: tuple[str, ...]) -> str:
         try:
-            out = processes.run(list(argv), capture_output=True, text=True, timeout_s=60)
+            out = processes.run(list(argv), capture_output=True, text=True, timeout_s=60, env=engine_environment())
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"unknown ({exc})"
         lines = [ln.strip() for ln in (out.stdout + "\n" + out.stderr).splitlines() if ln.strip()]
@@ -394,7 +396,7 @@ class OpenAIServerBackend(BaseBackend):
             if not t.metrics_path:
                 return None
             try:
-                r = server.http.get(f"{server.url}{t.metrics_path}", timeout=10)
+                r = fetch(server.http, "GET", f"{server.url}{t.metrics_path}", 10, setting="metrics")
             except Exception:  # noqa: BLE001 - the engine's view is a check, not the measurement
                 return None
             return parse_prometheus(r.text) if r.status_code == 200 else None

@@ -15,7 +15,8 @@ from typing import Any, Mapping, Sequence
 import httpx
 
 from autotune import processes
-from autotune.errors import BackendError, EngineUnavailableError
+from autotune.measure.streams import fetch
+from autotune.errors import BackendError, EngineUnavailableError, MeasurementError
 from autotune.local_server import read_log, server_url, tail, wait_ready
 from autotune.redact import engine_environment
 
@@ -73,14 +74,14 @@ class OpenAIServer:
     def served_model(self) -> str | None:
         """The model name ``/v1/models`` lists first (vLLM and SGLang want it in each request)."""
         try:
-            r = self.http.get(f"{self.url}/v1/models", timeout=10)
+            r = fetch(self.http, "GET", f"{self.url}/v1/models", 10, setting="the model list")
             data = r.json().get("data") or []
             return str(data[0]["id"]) if r.status_code == 200 and data else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        except (httpx.HTTPError, MeasurementError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def post(self, path: str, body: Mapping[str, Any], timeout_s: float) -> Any:
-        r = self.http.post(f"{self.url}{path}", json=dict(body), timeout=timeout_s)
+        r = fetch(self.http, "POST", f"{self.url}{path}", timeout_s, setting=path, json=dict(body))
         if r.status_code != 200:
             raise self.failure(f"HTTP {r.status_code} from {path}: {r.text[:300]}")
         return r.json()

@@ -174,3 +174,61 @@ def test_a_hanging_version_probe_is_ended_with_its_children(tmp_path):
     exc = outcome(lambda: engine_version(fake, timeout_s=1))
     assert isinstance(exc, EngineNotFoundError) and "no answer after 1s" in str(exc), exc
     assert gone(int(pidfile.read_text()))
+
+
+TRICKLE = b'{"tokens": [1, 2, 3]}'
+
+
+@pytest.fixture
+def trickle_url():
+    """A server whose answers are complete JSON but arrive a byte every 0.1 s, each for
+    ``?repeat=N`` times over (``/fast`` answers at once, gzipped): no read ever times out."""
+    import gzip
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/fast":
+                data = gzip.compress(TRICKLE)
+                self.send_response(200)
+                self.send_header("Content-Encoding", "gzip")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            body = TRICKLE * 1000
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_an_answer_trickled_a_byte_at_a_time_ends_at_its_total_deadline(trickle_url):
+    """/health, /tokenize, /metrics and the model list are not streams, but an engine can
+    trickle them too: fetch bounds the whole answer as post_events bounds a stream."""
+    from autotune.measure.streams import fetch
+
+    with httpx.Client() as http:
+        exc = outcome(lambda: fetch(http, "GET", f"{trickle_url}/slow", 1, setting="tokenize"))
+        assert isinstance(exc, DeadlineExceeded), exc
+        assert str(exc).startswith("request exceeded 1 s total (tokenize)"), str(exc)
+        # A whole answer comes back as the client would have read it, decoded.
+        r = fetch(http, "GET", f"{trickle_url}/fast", 5)
+        assert (r.status_code, r.json()) == (200, {"tokens": [1, 2, 3]})
