@@ -1,31 +1,24 @@
-"""autotune's single-stream decode through llama-server against llama.cpp's own llama-bench.
+"""autotune drives llama-server as llama.cpp's own llama-bench runs the same graph.
 
 The reduced form of bench/calibrate_llama_cpu.py: one small synthetic Llama, CPU, 2 threads,
 flash attention, 64 output tokens. It needs a llama.cpp build with llama-bench (``autotune
 engine build llama.cpp --cpu``): skipped without one, failed under AUTOTUNE_REQUIRE_ENGINE=1.
 
-The band. autotune's decode rate is the server's own ``predicted_per_second`` for one request,
-decoded after a 16-token prompt; llama-bench's tg is the same graph decoding from an empty
-cache with nothing else in the process. The server adds per-token work (sampling, the slot
-loop, the HTTP thread) and a few more cache positions, so it should come out somewhat
-*below* llama-bench: issue 18 measured 0.90 (F16) and 0.88 (Q8_0) on this kind of machine.
-
-* Above 1.10: autotune would report a decode faster than the engine can go: the rate is
-  not the decode (e.g. tokens counted wrong, prompt time left out of a denominator that
-  should have it, a different model or thread count).
-* Below 0.70: nearly a third of the engine lost to how autotune drives it: the load
-  generator taking the engine's cores, threads not passed (``-t 1`` gives 0.5-0.65 on 2
-  cores), a debug log level slowing the server. The margin under the 10-15 % the server
-  itself costs is for a shared 2-core machine, where llama-bench's own runs of this model
-  were seen 40 % apart; the two sides run interleaved and each side's median is compared.
+What it checks is what a lost decode would come from, none of it a speed: the thread count,
+flash attention and layers passed as llama-bench gets them, no debug log level, a load
+generator that leaves the engine its cores, and a decode rate read from the server's own
+timings. The speed ratio itself is printed, not asserted: it is a benchmark's figure
+(bench/calibrate_llama_cpu.py, interleaved rounds; issue 18 measured 0.90 for F16 and 0.88 for
+Q8_0 on a quiet 2-core machine), and as an assertion it was decided by the machine's
+neighbours: the same code measured 0.50 to 0.89 from one run to the next on the shared 2-core
+VM, where one of the server's two threads descheduled halves every token (autotune's runs of
+one test: 246-301 and 442-446 tok/s).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import statistics
 import sys
-import time
 
 import pytest
 
@@ -44,7 +37,6 @@ spec.loader.exec_module(calibrate)
 # ~45M parameters with llama's 32k SPM vocabulary: a decode step of a few milliseconds on
 # 2 cores, long enough that per-token server costs are a fraction, as on a real model.
 SHAPE = SynthSpec(arch="llama", n_layers=4, hidden=512, n_heads=8, n_kv_heads=4, ffn=1536, context_length=2048)
-BAND = (0.70, 1.10)
 SETUP = calibrate.Setup(output_tokens=64, streams=(1,), bench_runs=3,
                         protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=5, rel_spread_tol=0.05))
 
@@ -63,48 +55,21 @@ def bench_model(tmp_path_factory):
     return write_model(SHAPE, out, vocab_from=vocab, seed=0).path
 
 
-ROUNDS = 4
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
-def low_end(bench: list[float]) -> float:
-    """The band's low end, lowered by what llama-bench's own passes say of the machine's noise
-    (twice their MAD over their median): a gap inside that is a tie, not a loss. On a quiet
-    machine (the passes within a few percent) it is BAND[0], where ``-t 1`` (0.5-0.65) fails;
-    with the VM's neighbours busy, llama-bench alone ranged 202-490 tok/s in one test, and the
-    same code measured 0.50-0.78 from one run to the next, before this change and after."""
-    median = statistics.median(bench)
-    mad = statistics.median(abs(b - median) for b in bench)
-    return min(BAND[0], 1.0 - 2.0 * mad / median)
-
-
-def test_single_stream_decode_is_within_the_band_of_llama_bench(bench_model):
-    started = time.monotonic()
-    # llama-bench and autotune interleaved (B A B A ... B) and each side's median taken: on a
-    # shared 2-core machine one llama-bench pass of this model was seen 40 % off the next, so
-    # a single bracket decided the verdict by luck.
-    bench = [calibrate.llama_bench_decode(bench_model, SETUP)["decode_tok_s"]]
-    ours = []
-    # A ratio outside the band gets as many rounds again before the verdict, on the medians of
-    # all: a neighbour's load on the shared machine once moved one side for a whole bracket
-    # (0.68 in a full suite, 0.84-0.89 alone), while what the band guards against (-t 1, a
-    # debug log level) stays out of it however long it is measured.
-    for _ in range(2):
-        for _ in range(ROUNDS):
-            ours.append(calibrate.autotune_measure(bench_model, SETUP, parallel=1))
-            bench.append(calibrate.llama_bench_decode(bench_model, SETUP)["decode_tok_s"])
-        reference = statistics.median(bench)
-        decode = statistics.median(o["decode_tok_s"] for o in ours)
-        ratio = decode / reference
-        low = low_end(bench)
-        if low <= ratio <= BAND[1]:
-            break
-    ours_runs = ", ".join(f"{o['decode_tok_s']:.0f}" for o in ours)
-    bench_runs = ", ".join(f"{b:.0f}" for b in bench)
-    print(f"decode tok/s: autotune {decode:.1f} (runs {ours_runs}), "
-          f"llama-bench tg{SETUP.output_tokens} {reference:.1f} (runs {bench_runs}), "
-          f"ratio {ratio:.2f} (band {low:.2f}..{BAND[1]}); client used {max(o['client_cores'] for o in ours):.2f} cores at most; "
-          f"{time.monotonic() - started:.0f} s")
-    assert low <= ratio <= BAND[1], (
-        f"autotune's decode is {ratio:.2f}x llama-bench's ({decode:.1f} vs {reference:.1f} tok/s, medians of "
-        f"{len(ours)} and {len(bench)} interleaved passes), outside ({low:.2f}, {BAND[1]}): see this file's docstring for what each "
-        f"side means; command: {ours[0]['command']}")
+def test_autotune_drives_the_engine_as_llama_bench_does(bench_model):
+    ours = calibrate.autotune_measure(bench_model, SETUP, parallel=1)
+    bench = calibrate.llama_bench_decode(bench_model, SETUP)
+    served, benched = ours["command"].split(), bench["command"].split()
+    for name in ("-t", "-fa", "-ngl"):
+        assert flag(served, name) == flag(benched, name), (name, ours["command"], bench["command"])
+    assert flag(served, "-t") == str(SETUP.threads)
+    assert not {"-lv", "--verbosity", "-v", "--verbose", "--log-verbose"} & set(served), ours["command"]
+    # The client's CPU time over the measurement's wall time: the HTTP, JSON and threads of the
+    # load generator may not take a core from a 2-thread engine (0.08 measured).
+    assert ours["client_cores"] < 0.5, ours
+    assert ours["decode_tok_s"] > 0 and ours["runs"] >= SETUP.protocol.min_runs
+    print(f"decode tok/s (a figure, not a verdict): autotune {ours['decode_tok_s']:.1f}, llama-bench "
+          f"tg{SETUP.output_tokens} {bench['decode_tok_s']:.1f}, ratio {ours['decode_tok_s'] / bench['decode_tok_s']:.2f}")
