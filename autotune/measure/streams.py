@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import statistics
 import threading
@@ -236,16 +237,24 @@ def post_events(http: httpx.Client, url: str, payload: Any, timeout_s: float, *,
         DeadlineExceeded: The request was still open at its deadline.
         MeasurementError: From ``failure``: the status was not 200.
     """
+    with _bounded(http, "POST", url, timeout_s, setting, json=payload) as (r, chunks):
+        if r.status_code != 200:
+            r.read()
+            raise failure(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
+        yield from event_data(chunks)  # not iter_lines: see event_data
+
+
+@contextlib.contextmanager
+def _bounded(http: httpx.Client, method: str, url: str, timeout_s: float, setting: str,
+             **kwargs: Any) -> Iterator[tuple[httpx.Response, Iterator[bytes]]]:
+    """The response to one request and its body's chunks, ended by one total deadline."""
     deadline = request_deadline(timeout_s, setting)
     deadline.check()
     try:
         # Every read waits at most what was left at the start: a read that times out has
         # therefore outlived the whole request's deadline too.
-        with http.stream("POST", url, json=payload, timeout=max(0.001, deadline.left_s())) as r:
-            if r.status_code != 200:
-                r.read()
-                raise failure(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
-            yield from event_data(_until(r.iter_bytes(), deadline))  # not iter_lines: see event_data
+        with http.stream(method, url, timeout=max(0.001, deadline.left_s()), **kwargs) as r:
+            yield r, _until(r.iter_bytes(), deadline)
     except httpx.TimeoutException as exc:
         raise DeadlineExceeded(f"{deadline.reason}; the engine sent nothing more ({exc or 'timed out'})") from exc
 
@@ -276,15 +285,10 @@ def fetch(http: httpx.Client, method: str, url: str, timeout_s: float, *, settin
         DeadlineExceeded: The answer was not complete by the deadline.
         httpx.HTTPError: The connection failed.
     """
-    deadline = request_deadline(timeout_s, setting)
-    deadline.check()
-    try:
-        with http.stream(method, url, timeout=max(0.001, deadline.left_s()), **kwargs) as r:
-            body = b"".join(_until(r.iter_bytes(), deadline))
-            headers = [(k, v) for k, v in r.headers.multi_items() if k.lower() not in _WIRE_HEADERS]
-            return httpx.Response(r.status_code, headers=headers, content=body, request=r.request)
-    except httpx.TimeoutException as exc:
-        raise DeadlineExceeded(f"{deadline.reason}; the engine sent nothing more ({exc or 'timed out'})") from exc
+    with _bounded(http, method, url, timeout_s, setting, **kwargs) as (r, chunks):
+        body = b"".join(chunks)
+        headers = [(k, v) for k, v in r.headers.multi_items() if k.lower() not in _WIRE_HEADERS]
+        return httpx.Response(r.status_code, headers=headers, content=body, request=r.request)
 
 
 def _check_driver_args(n_streams: int, timeout_s: float) -> None:

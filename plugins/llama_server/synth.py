@@ -456,14 +456,11 @@ def _check_quantized_space(src: Path, qtype: str, dst: Path) -> None:
     """Refuse a copy that would not fit, before llama-quantize fills the disk."""
     from autotune.models import model_from_gguf
 
-    from autotune.gguf_file import read_gguf
-
     try:
         model = model_from_gguf(src)
-        experts = read_gguf(src).get(f"{model.architecture}.expert_count")
     except AutotuneError:
         return  # not a model autotune reads: llama-quantize reports what is wrong with it
-    if experts:
+    if model.is_moe:
         size, how = src.stat().st_size, "MoE: counted at the source's size, an upper bound"
     else:
         size, how = _quantized_bytes(model, qtype, src.stat().st_size)
