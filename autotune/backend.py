@@ -13,8 +13,9 @@ Lifecycle of one trial, as the study runner drives it (see ``autotune.study``):
    records the trial as failed and the study goes on.
 5. ``deploy_command(config, ctx)``: the exact command a user runs to serve this configuration.
 
-Before the search a study also measures, once, each backend's ``default_launch``: what a user
-gets without tuning (the engine's defaults), the baseline every winner is compared against.
+Before the search a study also measures, once, each backend's ``baselines``: what a user gets
+without tuning (its ``default_launch``, the engine's defaults, and any other launch the engine
+chooses for itself, such as llama.cpp's ``--fit``), the baselines every winner is compared against.
 
 A backend never decides scores or constraints: that is ``autotune.objective``'s job.
 """
@@ -299,6 +300,9 @@ class Measurement:
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
 
+DEFAULT_BASELINE = "default"  # the name of a backend's default launch among its baselines
+
+
 @dataclass(frozen=True)
 class DefaultLaunch:
     """What a user gets from this engine without tuning: its default launch on the user's weights.
@@ -311,10 +315,38 @@ class DefaultLaunch:
             engine's defaults (llama-server: ``engine_defaults``).
         description: In words, which settings are left at which default and where those
             defaults come from (the engine's source or documentation), for the summary.
+        name: Which of the backend's baselines this is (``baselines``): ``default`` for the
+            engine's default launch, another short name (``fit``) for each other one. The
+            study stores and shows it as ``<backend>`` or ``<backend>:<name>``.
+        title: How the summary names it ("N x what <title> gives"); empty: "<backend>'s
+            default launch".
     """
 
     config: TrialConfig
     description: str
+    name: str = DEFAULT_BASELINE
+    title: str = ""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_-]*", self.name):
+            raise ValueError(f"a baseline's name must be lowercase letters, digits, '-' or '_' (got {self.name!r})")
+
+
+@dataclass(frozen=True)
+class UserLoad:
+    """The context per user and the users at once the study's user serves, as the study's
+    ``[space]`` says them: what a baseline that takes the user's context and slots is given
+    (``BaseBackend.baselines``), chosen by the core so that every backend gets the same.
+
+    Args:
+        ctx: Tokens per user.
+        parallel: Users at once.
+        why: Where both come from, in words, for the baseline's description.
+    """
+
+    ctx: int
+    parallel: int
+    why: str = ""
 
 
 class BaseBackend(abc.ABC):
@@ -441,6 +473,25 @@ class BaseBackend(abc.ABC):
             baseline of this backend).
         """
         return None
+
+    def baselines(self, weights: str, ctx: StudyContext, user: UserLoad) -> list[DefaultLaunch]:
+        """Every launch a user gets from this engine without tuning, each measured once per study
+        before the search and compared with the winner: the ``default_launch`` (named
+        ``default``) and any other choice the engine makes for itself (llama-server adds ``fit``:
+        ``--fit on`` with the user's context and slots). Names must differ.
+
+        Args:
+            weights: As ``default_launch``'s.
+            ctx: As ``default_launch``'s.
+            user: The user's context and slots as the study's space says them, for a launch
+                that takes them from the user rather than from the engine's defaults.
+
+        Returns:
+            The default is ``default_launch`` alone (nothing where it declines): a backend that
+            only overrides ``default_launch`` keeps working as it did.
+        """
+        launch = self.default_launch(weights, ctx)
+        return [] if launch is None else [launch]
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""

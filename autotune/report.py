@@ -173,12 +173,14 @@ def summary_text(summary: StudySummary) -> str:
 
 
 def baseline_lines(extra: dict[str, Any]) -> list[str]:
-    """The "vs doing nothing" section: each engine's default launch (``study.baseline``), what the
-    best gains over it, and the line the user runs today."""
+    """The "vs doing nothing" section: each baseline (``study.baseline``: each engine's default
+    launch, and any other choice it makes for itself, such as llama.cpp's --fit), what the best
+    gains over each, and the line the user runs today."""
     found = extra.get("baseline") or {}
     if not found:
         return []
-    lines = ["vs doing nothing (each engine's default launch, measured once before the search, not a trial):"]
+    lines = ["vs doing nothing (what each engine chooses for itself: its default launch and, where it has one, "
+             "its own fitting; each measured once before the search, not a trial):"]
     for entry in found.values():
         lines.append(f"  {entry['text']}")
         lines.append(f"    weights {entry['weights']} ({entry['weights_why']}); {entry['description']}")

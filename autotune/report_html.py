@@ -258,12 +258,13 @@ def _winner(summary: StudySummary) -> str:
         figures.append(f"measured spread {100 * spreads['aggregate_tok_s']:.1f}%")
     parts.append(f"<p>{html.escape(', '.join(figures))}</p>")
     baselines = summary.extra.get("baseline") or {}
-    if baselines:  # each engine's default launch (study/baseline.py): how much better than doing nothing
+    if baselines:  # what each engine chooses for itself (study/baseline.py): how much better than doing nothing
         items = "".join(f"<li><b>{html.escape(b['text'])}</b><br>weights {html.escape(str(b['weights']))}: "
                         f"{html.escape(b['weights_why'])}; {html.escape(b['description'])}"
                         f"<pre>{html.escape(b.get('deploy_command') or '')}</pre></li>" for b in baselines.values())
-        parts.append(f"<div id='baseline'><p>Against doing nothing (each engine's default launch, measured once "
-                     f"before the search, not a trial):</p><ul>{items}</ul></div>")
+        parts.append(f"<div id='baseline'><p>Against doing nothing (what each engine chooses for itself: its default "
+                     f"launch and, where it has one, its own fitting; each measured once before the search, not a "
+                     f"trial):</p><ul>{items}</ul></div>")
     finish = summary.extra.get("finish")
     if finish:
         parts.append(f"<p>{html.escape(finish['text'])}</p>")

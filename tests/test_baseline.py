@@ -1,18 +1,20 @@
-"""How much better than doing nothing: each backend's default launch, measured once per study
-(autotune/study/baseline.py), never a trial, compared with the winner in the summary."""
+"""How much better than doing nothing: each backend's baselines (its default launch, and any other
+choice the engine makes for itself, such as llama.cpp's --fit), measured once per study
+(autotune/study/baseline.py), never trials, compared with the winner in the summary."""
 
 from __future__ import annotations
 
 import optuna
 import pytest
 
-from autotune.backend import DefaultLaunch, Measurement, MemoryEstimate, StudyContext, TrialConfig
+from autotune.backend import DefaultLaunch, Measurement, MemoryEstimate, StudyContext, TrialConfig, UserLoad, Workload
 from autotune.cli import default_study_path
 from autotune.config import load_study_config
 from autotune.errors import BackendError, ConfigError
 from autotune.measure import Stat
 from autotune.report import summary_json, summary_text
 from autotune.study import open_storage, records, run_study
+from autotune.study.baseline import compare
 
 if __package__:  # tests/ is a package
     from .fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
@@ -47,13 +49,29 @@ class DefaultingBackend(FakeBackend):
         if config.option("defaults"):
             if self.fail:
                 raise BackendError("CUDA out of memory: tried to allocate 2.00 GiB", log_tail="cudaMalloc failed\n")
-            runs = self.default_runs
+            runs = self.fit_runs if config.option("defaults") == "fit" else self.default_runs
             return Measurement(metrics={
                 "decode_tok_s": Stat(runs, unit="tok/s"),
                 "aggregate_tok_s": Stat(runs, unit="tok/s"),
                 "per_user_tok_s": Stat(tuple(v / 2 for v in runs), unit="tok/s"),
             })
         return Measurement(metrics=stats_for(self.speed(config), config.parallel))
+
+
+class FittingBackend(DefaultingBackend):
+    """Also an engine that fits itself to the card (as llama.cpp's --fit): a second baseline,
+    launched with the user's context and slots, faster than its default launch."""
+
+    def __init__(self, fit_runs=(20.0, 21.0, 19.0), **kwargs):
+        super().__init__(**kwargs)
+        self.fit_runs = fit_runs
+        self.users: list[UserLoad] = []
+
+    def baselines(self, weights: str, ctx: StudyContext, user: UserLoad) -> list[DefaultLaunch]:
+        self.users.append(user)
+        fit = DefaultLaunch(TrialConfig(self.name, weights, user.ctx, user.parallel, (("defaults", "fit"),)),
+                            f"fake fitting ({user.why})", name="fit", title="fake --fit")
+        return [*super().baselines(weights, ctx, user), fit]
 
 
 @pytest.fixture
@@ -100,8 +118,8 @@ def test_the_ratios_and_both_spreads_are_said(tmp_path, storage):
     assert entry["aggregate_tok_s"] == {"median": 10.0, "spread": pytest.approx(0.1)}
     assert not agg["within_noise"]
     text = summary_text(summary)
-    assert f"{agg['ratio']:.1f}x fake-defaults's default launch's aggregate tok/s (" in text
-    assert "vs 10.0 +- 10.0%" in text and "its per-user tok/s" in text
+    assert f"{agg['ratio']:.1f}x what fake-defaults's default launch gives in aggregate tok/s (" in text
+    assert "vs 10.0 +- 10.0%" in text and "x in per-user tok/s (" in text
     assert "today: fake-serve --weights f16-full" in text
 
 
@@ -118,7 +136,7 @@ def test_a_gain_inside_the_spreads_is_called_noise(tmp_path, storage):
         summary = run_study(study(tmp_path), n_trials=4, storage=storage)
     entry = summary.extra["baseline"]["fake-defaults"]
     assert entry["ratio"]["aggregate"]["within_noise"]
-    assert "within noise of fake-defaults's default launch's aggregate tok/s: no gain shown" in entry["text"]
+    assert "within noise of what fake-defaults's default launch gives in aggregate tok/s: no gain shown" in entry["text"]
 
 
 def test_a_failed_baseline_is_recorded_with_its_reason_and_the_study_goes_on(tmp_path, storage):
@@ -161,3 +179,96 @@ def test_the_default_twin_study_says_how_much_faster_than_the_default_launch(tmp
     assert llama["deploy_command"].startswith("llama-server -m qwen2.5-27b-article-Q8_0.gguf -ngl 999 --host")
     assert llama["ratio"]["per_user"]["ratio"] > 3 and not llama["ratio"]["per_user"]["within_noise"]
     assert found["twin-exllamav2"]["error"].startswith("CUDA out of memory")
+
+
+def fitting_study(tmp_path, ctx=(1024, 4096, 8192)):
+    # The workload is 1500 + 800 = 2300 tokens: 4096 is the smallest context that holds it.
+    return load_study_config(write_study(tmp_path / "f.toml", "fake-defaults", ["q8", "f16-full"], sampler="grid",
+                                         ctx=ctx, parallel=(1, 2)))
+
+
+def test_a_second_baseline_takes_the_users_context_and_slots_is_measured_once_and_said(tmp_path, storage):
+    backend = FittingBackend()
+    with registered(backend):
+        summary = run_study(fitting_study(tmp_path), n_trials=2, storage=storage)
+        run_study(fitting_study(tmp_path), n_trials=1, storage=storage)  # resumed: both read back
+    fits = [c for c in backend.calls if c.option("defaults") == "fit"]
+    assert len(fits) == 1 and sum(1 for c in backend.calls if c.option("defaults") is True) == 1
+    assert (fits[0].weights, fits[0].ctx, fits[0].parallel) == ("f16-full", 4096, 2)
+    assert "smallest [space] ctx that holds the workload's 2300 tokens" in backend.users[0].why
+    stored = records.baselines(load(storage))
+    assert sorted(stored) == ["fake-defaults", "fake-defaults:fit"]
+    assert stored["fake-defaults:fit"].name == "fit" and stored["fake-defaults"].name == "default"
+    found = summary_json(summary)["baseline"]
+    fit = found["fake-defaults:fit"]
+    agg = fit["ratio"]["aggregate"]
+    assert (fit["backend"], fit["name"], fit["title"]) == ("fake-defaults", "fit", "fake --fit")
+    assert agg["ratio"] == pytest.approx(summary.best["metrics"]["aggregate_tok_s"] / 20.0)
+    assert agg["baseline_spread"] == pytest.approx(0.05) and agg["winner_spread"] is not None
+    assert found["fake-defaults"]["ratio"]["aggregate"]["ratio"] == pytest.approx(2 * agg["ratio"])
+    text = summary_text(summary)
+    assert f"{agg['ratio']:.1f}x what fake --fit gives in aggregate tok/s (" in text and "vs 20.0 +- 5.0%" in text
+    # Beside the default launch's line, after it.
+    assert text.index("what fake-defaults's default launch gives") < text.index("what fake --fit gives")
+    assert "today: fake-serve --weights f16-full --ctx 4096 --parallel 2" in text
+    # `best --json` (the summary of the stored study, one trial later) has the same shape as `study --json`,
+    # and the same baselines read back.
+    from autotune.study.summary import summarize
+    later = summary_json(summarize(load(storage), storage))["baseline"]
+    assert {k: sorted(v) for k, v in later.items()} == {k: sorted(v) for k, v in found.items()}
+    assert all(later[k][f] == found[k][f] for k in found for f in ("aggregate_tok_s", "per_user_tok_s", "deploy_command"))
+
+
+def test_the_users_load_is_the_most_slots_with_the_smallest_context_that_holds_the_workload():
+    from autotune.space import BackendSpace
+    from autotune.study.baseline import user_load
+
+    def load_of(ctx):
+        return user_load(BackendSpace(FittingBackend(), ("q8",), ctx, (4, 1, 2), ()), Workload(1500, 800))
+
+    assert (load_of((8192, 2048, 4096)).ctx, load_of((8192, 2048, 4096)).parallel) == (4096, 4)
+    # A study refuses a space where no context holds the workload; a backend asked anyway gets the
+    # largest, and the launch is then recorded as unable to hold it (not launched).
+    assert load_of((1024, 2048)).ctx == 2048 and "none holds the workload's 2300 tokens" in load_of((1024, 2048)).why
+
+
+def test_a_study_stored_before_there_were_several_reads_as_the_default_launch():
+    study = optuna.create_study()
+    study.set_user_attr("baseline:fake-defaults", {"backend": "fake-defaults", "weights": "f16-full",
+                                                   "metrics": {"aggregate_tok_s": {"median": 10.0, "spread": 0.1}}})
+    stored = records.baselines(study)
+    assert list(stored) == ["fake-defaults"] and stored["fake-defaults"].name == "default"
+    entry = compare(None, stored)["fake-defaults"]
+    assert entry["text"] == "fake-defaults's default launch on f16-full: aggregate 10.0 tok/s"
+    assert (entry["name"], entry["title"]) == ("default", "fake-defaults's default launch")
+
+
+def test_a_baseline_name_is_a_plain_word():
+    with pytest.raises(ValueError, match="got 'a:b'"):
+        DefaultLaunch(TrialConfig("x", "w", 256, 1), "", name="a:b")
+
+
+def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and_nothing_else():
+    from autotune.hardware import get_gpu
+    from autotune.measure import Protocol
+    from autotune.models import model_from_gguf
+    from autotune_plugins.llama_server.backend import LlamaServerBackend
+    from tests.conftest import shared_file
+
+    model = shared_file("models/stories260K.gguf")
+    ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(model), workload=Workload(32, 16),
+                       vram_budget_bytes=15 * 2**30, protocol=Protocol(), base_dir=model.parent, for_gpu=True)
+    backend = LlamaServerBackend()
+    launches = backend.baselines(model.name, ctx, UserLoad(512, 3, "the user's"))
+    assert [launch.name for launch in launches] == ["default", "fit"]
+    default, fit = launches
+    argv = backend.server_argv(fit.config, ctx, binary="llama-server", port=8080, has_gpu=True)
+    assert argv[argv.index("--fit") + 1] == "on" and argv[argv.index("-c") + 1] == "1536"
+    assert argv[argv.index("-np") + 1] == "3"
+    assert not {"-ngl", "-fa", "-ctk", "-ctv", "-t", "-ub", "-b"} & set(argv)  # --fit chooses the offload
+    cpu = backend.server_argv(fit.config, ctx, binary="llama-server", port=8080, has_gpu=False)
+    assert cpu[cpu.index("-ngl") + 1] == "0"  # a study without a GPU keeps the engine off it
+    assert "--fit chooses the offload" in backend.deploy_command(fit.config, ctx)
+    assert fit.title == "llama-server's --fit" and "the user's" in fit.description
+    plain = backend.server_argv(default.config, ctx, binary="llama-server", port=8080, has_gpu=True)
+    assert "-ngl" in plain and "-c" not in plain and "--fit" not in plain  # the default launch as it was

@@ -1,15 +1,26 @@
-"""How much better than doing nothing: each backend's default launch, measured once per study.
+"""How much better than doing nothing: what each engine chooses for itself, measured once per study.
 
 Before the search, a study measures what its user gets without tuning: each backend's
-``default_launch`` (llama-server with ``-m`` and ``-ngl`` only, ExLlamaV2's defaults, ...) on the
-user's highest-precision candidate, under the study's workload. The summary, ``best`` and the
-report then say how many times faster the winner is, aggregate and per user, with both spreads.
+``baselines`` (its ``default_launch``: llama-server with ``-m`` and ``-ngl`` only, ExLlamaV2's
+defaults, ...; and any other choice the engine makes for itself: llama-server's ``--fit on``
+with the user's context and slots) on the user's highest-precision candidate, under the study's
+workload. The summary, ``best`` and the report then say how many times faster the winner is than
+each ("N x what llama-server's --fit gives"), aggregate and per user, with both spreads.
 
-The baseline is not a search trial: it is stored as a study attribute (``records.Baseline``),
-never admitted by the judge, never the best, never seen by the sampler. A study measures it
-once (a resumed study reads it back); a launch that fails is recorded with its reason and the
-study goes on; its seconds are spent inside the run, so they count in the budget. ``[study]
-baseline = false`` turns it off.
+The user's context and slots (``user_load``), for a launch that takes them from the user: the
+most users at once the space's ``parallel`` names (the load the user serves, and the load the
+winner is usually measured at), each with the smallest context of the space's ``ctx`` that holds
+the workload (prompt + output). The smallest, not the largest: a larger context only costs an
+engine memory that its own fitting then takes from the weights, so the baseline gets the most
+room any configuration of the study gives it, and the ratio is not inflated by a context the
+workload does not use.
+
+A baseline is not a search trial: it is stored as a study attribute (``records.Baseline``, keyed
+``<backend>`` for the default launch and ``<backend>:<name>`` for the others), never admitted
+by the judge, never the best, never seen by the sampler. A study measures each once (a resumed
+study reads it back); a launch that fails is recorded with its reason and the study goes on; its
+seconds are spent inside the run, so they count in the budget. ``[study] baseline = false``
+turns them all off.
 """
 
 from __future__ import annotations
@@ -21,21 +32,43 @@ import optuna
 
 from autotune import artifacts
 from autotune.artifacts import ArtifactError
-from autotune.backend import BaseBackend
+from autotune.backend import BaseBackend, DefaultLaunch, UserLoad, Workload
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
+from autotune.space import BackendSpace
 from autotune.study import records
 from autotune.study.prepare import PreparedStudy, highest_precision
 
 WHY_WEIGHTS = "the study's highest-precision candidate (most bytes of weights): what the user has before tuning"
 
 
+def user_load(entry: BackendSpace, workload: Workload) -> UserLoad:
+    """The user's context and slots from one backend's space (the module docstring says why
+    these): the most users the space names, the smallest context that holds the workload (the
+    largest the space names where none does: that launch is then recorded as unable to hold it)."""
+    need = workload.sequence_tokens
+    parallel = max(entry.parallel)
+    holding = [c for c in entry.ctx if c >= need]
+    if holding:
+        ctx = min(holding)
+        why = f"the smallest [space] ctx that holds the workload's {need} tokens"
+    else:
+        ctx = max(entry.ctx)
+        why = f"the largest [space] ctx (none holds the workload's {need} tokens)"
+    return UserLoad(ctx, parallel, f"ctx {ctx}: {why}; {parallel} users: the most [space] parallel names")
+
+
+def title_of(backend: str, title: str) -> str:
+    """How the summary names a baseline ("N x what <title> gives")."""
+    return title or f"{backend}'s default launch"
+
+
 def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str], bool], worker: str,
             say: Callable[[str], None] | None = None) -> int:
-    """Measure each backend's default launch not stored yet; returns the launches made.
+    """Measure each backend's baselines not stored yet; returns the launches made.
 
     Args:
-        claim: Takes ``baseline:<backend>`` for this worker (False: another worker of the study
-            holds it and measures it).
+        claim: Takes ``baseline:<key>`` (``Baseline.key``) for this worker (False: another
+            worker of the study holds it and measures it).
         say: Hears one line per launch (it is not a trial: the user must see why nothing is
             searched yet).
 
@@ -48,53 +81,65 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
     launches = 0
     for cand in prepared.cfg.candidates:
         name = cand.backend
-        if name in stored or name not in prepared.contexts:
+        entry = prepared.space.entries.get(name)
+        if entry is None or name not in prepared.contexts:
             continue
         backend = prepared.backend(name)
-        if type(backend).default_launch is BaseBackend.default_launch:
+        kind = type(backend)
+        if kind.default_launch is BaseBackend.default_launch and kind.baselines is BaseBackend.baselines:
             continue  # declines without being asked (a replay answers only for recorded configurations)
         ctx = prepared.contexts[name]
         weights = highest_precision(backend, cand.weights, ctx)
-        launch = backend.default_launch(weights, ctx)
-        if launch is None:
-            continue  # the backend declines: the summary says nothing about it
-        if not claim(name):
-            continue
-        config = launch.config
-        head: dict[str, Any] = {"weights": weights, "weights_why": WHY_WEIGHTS, "config": config.as_dict(),
-                                "description": launch.description, "worker": worker}
-        try:
-            head["deploy_command"] = backend.deploy_command(config, ctx)
-        except AutotuneError as exc:
-            head["deploy_command"] = f"(no deploy line: {exc})"
-        need = ctx.workload.sequence_tokens
-        if config.ctx < need:
-            records.write_baseline(study, name, **head, error=(
-                f"its context of {config.ctx} tokens per user cannot hold the workload's {need} "
-                f"(prompt {ctx.workload.prompt_tokens} + output {ctx.workload.output_tokens}): not launched"))
-            continue
-        if say is not None:
-            say(f"baseline: {name}'s default launch on {weights} (not a trial; measured once per study)")
-        launches += 1
-        start = time.monotonic()
-        try:
-            artifacts.ensure(backend, weights, ctx, say=say)
-            m = backend.run(config, ctx)
-        except EngineUnavailableError:
-            raise
-        except (BackendError, ArtifactError) as exc:
-            records.write_baseline(study, name, **head, error=str(exc), seconds=time.monotonic() - start,
-                                   **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
-            continue
-        except Exception as exc:  # noqa: BLE001 - a bug in a plugin must not kill the study
-            records.write_baseline(study, name, **head, error=f"{type(exc).__name__}: {exc}",
-                                   seconds=time.monotonic() - start)
-            continue
-        records.write_baseline(
-            study, name, **head, seconds=time.monotonic() - start, peak_vram_bytes=m.peak_vram_bytes,
-            engine={"backend": name, "engine": backend.engine, "version": backend.engine_version()},
-            metrics={k: _brief(v.to_dict()) for k, v in m.metrics.items()})
+        seen: set[str] = set()
+        for launch in backend.baselines(weights, ctx, user_load(entry, ctx.workload)):
+            key = records.baseline_key(name, launch.name)
+            if key in seen or key in stored:
+                continue  # measured once per study (a second launch of one name is the plugin's slip)
+            seen.add(key)
+            if not claim(key):
+                continue
+            launches += _measure_one(backend, launch, weights, ctx, study, worker, say)
     return launches
+
+
+def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx: Any, study: optuna.Study,
+                 worker: str, say: Callable[[str], None] | None) -> int:
+    """Launch, measure and store one baseline (its failure too); 1 if it was launched."""
+    name, config = backend.name, launch.config
+    title = title_of(name, launch.title)
+    head: dict[str, Any] = {"weights": weights, "weights_why": WHY_WEIGHTS, "config": config.as_dict(),
+                            "description": launch.description, "worker": worker, "title": launch.title}
+    try:
+        head["deploy_command"] = backend.deploy_command(config, ctx)
+    except AutotuneError as exc:
+        head["deploy_command"] = f"(no deploy line: {exc})"
+    need = ctx.workload.sequence_tokens
+    if config.ctx < need:
+        records.write_baseline(study, name, launch.name, **head, error=(
+            f"its context of {config.ctx} tokens per user cannot hold the workload's {need} "
+            f"(prompt {ctx.workload.prompt_tokens} + output {ctx.workload.output_tokens}): not launched"))
+        return 0
+    if say is not None:
+        say(f"baseline: {title} on {weights} (not a trial; measured once per study)")
+    start = time.monotonic()
+    try:
+        artifacts.ensure(backend, weights, ctx, say=say)
+        m = backend.run(config, ctx)
+    except EngineUnavailableError:
+        raise
+    except (BackendError, ArtifactError) as exc:
+        records.write_baseline(study, name, launch.name, **head, error=str(exc), seconds=time.monotonic() - start,
+                               **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a bug in a plugin must not kill the study
+        records.write_baseline(study, name, launch.name, **head, error=f"{type(exc).__name__}: {exc}",
+                               seconds=time.monotonic() - start)
+        return 1
+    records.write_baseline(
+        study, name, launch.name, **head, seconds=time.monotonic() - start, peak_vram_bytes=m.peak_vram_bytes,
+        engine={"backend": name, "engine": backend.engine, "version": backend.engine_version()},
+        metrics={k: _brief(v.to_dict()) for k, v in m.metrics.items()})
+    return 1
 
 
 def _brief(stat: Mapping[str, Any]) -> dict[str, Any]:
@@ -127,44 +172,47 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
     """Each stored baseline with the winner's ratios against it, and a sentence for people.
 
     Returns:
-        Backend name -> ``weights``, ``deploy_command``, ``description``, ``error``, the baseline's
-        ``aggregate_tok_s`` and ``per_user_tok_s`` (median and spread), ``ratio`` (``aggregate``
-        and ``per_user``: each with both medians, both spreads, the ratio and ``within_noise``)
-        and ``text``.
+        ``Baseline.key`` (``<backend>`` for the default launch, ``<backend>:<name>`` for the
+        others) -> ``backend``, ``name``, ``title``, ``weights``, ``deploy_command``,
+        ``description``, ``error``, the baseline's ``aggregate_tok_s`` and ``per_user_tok_s``
+        (median and spread), ``ratio`` (``aggregate`` and ``per_user``: each with both medians,
+        both spreads, the ratio and ``within_noise``) and ``text``.
     """
     out: dict[str, Any] = {}
-    for name, base in sorted(stored.items()):
+    for key, base in sorted(stored.items()):
         entry: dict[str, Any] = {
+            "backend": base.backend, "name": base.name, "title": title_of(base.backend, base.title),
             "weights": base.weights, "weights_why": base.weights_why, "deploy_command": base.deploy_command,
             "description": base.description, "error": base.error, "config": base.config,
         }
         for metric in ("aggregate_tok_s", "per_user_tok_s"):
             m = base.metrics.get(metric)
             entry[metric] = None if m is None else {"median": m.get("median"), "spread": m.get("spread")}
-        ratios = {key: _ratio(best, base, metric) for key, metric in
+        ratios = {k: _ratio(best, base, metric) for k, metric in
                   (("aggregate", "aggregate_tok_s"), ("per_user", "per_user_tok_s"))} if best and not base.failed else {}
         entry["ratio"] = ratios
-        entry["text"] = _text(name, base, ratios, best)
-        out[name] = entry
+        entry["text"] = _text(entry["title"], base, ratios, best)
+        out[key] = entry
     return out
 
 
-def _text(name: str, base: records.Baseline, ratios: Mapping[str, Any], best: Mapping[str, Any] | None) -> str:
-    where = f"{name}'s default launch"
+def _text(title: str, base: records.Baseline, ratios: Mapping[str, Any], best: Mapping[str, Any] | None) -> str:
     if base.failed:
-        return f"{where} on {base.weights} failed: {base.error}"
+        return f"{title} on {base.weights} failed: {base.error}"
     agg, per_user = ratios.get("aggregate"), ratios.get("per_user")
     if best is None or agg is None:
         figure = base.median("aggregate_tok_s")
-        return f"{where} on {base.weights}: aggregate {figure:.1f} tok/s" if figure else f"{where} on {base.weights}"
+        return f"{title} on {base.weights}: aggregate {figure:.1f} tok/s" if figure else f"{title} on {base.weights}"
     parts = []
-    for r, label, whose in ((agg, "aggregate tok/s", f"{where}'s"), (per_user, "per-user tok/s", "its")):
+    # "3.1x what llama-server's --fit gives in aggregate tok/s (A +- a% vs B +- b%), 2.0x in per-user ..."
+    for r, gain, noise in ((agg, f"what {title} gives in aggregate tok/s", f"of what {title} gives in aggregate tok/s"),
+                           (per_user, "in per-user tok/s", "in per-user tok/s")):
         if r is None:
             continue
         figures = (f"{r['winner']:.1f} +- {_pct(r['winner_spread'])} vs {r['baseline']:.1f} +- "
                    f"{_pct(r['baseline_spread'])}")
         if r["within_noise"]:
-            parts.append(f"within noise of {whose} {label}: no gain shown ({r['ratio']:.2f}x, {figures})")
+            parts.append(f"within noise {noise}: no gain shown ({r['ratio']:.2f}x, {figures})")
         else:
-            parts.append(f"{r['ratio']:.1f}x {whose} {label} ({figures})")
+            parts.append(f"{r['ratio']:.1f}x {gain} ({figures})")
     return ", ".join(parts)

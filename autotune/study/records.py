@@ -38,7 +38,7 @@ EXCLUDED_ATTR = "excluded_before_search"       # the pre-search screen's lines (
 WHY_BEST_ATTR = "why_best"                     # "why not a neighbour" of the best (study/explain.py)
 CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
 REMEASURE_PREFIX = "remeasure:"
-BASELINE_PREFIX = "baseline:"  # + a backend's name: its default launch, measured once (``Baseline``)
+BASELINE_PREFIX = "baseline:"  # + ``Baseline.key``: one launch a user gets without tuning, measured once
 FINISH_PLAN_ATTR = "finish_plan"
 TrialState = optuna.trial.TrialState
 
@@ -394,15 +394,20 @@ def remeasures(study: optuna.Study) -> dict[int, dict[int, Remeasure]]:
 
 @dataclass(frozen=True)
 class Baseline:
-    """One backend's default launch (``BaseBackend.default_launch``), measured once per study
-    before the search, stored as the study attribute ``baseline:<backend>``.
+    """One of a backend's baselines (``BaseBackend.baselines``: its default launch, or another
+    choice the engine makes for itself), measured once per study before the search, stored as
+    the study attribute ``baseline:<key>``.
 
     A study attribute, not a trial: a trial would enter the sampler's model, could become the
-    best, and its configuration (flags left out) is not a point of the search space.
+    best, and its configuration (flags left out) is not a point of the search space. A study
+    written before a backend could have several holds its default launch alone, under
+    ``baseline:<backend>`` without a name: it reads as the ``default`` one.
     """
 
     backend: str
     weights: str
+    name: str = "default"                # which of the backend's baselines (DefaultLaunch.name)
+    title: str = ""                      # how the summary names it; empty: the backend's default launch
     weights_why: str = ""                # why these weights: the user's highest-precision candidate
     config: Mapping[str, Any] | None = None
     description: str = ""                # which defaults, and where they come from
@@ -419,6 +424,10 @@ class Baseline:
     def failed(self) -> bool:
         return self.error is not None
 
+    @property
+    def key(self) -> str:
+        return baseline_key(self.backend, self.name)
+
     def median(self, metric: str) -> float | None:
         m = self.metrics.get(metric)
         return None if m is None else m.get("median")
@@ -427,16 +436,22 @@ class Baseline:
 _BASELINE_FIELDS = frozenset(f.name for f in fields(Baseline))
 
 
-def write_baseline(study: optuna.Study, backend: str, **attrs: Any) -> None:
-    """Store ``backend``'s measured (or failed) default launch; it is never measured again."""
+def baseline_key(backend: str, name: str) -> str:
+    """How a study keys one baseline: the backend alone for its default launch (as studies
+    written before there were several keyed it), ``<backend>:<name>`` for each other one."""
+    return backend if name == "default" else f"{backend}:{name}"
+
+
+def write_baseline(study: optuna.Study, backend: str, name: str = "default", **attrs: Any) -> None:
+    """Store ``backend``'s measured (or failed) baseline ``name``; it is never measured again."""
     unknown = sorted(set(attrs) - _BASELINE_FIELDS)
     if unknown:
         raise KeyError(f"{unknown[0]!r} is not a Baseline field")
-    study.set_user_attr(BASELINE_PREFIX + backend, {"backend": backend, **attrs})
+    study.set_user_attr(BASELINE_PREFIX + baseline_key(backend, name), {"backend": backend, "name": name, **attrs})
 
 
 def baselines(study: optuna.Study) -> dict[str, Baseline]:
-    """Every stored default launch, by backend name."""
+    """Every stored baseline, by ``Baseline.key`` (``<backend>``, ``<backend>:<name>``)."""
     out = {}
     for key, value in study.user_attrs.items():
         if key.startswith(BASELINE_PREFIX) and isinstance(value, dict):

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, deploy_line, same_value
+    TrialConfig, UserLoad, deploy_line, same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
@@ -56,7 +56,7 @@ from autotune.artifacts import artifact_path, is_format
 from autotune.formats import normalize_format, weights_for
 from autotune.declarations import CacheType, WeightFormats
 from autotune_plugins.llama_server import declarations, engine, memory
-from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
+from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS, FIT
 from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
 from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, median, parse_log, \
@@ -198,6 +198,20 @@ class LlamaServerBackend(BaseBackend):
             f"threads chosen by the engine (llama.cpp's defaults: common/common.h, common/arg.cpp, "
             f"tools/server/server.cpp); measured with {DEFAULT_SLOTS} users at once"))
 
+    def baselines(self, weights: str, ctx: StudyContext, user: UserLoad) -> list[DefaultLaunch]:
+        """The default launch, and llama.cpp's own choice for the user's context and slots:
+        ``llama-server -m WEIGHTS -c CTX*SLOTS -np SLOTS --fit on``, every other flag at the
+        default (no -ngl: --fit chooses what it offloads), the bar a search for what does not fit
+        the card must beat."""
+        config = TrialConfig(self.name, weights, user.ctx, user.parallel, ((ENGINE_DEFAULTS, FIT),))
+        fit = DefaultLaunch(config, (
+            f"llama-server -m, -c {user.ctx * user.parallel} -np {user.parallel} ({user.why}) and --fit on: "
+            f"llama.cpp fits the layers and tensors it offloads to the card itself (-ngl unset: auto), "
+            f"-fa auto, f16 KV cache, -b 2048 -ub 512, threads chosen by the engine (llama.cpp's defaults: "
+            f"common/common.h, common/arg.cpp); measured with {user.parallel} users at once"),
+            name=FIT, title="llama-server's --fit")
+        return [*super().baselines(weights, ctx, user), fit]
+
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The GGUF file a candidate names: a path relative to the study file, or for a format
         (``gguf:Q4_K_M``) its place in the artifact cache, made or not yet."""
@@ -285,6 +299,13 @@ class LlamaServerBackend(BaseBackend):
     def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
                     has_gpu: bool) -> list[str]:
         """The one place the server's command line is built: trials launch it, deploy prints it."""
+        if config.option(ENGINE_DEFAULTS) == FIT:
+            # llama.cpp's own choice (``baselines``): the user's -c/-np, --fit on and no -ngl, so
+            # the fitting decides the offload; a study without a GPU keeps -ngl 0 as everywhere.
+            return [binary, "-m", str(self.weights_path(config.weights, ctx)),
+                    "-c", str(config.ctx * config.parallel), "-np", str(config.parallel), "--fit", "on",
+                    *(() if has_gpu else ("-ngl", "0")), "--host", str(self.value(ctx, "host")),
+                    "--port", str(port), "--no-webui"]
         if config.option(ENGINE_DEFAULTS):
             # The default launch (``default_launch``): no -c/-np/-fa/-ctk/-t/--fit, so the engine's own
             # defaults apply; --host/--port/--no-webui only say where it listens.
@@ -310,7 +331,9 @@ class LlamaServerBackend(BaseBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         has_gpu = self._on_gpu(ctx)
-        notes = ["every flag but -m and -ngl at llama-server's default" if config.option(ENGINE_DEFAULTS) else
+        notes = ["every flag but -m, -c, -np and --fit at llama-server's default: --fit chooses the offload"
+                 if config.option(ENGINE_DEFAULTS) == FIT else
+                 "every flag but -m and -ngl at llama-server's default" if config.option(ENGINE_DEFAULTS) else
                  f"-c is shared by the slots: ctx {config.ctx} x {config.parallel} slots"]
         try:
             binary = str(self.binary(ctx).absolute())

@@ -10,3 +10,7 @@ context to fit the card, not below 4096; common/common.h), -t the machine's math
 
 DEFAULT_SLOTS = 4
 ENGINE_DEFAULTS = "engine_defaults"  # the baseline's marker option: leave every flag but -m/-ngl out
+# Its value for the second baseline, llama.cpp's own choice: -c and -np from the user (ctx x
+# slots, as a trial's), --fit on, every other flag (-ngl included) at the default, so the fitting
+# decides the offload (common/common.h: n_gpu_layers = -1, "auto"; fit_params adjusts what is unset).
+FIT = "fit"
