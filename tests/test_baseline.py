@@ -243,9 +243,22 @@ def test_a_study_stored_before_there_were_several_reads_as_the_default_launch():
     assert (entry["name"], entry["title"]) == ("default", "fake-defaults's default launch")
 
 
-def test_a_baseline_name_is_a_plain_word():
+class MisnamingBackend(DefaultingBackend):
+    def baselines(self, weights: str, ctx: StudyContext, user: UserLoad) -> list[DefaultLaunch]:
+        return [DefaultLaunch(TrialConfig(self.name, weights, 8192, 1, (("defaults", True),)), "", name="a:b")]
+
+
+def test_a_baseline_name_is_a_plain_word_and_a_plugin_that_errs_does_not_stop_the_study(tmp_path, storage):
     with pytest.raises(ValueError, match="got 'a:b'"):
         DefaultLaunch(TrialConfig("x", "w", 256, 1), "", name="a:b")
+    from autotune.study.prepare import prepare_study
+    from autotune.study.runner import StudyRunner
+
+    backend, said = MisnamingBackend(), []
+    with registered(backend):
+        summary = StudyRunner(prepare_study(study(tmp_path), storage=storage)).run(n_trials=1, note=said.append)
+    assert summary.n_measured == 1 and "baseline" not in summary.extra
+    assert any("fake-defaults could not say its baselines (ValueError" in line for line in said), said
 
 
 def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and_nothing_else():

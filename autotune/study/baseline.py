@@ -90,8 +90,14 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
             continue  # declines without being asked (a replay answers only for recorded configurations)
         ctx = prepared.contexts[name]
         weights = highest_precision(backend, cand.weights, ctx)
+        try:
+            launches_of = backend.baselines(weights, ctx, user_load(entry, ctx.workload))
+        except Exception as exc:  # noqa: BLE001 - a bug in a plugin must not kill the study
+            if say is not None:
+                say(f"baseline: {name} could not say its baselines ({type(exc).__name__}: {exc}); none measured")
+            continue
         seen: set[str] = set()
-        for launch in backend.baselines(weights, ctx, user_load(entry, ctx.workload)):
+        for launch in launches_of:
             key = records.baseline_key(name, launch.name)
             if key in seen or key in stored:
                 continue  # measured once per study (a second launch of one name is the plugin's slip)
