@@ -262,6 +262,8 @@ def test_a_baseline_name_is_a_plain_word_and_a_plugin_that_errs_does_not_stop_th
 
 
 def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and_nothing_else():
+    from dataclasses import replace
+
     from autotune.hardware import get_gpu
     from autotune.measure import Protocol
     from autotune.models import model_from_gguf
@@ -282,6 +284,9 @@ def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and
     cpu = backend.server_argv(fit.config, ctx, binary="llama-server", port=8080, has_gpu=False)
     assert cpu[cpu.index("-ngl") + 1] == "0"  # a study without a GPU keeps the engine off it
     assert "--fit chooses the offload" in backend.deploy_command(fit.config, ctx)
-    assert fit.title == "llama-server's --fit" and "the user's" in fit.description
+    assert fit.title == "llama-server's --fit" and "the user's" in fit.description and "-ngl unset" in fit.description
+    on_cpu = replace(ctx, for_gpu=False)
+    assert "-ngl 0" in backend.baselines(model.name, on_cpu, UserLoad(512, 3))[1].description
+    assert "(and -ngl 0: no GPU)" in backend.deploy_command(fit.config, on_cpu)
     plain = backend.server_argv(default.config, ctx, binary="llama-server", port=8080, has_gpu=True)
     assert "-ngl" in plain and "-c" not in plain and "--fit" not in plain  # the default launch as it was

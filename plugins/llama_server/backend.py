@@ -204,10 +204,11 @@ class LlamaServerBackend(BaseBackend):
         default (no -ngl: --fit chooses what it offloads), the bar a search for what does not fit
         the card must beat."""
         config = TrialConfig(self.name, weights, user.ctx, user.parallel, ((ENGINE_DEFAULTS, FIT),))
+        offload = ("llama.cpp fits the layers and tensors it offloads to the card itself (-ngl unset: auto)"
+                   if self._on_gpu(ctx) else "-ngl 0 (the study has no GPU: --fit has nothing to offload)")
         fit = DefaultLaunch(config, (
             f"llama-server -m, -c {user.ctx * user.parallel} -np {user.parallel} ({user.why}) and --fit on: "
-            f"llama.cpp fits the layers and tensors it offloads to the card itself (-ngl unset: auto), "
-            f"-fa auto, f16 KV cache, -b 2048 -ub 512, threads chosen by the engine (llama.cpp's defaults: "
+            f"{offload}, -fa auto, f16 KV cache, -b 2048 -ub 512, threads chosen by the engine (llama.cpp's defaults: "
             f"common/common.h, common/arg.cpp); measured with {user.parallel} users at once"),
             name=FIT, title="llama-server's --fit")
         return [*super().baselines(weights, ctx, user), fit]
@@ -331,7 +332,8 @@ class LlamaServerBackend(BaseBackend):
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         has_gpu = self._on_gpu(ctx)
-        notes = ["every flag but -m, -c, -np and --fit at llama-server's default: --fit chooses the offload"
+        notes = [f"every flag but -m, -c, -np and --fit{'' if has_gpu else ' (and -ngl 0: no GPU)'} at "
+                 f"llama-server's default{': --fit chooses the offload' if has_gpu else ''}"
                  if config.option(ENGINE_DEFAULTS) == FIT else
                  "every flag but -m and -ngl at llama-server's default" if config.option(ENGINE_DEFAULTS) else
                  f"-c is shared by the slots: ctx {config.ctx} x {config.parallel} slots"]
