@@ -99,9 +99,9 @@ def exit_status(exc: BaseException) -> int:
 def handle_errors(debug: bool = False) -> Iterator[None]:
     """Turn autotune's errors into one ``Error:`` line on stderr and the exit status.
 
-    Every command, the core's and the plugins', runs inside it, so the README's exit-status
-    promise has one owner. Tracebacks only with ``debug``; an error that is not autotune's
-    is a bug and keeps its traceback.
+    Every command, the core's and the plugins', runs inside it, so the exit-status promise of
+    docs/usage.md ("Exit status") has one owner. Tracebacks only with ``debug``; an error that
+    is not autotune's is a bug and keeps its traceback.
     """
     try:
         yield

@@ -1,8 +1,8 @@
 """The study report as one self-contained HTML file: the winner, the trade-off plots, every trial.
 
 ``autotune report`` and ``autotune study --report PATH`` write it. plotly.js is inlined once, so
-the file opens offline and can be attached to an issue. What each plot answers is in the
-README ("Reading the report"); the figures come from the study's records (``records.TrialRecord``)
+the file opens offline and can be attached to an issue. What each plot answers is in
+docs/report.md; the figures come from the study's records (``records.TrialRecord``)
 and its summary (``report.stored_summary``), never from a second reading of the attributes.
 """
 

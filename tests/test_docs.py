@@ -59,3 +59,57 @@ def test_readme_mentions_autotune_study():
     if not readme.exists():
         pytest.skip("README.md does not exist yet")
     assert "autotune study" in readme.read_text(encoding="utf-8")
+
+
+# The guide and the reference pages it sends readers to.
+GUIDE_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# The set-up commands new users and CI type: .ci/run runs the test command as the README writes it.
+FIRST_STUDY = "pip install -e . && autotune study"
+TEST_COMMAND = "pip install -e '.[test]' && autotune engine build llama.cpp --cpu --python && pytest -q"
+
+
+def test_readme_keeps_the_set_up_commands_ci_runs():
+    readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert FIRST_STUDY in readme and TEST_COMMAND in readme, "README.md: a set-up command changed"
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert TEST_COMMAND in ci, ".ci/run no longer runs the README's test command as written"
+
+
+def test_readme_is_a_guide():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: the reference belongs in docs/"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to dashes."""
+    text = heading.lstrip("#").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _outside_code(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", GUIDE_PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    """Every relative link and image of the README and docs/ names a file of the repository,
+    and every #anchor a heading of the page it points into."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _outside_code(page.read_text(encoding="utf-8"))):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in {_anchor(h) for h in headings(file)}:
+            broken.append(target)
+    assert not broken, f"{page.relative_to(REPO)}: links to nothing: {', '.join(broken)}"
+
+
+@pytest.mark.parametrize("study", sorted((REPO / "studies").glob("*.toml")), ids=lambda p: p.name)
+def test_study_files_cite_files_that_exist(study):
+    comments = "\n".join(line.split("#", 1)[1] for line in study.read_text(encoding="utf-8").splitlines() if "#" in line)
+    cited = set(re.findall(r"(?<![\w/.-])((?:[\w.-]+/)+[\w.-]+\.(?:md|toml|py))\b", comments))
+    missing = sorted(c for c in cited if not (REPO / c).exists())
+    assert not missing, f"{study.relative_to(REPO)} cites files that are not in the repository: {', '.join(missing)}"

@@ -1,8 +1,9 @@
-"""Every command in the README's Usage section runs, as a user would type it.
+"""Every command of the README and of docs/usage.md's Commands runs, as a user would type it.
 
-The README's command lines are read from the file and each must have a concrete run below
-(placeholders such as ``path/to/model.gguf`` filled with files the test makes): a command
-added to or changed in the README without a run here fails ``test_every_usage_line_has_a_run``.
+The command lines are read from the files (the ``autotune ...`` lines of their ```sh blocks) and
+each must have a concrete run below (placeholders such as ``path/to/model.gguf`` filled with files
+the test makes): a command added to or changed in the README or in docs/usage.md without a run
+here fails ``test_every_usage_line_has_a_run`` or ``test_every_readme_line_has_a_run``.
 Each run is a child process of the installed ``autotune`` with the plugins it would load.
 """
 
@@ -25,28 +26,45 @@ from tests.conftest import REPO
 from tests.engine_fixtures import llama_cpp_module, llama_server_binary
 
 STORIES = REPO / "tests" / "data" / "stories260K.gguf"
+USAGE = REPO / "docs" / "usage.md"
+README = REPO / "README.md"
 
 
-def usage_lines() -> list[str]:
-    """The indented ``autotune ...`` lines of the Usage section, continuation lines joined."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Usage", 1)[1].split("\n## ", 1)[0]
-    lines, current = [], None
-    for raw in section.splitlines():
+def command_lines(text: str) -> list[str]:
+    """The ``autotune ...`` lines of the ```sh blocks in ``text``: continuation lines joined,
+    ``  # comments`` cut, runs of spaces made one. Output (```text blocks) is not a command."""
+    lines, current, in_sh = [], None, False
+    for raw in text.splitlines():
         line = raw.strip()
+        if line.startswith("```"):
+            in_sh = not in_sh and line[3:].strip() == "sh"
+            continue
+        if not in_sh:
+            continue
         if current is not None:
             current += " " + line.rstrip("\\").strip()
             if not line.endswith("\\"):
                 lines.append(current)
                 current = None
             continue
-        if raw.startswith("    autotune "):
+        if line.startswith("autotune "):
             command = line.split("  #", 1)[0].strip()
             if command.endswith("\\"):
                 current = command.rstrip("\\").strip()
             else:
                 lines.append(command)
     return [re.sub(r"\s+", " ", line) for line in lines]
+
+
+def usage_lines() -> list[str]:
+    """The command lines of docs/usage.md's Commands section (the reference of every command)."""
+    section = USAGE.read_text(encoding="utf-8").split("\n## Commands", 1)[1].split("\n## ", 1)[0]
+    return command_lines(section)
+
+
+def readme_lines() -> list[str]:
+    """The command lines of the README, each once, in the order they first appear."""
+    return list(dict.fromkeys(command_lines(README.read_text(encoding="utf-8"))))
 
 
 def _env() -> dict[str, str]:
@@ -241,12 +259,85 @@ RUNS = {
 }
 
 
+def run_readme_best(work, studied):
+    # `best` with nothing else reads the study last run in this directory: the `studied` fixture's.
+    out = ok(autotune("best", cwd=work)).stdout
+    assert "v100-qwen27b" in out and "deploy:" in out
+
+
+def run_readme_report(work, studied):
+    ok(autotune("report", "--out", "report.html", cwd=work))
+    page = (work / "report.html").read_text()
+    assert "Winner: trial" in page and "plot-knee" in page
+
+
+def run_readme_engine_build(work, studied):
+    llama_server_binary()  # skip (or fail in CI) without a build: this run must not compile for minutes
+    from autotune.hardware import has_gpu
+
+    if has_gpu():
+        pytest.skip("`engine build llama.cpp` builds for this machine's GPU here, a compile of minutes")
+    out = ok(autotune("engine", "build", "llama.cpp", cwd=work, timeout=600))
+    assert "reused" in out.stdout and "llama-server" in out.stdout  # no GPU: the CPU build, as the README says
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory) -> Path:
+    """The README's "Tune your own model" directory: `init` run on a small GGUF, as typed."""
+    llama_server_binary()  # the study init writes must validate: the engine must be there
+    own = tmp_path_factory.mktemp("own")
+    model = own / "path" / "to" / "my-model.gguf"  # a GGUF file of that name stands for path/to/my-model
+    model.parent.mkdir(parents=True)
+    model.write_bytes(STORIES.read_bytes())
+    out = ok(autotune("init", str(model), "--out", "my-model.toml", cwd=own))
+    assert "next: autotune study my-model.toml" in out.stdout
+    return own
+
+
+def run_readme_init(work, studied, own_model):
+    text = (own_model / "my-model.toml").read_text()
+    assert 'name = "my-model"' in text and "gguf:Q4_0" in text
+
+
+def run_readme_own_study(work, studied, own_model):
+    # The file's budget (15 minutes on the CPU) is more than a test can spend: one launch, and
+    # then the README's next line, `best`, reads the study this directory last ran.
+    ok(autotune("study", "my-model.toml", "--trials", "1", cwd=own_model, timeout=600))
+    out = ok(autotune("best", cwd=own_model)).stdout
+    assert "my-model" in out and "deploy:" in out and "llama-server" in out
+
+
+# README line (as written) -> the run that types it. `autotune best` is typed twice in the README:
+# after the first study (run here) and after your own (run by run_readme_own_study).
+README_RUNS = {
+    "autotune best": run_readme_best,
+    "autotune report --out report.html": run_readme_report,
+    "autotune engine build llama.cpp": run_readme_engine_build,
+    "autotune init path/to/my-model --out my-model.toml": run_readme_init,
+    "autotune study my-model.toml": run_readme_own_study,
+}
+
+
 def test_every_usage_line_has_a_run():
-    assert usage_lines() == list(RUNS), "a README Usage command has no run in tests/test_readme_usage.py"
+    assert usage_lines() == list(RUNS), "a docs/usage.md command has no run in tests/test_readme_usage.py"
+
+
+def test_every_readme_line_has_a_run():
+    assert readme_lines() == list(README_RUNS), "a README command has no run in tests/test_readme_usage.py"
+
+
+def _extra(run, request) -> dict:
+    names = run.__code__.co_varnames[:run.__code__.co_argcount]
+    return {name: request.getfixturevalue(name) for name in ("model_gguf", "own_model") if name in names}
 
 
 @pytest.mark.parametrize("line", list(RUNS))
 def test_usage_line_runs(line, work, studied, request):
     run = RUNS[line]
-    extra = {"model_gguf": request.getfixturevalue("model_gguf")} if "model_gguf" in run.__code__.co_varnames else {}
-    run(work, studied, **extra)
+    run(work, studied, **_extra(run, request))
+
+
+@pytest.mark.parametrize("line", list(README_RUNS))
+def test_readme_line_runs(line, work, studied, request):
+    run = README_RUNS[line]
+    run(work, studied, **_extra(run, request))
