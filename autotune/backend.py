@@ -253,8 +253,10 @@ class MemoryEstimate:
         buffers_bytes: Compute/activation buffers the engine allocates.
         overhead_bytes: CUDA context and allocator slack.
         host_bytes: What the configuration keeps in host memory instead (spilled layers,
-            embeddings an engine keeps on the CPU).
+            embeddings an engine keeps on the CPU, the KV cache of layers left there).
         notes: Why a figure is what it is, for the trial record.
+        host_buffers_bytes: Buffers the engine allocates in host memory beside those (pinned
+            staging or the host's compute buffer): host memory the configuration needs too.
     """
 
     weights_bytes: int
@@ -263,6 +265,7 @@ class MemoryEstimate:
     overhead_bytes: int
     host_bytes: int = 0
     notes: tuple[str, ...] = ()
+    host_buffers_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -275,6 +278,7 @@ class MemoryEstimate:
             "buffers_bytes": self.buffers_bytes,
             "overhead_bytes": self.overhead_bytes,
             "host_bytes": self.host_bytes,
+            "host_buffers_bytes": self.host_buffers_bytes,
             "total_bytes": self.total_bytes,
             "notes": list(self.notes),
         }

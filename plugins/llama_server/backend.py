@@ -74,6 +74,7 @@ STARTUP_LOG_VERBOSITY = 4
 # Start-up facts that depend only on the weights file, -ngl and the devices (with --fit off):
 # true of every configuration of that file, unlike the cache and compute buffers.
 WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers", "spilled"})
+# (and on --n-cpu-moe, which moves expert tensors between those buffers)
 # (weights file, its mtime and size, -ngl, devices, binary, default-launch config) ->
 # (the configuration launched, its start-up facts): one verbose launch per weights file.
 _STARTUP_FACTS: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
@@ -178,6 +179,19 @@ class LlamaServerBackend(BaseBackend):
         if "ubatch" in space:
             ub = tuple(v for v in space["ubatch"] if type(v) is int and v > 0)
             params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
+        # The offload dimensions (issue 27), only when the space names them: a study that does not
+        # keeps today's command line, the gpu_layers setting and no -b/--n-cpu-moe.
+        if "batch" in space:
+            b = tuple(v for v in space["batch"] if type(v) is int and v > 0)
+            params.append(Param("batch", b, "logical batch size (-b); ubatch <= batch", accepted=("any integer >= 1",)))
+        if "gpu_layers" in space:
+            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v >= 0))
+            params.append(Param("gpu_layers", ngl, "layers on the GPU (-ngl; \"all\" = -ngl 999): the output layer and "
+                                "the last N - 1 decoder layers", accepted=("\"all\"", "any integer >= 0")))
+        if "n_cpu_moe" in space:
+            moe = tuple(v for v in space["n_cpu_moe"] if type(v) is int and v >= 0)
+            params.append(Param("n_cpu_moe", moe, "layers whose routed experts stay in host memory (--n-cpu-moe: "
+                                "the first N)", accepted=("any integer >= 0",)))
         return params
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
@@ -242,21 +256,38 @@ class LlamaServerBackend(BaseBackend):
         options = {"cache_type": "f16", "flash_attn": True, **dict(config.options),
                    "ctx": config.ctx, "parallel": config.parallel}
         facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
-                 "compute_capability": getattr(ctx.gpu, "compute_capability", None)}
+                 "compute_capability": getattr(ctx.gpu, "compute_capability", None), "moe": model.is_moe,
+                 "n_layers": model.n_layers, "all_layers": model.n_layers + 1, "batch": memory.DEFAULT_BATCH}
         return violations(_rules(), options, facts)
 
     # -------------------------------------------------------------- memory
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         path = self._made(config.weights, ctx)
-        on_gpu = self.gpu_layers(ctx, self._on_gpu(ctx)) > 0
-        ub = config.option("ubatch")
+        ngl = self.layers_of(config, ctx, self._on_gpu(ctx))
+        # -ngl 0 from the setting: the estimate of a CPU run, as before the offload dimensions; a
+        # configuration that names gpu_layers 0 on a GPU still has a CUDA context and buffers.
+        on_gpu = self._on_gpu(ctx) and (ngl > 0 or config.option("gpu_layers") is not None)
+        ub, b = config.option("ubatch"), config.option("batch")
         # A format not made yet: its tensors as llama-quantize will write them, from the source's shape.
         weights = weights_for(ctx.model, config.weights, self.weight_formats) if path is None else gguf_file_weights(path)
         model = ctx.model if path is None else _model_of(path)
         return memory.estimate(model, weights, config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
-                               ubatch=int(ub) if ub is not None else None, gpu=on_gpu)
+                               ubatch=int(ub) if ub is not None else None, gpu=on_gpu,
+                               gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(config.option("n_cpu_moe", 0)),
+                               batch=int(b) if b is not None else None)
+
+    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+        """What ``autotune init`` may search when ``weights`` do not fit whole: ``gpu_layers``
+        counts from all down to none, and for a mixture of experts ``n_cpu_moe`` from none to
+        every layer (the judge then keeps those that fit the budget and host memory)."""
+        model = self._model_for(weights, ctx)
+        n = model.n_layers
+        step = max(1, n // 8)
+        if model.is_moe:
+            return {"n_cpu_moe": sorted({0, *range(step, n, step), n}), "gpu_layers": ["all"]}
+        return {"gpu_layers": ["all", *sorted({*range(n, 0, -step), 0}, reverse=True)]}
 
     # -------------------------------------------------------------- the command line
 
@@ -273,6 +304,14 @@ class LlamaServerBackend(BaseBackend):
     def threads(self, ctx: StudyContext) -> int:
         return int(self.value(ctx, "threads") or os.cpu_count() or 1)
 
+    def layers_of(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool = True) -> int:
+        """``-ngl`` of ``config``: its ``gpu_layers`` when the space names it (as measured, so as
+        deployed, also on a CPU build, which ignores it), else the setting (:meth:`gpu_layers`)."""
+        value = config.option("gpu_layers")
+        if value is None:
+            return self.gpu_layers(ctx, has_gpu)
+        return 999 if value == "all" else int(value)
+
     def flags(self, config: TrialConfig, ngl: int) -> list[str]:
         cache = config.option("cache_type", "f16")
         out = ["-c", str(config.ctx * config.parallel), "-np", str(config.parallel), "-ngl", str(ngl),
@@ -280,6 +319,12 @@ class LlamaServerBackend(BaseBackend):
         ub = config.option("ubatch")
         if ub is not None:
             out += ["-ub", str(int(ub))]
+        b = config.option("batch")
+        if b is not None:
+            out += ["-b", str(int(b))]
+        moe = config.option("n_cpu_moe")
+        if moe is not None:
+            out += ["--n-cpu-moe", str(int(moe))]
         return out
 
     def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
@@ -296,7 +341,7 @@ class LlamaServerBackend(BaseBackend):
         # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
         # their own (startup_facts).
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                *self.flags(config, self.gpu_layers(ctx, has_gpu)), "-t", str(self.threads(ctx)),
+                *self.flags(config, self.layers_of(config, ctx, has_gpu)), "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
                 "--no-webui"]
 
@@ -480,7 +525,7 @@ class LlamaServerBackend(BaseBackend):
             st = path.stat()
         except OSError:
             return {}  # the measured launch says what is wrong with the file
-        ngl = self.gpu_layers(ctx, has_gpu)
+        ngl = (self.layers_of(config, ctx, has_gpu), config.option("n_cpu_moe", 0))
         key = (str(path.resolve()), st.st_mtime_ns, st.st_size, ngl, self.cuda_devices(ctx, has_gpu),
                str(self.binary(ctx).absolute()), config.key if config.option(ENGINE_DEFAULTS) else None)
         hit = _STARTUP_FACTS.get(key)
