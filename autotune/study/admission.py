@@ -1,7 +1,8 @@
 """The one judge of "can this configuration run, and be accepted, without launching it?".
 
 In order: the rules (the core's and the backend's ``check``), the memory model with what this
-study learned about it (the median of measured - predicted peaks, per backend), and an
+study learned about it (the median of measured - predicted peaks, per backend), the part a
+configuration leaves in host memory against this machine's memory, and an
 already-measured quality drop over the study's bound. The runner, the sampler's screening,
 the prior's ranking, the pre-search screen, the report's "why not a neighbour", ``autotune
 init`` (which formats can fit) and ``autotune estimate`` all ask this judge, with the budget
@@ -10,10 +11,12 @@ init`` (which formats can fit) and ``autotune estimate`` all ask this judge, wit
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
+from autotune import hardware
 from autotune import objective as objective_mod
 from autotune import vram
 from autotune.backend import MemoryEstimate, StudyContext, TrialConfig
@@ -164,7 +167,22 @@ class Admission:
                       f"overhead {_gib(e.overhead_bytes)} GiB)")
             over = objective_mod.vram_constraint(e.total_bytes, budget)
             return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
+        host = estimate.host_bytes + estimate.host_buffers_bytes
+        # On the CPU the budget above is host memory already; on a GPU what the card does not
+        # hold (layers or experts left on the host, their cache, pinned buffers) must fit the host.
+        if host and not getattr(ctx.gpu, "is_cpu", False) and host > self.host_memory_bytes:
+            e = estimate
+            reason = (f"infeasible: predicted {_gib(host)} GiB in host memory > {_gib(self.host_memory_bytes)} GiB "
+                      f"(this machine's memory; weights and KV left on the host {_gib(e.host_bytes)}, host "
+                      f"buffers {_gib(e.host_buffers_bytes)} GiB)")
+            over = objective_mod.vram_constraint(host, self.host_memory_bytes)
+            return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
         return Verdict(ADMITTED, None, estimate, raw)
+
+    @functools.cached_property
+    def host_memory_bytes(self) -> int:
+        """This machine's memory, which a configuration's host part must fit (read once)."""
+        return hardware.host_memory_bytes()
 
     def _known_low_quality(self, config: TrialConfig) -> Verdict | None:
         limit = self.objective.max_drop_points

@@ -131,3 +131,23 @@ def test_the_backend_estimates_the_configurations_split(files, monkeypatch):
     assert some.weights_bytes < whole.weights_bytes and some.host_bytes > whole.host_bytes
     zero = b.estimate_memory(cfg("moe.gguf", gpu_layers=0), c)
     assert zero.weights_bytes == 0 and zero.overhead_bytes > 0  # a CUDA context all the same
+
+
+def test_the_judge_checks_the_host_part_against_host_memory(files, monkeypatch):
+    from autotune import hardware
+    from autotune.study.admission import ADMITTED, OVER_BUDGET, Admission
+    from autotune_plugins.llama_server import backend as lsb
+
+    monkeypatch.setattr(lsb, "_has_gpu", lambda: True)
+    b = LlamaServerBackend()
+    c = make_ctx(files / "moe.gguf")
+    on_host = cfg("moe.gguf", gpu_layers=0)
+    host = b.estimate_memory(on_host, c)
+    need = host.host_bytes + host.host_buffers_bytes
+    monkeypatch.setattr(hardware, "host_memory_bytes", lambda: need)
+    assert Admission.for_backend(b, c).judge(on_host).kind == ADMITTED  # exactly full: fits
+    monkeypatch.setattr(hardware, "host_memory_bytes", lambda: need - 1)
+    verdict = Admission.for_backend(b, c).judge(on_host)
+    assert verdict.kind == OVER_BUDGET and "in host memory >" in verdict.reason
+    # the whole model on the card leaves only the embeddings and pinned buffers on the host
+    assert Admission.for_backend(b, c).judge(cfg("moe.gguf")).kind == ADMITTED
