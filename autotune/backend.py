@@ -446,6 +446,15 @@ class BaseBackend(abc.ABC):
         """
         return None
 
+    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+        """Dimensions that let ``weights`` run when they do not fit the card whole: ``[space]``
+        keys of this backend's ``parameters`` with candidate values (layers on the GPU, experts
+        kept in host memory...), in order of preference. ``autotune init`` asks for them when a
+        format's lightest configuration is over the budget, offers the first dimension with
+        values the judge admits (those values), and says so in a comment. Empty (the default):
+        the engine cannot split a model."""
+        return {}
+
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""
         return None
