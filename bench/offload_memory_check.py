@@ -40,8 +40,10 @@ def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else default
 
 
-def main() -> int:
-    rows = []
+def rows() -> list[tuple[str, str, tuple[float, float | None], ...]]:
+    """(probe, case, then (predicted, measured) MiB for CUDA0 model, CUDA0 KV, CUDA0 compute, host,
+    CUDA0 logged, NVML) per recorded launch."""
+    found = []
     for f in sorted(HERE.glob("offload_*.jsonl")):
         for line in f.read_text().splitlines():
             r = json.loads(line)
@@ -56,7 +58,7 @@ def main() -> int:
                                 gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(flag(argv, "--n-cpu-moe", "0")))
             host = logged.get("CPU_Mapped model", 0) + logged.get("CPU KV", 0) + logged.get("CUDA_Host compute", 0)
             gpu_logged = logged.get("CUDA0 model", 0) + logged.get("CUDA0 KV", 0) + logged.get("CUDA0 compute", 0)
-            rows.append((f"{f.stem.removeprefix('offload_')}:{r['model'].split('-')[0]}",
+            found.append((f"{f.stem.removeprefix('offload_')}:{r['model'].split('-')[0]}",
                          " ".join(f"{k}={v}" for k, v in r["case"].items()),
                          (e.weights_bytes / MiB, logged.get("CUDA0 model", 0)),
                          (e.kv_bytes / MiB, logged.get("CUDA0 KV", 0)),
@@ -64,6 +66,11 @@ def main() -> int:
                          ((e.host_bytes + e.host_buffers_bytes) / MiB, host),
                          ((e.total_bytes - e.overhead_bytes) / MiB, gpu_logged),
                          (e.total_bytes / MiB, r.get("nvml_process_mib"))))
+    return found
+
+
+def main() -> int:
+    table = rows()
 
     def cell(pair: tuple[float, float | None]) -> str:
         p, m = pair
@@ -76,11 +83,11 @@ def main() -> int:
           "NVML = logged GPU buffers + CUDA context (611 MiB)")
     print(f"{head[0]:<16} {head[1]:<16} " + " ".join(f"{h:<24}" for h in head[2:]))
     worst = 0.0
-    for name, case, *pairs in rows:
+    for name, case, *pairs in table:
         print(f"{name:<16} {case:<16} " + " ".join(f"{cell(p):<24}" for p in pairs))
         if pairs[-1][1]:
             worst = max(worst, abs(pairs[-1][0] - pairs[-1][1]) / pairs[-1][1])
-    print(f"worst NVML error: {100 * worst:.1f}% over {len(rows)} launches")
+    print(f"worst NVML error: {100 * worst:.1f}% over {len(table)} launches")
     return 0
 
 

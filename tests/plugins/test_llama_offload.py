@@ -151,3 +151,27 @@ def test_the_judge_checks_the_host_part_against_host_memory(files, monkeypatch):
     assert verdict.kind == OVER_BUDGET and "in host memory >" in verdict.reason
     # the whole model on the card leaves only the embeddings and pinned buffers on the host
     assert Admission.for_backend(b, c).judge(cfg("moe.gguf")).kind == ADMITTED
+
+
+def test_the_split_against_the_h200_probe():
+    """bench/offload_memory_check.py's table, held: the recorded H200 launches (no GPU here)."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("offload_memory_check", REPO / "bench" / "offload_memory_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    rows = check.rows()
+    assert len(rows) == 19
+
+    def err(pair):
+        return abs(pair[0] - pair[1]) / pair[1] if pair[1] else abs(pair[0])
+
+    for probe, case, model, kv, compute, host, logged, nvml in rows:
+        assert err(model) < 0.0005 and err(kv) < 0.0005, (probe, case)  # the log's 2 decimals
+        if "q30a3b12" in probe:  # the MoE: every GPU buffer, and NVML within 2%
+            assert err(compute) < 0.02 and err(logged) < 0.002 and err(nvml) < 0.02, (probe, case)
+        else:  # dense: never under the compute buffer; NVML's unexplained share grows with host layers
+            assert 0 <= (compute[0] - compute[1]) / compute[1] < 0.08 and err(logged) < 0.04, (probe, case)
+            assert nvml[1] is None or err(nvml) < 0.07, (probe, case)
