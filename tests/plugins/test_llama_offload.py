@@ -173,5 +173,5 @@ def test_the_split_against_the_h200_probe():
         if "q30a3b12" in probe:  # the MoE: every GPU buffer, and NVML within 2%
             assert err(compute) < 0.02 and err(logged) < 0.002 and err(nvml) < 0.02, (probe, case)
         else:  # dense: never under the compute buffer; NVML's unexplained share grows with host layers
-            assert 0 <= (compute[0] - compute[1]) / compute[1] < 0.08 and err(logged) < 0.04, (probe, case)
+            assert -0.001 < (compute[0] - compute[1]) / compute[1] < 0.08 and err(logged) < 0.04, (probe, case)
             assert nvml[1] is None or err(nvml) < 0.07, (probe, case)
