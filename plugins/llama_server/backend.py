@@ -71,10 +71,9 @@ UNITS = SERVING_UNITS
 # libllama's INFO lines (buffer sizes, offloaded layers) print at llama-server's "trace" level, 4
 # (common/log.cpp, common_log_get_verbosity); the default, 3, leaves them out.
 STARTUP_LOG_VERBOSITY = 4
-# Start-up facts that depend only on the weights file, -ngl and the devices (with --fit off):
+# Start-up facts that depend only on the weights file, -ngl, --n-cpu-moe and the devices (with --fit off):
 # true of every configuration of that file, unlike the cache and compute buffers.
 WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers", "spilled"})
-# (and on --n-cpu-moe, which moves expert tensors between those buffers)
 # (weights file, its mtime and size, -ngl, devices, binary, default-launch config) ->
 # (the configuration launched, its start-up facts): one verbose launch per weights file.
 _STARTUP_FACTS: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}

@@ -63,7 +63,7 @@ def test_the_engine_takes_the_offload_flags_and_its_buffers_are_the_models(moe_f
     assert abs(sum(logged["kv_buffer_mib"].values()) * MiB - predicted.kv_bytes) <= 0.006 * MiB
     assert logged["kv_cells"] == memory.LAYOUT.cells(1024, 2)
     compute = sum(logged["compute_buffer_mib"].values()) * MiB
-    assert abs(predicted.buffers_bytes - compute) <= 0.05 * compute, (predicted.buffers_bytes / MiB, compute / MiB)
+    assert abs(predicted.buffers_bytes - compute) <= 0.006 * MiB, (predicted.buffers_bytes / MiB, compute / MiB)
 
 
 def test_a_moe_study_searches_experts_and_micro_batches(moe_file, monkeypatch):
@@ -114,11 +114,12 @@ startup_timeout_s = 60
     with plugin_registered(llama_server, "llama_server"):
         summary = run_study(load_study_config(study), n_trials=6, storage=f"sqlite:///{moe_file.parent / 'moe.db'}",
                             callback=events.append)
-    by = {(e.config["llama-server.n_cpu_moe"], e.config["llama-server.ubatch"]): e for e in events}
+    by = {(e.config["n_cpu_moe"], e.config["ubatch"]): e for e in events}
     assert len(by) == 6, [(e.config, e.state) for e in events]
     ran = {k for k, e in by.items() if e.state == "COMPLETE"}
     assert ran == {(0, 64), (2, 64)}, [(k, e.state, e.reason) for k, e in by.items()]
     assert "exceeds the model's 4 layers" in by[(5, 64)].reason
     assert "ubatch 256 exceeds batch 128" in by[(0, 256)].reason
-    assert "--n-cpu-moe" in summary.best.deploy_command and "-b 128" in summary.best.deploy_command
+    deploy = summary.best["deploy_command"]
+    assert "--n-cpu-moe" in deploy and "-b 128" in deploy and "-ub 64" in deploy  # as measured
     assert servers_on(moe_file) == []
