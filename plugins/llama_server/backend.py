@@ -6,7 +6,12 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   (``gguf:Q4_K_M``) made from the study's ``[model] source`` when a trial first needs them
   (:mod:`autotune.artifacts`, recipes in :mod:`~autotune_plugins.llama_server.recipes`);
 * ``check`` refuses what llama.cpp refuses (a quantized V cache without flash attention, a
-  quantized cache whose block does not divide the head size, a context beyond the model's);
+  quantized cache whose block does not divide the head size, a context beyond the model's) or
+  would ignore or clamp (``n_cpu_moe`` on a dense model or beyond the layers, ``gpu_layers``
+  beyond the layers + 1, ``ubatch`` above ``batch``);
+* ``[space]`` may name ``gpu_layers``, ``n_cpu_moe``, ``ubatch`` and ``batch`` (-ngl,
+  --n-cpu-moe, -ub, -b): a model too large for the card, split between it and host memory; a
+  space without them launches as before;
 * ``estimate_memory`` reads the file's real tensor bytes and adds llama-server's KV layout,
   compute buffer and CUDA context (:mod:`~autotune_plugins.llama_server.memory`);
 * ``run`` starts ``llama-server`` in its own process session with the argument list
@@ -71,7 +76,7 @@ UNITS = SERVING_UNITS
 # libllama's INFO lines (buffer sizes, offloaded layers) print at llama-server's "trace" level, 4
 # (common/log.cpp, common_log_get_verbosity); the default, 3, leaves them out.
 STARTUP_LOG_VERBOSITY = 4
-# Start-up facts that depend only on the weights file, -ngl, --n-cpu-moe and the devices (with --fit off):
+# Start-up facts that depend only on the weights file, -ngl, --n-cpu-moe and the devices (--fit off):
 # true of every configuration of that file, unlike the cache and compute buffers.
 WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers", "spilled"})
 # (weights file, its mtime and size, -ngl, devices, binary, default-launch config) ->
@@ -134,7 +139,8 @@ class LlamaServerBackend(BaseBackend):
         Setting("threads", int, None, "CPU threads of the engine, -t (default: every core, os.cpu_count())",
                 check=_positive),
         Setting("gpu_layers", (str, int), "all", "layers on the GPU, -ngl: \"all\" (-ngl 999) or a number; "
-                                                 "0 on a machine without a GPU", check=_gpu_layers_problem),
+                                                 "0 on a machine without a GPU; a [space] gpu_layers overrides it",
+                check=_gpu_layers_problem),
         Setting("host", str, "127.0.0.1", "address llama-server listens on, --host (\"0.0.0.0\": every interface)",
                 check=_host_problem),
         Setting("port", int, 8080, "port of the deploy command, --port (trials use a free port)", check=_port_problem),

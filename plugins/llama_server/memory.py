@@ -163,7 +163,9 @@ def _staged_bytes(model: ModelSpec, weights: WeightsBreakdown, on_gpu: range, mo
     """The CUDA compute buffer's peak while a host-resident matrix is staged on the card: the
     largest such matrix (a whole host layer's, or a host expert tensor), plus the MLP
     activations of the micro-batch around it and the mask. 0 when nothing is staged (every
-    matrix on the GPU, or micro-batches too small for ggml to move the work to the card)."""
+    matrix on the GPU, or micro-batches too small for ggml to move the work to the card). An
+    output head left on the host is never staged: llama-server asks for the logits of a
+    prompt's last token only, a product of one row (the probe's -ngl 0 buffer is its -ngl 7's)."""
     if ub < OP_OFFLOAD_MIN_BATCH:
         return 0
     largest = max([weights.largest_bytes(i) for i in range(n_layers) if i not in on_gpu]
