@@ -111,6 +111,13 @@ def _excused(unless: Mapping[str, Any], options: Mapping[str, Any], facts: Mappi
     return True
 
 
+class _Known(dict):
+    """A reason's values; one the configuration does not have reads as "unset", not a KeyError."""
+
+    def __missing__(self, key: str) -> str:
+        return "unset"
+
+
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -138,5 +145,5 @@ def violations(rules: list[Rule], options: Mapping[str, Any], facts: Mapping[str
         known = {**facts, **options}
         if all(known.get(name) in values for name, values in rule.when.items()) and \
                 not _excused(rule.unless, options, facts):
-            reasons.append(rule.reason.format(**{**facts, **options}))
+            reasons.append(rule.reason.format_map(_Known({**facts, **options})))
     return reasons
