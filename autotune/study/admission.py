@@ -89,6 +89,14 @@ class Verdict:
         return self.kind == ADMITTED
 
 
+def _lighter(a: Verdict, b: Verdict) -> bool:
+    """Whether ``a`` is the lighter of two verdicts with estimates: one the judge admits before
+    one it refuses (a split that fits the card can still be over host memory), then the smaller
+    footprint on the card."""
+    assert a.estimate is not None and b.estimate is not None
+    return (not a.admitted, a.estimate.total_bytes) < (not b.admitted, b.estimate.total_bytes)
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -205,8 +213,9 @@ class Admission:
     def lightest(self, base: TrialConfig, params: "tuple[Param, ...] | list[Param]"
                  ) -> tuple[TrialConfig, Verdict] | None:
         """Of ``base`` under each combination of ``params``' choices, the one the rules accept
-        with the smallest footprint (learned correction included), and its verdict; when the
-        rules accept none, the last one and its ``invalid`` verdict (None: no combination)."""
+        with the smallest footprint (learned correction included; an admitted one first), and its
+        verdict; when the rules accept none, the last one and its ``invalid`` verdict (None: no
+        combination)."""
         best: tuple[TrialConfig, Verdict] | None = None
         refused: tuple[TrialConfig, Verdict] | None = None
         for combo in itertools.product(*(p.choices for p in params)):
@@ -214,7 +223,7 @@ class Admission:
             verdict = self.judge(config)
             if verdict.estimate is None:
                 refused = (config, verdict)
-            elif best is None or verdict.estimate.total_bytes < best[1].estimate.total_bytes:  # type: ignore[union-attr]
+            elif best is None or _lighter(verdict, best[1]):
                 best = (config, verdict)
         return best or refused
 
@@ -222,6 +231,9 @@ class Admission:
         """Why weights never fit, from their lightest configuration's verdict (``lightest``)."""
         e, budget = verdict.estimate, self.contexts[config.backend].vram_budget_bytes
         assert e is not None
+        if e.total_bytes <= budget:  # the card would hold it: host memory would not
+            return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
+                    f"is {verdict.reason}")
         return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
                 f"needs {_gib(e.total_bytes)} GiB (weights {_gib(e.weights_bytes)}) > budget {_gib(budget)} GiB")
 

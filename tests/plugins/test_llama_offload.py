@@ -175,3 +175,27 @@ def test_the_split_against_the_h200_probe():
         else:  # dense: never under the compute buffer; NVML's unexplained share grows with host layers
             assert -0.001 < (compute[0] - compute[1]) / compute[1] < 0.08 and err(logged) < 0.04, (probe, case)
             assert nvml[1] is None or err(nvml) < 0.07, (probe, case)
+
+
+def test_the_lightest_split_is_one_the_judge_admits(files, monkeypatch):
+    from autotune import hardware
+    from autotune.backend import Param
+    from autotune.study.admission import ADMITTED, OVER_BUDGET, Admission
+    from autotune_plugins.llama_server import backend as lsb
+
+    monkeypatch.setattr(lsb, "_has_gpu", lambda: True)
+    b = LlamaServerBackend()
+    c = make_ctx(files / "moe.gguf")
+    whole = b.estimate_memory(cfg("moe.gguf", gpu_layers="all"), c)
+    # Room on the host for the embeddings and buffers, not for the layers -ngl 0 leaves there:
+    # the smaller card footprint (-ngl 0) is refused, so the lightest is the whole model.
+    monkeypatch.setattr(hardware, "host_memory_bytes", lambda: whole.host_bytes + whole.host_buffers_bytes)
+    judge = Admission.for_backend(b, c)
+    params = [Param("gpu_layers", (0, "all")), Param("cache_type", ("f16",)), Param("flash_attn", (True,))]
+    config, verdict = judge.lightest(TrialConfig("llama-server", "moe.gguf", 256, 1), params)
+    assert config.option("gpu_layers") == "all" and verdict.kind == ADMITTED
+    monkeypatch.setattr(hardware, "host_memory_bytes", lambda: 1)
+    config, verdict = Admission.for_backend(b, c).lightest(TrialConfig("llama-server", "moe.gguf", 256, 1), params)
+    assert verdict.kind == OVER_BUDGET
+    assert "never fit: even ctx 256 x 1 is infeasible: predicted" in judge.never_fits(config, verdict)
+    assert "in host memory >" in judge.never_fits(config, verdict)
