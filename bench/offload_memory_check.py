@@ -79,8 +79,11 @@ def main() -> int:
         return f"{p:8.1f}/{m:8.1f} {100 * (p - m) / m:+5.1f}%"
 
     head = ("probe", "case", "CUDA0 model", "CUDA0 KV", "CUDA0 compute", "host (all)", "CUDA0 logged", "NVML")
-    print("predicted/measured MiB and error; host = CPU_Mapped model + CPU KV + CUDA_Host compute; "
-          "NVML = logged GPU buffers + CUDA context (611 MiB)")
+    print("predicted/measured MiB and error; host = CPU_Mapped model + CPU KV + CUDA_Host compute; CUDA0 logged = "
+          "the three CUDA0 buffers; NVML = the predicted total (with the CUDA context and a MoE's pool) against "
+          "NVML's figure for the server process")
+    print("in-sample: STAGED_MLP_COEF, moe_ffn_coef and CUDA_MOE_POOL_BYTES were read from the moe rows; the dense "
+          "rows and moe ngl=6 check them")
     print(f"{head[0]:<16} {head[1]:<16} " + " ".join(f"{h:<24}" for h in head[2:]))
     worst = 0.0
     for name, case, *pairs in table:
