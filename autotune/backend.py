@@ -449,10 +449,12 @@ class BaseBackend(abc.ABC):
     def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
         """Dimensions that let ``weights`` run when they do not fit the card whole: ``[space]``
         keys of this backend's ``parameters`` with candidate values (layers on the GPU, experts
-        kept in host memory...), in order of preference. ``autotune init`` asks for them when a
-        format's lightest configuration is over the budget, offers the first dimension with
-        values the judge admits (those values), and says so in a comment. Empty (the default):
-        the engine cannot split a model."""
+        kept in host memory...), in order of preference, each list starting with the value that
+        splits nothing (``"all"`` layers, no experts on the host). ``autotune init`` asks for
+        them when a format's lightest configuration is over the budget, offers the first
+        dimension with values the judge admits (those values, and the first one too when another
+        format of the backend fits whole), and says so in a comment. Empty (the default): the
+        engine cannot split a model."""
         return {}
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:

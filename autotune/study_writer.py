@@ -169,6 +169,8 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             return judge.lightest(TrialConfig(backend_name, weights, draft.ctx[0], 1), params)
 
         kept: list[str] = []
+        mine: dict[str, list[Any]] = {}  # this backend's split values
+        whole = False  # whether one of its formats fits the card whole
         for fmt in formats:
             try:
                 recipe = backend.artifact_recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
@@ -185,14 +187,20 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                 if split:
                     kept.append(fmt)
                     for key, values in split.items():
-                        offload.setdefault(key, [])
-                        offload[key] += [v for v in values if v not in offload[key]]
+                        mine.setdefault(key, [backend.offload_space(fmt, ctx)[key][0]])  # its "no split" first
+                        mine[key] += [v for v in values if v not in mine[key]]
                     draft.offload.append(f"{backend_name} {fmt}: does not fit whole ({judge.never_fits(*found)}); "
                                          "fits with " + ", ".join(f"{k} in {_toml_value(v)}" for k, v in split.items()))
                 else:
                     draft.left_out.append(f"{judge.never_fits(*found)} = {budget.describe()}")
             else:
                 kept.append(fmt)
+                whole = True
+        # The space is shared by this backend's formats: one that fits whole keeps its whole
+        # configuration (the dimension's first value, the backend's "no split") among the values.
+        for key, (first, *values) in mine.items():
+            offload.setdefault(key, [])
+            offload[key] += [v for v in ([first] if whole else []) + values if v not in offload[key]]
         if not any(fmt in full_precision_formats for fmt in kept) and backend.check_weights(str(source), ctx) is None:
             # No full-precision format of its own, but it loads the source as it is (ExLlamaV2 an
             # FP16 directory): the source is its quality reference, when it fits.
@@ -240,11 +248,12 @@ def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyCont
                     params: list[Any]) -> dict[str, list[Any]]:
     """Of the backend's ``offload_space`` for ``weights``, the first dimension (in the backend's
     order of preference) with values whose lightest configuration (shortest ctx, one slot) the
-    judge admits, and those values; empty when none fits."""
+    judge admits, and those values; empty when none fits. Each dimension's first value is the
+    backend's "no split", which a format over the budget never fits with."""
     kept: dict[str, list[Any]] = {}
     for key, values in backend.offload_space(weights, ctx).items():
         fits = []
-        for value in values:
+        for value in values[1:]:
             found = judge.lightest(TrialConfig(backend.name, weights, shortest, 1), [*params, Param(key, (value,))])
             if found is not None and found[1].admitted:
                 fits.append(value)

@@ -160,7 +160,8 @@ class Splitter(GgufMaker):
         return params
 
     def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
-        return {"experts": [1], "gpu_layers": [28, 21, 14, 7, 0]}  # no value of the first fits: the next is offered
+        # no value of the first dimension fits: the next is offered; each starts with "no split"
+        return {"experts": [0, 1], "gpu_layers": ["all", 28, 21, 14, 7, 0]}
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         total = weights_for(ctx.model, config.weights).total_bytes
@@ -181,7 +182,8 @@ def test_a_format_too_large_whole_is_offered_split(seven_b, tmp_path):
         # counts whose lightest configuration fits; the formats that fit whole need none of them
         assert "gguf:F16" in draft.candidates["splitter"]
         assert not any("gguf:F16" in why for why in draft.left_out)
-        assert draft.space["gpu_layers"] == [21, 14, 7, 0]
+        # "all" too, for the formats that fit whole (Q8_0 and below share the space)
+        assert draft.space["gpu_layers"] == ["all", 21, 14, 7, 0]
         (why,) = draft.offload
         assert why.startswith("splitter gguf:F16: does not fit whole (splitter: weights gguf:F16 never fit")
         assert why.endswith("fits with gpu_layers in [21, 14, 7, 0]")
@@ -189,7 +191,7 @@ def test_a_format_too_large_whole_is_offered_split(seven_b, tmp_path):
         text = render(draft, out)
         out.write_text(text)
         assert "# Too large for the card whole, so split between the card and host memory" in text
-        assert "gpu_layers = [21, 14, 7, 0]" in text
+        assert 'gpu_layers = ["all", 21, 14, 7, 0]' in text
         prepared = prepare_study(load_study_config(out))
         assert prepared.contexts["splitter"].source == seven_b
 
@@ -211,5 +213,5 @@ def test_llama_server_offers_experts_first_for_a_mixture_of_experts():
 
     b = LlamaServerBackend()
     moe = b.offload_space("gguf:Q4_K_M", ctx(n_experts=128, n_experts_used=8, expert_ffn_size=768))
-    assert list(moe) == ["n_cpu_moe", "gpu_layers"] and moe["n_cpu_moe"] == [6, 12, 18, 24, 30, 36, 42, 48]
-    assert b.offload_space("gguf:Q4_K_M", ctx()) == {"gpu_layers": [48, 42, 36, 30, 24, 18, 12, 6, 0]}
+    assert list(moe) == ["n_cpu_moe", "gpu_layers"] and moe["n_cpu_moe"] == [0, 6, 12, 18, 24, 30, 36, 42, 48]
+    assert b.offload_space("gguf:Q4_K_M", ctx()) == {"gpu_layers": ["all", 48, 42, 36, 30, 24, 18, 12, 6, 0]}

@@ -288,14 +288,15 @@ class LlamaServerBackend(BaseBackend):
         experts first ``n_cpu_moe`` (its experts are most of its bytes and least of its reads per
         token: 4.4x decode lost with every expert on the host, against 19x for every dense layer,
         bench/results/offload_probe_h200), then ``gpu_layers`` from every layer down to none, in
-        about 8 steps (the judge keeps those that fit the card and host memory)."""
+        about 8 steps (the judge keeps those that fit the card and host memory); each starts with
+        the value that splits nothing (0, "all")."""
         # A format has the source's shape, made or not (and without asking for the engine).
         model = ctx.model if is_format(weights, self.weight_formats) else self._model_for(weights, ctx)
         n = model.n_layers
         step = max(1, n // 8)
-        layers = sorted({*range(n, 0, -step), 0}, reverse=True)
+        layers = ["all", *sorted({*range(n, 0, -step), 0}, reverse=True)]
         if model.is_moe:
-            return {"n_cpu_moe": sorted({*range(step, n, step), n}), "gpu_layers": layers}
+            return {"n_cpu_moe": sorted({0, *range(step, n, step), n}), "gpu_layers": layers}
         return {"gpu_layers": layers}
 
     # -------------------------------------------------------------- the command line
