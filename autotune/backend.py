@@ -254,8 +254,10 @@ class MemoryEstimate:
         buffers_bytes: Compute/activation buffers the engine allocates.
         overhead_bytes: CUDA context and allocator slack.
         host_bytes: What the configuration keeps in host memory instead (spilled layers,
-            embeddings an engine keeps on the CPU).
+            embeddings an engine keeps on the CPU, the KV cache of layers left there).
         notes: Why a figure is what it is, for the trial record.
+        host_buffers_bytes: Buffers the engine allocates in host memory beside those (pinned
+            staging or the host's compute buffer): host memory the configuration needs too.
     """
 
     weights_bytes: int
@@ -264,6 +266,7 @@ class MemoryEstimate:
     overhead_bytes: int
     host_bytes: int = 0
     notes: tuple[str, ...] = ()
+    host_buffers_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -276,6 +279,7 @@ class MemoryEstimate:
             "buffers_bytes": self.buffers_bytes,
             "overhead_bytes": self.overhead_bytes,
             "host_bytes": self.host_bytes,
+            "host_buffers_bytes": self.host_buffers_bytes,
             "total_bytes": self.total_bytes,
             "notes": list(self.notes),
         }
@@ -492,6 +496,17 @@ class BaseBackend(abc.ABC):
         """
         launch = self.default_launch(weights, ctx)
         return [] if launch is None else [launch]
+
+    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+        """Dimensions that let ``weights`` run when they do not fit the card whole: ``[space]``
+        keys of this backend's ``parameters`` with candidate values (layers on the GPU, experts
+        kept in host memory...), in order of preference, each list starting with the value that
+        splits nothing (``"all"`` layers, no experts on the host). ``autotune init`` asks for
+        them when a format's lightest configuration is over the budget, offers the first
+        dimension with values the judge admits (those values, and the first one too when another
+        format of the backend fits whole), and says so in a comment. Empty (the default): the
+        engine cannot split a model."""
+        return {}
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""

@@ -63,6 +63,12 @@ class WeightsBreakdown:
             embeddings in GGUF). An engine that keeps embeddings on the host still needs the
             matrix on the GPU as the head: llama.cpp loads it a second time there
             (``TENSOR_DUPLICATED`` in src/llama-model.cpp), so :attr:`gpu_bytes` counts it.
+        per_layer_expert_bytes: Of each layer's bytes, its routed experts' matrices (a mixture
+            of experts' ``ffn_{gate,up,down}_exps``): what an engine can keep in host memory
+            apart from the rest of the layer. Empty for a dense model (or an unknown split).
+        per_layer_largest_bytes: Each layer's largest single matrix: what an engine that runs a
+            host-resident layer's big batches on the GPU must stage there at once.
+        per_layer_largest_expert_bytes: Each layer's largest expert matrix, likewise.
     """
 
     embedding_bytes: int
@@ -71,6 +77,18 @@ class WeightsBreakdown:
     other_bytes: int
     embedding_on_gpu: bool = True
     head_is_embedding: bool = False
+    per_layer_expert_bytes: tuple[int, ...] = ()
+    per_layer_largest_bytes: tuple[int, ...] = ()
+    per_layer_largest_expert_bytes: tuple[int, ...] = ()
+
+    def expert_bytes(self, layer: int) -> int:
+        """Bytes of layer ``layer``'s routed-expert matrices (0 for a dense model)."""
+        return self.per_layer_expert_bytes[layer] if layer < len(self.per_layer_expert_bytes) else 0
+
+    def largest_bytes(self, layer: int, experts_only: bool = False) -> int:
+        """Layer ``layer``'s largest matrix (of its experts only, with ``experts_only``); 0 unknown."""
+        found = self.per_layer_largest_expert_bytes if experts_only else self.per_layer_largest_bytes
+        return found[layer] if layer < len(found) else 0
 
     @property
     def layers_bytes(self) -> int:
@@ -106,7 +124,13 @@ class WeightsBreakdown:
         out = math.floor(self.output_bytes * k)
         layers = tuple(math.floor(b * k) for b in self.per_layer_bytes)
         other = total_bytes - emb - out - sum(layers)
-        return WeightsBreakdown(emb, out, layers, other, self.embedding_on_gpu, self.head_is_embedding)
+
+        def scaled(values: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(math.floor(b * k) for b in values)
+
+        return WeightsBreakdown(emb, out, layers, other, self.embedding_on_gpu, self.head_is_embedding,
+                                scaled(self.per_layer_expert_bytes), scaled(self.per_layer_largest_bytes),
+                                scaled(self.per_layer_largest_expert_bytes))
 
 
 def safetensors_dir_weights(path: str | os.PathLike[str], tied: bool | None = None) -> WeightsBreakdown:

@@ -435,6 +435,16 @@ def _meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory (``/proc/meminfo`` MemTotal, else sysconf): what a
+    configuration's host-resident part (layers or experts left on the host, their KV cache,
+    pinned buffers) is checked against, whatever the engine."""
+    total = _meminfo_bytes("MemTotal")
+    if total is None:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -455,9 +465,7 @@ def cpu_spec() -> GpuSpec:
     buffers all live there, and the study's memory budget is checked against it. The speed
     figures are assumptions, as for an unknown card; nothing here pretends to be a GPU model.
     """
-    total = _meminfo_bytes("MemTotal")
-    if total is None:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = host_memory_bytes()
     cores = os.cpu_count() or 1
     return GpuSpec(
         key=CPU_KEY,

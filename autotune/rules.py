@@ -20,7 +20,16 @@ and the card::
 
 Facts understood in ``unless``: ``head_dim_multiple_of`` (the model's head size is a multiple),
 ``min_compute_capability`` ("8.0": the card's is at least that; an unknown card passes),
-``ctx_within_model`` (true: ctx does not exceed the model's context length).
+``ctx_within_model`` (true: ctx does not exceed the model's context length), ``at_most`` (a
+list of ``[option, bound]`` pairs: each numeric option, when the configuration has it, is at
+most its bound, a number or the name of another option or of a fact)::
+
+    [[rule]]
+    name = "the micro-batch within the batch"
+    when = {}
+    unless = { at_most = [["ubatch", "batch"]] }
+
+A ``when`` key may also name a fact the backend supplies (``moe = [true]``); options win.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from autotune.errors import ConfigError
 
 __all__ = ["Rule", "load_rules", "violations"]
 
-FACTS = ("head_dim_multiple_of", "min_compute_capability", "ctx_within_model")
+FACTS = ("head_dim_multiple_of", "min_compute_capability", "ctx_within_model", "at_most")
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,10 @@ def load_rules(path: str | Path) -> list[Rule]:
         bad = set(unless) - set(FACTS) if isinstance(unless, dict) else {"(not a table)"}
         if bad:
             errors.append(f"{where}: unless {sorted(bad)}: not a known fact (known: {', '.join(FACTS)})")
+        elif "at_most" in unless and not (isinstance(unless["at_most"], list) and all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in unless["at_most"])):
+            errors.append(f"{where}: unless at_most must be a list of [option, bound] pairs "
+                          f"(bound: a number, or an option's or a fact's name)")
         for field in ("name", "reason", "source"):
             if not isinstance(raw.get(field), str) or not raw.get(field):
                 errors.append(f"{where}: {field} must be a non-empty string")
@@ -81,7 +94,7 @@ def load_rules(path: str | Path) -> list[Rule]:
     return rules
 
 
-def _excused(unless: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
+def _excused(unless: Mapping[str, Any], options: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
     if not unless:
         return False
     for fact, wanted in unless.items():
@@ -93,7 +106,29 @@ def _excused(unless: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
                 return False
         if fact == "ctx_within_model" and bool(wanted) and facts["ctx"] > facts["max_context"]:
             return False
+        if fact == "at_most" and not all(_at_most(option, bound, options, facts) for option, bound in wanted):
+            return False
     return True
+
+
+class _Known(dict):
+    """A reason's values; one the configuration does not have reads as "unset", not a KeyError."""
+
+    def __missing__(self, key: str) -> str:
+        return "unset"
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _at_most(option: str, bound: Any, options: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
+    """``options[option] <= bound``; true when the option is absent or not a number (``"all"``)."""
+    value = _number(options.get(option))
+    if value is None:
+        return True
+    limit = _number(bound) if not isinstance(bound, str) else _number({**facts, **options}.get(bound))
+    return limit is None or value <= limit
 
 
 def violations(rules: list[Rule], options: Mapping[str, Any], facts: Mapping[str, Any]) -> list[str]:
@@ -102,10 +137,13 @@ def violations(rules: list[Rule], options: Mapping[str, Any], facts: Mapping[str
     Args:
         rules: From :func:`load_rules`.
         options: Option name -> value.
-        facts: ``head_dim``, ``ctx``, ``max_context``, ``compute_capability`` (None: unknown).
+        facts: ``head_dim``, ``ctx``, ``max_context``, ``compute_capability`` (None: unknown), and
+            whatever else the backend's rules name (in ``when``, ``at_most`` and their reasons).
     """
     reasons = []
     for rule in rules:
-        if all(options.get(name) in values for name, values in rule.when.items()) and not _excused(rule.unless, facts):
-            reasons.append(rule.reason.format(**{**facts, **options}))
+        known = {**facts, **options}
+        if all(known.get(name) in values for name, values in rule.when.items()) and \
+                not _excused(rule.unless, options, facts):
+            reasons.append(rule.reason.format_map(_Known({**facts, **options})))
     return reasons

@@ -14,6 +14,9 @@ study that validates and runs as it is:
   the study's pre-search screen would print;
 * ctx values from one request's length up to the model's own limit, parallel 1..16, and the
   options each engine searches by default (its cache types, flash attention);
+* for a format too large for the card whole, the dimensions its backend splits a model with
+  (``offload_space``: layers on the GPU, experts kept in host memory), with the values the judge
+  admits, and a comment saying so; such a format is kept instead of left out;
 * quality ``kld`` against the source itself (its full-precision format, the largest candidate)
   when the source is full precision and the metric can score the backend.
 
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import hardware, plugins
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.backend import Param, StudyContext, TrialConfig, Workload
 from autotune.config import SAFETY_MARGIN_MIB
 from autotune.declarations import installed_weight_formats
 from autotune.errors import AutotuneError, ConfigError
@@ -71,6 +74,7 @@ class StudyDraft:
     quality: str | None = None
     notes: list[str] = field(default_factory=list)
     budget: Budget | None = None  # what the study's judge will allow, as init judged with it
+    offload: list[str] = field(default_factory=list)  # formats kept only split between card and host
 
 
 def _ctx_values(model: ModelSpec, sequence: int) -> list[int]:
@@ -147,6 +151,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                           f"ctx a study searches ({MIN_CTX})")
 
     ctx_of: dict[str, StudyContext] = {}
+    offload: dict[str, list[Any]] = {}
     formats, full_precision_formats = offered_formats()
     for backend_name, backend in plugins.get_backends().items():
         if backend.is_model:
@@ -164,6 +169,8 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             return judge.lightest(TrialConfig(backend_name, weights, draft.ctx[0], 1), params)
 
         kept: list[str] = []
+        mine: dict[str, list[Any]] = {}  # this backend's split values
+        whole = False  # whether one of its formats fits the card whole
         for fmt in formats:
             try:
                 recipe = backend.artifact_recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
@@ -176,9 +183,24 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             if found is not None and found[1].kind == INVALID:
                 draft.left_out.append(f"{backend_name} {fmt}: {'; '.join(found[1].reasons)}")
             elif found is not None and found[1].kind != ADMITTED:
-                draft.left_out.append(f"{judge.never_fits(*found)} = {budget.describe()}")
+                split = {} if spec.is_cpu else _offload_values(backend, judge, fmt, ctx, draft.ctx[0], params)
+                if split:
+                    kept.append(fmt)
+                    for key, values in split.items():
+                        mine.setdefault(key, [backend.offload_space(fmt, ctx)[key][0]])  # its "no split" first
+                        mine[key] += [v for v in values if v not in mine[key]]
+                    draft.offload.append(f"{backend_name} {fmt}: does not fit whole ({judge.never_fits(*found)}); "
+                                         "fits with " + ", ".join(f"{k} in {_toml_value(v)}" for k, v in split.items()))
+                else:
+                    draft.left_out.append(f"{judge.never_fits(*found)} = {budget.describe()}")
             else:
                 kept.append(fmt)
+                whole = True
+        # The space is shared by this backend's formats: one that fits whole keeps its whole
+        # configuration (the dimension's first value, the backend's "no split") among the values.
+        for key, (first, *values) in mine.items():
+            offload.setdefault(key, [])
+            offload[key] += [v for v in ([first] if whole else []) + values if v not in offload[key]]
         if not any(fmt in full_precision_formats for fmt in kept) and backend.check_weights(str(source), ctx) is None:
             # No full-precision format of its own, but it loads the source as it is (ExLlamaV2 an
             # FP16 directory): the source is its quality reference, when it fits.
@@ -198,6 +220,9 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         for p in plugins.get_backend(backend_name).parameters({}):
             values = space.setdefault(p.name, [])
             values += [v for v in p.choices if v not in values]
+    # The values that let a format too large for the card run split (the backend's offload_space):
+    # a format that fits whole runs with none of them named, as before.
+    space.update(offload)
     draft.space = space
 
     full_precision = any(fmt in full_precision_formats or fmt == str(source)
@@ -217,6 +242,25 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         else:
             draft.quality = QUALITY_METRIC
     return draft
+
+
+def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyContext, shortest: int,
+                    params: list[Any]) -> dict[str, list[Any]]:
+    """Of the backend's ``offload_space`` for ``weights``, the first dimension (in the backend's
+    order of preference) with values whose lightest configuration (shortest ctx, one slot) the
+    judge admits, and those values; empty when none fits. Each dimension's first value is the
+    backend's "no split", which a format over the budget never fits with."""
+    kept: dict[str, list[Any]] = {}
+    for key, values in backend.offload_space(weights, ctx).items():
+        fits = []
+        for value in values[1:]:
+            found = judge.lightest(TrialConfig(backend.name, weights, shortest, 1), [*params, Param(key, (value,))])
+            if found is not None and found[1].admitted:
+                fits.append(value)
+        if fits:
+            kept[key] = fits
+            break
+    return kept
 
 
 def _toml_value(v: Any) -> str:
@@ -271,6 +315,12 @@ def render(draft: StudyDraft, out: Path) -> str:
     if draft.left_out:
         lines.append("# Left out:")
         for why in draft.left_out:
+            lines += ["#   " + line for line in why.splitlines()]
+        lines.append("")
+    if draft.offload:
+        lines.append("# Too large for the card whole, so split between the card and host memory: the values")
+        lines.append("# below that the memory model says fit (at the shortest ctx, one slot):")
+        for why in draft.offload:
             lines += ["#   " + line for line in why.splitlines()]
         lines.append("")
     lines += ["[space]", f"ctx = {_toml_value(draft.ctx)}  # up to the model's context, {draft.model.max_context}",

@@ -138,6 +138,8 @@ class GraphBuffers:
         mask_bytes: Bytes per mask value with unfused attention.
         mask_bytes_fused: Bytes per mask value with fused (flash) attention.
         source: What the coefficients were calibrated on.
+        moe_ffn_coef: ``ffn_coef`` of a mixture of experts, where the engine's expert kernel
+            keeps more MLP-wide copies alive (None: the same as a dense model's).
     """
 
     ffn_coef: float
@@ -147,6 +149,7 @@ class GraphBuffers:
     mask_bytes: int = 4
     mask_bytes_fused: int = 2
     source: str = ""
+    moe_ffn_coef: float | None = None
 
     def bytes(self, model: ModelSpec, cells_per_sequence: int, ubatch: int, flash_attn: bool) -> int:
         """The buffer for one configuration.
@@ -158,7 +161,8 @@ class GraphBuffers:
             flash_attn: Fused attention (no score matrix, a half-size mask).
         """
         mask = cells_per_sequence * ubatch * (self.mask_bytes_fused if flash_attn else self.mask_bytes)
-        mlp = ubatch * (self.ffn_coef * model.mlp_width + self.hidden_coef * model.hidden_size) * self.act_bytes
+        ffn_coef = self.moe_ffn_coef if model.is_moe and self.moe_ffn_coef is not None else self.ffn_coef
+        mlp = ubatch * (ffn_coef * model.mlp_width + self.hidden_coef * model.hidden_size) * self.act_bytes
         peak = mlp
         if not flash_attn:
             scores = ubatch * cells_per_sequence * model.n_heads * 4

@@ -80,3 +80,31 @@ def test_llama_servers_rules_file_loads():
     rules = load_rules(Path(plugin.__file__).with_name("rules.toml"))
     assert {r.name for r in rules} >= {"quantized V cache needs flash attention", "the cache block must divide the head size"}
     assert all(r.source for r in rules)
+
+
+def test_at_most_bounds_an_option_by_a_number_an_option_or_a_fact(tmp_path):
+    rules = load_rules(write(tmp_path, """
+[[rule]]
+name = "layers"
+when = { moe = [true] }
+unless = { at_most = [["experts_off", "n_layers"], ["ubatch", "batch"], ["slots", 4]] }
+reason = "too many: {experts_off} of {n_layers}, ub {ubatch}, b {batch}"
+source = "test"
+"""))
+    facts = {**FACTS, "moe": True, "n_layers": 4, "batch": 2048}
+    assert violations(rules, {}, facts) == []  # absent options are within any bound
+    assert violations(rules, {"experts_off": 4, "ubatch": 2048, "slots": 4}, facts) == []
+    assert violations(rules, {"experts_off": 5, "ubatch": 512}, facts) == ["too many: 5 of 4, ub 512, b 2048"]
+    assert len(violations(rules, {"ubatch": 512, "batch": 256}, facts)) == 1  # the option beats the fact
+    assert violations(rules, {"slots": 5}, facts) == ["too many: unset of 4, ub unset, b 2048"]
+    assert violations(rules, {"experts_off": "all"}, facts) == []  # not a number: no bound applies
+    assert violations(rules, {"experts_off": 9}, {**facts, "moe": False}) == []  # `when` reads the facts too
+    with pytest.raises(ConfigError, match=r"unless at_most must be a list of \[option, bound\] pairs"):
+        load_rules(write(tmp_path, """
+[[rule]]
+name = "bad"
+when = {}
+unless = { at_most = ["ubatch", "batch"] }
+reason = "r"
+source = "s"
+"""))

@@ -145,3 +145,73 @@ def test_a_backend_that_loads_the_source_itself_takes_it_as_its_reference(seven_
         assert '"gguf:Q4_0", "Qwen2.5-7B"]' in out.read_text()
         prepared = prepare_study(load_study_config(out))
         assert prepared.space.entries["source-loader"].weights[-1] == "Qwen2.5-7B"
+
+
+class Splitter(GgufMaker):
+    """A GgufMaker that can keep layers in host memory: ``gpu_layers`` of 28 on the card."""
+
+    name = "splitter"
+    engine = "splitter-engine"
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        params = super().parameters(space)
+        if "gpu_layers" in space:
+            params.append(Param("gpu_layers", tuple(v for v in space["gpu_layers"] if v == "all" or type(v) is int)))
+        return params
+
+    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+        # no value of the first dimension fits: the next is offered; each starts with "no split"
+        return {"experts": [0, 1], "gpu_layers": ["all", 28, 21, 14, 7, 0]}
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        total = weights_for(ctx.model, config.weights).total_bytes
+        share = {None: 28, "all": 28}.get(config.option("gpu_layers"), config.option("gpu_layers"))
+        return MemoryEstimate(total * share // 28, 0, 2**30, 0, host_bytes=total - total * share // 28)
+
+
+def test_a_format_too_large_whole_is_offered_split(seven_b, tmp_path):
+    class Plugin2:
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(Splitter())
+
+    with plugin_registered(Plugin2, "splitter"):
+        draft = draft_study(str(seven_b), gpu="t4")
+        # F16 (14.19 GiB of weights + 1 GiB) does not fit 14.75 GiB whole: kept, with the layer
+        # counts whose lightest configuration fits; the formats that fit whole need none of them
+        assert "gguf:F16" in draft.candidates["splitter"]
+        assert not any("gguf:F16" in why for why in draft.left_out)
+        # "all" too, for the formats that fit whole (Q8_0 and below share the space)
+        assert draft.space["gpu_layers"] == ["all", 21, 14, 7, 0]
+        (why,) = draft.offload
+        assert why.startswith("splitter gguf:F16: does not fit whole (splitter: weights gguf:F16 never fit")
+        assert why.endswith("fits with gpu_layers in [21, 14, 7, 0]")
+        out = tmp_path / "study.toml"
+        text = render(draft, out)
+        out.write_text(text)
+        assert "# Too large for the card whole, so split between the card and host memory" in text
+        assert 'gpu_layers = ["all", 21, 14, 7, 0]' in text
+        prepared = prepare_study(load_study_config(out))
+        assert prepared.contexts["splitter"].source == seven_b
+
+
+def test_llama_server_offers_experts_first_for_a_mixture_of_experts():
+    from autotune.models import ModelSpec
+    from autotune_plugins.llama_server.backend import LlamaServerBackend
+
+    def ctx(**moe) -> StudyContext:
+        from autotune.backend import Workload
+        from autotune.hardware import get_gpu
+        from autotune.measure import Protocol
+
+        model = ModelSpec(key="m", name="m", architecture="qwen3moe", n_layers=48, hidden_size=2048, n_heads=32,
+                          n_kv_heads=4, head_dim=128, ffn_size=6144, vocab_size=151936, n_params=1, tie_embeddings=False,
+                          max_context=32768, source="test", **moe)
+        return StudyContext(gpu=get_gpu("t4"), model=model, workload=Workload(64, 16), vram_budget_bytes=2**30,
+                            protocol=Protocol(), source=Path("/nonexistent"))
+
+    b = LlamaServerBackend()
+    moe = b.offload_space("gguf:Q4_K_M", ctx(n_experts=128, n_experts_used=8, expert_ffn_size=768))
+    assert list(moe) == ["n_cpu_moe", "gpu_layers"] and moe["n_cpu_moe"] == [0, 6, 12, 18, 24, 30, 36, 42, 48]
+    assert b.offload_space("gguf:Q4_K_M", ctx()) == {"gpu_layers": ["all", 48, 42, 36, 30, 24, 18, 12, 6, 0]}

@@ -1,7 +1,8 @@
 """The one judge of "can this configuration run, and be accepted, without launching it?".
 
 In order: the rules (the core's and the backend's ``check``), the memory model with what this
-study learned about it (the median of measured - predicted peaks, per backend), and an
+study learned about it (the median of measured - predicted peaks, per backend), the part a
+configuration leaves in host memory against this machine's memory, and an
 already-measured quality drop over the study's bound. The runner, the sampler's screening,
 the prior's ranking, the pre-search screen, the report's "why not a neighbour", ``autotune
 init`` (which formats can fit) and ``autotune estimate`` all ask this judge, with the budget
@@ -10,10 +11,12 @@ init`` (which formats can fit) and ``autotune estimate`` all ask this judge, wit
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
+from autotune import hardware
 from autotune import objective as objective_mod
 from autotune import vram
 from autotune.backend import MemoryEstimate, StudyContext, TrialConfig
@@ -84,6 +87,14 @@ class Verdict:
     @property
     def admitted(self) -> bool:
         return self.kind == ADMITTED
+
+
+def _lighter(a: Verdict, b: Verdict) -> bool:
+    """Whether ``a`` is the lighter of two verdicts with estimates: one the judge admits before
+    one it refuses (a split that fits the card can still be over host memory), then the smaller
+    footprint on the card."""
+    assert a.estimate is not None and b.estimate is not None
+    return (not a.admitted, a.estimate.total_bytes) < (not b.admitted, b.estimate.total_bytes)
 
 
 def _gib(n: int) -> str:
@@ -164,7 +175,22 @@ class Admission:
                       f"overhead {_gib(e.overhead_bytes)} GiB)")
             over = objective_mod.vram_constraint(e.total_bytes, budget)
             return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
+        host = estimate.host_bytes + estimate.host_buffers_bytes
+        # On the CPU the budget above is host memory already; on a GPU what the card does not
+        # hold (layers or experts left on the host, their cache, pinned buffers) must fit the host.
+        if host and not getattr(ctx.gpu, "is_cpu", False) and host > self.host_memory_bytes:
+            e = estimate
+            reason = (f"infeasible: predicted {_gib(host)} GiB in host memory > {_gib(self.host_memory_bytes)} GiB "
+                      f"(this machine's memory; weights and KV left on the host {_gib(e.host_bytes)}, host "
+                      f"buffers {_gib(e.host_buffers_bytes)} GiB)")
+            over = objective_mod.vram_constraint(host, self.host_memory_bytes)
+            return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
         return Verdict(ADMITTED, None, estimate, raw)
+
+    @functools.cached_property
+    def host_memory_bytes(self) -> int:
+        """This machine's memory, which a configuration's host part must fit (read once)."""
+        return hardware.host_memory_bytes()
 
     def _known_low_quality(self, config: TrialConfig) -> Verdict | None:
         limit = self.objective.max_drop_points
@@ -187,8 +213,9 @@ class Admission:
     def lightest(self, base: TrialConfig, params: "tuple[Param, ...] | list[Param]"
                  ) -> tuple[TrialConfig, Verdict] | None:
         """Of ``base`` under each combination of ``params``' choices, the one the rules accept
-        with the smallest footprint (learned correction included), and its verdict; when the
-        rules accept none, the last one and its ``invalid`` verdict (None: no combination)."""
+        with the smallest footprint (learned correction included; an admitted one first), and its
+        verdict; when the rules accept none, the last one and its ``invalid`` verdict (None: no
+        combination)."""
         best: tuple[TrialConfig, Verdict] | None = None
         refused: tuple[TrialConfig, Verdict] | None = None
         for combo in itertools.product(*(p.choices for p in params)):
@@ -196,7 +223,7 @@ class Admission:
             verdict = self.judge(config)
             if verdict.estimate is None:
                 refused = (config, verdict)
-            elif best is None or verdict.estimate.total_bytes < best[1].estimate.total_bytes:  # type: ignore[union-attr]
+            elif best is None or _lighter(verdict, best[1]):
                 best = (config, verdict)
         return best or refused
 
@@ -204,6 +231,9 @@ class Admission:
         """Why weights never fit, from their lightest configuration's verdict (``lightest``)."""
         e, budget = verdict.estimate, self.contexts[config.backend].vram_budget_bytes
         assert e is not None
+        if e.total_bytes <= budget:  # the card would hold it: host memory would not
+            return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
+                    f"is {verdict.reason}")
         return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
                 f"needs {_gib(e.total_bytes)} GiB (weights {_gib(e.weights_bytes)}) > budget {_gib(budget)} GiB")
 

@@ -6,7 +6,12 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   (``gguf:Q4_K_M``) made from the study's ``[model] source`` when a trial first needs them
   (:mod:`autotune.artifacts`, recipes in :mod:`~autotune_plugins.llama_server.recipes`);
 * ``check`` refuses what llama.cpp refuses (a quantized V cache without flash attention, a
-  quantized cache whose block does not divide the head size, a context beyond the model's);
+  quantized cache whose block does not divide the head size, a context beyond the model's) or
+  would ignore or clamp (``n_cpu_moe`` on a dense model or beyond the layers, ``gpu_layers``
+  beyond the layers + 1, ``ubatch`` above ``batch``);
+* ``[space]`` may name ``gpu_layers``, ``n_cpu_moe``, ``ubatch`` and ``batch`` (-ngl,
+  --n-cpu-moe, -ub, -b): a model too large for the card, split between it and host memory; a
+  space without them launches as before;
 * ``estimate_memory`` reads the file's real tensor bytes and adds llama-server's KV layout,
   compute buffer and CUDA context (:mod:`~autotune_plugins.llama_server.memory`);
 * ``run`` starts ``llama-server`` in its own process session with the argument list
@@ -71,7 +76,7 @@ UNITS = SERVING_UNITS
 # libllama's INFO lines (buffer sizes, offloaded layers) print at llama-server's "trace" level, 4
 # (common/log.cpp, common_log_get_verbosity); the default, 3, leaves them out.
 STARTUP_LOG_VERBOSITY = 4
-# Start-up facts that depend only on the weights file, -ngl and the devices (with --fit off):
+# Start-up facts that depend only on the weights file, -ngl, --n-cpu-moe and the devices (--fit off):
 # true of every configuration of that file, unlike the cache and compute buffers.
 WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers", "spilled"})
 # (weights file, its mtime and size, -ngl, devices, binary, default-launch config) ->
@@ -134,7 +139,8 @@ class LlamaServerBackend(BaseBackend):
         Setting("threads", int, None, "CPU threads of the engine, -t (default: every core, os.cpu_count())",
                 check=_positive),
         Setting("gpu_layers", (str, int), "all", "layers on the GPU, -ngl: \"all\" (-ngl 999) or a number; "
-                                                 "0 on a machine without a GPU", check=_gpu_layers_problem),
+                                                 "0 on a machine without a GPU; a [space] gpu_layers overrides it",
+                check=_gpu_layers_problem),
         Setting("host", str, "127.0.0.1", "address llama-server listens on, --host (\"0.0.0.0\": every interface)",
                 check=_host_problem),
         Setting("port", int, 8080, "port of the deploy command, --port (trials use a free port)", check=_port_problem),
@@ -178,6 +184,19 @@ class LlamaServerBackend(BaseBackend):
         if "ubatch" in space:
             ub = tuple(v for v in space["ubatch"] if type(v) is int and v > 0)
             params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
+        # The offload dimensions (issue 27), only when the space names them: a study that does not
+        # keeps today's command line, the gpu_layers setting and no -b/--n-cpu-moe.
+        if "batch" in space:
+            b = tuple(v for v in space["batch"] if type(v) is int and v > 0)
+            params.append(Param("batch", b, "logical batch size (-b); ubatch <= batch", accepted=("any integer >= 1",)))
+        if "gpu_layers" in space:
+            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v >= 0))
+            params.append(Param("gpu_layers", ngl, "layers on the GPU (-ngl; \"all\" = -ngl 999): the output layer and "
+                                "the last N - 1 decoder layers", accepted=("\"all\"", "any integer >= 0")))
+        if "n_cpu_moe" in space:
+            moe = tuple(v for v in space["n_cpu_moe"] if type(v) is int and v >= 0)
+            params.append(Param("n_cpu_moe", moe, "layers whose routed experts stay in host memory (--n-cpu-moe: "
+                                "the first N)", accepted=("any integer >= 0",)))
         return params
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
@@ -257,21 +276,43 @@ class LlamaServerBackend(BaseBackend):
         options = {"cache_type": "f16", "flash_attn": True, **dict(config.options),
                    "ctx": config.ctx, "parallel": config.parallel}
         facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
-                 "compute_capability": getattr(ctx.gpu, "compute_capability", None)}
+                 "compute_capability": getattr(ctx.gpu, "compute_capability", None), "moe": model.is_moe,
+                 "n_layers": model.n_layers, "all_layers": model.n_layers + 1, "batch": memory.DEFAULT_BATCH}
         return violations(_rules(), options, facts)
 
     # -------------------------------------------------------------- memory
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         path = self._made(config.weights, ctx)
-        on_gpu = self.gpu_layers(ctx, self._on_gpu(ctx)) > 0
-        ub = config.option("ubatch")
+        ngl = self.layers_of(config, ctx, self._on_gpu(ctx))
+        # -ngl 0 from the setting: the estimate of a CPU run, as before the offload dimensions; a
+        # configuration that names gpu_layers 0 on a GPU still has a CUDA context and buffers.
+        on_gpu = self._on_gpu(ctx) and (ngl > 0 or config.option("gpu_layers") is not None)
+        ub, b = config.option("ubatch"), config.option("batch")
         # A format not made yet: its tensors as llama-quantize will write them, from the source's shape.
         weights = weights_for(ctx.model, config.weights, self.weight_formats) if path is None else gguf_file_weights(path)
         model = ctx.model if path is None else _model_of(path)
         return memory.estimate(model, weights, config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
-                               ubatch=int(ub) if ub is not None else None, gpu=on_gpu)
+                               ubatch=int(ub) if ub is not None else None, gpu=on_gpu,
+                               gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(config.option("n_cpu_moe", 0)),
+                               batch=int(b) if b is not None else None)
+
+    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+        """What ``autotune init`` may search when ``weights`` do not fit whole: for a mixture of
+        experts first ``n_cpu_moe`` (its experts are most of its bytes and least of its reads per
+        token: 4.4x decode lost with every expert on the host, against 19x for every dense layer,
+        bench/results/offload_probe_h200), then ``gpu_layers`` from every layer down to none, in
+        about 8 steps (the judge keeps those that fit the card and host memory); each starts with
+        the value that splits nothing (0, "all")."""
+        # A format has the source's shape, made or not (and without asking for the engine).
+        model = ctx.model if is_format(weights, self.weight_formats) else self._model_for(weights, ctx)
+        n = model.n_layers
+        step = max(1, n // 8)
+        layers = ["all", *sorted({*range(n, 0, -step), 0}, reverse=True)]
+        if model.is_moe:
+            return {"n_cpu_moe": sorted({0, *range(step, n, step), n}), "gpu_layers": layers}
+        return {"gpu_layers": layers}
 
     # -------------------------------------------------------------- the command line
 
@@ -288,6 +329,14 @@ class LlamaServerBackend(BaseBackend):
     def threads(self, ctx: StudyContext) -> int:
         return int(self.value(ctx, "threads") or os.cpu_count() or 1)
 
+    def layers_of(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool = True) -> int:
+        """``-ngl`` of ``config``: its ``gpu_layers`` when the space names it (as measured, so as
+        deployed, also on a CPU build, which ignores it), else the setting (:meth:`gpu_layers`)."""
+        value = config.option("gpu_layers")
+        if value is None:
+            return self.gpu_layers(ctx, has_gpu)
+        return 999 if value == "all" else int(value)
+
     def flags(self, config: TrialConfig, ngl: int) -> list[str]:
         cache = config.option("cache_type", "f16")
         out = ["-c", str(config.ctx * config.parallel), "-np", str(config.parallel), "-ngl", str(ngl),
@@ -295,6 +344,12 @@ class LlamaServerBackend(BaseBackend):
         ub = config.option("ubatch")
         if ub is not None:
             out += ["-ub", str(int(ub))]
+        b = config.option("batch")
+        if b is not None:
+            out += ["-b", str(int(b))]
+        moe = config.option("n_cpu_moe")
+        if moe is not None:
+            out += ["--n-cpu-moe", str(int(moe))]
         return out
 
     def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
@@ -318,7 +373,7 @@ class LlamaServerBackend(BaseBackend):
         # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
         # their own (startup_facts).
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                *self.flags(config, self.gpu_layers(ctx, has_gpu)), "-t", str(self.threads(ctx)),
+                *self.flags(config, self.layers_of(config, ctx, has_gpu)), "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
                 "--no-webui"]
 
@@ -505,7 +560,7 @@ class LlamaServerBackend(BaseBackend):
             st = path.stat()
         except OSError:
             return {}  # the measured launch says what is wrong with the file
-        ngl = self.gpu_layers(ctx, has_gpu)
+        ngl = (self.layers_of(config, ctx, has_gpu), config.option("n_cpu_moe", 0))
         key = (str(path.resolve()), st.st_mtime_ns, st.st_size, ngl, self.cuda_devices(ctx, has_gpu),
                str(self.binary(ctx).absolute()), config.key if config.option(ENGINE_DEFAULTS) else None)
         hit = _STARTUP_FACTS.get(key)

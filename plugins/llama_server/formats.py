@@ -10,6 +10,7 @@ types are llama-quantize's (:mod:`autotune_plugins.llama_server.quant`).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from autotune_plugins.llama_server.quant import GGML_TYPES, GGUF_FILE_TYPES, Ten
 
 __all__ = ["ACCEPTS", "bits_per_weight", "file_type", "format_of", "gguf_file_weights", "predict_gguf_weights", "quote"]
 
+# The routed experts' matrices, as common/arg.cpp's --n-cpu-moe override names them
+# ("blk\\.%d\\.ffn_(up|down|gate|gate_up)_(ch|)exps"); shared experts (``_shexp``) are not among them.
+_EXPERTS_RX = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps\b")
 ACCEPTS = f"gguf:<TYPE> with TYPE in {', '.join(GGUF_FILE_TYPES)}"
 
 
@@ -43,12 +47,25 @@ def _gguf_breakdown(tensors: Iterable[TensorPlan | GgufTensor], n_layers: int | 
     says (src/llama-model.cpp, load_tensors: "there is very little benefit to offloading the
     input layer, so always keep it on the CPU"). A file without ``output.weight`` ties the head
     to the embedding, which the engine then loads a second time on the GPU as the head.
+
+    Per layer it also counts the routed experts' matrices (``ffn_{gate,up,down}_exps``, and a
+    fused ``ffn_gate_up_exps``: what ``--n-cpu-moe`` keeps on the host, common/arg.cpp's
+    ``llm_ffn_exps_block_regex``) and the largest matrix, which a GPU build stages on the card to
+    run a host-resident layer's big batches (see :mod:`.memory`).
     """
     per_layer: dict[int, int] = {}
+    experts: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    largest_expert: dict[int, int] = {}
     emb = out = other = 0
     for t in tensors:
         if t.layer is not None:
             per_layer[t.layer] = per_layer.get(t.layer, 0) + t.n_bytes
+            if len(t.shape) >= 2:
+                largest[t.layer] = max(largest.get(t.layer, 0), t.n_bytes)
+            if _EXPERTS_RX.search(t.name):
+                experts[t.layer] = experts.get(t.layer, 0) + t.n_bytes
+                largest_expert[t.layer] = max(largest_expert.get(t.layer, 0), t.n_bytes)
         elif t.name == "token_embd.weight":
             emb += t.n_bytes
         elif t.name == "output.weight":
@@ -57,7 +74,13 @@ def _gguf_breakdown(tensors: Iterable[TensorPlan | GgufTensor], n_layers: int | 
             other += t.n_bytes
     count = n_layers if n_layers is not None else max(per_layer, default=-1) + 1
     layers = tuple(per_layer.get(i, 0) for i in range(count))
-    return WeightsBreakdown(emb, out, layers, other, embedding_on_gpu=False, head_is_embedding=head_is_embedding)
+
+    def by_layer(found: dict[int, int]) -> tuple[int, ...]:
+        return tuple(found.get(i, 0) for i in range(count)) if found else ()
+
+    return WeightsBreakdown(emb, out, layers, other, embedding_on_gpu=False, head_is_embedding=head_is_embedding,
+                            per_layer_expert_bytes=by_layer(experts), per_layer_largest_bytes=by_layer(largest),
+                            per_layer_largest_expert_bytes=by_layer(largest_expert))
 
 
 def predict_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:

@@ -250,6 +250,10 @@ def _gguf_type_name(file_type: str) -> str:
     return name
 
 
+# Architectures whose attention normalizes q and k per head (two [head_dim] F32 norms per layer).
+_QK_NORM_ARCHS = frozenset({"qwen3", "qwen3moe"})
+
+
 def gguf_tensor_plan(model: ModelSpec, file_type: str) -> list[TensorPlan]:
     """Lists the tensors of ``model`` in a GGUF file of ``file_type``, with type and size.
 
@@ -294,7 +298,20 @@ def gguf_tensor_plan(model: ModelSpec, file_type: str) -> list[TensorPlan]:
             add(f"blk.{i}.attn_k.bias", i, (kv,), None)
             add(f"blk.{i}.attn_v.bias", i, (kv,), None)
         add(f"blk.{i}.attn_output.weight", i, (q, h), "attn_output")
+        if model.architecture in _QK_NORM_ARCHS:
+            add(f"blk.{i}.attn_k_norm.weight", i, (model.head_dim,), None)
+            add(f"blk.{i}.attn_q_norm.weight", i, (model.head_dim,), None)
         add(f"blk.{i}.ffn_norm.weight", i, (h,), None)
+        if model.is_moe:
+            e, fe = model.n_experts, model.expert_ffn_size
+            # The router stays F32: llama-quantize never quantizes ffn_gate_inp. The merged
+            # expert tensors take the dense rules of their names ("ffn_down" matches
+            # ffn_down_exps, counted once per layer).
+            add(f"blk.{i}.ffn_gate_inp.weight", i, (h, e), None)
+            add(f"blk.{i}.ffn_gate_exps.weight", i, (h, fe, e), "ffn_gate")
+            add(f"blk.{i}.ffn_down_exps.weight", i, (fe, h, e), "ffn_down")
+            add(f"blk.{i}.ffn_up_exps.weight", i, (h, fe, e), "ffn_up")
+            continue
         add(f"blk.{i}.ffn_gate.weight", i, (h, f), "ffn_gate")
         add(f"blk.{i}.ffn_up.weight", i, (h, f), "ffn_up")
         add(f"blk.{i}.ffn_down.weight", i, (f, h), "ffn_down")

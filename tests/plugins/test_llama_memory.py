@@ -54,6 +54,7 @@ CASES = [
     ("qwen-f16-Q5_K_M.gguf", 2048, 1, "q4_0", True, 512),
     ("moe-f16.gguf", 2048, 1, "f16", True, 512),
     ("moe-f16-Q8_0.gguf", 4096, 2, "f16", False, 256),
+    ("moe-f16-Q6_K.gguf", 1024, 3, "q8_0", True, 128),
 ]
 
 
