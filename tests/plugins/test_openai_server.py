@@ -13,10 +13,9 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 import optuna
@@ -30,7 +29,7 @@ from autotune.measure.openai_api import ServerCounters, disagreements, parse_pro
 from autotune.models import model_from_gguf
 from autotune.scoring import ScoringUnsupportedError
 from autotune.study.records import TrialRecord
-from tests.engine_fixtures import STORIES, llama_cpp_module, llama_server_binary
+from tests.engine_fixtures import STORIES, RecordedRequests, llama_cpp_module, llama_server_binary
 from tests.plugins.test_cpu_tiny_study import TINY
 from tests.plugins.test_llama_server_backend import servers_on
 
@@ -284,44 +283,6 @@ def test_a_server_that_refuses_its_command_fails_with_its_own_log(study_dir):
     assert servers_on(study_dir) == []
 
 
-class _Requests:
-    """Every streamed request a backend sends (``post_events``, which both request paths use):
-    its body, the server's own count of the prompt and output tokens it processed for it (the
-    final event's ``timings`` on llama-server's /completion, ``usage`` on /v1/completions), and
-    how many were open at once."""
-
-    def __init__(self, original: Any):
-        self.original, self.sent, self.open, self.most_open = original, [], 0, 0
-        self.lock = threading.Lock()
-
-    def __call__(self, http: Any, url: str, body: Mapping[str, Any], *args: Any, **kwargs: Any) -> Iterator[str]:
-        counted: dict[str, Any] = {"body": dict(body)}
-        self.sent.append(counted)
-        events = self.original(http, url, body, *args, **kwargs)
-
-        def read() -> Iterator[str]:
-            with self.lock:
-                self.open += 1
-                self.most_open = max(self.most_open, self.open)
-            try:
-                for payload in events:
-                    event = json.loads(payload) if payload.strip().startswith("{") else {}
-                    if event.get("timings"):
-                        counted.update(prompt=event["timings"].get("prompt_n"), output=event["timings"]["predicted_n"])
-                    if event.get("usage"):
-                        counted.update(prompt=event["usage"]["prompt_tokens"], output=event["usage"]["completion_tokens"])
-                    yield payload
-            finally:
-                events.close()
-                with self.lock:
-                    self.open -= 1
-
-        return read()
-
-    def counts(self) -> set[tuple[Any, Any]]:
-        return {(r.get("prompt"), r.get("output")) for r in self.sent}
-
-
 # The flags of a llama-server command that change its speed, by every spelling llama-server takes.
 SPEED_FLAGS = {"-t": "threads", "--threads": "threads", "-c": "ctx", "--ctx-size": "ctx", "-np": "slots",
                "--parallel": "slots", "-ctk": "cache_k", "--cache-type-k": "cache_k", "-ctv": "cache_v",
@@ -356,7 +317,7 @@ def test_both_backends_send_the_native_backend_the_same_load(study_dir, monkeypa
     # one core with whatever else runs there, and the gap measured the pinning (seen: 0.73).
     native_ctx = replace(make_ctx(study_dir, threads=1, pin_cores=False, startup_timeout_s=30, model=tiny),
                          protocol=runs, workload=workload)
-    sent = {"openai-server": _Requests(openai_api.post_events), "llama-server": _Requests(llama_backend.post_events)}
+    sent = {"openai-server": RecordedRequests(openai_api.post_events), "llama-server": RecordedRequests(llama_backend.post_events)}
     monkeypatch.setattr(openai_api, "post_events", sent["openai-server"])
     monkeypatch.setattr(llama_backend, "post_events", sent["llama-server"])
     measured = {
