@@ -23,6 +23,7 @@ A backend never decides scores or constraints: that is ``autotune.objective``'s 
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import re
 import shlex
@@ -179,7 +180,7 @@ class TrialConfig:
         out.update(dict(self.options))
         return out
 
-    @property
+    @functools.cached_property  # asked of each configuration of the space at every fallback draw
     def key(self) -> str:
         """Canonical text of the configuration: equal keys are the same thing to measure."""
         return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))

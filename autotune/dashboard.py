@@ -7,10 +7,17 @@ memory predicted and measured, the deploy command, why it was pruned or failed),
 study's holds the summary. A failed trial's engine log is attached as an artifact of the study
 (a finished trial's own attributes cannot change) where the storage is a file with room beside
 it for artifacts.
+
+The notes are written here in optuna-dashboard's own layout (``save_note``'s: a version and the
+body in chunks, as study system attributes), in one transaction each: its ``save_note`` reads
+every attribute of the study twice per note, and importing optuna-dashboard (its server, plots
+and parameter importance, with scikit-learn and pandas) was a second of every study that never
+serves a page. tests/test_dashboard_notes.py reads them back with optuna-dashboard's reader.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import tempfile
 from pathlib import Path
@@ -19,9 +26,11 @@ from typing import Any
 import optuna
 
 from autotune.study import storage as storage_mod
+from autotune.study import trial_writes
 from autotune.study.records import TrialRecord, TrialState
 
 GIB = 2**30
+NOTE_CHUNK = 2045  # optuna-dashboard's SYSTEM_ATTR_MAX_LENGTH: the characters of one chunk of a note
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -134,10 +143,29 @@ def _wrapped(command: str, width: int = 76) -> list[str]:
     return out
 
 
+def save_note(study: optuna.Study, trial: optuna.Trial | None, body: str) -> None:
+    """``optuna_dashboard.save_note`` of ``trial`` (None: the study's note), in one transaction
+    where the storage is an RDB one: the next version, the body's chunks, and any chunk of an
+    older, longer note blanked, under optuna-dashboard's keys."""
+    trial_id = None if trial is None else trial._trial_id
+    head = "dashboard:" if trial_id is None else f"dashboard:{trial_id}:"
+    version_key, chunk_prefix = head + "note_ver", head + "note_str:"
+    chunks = {f"{chunk_prefix}{i}": body[i * NOTE_CHUNK:(i + 1) * NOTE_CHUNK]
+              for i in range(math.ceil(len(body) / NOTE_CHUNK))}
+
+    def update(stored: dict[str, Any]) -> dict[str, Any]:
+        old = sum(1 for key in stored if key.startswith(chunk_prefix))
+        return {version_key: stored.get(version_key, 0) + 1, **chunks,
+                **{f"{chunk_prefix}{i}": "" for i in range(len(chunks), old)}}
+
+    if not trial_writes.update_study_system_attrs(study, head + "note_", update):
+        import optuna_dashboard  # a storage of another kind: optuna-dashboard's own writer
+
+        optuna_dashboard.save_note(study if trial is None else trial, body)
+
+
 def annotate_trial(study: optuna.Study, trial: optuna.Trial, url: str | None = None) -> None:
     """Write the note of a finished trial (and attach its engine log if it failed with one)."""
-    from optuna_dashboard import save_note
-
     r = TrialRecord.of(storage_mod.frozen(study, storage_mod.trial_id_of(trial)))
     log_name = None
     store = artifact_store(url) if url and r.state == TrialState.FAIL and r.log_tail else None
@@ -149,11 +177,9 @@ def annotate_trial(study: optuna.Study, trial: optuna.Trial, url: str | None = N
             path = Path(tmp) / log_name
             path.write_text(str(r.log_tail))
             upload_artifact(artifact_store=store, file_path=str(path), study_or_trial=study, mimetype="text/plain")
-    save_note(trial, trial_card(r, log_name))
+    save_note(study, trial, trial_card(r, log_name))
 
 
 def annotate_study(study: optuna.Study, summary_text: str) -> None:
     """The study's note: the summary a person would print with ``autotune best``."""
-    from optuna_dashboard import save_note
-
-    save_note(study, "```\n" + summary_text + "\n```")
+    save_note(study, None, "```\n" + summary_text + "\n```")

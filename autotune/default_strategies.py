@@ -14,6 +14,7 @@ import optuna
 
 from autotune.hookspecs import hookimpl
 from autotune.strategy import BaseStrategy, Search
+from autotune.study.sampling import FitOnceTPESampler
 
 __all__ = ["GridStrategy", "Nsga2Strategy", "PriorStrategy", "RandomStrategy", "TpeStrategy"]
 
@@ -27,8 +28,9 @@ class TpeStrategy(BaseStrategy):
         # Multivariate TPE with groups models each backend's parameters jointly: the space is
         # conditional on the backend, and cache type, ctx and parallel interact through memory.
         # Exact duplicates from parallel workers are caught by the claims, so no constant liar.
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
-                                          constant_liar=False)
+        # FitOnceTPESampler: TPE's proposals, one fit per trial for the screened sampler's tries.
+        return FitOnceTPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
+                                 constant_liar=False)
 
 
 class PriorStrategy(TpeStrategy):

@@ -6,9 +6,11 @@ A missing build must never turn CI's engine tests into silent skips.
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Iterator, Mapping, NoReturn
 
 import pytest
 
@@ -182,3 +184,42 @@ parallel = {parallel}
 {extra}
 """, encoding="utf-8")
     return path
+
+
+class RecordedRequests:
+    """Every streamed request a backend sends (``post_events``, which both request paths use):
+    its body, the server's own count of the prompt and output tokens it processed for it (the
+    final event's ``timings`` on llama-server's /completion, ``usage`` on /v1/completions), and
+    how many were open at once. Put in place of a module's ``post_events`` (monkeypatch): a
+    check that two launches got the same load, where their speeds are only printed."""
+
+    def __init__(self, original: Any):
+        self.original, self.sent, self.open, self.most_open = original, [], 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, http: Any, url: str, body: Mapping[str, Any], *args: Any, **kwargs: Any) -> Iterator[str]:
+        counted: dict[str, Any] = {"body": dict(body)}
+        self.sent.append(counted)
+        events = self.original(http, url, body, *args, **kwargs)
+
+        def read() -> Iterator[str]:
+            with self.lock:
+                self.open += 1
+                self.most_open = max(self.most_open, self.open)
+            try:
+                for payload in events:
+                    event = json.loads(payload) if payload.strip().startswith("{") else {}
+                    if event.get("timings"):
+                        counted.update(prompt=event["timings"].get("prompt_n"), output=event["timings"]["predicted_n"])
+                    if event.get("usage"):
+                        counted.update(prompt=event["usage"]["prompt_tokens"], output=event["usage"]["completion_tokens"])
+                    yield payload
+            finally:
+                events.close()
+                with self.lock:
+                    self.open -= 1
+
+        return read()
+
+    def counts(self) -> set[tuple[Any, Any]]:
+        return {(r.get("prompt"), r.get("output")) for r in self.sent}

@@ -292,3 +292,15 @@ def test_finish_max_rounds_below_finish_rounds_is_named(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_study_config(study_file(tmp_path, "ab", "finish_rounds = 3\nfinish_max_rounds = 2"))
     assert "[study] finish_max_rounds = 2: must be >= finish_rounds (3)" in str(err.value)
+
+
+def test_the_lead_needed_is_students_and_zero_without_spread():
+    from scipy.stats import t
+
+    from autotune.study.summary import CONFIDENCE, needed_lead
+
+    a, b = [10.0, 11.0, 12.0], [9.0, 9.5, 10.0]
+    se = ((2 * 1.0 + 2 * 0.25) / 4 * (1 / 3 + 1 / 3)) ** 0.5  # pooled variances 1.0 and 0.25
+    assert needed_lead(a, b) == pytest.approx(t.ppf(0.5 + CONFIDENCE / 2, 4) * se / 9.5, rel=1e-12)
+    assert needed_lead([61.06, 61.06], [60.4, 60.4, 60.4]) == 0.0  # the twin: every run agrees
+    assert needed_lead([61.06], [60.4]) == float("inf")  # no degree of freedom

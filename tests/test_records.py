@@ -213,6 +213,6 @@ def test_a_batched_write_stores_what_optunas_calls_store_in_postgres():
 
 
 def test_a_database_without_an_upsert_gets_optunas_per_key_write_in_one_session(tmp_path, monkeypatch):
-    monkeypatch.setattr(trial_writes, "_upsert", lambda table, dialect: None)
+    monkeypatch.setattr(trial_writes, "_upsert", lambda table, dialect, owner: None)
     a, b = _optuna_and_batched(lambda batched: f"sqlite:///{tmp_path}/{batched}.db", ATTRS, {"vram": -1.0})
     assert a == b

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from scipy import stats
 
 __all__ = [
     "OVER", "UNDECIDED", "WITHIN", "Z_FINAL", "Z_INTERIM", "KldRelation", "PairedDrop", "decide",
@@ -127,6 +126,8 @@ def items_needed(agreement: float, bound_points: float, power: float = POWER) ->
     """
     if not 0 < bound_points:
         raise ValueError("the bound must be > 0 points")
+    from scipy import stats  # here: scipy.stats is half a second of import the twin's study never needs
+
     z = Z_FINAL + float(stats.norm.ppf(power))
     return int(math.ceil((z / (bound_points / 100.0)) ** 2 * max(1.0 - agreement, 1e-6)))
 
@@ -156,6 +157,8 @@ class KldRelation:
     @property
     def t(self) -> float:
         """The two-sided 95% quantile for its n - 1 degrees of freedom (few points: wide)."""
+        from scipy import stats  # as in items_needed
+
         return float(stats.t.ppf(0.975, self.n - 1))
 
     def to_dict(self) -> dict[str, Any]:

@@ -122,9 +122,16 @@ class QualityBook:
 
     def cached(self, config: TrialConfig, metric: BaseMetric | None = None) -> dict[str, Any] | None:
         attr = self.attr(config, metric)
-        if attr not in self._local and self.study is not None and attr in self.study.user_attrs:
-            self._local[attr] = self.study.user_attrs[attr]
+        self._read_stored(attr)
         return self._local.get(attr)
+
+    def _read_stored(self, attr: str) -> None:
+        """Bring ``attr`` from the study's attributes into ``_local`` if another run or worker
+        stored it: one read (``Study.user_attrs`` reads and deep-copies them all each time)."""
+        if attr not in self._local and self.study is not None:
+            stored = self.study.user_attrs
+            if attr in stored:
+                self._local[attr] = stored[attr]
 
     def _store(self, attr: str, value: dict[str, Any]) -> None:
         if self.study is not None:
@@ -187,8 +194,7 @@ class QualityBook:
             return None
         if self.paired:
             attr = self._decision_attr(config)
-            if attr not in self._local and self.study is not None and attr in self.study.user_attrs:
-                self._local[attr] = self.study.user_attrs[attr]
+            self._read_stored(attr)
             found = self._local.get(attr)
             if found is None:
                 return None

@@ -317,11 +317,13 @@ def measured(study: optuna.Study) -> list[TrialRecord]:
     return [r for r in records(study, (TrialState.COMPLETE,)) if not r.answered]
 
 
-def standing_by_key(study: optuna.Study, latest: bool = False) -> dict[str, TrialRecord]:
+def standing_by_key(study: optuna.Study, latest: bool = False,
+                    trials: Iterable[optuna.trial.FrozenTrial] | None = None) -> dict[str, TrialRecord]:
     """The trial whose outcome stands for each configuration: the first one (what the runner
-    answers from), or with ``latest`` the newest (what a person wants told after a resume)."""
+    answers from), or with ``latest`` the newest (what a person wants told after a resume).
+    Among ``trials`` where given (already read), else the study's, read now."""
     out: dict[str, TrialRecord] = {}
-    for r in records(study):
+    for r in records(study) if trials is None else map(TrialRecord.of, trials):
         if r.stands_for_config and (latest or r.config_key not in out):
             out[r.config_key] = r  # type: ignore[index]
     return out

@@ -89,8 +89,9 @@ class StudyRunner(TrialPhase, FinishPhase):
         self.cfg = prepared.cfg
         self.seed = self.cfg.seed if seed is None else seed
         self.strategy = plugins.get_strategy(self.cfg.sampler)
+        # The sampler asks while a trial is sampled: what it reads then is the trial's snapshot.
         self.sampler = ScreenedSampler(self.strategy.sampler(self.seed), prepared.space, self.admissible,
-                                       self._evaluated_keys, seed=self.seed)
+                                       functools.partial(self._evaluated_keys, snapshot=True), seed=self.seed)
         with storage.faults(prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
             self.study = storage.open_study(prepared, self.sampler)
             if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
@@ -131,8 +132,11 @@ class StudyRunner(TrialPhase, FinishPhase):
         return (weights not in self._failed_artifacts and weights not in self._deferred_artifacts
                 and self.judge.judge(config).admitted)
 
-    def _evaluated_keys(self) -> set[str]:
-        return set(records.standing_by_key(self.study))
+    def _evaluated_keys(self, snapshot: bool = False) -> set[str]:
+        """Keys of the configurations the storage answers; with ``snapshot``, as of the trial being
+        sampled (``storage.trial_snapshot``: the trials its sampler fits on, read once per trial
+        instead of once more here)."""
+        return set(records.standing_by_key(self.study, trials=storage.trial_snapshot(self.study) if snapshot else None))
 
     def _fail_dead_workers(self) -> None:
         """Fail the RUNNING trials of dead workers, by the one rule for every host

@@ -383,6 +383,13 @@ def frozen(study: optuna.Study, trial_id: int) -> optuna.trial.FrozenTrial:
     return study._storage.get_trial(trial_id)
 
 
+def trial_snapshot(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The study's trials as Optuna's samplers read them while a trial is sampled: read once per
+    trial, by the first reader after ``Study.ask`` (which empties that cache), and kept until the
+    next ask. Read only."""
+    return study._get_trials(deepcopy=False, use_cache=True)
+
+
 class Heartbeat:
     """Records the running trial's heartbeat so another worker can fail it if we die."""
 

@@ -163,8 +163,6 @@ def needed_lead(a: Sequence[float], b: Sequence[float]) -> float:
 
     Not the range of the runs: a range only grows with more runs, so measuring more would call
     fewer winners. Zero where every run of both agreed exactly (the twin without noise)."""
-    from scipy.stats import t as student
-
     na, nb = len(a), len(b)
     df = na + nb - 2
     if df < 1:
@@ -172,6 +170,10 @@ def needed_lead(a: Sequence[float], b: Sequence[float]) -> float:
     pooled = ((na - 1) * statistics.variance(a) if na > 1 else 0.0) + \
         ((nb - 1) * statistics.variance(b) if nb > 1 else 0.0)
     se = math.sqrt(pooled / df * (1 / na + 1 / nb))
+    if se == 0:
+        return 0.0  # any quantile times 0: without importing scipy.stats (half a second) for it
+    from scipy.stats import t as student
+
     return float(student.ppf(0.5 + CONFIDENCE / 2, df)) * se / max(abs(statistics.fmean(b)), 1e-9)
 
 

@@ -1,4 +1,5 @@
-"""A running trial's attributes written in one transaction: what a trial's record costs.
+"""A running trial's attributes written in one transaction: what a trial's record costs (and
+a study's system attributes, where optuna-dashboard keeps each trial's note).
 
 Optuna's RDB storage spends a transaction, a query of the trial's state and a statement built
 anew on each ``set_user_attr``, and reads the whole trial back before each ``set_constraint``;
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import optuna
 import sqlalchemy
@@ -23,7 +24,7 @@ from optuna.storages._rdb import models as _rdb_models  # a trial's record in on
 from optuna.storages._rdb.storage import _create_scoped_session as _rdb_session
 from optuna.study._constrained_optimization import _CONSTRAINTS_KEY  # set_constraints, batched
 
-__all__ = ["remember_user_attrs", "set_constraints", "set_user_attrs", "user_attrs_of"]
+__all__ = ["remember_user_attrs", "set_constraints", "set_user_attrs", "update_study_system_attrs", "user_attrs_of"]
 
 
 def set_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any],
@@ -114,7 +115,7 @@ def _write_attrs(trial: optuna.Trial, parts: list[tuple[type, Mapping[str, Any],
                 if fresh and stored.first() is not None:
                     return False
             for model, attrs, _ in parts:
-                upsert = _upsert(model.__table__, backend.engine.name)
+                upsert = _upsert(model.__table__, backend.engine.name, "trial_id")
                 if upsert is not None:
                     rows = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()]
                     session.connection().execute(upsert, rows)
@@ -126,14 +127,47 @@ def _write_attrs(trial: optuna.Trial, parts: list[tuple[type, Mapping[str, Any],
     return True
 
 
-def _upsert(table: sqlalchemy.Table, dialect: str) -> sqlalchemy.sql.Executable | None:
-    """An insert-or-replace of trial attributes (trial_id, key, value_json) in this dialect, as
-    Optuna's RDB storage writes one; None where Optuna has none either."""
+def update_study_system_attrs(study: optuna.Study, prefix: str,
+                              update: Callable[[dict[str, Any]], Mapping[str, Any]]) -> bool:
+    """Read the study's system attributes whose keys start with ``prefix``, and write what
+    ``update`` makes of them, in one transaction where the storage is an RDB one; False, with
+    nothing written, elsewhere (journal, in-memory), where the caller uses Optuna's own calls.
+
+    Optuna's ``set_study_system_attr`` is a transaction per key, and its reader,
+    ``get_study_system_attrs``, reads every key of the study: optuna-dashboard's ``save_note``
+    read them all twice per trial (a note per trial: a read that grows with the study).
+    """
+    backend = getattr(study._storage, "_backend", study._storage)
+    if not isinstance(backend, optuna.storages.RDBStorage):
+        return False
+    model = _rdb_models.StudySystemAttributeModel
+    study_id = study._study_id
+    with _rdb_session(backend.scoped_session) as session:
+        _rdb_models.StudyModel.find_or_raise_by_id(study_id, session)
+        rows = session.query(model.key, model.value_json).filter(
+            model.study_id == study_id, model.key.startswith(prefix, autoescape=True))
+        # LIKE ignores case on SQLite: the prefix is checked again here.
+        attrs = update({key: json.loads(value) for key, value in rows if key.startswith(prefix)})
+        if not attrs:
+            return True
+        upsert = _upsert(model.__table__, backend.engine.name, "study_id")
+        if upsert is not None:
+            session.connection().execute(
+                upsert, [{"study_id": study_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()])
+            return True
+    for key, value in attrs.items():  # a database without an upsert: Optuna's per-key write
+        backend.set_study_system_attr(study_id, key, value)
+    return True
+
+
+def _upsert(table: sqlalchemy.Table, dialect: str, owner: str) -> sqlalchemy.sql.Executable | None:
+    """An insert-or-replace of attributes (``owner`` (trial_id, study_id), key, value_json) in
+    this dialect, as Optuna's RDB storage writes one; None where Optuna has none either."""
     if dialect == "sqlite" and sqlite3.sqlite_version_info >= (3, 24, 0) or dialect == "postgresql":
         from sqlalchemy.dialects import postgresql, sqlite
 
         stmt = (sqlite if dialect == "sqlite" else postgresql).insert(table)
-        return stmt.on_conflict_do_update(index_elements=[table.c.trial_id, table.c.key],
+        return stmt.on_conflict_do_update(index_elements=[table.c[owner], table.c.key],
                                           set_={"value_json": stmt.excluded.value_json})
     if dialect == "mysql":
         from sqlalchemy.dialects import mysql

@@ -31,7 +31,6 @@ from dataclasses import fields, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from autotune_plugins.twin import physics
 
@@ -117,6 +116,8 @@ def fit(base: physics.EngineConstants, host: physics.HostConstants,
     fitted = base
     if obs and len(x0):
         lower = [-np.inf] * len(scaled) + [0.0] * len(absolute)
+        from scipy.optimize import least_squares  # here: half a second of import a twin study never fits with
+
         result = least_squares(residuals, x0, bounds=(lower, [np.inf] * len(x0)), method="trf")
         fitted = constants(result.x)
     fitted_fields = scaled + absolute
