@@ -78,6 +78,10 @@ def _card_share(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be > 0 and <= 1 (a share of the card's memory)"
 
 
+def _positive(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
 def _layers(value: Any) -> str | None:
     if isinstance(value, str):
         return None if value in ("all", "auto") else 'must be "all", "auto" or a number of layers'
@@ -95,6 +99,8 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
             check=_layers),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
             choices=tuple(UNITS)),
+    Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
+            "host's memory bandwidth alone bounds them)", check=_positive),
 )
 
 
@@ -352,6 +358,7 @@ class TwinBackend(BaseBackend):
                 "attention_path": self.attention_path(config, ctx),
                 "gpu_layers": p.gpu_layers,
                 "host_layers": p.host_layers,
+                "host_expert_layers": p.host_expert_layers,
                 "roofline_tok_s": p.roofline_tok_s,
                 "step_ms": {"single": p.step_ms_single, "parallel": p.step_ms_parallel},
                 "throttled": clock.throttled,
@@ -391,8 +398,47 @@ class TwinLlamaCpp(TwinBackend):
     default_cache = "f16"
     description = "digital twin of llama.cpp's llama-server (physics, no GPU needed)"
 
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """The common options, and the placement llama-server searches when the study names it:
+        ``gpu_layers`` (-ngl: a count, or "all"), ``n_cpu_moe`` (--n-cpu-moe) and ``ubatch`` (-ub)."""
+        params = super().parameters(space)
+        if "gpu_layers" in space:
+            layers = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v >= 0))
+            params.append(Param("gpu_layers", layers, "layers on the GPU (-ngl; the output head counts as one)",
+                                accepted=('"all"', "any integer >= 0")))
+        if "n_cpu_moe" in space:
+            moe = tuple(v for v in space["n_cpu_moe"] if type(v) is int and v >= 0)
+            params.append(Param("n_cpu_moe", moe, "layers whose experts stay in host memory (--n-cpu-moe)",
+                                accepted=("any integer >= 0",)))
+        if "ubatch" in space:
+            ub = tuple(v for v in space["ubatch"] if type(v) is int and v > 0)
+            params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
+        return params
+
+    def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
+        """The common scenario with llama.cpp's placement: the trial's ``gpu_layers`` (else the
+        setting), ``n_cpu_moe`` (else 0), ``ubatch`` (else llama-server's default) and the
+        ``host_threads`` setting."""
+        layers = config.option("gpu_layers")
+        threads = self.setting(ctx, "host_threads")
+        return replace(super().scenario(config, ctx),
+                       gpu_layers=self.setting(ctx, "gpu_layers") if layers is None else layers,
+                       n_cpu_moe=int(config.option("n_cpu_moe", 0)),
+                       ubatch=int(config.option("ubatch", physics.LLAMA_UBATCH)),
+                       host_threads=None if threads is None else int(threads))
+
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
         reasons = super().check(config, ctx)
+        layers, moe = config.option("gpu_layers"), config.option("n_cpu_moe", 0)
+        if layers is not None and _layers(layers) is not None or layers == "auto":
+            reasons.append(f"gpu_layers {layers!r}: accepted: \"all\" or an integer >= 0 (-ngl)")
+        if type(moe) is not int or moe < 0:
+            reasons.append(f"n_cpu_moe {moe!r}: accepted: an integer >= 0 (--n-cpu-moe)")
+        elif moe and not ctx.model.is_moe:
+            reasons.append(f"n_cpu_moe {moe}: {ctx.model.key} has no experts (a dense model ignores --n-cpu-moe)")
+        ub = config.option("ubatch")
+        if ub is not None and (type(ub) is not int or ub < 1):
+            reasons.append(f"ubatch {ub!r}: accepted: an integer >= 1 (-ub)")
         cache = config.option("cache_type", "f16")
         if cache != "f16" and not config.option("flash_attn", True):
             # llama.cpp refuses a quantized V cache without flash attention.
@@ -430,13 +476,24 @@ class TwinLlamaCpp(TwinBackend):
         scenario = self.scenario(config, ctx)
         on_gpu = physics.gpu_layer_split(scenario, self.constants(), physics.memory(scenario, self.constants()))
         n = ctx.model.n_layers
-        ngl = on_gpu if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
+        setting = self.setting(ctx, "gpu_layers") if config.option("gpu_layers") is None else config.option("gpu_layers")
+        # -ngl counts the output head as the last of n + 1 layers: N puts it and N - 1 layers on the GPU.
+        if isinstance(setting, int) and on_gpu < n:
+            ngl = setting
+        else:
+            ngl = on_gpu + 1 if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
         notes = [f"-c is ctx {config.ctx} x {config.parallel} slots"]
         if on_gpu < n:
             notes.append(f"{n - on_gpu} of {n} layers run on the CPU")
+        placement: list[Any] = []
+        if scenario.n_cpu_moe:
+            placement += ["--n-cpu-moe", scenario.n_cpu_moe]
+            notes.append(f"the experts of the first {min(scenario.n_cpu_moe, n)} layers stay in host memory")
+        if config.option("ubatch") is not None:
+            placement += ["-ub", scenario.ubatch]
         return deploy_line(["llama-server", "-m", model_file, "-c", config.ctx * config.parallel, "-np", config.parallel,
-                            "-ngl", ngl, "-fa", fa, "-ctk", cache, "-ctv", cache, "--host", "127.0.0.1", "--port", "8080"],
-                           notes)
+                            "-ngl", ngl, *placement, "-fa", fa, "-ctk", cache, "-ctv", cache, "--host", "127.0.0.1",
+                            "--port", "8080"], notes)
 
     def engine_version(self) -> str:
         return "twin"
