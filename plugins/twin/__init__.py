@@ -30,16 +30,15 @@ from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
 from autotune.models import ModelSpec
-from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
-from autotune_plugins.exllamav2.formats import EXL2_BPW_MAX, EXL2_BPW_MIN, exl2_quantization
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.openai_server import declarations as vllm_declared
 from autotune_plugins.twin import calibration, physics, quality
-from autotune_plugins.twin.formats import directory_format
+from autotune_plugins.twin.formats import ARTIFACT_WORDS, artifact_kind, directory_as_format
+from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.strategy import TwinStrategy
 
 __all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
@@ -116,48 +115,6 @@ def _kept(space: Mapping[str, Sequence[Any]], name: str, accepted: tuple[Any, ..
     return tuple(kept)
 
 
-#: The artifacts on disk a twin can read, as its messages name them (one, many).
-ARTIFACT_WORDS: Mapping[str, tuple[str, str]] = {
-    "gguf": ("a GGUF file", "GGUF files"),
-    "exl2": ("an EXL2 directory", "EXL2 directories (config.json with quantization_config.quant_method \"exl2\")"),
-    "hf": ("a Hugging Face directory", "Hugging Face directories (config.json and *.safetensors)"),
-}
-
-
-def _artifact_kind(path: Path) -> str:
-    """``gguf`` (a GGUF file), ``exl2`` (an EXL2 directory) or ``hf`` (any other model directory).
-
-    Raises:
-        ConfigError: A file that is not GGUF, or a directory without config.json or safetensors.
-    """
-    if path.is_file():
-        read_gguf(path)
-        return "gguf"
-    directory = read_safetensors_dir(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path}: no config.json (a model directory holds config.json and *.safetensors)")
-    return "exl2" if exl2_quantization(directory.config, directory.path / "config.json") is not None else "hf"
-
-
-def _directory_format(path: Path) -> str:
-    """A model directory as a format (``exl2:4.0``, ``gguf:BF16``); see ``TwinBackend.as_format``."""
-    _artifact_kind(path)  # its config.json and safetensors are there
-    directory = read_safetensors_dir(path)
-    exl2 = exl2_quantization(directory.config, directory.path / "config.json")
-    if exl2 is not None and not EXL2_BPW_MIN <= exl2.bits <= EXL2_BPW_MAX:
-        raise ConfigError(f"{path / 'config.json'}: quantization_config.bits = {exl2.bits}: the twin knows EXL2 "
-                          f"at {EXL2_BPW_MIN}-{EXL2_BPW_MAX} bits per weight")
-    spec = directory_format(directory)
-    if spec is not None:
-        return spec
-    if directory.quant_method is not None:
-        raise ConfigError(f"{path / 'config.json'}: quantization_config.quant_method {directory.quant_method!r}: "
-                          f"the twin predicts EXL2 directories (quant_method \"exl2\") and unquantized ones "
-                          f"(F16, BF16 or F32)")
-    raise ConfigError(f"{path}: neither config.json's torch_dtype nor its layers' tensors are F16, BF16 or F32, "
-                      f"the unquantized types the twin predicts")
-
-
 class TwinBackend(BaseBackend):
     """Common machinery of the three twin backends."""
 
@@ -204,7 +161,7 @@ class TwinBackend(BaseBackend):
             if not path.exists():
                 raise exc from None
         if path.is_dir():
-            return _directory_format(path)
+            return directory_as_format(path)
         spec = format_of(read_gguf(path))
         if spec is None:
             raise ConfigError(f"{path}: its tensors name no type the twin knows")
@@ -231,7 +188,7 @@ class TwinBackend(BaseBackend):
         path = self.weights_file(weights, ctx)
         try:
             if path is not None:
-                kind = _artifact_kind(path)
+                kind = artifact_kind(path)
                 if kind not in self.artifacts:
                     return (f"{path}: {ARTIFACT_WORDS[kind][0]}, which {self.engine} does not load (it loads "
                             f"{' and '.join(ARTIFACT_WORDS[a][1] for a in self.artifacts)}, or a format "
@@ -335,7 +292,7 @@ class TwinBackend(BaseBackend):
         launch = self._launches[config.key] = self._launches.get(config.key, 0) + 1
         rng = random.Random(f"{ctx.seed}:{config.key}:{launch}")
         after_s = self.setting(ctx, "throttle_after_s")
-        clock = _SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
+        clock = SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
         truth = p.as_dict()
 
         def sample() -> dict[str, float]:
@@ -364,26 +321,6 @@ class TwinBackend(BaseBackend):
                 "throttled": clock.throttled,
             },
         )
-
-
-class _SimulatedClock:
-    """Seconds of simulated load, shared by every trial of a process, for thermal throttling."""
-
-    _elapsed: ClassVar[dict[int, float]] = {}
-
-    def __init__(self, after_s: float | None, factor: float):
-        self.after_s = after_s
-        self.factor = factor
-        self.throttled = False
-
-    def advance(self, seconds: float) -> float:
-        if self.after_s is None:
-            return 1.0
-        key = id(type(self))
-        elapsed = self._elapsed.get(key, 0.0) + seconds
-        self._elapsed[key] = elapsed
-        self.throttled = elapsed > self.after_s
-        return self.factor if self.throttled else 1.0
 
 
 class TwinLlamaCpp(TwinBackend):
