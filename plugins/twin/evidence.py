@@ -9,7 +9,10 @@ Three kinds of evidence, each kept where it was published or measured:
 * llama-bench on an H200 (``bench/results/h200_grids/llama_bench_*.json``: tg128, this
   project's own synthetic Qwen2.5-7B and Llama-3.1-8B shapes);
 * llama-server on an H200 under autotune's protocol (``bench/results/``: the probe, the study
-  and the two exhaustive grids), single stream and 1-32 parallel streams.
+  and the two exhaustive grids), single stream and 1-32 parallel streams;
+* llama-server on an H200 with part of the model in host memory (``offload_probe_h200``: a
+  dense 7B and a 12-layer MoE shape, -ngl / --n-cpu-moe / -ub / --fit), which fits only the two
+  offload constants, on two dense points (``OFFLOAD_FIT``; ``fit.fit_offload``).
 
 Each figure carries a role: ``fit`` (the constants are fitted on it) or ``check`` (held out).
 The split is by card and by run, so that every check figure comes from a card or a model shape

@@ -21,9 +21,14 @@ per-stream work that an offline benchmark (llama-bench) never pays: sampling ove
 vocabulary for every stream at every step (H200, llama-server: ~0.85 ms per stream with a 152K
 vocabulary, the same for a 1.5B and a 7B model).
 
+A mixture of experts reads, of each layer's experts, those the step's tokens route to
+(:func:`distinct_experts`); weights in host memory (layers past ``-ngl``, the experts of the
+first ``n_cpu_moe`` layers) are read by the CPU at :func:`host_rate` and, at prefill, cross
+PCIe once per ubatch (:func:`placement`, :func:`step_terms`, :func:`prefill_tok_s`).
+
 ``soft_max`` is the roofline's corner, rounded (a p-norm), because memory and arithmetic do
 not overlap perfectly in real kernels. Prefill is compute-bound on the tensor cores:
-``prefill_tok_s = F_tensor * eta_p / (2 * N_lin)``. The aggregate throughput a user sees is
+``prefill_tok_s = F_tensor * eta_p / (2 * N_active)``, plus the host weights' crossings. The aggregate throughput a user sees is
 what the measurement protocol of autotune measures: ``P`` requests sent together, all prompts
 prefilled, then decoded together, total output tokens over the wall time.
 """
