@@ -5,7 +5,9 @@ fitted on it; check: held out).
     python bench/twin_offload_check.py            # the table (markdown)
 
 The points are bench/results/offload_probe_h200/*.jsonl (README.md there); the scenarios and roles
-are plugins/twin/evidence.py's (h200_offload), the constants plugins/twin/constants.toml.
+are plugins/twin/evidence.py's (h200_offload), the constants plugins/twin/constants.toml. A last
+table gives, for each MoE prefill point with host experts, the share of the experts each ubatch
+would have to copy for the twin to meet it (evidence.implied_routed_share).
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def main() -> int:
         gm = math.exp(statistics.mean(abs(math.log(r)) for r in ratios)) - 1
         print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} | "
               f"{inside}/{len(ratios)} | {gm:.0%} |")
+    print()
+    print("MoE prefill with experts on the host: the share of each host layer's experts a ubatch must have")
+    print("copied, at the dense crossings' fitted rate, for the twin to meet the measurement (the twin's")
+    print("uniform routing copies all of them; bench/twin_probe_routing.py simulates the probe's prompt)")
+    print()
+    print("| point | host expert layers | ubatch | implied share of experts per ubatch | twin (uniform routing) |")
+    print("| --- | --- | --- | --- | --- |")
+    engines, host, _ = load_constants()
+    for f, _pred in table:
+        share = evidence.implied_routed_share(f, engines[f.scenario.engine], host)
+        if share is not None:
+            s, m = f.scenario, f.scenario.model
+            uniform = physics.distinct_experts(m, min(s.ubatch, s.prompt_tokens)) / m.n_experts
+            print(f"| {f.id.removeprefix('offload-').rsplit('-', 1)[0]} | {s.n_cpu_moe} | {s.ubatch} | {share:.2f} | {uniform:.2f} |")
     return 0
 
 

@@ -287,3 +287,25 @@ def h200_offload() -> Iterator[Figure]:
 def is_offload(figure: Figure) -> bool:
     """A figure of the offload probe: it fits only the offload constants (fit.fit_offload)."""
     return figure.id.startswith("offload-")
+
+
+def implied_routed_share(figure: Figure, k: physics.EngineConstants, host: physics.HostConstants) -> float | None:
+    """For a MoE prefill figure with experts (and only experts) in host memory: the share of each
+    host layer's experts one ubatch must have copied for the twin's crossing, at the PCIe rate the
+    dense crossings were fitted at, to take the measured time beyond the same model's time with
+    every expert on the GPU. The twin assumes uniform routing (all 128 experts for any ubatch of
+    a few hundred tokens); a share well below 1, the same at one ubatch size whatever the number
+    of host layers, says the measured prompt routes its tokens to fewer experts (docs/twin.md,
+    bench/twin_probe_routing.py). None for other figures."""
+    s = figure.scenario
+    if not (s.model.is_moe and figure.metric == "prefill_tok_s" and s.n_cpu_moe and s.gpu_layers == "all"):
+        return None
+    gpu_layers = physics.gpu_layer_split(s, k, physics.memory(s, k))
+    where = physics.placement(s, gpu_layers)
+    tokens = s.parallel * s.prompt_tokens
+    all_gpu = replace(s, n_cpu_moe=0)
+    gpu_s = tokens / physics.prefill_tok_s(all_gpu, k, host, gpu_layers)
+    crossings = len(physics.offload.ubatch_sizes(tokens, s.ubatch))
+    pcie = s.gpu.pcie_gb_s * 1e9 * host.host_pcie_efficiency
+    copy_s = tokens / figure.value - gpu_s - crossings * where.host_dense_bytes / pcie
+    return copy_s * pcie / (crossings * where.host_expert_bytes)

@@ -315,7 +315,7 @@ def write_constants(engines: dict[str, physics.EngineConstants], host: physics.H
                 lines.append(f"{field} = {'true' if value else 'false'}")
             elif isinstance(value, str):
                 lines.append(f'{field} = "{value}"')
-            elif field in ("context_bytes", "vector_max_batch"):
+            elif field in ("context_bytes", "vector_max_batch", "op_offload_min_batch", "expert_tile_columns"):
                 lines.append(f"{field} = {int(value)}")
             else:
                 lines.append(f"{field} = {value:.4f}")

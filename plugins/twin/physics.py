@@ -49,6 +49,8 @@ from autotune_plugins.exllamav2 import declarations as exllamav2_declared
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server import memory as llama_memory
 from autotune_plugins.openai_server import declarations as vllm_declared
+from autotune_plugins.twin import offload
+from autotune_plugins.twin.offload import distinct_experts  # noqa: F401  (physics' name for it, as before)
 
 GiB = 2**30
 
@@ -107,6 +109,14 @@ class EngineConstants:
         memory_model: The engine's memory model, a key of ``MEMORY_MODELS``: ``llama-server``
             (the real backend's, ``plugins/llama_server/memory.py``), ``exllamav2`` (the chunked
             scratch and measured overhead) or ``vllm`` (the share of the card it reserves).
+        op_offload_min_batch: Fewest tokens of a batch for which the engine multiplies host
+            weights on the GPU, copying them over (llama.cpp: ``GGML_OP_OFFLOAD_MIN_BATCH``, 32);
+            smaller batches are multiplied by the CPU (:mod:`offload`). 0: not modelled (prefill
+            copies host weights for any ubatch, decode leaves them to the CPU). Read from the
+            source, not fitted.
+        expert_tile_columns: Widest tile of the engine's expert matmul on the GPU (llama.cpp's
+            MMQ: 128 columns, chosen against the whole ubatch), whose unfilled columns cost as
+            much as filled ones (:func:`offload.expert_tile_factor`); 0: no such padding.
     """
 
     weight_bw_efficiency: float
@@ -125,6 +135,8 @@ class EngineConstants:
     keeps_embeddings_on_host: bool
     spill: str
     memory_model: str
+    op_offload_min_batch: int = 0
+    expert_tile_columns: int = 0
 
 
 @dataclass(frozen=True)
@@ -225,16 +237,6 @@ def expert_share(model: ModelSpec) -> float:
     attention = 2 * model.hidden_size * model.q_dim + 2 * model.hidden_size * model.kv_dim
     router = model.hidden_size * model.n_experts
     return experts / (attention + router + experts)
-
-
-def distinct_experts(model: ModelSpec, tokens: float) -> float:
-    """Expected experts of one layer a batch of ``tokens`` tokens touches, each routed to k of E:
-    ``E * (1 - (1 - k/E)^B)``, assuming uniform, independent routing (real routers are skewed,
-    so this is the upper end: fewer distinct experts read fewer bytes)."""
-    e, k = model.n_experts, model.n_experts_used
-    if not e:
-        return 0.0
-    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
 
 
 def active_linear_params(model: ModelSpec) -> float:
@@ -507,9 +509,13 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     if host_read:
         # Host layers and host experts run on the CPU, streaming their weights from host
         # memory, and the host layers' KV with them; the activations cross PCIe twice per
-        # step and host segment (negligible next to the weights).
+        # step and host segment (negligible next to the weights). A step of at least the
+        # engine's offload batch copies the weights to the GPU instead (offload.offloaded).
         host_kv = parallel * context_tokens * kv_read_bytes_per_token(s, k) * where.host_kv_layers / n
-        t_host = (host_read + host_kv) / host_rate(s, host) + k.spill_step_ms * 1e-3
+        if k.op_offload_min_batch and offload.offloaded(parallel, k.op_offload_min_batch):
+            t_host = host_read / (g.pcie_gb_s * 1e9 * host.host_pcie_efficiency) + host_kv / host_rate(s, host)
+        else:
+            t_host = (host_read + host_kv) / host_rate(s, host) + k.spill_step_ms * 1e-3
         t_host += 2 * parallel * m.hidden_size * 2 / (g.pcie_gb_s * 1e9)
     return {
         "fixed": t_fixed,
@@ -529,23 +535,34 @@ def step_seconds(terms: Mapping[str, float]) -> float:
 def prefill_tok_s(s: Scenario, k: EngineConstants, host: HostConstants, gpu_layers: int) -> float:
     """Prompt tokens per second over the ``parallel`` prompts of a batch of requests.
 
-    Tensor-core bound on the GPU, on each token's active parameters. Weights in host memory
-    (host layers, host experts) cross PCIe once per ubatch: llama.cpp runs large-batch matmuls
-    of host weights on the GPU and copies the weights over for each ubatch (of a host layer's
-    experts, those the ubatch's tokens route to: :func:`distinct_experts`, all of them for any
-    ubatch of a few hundred tokens). A larger ``ubatch`` means fewer crossings."""
+    Tensor-core bound on the GPU, on each token's active parameters, the experts' share padded
+    to the engine's tiles (:func:`offload.expert_tile_factor`). Each ubatch that reaches the
+    engine's offload batch (:func:`offload.offloaded`) copies the host weights it uses to the
+    GPU: host layers whole, of host experts those its tokens route to
+    (:func:`distinct_experts`); a smaller ubatch leaves them to the CPU, which multiplies each
+    token with its share of them at :func:`host_rate`. A larger ``ubatch`` means fewer crossings."""
     g, m = s.gpu, s.model
     tokens = max(1, s.parallel * s.prompt_tokens)
-    t_gpu = tokens * 2 * active_linear_params(m) / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
+    rate = prefill_tflops(g) * 1e12 * k.prefill_efficiency
+    expert_active = m.n_layers * m.n_experts_used * 3 * m.hidden_size * m.expert_ffn_size if m.is_moe else 0
+    other_active = active_linear_params(m) - expert_active
     where = placement(s, gpu_layers)
-    t_host = 0.0
-    if where.host_bytes:
-        ubatch = max(1, min(s.ubatch, tokens))
-        n_ubatches = -(-tokens // ubatch)
-        routed = distinct_experts(m, ubatch) / m.n_experts if m.is_moe else 1.0
-        crossing = where.host_dense_bytes + where.host_expert_bytes * routed
-        t_host = n_ubatches * crossing / (g.pcie_gb_s * 1e9 * host.host_pcie_efficiency)
-    return tokens / (t_gpu + t_host)
+    pcie = g.pcie_gb_s * 1e9 * host.host_pcie_efficiency
+    used = m.n_experts_used / m.n_experts if m.is_moe else 1.0
+    host_per_token = where.host_dense_bytes + where.host_expert_bytes * used
+    host_share = host_per_token / max(where.gpu_dense_bytes + where.gpu_expert_bytes * used + host_per_token, 1.0)
+    seconds = 0.0
+    for ub in offload.ubatch_sizes(tokens, s.ubatch):
+        pad = offload.expert_tile_factor(m, ub, k.expert_tile_columns)
+        gpu_s = ub * 2 * (other_active + expert_active * pad) / rate
+        if not where.host_bytes:
+            seconds += gpu_s
+        elif offload.offloaded(ub, k.op_offload_min_batch):
+            routed = distinct_experts(m, ub) / m.n_experts if m.is_moe else 1.0
+            seconds += gpu_s + (where.host_dense_bytes + where.host_expert_bytes * routed) / pcie
+        else:
+            seconds += gpu_s * (1 - host_share) + ub * host_per_token / host_rate(s, host)
+    return tokens / seconds
 
 
 def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
