@@ -31,12 +31,12 @@ from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
 from autotune.models import ModelSpec
 
-from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.exllamav2 import declarations as exllamav2_declared, generator_settings as exllamav2_generator
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.openai_server import declarations as vllm_declared
-from autotune_plugins.twin import calibration, physics, quality
+from autotune_plugins.twin import calibration, physics, quality, service
 from autotune_plugins.twin.formats import ARTIFACT_WORDS, artifact_kind, directory_as_format
 from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.strategy import TwinStrategy
@@ -436,9 +436,6 @@ class TwinLlamaCpp(TwinBackend):
         return "twin"
 
 
-#: flash-attn 2 (and with it ExLlamaV2's paged attention) needs compute capability 8.0.
-FLASH_ATTN2_MIN_CC = (8, 0)
-
 
 class TwinExllamaV2(TwinBackend):
     name = "twin-exllamav2"
@@ -449,13 +446,29 @@ class TwinExllamaV2(TwinBackend):
     cache_types = ("fp16", "q8", "q6", "q4")
     default_cache = "fp16"
     description = "digital twin of ExLlamaV2's dynamic generator (physics, no GPU needed)"
+    # The real backend's two settings for concurrency, with its names and meanings.
+    settings = TWIN_SETTINGS + (
+        Setting("paged", (str, bool), "auto", "paged attention for concurrent jobs: \"auto\" (where flash-attn 2 "
+                "runs: sm_80 and later), true or false", choices=("auto", True, False)),
+        Setting("unpaged_parallel", str, "queue", "how parallel > 1 runs without paged attention: \"queue\" "
+                "(one job at a time, as TabbyAPI serves them) or \"batched\" (offline batched passes)",
+                choices=exllamav2_generator.UNPAGED_CHOICES),
+    )
+
+    def generator(self, config: TrialConfig, ctx: StudyContext) -> exllamav2_generator.GeneratorSettings:
+        """The real backend's generator for this trial on this card (:func:`service.exllamav2_settings`)."""
+        return service.exllamav2_settings(ctx.gpu, config.option("cache_type", "fp16"), config.ctx, config.parallel,
+                                          self.setting(ctx, "paged"), self.setting(ctx, "unpaged_parallel"))
+
+    def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
+        return replace(super().scenario(config, ctx), jobs_at_once=self.generator(config, ctx).jobs_at_once)
 
     def attention_path(self, config: TrialConfig, ctx: StudyContext) -> str:
         if not config.option("flash_attn", True):
             return "matmul"
         # flash-attn 2 needs sm_80; before that ExLlamaV2 falls back to SDPA/xformers, which
         # is still fused (no scores over the allocated cache).
-        return "flash_attn" if ctx.gpu.compute_capability_tuple >= FLASH_ATTN2_MIN_CC else "sdpa"
+        return "flash_attn" if ctx.gpu.compute_capability_tuple >= service.FLASH_ATTN2_MIN_CC else "sdpa"
 
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """ExLlamaV2's defaults, as the real backend's ``default_launch``: an FP16 cache of the
@@ -467,19 +480,9 @@ class TwinExllamaV2(TwinBackend):
             "(max_seq_len from config.json), one sequence at a time; one user"))
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
-        cache = config.option("cache_type", "fp16").upper()
         _, bpw = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
-        path = self.weights_file(config.weights, ctx)
-        model = (["--model-dir", path.parent, "--model-name", path.name] if path is not None
-                 else ["--model-dir", "models", "--model-name", f"{ctx.model.key}-exl2-{bpw}bpw"])
-        notes = ["TabbyAPI (ExLlamaV2 server)", f"cache of {config.ctx} x {config.parallel} tokens"]
-        if config.parallel > 1 and ctx.gpu.compute_capability_tuple < FLASH_ATTN2_MIN_CC:
-            # The twin batches these streams as the article reports; the real engine cannot here
-            # (its dynamic generator needs flash-attn's paged attention for concurrent jobs).
-            notes.append("concurrent jobs need paged attention (flash-attn >= 2.5.7, sm_80+): on this card "
-                         "ExLlamaV2 0.3.2 serves them one at a time, so measure before relying on it")
-        return deploy_line(["python", "main.py", *model, "--max-seq-len", config.ctx, "--cache-mode", cache,
-                            "--max-batch-size", config.parallel], notes)
+        path = self.weights_file(config.weights, ctx) or Path("models") / f"{ctx.model.key}-exl2-{bpw}bpw"
+        return service.exllamav2_deploy(self.generator(config, ctx), path, ctx.gpu)
 
     def engine_version(self) -> str:
         return "twin"
@@ -529,7 +532,7 @@ class TwinVllm(TwinBackend):
                 f"{ctx.gpu.name} GPU has compute capability {ctx.gpu.compute_capability}. You can use "
                 "float16 instead by explicitly setting the `dtype` flag in CLI, for example: --dtype=half."
             )
-        if config.option("flash_attn", True) and cc < FLASH_ATTN2_MIN_CC:
+        if config.option("flash_attn", True) and cc < service.FLASH_ATTN2_MIN_CC:
             raise UnsupportedError("Cannot use FlashAttention-2 backend for Volta and Turing GPUs.")
         if config.option("cache_type", "auto").startswith("fp8") and cc < (8, 9):
             raise UnsupportedError(f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}")

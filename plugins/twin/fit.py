@@ -26,7 +26,7 @@ from autotune.formats import weights_for
 from autotune.hardware import get_gpu
 from autotune.models import get_model
 
-from autotune_plugins.twin import evidence, load_constants, physics, quality
+from autotune_plugins.twin import evidence, load_constants, physics, quality, service
 from autotune_plugins.twin.formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +76,9 @@ def scenario(row: Row, doc: dict[str, Any], parallel: int | None = None, **chang
         prompt_tokens=doc["workload"]["max_prompt_tokens"], output_tokens=doc["workload"]["max_new_tokens"],
         gpu_layers="auto" if (auto or row.engine == "llama.cpp") else "all",
     )
+    if row.engine == "exllamav2":  # ExLlamaV2 on a V100 runs concurrent streams only as batched passes
+        s = replace(s, jobs_at_once=service.exllamav2_settings(gpu, row.cache, row.ctx, s.parallel, "auto", row.data.get(
+            "unpaged_parallel", "queue")).jobs_at_once)
     return replace(s, **changes)
 
 

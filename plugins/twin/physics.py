@@ -21,16 +21,12 @@ per-stream work that an offline benchmark (llama-bench) never pays: sampling ove
 vocabulary for every stream at every step (H200, llama-server: ~0.85 ms per stream with a 152K
 vocabulary, the same for a 1.5B and a 7B model).
 
-A mixture of experts reads, of each layer's experts, those the step's tokens route to
-(:func:`distinct_experts`); weights in host memory (layers past ``-ngl``, the experts of the
-first ``n_cpu_moe`` layers) are read by the CPU at :func:`host_rate` and, at prefill, cross
-PCIe once per ubatch (:func:`placement`, :func:`step_terms`, :func:`prefill_tok_s`).
-
-``soft_max`` is the roofline's corner, rounded (a p-norm), because memory and arithmetic do
-not overlap perfectly in real kernels. Prefill is compute-bound on the tensor cores:
-``prefill_tok_s = F_tensor * eta_p / (2 * N_active)``, plus the host weights' crossings. The aggregate throughput a user sees is
-what the measurement protocol of autotune measures: ``P`` requests sent together, all prompts
-prefilled, then decoded together, total output tokens over the wall time.
+A mixture of experts reads the experts the step's tokens route to (:func:`distinct_experts`);
+host weights (layers past ``-ngl``, the first ``n_cpu_moe`` layers' experts) are read by the CPU
+at :func:`host_rate` or copied to the GPU per ubatch (:mod:`offload`). ``soft_max`` is the
+roofline's corner, rounded (a p-norm): memory and arithmetic do not overlap perfectly. Prefill
+is compute-bound on the tensor cores, plus the host weights' crossings. The aggregate is what
+autotune's protocol measures, ``P`` requests sent together (:mod:`service`).
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ from autotune_plugins.exllamav2 import declarations as exllamav2_declared
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server import memory as llama_memory
 from autotune_plugins.openai_server import declarations as vllm_declared
-from autotune_plugins.twin import offload
+from autotune_plugins.twin import offload, service
 from autotune_plugins.twin.offload import distinct_experts  # noqa: F401  (physics' name for it, as before)
 
 GiB = 2**30
@@ -190,6 +186,9 @@ class Scenario:
     harness: str = "server"
     # vLLM's --gpu-memory-utilization; engines that allocate what they need ignore it.
     gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
+    # Sequences the engine generates together (0: all ``parallel``); fewer are served in waves,
+    # as ExLlamaV2's dynamic generator without paged attention does (:mod:`service`).
+    jobs_at_once: int = 0
 
 
 def fp16_core_tflops(gpu: GpuSpec) -> float:
@@ -350,11 +349,12 @@ def exllamav2_buffer_bytes(s: Scenario) -> int:
 
 
 def exllamav2_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
-    """ExLlamaV2: a cache of ``ctx x parallel`` cells (no padding), the chunk's scratch, and the
-    context/allocator overhead row 2 of the article measured (``context_bytes``)."""
+    """ExLlamaV2: a cache of ``ctx`` cells per sequence it holds at once (no padding), the chunk's
+    scratch, and the context/allocator overhead row 2 of the article measured (``context_bytes``)."""
     weights_gpu, host, notes = _weights_on_gpu(s, k)
-    kv = int(SlotLayout().cells(s.ctx, s.parallel) * kv_bytes_per_token(s.model, _cache(s)))
-    kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * s.parallel)
+    seqs = min(s.jobs_at_once or s.parallel, s.parallel)
+    kv = int(SlotLayout().cells(s.ctx, seqs) * kv_bytes_per_token(s.model, _cache(s)))
+    kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * seqs)
     return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=kv, buffers_bytes=exllamav2_buffer_bytes(s),
                           overhead_bytes=int(k.context_bytes), host_bytes=host, notes=tuple(notes))
 
@@ -570,23 +570,23 @@ def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
     mem = memory(s, k)
     gpu_layers = gpu_layer_split(s, k, mem)
     c_decode = s.prompt_tokens + s.output_tokens / 2  # mean context while generating
+    jobs = min(s.jobs_at_once or s.parallel, s.parallel)  # sequences the engine runs together
     t1_terms = step_terms(s, k, host, 1, c_decode, gpu_layers)
-    tp_terms = step_terms(s, k, host, s.parallel, c_decode, gpu_layers)
+    tp_terms = step_terms(s, k, host, jobs, c_decode, gpu_layers)
     t1, tp = step_seconds(t1_terms), step_seconds(tp_terms)
     pf = prefill_tok_s(s, k, host, gpu_layers)
-    prefill_all_s = s.parallel * s.prompt_tokens / pf
     request_s = k.request_ms * 1e-3 if s.harness == "server" else 0.0
-    wall = request_s + prefill_all_s + s.output_tokens * tp
+    aggregate, per_user, ttft_s = service.served(s.parallel, jobs, s.prompt_tokens / pf, s.output_tokens, tp, request_s)
     where = placement(s, gpu_layers)
     used = distinct_experts(s.model, 1) / s.model.n_experts if s.model.is_moe else 1.0
     weights_per_token = where.gpu_dense_bytes + where.host_dense_bytes + (where.gpu_expert_bytes + where.host_expert_bytes) * used
     bytes_per_token = weights_per_token + c_decode * kv_read_bytes_per_token(s, k)
     return Prediction(
         decode_tok_s=1.0 / t1,
-        per_user_tok_s=1.0 / tp,
-        aggregate_tok_s=s.parallel * s.output_tokens / wall,
+        per_user_tok_s=per_user,
+        aggregate_tok_s=aggregate,
         prefill_tok_s=pf,
-        ttft_ms=1000.0 * (prefill_all_s + tp),
+        ttft_ms=1000.0 * ttft_s,
         roofline_tok_s=s.gpu.mem_bandwidth_gb_s * 1e9 / bytes_per_token,
         step_ms_single=1000.0 * t1,
         step_ms_parallel=1000.0 * tp,
