@@ -353,6 +353,8 @@ def exllamav2_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
     scratch, and the context/allocator overhead row 2 of the article measured (``context_bytes``)."""
     weights_gpu, host, notes = _weights_on_gpu(s, k)
     seqs = min(s.jobs_at_once or s.parallel, s.parallel)
+    if seqs < s.parallel:
+        notes.append(f"cache of {seqs} sequence: unpaged, ExLlamaV2 serves the {s.parallel} streams {seqs} at a time")
     kv = int(SlotLayout().cells(s.ctx, seqs) * kv_bytes_per_token(s.model, _cache(s)))
     kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * seqs)
     return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=kv, buffers_bytes=exllamav2_buffer_bytes(s),
