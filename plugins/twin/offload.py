@@ -9,6 +9,9 @@ Read from llama.cpp (llama-cpp-python 0.3.36's vendored copy), the twin's :mod:`
   tokens, of a MUL_MAT_ID) is at least ``GGML_OP_OFFLOAD_MIN_BATCH`` (default 32). Below that
   the CPU multiplies it where it lies; at or above it the weight is copied to the GPU for every
   graph the batch runs (once per ubatch): :func:`offloaded`.
+- What the CPU reads when it keeps them (ggml-cpu.c, ``ggml_compute_forward_mul_mat_id``): the
+  rows of each expert the batch routes to, skipping every expert with none (``cne1 == 0``), so a
+  decode step reads its tokens' experts only, at the host's rate (``physics.host_rate``).
 - What crosses for experts (``ggml_backend_sched_compute_splits``): of a host MUL_MAT_ID's
   expert tensor only the experts the ubatch's ids name, in runs of consecutive ones; of a dense
   host weight, all of it. The twin's count of routed experts is :func:`physics.distinct_experts`.
