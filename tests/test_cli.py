@@ -19,9 +19,16 @@ else:
     from fake_backends import memory_dir
 
 SEEDS = (0, 1, 2, 3, 4)
-# The article's answer (seed/ARTICLE.md): ExLlamaV2 at 3.3 bpw, Q8 cache, 4 users of 4096 tokens.
-ARTICLE_BEST = {"backend": "twin-exllamav2", "weights": "exl2:3.3", "ctx": 4096, "cache_type": "q8",
+# The article's row 5 (seed/ARTICLE.md): ExLlamaV2 at 3.3 bpw, Q8 cache, 4 streams of 4096 tokens, what
+# the README's estimate asks about.
+ARTICLE_ROW5 = {"backend": "twin-exllamav2", "weights": "exl2:3.3", "ctx": 4096, "cache_type": "q8",
                 "flash_attn": True, "parallel": 4}
+# The default study's answer: ExLlamaV2 at 3.3 bpw, 4096 tokens, FP16 cache, served one request at a
+# time. On the V100 no server runs ExLlamaV2 jobs together (no flash-attn 2 below sm_80, so its
+# dynamic generator, TabbyAPI's, holds one): row 5's 64 tok/s are offline batched passes. Every
+# parallel value then gives the single-stream aggregate; which of the tied ones is named varies by seed.
+DEFAULT_BEST = {"backend": "twin-exllamav2", "weights": "exl2:3.3", "ctx": 4096, "cache_type": "fp16",
+                "flash_attn": True}
 SUMMARY_KEYS = {"study", "storage", "n_trials", "n_complete", "n_failed", "n_pruned", "best"}
 BEST_KEYS = {"params", "values", "metrics", "deploy_command"}
 
@@ -77,12 +84,19 @@ def test_default_study_finds_the_article_configuration(seed_runs, seed):
     assert report["n_complete"] > 0 and report["n_failed"] == 0
     best = report["best"]
     assert BEST_KEYS <= set(best)
-    assert best["params"] == ARTICLE_BEST
+    parallel = best["params"].pop("parallel")
+    assert best["params"] == DEFAULT_BEST
     assert best["values"][0] > 0
     assert best["metrics"]["aggregate_tok_s"] >= best["values"][0]  # the score is throughput minus a penalty
     assert best["metrics"]["per_user_tok_s"] >= 20.0  # the study's floor
-    assert "--cache-mode Q8" in best["deploy_command"] and "--max-batch-size 4" in best["deploy_command"]
-    assert "exl2-3.3bpw" in best["deploy_command"]
+    # One request at a time: each user decodes at the single-stream rate, and the aggregate is
+    # below it (each request's prompt comes first), whatever parallel says.
+    assert best["metrics"]["per_user_tok_s"] == pytest.approx(best["metrics"]["decode_tok_s"])
+    assert best["metrics"]["aggregate_tok_s"] < best["metrics"]["decode_tok_s"]
+    line = best["deploy_command"]
+    assert "--cache-mode FP16" in line and f"--max-batch-size {parallel} " in line and "exl2-3.3bpw" in line
+    assert "--cache-size 4096 " in line  # one sequence: the line serves what was predicted
+    assert parallel == 1 or f"serves the {parallel} users one at a time, as predicted" in line
 
 
 def test_best_reads_the_same_storage_and_agrees(seed_runs):
@@ -107,9 +121,11 @@ def test_best_names_the_study_it_cannot_find(seed_runs):
 
 
 def test_estimate_json(twin_plugin, seed_runs):
+    params = json.loads(seed_runs[0]["out"])["best"]["params"]
     result = CliRunner().invoke(cli, [
         "estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article", "--backend", "exllamav2",
-        "--weights", "exl2:3.3", "--ctx", "4096", "--cache", "q8", "--flash-attn", "--parallel", "4", "--json"])
+        "--weights", "exl2:3.3", "--ctx", "4096", "--cache", "fp16", "--flash-attn", "--parallel",
+        str(params["parallel"]), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     vram = report["vram"]
@@ -125,7 +141,7 @@ def test_estimate_json(twin_plugin, seed_runs):
     best = json.loads(seed_runs[0]["out"])["best"]
     assert best["predicted_vram"]["total_bytes"] == vram["total_bytes"]
     assert predicted["aggregate_tok_s"] == pytest.approx(best["metrics"]["aggregate_tok_s"])
-    assert report["config"] == ARTICLE_BEST
+    assert report["config"] == best["params"]
     assert report["predictor"] == "twin-exllamav2"
 
 
@@ -152,7 +168,7 @@ def test_readme_estimate_reaches_the_twin_although_the_real_exllamav2_is_install
         plugins.unregister_plugin("exllamav2")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["config"] == ARTICLE_BEST and report["verdict"] == "fits"
+    assert report["config"] == ARTICLE_ROW5 and report["verdict"] == "fits"
     assert report["resolved"] == ("--backend exllamav2 with a format as weights: estimated by twin-exllamav2, "
                                   "the engine's digital twin")
     assert text.exit_code == 0 and "estimated by twin-exllamav2" in text.stdout and ": fits" in text.stdout

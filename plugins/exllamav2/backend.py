@@ -175,6 +175,36 @@ def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
             "--cache-mode", s.cache_type.upper(), "--max-batch-size", str(s.max_batch_size)]
 
 
+def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str = "python",
+               why_unpaged: str = "flash-attn 2 needs sm_80", found: str = "measured") -> str:
+    """The deploy line that delivers what ``s`` measures (or the twin predicts).
+
+    Paged, TabbyAPI runs the ``parallel`` jobs together. Unpaged in ``"queue"`` mode, TabbyAPI's
+    dynamic generator holds one sequence and serves the users one at a time (ExLlamaV2 0.3.2:
+    ``paged=False`` means "the max supported batch size is 1"), which is what was measured. Unpaged
+    ``"batched"`` forward passes have no server: what delivers them is an offline batch job,
+    ExLlamaV2's base generator over a cache of ``parallel`` rows (exllamav2's
+    examples/deprecated/batched_inference.py), and the line is that job, not TabbyAPI.
+    """
+    if s.mode == "batched":
+        return deploy_line([python, "examples/deprecated/batched_inference.py"], [
+            f"an offline batch job from an exllamav2 checkout, not a server: ExLlamaV2BaseGenerator.generate_simple "
+            f"over {parallel} prompts at a time, config.max_batch_size = {parallel}, ExLlamaV2Cache(batch_size="
+            f"{parallel}, max_seq_len={s.max_seq_len}), cache mode {s.cache_type.upper()}, model {model_dir} (set "
+            f"in the script)", f"no server serves concurrent users with ExLlamaV2 here ({why_unpaged}): TabbyAPI "
+            "would take them one at a time"])
+    notes = [f"TabbyAPI, run from its checkout by the interpreter whose exllamav2 was {found} (config.yml "
+             "model: keys of the same names)", "--host 0.0.0.0 serves other machines"]
+    if s.paged:
+        notes.append(f"cache of {parallel} x pad256({s.max_seq_len}) tokens, paged attention: the {parallel} "
+                     "jobs run together")
+    elif parallel > 1:
+        notes.append(f"no paged attention ({why_unpaged}): it serves the {parallel} users one at a time, as "
+                     f"{found}, so the aggregate is the single-stream rate")
+    return deploy_line([python, "main.py", *tabbyapi_args(s, model_dir), "--host", "127.0.0.1", "--port", "5000"],
+                       notes)
+
+
 class ExLlamaV2Backend(BaseBackend):
     name: ClassVar[str] = "exllamav2"
     engine: ClassVar[str] = "exllamav2"
@@ -350,20 +380,9 @@ class ExLlamaV2Backend(BaseBackend):
     # -------------------------------------------------------------- commands
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
-        s = self.generator_settings(config, ctx)
-        args = [self.python(ctx), "main.py", *tabbyapi_args(s, self.weights_path(config.weights, ctx)),
-                "--host", "127.0.0.1", "--port", "5000"]
-        notes = ["TabbyAPI, run from its checkout by the interpreter whose exllamav2 was measured (config.yml "
-                 "model: keys of the same names)", "--host 0.0.0.0 serves other machines"]
-        if s.paged:
-            notes.append(f"cache of {config.parallel} x pad256({config.ctx}) tokens, paged attention")
-        elif s.mode == "batched":
-            notes.append(f"measured as batched forward passes of {config.parallel} rows (offline batch work); "
-                         "without flash-attn >= 2.5.7 this server answers one request at a time")
-        else:
-            notes.append("without flash-attn >= 2.5.7 requests are served one at a time (as measured); install it "
-                         "for concurrent jobs")
-        return deploy_line(args, notes)
+        return deploy_for(self.generator_settings(config, ctx), self.weights_path(config.weights, ctx),
+                          config.parallel, self.python(ctx), "flash-attn >= 2.5.7 is not installed for the "
+                          "measured interpreter (it needs sm_80)")
 
     def engine_version(self) -> str:
         try:

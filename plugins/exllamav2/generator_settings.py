@@ -23,7 +23,9 @@ Without paged attention a trial with ``parallel > 1`` can be measured two ways, 
 * ``"batched"``: one batched forward pass over a cache of ``batch_size = parallel`` rows of
   ``pad256(ctx)`` tokens (``mode = "batched"``), every stream prefilled and decoded together.
   That is what the engine's kernels can do for offline batch work (ExLlamaV2's base
-  generator with a list of prompts), not what an OpenAI-compatible server serves.
+  generator with a list of prompts), not what an OpenAI-compatible server serves; the deploy
+  line is then that batch job, not TabbyAPI (``backend.deploy_for``). It is how ExLlamaV2 ran
+  the article's 4 streams on a V100 (64 tok/s, its row 5), a card without flash-attn 2.
 
 Every trial records the mode and ``jobs_at_once``.
 """

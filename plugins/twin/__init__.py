@@ -30,16 +30,15 @@ from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
 from autotune.models import ModelSpec
-from autotune.safetensors_dir import read_safetensors_dir
 
-from autotune_plugins.exllamav2 import declarations as exllamav2_declared
-from autotune_plugins.exllamav2.formats import EXL2_BPW_MAX, EXL2_BPW_MIN, exl2_quantization
+from autotune_plugins.exllamav2 import declarations as exllamav2_declared, generator_settings as exllamav2_generator
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.openai_server import declarations as vllm_declared
-from autotune_plugins.twin import calibration, physics, quality
-from autotune_plugins.twin.formats import directory_format
+from autotune_plugins.twin import calibration, physics, quality, service
+from autotune_plugins.twin.formats import ARTIFACT_WORDS, artifact_kind, directory_as_format
+from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.strategy import TwinStrategy
 
 __all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
@@ -78,6 +77,10 @@ def _card_share(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be > 0 and <= 1 (a share of the card's memory)"
 
 
+def _positive(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
 def _layers(value: Any) -> str | None:
     if isinstance(value, str):
         return None if value in ("all", "auto") else 'must be "all", "auto" or a number of layers'
@@ -95,6 +98,8 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
             check=_layers),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
             choices=tuple(UNITS)),
+    Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
+            "host's memory bandwidth alone bounds them)", check=_positive),
 )
 
 
@@ -108,48 +113,6 @@ def _kept(space: Mapping[str, Sequence[Any]], name: str, accepted: tuple[Any, ..
         if any(same_value(value, a) for a in accepted) and not any(same_value(value, k) for k in kept):
             kept.append(value)
     return tuple(kept)
-
-
-#: The artifacts on disk a twin can read, as its messages name them (one, many).
-ARTIFACT_WORDS: Mapping[str, tuple[str, str]] = {
-    "gguf": ("a GGUF file", "GGUF files"),
-    "exl2": ("an EXL2 directory", "EXL2 directories (config.json with quantization_config.quant_method \"exl2\")"),
-    "hf": ("a Hugging Face directory", "Hugging Face directories (config.json and *.safetensors)"),
-}
-
-
-def _artifact_kind(path: Path) -> str:
-    """``gguf`` (a GGUF file), ``exl2`` (an EXL2 directory) or ``hf`` (any other model directory).
-
-    Raises:
-        ConfigError: A file that is not GGUF, or a directory without config.json or safetensors.
-    """
-    if path.is_file():
-        read_gguf(path)
-        return "gguf"
-    directory = read_safetensors_dir(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path}: no config.json (a model directory holds config.json and *.safetensors)")
-    return "exl2" if exl2_quantization(directory.config, directory.path / "config.json") is not None else "hf"
-
-
-def _directory_format(path: Path) -> str:
-    """A model directory as a format (``exl2:4.0``, ``gguf:BF16``); see ``TwinBackend.as_format``."""
-    _artifact_kind(path)  # its config.json and safetensors are there
-    directory = read_safetensors_dir(path)
-    exl2 = exl2_quantization(directory.config, directory.path / "config.json")
-    if exl2 is not None and not EXL2_BPW_MIN <= exl2.bits <= EXL2_BPW_MAX:
-        raise ConfigError(f"{path / 'config.json'}: quantization_config.bits = {exl2.bits}: the twin knows EXL2 "
-                          f"at {EXL2_BPW_MIN}-{EXL2_BPW_MAX} bits per weight")
-    spec = directory_format(directory)
-    if spec is not None:
-        return spec
-    if directory.quant_method is not None:
-        raise ConfigError(f"{path / 'config.json'}: quantization_config.quant_method {directory.quant_method!r}: "
-                          f"the twin predicts EXL2 directories (quant_method \"exl2\") and unquantized ones "
-                          f"(F16, BF16 or F32)")
-    raise ConfigError(f"{path}: neither config.json's torch_dtype nor its layers' tensors are F16, BF16 or F32, "
-                      f"the unquantized types the twin predicts")
 
 
 class TwinBackend(BaseBackend):
@@ -198,7 +161,7 @@ class TwinBackend(BaseBackend):
             if not path.exists():
                 raise exc from None
         if path.is_dir():
-            return _directory_format(path)
+            return directory_as_format(path)
         spec = format_of(read_gguf(path))
         if spec is None:
             raise ConfigError(f"{path}: its tensors name no type the twin knows")
@@ -225,7 +188,7 @@ class TwinBackend(BaseBackend):
         path = self.weights_file(weights, ctx)
         try:
             if path is not None:
-                kind = _artifact_kind(path)
+                kind = artifact_kind(path)
                 if kind not in self.artifacts:
                     return (f"{path}: {ARTIFACT_WORDS[kind][0]}, which {self.engine} does not load (it loads "
                             f"{' and '.join(ARTIFACT_WORDS[a][1] for a in self.artifacts)}, or a format "
@@ -329,7 +292,7 @@ class TwinBackend(BaseBackend):
         launch = self._launches[config.key] = self._launches.get(config.key, 0) + 1
         rng = random.Random(f"{ctx.seed}:{config.key}:{launch}")
         after_s = self.setting(ctx, "throttle_after_s")
-        clock = _SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
+        clock = SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
         truth = p.as_dict()
 
         def sample() -> dict[str, float]:
@@ -352,31 +315,12 @@ class TwinBackend(BaseBackend):
                 "attention_path": self.attention_path(config, ctx),
                 "gpu_layers": p.gpu_layers,
                 "host_layers": p.host_layers,
+                "host_expert_layers": p.host_expert_layers,
                 "roofline_tok_s": p.roofline_tok_s,
                 "step_ms": {"single": p.step_ms_single, "parallel": p.step_ms_parallel},
                 "throttled": clock.throttled,
             },
         )
-
-
-class _SimulatedClock:
-    """Seconds of simulated load, shared by every trial of a process, for thermal throttling."""
-
-    _elapsed: ClassVar[dict[int, float]] = {}
-
-    def __init__(self, after_s: float | None, factor: float):
-        self.after_s = after_s
-        self.factor = factor
-        self.throttled = False
-
-    def advance(self, seconds: float) -> float:
-        if self.after_s is None:
-            return 1.0
-        key = id(type(self))
-        elapsed = self._elapsed.get(key, 0.0) + seconds
-        self._elapsed[key] = elapsed
-        self.throttled = elapsed > self.after_s
-        return self.factor if self.throttled else 1.0
 
 
 class TwinLlamaCpp(TwinBackend):
@@ -391,8 +335,47 @@ class TwinLlamaCpp(TwinBackend):
     default_cache = "f16"
     description = "digital twin of llama.cpp's llama-server (physics, no GPU needed)"
 
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """The common options, and the placement llama-server searches when the study names it:
+        ``gpu_layers`` (-ngl: a count, or "all"), ``n_cpu_moe`` (--n-cpu-moe) and ``ubatch`` (-ub)."""
+        params = super().parameters(space)
+        if "gpu_layers" in space:
+            layers = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v >= 0))
+            params.append(Param("gpu_layers", layers, "layers on the GPU (-ngl; the output head counts as one)",
+                                accepted=('"all"', "any integer >= 0")))
+        if "n_cpu_moe" in space:
+            moe = tuple(v for v in space["n_cpu_moe"] if type(v) is int and v >= 0)
+            params.append(Param("n_cpu_moe", moe, "layers whose experts stay in host memory (--n-cpu-moe)",
+                                accepted=("any integer >= 0",)))
+        if "ubatch" in space:
+            ub = tuple(v for v in space["ubatch"] if type(v) is int and v > 0)
+            params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
+        return params
+
+    def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
+        """The common scenario with llama.cpp's placement: the trial's ``gpu_layers`` (else the
+        setting), ``n_cpu_moe`` (else 0), ``ubatch`` (else llama-server's default) and the
+        ``host_threads`` setting."""
+        layers = config.option("gpu_layers")
+        threads = self.setting(ctx, "host_threads")
+        return replace(super().scenario(config, ctx),
+                       gpu_layers=self.setting(ctx, "gpu_layers") if layers is None else layers,
+                       n_cpu_moe=int(config.option("n_cpu_moe", 0)),
+                       ubatch=int(config.option("ubatch", physics.LLAMA_UBATCH)),
+                       host_threads=None if threads is None else int(threads))
+
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
         reasons = super().check(config, ctx)
+        layers, moe = config.option("gpu_layers"), config.option("n_cpu_moe", 0)
+        if layers is not None and _layers(layers) is not None or layers == "auto":
+            reasons.append(f"gpu_layers {layers!r}: accepted: \"all\" or an integer >= 0 (-ngl)")
+        if type(moe) is not int or moe < 0:
+            reasons.append(f"n_cpu_moe {moe!r}: accepted: an integer >= 0 (--n-cpu-moe)")
+        elif moe and not ctx.model.is_moe:
+            reasons.append(f"n_cpu_moe {moe}: {ctx.model.key} has no experts (a dense model ignores --n-cpu-moe)")
+        ub = config.option("ubatch")
+        if ub is not None and (type(ub) is not int or ub < 1):
+            reasons.append(f"ubatch {ub!r}: accepted: an integer >= 1 (-ub)")
         cache = config.option("cache_type", "f16")
         if cache != "f16" and not config.option("flash_attn", True):
             # llama.cpp refuses a quantized V cache without flash attention.
@@ -430,20 +413,28 @@ class TwinLlamaCpp(TwinBackend):
         scenario = self.scenario(config, ctx)
         on_gpu = physics.gpu_layer_split(scenario, self.constants(), physics.memory(scenario, self.constants()))
         n = ctx.model.n_layers
-        ngl = on_gpu if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
+        setting = self.setting(ctx, "gpu_layers") if config.option("gpu_layers") is None else config.option("gpu_layers")
+        # -ngl counts the output head as the last of n + 1 layers: N puts it and N - 1 layers on the GPU.
+        if isinstance(setting, int) and on_gpu < n:
+            ngl = setting
+        else:
+            ngl = on_gpu + 1 if on_gpu < n else max(99, n + 1)  # all of them, the output layer too
         notes = [f"-c is ctx {config.ctx} x {config.parallel} slots"]
         if on_gpu < n:
             notes.append(f"{n - on_gpu} of {n} layers run on the CPU")
+        placement: list[Any] = []
+        if scenario.n_cpu_moe:
+            placement += ["--n-cpu-moe", scenario.n_cpu_moe]
+            notes.append(f"the experts of the first {min(scenario.n_cpu_moe, n)} layers stay in host memory")
+        if config.option("ubatch") is not None:
+            placement += ["-ub", scenario.ubatch]
         return deploy_line(["llama-server", "-m", model_file, "-c", config.ctx * config.parallel, "-np", config.parallel,
-                            "-ngl", ngl, "-fa", fa, "-ctk", cache, "-ctv", cache, "--host", "127.0.0.1", "--port", "8080"],
-                           notes)
+                            "-ngl", ngl, *placement, "-fa", fa, "-ctk", cache, "-ctv", cache, "--host", "127.0.0.1",
+                            "--port", "8080"], notes)
 
     def engine_version(self) -> str:
         return "twin"
 
-
-#: flash-attn 2 (and with it ExLlamaV2's paged attention) needs compute capability 8.0.
-FLASH_ATTN2_MIN_CC = (8, 0)
 
 
 class TwinExllamaV2(TwinBackend):
@@ -455,13 +446,29 @@ class TwinExllamaV2(TwinBackend):
     cache_types = ("fp16", "q8", "q6", "q4")
     default_cache = "fp16"
     description = "digital twin of ExLlamaV2's dynamic generator (physics, no GPU needed)"
+    # The real backend's two settings for concurrency, with its names and meanings.
+    settings = TWIN_SETTINGS + (
+        Setting("paged", (str, bool), "auto", "paged attention for concurrent jobs: \"auto\" (where flash-attn 2 "
+                "runs: sm_80 and later), true or false", choices=("auto", True, False)),
+        Setting("unpaged_parallel", str, "queue", "how parallel > 1 runs without paged attention: \"queue\" "
+                "(one job at a time, as TabbyAPI serves them) or \"batched\" (offline batched passes)",
+                choices=exllamav2_generator.UNPAGED_CHOICES),
+    )
+
+    def generator(self, config: TrialConfig, ctx: StudyContext) -> exllamav2_generator.GeneratorSettings:
+        """The real backend's generator for this trial on this card (:func:`service.exllamav2_settings`)."""
+        return service.exllamav2_settings(ctx.gpu, config.option("cache_type", "fp16"), config.ctx, config.parallel,
+                                          self.setting(ctx, "paged"), self.setting(ctx, "unpaged_parallel"))
+
+    def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
+        return replace(super().scenario(config, ctx), jobs_at_once=self.generator(config, ctx).jobs_at_once)
 
     def attention_path(self, config: TrialConfig, ctx: StudyContext) -> str:
         if not config.option("flash_attn", True):
             return "matmul"
         # flash-attn 2 needs sm_80; before that ExLlamaV2 falls back to SDPA/xformers, which
         # is still fused (no scores over the allocated cache).
-        return "flash_attn" if ctx.gpu.compute_capability_tuple >= FLASH_ATTN2_MIN_CC else "sdpa"
+        return "flash_attn" if ctx.gpu.compute_capability_tuple >= service.FLASH_ATTN2_MIN_CC else "sdpa"
 
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """ExLlamaV2's defaults, as the real backend's ``default_launch``: an FP16 cache of the
@@ -473,19 +480,9 @@ class TwinExllamaV2(TwinBackend):
             "(max_seq_len from config.json), one sequence at a time; one user"))
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
-        cache = config.option("cache_type", "fp16").upper()
         _, bpw = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
-        path = self.weights_file(config.weights, ctx)
-        model = (["--model-dir", path.parent, "--model-name", path.name] if path is not None
-                 else ["--model-dir", "models", "--model-name", f"{ctx.model.key}-exl2-{bpw}bpw"])
-        notes = ["TabbyAPI (ExLlamaV2 server)", f"cache of {config.ctx} x {config.parallel} tokens"]
-        if config.parallel > 1 and ctx.gpu.compute_capability_tuple < FLASH_ATTN2_MIN_CC:
-            # The twin batches these streams as the article reports; the real engine cannot here
-            # (its dynamic generator needs flash-attn's paged attention for concurrent jobs).
-            notes.append("concurrent jobs need paged attention (flash-attn >= 2.5.7, sm_80+): on this card "
-                         "ExLlamaV2 0.3.2 serves them one at a time, so measure before relying on it")
-        return deploy_line(["python", "main.py", *model, "--max-seq-len", config.ctx, "--cache-mode", cache,
-                            "--max-batch-size", config.parallel], notes)
+        path = self.weights_file(config.weights, ctx) or Path("models") / f"{ctx.model.key}-exl2-{bpw}bpw"
+        return service.exllamav2_deploy(self.generator(config, ctx), path, ctx.gpu)
 
     def engine_version(self) -> str:
         return "twin"
@@ -535,7 +532,7 @@ class TwinVllm(TwinBackend):
                 f"{ctx.gpu.name} GPU has compute capability {ctx.gpu.compute_capability}. You can use "
                 "float16 instead by explicitly setting the `dtype` flag in CLI, for example: --dtype=half."
             )
-        if config.option("flash_attn", True) and cc < FLASH_ATTN2_MIN_CC:
+        if config.option("flash_attn", True) and cc < service.FLASH_ATTN2_MIN_CC:
             raise UnsupportedError("Cannot use FlashAttention-2 backend for Volta and Turing GPUs.")
         if config.option("cache_type", "auto").startswith("fp8") and cc < (8, 9):
             raise UnsupportedError(f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}")

@@ -9,7 +9,10 @@ Three kinds of evidence, each kept where it was published or measured:
 * llama-bench on an H200 (``bench/results/h200_grids/llama_bench_*.json``: tg128, this
   project's own synthetic Qwen2.5-7B and Llama-3.1-8B shapes);
 * llama-server on an H200 under autotune's protocol (``bench/results/``: the probe, the study
-  and the two exhaustive grids), single stream and 1-32 parallel streams.
+  and the two exhaustive grids), single stream and 1-32 parallel streams;
+* llama-server on an H200 with part of the model in host memory (``offload_probe_h200``: a
+  dense 7B and a 12-layer MoE shape, -ngl / --n-cpu-moe / -ub / --fit), which fits only the two
+  offload constants, on two dense points (``OFFLOAD_FIT``; ``fit.fit_offload``).
 
 Each figure carries a role: ``fit`` (the constants are fitted on it) or ``check`` (held out).
 The split is by card and by run, so that every check figure comes from a card or a model shape
@@ -22,13 +25,14 @@ import json
 import sqlite3
 import statistics
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from autotune.formats import weights_for
+from autotune.formats import WeightsBreakdown, weights_for
 from autotune.hardware import get_gpu, load_gpu_catalog
-from autotune.models import get_model, load_model_catalog
+from autotune.models import ModelSpec, get_model, load_model_catalog
+from autotune_plugins.llama_server.formats import predict_gguf_weights
 
 from autotune_plugins.twin import physics
 from autotune_plugins.twin.formats import FORMATS
@@ -191,4 +195,117 @@ def h200_grids() -> Iterator[Figure]:
 
 
 def everything() -> list[Figure]:
-    return [*published(), *h200_llama_bench(), *h200_probe(), *h200_small_model(), *h200_study(), *h200_grids()]
+    return [*published(), *h200_llama_bench(), *h200_probe(), *h200_small_model(), *h200_study(), *h200_grids(),
+            *h200_offload()]
+
+
+# ----------------------------------------------------------------------------- offload and MoE
+#
+# bench/results/offload_probe_h200 (issue 27): llama-server on one H200 with part of the model in
+# host memory, -ngl / --n-cpu-moe / -ub / --fit, one stream, decode and prompt tok/s. The machine
+# is a 16-core slice of its host (README.md there), which llama-server runs with 16 threads.
+OFFLOAD = RESULTS / "offload_probe_h200"
+OFFLOAD_THREADS = 16
+# The two new host constants (HostConstants.host_thread_gb_s, host_pcie_efficiency) are fitted on
+# the dense sweep's two ends, all layers on the host and 20 of 28 on the GPU (-ngl 0 and 21, -ub
+# 512), decode and prompt; every other point, and every MoE point, is held out.
+OFFLOAD_FIT = {("offload_dense", "ngl=0 ub=512"), ("offload_dense", "ngl=21 ub=512")}
+# What --fit chose in each run, from its own log (fit_log: "set ngl_per_device[0].n_layer=7";
+# "(n_layer, n_part)=(13, 11)"); on the free card it changed nothing.
+FIT_CHOICES = {("offload_held", "q7b"): {"ngl": "7"}, ("offload_held", "q30a3b12"): {"ngl": "13", "ncmoe": "11"}}
+
+
+def moe_probe_model() -> ModelSpec:
+    """The probe's MoE: a Qwen3-30B-A3B shape cut to 12 of its 48 layers (bench/h200_offload_probe.sh:
+    `autotune synth --arch qwen3moe --layers 12 --hidden 2048 --heads 32 --kv-heads 4 --head-dim 128
+    --experts 128 --experts-used 8 --expert-ffn 768`, qwen2 vocabulary of 151,936 tokens)."""
+    h, v, e, f, n = 2048, 151936, 128, 768, 12
+    per_layer = 2 * h * 4096 + 2 * h * 512 + 2 * 128 + h * e + e * 3 * h * f + 2 * h
+    return ModelSpec(key="qwen3-30b-a3b-12l", name="Qwen3-30B-A3B shape, 12 layers (synthetic)",
+                     architecture="qwen3moe", n_layers=n, hidden_size=h, n_heads=32, n_kv_heads=4, head_dim=128,
+                     ffn_size=6144, vocab_size=v, n_params=2 * v * h + n * per_layer + h, tie_embeddings=False,
+                     max_context=32768, source="bench/h200_offload_probe.sh", n_experts=e, n_experts_used=8,
+                     expert_ffn_size=f)
+
+
+def moe_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
+    """A qwen3moe GGUF's bytes as llama-quantize writes them: the GGUF plan of the same shape with
+    each layer's experts stacked as one MLP of E x expert_ffn (the same elements, rows and the same
+    type rules: ffn_down_exps takes ffn_down's), plus the router (ffn_gate_inp, kept F32). The
+    GGUF size predictor does not know expert tensors yet (issue 27, item 2); the probe's logged
+    buffers check this (tests/plugins/test_twin_offload.py)."""
+    stacked = replace(model, architecture="qwen3", ffn_size=model.n_experts * model.expert_ffn_size, n_experts=0,
+                      n_experts_used=0, expert_ffn_size=0)
+    w = predict_gguf_weights(stacked, file_type)
+    router = model.hidden_size * model.n_experts * 4
+    return replace(w, per_layer_bytes=tuple(b + router for b in w.per_layer_bytes))
+
+
+def _offload_case(source: str, model_file: str, case: dict[str, str]) -> dict[str, str]:
+    if case.get("fit") == "on":
+        return FIT_CHOICES.get((source, model_file.split("-")[0]), {"ngl": "999"})
+    return case
+
+
+def offload_scenario(model_file: str, case: dict[str, str], prompt: int, output: int) -> physics.Scenario:
+    """The twin's scenario of one probe run: -ngl 999 is every layer ("all")."""
+    fmt = _weights_format(model_file)
+    if model_file.startswith("q30a3b12"):
+        model = moe_probe_model()
+        weights = moe_gguf_weights(model, fmt.split(":")[1])
+    else:
+        model = get_model(H200_MODELS["q7b"])
+        weights = weights_for(model, fmt, FORMATS)
+    ngl = int(case.get("ngl", "999"))
+    return physics.Scenario(
+        engine="llama.cpp", gpu=get_gpu("h200"), model=model, weights=weights, ctx=4096, parallel=1,
+        cache_type="f16", flash_attn=True, prompt_tokens=prompt, output_tokens=output, harness="server",
+        gpu_layers="all" if ngl > model.n_layers else ngl, n_cpu_moe=int(case.get("ncmoe", "0")),
+        ubatch=int(case.get("ub", str(physics.LLAMA_UBATCH))), host_threads=OFFLOAD_THREADS)
+
+
+def h200_offload() -> Iterator[Figure]:
+    """The offload probe's runs that answered: decode and prompt tok/s, each the mean of its two
+    requests (a run whose server died, -ngl 14 under the 3 GiB budget, has none)."""
+    for source in ("offload_dense", "offload_moe", "offload_held"):
+        path = OFFLOAD / f"{source}.jsonl"
+        for line in path.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            runs = r.get("runs") or []
+            if not runs:
+                continue
+            label = " ".join(f"{k}={v}" for k, v in r["case"].items())
+            case = _offload_case(source, r["model"], r["case"])
+            s = offload_scenario(r["model"], case, int(runs[0]["prompt_n"]), int(runs[0]["predicted_n"]))
+            role = "fit" if (source, label) in OFFLOAD_FIT else "check"
+            for metric, key in (("decode_tok_s", "decode_tok_s"), ("prefill_tok_s", "prompt_tok_s")):
+                value = statistics.mean(float(x[key]) for x in runs)
+                yield Figure(f"offload-{source}-{r['model'].split('-')[0]}-{label.replace(' ', '-')}-{metric}",
+                             str(path.relative_to(REPO)), role, metric, value, s, _weights_format(r["model"]))
+
+
+def is_offload(figure: Figure) -> bool:
+    """A figure of the offload probe: it fits only the offload constants (fit.fit_offload)."""
+    return figure.id.startswith("offload-")
+
+
+def implied_routed_share(figure: Figure, k: physics.EngineConstants, host: physics.HostConstants) -> float | None:
+    """For a MoE prefill figure with experts (and only experts) in host memory: the share of each
+    host layer's experts one ubatch must have copied for the twin's crossing, at the PCIe rate the
+    dense crossings were fitted at, to take the measured time beyond the same model's time with
+    every expert on the GPU. The twin assumes uniform routing (all 128 experts for any ubatch of
+    a few hundred tokens); a share well below 1, the same at one ubatch size whatever the number
+    of host layers, says the measured prompt routes its tokens to fewer experts (docs/twin.md,
+    bench/twin_probe_routing.py). None for other figures."""
+    s = figure.scenario
+    if not (s.model.is_moe and figure.metric == "prefill_tok_s" and s.n_cpu_moe and s.gpu_layers == "all"):
+        return None
+    gpu_layers = physics.gpu_layer_split(s, k, physics.memory(s, k))
+    where = physics.placement(s, gpu_layers)
+    tokens = s.parallel * s.prompt_tokens
+    all_gpu = replace(s, n_cpu_moe=0)
+    gpu_s = tokens / physics.prefill_tok_s(all_gpu, k, host, gpu_layers)
+    crossings = len(physics.offload.ubatch_sizes(tokens, s.ubatch))
+    pcie = s.gpu.pcie_gb_s * 1e9 * host.host_pcie_efficiency
+    copy_s = tokens / figure.value - gpu_s - crossings * where.host_dense_bytes / pcie
+    return copy_s * pcie / (crossings * where.host_expert_bytes)

@@ -2,6 +2,7 @@
 
     python -m autotune_plugins.twin.fit                 # the tables with the stored constants
     python -m autotune_plugins.twin.fit --refit --write # fit again and store
+    python -m autotune_plugins.twin.fit --refit-offload --write  # only the two offload constants
 
 The fit takes the evidence of ``evidence.py`` marked ``fit`` (published decode on a P40, the
 V100s, an A100 and an RTX 4090; llama-bench of the Llama-3.1-8B shape and llama-server on a 1.5B and a
@@ -25,7 +26,7 @@ from autotune.formats import weights_for
 from autotune.hardware import get_gpu
 from autotune.models import get_model
 
-from autotune_plugins.twin import evidence, load_constants, physics, quality
+from autotune_plugins.twin import evidence, load_constants, physics, quality, service
 from autotune_plugins.twin.formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,6 +76,9 @@ def scenario(row: Row, doc: dict[str, Any], parallel: int | None = None, **chang
         prompt_tokens=doc["workload"]["max_prompt_tokens"], output_tokens=doc["workload"]["max_new_tokens"],
         gpu_layers="auto" if (auto or row.engine == "llama.cpp") else "all",
     )
+    if row.engine == "exllamav2":  # ExLlamaV2 on a V100 runs concurrent streams only as batched passes
+        s = replace(s, jobs_at_once=service.exllamav2_settings(gpu, row.cache, row.ctx, s.parallel, "auto", row.data.get(
+            "unpaged_parallel", "queue")).jobs_at_once)
     return replace(s, **changes)
 
 
@@ -166,7 +170,8 @@ def fit(doc: dict[str, Any], rows: list[Row]) -> tuple[dict[str, physics.EngineC
     from scipy.optimize import least_squares
 
     engines, host, _ = load_constants()
-    figures = [f for f in evidence.everything() if f.role == "fit"]
+    # The offload probe's fitted points move only the offload constants (fit_offload).
+    figures = [f for f in evidence.everything() if f.role == "fit" and not evidence.is_offload(f)]
 
     def build(x: list[float]) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants]:
         e, h = dict(engines), host
@@ -223,6 +228,35 @@ def fit(doc: dict[str, Any], rows: list[Row]) -> tuple[dict[str, physics.EngineC
     return e, h, min(PUBLISHED_POINTS_PER_KLD_8B, bound)
 
 
+# The host constants of partial offload, and their bounds: fitted after the rest, on the offload
+# probe's points marked "fit" alone, with everything else held (evidence.OFFLOAD_FIT says which).
+OFFLOAD_FITTED = [("host_thread_gb_s", 0.5, 50.0), ("host_pcie_efficiency", 0.02, 1.0)]
+
+
+def fit_offload(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics.EngineConstants],
+                host: physics.HostConstants) -> physics.HostConstants:
+    """Least squares on log(predicted / measured) over the offload probe's fitted points, moving
+    only ``OFFLOAD_FITTED``; the article's rows must stay inside their widened ranges."""
+    from scipy.optimize import least_squares
+
+    figures = [f for f in evidence.everything() if f.role == "fit" and evidence.is_offload(f)]
+
+    def build(x: list[float]) -> physics.HostConstants:
+        return replace(host, **{name: value for (name, _, _), value in zip(OFFLOAD_FITTED, x)})
+
+    def residuals(x: list[float]) -> list[float]:
+        h = build(x)
+        res = [math.log(max(predicted(f, engines, h), 1e-9) / f.value) for f in figures]
+        for item in predictions(doc, rows, engines, h, PUBLISHED_POINTS_PER_KLD_8B):
+            if not inside(item):
+                res.append(10.0)
+        return res
+
+    x0 = [min(max(getattr(host, name), lo * 1.01), hi * 0.99) for name, lo, hi in OFFLOAD_FITTED]
+    sol = least_squares(residuals, x0, bounds=([lo for _, lo, _ in OFFLOAD_FITTED], [hi for _, _, hi in OFFLOAD_FITTED]))
+    return build(list(sol.x))
+
+
 WITHIN = 0.25  # issue 13's bar for a card: every figure within +-25%
 
 
@@ -246,8 +280,8 @@ def h200_table(engines: dict[str, physics.EngineConstants], host: physics.HostCo
     """The H200's held-out measurements: single-stream decode by format, aggregate by streams."""
     groups: dict[tuple[str, str], list[float]] = {}
     for f in evidence.everything():
-        if f.gpu != "h200" or f.role != "check":
-            continue
+        if f.gpu != "h200" or f.role != "check" or evidence.is_offload(f):
+            continue  # the offload probe's points: bench/twin_offload_check.py
         if f.metric == "decode_tok_s" and (f.scenario.harness == "bench" or f.scenario.parallel == 1):
             key = ("single-stream decode", f.weights.split(":")[-1])
         elif f.metric == "aggregate_tok_s":
@@ -271,6 +305,8 @@ def write_constants(engines: dict[str, physics.EngineConstants], host: physics.H
         "",
         "[host]",
         f"host_bw_efficiency = {host.host_bw_efficiency:.4f}",
+        f"host_thread_gb_s = {host.host_thread_gb_s:.4f}",
+        f"host_pcie_efficiency = {host.host_pcie_efficiency:.4f}",
         "",
         "[quality]",
         f"points_per_kld_8b = {ppk8:.4f}",
@@ -282,7 +318,7 @@ def write_constants(engines: dict[str, physics.EngineConstants], host: physics.H
                 lines.append(f"{field} = {'true' if value else 'false'}")
             elif isinstance(value, str):
                 lines.append(f'{field} = "{value}"')
-            elif field in ("context_bytes", "vector_max_batch"):
+            elif field in ("context_bytes", "vector_max_batch", "op_offload_min_batch", "expert_tile_columns"):
                 lines.append(f"{field} = {int(value)}")
             else:
                 lines.append(f"{field} = {value:.4f}")
@@ -305,11 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE)
     ap.add_argument("--refit", action="store_true", help="fit the constants again")
+    ap.add_argument("--refit-offload", action="store_true",
+                    help="fit only the offload constants (host_thread_gb_s, host_pcie_efficiency), the rest as stored")
     ap.add_argument("--write", action="store_true", help="store the fitted constants in constants.toml")
     args = ap.parse_args(argv)
     doc, rows = load_rows(args.reference)
     if args.refit:
         engines, host, ppk8 = fit(doc, rows)
+        host = fit_offload(doc, rows, engines, host)
+        if args.write:
+            write_constants(engines, host, ppk8)
+    elif args.refit_offload:
+        engines, host, ppk8 = load_constants()
+        host = fit_offload(doc, rows, engines, host)
         if args.write:
             write_constants(engines, host, ppk8)
     else:

@@ -7,12 +7,17 @@ The twins' functions that take any format (the quality model, the evidence and t
 
 from __future__ import annotations
 
-from autotune.safetensors_dir import SafetensorsDir
+from pathlib import Path
+from typing import Mapping
+
+from autotune.errors import ConfigError
+from autotune.gguf_file import read_gguf
+from autotune.safetensors_dir import SafetensorsDir, read_safetensors_dir
 from autotune_plugins.exllamav2.declarations import EXL2
-from autotune_plugins.exllamav2.formats import exl2_quantization
+from autotune_plugins.exllamav2.formats import EXL2_BPW_MAX, EXL2_BPW_MIN, exl2_quantization
 from autotune_plugins.llama_server.declarations import GGUF
 
-__all__ = ["FORMATS", "directory_format"]
+__all__ = ["FORMATS", "ARTIFACT_WORDS", "artifact_kind", "directory_as_format", "directory_format"]
 
 FORMATS = (GGUF, EXL2)
 
@@ -38,3 +43,45 @@ def directory_format(directory: SafetensorsDir) -> str | None:
     kinds = [t.dtype for t in directory.tensors if t.layer is not None and len(t.shape) > 1]
     common = max(set(kinds), key=kinds.count) if kinds else None
     return _TENSOR_FORMATS.get(common) if common else None
+
+
+#: The artifacts on disk a twin can read, as its messages name them (one, many).
+ARTIFACT_WORDS: Mapping[str, tuple[str, str]] = {
+    "gguf": ("a GGUF file", "GGUF files"),
+    "exl2": ("an EXL2 directory", "EXL2 directories (config.json with quantization_config.quant_method \"exl2\")"),
+    "hf": ("a Hugging Face directory", "Hugging Face directories (config.json and *.safetensors)"),
+}
+
+
+def artifact_kind(path: Path) -> str:
+    """``gguf`` (a GGUF file), ``exl2`` (an EXL2 directory) or ``hf`` (any other model directory).
+
+    Raises:
+        ConfigError: A file that is not GGUF, or a directory without config.json or safetensors.
+    """
+    if path.is_file():
+        read_gguf(path)
+        return "gguf"
+    directory = read_safetensors_dir(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path}: no config.json (a model directory holds config.json and *.safetensors)")
+    return "exl2" if exl2_quantization(directory.config, directory.path / "config.json") is not None else "hf"
+
+
+def directory_as_format(path: Path) -> str:
+    """A model directory as a format (``exl2:4.0``, ``gguf:BF16``); see ``TwinBackend.as_format``."""
+    artifact_kind(path)  # its config.json and safetensors are there
+    directory = read_safetensors_dir(path)
+    exl2 = exl2_quantization(directory.config, directory.path / "config.json")
+    if exl2 is not None and not EXL2_BPW_MIN <= exl2.bits <= EXL2_BPW_MAX:
+        raise ConfigError(f"{path / 'config.json'}: quantization_config.bits = {exl2.bits}: the twin knows EXL2 "
+                          f"at {EXL2_BPW_MIN}-{EXL2_BPW_MAX} bits per weight")
+    spec = directory_format(directory)
+    if spec is not None:
+        return spec
+    if directory.quant_method is not None:
+        raise ConfigError(f"{path / 'config.json'}: quantization_config.quant_method {directory.quant_method!r}: "
+                          f"the twin predicts EXL2 directories (quant_method \"exl2\") and unquantized ones "
+                          f"(F16, BF16 or F32)")
+    raise ConfigError(f"{path}: neither config.json's torch_dtype nor its layers' tensors are F16, BF16 or F32, "
+                      f"the unquantized types the twin predicts")

@@ -21,11 +21,12 @@ per-stream work that an offline benchmark (llama-bench) never pays: sampling ove
 vocabulary for every stream at every step (H200, llama-server: ~0.85 ms per stream with a 152K
 vocabulary, the same for a 1.5B and a 7B model).
 
-``soft_max`` is the roofline's corner, rounded (a p-norm), because memory and arithmetic do
-not overlap perfectly in real kernels. Prefill is compute-bound on the tensor cores:
-``prefill_tok_s = F_tensor * eta_p / (2 * N_lin)``. The aggregate throughput a user sees is
-what the measurement protocol of autotune measures: ``P`` requests sent together, all prompts
-prefilled, then decoded together, total output tokens over the wall time.
+A mixture of experts reads the experts the step's tokens route to (:func:`distinct_experts`);
+host weights (layers past ``-ngl``, the first ``n_cpu_moe`` layers' experts) are read by the CPU
+at :func:`host_rate` or copied to the GPU per ubatch (:mod:`offload`). ``soft_max`` is the
+roofline's corner, rounded (a p-norm): memory and arithmetic do not overlap perfectly. Prefill
+is compute-bound on the tensor cores, plus the host weights' crossings. The aggregate is what
+autotune's protocol measures, ``P`` requests sent together (:mod:`service`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from autotune_plugins.exllamav2 import declarations as exllamav2_declared
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server import memory as llama_memory
 from autotune_plugins.openai_server import declarations as vllm_declared
+from autotune_plugins.twin import offload, service
+from autotune_plugins.twin.offload import distinct_experts  # noqa: F401  (physics' name for it, as before)
 
 GiB = 2**30
 
@@ -102,6 +105,14 @@ class EngineConstants:
         memory_model: The engine's memory model, a key of ``MEMORY_MODELS``: ``llama-server``
             (the real backend's, ``plugins/llama_server/memory.py``), ``exllamav2`` (the chunked
             scratch and measured overhead) or ``vllm`` (the share of the card it reserves).
+        op_offload_min_batch: Fewest tokens of a batch for which the engine multiplies host
+            weights on the GPU, copying them over (llama.cpp: ``GGML_OP_OFFLOAD_MIN_BATCH``, 32);
+            smaller batches are multiplied by the CPU (:mod:`offload`). 0: not modelled (prefill
+            copies host weights for any ubatch, decode leaves them to the CPU). Read from the
+            source, not fitted.
+        expert_tile_columns: Widest tile of the engine's expert matmul on the GPU (llama.cpp's
+            MMQ: 128 columns, chosen against the whole ubatch), whose unfilled columns cost as
+            much as filled ones (:func:`offload.expert_tile_factor`); 0: no such padding.
     """
 
     weight_bw_efficiency: float
@@ -120,6 +131,8 @@ class EngineConstants:
     keeps_embeddings_on_host: bool
     spill: str
     memory_model: str
+    op_offload_min_batch: int = 0
+    expert_tile_columns: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,9 +142,18 @@ class HostConstants:
     Attributes:
         host_bw_efficiency: Achieved share of the catalog's host memory bandwidth when the CPU
             runs spilled layers (can exceed 1 where the catalog's figure undersells the host).
+        host_thread_gb_s: Bytes of quantized weights one CPU thread dequantizes and multiplies
+            per second at decode, in GB/s: with ``Scenario.host_threads`` known, the host side
+            runs at the lesser of the memory's rate and the threads' (a 16-core slice of a large
+            server does not reach the server's memory bandwidth).
+        host_pcie_efficiency: Share of the catalog's PCIe rate at which host-resident weights
+            cross to the GPU during prefill (llama.cpp copies them from mapped, pageable memory
+            once per ubatch, not at the pinned-memory rate the catalog quotes).
     """
 
     host_bw_efficiency: float
+    host_thread_gb_s: float = 0.0
+    host_pcie_efficiency: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -148,13 +170,25 @@ class Scenario:
     flash_attn: bool
     prompt_tokens: int
     output_tokens: int
-    gpu_layers: int | str = "all"  # "all", "auto" (fit as many as the card holds) or a count
+    # "all", "auto" (fit as many as the card holds) or a count as llama.cpp's -ngl reads it, the
+    # output head counted as the last of n_layers + 1: N >= 1 puts the head and the last N - 1
+    # decoder layers on the GPU (llama_model::load_tensors: i_gpu_start = n_layers + 1 - N).
+    gpu_layers: int | str = "all"
+    # llama.cpp's --n-cpu-moe N: the expert tensors of the first N layers stay in host memory.
+    n_cpu_moe: int = 0
+    # llama.cpp's -ub: prompt tokens per physical batch (host weights cross PCIe once per ubatch).
+    ubatch: int = LLAMA_UBATCH
+    # CPU threads the engine runs host layers with (None: unknown, the host's memory bandwidth alone).
+    host_threads: int | None = None
     # "server": autotune's protocol, the engine's server sampling every token of every stream;
     # "bench": an offline benchmark (llama-bench tg128, ExLlamaV2's test_inference), which
     # samples nothing: what published single-stream figures measure.
     harness: str = "server"
     # vLLM's --gpu-memory-utilization; engines that allocate what they need ignore it.
     gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
+    # Sequences the engine generates together (0: all ``parallel``); fewer are served in waves,
+    # as ExLlamaV2's dynamic generator without paged attention does (:mod:`service`).
+    jobs_at_once: int = 0
 
 
 def fp16_core_tflops(gpu: GpuSpec) -> float:
@@ -182,8 +216,83 @@ def prefill_tflops(gpu: GpuSpec) -> float:
 
 
 def linear_params(model: ModelSpec) -> int:
-    """Parameters every generated token multiplies with: all of them but the embeddings."""
+    """Parameters in the matrices a token could multiply with: all of them but the embeddings
+    (for a mixture of experts, every expert: what memory holds, not what one token reads)."""
     return model.n_params - model.n_embedding_params
+
+
+def expert_params_per_layer(model: ModelSpec) -> int:
+    """Parameters of one layer's routed experts (gate, up and down of each); 0 for a dense model."""
+    return model.n_experts * 3 * model.hidden_size * model.expert_ffn_size if model.is_moe else 0
+
+
+def expert_share(model: ModelSpec) -> float:
+    """The experts' share of a MoE layer's parameters, from the shape: attention, router and
+    experts (norms are noise). It splits a layer's bytes, which the file or the format gives
+    whole, into what every token reads and what only the routed tokens read."""
+    experts = expert_params_per_layer(model)
+    if not experts:
+        return 0.0
+    attention = 2 * model.hidden_size * model.q_dim + 2 * model.hidden_size * model.kv_dim
+    router = model.hidden_size * model.n_experts
+    return experts / (attention + router + experts)
+
+
+def active_linear_params(model: ModelSpec) -> float:
+    """Parameters one token multiplies with: the non-expert ones and its k experts per layer."""
+    if not model.is_moe:
+        return float(linear_params(model))
+    unused = model.n_layers * expert_params_per_layer(model) * (1.0 - model.n_experts_used / model.n_experts)
+    return float(linear_params(model)) - unused
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which weights sit where, in bytes (experts counted whole: all E of each layer).
+
+    Attributes:
+        gpu_layers: Decoder layers on the GPU (``-ngl``'s share of the layers).
+        head_on_gpu: Whether the output head is on the GPU.
+        gpu_dense_bytes: Non-expert weights of the GPU layers, the head when it is there.
+        gpu_expert_bytes: Experts of GPU layers that ``n_cpu_moe`` leaves on the GPU.
+        host_dense_bytes: Non-expert weights of host layers, the head when it is there.
+        host_expert_bytes: Experts in host memory: those of host layers and of the first
+            ``n_cpu_moe`` layers.
+        host_kv_layers: Layers whose KV cache (and attention) stays on the host.
+    """
+
+    gpu_layers: int
+    head_on_gpu: bool
+    gpu_dense_bytes: float
+    gpu_expert_bytes: float
+    host_dense_bytes: float
+    host_expert_bytes: float
+    host_kv_layers: int
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_dense_bytes + self.host_expert_bytes
+
+
+def placement(s: Scenario, gpu_layers: int) -> Placement:
+    """Where llama.cpp puts each layer for ``gpu_layers`` of them on the GPU (the last ones, as
+    -ngl does) and the scenario's ``n_cpu_moe`` (the first layers' experts on the host)."""
+    m, w = s.model, s.weights
+    n = m.n_layers
+    share = expert_share(m)
+    first_gpu = n - gpu_layers
+    head_on_gpu = not isinstance(s.gpu_layers, int) or s.gpu_layers >= 1
+    head = w.output_bytes + w.other_bytes
+    gd, ge, hd, he = (head, 0.0, 0.0, 0.0) if head_on_gpu else (0.0, 0.0, head, 0.0)
+    for i, layer in enumerate(w.per_layer_bytes):
+        experts = layer * share
+        if i < first_gpu:
+            hd, he = hd + layer - experts, he + experts
+        elif i < s.n_cpu_moe:
+            gd, he = gd + layer - experts, he + experts
+        else:
+            gd, ge = gd + layer - experts, ge + experts
+    return Placement(gpu_layers, head_on_gpu, gd, ge, hd, he, first_gpu)
 
 
 def bandwidth_efficiency(gpu: GpuSpec, k: EngineConstants) -> float:
@@ -217,7 +326,16 @@ def llama_server_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
     """llama-server's own memory model (:func:`autotune_plugins.llama_server.memory.estimate`, within
     ~1% of NVML on an H200), every layer on the GPU: the twin and the real backend give the same
     bytes for the same configuration, so a twin-admitted configuration is a real-admitted one."""
-    return llama_memory.estimate(s.model, s.weights, s.ctx, s.parallel, s.cache_type, s.flash_attn, gpu=True)
+    return llama_memory.estimate(s.model, s.weights, s.ctx, s.parallel, s.cache_type, s.flash_attn,
+                                 ubatch=s.ubatch, gpu=True, **llama_offload_keywords(s))
+
+
+def llama_offload_keywords(s: Scenario) -> dict[str, Any]:
+    """The placement keywords for llama-server's memory model. Empty until its ``estimate`` takes
+    ``gpu_layers=`` and ``n_cpu_moe=`` (issue 27, branch offload); then this returns
+    ``{"gpu_layers": None if s.gpu_layers == "all" else s.gpu_layers, "n_cpu_moe": s.n_cpu_moe}``
+    (an integer count only: "auto" is the twin's own fill, :func:`gpu_layer_split`)."""
+    return {}
 
 
 def exllamav2_buffer_bytes(s: Scenario) -> int:
@@ -231,11 +349,14 @@ def exllamav2_buffer_bytes(s: Scenario) -> int:
 
 
 def exllamav2_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
-    """ExLlamaV2: a cache of ``ctx x parallel`` cells (no padding), the chunk's scratch, and the
-    context/allocator overhead row 2 of the article measured (``context_bytes``)."""
+    """ExLlamaV2: a cache of ``ctx`` cells per sequence it holds at once (no padding), the chunk's
+    scratch, and the context/allocator overhead row 2 of the article measured (``context_bytes``)."""
     weights_gpu, host, notes = _weights_on_gpu(s, k)
-    kv = int(SlotLayout().cells(s.ctx, s.parallel) * kv_bytes_per_token(s.model, _cache(s)))
-    kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * s.parallel)
+    seqs = min(s.jobs_at_once or s.parallel, s.parallel)
+    if seqs < s.parallel:
+        notes.append(f"cache of {seqs} sequence: unpaged, ExLlamaV2 serves the {s.parallel} streams {seqs} at a time")
+    kv = int(SlotLayout().cells(s.ctx, seqs) * kv_bytes_per_token(s.model, _cache(s)))
+    kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * seqs)
     return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=kv, buffers_bytes=exllamav2_buffer_bytes(s),
                           overhead_bytes=int(k.context_bytes), host_bytes=host, notes=tuple(notes))
 
@@ -279,14 +400,17 @@ def gpu_layer_split(s: Scenario, k: EngineConstants, mem: MemoryEstimate) -> int
     # llama.cpp moves the layers that do not fit to the CPU ("silently", as the article found
     # with its 16.3 GB file on a 16 GB card); engines that cannot spill fail to load instead.
     if isinstance(s.gpu_layers, int):
-        return max(0, min(n, s.gpu_layers))
-    # "auto": fill the card's physical memory, layer by layer from the first; the output
-    # head, the KV of GPU layers, buffers and the context must fit too.
+        return max(0, min(n, s.gpu_layers - 1))  # -ngl N: the head and N - 1 layers
+    # "auto": fill the card's physical memory, layer by layer from the last (as -ngl counts);
+    # the output head, the KV of GPU layers, buffers and the context must fit too. Experts
+    # that n_cpu_moe keeps on the host take no room on the card.
     per_layer_kv = mem.kv_bytes / n
     fixed = mem.buffers_bytes + mem.overhead_bytes + s.weights.output_bytes + s.weights.other_bytes
     free = s.gpu.vram_bytes - fixed
+    share = expert_share(s.model)
     on_gpu = 0
-    for layer_bytes in s.weights.per_layer_bytes:
+    for i in reversed(range(n)):
+        layer_bytes = s.weights.per_layer_bytes[i] * (1.0 - share if i < s.n_cpu_moe else 1.0)
         need = layer_bytes + per_layer_kv
         if free < need:
             break
@@ -312,6 +436,7 @@ class Prediction:
     step_ms_parallel: float
     gpu_layers: int
     host_layers: int
+    host_expert_layers: int
     bytes_per_token: float
     terms_ms: Mapping[str, float]
 
@@ -340,20 +465,38 @@ def kv_read_bytes_per_token(s: Scenario, k: EngineConstants) -> float:
     return s.model.n_layers * s.model.kv_dim * 2 * per_elem
 
 
+def host_rate(s: Scenario, host: HostConstants) -> float:
+    """Bytes per second the CPU reads and multiplies host weights at during decode: the host's
+    memory bandwidth, or the engine's threads' rate when that is lower and the threads are known."""
+    rate = s.gpu.host_mem_gb_s * 1e9 * host.host_bw_efficiency
+    if s.host_threads and host.host_thread_gb_s > 0:
+        rate = min(rate, s.host_threads * host.host_thread_gb_s * 1e9)
+    return rate
+
+
 def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: int,
                context_tokens: float, gpu_layers: int) -> dict[str, float]:
-    """Seconds of each term of one decode step for ``parallel`` streams."""
-    g, m, w = s.gpu, s.model, s.weights
+    """Seconds of each term of one decode step for ``parallel`` streams.
+
+    Weights read per step: every non-expert weight once, and of each layer's experts the share
+    the step's ``parallel`` tokens route to (:func:`distinct_experts`); each on the device it
+    sits on (:func:`placement`): the GPU's part over its bandwidth, the host's over
+    :func:`host_rate`. Arithmetic counts the active parameters of each token."""
+    g, m = s.gpu, s.model
     bw = g.mem_bandwidth_gb_s * 1e9
     n = m.n_layers
+    where = placement(s, gpu_layers)
+    routed = distinct_experts(m, parallel) / m.n_experts if m.is_moe else 1.0
     frac_gpu = gpu_layers / n
-    layers_gpu = sum(w.per_layer_bytes[:gpu_layers])
-    layers_host = w.layers_bytes - layers_gpu
     # The embedding row lookup reads one row per token: no bandwidth worth counting.
-    weights_read = layers_gpu + w.output_bytes + w.other_bytes
+    weights_read = where.gpu_dense_bytes + where.gpu_expert_bytes * routed
     kv_read = parallel * context_tokens * kv_read_bytes_per_token(s, k) * frac_gpu
     t_mem = (weights_read + kv_read) / (bw * bandwidth_efficiency(g, k))
-    n_lin = linear_params(m) * frac_gpu
+    # Arithmetic on the GPU: its share of each token's active parameters (layers and experts alike).
+    used = m.n_experts_used / m.n_experts if m.is_moe else 1.0
+    active_gpu = where.gpu_dense_bytes + where.gpu_expert_bytes * used
+    active_all = active_gpu + where.host_dense_bytes + where.host_expert_bytes * used
+    n_lin = active_linear_params(m) * active_gpu / max(active_all, 1.0)
     vector_rows = min(parallel, k.vector_max_batch)
     t_comp = vector_rows * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
     t_comp += (parallel - vector_rows) * 2 * n_lin / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
@@ -364,10 +507,17 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
         t_unfused += n * k.unfused_attn_per_layer_us * 1e-6
         t_unfused += parallel * s.ctx * n * k.unfused_attn_ns_per_token_layer * 1e-9
     t_host = 0.0
-    if layers_host:
-        # Spilled layers run on the CPU, streaming their weights from host memory; the
-        # activations cross PCIe twice per step (negligible next to the weights).
-        t_host = layers_host / (g.host_mem_gb_s * 1e9 * host.host_bw_efficiency) + k.spill_step_ms * 1e-3
+    host_read = where.host_dense_bytes + where.host_expert_bytes * routed
+    if host_read:
+        # Host layers and host experts run on the CPU, streaming their weights from host
+        # memory, and the host layers' KV with them; the activations cross PCIe twice per
+        # step and host segment (negligible next to the weights). A step of at least the
+        # engine's offload batch copies the weights to the GPU instead (offload.offloaded).
+        host_kv = parallel * context_tokens * kv_read_bytes_per_token(s, k) * where.host_kv_layers / n
+        if k.op_offload_min_batch and offload.offloaded(parallel, k.op_offload_min_batch):
+            t_host = host_read / (g.pcie_gb_s * 1e9 * host.host_pcie_efficiency) + host_kv / host_rate(s, host)
+        else:
+            t_host = (host_read + host_kv) / host_rate(s, host) + k.spill_step_ms * 1e-3
         t_host += 2 * parallel * m.hidden_size * 2 / (g.pcie_gb_s * 1e9)
     return {
         "fixed": t_fixed,
@@ -385,13 +535,36 @@ def step_seconds(terms: Mapping[str, float]) -> float:
 
 
 def prefill_tok_s(s: Scenario, k: EngineConstants, host: HostConstants, gpu_layers: int) -> float:
-    """Prompt tokens per second: tensor-core bound on the GPU; spilled layers' weights cross PCIe
-    once per ubatch (llama.cpp offloads large-batch matmuls of host layers to the GPU)."""
+    """Prompt tokens per second over the ``parallel`` prompts of a batch of requests.
+
+    Tensor-core bound on the GPU, on each token's active parameters, the experts' share padded
+    to the engine's tiles (:func:`offload.expert_tile_factor`). Each ubatch that reaches the
+    engine's offload batch (:func:`offload.offloaded`) copies the host weights it uses to the
+    GPU: host layers whole, of host experts those its tokens route to
+    (:func:`distinct_experts`); a smaller ubatch leaves them to the CPU, which multiplies each
+    token with its share of them at :func:`host_rate`. A larger ``ubatch`` means fewer crossings."""
     g, m = s.gpu, s.model
-    t_gpu = 2 * linear_params(m) / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
-    layers_host = sum(s.weights.per_layer_bytes[gpu_layers:])
-    t_host = layers_host / (g.pcie_gb_s * 1e9) / LLAMA_UBATCH if layers_host else 0.0
-    return 1.0 / (t_gpu + t_host)
+    tokens = max(1, s.parallel * s.prompt_tokens)
+    rate = prefill_tflops(g) * 1e12 * k.prefill_efficiency
+    expert_active = m.n_layers * m.n_experts_used * 3 * m.hidden_size * m.expert_ffn_size if m.is_moe else 0
+    other_active = active_linear_params(m) - expert_active
+    where = placement(s, gpu_layers)
+    pcie = g.pcie_gb_s * 1e9 * host.host_pcie_efficiency
+    used = m.n_experts_used / m.n_experts if m.is_moe else 1.0
+    host_per_token = where.host_dense_bytes + where.host_expert_bytes * used
+    host_share = host_per_token / max(where.gpu_dense_bytes + where.gpu_expert_bytes * used + host_per_token, 1.0)
+    seconds = 0.0
+    for ub in offload.ubatch_sizes(tokens, s.ubatch):
+        pad = offload.expert_tile_factor(m, ub, k.expert_tile_columns)
+        gpu_s = ub * 2 * (other_active + expert_active * pad) / rate
+        if not where.host_bytes:
+            seconds += gpu_s
+        elif offload.offloaded(ub, k.op_offload_min_batch):
+            routed = distinct_experts(m, ub) / m.n_experts if m.is_moe else 1.0
+            seconds += gpu_s + (where.host_dense_bytes + where.host_expert_bytes * routed) / pcie
+        else:
+            seconds += gpu_s * (1 - host_share) + ub * host_per_token / host_rate(s, host)
+    return tokens / seconds
 
 
 def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
@@ -399,25 +572,29 @@ def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
     mem = memory(s, k)
     gpu_layers = gpu_layer_split(s, k, mem)
     c_decode = s.prompt_tokens + s.output_tokens / 2  # mean context while generating
+    jobs = min(s.jobs_at_once or s.parallel, s.parallel)  # sequences the engine runs together
     t1_terms = step_terms(s, k, host, 1, c_decode, gpu_layers)
-    tp_terms = step_terms(s, k, host, s.parallel, c_decode, gpu_layers)
+    tp_terms = step_terms(s, k, host, jobs, c_decode, gpu_layers)
     t1, tp = step_seconds(t1_terms), step_seconds(tp_terms)
     pf = prefill_tok_s(s, k, host, gpu_layers)
-    prefill_all_s = s.parallel * s.prompt_tokens / pf
     request_s = k.request_ms * 1e-3 if s.harness == "server" else 0.0
-    wall = request_s + prefill_all_s + s.output_tokens * tp
-    bytes_per_token = s.weights.layers_bytes + s.weights.output_bytes + c_decode * kv_read_bytes_per_token(s, k)
+    aggregate, per_user, ttft_s = service.served(s.parallel, jobs, s.prompt_tokens / pf, s.output_tokens, tp, request_s)
+    where = placement(s, gpu_layers)
+    used = distinct_experts(s.model, 1) / s.model.n_experts if s.model.is_moe else 1.0
+    weights_per_token = where.gpu_dense_bytes + where.host_dense_bytes + (where.gpu_expert_bytes + where.host_expert_bytes) * used
+    bytes_per_token = weights_per_token + c_decode * kv_read_bytes_per_token(s, k)
     return Prediction(
         decode_tok_s=1.0 / t1,
-        per_user_tok_s=1.0 / tp,
-        aggregate_tok_s=s.parallel * s.output_tokens / wall,
+        per_user_tok_s=per_user,
+        aggregate_tok_s=aggregate,
         prefill_tok_s=pf,
-        ttft_ms=1000.0 * (prefill_all_s + tp),
+        ttft_ms=1000.0 * ttft_s,
         roofline_tok_s=s.gpu.mem_bandwidth_gb_s * 1e9 / bytes_per_token,
         step_ms_single=1000.0 * t1,
         step_ms_parallel=1000.0 * tp,
         gpu_layers=gpu_layers,
         host_layers=s.model.n_layers - gpu_layers,
+        host_expert_layers=min(s.model.n_layers, max(s.n_cpu_moe, s.model.n_layers - gpu_layers)) if s.model.is_moe else 0,
         bytes_per_token=bytes_per_token,
         terms_ms={name: 1000.0 * v for name, v in tp_terms.items()},
     )

@@ -223,9 +223,12 @@ def test_deploy_command_is_a_tabbyapi_launch(exl2_dir, tmp_path):
     assert "--host 127.0.0.1 --port 5000" in cmd and "--host 0.0.0.0 serves other machines" in cmd
     # the deploy line serves what was measured: unpaged, one request at a time, and says so
     queued = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path))
-    assert "--cache-size 768 " in queued and "one at a time (as measured)" in queued
+    assert "--cache-size 768 " in queued and "serves the 4 users one at a time, as measured" in queued
+    # Batched passes have no server: the line is the offline batch job that delivers them.
     batched = b.deploy_command(cfg(ctx=600, parallel=4, cache="q8"), make_ctx(tmp_path, unpaged_parallel="batched"))
-    assert "offline batch" in batched and "one request at a time" in batched
+    assert batched.startswith(f"{sys.executable} examples/deprecated/batched_inference.py  # an offline batch job")
+    assert "ExLlamaV2Cache(batch_size=4, max_seq_len=768), cache mode Q8" in batched and "main.py" not in batched
+    assert "TabbyAPI would take them one at a time" in batched
     with pytest.raises(ConfigError, match="unpaged_parallel 'serial': use one of queue, batched"):
         b.deploy_command(cfg(), make_ctx(tmp_path, unpaged_parallel="serial"))
 
@@ -241,7 +244,11 @@ def test_the_deploy_line_serves_the_generator_the_worker_was_told_to_build(exl2_
     (load,) = [r for r in map(json.loads, requests.read_text().splitlines()) if r["op"] == "load"]
     measured = GeneratorSettings.from_dict(load["settings"])
     assert load["model_dir"] == str(exl2_dir) and m.attrs["generator"] == measured.to_dict()
-    assert " ".join(tabbyapi_args(measured, exl2_dir)) in b.deploy_command(config, c)
+    line = b.deploy_command(config, c)
+    if measured.mode == "batched":  # no server: the batch job, with the measured cache's shape
+        assert f"ExLlamaV2Cache(batch_size={measured.cache_batch_size}, max_seq_len={measured.max_seq_len})" in line
+    else:
+        assert " ".join(tabbyapi_args(measured, exl2_dir)) in line
 
 
 def test_a_worker_that_builds_another_generator_fails_the_trial(exl2_dir, tmp_path):

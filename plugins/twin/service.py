@@ -1,0 +1,55 @@
+"""How a batch of ``P`` requests is served when the engine runs only ``j`` of them at once.
+
+autotune's protocol sends ``P`` requests together and measures the aggregate (all output tokens
+over the wall time), the median stream's decode rate (per user) and the median time to first
+token (autotune/measure/streams.py). An engine that takes every request at once decodes them
+in one batch; one that holds ``j < P`` sequences (ExLlamaV2's dynamic generator without paged
+attention holds one: ``plugins/exllamav2/generator_settings.py``) serves them in waves of ``j``:
+each wave prefills its prompts and decodes at the ``j``-stream step, and the others wait.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from autotune.hardware import GpuSpec
+from autotune_plugins.exllamav2.backend import deploy_for
+from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
+
+#: flash-attn 2 (and with it ExLlamaV2's paged attention) needs compute capability 8.0.
+FLASH_ATTN2_MIN_CC = (8, 0)
+
+
+def has_paged_attention(gpu: GpuSpec, paged: str | bool) -> bool:
+    """The ``paged`` setting resolved: ``"auto"`` is where flash-attn 2 runs (sm_80 and later)."""
+    return gpu.compute_capability_tuple >= FLASH_ATTN2_MIN_CC if paged == "auto" else bool(paged)
+
+
+def exllamav2_settings(gpu: GpuSpec, cache: str, ctx: int, parallel: int, paged: str | bool = "auto",
+                       unpaged_parallel: str = "queue") -> GeneratorSettings:
+    """The generator the real backend would run (its ``generator_settings``) on ``gpu``: paged
+    where flash-attn 2 runs; without it one job at a time (``"queue"``: TabbyAPI's dynamic
+    generator) or offline batched forward passes (``"batched"``)."""
+    return generator_settings(cache, ctx, parallel, has_paged_attention(gpu, paged), unpaged_parallel)
+
+
+def served(parallel: int, jobs: int, prompt_s: float, output_tokens: int, step_s: float,
+           request_s: float) -> tuple[float, float, float]:
+    """(aggregate tok/s, per-user tok/s, median TTFT in s) for ``parallel`` requests served in waves
+    of ``jobs``: ``prompt_s`` prefills one prompt, ``step_s`` is one decode step of ``jobs``
+    streams. Each wave's streams wait for the waves before them."""
+    jobs = max(1, min(jobs, parallel))
+    wave_s = jobs * prompt_s + output_tokens * step_s
+    full, rest = divmod(parallel, jobs)
+    # Written so that P requests one at a time give exactly the single request's aggregate.
+    wall = request_s + full * wave_s + (rest * prompt_s + output_tokens * step_s if rest else 0.0)
+    ttft = [i // jobs * wave_s + jobs * prompt_s + step_s for i in range(parallel)]
+    return parallel * output_tokens / wall, 1.0 / step_s, statistics.median(ttft)
+
+
+def exllamav2_deploy(s: GeneratorSettings, model_dir: Path, gpu: GpuSpec) -> str:
+    """The real backend's deploy line (:func:`deploy_for`) for the generator twin-exllamav2
+    predicted: TabbyAPI with every job at once, TabbyAPI one job at a time, or an offline batch job."""
+    why = f"flash-attn 2 needs sm_80, the {gpu.name} is sm_{gpu.compute_capability.replace('.', '')}"
+    return deploy_for(s, model_dir, s.max_batch_size, why_unpaged=why, found="predicted")
