@@ -324,18 +324,18 @@ def _weights_on_gpu(s: Scenario, k: EngineConstants) -> tuple[int, int, list[str
 
 def llama_server_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
     """llama-server's own memory model (:func:`autotune_plugins.llama_server.memory.estimate`, within
-    ~1% of NVML on an H200), every layer on the GPU: the twin and the real backend give the same
+    ~1% of NVML on an H200), in the configuration's placement: the twin and the real backend give the same
     bytes for the same configuration, so a twin-admitted configuration is a real-admitted one."""
     return llama_memory.estimate(s.model, s.weights, s.ctx, s.parallel, s.cache_type, s.flash_attn,
                                  ubatch=s.ubatch, gpu=True, **llama_offload_keywords(s))
 
 
 def llama_offload_keywords(s: Scenario) -> dict[str, Any]:
-    """The placement keywords for llama-server's memory model. Empty until its ``estimate`` takes
-    ``gpu_layers=`` and ``n_cpu_moe=`` (issue 27, branch offload); then this returns
-    ``{"gpu_layers": None if s.gpu_layers == "all" else s.gpu_layers, "n_cpu_moe": s.n_cpu_moe}``
-    (an integer count only: "auto" is the twin's own fill, :func:`gpu_layer_split`)."""
-    return {}
+    """The placement keywords of llama-server's memory model: a layer count as ``-ngl`` means it
+    ("auto" is the twin's own fill, :func:`gpu_layer_split`, which the memory model's every-layer
+    figure drives), and the experts kept in host memory."""
+    layers = s.gpu_layers if isinstance(s.gpu_layers, int) else None
+    return {"gpu_layers": layers, "n_cpu_moe": s.n_cpu_moe}
 
 
 def exllamav2_buffer_bytes(s: Scenario) -> int:
