@@ -55,7 +55,12 @@ class RecordedTrial:
 
     @property
     def launched(self) -> bool:
-        return self.record.launched and self.record.state in (TrialState.COMPLETE, TrialState.FAIL)
+        """Whether this run has the configuration's own outcome: measured, or failed for a reason
+        that would repeat. A trial stopped from outside (the study interrupted, its worker dead:
+        ``retry``) says nothing about its configuration and is left out, as the runner itself
+        measures such a configuration again."""
+        return self.record.launched and not self.record.retry and \
+            self.record.state in (TrialState.COMPLETE, TrialState.FAIL)
 
 
 def trial_seconds(t: optuna.trial.FrozenTrial) -> float:
@@ -158,13 +163,12 @@ class RecordedGrid:
         return [t for t in self.by_key.get(key, []) if t.launched]
 
     def measuring_seconds(self) -> float:
-        """Seconds one run of the grid spent launching configurations (the mean over runs)."""
-        per_run = [0.0] * len(self.runs)
-        for trials in self.by_key.values():
-            for t in trials:
-                if t.launched:
-                    per_run[t.run] += t.seconds
-        return statistics.fmean(per_run)
+        """Seconds one run of the whole grid spends launching configurations: for each
+        configuration some run launched, the mean of its runs' seconds. The mean of the runs'
+        sums when every run launched every configuration; a run cut short (its budget or the
+        machine's time ran out) neither shortens the grid nor counts its interrupted launch."""
+        return sum(statistics.fmean(t.seconds for t in launched)
+                   for key in self.by_key if (launched := self.launched(key)))
 
     def replay_key(self, key: str) -> str:
         """The configuration as a replay study names it (replay backend, weights as a format)."""

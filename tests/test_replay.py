@@ -117,3 +117,37 @@ def test_a_partial_budget_starts_no_launch_expected_to_overrun_it(grid_files):
     ratios = [s["ratio"] for s in g["seeds"]["random"]]
     assert f["median_ratio"] == statistics.median(ratios)
     assert f["within_3pct"] == sum(r >= 0.97 for r in ratios) / 3
+
+
+class InterruptedFake(TimedFake):
+    """The second run's machine time runs out (Ctrl-C) while it measures four-slot Q8_0 after a
+    few launches: that launch is stored as interrupted, the rest of the run never happens."""
+
+    def __init__(self):
+        super().__init__(1.1)
+        self.launches = 0
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        self.launches += 1
+        if self.launches > 3 and config.parallel == 4:
+            time.sleep(0.05)  # longer than any real launch: if counted, it would show
+            raise KeyboardInterrupt
+        return super().run(config, ctx)
+
+
+def test_a_run_cut_short_neither_answers_with_its_interrupted_launch_nor_shortens_the_grid(grid_files, tmp_path):
+    study, urls = grid_files
+    cut = f"journal:{tmp_path}/tiny-cut.log"
+    with registered(InterruptedFake()):
+        StudyRunner(prepare_study(load_study_config(study), storage=cut)).run()
+    grid = RecordedGrid([urls[0], cut])
+    whole = RecordedGrid(urls[:1])
+    interrupted = [t for ts in grid.by_key.values() for t in ts if t.record.retry]
+    assert len(interrupted) == 1 and interrupted[0].run == 1 and interrupted[0].seconds >= 0.05
+    key = interrupted[0].record.config_key
+    assert [t.run for t in grid.launched(key)] == [0]  # the outcome is run 1's measurement alone
+    # Every configuration run 2 did not reach counts at run 1's seconds, the others at the mean of
+    # the runs (the old figure, the mean of the runs' sums, halved what run 2 never reached).
+    expected = sum(statistics.fmean(t.seconds for t in grid.launched(k)) for k in grid.configs if grid.launched(k))
+    assert grid.measuring_seconds() == pytest.approx(expected)
+    assert {k for k in grid.configs if grid.launched(k)} == {k for k in whole.configs if whole.launched(k)}
