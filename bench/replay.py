@@ -328,6 +328,7 @@ class Outcome:
     pick_feasible: bool
     pruned_but_measured: list[str] = field(default_factory=list)
     probe_stops: int = 0
+    unsettled: int = 0                   # launches of configurations the grid never settled
 
 
 def replay_once(grid: RecordedGrid, backend: ReplayBackend, prepared: PreparedStudy, strategy: Strategy,
@@ -350,7 +351,7 @@ def replay_once(grid: RecordedGrid, backend: ReplayBackend, prepared: PreparedSt
     feasible = truth is not None and truth.feasible
     return Outcome(seed, pick, truth.value / best if feasible and truth else 0.0,  # type: ignore[union-attr]
                    backend.log.spent_s / grid.measuring_seconds(), len(backend.log.launches), feasible,
-                   pruned_but_measured, backend.log.probe_stops)
+                   pruned_but_measured, backend.log.probe_stops, len(backend.log.unsettled))
 
 
 def figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
@@ -362,6 +363,7 @@ def figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "median_launches": statistics.median(o.launches for o in outcomes),
         "median_probe_stops": statistics.median(o.probe_stops for o in outcomes),
         "infeasible_picks": sum(not o.pick_feasible for o in outcomes),
+        "unsettled_launches": sum(o.unsettled for o in outcomes),
     }
 
 
@@ -384,7 +386,8 @@ def replay_grid(grid: RecordedGrid, study_file: Path, model: str | None, strateg
         out: dict[str, Any] = {
             "study": grid.name, "storages": grid.storages, "study_file": _shown(study_file), "replay_model": model,
             "n_configs": len(grid.configs), "n_measured": len(truths), "n_feasible": len(feasible),
-            "n_pruned": sum(1 for k in grid.configs if not grid.launched(k)),
+            "n_pruned": sum(1 for k in grid.configs if not grid.launched(k)) - len(grid.unsettled()),
+            "unsettled": [json.loads(k) for k in grid.unsettled()],
             "measuring_s": measuring_s, "budget_fraction": fraction, "budget_s": budget_s,
             "best": {"config": json.loads(best_key), "truth": best},
             "between_runs": between_runs(grid),
@@ -437,6 +440,10 @@ def text_report(result: Mapping[str, Any]) -> str:
             f"  budget: {g['budget_fraction']:.2f} x {g['measuring_s']:.0f} s = {g['budget_s']:.0f} s of recorded "
             "launches",
         ]
+        if g["unsettled"]:
+            hits = ", ".join(f"{n} {f['unsettled_launches']}" for n, f in g["strategies"].items())
+            lines.append(f"  unsettled (every recorded launch interrupted; a replayed launch of one fails at no "
+                         f"cost): {'; '.join(_short(c) for c in g['unsettled'])}; such launches over all seeds: {hits}")
         lines += _table(g["strategies"])
         lines.append("")
     if len(result["grids"]) > 1:

@@ -162,6 +162,11 @@ class RecordedGrid:
         """The runs that launched ``key`` (measured it, or failed while measuring)."""
         return [t for t in self.by_key.get(key, []) if t.launched]
 
+    def unsettled(self) -> list[str]:
+        """Configurations some run launched but none settled: every launch was interrupted."""
+        return [key for key, trials in self.by_key.items()
+                if not self.launched(key) and any(t.record.launched and t.record.retry for t in trials)]
+
     def measuring_seconds(self) -> float:
         """Seconds one run of the whole grid spends launching configurations: for each
         configuration some run launched, the mean of its runs' seconds. The mean of the runs'
@@ -192,6 +197,7 @@ class ReplayLog:
     launches: list[str] = field(default_factory=list)          # recorded keys, in order
     unrecorded: list[str] = field(default_factory=list)        # launched, but the grid never did
     probe_stops: int = 0                                       # launches the probe ended after one run
+    unsettled: list[str] = field(default_factory=list)         # launched, but the grid's launches were all cut short
 
 
 def run_seconds(r: TrialRecord, workload: Workload) -> float:
@@ -259,6 +265,11 @@ class ReplayBackend(BaseBackend):
         key = self.grid.recorded_key(config)
         launched = self.grid.launched(key)
         if not launched:
+            if key in self.grid.unsettled():
+                # Every recorded launch of it was cut short (the machine's time ran out): the grid
+                # has no outcome to give. A failure at no cost, counted (the report says how many).
+                self.log.unsettled.append(key)
+                raise BackendError(f"replay: every recorded launch of {key} was interrupted")
             # The grid pruned (or never reached) it: the replay's judge should have too.
             self.log.unrecorded.append(key)
             raise BackendError(f"replay: the grid never launched {key}")

@@ -8,6 +8,7 @@ configurations over the memory budget.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -120,16 +121,18 @@ def test_a_partial_budget_starts_no_launch_expected_to_overrun_it(grid_files):
 
 
 class InterruptedFake(TimedFake):
-    """The second run's machine time runs out (Ctrl-C) while it measures four-slot Q8_0 after a
-    few launches: that launch is stored as interrupted, the rest of the run never happens."""
+    """The second run's machine time runs out (Ctrl-C) while it measures four slots after a few
+    launches (or at launch ``at_launch``): that launch is stored as interrupted, the rest of the
+    run never happens."""
 
-    def __init__(self):
+    def __init__(self, at_launch: int | None = None):
         super().__init__(1.1)
         self.launches = 0
+        self.at_launch = at_launch  # interrupt this launch instead (the grid's last: 10)
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         self.launches += 1
-        if self.launches > 3 and config.parallel == 4:
+        if (self.launches == self.at_launch) if self.at_launch else (self.launches > 3 and config.parallel == 4):
             time.sleep(0.05)  # longer than any real launch: if counted, it would show
             raise KeyboardInterrupt
         return super().run(config, ctx)
@@ -146,8 +149,27 @@ def test_a_run_cut_short_neither_answers_with_its_interrupted_launch_nor_shorten
     assert len(interrupted) == 1 and interrupted[0].run == 1 and interrupted[0].seconds >= 0.05
     key = interrupted[0].record.config_key
     assert [t.run for t in grid.launched(key)] == [0]  # the outcome is run 1's measurement alone
+    assert grid.unsettled() == [] and whole.unsettled() == []  # run 1 measured it
     # Every configuration run 2 did not reach counts at run 1's seconds, the others at the mean of
     # the runs (the old figure, the mean of the runs' sums, halved what run 2 never reached).
     expected = sum(statistics.fmean(t.seconds for t in grid.launched(k)) for k in grid.configs if grid.launched(k))
     assert grid.measuring_seconds() == pytest.approx(expected)
     assert {k for k in grid.configs if grid.launched(k)} == {k for k in whole.configs if whole.launched(k)}
+
+
+def test_a_configuration_every_run_interrupted_is_unsettled_not_pruned(grid_files, tmp_path):
+    study, urls = grid_files
+    cut = f"journal:{tmp_path}/tiny-cut-last.log"
+    with registered(InterruptedFake(at_launch=10)):
+        StudyRunner(prepare_study(load_study_config(study), storage=cut)).run()
+    grid = RecordedGrid([cut])
+    [key] = grid.unsettled()
+    assert not grid.launched(key) and all(grid.measured(k) for k in grid.configs if grid.launched(k))
+    out = replayed(study, [cut], "--seeds", "2", "--strategies", "random", "--budget-fraction", "1.0")
+    g = out["grids"][0]
+    assert [json.dumps(c, sort_keys=True) for c in g["unsettled"]] == [json.dumps(json.loads(key), sort_keys=True)]
+    assert g["n_pruned"] + len(g["unsettled"]) + g["n_measured"] == g["n_configs"]
+    # The whole grid's time buys every launch: each seed tries the unsettled one too, and fails.
+    assert g["strategies"]["random"]["unsettled_launches"] >= 1
+    assert "unsettled" in replay.text_report(out)
+
