@@ -13,7 +13,9 @@ within ``--budget-fraction`` of the grid's measuring seconds (recorded seconds; 
 as the runner's own ``budget``). Its pick is the study's best trial; the
 pick is valued by the grid's truth (the mean of the runs' measurements of that configuration)
 against the best truth among the configurations that are feasible by that truth (per-user
-floor and memory). See docs/search.md.
+floor and memory). A launch interrupted from outside (the recording's machine time ran out) is
+no outcome; a configuration with no other launch is "unsettled" (replayed as a failure at no
+cost, counted). See docs/search.md.
 
 A strategy is one registered with ``register_strategies`` (``autotune plugins`` lists them:
 the core's tpe, prior, random, nsga2 and grid, the twin's twin, any plugin's), replayed as
