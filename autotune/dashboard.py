@@ -124,8 +124,10 @@ def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
 def _wrapped(command: str, width: int = 76) -> list[str]:
     """A deploy command as shell lines of at most ``width`` characters (a note's code block does
     not wrap, and one 300-character line makes the trial page that wide); its trailing comment
-    goes on lines of its own."""
+    goes on lines of its own, each part wrapped at ``width`` too (a backend's note can be a
+    sentence of 170 characters)."""
     import shlex
+    import textwrap
 
     line, _, comment = command.partition("  # ")
     out, current = [], ""
@@ -139,7 +141,7 @@ def _wrapped(command: str, width: int = 76) -> list[str]:
         current += ("" if current.strip() == "" else " ") + word
     out.append(current)
     for part in comment.split("; ") if comment else ():
-        out.append(f"# {part}")
+        out += [f"# {piece}" for piece in textwrap.wrap(part, width - 2, break_long_words=False)]
     return out
 
 

@@ -65,3 +65,13 @@ def test_the_dashboard_note_keeps_the_quoting():
     joined = " ".join(ln.rstrip("\\").strip() for ln in lines if not ln.startswith("#"))
     assert shlex.split(joined) == ["CUDA_VISIBLE_DEVICES=GPU-1 2", "srv", "--template=a b", "--n", "1"]
     assert joined.startswith("CUDA_VISIBLE_DEVICES='GPU-1 2' ")  # an assignment, not a command named so
+
+
+def test_the_dashboard_note_wraps_a_long_comment():
+    # A note of 170 characters in a code block made the trial page 2,043 px wide in a 1,280 px window.
+    note = "no paged attention (flash-attn 2 needs sm_80): it serves the 2 users one at a time, " * 2
+    lines = _wrapped(deploy_line(["srv", "-m", "x"], [note.strip(), "short"]), width=40)
+    assert max(len(ln) for ln in lines) <= 40
+    comment = " ".join(ln[2:] for ln in lines if ln.startswith("# ") and ln != "# short")
+    assert comment == note.strip()
+    assert lines[-1] == "# short"
