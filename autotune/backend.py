@@ -26,13 +26,13 @@ import abc
 import functools
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 from autotune import cache_types
 from autotune.declarations import CacheType, WeightFormats
+from autotune.deploy import control_problem, deploy_line  # noqa: F401 - a backend writer imports both from here
 from autotune.errors import ConfigError
 from autotune.scoring import ScoringUnsupportedError
 
@@ -68,31 +68,6 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def control_problem(value: str) -> str | None:
-    """Why a one-line value (a host, a name, a template's docs) is refused: a control character,
-    which would end the deploy line's comment and start a shell command when it is pasted."""
-    found = _CONTROL.search(value)
-    return None if found is None else (f"holds the control character {found.group()!r} at {found.start()}; it "
-                                       "must be one line of printable text")
-
-
-def deploy_line(argv: Sequence[Any], notes: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:
-    """A deploy command as the one shell line a person pastes: ``VAR=value argv...  # note; note``.
-
-    Every word is quoted as a shell needs it (``shlex.quote``: a plain word stays as it is), and
-    each control character of a note becomes a space, so nothing in a setting, a path or a
-    template can end the comment and start a command of its own.
-    """
-    words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()] + [shlex.quote(str(a)) for a in argv]
-    line = " ".join(words)
-    if notes:
-        line += "  # " + _CONTROL.sub(" ", "; ".join(notes))
-    return line
-
-
 @dataclass(frozen=True)
 class Setting:
     """One key a backend accepts in the study file's ``[backends.<name>]`` table.
@@ -538,6 +513,12 @@ class BaseBackend(abc.ABC):
     def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
         """Predicted metrics without running anything; only model backends implement it."""
         return None
+
+    def model_settings(self, ctx: StudyContext) -> Mapping[str, Any]:
+        """How this backend will run its engine, as settings of the engine's model backend (the
+        twin's ``host_threads``: the threads a real llama-server gets), for a model that speaks
+        for this backend's configurations (``study/predictor.py``: ``model_context``)."""
+        return {}
 
     def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
                   ctx: StudyContext) -> Mapping[str, Any] | None:

@@ -23,7 +23,7 @@ from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.study import records
 from autotune.study.prepare import PreparedStudy
-from autotune.study.predictor import predictor_for
+from autotune.study.predictor import model_context, predictor_for
 
 #: The measured metrics a model backend is calibrated on (``BaseBackend.calibrate``).
 SPEED_METRICS = ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s", "prefill_tok_s")
@@ -80,7 +80,7 @@ def calibrate(prepared: PreparedStudy, study: optuna.Study) -> dict[str, dict[st
             continue
         predictor, observations = max(groups.values(), key=lambda group: len(group[1]))
         try:
-            result = predictor.calibrate(observations, ctx)
+            result = predictor.calibrate(observations, model_context(real, ctx))
         except Exception as exc:  # a model backend's bug must not stop the measurements
             stored: dict[str, Any] = {"predictor": predictor.name, "error": f"{type(exc).__name__}: {exc}"}
         else:

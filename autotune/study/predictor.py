@@ -14,7 +14,15 @@ from typing import Mapping
 from autotune.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.errors import AutotuneError
 
-__all__ = ["predictor_for"]
+__all__ = ["model_context", "predictor_for"]
+
+
+def model_context(real: BaseBackend, ctx: StudyContext) -> StudyContext:
+    """``real``'s context as a model backend of its engine should see it: with what ``real`` says
+    of how it runs the engine (``BaseBackend.model_settings``), which the model cannot know from the
+    study file (a setting left at a default the real backend resolves on this machine)."""
+    told = real.model_settings(ctx)
+    return replace(ctx, settings={**ctx.settings, **told}) if told else ctx
 
 
 def predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
@@ -27,7 +35,7 @@ def predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
         if predictor is not real and not _takes_options(predictor, probe):
             continue
         try:
-            predicted = predictor.predict(probe, ctx)
+            predicted = predictor.predict(probe, ctx if predictor is real else model_context(real, ctx))
         except AutotuneError:
             # Weights it cannot read (a quantization it has no model for): no say on this one.
             continue

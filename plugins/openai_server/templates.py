@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.backend import control_problem
+from autotune.deploy import control_problem
 from autotune.errors import ConfigError
 from autotune.measure.openai_api import ServerCounters
 from autotune.rules import Rule, load_rules

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from autotune.backend import deploy_line
+from autotune.deploy import deploy_line
 from autotune.dashboard import _wrapped
 from autotune.errors import ConfigError
 from autotune.study.prepare import check_settings

@@ -233,3 +233,21 @@ def test_host_threads_bound_the_host_only_when_known():
     assert physics.host_rate(replace(s, host_threads=None), host) == pytest.approx(
         s.gpu.host_mem_gb_s * 1e9 * host.host_bw_efficiency)
     assert math.isfinite(physics.predict(replace(s, host_threads=None), engines["llama.cpp"], host).decode_tok_s)
+
+
+def test_the_twin_speaking_for_llama_server_is_told_its_threads():
+    # On the H200 offload grids the twin, not told the server's -t 16, read host experts at the
+    # whole host's bandwidth and over-predicted decode 2.7-4x (bench/results/offload_grids_h200).
+    from autotune_plugins.llama_server.backend import LlamaServerBackend
+    from autotune.study.predictor import predictor_for
+
+    real, twin = LlamaServerBackend(), TwinLlamaCpp()
+    config = replace(_cfg(n_cpu_moe=8), backend=real.name)
+    for threads in (2, 16):
+        ctx = _moe_ctx(threads=threads)
+        predictor, predicted = predictor_for(real, config, ctx, {real.name: real, twin.name: twin})
+        assert predictor is twin
+        told = twin.predict(replace(config, backend=twin.name), _moe_ctx(host_threads=threads))
+        assert predicted["decode_tok_s"] == pytest.approx(told["decode_tok_s"])
+    untold = twin.predict(replace(config, backend=twin.name), _moe_ctx())
+    assert predicted["decode_tok_s"] < untold["decode_tok_s"]

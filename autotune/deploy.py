@@ -1,0 +1,38 @@
+"""The deploy line: the one shell line a person pastes to serve what a study measured.
+
+Every backend builds its ``deploy_command`` with :func:`deploy_line`, and every one-line setting
+is checked with :func:`control_problem`, so that nothing a study file, a template or a path holds
+can end the line's comment and start a command of its own.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any, Mapping, Sequence
+
+__all__ = ["control_problem", "deploy_line"]
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def control_problem(value: str) -> str | None:
+    """Why a one-line value (a host, a name, a template's docs) is refused: a control character,
+    which would end the deploy line's comment and start a shell command when it is pasted."""
+    found = _CONTROL.search(value)
+    return None if found is None else (f"holds the control character {found.group()!r} at {found.start()}; it "
+                                       "must be one line of printable text")
+
+
+def deploy_line(argv: Sequence[Any], notes: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:
+    """A deploy command as the one shell line a person pastes: ``VAR=value argv...  # note; note``.
+
+    Every word is quoted as a shell needs it (``shlex.quote``: a plain word stays as it is), and
+    each control character of a note becomes a space, so nothing in a setting, a path or a
+    template can end the comment and start a command of its own.
+    """
+    words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()] + [shlex.quote(str(a)) for a in argv]
+    line = " ".join(words)
+    if notes:
+        line += "  # " + _CONTROL.sub(" ", "; ".join(notes))
+    return line
