@@ -291,6 +291,17 @@ class ReplayBackend(BaseBackend):
         self.log.spent_s += drawn.seconds
         return Measurement(metrics=metrics, peak_vram_bytes=r.measured_vram_bytes, attrs=dict(r.engine_facts))
 
+    def model_settings(self, ctx: StudyContext) -> dict[str, Any]:
+        """What the recorded real backend told its engine's model (``BaseBackend.model_settings``),
+        read back from what it launched, since its own answer would be this machine's: llama-server's
+        ``-t`` as the twin's ``host_threads`` (the grids ran on 16 cores; replays run here)."""
+        for trials in self.grid.by_key.values():
+            for t in trials:
+                argv = list(t.record.engine_facts.get("argv") or ())
+                if "-t" in argv[:-1]:
+                    return {"host_threads": int(argv[argv.index("-t") + 1])}
+        return {}
+
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         key = self.grid.recorded_key(config)
         for t in self.grid.by_key.get(key, []):
