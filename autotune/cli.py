@@ -115,6 +115,16 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         if summary.interrupted:
             click.echo("interrupted: the storage is consistent; run the same command again to continue", err=True)
             sys.exit(130)
+        failed = summary.extra.get("systematic_failure")
+        if failed:  # every next trial would fail alike: the cause and its remedy, as bad input is told
+            click.echo(f"Error: {failed['text']}", err=True)
+            sys.exit(2)
+        if summary.best is None:
+            # Nothing to deploy: a script reading `best --json` must not take this for a result.
+            click.echo("Error: no feasible configuration: every configuration tried was refused, failed or broke a "
+                       "constraint (the counts and reasons above say which); widen [space], raise the budget or "
+                       "fix the failures, then run again", err=True)
+            sys.exit(1)
 
     _run(ctx.obj["debug"], go)
 
