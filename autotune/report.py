@@ -12,7 +12,7 @@ from autotune.errors import ConfigError
 from autotune.report_html import write_report
 from autotune.study import records
 from autotune.study.storage import faults, mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, contender_text, failures_text, headline_lines, summarize
+from autotune.study.summary import StudySummary, contender_text, counts_text, failures_text, headline_lines, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -101,11 +101,7 @@ def _configurations(n: int) -> str:
 def summary_text(summary: StudySummary) -> str:
     """A few lines for a person: counts, the best configuration, its figures and command."""
     lines = [
-        f"study {summary.study_name} ({summary.storage}): {summary.n_trials} trials, "
-        f"{summary.n_complete} complete, {summary.n_pruned} pruned, {summary.n_failed} failed"
-        + (f", {summary.extra['n_cut_short']} cut short and queued again" if summary.extra.get("n_cut_short") else "")
-        + (f", {summary.extra['n_deferred']} not started (their weights would take longer to make than the budget "
-           "had left)" if summary.extra.get("n_deferred") else "")
+        f"study {summary.study_name} ({summary.storage}): {counts_text(summary)}"
         + (f"; this run: {summary.n_new} new, {summary.n_measured} measured" if summary.n_new else "")
         + (" [interrupted]" if summary.interrupted else ""),
     ]
@@ -165,7 +161,7 @@ def summary_text(summary: StudySummary) -> str:
 
 
 def stopped_lines(extra: dict[str, Any]) -> list[str]:
-    """The last line of a run: why its search ended (only a run knows; ``best`` does not say)."""
+    """The last line: why the (last) run's search ended."""
     return [f"why the search ended: {extra['stopped']}"] if extra.get("stopped") else []
 
 

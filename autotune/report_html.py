@@ -20,7 +20,7 @@ import optuna
 from autotune.study import records
 from autotune.study.records import TrialRecord, TrialState
 from autotune.errors import ConfigError
-from autotune.study.summary import StudySummary, contender_text, headline_lines
+from autotune.study.summary import StudySummary, contender_text, counts_text, headline_lines
 
 GIB = 2**30
 FADED = 0.25
@@ -284,7 +284,7 @@ def _about(study: optuna.Study, rows: list[TrialRecord], summary: StudySummary) 
     when = f"{min(starts):%Y-%m-%d %H:%M} to {max(ends or starts):%Y-%m-%d %H:%M}" if starts else "-"
     items = [
         ("study", f"{summary.study_name} ({summary.storage})"),
-        ("trials", f"{summary.n_trials}: {summary.n_complete} complete, {summary.n_pruned} pruned, {summary.n_failed} failed"),
+        ("trials", counts_text(summary)),
         ("GPU", f"{gpu.get('name', '-')} ({gpu.get('key', '-')}, {_fmt(_gib(gpu.get('vram_bytes')))} GiB, "
                 f"{gpu.get('mem_bandwidth_gb_s', '-')} GB/s)" if gpu else "-"),
         ("model", str(header.get("model", "-"))),
@@ -329,7 +329,8 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
 {_winner(summary)}
 {''.join(plots)}
 {why_html}
-<h2>All trials ({len(rows)}; click a column to sort)</h2>
+<h2>Every configuration's own trial ({len(rows)} of {summary.n_trials}: answers from storage and attempts
+cut short left out; click a column to sort)</h2>
 {_table(rows)}
 <p><small>written by autotune on {generated}</small></p>
 <script>{_SORT_JS}</script>

@@ -62,3 +62,24 @@ def test_the_watch_sets_numbers_and_paths_aside_and_keeps_scopes_apart():
     other.worked(launching("b"))
     for _ in range(5):  # it worked once in this run: a later streak is the configurations'
         assert other.failed(launching("b"), "cause one") is None
+
+
+def test_the_counts_name_every_state_and_add_up(tmp_path, tmp_storage):
+    # A random sampler over 2 configurations asked for more: its repeats are answered from storage.
+    from autotune.config import load_study_config
+    from autotune.report import stored_summary, summary_text
+    from autotune.study import run_study
+
+    if __package__:
+        from .fake_backends import FakeBackend
+    else:
+        from fake_backends import FakeBackend
+    path = write_study(tmp_path / "two.toml", "fake", ["a"], parallel=(1, 2), sampler="random")
+    with registered(FakeBackend()):
+        run_study(load_study_config(path), n_trials=4, storage=tmp_storage)
+    s = stored_summary(tmp_storage)
+    answered = s.extra["n_answered_from_storage"]
+    assert answered > 0
+    assert s.n_complete + s.n_pruned + s.n_failed + answered + s.extra["n_cut_short"] == s.n_trials
+    assert f"{s.n_trials} trials: {s.n_complete} complete, {s.n_pruned} pruned, {s.n_failed} failed, " \
+           f"{answered} answered from storage" in summary_text(s)

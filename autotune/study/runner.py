@@ -318,10 +318,6 @@ class StudyRunner(TrialPhase, FinishPhase):
         summary.n_measured = self.n_measured
         summary.interrupted = interrupted
         summary.elapsed_s = time.monotonic() - start
-        if self.systematic is not None:
-            summary.extra["systematic_failure"] = self.systematic.as_dict()
-        if self.stopped:
-            summary.extra["stopped"] = self.stopped
         return summary
 
     def _storage_failed(self, trial: optuna.Trial | None, exc: BaseException) -> AutotuneError:
@@ -347,7 +343,9 @@ class StudyRunner(TrialPhase, FinishPhase):
         what was excluded before the search, and why the best beats its neighbours."""
         best = chosen_best(self.study)
         why = explain_best(self.prepared, self.study, trial_record(best) if best else None)
-        self.study.set_user_attr(records.LAST_RUN_ATTR, {"converged": self.converged})
+        self.study.set_user_attr(records.LAST_RUN_ATTR, {
+            "converged": self.converged, "stopped": self.stopped,
+            **({"systematic_failure": self.systematic.as_dict()} if self.systematic is not None else {})})
         self.study.set_user_attr(records.EXCLUDED_ATTR, self.prepared.excluded)
         self.study.set_user_attr(records.WHY_BEST_ATTR, why)
 

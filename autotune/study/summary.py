@@ -224,6 +224,20 @@ def headline_lines(best: dict[str, Any]) -> list[str]:
     return lines
 
 
+def counts_text(summary: StudySummary) -> str:
+    """``84 trials: 45 complete, 32 pruned, 0 failed, 7 answered from storage``: every state
+    named, so the parts add up to the total (``study``, ``best``, the report, the dashboard)."""
+    extra = summary.extra
+    parts = [f"{summary.n_complete} complete", f"{summary.n_pruned} pruned", f"{summary.n_failed} failed"]
+    for key, words in (("n_answered_from_storage", "answered from storage (an earlier trial's outcome)"),
+                       ("n_cut_short", "cut short and queued again"),
+                       ("n_deferred", "not started (their weights would take longer to make than the budget had left)"),
+                       ("n_running", "still running")):
+        if extra.get(key):
+            parts.append(f"{extra[key]} {words}")
+    return f"{summary.n_trials} trials: " + ", ".join(parts)
+
+
 def _trials(numbers: list[int]) -> str:
     shown = [str(n) for n in numbers]
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
@@ -408,6 +422,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry and not r.deferred)
     n_deferred = sum(1 for r in all_records if r.state == TrialState.FAIL and r.deferred)
     # Why the failed ones failed, most common first: a count alone sends the user to the logs.
+    # Still RUNNING (another worker measures it, or one died): named, so the parts add up.
+    n_running = sum(1 for r in all_records if r.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED))
     failed_by = Counter(failure_kind(r.fail_reason) for r in all_records if r.state == TrialState.FAIL and not r.retry)
     finish = finish_verdict(study)
     best = chosen_best(study, finish)
@@ -424,6 +440,7 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         elapsed_s=0.0,
         best=_best_of(study, best, finish),
         extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short,
+               **({"n_running": n_running} if n_running else {}),
                **({"n_deferred": n_deferred} if n_deferred else {}),
                **({"failed_by_reason": dict(sorted(failed_by.items(), key=lambda kv: (-kv[1], kv[0])))} if failed_by else {})},
     )
@@ -449,6 +466,10 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     last_run = attrs.get(records.LAST_RUN_ATTR)
     if isinstance(last_run, dict) and "converged" in last_run:
         summary.extra["converged"] = bool(last_run["converged"])
+    if isinstance(last_run, dict) and last_run.get("stopped"):  # why the last run's search ended
+        summary.extra["stopped"] = last_run["stopped"]
+    if isinstance(last_run, dict) and last_run.get("systematic_failure"):
+        summary.extra["systematic_failure"] = last_run["systematic_failure"]
     summary.extra["excluded_before_search"] = attrs.get(records.EXCLUDED_ATTR, [])
     summary.extra["why"] = attrs.get(records.WHY_BEST_ATTR, [])
     summary.extra["calibration"] = records.stored_calibrations(study)
