@@ -237,10 +237,18 @@ class TrialPhase:
             wanted.append(reference.weights)
         made = []
         for weights in wanted:
-            artifact = artifacts.ensure(backend, weights, ctx, say=self._say)
+            artifact = artifacts.ensure(backend, weights, ctx, say=self._say_artifact)
             if artifact is not None:
                 made.append({**artifact.to_dict(), "weights": weights})
                 write(trial, artifacts=made)
+
+    def _say_artifact(self, text: str) -> None:
+        """An artifact's line, each said once per run: one study said "cache hit" 324 times for
+        a few artifacts, once per trial that loaded them."""
+        said: set[str] = self.__dict__.setdefault("_artifact_lines", set())
+        if text not in said:
+            said.add(text)
+            self._say(text)
 
     def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> Outcome:
         records.set_constraints(trial, verdict.constraints)
