@@ -29,6 +29,7 @@ Nothing is converted here: artifacts are made by the first trial that needs them
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import re
@@ -273,16 +274,19 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
 
 def _refused(judge: Admission, backend: str, formats: list[str], shortest: int, params: list[Param],
              key: str, value: Any) -> str | None:
-    """Why the rules refuse ``key = value`` with every one of ``formats`` (the first reason),
-    or None where some format accepts it (at the shortest ctx, one slot, any other options)."""
-    pinned = [p for p in params if p.name != key] + [Param(key, (value,))]
-    reason = None
+    """Why the rules refuse ``key = value`` with every one of ``formats`` and every combination
+    of the other options (the reasons all of them share: the head size, not the one combination
+    that also lacks flash attention), or None where any is accepted (shortest ctx, one slot)."""
+    others = [p for p in params if p.name != key]
+    shared: list[str] | None = None
     for fmt in formats:
-        found = judge.lightest(TrialConfig(backend, fmt, shortest, 1), pinned)
-        if found is None or found[1].kind != INVALID:
-            return None
-        reason = reason or "; ".join(found[1].reasons)
-    return reason
+        for combo in itertools.product(*(p.choices for p in others)):
+            options = tuple(sorted([*zip((p.name for p in others), combo), (key, value)]))
+            verdict = judge.judge(TrialConfig(backend, fmt, shortest, 1, options=options))
+            if verdict.kind != INVALID:
+                return None
+            shared = list(verdict.reasons) if shared is None else [r for r in shared if r in verdict.reasons]
+    return "; ".join(shared or ["refused by the rules in every combination"])
 
 
 def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyContext, shortest: int,
