@@ -139,7 +139,9 @@ class TrialPhase:
             self.n_measured += 1
             write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
             self.study.tell(trial, state=TrialState.FAIL)
-            return Outcome("FAIL", config.as_dict(), reason=str(exc), failed_in=systematic.making(config.backend))
+            # Too large for the disk is this artifact's size, as out of memory is a configuration's.
+            return Outcome("FAIL", config.as_dict(), reason=str(exc),
+                           failed_in=None if isinstance(exc, artifacts.DiskSpaceError) else systematic.making(config.backend))
         verdict = self.judge.judge(config)  # a made artifact: its own tensors, not the prediction
         if verdict.estimate is not None:
             hold(trial, predicted_vram=verdict.estimate.to_dict())
