@@ -94,7 +94,8 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
         with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
                           quiet=quiet) as live:
-            live.note(header_text(prepared, config if config is not None else default_study_path()))
+            live.note(header_text(prepared, config if config is not None else default_study_path(), plan_trials,
+                                  plan_budget))
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note)
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))

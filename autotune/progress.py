@@ -24,8 +24,9 @@ def config_text(cfg: dict[str, Any]) -> str:
             + (f" {options}" if options else ""))
 
 
-def header_text(prepared: Any, study_file: Any) -> str:
-    """The run's first line: which study file, storage, engine(s) and card, and the budget."""
+def header_text(prepared: Any, study_file: Any, n_trials: int | None = None, budget_s: float | None = None) -> str:
+    """The run's first line: which study file, storage, engine(s) and card, its memory budget,
+    and what this run may spend (trials, seconds)."""
     engines = []
     for name in prepared.space.entries:
         backend = prepared.backend(name)
@@ -35,8 +36,10 @@ def header_text(prepared: Any, study_file: Any) -> str:
             version = f"version unknown ({type(exc).__name__})"
         engines.append(f"{name} ({backend.engine or name} {version})")
     budget = f"{prepared.vram_budget_bytes / 2**30:.2f} GiB memory budget"
+    plan = [f"{n_trials} trials" if n_trials else "", f"{budget_s:g} s" if budget_s else ""]
     return (f"study {study_file} -> {prepared.shown_storage}; engines: {', '.join(engines) or '-'}; "
-            f"card: {prepared.gpu.name} ({budget})")
+            f"card: {prepared.gpu.name} ({budget})"
+            + (f"; this run: up to {' or '.join(p for p in plan if p)}" if any(plan) else ""))
 
 
 class LiveProgress:

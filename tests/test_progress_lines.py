@@ -53,4 +53,5 @@ def test_a_run_starts_with_a_header_and_ends_with_why_it_stopped(tmp_path, tmp_s
     assert result.exit_code == 0, result.output
     first = result.output.splitlines()[0]
     assert first.startswith(f"study {path} -> {tmp_storage}; engines: fake (") and "card: Tesla V100" in first
+    assert first.endswith("; this run: up to 2 trials")
     assert "why the search ended: 2 trials measured, as asked" in result.output
