@@ -284,11 +284,16 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+class DiskSpaceError(ArtifactError):
+    """An artifact too large for the free disk space: a property of that artifact's size (a
+    smaller format may fit), so never a failure every trial would repeat (study/systematic.py)."""
+
+
 def check_disk(directory: Path, need_bytes: int, what: str) -> None:
     """Refuse a conversion that would not fit on the disk, before it starts."""
     free = _free_bytes(directory)
     if need_bytes * DISK_MARGIN > free:
-        raise ArtifactError(f"{what}: needs about {_gib(need_bytes * DISK_MARGIN)} in {directory} "
+        raise DiskSpaceError(f"{what}: needs about {_gib(need_bytes * DISK_MARGIN)} in {directory} "
                             f"(the artifact and {DISK_MARGIN - 1:.0%} to spare) but {_gib(free)} is free; free some "
                             f"space or point {ARTIFACTS_ENV} at a larger disk")
 

@@ -72,7 +72,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 def study(ctx: click.Context, config: Path | None, budget: float | None, n_trials: int | None, storage: str | None,
           seed: int | None, as_json: bool, quiet: bool, report_path: Path | None) -> None:
     """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
-    from autotune.progress import LiveProgress
+    from autotune.progress import LiveProgress, header_text
     from autotune.report import summary_json, summary_text
     from autotune.study.prepare import prepare_study
     from autotune.study.runner import StudyRunner
@@ -94,6 +94,8 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
         with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
                           quiet=quiet) as live:
+            live.note(header_text(prepared, config if config is not None else default_study_path(), plan_trials,
+                                  plan_budget))
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note)
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
@@ -115,6 +117,16 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         if summary.interrupted:
             click.echo("interrupted: the storage is consistent; run the same command again to continue", err=True)
             sys.exit(130)
+        failed = summary.extra.get("systematic_failure")
+        if failed:  # every next trial would fail alike: the cause and its remedy, as bad input is told
+            click.echo(f"Error: {failed['text']}", err=True)
+            sys.exit(2)
+        if summary.best is None:
+            # Nothing to deploy: a script reading `best --json` must not take this for a result.
+            click.echo("Error: no feasible configuration: every configuration tried was refused, failed or broke a "
+                       "constraint (the counts and reasons above say which); widen [space], raise the budget or "
+                       "fix the failures, then run again", err=True)
+            sys.exit(1)
 
     _run(ctx.obj["debug"], go)
 

@@ -10,6 +10,38 @@ from rich.live import Live
 from rich.text import Text
 
 
+FIXED = ("backend", "weights", "ctx", "parallel")
+
+
+def config_text(cfg: dict[str, Any]) -> str:
+    """A configuration in one line, every searched value in it (cache type, flash attention,
+    offload, batch sizes...): two different trials never print the same line."""
+    def shown(v: Any) -> str:
+        return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+    options = " ".join(f"{k}={shown(v)}" for k, v in cfg.items() if k not in FIXED)
+    return (f"{cfg.get('backend')} {cfg.get('weights')} ctx {cfg.get('ctx')} x{cfg.get('parallel')}"
+            + (f" {options}" if options else ""))
+
+
+def header_text(prepared: Any, study_file: Any, n_trials: int | None = None, budget_s: float | None = None) -> str:
+    """The run's first line: which study file, storage, engine(s) and card, its memory budget,
+    and what this run may spend (trials, seconds)."""
+    engines = []
+    for name in prepared.space.entries:
+        backend = prepared.backend(name)
+        try:
+            version = backend.engine_version()
+        except Exception as exc:  # noqa: BLE001 - a header never stops a study
+            version = f"version unknown ({type(exc).__name__})"
+        engines.append(f"{name} ({backend.engine or name} {version})")
+    budget = f"{prepared.vram_budget_bytes / 2**30:.2f} GiB memory budget"
+    plan = [f"{n_trials} trials" if n_trials else "", f"{budget_s:g} s" if budget_s else ""]
+    return (f"study {study_file} -> {prepared.shown_storage}; engines: {', '.join(engines) or '-'}; "
+            f"card: {prepared.gpu.name} ({budget})"
+            + (f"; this run: up to {' or '.join(p for p in plan if p)}" if any(plan) else ""))
+
+
 class LiveProgress:
     """A one-line live display fed by the runner's per-trial callback.
 
@@ -52,9 +84,8 @@ class LiveProgress:
             if not self.quiet and event.answered_from is None and event.state in ("COMPLETE", "FAIL"):
                 cfg = event.config
                 outcome = f"{event.value:.1f}" if event.value is not None else f"failed: {event.reason}"
-                self.console.print(
-                    f"trial {event.number}: {cfg.get('backend')} {cfg.get('weights')} ctx {cfg.get('ctx')} "
-                    f"x{cfg.get('parallel')} -> {outcome}", highlight=False, soft_wrap=True, markup=False)
+                self.console.print(f"trial {event.number}: {config_text(cfg)} -> {outcome}",
+                                   highlight=False, soft_wrap=True, markup=False)
             return
         done = f"{event.n_done}" + (f"/{self.n_trials}" if self.n_trials else "")
         elapsed = time.monotonic() - self.start
@@ -64,7 +95,7 @@ class LiveProgress:
         best = "none yet"
         if event.best_value is not None and event.best_config:
             cfg = event.best_config
-            best = f"{event.best_value:.1f} ({cfg.get('backend')} {cfg.get('weights')} ctx {cfg.get('ctx')} x{cfg.get('parallel')})"
+            best = f"{event.best_value:.1f} ({config_text(cfg)})"
         text = (
             f"trials {done} (ok {self.counts['COMPLETE']}, pruned {self.counts['PRUNED']}, failed {self.counts['FAIL']})"
             f" | best {best}{left}"

@@ -12,7 +12,7 @@ from autotune.errors import ConfigError
 from autotune.report_html import write_report
 from autotune.study import records
 from autotune.study.storage import faults, mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, contender_text, failures_text, summarize
+from autotune.study.summary import StudySummary, contender_text, counts_text, failures_text, headline_lines, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -101,11 +101,7 @@ def _configurations(n: int) -> str:
 def summary_text(summary: StudySummary) -> str:
     """A few lines for a person: counts, the best configuration, its figures and command."""
     lines = [
-        f"study {summary.study_name} ({summary.storage}): {summary.n_trials} trials, "
-        f"{summary.n_complete} complete, {summary.n_pruned} pruned, {summary.n_failed} failed"
-        + (f", {summary.extra['n_cut_short']} cut short and queued again" if summary.extra.get("n_cut_short") else "")
-        + (f", {summary.extra['n_deferred']} not started (their weights would take longer to make than the budget "
-           "had left)" if summary.extra.get("n_deferred") else "")
+        f"study {summary.study_name} ({summary.storage}): {counts_text(summary)}"
         + (f"; this run: {summary.n_new} new, {summary.n_measured} measured" if summary.n_new else "")
         + (" [interrupted]" if summary.interrupted else ""),
     ]
@@ -115,22 +111,14 @@ def summary_text(summary: StudySummary) -> str:
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")
-        return "\n".join(lines + baseline_lines(summary.extra) + quality_lines(summary.extra))
+        return "\n".join(lines + baseline_lines(summary.extra) + quality_lines(summary.extra)
+                         + stopped_lines(summary.extra))
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
     lines.append(f"best (trial {best['number']}): {params}")
     finish = summary.extra.get("finish")
     if finish:
         lines.append(f"  {finish['text']}")
-    m = best.get("metrics") or {}
-    figures = []
-    for key, label in (("decode_tok_s", "decode"), ("aggregate_tok_s", "aggregate"), ("per_user_tok_s", "per user"),
-                       ("prefill_tok_s", "prefill")):
-        if m.get(key) is not None:
-            figures.append(f"{label} {m[key]:.1f} tok/s")
-    if m.get("ttft_ms") is not None:
-        figures.append(f"TTFT {m['ttft_ms']:.0f} ms")
-    if figures:
-        lines.append("  " + ", ".join(figures))
+    lines += [f"  {line}" for line in headline_lines(best)]
     q = best.get("quality")
     if q and q.get("drop_points") is not None:
         se = q.get("drop_stderr_points")
@@ -169,7 +157,12 @@ def summary_text(summary: StudySummary) -> str:
     if excluded:
         lines.append("excluded before the search (could never run):")
         lines += [f"  {line}" for line in excluded]
-    return "\n".join(lines + quality_lines(summary.extra))
+    return "\n".join(lines + quality_lines(summary.extra) + stopped_lines(summary.extra))
+
+
+def stopped_lines(extra: dict[str, Any]) -> list[str]:
+    """The last line: why the (last) run's search ended."""
+    return [f"why the search ended: {extra['stopped']}"] if extra.get("stopped") else []
 
 
 def baseline_lines(extra: dict[str, Any]) -> list[str]:

@@ -20,7 +20,7 @@ import optuna
 from autotune.study import records
 from autotune.study.records import TrialRecord, TrialState
 from autotune.errors import ConfigError
-from autotune.study.summary import StudySummary, contender_text
+from autotune.study.summary import StudySummary, contender_text, counts_text, headline_lines
 
 GIB = 2**30
 FADED = 0.25
@@ -247,16 +247,13 @@ def _winner(summary: StudySummary) -> str:
     best = summary.best
     if not best:
         return "<div class='card'><h2>No feasible configuration measured yet</h2></div>"
-    m = best.get("metrics") or {}
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
     parts = [f"<div class='card' id='winner'><h2>Winner: trial {best['number']}</h2><p>{html.escape(params)}</p>"]
-    figures = [f"{label} {m[k]:.1f} tok/s" for k, label in (("aggregate_tok_s", "aggregate"),
-                                                           ("per_user_tok_s", "per user"), ("decode_tok_s", "decode"))
-               if m.get(k) is not None]
+    figures = headline_lines(best)
     spreads = best.get("spreads") or {}
-    if spreads.get("aggregate_tok_s") is not None:
-        figures.append(f"measured spread {100 * spreads['aggregate_tok_s']:.1f}%")
-    parts.append(f"<p>{html.escape(', '.join(figures))}</p>")
+    if len(figures) == 1 and spreads.get("aggregate_tok_s") is not None:  # one run: its own spread
+        figures[0] += f", measured spread {100 * spreads['aggregate_tok_s']:.1f}%"
+    parts += [f"<p>{html.escape(line)}</p>" for line in figures]
     baselines = summary.extra.get("baseline") or {}
     if baselines:  # what each engine chooses for itself (study/baseline.py): how much better than doing nothing
         items = "".join(f"<li><b>{html.escape(b['text'])}</b><br>weights {html.escape(str(b['weights']))}: "
@@ -287,7 +284,7 @@ def _about(study: optuna.Study, rows: list[TrialRecord], summary: StudySummary) 
     when = f"{min(starts):%Y-%m-%d %H:%M} to {max(ends or starts):%Y-%m-%d %H:%M}" if starts else "-"
     items = [
         ("study", f"{summary.study_name} ({summary.storage})"),
-        ("trials", f"{summary.n_trials}: {summary.n_complete} complete, {summary.n_pruned} pruned, {summary.n_failed} failed"),
+        ("trials", counts_text(summary)),
         ("GPU", f"{gpu.get('name', '-')} ({gpu.get('key', '-')}, {_fmt(_gib(gpu.get('vram_bytes')))} GiB, "
                 f"{gpu.get('mem_bandwidth_gb_s', '-')} GB/s)" if gpu else "-"),
         ("model", str(header.get("model", "-"))),
@@ -332,7 +329,8 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
 {_winner(summary)}
 {''.join(plots)}
 {why_html}
-<h2>All trials ({len(rows)}; click a column to sort)</h2>
+<h2>Every configuration's own trial ({len(rows)} of {summary.n_trials}: answers from storage and attempts
+cut short left out; click a column to sort)</h2>
 {_table(rows)}
 <p><small>written by autotune on {generated}</small></p>
 <script>{_SORT_JS}</script>

@@ -13,12 +13,15 @@ study that validates and runs as it is:
   (ctx of one request, one slot), and a format that never fits is left out with the same line
   the study's pre-search screen would print;
 * ctx values from one request's length up to the model's own limit, parallel 1..16, and the
-  options each engine searches by default (its cache types, flash attention);
+  options each engine searches by default (its cache types, flash attention), less the values
+  its rules refuse for every format of this model (a quantized KV cache for a head size the
+  engine refuses), named in a comment;
 * for a format too large for the card whole, the dimensions its backend splits a model with
   (``offload_space``: layers on the GPU, experts kept in host memory), with the values the judge
   admits, and a comment saying so; such a format is kept instead of left out;
 * quality ``kld`` against the source itself (its full-precision format, the largest candidate)
-  when the source is full precision and the metric can score the backend.
+  when the source is full precision and the metric can score the backend, with a bound
+  (``MAX_DROP_POINTS``) so that it counts.
 
 Nothing is converted here: artifacts are made by the first trial that needs them.
 """
@@ -26,6 +29,7 @@ Nothing is converted here: artifacts are made by the first trial that needs them
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import re
@@ -54,6 +58,11 @@ MIN_CTX = 256  # config.py's lower bound of [space] ctx
 # load generator's.
 CPU_BUDGET_SHARE = 0.75
 QUALITY_METRIC = "kld"
+# The quality term must count: a metric with no penalty and no bound is measured and ignored.
+# A bound, not a penalty: a penalty is in tok/s per point, whose right size depends on the
+# model's speed, which init does not know; a bound is in the metric's own unit. 5 points of KLD
+# is a mean 0.05 nats (the kld metric's docstring: about a good 4-bit quantization of an 8B).
+MAX_DROP_POINTS = 5.0
 
 
 @dataclass
@@ -75,6 +84,7 @@ class StudyDraft:
     notes: list[str] = field(default_factory=list)
     budget: Budget | None = None  # what the study's judge will allow, as init judged with it
     offload: list[str] = field(default_factory=list)  # formats kept only split between card and host
+    refused: list[str] = field(default_factory=list)  # option values the engine's rules refuse for this model
 
 
 def _ctx_values(model: ModelSpec, sequence: int) -> list[int]:
@@ -151,6 +161,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                           f"ctx a study searches ({MIN_CTX})")
 
     ctx_of: dict[str, StudyContext] = {}
+    judges: dict[str, tuple[Admission, list[Param]]] = {}
     offload: dict[str, list[Any]] = {}
     formats, full_precision_formats = offered_formats()
     for backend_name, backend in plugins.get_backends().items():
@@ -210,16 +221,33 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         if kept:
             draft.candidates[backend_name] = kept
             ctx_of[backend_name] = ctx
+            judges[backend_name] = (judge, params)
     if not draft.candidates:
         raise ConfigError(f"{source}: no backend here can make a format of this model that fits:\n  "
                           + "\n  ".join(draft.left_out or ["no real backend is installed (autotune plugins)"]))
 
     # Each engine's own defaults for the options every study searches, merged.
+    # A value the rules refuse for every format of every backend that offers it (a quantized
+    # KV cache for a head size llama.cpp refuses) is left out, said in a comment: each of its
+    # trials would be pruned, 123 of one study's were.
     space: dict[str, list[Any]] = {}
+    refused: dict[tuple[str, Any], list[str]] = {}
+    accepted: set[tuple[str, Any]] = set()
     for backend_name in draft.candidates:
+        judge, params = judges[backend_name]
         for p in plugins.get_backend(backend_name).parameters({}):
             values = space.setdefault(p.name, [])
             values += [v for v in p.choices if v not in values]
+            for v in p.choices:
+                why = _refused(judge, backend_name, draft.candidates[backend_name], draft.ctx[0], params, p.name, v)
+                if why is None:
+                    accepted.add((p.name, v))
+                else:
+                    refused.setdefault((p.name, v), []).append(f"{backend_name}: {why}")
+    for (key, value), reasons in refused.items():
+        if (key, value) not in accepted and len(space[key]) > 1:  # a key with no value left would be invalid
+            space[key].remove(value)
+            draft.refused.append(f"{key} = {_toml_value(value)}: " + "; ".join(reasons))
     # The values that let a format too large for the card run split (the backend's offload_space):
     # a format that fits whole runs with none of them named, as before.
     space.update(offload)
@@ -242,6 +270,23 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         else:
             draft.quality = QUALITY_METRIC
     return draft
+
+
+def _refused(judge: Admission, backend: str, formats: list[str], shortest: int, params: list[Param],
+             key: str, value: Any) -> str | None:
+    """Why the rules refuse ``key = value`` with every one of ``formats`` and every combination
+    of the other options (the reasons all of them share: the head size, not the one combination
+    that also lacks flash attention), or None where any is accepted (shortest ctx, one slot)."""
+    others = [p for p in params if p.name != key]
+    shared: list[str] | None = None
+    for fmt in formats:
+        for combo in itertools.product(*(p.choices for p in others)):
+            options = tuple(sorted([*zip((p.name for p in others), combo), (key, value)]))
+            verdict = judge.judge(TrialConfig(backend, fmt, shortest, 1, options=options))
+            if verdict.kind != INVALID:
+                return None
+            shared = list(verdict.reasons) if shared is None else [r for r in shared if r in verdict.reasons]
+    return "; ".join(shared or ["refused by the rules in every combination"])
 
 
 def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyContext, shortest: int,
@@ -323,6 +368,11 @@ def render(draft: StudyDraft, out: Path) -> str:
         for why in draft.offload:
             lines += ["#   " + line for line in why.splitlines()]
         lines.append("")
+    if draft.refused:
+        lines.append("# Left out of [space]: the engine refuses these values for this model:")
+        for why in draft.refused:
+            lines += ["#   " + line for line in why.splitlines()]
+        lines.append("")
     lines += ["[space]", f"ctx = {_toml_value(draft.ctx)}  # up to the model's context, {draft.model.max_context}",
               f"parallel = {_toml_value(list(PARALLEL))}"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in draft.space.items()]
@@ -330,5 +380,9 @@ def render(draft: StudyDraft, out: Path) -> str:
     if draft.quality:
         lines += [f"# KL divergence of each format's next-token distributions against the source's own",
                   "# (its full-precision format, the largest candidate), measured once per format.",
-                  f"quality = {_toml_value(draft.quality)}"]
+                  f"quality = {_toml_value(draft.quality)}",
+                  f"# A bound, so that quality counts: a mean KLD over {MAX_DROP_POINTS / 100:g} nats refuses the format",
+                  "# (points of 0.01 nats; about a good 4-bit quantization of an 8B model). A bound rather than",
+                  "# penalty_per_point: a penalty is in tok/s per point, whose size depends on this model's speed.",
+                  f"max_drop_points = {_toml_value(MAX_DROP_POINTS)}"]
     return "\n".join(lines) + "\n"

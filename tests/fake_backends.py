@@ -354,3 +354,24 @@ def interleave_two_workers(storage: str, study_path: Path, backend: "FakeBackend
             beat_a.stop.set()
             beat_b.stop.set()
         return x, optuna.load_study(study_name=cfg.name, storage=storage)
+
+
+class BrokenBackend(FakeBackend):
+    """Every launch fails: with one cause in every launch (``cause``; its port number differs
+    launch to launch, as a real engine's message would), or out of memory (``oom=True``: a
+    property of each configuration), or ``works_first`` launches measure before it breaks."""
+
+    name = "fake-broken"
+
+    def __init__(self, log_path: str | Path | None = None, cause: str = "unknown model architecture 'qwen3next'",
+                 oom: bool = False, works_first: int = 0):
+        super().__init__(log_path)
+        self.cause, self.oom, self.works_first = cause, oom, works_first
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        self._log(config)
+        if len(self.calls) <= self.works_first:
+            return self.measure(config)
+        if self.oom:
+            raise BackendError(f"CUDA error: out of memory allocating {config.ctx * config.parallel} MiB of KV cache")
+        raise BackendError(f"engine on port {8000 + len(self.calls)} exited with code 1: {self.cause}")

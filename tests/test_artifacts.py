@@ -3,6 +3,7 @@ the tool's version and the format; failures, disk space and records (autotune/ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -366,3 +367,40 @@ def test_ties_band_from_their_best_and_only_above_zero():
     # a, b, c are within 3% of a (100); d is not (96 < 97) and starts its own band; at or under
     # zero nothing bands, so e keeps its place before f although f costs less.
     assert order == ["b", "a", "c", "d", "e", "f"]
+
+
+def test_a_converter_that_fails_every_format_the_same_way_stops_the_study(source, tmp_path):
+    # The case: the converter did not know the tokenizer, every format needs its F16, and
+    # 217 trials failed with one message before the study ended with exit 0.
+    from autotune.study.prepare import prepare_study
+    from autotune.study.runner import StudyRunner
+    from tests.conftest import plugin_registered
+
+    class UnknownTokenizer(MakingBackend):
+        def artifact_recipe(self, fmt, source, ctx):
+            recipe = super().artifact_recipe(fmt, source, ctx)
+            if recipe is None or fmt != "gguf:F16":
+                return recipe
+
+            def make(inputs, out, say):
+                self.made.append(fmt)
+                raise AutotuneError("convert_hf_to_gguf.py exited with code 1: NotImplementedError: BPE "
+                                    "pre-tokenizer was not recognized")
+
+            return dataclasses.replace(recipe, make=make)
+
+    backend = UnknownTokenizer()
+    doc = {"study": {"name": "made", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
+           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
+           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q6_K", "gguf:Q4_0", "gguf:Q3_K_M",
+                                                            "gguf:Q2_K"]}],
+           "space": {"ctx": [256], "parallel": [1, 2, 4]}}
+    with plugin_registered(plugin_of(backend), "maker-plugin"):
+        cfg = parse_study_config(doc, source="made.toml", path=tmp_path / "made.toml")
+        runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}"))
+        summary = runner.run(n_trials=15)
+    failed = [t for t in runner.study.get_trials() if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 3 and backend.made == ["gguf:F16"]  # of 15 configurations; the converter ran once
+    stop = summary.extra["systematic_failure"]
+    assert stop["scope"] == "maker: making weights" and "BPE pre-tokenizer was not recognized" in stop["cause"]
+    assert summary.extra["stopped"].startswith("stopped: maker: making weights: 3 failures in a row")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import itertools
 import json
 import sys
@@ -305,7 +307,9 @@ def test_concurrent_result_properties():
     assert r.n_streams == 3
     assert r.span_s == pytest.approx(4.0)
     assert r.aggregate_tok_s == pytest.approx(100.0)  # 400 tokens over 100.0 -> 104.0
-    assert r.per_user_tok_s == 50.0
+    # the median stream's decode speed counting its wait: its first token came 100 ms after the
+    # quickest stream's (decode 99 tokens at 50 tok/s, plus 0.1 s)
+    assert r.per_user_tok_s == pytest.approx(99 / (99 / 50 + 0.1))
     assert r.ttft_ms == 200.0
     assert set(r.metrics()) == set(CONCURRENT_UNITS)
     json.dumps(r.to_dict())
@@ -340,7 +344,8 @@ def test_threaded_streams_really_overlap_and_aggregate_over_wall():
     assert [s.output_tokens for s in result.streams] == [100, 200, 300, 400]  # index order
     assert result.span_s == pytest.approx(5.0)
     assert result.aggregate_tok_s == pytest.approx(1000 / 5.0)
-    assert result.per_user_tok_s == pytest.approx(25.0)
+    # decode 20 and 30 tok/s the middle two, each counting its first token's 10 and 20 ms behind the first's
+    assert result.per_user_tok_s == pytest.approx((199 / (199 / 20 + 0.01) + 299 / (299 / 30 + 0.02)) / 2)
     assert result.ttft_ms == pytest.approx(25.0)
     assert result.wall_s >= 0
 
@@ -586,3 +591,16 @@ def test_event_data_keeps_a_token_holding_a_unicode_line_separator_whole():
     assert list(event_data(chunks)) == events
     assert [json.loads(p)["content"] for p in list(event_data(chunks))[:1]] == ["a\u2028b\x85c"]
     assert list(event_data([b": comment\nevent: x\ndata: 1\n", b"data: 2"])) == ["1", "2"]
+
+
+def test_per_user_speed_counts_the_wait_of_requests_served_one_at_a_time():
+    # Four requests sent together to an engine that serves one at a time: each decodes 101 tokens
+    # at 50 tok/s (2 s) once the ones before it are done. The user queued third reads its text at
+    # 50 tok/s, but 4 s later than the first: from its request on, it saw 100 tokens in 6 s.
+    serial = [StreamResult(10, 101, ttft_ms=100.0 + 2000.0 * i, decode_tok_s=50.0, prefill_tok_s=100.0,
+                           start_s=0.0, end_s=0.1 + 2.0 * (i + 1)) for i in range(4)]
+    together = [StreamResult(10, 101, ttft_ms=100.0, decode_tok_s=50.0, prefill_tok_s=100.0, start_s=0.0, end_s=2.1)
+                for _ in range(4)]
+    assert ConcurrentResult(streams=tuple(together), wall_s=2.1).per_user_tok_s == pytest.approx(50.0)
+    assert ConcurrentResult(streams=tuple(serial), wall_s=8.1).per_user_tok_s == \
+        pytest.approx(statistics.median([50.0, 100 / 4.0, 100 / 6.0, 100 / 8.0]))

@@ -215,3 +215,60 @@ def test_llama_server_offers_experts_first_for_a_mixture_of_experts():
     moe = b.offload_space("gguf:Q4_K_M", ctx(n_experts=128, n_experts_used=8, expert_ffn_size=768))
     assert list(moe) == ["n_cpu_moe", "gpu_layers"] and moe["n_cpu_moe"] == [0, 6, 12, 18, 24, 30, 36, 42, 48]
     assert b.offload_space("gguf:Q4_K_M", ctx()) == {"gpu_layers": ["all", 48, 42, 36, 30, 24, 18, 12, 6, 0]}
+
+
+class HeadSizeRules(GgufMaker):
+    """Refuses a quantized cache whose block of 32 does not divide the head size (llama.cpp's
+    rule, plugins/llama_server/rules.toml), as its ``check`` would in a study."""
+
+    name = "head-rules"
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        if config.option("cache_type") == "q8_0" and ctx.model.head_dim % 32:
+            return [f"cache_type q8_0: its block of 32 does not divide the head size {ctx.model.head_dim}"]
+        return []
+
+
+class HeadRulesPlugin:
+    @staticmethod
+    @hookimpl
+    def register_backends(register):
+        register(HeadSizeRules())
+
+
+def _tiny(tmp_path: Path, hidden: int, heads: int) -> Path:
+    import json
+
+    d = tmp_path / f"tiny-{hidden // heads}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_key_value_heads": heads, "intermediate_size": 4 * hidden, "vocab_size": 512,
+        "max_position_embeddings": 2048, "tie_word_embeddings": True}))
+    (d / "model.safetensors").write_bytes(b"not read by init")
+    return d
+
+
+@pytest.mark.parametrize("hidden, heads, refused", [(64, 8, True), (64, 4, True), (256, 2, False)])
+def test_init_leaves_out_values_the_rules_refuse_for_this_model(tmp_path, hidden, heads, refused):
+    # Head sizes 8 and 16: llama.cpp refuses a q8_0 cache; 128 takes it.
+    with plugin_registered(HeadRulesPlugin, "head-rules"):
+        draft = draft_study(str(_tiny(tmp_path, hidden, heads)), gpu="t4")
+        text = render(draft, tmp_path / "study.toml")
+    if refused:
+        assert draft.space["cache_type"] == ["f16"]
+        assert f"#   cache_type = \"q8_0\": head-rules: cache_type q8_0: its block of 32 does not divide the head " \
+               f"size {hidden // heads}" in text
+    else:
+        assert draft.space["cache_type"] == ["f16", "q8_0"] and "Left out of [space]" not in text
+
+
+def test_the_quality_init_writes_counts(seven_b, tmp_path):
+    # A quality metric with no penalty and no bound is measured and never counts: init writes a bound.
+    with plugin_registered(Plugin, "makers"):
+        draft = draft_study(str(seven_b), gpu="h200")
+    draft.quality = "kld"  # as where the kld metric is installed and the full-precision format fits
+    out = tmp_path / "q.toml"
+    out.write_text(render(draft, out))
+    objective = load_study_config(out).objective
+    assert objective.quality == "kld" and objective.max_drop_points == 5.0

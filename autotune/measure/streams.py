@@ -162,8 +162,23 @@ class ConcurrentResult:
 
     @property
     def per_user_tok_s(self) -> float:
-        """Median decode speed of the streams: what one user sees."""
-        return statistics.median(s.decode_tok_s for s in self.streams)
+        """Median decode speed of the streams, each counting the time it waited behind the others:
+        what one user sees.
+
+        A stream's wait is how much later its first token came than the first stream's: an
+        engine that serves one request at a time (ExLlamaV2 without paged attention) decodes each
+        at the single-stream rate, but the user queued fourth reads nothing until three others
+        are done; its decode time plus that wait is what it spends reading at its rate. Streams
+        served together start together and wait nothing, so this is their decode speed."""
+        first_ms = min(s.ttft_ms for s in self.streams)
+
+        def seen(s: StreamResult) -> float:
+            if s.decode_tok_s <= 0 or s.output_tokens <= 1:
+                return s.decode_tok_s
+            decode_s = (s.output_tokens - 1) / s.decode_tok_s
+            return (s.output_tokens - 1) / (decode_s + (s.ttft_ms - first_ms) / 1000.0)
+
+        return statistics.median(seen(s) for s in self.streams)
 
     @property
     def ttft_ms(self) -> float:

@@ -131,5 +131,7 @@ class FinishPhase:
                 per_user = m.metrics.get("per_user_tok_s")
                 records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
                                         per_user_tok_s=per_user.median if per_user is not None else None,
-                                        peak_vram_bytes=m.peak_vram_bytes, worker=self.worker)
+                                        peak_vram_bytes=m.peak_vram_bytes, worker=self.worker,
+                                        metrics={k: float(v.median) for k, v in m.metrics.items()
+                                                 if isinstance(getattr(v, "median", None), (int, float))})
         return launches, others, True

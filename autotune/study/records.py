@@ -362,6 +362,9 @@ class Remeasure:
     feasible: bool = True                # every constraint held in this run too
     per_user_tok_s: float | None = None
     peak_vram_bytes: int | None = None
+    # Each throughput/latency metric's median in this run (aggregate_tok_s, ...): the headline
+    # figures are the median over every run, not the first (summary.headline).
+    metrics: dict[str, float] | None = None
     error: str | None = None             # the launch failed: the round counts, as a failure
     worker: str | None = None
 

@@ -29,7 +29,7 @@ from autotune.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
 from autotune.redact import scrub
-from autotune.study import baseline, calibration, claims, records, storage
+from autotune.study import baseline, calibration, claims, records, storage, systematic
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
 from autotune.study.finish import FinishPhase, finish_token
@@ -42,6 +42,7 @@ from autotune.study.records import TrialState, write
 from autotune.study.sampling import ScreenedSampler
 from autotune.study.trial_phase import TrialPhase, Outcome
 from autotune.strategy import Search
+from autotune.study.systematic import FailureWatch, SystematicFailure
 from autotune.study.summary import StudySummary, best_trial, chosen_best, summarize, trial_record
 
 # Proposals in a row that launch nothing before the runner slips in an unexplored
@@ -117,6 +118,9 @@ class StudyRunner(TrialPhase, FinishPhase):
         self._failed_artifacts: set[tuple[str, str]] = set()
         self._deferred_artifacts: set[tuple[str, str]] = set()  # too long to make in what is left of the budget
         self._deadline: float | None = None  # time.monotonic() at which this run's budget ends
+        self._failures = FailureWatch()
+        self.systematic: SystematicFailure | None = None  # what stopped this run, if a cause every trial repeats
+        self.stopped: str = ""  # why the search ended, in words (the study's last line)
 
     def _say(self, text: str) -> None:
         if self._note is not None:
@@ -298,10 +302,12 @@ class StudyRunner(TrialPhase, FinishPhase):
                 with deadline.within(self._deadline, f"the study's budget ({budget_s or 0:g} s) ran out"):
                     self.measure_baseline(note)
                     self._search(heartbeat, start, budget_s, n_trials, callback)
-                self.finish(note)
+                if self.systematic is None:  # its launches would fail alike
+                    self.finish(note)
             except (KeyboardInterrupt, Interrupted):
                 self.interrupts.caught()
                 interrupted = True
+                self.stopped = "interrupted: the storage is consistent; run the same command again to continue"
             finally:
                 heartbeat.close()
         self._store_run_facts()
@@ -337,7 +343,9 @@ class StudyRunner(TrialPhase, FinishPhase):
         what was excluded before the search, and why the best beats its neighbours."""
         best = chosen_best(self.study)
         why = explain_best(self.prepared, self.study, trial_record(best) if best else None)
-        self.study.set_user_attr(records.LAST_RUN_ATTR, {"converged": self.converged})
+        self.study.set_user_attr(records.LAST_RUN_ATTR, {
+            "converged": self.converged, "stopped": self.stopped,
+            **({"systematic_failure": self.systematic.as_dict()} if self.systematic is not None else {})})
         self.study.set_user_attr(records.EXCLUDED_ATTR, self.prepared.excluded)
         self.study.set_user_attr(records.WHY_BEST_ATTR, why)
 
@@ -348,13 +356,17 @@ class StudyRunner(TrialPhase, FinishPhase):
         while True:
             self.interrupts.raise_if_interrupted()
             if n_trials is not None and self.n_measured >= n_trials:
+                self.stopped = f"{n_trials} trial{'s' if n_trials != 1 else ''} measured, as asked"
                 return
             if budget_s is not None and not self._next_launch_fits(budget_s - (time.monotonic() - start)):
+                self.stopped = f"the budget ({budget_s:g} s) is spent, or too little of it is left for another launch"
                 return
             if self.strategy.ends_with_queue and not self._has_waiting():
+                self.stopped = "every configuration of the space was evaluated"
                 return
             if self.strategy.queues_each_launch and not self.queue_strategy_choice():
                 self.converged = True
+                self.stopped = f"converged: the {self.cfg.sampler} strategy has nothing more worth launching"
                 return
             measured_before = self.n_measured
             launch_start = time.monotonic()
@@ -367,11 +379,17 @@ class StudyRunner(TrialPhase, FinishPhase):
             idle = 0 if self.n_measured > measured_before else idle + 1
             if callback:
                 callback(event)
+            if self.systematic is not None:
+                self.stopped = f"stopped: {self.systematic.text}"
+                return
             if idle and idle % EXPLORE_AFTER_IDLE == 0 and not self._enqueue_unexplored():
                 self.converged = True  # everything that can run has been evaluated
+                self.stopped = "the space is exhausted: everything that can run was evaluated"
                 return
             if idle >= MAX_IDLE_PROPOSALS:
                 self.converged = True
+                self.stopped = (f"converged: {MAX_IDLE_PROPOSALS} proposals in a row were answered from the storage "
+                                "or refused")
                 return
 
     def measure_baseline(self, note: Callable[[str], None] | None = None) -> int:
@@ -443,8 +461,14 @@ class StudyRunner(TrialPhase, FinishPhase):
                 self.n_measured += 1  # it was launched: it counts like a BackendError
             write(trial, log_tail=scrub(traceback.format_exc())[-4000:])
             self._fail_quietly(trial, scrub(f"{type(exc).__name__}: {exc}"))
-            outcome = Outcome("FAIL", trial.user_attrs.get("config", {}), reason=scrub(str(exc)))
+            config = trial.user_attrs.get("config", {})
+            outcome = Outcome("FAIL", config, reason=scrub(str(exc)),
+                              failed_in=systematic.launching(config["backend"]) if "engine" in trial.user_attrs
+                              and "backend" in config else None)
         heartbeat.beat(None)
+        self._failures.worked(*outcome.worked)
+        if outcome.failed_in is not None and outcome.reason:
+            self.systematic = self._failures.failed(outcome.failed_in, outcome.reason) or self.systematic
         # First: it brings the finished trial into the storage's cache, where the note reads it
         # (else the note reads the whole trial back from the database).
         best = best_trial(self.study)

@@ -125,7 +125,8 @@ class _Contender:
 
     @property
     def median(self) -> float:
-        return statistics.median(self.values)
+        """Over every run, the first included: the figure the headline shows (``headline``)."""
+        return statistics.median(self.runs)
 
     @property
     def mean(self) -> float:
@@ -191,6 +192,50 @@ def contender_text(c: dict[str, Any]) -> str:
     if c["failures"]:
         text += f"; {c['failures'][0]}"
     return text
+
+
+_FIGURES = (("decode_tok_s", "decode"), ("aggregate_tok_s", "aggregate"), ("per_user_tok_s", "per user"),
+            ("prefill_tok_s", "prefill"))
+
+
+def _figures(m: dict[str, Any]) -> list[str]:
+    out = [f"{label} {m[key]:.1f} tok/s" for key, label in _FIGURES if m.get(key) is not None]
+    if m.get("ttft_ms") is not None:
+        out.append(f"TTFT {m['ttft_ms']:.0f} ms")
+    return out
+
+
+def headline_lines(best: dict[str, Any]) -> list[str]:
+    """The best's figures for people (``study``, ``best``, the report, the dashboard note): the
+    median over every run where the finish measured it again (``headline``), then the first run
+    as such; the first run alone where there was no finish."""
+    figures = _figures(best.get("metrics") or {})
+    if not figures:
+        return []
+    runs = max((best.get("runs") or {}).values(), default=1)
+    if runs < 2:
+        return [", ".join(figures)]
+    spread = (best.get("spreads") or {}).get("aggregate_tok_s")
+    lines = [", ".join(figures) + f" (median of {runs} runs: the first and {runs - 1} of the finish"
+             + (f"; range {spread * 100:.1f}%" if spread is not None else "") + ")"]
+    first = _figures((best.get("first_run") or {}).get("metrics") or {})
+    if first:
+        lines.append("first run (the search's, picked for being high): " + ", ".join(first))
+    return lines
+
+
+def counts_text(summary: StudySummary) -> str:
+    """``84 trials: 45 complete, 32 pruned, 0 failed, 7 answered from storage``: every state
+    named, so the parts add up to the total (``study``, ``best``, the report, the dashboard)."""
+    extra = summary.extra
+    parts = [f"{summary.n_complete} complete", f"{summary.n_pruned} pruned", f"{summary.n_failed} failed"]
+    for key, words in (("n_answered_from_storage", "answered from storage (an earlier trial's outcome)"),
+                       ("n_cut_short", "cut short and queued again"),
+                       ("n_deferred", "not started (their weights would take longer to make than the budget had left)"),
+                       ("n_running", "still running")):
+        if extra.get(key):
+            parts.append(f"{extra[key]} {words}")
+    return f"{summary.n_trials} trials: " + ", ".join(parts)
 
 
 def _trials(numbers: list[int]) -> str:
@@ -315,6 +360,36 @@ def failures_text(kinds: dict[str, int]) -> str:
     return f"{n} trial{'s' if n != 1 else ''} failed: " + ", ".join(f"{k} {kind}" for kind, k in kinds.items())
 
 
+def headline(best: dict[str, Any], first: TrialRecord, rounds: Sequence[records.Remeasure]) -> dict[str, Any]:
+    """The best's figures as the finish measured them: each metric's median over every run of
+    the configuration (the first, which the search picked for being high, and each round of the
+    finish), its spread the range of those runs relative to that median. The first run's own
+    figures are kept as ``first_run``; ``runs`` counts the runs behind each figure.
+
+    A metric a round did not store (rounds from before rounds stored metrics) is taken from the
+    runs that did: per-user speed from ``per_user_tok_s``, else the first run alone."""
+    sound = [m for m in rounds if not m.failed and m.feasible]
+    out = dict(best)
+    out["first_run"] = {"metrics": dict(best.get("metrics") or {}), "spreads": dict(best.get("spreads") or {})}
+    metrics, spreads, runs = {}, {}, {}
+    for key, value in (best.get("metrics") or {}).items():
+        seen = [value] if value is not None else []
+        for m in sound:
+            again = (m.metrics or {}).get(key)
+            if again is None and key == "per_user_tok_s":
+                again = m.per_user_tok_s
+            if again is not None:
+                seen.append(again)
+        if len(seen) < 2:  # no run of the finish saw it: the first run's figure, named as such
+            metrics[key], spreads[key], runs[key] = value, (best.get("spreads") or {}).get(key), len(seen)
+            continue
+        mid = statistics.median(seen)
+        metrics[key], runs[key] = mid, len(seen)
+        spreads[key] = (max(seen) - min(seen)) / abs(mid) if mid else 0.0
+    out.update(metrics=metrics, spreads=spreads, runs=runs)
+    return out
+
+
 def chosen_best(study: optuna.Study, finish: dict[str, Any] | None = None) -> TrialRecord | None:
     """The study's best: the finish's choice where it made one (``finish``: its verdict, if the
     caller has it), else the best feasible trial."""
@@ -322,6 +397,16 @@ def chosen_best(study: optuna.Study, finish: dict[str, Any] | None = None) -> Tr
     if finish is not None and finish["chosen"] is not None:
         return next(r for r in records.measured(study) if r.number == finish["chosen"])
     return best_trial(study)
+
+
+def _best_of(study: optuna.Study, best: TrialRecord | None, finish: dict[str, Any] | None) -> dict[str, Any] | None:
+    if best is None:
+        return None
+    shown = trial_record(best)
+    if finish is None or best.number not in finish.get("trials", ()):
+        return shown
+    stored = records.remeasures(study).get(best.number, {})
+    return headline(shown, best, [stored[i] for i in range(finish["rounds"]) if i in stored])
 
 
 def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
@@ -337,6 +422,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     n_cut_short = sum(1 for r in all_records if r.state == TrialState.FAIL and r.retry and not r.deferred)
     n_deferred = sum(1 for r in all_records if r.state == TrialState.FAIL and r.deferred)
     # Why the failed ones failed, most common first: a count alone sends the user to the logs.
+    # Still RUNNING (another worker measures it, or one died): named, so the parts add up.
+    n_running = sum(1 for r in all_records if r.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED))
     failed_by = Counter(failure_kind(r.fail_reason) for r in all_records if r.state == TrialState.FAIL and not r.retry)
     finish = finish_verdict(study)
     best = chosen_best(study, finish)
@@ -351,8 +438,9 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         n_measured=0,
         interrupted=False,
         elapsed_s=0.0,
-        best=trial_record(best) if best else None,
+        best=_best_of(study, best, finish),
         extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short,
+               **({"n_running": n_running} if n_running else {}),
                **({"n_deferred": n_deferred} if n_deferred else {}),
                **({"failed_by_reason": dict(sorted(failed_by.items(), key=lambda kv: (-kv[1], kv[0])))} if failed_by else {})},
     )
@@ -378,6 +466,10 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     last_run = attrs.get(records.LAST_RUN_ATTR)
     if isinstance(last_run, dict) and "converged" in last_run:
         summary.extra["converged"] = bool(last_run["converged"])
+    if isinstance(last_run, dict) and last_run.get("stopped"):  # why the last run's search ended
+        summary.extra["stopped"] = last_run["stopped"]
+    if isinstance(last_run, dict) and last_run.get("systematic_failure"):
+        summary.extra["systematic_failure"] = last_run["systematic_failure"]
     summary.extra["excluded_before_search"] = attrs.get(records.EXCLUDED_ATTR, [])
     summary.extra["why"] = attrs.get(records.WHY_BEST_ATTR, [])
     summary.extra["calibration"] = records.stored_calibrations(study)

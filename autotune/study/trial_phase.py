@@ -25,7 +25,7 @@ from autotune.dashboard import annotate_trial
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
 from autotune.space import NotOffered
-from autotune.study import calibration, records, storage, trial_writes
+from autotune.study import calibration, records, storage, systematic, trial_writes
 from autotune.study.admission import Verdict
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.records import TrialRecord, TrialState, hold, write
@@ -38,6 +38,8 @@ class Outcome:
     values: list[float] | None = None
     reason: str | None = None
     answered_from: int | None = None
+    failed_in: str | None = None           # the scope whose failure this is (study/systematic.py)
+    worked: tuple[str, ...] = ()           # the scopes that did their part
 
 
 class TrialPhase:
@@ -137,7 +139,9 @@ class TrialPhase:
             self.n_measured += 1
             write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
             self.study.tell(trial, state=TrialState.FAIL)
-            return Outcome("FAIL", config.as_dict(), reason=str(exc))
+            # Too large for the disk is this artifact's size, as out of memory is a configuration's.
+            return Outcome("FAIL", config.as_dict(), reason=str(exc),
+                           failed_in=None if isinstance(exc, artifacts.DiskSpaceError) else systematic.making(config.backend))
         verdict = self.judge.judge(config)  # a made artifact: its own tensors, not the prediction
         if verdict.estimate is not None:
             hold(trial, predicted_vram=verdict.estimate.to_dict())
@@ -170,7 +174,8 @@ class TrialPhase:
             self.n_measured += 1
             write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
             self.study.tell(trial, state=TrialState.FAIL)
-            return Outcome("FAIL", config.as_dict(), reason=str(exc))
+            return Outcome("FAIL", config.as_dict(), reason=str(exc), failed_in=systematic.launching(config.backend),
+                           worked=(systematic.making(config.backend),))
         self.n_measured += 1
         assert verdict.estimate is not None and verdict.raw_total_bytes is not None
         records.hold_measurement(trial, measurement, verdict.estimate.total_bytes)
@@ -186,7 +191,8 @@ class TrialPhase:
             # One run is not a measurement to crown: recorded, never launched again, never best.
             write(trial, prune_reason=heard.get("reason", "probe: stopped after the first run"), probe=True)
             self.study.tell(trial, state=TrialState.PRUNED)
-            return Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"))
+            return Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"),
+                           worked=(systematic.making(config.backend), systematic.launching(config.backend)))
         s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
                         trial.user_attrs.get("quality_drop_points"), trial.user_attrs.get("quality"))
         records.set_constraints(trial, s.constraints)
@@ -194,7 +200,8 @@ class TrialPhase:
                             "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
         self.study.tell(trial, list(s.values))
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
-        return Outcome("COMPLETE", config.as_dict(), list(s.values))
+        return Outcome("COMPLETE", config.as_dict(), list(s.values),
+                       worked=(systematic.making(config.backend), systematic.launching(config.backend)))
 
     def _affordable(self, config: TrialConfig) -> bool:
         return (config.backend, config.weights) not in self._deferred_artifacts
@@ -232,10 +239,18 @@ class TrialPhase:
             wanted.append(reference.weights)
         made = []
         for weights in wanted:
-            artifact = artifacts.ensure(backend, weights, ctx, say=self._say)
+            artifact = artifacts.ensure(backend, weights, ctx, say=self._say_artifact)
             if artifact is not None:
                 made.append({**artifact.to_dict(), "weights": weights})
                 write(trial, artifacts=made)
+
+    def _say_artifact(self, text: str) -> None:
+        """An artifact's line, each said once per run: one study said "cache hit" 324 times for
+        a few artifacts, once per trial that loaded them."""
+        said: set[str] = self.__dict__.setdefault("_artifact_lines", set())
+        if text not in said:
+            said.add(text)
+            self._say(text)
 
     def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> Outcome:
         records.set_constraints(trial, verdict.constraints)
