@@ -46,6 +46,9 @@ grid)
   file=bench/h200_grid_$name.toml db=h200_grid_$name-run$run
   leave=$(python3 -c "import tomllib,sys; print(tomllib.load(open('$file','rb'))['hardware']['vram_budget_gib'])")
   sed "s/^seed = 0/seed = $((run - 1))/" "$file" >"/tmp/o/$db.toml"
+  # A run recorded before (bench/results/offload_grids_h200) goes on where it stopped.
+  [ -f "/tmp/o/db/$db.db" ] || [ ! -f "bench/results/offload_grids_h200/$db.db" ] || \
+      cp "bench/results/offload_grids_h200/$db.db" "/tmp/o/db/$db.db"
   setsid python3 bench/hold_gpu_memory.py --leave-gib "$leave" >"$OUT/hold-$db.log" 2>&1 &
   holder=$!
   for _ in $(seq 60); do grep -q holding "$OUT/hold-$db.log" 2>/dev/null && break; sleep 1; done
