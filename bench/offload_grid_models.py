@@ -17,11 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from autotune_plugins.llama_server.gguf_tokenizer import read_tokenizer
-from autotune_plugins.llama_server.synth import find_vocab
-from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, SynthSpec, tensor_plan
+from autotune_plugins.llama_server.synth import find_vocab, gguf_writer
+from autotune_plugins.llama_server.synth_shapes import SynthSpec, tensor_plan
 
 # bench/h200_offload_grids.sh prep: `autotune synth` arguments of each grid's model.
 SHAPES = {
@@ -41,32 +39,7 @@ def write_header_only(spec: SynthSpec, out: Path, vocab: Path) -> Path:
 
     tokenizer, n_vocab = read_tokenizer(vocab)
     plan = tensor_plan(spec, n_vocab)
-    defaults = ARCH_DEFAULTS[spec.arch]
-    w = gguf.GGUFWriter(out, spec.arch)
-    w.add_name(spec.name)
-    w.add_block_count(spec.n_layers)
-    w.add_context_length(spec.context_length)
-    w.add_embedding_length(spec.hidden)
-    w.add_feed_forward_length(spec.ffn)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_layer_norm_rms_eps(defaults["rms_eps"])
-    w.add_rope_freq_base(defaults["rope_freq_base"])
-    w.add_rope_dimension_count(spec.head_dim)
-    if spec.head_size is not None:
-        w.add_key_length(spec.head_dim)
-        w.add_value_length(spec.head_dim)
-    if spec.is_moe:
-        w.add_expert_count(spec.experts)
-        w.add_expert_used_count(spec.experts_used)
-        w.add_expert_feed_forward_length(spec.expert_ffn)
-    w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, value, vtype, sub in tokenizer:
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for t in plan:
-        w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), t.nbytes)
+    w = gguf_writer(out, spec, tokenizer, n_vocab, plan)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

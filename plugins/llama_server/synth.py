@@ -20,7 +20,7 @@ import os
 import shutil
 import subprocess
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,6 +273,47 @@ def _chunks(t: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
             yield values.astype(t.dtype, copy=False)
 
 
+def gguf_writer(path: Path, spec: SynthSpec, tokenizer: Sequence[Any], n_vocab: int,
+                plan: Sequence[TensorPlan]) -> Any:
+    """A ``gguf.GGUFWriter`` on ``path`` holding a synthetic model's metadata, tokenizer and tensor
+    table, nothing written yet: what ``write_model`` fills with weights (and
+    bench/offload_grid_models.py leaves as a hole)."""
+    import gguf
+
+    defaults = ARCH_DEFAULTS[spec.arch]
+    w = gguf.GGUFWriter(path, spec.arch)
+    w.add_name(spec.name)
+    w.add_description(
+        "Random weights written by `autotune synth`: real speed and memory behaviour, "
+        "no meaningful output quality."
+    )
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.hidden)
+    w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_layer_norm_rms_eps(defaults["rms_eps"])
+    w.add_rope_freq_base(defaults["rope_freq_base"])
+    w.add_rope_dimension_count(spec.head_dim)
+    if spec.head_size is not None:
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+    if spec.is_moe:
+        w.add_expert_count(spec.experts)
+        w.add_expert_used_count(spec.experts_used)
+        w.add_expert_feed_forward_length(spec.expert_ffn)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(_F16)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value, vtype, sub in tokenizer:
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for t in plan:
+        w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), t.nbytes)
+
+    return w
+
+
 def write_model(
     spec: SynthSpec,
     out: str | os.PathLike[str],
@@ -322,40 +363,10 @@ def write_model(
         say(space.describe())
     space.check()
     plan = tensor_plan(spec, n_vocab)
-    defaults = ARCH_DEFAULTS[spec.arch]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".partial")
 
-    w = gguf.GGUFWriter(tmp, spec.arch)
-    w.add_name(spec.name)
-    w.add_description(
-        "Random weights written by `autotune synth`: real speed and memory behaviour, "
-        "no meaningful output quality."
-    )
-    w.add_block_count(spec.n_layers)
-    w.add_context_length(spec.context_length)
-    w.add_embedding_length(spec.hidden)
-    w.add_feed_forward_length(spec.ffn)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_layer_norm_rms_eps(defaults["rms_eps"])
-    w.add_rope_freq_base(defaults["rope_freq_base"])
-    w.add_rope_dimension_count(spec.head_dim)
-    if spec.head_size is not None:
-        w.add_key_length(spec.head_dim)
-        w.add_value_length(spec.head_dim)
-    if spec.is_moe:
-        w.add_expert_count(spec.experts)
-        w.add_expert_used_count(spec.experts_used)
-        w.add_expert_feed_forward_length(spec.expert_ffn)
-    w.add_vocab_size(n_vocab)
-    w.add_file_type(_F16)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, value, vtype, sub in tokenizer:
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for t in plan:
-        w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), t.nbytes)
-
+    w = gguf_writer(tmp, spec, tokenizer, n_vocab, plan)
     rng = np.random.default_rng(seed)
     try:
         w.write_header_to_file()
