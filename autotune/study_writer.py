@@ -35,7 +35,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from autotune import hardware, plugins
 from autotune.backend import Param, StudyContext, TrialConfig, Workload
@@ -308,6 +308,13 @@ def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyCont
     return kept
 
 
+def _comment_block(heading: list[str], reasons: Sequence[str]) -> list[str]:
+    """A heading and each reason indented under it, as comment lines; nothing without reasons."""
+    if not reasons:
+        return []
+    return heading + ["#   " + line for why in reasons for line in why.splitlines()] + [""]
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -357,22 +364,10 @@ def render(draft: StudyDraft, out: Path) -> str:
     for backend_name, fmts in draft.candidates.items():
         shown = [source if w == str(draft.source) else w for w in fmts]  # the source itself, as [model] names it
         lines += ["[[candidates]]", f"backend = {_toml_value(backend_name)}", f"weights = {_toml_value(shown)}", ""]
-    if draft.left_out:
-        lines.append("# Left out:")
-        for why in draft.left_out:
-            lines += ["#   " + line for line in why.splitlines()]
-        lines.append("")
-    if draft.offload:
-        lines.append("# Too large for the card whole, so split between the card and host memory: the values")
-        lines.append("# below that the memory model says fit (at the shortest ctx, one slot):")
-        for why in draft.offload:
-            lines += ["#   " + line for line in why.splitlines()]
-        lines.append("")
-    if draft.refused:
-        lines.append("# Left out of [space]: the engine refuses these values for this model:")
-        for why in draft.refused:
-            lines += ["#   " + line for line in why.splitlines()]
-        lines.append("")
+    lines += _comment_block(["# Left out:"], draft.left_out)
+    lines += _comment_block(["# Too large for the card whole, so split between the card and host memory: the values",
+                             "# below that the memory model says fit (at the shortest ctx, one slot):"], draft.offload)
+    lines += _comment_block(["# Left out of [space]: the engine refuses these values for this model:"], draft.refused)
     lines += ["[space]", f"ctx = {_toml_value(draft.ctx)}  # up to the model's context, {draft.model.max_context}",
               f"parallel = {_toml_value(list(PARALLEL))}"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in draft.space.items()]

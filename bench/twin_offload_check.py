@@ -22,11 +22,7 @@ from autotune_plugins.twin import evidence, load_constants, physics
 def rows() -> list[tuple[evidence.Figure, float]]:
     """Each offload probe figure with the twin's prediction."""
     engines, host, _ = load_constants()
-    out = []
-    for f in evidence.h200_offload():
-        p = physics.predict(f.scenario, engines[f.scenario.engine], host)
-        out.append((f, float(getattr(p, f.metric))))
-    return out
+    return evidence.h200_offload_predicted(engines, host)
 
 
 def placement(s: physics.Scenario) -> str:

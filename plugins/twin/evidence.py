@@ -264,6 +264,14 @@ def offload_scenario(model_file: str, case: dict[str, str], prompt: int, output:
         ubatch=int(case.get("ub", str(physics.LLAMA_UBATCH))), host_threads=OFFLOAD_THREADS)
 
 
+def h200_offload_predicted(engines: dict[str, physics.EngineConstants],
+                           host: physics.HostConstants) -> list[tuple[Figure, float]]:
+    """Each offload probe figure beside what the twin predicts for it with ``engines`` and
+    ``host`` (bench/twin_offload_check.py prints them, tests/plugins/test_twin_offload.py holds them)."""
+    return [(f, float(getattr(physics.predict(f.scenario, engines[f.scenario.engine], host), f.metric)))
+            for f in h200_offload()]
+
+
 def h200_offload() -> Iterator[Figure]:
     """The offload probe's runs that answered: decode and prompt tok/s, each the mean of its two
     requests (a run whose server died, -ngl 14 under the 3 GiB budget, has none)."""

@@ -28,11 +28,7 @@ PROBE = evidence.OFFLOAD
 @pytest.fixture(scope="module")
 def checked() -> list[tuple[evidence.Figure, float]]:
     engines, host, _ = load_constants()
-    out = []
-    for f in evidence.h200_offload():
-        p = physics.predict(f.scenario, engines[f.scenario.engine], host)
-        out.append((f, float(getattr(p, f.metric))))
-    return out
+    return evidence.h200_offload_predicted(engines, host)
 
 
 def _ratios(checked, *, moe: bool, metric: str, role: str = "check", ngl: bool | None = None) -> dict[str, float]:
