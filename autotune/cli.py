@@ -335,7 +335,7 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
         draft = draft_study(str(model), gpu_key, name)
         out.write_text(render(draft, out), encoding="utf-8")
         try:
-            prepare_study(load_study_config(out))  # what `autotune study` will check first
+            prepare_study(load_study_config(out), dry_runs=False)  # what `autotune study` will check first
         except ConfigError as exc:
             raise ConfigError(f"{out}: written, but it does not validate (a bug in autotune init; please report "
                               f"it):\n{exc}") from None

@@ -58,7 +58,7 @@ class Unready(GgufMaker):
     engine = "unready-engine"
 
     def preflight(self, ctx: StudyContext) -> list[str]:
-        return ["backend unready: its engine is not built (run the build)"]
+        return ["its engine is not built (run the build)"]  # the caller names the backend
 
 
 class Plugin:
@@ -77,7 +77,8 @@ def test_formats_that_never_fit_are_left_out_with_the_figures(seven_b, tmp_path)
         (f16,) = [why for why in draft.left_out if "gguf:F16" in why]
         assert f16.startswith("gguf-maker: weights gguf:F16 never fit: even ctx 2048 x 1 needs 15.19 GiB (weights 14.19)")
         assert f16.endswith("> budget 14.75 GiB = 15.00 GiB (Tesla T4's memory) - 0.25 GiB safety margin")
-        assert any(why.startswith("backend unready: backend unready: its engine is not built") for why in draft.left_out)
+        # Named once, by init (issue 28: "backend openai-server: backend openai-server: ...").
+        assert "backend unready: its engine is not built (run the build)" in draft.left_out
         # ctx from one request (1024 + 256 tokens) up to the model's own 32768, the short end kept.
         assert draft.ctx == [2048, 4096, 8192, 16384, 32768]
         assert draft.space == {"cache_type": ["f16", "q8_0"]}
