@@ -45,7 +45,7 @@ from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
 from autotune.measure import Protocol
 from autotune.models import ModelSpec, resolve_model
-from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of
+from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of, budget_text
 
 __all__ = ["StudyDraft", "draft_study", "offered_formats", "render"]
 
@@ -351,9 +351,14 @@ def render(draft: StudyDraft, out: Path) -> str:
     lines += ["", "[study]", f"name = {_toml_value(draft.name)}",
               f"budget = {_toml_value('15m' if draft.gpu.is_cpu else '2h')}", "", "[hardware]"]
     if draft.gpu.is_cpu:
+        # The budget every output shows is this less the safety margin: said here, so that the
+        # file's 17.7 and the study's 17.45 GiB are one figure (issue 28).
+        usable = budget_of(draft.gpu, int(draft.budget_gib * 2**30), SAFETY_MARGIN_MIB * 2**20)  # type: ignore[operator]
         lines += ["# The host: nothing is offloaded; the budget is host memory (a share of this machine's "
                   f"{_gib(draft.gpu.vram_bytes)}).",
-                  f"gpu = {_toml_value(hardware.CPU_KEY)}", f"vram_budget_gib = {draft.budget_gib}"]
+                  f"gpu = {_toml_value(hardware.CPU_KEY)}",
+                  f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {budget_text(usable.bytes)} "
+                  f"after the {SAFETY_MARGIN_MIB} MiB safety margin"]
     else:
         lines += [f"gpu = {_toml_value(draft.gpu_key)}  # {draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}"]
     lines += ["", "[model]", f"source = {_toml_value(source)}",

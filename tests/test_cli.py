@@ -369,3 +369,14 @@ def test_a_study_name_too_long_for_a_file_name_is_refused(tmp_path):
         parse_study_config(doc, source="long.toml", path=tmp_path / "long.toml")
     doc["study"]["name"] = "n" * 200
     assert parse_study_config(doc, source="ok.toml", path=tmp_path / "ok.toml").name == "n" * 200
+
+
+def test_a_study_that_tried_nothing_does_not_say_everything_tried_was_refused(twin_plugin, default_study_path, tmp_path):
+    # Found with issue 28's words: a budget spent before the first trial (on a loaded 2-core
+    # machine, by the baselines) printed "every configuration tried was refused" of 0 trials.
+    result = CliRunner().invoke(cli, ["study", str(default_study_path), "--budget", "0.001s",
+                                      "--storage", f"sqlite:///{tmp_path / 'nothing.db'}"])
+    assert result.exit_code == 1
+    assert "0 trials: 0 complete" in result.output
+    assert "Error: no feasible configuration: no configuration was tried (why the search ended says why)" in result.output
+    assert "every configuration tried" not in result.output

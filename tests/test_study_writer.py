@@ -96,8 +96,18 @@ def test_cpu_mode_budget_is_host_memory(seven_b, tmp_path):
         draft = draft_study(str(seven_b), gpu="cpu")
     assert draft.gpu.is_cpu and draft.budget_gib is not None
     assert draft.budget_gib * 2**30 <= draft.gpu.vram_bytes  # a share of the host's memory
-    text = render(draft, tmp_path / "s.toml")
+    out = tmp_path / "s.toml"
+    text = render(draft, out)
     assert 'gpu = "cpu"' in text and f"vram_budget_gib = {draft.budget_gib}" in text
+    # One budget figure (issue 28 showed 17.7, 17.45 and 17.4): the file says the one the study uses.
+    out.write_text(text)
+    with plugin_registered(Plugin, "makers"):
+        prepared = prepare_study(load_study_config(out), dry_runs=False)
+    said = f"{prepared.vram_budget_bytes / 2**30:.2f} GiB"
+    assert f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {said} after the 256 MiB safety margin" in text
+    from autotune.progress import header_text
+
+    assert "device: CPU: " in header_text(prepared, out) and f"(memory budget {said} = " in header_text(prepared, out)
 
 
 def test_nothing_that_can_run_is_an_error_listing_why(seven_b):
