@@ -99,7 +99,7 @@ def test_default_study_finds_the_article_configuration(seed_runs, seed):
     assert parallel == 1 or f"serves the {parallel} users one at a time, as predicted" in line
 
 
-def test_best_reads_the_same_storage_and_agrees(seed_runs):
+def test_best_reads_the_same_storage_and_agrees(twin_plugin, seed_runs):
     run = seed_runs[0]
     study_report = json.loads(run["out"])
     result = CliRunner().invoke(cli, ["best", "--storage", run["storage"], "--json"])
@@ -112,6 +112,11 @@ def test_best_reads_the_same_storage_and_agrees(seed_runs):
     assert text.exit_code == 0
     assert "best (trial" in text.stdout and "weights=exl2:3.3" in text.stdout
     assert study_report["best"]["deploy_command"] in text.stdout
+    # The twin's quality says what it is (issue 28: "twin-mmlu 0.9844, +0.94 points"): a share of
+    # FP16's accuracy, and a drop as a drop.
+    q = study_report["best"]["quality"]
+    assert (f"  quality: predicted MMLU accuracy {q['value']:.2%} of FP16's, drop {q['drop_points']:.2f} points vs "
+            f"{q['reference_weights']}\n") in text.stdout
 
 
 def test_best_names_the_study_it_cannot_find(seed_runs):
