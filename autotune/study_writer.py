@@ -23,7 +23,10 @@ study that validates and runs as it is:
   when the source is full precision and the metric can score the backend, with a bound
   (``MAX_DROP_POINTS``) so that it counts.
 
-Nothing is converted here: artifacts are made by the first trial that needs them.
+Nothing is converted here: artifacts are made by the first trial that needs them. What a
+making would fail on is asked of its recipe's dry run (``artifacts.check_makings``: llama.cpp's
+converter on the vocabulary only), and a backend whose makings would all fail is left out with
+the cause, as the study would stop on it before its first trial.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, Sequence
 from autotune import hardware, plugins
 from autotune.backend import Param, StudyContext, TrialConfig, Workload
 from autotune.config import SAFETY_MARGIN_MIB
+from autotune.artifacts import check_makings
 from autotune.declarations import installed_weight_formats
 from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
@@ -218,6 +222,12 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             found = lightest(str(source))
             if found is not None and found[1].admitted:
                 kept.append(str(source))
+        # What the makings would fail on (llama.cpp's converter on a tokenizer it does not know):
+        # the study would stop on it before its first trial; init says it instead of writing it.
+        failing = check_makings(backend, kept, ctx) if kept else []
+        if failing:
+            draft.left_out.append(f"backend {backend_name}: " + "; ".join(failing))
+            continue
         if kept:
             draft.candidates[backend_name] = kept
             ctx_of[backend_name] = ctx

@@ -283,3 +283,28 @@ def test_the_quality_init_writes_counts(seven_b, tmp_path):
     out.write_text(render(draft, out))
     objective = load_study_config(out).objective
     assert objective.quality == "kld" and objective.max_drop_points == 5.0
+
+
+def test_a_backend_whose_makings_would_fail_is_left_out_with_the_cause(seven_b):
+    # The converter's dry run (llama.cpp: --vocab-only) says it cannot convert this model: init
+    # does not write a study that `autotune study` would refuse before its first trial.
+    class UnknownTokenizer(GgufMaker):
+        name = "odd-maker"
+
+        def artifact_recipe(self, fmt, source, ctx):
+            recipe = super().artifact_recipe(fmt, source, ctx)
+            if recipe is None:
+                return None
+            return Recipe(recipe.fmt, recipe.tool, recipe.name, recipe.expected_bytes, recipe.make,
+                          description="converter", check=lambda: "BPE pre-tokenizer was not recognized: convert elsewhere")
+
+    class Only:
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(UnknownTokenizer())
+
+    with plugin_registered(Only, "odd-only"), pytest.raises(ConfigError) as raised:
+        draft_study(str(seven_b), gpu="t4")
+    assert ("backend odd-maker: making gguf:Q8_0 (converter) would fail: BPE pre-tokenizer was not recognized: "
+            "convert elsewhere") in str(raised.value)
