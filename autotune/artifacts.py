@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from autotune import processes
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnknownNameError
-from autotune.formats import parse_format
+from autotune.formats import normalize_format, parse_format
 from autotune.redact import engine_environment, scrub
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,6 +137,11 @@ class Recipe:
         seconds_per_gib: A first guess of the seconds it takes per GiB it writes, from a
             measurement the backend cites, until this machine's cache has made one of its
             ``step``; None: no guess (the study then cannot tell the cost before making it).
+        check: A cheap dry run of ``make`` (seconds, not the making), run before the study's
+            first trial when the recipe will run (``check_makings``): the problem with its
+            remedy that ``make`` would fail on, None when it would get past it. A converter
+            that does not know the model's tokenizer fails every making alike; found here,
+            the study stops before it starts.
     """
 
     fmt: str
@@ -148,6 +153,7 @@ class Recipe:
     description: str = ""
     step: str = ""
     seconds_per_gib: float | None = None
+    check: Callable[[], str | None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -459,6 +465,29 @@ def predict_making(backend: "BaseBackend", weights: str, ctx: "StudyContext") ->
         if total is not None:
             total += rate * recipe.expected_bytes / 2**30
     return MakeEstimate(total, tuple(r.fmt for r in plan), "; ".join(bases))
+
+
+def check_makings(backend: "BaseBackend", weights: "list[str] | tuple[str, ...]", ctx: "StudyContext") -> list[str]:
+    """What the recipes that will run to make ``weights`` (those not cached yet) would fail on,
+    by their dry runs (``Recipe.check``), each recipe checked once: one line per problem,
+    naming the step. Nothing is made.
+
+    A format with no recipe is the study's format check's to report, not this one's.
+    """
+    plan: list[Recipe] = []
+    for w in weights:
+        if _made_by(backend, w):
+            try:
+                unmade = _unmade(backend, normalize_format(w, backend.weight_formats), ctx, 0)
+            except AutotuneError:
+                continue
+            plan += [r for r in unmade if r not in plan]
+    problems = []
+    for recipe in plan:
+        problem = recipe.check() if recipe.check is not None else None
+        if problem:
+            problems.append(f"making {recipe.fmt} ({recipe.description or recipe.step}) would fail: {problem}")
+    return problems
 
 
 def _unmade(backend: "BaseBackend", fmt: str, ctx: "StudyContext", depth: int) -> list[Recipe]:

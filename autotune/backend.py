@@ -382,7 +382,8 @@ class BaseBackend(abc.ABC):
     def preflight(self, ctx: StudyContext) -> list[str]:
         """Problems that would fail every trial of this backend here (engine missing, a build
         without this card's architecture...), each with its remedy. The study refuses to
-        start on any; empty: ready."""
+        start on any; empty: ready. A problem does not name the backend: its caller does
+        (``study/prepare.py``: the study file's candidate; ``init``: "backend NAME")."""
         return []
 
     @abc.abstractmethod

@@ -123,9 +123,13 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             sys.exit(2)
         if summary.best is None:
             # Nothing to deploy: a script reading `best --json` must not take this for a result.
-            click.echo("Error: no feasible configuration: every configuration tried was refused, failed or broke a "
-                       "constraint (the counts and reasons above say which); widen [space], raise the budget or "
-                       "fix the failures, then run again", err=True)
+            if summary.n_trials == 0:  # nothing was tried: "every configuration tried was refused" would be false
+                click.echo("Error: no feasible configuration: no configuration was tried (why the search ended "
+                           "says why); raise the budget, then run again", err=True)
+            else:
+                click.echo("Error: no feasible configuration: every configuration tried was refused, failed or broke "
+                           "a constraint (the counts and reasons above say which); widen [space], raise the budget or "
+                           "fix the failures, then run again", err=True)
             sys.exit(1)
 
     _run(ctx.obj["debug"], go)
@@ -335,7 +339,7 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
         draft = draft_study(str(model), gpu_key, name)
         out.write_text(render(draft, out), encoding="utf-8")
         try:
-            prepare_study(load_study_config(out))  # what `autotune study` will check first
+            prepare_study(load_study_config(out), dry_runs=False)  # what `autotune study` will check first
         except ConfigError as exc:
             raise ConfigError(f"{out}: written, but it does not validate (a bug in autotune init; please report "
                               f"it):\n{exc}") from None

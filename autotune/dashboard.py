@@ -25,11 +25,13 @@ from typing import Any
 
 import optuna
 
+from autotune.hardware import CPU_KEY
+from autotune.metric import metric_named
 from autotune.study import storage as storage_mod
 from autotune.study import trial_writes
 from autotune.study.records import TrialRecord, TrialState
+from autotune.study.summary import memory_text
 
-GIB = 2**30
 NOTE_CHUNK = 2045  # optuna-dashboard's SYSTEM_ATTR_MAX_LENGTH: the characters of one chunk of a note
 
 
@@ -77,7 +79,7 @@ def artifact_store(url: str, create: bool = True) -> Any:
 
 
 def _gib(n: Any) -> str:
-    return "-" if n is None else f"{n / GIB:.2f} GiB"
+    return "-" if n is None else memory_text(n)  # a small model's 3 MiB is no "0.00 GiB"
 
 
 def _figure(r: TrialRecord, key: str, label: str) -> str | None:
@@ -106,10 +108,11 @@ def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
         violated = [k for k, v in r.constraints.items() if v > 0]
         lines.append(f"- score {r.values[0]:.1f}" + (f", **infeasible**: {', '.join(violated)}" if violated else ""))
     if r.quality_drop_points is not None:
-        lines.append(f"- quality drop {r.quality_drop_points:+.2f} points")
+        lines.append(f"- quality: {metric_named((r.quality or {}).get('metric')).drop_text(r.quality_drop_points)}")
     predicted = (r.predicted_vram or {}).get("total_bytes")
     if predicted is not None or r.measured_vram_bytes is not None:
-        lines.append(f"- VRAM predicted {_gib(predicted)}, measured {_gib(r.measured_vram_bytes)}")
+        memory = "host memory" if (r.gpu or {}).get("key") == CPU_KEY else "VRAM"  # gpu = "cpu": no card
+        lines.append(f"- {memory} predicted {_gib(predicted)}, measured {_gib(r.measured_vram_bytes)}")
     if r.state == TrialState.PRUNED:
         lines.append(f"- **not launched**: {r.prune_reason}")
     elif r.state == TrialState.FAIL:

@@ -365,6 +365,8 @@ def _percent(fraction: float | None) -> str:
 
 
 def estimate_text(r: dict[str, Any]) -> str:
+    from autotune.study.admission import budget_text
+
     v = r["vram"]
     # MiB for small models (a test model of a few MiB would print as 0.00 GiB everywhere).
     gib, unit = (2**30, "GiB") if v["total_bytes"] >= 2**30 else (2**20, "MiB")
@@ -386,11 +388,11 @@ def estimate_text(r: dict[str, Any]) -> str:
         f"  VRAM: weights {v['weights_bytes'] / gib:.2f} + KV {v['kv_bytes'] / gib:.2f} + buffers "
         f"{v['buffers_bytes'] / gib:.2f} + overhead {(v['overhead_bytes'] - learned) / gib:.2f}"
         + (f" + learned {learned / gib:.2f}" if learned else "")
-        + f" = {v['total_bytes'] / gib:.2f} {unit} of budget {v['budget_bytes'] / 2**30:.2f} GiB: {memory}"
+        + f" = {v['total_bytes'] / gib:.2f} {unit} of budget {budget_text(v['budget_bytes'])}: {memory}"
     )
     b = r.get("budget")
     if b:
-        lines.append(f"  budget {v['budget_bytes'] / 2**30:.2f} GiB = {b['memory_bytes'] / 2**30:.2f} GiB "
+        lines.append(f"  budget {budget_text(v['budget_bytes'])} = {b['memory_bytes'] / 2**30:.2f} GiB "
                      f"({b['memory_source']}) - {b['safety_margin_bytes'] / 2**30:.2f} GiB safety margin"
                      + ("" if b.get("study") else " (autotune's default; a study sets [hardware] safety_margin_mib)"))
         n = v.get("correction_trials", 0)

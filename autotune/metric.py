@@ -11,6 +11,8 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
+from autotune import plugins
+
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend, StudyContext, TrialConfig
     from autotune.models import ModelSpec
@@ -67,12 +69,27 @@ class QualityReference:
     ctx: "StudyContext"
 
 
+def signed_drop(points: float, unit: str = "points", digits: int = 2) -> str:
+    """A drop in words, its direction a word and not a sign: "drop 1.20 points", "gain 0.30
+    points" (the artifact scores better than the reference), "no drop" when it rounds to 0."""
+    shown = f"{abs(points):.{digits}f}"
+    if float(shown) == 0:
+        return f"no drop ({shown} {unit})"
+    return f"{'drop' if points > 0 else 'gain'} {shown} {unit}"
+
+
 class BaseMetric(abc.ABC):
     """A quality measurement of one artifact.
 
+    A study keeps every metric's drop against the reference in "points" (``drop_between``:
+    100 x the difference of the values, for accuracy percentage points); how a value, a drop
+    and a bound are said to people is the metric's (``value_text``, ``drop_text``,
+    ``bound_text``, ``compared_text``), so that no reader shows a KL divergence as accuracy
+    points.
+
     Class attributes:
         name: Registry name, unique across plugins.
-        unit: What ``value`` is (``accuracy``, ``kld``...).
+        unit: What ``value`` is (``accuracy``, a fraction; ``nats``...).
         higher_is_better: Direction of ``value``.
         description: One line for ``autotune plugins``.
     """
@@ -81,6 +98,37 @@ class BaseMetric(abc.ABC):
     unit: ClassVar[str] = "accuracy"
     higher_is_better: ClassVar[bool] = True
     description: ClassVar[str] = ""
+
+    def value_text(self, value: float) -> str:
+        """``value`` with what it is: "mmlu accuracy 61.20%" (an accuracy as a percentage),
+        else the figure and the declared unit."""
+        if self.unit == "accuracy":
+            return f"{self.name} accuracy {value:.2%}"
+        return f"{self.name} {value:.4g} {self.unit}"
+
+    #: What ``drop_figure`` is, as an axis or a column is titled.
+    drop_label: ClassVar[str] = "quality drop (points)"
+
+    def drop_figure(self, points: float) -> float:
+        """A drop as the number a plot or a table shows under ``drop_label``."""
+        return points
+
+    def amount_text(self, points: float) -> str:
+        """A size of drop with its unit, no direction (a standard error, an interval's half)."""
+        return f"{points:.2f} points"
+
+    def drop_text(self, points: float) -> str:
+        """A drop against the reference (in the study's points) in words: "drop 1.20 points",
+        "gain 0.30 points"."""
+        return signed_drop(points)
+
+    def compared_text(self, value: float, points: float, reference: str) -> str:
+        """The value and its drop against ``reference`` in one phrase (the best's quality line)."""
+        return f"{self.value_text(value)}, {self.drop_text(points)} vs {reference}"
+
+    def bound_text(self, points: float) -> str:
+        """A bound on the drop (``[objective] max_drop_points``) in the metric's words."""
+        return f"{points:g} point{'' if points == 1 else 's'}"
 
     def cache_key(self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext") -> str:
         """What this metric's value depends on; equal keys are measured once per study."""
@@ -126,3 +174,20 @@ class BaseMetric(abc.ABC):
     @abc.abstractmethod
     def evaluate(self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext") -> MetricValue:
         """Measure the artifact of ``config`` as ``backend`` loads it."""
+
+
+class _NotInstalled(BaseMetric):
+    """A stored study's metric whose plugin is not installed here: its figures said generically."""
+
+    def __init__(self, name: str):
+        self.name = name  # type: ignore[misc]
+
+    def evaluate(self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext") -> MetricValue:
+        raise NotImplementedError(f"metric '{self.name}' is not installed")
+
+
+def metric_named(name: str | None) -> BaseMetric:
+    """The installed metric ``name`` (a stored trial's ``quality["metric"]``), to say its
+    figures in its own words; one that says them generically when it is not installed."""
+    found = plugins.get_metrics().get(str(name))
+    return found if found is not None else _NotInstalled(str(name or "quality"))

@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from autotune.study.admission import budget_of, budget_text
+
 
 FIXED = ("backend", "weights", "ctx", "parallel")
 
@@ -35,10 +37,14 @@ def header_text(prepared: Any, study_file: Any, n_trials: int | None = None, bud
         except Exception as exc:  # noqa: BLE001 - a header never stops a study
             version = f"version unknown ({type(exc).__name__})"
         engines.append(f"{name} ({backend.engine or name} {version})")
-    budget = f"{prepared.vram_budget_bytes / 2**30:.2f} GiB memory budget"
+    cfg = prepared.cfg
+    where = budget_of(prepared.gpu, cfg.vram_budget_bytes, cfg.safety_margin_bytes).describe()
+    budget = f"memory budget {budget_text(prepared.vram_budget_bytes)} = {where}"
     plan = [f"{n_trials} trials" if n_trials else "", f"{budget_s:g} s" if budget_s else ""]
+    # gpu = "cpu": the device is the host (its name says "CPU: ..."), not a card.
+    device = "device" if prepared.gpu.is_cpu else "card"
     return (f"study {study_file} -> {prepared.shown_storage}; engines: {', '.join(engines) or '-'}; "
-            f"card: {prepared.gpu.name} ({budget})"
+            f"{device}: {prepared.gpu.name} ({budget})"
             + (f"; this run: up to {' or '.join(p for p in plan if p)}" if any(plan) else ""))
 
 

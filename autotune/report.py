@@ -9,10 +9,11 @@ import optuna
 
 from autotune.hardware import CPU_KEY
 from autotune.errors import ConfigError
+from autotune.metric import metric_named
 from autotune.report_html import write_report
 from autotune.study import records
 from autotune.study.storage import faults, mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, contender_text, counts_text, failures_text, headline_lines, summarize
+from autotune.study.summary import StudySummary, contender_text, memory_text, counts_text, failures_text, headline_lines, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -74,7 +75,7 @@ def summary_json(summary: StudySummary) -> dict[str, Any]:
 
 
 def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+    return "-" if n is None else memory_text(n)  # a small model's 3 MiB is no "0.00 GiB"
 
 
 def being_measured_lines(extra: dict[str, Any]) -> list[str]:
@@ -121,12 +122,7 @@ def summary_text(summary: StudySummary) -> str:
     lines += [f"  {line}" for line in headline_lines(best)]
     q = best.get("quality")
     if q and q.get("drop_points") is not None:
-        se = q.get("drop_stderr_points")
-        lines.append(
-            f"  quality: {q['metric']} {q['value']:.4f}, {q['drop_points']:+.2f} points vs {q['reference_weights']}"
-            + (f" (+- {se:.2f}{' paired' if q.get('items_used') else ''})" if se is not None else "")
-            + (f", {q['items_used']} items, {q['verdict'] or 'no bound'}" if q.get("items_used") else "")
-        )
+        lines.append(f"  quality: {quality_text(q)}")
     vram = best.get("predicted_vram") or {}
     if (best.get("gpu") or {}).get("key") == CPU_KEY:  # gpu = "cpu": everything is in host memory
         lines.append(f"  host memory: predicted {_gib(vram.get('total_bytes'))}")
@@ -147,7 +143,8 @@ def summary_text(summary: StudySummary) -> str:
         lines.append("Pareto front (throughput vs quality drop):")
         for t in front:
             params = ", ".join(f"{k}={v}" for k, v in t["params"].items())
-            lines.append(f"  {t['values'][0]:.1f} tok/s, {t['values'][1]:+.2f} points: {params}")
+            metric = metric_named((t.get("quality") or {}).get("metric"))
+            lines.append(f"  {t['values'][0]:.1f} tok/s, {metric.drop_text(t['values'][1])}: {params}")
     why = summary.extra.get("why") or []
     if why:
         lines.append("why not a neighbour (one value changed):")
@@ -158,6 +155,17 @@ def summary_text(summary: StudySummary) -> str:
         lines.append("excluded before the search (could never run):")
         lines += [f"  {line}" for line in excluded]
     return "\n".join(lines + quality_lines(summary.extra) + stopped_lines(summary.extra))
+
+
+def quality_text(q: dict[str, Any]) -> str:
+    """A trial's quality (its stored ``quality``) in its metric's words: "mmlu accuracy 61.20%,
+    drop 1.20 points vs gguf:F16 (± 0.50 points, paired), 300 items, within"; "KLD 0.0256 nats
+    from gguf:F16"."""
+    metric = metric_named(q.get("metric"))
+    se = q.get("drop_stderr_points")
+    return (metric.compared_text(q["value"], q["drop_points"], q["reference_weights"])
+            + (f" (± {metric.amount_text(se)}{', paired' if q.get('items_used') else ''})" if se is not None else "")
+            + (f", {q['items_used']} items, {q['verdict'] or 'no bound'}" if q.get("items_used") else ""))
 
 
 def stopped_lines(extra: dict[str, Any]) -> list[str]:

@@ -18,8 +18,11 @@ from typing import Any
 import optuna
 
 from autotune.study import records
+from autotune.study.admission import budget_text
 from autotune.study.records import TrialRecord, TrialState
 from autotune.errors import ConfigError
+from autotune.hardware import CPU_KEY
+from autotune.metric import metric_named
 from autotune.study.summary import StudySummary, contender_text, counts_text, headline_lines
 
 GIB = 2**30
@@ -148,7 +151,7 @@ def _vram(rows: list[TrialRecord], budget: int | None):
                     hovertext=[hover(r) for r in shown_bad], hoverinfo="text+x+y")
     if budget:
         fig.add_vline(x=budget / GIB, line_dash="dash", line_color="red",
-                      annotation_text=f"budget {budget / GIB:.1f} GiB", annotation_position="top left")
+                      annotation_text=f"budget {budget_text(budget)}", annotation_position="top left")
     fig.update_layout(title="Throughput against GPU memory (each point a trial)", height=480,
                       xaxis_title="memory (GiB)", yaxis_title="aggregate tok/s")
     return fig
@@ -168,15 +171,16 @@ def _pareto(rows: list[TrialRecord], study: optuna.Study):
         for o in pts)]
     front.sort(key=lambda r: r.quality_drop_points)  # type: ignore[arg-type,return-value]
     fig = go.Figure()
-    fig.add_scatter(x=[r.quality_drop_points for r in pts], y=[r.median("aggregate_tok_s") for r in pts], mode="markers",
+    metric = metric_named((pts[0].quality or {}).get("metric"))
+    fig.add_scatter(x=[metric.drop_figure(r.quality_drop_points) for r in pts], y=[r.median("aggregate_tok_s") for r in pts], mode="markers",  # type: ignore[arg-type]
                     name="trials", opacity=0.5, hovertext=[f"trial {r.number} {html.escape(_label(dict(r.config or {}), ('backend', 'weights')))}"
                                                            for r in pts])
-    fig.add_scatter(x=[r.quality_drop_points for r in front], y=[r.median("aggregate_tok_s") for r in front],
+    fig.add_scatter(x=[metric.drop_figure(r.quality_drop_points) for r in front], y=[r.median("aggregate_tok_s") for r in front],  # type: ignore[arg-type]
                     mode="lines+markers", name="Pareto front", line={"color": "#d62728"},
                     hovertext=[f"trial {r.number} {html.escape(_label(dict(r.config or {}), ('backend', 'weights')))}"
                                for r in front])
     fig.update_layout(title="Throughput against quality drop (lower drop is better)", height=440,
-                      xaxis_title="quality drop (points)", yaxis_title="aggregate tok/s")
+                      xaxis_title=metric.drop_label, yaxis_title="aggregate tok/s")
     return fig
 
 
@@ -200,8 +204,9 @@ def _roofline(rows: list[TrialRecord]):
 
 
 def _table(rows: list[TrialRecord]) -> str:
+    metric = metric_named(next(((r.quality or {}).get("metric") for r in rows if r.quality), None))
     head = ["trial", "state", "backend", "weights", "ctx", "parallel", "options", "aggregate tok/s", "spread",
-            "per-user tok/s", "VRAM predicted GiB", "VRAM measured GiB", "score", "quality drop", "reason"]
+            "per-user tok/s", "VRAM predicted GiB", "VRAM measured GiB", "score", metric.drop_label, "reason"]
     out = ["<table id='trials' class='sortable'><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"]
     for r in rows:
         c = dict(r.config or {})
@@ -209,7 +214,8 @@ def _table(rows: list[TrialRecord]) -> str:
         cells = [r.number, r.state.name, c.get("backend"), Path(str(c.get("weights"))).name, c.get("ctx"), c.get("parallel"),
                  _options(c), r.median("aggregate_tok_s"), None if spread is None else 100 * spread,
                  r.median("per_user_tok_s"), _gib((r.predicted_vram or {}).get("total_bytes")), _gib(r.measured_vram_bytes),
-                 r.values[0] if r.values else None, r.quality_drop_points,
+                 r.values[0] if r.values else None,
+                 None if r.quality_drop_points is None else metric.drop_figure(r.quality_drop_points),
                  None if r.state == TrialState.COMPLETE and r.feasible else (
                      r.reason if r.state != TrialState.COMPLETE else "infeasible: " + ", ".join(
                          k for k, v in r.constraints.items() if v > 0))]
@@ -285,10 +291,11 @@ def _about(study: optuna.Study, rows: list[TrialRecord], summary: StudySummary) 
     items = [
         ("study", f"{summary.study_name} ({summary.storage})"),
         ("trials", counts_text(summary)),
-        ("GPU", f"{gpu.get('name', '-')} ({gpu.get('key', '-')}, {_fmt(_gib(gpu.get('vram_bytes')))} GiB, "
+        # gpu = "cpu": the study's device is the host, named "CPU: ...", no GPU.
+        ("device" if gpu.get("key") == CPU_KEY else "GPU", f"{gpu.get('name', '-')} ({gpu.get('key', '-')}, {_fmt(_gib(gpu.get('vram_bytes')))} GiB, "
                 f"{gpu.get('mem_bandwidth_gb_s', '-')} GB/s)" if gpu else "-"),
         ("model", str(header.get("model", "-"))),
-        ("memory budget", f"{_fmt(_gib(header.get('vram_budget_bytes')), 2)} GiB"),
+        ("memory budget", budget_text(header.get("vram_budget_bytes"))),
         ("objective", json.dumps(header.get("objective", {}))),
         ("study file", str(header.get("study_file", "-"))),
         ("engines", "; ".join(engines) or "-"),

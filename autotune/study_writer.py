@@ -23,7 +23,10 @@ study that validates and runs as it is:
   when the source is full precision and the metric can score the backend, with a bound
   (``MAX_DROP_POINTS``) so that it counts.
 
-Nothing is converted here: artifacts are made by the first trial that needs them.
+Nothing is converted here: artifacts are made by the first trial that needs them. What a
+making would fail on is asked of its recipe's dry run (``artifacts.check_makings``: llama.cpp's
+converter on the vocabulary only), and a backend whose makings would all fail is left out with
+the cause, as the study would stop on it before its first trial.
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ from typing import Any, Sequence
 from autotune import hardware, plugins
 from autotune.backend import Param, StudyContext, TrialConfig, Workload
 from autotune.config import SAFETY_MARGIN_MIB
+from autotune.artifacts import check_makings
 from autotune.declarations import installed_weight_formats
 from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
 from autotune.measure import Protocol
 from autotune.models import ModelSpec, resolve_model
-from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of
+from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of, budget_text
 
 __all__ = ["StudyDraft", "draft_study", "offered_formats", "render"]
 
@@ -218,6 +222,12 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             found = lightest(str(source))
             if found is not None and found[1].admitted:
                 kept.append(str(source))
+        # What the makings would fail on (llama.cpp's converter on a tokenizer it does not know):
+        # the study would stop on it before its first trial; init says it instead of writing it.
+        failing = check_makings(backend, kept, ctx) if kept else []
+        if failing:
+            draft.left_out.append(f"backend {backend_name}: " + "; ".join(failing))
+            continue
         if kept:
             draft.candidates[backend_name] = kept
             ctx_of[backend_name] = ctx
@@ -351,9 +361,14 @@ def render(draft: StudyDraft, out: Path) -> str:
     lines += ["", "[study]", f"name = {_toml_value(draft.name)}",
               f"budget = {_toml_value('15m' if draft.gpu.is_cpu else '2h')}", "", "[hardware]"]
     if draft.gpu.is_cpu:
+        # The budget every output shows is this less the safety margin: said here, so that the
+        # file's 17.7 and the study's 17.45 GiB are one figure (issue 28).
+        usable = budget_of(draft.gpu, int(draft.budget_gib * 2**30), SAFETY_MARGIN_MIB * 2**20)  # type: ignore[operator]
         lines += ["# The host: nothing is offloaded; the budget is host memory (a share of this machine's "
                   f"{_gib(draft.gpu.vram_bytes)}).",
-                  f"gpu = {_toml_value(hardware.CPU_KEY)}", f"vram_budget_gib = {draft.budget_gib}"]
+                  f"gpu = {_toml_value(hardware.CPU_KEY)}",
+                  f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {budget_text(usable.bytes)} "
+                  f"after the {SAFETY_MARGIN_MIB} MiB safety margin"]
     else:
         lines += [f"gpu = {_toml_value(draft.gpu_key)}  # {draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}"]
     lines += ["", "[model]", f"source = {_toml_value(source)}",

@@ -17,9 +17,24 @@ import numpy as np
 KLD_TEXT = Path(__file__).resolve().parents[1] / "plugins" / "quality" / "data" / "kld_text.txt"
 
 
-def _tokenizer(out: Path, vocab_size: int) -> int:
+def _tokenizer(out: Path, vocab_size: int, byte_level: bool = False) -> int:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+    if byte_level:
+        # GPT-2's scheme (Llama 3, Qwen): byte-level BPE, no byte fallback. llama.cpp's converter
+        # recognises such a tokenizer only by the hash of its tokens on a fixed text, from a
+        # table of published models; one trained here is in no table.
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train([str(KLD_TEXT)], trainer)
+        tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+            "model_max_length": 2048}))
+        return tok.get_vocab_size()
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
@@ -38,17 +53,19 @@ def _tokenizer(out: Path, vocab_size: int) -> int:
 
 
 def write_tiny_llama(out: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                     ffn: int = 128, vocab_size: int = 600, context: int = 2048, seed: int = 0) -> Path:
+                     ffn: int = 128, vocab_size: int = 600, context: int = 2048, seed: int = 0,
+                     byte_level: bool = False) -> Path:
     """Writes the model directory ``out`` (config.json, model.safetensors, tokenizer files).
 
     The head size is ``hidden / heads`` (16 by default: q8_0 and q4_0 caches need 32; pass
-    ``hidden=128`` for those).
+    ``hidden=128`` for those). ``byte_level``: a GPT-2-style tokenizer that llama.cpp's
+    converter does not recognise ("BPE pre-tokenizer was not recognized").
     """
     from safetensors.numpy import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    n_vocab = _tokenizer(out, vocab_size)
+    n_vocab = _tokenizer(out, vocab_size, byte_level)
     head_dim = hidden // heads
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,

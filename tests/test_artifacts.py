@@ -16,7 +16,7 @@ from autotune import artifacts
 from autotune.artifacts import ARTIFACTS_ENV, ArtifactError, Recipe, ensure, is_format, source_hash
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload
 from autotune.config import parse_study_config
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, ConfigError
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import get_model
@@ -404,3 +404,46 @@ def test_a_converter_that_fails_every_format_the_same_way_stops_the_study(source
     stop = summary.extra["systematic_failure"]
     assert stop["scope"] == "maker: making weights" and "BPE pre-tokenizer was not recognized" in stop["cause"]
     assert summary.extra["stopped"].startswith("stopped: maker: making weights: 3 failures in a row")
+
+
+def test_a_making_whose_dry_run_fails_stops_the_study_before_its_first_trial(source, tmp_path):
+    # Issue 28 item 4: what can be checked before the first trial is. The converter's dry run
+    # (llama.cpp: --vocab-only) fails as every making would; the study is refused, exit 2, with
+    # the cause and the candidate, and nothing is made or launched. Once the F16 is in the
+    # cache no conversion will run, and neither does its check.
+    from autotune.study.prepare import prepare_study
+    from tests.conftest import plugin_registered
+
+    checked: list[str] = []
+
+    class UnknownTokenizer(MakingBackend):
+        def artifact_recipe(self, fmt, source, ctx):
+            recipe = super().artifact_recipe(fmt, source, ctx)
+            if recipe is None or fmt != "gguf:F16":
+                return recipe
+
+            def check():
+                checked.append(fmt)
+                return "convert_hf_to_gguf.py failed: BPE pre-tokenizer was not recognized: use a newer converter"
+
+            return dataclasses.replace(recipe, check=check)
+
+    backend = UnknownTokenizer()
+    doc = {"study": {"name": "made"}, "hardware": {"gpu": "t4"},
+           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
+           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q4_0", "gguf:F16"]}],
+           "space": {"ctx": [256], "parallel": [1]}}
+    with plugin_registered(plugin_of(backend), "maker-plugin"):
+        cfg = parse_study_config(doc, source="made.toml", path=tmp_path / "made.toml")
+        with pytest.raises(ConfigError) as raised:
+            prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}")
+        assert checked == ["gguf:F16"]  # three formats need it; its dry run ran once
+        assert backend.made == [] and backend.loaded == []
+        assert ("made.toml: [candidates.0] backend = 'maker': making gguf:F16 (maker F16) would fail: "
+                "convert_hf_to_gguf.py failed: BPE pre-tokenizer was not recognized: use a newer converter") in str(raised.value)
+        assert prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}", dry_runs=False).contexts
+
+        artifacts.ensure(MakingBackend(), "gguf:F16", prepare_study(cfg, dry_runs=False).contexts["maker"])
+        checked.clear()
+        prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}")  # the F16 is made: nothing to check
+        assert checked == []

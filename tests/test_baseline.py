@@ -290,3 +290,19 @@ def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and
     assert "(and -ngl 0: no GPU)" in backend.deploy_command(fit.config, on_cpu)
     plain = backend.server_argv(default.config, ctx, binary="llama-server", port=8080, has_gpu=True)
     assert "-ngl" in plain and "-c" not in plain and "--fit" not in plain  # the default launch as it was
+
+
+def test_a_winner_measured_again_is_shown_with_its_range_not_as_plus_minus():
+    # The winner's figure after the finish is a median over its runs with their range
+    # (summary.headline); "+-" is a single measurement's spread. One sign for two things was
+    # the same kind of word slip as issue 28's.
+    base = records.Baseline("fake", "f16", metrics={"aggregate_tok_s": {"median": 10.0, "spread": 0.05},
+                                                    "per_user_tok_s": {"median": 10.0, "spread": 0.05}})
+    finished = {"metrics": {"aggregate_tok_s": 30.0, "per_user_tok_s": 15.0},
+                "spreads": {"aggregate_tok_s": 0.1, "per_user_tok_s": 0.2},
+                "runs": {"aggregate_tok_s": 5, "per_user_tok_s": 5}}
+    text = compare(finished, {"fake": base})["fake"]["text"]
+    assert text == ("3.0x what fake's default launch gives in aggregate tok/s (30.0, range 10.0% over 5 runs, "
+                    "vs 10.0 +- 5.0%), 1.5x in per-user tok/s (15.0, range 20.0% over 5 runs, vs 10.0 +- 5.0%)")
+    once = compare({**finished, "runs": {}}, {"fake": base})["fake"]["text"]
+    assert "(30.0 +- 10.0% vs 10.0 +- 5.0%)" in once

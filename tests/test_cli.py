@@ -99,7 +99,7 @@ def test_default_study_finds_the_article_configuration(seed_runs, seed):
     assert parallel == 1 or f"serves the {parallel} users one at a time, as predicted" in line
 
 
-def test_best_reads_the_same_storage_and_agrees(seed_runs):
+def test_best_reads_the_same_storage_and_agrees(twin_plugin, seed_runs):
     run = seed_runs[0]
     study_report = json.loads(run["out"])
     result = CliRunner().invoke(cli, ["best", "--storage", run["storage"], "--json"])
@@ -112,6 +112,11 @@ def test_best_reads_the_same_storage_and_agrees(seed_runs):
     assert text.exit_code == 0
     assert "best (trial" in text.stdout and "weights=exl2:3.3" in text.stdout
     assert study_report["best"]["deploy_command"] in text.stdout
+    # The twin's quality says what it is (issue 28: "twin-mmlu 0.9844, +0.94 points"): a share of
+    # FP16's accuracy, and a drop as a drop.
+    q = study_report["best"]["quality"]
+    assert (f"  quality: predicted MMLU accuracy {q['value']:.2%} of FP16's, drop {q['drop_points']:.2f} points vs "
+            f"{q['reference_weights']}\n") in text.stdout
 
 
 def test_best_names_the_study_it_cannot_find(seed_runs):
@@ -369,3 +374,14 @@ def test_a_study_name_too_long_for_a_file_name_is_refused(tmp_path):
         parse_study_config(doc, source="long.toml", path=tmp_path / "long.toml")
     doc["study"]["name"] = "n" * 200
     assert parse_study_config(doc, source="ok.toml", path=tmp_path / "ok.toml").name == "n" * 200
+
+
+def test_a_study_that_tried_nothing_does_not_say_everything_tried_was_refused(twin_plugin, default_study_path, tmp_path):
+    # Found with issue 28's words: a budget spent before the first trial (on a loaded 2-core
+    # machine, by the baselines) printed "every configuration tried was refused" of 0 trials.
+    result = CliRunner().invoke(cli, ["study", str(default_study_path), "--budget", "0.001s",
+                                      "--storage", f"sqlite:///{tmp_path / 'nothing.db'}"])
+    assert result.exit_code == 1
+    assert "0 trials: 0 complete" in result.output
+    assert "Error: no feasible configuration: no configuration was tried (why the search ended says why)" in result.output
+    assert "every configuration tried" not in result.output

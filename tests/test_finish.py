@@ -156,12 +156,23 @@ def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, s
     assert summary.best["number"] == b and summary.best["params"]["weights"] == "b"
     text = summary_text(summary)
     assert (f"tie between trials {a} and {b} (lead 1.0%, within the 6.2% that run-to-run noise explains at 95% "
-            f"confidence, 3 runs each): chose {b}, 2.0 GiB less memory") in text
+            f"confidence, 3 runs each): chose {b}, 2.00 GiB less memory") in text
     assert f"best (trial {b})" in text
     assert f"trial {a}: first 100.0, again 97.0, 104.0 (mean 100.3, median 100.0, range 7.0%), 6.00 GiB measured" in text
     assert summary_json(summary)["finish"]["chosen"] == b
     shown = CliRunner().invoke(cli, ["best", "--storage", storage])
-    assert shown.exit_code == 0 and f"chose {b}, 2.0 GiB less memory" in shown.output
+    assert shown.exit_code == 0 and f"chose {b}, 2.00 GiB less memory" in shown.output
+
+
+def test_a_small_models_memory_reason_is_not_zero(tmp_path, storage):
+    # Issue 28: "chose 4, 0.0 GiB less memory". A tiny model's 20 MiB is said in MiB.
+    backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98]}, peaks_gib={"a": 0.03, "b": 0.01})
+    with registered(backend):
+        run_study(load_study_config(study_file(tmp_path, "ab")), storage=storage)
+    b = trial_of(storage, "b")
+    text = summary_text(stored_summary(storage))
+    assert f"chose {b}, 20.5 MiB less memory" in text and "0.0 GiB" not in text
+    assert "10.2 MiB measured" in text  # the contender's own footprint, not "0.01 GiB"
 
 
 def test_tie_on_the_same_memory_goes_to_the_higher_per_user_speed(tmp_path, storage):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import optuna
 
 from autotune.config import load_study_config
@@ -15,6 +17,12 @@ def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, d
     summary = run_study(load_study_config(path), n_trials=15, storage=tmp_storage, seed=0)
     front = summary.extra["pareto_front"]
     assert front
+    from autotune.report import summary_text
+
+    # Each member's drop in words, never a bare sign (issue 28: "+" for a drop).
+    lines = summary_text(summary).split("Pareto front (throughput vs quality drop):\n")[1].splitlines()[:len(front)]
+    assert all(re.match(r"  \d+\.\d tok/s, (drop|gain) \d+\.\d\d points: |  \d+\.\d tok/s, no drop ", line)
+               for line in lines), lines
     study = optuna.load_study(study_name=summary.study_name, storage=tmp_storage)
     feasible = [t for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
                 if t.user_attrs.get("answered_from") is None and all(c <= 0 for c in t.constraints.values())]
@@ -74,3 +82,25 @@ def test_study_and_best_give_one_summary(twin_plugin, default_study_path, tmp_st
     run_only = {"n_new", "n_measured", "interrupted", "elapsed_s"}
     assert {k: v for k, v in ran.items() if k not in run_only} == {k: v for k, v in stored.items() if k not in run_only}
     assert isinstance(stored["converged"], bool) and stored["why"]  # stored by the run, not by the CLI
+
+
+def test_a_cpu_studys_report_calls_its_device_a_device_and_its_budget_one_figure(tmp_path, tmp_storage):
+    # Issue 28: a "GPU" row read "CPU: Intel Xeon"; one budget was 17.7, 17.45 and 17.4.
+    import re
+
+    from autotune.report import stored_summary
+    from autotune.report_html import render
+    from autotune.study.admission import budget_text
+    from autotune.study.records import study_header
+    from tests.fake_backends import FakeBackend, registered, write_study
+
+    path = write_study(tmp_path / "cpu.toml", "fake", ["q4"], ctx=(4096,), parallel=(1,), sampler="grid")
+    path.write_text(path.read_text().replace('gpu = "v100-16gb"', 'gpu = "cpu"\nvram_budget_gib = 4'))
+    with registered(FakeBackend()):
+        run_study(load_study_config(path), n_trials=1, storage=tmp_storage)
+    study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
+    page = render(study, stored_summary(tmp_storage))
+    assert "<tr><th>device</th><td>CPU: " in page and "<th>GPU</th>" not in page
+    shown = budget_text(study_header(study)["vram_budget_bytes"])
+    assert shown == "2.25 GiB" and f"<tr><th>memory budget</th><td>{shown}</td></tr>" in page  # 4 GiB - 1792 MiB
+    assert set(re.findall(r"budget (\d+\.\d+) GiB", page)) == {"2.25"}  # the memory plot's line too

@@ -58,7 +58,7 @@ class Unready(GgufMaker):
     engine = "unready-engine"
 
     def preflight(self, ctx: StudyContext) -> list[str]:
-        return ["backend unready: its engine is not built (run the build)"]
+        return ["its engine is not built (run the build)"]  # the caller names the backend
 
 
 class Plugin:
@@ -77,7 +77,8 @@ def test_formats_that_never_fit_are_left_out_with_the_figures(seven_b, tmp_path)
         (f16,) = [why for why in draft.left_out if "gguf:F16" in why]
         assert f16.startswith("gguf-maker: weights gguf:F16 never fit: even ctx 2048 x 1 needs 15.19 GiB (weights 14.19)")
         assert f16.endswith("> budget 14.75 GiB = 15.00 GiB (Tesla T4's memory) - 0.25 GiB safety margin")
-        assert any(why.startswith("backend unready: backend unready: its engine is not built") for why in draft.left_out)
+        # Named once, by init (issue 28: "backend openai-server: backend openai-server: ...").
+        assert "backend unready: its engine is not built (run the build)" in draft.left_out
         # ctx from one request (1024 + 256 tokens) up to the model's own 32768, the short end kept.
         assert draft.ctx == [2048, 4096, 8192, 16384, 32768]
         assert draft.space == {"cache_type": ["f16", "q8_0"]}
@@ -95,8 +96,18 @@ def test_cpu_mode_budget_is_host_memory(seven_b, tmp_path):
         draft = draft_study(str(seven_b), gpu="cpu")
     assert draft.gpu.is_cpu and draft.budget_gib is not None
     assert draft.budget_gib * 2**30 <= draft.gpu.vram_bytes  # a share of the host's memory
-    text = render(draft, tmp_path / "s.toml")
+    out = tmp_path / "s.toml"
+    text = render(draft, out)
     assert 'gpu = "cpu"' in text and f"vram_budget_gib = {draft.budget_gib}" in text
+    # One budget figure (issue 28 showed 17.7, 17.45 and 17.4): the file says the one the study uses.
+    out.write_text(text)
+    with plugin_registered(Plugin, "makers"):
+        prepared = prepare_study(load_study_config(out), dry_runs=False)
+    said = f"{prepared.vram_budget_bytes / 2**30:.2f} GiB"
+    assert f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {said} after the 256 MiB safety margin" in text
+    from autotune.progress import header_text
+
+    assert "device: CPU: " in header_text(prepared, out) and f"(memory budget {said} = " in header_text(prepared, out)
 
 
 def test_nothing_that_can_run_is_an_error_listing_why(seven_b):
@@ -272,3 +283,28 @@ def test_the_quality_init_writes_counts(seven_b, tmp_path):
     out.write_text(render(draft, out))
     objective = load_study_config(out).objective
     assert objective.quality == "kld" and objective.max_drop_points == 5.0
+
+
+def test_a_backend_whose_makings_would_fail_is_left_out_with_the_cause(seven_b):
+    # The converter's dry run (llama.cpp: --vocab-only) says it cannot convert this model: init
+    # does not write a study that `autotune study` would refuse before its first trial.
+    class UnknownTokenizer(GgufMaker):
+        name = "odd-maker"
+
+        def artifact_recipe(self, fmt, source, ctx):
+            recipe = super().artifact_recipe(fmt, source, ctx)
+            if recipe is None:
+                return None
+            return Recipe(recipe.fmt, recipe.tool, recipe.name, recipe.expected_bytes, recipe.make,
+                          description="converter", check=lambda: "BPE pre-tokenizer was not recognized: convert elsewhere")
+
+    class Only:
+        @staticmethod
+        @hookimpl
+        def register_backends(register):
+            register(UnknownTokenizer())
+
+    with plugin_registered(Only, "odd-only"), pytest.raises(ConfigError) as raised:
+        draft_study(str(seven_b), gpu="t4")
+    assert ("backend odd-maker: making gguf:Q8_0 (converter) would fail: BPE pre-tokenizer was not recognized: "
+            "convert elsewhere") in str(raised.value)

@@ -55,6 +55,14 @@ class Budget:
         return f"{_gib(self.memory_bytes)} GiB ({self.memory_source}) - {_gib(self.margin_bytes)} GiB safety margin"
 
 
+def budget_text(n_bytes: int | None) -> str:
+    """The study's memory budget as every output says it (the run's header, the judge's
+    refusals, why not a neighbour, the report, its plot, ``estimate``): what a configuration
+    may use, the safety margin already off, in GiB to two decimals: one figure, one rounding
+    (``[hardware] vram_budget_gib`` is the memory before the margin, and ``init`` says both)."""
+    return "-" if n_bytes is None else f"{n_bytes / 2**30:.2f} GiB"
+
+
 def budget_of(gpu: "GpuSpec", cap_bytes: int | None, margin_bytes: int) -> Budget:
     """The budget of a study on ``gpu``: its cap, else the card's memory, less the margin."""
     if cap_bytes:
@@ -170,7 +178,7 @@ class Admission:
         budget = ctx.vram_budget_bytes
         if estimate.total_bytes > budget:
             e = estimate
-            reason = (f"infeasible: predicted {_gib(e.total_bytes)} GiB > budget {_gib(budget)} GiB (weights "
+            reason = (f"infeasible: predicted {_gib(e.total_bytes)} GiB > budget {budget_text(budget)} (weights "
                       f"{_gib(e.weights_bytes)}, KV {_gib(e.kv_bytes)}, buffers {_gib(e.buffers_bytes)}, "
                       f"overhead {_gib(e.overhead_bytes)} GiB)")
             over = objective_mod.vram_constraint(e.total_bytes, budget)
@@ -200,7 +208,9 @@ class Admission:
         if drop.admitted is None:  # only a point estimate: the bound applies to it
             if drop.points <= limit:
                 return None
-            reason = f"infeasible: quality drop {drop.points:.2f} points > max_drop_points {limit:g}"
+            metric = self.quality.metric
+            assert metric is not None
+            reason = f"infeasible: quality {metric.drop_text(drop.points)} > max {metric.bound_text(limit)}"
         elif drop.admitted:
             return None
         else:
@@ -235,7 +245,7 @@ class Admission:
             return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
                     f"is {verdict.reason}")
         return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
-                f"needs {_gib(e.total_bytes)} GiB (weights {_gib(e.weights_bytes)}) > budget {_gib(budget)} GiB")
+                f"needs {_gib(e.total_bytes)} GiB (weights {_gib(e.weights_bytes)}) > budget {budget_text(budget)}")
 
     def screen(self, entry: BackendSpace) -> tuple[BackendSpace | None, list[str]]:
         """Drop values that no configuration can use, before the sampler ever sees them.

@@ -166,8 +166,11 @@ def _ratio(best: Mapping[str, Any], base: records.Baseline, metric: str) -> dict
     ws = (best.get("spreads") or {}).get(metric) or 0.0
     bs = (base.metrics.get(metric) or {}).get("spread") or 0.0
     ratio = w / b
-    return {"winner": w, "winner_spread": ws, "baseline": b, "baseline_spread": bs, "ratio": ratio,
-            "within_noise": abs(ratio - 1.0) <= ws + bs}
+    # After the finish the winner's figure is a median over its runs, its spread their range
+    # (summary.headline): said as a range, not as "+-", which is a single run's MAD spread.
+    runs = (best.get("runs") or {}).get(metric) or 1
+    return {"winner": w, "winner_spread": ws, "winner_runs": runs, "baseline": b, "baseline_spread": bs,
+            "ratio": ratio, "within_noise": abs(ratio - 1.0) <= ws + bs}
 
 
 def _pct(x: float) -> str:
@@ -210,13 +213,16 @@ def _text(title: str, base: records.Baseline, ratios: Mapping[str, Any], best: M
         figure = base.median("aggregate_tok_s")
         return f"{title} on {base.weights}: aggregate {figure:.1f} tok/s" if figure else f"{title} on {base.weights}"
     parts = []
-    # "3.1x what llama-server's --fit gives in aggregate tok/s (A +- a% vs B +- b%), 2.0x in per-user ..."
+    # "3.1x what llama-server's --fit gives in aggregate tok/s (A, range a% over 3 runs, vs B +- b%),
+    # 2.0x in per-user ..." (A +- a% where the winner was measured once)
     for r, gain, noise in ((agg, f"what {title} gives in aggregate tok/s", f"of what {title} gives in aggregate tok/s"),
                            (per_user, "in per-user tok/s", "in per-user tok/s")):
         if r is None:
             continue
-        figures = (f"{r['winner']:.1f} +- {_pct(r['winner_spread'])} vs {r['baseline']:.1f} +- "
-                   f"{_pct(r['baseline_spread'])}")
+        runs = r.get("winner_runs") or 1
+        winner = (f"{r['winner']:.1f}, range {_pct(r['winner_spread'])} over {runs} runs," if runs > 1
+                  else f"{r['winner']:.1f} +- {_pct(r['winner_spread'])}")
+        figures = f"{winner} vs {r['baseline']:.1f} +- {_pct(r['baseline_spread'])}"
         if r["within_noise"]:
             parts.append(f"within noise {noise}: no gain shown ({r['ratio']:.2f}x, {figures})")
         else:

@@ -11,7 +11,9 @@ from typing import Any
 import optuna
 
 from autotune.backend import TrialConfig
+from autotune.metric import metric_named
 from autotune.study import records
+from autotune.study.admission import budget_text
 from autotune.study.judge import judge_for
 
 __all__ = ["explain_best"]
@@ -57,11 +59,13 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
                 continue
             if verdict.kind == "over_budget" and verdict.estimate is not None:
                 budget = prepared.contexts[config.backend].vram_budget_bytes
-                lines.append(f"{label}: does not fit: needs {_gib(verdict.estimate.total_bytes)} > budget {_gib(budget)}")
+                lines.append(f"{label}: does not fit: needs {_gib(verdict.estimate.total_bytes)} > budget {budget_text(budget)}")
                 continue
             if verdict.kind == "low_quality":
                 limit = cfg.objective.max_drop_points
-                lines.append(f"{label}: loses too much quality: {verdict.quality_drop_points:.2f} points > max {limit:g}")
+                metric = prepared.quality or metric_named(cfg.objective.quality)
+                lines.append(f"{label}: loses too much quality: {metric.drop_text(verdict.quality_drop_points)} "
+                             f"> max {metric.bound_text(limit)}")
                 continue
             r = latest.get(alt.key)
             if r is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autotune import hardware, plugins
-from autotune.artifacts import is_format
+from autotune.artifacts import check_makings, is_format
 from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, Workload, same_value
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, ConfigError
@@ -151,17 +151,21 @@ def _list(values: tuple[Any, ...]) -> str:
                      for v in values)
 
 
-def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy:
+def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: bool = True) -> PreparedStudy:
     """Resolve a study file against installed plugins, catalogs and the machine.
 
     Args:
         cfg: The validated study file.
         storage: ``--storage`` when given (else $AUTOTUNE_STORAGE, the file's, the default).
+        dry_runs: Also run the dry runs of the makings the study's first trials will need
+            (``artifacts.check_makings``: a converter on the vocabulary only), a few seconds
+            each; ``init``'s check of the file it wrote leaves them to ``study``.
 
     Raises:
         ConfigError: every unknown backend, metric, model or GPU, every value or setting no
-            backend accepts, every unusable candidate and every backend whose engine is not
-            ready, all at once, each naming the file and field.
+            backend accepts, every unusable candidate, every backend whose engine is not
+            ready and every making whose dry run fails, all at once, each naming the file
+            and field.
     """
     src = str(cfg.path) if cfg.path else "<study>"
     errors: list[str] = []
@@ -246,6 +250,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
             errors.append(f"{src}: [study] sampler = {strategy.name!r}: no installed backend predicts engine "
                           f"{backend.engine} (of [candidates.{i}] backend = {cand.backend!r}); install its twin "
                           "or use sampler = 'tpe'")
+        found = len(errors)
         for problem in backend.preflight(ctx):
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}")
         for w in cand.weights:
@@ -254,6 +259,11 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None) -> PreparedStudy
             problem = problem or backend.check_weights(w, ctx)
             if problem:
                 errors.append(f"{src}: [candidates.{i}] weights {w!r}: {problem}")
+        if dry_runs and len(errors) == found and not backend.is_model:
+            # What every making of this backend would fail on (a converter that does not know
+            # the model's tokenizer), found before the first trial rather than by each.
+            errors += [f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}"
+                       for problem in check_makings(backend, cand.weights, ctx)]
         if "ctx" in cfg.space and "parallel" in cfg.space:
             params = backend.parameters({k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS})
             offered[cand.backend] = params

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import optuna
 
 from autotune.backend import BaseBackend, StudyContext, TrialConfig
-from autotune.metric import BaseMetric
+from autotune.metric import BaseMetric, signed_drop
 from autotune.study import paired
 from autotune.study.records import QUALITY_DECISION_PREFIX, QUALITY_PREFIX
 
@@ -255,7 +255,9 @@ class QualityBook:
     def _admit(self, config: TrialConfig, d: Mapping[str, Any]) -> dict[str, Any]:
         """Whether the verdict (or the policy, when undecided) lets the configuration through."""
         verdict = d["verdict"]
-        interval = f"{d['drop_points']:+.2f} ± {paired.Z_FINAL * d['drop_stderr_points']:.2f} points on {d['items_used']} items"
+        assert self.metric is not None
+        interval = (f"{self.metric.drop_text(d['drop_points'])} ± {self.metric.amount_text(paired.Z_FINAL * d['drop_stderr_points'])} "
+                    f"on {d['items_used']} items")
         if verdict is None:
             return {"admitted": None, "decided_by": "no bound", "how": f"paired drop {interval}"}
         if verdict == paired.WITHIN:
@@ -285,7 +287,10 @@ class QualityBook:
         expected, se = relation.expected_drop(kld)
         lo, hi = expected - relation.t * se, expected + relation.t * se
         out.update(kld_relation=relation.to_dict(), kld_expected_drop_points=expected, kld_expected_stderr_points=se)
-        shown = f"KLD {kld:.4f} -> expected drop {expected:+.2f} [{lo:+.2f}, {hi:+.2f}] points (fitted on {relation.n} artifacts)"
+        # A KLD is no accuracy drop: it is turned into one only through the fitted relation, and
+        # the text says so.
+        shown = (f"KLD {kld:.4f} nats -> expected {signed_drop(expected)} (interval {lo:.2f} to {hi:.2f} points) through "
+                 f"the KLD-to-drop relation fitted on {relation.n} artifacts' paired drops")
         if hi < self.bound:
             return {**out, "admitted": True, "decided_by": "kld", "how": f"undecided ({interval}); {shown}: within"}
         verdict = "over" if lo > self.bound else "still undecided"

@@ -178,6 +178,16 @@ def needed_lead(a: Sequence[float], b: Sequence[float]) -> float:
     return float(student.ppf(0.5 + CONFIDENCE / 2, df)) * se / max(abs(statistics.fmean(b)), 1e-9)
 
 
+def memory_text(n_bytes: float) -> str:
+    """A footprint or a difference of footprints in the unit that keeps it from rounding to 0:
+    GiB from 0.1 GiB, else MiB, else KiB (a small model's 20 MiB less is no "0.0 GiB less")."""
+    if abs(n_bytes) >= 2**30 / 10:
+        return f"{n_bytes / 2**30:.2f} GiB"
+    if abs(n_bytes) >= 2**20:
+        return f"{n_bytes / 2**20:.1f} MiB"
+    return f"{n_bytes / 2**10:.0f} KiB"
+
+
 def contender_text(c: dict[str, Any]) -> str:
     """One trial of the finish (``finish_verdict``'s contenders) for people: its first score,
     each re-measured one, and what decides a tie."""
@@ -185,7 +195,7 @@ def contender_text(c: dict[str, Any]) -> str:
     text = f"trial {c['number']}: first {c['first_value']:.1f}, again {again}"
     if c["median"] is not None:
         text += f" (mean {c['mean']:.1f}, median {c['median']:.1f}, range {c['spread'] * 100:.1f}%)"
-    memory = "-" if c["memory_bytes"] is None else f"{c['memory_bytes'] / 2**30:.2f} GiB"
+    memory = "-" if c["memory_bytes"] is None else memory_text(c["memory_bytes"])
     text += f", {memory} {'measured' if c['memory_measured'] else 'predicted'}"
     if c["per_user_tok_s"] is not None:
         text += f", per user {c['per_user_tok_s']:.1f} tok/s"
@@ -314,7 +324,7 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
     other = next(c for c in tied if c is not chosen)  # the fastest of the rest
     mine, theirs = memory[chosen.record.number], memory[other.record.number]
     if mine is not None and theirs is not None and theirs > mine * (1 + SAME_MEMORY):
-        why = f"{(theirs - mine) / 2**30:.1f} GiB less memory" + ("" if measured_memory else " (predicted)")
+        why = f"{memory_text(theirs - mine)} less memory" + ("" if measured_memory else " (predicted)")
     elif chosen.per_user is not None and other.per_user is not None and chosen.per_user != other.per_user:
         why = f"per-user {chosen.per_user:.1f} vs {other.per_user:.1f} tok/s"
     else:

@@ -432,21 +432,21 @@ class LlamaServerBackend(BaseBackend):
         try:
             binary = self.binary(ctx)
         except EngineUnavailableError as exc:
-            return [f"backend llama-server: {exc}"]
+            return [str(exc)]
         try:
             _checked_version(str(binary))
         except AutotuneError as exc:
-            return [f"backend llama-server: {exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
+            return [f"{exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
                     "a llama-server that runs here"]
         if self._on_gpu(ctx):
             try:
                 cuda_visible_entry(ctx.gpu_index)
             except AutotuneError as exc:
-                return [f"backend llama-server: {exc}"]
+                return [str(exc)]
             # A build without this card's kernels fails every trial, or quietly measures the CPU.
             why = engine.build_supports(binary, getattr(ctx.gpu, "compute_capability", None))
             if why:
-                return [f"backend llama-server: {why}"]
+                return [why]
         return []
 
     def scoring_problem(self) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -30,7 +31,7 @@ from autotune_plugins.llama_server import declarations, engine
 from autotune_plugins.llama_server.builds import _manifest_of
 from autotune_plugins.llama_server.formats import predict_gguf_weights
 
-__all__ = ["CONVERTER", "FULL_PRECISION", "gguf_recipe"]
+__all__ = ["CONVERTER", "FULL_PRECISION", "gguf_recipe", "vocabulary_problem"]
 
 CONVERTER = "convert_hf_to_gguf.py"
 # What llama.cpp's converter (a Python script run by this interpreter) may need of our
@@ -69,6 +70,43 @@ def converter_of(server: Path) -> Path:
         raise AutotuneError(f"{script}: not found; a Hugging Face source is converted with the llama.cpp tree of an "
                             "`autotune engine build llama.cpp` (this llama-server has none beside it)")
     return script
+
+
+# The converter's own words for a tokenizer it does not know (conversion/base.py,
+# get_vocab_base_pre): every conversion of this model with this tree fails alike.
+_UNKNOWN_TOKENIZER = "pre-tokenizer was not recognized"
+# What the converter imports (convert_hf_to_gguf.py, conversion/base.py).
+_MISSING_MODULE = re.compile(r"No module named '([^']+)'")
+
+
+def vocabulary_problem(script: Path, source: Path) -> str | None:
+    """What converting ``source`` with ``script`` would fail on in its vocabulary, found by
+    the converter's own ``--vocab-only`` run into a temporary file: the tokenizer is read and
+    checked (a BPE pre-tokenizer against the tree's table) and the weights are not, so it
+    takes seconds (Python, torch and transformers starting) whatever the model's size. The
+    cause with its remedy; None when the vocabulary converts."""
+    with tempfile.TemporaryDirectory(prefix="autotune-vocab-") as tmp:
+        try:
+            run_tool([sys.executable, str(script), str(source), "--vocab-only", "--outtype", "f16",
+                      "--outfile", str(Path(tmp) / "vocab.gguf")], f"{CONVERTER} {source.name} --vocab-only",
+                     lambda _: None, cwd=script.parent, env=engine_environment(CONVERTER_VARIABLES))
+        except AutotuneError as exc:
+            cause = str(exc)
+        else:
+            return None
+    if _UNKNOWN_TOKENIZER in cause:
+        # run_tool joins the tool's last error lines with " | ": the traceback's own line says it.
+        said = next(part for part in reversed(cause.split(" | ")) if _UNKNOWN_TOKENIZER in part)
+        return (f"{CONVERTER} {source.name} --vocab-only (a dry run) failed: {said.strip()}: the llama.cpp tree of "
+                f"this build ({script.parent}) does not know this model's tokenizer, "
+                "so every conversion of it would fail; convert it with a llama.cpp whose convert_hf_to_gguf.py "
+                "knows it and name that full-precision GGUF as [model] source, or name GGUF files as this "
+                "candidate's weights")
+    missing = _MISSING_MODULE.search(cause)
+    if missing:
+        return (f"{cause}: the converter runs in this Python ({sys.executable}), which lacks "
+                f"{missing.group(1)}: pip install -e '.[convert]' in autotune's checkout")
+    return f"{cause} (the converter's own message; a GGUF file as [model] source needs no conversion)"
 
 
 def _source_kind(source: Path) -> tuple[str, str | None]:
@@ -123,7 +161,8 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
 
         return Recipe(canonical, tool, name, expected, convert,
                       description=f"llama.cpp {CONVERTER} --outtype {_CONVERT_TYPES[qtype]}",
-                      step=CONVERTER, seconds_per_gib=CONVERT_S_PER_GIB)
+                      step=CONVERTER, seconds_per_gib=CONVERT_S_PER_GIB,
+                      check=lambda: vocabulary_problem(script, source))
     quantizer = engine.find_llama_quantize(settings)
     needs = ("gguf:F16",) if kind == "hf" else ()
 

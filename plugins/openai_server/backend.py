@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shlex
 import shutil
 import subprocess
@@ -48,6 +49,7 @@ from autotune.rules import violations
 from autotune.vram import SlotLayout, kv_cache_bytes
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
 from autotune_plugins.llama_server import declarations as llama_declared
+from autotune_plugins.llama_server.builds import engines_dir
 from autotune_plugins.openai_server import declarations
 from autotune_plugins.openai_server.server import OpenAIServer
 from autotune_plugins.openai_server.templates import Template, load_template, render, shipped, template_path, \
@@ -172,17 +174,21 @@ class OpenAIServerBackend(BaseBackend):
         try:
             t = self.template(ctx)
         except ConfigError as exc:
-            return [f"backend {self.name}: {exc}"]
+            return [str(exc)]
         problems = []
         if self.executable(t) is None:
-            problems.append(f"backend {self.name}: template {t.name}: {t.command[0]!r} is not an executable here "
-                            f"(not found on PATH): install {t.engine}, or set [backends.{self.name}] executable to "
-                            "its path")
+            built = _built_executable(t.command[0])
+            # "install llama.cpp" right after `autotune engine build llama.cpp` would be wrong:
+            # the build is in autotune's cache, off PATH; name it instead.
+            remedy = (f"autotune's engine cache has one: set [backends.{self.name}] executable = \"{built}\""
+                      if built else f"install {t.engine}, or set [backends.{self.name}] executable to its path")
+            problems.append(f"template {t.name}: {t.command[0]!r} is not an executable here "
+                            f"(not found on PATH): {remedy}")
         if _has_gpu():
             try:
                 cuda_visible_entry(ctx.gpu_index)
             except AutotuneError as exc:
-                problems.append(f"backend {self.name}: {exc}")
+                problems.append(str(exc))
         return problems
 
     # -------------------------------------------------------------- space and rules
@@ -478,3 +484,12 @@ def _compare(rows: Sequence[Mapping[str, Any]], t: Template) -> dict[str, Any]:
     client = {k: med("client", k) for k in keys}
     return {"available": True, "path": t.metrics_path, "server": server, "client": client,
             "warnings": disagreements(server, client)}
+
+
+def _built_executable(command: str) -> str | None:
+    """``command`` (a bare name) as built by ``autotune engine build`` into the engine cache
+    (``<engines>/<engine>-<version>-<arch>/bin/``), the newest first; None when there is none."""
+    if "/" in command:
+        return None
+    found = [p for p in engines_dir().glob(f"*/bin/{command}") if p.is_file() and os.access(p, os.X_OK)]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None

@@ -163,14 +163,38 @@ class KldMetric(_ScoringMetric):
 
     A study penalises it like accuracy, in "points" of 0.01 nats (its drop is 100 x the KLD
     difference): ``max_drop_points = 5`` allows a mean KLD of 0.05 nats, about what llama.cpp
-    reports for a good 4-bit quantization of an 8B model.
+    reports for a good 4-bit quantization of an 8B model. People are shown the KLD itself
+    (``value_text``, ``drop_text``), never those points: they are no accuracy points, and only
+    a relation fitted on paired accuracy drops turns a KLD into those (``[quality] undecided =
+    "kld"``, which says so where it is used).
     """
 
     name: ClassVar[str] = "kld"
-    unit: ClassVar[str] = "kld"
+    unit: ClassVar[str] = "nats"
     higher_is_better: ClassVar[bool] = False
     description: ClassVar[str] = "mean KL divergence and top-1 agreement vs the reference artifact on a fixed text"
     defaults: ClassVar[dict[str, int]] = {}
+
+    def value_text(self, value: float) -> str:
+        return f"KLD {value:.4f} nats"
+
+    drop_label: ClassVar[str] = "KLD from the reference (nats)"
+
+    def drop_figure(self, points: float) -> float:
+        return points / 100
+
+    def amount_text(self, points: float) -> str:
+        return f"{points / 100:.4f} nats"
+
+    def drop_text(self, points: float) -> str:
+        # The reference's KLD from itself is 0: the drop, in 0.01 nats, is the KLD.
+        return f"KLD {points / 100:.4f} nats"
+
+    def bound_text(self, points: float) -> str:
+        return f"KLD {points / 100:.4f} nats (max_drop_points {points:g})"
+
+    def compared_text(self, value: float, points: float, reference: str) -> str:
+        return f"{self.value_text(value)} from {reference}"
 
     def __init__(self) -> None:
         super().__init__()

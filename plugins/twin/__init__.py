@@ -559,6 +559,9 @@ class TwinMmlu(BaseMetric):
     higher_is_better = True
     description = "predicted MMLU accuracy vs FP16 from published quantization damage (twin backends only)"
 
+    def value_text(self, value: float) -> str:
+        return f"predicted MMLU accuracy {value:.2%} of FP16's"
+
     def supports(self, backend: BaseBackend) -> str | None:
         if not isinstance(backend, TwinBackend):
             return "the twin predicts quality for its own backends only; use a measured metric (mmlu, ceval, kld)"

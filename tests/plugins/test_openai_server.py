@@ -148,6 +148,33 @@ command = ["llama-server", "-m", "{{weights}}", "--port", "{{prot}}"]
     assert not (tmp_path / "s.db").exists()
 
 
+def test_a_missing_executable_is_named_once_with_the_build_autotune_made(tmp_path, monkeypatch):
+    # Issue 28: "backend openai-server: backend openai-server: ... install llama.cpp" right after
+    # `autotune engine build llama.cpp`: the build is in autotune's cache, off PATH.
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    ctx = make_ctx(tmp_path)
+    (problem,) = OpenAIServerBackend().preflight(ctx)
+    assert problem == ("template llama-server: 'llama-server' is not an executable here (not found on PATH): "
+                       "install llama.cpp, or set [backends.openai-server] executable to its path")
+    built = tmp_path / "cache" / "engines" / "llama.cpp-0.3.36-cpu" / "bin" / "llama-server"
+    built.parent.mkdir(parents=True)
+    built.write_text("#!/bin/sh\n")
+    built.chmod(0o755)
+    (problem,) = OpenAIServerBackend().preflight(ctx)
+    assert problem.endswith(f"(not found on PATH): autotune's engine cache has one: set [backends.openai-server] "
+                            f"executable = \"{built}\"")
+    # init names the backend once; so does a study file's candidate.
+    import autotune_plugins.openai_server as openai_plugin
+    from autotune.study_writer import draft_study
+    from tests.conftest import plugin_registered
+
+    with plugin_registered(openai_plugin, "openai_server"), pytest.raises(ConfigError) as raised:
+        draft_study(str(STORIES), gpu="cpu")  # nothing else here can serve it: init says why, once
+    assert "\n  backend openai-server: template llama-server: 'llama-server' is not an executable" in str(raised.value)
+    assert str(raised.value).count("openai-server:") == 1
+
+
 def test_a_pre_allocating_engine_is_admitted_by_its_fraction(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "w.safetensors").write_bytes(b"\0" * 1000)

@@ -478,3 +478,38 @@ def test_quality_errors_are_one_error_line_with_the_cli_exit_statuses(quality_re
     assert result.exit_code == 2
     assert result.stderr.startswith("Error: backend 'no-such-backend' is not installed")
     assert "Traceback" not in result.output
+
+
+def test_a_kld_is_shown_as_a_kld_and_a_drop_as_a_drop(tmp_path, tmp_storage, quality_registered):
+    # Issue 28: "+2.56 points" was shown for a KL divergence of 0.0256, and a "+" for a drop.
+    from autotune.report import summary_text
+
+    path = write_study(tmp_path / "study.toml", "fake-scoring", ["exact", "miss-12", "always-a"], parallel=(1,))
+    path.write_text(path.read_text(encoding="utf-8") + 'quality = "kld"\nmax_drop_points = 5\n'
+                    'reference_weights = "exact"\n', encoding="utf-8")
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        summary = run_study(load_study_config(path), n_trials=3, storage=tmp_storage)
+    study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
+    kld = {t.user_attrs["config"]["weights"]: TrialRecord.of(t).quality for t in study.trials}
+    text = summary_text(summary)
+    best = summary.best["quality"]
+    assert f"  quality: KLD {best['value']:.4f} nats from exact" in text
+    over = kld["always-a"]["drop_points"]
+    assert over > 5  # its KLD is over 0.05 nats
+    assert (f"weights always-a: loses too much quality: KLD {over / 100:.4f} nats > max KLD 0.0500 nats "
+            "(max_drop_points 5)") in text
+    assert not re.search(r"[+-]\d+\.\d+ points", text)
+
+
+def test_an_accuracy_drop_is_a_drop_and_the_accuracy_a_percentage(tmp_path, tmp_storage, quality_registered):
+    from autotune.report import summary_text
+
+    path = quality_study(tmp_path, 'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
+                         "[quality]\nper_subject = 2\nshots = 0\n")
+    with registered(ScoringFakeBackend(), name="scoring-fakes"):
+        summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
+    text = summary_text(summary)
+    assert "  quality: mmlu accuracy 100.00%, no drop (0.00 points) vs exact (± " in text
+    always_a = {d["weights"]: d for d in summary.extra["quality_decisions"]}["always-a"]
+    assert f"always-a: refused (paired): over the bound: drop {always_a['drop_points']:.2f} points ± " in text
+    assert not re.search(r"[+-]\d+\.\d+ points", text)
