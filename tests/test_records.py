@@ -27,7 +27,7 @@ def test_long_values_are_stored_in_short_lines_and_read_back_whole():
     stored = study.trials[0].user_attrs
     assert max(len(k) + len(json.dumps(v)) for k, v in stored.items()) <= CELL_CHARS + 2
     assert stored["config"] == {"_split": "dict"}  # the configuration too: its weights are a path
-    assert stored["metrics"] == {"_split": "dict"} and "metrics.aggregate_tok_s.values.0" in stored
+    assert stored["metrics"] == {"_split": "dict"} and "metrics.aggregate_tok_s.values.00" in stored
     r = TrialRecord.of(study.trials[0])
     assert (r.metrics, r.log_tail, list(r.artifacts), r.config, r.worker) == (metrics, log, artifacts, config, "host:1")
 
@@ -55,6 +55,7 @@ def test_a_long_string_is_cut_only_after_a_separator_and_read_back_exactly(value
         # A cut inside a word is only for a word (no space, comma or slash in it) wider than a line.
         assert piece[-1] in " ,;\n/" or records.width(word) > CELL_CHARS - 8 - len("deploy_command"), (piece, following)
         assert not unicodedata.combining(following[0])
+    assert list(stored) == sorted(stored)  # the dashboard lists attributes by name: .00 to .11, in order
 
 
 def test_a_configuration_too_long_for_a_line_is_split_and_read_back_whole():

@@ -212,7 +212,8 @@ def cells(name: str, value: Any) -> list[tuple[str, Any]]:
     """The user attributes that store ``value`` under ``name``: itself, or a marker and its parts."""
     if isinstance(value, str) and width(name) + width(value) + 2 > CELL_CHARS:
         pieces = _pieces(value, max(CELL_CHARS - width(name) - 8, 40))
-        return [(name, {SPLIT_MARK: "text"})] + [(f"{name}.{i}", p) for i, p in enumerate(pieces)]
+        digits = len(str(len(pieces) - 1))  # .00 to .11: optuna-dashboard lists the parts in order
+        return [(name, {SPLIT_MARK: "text"})] + [(f"{name}.{i:0{digits}d}", p) for i, p in enumerate(pieces)]
     if not isinstance(value, (dict, list)) or not value:
         return [(name, value)]
     if width(name) + len(json.dumps(value, default=str)) <= CELL_CHARS:
@@ -222,8 +223,9 @@ def cells(name: str, value: Any) -> list[tuple[str, Any]]:
             return [(name, value)]  # its keys could not be told from the path: kept whole
         return [(name, {SPLIT_MARK: "dict"})] + _packed(name, value)
     out: list[tuple[str, Any]] = [(name, {SPLIT_MARK: "list"})]
+    digits = len(str(len(value) - 1))
     for i, item in enumerate(value):
-        out += cells(f"{name}.{i}", item)
+        out += cells(f"{name}.{i:0{digits}d}", item)
     return out
 
 
