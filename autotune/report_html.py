@@ -295,8 +295,8 @@ document.querySelectorAll('table.sortable th').forEach((th, col) => th.addEventL
 _CSS = """
 body{font-family:system-ui,sans-serif;max-width:1200px;margin:1em auto;padding:0 1em;color:#222}
 code,pre{background:#f4f4f4;padding:2px 4px;white-space:pre-wrap;word-break:break-all}
-table{border-collapse:collapse;font-size:12px;width:100%}th,td{border:1px solid #ddd;padding:3px 5px;overflow-wrap:anywhere}
-td.reason{min-width:16em}summary{cursor:pointer}
+table{border-collapse:collapse;font-size:12px;width:100%}th,td{border:1px solid #ddd;padding:3px 5px}
+td.reason{overflow-wrap:anywhere;min-width:12em}summary{cursor:pointer}
 th{background:#eee;cursor:pointer;position:sticky;top:0}tbody tr:nth-child(even){background:#fafafa}
 .card{border:1px solid #ccc;border-radius:6px;padding:.5em 1em;margin:1em 0;background:#fcfcff}
 """
