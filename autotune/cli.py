@@ -101,10 +101,10 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
             click.echo(summary_text(summary))
-        from autotune.dashboard import annotate_study
+        from autotune.dashboard import annotate_study, deploy_commands
 
         try:  # the study's dashboard note is a copy of what was just printed: losing it loses nothing
-            annotate_study(runner.study, summary_text(summary))
+            annotate_study(runner.study, summary_text(summary), deploy_commands(summary))
         except Exception as exc:  # noqa: BLE001
             click.echo(f"warning: no dashboard note for the study ({type(exc).__name__}: {exc})", err=True)
         if report_path is not None:

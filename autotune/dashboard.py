@@ -21,7 +21,7 @@ import math
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import optuna
 
@@ -98,7 +98,7 @@ def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
              f"{c.get('parallel', '?')} parallel streams of {c.get('ctx', '?')} tokens each"
              + (f"; {options}" if options else ""), ""]
     if r.answered:
-        lines.append(f"Answered from trial {r.answered_from}: {r.prune_reason}")
+        lines.append(f"Answered from trial {r.answered_from}: {_escaped(str(r.prune_reason))}")
         return "\n".join(lines)
     figures = [f for f in (_figure(r, "aggregate_tok_s", "aggregate"), _figure(r, "per_user_tok_s", "per user"),
                            _figure(r, "decode_tok_s", "one stream")) if f]
@@ -114,9 +114,9 @@ def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
         memory = "host memory" if (r.gpu or {}).get("key") == CPU_KEY else "VRAM"  # gpu = "cpu": no card
         lines.append(f"- {memory} predicted {_gib(predicted)}, measured {_gib(r.measured_vram_bytes)}")
     if r.state == TrialState.PRUNED:
-        lines.append(f"- **not launched**: {r.prune_reason}")
+        lines += _said("- **not launched**:", str(r.prune_reason))
     elif r.state == TrialState.FAIL:
-        lines.append(f"- **failed**: {r.fail_reason or 'no reason recorded'}")
+        lines += _said("- **failed**:", r.fail_reason or "no reason recorded")
         if log_artifact:
             lines.append(f"- engine log: the study's artifact `{log_artifact}`")
     if r.deploy_command:
@@ -185,6 +185,82 @@ def annotate_trial(study: optuna.Study, trial: optuna.Trial, url: str | None = N
     save_note(study, trial, trial_card(r, log_name))
 
 
-def annotate_study(study: optuna.Study, summary_text: str) -> None:
-    """The study's note: the summary a person would print with ``autotune best``."""
-    save_note(study, None, "```\n" + summary_text + "\n```")
+def deploy_commands(summary: Any) -> list[str]:
+    """The shell lines a study's summary holds: the best's deploy command and each baseline's."""
+    found = [(summary.best or {}).get("deploy_command")]
+    found += [b.get("deploy_command") for b in (summary.extra.get("baseline") or {}).values()]
+    return [c for c in found if c]
+
+
+_MARKDOWN = set("\\`*_[]<>#|~!&")
+
+
+def _escaped(text: str) -> str:
+    """``text`` as Markdown that shows it as it is (CommonMark: any ASCII punctuation may be
+    backslash-escaped), a line that would start a list or a heading included."""
+    out = "".join("\\" + ch if ch in _MARKDOWN else ch for ch in text)
+    head, dot, rest = out.partition(". ")
+    if dot and head.isdigit():  # "1. " starts an ordered list; "1\. " does not
+        return f"{head}\\. {rest}"
+    return "\\" + out if out[:1] in ("-", "+") else out
+
+
+LONG_WORD = 80  # characters: a word this long does not wrap, and a note is as wide as its widest word
+
+
+def _long(text: str) -> bool:
+    return any(len(word) > LONG_WORD for word in text.split())
+
+
+def _block(text: str, indent: str = "") -> list[str]:
+    """``text`` as a code block of lines of at most 76 characters, a long word cut where the
+    line is full (an engine's message with a 100-character hash made a trial page 1,423 px)."""
+    import textwrap
+
+    rows = [row for line in text.splitlines() or [""]
+            for row in textwrap.wrap(line, 76, break_long_words=True, break_on_hyphens=False) or [""]]
+    fence = "````" if "```" in text else "```"
+    return [f"{indent}{row}" for row in ["", fence, *rows, fence, ""]]
+
+
+def _said(label: str, text: str, indent: str = "  ") -> list[str]:
+    """A list item ``label`` and its ``text``: on the same line, or as a block under it where the
+    text is long or holds a word too long to wrap."""
+    if len(text) <= 200 and not _long(text):
+        return [f"{label} {_escaped(text)}"]
+    return [label, *_block(text, indent)]
+
+
+def note_markdown(summary_text: str, commands: Iterable[str] = ()) -> str:
+    """The printed summary as a note that wraps to the window: a line as a paragraph, an
+    indented line as an item (its depth kept), a shell line (one of ``commands``) as a code
+    block of short lines (``_wrapped``). A fenced block of the text as printed was as wide as
+    its longest line: 4,448 px for a study whose deploy line is 400 characters."""
+    commands = tuple(commands)
+    out: list[str] = []
+    for line in summary_text.splitlines():
+        text = line.lstrip(" ")
+        depth = (len(line) - len(text)) // 2
+        label, command = text, None
+        for c in commands:
+            if text.endswith(c) and text[:-len(c)].endswith(": "):
+                label, command = text[:-len(c)].rstrip(), c
+                break
+        indent = "  " * max(depth - 1, 0)
+        if command is None and _long(label):  # its start as the line, the rest as a block
+            head, sep, rest = label.partition(": ")
+            label, command = (head + ":", rest) if sep and not _long(head) else ("", label)
+            out.append(f"{indent}- {_escaped(label)}" if depth else f"\n{_escaped(label)}\n")
+            out += _block(command, indent + ("  " if depth else ""))
+            continue
+        out.append(f"{indent}- {_escaped(label)}" if depth else f"\n{_escaped(label)}\n")
+        if command:
+            body = indent + ("  " if depth else "")
+            out += ["", *(f"{body}{row}" for row in ["```", *_wrapped(command), "```"]), ""]
+    return "\n".join(out).strip() + "\n"
+
+
+def annotate_study(study: optuna.Study, summary_text: str, commands: Iterable[str] = ()) -> None:
+    """The study's note: the summary a person would print with ``autotune best``, as Markdown
+    that wraps (``note_markdown``); ``commands`` are its shell lines (``deploy_commands``)."""
+    save_note(study, None, note_markdown(summary_text, commands))

@@ -51,6 +51,37 @@ def objective_names(objective: Mapping[str, Any], n_objectives: int) -> list[str
     return [f"score ({metric} - penalty)"]
 
 
+def metric_words(metric: str) -> str:
+    """A metric's name as a person reads it: ``aggregate_tok_s`` -> ``aggregate tok/s``."""
+    return metric.replace("_tok_s", " tok/s").replace("_ms", " ms").replace("_", " ")
+
+
+_WORDED = {"metric", "quality", "penalty_per_point", "max_drop_points", "reference_weights", "mode",
+           "require_quality", "min_per_user_tok_s"}
+
+
+def objective_words(objective: Mapping[str, Any]) -> str:
+    """The study file's [objective] as stored (``vars(Objective)``) in words, e.g. "maximise
+    aggregate tok/s, per-user at least 10 tok/s"; a key this does not know is named as it is."""
+    metric = metric_words(str(objective.get("metric") or "aggregate_tok_s"))
+    quality = objective.get("quality")
+    parts = [f"the trade-off of {metric} (higher) against {quality or 'quality'} drop (lower): every configuration "
+             "no other beats on both" if objective.get("mode") == "pareto" else f"maximise {metric}"]
+    if objective.get("min_per_user_tok_s") is not None:
+        parts.append(f"per-user at least {objective['min_per_user_tok_s']:g} tok/s")
+    if quality:
+        against = f" against {objective['reference_weights']}" if objective.get("reference_weights") else ""
+        penalty, most = objective.get("penalty_per_point") or 0, objective.get("max_drop_points")
+        if penalty:
+            parts.append(f"less {penalty:g} per point of {quality} drop{against}")
+        if most is not None:
+            parts.append(f"{quality} drop at most {most:g} points{against}")
+        if not penalty and most is None and objective.get("mode") != "pareto":
+            parts.append(f"{quality} measured{against}, not counted in the score")
+    parts += [f"{k} = {v}" for k, v in objective.items() if k not in _WORDED and v is not None]
+    return ", ".join(parts)
+
+
 def name_objectives(study: optuna.Study, objective: Mapping[str, Any]) -> None:
     names = objective_names(objective, len(study.directions))
     if study.metric_names != names:

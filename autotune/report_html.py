@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import html
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,14 @@ from autotune.study.records import TrialRecord, TrialState
 from autotune.errors import ConfigError
 from autotune.hardware import CPU_KEY
 from autotune.metric import metric_named
-from autotune.study.summary import StudySummary, contender_text, counts_text, headline_lines
+from autotune.objective import objective_words
+from autotune.study.systematic import normalized
+from autotune.study.summary import StudySummary, contender_text, counts_text, failure_kind, headline_lines
 
 GIB = 2**30
+MIB = 2**20
+SHOWN_CHARS = 90  # a long reason shows this much of its start and of its end (a traceback's last
+# line is its cause); the whole opens on a click
 FADED = 0.25
 
 
@@ -83,7 +87,6 @@ def _knee(rows: list[TrialRecord], floor: float | None):
     """Aggregate and per-user tok/s against parallel, one line per backend, weights and cache."""
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("aggregate tok/s", "per-user tok/s"))
     best: dict[str, dict[int, TrialRecord]] = defaultdict(dict)
     for r in rows:
         if r.state != TrialState.COMPLETE or r.median("aggregate_tok_s") is None:
@@ -93,6 +96,9 @@ def _knee(rows: list[TrialRecord], floor: float | None):
         held = best[line].get(c["parallel"])
         if held is None or r.median("aggregate_tok_s") > held.median("aggregate_tok_s"):  # type: ignore[operator]
             best[line][c["parallel"]] = r  # the best of its other knobs (ctx, flash_attn...)
+    if not best:
+        return None  # nothing measured: an empty log axis drew ticks from 0.125 to 524,288
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("aggregate tok/s", "per-user tok/s"))
     for i, (line, by_parallel) in enumerate(sorted(best.items())):
         xs = sorted(by_parallel)
         pts = [by_parallel[x] for x in xs]
@@ -118,14 +124,29 @@ def _color(i: int) -> str:
     return palette[i % len(palette)]
 
 
+def memory_unit(largest_bytes: float) -> tuple[str, int]:
+    """The unit a memory axis reads in: MiB when every point is under 1 GiB (a small model's
+    trials all sat at 0.0 on a GiB axis), else GiB."""
+    return ("MiB", MIB) if largest_bytes < GIB else ("GiB", GIB)
+
+
 def _vram(rows: list[TrialRecord], budget: int | None):
     """Throughput against memory: measured and predicted peak per trial, the budget line, and
-    what was refused or infeasible, faded, with its reason."""
+    what was refused or infeasible, faded, with its reason. The axis spans the points, in MiB
+    for a small model; a budget far beyond them is named in the title instead of drawn (a
+    17 GiB line squeezed 40 MiB of trials against the axis). None when nothing was measured."""
     import plotly.graph_objects as go
 
-    fig = go.Figure()
     ok = [r for r in rows if r.state == TrialState.COMPLETE and r.feasible and r.median("aggregate_tok_s") is not None]
+    if not ok:
+        return None
     bad = [r for r in rows if r not in ok]
+    every = [b for r in rows for b in (r.measured_vram_bytes, (r.predicted_vram or {}).get("total_bytes")) if b]
+    unit, scale = memory_unit(max(every, default=0))
+    fig = go.Figure()
+
+    def scaled(n: float | None) -> float | None:
+        return None if n is None else n / scale
 
     def hover(r: TrialRecord) -> str:
         tail = "" if r in ok else "<br><b>" + html.escape(r.reason if r.state != TrialState.COMPLETE else
@@ -135,25 +156,27 @@ def _vram(rows: list[TrialRecord], budget: int | None):
                f"{html.escape(_options(dict(r.config or {})))} parallel={(r.config or {}).get('parallel')}{tail}"
 
     measured = [r for r in ok if r.measured_vram_bytes is not None]
-    fig.add_scatter(x=[_gib(r.measured_vram_bytes) for r in measured], y=[r.median("aggregate_tok_s") for r in measured],
+    fig.add_scatter(x=[scaled(r.measured_vram_bytes) for r in measured], y=[r.median("aggregate_tok_s") for r in measured],
                     mode="markers", name="measured peak", marker={"size": 9, "color": "#1f77b4"},
                     hovertext=[hover(r) for r in measured], hoverinfo="text+x+y")
     predicted = [r for r in ok if (r.predicted_vram or {}).get("total_bytes")]
-    fig.add_scatter(x=[_gib(r.predicted_vram["total_bytes"]) for r in predicted],  # type: ignore[index]
+    fig.add_scatter(x=[scaled(r.predicted_vram["total_bytes"]) for r in predicted],  # type: ignore[index]
                     y=[r.median("aggregate_tok_s") for r in predicted], mode="markers", name="predicted",
                     marker={"size": 9, "symbol": "circle-open", "color": "#ff7f0e"},
                     hovertext=[hover(r) for r in predicted], hoverinfo="text+x+y")
     shown_bad = [r for r in bad if (r.predicted_vram or {}).get("total_bytes") or r.measured_vram_bytes]
-    fig.add_scatter(x=[_gib(r.measured_vram_bytes or r.predicted_vram["total_bytes"]) for r in shown_bad],  # type: ignore[index]
+    fig.add_scatter(x=[scaled(r.measured_vram_bytes or r.predicted_vram["total_bytes"]) for r in shown_bad],  # type: ignore[index]
                     y=[r.median("aggregate_tok_s") or 0.0 for r in shown_bad], mode="markers",
                     name="pruned, failed or infeasible (0: not launched)", opacity=FADED,
                     marker={"size": 8, "symbol": "x", "color": "#7f7f7f"},
                     hovertext=[hover(r) for r in shown_bad], hoverinfo="text+x+y")
-    if budget:
-        fig.add_vline(x=budget / GIB, line_dash="dash", line_color="red",
+    title = "Throughput against GPU memory (each point a trial)"
+    if budget and budget <= 2 * max(every, default=0):
+        fig.add_vline(x=budget / scale, line_dash="dash", line_color="red",
                       annotation_text=f"budget {budget_text(budget)}", annotation_position="top left")
-    fig.update_layout(title="Throughput against GPU memory (each point a trial)", height=480,
-                      xaxis_title="memory (GiB)", yaxis_title="aggregate tok/s")
+    elif budget:
+        title += f"; the budget, {budget_text(budget)}, lies far beyond them"
+    fig.update_layout(title=title, height=480, xaxis_title=f"memory ({unit})", yaxis_title="aggregate tok/s")
     return fig
 
 
@@ -220,12 +243,47 @@ def _table(rows: list[TrialRecord]) -> str:
                      r.reason if r.state != TrialState.COMPLETE else "infeasible: " + ", ".join(
                          k for k, v in r.constraints.items() if v > 0))]
         tds = []
-        for v in cells:
+        for v in cells[:-1]:
             sort = "" if not isinstance(v, (int, float)) or isinstance(v, bool) else f" data-sort='{v}'"
             tds.append(f"<td{sort}>{html.escape(_fmt(v, 2))}</td>")
+        tds.append(f"<td class='reason'>{_collapsed(_fmt(cells[-1]))}</td>")
         out.append("<tr>" + "".join(tds) + "</tr>")
     out.append("</tbody></table>")
     return "\n".join(out)
+
+
+def _collapsed(text: str) -> str:
+    """A reason as HTML: whole when short, else its start with the rest behind a click (a
+    converter's traceback in every row made a failed study's table 48,432 px tall)."""
+    if len(text) <= 2 * SHOWN_CHARS + 20:
+        return html.escape(text)
+    return (f"<details><summary>{html.escape(text[:SHOWN_CHARS].rstrip())} ... "
+            f"{html.escape(text[-SHOWN_CHARS:].lstrip())}</summary>{html.escape(text)}</details>")
+
+
+def _causes(rows: list[TrialRecord], summary: StudySummary) -> str:
+    """Why trials failed or were not launched, the most common cause first, with counts and
+    one example each: what a study with nothing to deploy must show before anything else."""
+    groups: dict[tuple[str, str], list[TrialRecord]] = defaultdict(list)  # one cause: numbers, paths aside
+    for r in rows:
+        if r.state == TrialState.FAIL:
+            groups[("failed", normalized(r.fail_reason or ""))].append(r)
+        elif r.state == TrialState.PRUNED and r.prune_reason and not summary.best:
+            groups[("not launched", normalized(r.prune_reason))].append(r)
+    stop = summary.extra.get("systematic_failure")
+    if not groups and not stop:
+        return ""
+    ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    items = "".join(
+        f"<li><b>{len(found)} {how}: {html.escape(failure_kind(found[-1].reason))}</b> (trial{'s' if len(found) > 1 else ''} "
+        f"{html.escape(', '.join(str(r.number) for r in found[:8]))}{', ...' if len(found) > 8 else ''})"
+        f"<br>{_collapsed(found[-1].reason)}</li>" for (how, _), found in ranked[:6])
+    more = len(ranked) - 6
+    head = f"<p>Why the search ended: {_collapsed(str(summary.extra['stopped']))}</p>" if stop and summary.extra.get(
+        "stopped") else ""
+    return (f"<div class='card' id='causes'><h2>Why trials failed{' or were not launched' if not summary.best else ''}"
+            f"</h2>{head}<ol>{items}</ol>" + (f"<p>and {more} other causes (the table below)</p>" if more > 0 else "")
+            + "</div>")
 
 
 _SORT_JS = """
@@ -244,6 +302,7 @@ _CSS = """
 body{font-family:system-ui,sans-serif;max-width:1200px;margin:1em auto;padding:0 1em;color:#222}
 code,pre{background:#f4f4f4;padding:2px 4px;white-space:pre-wrap;word-break:break-all}
 table{border-collapse:collapse;font-size:12px;width:100%}th,td{border:1px solid #ddd;padding:3px 5px}
+td.reason{overflow-wrap:anywhere;min-width:12em}summary{cursor:pointer}
 th{background:#eee;cursor:pointer;position:sticky;top:0}tbody tr:nth-child(even){background:#fafafa}
 .card{border:1px solid #ccc;border-radius:6px;padding:.5em 1em;margin:1em 0;background:#fcfcff}
 """
@@ -296,12 +355,20 @@ def _about(study: optuna.Study, rows: list[TrialRecord], summary: StudySummary) 
                 f"{gpu.get('mem_bandwidth_gb_s', '-')} GB/s)" if gpu else "-"),
         ("model", str(header.get("model", "-"))),
         ("memory budget", budget_text(header.get("vram_budget_bytes"))),
-        ("objective", json.dumps(header.get("objective", {}))),
+        ("objective", objective_words(header.get("objective") or {})),
         ("study file", str(header.get("study_file", "-"))),
         ("engines", "; ".join(engines) or "-"),
         ("ran", when),
     ]
     return "<table id='about'>" + "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in items) + "</table>"
+
+
+ABSENT = {  # what a plot with no point to draw says instead
+    "knee": "throughput against parallel streams: no trial was measured",
+    "vram": "throughput against memory: no feasible trial was measured",
+    "pareto": "throughput against quality drop: no quality measured",
+    "roofline": "roofline: no trial measured on a GPU of known bandwidth: the twin predicts, a CPU study has no card",
+}
 
 
 def render(study: optuna.Study, summary: StudySummary) -> str:
@@ -317,10 +384,7 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
     plots = []
     for name, fig in figures:
         if fig is None:
-            plots.append(f"<p class='absent' id='{name}-absent'>({name}: no data in this study: "
-                         + ("no quality measured" if name == "pareto"
-                            else "no trial measured on a GPU of known bandwidth: the twin predicts, a CPU study "
-                                 "has no card") + ")</p>")
+            plots.append(f"<p class='absent' id='{name}-absent'>({ABSENT[name]})</p>")
             continue
         plots.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}",
                                  config={"displaylogo": False}))
@@ -332,8 +396,10 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>autotune report: {html.escape(summary.study_name)}</title>
 <style>{_CSS}</style><script>{plotly.offline.get_plotlyjs()}</script></head>
 <body><h1>autotune report: {html.escape(summary.study_name)}</h1>
+{'' if summary.best else _causes(rows, summary)}
 {_about(study, rows, summary)}
 {_winner(summary)}
+{_causes(rows, summary) if summary.best else ''}
 {''.join(plots)}
 {why_html}
 <h2>Every configuration's own trial ({len(rows)} of {summary.n_trials}: answers from storage and attempts

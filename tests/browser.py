@@ -82,13 +82,31 @@ def plots_rendered(browser: Any) -> int:
         "return [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.querySelector('.main-svg')).length")
 
 
+WINDOW = (1280, 1000)  # the laptop a person reads a report on
+
+
+def page_width(browser: Any) -> int:
+    """How wide the page lays itself out: more than the window is a sideways scroll."""
+    return browser.execute_script("return document.documentElement.scrollWidth")
+
+
+def assert_fits(browser: Any, what: str) -> None:
+    """The page is no wider than the window (optuna-dashboard scrolls inside its own panes, so
+    a page wider than the window is one whose content forced it)."""
+    width = page_width(browser)
+    assert width <= WINDOW[0], f"{what} is {width} px wide in a {WINDOW[0]} px window"
+
+
 def check_report(path: Path, min_plots: int) -> Any:
-    """Open a report file and assert that its plots render and the console stays clean."""
+    """Open a report file and assert that its plots render, it fits the window and the console
+    stays clean."""
     with chromium() as browser:
+        browser.set_window_size(*WINDOW)
         browser.get(path.resolve().as_uri())
         n = wait_for(browser, lambda: plots_rendered(browser) >= min_plots and plots_rendered(browser),
                      what=f"{min_plots} rendered plots in {path.name}")
         assert not console_errors(browser), console_errors(browser)
+        assert_fits(browser, f"the report {path.name}")
         rows = browser.execute_script("return document.querySelectorAll('#trials tbody tr').length")
         winner = browser.find_element("id", "winner").text
         return n, rows, winner

@@ -181,13 +181,13 @@ def test_a_study_makes_each_artifact_once_and_records_it(source, tmp_path):
         ["Q8_0 from ['hf-model', 'F16.bin']"] * 2
     for t in done:
         (record,) = TrialRecord.of(t).artifacts
-        assert record["weights"] == t.user_attrs["config"]["weights"] and len(record["sha256"]) == 64
+        assert record["weights"] == TrialRecord.of(t).config["weights"] and len(record["sha256"]) == 64
         assert Path(record["path"]).is_file() and record["make_seconds"] >= 0
     assert sum(TrialRecord.of(t).artifacts[0]["made_now"] for t in done) == 2  # one maker per artifact
     failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
     # The failed conversion fails the trials that need it (the grid queued both), with the tool's
     # error, and is not run again for the second: the study goes on.
-    assert {t.user_attrs["config"]["weights"] for t in failed} == {"gguf:Q2_K"} and len(failed) == 2
+    assert {TrialRecord.of(t).config["weights"] for t in failed} == {"gguf:Q2_K"} and len(failed) == 2
     assert all("maker-quantize: error: unsupported tensor shape" in TrialRecord.of(t).fail_reason for t in failed)
     assert backend.made.count("gguf:Q2_K") == 1
 
@@ -299,7 +299,7 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
         later.run(n_trials=5)  # no budget: the deferred configurations are made and measured
     assert sorted(backend.made) == ["gguf:F16", "gguf:Q4_0"]
     complete = [t for t in later.study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
-    assert {t.user_attrs["config"]["weights"] for t in complete} == {str(tmp_path / "ready.gguf"), "gguf:Q4_0"}
+    assert {TrialRecord.of(t).config["weights"] for t in complete} == {str(tmp_path / "ready.gguf"), "gguf:Q4_0"}
     assert len(complete) == 4
 
 
@@ -349,7 +349,7 @@ def test_the_prior_measures_made_weights_before_near_equals_still_to_make(source
         cfg = parse_study_config(doc, source="p.toml", path=tmp_path / "p.toml")
         runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'p.db'}"))
         assert runner.uses_prior and runner.enqueue_prior() == 2
-    queued = [t.user_attrs["config"]["weights"] for t in runner.study.get_trials()
+    queued = [TrialRecord.of(t).config["weights"] for t in runner.study.get_trials()
               if t.state == optuna.trial.TrialState.WAITING]
     assert [Path(w).name if not is_format(w) else w for w in queued] == \
         [first, ({"ready.gguf", "gguf:Q4_0"} - {first}).pop()]

@@ -15,6 +15,7 @@ from autotune.measure import Stat
 from autotune.report import summary_json, summary_text
 from autotune.study import open_storage, records, run_study
 from autotune.study.baseline import compare
+from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
     from .fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
@@ -102,7 +103,7 @@ def test_measured_once_before_the_search_on_the_highest_precision_weights_and_ne
     assert stored.weights == "f16-full" and not stored.failed and stored.seconds is not None
     assert stored.deploy_command == "fake-serve --weights f16-full --ctx 8192 --parallel 2"
     # No trial holds it, and the study's header does not take it for a setting.
-    assert all(not (t.user_attrs.get("config") or {}).get("defaults") for t in load(storage).trials)
+    assert all(not (TrialRecord.of(t).config or {}).get("defaults") for t in load(storage).trials)
     assert not any(k.startswith("baseline") for k in records.study_header(load(storage)))
 
 

@@ -339,7 +339,7 @@ def test_study_prints_its_summary_when_the_dashboard_note_cannot_be_written(tmp_
     copy of the printed summary, so the study still ends with its summary and exit 0."""
     import autotune.dashboard
 
-    def no_dashboard(study, text):
+    def no_dashboard(study, text, commands=()):
         raise ModuleNotFoundError("No module named 'optuna_dashboard'")
 
     monkeypatch.setattr(autotune.dashboard, "annotate_study", no_dashboard)

@@ -21,6 +21,7 @@ from autotune.report import stored_summary, summary_json, summary_text
 from autotune.study import StudyRunner, open_storage, prepare_study, records, run_study
 from autotune.study.baseline import compare
 from autotune.study.finish import finish_token, host_tag
+from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
     from .fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
@@ -71,7 +72,7 @@ def study_file(tmp_path, weights: Sequence[str], extra: str = ""):
 
 def trial_of(storage: str, weights: str) -> int:
     study = optuna.load_study(study_name="fake-study", storage=open_storage(storage))
-    return next(t.number for t in study.get_trials() if t.user_attrs.get("config", {}).get("weights") == weights)
+    return next(t.number for t in study.get_trials() if (TrialRecord.of(t).config or {}).get("weights") == weights)
 
 
 def test_top_three_measured_again_interleaved_and_a_clear_winner(tmp_path, storage):

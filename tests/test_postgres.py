@@ -19,6 +19,7 @@ import pytest
 
 from autotune.study import open_storage, trial_record
 from autotune.study.summary import chosen_best
+from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
     from .fake_backends import BlockingBackend, interleave_two_workers, write_study
@@ -97,7 +98,7 @@ def test_two_workers_share_one_study(study_copy, tmp_path):
     assert not [n for n, c in Counter(numbers).items() if c > 1], "trial numbers duplicated"
     assert sorted(numbers) == list(range(len(trials))), "trial numbers lost"
     assert not study.get_trials(states=(State.RUNNING, State.WAITING))
-    complete = [t.user_attrs["config_key"] for t in study.get_trials(states=(State.COMPLETE,))]
+    complete = [TrialRecord.of(t).config_key for t in study.get_trials(states=(State.COMPLETE,))]
     workers = {t.user_attrs["worker"] for t in trials}
     assert len(workers) == 2, "both workers must have run trials"
     for t in trials:

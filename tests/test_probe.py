@@ -69,7 +69,7 @@ def run(tmp_path, storage, extra):
 def test_a_probe_far_below_the_leader_stops_the_launch_after_one_run(tmp_path, storage):
     backend, summary = run(tmp_path, storage, "finish_top = 0\nprobe_margin = 0.2")
     st = optuna.load_study(study_name="fake-study", storage=open_storage(storage))
-    by_weights = {t.user_attrs["config"]["weights"]: t for t in st.trials}
+    by_weights = {TrialRecord.of(t).config["weights"]: t for t in st.trials}
     assert [c.weights for c in backend.calls] == ["fast", "slow", "close"]  # the seeded grid's order
     slow = by_weights["slow"]
     assert backend.runs == {"fast": 3, "slow": 1, "close": 3}  # slow stopped by its probe; close is 10% behind

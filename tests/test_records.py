@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 import uuid
 
 import optuna
@@ -24,11 +25,52 @@ def test_long_values_are_stored_in_short_lines_and_read_back_whole():
     config = {"backend": "llama-server", "weights": "/models/" + "w" * 200, "ctx": 4096}
     records.write(trial, metrics=metrics, log_tail=log, artifacts=artifacts, config=config, worker="host:1")
     stored = study.trials[0].user_attrs
-    assert max(len(k) + len(json.dumps(v)) for k, v in stored.items() if k != "config") <= CELL_CHARS + 2
-    assert stored["config"] == config  # identity fields stay whole: Optuna's queue reads them raw
-    assert stored["metrics"] == {"_split": "dict"} and "metrics.aggregate_tok_s.values.0" in stored
+    assert max(len(k) + len(json.dumps(v)) for k, v in stored.items()) <= CELL_CHARS + 2
+    assert stored["config"] == {"_split": "dict"}  # the configuration too: its weights are a path
+    assert stored["metrics"] == {"_split": "dict"} and "metrics.aggregate_tok_s.values.00" in stored
     r = TrialRecord.of(study.trials[0])
     assert (r.metrics, r.log_tail, list(r.artifacts), r.config, r.worker) == (metrics, log, artifacts, config, "host:1")
+
+
+TRICKY = [
+    "x" * 300,                                                        # no separator at all
+    "python -m " + "a" * 150 + " --flag " + "/very/long/path/" * 12,  # words longer than a line
+    "model " + "qwen2.5-27b-article-exl2-3.5bpw " * 8,                 # words that fit: kept whole
+    "  leading and trailing spaces, doubled  spaces,,commas;;  ",
+    "line one\nline two\n\n" * 8,
+    "漢字のモデル名はとても長い" * 12,                                     # wide characters count two columns
+    "e\u0301" * 120 + " café naïve résumé " * 4,                       # combining marks stay with their letter
+    "emoji 🚀🧪 " * 20,
+]
+
+
+@pytest.mark.parametrize("value", TRICKY, ids=range(len(TRICKY)))
+def test_a_long_string_is_cut_only_after_a_separator_and_read_back_exactly(value):
+    stored = dict(records.cells("deploy_command", value))
+    parts = [v for k, v in stored.items() if k != "deploy_command"]
+    assert "".join(parts) == value and records.joined(stored, "deploy_command") == value
+    assert all(records.width(k) + records.width(v) <= CELL_CHARS for k, v in stored.items() if isinstance(v, str))
+    for piece, following in zip(parts, parts[1:]):
+        word = (piece.split()[-1:] or [""])[0] + (following.split()[:1] or [""])[0]
+        # A cut inside a word is only for a word (no space, comma or slash in it) wider than a line.
+        assert piece[-1] in " ,;\n/" or records.width(word) > CELL_CHARS - 8 - len("deploy_command"), (piece, following)
+        assert not unicodedata.combining(following[0])
+    assert list(stored) == sorted(stored)  # the dashboard lists attributes by name: .00 to .11, in order
+
+
+def test_a_configuration_too_long_for_a_line_is_split_and_read_back_whole():
+    study = optuna.create_study()
+    trial = study.ask()
+    config = {"backend": "llama-server", "weights": "/home/user/.cache/autotune/artifacts/" + "ab" * 20 + "/model.gguf",
+              "ctx": 4096, "parallel": 4, "cache_type": "q8_0", "flash_attn": True}
+    key = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    records.write(trial, config=config, config_key=key)
+    stored = study.trials[0].user_attrs
+    assert stored["config"] == {"_split": "dict"} and stored["config_key"] == {"_split": "text"}
+    pieces = [stored[f"config_key.{i}"] for i in range(sum(k.startswith("config_key.") for k in stored))]
+    assert all(p[-1] in ",/" for p in pieces[:-1]), pieces  # after an item, or in the path between names
+    r = TrialRecord.of(study.trials[0])
+    assert (r.config, r.config_key) == (config, key)
 
 
 def test_a_value_written_again_leaves_no_stale_parts():
@@ -56,7 +98,7 @@ def test_the_short_items_of_a_long_dict_share_a_line():
             "n": 3, "values": [38.7, 39.0, 39.4], "warmups": [30.1], "unit": "tok/s", "stable": True,
             "rel_spread_tol": 0.05, "stop_reason": "stable", "warning": None, "note": "w" * 120}
     cells = records.cells("metrics.decode_tok_s", stat)
-    assert len(cells) <= 8  # the marker, 4 groups, the long note (a marker and 2 pieces); not 17 + 2
+    assert len(cells) <= 12  # the marker, 7 groups, the long note (a marker and 3 pieces); not 17 + 2
     assert all(len(k) + len(json.dumps(v)) <= CELL_CHARS + 2 for k, v in cells)
     assert records.joined(dict(cells), "metrics.decode_tok_s") == stat
 

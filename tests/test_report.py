@@ -8,6 +8,7 @@ import optuna
 
 from autotune.config import load_study_config
 from autotune.study import pareto_front, run_study
+from autotune.study.records import TrialRecord
 
 
 def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, default_study_path, tmp_path, tmp_storage):
@@ -63,7 +64,7 @@ def test_the_explanation_of_a_resumed_study_uses_the_latest_result_per_configura
         again = StudyRunner(prepare_study(load_study_config(path), storage=storage), seed=0)
         summary = again.run()
         why = explain_best(again.prepared, again.study, summary.best)
-    states = [t.state for t in again.study.trials if t.user_attrs.get("config_key") == p1.key]
+    states = [t.state for t in again.study.trials if TrialRecord.of(t).config_key == p1.key]
     assert optuna.trial.TrialState.FAIL in states and optuna.trial.TrialState.COMPLETE in states
     assert summary.best["params"]["parallel"] == 2
     (line,) = [w for w in why if w.startswith("parallel 1:")]

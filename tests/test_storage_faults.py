@@ -28,6 +28,7 @@ from autotune.errors import StorageError
 from autotune.study import StudyRunner, prepare_study
 from autotune.study import claims as claims_mod
 from autotune.study import storage as study_storage
+from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
     from .fake_backends import FakeBackend, memory_dir, registered, write_study
@@ -57,7 +58,7 @@ def _grid(tmp_path: Path):
 
 
 def _measured_once(study: optuna.Study) -> Counter:
-    return Counter(t.user_attrs["config_key"] for t in study.get_trials()
+    return Counter(TrialRecord.of(t).config_key for t in study.get_trials()
                    if t.state == optuna.trial.TrialState.COMPLETE)
 
 

@@ -18,6 +18,7 @@ from autotune.backend import Param, Setting, StudyContext, TrialConfig
 from autotune.cli import cli
 from autotune.errors import BackendError, EngineUnavailableError
 from tests.fake_backends import FakeBackend, registered, write_study
+from autotune.study.records import TrialRecord
 
 
 class StrictBackend(FakeBackend):
@@ -336,7 +337,7 @@ def test_the_summary_says_why_trials_failed_and_engine_text_reaches_no_terminal_
     assert "4 trials failed: 2 engine exited (code 3), 2 out of memory" in result.output.splitlines()
     assert "\x1b" not in result.output and "\x00" not in result.output and "\x07" not in result.output
     study = optuna.load_study(study_name="fake-study", storage=storage)
-    failed = [t for t in study.trials if t.user_attrs["config"]["weights"] == "garbage"]
+    failed = [t for t in study.trials if TrialRecord.of(t).config["weights"] == "garbage"]
     assert [t.user_attrs["fail_reason"] for t in failed] == ["fake-server exited with code 3: boom\\x00\xff"] * 2
     assert failed[0].user_attrs["log_tail"] == "loading\n50%\ndone\\x07\n"
 

@@ -48,7 +48,7 @@ def load(storage: str, name: str) -> optuna.Study:
 
 
 def complete_keys(study: optuna.Study) -> list[str]:
-    return [t.user_attrs["config_key"] for t in study.get_trials(states=(State.COMPLETE,))]
+    return [TrialRecord.of(t).config_key for t in study.get_trials(states=(State.COMPLETE,))]
 
 
 def assert_consistent(study: optuna.Study) -> None:
@@ -82,7 +82,7 @@ def test_resume_grows_the_study_and_never_measures_twice(default_study_path, twi
     # Ask for a configuration the storage already holds: it must be answered, not launched.
     done = next(t for t in study.get_trials(states=(State.COMPLETE,)))
     prepared = prepare_study(cfg, storage=storage)
-    study.enqueue_trial(prepared.space.params_of(TrialConfig.from_dict(done.user_attrs["config"])))
+    study.enqueue_trial(prepared.space.params_of(TrialConfig.from_dict(TrialRecord.of(done).config)))
 
     second = run_study(cfg, n_trials=4, storage=storage)
     assert second.n_measured == 4
@@ -96,7 +96,7 @@ def test_resume_grows_the_study_and_never_measures_twice(default_study_path, twi
     answered = trials[n_first]
     assert answered.user_attrs["answered_from"] == done.number
     assert answered.state == State.PRUNED
-    assert answered.user_attrs["config_key"] == done.user_attrs["config_key"]
+    assert TrialRecord.of(answered).config_key == TrialRecord.of(done).config_key
     assert TrialRecord.of(answered).prune_reason.startswith(f"already evaluated as trial {done.number} (COMPLETE")
     # The answer carries the earlier outcome but never counts as a second measurement.
     assert TrialRecord.of(answered).metrics == TrialRecord.of(done).metrics
@@ -135,7 +135,7 @@ def test_failing_backend_does_not_stop_the_study(tmp_path, storage):
     assert len(trials) == 10  # every configuration of the grid, each once
     by_weights: dict[str, list[optuna.trial.FrozenTrial]] = {}
     for t in trials:
-        by_weights.setdefault(t.user_attrs["config"]["weights"], []).append(t)
+        by_weights.setdefault(TrialRecord.of(t).config["weights"], []).append(t)
 
     for w in ("ok", "okay"):
         assert [t.state for t in by_weights[w]] == [State.COMPLETE] * 2
@@ -211,7 +211,7 @@ def test_signal_leaves_the_storage_consistent(tmp_path, scratch, sig):
     assert_consistent(study)
     failed = study.get_trials(states=(State.FAIL,))
     assert len(failed) == 1
-    assert failed[0].user_attrs["config_key"] == blocked_key
+    assert TrialRecord.of(failed[0]).config_key == blocked_key
     assert TrialRecord.of(failed[0]).fail_reason == "interrupted"
     assert failed[0].user_attrs["retry"] is True
     first_keys = set(complete_keys(study))
@@ -240,7 +240,7 @@ def test_keyboard_interrupt_in_backend_run(tmp_path, storage):
     study = load(storage, "fake-study")
     assert_consistent(study)
     (failed,) = study.get_trials(states=(State.FAIL,))
-    assert failed.user_attrs["config_key"] == backend.calls[1].key
+    assert TrialRecord.of(failed).config_key == backend.calls[1].key
     assert TrialRecord.of(failed).fail_reason == "interrupted"
     assert failed.user_attrs["retry"] is True
     # An interrupted configuration is not an outcome: the next run may propose it again.
@@ -301,7 +301,7 @@ def _start_blocked_child(tmp_path: Path, scratch: Path, hostname: str = ""):
         proc.communicate()
         raise
     (running,) = load(storage, "fake-study").get_trials(states=(State.RUNNING,))
-    assert running.user_attrs["config_key"] == marker.read_text(encoding="utf-8")
+    assert TrialRecord.of(running).config_key == marker.read_text(encoding="utf-8")
     return proc, study_path, storage, log, running
 
 
@@ -329,7 +329,7 @@ def _assert_measured_again(storage: str, log: Path, running: optuna.trial.Frozen
     dead = study.trials[running.number]
     assert dead.state == State.FAIL
     assert len(complete_keys(study)) == 6  # the whole space, the dead worker's configuration included
-    key = running.user_attrs["config_key"]
+    key = TrialRecord.of(running).config_key
     assert key in complete_keys(study)
     assert [e["key"] for e in read_log(log)].count(key) == 2  # the killed attempt and the measurement
     return dead
@@ -404,7 +404,7 @@ def test_over_budget_and_invalid_configurations_are_pruned_unlaunched(default_st
     t_over, t_invalid = study.trials[0], study.trials[1]
 
     assert t_over.state == State.PRUNED
-    assert t_over.user_attrs["config_key"] == over.key
+    assert TrialRecord.of(t_over).config_key == over.key
     assert TrialRecord.of(t_over).prune_reason.startswith("infeasible: predicted ")
     predicted = TrialRecord.of(t_over).predicted_vram
     assert predicted["total_bytes"] > budget
@@ -442,7 +442,7 @@ def test_prior_measures_the_twins_best_predictions_first(tmp_path, storage, twin
     study = load(storage, "fake-study")
     assert_consistent(study)
     first = study.trials[:4]
-    assert [t.user_attrs["config_key"] for t in first] == [c.key for c, _ in ranked[:4]]
+    assert [TrialRecord.of(t).config_key for t in first] == [c.key for c, _ in ranked[:4]]
     assert all(t.user_attrs.get("from_prior") is True for t in first)
     assert not any(t.user_attrs.get("from_prior") for t in study.trials[4:])
     assert [c.key for c in backend.calls[:4]] == [c.key for c, _ in ranked[:4]]

@@ -11,7 +11,7 @@ import pytest
 
 from autotune.backend import TrialConfig
 from autotune.config import load_study_config
-from autotune.study import StudyRunner, prepare_study
+from autotune.study import StudyRunner, prepare_study, records
 from autotune.study import runner as runner_mod
 from autotune.study import storage as study_storage
 from autotune.study.records import write
@@ -85,7 +85,7 @@ def test_a_grid_killed_mid_trial_measures_every_configuration_once_on_resume(tmp
         # What a worker killed by SIGKILL in its third trial leaves: the grid's next queued trial
         # RUNNING, stamped with the dead worker, its configuration claimed, its heartbeat beaten.
         orphan = first.study.ask()
-        config = TrialConfig.from_dict(orphan.user_attrs["config"])
+        config = TrialConfig.from_dict(records.joined(orphan.user_attrs, "config"))  # a running trial: no record yet
         host = socket.gethostname() if death == "killed here" else "other-host"
         write(orphan, config_key=config.key, worker=f"{host}:999999999")
         first.claims.claim(config.key, orphan._trial_id)
@@ -100,7 +100,7 @@ def test_a_grid_killed_mid_trial_measures_every_configuration_once_on_resume(tmp
     assert trials[orphan.number].state == optuna.trial.TrialState.FAIL
     assert not [t.number for t in trials if t.state in (optuna.trial.TrialState.RUNNING,
                                                          optuna.trial.TrialState.WAITING)]
-    outcomes = Counter(t.user_attrs["config_key"] for t in trials
+    outcomes = Counter(TrialRecord.of(t).config_key for t in trials
                        if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
                        and t.user_attrs.get("answered_from") is None)
     grid = {c.key for c in resumed.prepared.space.enumerate()}

@@ -26,6 +26,7 @@ from optuna.pruners import BasePruner
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune import objective as objective_mod
+from autotune.study import records
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.config import Objective
@@ -48,7 +49,7 @@ class LeaderGapPruner(BasePruner):
 
     def leader(self, study: optuna.Study) -> float | None:
         values = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                  if t.values and t.user_attrs.get("score", {}).get("feasible", True)
+                  if t.values and (records.joined(t.user_attrs, "score") or {}).get("feasible", True)
                   and t.user_attrs.get("answered_from") is None]
         return max(values) if values else None
 

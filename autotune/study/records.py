@@ -10,6 +10,7 @@ that autotune did not write, is refused instead of misread.
 from __future__ import annotations
 
 import json
+import unicodedata
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -146,54 +147,85 @@ _STORED_SET = frozenset(STORED)
 
 # optuna-dashboard shows each user attribute on one line that does not wrap: a long JSON value
 # (a trial's metrics are 1,600 characters, an engine's log tail 4,000) made a trial page 9,000 px
-# wide. A dict, list or string whose line would be longer than this is stored in parts, with
+# wide. A dict, list or string whose line would be wider than this is stored in parts, with
 # ``<field>`` holding a marker; ``joined`` puts it back. A list is stored one item per attribute
-# (``<field>.<i>``), a string one piece per attribute. A dict packs its short items together,
-# as many as fit a line, under ``<field>.~<i>``, and stores each item too long for a line under
-# ``<field>.<key>`` (recursively): one attribute per key made a trial 131 attributes, each
-# written in a transaction of its own, 38% of the default study's time.
-CELL_CHARS = 100
+# (``<field>.<i>``), a string one piece per attribute, cut only after a separator (a line's end,
+# a space, a comma, a semicolon; else a slash) where the line has one, so that a word is never
+# split across two lines unless it is wider than a line itself. A dict packs its short items
+# together, as many as fit a line, under ``<field>.~<i>``, and stores each item too long for a
+# line under ``<field>.<key>`` (recursively): one attribute per key made a trial 131 attributes,
+# each written in a transaction of its own, 38% of the default study's time.
+# 72 columns: the attribute column of a trial page in a 1,280 px window holds some 85 characters
+# of key and value (tests/test_browser.py measures the page); wide letters need the rest.
+CELL_CHARS = 72
 SPLIT_MARK = "_split"  # {"_split": "dict"}, "list" or "text" (a long string, in pieces)
 STALE = {SPLIT_MARK: "stale"}  # a part of an earlier, longer value (attributes cannot be deleted)
-# Identity fields, read raw by Optuna's queue and compared whole: never split.
-WHOLE = frozenset({"config", "config_key"})
+_BREAK_AFTER = ("\n", " ,;\t", "/")  # where a piece may end, the best first
 
 
-def _pieces(text: str, width: int) -> list[str]:
-    """``text`` in pieces of at most ``width`` characters, cut after a line's end where one is near."""
-    out, piece = [], ""
-    for line in text.splitlines(keepends=True):
-        while len(line) > width:
-            if piece:
-                out.append(piece)
-                piece = ""
-            out.append(line[:width])
-            line = line[width:]
-        if len(piece) + len(line) > width:
-            out.append(piece)
-            piece = ""
-        piece += line
-    return out + ([piece] if piece else [])
+def width(text: str) -> int:
+    """The columns ``text`` takes on one line: an East Asian wide or full-width character (CJK,
+    most emoji) counts two, a combining mark none."""
+    if text.isascii():
+        return len(text)
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+               for ch in text)
+
+
+def _fitting(text: str, columns: int) -> int:
+    """How many characters of ``text``, from its start, fit ``columns`` (at least one)."""
+    if text.isascii():
+        return max(1, min(len(text), columns))
+    used = 0
+    for i, ch in enumerate(text):
+        used += width(ch)
+        if used > columns:
+            return max(1, i)
+    return len(text)
+
+
+def _cut(text: str, columns: int) -> int:
+    """Where the first piece of ``text`` (wider than ``columns``) ends: after the last separator
+    that fits, the best kind first; else where the line is full, never before a combining mark
+    (it belongs to the letter before it)."""
+    n = _fitting(text, columns)
+    for kinds in _BREAK_AFTER:
+        at = max(text.rfind(ch, 0, n) for ch in kinds)
+        if at > 0:
+            return at + 1
+    while 1 < n < len(text) and unicodedata.combining(text[n]):
+        n -= 1
+    return n
+
+
+def _pieces(text: str, columns: int) -> list[str]:
+    """``text`` in pieces of at most ``columns`` columns whose concatenation is ``text``."""
+    out = []
+    while width(text) > columns:
+        cut = _cut(text, columns)
+        out.append(text[:cut])
+        text = text[cut:]
+    return out + ([text] if text else [])
 
 
 def cells(name: str, value: Any) -> list[tuple[str, Any]]:
     """The user attributes that store ``value`` under ``name``: itself, or a marker and its parts."""
-    if name in WHOLE:
-        return [(name, value)]
-    if isinstance(value, str) and len(name) + len(value) + 2 > CELL_CHARS:
-        pieces = _pieces(value, max(CELL_CHARS - len(name) - 8, 40))
-        return [(name, {SPLIT_MARK: "text"})] + [(f"{name}.{i}", p) for i, p in enumerate(pieces)]
+    if isinstance(value, str) and width(name) + width(value) + 2 > CELL_CHARS:
+        pieces = _pieces(value, max(CELL_CHARS - width(name) - 8, 40))
+        digits = len(str(len(pieces) - 1))  # .00 to .11: optuna-dashboard lists the parts in order
+        return [(name, {SPLIT_MARK: "text"})] + [(f"{name}.{i:0{digits}d}", p) for i, p in enumerate(pieces)]
     if not isinstance(value, (dict, list)) or not value:
         return [(name, value)]
-    if len(name) + len(json.dumps(value, default=str)) <= CELL_CHARS:
+    if width(name) + len(json.dumps(value, default=str)) <= CELL_CHARS:
         return [(name, value)]
     if isinstance(value, dict):
         if any(not isinstance(k, str) or "." in k or k.startswith(GROUP) for k in value):
             return [(name, value)]  # its keys could not be told from the path: kept whole
         return [(name, {SPLIT_MARK: "dict"})] + _packed(name, value)
     out: list[tuple[str, Any]] = [(name, {SPLIT_MARK: "list"})]
+    digits = len(str(len(value) - 1))
     for i, item in enumerate(value):
-        out += cells(f"{name}.{i}", item)
+        out += cells(f"{name}.{i:0{digits}d}", item)
     return out
 
 

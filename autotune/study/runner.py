@@ -162,13 +162,13 @@ class StudyRunner(TrialPhase, FinishPhase):
     # ----------------------------------------------------------------------------- queueing
 
     def _enqueue(self, config: TrialConfig, **attrs: Any) -> None:
-        self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={"config": config.as_dict(), **attrs})
+        self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={**dict(records.cells("config", config.as_dict())), **attrs})
 
     def _has_waiting(self) -> bool:
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
     def _waiting_keys(self) -> set[str]:
-        return {TrialConfig.from_dict(t.user_attrs["config"]).key
+        return {TrialConfig.from_dict(records.joined(t.user_attrs, "config")).key
                 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if "config" in t.user_attrs}
 
     def enqueue_prior(self) -> int:
@@ -461,7 +461,7 @@ class StudyRunner(TrialPhase, FinishPhase):
                 self.n_measured += 1  # it was launched: it counts like a BackendError
             write(trial, log_tail=scrub(traceback.format_exc())[-4000:])
             self._fail_quietly(trial, scrub(f"{type(exc).__name__}: {exc}"))
-            config = trial.user_attrs.get("config", {})
+            config = records.joined(trial.user_attrs, "config") or {}
             outcome = Outcome("FAIL", config, reason=scrub(str(exc)),
                               failed_in=systematic.launching(config["backend"]) if "engine" in trial.user_attrs
                               and "backend" in config else None)

@@ -194,7 +194,7 @@ class TrialPhase:
             return Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"),
                            worked=(systematic.making(config.backend), systematic.launching(config.backend)))
         s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
-                        trial.user_attrs.get("quality_drop_points"), trial.user_attrs.get("quality"))
+                        trial.user_attrs.get("quality_drop_points"), records.joined(trial.user_attrs, "quality"))
         records.set_constraints(trial, s.constraints)
         write(trial, score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
                             "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
@@ -267,8 +267,9 @@ class TrialPhase:
         """
         skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason",
                 "retry"}
-        # the earlier trial's record, flat columns included
-        trial_writes.set_user_attrs(trial, {key: value for key, value in earlier.raw.items() if key not in skip})
+        # the earlier trial's record, flat columns included (a long field's parts with it)
+        trial_writes.set_user_attrs(trial, {key: value for key, value in earlier.raw.items()
+                                            if key.split(".", 1)[0] not in skip})
         if earlier.state == TrialState.RUNNING:
             reason = f"being measured by trial {earlier.number} (worker {earlier.worker})"
         else:

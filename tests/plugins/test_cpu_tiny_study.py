@@ -117,7 +117,7 @@ def test_the_whole_study_on_real_servers(study_dir):
     assert base["error"] is None and base["weights"] == "models/tiny-f16.gguf", base
     assert base["aggregate_tok_s"]["median"] > 0 and base["ratio"]["aggregate"]["ratio"] > 0
     assert " -ngl 0 " in base["deploy_command"] and " -c " not in base["deploy_command"]
-    assert not any((t.user_attrs.get("config") or {}).get("engine_defaults") for t in study.trials)
+    assert not any((TrialRecord.of(t).config or {}).get("engine_defaults") for t in study.trials)
     check_the_twin_learned_from_the_study(study, study_dir, summary)
     # The report of a real study renders in a browser: knee, memory (measured peaks) at least.
     n, rows, winner = check_report(study_dir / "report.html", min_plots=2)

@@ -282,7 +282,7 @@ def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp
     assert len(complete) == 4
     for t in complete:
         q, score = TrialRecord.of(t).quality, TrialRecord.of(t).score
-        expected_drop = 0.0 if t.user_attrs["config"]["weights"] == "exact" else (1.0 - always_a) * 100
+        expected_drop = 0.0 if TrialRecord.of(t).config["weights"] == "exact" else (1.0 - always_a) * 100
         assert q["drop_points"] == pytest.approx(expected_drop)
         assert q["n"] == q["items_used"] == 57 and q["reference_value"] == 1.0
         # Paired: the reference answers every item right, so the items always-a gets wrong are
@@ -311,7 +311,7 @@ def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path
     assert by_weights["exact"]["verdict"] == "within" and by_weights["exact"]["items_used"] == 114
     for t in study.trials:
         q = TrialRecord.of(t).quality
-        if t.user_attrs["config"]["weights"] == "always-a":
+        if TrialRecord.of(t).config["weights"] == "always-a":
             assert t.state == optuna.trial.TrialState.PRUNED
             assert "over the bound" in TrialRecord.of(t).prune_reason
         elif t.state == optuna.trial.TrialState.COMPLETE:
@@ -339,7 +339,7 @@ def test_an_undecided_configuration_is_treated_by_the_stated_policy(tmp_path, tm
     assert (d["verdict"], d["items_used"], d["stopped_by"]) == ("undecided", 57, "items")
     assert d["admitted"] is admitted and d["decided_by"] == f"policy {policy}"
     study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
-    states = {t.state for t in study.trials if t.user_attrs["config"]["weights"] == "always-a" and "answered_from" not in t.user_attrs}
+    states = {t.state for t in study.trials if TrialRecord.of(t).config["weights"] == "always-a" and "answered_from" not in t.user_attrs}
     reasons = [TrialRecord.of(t).prune_reason for t in study.trials]
     assert states == {optuna.trial.TrialState.COMPLETE if admitted else optuna.trial.TrialState.PRUNED}, reasons
 

@@ -28,6 +28,7 @@ from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVll
 from autotune_plugins.twin.formats import directory_format
 # exl2_dir: the hand-written 4.0 bpw directory, a fixture here too.
 from tests.plugins.test_exllamav2_backend import CONFIG, FAKE, exl2_dir, write_safetensors  # noqa: F401
+from autotune.study.records import TrialRecord
 
 
 def exl2_layer(i: int, bits: float) -> dict[str, tuple[str, list[int]]]:
@@ -257,7 +258,7 @@ def test_prior_ranks_a_real_exllamav2_study_over_exl2_directories(exl2_dir, tmp_
         summary = runner.run(n_trials=3)
     assert summary.n_measured == 3
     first = [t for t in runner.study.trials if t.user_attrs.get("from_prior")]
-    assert [t.user_attrs["config_key"] for t in first] == [c.key for c, _ in ranked[:2]]
+    assert [TrialRecord.of(t).config_key for t in first] == [c.key for c, _ in ranked[:2]]
 
 
 def test_the_prior_leaves_what_the_twin_cannot_speak_for_unranked(exl2_dir, tmp_path):
