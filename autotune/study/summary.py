@@ -456,7 +456,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
     baselines = records.baselines(study)
     if baselines:  # each backend's default launch, and how many times faster the best is
-        summary.extra["baseline"] = compare(summary.best, baselines)
+        slo = (records.study_header(study).get("objective") or {}).get("slo")
+        summary.extra["baseline"] = compare(summary.best, baselines, goodput=bool(slo))
     decisions = records.quality_decisions(study)
     if decisions:
         summary.extra["quality_decisions"] = decisions
