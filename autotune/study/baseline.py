@@ -220,6 +220,9 @@ def _text(title: str, base: records.Baseline, ratios: Mapping[str, Any], best: M
     if ratios.get("goodput"):  # first: a study with latency targets is scored by it
         rows.insert(0, (ratios["goodput"], f"what {title} gives in goodput tok/s (requests within the targets)",
                         f"of what {title} gives in goodput tok/s"))
+    elif "goodput" in ratios and base.median("goodput_tok_s") == 0:  # no ratio to 0, but the fact is the news
+        parts.append(f"no request of {title} met the targets (goodput 0 tok/s; the winner's "
+                     f"{(best.get('metrics') or {}).get('goodput_tok_s', 0):.1f})")
     # "3.1x what llama-server's --fit gives in aggregate tok/s (A +- a% vs B +- b%), 2.0x in per-user ..."
     for r, gain, noise in rows:
         if r is None:
