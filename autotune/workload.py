@@ -34,6 +34,8 @@ __all__ = ["ARRIVALS", "PRESETS", "SLO_KEYS", "Preset", "WORKLOAD_KEYS", "Worklo
            "read_workload"]
 
 ARRIVALS = ("closed", "poisson")
+# Request numbers from here on are a run's (Workload.request); those below, requests alone.
+FIRST_RUN_REQUEST = 1000
 WORKLOAD_KEYS = ("prompt_tokens", "output_tokens", "profile", "file", "requests", "seed", "arrival", "rate")
 # The latency quantities a target may bound, each at one of these percentiles, e.g. ttft_p95_ms.
 SLO_QUANTITIES = ("ttft", "itl", "e2e")
@@ -86,9 +88,11 @@ class Workload:
 
     def request(self, i: int) -> tuple[int, int]:
         """Request number ``i``'s (prompt, output) tokens: every backend builds request ``i`` to
-        these lengths. A run's requests are numbered from a multiple of ``len(requests)``, so
-        each run sends the whole drawn set."""
-        if not self.requests:
+        these lengths. Numbers below :data:`FIRST_RUN_REQUEST` (the request alone of each run,
+        the warm-up) are the typical request, so the rates measured alone do not move with the
+        draw; a run's requests are numbered from a multiple of ``len(requests)`` above it, so
+        each run sends the whole drawn set, in order."""
+        if not self.requests or i < FIRST_RUN_REQUEST:
             return self.prompt_tokens, self.output_tokens
         return self.requests[i % len(self.requests)]
 

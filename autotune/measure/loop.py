@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.measure.gpu_telemetry import GpuTelemetry, measure_with_telemetry
 from autotune.measure.load import latency_metrics, poisson_arrivals, run_requests
+from autotune.workload import FIRST_RUN_REQUEST
 from autotune.measure.protocol import Stat
 from autotune.measure.streams import SERVING_UNITS, ConcurrentResult, StreamResult, run_streams_threaded
 
@@ -86,7 +87,7 @@ def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], St
                 return run_streams_threaded(lambda j: stream(1000 + parallel * i + j), parallel, timeout_s)
             # Numbered from a multiple of the run's size, so request k of every run has the
             # lengths of the drawn request k (Workload.request); above the requests alone's.
-            first = size * (1000 + i)
+            first = size * (FIRST_RUN_REQUEST + i)
             indices = range(first, first + size)
             if arrivals is not None:
                 return run_requests(stream, indices, timeout_s + arrivals[-1], arrivals=arrivals)

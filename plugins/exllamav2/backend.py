@@ -45,7 +45,8 @@ from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import SERVING_UNITS, measure_engine
+from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_metrics
+from autotune.measure.load import poisson_arrivals
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.paths import path_problem
 from autotune.safetensors_dir import read_config_json
@@ -438,11 +439,21 @@ class ExLlamaV2Backend(BaseBackend):
                 loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
                 last: dict[str, Any] = {}
 
+                load: dict[str, Any] = {}
+                if wl.shaped:  # the workload's requests, each to its lengths, as every backend sends them
+                    lengths = list(wl.requests) or [(wl.prompt_tokens, wl.output_tokens)] * config.parallel
+                    load = {"requests": lengths, "concurrency": config.parallel,
+                            "arrivals": poisson_arrivals(len(lengths), wl.rate, wl.seed)
+                            if wl.arrival == "poisson" and wl.rate else None}
+
                 def sample() -> Mapping[str, float]:
                     reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
-                                           output_tokens=wl.output_tokens)
+                                           output_tokens=wl.output_tokens, **load)
                     last.update(reply)
-                    return reply["metrics"]
+                    # The latencies and goodput from the worker's requests, by the core's rules.
+                    single, streams = StreamResult(**reply["single"]), [StreamResult(**r) for r in reply["streams"]]
+                    wall = max(r.end_s for r in streams) - min(r.start_s for r in streams)
+                    return serving_metrics(single, ConcurrentResult(tuple(streams), wall), wl.slo)
 
                 # The worker composes a run in its own process (one request alone, then the
                 # batch, as autotune.measure.serving_metrics defines it); the core's loop decides
