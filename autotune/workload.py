@@ -82,6 +82,12 @@ class Workload:
         return self.prompt_tokens + self.output_tokens
 
     @property
+    def need_text(self) -> str:
+        """What :attr:`sequence_tokens` is made of, for a refusal: ``1500 prompt + 800 output = 2300 tokens``."""
+        p, o = max(self.requests, key=sum) if self.requests else (self.prompt_tokens, self.output_tokens)
+        return f"{'the longest request drawn: ' if self.requests else ''}{p} prompt + {o} output = {p + o} tokens"
+
+    @property
     def shaped(self) -> bool:
         """Whether a run is more than ``parallel`` copies of one request sent together."""
         return bool(self.requests) or self.arrival != "closed"

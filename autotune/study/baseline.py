@@ -123,7 +123,7 @@ def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx:
     if config.ctx < need:
         records.write_baseline(study, name, launch.name, **head, error=(
             f"its context of {config.ctx} tokens per user cannot hold the workload's {need} "
-            f"(prompt {ctx.workload.prompt_tokens} + output {ctx.workload.output_tokens}): not launched"))
+            f"({ctx.workload.need_text}): not launched"))
         return 0
     if say is not None:
         say(f"baseline: {title} on {weights} (not a trial; measured once per study)")
