@@ -30,7 +30,7 @@ SAFETY_MARGIN_MIB = 256
 
 OBJECTIVE_MODES = ("single", "pareto")
 # What [objective] metric may name: a measured rate, or goodput (docs/workload.md).
-METRICS = ("aggregate_tok_s", "decode_tok_s", "per_user_tok_s", "goodput_tok_s", "goodput_req_s")
+METRICS = ("aggregate_tok_s", "decode_tok_s", "per_user_tok_s", "goodput_tok_s", "goodput_req_s", "rate_req_s")
 # [quality] table: field -> (type, min, max or None, what it is). Metrics that sample a
 # benchmark read the first three (the shipped samples hold 10 items and 5 dev examples per
 # subject); the rest say how the study measures a paired drop (autotune/study/quality.py).
@@ -445,7 +445,8 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     slo = read_slo(obj_t, lambda key, *a, **k: r.get("objective", obj_t, key, *a, **k))
     objective = Objective(
         # With latency targets the default is goodput: throughput of the requests that met them.
-        metric=r.get("objective", obj_t, "metric", str, "goodput_tok_s" if slo else "aggregate_tok_s",
+        metric=r.get("objective", obj_t, "metric", str, "rate_req_s" if spec.rate_search and slo else
+                     "goodput_tok_s" if slo else "aggregate_tok_s",
                      check=_one_of(METRICS)),
         quality=r.get("objective", obj_t, "quality", str, None),
         # tok/s taken off per point of quality lost; a million is beyond any throughput, and a
@@ -459,6 +460,9 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                                  check=lambda v: None if v > 0 else "must be > 0"),
         slo=slo,
     )
+    if spec.rate_search and not slo:
+        r.errors.append(f"{source}: [workload] rate_search needs latency targets in [objective] (e.g. ttft_p95_ms = "
+                        "500): the rate searched for is the highest that meets them")
     if objective.quality is None and (objective.penalty_per_point or objective.max_drop_points is not None or objective.mode == "pareto"):
         r.errors.append(
             f"{source}: [objective] quality is missing: penalty_per_point, max_drop_points and mode = 'pareto' need a quality metric"

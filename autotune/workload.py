@@ -36,7 +36,10 @@ __all__ = ["ARRIVALS", "PRESETS", "SLO_KEYS", "Preset", "WORKLOAD_KEYS", "Worklo
 ARRIVALS = ("closed", "poisson")
 # Request numbers from here on are a run's (Workload.request); those below, requests alone.
 FIRST_RUN_REQUEST = 1000
-WORKLOAD_KEYS = ("prompt_tokens", "output_tokens", "profile", "file", "requests", "seed", "arrival", "rate")
+WORKLOAD_KEYS = ("prompt_tokens", "output_tokens", "profile", "file", "requests", "seed", "arrival", "rate",
+                 "rate_search")
+# Bisections of a rate search after its two bounds: the rate found is within (high - low) / 2**5.
+RATE_SEARCH_STEPS = 5
 # The latency quantities a target may bound, each at one of these percentiles, e.g. ttft_p95_ms.
 SLO_QUANTITIES = ("ttft", "itl", "e2e")
 SLO_PERCENTILES = (50, 95, 99)
@@ -61,6 +64,8 @@ class Workload:
             is ``(prompt_tokens, output_tokens)`` and a run sends ``parallel`` of them at once.
         arrival: ``"closed"`` (``parallel`` requests in flight) or ``"poisson"`` (open loop).
         rate: Requests per second of the Poisson arrivals.
+        rate_search: (low, high) requests per second: each run finds the highest Poisson rate
+            between them whose requests meet the latency targets (``slo``), by bisection.
         seed: Draws the arrival times.
         slo: The per-request latency targets goodput counts against (``[objective]``'s
             ``ttft_p95_ms``...: :data:`autotune.workload.SLO_KEYS`) and ``min_per_user_tok_s``.
@@ -73,6 +78,7 @@ class Workload:
     rate: float | None = None
     seed: int = 0
     slo: tuple[tuple[str, float], ...] = ()
+    rate_search: tuple[float, float] | None = None
 
     @property
     def sequence_tokens(self) -> int:
@@ -168,6 +174,7 @@ class WorkloadSpec:
         seed: Draws the requests (None: the study's seed).
         arrival: ``"closed"`` or ``"poisson"``.
         rate: Requests per second, for ``"poisson"``.
+        rate_search: (low, high) requests per second to search, for ``"poisson"`` instead of ``rate``.
     """
 
     prompt_tokens: int | None = None
@@ -178,6 +185,7 @@ class WorkloadSpec:
     seed: int | None = None
     arrival: str = "closed"
     rate: float | None = None
+    rate_search: tuple[float, float] | None = None
 
     @property
     def distribution(self) -> bool:
@@ -292,14 +300,22 @@ def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Call
         for key in ("prompt_tokens", "output_tokens"):
             if key not in table:
                 error(key, None, f"required: {shape}")
-    if arrival == "poisson" and rate is None and "rate" not in table:
-        error("rate", None, "required with arrival = 'poisson': requests per second, e.g. 2.0")
-    if arrival == "closed" and rate is not None:
-        error("rate", rate, "is for arrival = 'poisson' (open loop); a closed loop sends as fast as the slots answer")
+    search = get("rate_search", list, None, check=lambda v: None if len(v) == 2 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) and 0 < v[0] < v[1] else
+        "must be [low, high] requests per second, 0 < low < high, e.g. [0.5, 16.0]")
+    if arrival == "poisson" and "rate" in table and "rate_search" in table:
+        error("rate_search", search, f"and rate = {rate} are both set: give one (a fixed rate, or the range to search)")
+    elif arrival == "poisson" and "rate" not in table and "rate_search" not in table:
+        error("rate", None, "required with arrival = 'poisson': requests per second, e.g. 2.0 (or rate_search = "
+                            "[low, high] to find the highest rate that meets the latency targets)")
+    for key, value in (("rate", rate), ("rate_search", search)):
+        if arrival == "closed" and value is not None:
+            error(key, value, "is for arrival = 'poisson' (open loop); a closed loop sends as fast as the slots answer")
     if requests is not None and "profile" not in table and "file" not in table and arrival == "closed":
         error("requests", requests, "is for a length distribution (profile or file) or arrival = 'poisson'; "
                                     "one request shape sends parallel requests a run")
-    return WorkloadSpec(prompt, output, profile, file, requests, seed, arrival, rate)
+    return WorkloadSpec(prompt, output, profile, file, requests, seed, arrival, rate,
+                        (float(search[0]), float(search[1])) if search else None)
 
 
 def read_slo(table: Mapping[str, Any], get: Callable[..., Any]) -> tuple[tuple[str, float], ...]:
@@ -332,4 +348,5 @@ def study_workload(cfg: Any) -> Workload:
     floor = cfg.objective.min_per_user_tok_s
     slo = tuple(cfg.objective.slo) + ((("min_per_user_tok_s", float(floor)),) if floor is not None else ())
     return Workload(cfg.prompt_tokens, cfg.output_tokens, requests=tuple(cfg.requests), arrival=spec.arrival,
-                    rate=spec.rate, seed=spec.seed if spec.seed is not None else cfg.seed, slo=slo)
+                    rate=spec.rate, seed=spec.seed if spec.seed is not None else cfg.seed, slo=slo,
+                    rate_search=spec.rate_search if spec.arrival == "poisson" else None)

@@ -280,3 +280,44 @@ def test_a_twin_study_under_a_ttft_target_gives_up_throughput_for_it(tmp_path, t
     assert free["metrics"]["ttft_p95_ms"] > 1500  # the unconstrained winner misses the target...
     assert bound["params"]["parallel"] < free["params"]["parallel"]  # ...by taking more users at once
     assert bound["metrics"]["aggregate_tok_s"] < free["metrics"]["aggregate_tok_s"]
+
+
+def test_rate_search_keys(tmp_path):
+    cfg = load_study_config(study_file(tmp_path, 'profile = "chat"\narrival = "poisson"\nrate_search = [0.5, 16]',
+                                       "ttft_p95_ms = 500"))
+    assert cfg.workload.rate_search == (0.5, 16.0) and cfg.objective.metric == "rate_req_s"
+    for workload, objective, expected in [
+        ('profile = "chat"\narrival = "poisson"\nrate_search = [0.5, 16]', "",
+         "[workload] rate_search needs latency targets in [objective]"),
+        ('profile = "chat"\narrival = "poisson"\nrate = 1.0\nrate_search = [0.5, 16]', "ttft_p95_ms = 500",
+         "[workload] rate_search = [0.5, 16]: and rate = 1.0 are both set"),
+        ('profile = "chat"\narrival = "poisson"\nrate_search = [16, 0.5]', "ttft_p95_ms = 500",
+         "[workload] rate_search = [16, 0.5]: must be [low, high]"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_study_config(study_file(tmp_path, workload, objective))
+        assert expected in str(err.value)
+
+
+def test_the_twin_finds_the_highest_rate_within_the_target(twin_plugin):
+    from dataclasses import replace
+
+    from autotune.backend import StudyContext, TrialConfig
+    from autotune.hardware import get_gpu
+    from autotune.measure import Protocol
+    from autotune.models import get_model
+    from autotune_plugins.twin import TwinLlamaCpp, load_constants, traffic
+
+    wl = Workload(2000, 150, requests=draw(WorkloadSpec(profile="rag", requests=24), 0, Path(".")),
+                  arrival="poisson", rate_search=(0.25, 40.0), slo=(("ttft_p95_ms", 2000.0),))
+    ctx = StudyContext(gpu=get_gpu("h200"), model=get_model("qwen2.5-7b"), workload=wl, vram_budget_bytes=100 * 2**30,
+                       protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1))
+    twin = TwinLlamaCpp()
+    config = TrialConfig(twin.name, "gguf:Q4_K_M", 16384, 8, (("flash_attn", True),))
+    m = twin.run(config, ctx)
+    found = m.metrics["rate_req_s"].median
+    assert 0.25 < found < 40.0 and m.metrics["ttft_p95_ms"].median <= 2000.0
+    # Just above the rate found, the same requests miss the target.
+    scenario, (k, host) = twin.scenario(config, ctx), (twin.constants(), load_constants()[1])
+    above, _ = traffic.predicted_run(scenario, k, host, replace(wl, rate_search=None, rate=found + 40.0 / 2**5))
+    assert latency_metrics(above)["ttft_p95_ms"] > 2000.0

@@ -31,7 +31,7 @@ import httpx
 from autotune.measure.openai_api import stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.measure.streams import LATENCY_UNITS, ConcurrentResult, StreamResult, _raise_first
-from autotune.workload import percentile
+from autotune.workload import SLO_KEYS, percentile
 
 __all__ = ["LATENCY_UNITS", "LoadReport", "latency_metrics", "meets", "poisson_arrivals", "request_latencies",
            "run_openai_load", "run_requests", "search_rate"]
@@ -39,8 +39,9 @@ __all__ = ["LATENCY_UNITS", "LoadReport", "latency_metrics", "meets", "poisson_a
 def poisson_arrivals(n: int, rate: float, seed: int | str) -> list[float]:
     """``n`` arrival times (seconds from the start, the first at 0) of a Poisson process of
     ``rate`` per second: exponential gaps, seeded, so every run and every trial sends at the
-    same moments."""
-    rng = random.Random(f"arrivals:{seed}:{rate!r}")
+    same moments. The draws do not depend on the rate, only their scale: a higher rate sends the
+    same requests closer together, so a rate search compares like with like."""
+    rng = random.Random(f"arrivals:{seed}")
     t, out = 0.0, []
     for _ in range(n):
         out.append(t)
@@ -164,7 +165,8 @@ def meets(r: RequestLatency, slo: Sequence[tuple[str, float]]) -> bool:
 def latency_metrics(result: ConcurrentResult, slo: Sequence[tuple[str, float]] = ()) -> dict[str, float]:
     """The keys of :data:`LATENCY_UNITS` for one run's requests: the p50, p95 and p99 of TTFT,
     ITL and E2E, and goodput (requests, and their output tokens, that met every target, per
-    second of the run's span). Without targets every request counts: goodput is the throughput."""
+    second of the run's span), and ``rate_req_s``, the requests completed per second. Without
+    targets every request counts: goodput is the throughput."""
     lat = [request_latencies(s) for s in result.streams]
     out = {}
     for q in ("ttft", "itl", "e2e"):
@@ -175,6 +177,8 @@ def latency_metrics(result: ConcurrentResult, slo: Sequence[tuple[str, float]] =
     span = result.span_s
     out["goodput_req_s"] = len(good) / span if span > 0 else 0.0
     out["goodput_tok_s"] = sum(r.output_tokens for r in good) / span if span > 0 else 0.0
+    # The requests completed per second; an open-loop run says the rate it was offered instead.
+    out["rate_req_s"] = len(lat) / span if span > 0 else 0.0
     return out
 
 
@@ -182,8 +186,8 @@ def slo_met(metrics: Mapping[str, float], slo: Sequence[tuple[str, float]]) -> l
     """The targets a run's percentiles miss, one line each (empty: all met)."""
     out = []
     for key, target in slo:
-        if key == "min_per_user_tok_s":
-            continue  # a per-request floor: counted in goodput; the study's constraint reads per_user_tok_s
+        if key not in SLO_KEYS:
+            continue  # the per-user floor is per request: counted in goodput; its constraint reads per_user_tok_s
         if metrics.get(key, math.inf) > target:
             out.append(f"{key} {metrics.get(key, math.nan):.0f} > {target:g}")
     return out

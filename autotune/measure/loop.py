@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autotune.measure.gpu_telemetry import GpuTelemetry, measure_with_telemetry
-from autotune.measure.load import latency_metrics, poisson_arrivals, run_requests
-from autotune.workload import FIRST_RUN_REQUEST
+from autotune.measure.load import latency_metrics, poisson_arrivals, run_requests, search_rate
+from autotune.workload import FIRST_RUN_REQUEST, RATE_SEARCH_STEPS
 from autotune.measure.protocol import Stat
 from autotune.measure.streams import SERVING_UNITS, ConcurrentResult, StreamResult, run_streams_threaded
 
@@ -66,7 +66,9 @@ def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], St
             (``Workload.shaped``): the run's drawn requests, ``parallel`` in flight (closed loop)
             or each at its arrival time (open loop, the same times every run). Either way the
             backend builds request ``i`` to ``workload.request(i)``'s lengths, and goodput
-            counts against ``workload.slo``.
+            counts against ``workload.slo``. With ``workload.rate_search`` each run sends the
+            requests at several Poisson rates (a bisection, :func:`search_rate`) and reports the
+            load at the highest rate that met the targets, ``rate_req_s`` that rate (0: none did).
 
     Returns:
         A ``run_once`` for :func:`measure_engine`. Request numbers never repeat within a
@@ -76,25 +78,45 @@ def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], St
     slo = workload.slo if workload is not None else ()
     shaped = workload is not None and workload.shaped
     size = workload.run_size(parallel) if workload is not None else parallel
-    arrivals = (poisson_arrivals(size, workload.rate, workload.seed)
-                if workload is not None and workload.arrival == "poisson" and workload.rate else None)
+    search = workload.rate_search if workload is not None else None
+    fixed = workload.rate if workload is not None and workload.arrival == "poisson" else None
+    loads = iter(range(10**9))  # each load of requests sent, for their numbers
+
+    def load(rate: float | None) -> ConcurrentResult:
+        # Numbered from a multiple of the run's size, so request k of every load has the lengths
+        # of the drawn request k (Workload.request); above the requests alone's.
+        first = size * (FIRST_RUN_REQUEST + next(loads))
+        indices = range(first, first + size)
+        if rate is not None:
+            arrivals = poisson_arrivals(size, rate, workload.seed if workload is not None else 0)
+            return run_requests(stream, indices, timeout_s + arrivals[-1], arrivals=arrivals)
+        return run_requests(stream, indices, timeout_s * math.ceil(size / parallel), concurrency=parallel)
 
     def run_once() -> dict[str, float]:
         i = next(counter)
         single = alone(i)
+        offered: list[float] = []
+
         def streams() -> ConcurrentResult:
             if not shaped:
                 return run_streams_threaded(lambda j: stream(1000 + parallel * i + j), parallel, timeout_s)
-            # Numbered from a multiple of the run's size, so request k of every run has the
-            # lengths of the drawn request k (Workload.request); above the requests alone's.
-            first = size * (FIRST_RUN_REQUEST + i)
-            indices = range(first, first + size)
-            if arrivals is not None:
-                return run_requests(stream, indices, timeout_s + arrivals[-1], arrivals=arrivals)
-            return run_requests(stream, indices, timeout_s * math.ceil(size / parallel), concurrency=parallel)
+            if search is None:
+                return load(fixed)
+            runs: dict[float, ConcurrentResult] = {}
+
+            def at(rate: float) -> dict[str, float]:
+                runs[rate] = load(rate)
+                return latency_metrics(runs[rate], slo)
+
+            found, tried = search_rate(at, slo, *search, steps=RATE_SEARCH_STEPS)
+            offered.append(found or 0.0)
+            return runs[found if found is not None else tried[-1][0]]
 
         together = around_streams(streams) if around_streams is not None else streams()
-        return serving_metrics(single, together, slo)
+        out = serving_metrics(single, together, slo)
+        if offered or (shaped and fixed is not None):  # open loop: the rate offered (found), not the rate served
+            out["rate_req_s"] = offered[0] if offered else float(fixed or 0.0)
+        return out
 
     return run_once
 

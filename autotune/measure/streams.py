@@ -107,7 +107,7 @@ CONCURRENT_UNITS: Mapping[str, str] = {
 #: What every serving run reports besides its rates: the p50, p95 and p99 of each latency over
 #: the run's requests, and goodput (:func:`autotune.measure.load.latency_metrics`).
 LATENCY_UNITS: Mapping[str, str] = {**{key: "ms" for key in SLO_KEYS},
-                                    "goodput_req_s": "req/s", "goodput_tok_s": "tok/s"}
+                                    "goodput_req_s": "req/s", "goodput_tok_s": "tok/s", "rate_req_s": "req/s"}
 
 # What a serving backend measures per run: one request alone (its decode and prefill rates), then
 # the concurrent streams. The stability key a backend's settings accept is one of these five

@@ -245,10 +245,10 @@ class TwinBackend(BaseBackend):
         scenario, k = self.scenario(config, ctx), self.calibrated_constants(ctx)
         out = physics.predict(scenario, k, host).as_dict()
         if ctx.workload.shaped or ctx.workload.slo:  # the requests one by one (traffic.py): their latencies
-            run = traffic.predicted_run(scenario, k, host, ctx.workload)
+            run, offered = traffic.predicted_run(scenario, k, host, ctx.workload)
             rates = {"aggregate_tok_s": run.aggregate_tok_s, "per_user_tok_s": run.per_user_tok_s}
             out.update({**(rates if ctx.workload.shaped else {}), **traffic.run_metrics(run, ctx.workload, (
-                rates if ctx.workload.shaped else out)["aggregate_tok_s"])})
+                rates if ctx.workload.shaped else out)["aggregate_tok_s"], offered)})
         return out
 
     def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
@@ -300,7 +300,7 @@ class TwinBackend(BaseBackend):
         after_s = self.setting(ctx, "throttle_after_s")
         clock = SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
         truth, wl = p.as_dict(), ctx.workload
-        run = traffic.predicted_run(scenario, k, host, wl)  # each request (traffic.py)
+        run, offered = traffic.predicted_run(scenario, k, host, wl)  # each request (traffic.py)
         if wl.shaped:  # a distribution or arrivals: the simulation's throughput, not the one shape's closed form
             truth.update(aggregate_tok_s=run.aggregate_tok_s, per_user_tok_s=run.per_user_tok_s)
         latency_rng = random.Random(f"{ctx.seed}:{config.key}:{launch}:latency")  # leaves rng's draws as they were
@@ -313,7 +313,8 @@ class TwinBackend(BaseBackend):
                 out[name] = truth[name] * factor * (1.0 + rng.gauss(0.0, noise) if noise else 1.0)
             out["ttft_ms"] = truth["ttft_ms"] / factor
             speed = factor * (1.0 + latency_rng.gauss(0.0, noise) if noise else 1.0)
-            out.update(traffic.run_metrics(traffic.scaled(run, speed), wl, out["aggregate_tok_s"]))
+            out.update(traffic.run_metrics(traffic.scaled(run, speed), wl, out["aggregate_tok_s"],
+                                           None if offered is None else offered * speed))
             return out
 
         # Without noise every run would say the same: one run is the measurement.

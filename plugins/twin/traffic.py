@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autotune.measure import ConcurrentResult, StreamResult
-from autotune.measure.load import latency_metrics, poisson_arrivals
-from autotune.workload import Workload
+from autotune.measure.load import latency_metrics, poisson_arrivals, search_rate
+from autotune.workload import RATE_SEARCH_STEPS, Workload
 
 from autotune_plugins.twin import physics
 
@@ -90,11 +90,12 @@ def simulate(lengths: Sequence[tuple[int, int]], slots: int, prefill_tok_s: floa
 
 
 def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants,
-                  workload: Workload) -> ConcurrentResult:
+                  workload: Workload) -> tuple[ConcurrentResult, float | None]:
     """The requests of one run of ``workload`` on scenario ``s`` (``s.parallel`` slots), served
     by :func:`simulate` at the engine's predicted prefill rate and step times: the requests
     drawn from a length distribution, at Poisson arrivals or ``parallel`` in flight; one request
-    shape, ``parallel`` copies sent together."""
+    shape, ``parallel`` copies sent together. Returns the run and, open-loop, the rate offered
+    (with a rate search, the highest that met the targets; 0 when none did)."""
     gpu_layers = physics.gpu_layer_split(s, k, physics.memory(s, k))
     c_decode = s.prompt_tokens + s.output_tokens / 2  # mean context while generating, as physics.predict
     steps: dict[int, float] = {}
@@ -107,11 +108,25 @@ def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics
     slots = min(s.jobs_at_once or s.parallel, s.parallel)
     request_s = k.request_ms * 1e-3 if s.harness == "server" else 0.0
     lengths = list(workload.requests) or [(workload.prompt_tokens, workload.output_tokens)] * s.parallel
-    arrivals = (poisson_arrivals(len(lengths), workload.rate, workload.seed)
-                if workload.arrival == "poisson" and workload.rate else None)
-    streams = simulate(lengths, slots, physics.prefill_tok_s(s, k, host, gpu_layers), step_s, request_s,
-                       concurrency=None if arrivals else s.parallel, arrivals=arrivals)
-    return ConcurrentResult(tuple(streams), max(r.end_s for r in streams))
+    prefill = physics.prefill_tok_s(s, k, host, gpu_layers)
+
+    def at(rate: float | None) -> ConcurrentResult:
+        arrivals = poisson_arrivals(len(lengths), rate, workload.seed) if rate else None
+        streams = simulate(lengths, slots, prefill, step_s, request_s, concurrency=None if arrivals else s.parallel,
+                           arrivals=arrivals)
+        return ConcurrentResult(tuple(streams), max(r.end_s for r in streams))
+
+    if workload.arrival == "poisson" and workload.rate_search:  # as the core's loop searches (serving_run)
+        runs: dict[float, ConcurrentResult] = {}
+
+        def measured(rate: float) -> dict[str, float]:
+            runs[rate] = at(rate)
+            return latency_metrics(runs[rate], workload.slo)
+
+        found, tried = search_rate(measured, workload.slo, *workload.rate_search, steps=RATE_SEARCH_STEPS)
+        return runs[found if found is not None else tried[-1][0]], found or 0.0
+    rate = workload.rate if workload.arrival == "poisson" else None
+    return at(rate), rate
 
 
 def scaled(run: ConcurrentResult, speed: float) -> ConcurrentResult:
@@ -121,12 +136,15 @@ def scaled(run: ConcurrentResult, speed: float) -> ConcurrentResult:
                                   for r in run.streams), run.wall_s / speed)
 
 
-def run_metrics(run: ConcurrentResult, workload: Workload, aggregate_tok_s: float) -> dict[str, float]:
+def run_metrics(run: ConcurrentResult, workload: Workload, aggregate_tok_s: float,
+                offered: float | None = None) -> dict[str, float]:
     """The latency keys of a run (:data:`autotune.measure.LATENCY_UNITS`). For one request shape
     sent together, whose throughput the twin predicts in closed form (``service.served``),
     goodput is that throughput times the share of the simulated requests that met the targets,
     so that without targets it is the throughput, as measured."""
     out = latency_metrics(run, workload.slo)
+    if offered is not None:
+        out["rate_req_s"] = offered
     if not workload.shaped and run.total_output_tokens:
         share = out["goodput_tok_s"] / run.aggregate_tok_s if run.aggregate_tok_s else 0.0
         out["goodput_tok_s"] = aggregate_tok_s * share

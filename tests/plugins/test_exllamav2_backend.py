@@ -508,3 +508,26 @@ time.sleep(60)
         for p in (pids_of(pidfile) if pidfile.exists() else []):
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("search", [None, (0.5, 8.0)], ids=["closed-loop", "rate-search"])
+def test_a_workloads_requests_reach_the_worker_and_its_streams_are_scored_by_the_core(exl2_dir, tmp_path,
+                                                                                  monkeypatch, search):
+    from dataclasses import replace
+
+    requests = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("EXL2_FAKE_REQUESTS", str(requests))
+    monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "EXL2_FAKE_REQUESTS")
+    lengths = ((20, 8), (60, 24), (100, 4))
+    c = make_ctx(tmp_path, worker_command=fake("ok"), paged=True)
+    wl = replace(c.workload, requests=lengths, slo=(("ttft_p95_ms", 100.0),),
+                 **({"arrival": "poisson", "rate_search": search} if search else {}))
+    m = ExLlamaV2Backend().run(cfg(parallel=2), replace(c, workload=wl))
+    samples = [r for r in map(json.loads, requests.read_text().splitlines()) if r["op"] == "sample"]
+    assert samples and all(r["requests"] == [list(x) for x in lengths] and r["concurrency"] == 2 for r in samples)
+    # The fake worker's streams: 50 ms to the first token, then 100 tok/s, all within the target.
+    assert m.metrics["ttft_p95_ms"].median == pytest.approx(50.0) and m.metrics["itl_p50_ms"].median == \
+        pytest.approx(10.0)
+    assert m.metrics["goodput_req_s"].median > 0
+    if search:  # every rate met the target: the search's upper bound, each run trying it first
+        assert m.metrics["rate_req_s"].median == 8.0 and all(r["arrivals"] for r in samples)
