@@ -20,6 +20,7 @@ import optuna
 from autotune.study import records
 from autotune.study.records import TrialRecord, TrialState
 from autotune.errors import ConfigError
+from autotune.report_slo import slo_section
 from autotune.study.summary import StudySummary, contender_text, counts_text, headline_lines
 
 GIB = 2**30
@@ -328,6 +329,7 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
 {_about(study, rows, summary)}
 {_winner(summary)}
 {''.join(plots)}
+{slo_section(rows, objective, (summary.best or {}).get("number"))}
 {why_html}
 <h2>Every configuration's own trial ({len(rows)} of {summary.n_trials}: answers from storage and attempts
 cut short left out; click a column to sort)</h2>

@@ -280,6 +280,14 @@ def test_a_twin_study_under_a_ttft_target_gives_up_throughput_for_it(tmp_path, t
     assert free["metrics"]["ttft_p95_ms"] > 1500  # the unconstrained winner misses the target...
     assert bound["params"]["parallel"] < free["params"]["parallel"]  # ...by taking more users at once
     assert bound["metrics"]["aggregate_tok_s"] < free["metrics"]["aggregate_tok_s"]
+    # The report's latency section: the winner under the target, the fastest without it, the cost.
+    from autotune.report_html import render
+    from autotune.study import summarize
+
+    page = render(bound_study, summarize(bound_study, "x"))
+    assert 'id="plot-slo"' in page and f"Winner under the targets (by goodput_tok_s): trial {bound['number']}" in page
+    assert "(misses ttft_p95_ms). What the targets cost:" in page
+    assert 'plot-slo' not in render(study, summarize(study, "x"))  # no targets, no section
 
 
 def test_rate_search_keys(tmp_path):
