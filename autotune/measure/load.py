@@ -199,8 +199,8 @@ class LoadReport:
 
     Attributes:
         result: The requests (client timestamps and token counts).
-        metrics: :data:`LATENCY_UNITS`' keys, with ``aggregate_tok_s``, ``request_rate_s``
-            (requests answered per second) and ``offered_rate`` (the Poisson rate, 0 closed-loop).
+        metrics: :data:`LATENCY_UNITS`' keys (``rate_req_s``: requests answered per second), with
+            ``aggregate_tok_s`` and ``offered_rate`` (the Poisson rate, 0 closed-loop).
         missed: The targets the percentiles missed.
     """
 
@@ -250,9 +250,7 @@ def run_openai_load(base_url: str, requests: Sequence[tuple[int, int]], *, concu
         indices = list(range(first_index, first_index + len(requests)))
         arrivals = poisson_arrivals(len(requests), rate, seed) if rate is not None else None
         result = run_requests(send, indices, timeout_s, concurrency=concurrency, arrivals=arrivals)
-    metrics = {**latency_metrics(result, slo), "aggregate_tok_s": result.aggregate_tok_s,
-               "request_rate_s": result.n_streams / result.span_s if result.span_s > 0 else 0.0,
-               "offered_rate": rate or 0.0}
+    metrics = {**latency_metrics(result, slo), "aggregate_tok_s": result.aggregate_tok_s, "offered_rate": rate or 0.0}
     return LoadReport(result, metrics, tuple(slo_met(metrics, slo)))
 
 

@@ -99,3 +99,38 @@ itl_p99_ms = 20000
         assert r.constraints["slo_ttft_p95_ms"] == pytest.approx(r.metrics["ttft_p95_ms"]["median"] / 20000 - 1)
         assert r.constraints["slo_itl_p99_ms"] == pytest.approx(r.metrics["itl_p99_ms"]["median"] / 20000 - 1)
     assert summary["best"]["metrics"]["goodput_tok_s"] == max(t.value for t in done)
+
+
+def test_the_bench_function_against_a_running_server(tmp_path):
+    """run_openai_load, what a bench script calls (beside aiperf or guidellm): per-request
+    records with the lengths the server counted, closed loop and Poisson arrivals."""
+    import socket
+    import time
+
+    import httpx
+
+    from autotune.measure.load import run_openai_load
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(llama_server_binary()), "-m", str(STORIES), "--port", str(port), "-np", "2",
+                             "-c", "2048", "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/v1"
+        closed = run_openai_load(url, list(LENGTHS) * 2, concurrency=2, slo=(("ttft_p95_ms", 60_000.0),))
+        assert [(r["prompt_tokens"], r["output_tokens"]) for r in closed.records] == list(LENGTHS) * 2
+        assert closed.missed == () and closed.metrics["goodput_tok_s"] == pytest.approx(closed.metrics["aggregate_tok_s"])
+        opened = run_openai_load(url, list(LENGTHS), rate=50.0, seed=1)
+        assert opened.metrics["offered_rate"] == 50.0 and len(opened.records) == 3
+        assert all(r["e2e_ms"] >= r["ttft_ms"] > 0 for r in opened.records)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
