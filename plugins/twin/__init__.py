@@ -245,10 +245,7 @@ class TwinBackend(BaseBackend):
         scenario, k = self.scenario(config, ctx), self.calibrated_constants(ctx)
         out = physics.predict(scenario, k, host).as_dict()
         if ctx.workload.shaped or ctx.workload.slo:  # the requests one by one (traffic.py): their latencies
-            run, offered = traffic.predicted_run(scenario, k, host, ctx.workload)
-            rates = {"aggregate_tok_s": run.aggregate_tok_s, "per_user_tok_s": run.per_user_tok_s}
-            out.update({**(rates if ctx.workload.shaped else {}), **traffic.run_metrics(run, ctx.workload, (
-                rates if ctx.workload.shaped else out)["aggregate_tok_s"], offered)})
+            out.update(traffic.predicted_metrics(scenario, k, host, ctx.workload, out["aggregate_tok_s"]))
         return out
 
     def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],

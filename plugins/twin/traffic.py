@@ -29,7 +29,7 @@ from autotune.workload import RATE_SEARCH_STEPS, Workload
 
 from autotune_plugins.twin import physics
 
-__all__ = ["predicted_run", "run_metrics", "scaled", "simulate"]
+__all__ = ["predicted_metrics", "predicted_run", "run_metrics", "scaled", "simulate"]
 
 
 def simulate(lengths: Sequence[tuple[int, int]], slots: int, prefill_tok_s: float, step_s: Callable[[int], float],
@@ -150,3 +150,13 @@ def run_metrics(run: ConcurrentResult, workload: Workload, aggregate_tok_s: floa
         out["goodput_tok_s"] = aggregate_tok_s * share
         out["goodput_req_s"] = out["goodput_tok_s"] / workload.output_tokens
     return out
+
+
+def predicted_metrics(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants,
+                      workload: Workload, aggregate_tok_s: float) -> dict[str, float]:
+    """What ``predict`` adds for a workload of many requests or with targets: the latency keys
+    and, for a distribution or arrivals, the simulation's aggregate and per-user rates in place
+    of the one shape's closed form (``aggregate_tok_s``)."""
+    run, offered = predicted_run(s, k, host, workload)
+    rates = {"aggregate_tok_s": run.aggregate_tok_s, "per_user_tok_s": run.per_user_tok_s} if workload.shaped else {}
+    return {**rates, **run_metrics(run, workload, rates.get("aggregate_tok_s", aggregate_tok_s), offered)}
