@@ -329,3 +329,28 @@ def test_the_twin_finds_the_highest_rate_within_the_target(twin_plugin):
     scenario, (k, host) = twin.scenario(config, ctx), (twin.constants(), load_constants()[1])
     above, _ = traffic.predicted_run(scenario, k, host, replace(wl, rate_search=None, rate=found + 40.0 / 2**5))
     assert latency_metrics(above)["ttft_p95_ms"] > 2000.0
+
+
+@pytest.mark.parametrize("ttft_s, expected_rate, loads", [(0.0, 1000.0, 2), (0.5, 0.0, 3)],
+                         ids=["every-rate-meets", "none-meets"])
+def test_a_runs_rate_search_then_measures_at_the_rate_found(ttft_s, expected_rate, loads):
+    wl = Workload(8, 2, requests=((8, 2),) * 4, arrival="poisson", rate_search=(100.0, 1000.0),
+                  slo=(("ttft_p95_ms", 100.0),))
+    sent: list[int] = []
+
+    def send(i: int) -> StreamResult:
+        sent.append(i)
+        now = time.monotonic()
+        return StreamResult.from_timestamps(8, 2, now - ttft_s - 0.001, now - 0.001, now)
+
+    wrapped: list[int] = []
+
+    def around(streams):
+        wrapped.append(len(sent))
+        return streams()
+
+    m = serving_run(send, send, 2, 30, workload=wl, around_streams=around)()
+    # The search's loads (high first; then low when high missed), then the run at the rate found
+    # (the range's low end when none met), alone inside the backend's hook.
+    assert len(sent) == 1 + 4 * loads and wrapped == [1 + 4 * (loads - 1)]
+    assert m["rate_req_s"] == expected_rate

@@ -66,9 +66,10 @@ def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], St
             (``Workload.shaped``): the run's drawn requests, ``parallel`` in flight (closed loop)
             or each at its arrival time (open loop, the same times every run). Either way the
             backend builds request ``i`` to ``workload.request(i)``'s lengths, and goodput
-            counts against ``workload.slo``. With ``workload.rate_search`` each run sends the
-            requests at several Poisson rates (a bisection, :func:`search_rate`) and reports the
-            load at the highest rate that met the targets, ``rate_req_s`` that rate (0: none did).
+            counts against ``workload.slo``. With ``workload.rate_search`` each run first sends
+            the requests at several Poisson rates (a bisection, :func:`search_rate`), then once
+            more at the highest rate that met the targets, which it reports (``rate_req_s`` that
+            rate; 0 when none did, the load then sent at the range's low end).
 
     Returns:
         A ``run_once`` for :func:`measure_engine`. Request numbers never repeat within a
@@ -95,27 +96,23 @@ def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], St
     def run_once() -> dict[str, float]:
         i = next(counter)
         single = alone(i)
-        offered: list[float] = []
+        rate = fixed
+        if search is not None:
+            # The bisection's loads first; then the run itself at the rate found (``low`` when
+            # none met the targets), alone inside the backend's hook, whose engine counters
+            # must describe the requests the run reports.
+            found, _ = search_rate(lambda r: latency_metrics(load(r), slo), slo, *search, steps=RATE_SEARCH_STEPS)
+            rate = found if found is not None else search[0]
 
         def streams() -> ConcurrentResult:
             if not shaped:
                 return run_streams_threaded(lambda j: stream(1000 + parallel * i + j), parallel, timeout_s)
-            if search is None:
-                return load(fixed)
-            runs: dict[float, ConcurrentResult] = {}
-
-            def at(rate: float) -> dict[str, float]:
-                runs[rate] = load(rate)
-                return latency_metrics(runs[rate], slo)
-
-            found, tried = search_rate(at, slo, *search, steps=RATE_SEARCH_STEPS)
-            offered.append(found or 0.0)
-            return runs[found if found is not None else tried[-1][0]]
+            return load(rate)
 
         together = around_streams(streams) if around_streams is not None else streams()
         out = serving_metrics(single, together, slo)
-        if offered or (shaped and fixed is not None):  # open loop: the rate offered (found), not the rate served
-            out["rate_req_s"] = offered[0] if offered else float(fixed or 0.0)
+        if shaped and rate is not None:  # open loop: the rate offered (found), not the rate served
+            out["rate_req_s"] = 0.0 if search is not None and found is None else float(rate)
         return out
 
     return run_once
