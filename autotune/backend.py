@@ -35,6 +35,7 @@ from autotune.declarations import CacheType, WeightFormats
 from autotune.deploy import control_problem, deploy_line  # noqa: F401 - a backend writer imports both from here
 from autotune.errors import ConfigError
 from autotune.scoring import ScoringUnsupportedError
+from autotune.workload import Workload  # noqa: F401 - backends and tests import it from here, as always
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
@@ -110,18 +111,6 @@ class Setting:
         if isinstance(value, str) and list not in kinds and control_problem(value):
             return control_problem(value)
         return self.check(value) if self.check else None
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one user sends: the sequence each slot must hold is prompt + output tokens."""
-
-    prompt_tokens: int
-    output_tokens: int
-
-    @property
-    def sequence_tokens(self) -> int:
-        return self.prompt_tokens + self.output_tokens
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,15 @@ from typing import Any, Callable, Mapping
 from autotune import plugins
 from autotune.errors import ConfigError
 from autotune.measure.protocol import Protocol
+from autotune.workload import SLO_KEYS, WORKLOAD_KEYS, WorkloadSpec, draw, read_slo, read_workload
 
 # Memory kept free of the budget when a study file does not say ([hardware] safety_margin_mib):
 # `autotune init` and `autotune estimate` judge with it too, so a study they describe agrees.
 SAFETY_MARGIN_MIB = 256
 
 OBJECTIVE_MODES = ("single", "pareto")
+# What [objective] metric may name: a measured rate, or goodput (docs/workload.md).
+METRICS = ("aggregate_tok_s", "decode_tok_s", "per_user_tok_s", "goodput_tok_s", "goodput_req_s", "rate_req_s")
 # [quality] table: field -> (type, min, max or None, what it is). Metrics that sample a
 # benchmark read the first three (the shipped samples hold 10 items and 5 dev examples per
 # subject); the rest say how the study measures a paired drop (autotune/study/quality.py).
@@ -102,6 +105,9 @@ class Objective:
     mode: str = "single"
     require_quality: bool = True
     min_per_user_tok_s: float | None = None
+    # Latency targets (autotune.workload.SLO_KEYS: ttft_p95_ms...): each a constraint, and the
+    # per-request bounds goodput counts against.
+    slo: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,8 @@ class StudyConfig:
     finish_max_rounds: int = 4
     probe_margin: float | None = None  # None: every launch measured in full (see autotune.study.probe)
     baseline: bool = True  # measure each backend's default launch once, before the search (study/baseline.py)
+    workload: WorkloadSpec = WorkloadSpec()  # [workload] as written (autotune.workload)
+    requests: tuple[tuple[int, int], ...] = ()  # the lengths drawn from its distribution, if any
 
     @property
     def base_dir(self) -> Path:
@@ -357,9 +365,20 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                            "(or give [model] source, the model formats are made from)")
 
     wl = r.table("workload", required=True)
-    r.unknown_keys("workload", wl, {"prompt_tokens", "output_tokens"})
-    prompt_tokens = r.get("workload", wl, "prompt_tokens", int, 0, required=True, check=_at_least(1))
-    output_tokens = r.get("workload", wl, "output_tokens", int, 0, required=True, check=_at_least(1))
+    r.unknown_keys("workload", wl, set(WORKLOAD_KEYS))
+    spec = read_workload(wl, lambda key, *a, **k: r.get("workload", wl, key, *a, **k),
+                         lambda key, value, message: r.error("workload", key, _MISSING if value is None else value,
+                                                             message))
+    requests: tuple[tuple[int, int], ...] = ()
+    try:
+        requests = draw(spec, seed, path.parent if path else Path("."))
+    except ValueError as exc:
+        r.errors.append(f"{source}: [workload] file = {spec.file!r}: {exc}")
+    if requests:  # the typical request stands for the distribution where one shape is asked for
+        prompt_tokens = round(sum(p for p, _ in requests) / len(requests))
+        output_tokens = round(sum(o for _, o in requests) / len(requests))
+    else:
+        prompt_tokens, output_tokens = spec.prompt_tokens or 0, spec.output_tokens or 0
 
     # Read here like every other table, so all its bad fields are reported at once; Protocol
     # checks the same again for callers that build one in code.
@@ -421,11 +440,14 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     obj_t = r.table("objective")
     r.unknown_keys("objective", obj_t, {
         "metric", "quality", "penalty_per_point", "max_drop_points", "reference_weights", "mode", "require_quality",
-        "min_per_user_tok_s",
+        "min_per_user_tok_s", *SLO_KEYS,
     })
+    slo = read_slo(obj_t, lambda key, *a, **k: r.get("objective", obj_t, key, *a, **k))
     objective = Objective(
-        metric=r.get("objective", obj_t, "metric", str, "aggregate_tok_s",
-                     check=_one_of(("aggregate_tok_s", "decode_tok_s", "per_user_tok_s"))),
+        # With latency targets the default is goodput: throughput of the requests that met them.
+        metric=r.get("objective", obj_t, "metric", str, "rate_req_s" if spec.rate_search and slo else
+                     "goodput_tok_s" if slo else "aggregate_tok_s",
+                     check=_one_of(METRICS)),
         quality=r.get("objective", obj_t, "quality", str, None),
         # tok/s taken off per point of quality lost; a million is beyond any throughput, and a
         # finite 1e308 still overflowed the score to -inf.
@@ -436,7 +458,11 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         require_quality=r.get("objective", obj_t, "require_quality", bool, True),
         min_per_user_tok_s=r.get("objective", obj_t, "min_per_user_tok_s", float, None,
                                  check=lambda v: None if v > 0 else "must be > 0"),
+        slo=slo,
     )
+    if spec.rate_search and not slo:
+        r.errors.append(f"{source}: [workload] rate_search needs latency targets in [objective] (e.g. ttft_p95_ms = "
+                        "500): the rate searched for is the highest that meets them")
     if objective.quality is None and (objective.penalty_per_point or objective.max_drop_points is not None or objective.mode == "pareto"):
         r.errors.append(
             f"{source}: [objective] quality is missing: penalty_per_point, max_drop_points and mode = 'pareto' need a quality metric"
@@ -501,4 +527,6 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         finish_max_rounds=finish_max_rounds,
         probe_margin=probe_margin,
         baseline=baseline,
+        workload=spec,
+        requests=requests,
     )

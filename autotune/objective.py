@@ -6,7 +6,10 @@ weights. Constraints are given to Optuna as real constraints (``Trial.set_constr
 <= 0 is satisfied. VRAM: (used - budget) / budget, predicted before launch and measured after.
 Quality, when ``max_drop_points`` is set: drop - max_drop. Latency, when
 ``min_per_user_tok_s`` is set: (floor - per-user tok/s) / floor, so that a configuration which
-serves many users but each of them slowly is not taken for a good one.
+serves many users but each of them slowly is not taken for a good one. Each latency target
+(``ttft_p95_ms`` and the like, docs/workload.md): (measured percentile - target) / target. With
+targets, the score is usually goodput (``goodput_tok_s``): the throughput of the requests that met
+every target, measured per request (:mod:`autotune.measure.load`).
 """
 
 from __future__ import annotations
@@ -111,7 +114,15 @@ def unmeasured_constraints(objective: Objective, vram_over: float = 1.0) -> dict
         out[QUALITY] = 0.0
     if objective.min_per_user_tok_s is not None:
         out[PER_USER] = 0.0
+    for key, _ in objective.slo:
+        out[slo_constraint(key)] = 0.0
     return out
+
+
+def slo_constraint(key: str) -> str:
+    """The constraint of a latency target (``ttft_p95_ms`` -> ``slo_ttft_p95_ms``): its value is
+    (measured - target) / target, so a trial that meets it is <= 0."""
+    return f"slo_{key}"
 
 
 def score(
@@ -122,6 +133,7 @@ def score(
     quality_drop_points: float | None,
     per_user_tok_s: float | None = None,
     quality_admitted: bool | None = None,
+    latencies: Mapping[str, float] | None = None,
 ) -> Score:
     """Score one measured trial.
 
@@ -137,6 +149,8 @@ def score(
             True when its interval lies within the bound (or the undecided policy accepts it),
             False when it lies over (or the policy rejects it); None: the bound is applied to
             the point estimate. The verdict sets the constraint's sign, the distance its size.
+        latencies: The trial's measured latency percentiles (medians over its runs), by key
+            (``ttft_p95_ms``...), for the study's latency targets.
     """
     drop = quality_drop_points
     penalty = objective.penalty_per_point * max(drop, 0.0) if drop is not None else 0.0
@@ -153,6 +167,9 @@ def score(
     if objective.min_per_user_tok_s is not None:
         floor = objective.min_per_user_tok_s
         constraints[PER_USER] = (floor - per_user_tok_s) / floor if per_user_tok_s is not None else 1e9
+    for key, target in objective.slo:
+        value = (latencies or {}).get(key)
+        constraints[slo_constraint(key)] = (value - target) / target if value is not None else 1e9
     if objective.mode == "pareto":
         values: Sequence[float] = (throughput, drop if drop is not None else 0.0)
     else:

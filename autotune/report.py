@@ -13,7 +13,8 @@ from autotune.metric import metric_named
 from autotune.report_html import write_report
 from autotune.study import records
 from autotune.study.storage import faults, mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, contender_text, memory_text, counts_text, failures_text, headline_lines, summarize
+from autotune.study.summary import StudySummary, contender_text, memory_text, counts_text, failures_text, \
+    headline_lines, latency_line, summarize
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -120,6 +121,9 @@ def summary_text(summary: StudySummary) -> str:
     if finish:
         lines.append(f"  {finish['text']}")
     lines += [f"  {line}" for line in headline_lines(best)]
+    latency = latency_line(best, summary.extra["slo"]) if summary.extra.get("slo") else None
+    if latency:
+        lines.append(f"  {latency}")
     q = best.get("quality")
     if q and q.get("drop_points") is not None:
         lines.append(f"  quality: {quality_text(q)}")

@@ -171,8 +171,7 @@ class SearchSpace:
         need = ctx.workload.sequence_tokens
         if config.ctx < need:
             reasons.append(
-                f"ctx {config.ctx} cannot hold the workload: one sequence needs "
-                f"{ctx.workload.prompt_tokens} prompt + {ctx.workload.output_tokens} output = {need} tokens"
+                f"ctx {config.ctx} cannot hold the workload: one sequence needs {ctx.workload.need_text}"
             )
         own = self.entries[config.backend].backend.check(config, ctx)
         reasons += own

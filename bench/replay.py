@@ -266,7 +266,7 @@ def prepare_replay(grid: RecordedGrid, doc: Mapping[str, Any], study_file: Path,
     if prepared.vram_budget_bytes != recorded_budget:
         raise ConfigError(f"{study_file}: [hardware] gives a budget of {prepared.vram_budget_bytes} bytes; the grid "
                           f"'{grid.name}' was recorded with {recorded_budget}")
-    if vars(cfg.objective) != grid.header["objective"]:
+    if cfg.objective != parse_objective(grid):
         raise ConfigError(f"{study_file}: [objective] differs from the one grid '{grid.name}' was recorded with "
                           f"({grid.header['objective']})")
     return prepared
@@ -301,7 +301,11 @@ def truth_of(grid: RecordedGrid, key: str) -> Truth | None:
 
 
 def parse_objective(grid: RecordedGrid) -> Objective:
-    return Objective(**grid.header["objective"])
+    """The grid's objective as recorded (latency targets, stored as JSON lists, back as pairs;
+    a grid recorded before they existed has none)."""
+    stored = dict(grid.header["objective"])
+    stored["slo"] = tuple((str(k), float(v)) for k, v in stored.get("slo") or ())
+    return Objective(**stored)
 
 
 def between_runs(grid: RecordedGrid) -> dict[str, Any]:

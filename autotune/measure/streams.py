@@ -25,8 +25,9 @@ import httpx
 from autotune.errors import ConfigError, MeasurementError
 from autotune.measure.deadline import Deadline, DeadlineExceeded, request_deadline
 from autotune.measure.protocol import _is_int, _is_real
+from autotune.workload import SLO_KEYS
 
-__all__ = ["CONCURRENT_UNITS", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "fetch",
+__all__ = ["CONCURRENT_UNITS", "LATENCY_UNITS", "SERVING_RATES", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "fetch",
            "post_events", "run_streams_threaded"]
 
 
@@ -103,15 +104,22 @@ CONCURRENT_UNITS: Mapping[str, str] = {
     "ttft_ms": "ms",
 }
 
+#: What every serving run reports besides its rates: the p50, p95 and p99 of each latency over
+#: the run's requests, and goodput (:func:`autotune.measure.load.latency_metrics`).
+LATENCY_UNITS: Mapping[str, str] = {**{key: "ms" for key in SLO_KEYS},
+                                    "goodput_req_s": "req/s", "goodput_tok_s": "tok/s", "rate_req_s": "req/s"}
+
 # What a serving backend measures per run: one request alone (its decode and prefill rates), then
-# the concurrent streams. The stability key a backend's settings accept is one of these.
-SERVING_UNITS: Mapping[str, str] = {
+# the concurrent streams. The stability key a backend's settings accept is one of these five
+# (the latencies are recorded beside them, for every backend, and never judge stability).
+SERVING_RATES: Mapping[str, str] = {
     "decode_tok_s": "tok/s",
     "prefill_tok_s": "tok/s",
     "ttft_ms": "ms",
     "aggregate_tok_s": "tok/s",
     "per_user_tok_s": "tok/s",
 }
+SERVING_UNITS: Mapping[str, str] = {**SERVING_RATES, **LATENCY_UNITS}
 
 
 @dataclass(frozen=True)

@@ -265,8 +265,7 @@ class Admission:
         ctx_ok = tuple(c for c in entry.ctx if c >= need)
         for c in entry.ctx:
             if c < need:
-                notes.append(f"{name}: ctx {c} cannot hold the workload ({ctx.workload.prompt_tokens} prompt + "
-                             f"{ctx.workload.output_tokens} output = {need} tokens)")
+                notes.append(f"{name}: ctx {c} cannot hold the workload ({ctx.workload.need_text})")
         if not ctx_ok:
             return None, notes
         lightest_ctx, lightest_parallel = min(ctx_ok), min(entry.parallel)

@@ -123,7 +123,7 @@ def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx:
     if config.ctx < need:
         records.write_baseline(study, name, launch.name, **head, error=(
             f"its context of {config.ctx} tokens per user cannot hold the workload's {need} "
-            f"(prompt {ctx.workload.prompt_tokens} + output {ctx.workload.output_tokens}): not launched"))
+            f"({ctx.workload.need_text}): not launched"))
         return 0
     if say is not None:
         say(f"baseline: {title} on {weights} (not a trial; measured once per study)")
@@ -177,7 +177,8 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baseline]) -> dict[str, Any]:
+def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baseline], *,
+            goodput: bool = False) -> dict[str, Any]:
     """Each stored baseline with the winner's ratios against it, and a sentence for people.
 
     Returns:
@@ -185,8 +186,13 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
         others) -> ``backend``, ``name``, ``title``, ``weights``, ``deploy_command``,
         ``description``, ``error``, the baseline's ``aggregate_tok_s`` and ``per_user_tok_s``
         (median and spread), ``ratio`` (``aggregate`` and ``per_user``: each with both medians,
-        both spreads, the ratio and ``within_noise``) and ``text``.
+        both spreads, the ratio and ``within_noise``) and ``text``. With ``goodput`` (a study
+        with latency targets) ``goodput_tok_s`` too, and its ratio as ``goodput``: the
+        baseline's requests were counted against the same targets.
     """
+    measured = (("aggregate", "aggregate_tok_s"), ("per_user", "per_user_tok_s"))
+    if goodput:
+        measured = (("goodput", "goodput_tok_s"), *measured)
     out: dict[str, Any] = {}
     for key, base in sorted(stored.items()):
         entry: dict[str, Any] = {
@@ -194,11 +200,10 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
             "weights": base.weights, "weights_why": base.weights_why, "deploy_command": base.deploy_command,
             "description": base.description, "error": base.error, "config": base.config,
         }
-        for metric in ("aggregate_tok_s", "per_user_tok_s"):
+        for _, metric in measured:
             m = base.metrics.get(metric)
             entry[metric] = None if m is None else {"median": m.get("median"), "spread": m.get("spread")}
-        ratios = {k: _ratio(best, base, metric) for k, metric in
-                  (("aggregate", "aggregate_tok_s"), ("per_user", "per_user_tok_s"))} if best and not base.failed else {}
+        ratios = {k: _ratio(best, base, metric) for k, metric in measured} if best and not base.failed else {}
         entry["ratio"] = ratios
         entry["text"] = _text(entry["title"], base, ratios, best)
         out[key] = entry
@@ -213,10 +218,17 @@ def _text(title: str, base: records.Baseline, ratios: Mapping[str, Any], best: M
         figure = base.median("aggregate_tok_s")
         return f"{title} on {base.weights}: aggregate {figure:.1f} tok/s" if figure else f"{title} on {base.weights}"
     parts = []
+    rows = [(agg, f"what {title} gives in aggregate tok/s", f"of what {title} gives in aggregate tok/s"),
+            (per_user, "in per-user tok/s", "in per-user tok/s")]
+    if ratios.get("goodput"):  # first: a study with latency targets is scored by it
+        rows.insert(0, (ratios["goodput"], f"what {title} gives in goodput tok/s (requests within the targets)",
+                        f"of what {title} gives in goodput tok/s"))
+    elif "goodput" in ratios and base.median("goodput_tok_s") == 0:  # no ratio to 0, but the fact is the news
+        parts.append(f"no request of {title} met the targets (goodput 0 tok/s; the winner's "
+                     f"{(best.get('metrics') or {}).get('goodput_tok_s', 0):.1f})")
     # "3.1x what llama-server's --fit gives in aggregate tok/s (A, range a% over 3 runs, vs B +- b%),
     # 2.0x in per-user ..." (A +- a% where the winner was measured once)
-    for r, gain, noise in ((agg, f"what {title} gives in aggregate tok/s", f"of what {title} gives in aggregate tok/s"),
-                           (per_user, "in per-user tok/s", "in per-user tok/s")):
+    for r, gain, noise in rows:
         if r is None:
             continue
         runs = r.get("winner_runs") or 1

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from autotune import hardware, plugins
 from autotune.artifacts import check_makings, is_format
-from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, Workload, same_value
+from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, same_value
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
@@ -25,6 +25,7 @@ from autotune.models import ModelSpec, resolve_model
 from autotune.space import CORE_OPTIONS, BackendSpace, SearchSpace
 from autotune.study.admission import Admission, budget_of
 from autotune.study import storage as storage_mod
+from autotune.workload import study_workload
 
 
 @dataclass
@@ -239,7 +240,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
         backend = backends[cand.backend]
         if gpu is None or model is None or protocol is None or cand.backend in bad_settings:
             continue
-        ctx = StudyContext(gpu=gpu, model=model, workload=Workload(cfg.prompt_tokens, cfg.output_tokens),
+        ctx = StudyContext(gpu=gpu, model=model, workload=study_workload(cfg),
                            vram_budget_bytes=budget, protocol=protocol, seed=cfg.seed,
                            settings=cfg.backend_settings.get(cand.backend, {}), base_dir=cfg.base_dir,
                            gpu_index=cfg.gpu_index, source=source,

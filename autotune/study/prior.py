@@ -65,7 +65,7 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
             continue
         drop = _predicted_drop(prepared, predictor, probe, prepared.reference.get(config.backend), ctx, metrics)
         s = objective_mod.score(objective, float(predicted[objective.metric]), verdict.estimate.total_bytes,
-                                ctx.vram_budget_bytes, drop, predicted.get("per_user_tok_s"))
+                                ctx.vram_budget_bytes, drop, predicted.get("per_user_tok_s"), latencies=predicted)
         ranked.append((config, s.values[0], s.feasible))
     ranked.sort(key=lambda item: (not item[2], -item[1]))
     return [(c, v) for c, v, _ in ranked]

@@ -456,7 +456,12 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
         # What `estimate --study` needs to judge as the study does: the margin inside the
         # budget, and the workload the core's rules measure ctx against.
         "safety_margin_bytes": cfg.safety_margin_bytes,
-        "workload": {"prompt_tokens": cfg.prompt_tokens, "output_tokens": cfg.output_tokens},
+        "workload": {"prompt_tokens": cfg.prompt_tokens, "output_tokens": cfg.output_tokens,
+                     # Only what differs from one shape sent parallel at once, so the default
+                     # study's header is as it was.
+                     **({"profile": cfg.workload.profile, "file": cfg.workload.file, "requests": len(cfg.requests),
+                         "arrival": cfg.workload.arrival, "rate": cfg.workload.rate,
+                         "longest_tokens": max(p + o for p, o in cfg.requests)} if cfg.requests else {})},
         "objective": vars(cfg.objective),
         "study_file": str(cfg.path) if cfg.path else None,
         "excluded_before_search": prepared.excluded,

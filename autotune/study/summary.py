@@ -234,6 +234,24 @@ def headline_lines(best: dict[str, Any]) -> list[str]:
     return lines
 
 
+def latency_line(best: dict[str, Any], slo: Sequence[Sequence[Any]]) -> str | None:
+    """The best's latency percentiles and goodput against the study's targets, for people:
+    ``goodput 36.2 tok/s (0.12 req/s); TTFT p50/p95/p99 503/2125/3021 ms (target p95 3000)...``."""
+    m = best.get("metrics") or {}
+    if m.get("goodput_tok_s") is None:
+        return None
+    targets = {str(k): float(v) for k, v in slo}
+    parts = [f"goodput {m['goodput_tok_s']:.1f} tok/s ({m.get('goodput_req_s', 0):.2f} req/s within the targets)"]
+    for q, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "E2E")):
+        values = [m.get(f"{q}_p{p}_ms") for p in (50, 95, 99)]
+        if any(v is None for v in values):
+            continue
+        mine = [f"p{k.split('_p')[1].split('_')[0]} {t:g}" for k, t in targets.items() if k.startswith(f"{q}_p")]
+        parts.append(f"{label} p50/p95/p99 {'/'.join(f'{v:.0f}' for v in values)} ms"
+                     + (f" (target {', '.join(mine)})" if mine else ""))
+    return "; ".join(parts)
+
+
 def counts_text(summary: StudySummary) -> str:
     """``84 trials: 45 complete, 32 pruned, 0 failed, 7 answered from storage``: every state
     named, so the parts add up to the total (``study``, ``best``, the report, the dashboard)."""
@@ -464,9 +482,12 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         summary.extra["being_measured"] = measuring
     if len(study.directions) > 1:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
+    slo = (records.study_header(study).get("objective") or {}).get("slo")
+    if slo:  # the latency targets, for the best's latency line (latency_line)
+        summary.extra["slo"] = [list(pair) for pair in slo]
     baselines = records.baselines(study)
     if baselines:  # each backend's default launch, and how many times faster the best is
-        summary.extra["baseline"] = compare(summary.best, baselines)
+        summary.extra["baseline"] = compare(summary.best, baselines, goodput=bool(slo))
     decisions = records.quality_decisions(study)
     if decisions:
         summary.extra["quality_decisions"] = decisions

@@ -54,7 +54,8 @@ class TrialPhase:
         per_user = m.metrics.get("per_user_tok_s")
         return objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
                                    budget_bytes, drop, per_user.median if per_user is not None else None,
-                                   (quality or {}).get("admitted"))
+                                   (quality or {}).get("admitted"),
+                                   {key: m.metrics[key].median for key, _ in self.cfg.objective.slo if key in m.metrics})
 
     def _annotate(self, trial: optuna.Trial) -> None:
         """The trial's note for optuna-dashboard (``autotune.dashboard``); a note that cannot be

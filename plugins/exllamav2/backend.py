@@ -45,7 +45,9 @@ from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import SERVING_UNITS, measure_engine
+from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_metrics
+from autotune.measure.load import poisson_arrivals, search_rate
+from autotune.workload import RATE_SEARCH_STEPS
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.paths import path_problem
 from autotune.safetensors_dir import read_config_json
@@ -438,11 +440,34 @@ class ExLlamaV2Backend(BaseBackend):
                 loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
                 last: dict[str, Any] = {}
 
-                def sample() -> Mapping[str, float]:
+                load: dict[str, Any] = {}
+                if wl.shaped:  # the workload's requests, each to its lengths, as every backend sends them
+                    lengths = list(wl.requests) or [(wl.prompt_tokens, wl.output_tokens)] * config.parallel
+                    load = {"requests": lengths, "concurrency": config.parallel,
+                            "arrivals": poisson_arrivals(len(lengths), wl.rate, wl.seed)
+                            if wl.arrival == "poisson" and wl.rate else None}
+
+                def one(extra: Mapping[str, Any]) -> dict[str, float]:
                     reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
-                                           output_tokens=wl.output_tokens)
+                                           output_tokens=wl.output_tokens, **extra)
                     last.update(reply)
-                    return reply["metrics"]
+                    # The latencies and goodput from the worker's requests, by the core's rules.
+                    single, streams = StreamResult(**reply["single"]), [StreamResult(**r) for r in reply["streams"]]
+                    wall = max(r.end_s for r in streams) - min(r.start_s for r in streams)
+                    return serving_metrics(single, ConcurrentResult(tuple(streams), wall), wl.slo)
+
+                def sample() -> Mapping[str, float]:
+                    if not wl.rate_search:
+                        return {**one(load), **({"rate_req_s": wl.rate} if load.get("arrivals") else {})}
+                    found_at: dict[float, dict[str, float]] = {}  # as the core's serving_run searches
+
+                    def at(rate: float) -> dict[str, float]:
+                        found_at[rate] = one({**load, "arrivals": poisson_arrivals(len(load["requests"]), rate,
+                                                                                   wl.seed)})
+                        return found_at[rate]
+
+                    found, tried = search_rate(at, wl.slo, *wl.rate_search, steps=RATE_SEARCH_STEPS)
+                    return {**found_at[found if found is not None else tried[-1][0]], "rate_req_s": found or 0.0}
 
                 # The worker composes a run in its own process (one request alone, then the
                 # batch, as autotune.measure.serving_metrics defines it); the core's loop decides

@@ -238,6 +238,59 @@ class Engine:
         return [StreamResult.from_timestamps(prompt_tokens, n_out[i], start, first.get(i, end[i]), end[i])
                 for i in range(n_jobs)]
 
+    def _dynamic_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
+                      arrivals: Sequence[float] | None) -> list[StreamResult]:
+        """A workload's requests (autotune.workload): each job built to its own lengths, sent
+        closed-loop (``concurrency`` in flight, the next enqueued as one ends) or at its arrival
+        time (open loop); each request's clock starts when it is enqueued, as a client's does."""
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        torch, gen = self.torch, self.generator
+        gen.reset_page_table()
+        greedy = ExLlamaV2Sampler.Settings.greedy()
+        n = len(lengths)
+        sent: dict[int, float] = {}
+        first: dict[int, float] = {}
+        end: dict[int, float] = {}
+        n_out: dict[int, int] = {}
+        nxt = 0
+
+        def send(k: int) -> None:
+            ids = torch.tensor([self._next_prompt(int(lengths[k][0]))], dtype=torch.long)
+            sent[k] = time.monotonic()
+            gen.enqueue(ExLlamaV2DynamicJob(input_ids=ids, max_new_tokens=int(lengths[k][1]), gen_settings=greedy,
+                                            identifier=k))
+
+        t0 = time.monotonic()
+        if arrivals is None:
+            for nxt in range(min(concurrency, n)):
+                send(nxt)
+            nxt = min(concurrency, n)
+        while len(end) < n:
+            if arrivals is not None:
+                while nxt < n and time.monotonic() - t0 >= arrivals[nxt]:
+                    send(nxt)
+                    nxt += 1
+                if not gen.num_remaining_jobs():
+                    time.sleep(max(0.0, t0 + arrivals[nxt] - time.monotonic()))
+                    continue
+            for r in gen.iterate():
+                if r.get("stage") != "streaming":
+                    continue
+                now = time.monotonic()
+                i = r["identifier"]
+                ids = r.get("token_ids")
+                if ids is not None and ids.numel():
+                    first.setdefault(i, now)
+                if r.get("eos"):
+                    end[i] = now
+                    n_out[i] = int(r.get("new_tokens", 0))
+                    if arrivals is None and nxt < n:
+                        send(nxt)
+                        nxt += 1
+        return [StreamResult.from_timestamps(int(lengths[k][0]), n_out[k], sent[k], first.get(k, end[k]), end[k])
+                for k in range(n)]
+
     def _batched(self, n_rows: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
         torch = self.torch
         model, cache = self.model, self.cache
@@ -266,13 +319,25 @@ class Engine:
         if prompt + output > settings.max_seq_len:
             raise ConfigError(f"prompt {prompt} + output {output} tokens exceed max_seq_len {settings.max_seq_len}")
         run = self._dynamic if settings.mode == "dynamic" else self._batched
+        lengths = req.get("requests")  # a workload's drawn requests (their own lengths), or one shape
+        if lengths and settings.mode != "dynamic":
+            raise ConfigError("a length distribution or Poisson arrivals need the dynamic generator: batched "
+                              "forward passes serve one request shape (rows of one length)")
+        longest = max((int(p) + int(o) for p, o in lengths or ()), default=0)
+        if longest > settings.max_seq_len:
+            raise ConfigError(f"a request of {longest} tokens exceeds max_seq_len {settings.max_seq_len}")
         single = run(1, prompt, output)[0]
         t0 = time.monotonic()
-        streams = run(settings.max_batch_size, prompt, output)
+        if lengths:
+            streams = self._dynamic_load(lengths, int(req.get("concurrency") or settings.max_batch_size),
+                                         req.get("arrivals"))
+        else:
+            streams = run(settings.max_batch_size, prompt, output)
         together = ConcurrentResult(streams=tuple(streams), wall_s=time.monotonic() - t0)
         torch = self.torch
         return {
             "metrics": sample_metrics(single, together),
+            "single": vars(single).copy(),
             "streams": [vars(s).copy() for s in streams],
             "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
             "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),

@@ -503,13 +503,17 @@ class LlamaServerBackend(BaseBackend):
         wait_ready(server.proc, server.http, f"{server.url}/health", timeout_s, server.failure)
 
     def prompt_tokens(self, server: Server, n: int) -> list[int]:
+        return prompt_of(self.base_tokens(server), n)
+
+    def base_tokens(self, server: Server) -> list[int]:
+        """The prompt text's tokens, which every request's prompt is cut from (its own length)."""
         r = fetch(server.http, "POST", f"{server.url}/tokenize", 30, setting="tokenize",
                   json={"content": PROMPT_TEXT})
         r.raise_for_status()
         base = [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
         if not base:
             raise server.failure("the tokenizer returned no tokens for the prompt text")
-        return prompt_of(base, n)
+        return base
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         # No check() here: the runner has done it, and a refused configuration must fail with
@@ -589,18 +593,20 @@ class LlamaServerBackend(BaseBackend):
                  startup_s: float, request_s: float) -> Measurement:
         self.wait_ready(server, startup_s)
         wl = ctx.workload
-        prompt = self.prompt_tokens(server, wl.prompt_tokens)
+        base = self.base_tokens(server)
+        prompt = prompt_of(base, wl.prompt_tokens)
         url = f"{server.url}/completion"
 
         def body(i: int) -> dict[str, Any]:
-            return {"prompt": varied(prompt, i), "n_predict": wl.output_tokens, "ignore_eos": True, "temperature": 0,
-                    "cache_prompt": False, "stream": True}
+            n_prompt, n_out = wl.request(i)  # request i's lengths, the same for every backend
+            return {"prompt": varied(prompt_of(base, n_prompt), i), "n_predict": n_out, "ignore_eos": True,
+                    "temperature": 0, "cache_prompt": False, "stream": True}
 
         def stream(i: int, seen: list[dict[str, Any]]) -> StreamResult:
             start = time.monotonic()
             first = None
             n_out = 0
-            n_prompt = len(prompt)
+            n_prompt = wl.request(i)[0]
             timings: dict[str, Any] = {}
             events = post_events(server.http, url, body(i), request_s, failure=server.failure)
             with contextlib.closing(events):
@@ -654,7 +660,7 @@ class LlamaServerBackend(BaseBackend):
         with Pinned(server.cpus.client) as client_pin:
             stats, telemetry, peak = measure_engine(
                 ctx, serving_run(alone, lambda j: stream(j, runs[-1]["streams"]), config.parallel, request_s,
-                                 around_streams=around_streams),
+                                 around_streams=around_streams, workload=wl),
                 warm_up=lambda: stream(-1, []),  # allocator, caches, CUDA graphs
                 key=str(self.value(ctx, "stability_metric")), gpu=has_gpu, pid=server.proc.pid)
         cpus = server.cpus

@@ -369,31 +369,42 @@ class OpenAIServerBackend(BaseBackend):
                     raise server.failure(f"died while measuring ({exc})") from exc
                 raise server.failure(f"measurement failed ({exc})") from exc
 
-    def _prompt(self, server: OpenAIServer, t: Template, n: int) -> tuple[Any, int]:
-        """The workload's prompt: token ids when the template can tokenize, else text."""
+    def _prompts(self, server: OpenAIServer, t: Template) -> Callable[[int], tuple[Any, int]]:
+        """Builds a prompt of ``n`` tokens (and its length) for any ``n``, the server asked to
+        tokenize once: token ids when the template can tokenize, else text."""
         if t.prompt == "tokens":
             data = server.post(t.tokenize or "/tokenize", {t.tokenize_field: PROMPT_TEXT}, 30)
             raw = data.get("tokens") if isinstance(data, dict) else data
             base = [tok if isinstance(tok, int) else tok["id"] for tok in raw or ()]
             if not base:
                 raise server.failure("the tokenizer returned no tokens for the prompt text")
-            tokens = prompt_of(base, n)
-            return tokens, len(tokens)
+
+            def tokens(n: int) -> tuple[Any, int]:
+                cut = prompt_of(base, n)
+                return cut, len(cut)
+
+            return tokens
         words = PROMPT_TEXT.split()
-        # About 4/3 tokens per English word; the server's usage gives the real count.
-        text = " ".join((words * (n // len(words) + 2))[:max(1, int(n * 0.75))])
-        return text, n
+
+        def text(n: int) -> tuple[Any, int]:
+            # About 4/3 tokens per English word; the server's usage gives the real count.
+            return " ".join((words * (n // len(words) + 2))[:max(1, int(n * 0.75))]), n
+
+        return text
 
     def _measure(self, server: OpenAIServer, t: Template, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
                  request_s: float) -> Measurement:
         wl = ctx.workload
-        prompt, n_prompt = self._prompt(server, t, wl.prompt_tokens)
+        prompts = self._prompts(server, t)
+        prompt, n_prompt = prompts(wl.prompt_tokens)
         model = server.served_model()
         url = f"{server.url}/v1/completions"
 
         def body(i: int) -> dict[str, Any]:
-            p = varied(prompt, i) if isinstance(prompt, list) else f"{i} {prompt}"
-            out = {"prompt": p, "max_tokens": wl.output_tokens, "temperature": 0, **t.request}
+            length, n_out = wl.request(i)  # request i's lengths, the same for every backend
+            prompt_i = prompt if length == wl.prompt_tokens else prompts(length)[0]
+            p = varied(prompt_i, i) if isinstance(prompt_i, list) else f"{i} {prompt_i}"
+            out = {"prompt": p, "max_tokens": n_out, "temperature": 0, **t.request}
             if model:
                 out["model"] = model
             return out
@@ -410,7 +421,7 @@ class OpenAIServerBackend(BaseBackend):
         server_rows: list[dict[str, Any]] = []
 
         def request(i: int) -> StreamResult:
-            return stream_completion(server.http, url, body(i), n_prompt, request_s).result
+            return stream_completion(server.http, url, body(i), wl.request(i)[0], request_s).result
 
         def around_streams(streams: Callable[[], ConcurrentResult]) -> ConcurrentResult:
             before = metrics()
@@ -425,7 +436,8 @@ class OpenAIServerBackend(BaseBackend):
             return conc
 
         stats, telemetry, peak = measure_engine(
-            ctx, serving_run(request, request, config.parallel, request_s, around_streams=around_streams),
+            ctx, serving_run(request, request, config.parallel, request_s, around_streams=around_streams,
+                             workload=wl),
             warm_up=lambda: request(-1),  # allocator, caches, graphs
             key=str(self.value(ctx, "stability_metric")), gpu=has_gpu, pid=server.proc.pid)
         attrs: dict[str, Any] = {

@@ -27,7 +27,7 @@ from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEsti
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
 from autotune.formats import WeightsBreakdown, normalize_format, parse_format, safetensors_dir_weights, weights_for
 from autotune.gguf_file import read_gguf
-from autotune.measure import Protocol, measure_engine
+from autotune.measure import SERVING_UNITS, Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
 from autotune.models import ModelSpec
 
@@ -36,7 +36,7 @@ from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 from autotune_plugins.openai_server import declarations as vllm_declared
-from autotune_plugins.twin import calibration, physics, quality, service
+from autotune_plugins.twin import calibration, physics, quality, service, traffic
 from autotune_plugins.twin.formats import ARTIFACT_WORDS, artifact_kind, directory_as_format
 from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.strategy import TwinStrategy
@@ -60,9 +60,8 @@ def load_constants(doc: Mapping[str, Any] | None = None) -> tuple[dict[str, phys
     return engines, physics.HostConstants(**doc["host"]), float(doc["quality"]["points_per_kld_8b"])
 
 
-#: What one simulated run reports, and in which unit.
-UNITS: Mapping[str, str] = {"decode_tok_s": "tok/s", "aggregate_tok_s": "tok/s", "per_user_tok_s": "tok/s",
-                            "prefill_tok_s": "tok/s", "ttft_ms": "ms"}
+#: What one simulated run reports, and in which unit: what every serving backend measures.
+UNITS: Mapping[str, str] = SERVING_UNITS
 
 
 def _at_least_zero(value: float) -> str | None:
@@ -243,7 +242,11 @@ class TwinBackend(BaseBackend):
         except UnsupportedError:
             return None
         _, host, _ = load_constants()
-        return physics.predict(self.scenario(config, ctx), self.calibrated_constants(ctx), host).as_dict()
+        scenario, k = self.scenario(config, ctx), self.calibrated_constants(ctx)
+        out = physics.predict(scenario, k, host).as_dict()
+        if ctx.workload.shaped or ctx.workload.slo:  # the requests one by one (traffic.py): their latencies
+            out.update(traffic.predicted_metrics(scenario, k, host, ctx.workload, out["aggregate_tok_s"]))
+        return out
 
     def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
                   ctx: StudyContext) -> Mapping[str, Any] | None:
@@ -293,15 +296,22 @@ class TwinBackend(BaseBackend):
         rng = random.Random(f"{ctx.seed}:{config.key}:{launch}")
         after_s = self.setting(ctx, "throttle_after_s")
         clock = SimulatedClock(None if after_s is None else float(after_s), float(self.setting(ctx, "throttle_factor")))
-        truth = p.as_dict()
+        truth, wl = p.as_dict(), ctx.workload
+        run, offered = traffic.predicted_run(scenario, k, host, wl)  # each request (traffic.py)
+        if wl.shaped:  # a distribution or arrivals: the simulation's throughput, not the one shape's closed form
+            truth.update(aggregate_tok_s=run.aggregate_tok_s, per_user_tok_s=run.per_user_tok_s)
+        latency_rng = random.Random(f"{ctx.seed}:{config.key}:{launch}:latency")  # leaves rng's draws as they were
 
         def sample() -> dict[str, float]:
-            run_s = p.ttft_ms / 1000.0 + ctx.workload.output_tokens / p.per_user_tok_s
+            run_s = run.span_s if wl.shaped else p.ttft_ms / 1000.0 + wl.output_tokens / p.per_user_tok_s
             factor = clock.advance(run_s)
             out = {}
             for name in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s", "prefill_tok_s"):
                 out[name] = truth[name] * factor * (1.0 + rng.gauss(0.0, noise) if noise else 1.0)
             out["ttft_ms"] = truth["ttft_ms"] / factor
+            speed = factor * (1.0 + latency_rng.gauss(0.0, noise) if noise else 1.0)
+            out.update(traffic.run_metrics(traffic.scaled(run, speed), wl, out["aggregate_tok_s"],
+                                           None if offered is None else offered * speed))
             return out
 
         # Without noise every run would say the same: one run is the measurement.

@@ -69,9 +69,19 @@ for line in sys.stdin:
         if MODE == "error-on-sample":
             send({"id": req["id"], "ok": False, "type": "AssertionError", "error": "Total sequence length exceeds cache size"})
             continue
-        send({"id": req["id"], "ok": True,
-              "metrics": {"decode_tok_s": 100.0, "prefill_tok_s": 2000.0, "ttft_ms": 50.0,
-                          "aggregate_tok_s": 300.0 + samples, "per_user_tok_s": 80.0},
-              "streams": [], "max_allocated_bytes": 1, "max_reserved_bytes": 2})
+        # What the real worker answers: the request alone and every stream, from which the
+        # parent computes the metrics. Each stream decodes at 100 tok/s after a 50 ms first token;
+        # the run's requests (a workload's lengths) or parallel copies of the one shape.
+        lengths = req.get("requests") or [[req["prompt_tokens"], req["output_tokens"]]] * 2
+
+        def stream(start, p, o):
+            return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 50.0, "decode_tok_s": 100.0,
+                    "prefill_tok_s": p / 0.05, "start_s": start, "end_s": start + 0.05 + (o - 1) / 100.0}
+
+        t = 10.0 * samples
+        send({"id": req["id"], "ok": True, "metrics": {},
+              "single": stream(t, req["prompt_tokens"], req["output_tokens"]),
+              "streams": [stream(t + 0.01 * k, p, o) for k, (p, o) in enumerate(lengths)],
+              "max_allocated_bytes": 1, "max_reserved_bytes": 2, "requests_seen": len(lengths)})
     else:
         send({"id": req["id"], "ok": False, "type": "ProtocolError", "error": f"unknown op {op}"})

@@ -508,3 +508,97 @@ time.sleep(60)
         for p in (pids_of(pidfile) if pidfile.exists() else []):
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("search", [None, (0.5, 8.0)], ids=["closed-loop", "rate-search"])
+def test_a_workloads_requests_reach_the_worker_and_its_streams_are_scored_by_the_core(exl2_dir, tmp_path,
+                                                                                  monkeypatch, search):
+    from dataclasses import replace
+
+    requests = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("EXL2_FAKE_REQUESTS", str(requests))
+    monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "EXL2_FAKE_REQUESTS")
+    lengths = ((20, 8), (60, 24), (100, 4))
+    c = make_ctx(tmp_path, worker_command=fake("ok"), paged=True)
+    wl = replace(c.workload, requests=lengths, slo=(("ttft_p95_ms", 100.0),),
+                 **({"arrival": "poisson", "rate_search": search} if search else {}))
+    m = ExLlamaV2Backend().run(cfg(parallel=2), replace(c, workload=wl))
+    samples = [r for r in map(json.loads, requests.read_text().splitlines()) if r["op"] == "sample"]
+    assert samples and all(r["requests"] == [list(x) for x in lengths] and r["concurrency"] == 2 for r in samples)
+    # The fake worker's streams: 50 ms to the first token, then 100 tok/s, all within the target.
+    assert m.metrics["ttft_p95_ms"].median == pytest.approx(50.0) and m.metrics["itl_p50_ms"].median == \
+        pytest.approx(10.0)
+    assert m.metrics["goodput_req_s"].median > 0
+    if search:  # every rate met the target: the search's upper bound, each run trying it first
+        assert m.metrics["rate_req_s"].median == 8.0 and all(r["arrivals"] for r in samples)
+
+
+class _FakeDynamicGenerator:
+    """ExLlamaV2's dynamic generator as the worker drives it: jobs enqueued, ``max_batch`` of
+    them stepped at once (the rest wait), one token per step each, ``eos`` at max_new_tokens."""
+
+    def __init__(self, max_batch: int):
+        self.max_batch, self.jobs, self.running, self.most = max_batch, [], [], 0
+
+    def reset_page_table(self) -> None:
+        pass
+
+    def enqueue(self, job) -> None:
+        self.jobs.append(job)
+
+    def num_remaining_jobs(self) -> int:
+        return len(self.jobs) + len(self.running)
+
+    def iterate(self) -> list[dict]:
+        while self.jobs and len(self.running) < self.max_batch:
+            self.running.append(self.jobs.pop(0))
+        self.most = max(self.most, len(self.running))
+        out = []
+        for job in list(self.running):
+            job.made += 1
+            done = job.made >= job.max_new_tokens
+            out.append({"stage": "streaming", "identifier": job.identifier, "token_ids": _Ids(1), "eos": done,
+                        "new_tokens": job.made})
+            if done:
+                self.running.remove(job)
+        return out
+
+
+class _Ids:
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+def test_the_worker_serves_each_request_its_own_lengths_closed_loop(monkeypatch):
+    import types
+
+    from autotune_plugins.exllamav2 import worker
+
+    class Job:
+        def __init__(self, input_ids, max_new_tokens, gen_settings, identifier):
+            self.prompt, self.max_new_tokens, self.identifier, self.made = input_ids, max_new_tokens, identifier, 0
+
+    fake = types.ModuleType("exllamav2.generator")
+    fake.ExLlamaV2DynamicJob = Job
+    fake.ExLlamaV2Sampler = types.SimpleNamespace(Settings=types.SimpleNamespace(greedy=lambda: None))
+    monkeypatch.setitem(sys.modules, "exllamav2", types.ModuleType("exllamav2"))
+    monkeypatch.setitem(sys.modules, "exllamav2.generator", fake)
+    engine = worker.Engine()
+    engine.torch = types.SimpleNamespace(tensor=lambda rows, dtype=None: rows, long=None)
+    engine.generator = _FakeDynamicGenerator(max_batch=8)
+    engine.base_ids, engine.vocab = [5, 6, 7], 100
+    lengths = [(20, 3), (60, 5), (100, 2), (10, 4), (30, 1)]
+    streams = engine._dynamic_load(lengths, 2, None)
+    # Every request to its lengths, in order; the closed loop kept 2 in flight, never more.
+    assert [(s.prompt_tokens, s.output_tokens) for s in streams] == lengths
+    assert engine.generator.most == 2
+    assert all(s.start_s <= s.start_s + s.ttft_ms / 1000 <= s.end_s for s in streams)
+    # Open loop: each request enqueued at its arrival time, whatever is in flight.
+    engine.generator = _FakeDynamicGenerator(max_batch=1)
+    arrivals = [0.0, 0.02, 0.04]
+    streams = engine._dynamic_load(lengths[:3], 2, arrivals)
+    assert [(s.prompt_tokens, s.output_tokens) for s in streams] == lengths[:3]
+    assert all(s.start_s - streams[0].start_s >= a - 1e-6 for s, a in zip(streams, arrivals))

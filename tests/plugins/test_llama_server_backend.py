@@ -390,11 +390,11 @@ def test_engine_failures_carry_the_engines_reason(server_binary, stories, weight
 def test_no_server_survives_a_failed_measurement(server_binary, stories, monkeypatch):
     b = LlamaServerBackend()
 
-    def boom(self, server, n):
+    def boom(self, server):
         assert servers_on(stories), "the server should be up here"
         raise RuntimeError("client broke")
 
-    monkeypatch.setattr(LlamaServerBackend, "prompt_tokens", boom)
+    monkeypatch.setattr(LlamaServerBackend, "base_tokens", boom)
     with pytest.raises(BackendError, match="client broke"):
         b.run(cfg("stories260K.gguf"), make_ctx(stories))
     assert servers_on(stories) == [] and not processes.live()
