@@ -43,7 +43,7 @@ RESULTS = REPO / "bench" / "results"
 
 # Which published cards the constants are fitted on; every other card is held out. The fit
 # cards span the generations the catalog's figures cover (Pascal P40, Volta V100s, Ampere A100,
-# Ada 4090); the RTX 3090 and the H200's Qwen shape are checked, never fitted. The V100s are
+# Ada 4090); the RTX 3090, the RTX 3090 Ti and the H200's Qwen shape are checked, never fitted. The V100s are
 # fitted because the article's rows, the only other Volta evidence, are all partly offloaded
 # and cannot separate Volta's kernel efficiency from the cost of running layers on the host.
 FIT_CARDS = {"llama.cpp": {"p40", "v100-16gb", "v100-32gb", "a100-80gb", "rtx4090"}, "exllamav2": {"rtx4090"}}
@@ -60,6 +60,7 @@ class Figure:
     value: float
     scenario: physics.Scenario
     weights: str         # the format, as the twin reads it
+    lower_bound: bool = False  # the source says the card does at least this (published_decode.toml)
 
     @property
     def gpu(self) -> str:
@@ -88,7 +89,8 @@ def published() -> Iterator[Figure]:
         s = _scenario(f["engine"], f["gpu"], f["model"], f["weights"], ctx=max(512, prompt + output),
                       flash_attn=f.get("flash_attn"), prompt=prompt, output=output)
         role = "fit" if f["gpu"] in FIT_CARDS.get(f["engine"], ()) else "check"
-        yield Figure(f"pub{i}", f["source"], role, "decode_tok_s", float(f["decode_tok_s"]), s, f["weights"])
+        yield Figure(f"pub{i}", f["source"], role, "decode_tok_s", float(f["decode_tok_s"]), s, f["weights"],
+                     bool(f.get("lower_bound", False)))
 
 
 # The H200's synthetic shapes: the catalog's Qwen2.5-7B (llama.cpp's qwen2 vocabulary, 151,936
