@@ -328,7 +328,7 @@ def test_plugins_json_lists_the_twin(twin_plugin):
     assert result.exit_code == 0
     found = json.loads(result.stdout)
     backends = {b["name"]: b for b in found["backends"]}
-    assert set(backends) == {"twin-exllamav2", "twin-llama.cpp", "twin-vllm"}
+    assert set(backends) == {"twin-exllamav2", "twin-exllamav3", "twin-llama.cpp", "twin-vllm"}
     assert backends["twin-exllamav2"]["plugin"] == "twin"
     assert [m["name"] for m in found["metrics"]] == ["twin-mmlu"]
 

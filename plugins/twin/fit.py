@@ -260,6 +260,29 @@ def fit_offload(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics
     return build(list(sol.x))
 
 
+def fit_trellis(engines: dict[str, physics.EngineConstants]) -> dict[str, physics.EngineConstants]:
+    """exllamav3's ``trellis_ops_per_weight`` from the one kernel figure marked ``fit``
+    (``evidence.EXL3_KERNEL``: the bitrate from which its decode GEMV is DRAM-bound on a card,
+    where memory and trellis decode take equal time), its other constants as stored."""
+    f = next(f for f in evidence.EXL3_KERNEL if f.role == "fit" and f.what == "ridge_bits")
+    k = engines["exllamav3"]
+    memory, _ = evidence.exl3_kernel_seconds(f.gpu, f.value[0], k)
+    ops = memory * physics.int32_tops(get_gpu(f.gpu)) * 1e12
+    return {**engines, "exllamav3": replace(k, trellis_ops_per_weight=ops)}
+
+
+def exl3_kernel_table(engines: dict[str, physics.EngineConstants]) -> str:
+    """exllamav3's kernel figures beside the twin's (evidence.exl3_kernel_predicted)."""
+    lines = ["| figure | card | bits | role | exllamav3 says | twin |", "| --- | --- | --- | --- | --- | --- |"]
+    for f in evidence.EXL3_KERNEL:
+        said = {"ridge_bits": f"DRAM-bound from {f.value[0]:g} bits", "memory_bound": "memory-bound",
+                "compute_bound": "not memory-bound", "bandwidth_share": f"{f.value[0]:.0%}-{f.value[1]:.0%} of DRAM peak"}
+        p = evidence.exl3_kernel_predicted(f, engines["exllamav3"])
+        twin = {"ridge_bits": f"{p:.2f} bits", "bandwidth_share": f"{p:.0%}"}.get(f.what, f"decode/memory {p:.2f}")
+        lines.append(f"| {f.id} | {f.gpu} | {f.bits:g} | {f.role} | {said[f.what]} | {twin} |")
+    return "\n".join(lines)
+
+
 WITHIN = 0.25  # issue 13's bar for a card: every figure within +-25%
 
 
@@ -357,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         engines, host, ppk8 = fit(doc, rows, only)
         if only is None or "host" in only:
             host = fit_offload(doc, rows, engines, host)
+        if only is None or "exllamav3" in only:
+            engines = fit_trellis(engines)
         if args.write:
             write_constants(engines, host, ppk8)
     elif args.refit_offload:
@@ -374,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     print(card_table(engines, host))
     print("\nH200, held out (bench/results: llama-bench on the Qwen2.5-7B shape, llama-server study and grids)")
     print(h200_table(engines, host))
+    print("\nexllamav3's decode kernel (evidence.EXL3_KERNEL: its README and kernel comments; it publishes no tok/s)")
+    print(exl3_kernel_table(engines))
     return 0 if all(inside(i) for i in items) else 1
 
 

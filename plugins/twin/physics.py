@@ -10,6 +10,7 @@ Decode, one step of ``P`` parallel streams, each holding ``c`` tokens of context
 
     t_mem    = (W_gpu + P * c * kv_read_bytes) / (B * eta_w)        weights streamed once per step
     t_comp   = P * 2 * N_lin / (F_core * eta_c)                      dequantize-and-multiply work
+             + N_lin * ops_trellis / I32                             EXL3's trellis decode, once a step
     t_fixed  = n_layers * k_layer / f_clock                          small kernels and launches
     t_serve  = P * n_vocab * k_sample                                the server samples each stream
     t_step   = t_fixed + soft_max(t_mem, t_comp) + t_serve + t_unfused + t_spill
@@ -41,6 +42,9 @@ from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
 from autotune.vram import SlotLayout, kv_cache_bytes
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.exllamav3 import declarations as exllamav3_declared
+from autotune_plugins.exllamav3 import memory as exllamav3_memory_model
+from autotune_plugins.exllamav3.generator_settings import generator_settings as exllamav3_generator
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server import memory as llama_memory
 from autotune_plugins.openai_server import declarations as vllm_declared
@@ -57,7 +61,8 @@ GiB = 2**30
 ROOFLINE_SHARPNESS = 4.0
 
 # The cache types of the engines the twin models: their real backends' own tables.
-TWINNED_CACHE_TYPES = llama_declared.CACHE_TYPES + exllamav2_declared.CACHE_TYPES + vllm_declared.CACHE_TYPES
+TWINNED_CACHE_TYPES = (llama_declared.CACHE_TYPES + exllamav2_declared.CACHE_TYPES + exllamav3_declared.CACHE_TYPES
+                       + vllm_declared.CACHE_TYPES)
 # ExLlamaV2 runs prompts in chunks of max_input_len tokens (config.max_input_len, 2048).
 EXL2_CHUNK = 2048
 # vLLM's KV blocks (--block-size, 16 tokens on CUDA).
@@ -81,6 +86,15 @@ def int8_dot_tops(gpu: GpuSpec) -> float:
     """INT8 dot-product rate of the CUDA cores (dp4a, sm_61 on: four per FP32 lane), which
     quantized kernels fall back to where tensor cores are missing or FP16 is slow."""
     return 4.0 * gpu.fp32_tflops
+
+
+def int32_tops(gpu: GpuSpec) -> float:
+    """INT32 rate of the CUDA cores, in tera-operations per second. GA10x (sm_86), Ada (sm_89)
+    and Hopper (sm_90) SMs run INT32 on 64 of their 128 FP32 lanes; GA100 (sm_80), Volta and
+    Pascal on as many lanes as FP32 (GA100 and Volta in a separate 64-wide INT32 path), and
+    Blackwell's lanes all take INT32. An FMA counts two FLOPs in ``fp32_tflops``."""
+    cc = gpu.compute_capability_tuple
+    return gpu.fp32_tflops / (4.0 if (8, 6) <= cc < (10, 0) else 2.0)
 
 
 def prefill_tflops(gpu: GpuSpec) -> float:
@@ -254,11 +268,24 @@ def vllm_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
                           host_bytes=host, notes=tuple(notes))
 
 
+def exllamav3_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
+    """exllamav3's own memory model (:func:`autotune_plugins.exllamav3.memory.estimate_for`, read
+    from its allocation code), for the paged cache its generator gets (``parallel`` jobs of
+    ``ctx`` tokens, pages of 256): the twin and the exllamav3 backend give the same bytes. The
+    CUDA context is ``context_bytes`` (the backend's ``cuda_context_mib`` default)."""
+    weights_gpu, host, _ = _weights_on_gpu(s, k)
+    w = exllamav3_memory_model.Exl3Weights(gpu_bytes=weights_gpu, host_bytes=host, n_tensors=0,
+                                           files=("(predicted by the twin)",))
+    settings = exllamav3_generator(s.cache_type, s.ctx, s.parallel)
+    return exllamav3_memory_model.estimate_for(s.model, w, settings, s.prompt_tokens, int(k.context_bytes))
+
+
 #: The engines' memory models, by the name an engine's ``memory_model`` gives.
 MEMORY_MODELS: Mapping[str, Callable[[Scenario, EngineConstants], MemoryEstimate]] = {
     "llama-server": llama_server_memory,
     "exllamav2": exllamav2_memory,
     "vllm": vllm_memory,
+    "exllamav3": exllamav3_memory,
 }
 
 
@@ -385,6 +412,8 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     vector_rows = min(parallel, k.vector_max_batch)
     t_comp = vector_rows * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
     t_comp += (parallel - vector_rows) * 2 * n_lin / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
+    # A trellis weight is decoded once per step (the GEMV/GEMM tile shares it across the rows).
+    t_comp += n_lin * k.trellis_ops_per_weight / (int32_tops(g) * 1e12)
     t_fixed = n * k.layer_us_ghz * 1e-6 / (g.boost_clock_mhz / 1000.0)
     t_serve = parallel * m.vocab_size * k.sample_ns_per_vocab * 1e-9 if s.harness == "server" else 0.0
     t_unfused = 0.0

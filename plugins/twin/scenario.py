@@ -64,6 +64,11 @@ class EngineConstants:
             smaller batches are multiplied by the CPU (:mod:`offload`). 0: not modelled (prefill
             copies host weights for any ubatch, decode leaves them to the CPU). Read from the
             source, not fitted.
+        trellis_ops_per_weight: Integer operations the engine's decode kernels spend decoding
+            one trellis-quantized weight (EXL3's procedural codebook), run on the card's INT32
+            lanes (:func:`physics.int32_tops`) once per step whatever the streams; 0 for formats
+            read by a lookup or a scale. Fitted where exllamav3 says its kernel turns
+            DRAM-bound (evidence.EXL3_KERNEL).
         expert_tile_columns: Widest tile of the engine's expert matmul on the GPU (llama.cpp's
             MMQ: 128 columns, chosen against the whole ubatch), whose unfilled columns cost as
             much as filled ones (:func:`offload.expert_tile_factor`); 0: no such padding.
@@ -87,6 +92,7 @@ class EngineConstants:
     memory_model: str
     op_offload_min_batch: int = 0
     expert_tile_columns: int = 0
+    trellis_ops_per_weight: float = 0.0
 
 
 @dataclass(frozen=True)
