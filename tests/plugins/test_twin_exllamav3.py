@@ -93,3 +93,31 @@ def test_quality_prices_exl3_and_its_cache_bits():
     assert score[("exl3:5.0", "fp16")] > score[("exl3:3.0", "fp16")]
     assert score[("exl3:5.0", "fp16")] > score[("exl3:5.0", "k8v8")] > score[("exl3:5.0", "k8v4")] \
         > score[("exl3:5.0", "k4v8")]
+
+
+def test_an_exl3_directory_is_read_as_its_bits_and_its_bytes(tmp_path):
+    """An EXL3 directory (config.json's quantization_config.quant_method "exl3") is
+    ``exl3:<bits>`` to the twin, its bytes those of its safetensors; the other twins name it."""
+    import json
+
+    from autotune_plugins.twin import TwinExllamaV2
+    from tests.plugins.test_exllamav2_backend import CONFIG, write_safetensors
+
+    d = tmp_path / "tiny-exl3"
+    d.mkdir()
+    cfg = {k: v for k, v in CONFIG.items() if k != "quantization_config"}
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "exl3", "bits": 3.5,
+                                                                              "head_bits": 6}}))
+    write_safetensors(d / "model.safetensors", {"model.embed_tokens.weight": ("F16", [512, 128]),
+                                                "model.layers.0.self_attn.q_proj.trellis": ("I16", [8, 8, 56]),
+                                                "model.norm.weight": ("F16", [128])})
+    g = get_gpu("rtx4090")
+    ctx = StudyContext(gpu=g, model=get_model("llama-3.1-8b"), workload=Workload(64, 32), vram_budget_bytes=g.vram_bytes,
+                       protocol=Protocol(), base_dir=tmp_path)
+    twin = TwinExllamaV3()
+    assert twin.as_format("tiny-exl3", ctx) == "exl3:3.5" and twin.check_weights("tiny-exl3", ctx) is None
+    w = twin.scenario(cfg_dir := TrialConfig("twin-exllamav3", "tiny-exl3", 512, 1, (("cache_type", "fp16"),)), ctx).weights
+    assert w.total_bytes == 512 * 128 * 2 + 8 * 8 * 56 * 2 + 128 * 2 and not w.embedding_on_gpu
+    # Tied, no lm_head tensor: exllamav3 loads the embedding again on the GPU as the head.
+    assert twin.estimate_memory(cfg_dir, ctx).weights_bytes == 8 * 8 * 56 * 2 + 128 * 2 + 512 * 128 * 2
+    assert "an EXL3 directory, which exllamav2 does not load" in TwinExllamaV2().check_weights("tiny-exl3", ctx)
