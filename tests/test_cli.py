@@ -154,7 +154,7 @@ def test_estimate_unknown_backend_lists_the_installed_ones(twin_plugin):
                                       "--backend", "exllama", "--weights", "exl2:3.3", "--ctx", "4096"])
     assert result.exit_code == 2
     assert "--backend 'exllama'" in result.stderr and "twin-exllamav2" in result.stderr
-    assert "engines: exllamav2, llama.cpp, vllm" in result.stderr
+    assert "engines: exllamav2, exllamav3, llama.cpp, vllm" in result.stderr
 
 
 README_ESTIMATE = ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article", "--backend", "exllamav2",
@@ -281,7 +281,7 @@ def test_unknown_backend_in_study_exits_2(tmp_path, default_study_path, twin_plu
     result = CliRunner().invoke(cli, ["study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}"])
     assert result.exit_code == 2
     assert f"{path}: [candidates.1] backend = 'llama': not installed" in result.stderr
-    assert "installed: twin-exllamav2, twin-llama.cpp, twin-vllm" in result.stderr
+    assert "installed: twin-exllamav2, twin-exllamav3, twin-llama.cpp, twin-vllm" in result.stderr
 
 
 def test_budget_with_a_bad_unit_exits_2_with_the_format(tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ from autotune_plugins.openai_server import declarations as vllm_declared
 from autotune_plugins.twin import calibration, physics, quality, service
 from autotune_plugins.twin.formats import ARTIFACT_WORDS, artifact_kind, directory_as_format
 from autotune_plugins.twin.clock import SimulatedClock
-from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS, card_share
+from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS, card_share, layers_problem
 from autotune_plugins.twin.strategy import TwinStrategy
 
 __all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinExllamaV3", "TwinVllm", "TwinMmlu", "load_constants"]
@@ -328,7 +328,7 @@ class TwinLlamaCpp(TwinBackend):
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
         reasons = super().check(config, ctx)
         layers, moe = config.option("gpu_layers"), config.option("n_cpu_moe", 0)
-        if layers is not None and _layers(layers) is not None or layers == "auto":
+        if layers is not None and layers_problem(layers) is not None or layers == "auto":
             reasons.append(f"gpu_layers {layers!r}: accepted: \"all\" or an integer >= 0 (-ngl)")
         if type(moe) is not int or moe < 0:
             reasons.append(f"n_cpu_moe {moe!r}: accepted: an integer >= 0 (--n-cpu-moe)")

@@ -31,7 +31,7 @@ def _positive(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
 
 
-def _layers(value: Any) -> str | None:
+def layers_problem(value: Any) -> str | None:
     if isinstance(value, str):
         return None if value in ("all", "auto") else 'must be "all", "auto" or a number of layers'
     return None if value >= 0 else "must be >= 0 layers"
@@ -45,7 +45,7 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
     Setting("throttle_factor", float, 0.75, "speed multiplier once throttled (the article's 40 -> 30 tok/s)",
             check=_fraction),
     Setting("gpu_layers", (str, int), "all", '"all", "auto" (llama.cpp lets layers spill to the host) or a count',
-            check=_layers),
+            check=layers_problem),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
             choices=tuple(UNITS)),
     Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
