@@ -377,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     doc, rows = load_rows(args.reference)
     if args.refit:
         only = set(args.engines.split(",")) if args.engines else None
+        known = {*load_constants()[0], "host"}
+        if only is not None and not only <= known:
+            ap.error(f"--engines {args.engines}: {', '.join(sorted(only - known))} unknown; accepted: "
+                     f"{', '.join(sorted(known))} (comma-separated)")
         engines, host, ppk8 = fit(doc, rows, only)
         if only is None or "host" in only:
             host = fit_offload(doc, rows, engines, host)

@@ -58,7 +58,8 @@ class EngineConstants:
             does) or ``oom`` (it fails to load).
         memory_model: The engine's memory model, a key of ``MEMORY_MODELS``: ``llama-server``
             (the real backend's, ``plugins/llama_server/memory.py``), ``exllamav2`` (the chunked
-            scratch and measured overhead) or ``vllm`` (the share of the card it reserves).
+            scratch and measured overhead), ``exllamav3`` (the exllamav3 backend's own,
+            ``plugins/exllamav3/memory.py``) or ``vllm`` (the share of the card it reserves).
         op_offload_min_batch: Fewest tokens of a batch for which the engine multiplies host
             weights on the GPU, copying them over (llama.cpp: ``GGML_OP_OFFLOAD_MIN_BATCH``, 32);
             smaller batches are multiplied by the CPU (:mod:`offload`). 0: not modelled (prefill
