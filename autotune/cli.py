@@ -277,7 +277,8 @@ def storage_upgrade(ctx: click.Context, url: str) -> None:
               help="gguf:<TYPE>, exl2:<bpw>, or a weights file [default: --model, when it is a file or an EXL2 directory].")
 @click.option("--ctx", "ctx_tokens", required=True, type=click.IntRange(min=1), help="Context per sequence.")
 @click.option("--cache", "cache_type", default=None, help="KV-cache type (the engine's own names).")
-@click.option("--flash-attn/--no-flash-attn", default=False)
+@click.option("--flash-attn/--no-flash-attn", default=None,
+              help="Fused attention [default: the engine's own, on for every engine autotune runs].")
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-tokens", default=None, type=click.IntRange(min=1),
               help="Prompt of one request [default: 1500; with --study, the study's].")
@@ -291,7 +292,7 @@ def storage_upgrade(ctx: click.Context, url: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
-             ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int, prompt_tokens: int | None,
+             ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int, prompt_tokens: int | None,
              output_tokens: int | None, study_name: str | None, storage: str | None, as_json: bool) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
 

@@ -202,7 +202,7 @@ def _study_budget(study: Any, study_name: str, gpu: Any) -> tuple["Budget", list
 
 
 def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
-                    ctx_tokens: int, cache_type: str | None, flash_attn: bool, parallel: int,
+                    ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int,
                     prompt_tokens: int | None = None, output_tokens: int | None = None, study_name: str | None = None,
                     storage: str | None = None) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
@@ -211,6 +211,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         gpu_key: A catalog key or ``auto``; None: the study's GPU, else ``auto``.
         model_ref: A catalog model, file or directory; None: the study's model.
         weights: A format, a file or directory, or None when ``model_ref`` is itself the file.
+        flash_attn: Fused attention; None: the engine's default (the option left out of the configuration).
         prompt_tokens, output_tokens: One request (None: the study's, else 1500 and 800).
         study_name: A stored study whose GPU, model and workload are the defaults, whose
             calibration of the twin predicts, and whose budget and learned memory correction
@@ -266,7 +267,9 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
     flag = "--weights" if weights is not None else "--model"
     weights = _weights_of(model_ref, weights)
     backend, predictor = resolve_backends(backend_name, weights)
-    options = {"flash_attn": flash_attn}
+    # Not given: the engine's own default (every backend's is on), as a study that does not
+    # search it runs; an explicit False here once priced ExLlamaV2 on a 4090 without flash-attn.
+    options: dict[str, Any] = {} if flash_attn is None else {"flash_attn": flash_attn}
     params = {p.name: p for p in backend.parameters({})}
     if cache_type is not None:
         known = params.get("cache_type")

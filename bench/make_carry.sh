@@ -5,6 +5,10 @@
 #              + llama-cpp-python's bindings without their own llama.cpp (CMAKE_ARGS=-DLLAMA_BUILD=OFF,
 #              pure Python: they load the engine build's libllama, for KLD of GGUF) and diskcache
 #   whl-exl2/  exllamav2 0.3.2, fastparquet, cramjam, websockets (cp312)
+#   whl-exl3/  exllamav3 1.6.5 (pure Python: it JIT-compiles its extension at first import) and the
+#              dependencies an image may lack: pyyaml, marisa-trie, psutil, pydantic with pydantic-core,
+#              annotated-types, typing-inspection, typing-extensions (cp312; about 9 MB;
+#              bench/exllamav3_h200/pipeline.sh installs each only where its module does not import)
 #   whl-scipy/ scipy (cp312; the twin's calibration needs it, and images without it exist)
 #   whl-convert/  only with CONVERT=1 (where the image lacks them): transformers 4.57.6 (llama.cpp's
 #              pin for convert_hf_to_gguf.py), tokenizers, sentencepiece and their dependencies,
@@ -19,13 +23,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=${SRC:-$HOME/.cache/autotune/engines/llama.cpp-0.3.36-cpu/src}
 [ -d "$SRC" ] || { echo "no llama.cpp tree at $SRC: run autotune engine build llama.cpp --cpu first" >&2; exit 2; }
-mkdir -p .carry/whl .carry/whl-exl2 .carry/whl-scipy
+mkdir -p .carry/whl .carry/whl-exl2 .carry/whl-exl3 .carry/whl-scipy
 P=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
    --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 --no-deps)
 python3 -m pip download -q "${P[@]}" -d .carry/whl optuna==5.0.0 optuna-dashboard==0.21.0 bottle sqlalchemy==2.1.9 alembic mako colorlog gguf greenlet
 python3 -m pip download -q "${P[@]}" -d .carry/whl diskcache==5.6.3
 CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" python3 -m pip wheel -q --no-deps -w .carry/whl llama-cpp-python==0.3.36
 python3 -m pip download -q "${P[@]}" -d .carry/whl-exl2 exllamav2==0.3.2 fastparquet cramjam websockets
+python3 -m pip download -q "${P[@]}" -d .carry/whl-exl3 exllamav3==1.6.5 pyyaml==6.0.4 marisa-trie==1.4.1 psutil==7.2.2 pydantic==2.14.4 \
+    pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 python3 -m pip download -q "${P[@]}" -d .carry/whl-scipy 'scipy>=1.11,<2'
 if [ "${CONVERT:-0}" = 1 ]; then
   mkdir -p .carry/whl-convert  # with dependencies: every P option but the last (--no-deps)

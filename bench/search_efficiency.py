@@ -39,7 +39,7 @@ from autotune_plugins.twin import physics
 
 REPO = Path(__file__).resolve().parents[1]
 SPEED_CONSTANTS = ("weight_bw_efficiency", "layer_us_ghz", "sample_ns_per_vocab", "unfused_attn_per_layer_us",
-                   "unfused_attn_ns_per_token_layer", "decode_compute_efficiency", "prefill_efficiency")
+                   "decode_compute_efficiency", "prefill_efficiency")
 
 
 def truth_plugin(seed: int):

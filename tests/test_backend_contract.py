@@ -103,6 +103,21 @@ def exllamav2_case(tmp_path: Path) -> Case:
     return Case(ExLlamaV2Backend(), config, ctx, d.name)
 
 
+def exllamav3_case(tmp_path: Path) -> Case:
+    import sys
+
+    from tests.plugins.test_exllamav3_backend import FAKE, write_exl3
+    from autotune.models import model_from_hf_config
+    from autotune_plugins.exllamav3.backend import ExLlamaV3Backend
+
+    d = write_exl3(tmp_path / "tiny-exl3-4.0")
+    ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(d), workload=Workload(64, 16),
+                       vram_budget_bytes=100 * 2**30, protocol=TWO_RUNS,
+                       settings={"worker_command": [sys.executable, str(FAKE), "ok"]}, base_dir=tmp_path)
+    config = TrialConfig("exllamav3", d.name, 512, 2, (("cache_type", "k4v6"),))
+    return Case(ExLlamaV3Backend(), config, ctx, d.name)
+
+
 def example_case(tmp_path: Path) -> Case:
     path = REPO / "examples" / "autotune-example-plugin" / "autotune_example_plugin.py"
     spec = importlib.util.spec_from_file_location("autotune_example_plugin_contract", path)
@@ -117,7 +132,7 @@ def example_case(tmp_path: Path) -> Case:
 
 CASES: dict[str, Callable[[Path], Case]] = {
     "twin": twin_case, "llama-server": llama_server_case, "openai-server": openai_server_case,
-    "exllamav2-fake-worker": exllamav2_case, "example-plugin": example_case,
+    "exllamav2-fake-worker": exllamav2_case, "exllamav3-fake-worker": exllamav3_case, "example-plugin": example_case,
 }
 
 

@@ -165,7 +165,7 @@ def test_prepare_study_reports_every_unknown_name(tmp_path, default_study_path, 
     assert "'nosuchmodel'" in model_line and "qwen2.5-27b-article" in model_line
     backend_line = next(line for line in lines if "[candidates.0] backend" in line)
     assert "'exllama'" in backend_line and "not installed" in backend_line
-    assert "installed: twin-exllamav2, twin-llama.cpp, twin-vllm" in backend_line
+    assert "installed: twin-exllamav2, twin-exllamav3, twin-llama.cpp, twin-vllm" in backend_line
     metric_line = next(line for line in lines if "[objective] quality" in line)
     assert "'mmlu'" in metric_line and "installed: twin-mmlu" in metric_line
     assert not (tmp_path / "x.db").exists(), "a study that cannot start must not create its storage"

@@ -48,6 +48,8 @@ from autotune.paths import path_problem
 from autotune.rules import violations
 from autotune.vram import SlotLayout, kv_cache_bytes
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.exllamav3 import declarations as exllamav3_declared
+from autotune_plugins.exllamav3.generator_settings import PAGE_SIZE as EXL3_PAGE, pages_per_job
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server.builds import engines_dir
 from autotune_plugins.openai_server import declarations
@@ -101,9 +103,12 @@ class OpenAIServerBackend(BaseBackend):
     description: ClassVar[str] = ("any OpenAI-compatible server started from a command template (shipped: "
                                   + ", ".join(shipped()) + ")")
     # The cache types of the engines its shipped templates serve: vLLM's and SGLang's
-    # --kv-cache-dtype, llama-server's -ctk, TabbyAPI's (ExLlamaV2's) cache_mode.
+    # --kv-cache-dtype, llama-server's -ctk, TabbyAPI's cache_mode for ExLlamaV2 and for exllamav3
+    # (fp16 is both exllamas', declared alike).
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = (declarations.CACHE_TYPES + llama_declared.CACHE_TYPES
-                                                       + exllamav2_declared.CACHE_TYPES)
+                                                       + exllamav2_declared.CACHE_TYPES
+                                                       + tuple(c for c in exllamav3_declared.CACHE_TYPES
+                                                               if c.name != "fp16"))
     # What the shipped templates' engines read: ggml's switches (llama-server), a Python
     # engine's setup (vLLM, SGLang, TabbyAPI) and vLLM's and SGLang's own.
     engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*", *exllamav2_declared.PYTHON_ENGINE_VARIABLES,
@@ -294,6 +299,7 @@ class OpenAIServerBackend(BaseBackend):
         values = {
             "weights": str(path), "weights_dir": str(path.parent), "weights_name": path.name,
             "ctx": config.ctx, "ctx_total": config.ctx * config.parallel, "ctx_input": max(1, config.ctx - 1),
+            "ctx_paged": config.parallel * pages_per_job(config.ctx) * EXL3_PAGE,
             "parallel": config.parallel, "port": port, "host": host,
             "gpu": cuda_visible_entry(ctx.gpu_index) if has_gpu else "",
             "memory_fraction": "" if t.memory_fraction is None else f"{t.memory_fraction:g}",
@@ -314,6 +320,9 @@ class OpenAIServerBackend(BaseBackend):
         notes = [f"template {t.name} ({t.docs or t.source})"]
         if "{ctx_total}" in t.command:
             notes.append(f"ctx {config.ctx} x {config.parallel} slots share {config.ctx * config.parallel}")
+        if "{ctx_paged}" in t.command:
+            notes.append(f"a paged cache of {config.parallel} x pad256({config.ctx} + 1) tokens: {config.parallel} jobs of "
+                         f"ctx {config.ctx} at once when clients send max_tokens")
         if self.executable(t) is None:
             notes.append(f"{t.command[0]} was not found here")
         if "{host}" in t.command:

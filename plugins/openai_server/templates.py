@@ -49,6 +49,8 @@ PLACEHOLDERS: Mapping[str, str] = {
     "ctx": "the context of one sequence",
     "ctx_total": "ctx x parallel: the context all slots share",
     "ctx_input": "ctx - 1: the longest prompt a ctx-token sequence can hold",
+    "ctx_paged": "parallel x pad256(ctx + 1): a cache of 256-token pages that holds parallel sequences of ctx "
+                 "tokens, as exllamav3 reserves them (a job's prompt and response plus one token)",
     "parallel": "sequences served at once",
     "cache_type": "the KV-cache type's arguments, from [cache_type] (a whole argument)",
     "flash_attn": "flash attention's arguments, from [flash_attn] (a whole argument)",

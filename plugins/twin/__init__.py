@@ -27,11 +27,14 @@ from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEsti
 from autotune.errors import AutotuneError, BackendError, ConfigError, UnsupportedError
 from autotune.formats import WeightsBreakdown, normalize_format, parse_format, safetensors_dir_weights, weights_for
 from autotune.gguf_file import read_gguf
-from autotune.measure import SERVING_UNITS, Protocol, measure_engine
+from autotune.measure import Protocol, measure_engine
 from autotune.metric import BaseMetric, MetricValue
 from autotune.models import ModelSpec
 
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared, generator_settings as exllamav2_generator
+from autotune_plugins.exllamav3 import declarations as exllamav3_declared
+from autotune_plugins.exllamav3.backend import deploy_for as exllamav3_deploy
+from autotune_plugins.exllamav3.generator_settings import generator_settings as exllamav3_generator
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
@@ -39,9 +42,10 @@ from autotune_plugins.openai_server import declarations as vllm_declared
 from autotune_plugins.twin import calibration, physics, quality, service, traffic
 from autotune_plugins.twin.formats import ARTIFACT_WORDS, artifact_kind, directory_as_format
 from autotune_plugins.twin.clock import SimulatedClock
+from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS, card_share, layers_problem
 from autotune_plugins.twin.strategy import TwinStrategy
 
-__all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinVllm", "TwinMmlu", "load_constants"]
+__all__ = ["TwinLlamaCpp", "TwinExllamaV2", "TwinExllamaV3", "TwinVllm", "TwinMmlu", "load_constants"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,48 +62,6 @@ def load_constants(doc: Mapping[str, Any] | None = None) -> tuple[dict[str, phys
             raise ConfigError(f"plugins/twin/constants.toml: [engines.\"{name}\"] memory_model = {k.memory_model!r}: "
                               f"accepted: {', '.join(map(repr, physics.MEMORY_MODELS))}")
     return engines, physics.HostConstants(**doc["host"]), float(doc["quality"]["points_per_kld_8b"])
-
-
-#: What one simulated run reports, and in which unit: what every serving backend measures.
-UNITS: Mapping[str, str] = SERVING_UNITS
-
-
-def _at_least_zero(value: float) -> str | None:
-    return None if value >= 0 else "must be >= 0"
-
-
-def _fraction(value: float) -> str | None:
-    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a speed multiplier)"
-
-
-def _card_share(value: float) -> str | None:
-    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a share of the card's memory)"
-
-
-def _positive(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
-
-
-def _layers(value: Any) -> str | None:
-    if isinstance(value, str):
-        return None if value in ("all", "auto") else 'must be "all", "auto" or a number of layers'
-    return None if value >= 0 else "must be >= 0 layers"
-
-
-TWIN_SETTINGS: tuple[Setting, ...] = (
-    Setting("noise", float, 0.0, "relative standard deviation of simulated measurement noise (0: exact)",
-            check=_at_least_zero),
-    Setting("throttle_after_s", float, None, "simulated seconds of load after which the card throttles (absent: never)",
-            check=_at_least_zero),
-    Setting("throttle_factor", float, 0.75, "speed multiplier once throttled (the article's 40 -> 30 tok/s)",
-            check=_fraction),
-    Setting("gpu_layers", (str, int), "all", '"all", "auto" (llama.cpp lets layers spill to the host) or a count',
-            check=_layers),
-    Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
-            choices=tuple(UNITS)),
-    Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
-            "host's memory bandwidth alone bounds them)", check=_positive),
-)
 
 
 def _kept(space: Mapping[str, Sequence[Any]], name: str, accepted: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -377,7 +339,7 @@ class TwinLlamaCpp(TwinBackend):
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
         reasons = super().check(config, ctx)
         layers, moe = config.option("gpu_layers"), config.option("n_cpu_moe", 0)
-        if layers is not None and _layers(layers) is not None or layers == "auto":
+        if layers is not None and layers_problem(layers) is not None or layers == "auto":
             reasons.append(f"gpu_layers {layers!r}: accepted: \"all\" or an integer >= 0 (-ngl)")
         if type(moe) is not int or moe < 0:
             reasons.append(f"n_cpu_moe {moe!r}: accepted: an integer >= 0 (--n-cpu-moe)")
@@ -498,6 +460,44 @@ class TwinExllamaV2(TwinBackend):
         return "twin"
 
 
+class TwinExllamaV3(TwinBackend):
+    """exllamav3 (EXL3 weights, paged cache, continuous batching): its memory is the exllamav3
+    backend's own model; its speed the physics with the trellis decode cost (docs/twin.md)."""
+
+    name = "twin-exllamav3"
+    engine = "exllamav3"
+    artifacts = ("exl3",)
+    kv_cache_types = exllamav3_declared.CACHE_TYPES
+    weight_formats = (exllamav3_declared.EXL3,)
+    cache_types = tuple(c.name for c in exllamav3_declared.CACHE_TYPES)
+    default_cache = "fp16"
+    description = "digital twin of exllamav3's paged generator (physics, no GPU needed)"
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """``cache_type`` only: exllamav3 attends with its own Triton kernels, fused always."""
+        offered = ("fp16", "k8v8", "k6v6", "k4v4") if "cache_type" not in space else self.cache_types
+        return [Param("cache_type", _kept(space, "cache_type", offered),
+                      "KV-cache type: fp16 or k<K>v<V>, K and V bits 2-8", accepted=self.cache_types)]
+
+    def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
+        # Paged: every job of the trial holds its pages at once and decodes in the same steps.
+        settings = exllamav3_generator(config.option("cache_type", "fp16"), config.ctx, config.parallel)
+        return replace(super().scenario(config, ctx), flash_attn=True, jobs_at_once=settings.jobs_at_once)
+
+    def attention_path(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return "paged"
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        """The exllamav3 backend's own TabbyAPI line for the generator predicted."""
+        _, bpw = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
+        path = self.weights_file(config.weights, ctx) or Path("models") / f"{ctx.model.key}-exl3-{bpw}bpw"
+        settings = exllamav3_generator(config.option("cache_type", "fp16"), config.ctx, config.parallel)
+        return exllamav3_deploy(settings, path, config.parallel, found="predicted")
+
+    def engine_version(self) -> str:
+        return "twin"
+
+
 class TwinVllm(TwinBackend):
     name = "twin-vllm"
     engine = "vllm"
@@ -511,7 +511,7 @@ class TwinVllm(TwinBackend):
         Setting("version", str, "0.11", "the vLLM release to answer like (0.6 and later refuse Volta)"),
         Setting("gpu_memory_utilization", float, physics.VLLM_GPU_MEMORY_UTILIZATION,
                 "the share of the card vLLM reserves (--gpu-memory-utilization): its memory footprint",
-                check=_card_share),)
+                check=card_share),)
 
     def scenario(self, config: TrialConfig, ctx: StudyContext) -> physics.Scenario:
         return replace(super().scenario(config, ctx),
@@ -590,7 +590,7 @@ class TwinMmlu(BaseMetric):
 
 @hookimpl
 def register_backends(register):
-    for cls in (TwinLlamaCpp, TwinExllamaV2, TwinVllm):
+    for cls in (TwinLlamaCpp, TwinExllamaV2, TwinExllamaV3, TwinVllm):
         register(cls())
 
 

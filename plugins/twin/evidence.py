@@ -43,7 +43,7 @@ RESULTS = REPO / "bench" / "results"
 
 # Which published cards the constants are fitted on; every other card is held out. The fit
 # cards span the generations the catalog's figures cover (Pascal P40, Volta V100s, Ampere A100,
-# Ada 4090); the RTX 3090 and the H200's Qwen shape are checked, never fitted. The V100s are
+# Ada 4090); the RTX 3090, the RTX 3090 Ti and the H200's Qwen shape are checked, never fitted. The V100s are
 # fitted because the article's rows, the only other Volta evidence, are all partly offloaded
 # and cannot separate Volta's kernel efficiency from the cost of running layers on the host.
 FIT_CARDS = {"llama.cpp": {"p40", "v100-16gb", "v100-32gb", "a100-80gb", "rtx4090"}, "exllamav2": {"rtx4090"}}
@@ -60,6 +60,7 @@ class Figure:
     value: float
     scenario: physics.Scenario
     weights: str         # the format, as the twin reads it
+    lower_bound: bool = False  # the source says the card does at least this (published_decode.toml)
 
     @property
     def gpu(self) -> str:
@@ -88,7 +89,8 @@ def published() -> Iterator[Figure]:
         s = _scenario(f["engine"], f["gpu"], f["model"], f["weights"], ctx=max(512, prompt + output),
                       flash_attn=f.get("flash_attn"), prompt=prompt, output=output)
         role = "fit" if f["gpu"] in FIT_CARDS.get(f["engine"], ()) else "check"
-        yield Figure(f"pub{i}", f["source"], role, "decode_tok_s", float(f["decode_tok_s"]), s, f["weights"])
+        yield Figure(f"pub{i}", f["source"], role, "decode_tok_s", float(f["decode_tok_s"]), s, f["weights"],
+                     bool(f.get("lower_bound", False)))
 
 
 # The H200's synthetic shapes: the catalog's Qwen2.5-7B (llama.cpp's qwen2 vocabulary, 151,936
@@ -317,3 +319,66 @@ def implied_routed_share(figure: Figure, k: physics.EngineConstants, host: physi
     pcie = s.gpu.pcie_gb_s * 1e9 * host.host_pcie_efficiency
     copy_s = tokens / figure.value - gpu_s - crossings * where.host_dense_bytes / pcie
     return copy_s * pcie / (crossings * where.host_expert_bytes)
+
+
+# ----------------------------------------------------------------------------- exllamav3 (EXL3)
+#
+# exllamav3 publishes no decode tok/s: its README and doc/ (read at v1.4.1, 4f8ad01) give
+# perplexity plots and conversion times, nothing else timed. What it does say, in its README and
+# in its kernels' comments, is where its decode GEMV stops being bound by DRAM and starts being
+# bound by decoding the trellis on the SMs' INT32 lanes, card by card: enough to pin the one
+# constant the twin adds for EXL3 (trellis_ops_per_weight), fitted on one card, checked on two.
+
+
+@dataclass(frozen=True)
+class KernelFigure:
+    """What exllamav3 says of its decode kernel (m = 1) on one card at ``bits`` per weight.
+
+    ``what``: ``ridge_bits`` (the bitrate from which the kernel is DRAM-bound: ``value``),
+    ``bandwidth_share`` (the share of the card's DRAM peak its fp16 kernel reaches, ``value`` =
+    (low, high)), ``memory_bound`` or ``compute_bound`` (which side of the ridge ``bits`` is on).
+    """
+
+    id: str
+    source: str
+    role: str
+    gpu: str
+    bits: float
+    what: str
+    value: tuple[float, float] = (0.0, 0.0)
+
+
+_INT8_GATE = ("exllamav3 exllamav3/exllamav3_ext/quant/exl3_gemv_int8.cu, the comment over exl3_gemv_int8_max_k "
+              "(4f8ad01)")
+EXL3_KERNEL = (
+    KernelFigure("exl3-3090-ridge", f"{_INT8_GATE}: 'Ampere is DRAM-bound from K = 6 up (3090: int8 "
+                 "-29/-22/-9/-6% at K=2/3/4/5 ...)'", "fit", "rtx3090", 6.0, "ridge_bits", (6.0, 6.0)),
+    KernelFigure("exl3-h200-share", "https://github.com/turboderp-org/exllamav3/issues/242 (H200 SXM, EXL3 6.0 bpw: "
+                 "'the best achieved bandwidth is 21-29% of peak', per-SM INT32 throughput the limit); "
+                 f"{_INT8_GATE}: 'Hopper's fp16 kernel is per-SM INT-throughput-bound at K = 6'",
+                 "check", "h200", 6.0, "bandwidth_share", (0.21, 0.29)),
+    KernelFigure("exl3-4090-memory-bound", "exllamav3 README.md: 'roughly memory-bound latency under optimal "
+                 "conditions (4bpw, RTX 4090)'; exl3_gemv.cu: 'Ada/Blackwell are memory-bound here'",
+                 "check", "rtx4090", 4.0, "memory_bound"),
+    KernelFigure("exl3-3090-low-bits", "exllamav3 README.md: 'still needs some work to achieve the same efficiency "
+                 f"on Ampere and to remain memory-bound at lower bitrates'; {_INT8_GATE}: 3090 int8 -29% at K=2",
+                 "check", "rtx3090", 2.0, "compute_bound"),
+)
+
+
+def exl3_kernel_seconds(gpu: str, bits: float, k: physics.EngineConstants) -> tuple[float, float]:
+    """(memory, trellis decode) seconds per weight of the decode GEMV at ``bits`` on ``gpu``."""
+    g = get_gpu(gpu)
+    memory = bits / 8 / (g.mem_bandwidth_gb_s * 1e9 * physics.bandwidth_efficiency(g, k))
+    return memory, k.trellis_ops_per_weight / (physics.int32_tops(g) * 1e12)
+
+
+def exl3_kernel_predicted(f: KernelFigure, k: physics.EngineConstants) -> float:
+    """The twin's figure for ``f``: the ridge's bits, the share of DRAM peak reached, or the
+    trellis decode's time over the memory's (below 1: memory-bound)."""
+    memory, trellis = exl3_kernel_seconds(f.gpu, f.bits, k)
+    if f.what == "ridge_bits":
+        return f.bits * trellis / memory
+    if f.what == "bandwidth_share":
+        return f.bits / 8 / (physics.soft_max(memory, trellis) * get_gpu(f.gpu).mem_bandwidth_gb_s * 1e9)
+    return trellis / memory

@@ -2,6 +2,7 @@
 
     python -m autotune_plugins.twin.fit                 # the tables with the stored constants
     python -m autotune_plugins.twin.fit --refit --write # fit again and store
+    python -m autotune_plugins.twin.fit --refit --engines exllamav2 --write  # one engine's, the rest as stored
     python -m autotune_plugins.twin.fit --refit-offload --write  # only the two offload constants
 
 The fit takes the evidence of ``evidence.py`` marked ``fit`` (published decode on a P40, the
@@ -152,7 +153,6 @@ FITTED = [
     ("exllamav2", "weight_bw_efficiency", 0.1, 1.0),
     ("exllamav2", "layer_us_ghz", 0.1, 500.0),
     ("exllamav2", "volta_bw_factor", 0.2, 1.5),
-    ("exllamav2", "unfused_attn_ns_per_token_layer", 0.0, 200.0),
     ("exllamav2", "decode_compute_efficiency", 0.02, 0.9),
     ("exllamav2", "prefill_efficiency", 0.01, 0.8),
     ("host", "host_bw_efficiency", 0.3, 3.0),
@@ -164,18 +164,21 @@ def predicted(figure: evidence.Figure, engines: dict[str, physics.EngineConstant
     return float(getattr(p, figure.metric))
 
 
-def fit(doc: dict[str, Any], rows: list[Row]) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants, float]:
+def fit(doc: dict[str, Any], rows: list[Row], only: set[str] | None = None
+        ) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants, float]:
     """Robust least squares on log(predicted / measured) over the evidence marked ``fit``, plus
-    the article's rows, which must stay inside their ranges widened by 10%."""
+    the article's rows, which must stay inside their ranges widened by 10%. ``only``: the
+    engines (and ``host``) whose constants move; the others stay as stored."""
     from scipy.optimize import least_squares
 
     engines, host, _ = load_constants()
+    fitted = [f for f in FITTED if only is None or f[0] in only]
     # The offload probe's fitted points move only the offload constants (fit_offload).
     figures = [f for f in evidence.everything() if f.role == "fit" and not evidence.is_offload(f)]
 
     def build(x: list[float]) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants]:
         e, h = dict(engines), host
-        for (eng, field, _, _), value in zip(FITTED, x):
+        for (eng, field, _, _), value in zip(fitted, x):
             if eng == "host":
                 h = replace(h, **{field: value})
             else:
@@ -203,12 +206,12 @@ def fit(doc: dict[str, Any], rows: list[Row]) -> tuple[dict[str, physics.EngineC
         return res
 
     x0 = []
-    for eng, field, lo, hi in FITTED:
+    for eng, field, lo, hi in fitted:
         v = getattr(host if eng == "host" else engines[eng], field)
         x0.append(min(max(v, lo + 1e-3 * (hi - lo)), hi - 1e-3 * (hi - lo)))
     # soft_l1 with a 10% scale: a figure 2x off (an old build, a CPU-bound host) pulls like a
     # few 10% misses, not like forty.
-    sol = least_squares(residuals, x0, bounds=([n[2] for n in FITTED], [n[3] for n in FITTED]),
+    sol = least_squares(residuals, x0, bounds=([n[2] for n in fitted], [n[3] for n in fitted]),
                         loss="soft_l1", f_scale=0.1)
     e, h = build(list(sol.x))
 
@@ -255,6 +258,29 @@ def fit_offload(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics
     x0 = [min(max(getattr(host, name), lo * 1.01), hi * 0.99) for name, lo, hi in OFFLOAD_FITTED]
     sol = least_squares(residuals, x0, bounds=([lo for _, lo, _ in OFFLOAD_FITTED], [hi for _, _, hi in OFFLOAD_FITTED]))
     return build(list(sol.x))
+
+
+def fit_trellis(engines: dict[str, physics.EngineConstants]) -> dict[str, physics.EngineConstants]:
+    """exllamav3's ``trellis_ops_per_weight`` from the one kernel figure marked ``fit``
+    (``evidence.EXL3_KERNEL``: the bitrate from which its decode GEMV is DRAM-bound on a card,
+    where memory and trellis decode take equal time), its other constants as stored."""
+    f = next(f for f in evidence.EXL3_KERNEL if f.role == "fit" and f.what == "ridge_bits")
+    k = engines["exllamav3"]
+    memory, _ = evidence.exl3_kernel_seconds(f.gpu, f.value[0], k)
+    ops = memory * physics.int32_tops(get_gpu(f.gpu)) * 1e12
+    return {**engines, "exllamav3": replace(k, trellis_ops_per_weight=ops)}
+
+
+def exl3_kernel_table(engines: dict[str, physics.EngineConstants]) -> str:
+    """exllamav3's kernel figures beside the twin's (evidence.exl3_kernel_predicted)."""
+    lines = ["| figure | card | bits | role | exllamav3 says | twin |", "| --- | --- | --- | --- | --- | --- |"]
+    for f in evidence.EXL3_KERNEL:
+        said = {"ridge_bits": f"DRAM-bound from {f.value[0]:g} bits", "memory_bound": "memory-bound",
+                "compute_bound": "not memory-bound", "bandwidth_share": f"{f.value[0]:.0%}-{f.value[1]:.0%} of DRAM peak"}
+        p = evidence.exl3_kernel_predicted(f, engines["exllamav3"])
+        twin = {"ridge_bits": f"{p:.2f} bits", "bandwidth_share": f"{p:.0%}"}.get(f.what, f"decode/memory {p:.2f}")
+        lines.append(f"| {f.id} | {f.gpu} | {f.bits:g} | {f.role} | {said[f.what]} | {twin} |")
+    return "\n".join(lines)
 
 
 WITHIN = 0.25  # issue 13's bar for a card: every figure within +-25%
@@ -343,12 +369,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refit", action="store_true", help="fit the constants again")
     ap.add_argument("--refit-offload", action="store_true",
                     help="fit only the offload constants (host_thread_gb_s, host_pcie_efficiency), the rest as stored")
+    ap.add_argument("--engines", default=None,
+                    help="with --refit: only these engines' constants move (comma-separated, 'host' for the host's); "
+                         "the rest stay as stored")
     ap.add_argument("--write", action="store_true", help="store the fitted constants in constants.toml")
     args = ap.parse_args(argv)
     doc, rows = load_rows(args.reference)
     if args.refit:
-        engines, host, ppk8 = fit(doc, rows)
-        host = fit_offload(doc, rows, engines, host)
+        only = set(args.engines.split(",")) if args.engines else None
+        known = {*load_constants()[0], "host"}
+        if only is not None and not only <= known:
+            ap.error(f"--engines {args.engines}: {', '.join(sorted(only - known))} unknown; accepted: "
+                     f"{', '.join(sorted(known))} (comma-separated)")
+        engines, host, ppk8 = fit(doc, rows, only)
+        if only is None or "host" in only:
+            host = fit_offload(doc, rows, engines, host)
+        if only is None or "exllamav3" in only:
+            engines = fit_trellis(engines)
         if args.write:
             write_constants(engines, host, ppk8)
     elif args.refit_offload:
@@ -366,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     print(card_table(engines, host))
     print("\nH200, held out (bench/results: llama-bench on the Qwen2.5-7B shape, llama-server study and grids)")
     print(h200_table(engines, host))
+    print("\nexllamav3's decode kernel (evidence.EXL3_KERNEL: its README and kernel comments; it publishes no tok/s)")
+    print(exl3_kernel_table(engines))
     return 0 if all(inside(i) for i in items) else 1
 
 

@@ -1,5 +1,6 @@
 """The weight formats the twins know, as the plugins of their engines declare them: llama.cpp's
-GGUF (``gguf:<TYPE>``) and ExLlamaV2's EXL2 (``exl2:<bpw>``); and a model directory as one.
+GGUF (``gguf:<TYPE>``), ExLlamaV2's EXL2 (``exl2:<bpw>``) and exllamav3's EXL3 (``exl3:<bpw>``); and
+a model directory as one.
 
 The twins' functions that take any format (the quality model, the evidence and the fit) look in
 :data:`FORMATS` first, so that they work with no backend registered, as in a replay.
@@ -15,11 +16,13 @@ from autotune.gguf_file import read_gguf
 from autotune.safetensors_dir import SafetensorsDir, read_safetensors_dir
 from autotune_plugins.exllamav2.declarations import EXL2
 from autotune_plugins.exllamav2.formats import EXL2_BPW_MAX, EXL2_BPW_MIN, exl2_quantization
+from autotune_plugins.exllamav3.declarations import EXL3
+from autotune_plugins.exllamav3.formats import exl3_quantization
 from autotune_plugins.llama_server.declarations import GGUF
 
 __all__ = ["FORMATS", "ARTIFACT_WORDS", "artifact_kind", "directory_as_format", "directory_format"]
 
-FORMATS = (GGUF, EXL2)
+FORMATS = (GGUF, EXL2, EXL3)
 
 # config.json's torch_dtype (transformers 5 writes "dtype") -> the unquantized format of that
 # element type. The twins name unquantized weights by their GGUF file type.
@@ -35,6 +38,9 @@ def directory_format(directory: SafetensorsDir) -> str | None:
     exl2 = exl2_quantization(directory.config, directory.path / "config.json")
     if exl2 is not None:
         return f"exl2:{round(exl2.bits, 2)}"
+    exl3 = exl3_quantization(directory.config, directory.path / "config.json")
+    if exl3 is not None:
+        return f"exl3:{round(exl3.bits, 2)}"
     if directory.quant_method is not None:
         return None
     dtype = directory.config.get("torch_dtype", directory.config.get("dtype"))
@@ -49,6 +55,7 @@ def directory_format(directory: SafetensorsDir) -> str | None:
 ARTIFACT_WORDS: Mapping[str, tuple[str, str]] = {
     "gguf": ("a GGUF file", "GGUF files"),
     "exl2": ("an EXL2 directory", "EXL2 directories (config.json with quantization_config.quant_method \"exl2\")"),
+    "exl3": ("an EXL3 directory", "EXL3 directories (config.json with quantization_config.quant_method \"exl3\")"),
     "hf": ("a Hugging Face directory", "Hugging Face directories (config.json and *.safetensors)"),
 }
 
@@ -65,7 +72,10 @@ def artifact_kind(path: Path) -> str:
     directory = read_safetensors_dir(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path}: no config.json (a model directory holds config.json and *.safetensors)")
-    return "exl2" if exl2_quantization(directory.config, directory.path / "config.json") is not None else "hf"
+    config = directory.path / "config.json"
+    if exl2_quantization(directory.config, config) is not None:
+        return "exl2"
+    return "exl3" if exl3_quantization(directory.config, config) is not None else "hf"
 
 
 def directory_as_format(path: Path) -> str:
@@ -81,7 +91,8 @@ def directory_as_format(path: Path) -> str:
         return spec
     if directory.quant_method is not None:
         raise ConfigError(f"{path / 'config.json'}: quantization_config.quant_method {directory.quant_method!r}: "
-                          f"the twin predicts EXL2 directories (quant_method \"exl2\") and unquantized ones "
+                          f"the twin predicts EXL2 and EXL3 directories (quant_method \"exl2\", \"exl3\") "
+                          f"and unquantized ones "
                           f"(F16, BF16 or F32)")
     raise ConfigError(f"{path}: neither config.json's torch_dtype nor its layers' tensors are F16, BF16 or F32, "
                       f"the unquantized types the twin predicts")

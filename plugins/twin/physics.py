@@ -10,6 +10,7 @@ Decode, one step of ``P`` parallel streams, each holding ``c`` tokens of context
 
     t_mem    = (W_gpu + P * c * kv_read_bytes) / (B * eta_w)        weights streamed once per step
     t_comp   = P * 2 * N_lin / (F_core * eta_c)                      dequantize-and-multiply work
+             + N_lin * ops_trellis / I32                             EXL3's trellis decode, once a step
     t_fixed  = n_layers * k_layer / f_clock                          small kernels and launches
     t_serve  = P * n_vocab * k_sample                                the server samples each stream
     t_step   = t_fixed + soft_max(t_mem, t_comp) + t_serve + t_unfused + t_spill
@@ -37,16 +38,20 @@ from typing import Any, Callable, Mapping
 from autotune.backend import MemoryEstimate
 from autotune.cache_types import cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token, resolve
 from autotune.declarations import CacheType
-from autotune.formats import WeightsBreakdown
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
 from autotune.vram import SlotLayout, kv_cache_bytes
 from autotune_plugins.exllamav2 import declarations as exllamav2_declared
+from autotune_plugins.exllamav3 import declarations as exllamav3_declared
+from autotune_plugins.exllamav3 import memory as exllamav3_memory_model
+from autotune_plugins.exllamav3.generator_settings import generator_settings as exllamav3_generator
 from autotune_plugins.llama_server import declarations as llama_declared
 from autotune_plugins.llama_server import memory as llama_memory
 from autotune_plugins.openai_server import declarations as vllm_declared
 from autotune_plugins.twin import offload, service
 from autotune_plugins.twin.offload import distinct_experts  # noqa: F401  (physics' name for it, as before)
+from autotune_plugins.twin.scenario import (  # noqa: F401  (physics' names for them, as before)
+    LLAMA_UBATCH, VLLM_GPU_MEMORY_UTILIZATION, EngineConstants, HostConstants, Scenario)
 
 GiB = 2**30
 
@@ -56,139 +61,14 @@ GiB = 2**30
 ROOFLINE_SHARPNESS = 4.0
 
 # The cache types of the engines the twin models: their real backends' own tables.
-TWINNED_CACHE_TYPES = llama_declared.CACHE_TYPES + exllamav2_declared.CACHE_TYPES + vllm_declared.CACHE_TYPES
-# llama.cpp prefills in ubatches of 512 tokens by default (-ub 512): llama-server's memory model's own.
-LLAMA_UBATCH = llama_memory.DEFAULT_UBATCH
+TWINNED_CACHE_TYPES = (llama_declared.CACHE_TYPES + exllamav2_declared.CACHE_TYPES + exllamav3_declared.CACHE_TYPES
+                       + vllm_declared.CACHE_TYPES)
 # ExLlamaV2 runs prompts in chunks of max_input_len tokens (config.max_input_len, 2048).
 EXL2_CHUNK = 2048
-# vLLM's KV blocks (--block-size, 16 tokens on CUDA) and the share of the card it reserves by
-# default (--gpu-memory-utilization 0.9).
+# vLLM's KV blocks (--block-size, 16 tokens on CUDA).
 VLLM_BLOCK_TOKENS = 16
-VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 
-@dataclass(frozen=True)
-class EngineConstants:
-    """What differs between engines; the fitted values live in constants.toml.
-
-    Attributes:
-        weight_bw_efficiency: Share of the card's bandwidth its decode kernels stream weights at.
-        layer_us_ghz: Fixed cost per layer and step (kernel launches, norms, small ops), in µs
-            at a 1 GHz clock: the card's boost clock divides it.
-        sample_ns_per_vocab: Host time per stream, step and vocabulary entry that a serving
-            engine spends sampling (0 under an offline benchmark's harness), in ns.
-        request_ms: Fixed latency of one batch of requests under autotune's protocol (HTTP,
-            tokenizing, slot set-up, the first token's round trip), in ms.
-        spill_step_ms: Extra cost per step when the model is split between the GPU and the
-            host (synchronising the two halves of the graph, the host's thread pool), in ms.
-        vector_max_batch: The most streams the engine's matrix-vector decode kernels take; rows
-            beyond it run on the tensor cores like a prompt (llama.cpp: MMVQ_MAX_BATCH_SIZE = 8,
-            then its MMQ kernels).
-        volta_bw_factor: What the engine's decode kernels reach on Volta (sm_70) relative to
-            later cards: both engines' kernels are written for sm_75+ (asynchronous copies,
-            INT8 tensor cores), and the article's V100 rows run at about half the bandwidth
-            share the published Ampere/Ada/Hopper figures show.
-        unfused_attn_per_layer_us: Extra cost per layer and step when attention is not fused
-            (separate KQ, softmax and KQV kernels): llama.cpp without --flash-attn.
-        unfused_attn_ns_per_token_layer: Cost per allocated cache token and layer of attention
-            that runs over the whole allocated cache (ExLlamaV2's matmul path), in ns.
-        quant_cache_extra_bytes: Extra traffic per quantized cache element read, in bytes, for
-            engines that dequantize the cache before attention (0 for fused dequant).
-        decode_compute_efficiency: Share of the card's CUDA-core FP16 rate that the
-            dequantize-and-multiply decode kernels reach.
-        prefill_efficiency: Share of the tensor-core FP16 rate reached on prompts.
-        context_bytes: CUDA context, allocator and library workspaces, in bytes (an engine whose
-            memory model is a real backend's, as llama.cpp's is, takes that model's own: 0 here).
-        keeps_embeddings_on_host: Whether the token embeddings stay in host memory.
-        spill: ``layers`` (the engine moves layers that do not fit to the CPU, as llama.cpp
-            does) or ``oom`` (it fails to load).
-        memory_model: The engine's memory model, a key of ``MEMORY_MODELS``: ``llama-server``
-            (the real backend's, ``plugins/llama_server/memory.py``), ``exllamav2`` (the chunked
-            scratch and measured overhead) or ``vllm`` (the share of the card it reserves).
-        op_offload_min_batch: Fewest tokens of a batch for which the engine multiplies host
-            weights on the GPU, copying them over (llama.cpp: ``GGML_OP_OFFLOAD_MIN_BATCH``, 32);
-            smaller batches are multiplied by the CPU (:mod:`offload`). 0: not modelled (prefill
-            copies host weights for any ubatch, decode leaves them to the CPU). Read from the
-            source, not fitted.
-        expert_tile_columns: Widest tile of the engine's expert matmul on the GPU (llama.cpp's
-            MMQ: 128 columns, chosen against the whole ubatch), whose unfilled columns cost as
-            much as filled ones (:func:`offload.expert_tile_factor`); 0: no such padding.
-    """
-
-    weight_bw_efficiency: float
-    layer_us_ghz: float
-    sample_ns_per_vocab: float
-    request_ms: float
-    spill_step_ms: float
-    volta_bw_factor: float
-    vector_max_batch: int
-    unfused_attn_per_layer_us: float
-    unfused_attn_ns_per_token_layer: float
-    quant_cache_extra_bytes: float
-    decode_compute_efficiency: float
-    prefill_efficiency: float
-    context_bytes: float
-    keeps_embeddings_on_host: bool
-    spill: str
-    memory_model: str
-    op_offload_min_batch: int = 0
-    expert_tile_columns: int = 0
-
-
-@dataclass(frozen=True)
-class HostConstants:
-    """Constants of the host side.
-
-    Attributes:
-        host_bw_efficiency: Achieved share of the catalog's host memory bandwidth when the CPU
-            runs spilled layers (can exceed 1 where the catalog's figure undersells the host).
-        host_thread_gb_s: Bytes of quantized weights one CPU thread dequantizes and multiplies
-            per second at decode, in GB/s: with ``Scenario.host_threads`` known, the host side
-            runs at the lesser of the memory's rate and the threads' (a 16-core slice of a large
-            server does not reach the server's memory bandwidth).
-        host_pcie_efficiency: Share of the catalog's PCIe rate at which host-resident weights
-            cross to the GPU during prefill (llama.cpp copies them from mapped, pageable memory
-            once per ubatch, not at the pinned-memory rate the catalog quotes).
-    """
-
-    host_bw_efficiency: float
-    host_thread_gb_s: float = 0.0
-    host_pcie_efficiency: float = 1.0
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """One configuration as the physics sees it (engine flags already translated)."""
-
-    engine: str
-    gpu: GpuSpec
-    model: ModelSpec
-    weights: WeightsBreakdown
-    ctx: int
-    parallel: int
-    cache_type: str
-    flash_attn: bool
-    prompt_tokens: int
-    output_tokens: int
-    # "all", "auto" (fit as many as the card holds) or a count as llama.cpp's -ngl reads it, the
-    # output head counted as the last of n_layers + 1: N >= 1 puts the head and the last N - 1
-    # decoder layers on the GPU (llama_model::load_tensors: i_gpu_start = n_layers + 1 - N).
-    gpu_layers: int | str = "all"
-    # llama.cpp's --n-cpu-moe N: the expert tensors of the first N layers stay in host memory.
-    n_cpu_moe: int = 0
-    # llama.cpp's -ub: prompt tokens per physical batch (host weights cross PCIe once per ubatch).
-    ubatch: int = LLAMA_UBATCH
-    # CPU threads the engine runs host layers with (None: unknown, the host's memory bandwidth alone).
-    host_threads: int | None = None
-    # "server": autotune's protocol, the engine's server sampling every token of every stream;
-    # "bench": an offline benchmark (llama-bench tg128, ExLlamaV2's test_inference), which
-    # samples nothing: what published single-stream figures measure.
-    harness: str = "server"
-    # vLLM's --gpu-memory-utilization; engines that allocate what they need ignore it.
-    gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
-    # Sequences the engine generates together (0: all ``parallel``); fewer are served in waves,
-    # as ExLlamaV2's dynamic generator without paged attention does (:mod:`service`).
-    jobs_at_once: int = 0
 
 
 def fp16_core_tflops(gpu: GpuSpec) -> float:
@@ -206,6 +86,15 @@ def int8_dot_tops(gpu: GpuSpec) -> float:
     """INT8 dot-product rate of the CUDA cores (dp4a, sm_61 on: four per FP32 lane), which
     quantized kernels fall back to where tensor cores are missing or FP16 is slow."""
     return 4.0 * gpu.fp32_tflops
+
+
+def int32_tops(gpu: GpuSpec) -> float:
+    """INT32 rate of the CUDA cores, in tera-operations per second. GA10x (sm_86), Ada (sm_89)
+    and Hopper (sm_90) SMs run INT32 on 64 of their 128 FP32 lanes; GA100 (sm_80), Volta and
+    Pascal on as many lanes as FP32 (GA100 and Volta in a separate 64-wide INT32 path), and
+    Blackwell's lanes all take INT32. An FMA counts two FLOPs in ``fp32_tflops``."""
+    cc = gpu.compute_capability_tuple
+    return gpu.fp32_tflops / (4.0 if (8, 6) <= cc < (10, 0) else 2.0)
 
 
 def prefill_tflops(gpu: GpuSpec) -> float:
@@ -379,11 +268,24 @@ def vllm_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
                           host_bytes=host, notes=tuple(notes))
 
 
+def exllamav3_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
+    """exllamav3's own memory model (:func:`autotune_plugins.exllamav3.memory.estimate_for`, read
+    from its allocation code), for the paged cache its generator gets (``parallel`` jobs of
+    ``ctx`` tokens, pages of 256): the twin and the exllamav3 backend give the same bytes. The
+    CUDA context is ``context_bytes`` (the backend's ``cuda_context_mib`` default)."""
+    weights_gpu, host, _ = _weights_on_gpu(s, k)
+    w = exllamav3_memory_model.Exl3Weights(gpu_bytes=weights_gpu, host_bytes=host, n_tensors=0,
+                                           files=("(predicted by the twin)",))
+    settings = exllamav3_generator(s.cache_type, s.ctx, s.parallel)
+    return exllamav3_memory_model.estimate_for(s.model, w, settings, s.prompt_tokens, int(k.context_bytes))
+
+
 #: The engines' memory models, by the name an engine's ``memory_model`` gives.
 MEMORY_MODELS: Mapping[str, Callable[[Scenario, EngineConstants], MemoryEstimate]] = {
     "llama-server": llama_server_memory,
     "exllamav2": exllamav2_memory,
     "vllm": vllm_memory,
+    "exllamav3": exllamav3_memory,
 }
 
 
@@ -465,6 +367,16 @@ def kv_read_bytes_per_token(s: Scenario, k: EngineConstants) -> float:
     return s.model.n_layers * s.model.kv_dim * 2 * per_elem
 
 
+def unfused_copy_bytes(m: ModelSpec, k: EngineConstants) -> float:
+    """Bytes per context token and step (all layers) that attention without flash-attn moves
+    beyond reading the cache: ExLlamaV2 attends over the context in use (``past_len + q_len``
+    keys, attn.py) after widening grouped K and V to every query head (``repeat_kv``), a copy
+    written and read again; with one key head per query head nothing is copied."""
+    if m.n_kv_heads >= m.n_heads:
+        return 0.0
+    return m.n_layers * k.unfused_kv_copies * 2 * m.q_dim * 2
+
+
 def host_rate(s: Scenario, host: HostConstants) -> float:
     """Bytes per second the CPU reads and multiplies host weights at during decode: the host's
     memory bandwidth, or the engine's threads' rate when that is lower and the threads are known."""
@@ -500,12 +412,14 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     vector_rows = min(parallel, k.vector_max_batch)
     t_comp = vector_rows * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
     t_comp += (parallel - vector_rows) * 2 * n_lin / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
+    # A trellis weight is decoded once per step (the GEMV/GEMM tile shares it across the rows).
+    t_comp += n_lin * k.trellis_ops_per_weight / (int32_tops(g) * 1e12)
     t_fixed = n * k.layer_us_ghz * 1e-6 / (g.boost_clock_mhz / 1000.0)
     t_serve = parallel * m.vocab_size * k.sample_ns_per_vocab * 1e-9 if s.harness == "server" else 0.0
     t_unfused = 0.0
     if not s.flash_attn:
         t_unfused += n * k.unfused_attn_per_layer_us * 1e-6
-        t_unfused += parallel * s.ctx * n * k.unfused_attn_ns_per_token_layer * 1e-9
+        t_unfused += parallel * context_tokens * unfused_copy_bytes(m, k) * frac_gpu / (bw * bandwidth_efficiency(g, k))
     t_host = 0.0
     host_read = where.host_dense_bytes + where.host_expert_bytes * routed
     if host_read:

@@ -12,8 +12,11 @@ Sources (docs/twin.md has the full table):
 * EXL2: no published KLD table; EXL2's PPL gaps (exllamav2 doc/qcache_eval.md, Mistral 7B:
   3.0/3.5/4.0/5.0 bpw) shrink ~4x per added bit, as the k-quants' KLD does (3.6x per bit by
   the regression below), so an EXL2 file is priced like a k-quant of the same bits per weight.
+* EXL3: priced the same way, at its bits (an upper bound on its damage: exllamav3's doc/exl3.md
+  plots EXL3's perplexity below EXL2's at equal bitrate, but publishes no figures as text).
 * KV cache: llama.cpp PR #7412 (LLaMA 3 8B KLD: K+V q8_0 0.000980; q4_0 K+V 0.0365, V only
-  0.0050). ExLlamaV2's Q8/Q6/Q4 are 8/8, 8/4 and 4/4 bits for K/V with grouped scales.
+  0.0050). ExLlamaV2's Q8/Q6/Q4 are 8/8, 8/4 and 4/4 bits for K/V with grouped scales;
+  exllamav3's k<K>v<V> from K's and V's share of those figures, log-linear in bits.
 * Qwen2 models are more sensitive to cache quantization (QKV biases give keys large
   outliers: exllamav2 issue #493 "issues with the Q4 cache" on Qwen2; localbench's Qwen
   q4_0-cache KLD 0.087-0.117 against LLaMA 3 8B's 0.0365): ``ARCH_KV_SENSITIVITY``.
@@ -24,10 +27,12 @@ Sources (docs/twin.md has the full table):
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 from autotune.errors import ConfigError
 from autotune.formats import parse_format
 from autotune.models import ModelSpec
+from autotune_plugins.exllamav3 import declarations as exllamav3_declared
 from autotune_plugins.twin.formats import FORMATS
 
 # (bits per weight, mean KLD vs F16) of llama.cpp file types, LLaMA 3 8B (see module doc).
@@ -93,8 +98,24 @@ def weights_kld(fmt: str) -> float:
     return math.exp(_INTERCEPT + _SLOPE * bpw)
 
 
+# PR #7412's split of the cache's damage between K and V at 8 and 4 bits (LLaMA 3 8B): K q8_0
+# with V q4_0 is 0.000944 + 0.004988, both q8_0 0.00098, both q4_0 0.0365.
+K_KLD = {8: 0.000944, 4: 0.0365 - 0.004988}
+V_KLD = {8: 0.00098 - 0.000944, 4: 0.004988}
+
+
+def _split_kld(table: Mapping[int, float], bits: int) -> float:
+    """One of K or V at ``bits``: log-linear in bits through the 8- and 4-bit figures (outside
+    them, the same line carried on: an extrapolation to 2-3 and 5-7 bits, stated as such)."""
+    return table[8] * (table[4] / table[8]) ** ((8 - bits) / 4)
+
+
 def cache_kld(cache_type: str, model: ModelSpec) -> float:
-    return CACHE_KLD[cache_type.lower()] * ARCH_KV_SENSITIVITY.get(model.architecture, 1.0)
+    """KLD a cache type adds; exllamav3's ``k<K>v<V>`` from K's and V's bits apart."""
+    name = cache_type.lower()
+    bits = exllamav3_declared.cache_kv_bits(name) if name not in CACHE_KLD else None
+    kld = CACHE_KLD[name] if bits is None else _split_kld(K_KLD, bits[0]) + _split_kld(V_KLD, bits[1])
+    return kld * ARCH_KV_SENSITIVITY.get(model.architecture, 1.0)
 
 
 def uncovered(model: ModelSpec) -> str | None:

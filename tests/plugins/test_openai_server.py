@@ -56,7 +56,7 @@ def cfg(weights: str, parallel: int = 1, ctx: int = 256, **options) -> TrialConf
 
 
 def test_every_shipped_template_renders_to_an_argument_list(tmp_path):
-    assert shipped() == ["llama-server", "sglang", "tabbyapi", "tgi", "vllm"]
+    assert shipped() == ["llama-server", "sglang", "tabbyapi", "tabbyapi-exllamav3", "tgi", "vllm"]
     (tmp_path / "model").mkdir()
     shutil.copy(STORIES, tmp_path / "m.gguf")
     b = OpenAIServerBackend()
@@ -78,6 +78,13 @@ def test_every_shipped_template_renders_to_an_argument_list(tmp_path):
     for flag, value in (("--max-model-len", "1024"), ("--max-num-seqs", "4"), ("--kv-cache-dtype", "fp8"),
                         ("--gpu-memory-utilization", "0.9")):
         assert vllm[vllm.index(flag) + 1] == value
+    tabby = b.argv(cfg("model", 4, 1000, cache_type="k4v6", chunk_size=512),
+                   make_ctx(tmp_path, template="tabbyapi-exllamav3"), host="127.0.0.1", port=5000, has_gpu=False)
+    # exllamav3 reserves ceil((1000 + 1) / 256) = 4 pages a job: 4 jobs need 4096 tokens, not 4 x 1000
+    for flag, value in (("--backend", "exllamav3"), ("--max-seq-len", "1000"), ("--cache-size", "4096"),
+                        ("--cache-mode", "4,6"), ("--max-batch-size", "4"), ("--chunk-size", "512"),
+                        ("--output-chunking", "false"), ("--model-name", "model")):
+        assert tabby[tabby.index(flag) + 1] == value
     llama = b.argv(cfg("m.gguf", 4, 1024, cache_type="q8_0", flash_attn=False, ubatch=128),
                    make_ctx(tmp_path, template="llama-server"), host="127.0.0.1", port=8000, has_gpu=False)
     for flag, value in (("-c", "4096"), ("-np", "4"), ("-ctk", "q8_0"), ("-ctv", "q8_0"), ("-fa", "off"),

@@ -150,7 +150,7 @@ def test_what_the_twins_do_not_read_is_named_with_what_they_do(exl2_dir, tmp_pat
     gptq.mkdir()
     (gptq / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "gptq"}}))
     write_safetensors(gptq / "model.safetensors", {"model.norm.weight": ("F16", [128])})
-    assert "quantization_config.quant_method 'gptq': the twin predicts EXL2 directories" in \
+    assert "quantization_config.quant_method 'gptq': the twin predicts EXL2 and EXL3 directories" in \
         TwinVllm().check_weights("gptq", ctx)
     wide = make_exl2_dir(tmp_path, 9.0)
     assert "quantization_config.bits = 9.0: the twin knows EXL2 at 2.0-8.0" in \

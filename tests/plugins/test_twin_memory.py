@@ -63,11 +63,11 @@ def test_the_issues_example_is_llama_servers_figure(engine_plugins):
 def test_each_twin_engine_names_its_own_memory_model():
     engines = load_constants()[0]
     assert {name: k.memory_model for name, k in engines.items()} == {
-        "llama.cpp": "llama-server", "exllamav2": "exllamav2", "vllm": "vllm"}
+        "llama.cpp": "llama-server", "exllamav2": "exllamav2", "vllm": "vllm", "exllamav3": "exllamav3"}
     doc = _constants_doc()
     broken = {**doc, "engines": {**doc["engines"], "vllm": {**doc["engines"]["vllm"], "memory_model": "exllama"}}}
     with pytest.raises(ConfigError, match=r'constants.toml: \[engines."vllm"\] memory_model = .exllama.: accepted: '
-                                          r"'llama-server', 'exllamav2', 'vllm'"):
+                                          r"'llama-server', 'exllamav2', 'vllm', 'exllamav3'"):
         load_constants(broken)
 
 

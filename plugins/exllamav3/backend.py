@@ -1,0 +1,438 @@
+"""The exllamav3 backend: each trial in its own worker process, measured like every backend.
+
+A trial's lifecycle (see :mod:`autotune.backend`):
+
+* weights are EXL3 directories (``config.json`` with ``quantization_config.quant_method =
+  "exl3"`` and ``*.safetensors``), relative to the study file's directory, or formats
+  (``exl3:4.0``) converted from the study's ``[model] source`` when a trial first needs them
+  (:mod:`autotune.artifacts`, recipe in :mod:`~autotune_plugins.exllamav3.recipes`);
+* ``check`` refuses what exllamav3 and TabbyAPI refuse (a context beyond the model's, a cache
+  type outside fp16 / k<K>v<V> with K, V in 2..8, a prefill chunk that is not a multiple of
+  the 256-token page);
+* ``estimate_memory`` reads the directory's tensor bytes and follows exllamav3 1.6.5's
+  allocations (:mod:`.memory`);
+* ``run`` starts ``python -m autotune_plugins.exllamav3.worker`` in its own session (the
+  process handling of :mod:`autotune_plugins.exllamav2.worker_process`, shared), loads the
+  model there, and measures with the core's loop, :func:`autotune.measure.measure_engine`.
+
+The space: ``cache_type`` (``fp16``, ``k8v8``, ``k4v6``...; all 50 when the study names none
+would be a large space, so the default is fp16 and the symmetric k8v8, k6v6, k4v4, k2v2
+that TabbyAPI's legacy Q8/Q6/Q4 names mean), and ``chunk_size`` when the study's ``[space]``
+names it (else the ``chunk_size`` setting, 2048 like TabbyAPI's).
+
+The deploy line is TabbyAPI (``--backend exllamav3``) built from the same
+:class:`~.generator_settings.GeneratorSettings` the worker was told to build (it refuses
+rather than build another), so it serves what was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
+
+from autotune import processes
+from autotune.artifacts import artifact_path, is_format
+from autotune.backend import (
+    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line,
+    same_value)
+from autotune.cuda_devices import cuda_visible_entry
+from autotune.declarations import CacheType, WeightFormats
+from autotune.errors import AutotuneError, BackendError, ConfigError
+from autotune.formats import normalize_format, parse_format
+from autotune.hardware import has_gpu as _has_gpu
+from autotune.measure import SERVING_UNITS, measure_engine
+from autotune.models import ModelSpec, model_from_hf_config
+from autotune.paths import path_problem
+from autotune.redact import engine_environment
+from autotune.safetensors_dir import read_config_json
+
+from autotune_plugins.exllamav2.worker_process import WorkerProcess
+from autotune_plugins.exllamav3 import declarations, memory
+from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
+from autotune_plugins.exllamav3.generator_settings import (
+    DEFAULT_CHUNK, GeneratorSettings, chunk_problem, generator_settings, normalize_cache_type, pages_per_job)
+from autotune_plugins.exllamav3.recipes import convert_args_problem, exl3_recipe
+
+__all__ = ["DEFAULT_CACHES", "ExLlamaV3Backend", "INSTALL", "SETTINGS", "UNITS", "default_worker_command",
+           "deploy_for", "tabbyapi_args"]
+
+UNITS = SERVING_UNITS
+INSTALL = ("pip install -e '.[exllamav3]' in autotune's checkout (exllamav3==1.6.5 and torch; exllamav3 compiles "
+           "its CUDA extension at first import, so the CUDA toolkit's nvcc must be on PATH)")
+# The space's cache types when the study names none: FP16 and the symmetric modes TabbyAPI's
+# legacy names stand for (backends/exllamav3/model.py create_cache: Q8 -> 8,8, Q6 -> 6,6,
+# Q4 -> 4,4), plus 2 bits; any k<K>v<V> is accepted when named.
+DEFAULT_CACHES = ("fp16", "k8v8", "k6v6", "k4v4", "k2v2")
+CACHE_ACCEPTED = ("fp16", "k<K>v<V> with K, V from 2 to 8")
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def _command_problem(command: list) -> str | None:
+    if command and all(isinstance(c, str) and c for c in command):
+        return None
+    return "must be a non-empty list of non-empty strings (the worker's whole command line)"
+
+
+def _head_bits_problem(value: float) -> str | None:
+    return None if head_bits_ok(float(value)) else "must be 1-8 (halves only 1.5, 2.5, 3.5) or 16, as -hb accepts"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("python", str, None, "the interpreter that runs the worker and the converter, with torch and "
+            "exllamav3 (absent: autotune's own)"),
+    Setting("worker_command", list, None, "the worker's whole command line, replacing python -m "
+            "autotune_plugins.exllamav3.worker (tests run fake workers)", check=_command_problem),
+    Setting("chunk_size", int, DEFAULT_CHUNK, "prefill chunk in tokens (Generator max_chunk_size, TabbyAPI "
+            "chunk_size), a multiple of 256; [space] chunk_size searches it instead", check=chunk_problem),
+    Setting("head_bits", float, EXL3_HEAD_BITS, "bits of the output head when an EXL3 format is made (the "
+            "converter's -hb)", check=_head_bits_problem),
+    Setting("startup_timeout_s", float, 60.0, "seconds the worker may take to start", check=_positive),
+    Setting("load_timeout_s", float, 1800.0, "seconds loading the model may take (the first load JIT-compiles "
+            "exllamav3's extension, many minutes; warmup compiles the Triton kernels)", check=_positive),
+    Setting("request_timeout_s", float, 600.0, "seconds one measurement run may take", check=_positive),
+    Setting("cuda_context_mib", float, float(memory.DEFAULT_CUDA_CONTEXT_MIB), "CUDA context, kernels and "
+            "workspaces in the memory estimate, MiB", check=lambda v: None if v >= 0 else "must be >= 0"),
+    Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
+            choices=tuple(UNITS)),
+    Setting("convert_args", list, [], "more arguments for exllamav3's converter when an EXL3 format is made, "
+            "e.g. [\"-cr\", \"100\"] (fewer calibration rows: faster); they are part of the artifact's cache key",
+            check=convert_args_problem),
+)
+
+# Finds the modules without importing exllamav3 (whose import JIT-compiles its extension for
+# minutes); torch is imported, as the worker will, to ask it for CUDA devices.
+_PREFLIGHT = """
+import importlib.util, json, shutil
+found = {m: importlib.util.find_spec(m) is not None for m in ("torch", "exllamav3")}
+found["nvcc"] = shutil.which("nvcc") is not None
+if found["torch"]:
+    try:
+        import torch
+        found["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:
+        found["torch_error"] = f"{type(exc).__name__}: {exc}"
+    try:  # where torch's extension loader finds nvcc (CUDA_HOME, else nvcc on PATH)
+        from torch.utils.cpp_extension import CUDA_HOME
+        found["cuda_home"] = CUDA_HOME
+    except Exception:
+        found["cuda_home"] = None
+if found["exllamav3"]:
+    import importlib.util as u
+    spec = u.find_spec("exllamav3_ext")
+    found["prebuilt_ext"] = spec is not None
+print(json.dumps(found))
+"""
+
+
+def default_worker_command(python: str | None = None) -> list[str]:
+    """``python -m autotune_plugins.exllamav3.worker`` with autotune's interpreter by default."""
+    return [python or sys.executable, "-u", "-m", "autotune_plugins.exllamav3.worker"]
+
+
+def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
+    """TabbyAPI's flags (config.yml ``model:`` keys, dashed; common/args.py) that make its
+    exllamav3 generator the one ``s`` describes.
+
+    ``output_chunking false``: jobs reserve their whole response, as measured (see
+    :mod:`.generator_settings`). ``cuda_malloc_async false``: PyTorch's own caching allocator,
+    the one the worker ran with (TabbyAPI's default is cudaMallocAsync, whose footprint differs).
+    """
+    return ["--model-dir", str(model_dir.parent), "--model-name", model_dir.name, "--backend", "exllamav3",
+            "--max-seq-len", str(s.max_seq_len), "--cache-size", str(s.cache_tokens),
+            "--cache-mode", declarations.tabby_cache_mode(s.cache_type), "--max-batch-size", str(s.max_batch_size),
+            "--chunk-size", str(s.chunk_size), "--output-chunking", "false", "--cuda-malloc-async", "false"]
+
+
+def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str = "python",
+               found: str = "measured") -> str:
+    """The deploy line that delivers what ``s`` measures (or the twin predicts): TabbyAPI."""
+    notes = [f"TabbyAPI, run from its checkout by the interpreter whose exllamav3 was {found} (config.yml "
+             "model: keys of the same names; cuda_malloc_async is under developer:)",
+             f"cache of {parallel} x pad256({s.max_seq_len} + 1) = {s.cache_tokens} tokens: the {parallel} jobs run "
+             "together when clients send max_tokens (without it a job reserves max_seq_len)",
+             "--host 0.0.0.0 serves other machines"]
+    return deploy_line([python, "main.py", *tabbyapi_args(s, model_dir), "--host", "127.0.0.1", "--port", "5000"],
+                       notes)
+
+
+class ExLlamaV3Backend(BaseBackend):
+    name: ClassVar[str] = "exllamav3"
+    engine: ClassVar[str] = "exllamav3"
+    description: ClassVar[str] = "exllamav3's paged generator on an EXL3 directory, one worker process per trial"
+    settings: ClassVar[tuple[Setting, ...]] = SETTINGS
+    kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
+    weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL3,)
+    engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
+
+    # -------------------------------------------------------------- space and rules
+
+    def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """``cache_type``: the study's values that are exllamav3 cache types (any case), as given
+        (:data:`DEFAULT_CACHES` when the study names none); ``chunk_size`` when the study names it."""
+        if "cache_type" not in space:
+            caches: tuple[Any, ...] = DEFAULT_CACHES
+        else:
+            kept: list[Any] = []
+            for value in space["cache_type"]:
+                if isinstance(value, str) and _is_cache(value) and value not in kept:
+                    kept.append(value)
+            caches = tuple(kept)
+        params = [Param("cache_type", caches, "KV-cache type: fp16 or k<K>v<V>, K and V bits 2-8 (TabbyAPI's "
+                        "cache_mode FP16 or \"K,V\")", accepted=CACHE_ACCEPTED)]
+        if "chunk_size" in space:
+            chunks = tuple(v for v in space["chunk_size"] if chunk_problem(v) is None)
+            params.append(Param("chunk_size", chunks, "prefill chunk (max_chunk_size, TabbyAPI chunk_size)",
+                                accepted=("a multiple of 256, at least 256",)))
+        return params
+
+    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
+        """EXL3 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
+        interpreter on the study's card."""
+        version = self.engine_version().partition(" (")[0].replace(" ", "-")
+        return exl3_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,
+                           tuple(self.value(ctx, "convert_args")), float(self.value(ctx, "head_bits")))
+
+    def weights_path(self, weights: str, ctx: StudyContext) -> Path:
+        """The EXL3 directory a candidate names: relative to the study file, or for a format
+        (``exl3:4.0``) its place in the artifact cache, made or not yet."""
+        if is_format(weights, self.weight_formats) and ctx.source is not None:
+            fmt = normalize_format(weights, self.weight_formats)
+            return artifact_path(ctx.source, self.artifact_recipe(fmt, ctx.source, ctx))
+        return ctx.path(weights)
+
+    def _made(self, weights: str, ctx: StudyContext) -> Path | None:
+        p = self.weights_path(weights, ctx)
+        return None if is_format(weights, self.weight_formats) and not p.is_dir() else p
+
+    def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
+        """TabbyAPI's defaults for exllamav3 (backends/exllamav3/model.py): ``max_seq_len`` the
+        model's own, ``cache_size`` = max_seq_len, FP16 cache, chunk 2048; one user."""
+        made = self._made(weights, ctx)
+        model = ctx.model if made is None else model_from_hf_config(made)
+        config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
+        return DefaultLaunch(config, (
+            f"TabbyAPI's exllamav3 defaults: max_seq_len the model's own {model.max_context} tokens, cache_size the "
+            "same (cut to pages), FP16 cache (cache_mode FP16), chunk_size 2048; one user"))
+
+    def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
+        if is_format(weights, self.weight_formats):
+            return None  # whether it can be made is the study's check (artifact_recipe)
+        p = self.weights_path(weights, ctx)
+        problem = path_problem(p, "directory")
+        if problem:
+            return f"{p}: {problem} (weights are EXL3 directories relative to the study file)"
+        if not (p / "config.json").is_file():
+            return f"{p}: no config.json (an EXL3 directory holds config.json, tokenizer files and *.safetensors)"
+        cfg = read_config_json(p)
+        # The study's own full-precision source loads as it is (modules/linear.py load_fp16).
+        is_source = ctx.source is not None and p.resolve() == Path(ctx.source).resolve()
+        try:
+            quant = exl3_quantization(cfg, p / "config.json")
+        except AutotuneError as exc:
+            return str(exc)
+        if quant is None and not is_source:
+            return (f"{p}/config.json: no quantization_config with quant_method 'exl3' and bits (convert with "
+                    f"python -m exllamav3.conversion.convert_model -i SOURCE -o {p} -w WORKDIR -b BITS)")
+        try:
+            model = model_from_hf_config(p)
+            memory.exl3_dir_weights(p, model.tie_embeddings)
+        except AutotuneError as exc:
+            return str(exc)
+        return None
+
+    def _chunk(self, config: TrialConfig, ctx: StudyContext) -> Any:
+        return config.option("chunk_size", self.setting(ctx, "chunk_size"))
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        problem = self.check_weights(config.weights, ctx)
+        if problem:
+            return [problem]
+        reasons = []
+        made = self._made(config.weights, ctx)
+        model: ModelSpec = ctx.model if made is None else model_from_hf_config(made)
+        try:
+            normalize_cache_type(config.option("cache_type", "fp16"))
+        except ConfigError as exc:
+            reasons.append(str(exc))
+        chunk = self._chunk(config, ctx)
+        if chunk_problem(chunk):
+            reasons.append(f"chunk_size {chunk_problem(chunk)}: TabbyAPI rounds it up to one and the generator's "
+                           "shared_chunk_size must be a page multiple no larger than it")
+        if config.ctx > model.max_context:
+            reasons.append(f"ctx {config.ctx} exceeds the model's max_position_embeddings {model.max_context}")
+        if model.head_dim % 32 or model.kv_dim % 32:
+            reasons.append(f"head_dim {model.head_dim}: exllamav3's cache packs K/V in groups of 32 values "
+                           "(cache/quant.py token_dim // 32)")
+        return reasons
+
+    # -------------------------------------------------------------- settings
+
+    def python(self, ctx: StudyContext) -> str:
+        return str(self.setting(ctx, "python") or sys.executable)
+
+    def generator_settings(self, config: TrialConfig, ctx: StudyContext) -> GeneratorSettings:
+        """The generator a trial measures and its deploy line serves: one object for both."""
+        return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel,
+                                  self._chunk(config, ctx))
+
+    def preflight(self, ctx: StudyContext) -> list[str]:
+        """torch and exllamav3 importable by the worker's interpreter, a CUDA device it sees, and
+        nvcc to compile exllamav3's extension at first import.
+
+        Looked up in a child process of that interpreter, so autotune itself never imports torch.
+        A ``worker_command`` of the user's own is theirs to vouch for: nothing is checked then.
+        """
+        if self.setting(ctx, "worker_command") is not None:
+            return []
+        python = self.python(ctx)
+        try:
+            env = self.worker_env(ctx)
+        except AutotuneError as exc:
+            return [str(exc)]
+        try:
+            done = processes.run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout_s=300, env=env)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return [f"[backends.exllamav3] python = {python!r} cannot be run ({exc}): name an interpreter "
+                    f"that has torch and exllamav3"]
+        try:
+            found = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return [f"{python} could not say whether torch and exllamav3 are installed ({tail})"]
+        missing = [m for m in ("torch", "exllamav3") if not found.get(m)]
+        if missing:
+            return [f"{' and '.join(missing)} cannot be imported by {python}: {INSTALL}, or set "
+                    f"[backends.exllamav3] python to an interpreter that has them"]
+        if found.get("torch_error"):
+            return [f"torch cannot be imported by {python}: {found['torch_error']}"]
+        if not found.get("cuda_devices"):
+            return [f"torch in {python} sees no CUDA device (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}): "
+                    f"exllamav3 runs on NVIDIA GPUs (Ampere or newer) only; run the study where one is visible, or "
+                    f"predict with the twin-exllamav3 backend"]
+        if not found.get("prebuilt_ext") and not found.get("nvcc") and not found.get("cuda_home"):
+            return [f"exllamav3 in {python} has no prebuilt extension and no CUDA toolkit is found (nvcc not on "
+                    "PATH, no CUDA_HOME): it compiles exllamav3_ext at first import (exllamav3/ext.py); install "
+                    "the CUDA toolkit or set CUDA_HOME"]
+        return []
+
+    # -------------------------------------------------------------- memory
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
+        context = int(float(self.setting(ctx, "cuda_context_mib")) * memory.MiB)
+        settings = self.generator_settings(config, ctx)
+        made = self._made(config.weights, ctx)
+        if made is None:  # a format not converted yet: its bytes predicted from the source's shape
+            _, bpw = parse_format(config.weights, self.weight_formats)
+            return memory.estimate_for(ctx.model, memory.predicted_exl3_weights(ctx.model, float(bpw)), settings,
+                                       ctx.workload.prompt_tokens, context)
+        return memory.estimate(made, settings, ctx.workload.prompt_tokens, context)
+
+    # -------------------------------------------------------------- commands
+
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return deploy_for(self.generator_settings(config, ctx), self.weights_path(config.weights, ctx),
+                          config.parallel, self.python(ctx))
+
+    def engine_version(self) -> str:
+        try:
+            import importlib.metadata as m
+
+            return f"exllamav3 {m.version('exllamav3')}"
+        except Exception:  # noqa: BLE001 - not installed here; the worker reports its own
+            return "exllamav3 (not installed in autotune's environment)"
+
+    # -------------------------------------------------------------- run
+
+    def worker_command(self, ctx: StudyContext) -> list[str]:
+        command = self.setting(ctx, "worker_command")
+        return default_worker_command(self.python(ctx)) if command is None else list(command)
+
+    @classmethod
+    def worker_env(cls, ctx: StudyContext) -> dict[str, str]:
+        """The worker's environment: it sees the study's one card as its CUDA device 0, named
+        as the user's own CUDA_VISIBLE_DEVICES names it (the card autotune's telemetry reads)."""
+        return engine_environment(cls.engine_variables, CUDA_VISIBLE_DEVICES=cuda_visible_entry(ctx.gpu_index))
+
+    def start_worker(self, ctx: StudyContext, log_dir: Path) -> WorkerProcess:
+        env = self.worker_env(ctx)
+        roots = [str(Path(__file__).resolve().parents[2])]  # the worker imports autotune_plugins from here
+        env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        worker = WorkerProcess(self.worker_command(ctx), log_dir / "exllamav3-worker.log", env=env,
+                               name="exllamav3 worker")
+        worker.start(float(self.setting(ctx, "startup_timeout_s")))
+        return worker
+
+    def load(self, worker: WorkerProcess, model_dir: Path, settings: GeneratorSettings,
+             ctx: StudyContext) -> dict[str, Any]:
+        """Have the worker build exactly ``settings``; a worker that built anything else is a failure."""
+        loaded = worker.request("load", float(self.setting(ctx, "load_timeout_s")), model_dir=str(model_dir),
+                                settings=settings.to_dict())
+        try:
+            built = GeneratorSettings.from_dict(loaded.get("settings") or {})
+        except (ConfigError, TypeError) as exc:
+            raise worker.failure(f"answered 'load' without the settings it built ({exc})") from None
+        if built != settings:
+            raise worker.failure(f"built {built.to_dict()} instead of the {settings.to_dict()} asked for, so the "
+                                 f"measurement would not be what the deploy line serves")
+        return loaded
+
+    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
+        has_gpu = _has_gpu()
+        request_s = float(self.setting(ctx, "request_timeout_s"))
+        settings = self.generator_settings(config, ctx)
+        wl = ctx.workload
+        if wl.prompt_tokens + wl.output_tokens > settings.max_seq_len:
+            raise ConfigError(f"the workload's prompt {wl.prompt_tokens} + output {wl.output_tokens} tokens exceed "
+                              f"ctx {config.ctx}")
+        with tempfile.TemporaryDirectory(prefix="autotune-exllamav3-") as tmp:
+            worker = self.start_worker(ctx, Path(tmp))
+            try:
+                loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
+                last: dict[str, Any] = {}
+
+                def sample() -> Mapping[str, float]:
+                    reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
+                                           output_tokens=wl.output_tokens)
+                    last.update(reply)
+                    return reply["metrics"]
+
+                stats, telemetry, peak = measure_engine(ctx, sample, key=str(self.setting(ctx, "stability_metric")),
+                                                        units=UNITS, gpu=has_gpu, pid=worker.pid)
+            except BackendError:
+                raise
+            except Exception as exc:  # measurement errors, a malformed reply: the worker's log says more
+                raise worker.failure(f"measurement failed ({type(exc).__name__}: {exc})") from exc
+            finally:
+                worker.stop()
+        attrs: dict[str, Any] = {
+            "engine_version": f"exllamav3 {loaded.get('engine_version', 'unknown')}",
+            "attention_path": (loaded.get("attention") or {}).get("path", "unknown"),
+            "attention": loaded.get("attention") or {},
+            "generator": settings.to_dict(),
+            "pages_per_job": pages_per_job(settings.max_seq_len),
+            "torch_version": loaded.get("torch_version"),
+            "cuda_device": loaded.get("cuda_device"),
+            "load_s": loaded.get("load_s"),
+            "torch_max_allocated_bytes": last.get("max_allocated_bytes"),
+            "torch_max_reserved_bytes": last.get("max_reserved_bytes"),
+            "command": " ".join(self.worker_command(ctx)),
+            "gpu": has_gpu,
+            "prompt_tokens": wl.prompt_tokens,
+        }
+        return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
+
+
+def _is_cache(value: str) -> bool:
+    try:
+        normalize_cache_type(value)
+    except ConfigError:
+        return False
+    return True

@@ -1,0 +1,144 @@
+"""A trial's configuration -> the cache and generator exllamav3 builds (pure Python).
+
+exllamav3 has one generator, always paged (exllamav3/generator/generator.py, with
+``generator/pagetable.py``), over one ``Cache(model, max_num_tokens, layer_type, k_bits,
+v_bits)`` (cache/cache.py) shared by every job:
+
+* **Pages.** ``PAGE_SIZE = 256`` (exllamav3/constants.py); ``max_num_tokens`` must be a multiple
+  of it (``CacheLayer_fp16`` / ``CacheLayer_quant`` assert so), and the generator holds
+  ``max_num_tokens / 256`` pages.
+* **A job's pages.** ``Sequence.prepare`` (generator/pagetable.py) reserves
+  ``ceil((prompt + budget) / 256)`` pages when the job is enqueued, where the budget is
+  ``max_new_tokens + 1`` (job.py: "the whole response plus one speculative window past the
+  limit", no draft model here), unless the job is given ``max_rq_tokens`` (output chunking,
+  TabbyAPI's default ``output_chunking: true``), which reserves ``pad256(prompt - 1 +
+  max_rq_tokens)`` tokens instead and requeues the job when that is spent. A job that cannot
+  fit the whole cache is refused at enqueue ("Job requires N pages (only M available)").
+  So ``parallel`` jobs of ``ctx`` tokens each run together in a cache of
+  ``parallel x pad256(ctx + 1)`` tokens. We measure without output chunking and the deploy
+  line says ``output_chunking: false``: with TabbyAPI's default chunk of 2048 every job would
+  reserve at least 2048 tokens, and fewer than ``parallel`` jobs would fit the cache measured.
+* **Batch.** ``max_batch_size`` (generator's default 256; TabbyAPI's 128) caps the jobs in one
+  step; we set it to ``parallel``, and TabbyAPI passes the same value to ``Cache``,
+  ``model.load`` and ``AsyncGenerator``.
+* **Chunk.** ``max_chunk_size`` (default 2048) is the prefill chunk. TabbyAPI's ``chunk_size``
+  is raised to at least 256 and rounded up to a multiple of 256 (backends/exllamav3/model.py
+  ``adjust_chunk_size``), and the generator's default ``shared_chunk_size`` (half of it, rounded
+  up to a page) must not exceed it (generator.py asserts), so we accept multiples of 256 only:
+  what was measured is what TabbyAPI runs.
+
+Every trial records these settings; the deploy line is built from the same object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from autotune.errors import ConfigError
+
+from autotune_plugins.exllamav3.declarations import cache_kv_bits
+
+__all__ = ["DEFAULT_CHUNK", "PAGE_SIZE", "GeneratorSettings", "chunk_problem", "generator_settings",
+           "normalize_cache_type", "pad_to_page", "pages_per_job"]
+
+PAGE_SIZE = 256  # exllamav3/constants.py
+DEFAULT_CHUNK = 2048  # Generator(max_chunk_size=2048), TabbyAPI chunk_size default 2048
+CACHE_ACCEPTED = "fp16 or k<K>v<V> with K and V from 2 to 8 (k8v8, k4v6, ...)"
+
+
+def normalize_cache_type(value: Any) -> str:
+    """``"FP16"`` -> ``"fp16"``, ``"K4V6"`` -> ``"k4v6"``; anything else is a ConfigError naming
+    what is accepted."""
+    text = str(value).strip().lower()
+    try:
+        cache_kv_bits(text)
+    except ValueError:
+        raise ConfigError(f"cache_type {value!r}: exllamav3 has {CACHE_ACCEPTED}") from None
+    return text
+
+
+def pad_to_page(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
+def pages_per_job(ctx: int) -> int:
+    """Pages one job of ``ctx`` tokens (prompt + output) reserves: ceil((ctx + 1) / 256)."""
+    return -(-(ctx + 1) // PAGE_SIZE)
+
+
+def chunk_problem(chunk: Any) -> str | None:
+    """Why ``chunk`` cannot be a prefill chunk size (None: it can)."""
+    if type(chunk) is not int or chunk < PAGE_SIZE or chunk % PAGE_SIZE:
+        return f"{chunk!r}: must be a multiple of {PAGE_SIZE} (the page), at least {PAGE_SIZE}"
+    return None
+
+
+@dataclass(frozen=True)
+class GeneratorSettings:
+    """What one trial's worker builds, and what TabbyAPI is told.
+
+    Attributes:
+        cache_type: ``fp16`` or ``k<K>v<V>``.
+        max_seq_len: Tokens one sequence may hold (the trial's ctx; TabbyAPI's ``max_seq_len``).
+        cache_tokens: ``Cache(max_num_tokens=...)``: ``parallel x pad256(ctx + 1)`` (TabbyAPI's
+            ``cache_size``).
+        max_batch_size: Jobs run together (the trial's ``parallel``).
+        chunk_size: The prefill chunk (``max_chunk_size``; TabbyAPI's ``chunk_size``).
+    """
+
+    cache_type: str
+    max_seq_len: int
+    cache_tokens: int
+    max_batch_size: int
+    chunk_size: int
+
+    @property
+    def pages(self) -> int:
+        return self.cache_tokens // PAGE_SIZE
+
+    @property
+    def k_bits(self) -> int | None:
+        bits = cache_kv_bits(self.cache_type)
+        return None if bits is None else bits[0]
+
+    @property
+    def v_bits(self) -> int | None:
+        bits = cache_kv_bits(self.cache_type)
+        return None if bits is None else bits[1]
+
+    @property
+    def jobs_at_once(self) -> int:
+        """Jobs whose pages fit the cache together (the generator admits no more)."""
+        return min(self.max_batch_size, self.pages // pages_per_job(self.max_seq_len))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "jobs_at_once": self.jobs_at_once}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "GeneratorSettings":
+        try:
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except KeyError as exc:
+            raise ConfigError(f"generator settings lack {exc.args[0]!r}") from None
+
+
+def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int = DEFAULT_CHUNK) -> GeneratorSettings:
+    """The cache and generator a trial gets.
+
+    Args:
+        cache_type: ``fp16`` or ``k<K>v<V>`` (any case).
+        ctx: Tokens per sequence (prompt + output), >= 1.
+        parallel: Concurrent sequences, >= 1.
+        chunk_size: The prefill chunk, a multiple of 256.
+
+    Raises:
+        ConfigError: A value exllamav3 or TabbyAPI would not take as it is.
+    """
+    if ctx < 1 or parallel < 1:
+        raise ConfigError(f"ctx {ctx} and parallel {parallel}: both must be >= 1")
+    problem = chunk_problem(chunk_size)
+    if problem:
+        raise ConfigError(f"chunk_size {problem}")
+    cache = normalize_cache_type(cache_type)
+    return GeneratorSettings(cache, ctx, parallel * pages_per_job(ctx) * PAGE_SIZE, parallel, chunk_size)

@@ -1,0 +1,53 @@
+"""The settings every twin backend takes (study file, ``[backends.twin-<engine>]``): simulated
+noise and thermal throttling for tests and drills, llama.cpp's layer offload and host threads,
+the stability metric; and what one simulated run reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from autotune.backend import Setting
+from autotune.measure import SERVING_UNITS
+
+
+#: What one simulated run reports, and in which unit: what every serving backend measures.
+UNITS: Mapping[str, str] = SERVING_UNITS
+
+
+def _at_least_zero(value: float) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def _fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a speed multiplier)"
+
+
+def card_share(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a share of the card's memory)"
+
+
+def _positive(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+def layers_problem(value: Any) -> str | None:
+    if isinstance(value, str):
+        return None if value in ("all", "auto") else 'must be "all", "auto" or a number of layers'
+    return None if value >= 0 else "must be >= 0 layers"
+
+
+TWIN_SETTINGS: tuple[Setting, ...] = (
+    Setting("noise", float, 0.0, "relative standard deviation of simulated measurement noise (0: exact)",
+            check=_at_least_zero),
+    Setting("throttle_after_s", float, None, "simulated seconds of load after which the card throttles (absent: never)",
+            check=_at_least_zero),
+    Setting("throttle_factor", float, 0.75, "speed multiplier once throttled (the article's 40 -> 30 tok/s)",
+            check=_fraction),
+    Setting("gpu_layers", (str, int), "all", '"all", "auto" (llama.cpp lets layers spill to the host) or a count',
+            check=layers_problem),
+    Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
+            choices=tuple(UNITS)),
+    Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
+            "host's memory bandwidth alone bounds them)", check=_positive),
+)
