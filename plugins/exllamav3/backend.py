@@ -155,7 +155,7 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
                found: str = "measured") -> str:
     """The deploy line that delivers what ``s`` measures (or the twin predicts): TabbyAPI."""
     notes = [f"TabbyAPI, run from its checkout by the interpreter whose exllamav3 was {found} (config.yml "
-             "model: keys of the same names; cuda_malloc_async is under developer:)",
+             "model: keys of the same names; cuda_malloc_async is under memory:)",
              f"cache of {parallel} x pad256({s.max_seq_len} + 1) = {s.cache_tokens} tokens: the {parallel} jobs run "
              "together when clients send max_tokens (without it a job reserves max_seq_len)",
              "--host 0.0.0.0 serves other machines"]
@@ -258,8 +258,9 @@ class ExLlamaV3Backend(BaseBackend):
         reasons = []
         made = self._made(config.weights, ctx)
         model: ModelSpec = ctx.model if made is None else model_from_hf_config(made)
+        quantized = False
         try:
-            normalize_cache_type(config.option("cache_type", "fp16"))
+            quantized = normalize_cache_type(config.option("cache_type", "fp16")) != "fp16"
         except ConfigError as exc:
             reasons.append(str(exc))
         chunk = self._chunk(config, ctx)
@@ -268,9 +269,9 @@ class ExLlamaV3Backend(BaseBackend):
                            "shared_chunk_size must be a page multiple no larger than it")
         if config.ctx > model.max_context:
             reasons.append(f"ctx {config.ctx} exceeds the model's max_position_embeddings {model.max_context}")
-        if model.head_dim % 32 or model.kv_dim % 32:
-            reasons.append(f"head_dim {model.head_dim}: exllamav3's cache packs K/V in groups of 32 values "
-                           "(cache/quant.py token_dim // 32)")
+        if quantized and model.kv_dim % 32:
+            reasons.append(f"cache_type {config.option('cache_type')}: the model's K/V width {model.kv_dim} is not a "
+                           "multiple of 32, the group a quantized cache packs and scales (cache/quant.py token_dim // 32)")
         return reasons
 
     # -------------------------------------------------------------- settings
