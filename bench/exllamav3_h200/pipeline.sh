@@ -102,6 +102,10 @@ wheels() {
   local want=(.carry/whl/*.whl)
   mapfile -t -O ${#want[@]} want < <(python3 bench/exllamav3_h200/missing_wheels.py .carry/whl-exl3 --always exllamav3)
   [ "$EXL2" = 1 ] && want+=(.carry/whl-exl2/*.whl)
+  # scipy (autotune's calibration) and llama.cpp's converter's transformers, where carried and missing.
+  for d in whl-scipy whl-convert; do
+    [ -d ".carry/$d" ] && mapfile -t -O ${#want[@]} want < <(python3 bench/exllamav3_h200/missing_wheels.py ".carry/$d")
+  done
   printf '%s\n' "${want[@]}"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${want[@]}" || return 1
   python3 -c 'import importlib.util as u; import tokenizers, safetensors, ninja, rich, PIL, numpy, yaml, marisa_trie, pydantic, autotune
