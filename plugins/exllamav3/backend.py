@@ -220,7 +220,8 @@ class ExLlamaV3Backend(BaseBackend):
         config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
         return DefaultLaunch(config, (
             f"TabbyAPI's exllamav3 defaults: max_seq_len the model's own {model.max_context} tokens, cache_size the "
-            "same (cut to pages), FP16 cache (cache_mode FP16), chunk_size 2048; one user"))
+            "same (here one page more where max_seq_len fills its pages: exllamav3 reserves one token past a job's "
+            "end), FP16 cache (cache_mode FP16), chunk_size 2048; one user"))
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
