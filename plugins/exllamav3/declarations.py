@@ -31,10 +31,11 @@ CACHE_BITS = range(2, 9)
 # ((K/8 + 1/16) + (V/8 + 1/16)) / 2 = (K + V + 1) / 16.
 # Prefill over a quantized cache dequantizes the referenced window into a transient FP16 K/V
 # scratch (triton_paged.py, EXL3_QC_STAGING=1, the default): at most _qc_staging_pages = 256
-# pages (64k tokens) per sequence, shared by all layers (one layer's worth at a time), and
-# reserved by the loader's measuring pass (attn.py autosplit_extra_measure). Up to 64k tokens
-# per sequence that is one layer of FP16 K and V for the whole cache: dequant_layers=1 (the
-# backend's memory model caps it at 64k tokens per sequence).
+# pages (64k tokens) per sequence, shared by all layers (one layer's worth at a time). That is
+# about one layer of FP16 K and V for the whole cache: dequant_layers=1, exact for a cache of
+# 64k tokens. The loader's measuring pass (attn.py autosplit_extra_measure) allocates the full
+# 256 pages whatever the cache, so the backend's memory model (memory.staging_bytes) counts at
+# least 64k tokens: more than this declaration for a smaller cache.
 _QUANT = "exllamav3/cache/quant.py CacheLayer_quant: int32-packed K/V + FP16 scale per 32 elements"
 
 
