@@ -225,7 +225,12 @@ class ExLlamaV3Backend(BaseBackend):
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
-            return None  # whether it can be made is the study's check (artifact_recipe)
+            # Whether it can be made is the study's check (artifact_recipe); whether exllamav3
+            # loads the source's architecture is ours, before any conversion is spent on it.
+            source = Path(ctx.source) if ctx.source is not None else None
+            if source is not None and (source / "config.json").is_file():
+                return declarations.architecture_problem(read_config_json(source), str(source / "config.json"))
+            return None
         p = self.weights_path(weights, ctx)
         problem = path_problem(p, "directory")
         if problem:
@@ -242,6 +247,9 @@ class ExLlamaV3Backend(BaseBackend):
         if quant is None and not is_source:
             return (f"{p}/config.json: no quantization_config with quant_method 'exl3' and bits (convert with "
                     f"python -m exllamav3.conversion.convert_model -i SOURCE -o {p} -w WORKDIR -b BITS)")
+        arch = declarations.architecture_problem(cfg, str(p / "config.json"))
+        if arch:
+            return arch
         try:
             model = model_from_hf_config(p)
             memory.exl3_dir_weights(p, model.tie_embeddings)

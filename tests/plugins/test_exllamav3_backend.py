@@ -220,6 +220,12 @@ def test_check_rules(exl3_dir, tmp_path):
     exl2 = tmp_path / "exl2-model"
     write_exl3(exl2, {**CONFIG, "quantization_config": {"quant_method": "exl2", "bits": 4.0}})
     assert "quant_method 'exl3'" in b.check_weights("exl2-model", c)
+    # model/config.py: one architecture, and one exllamav3 knows
+    write_exl3(tmp_path / "gpt2", {**CONFIG, "architectures": ["GPT2LMHeadModel"]})
+    assert "architecture 'GPT2LMHeadModel' is not one exllamav3 1.6.5 loads" in b.check_weights("gpt2", c)
+    assert b.check_weights("exl3:4.0", c) is None  # no source: nothing to say before it is made
+    gpt2_source = replace(c, source=tmp_path / "gpt2")
+    assert "GPT2LMHeadModel" in b.check_weights("exl3:4.0", gpt2_source)
 
 
 def test_every_setting_is_declared_with_what_it_accepts(tmp_path, exl3_dir):
