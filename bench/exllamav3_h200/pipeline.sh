@@ -11,9 +11,8 @@
 #
 # Steps (each once: a marker under /tmp/x3/done; times in times.txt):
 #   wheels     the carried wheels into /tmp/site: autotune's (.carry/whl) and exllamav3 1.6.5 with
-#              what the image lacks of its dependencies (.carry/whl-exl3; each only if its module
-#              does not import); a copy of bench/ and the study file (the next call replaces the
-#              working tree under a running pipeline)
+#              what the image lacks of its dependencies (.carry/whl-exl3; missing_wheels.py: each
+#              only if its modules do not import); the study file with the options below
 #   in parallel:
 #     exl3_jit   exllamav3's extension, JIT-compiled by its first import (sm_90 only, 14 jobs)
 #     source     bench/artifacts_h200/build_qwen_source.py: random Qwen2.5-1.5B-shaped FP16 model
@@ -26,6 +25,9 @@
 #   study      bench/h200_exl3_study.toml (grid, 16 trials; 18 with EXL2=1) while
 #              bench/hold_gpu_memory.py leaves 24 GiB of the card (one physical budget)
 #   table      bench/study_table.py (NVML against the memory model, per trial) and autotune best
+#   tabby_*    (TABBY=1; carry from make_tabby_carry.sh) TabbyAPI from its carried checkout, serving
+#              the exl3:4.0 artifact through openai-server's tabbyapi-exllamav3 template: cache k4v4,
+#              parallel 1 and 8, under the same budget (issue 30 item 3)
 set -uo pipefail
 W=/tmp/x3
 DONE=$W/done
@@ -33,6 +35,7 @@ LOGS=$W/out
 mkdir -p "$DONE" "$LOGS"
 GGUF=${GGUF:-1}
 EXL2=${EXL2:-0}
+TABBY=${TABBY:-0}
 
 if [ "${1:-}" != "--run" ]; then
   wait_s=${1:-540}
@@ -44,10 +47,10 @@ if [ "${1:-}" != "--run" ]; then
     else
       nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
       rm -rf "$W/repo" && mkdir -p "$W/repo" && cp -r bench .carry "$W/repo/"
-      GGUF=$GGUF EXL2=$EXL2 setsid bash "$W/repo/bench/exllamav3_h200/pipeline.sh" --run \
+      GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY setsid bash "$W/repo/bench/exllamav3_h200/pipeline.sh" --run \
           >>"$LOGS/pipeline.log" 2>&1 < /dev/null &
       echo $! >"$W/pid"
-      echo "pipeline started (pid $(cat "$W/pid")); GGUF=$GGUF EXL2=$EXL2"
+      echo "pipeline started (pid $(cat "$W/pid")); GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY"
     fi
   else
     echo "pipeline running (pid $(cat "$W/pid"))"
@@ -61,10 +64,11 @@ if [ "${1:-}" != "--run" ]; then
   cat "$LOGS/times.txt" 2>/dev/null
   tail -n 20 "$LOGS/pipeline.log"
   # Few files come back: the results whole, everything else in one archive.
-  for f in times.txt h200_exl3_study.md h200_exl3_study.json best.json study.db; do
+  for f in times.txt h200_exl3_study.md h200_exl3_study.json best.json study.db h200_exl3_tabbyapi.md \
+      h200_exl3_tabbyapi.json tabby.db; do
     [ -f "$LOGS/$f" ] && cp "$LOGS/$f" "$OUT/"
   done
-  tar czf "$OUT/logs.tgz" -C "$LOGS" --exclude=study.db . 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$LOGS" --exclude=study.db --exclude=tabby.db . 2>/dev/null
   exit 0
 fi
 
@@ -92,17 +96,16 @@ step() {  # step NAME CMD...: once; its log in $LOGS/NAME.log, "NAME seconds rc"
 wheels() {
   python3 -V && python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' || return 1
   command -v nvcc && nvcc --version | tail -n 2
-  local want=(.carry/whl/*.whl .carry/whl-exl3/exllamav3-*.whl)
   # exllamav3 1.6.5's METADATA: torch, tokenizers, numpy, rich, typing_extensions, safetensors,
   # ninja, pillow, pyyaml, marisa_trie, pydantic (llguidance only for grammar filters). The image's
-  # own are kept; what does not import comes from the carry.
-  python3 -c 'import yaml' 2>/dev/null || want+=(.carry/whl-exl3/pyyaml-*.whl)
-  python3 -c 'import marisa_trie' 2>/dev/null || want+=(.carry/whl-exl3/marisa_trie-*.whl)
-  python3 -c 'import psutil' 2>/dev/null || want+=(.carry/whl-exl3/psutil-*.whl)
-  python3 -c 'import pydantic, pydantic_core' 2>/dev/null || want+=(.carry/whl-exl3/pydantic-*.whl
-      .carry/whl-exl3/pydantic_core-*.whl .carry/whl-exl3/annotated_types-*.whl .carry/whl-exl3/typing_inspection-*.whl
-      .carry/whl-exl3/typing_extensions-*.whl)
+  # own are kept: of the carried dependencies, only those whose modules do not import.
+  local want=(.carry/whl/*.whl)
+  mapfile -t -O ${#want[@]} want < <(python3 bench/exllamav3_h200/missing_wheels.py .carry/whl-exl3 --always exllamav3)
   [ "$EXL2" = 1 ] && want+=(.carry/whl-exl2/*.whl)
+  # scipy (autotune's calibration) and llama.cpp's converter's transformers, where carried and missing.
+  for d in whl-scipy whl-convert; do
+    [ -d ".carry/$d" ] && mapfile -t -O ${#want[@]} want < <(python3 bench/exllamav3_h200/missing_wheels.py ".carry/$d")
+  done
   printf '%s\n' "${want[@]}"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${want[@]}" || return 1
   python3 -c 'import importlib.util as u; import tokenizers, safetensors, ninja, rich, PIL, numpy, yaml, marisa_trie, pydantic, autotune
@@ -179,5 +182,77 @@ kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
 step table python3 bench/study_table.py "sqlite:///$LOGS/study.db" --study h200-exl3 --gpu h200 \
     --json "$LOGS/h200_exl3_study.json" --md "$LOGS/h200_exl3_study.md" || fail "table"
 "${AT[@]}" best --storage "sqlite:///$LOGS/study.db" --study h200-exl3 --json >"$LOGS/best.json" 2>>"$LOGS/table.log"
+
+tabby_setup() {
+  local want=()
+  mapfile -t want < <(python3 bench/exllamav3_h200/missing_wheels.py .carry/whl-tabby)
+  printf '%s\n' "${want[@]}"
+  [ ${#want[@]} = 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${want[@]}" ||
+    return 1
+  rm -rf "$W/tabby" && mkdir -p "$W/tabby" && tar xzf .carry/tabbyAPI.tar.gz -C "$W/tabby" || return 1
+  local weights
+  weights=$(python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["format"] == "exl3:4.0": print(r["path"])' "$LOGS/artifacts.jsonl") || return 1
+  [ -d "$weights" ] || { echo "no exl3:4.0 artifact in artifacts.jsonl"; return 1; }
+  # The shipped template, its main.py made the checkout's (TabbyAPI imports its packages from
+  # the script's directory, so any working directory serves).
+  # (The pipeline's copy of the repository holds bench/ only: the template comes from the wheel.)
+  sed "s|\"python3\", \"main.py\"|\"python3\", \"$W/tabby/tabbyAPI/main.py\"|" \
+      /tmp/site/autotune_plugins/openai_server/templates/tabbyapi-exllamav3.toml >"$W/tabby-template.toml" || return 1
+  grep -n "main.py" "$W/tabby-template.toml"
+  cat >"$W/tabby_study.toml" <<TOML
+[study]
+name = "h200-exl3-tabbyapi"
+seed = 0
+sampler = "grid"
+finish_top = 0
+
+[hardware]
+gpu = "auto"
+vram_budget_gib = 20
+safety_margin_mib = 512
+
+[model]
+ref = "$weights"
+
+[workload]
+prompt_tokens = 512
+output_tokens = 128
+
+[measure]
+warmup_runs = 1
+min_runs = 2
+max_runs = 3
+rel_spread_tol = 0.05
+
+[[candidates]]
+backend = "openai-server"
+weights = ["$weights"]
+
+[space]
+ctx = [1024]
+cache_type = ["k4v4"]
+parallel = [1, 8]
+
+[backends.openai-server]
+template = "$W/tabby-template.toml"
+startup_timeout_s = 900
+TOML
+  cat "$W/tabby_study.toml"
+}
+
+if [ "$TABBY" = 1 ]; then
+  # Item 3 after the results above are safe: a failure here stops nothing that came before.
+  if step tabby_setup tabby_setup; then
+    python3 bench/hold_gpu_memory.py --leave-gib 24 >"$LOGS/hold_tabby.log" 2>&1 & holder=$!
+    sleep 15
+    step tabby_study "${AT[@]}" study "$W/tabby_study.toml" --storage "sqlite:///$LOGS/tabby.db"
+    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+    step tabby_table python3 bench/study_table.py "sqlite:///$LOGS/tabby.db" --study h200-exl3-tabbyapi --gpu h200 \
+        --json "$LOGS/h200_exl3_tabbyapi.json" --md "$LOGS/h200_exl3_tabbyapi.md"
+  fi
+fi
 touch "$DONE/all"
 echo "all done $(date +%T)"

@@ -155,7 +155,7 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
                found: str = "measured") -> str:
     """The deploy line that delivers what ``s`` measures (or the twin predicts): TabbyAPI."""
     notes = [f"TabbyAPI, run from its checkout by the interpreter whose exllamav3 was {found} (config.yml "
-             "model: keys of the same names; cuda_malloc_async is under developer:)",
+             "model: keys of the same names; cuda_malloc_async is under memory:)",
              f"cache of {parallel} x pad256({s.max_seq_len} + 1) = {s.cache_tokens} tokens: the {parallel} jobs run "
              "together when clients send max_tokens (without it a job reserves max_seq_len)",
              "--host 0.0.0.0 serves other machines"]
@@ -220,11 +220,17 @@ class ExLlamaV3Backend(BaseBackend):
         config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
         return DefaultLaunch(config, (
             f"TabbyAPI's exllamav3 defaults: max_seq_len the model's own {model.max_context} tokens, cache_size the "
-            "same (cut to pages), FP16 cache (cache_mode FP16), chunk_size 2048; one user"))
+            "same (here one page more where max_seq_len fills its pages: exllamav3 reserves one token past a job's "
+            "end), FP16 cache (cache_mode FP16), chunk_size 2048; one user"))
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
-            return None  # whether it can be made is the study's check (artifact_recipe)
+            # Whether it can be made is the study's check (artifact_recipe); whether exllamav3
+            # loads the source's architecture is ours, before any conversion is spent on it.
+            source = Path(ctx.source) if ctx.source is not None else None
+            if source is not None and (source / "config.json").is_file():
+                return declarations.architecture_problem(read_config_json(source), str(source / "config.json"))
+            return None
         p = self.weights_path(weights, ctx)
         problem = path_problem(p, "directory")
         if problem:
@@ -241,6 +247,9 @@ class ExLlamaV3Backend(BaseBackend):
         if quant is None and not is_source:
             return (f"{p}/config.json: no quantization_config with quant_method 'exl3' and bits (convert with "
                     f"python -m exllamav3.conversion.convert_model -i SOURCE -o {p} -w WORKDIR -b BITS)")
+        arch = declarations.architecture_problem(cfg, str(p / "config.json"))
+        if arch:
+            return arch
         try:
             model = model_from_hf_config(p)
             memory.exl3_dir_weights(p, model.tie_embeddings)
@@ -258,8 +267,9 @@ class ExLlamaV3Backend(BaseBackend):
         reasons = []
         made = self._made(config.weights, ctx)
         model: ModelSpec = ctx.model if made is None else model_from_hf_config(made)
+        quantized = False
         try:
-            normalize_cache_type(config.option("cache_type", "fp16"))
+            quantized = normalize_cache_type(config.option("cache_type", "fp16")) != "fp16"
         except ConfigError as exc:
             reasons.append(str(exc))
         chunk = self._chunk(config, ctx)
@@ -268,9 +278,9 @@ class ExLlamaV3Backend(BaseBackend):
                            "shared_chunk_size must be a page multiple no larger than it")
         if config.ctx > model.max_context:
             reasons.append(f"ctx {config.ctx} exceeds the model's max_position_embeddings {model.max_context}")
-        if model.head_dim % 32 or model.kv_dim % 32:
-            reasons.append(f"head_dim {model.head_dim}: exllamav3's cache packs K/V in groups of 32 values "
-                           "(cache/quant.py token_dim // 32)")
+        if quantized and model.kv_dim % 32:
+            reasons.append(f"cache_type {config.option('cache_type')}: the model's K/V width {model.kv_dim} is not a "
+                           "multiple of 32, the group a quantized cache packs and scales (cache/quant.py token_dim // 32)")
         return reasons
 
     # -------------------------------------------------------------- settings

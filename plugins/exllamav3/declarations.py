@@ -17,8 +17,8 @@ from fractions import Fraction
 from autotune.declarations import CacheType, WeightFormats
 from autotune_plugins.exllamav3 import formats
 
-__all__ = ["CACHE_BITS", "CACHE_TYPES", "EXL3", "PYTHON_ENGINE_VARIABLES", "cache_kv_bits", "quant_cache_name",
-           "tabby_cache_mode"]
+__all__ = ["ARCHITECTURES", "CACHE_BITS", "CACHE_TYPES", "EXL3", "PYTHON_ENGINE_VARIABLES", "architecture_problem",
+           "cache_kv_bits", "quant_cache_name", "tabby_cache_mode"]
 
 _FAMILY = "exllamav3"
 # CacheLayer_quant (cache/quant.py) asserts 2 <= k_bits <= 8 and 2 <= v_bits <= 8.
@@ -31,10 +31,11 @@ CACHE_BITS = range(2, 9)
 # ((K/8 + 1/16) + (V/8 + 1/16)) / 2 = (K + V + 1) / 16.
 # Prefill over a quantized cache dequantizes the referenced window into a transient FP16 K/V
 # scratch (triton_paged.py, EXL3_QC_STAGING=1, the default): at most _qc_staging_pages = 256
-# pages (64k tokens) per sequence, shared by all layers (one layer's worth at a time), and
-# reserved by the loader's measuring pass (attn.py autosplit_extra_measure). Up to 64k tokens
-# per sequence that is one layer of FP16 K and V for the whole cache: dequant_layers=1 (the
-# backend's memory model caps it at 64k tokens per sequence).
+# pages (64k tokens) per sequence, shared by all layers (one layer's worth at a time). That is
+# about one layer of FP16 K and V for the whole cache: dequant_layers=1, exact for a cache of
+# 64k tokens. The loader's measuring pass (attn.py autosplit_extra_measure) allocates the full
+# 256 pages whatever the cache, so the backend's memory model (memory.staging_bytes) counts at
+# least 64k tokens: more than this declaration for a smaller cache.
 _QUANT = "exllamav3/cache/quant.py CacheLayer_quant: int32-packed K/V + FP16 scale per 32 elements"
 
 
@@ -80,6 +81,45 @@ def tabby_cache_mode(cache_type: str) -> str:
     parsed by backends/exllamav3/model.py)."""
     bits = cache_kv_bits(cache_type)
     return "FP16" if bits is None else f"{bits[0]},{bits[1]}"
+
+
+# The config.json architectures exllamav3 1.6.5 loads (exllamav3/architecture/*.py arch_string,
+# gathered by architecture/architectures.py); model/config.py Config.from_directory asserts
+# "Unknown architecture ..." for any other, and exactly one.
+ARCHITECTURES = frozenset((
+    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BailingMoeV3ForCausalLM",
+    "Cohere2ForCausalLM", "CohereForCausalLM", "DFlash2DraftModel", "DFlashDraftModel",
+    "DFlashLagunaForCausalLM", "DeciLMForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM",
+    "Dots1ForCausalLM", "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4AssistantForCausalLM",
+    "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Glm4vForConditionalGeneration",
+    "Glm4vMoeForConditionalGeneration", "Glm5NextForConditionalGeneration", "GlmMoeDsaForCausalLM",
+    "GptOssForCausalLM", "HCXVisionV2ForCausalLM", "HYV3ForCausalLM", "HyperCLOVAXForCausalLM",
+    "IQuestCoderForCausalLM", "KimiLinearForCausalLM", "LagunaForCausalLM", "Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM", "Lfm2VlForConditionalGeneration", "LlamaForCausalLM", "MiMoForCausalLM",
+    "MiMoV2ForCausalLM", "MiniMaxM2ForCausalLM", "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration",
+    "MistralForCausalLM", "MixtralForCausalLM", "MuseGlimmerAssistantModel",
+    "MuseGlimmerForConditionalGeneration", "NemotronHForCausalLM", "NemotronH_Omni_Reasoning_V3",
+    "Olmo3ForCausalLM", "OlmoHybridForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+    "Qwen4ExpForConditionalGeneration", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
+    "Spark2_5ForCausalLM", "Step3p5ForCausalLM", "Step3p7ForConditionalGeneration",
+))
+
+
+def architecture_problem(cfg: dict, where: str) -> str | None:
+    """Why exllamav3 1.6.5 would not load a model of this config.json (None: it would)."""
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1:
+        return f"{where}: architectures = {archs!r}: exllamav3 needs exactly one (model/config.py)"
+    if archs[0] not in ARCHITECTURES:
+        return (f"{where}: architecture {archs[0]!r} is not one exllamav3 1.6.5 loads (model/config.py: "
+                f"\"Unknown architecture\"); it loads {len(ARCHITECTURES)}, e.g. LlamaForCausalLM, Qwen2ForCausalLM, "
+                "Qwen3ForCausalLM, MistralForCausalLM, Gemma3ForCausalLM")
+    return None
 
 
 # What `autotune init` offers, widest first. None is full precision: exllamav3 loads an FP16

@@ -220,6 +220,12 @@ def test_check_rules(exl3_dir, tmp_path):
     exl2 = tmp_path / "exl2-model"
     write_exl3(exl2, {**CONFIG, "quantization_config": {"quant_method": "exl2", "bits": 4.0}})
     assert "quant_method 'exl3'" in b.check_weights("exl2-model", c)
+    # model/config.py: one architecture, and one exllamav3 knows
+    write_exl3(tmp_path / "gpt2", {**CONFIG, "architectures": ["GPT2LMHeadModel"]})
+    assert "architecture 'GPT2LMHeadModel' is not one exllamav3 1.6.5 loads" in b.check_weights("gpt2", c)
+    assert b.check_weights("exl3:4.0", c) is None  # no source: nothing to say before it is made
+    gpt2_source = replace(c, source=tmp_path / "gpt2")
+    assert "GPT2LMHeadModel" in b.check_weights("exl3:4.0", gpt2_source)
 
 
 def test_every_setting_is_declared_with_what_it_accepts(tmp_path, exl3_dir):
@@ -411,3 +417,16 @@ def test_a_converter_that_refuses_its_arguments_and_exits_0_fails_the_artifact(s
     monkeypatch.setenv("CONVERT_REFUSE", "1")
     with pytest.raises(ArtifactError, match="wrote no EXL3 config.json"):
         ensure(ExLlamaV3Backend(), "exl3:4.0", source_ctx)
+
+
+def test_default_launch_is_tabbyapis_and_odd_kv_widths_refuse_a_quantized_cache(exl3_dir, tmp_path):
+    b = ExLlamaV3Backend()
+    c = make_ctx(tmp_path)
+    default = b.default_launch("tiny-exl3-4.0", c)
+    assert (default.config.ctx, default.config.parallel, default.config.option("cache_type")) == (4096, 1, "fp16")
+    assert "TabbyAPI's exllamav3 defaults" in default.description
+    # one KV head of 48: K/V rows of 48 values cannot be packed in groups of 32
+    write_exl3(tmp_path / "odd", {**CONFIG, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 48})
+    odd = TrialConfig("exllamav3", "odd", 512, 1, (("cache_type", "k4v4"),))
+    assert "K/V width 48 is not a multiple of 32" in b.check(odd, c)[0]
+    assert b.check(replace(odd, options=(("cache_type", "fp16"),)), c) == []
