@@ -262,7 +262,9 @@ def joined(attrs: Mapping[str, Any], name: str) -> Any:
         ordered = [parts[k] for k in sorted(parts, key=int)]
         return "".join(ordered) if value[SPLIT_MARK] == "text" else ordered
     out: dict[str, Any] = {}
-    for k in sorted(parts, key=lambda k: not k.startswith(GROUP)):  # groups, then the long items
+    # The groups in the order they were packed (so the dict's keys keep their order), then the
+    # long items by name: ``keys`` is a set, whose order differs from one process to the next.
+    for k in sorted(parts, key=lambda k: (0, int(k[len(GROUP):]), "") if k.startswith(GROUP) else (1, 0, k)):
         if k.startswith(GROUP):
             out.update(parts[k])
         else:

@@ -14,6 +14,7 @@ import os
 import sqlite3
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -237,9 +238,13 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
         engine_kwargs = {"pool_pre_ping": True}
     for attempt in range(5):
         try:
-            return optuna.storages.RDBStorage(read_only or url, engine_kwargs=engine_kwargs,
-                                              heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                                              grace_period=HEARTBEAT_GRACE_S, skip_table_creation=not create)
+            # The heartbeat is used on purpose (the runner beats it itself); Optuna's
+            # "experimental" warning would only alarm `best`, `report` and `dashboard` users.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(read_only or url, engine_kwargs=engine_kwargs,
+                                                  heartbeat_interval=HEARTBEAT_INTERVAL_S,
+                                                  grace_period=HEARTBEAT_GRACE_S, skip_table_creation=not create)
         except ImportError as exc:
             # autotune ships an extra for PostgreSQL only; another database's driver is the
             # module SQLAlchemy tried to import.
