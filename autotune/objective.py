@@ -60,7 +60,7 @@ def metric_words(metric: str) -> str:
 
 
 _WORDED = {"metric", "quality", "penalty_per_point", "max_drop_points", "reference_weights", "mode",
-           "require_quality", "min_per_user_tok_s"}
+           "require_quality", "min_per_user_tok_s", "slo"}
 
 
 def objective_words(objective: Mapping[str, Any]) -> str:
@@ -78,9 +78,12 @@ def objective_words(objective: Mapping[str, Any]) -> str:
         if penalty:
             parts.append(f"less {penalty:g} per point of {quality} drop{against}")
         if most is not None:
-            parts.append(f"{quality} drop at most {most:g} points{against}")
+            parts.append(f"{quality} drop at most {most:g} point{'' if most == 1 else 's'}{against}")
         if not penalty and most is None and objective.get("mode") != "pareto":
             parts.append(f"{quality} measured{against}, not counted in the score")
+    for key, target in objective.get("slo") or ():  # ("ttft_p95_ms", 150.0): "TTFT p95 at most 150 ms"
+        quantity, percentile, _unit = str(key).split("_")
+        parts.append(f"{quantity.upper()} {percentile} at most {target:g} ms")
     parts += [f"{k} = {v}" for k, v in objective.items() if k not in _WORDED and v is not None]
     return ", ".join(parts)
 

@@ -140,7 +140,9 @@ def summary_text(summary: StudySummary) -> str:
         lines.append("  deploy: " + best["deploy_command"])
     lines += baseline_lines(summary.extra)
     if finish and finish.get("contenders"):
-        lines.append(f"measured again ({finish['rounds']} rounds, interleaved):")
+        scored = summary.extra.get("objective_words")
+        lines.append(f"measured again ({finish['rounds']} rounds, interleaved"
+                     + (f"; each figure the score: {scored}" if scored else "") + "):")
         lines += [f"  {contender_text(c)}" for c in finish["contenders"]]
     front = summary.extra.get("pareto_front")
     if front:

@@ -36,6 +36,10 @@ def test_the_objective_is_said_in_words():
     assert "mmlu measured, not counted" in objective_words({"quality": "mmlu", "penalty_per_point": 0.0})
     assert objective_words({"mode": "pareto", "quality": "kld"}).startswith("the trade-off of aggregate tok/s")
     assert objective_words({"metric": "decode_tok_s", "ttft_p95_ms": 500}) == "maximise decode tok/s, ttft_p95_ms = 500"
+    # latency targets as the study stores them ([objective] ttft_p95_ms...: Objective.slo), and one point
+    assert objective_words({"metric": "goodput_tok_s", "slo": [["ttft_p95_ms", 150.0], ["itl_p99_ms", 20.0]],
+                            "quality": "kld", "max_drop_points": 1.0}) == \
+        "maximise goodput tok/s, kld drop at most 1 point, TTFT p95 at most 150 ms, ITL p99 at most 20 ms"
 
 
 def test_a_small_models_memory_axis_is_in_mib_and_spans_its_points():
@@ -44,7 +48,7 @@ def test_a_small_models_memory_axis_is_in_mib_and_spans_its_points():
     assert fig.layout.xaxis.title.text == "memory (MiB)"
     xs = [x for trace in fig.data for x in trace.x]
     assert min(xs) == 38.0 and max(xs) == 52.0
-    assert not fig.layout.shapes and "17.0 GiB, lies far beyond them" in fig.layout.title.text
+    assert not fig.layout.shapes and "17.00 GiB, lies far beyond them" in fig.layout.title.text
     big = report_html._vram([_record(0, tok_s=30.0, measured=12 * GIB)], budget=14 * GIB)
     assert big.layout.xaxis.title.text == "memory (GiB)" and big.layout.shapes[0].x0 == 14.0  # the budget drawn
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import optuna
 
+from autotune.objective import objective_words
 from autotune.study import claims, records
 from autotune.study.baseline import compare
 from autotune.study.records import TrialRecord, TrialState
@@ -482,7 +483,10 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         summary.extra["being_measured"] = measuring
     if len(study.directions) > 1:
         summary.extra["pareto_front"] = [trial_record(r) for r in pareto_front(study)]
-    slo = (records.study_header(study).get("objective") or {}).get("slo")
+    objective = records.study_header(study).get("objective") or {}
+    if objective:  # what the finish's figures are: the score, which may not be a rate alone
+        summary.extra["objective_words"] = objective_words(objective)
+    slo = objective.get("slo")
     if slo:  # the latency targets, for the best's latency line (latency_line)
         summary.extra["slo"] = [list(pair) for pair in slo]
     baselines = records.baselines(study)
