@@ -45,9 +45,7 @@ from autotune.formats import normalize_format, parse_format
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_metrics
-from autotune.measure.load import poisson_arrivals, search_rate
-from autotune.workload import RATE_SEARCH_STEPS
+from autotune.measure import SERVING_UNITS, measure_engine
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.paths import path_problem
 from autotune.safetensors_dir import read_config_json
@@ -59,6 +57,7 @@ from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
+from autotune_plugins.exllamav2.worker_sampling import worker_sampler
 from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
@@ -440,35 +439,13 @@ class ExLlamaV2Backend(BaseBackend):
                 loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
                 last: dict[str, Any] = {}
 
-                load: dict[str, Any] = {}
-                if wl.shaped:  # the workload's requests, each to its lengths, as every backend sends them
-                    lengths = list(wl.requests) or [(wl.prompt_tokens, wl.output_tokens)] * config.parallel
-                    load = {"requests": lengths, "concurrency": config.parallel,
-                            "arrivals": poisson_arrivals(len(lengths), wl.rate, wl.seed)
-                            if wl.arrival == "poisson" and wl.rate else None}
-
-                def one(extra: Mapping[str, Any]) -> dict[str, float]:
+                def ask(extra: Mapping[str, Any]) -> Mapping[str, Any]:
                     reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
                                            output_tokens=wl.output_tokens, **extra)
                     last.update(reply)
-                    # The latencies and goodput from the worker's requests, by the core's rules.
-                    single, streams = StreamResult(**reply["single"]), [StreamResult(**r) for r in reply["streams"]]
-                    wall = max(r.end_s for r in streams) - min(r.start_s for r in streams)
-                    return serving_metrics(single, ConcurrentResult(tuple(streams), wall), wl.slo)
+                    return reply
 
-                def sample() -> Mapping[str, float]:
-                    if not wl.rate_search:
-                        return {**one(load), **({"rate_req_s": wl.rate} if load.get("arrivals") else {})}
-                    found_at: dict[float, dict[str, float]] = {}  # as the core's serving_run searches
-
-                    def at(rate: float) -> dict[str, float]:
-                        found_at[rate] = one({**load, "arrivals": poisson_arrivals(len(load["requests"]), rate,
-                                                                                   wl.seed)})
-                        return found_at[rate]
-
-                    found, tried = search_rate(at, wl.slo, *wl.rate_search, steps=RATE_SEARCH_STEPS)
-                    return {**found_at[found if found is not None else tried[-1][0]], "rate_req_s": found or 0.0}
-
+                sample = worker_sampler(ask, wl, config.parallel)
                 # The worker composes a run in its own process (one request alone, then the
                 # batch, as autotune.measure.serving_metrics defines it); the core's loop decides
                 # how many, the probe and the telemetry.

@@ -38,8 +38,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune import processes
 from autotune.artifacts import artifact_path, is_format
 from autotune.backend import (
-    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line,
-    same_value)
+    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line)
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.declarations import CacheType, WeightFormats
 from autotune.errors import AutotuneError, BackendError, ConfigError
@@ -52,6 +51,7 @@ from autotune.redact import engine_environment
 from autotune.safetensors_dir import read_config_json
 
 from autotune_plugins.exllamav2.worker_process import WorkerProcess
+from autotune_plugins.exllamav2.worker_sampling import worker_sampler
 from autotune_plugins.exllamav3 import declarations, memory
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
 from autotune_plugins.exllamav3.generator_settings import (
@@ -408,11 +408,15 @@ class ExLlamaV3Backend(BaseBackend):
                 loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
                 last: dict[str, Any] = {}
 
-                def sample() -> Mapping[str, float]:
+                def ask(extra: Mapping[str, Any]) -> Mapping[str, Any]:
                     reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
-                                           output_tokens=wl.output_tokens)
+                                           output_tokens=wl.output_tokens, **extra)
                     last.update(reply)
-                    return reply["metrics"]
+                    return reply
+
+                # The worker runs the workload's requests; the metrics are the core's (shared
+                # with ExLlamaV2's worker backend).
+                sample = worker_sampler(ask, wl, config.parallel)
 
                 stats, telemetry, peak = measure_engine(ctx, sample, key=str(self.setting(ctx, "stability_metric")),
                                                         units=UNITS, gpu=has_gpu, pid=worker.pid)

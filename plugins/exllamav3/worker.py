@@ -26,7 +26,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from autotune.errors import BackendError, ConfigError
 from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
@@ -116,21 +116,46 @@ class Engine:
         return self.settings
 
     def _run(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
+        return self._requests([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
+
+    def _requests(self, lengths: Sequence[Sequence[int]], concurrency: int,
+              arrivals: Sequence[float] | None) -> list[StreamResult]:
+        """Requests to their own lengths, sent closed-loop (``concurrency`` in flight, the next
+        enqueued as one ends) or at their arrival times (open loop); each request's clock starts
+        when it is enqueued, as a client's does (autotune.workload)."""
         from exllamav3 import ArgmaxSampler, Job
 
         torch = self.torch
         gen = self.generator
-        start = time.monotonic()
-        for i in range(n_jobs):
-            self.serial += 1
-            # A first token unique to the request: no cached page is reused, every run prefills.
-            ids = torch.tensor([prompt_ids(self.base_ids, prompt_tokens, self.serial, self.vocab)], dtype=torch.long)
-            # No stop conditions: the job runs to max_new_tokens, like ignore_eos.
-            gen.enqueue(Job(input_ids=ids, max_new_tokens=output_tokens, sampler=ArgmaxSampler(), identifier=i))
+        n = len(lengths)
+        sent: dict[int, float] = {}
         first: dict[int, float] = {}
         end: dict[int, float] = {}
         n_out: dict[int, int] = {}
-        while gen.num_remaining_jobs():
+
+        def send(k: int) -> None:
+            self.serial += 1
+            # A first token unique to the request: no cached page is reused, every run prefills.
+            ids = torch.tensor([prompt_ids(self.base_ids, int(lengths[k][0]), self.serial, self.vocab)],
+                               dtype=torch.long)
+            sent[k] = time.monotonic()
+            # No stop conditions: the job runs to max_new_tokens, like ignore_eos.
+            gen.enqueue(Job(input_ids=ids, max_new_tokens=int(lengths[k][1]), sampler=ArgmaxSampler(), identifier=k))
+
+        t0 = time.monotonic()
+        nxt = 0
+        if arrivals is None:
+            for nxt in range(min(concurrency, n)):
+                send(nxt)
+            nxt = min(concurrency, n)
+        while len(end) < n:
+            if arrivals is not None:
+                while nxt < n and time.monotonic() - t0 >= arrivals[nxt]:
+                    send(nxt)
+                    nxt += 1
+                if not gen.num_remaining_jobs():
+                    time.sleep(max(0.0, t0 + arrivals[nxt] - time.monotonic()))
+                    continue
             for r in gen.iterate():
                 if r.get("stage") != "streaming":
                     continue
@@ -142,20 +167,30 @@ class Engine:
                 if r.get("eos"):
                     end[i] = now
                     n_out[i] = int(r.get("new_tokens", 0))
-        return [StreamResult.from_timestamps(prompt_tokens, n_out[i], start, first.get(i, end[i]), end[i])
-                for i in range(n_jobs)]
+                    if arrivals is None and nxt < n:
+                        send(nxt)
+                        nxt += 1
+        return [StreamResult.from_timestamps(int(lengths[k][0]), n_out[k], sent[k], first.get(k, end[k]), end[k])
+                for k in range(n)]
 
     def sample(self, req: dict[str, Any]) -> dict[str, Any]:
         settings = self._require()
         prompt, output = int(req["prompt_tokens"]), int(req["output_tokens"])
         check_fits(settings, prompt, output)
+        lengths = req.get("requests")  # a workload's drawn requests (their own lengths), or one shape
+        for p, o in lengths or ():
+            check_fits(settings, int(p), int(o))
         single = self._run(1, prompt, output)[0]
         t0 = time.monotonic()
-        streams = self._run(settings.max_batch_size, prompt, output)
+        if lengths:
+            streams = self._requests(lengths, int(req.get("concurrency") or settings.max_batch_size), req.get("arrivals"))
+        else:
+            streams = self._run(settings.max_batch_size, prompt, output)
         together = ConcurrentResult(streams=tuple(streams), wall_s=time.monotonic() - t0)
         torch = self.torch
         return {
             "metrics": serving_metrics(single, together),
+            "single": vars(single).copy(),
             "streams": [vars(s).copy() for s in streams],
             "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
             "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),

@@ -45,9 +45,18 @@ for line in sys.stdin:
               "attention": {"path": "exllamav3_paged"}, "load_s": 0.01})
     elif op == "sample":
         samples += 1
-        send({"id": req["id"], "ok": True,
-              "metrics": {"decode_tok_s": 120.0, "prefill_tok_s": 3000.0, "ttft_ms": 40.0,
-                          "aggregate_tok_s": 400.0 + samples, "per_user_tok_s": 90.0},
-              "streams": [], "max_allocated_bytes": 1, "max_reserved_bytes": 2})
+        # What the real worker answers: the request alone and every request of the run, from
+        # which the parent computes the metrics. Each decodes at 100 tok/s after a 40 ms first
+        # token, a little faster each sample (so repeated samples differ); the run's requests
+        # are the workload's lengths, or two copies of the one shape.
+        lengths = req.get("requests") or [[req["prompt_tokens"], req["output_tokens"]]] * 2
+        rate = 100.0 + samples
+
+        def stream(start, p, o):
+            return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 40.0, "decode_tok_s": rate,
+                    "prefill_tok_s": p / 0.04, "start_s": start, "end_s": start + 0.04 + (o - 1) / rate}
+
+        send({"id": req["id"], "ok": True, "single": stream(0.0, req["prompt_tokens"], req["output_tokens"]),
+              "streams": [stream(1.0, p, o) for p, o in lengths], "max_allocated_bytes": 1, "max_reserved_bytes": 2})
     else:
         send({"id": req["id"], "ok": False, "type": "ProtocolError", "error": f"unknown op {op}"})

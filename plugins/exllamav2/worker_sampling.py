@@ -1,0 +1,59 @@
+"""How a Python engine's worker replies become one run's metrics, for every worker backend.
+
+A worker (ExLlamaV2's, ExLlamaV3's) composes a run in its own process: one request alone, then
+the run's requests (the workload's, each to its own lengths, closed loop or at Poisson arrival
+times), and answers with each request as a :class:`~autotune.measure.StreamResult`. The parent
+turns them into the run's metrics, latencies and goodput by the core's rules
+(:func:`autotune.measure.serving_metrics`), and searches the rate as the core's ``serving_run``
+does: one owner of that arithmetic, so two worker backends cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
+from autotune.measure.load import poisson_arrivals, search_rate
+from autotune.workload import RATE_SEARCH_STEPS, Workload
+
+__all__ = ["worker_sampler"]
+
+
+def worker_sampler(ask: Callable[[Mapping[str, Any]], Mapping[str, Any]], wl: Workload,
+                   parallel: int) -> Callable[[], dict[str, float]]:
+    """The ``run_once`` of :func:`autotune.measure.measure_engine` for a worker backend.
+
+    Args:
+        ask: Sends the worker one ``sample`` request with these extra fields (``requests``,
+            ``concurrency``, ``arrivals``: absent for one request shape) and returns its reply,
+            which holds ``single`` and ``streams`` (``StreamResult`` fields).
+        wl: The study's workload.
+        parallel: The configuration's concurrent requests (closed loop).
+    """
+    load: dict[str, Any] = {}
+    if wl.shaped:  # the workload's requests, each to its lengths, as every backend sends them
+        lengths = list(wl.requests) or [(wl.prompt_tokens, wl.output_tokens)] * parallel
+        load = {"requests": lengths, "concurrency": parallel,
+                "arrivals": poisson_arrivals(len(lengths), wl.rate, wl.seed)
+                if wl.arrival == "poisson" and wl.rate else None}
+
+    def one(extra: Mapping[str, Any]) -> dict[str, float]:
+        reply = ask(extra)
+        single, streams = StreamResult(**reply["single"]), [StreamResult(**r) for r in reply["streams"]]
+        wall = max(r.end_s for r in streams) - min(r.start_s for r in streams)
+        return serving_metrics(single, ConcurrentResult(tuple(streams), wall), wl.slo)
+
+    def sample() -> dict[str, float]:
+        if not wl.rate_search:
+            return {**one(load), **({"rate_req_s": wl.rate} if load.get("arrivals") else {})}
+        found_at: dict[float, dict[str, float]] = {}
+
+        def at(rate: float) -> dict[str, float]:
+            found_at[rate] = one({**load, "arrivals": poisson_arrivals(len(load["requests"]), rate, wl.seed)})
+            return found_at[rate]
+
+        found, tried = search_rate(at, wl.slo, *wl.rate_search, steps=RATE_SEARCH_STEPS)
+        return {**found_at[found if found is not None else tried[-1][0]], "rate_req_s": found or 0.0}
+
+    return sample
