@@ -35,11 +35,11 @@ __all__ = ["CONVERTER_MODULE", "convert_args_problem", "converter_argv", "exl3_r
 
 CONVERTER_MODULE = "exllamav3.conversion.convert_model"
 # A first guess of the seconds per GiB written, until this machine's cache has timed its own
-# (artifacts.predict_making). No exllamav3 conversion has been timed here yet: ExLlamaV2's
-# H200 figure (bench/results/h200_exllamav2_times.txt, about 340 s per GiB with the measurement
-# spread over three bpw) stands in; exllamav3 quantizes each tensor once, with 250 x 2048
-# calibration rows by default. bench/exllamav3_h200 records the first real figure.
-CONVERT_S_PER_GIB = 340.0
+# (artifacts.predict_making): exllamav3 1.6.5 on an H200 (bench/results/exl3_probe_h200) wrote a
+# Qwen2.5-0.5B shape at 4.0 bpw (529 MiB) in 129 s and at 2.5 bpw (465 MiB) in 145 s: 250 and
+# 319 s per GiB, with the defaults (250 x 2048 calibration rows). A small model's fixed costs
+# weigh more; the mean stands until a larger one is timed.
+CONVERT_S_PER_GIB = 285.0
 
 # What the recipe itself says to the converter: the same flag from the study would contradict it.
 OWN_FLAGS = {"-i": "--in_dir", "-o": "--out_dir", "-w": "--work_dir", "-b": "--bits", "-hb": "--head_bits",
