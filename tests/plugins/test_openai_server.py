@@ -309,8 +309,10 @@ def test_both_backends_send_the_native_backend_the_same_load(study_dir, monkeypa
     if not tiny.exists():
         write_model(TINY, tiny, vocab_from=study_dir / "stories260K.gguf", seed=0)
     config = dict(cache_type="f16", flash_attn=True)
-    runs = Protocol(warmup_runs=1, min_runs=3, max_runs=3, rel_spread_tol=1.0)
-    workload = Workload(64, 192)
+    # Two runs of 64 tokens: what is asserted is the load each engine got, not its speed (192
+    # tokens and three runs made it a quarter of a minute more on the 2-core VM, for the ratio).
+    runs = Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=1.0)
+    workload = Workload(64, 64)
     openai_ctx = replace(make_ctx(study_dir, executable=binary, extra_args=["-t", "1"], startup_timeout_s=30,
                                   model=tiny), protocol=runs, workload=workload)
     # Not pinned, as the template's server is not: on a loaded machine a pinned engine shares its
@@ -332,12 +334,12 @@ def test_both_backends_send_the_native_backend_the_same_load(study_dir, monkeypa
     assert flags["openai-server"] == flags["llama-server"], flags
     assert {"threads", "ctx", "slots", "cache_k", "cache_v", "flash_attn", "model"} <= set(flags["llama-server"])
     for name, requests in sent.items():
-        assert requests.counts() == {(64, 192)}, (name, [r for r in requests.sent if (r.get("prompt"), r.get("output")) != (64, 192)])
+        assert requests.counts() == {(64, 64)}, (name, [r for r in requests.sent if (r.get("prompt"), r.get("output")) != (64, 64)])
         assert requests.most_open == 2, name
         assert measured[name].attrs["prompt_tokens"] == 64
     # The same runs: the warm-up request, then each run (the warm-up run too) one request alone
     # and two at once.
-    assert len(sent["openai-server"].sent) == len(sent["llama-server"].sent) == 1 + (1 + 3) * (1 + 2)
+    assert len(sent["openai-server"].sent) == len(sent["llama-server"].sent) == 1 + (1 + 2) * (1 + 2)
     rate = {name: m.metrics["aggregate_tok_s"].median for name, m in measured.items()}
     print(f"aggregate tok/s, 2 streams: {rate}; openai-server / llama-server = "
           f"{rate['openai-server'] / rate['llama-server']:.2f}")
