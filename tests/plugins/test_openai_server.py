@@ -350,14 +350,15 @@ def test_quality_through_logprobs_matches_the_in_process_scorer(study_dir):
     llama_cpp_module()
     from autotune_plugins.llama_server.scoring import LlamaCppScorer
 
-    ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["-t", "2"], scoring_ctx=256)
+    # One thread each side (the log-probabilities do not depend on it; two wait for each other).
+    ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["-t", "1"], scoring_ctx=256)
     requests = [("Once upon a time, there was a little girl", " named Lily."), ("The cat sat on the", " mat.")]
     text = "Once upon a time there was"
     with OpenAIServerBackend().scorer("stories260K.gguf", "f16", ctx) as served:
         got = served.loglikelihood(requests)
         tokens = served.tokenize(text, add_bos=True)
         rows = served.next_token_logprobs(tokens)
-    with LlamaCppScorer(study_dir / "stories260K.gguf", "f16", {"threads": 2, "scoring_ctx": 256}) as local:
+    with LlamaCppScorer(study_dir / "stories260K.gguf", "f16", {"threads": 1, "scoring_ctx": 256}) as local:
         want = local.loglikelihood(requests)
         assert local.tokenize(text, add_bos=True) == tokens
         ref = local.next_token_logprobs(tokens)
