@@ -22,8 +22,13 @@ class _FinalizedUnderSignal:
 
 
 def test_an_interrupt_dropped_by_a_finalizer_is_raised_again(monkeypatch):
-    dropped = []
+    dropped, redelivered = [], []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
+    # The re-delivery itself is recorded, not timed: how soon a thread runs after its wait
+    # follows the machine's load. The period stays the study's second: a shorter one (0.1 s)
+    # came while the finalizer still ran on a loaded machine, and that delivery was dropped too.
+    pthread_kill = signal.pthread_kill
+    monkeypatch.setattr(signal, "pthread_kill", lambda *a: (redelivered.append(a), pthread_kill(*a)))
     interrupts = Interrupts()
     # What the process had: Python's default handler, or SIG_IGN where it was started in the
     # background by a non-interactive shell (SIGINT ignored from the start).
@@ -38,7 +43,7 @@ def test_an_interrupt_dropped_by_a_finalizer_is_raised_again(monkeypatch):
                 time.sleep(0.01)
         interrupts.caught()
     assert dropped == [Interrupted]  # the first one was dropped...
-    assert time.monotonic() - started < 5  # ...and the second came about a second later
+    assert redelivered  # ...and the insisting thread delivered it again
     assert signal.getsignal(signal.SIGINT) is before  # given back as it was
 
 

@@ -297,6 +297,11 @@ def own_model(tmp_path_factory) -> Path:
 def run_readme_init(work, studied, own_model):
     text = (own_model / "my-model.toml").read_text()
     assert 'name = "my-model"' in text and "gguf:Q4_0" in text
+    # On a GGUF file, without a GPU: formats made from it, the file's own context as the top of
+    # ctx, quality as KLD (what tests/plugins/test_made_artifacts_cpu.py checked with a study of
+    # its own, the same launches as this one's).
+    assert 'gpu = "cpu"' in text and 'source = "path/to/my-model.gguf"' in text and 'quality = "kld"' in text
+    assert '"gguf:F16"' in text and "ctx = [256, 512, 1024, 2048]" in text  # up to stories260K's 2048
 
 
 def run_readme_own_study(work, studied, own_model):
@@ -305,6 +310,15 @@ def run_readme_own_study(work, studied, own_model):
     ok(autotune("study", "my-model.toml", "--trials", "1", cwd=own_model, timeout=600))
     out = ok(autotune("best", cwd=own_model)).stdout
     assert "my-model" in out and "deploy:" in out and "llama-server" in out
+    import optuna
+
+    from autotune.study.records import TrialRecord
+
+    study = optuna.load_study(study_name="my-model", storage=f"sqlite:///{own_model / 'my-model.db'}")
+    (t,) = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    # The quality is KLD against the source's full-precision format, made like any artifact.
+    assert TrialRecord.of(t).quality["reference_weights"] == "gguf:F16"
+    assert {a["format"] for a in TrialRecord.of(t).artifacts} >= {"gguf:F16"}
 
 
 # README line (as written) -> the run that types it. `autotune best` is typed twice in the README:

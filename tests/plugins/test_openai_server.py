@@ -343,8 +343,10 @@ def test_both_backends_send_the_native_backend_the_same_load(study_dir, monkeypa
     if not tiny.exists():
         write_model(TINY, tiny, vocab_from=study_dir / "stories260K.gguf", seed=0)
     config = dict(cache_type="f16", flash_attn=True)
-    runs = Protocol(warmup_runs=1, min_runs=3, max_runs=3, rel_spread_tol=1.0)
-    workload = Workload(64, 192)
+    # Two runs of 64 tokens: what is asserted is the load each engine got, not its speed (192
+    # tokens and three runs made it a quarter of a minute more on the 2-core VM, for the ratio).
+    runs = Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=1.0)
+    workload = Workload(64, 64)
     openai_ctx = replace(make_ctx(study_dir, executable=binary, extra_args=["-t", "1"], startup_timeout_s=30,
                                   model=tiny), protocol=runs, workload=workload)
     # Not pinned, as the template's server is not: on a loaded machine a pinned engine shares its
@@ -366,12 +368,12 @@ def test_both_backends_send_the_native_backend_the_same_load(study_dir, monkeypa
     assert flags["openai-server"] == flags["llama-server"], flags
     assert {"threads", "ctx", "slots", "cache_k", "cache_v", "flash_attn", "model"} <= set(flags["llama-server"])
     for name, requests in sent.items():
-        assert requests.counts() == {(64, 192)}, (name, [r for r in requests.sent if (r.get("prompt"), r.get("output")) != (64, 192)])
+        assert requests.counts() == {(64, 64)}, (name, [r for r in requests.sent if (r.get("prompt"), r.get("output")) != (64, 64)])
         assert requests.most_open == 2, name
         assert measured[name].attrs["prompt_tokens"] == 64
     # The same runs: the warm-up request, then each run (the warm-up run too) one request alone
     # and two at once.
-    assert len(sent["openai-server"].sent) == len(sent["llama-server"].sent) == 1 + (1 + 3) * (1 + 2)
+    assert len(sent["openai-server"].sent) == len(sent["llama-server"].sent) == 1 + (1 + 2) * (1 + 2)
     rate = {name: m.metrics["aggregate_tok_s"].median for name, m in measured.items()}
     print(f"aggregate tok/s, 2 streams: {rate}; openai-server / llama-server = "
           f"{rate['openai-server'] / rate['llama-server']:.2f}")
@@ -382,14 +384,15 @@ def test_quality_through_logprobs_matches_the_in_process_scorer(study_dir):
     llama_cpp_module()
     from autotune_plugins.llama_server.scoring import LlamaCppScorer
 
-    ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["-t", "2"], scoring_ctx=256)
+    # One thread each side (the log-probabilities do not depend on it; two wait for each other).
+    ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["-t", "1"], scoring_ctx=256)
     requests = [("Once upon a time, there was a little girl", " named Lily."), ("The cat sat on the", " mat.")]
     text = "Once upon a time there was"
     with OpenAIServerBackend().scorer("stories260K.gguf", "f16", ctx) as served:
         got = served.loglikelihood(requests)
         tokens = served.tokenize(text, add_bos=True)
         rows = served.next_token_logprobs(tokens)
-    with LlamaCppScorer(study_dir / "stories260K.gguf", "f16", {"threads": 2, "scoring_ctx": 256}) as local:
+    with LlamaCppScorer(study_dir / "stories260K.gguf", "f16", {"threads": 1, "scoring_ctx": 256}) as local:
         want = local.loglikelihood(requests)
         assert local.tokenize(text, add_bos=True) == tokens
         ref = local.next_token_logprobs(tokens)
