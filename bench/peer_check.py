@@ -17,11 +17,11 @@ token ids; aiperf's are its synthetic text, counted with a tokenizer built here 
 model's own GGUF vocabulary (:func:`write_hf_tokenizer`; offline there is no Hugging Face
 download) and checked against the server's ``/tokenize``.
 
-autotune's side goes through a small adapter (:class:`LoadGenerator`): today it is
-:class:`AutotuneStreams`, the client every study uses (``autotune.measure.openai_api``'s
-streamed completion, ``run_streams_threaded``'s rounds of N streams released together). A
-richer generator (distributions, open-loop arrivals) plugs in as another class with the same
-``run``.
+autotune's side goes through a small adapter (:class:`LoadGenerator`): :class:`AutotuneLoad`
+(``--client load``, the default), the load generator of a study with a ``[workload]``
+(``autotune.measure.load.run_openai_load``: ``concurrency`` requests kept in flight), or
+:class:`AutotuneStreams` (``--client streams``), the synchronised rounds of N streams of a
+study with one request shape (``run_streams_threaded``).
 
 Usage (aiperf lives in its own venv so the project's dependencies stay as they are)::
 
@@ -179,6 +179,38 @@ class AutotuneStreams:
                 out.append(RequestRecord(s.start_s, s.start_s + s.ttft_ms / 1000, s.end_s, s.prompt_tokens,
                                          s.output_tokens))
         return out
+
+
+class AutotuneLoad:
+    """autotune's load generator as a study with a ``[workload]`` runs it
+    (:func:`autotune.measure.load.run_openai_load`): a closed loop that keeps ``concurrency``
+    requests in flight, the next sent as one ends (aiperf's ``--concurrency`` does the same),
+    each a streamed ``/v1/completions`` of token ids cut to the request's length."""
+
+    name = "autotune"
+
+    def __init__(self, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
+        self._first = 0  # request numbers never repeat on one server (no prefix cache answers)
+
+    def version(self) -> str:
+        from importlib.metadata import version
+
+        return f"autotune {version('autotune')} (measure.load.run_openai_load, closed loop)"
+
+    def _run(self, base_url: str, model: str, workload: Workload, concurrency: int, count: int) -> list[RequestRecord]:
+        from autotune.measure.load import run_openai_load
+
+        report = run_openai_load(base_url, [(workload.prompt_tokens, workload.output_tokens)] * count,
+                                 concurrency=concurrency, model=model, timeout_s=self.timeout_s,
+                                 first_index=self._first)
+        self._first += count
+        return [RequestRecord(s.start_s, s.start_s + s.ttft_ms / 1000, s.end_s, s.prompt_tokens, s.output_tokens)
+                for s in report.result.streams]
+
+    def run(self, base_url: str, model: str, workload: Workload, concurrency: int, count: int) -> list[RequestRecord]:
+        self._run(base_url, model, workload, concurrency, concurrency)  # warm-up, not returned
+        return self._run(base_url, model, workload, concurrency, count)
 
 
 class Aiperf:
@@ -442,6 +474,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="A B pairs per concurrency")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--client", choices=("load", "streams"), default="load",
+                    help="autotune's side: the load generator of a study with a [workload] (load, the default) or "
+                    "the synchronised rounds of one request shape (streams)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, help="aiperf artifacts and logs (default: a temporary folder)")
     ap.add_argument("--tables", type=Path, help="a result file already written: make its comparison again from "
@@ -484,7 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cpus.client:
         os.sched_setaffinity(0, cpus.client)  # this process, its stream threads and aiperf's processes
     tokenizer = write_hf_tokenizer(model, work / "tokenizer")
-    clients: list[Any] = [AutotuneStreams(), Aiperf(args.aiperf, tokenizer, work)]
+    ours = AutotuneLoad() if args.client == "load" else AutotuneStreams()
+    clients: list[Any] = [ours, Aiperf(args.aiperf, tokenizer, work)]
     result: dict[str, Any] = {
         "what": "autotune's load generator against aiperf, same workload, same llama-server, interleaved A B A B",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),

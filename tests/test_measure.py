@@ -604,3 +604,17 @@ def test_per_user_speed_counts_the_wait_of_requests_served_one_at_a_time():
     assert ConcurrentResult(streams=tuple(together), wall_s=2.1).per_user_tok_s == pytest.approx(50.0)
     assert ConcurrentResult(streams=tuple(serial), wall_s=8.1).per_user_tok_s == \
         pytest.approx(statistics.median([50.0, 100 / 4.0, 100 / 6.0, 100 / 8.0]))
+
+
+def test_no_two_requests_of_a_launch_share_a_prompts_first_tokens():
+    # Real text repeats its tokens: a first token picked by position gave some requests the same
+    # prompt as an earlier one, which llama-server answered from its cache (found by the aiperf
+    # peer check, bench/results/peer_aiperf_cpu.md).
+    from autotune.measure.prompts import prompt_of, varied
+
+    base = [5, 9, 5, 7, 9, 5, 11, 13, 5, 9] * 3  # five distinct tokens, much repeated
+    prompt = prompt_of(base, 24)
+    prompts = [varied(prompt, i) for i in range(5**3)]  # 5**3 first-token triples
+    assert len({tuple(p[:3]) for p in prompts}) == len(prompts)
+    assert all(len(p) == 24 and p[3:] == prompt[3:] for p in prompts)
+    assert varied([4], 7) == [4] and varied([4, 4], 3) == [4, 4]

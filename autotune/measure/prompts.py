@@ -2,7 +2,7 @@
 
 Real text rather than random tokens: an engine tokenizes and attends to it as it would a user's
 prompt. It is repeated, then trimmed, to the study's ``prompt_tokens``; each request changes its
-first token so that no server answers it from a cached prefix.
+first tokens so that no server answers it from a cached prefix.
 """
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ def prompt_of(base: Sequence[int], n: int) -> list[int]:
     return tokens[:max(1, n)]
 
 
+# Request numbers a prompt's first tokens tell apart: the digits of ``i`` in base ``n`` (the
+# prompt's distinct tokens), this many of them.
+VARIED_TOKENS = 3
+
+
 def varied(prompt: Sequence[int], i: int) -> list[int]:
-    """Request ``i``'s prompt: a different first token, so that a server cannot reuse a cached prefix."""
-    return [prompt[(i * 7) % len(prompt)], *prompt[1:]] if len(prompt) > 1 else list(prompt)
+    """Request ``i``'s prompt: its first tokens spell ``i`` in the prompt's own distinct tokens, so
+    that no two requests of a launch share a first token sequence and no server answers one from
+    a cached prefix. (One first token picked by position repeated: real text repeats its
+    tokens, and a peer check against aiperf found requests answered from llama-server's cache.)"""
+    if len(prompt) <= 1:
+        return list(prompt)
+    alphabet = sorted(set(prompt))
+    n, digits = len(alphabet), min(VARIED_TOKENS, len(prompt) - 1)
+    head = [alphabet[(i // n**d) % n] for d in range(digits)]
+    return [*head, *prompt[digits:]]
