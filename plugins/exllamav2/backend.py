@@ -40,7 +40,7 @@ from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import parse_format
 from autotune.redact import engine_environment
 from autotune.measure import SERVING_UNITS
-from autotune.models import ModelSpec, model_from_hf_config
+from autotune.models import ModelSpec
 from autotune.paths import path_problem
 from autotune.safetensors_dir import read_config_json
 
@@ -51,7 +51,7 @@ from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
-from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive
+from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive, preflight_script
 from autotune_plugins.exllamav2.worker_process import WorkerProcess
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
@@ -116,19 +116,7 @@ def flash_attn_version(python: str) -> tuple[int, ...] | None:
     return parts or None
 
 
-# Finds the modules without importing exllamav2 (whose import may JIT-compile its extension
-# for minutes); torch is imported, as the worker will, to ask it for CUDA devices.
-_PREFLIGHT = """
-import importlib.util, json
-found = {m: importlib.util.find_spec(m) is not None for m in ("torch", "exllamav2")}
-if found["torch"]:
-    try:
-        import torch
-        found["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as exc:
-        found["torch_error"] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(found))
-"""
+_PREFLIGHT = preflight_script("exllamav2")
 
 
 def _rope_problem(cfg: dict, config_file: Path) -> str | None:
@@ -233,8 +221,7 @@ class ExLlamaV2Backend(WorkerBackend):
         """ExLlamaV2's defaults: ``ExLlamaV2Config`` keeps the model's own ``max_seq_len`` (its
         config.json), ``ExLlamaV2Cache`` is FP16 and holds one sequence of that length
         (``batch_size=1``); TabbyAPI's cache_mode and cache_size default to the same."""
-        made = self._made(weights, ctx)
-        model = ctx.model if made is None else self._model_of(made)
+        model = self._model(weights, ctx)
         config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
         return DefaultLaunch(config, (
             f"ExLlamaV2's defaults: FP16 cache of the model's own {model.max_context} tokens (max_seq_len from "
@@ -268,17 +255,8 @@ class ExLlamaV2Backend(WorkerBackend):
             return str(exc)
         return None
 
-    @staticmethod
-    def _model_of(path: Path) -> ModelSpec:
-        return model_from_hf_config(path)
-
-    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
-        problem = self.check_weights(config.weights, ctx)
-        if problem:
-            return [problem]
+    def check_config(self, config: TrialConfig, ctx: StudyContext, model: ModelSpec) -> list[str]:
         reasons = []
-        made = self._made(config.weights, ctx)
-        model = ctx.model if made is None else self._model_of(made)
         try:
             normalize_cache_type(config.option("cache_type", "fp16"))
         except ConfigError as exc:

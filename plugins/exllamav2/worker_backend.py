@@ -28,13 +28,14 @@ from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.formats import normalize_format
 from autotune.hardware import has_gpu as _has_gpu
 from autotune.measure import SERVING_UNITS, measure_engine
+from autotune.models import ModelSpec, model_from_hf_config
 from autotune.redact import engine_environment
 from autotune.workload import Workload
 
 from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
 from autotune_plugins.exllamav2.worker_sampling import worker_sampler
 
-__all__ = ["WorkerBackend", "command_problem", "positive"]
+__all__ = ["WorkerBackend", "command_problem", "positive", "preflight_script"]
 
 
 def positive(value: float) -> str | None:
@@ -47,6 +48,28 @@ def command_problem(command: list) -> str | None:
     if command and all(isinstance(c, str) and c for c in command):
         return None
     return "must be a non-empty list of non-empty strings (the worker's whole command line)"
+
+
+def preflight_script(engine: str, more: str = "") -> str:
+    """Python source for the worker's interpreter: one JSON object saying whether ``torch`` and
+    ``engine`` can be imported, and ``cuda_devices`` (or ``torch_error``); ``more`` (source at the
+    top level, ``found`` in scope) adds the engine's own keys.
+
+    The engine's module is found, not imported (an exllama import may JIT-compile its extension
+    for minutes); torch is imported, as the worker will, to ask it for CUDA devices.
+    """
+    return f"""
+import importlib.util, json
+found = {{m: importlib.util.find_spec(m) is not None for m in ("torch", "{engine}")}}
+if found["torch"]:
+    try:
+        import torch
+        found["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:
+        found["torch_error"] = f"{{type(exc).__name__}}: {{exc}}"
+{more}
+print(json.dumps(found))
+"""
 
 
 class WorkerBackend(BaseBackend):
@@ -64,8 +87,7 @@ class WorkerBackend(BaseBackend):
     generator_class: ClassVar[type]
     #: How to install the engine, in the preflight's message.
     install: ClassVar[str]
-    #: Python source the worker's interpreter runs to say what it has; it prints one JSON
-    #: object with ``torch``, the engine's module name, and ``cuda_devices`` or ``torch_error``.
+    #: Python source the worker's interpreter runs to say what it has (:func:`preflight_script`).
     preflight_script: ClassVar[str]
     #: What the engine runs on, for the preflight's message when no CUDA device is seen.
     runs_on: ClassVar[str]
@@ -84,6 +106,27 @@ class WorkerBackend(BaseBackend):
         """The weights' directory, or None for a format not made yet."""
         p = self.weights_path(weights, ctx)
         return None if is_format(weights, self.weight_formats) and not p.is_dir() else p
+
+    @staticmethod
+    def _model_of(path: Path) -> ModelSpec:
+        return model_from_hf_config(path)
+
+    def _model(self, weights: str, ctx: StudyContext) -> ModelSpec:
+        """The model the weights are: their directory's config.json, or the study's model for a
+        format not made yet."""
+        made = self._made(weights, ctx)
+        return ctx.model if made is None else self._model_of(made)
+
+    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        """The weights' problem (``check_weights``), else the configuration's (``check_config``)."""
+        problem = self.check_weights(config.weights, ctx)
+        if problem:
+            return [problem]
+        return self.check_config(config, ctx, self._model(config.weights, ctx))
+
+    def check_config(self, config: TrialConfig, ctx: StudyContext, model: ModelSpec) -> list[str]:
+        """What the engine refuses in a configuration of usable weights of ``model``."""
+        raise NotImplementedError
 
     # -------------------------------------------------------------- the worker's interpreter
 

@@ -42,7 +42,7 @@ from autotune.paths import path_problem
 from autotune.safetensors_dir import read_config_json
 from autotune.workload import Workload
 
-from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive
+from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive, preflight_script
 from autotune_plugins.exllamav2.worker_process import default_worker_command as _worker_command
 from autotune_plugins.exllamav3 import declarations, memory
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
@@ -89,29 +89,21 @@ SETTINGS: tuple[Setting, ...] = (
             check=convert_args_problem),
 )
 
-# Finds the modules without importing exllamav3 (whose import JIT-compiles its extension for
-# minutes); torch is imported, as the worker will, to ask it for CUDA devices.
-_PREFLIGHT = """
-import importlib.util, json, shutil
-found = {m: importlib.util.find_spec(m) is not None for m in ("torch", "exllamav3")}
+# And what compiles exllamav3's extension at its first import: nvcc on PATH, or where torch's
+# extension loader finds it (CUDA_HOME), unless the extension is prebuilt.
+_PREFLIGHT = preflight_script("exllamav3", """
+import shutil
 found["nvcc"] = shutil.which("nvcc") is not None
+found["cuda_home"] = None
 if found["torch"]:
     try:
-        import torch
-        found["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as exc:
-        found["torch_error"] = f"{type(exc).__name__}: {exc}"
-    try:  # where torch's extension loader finds nvcc (CUDA_HOME, else nvcc on PATH)
         from torch.utils.cpp_extension import CUDA_HOME
         found["cuda_home"] = CUDA_HOME
     except Exception:
-        found["cuda_home"] = None
+        pass
 if found["exllamav3"]:
-    import importlib.util as u
-    spec = u.find_spec("exllamav3_ext")
-    found["prebuilt_ext"] = spec is not None
-print(json.dumps(found))
-"""
+    found["prebuilt_ext"] = importlib.util.find_spec("exllamav3_ext") is not None
+""")
 
 
 WORKER = "autotune_plugins.exllamav3.worker"
@@ -193,8 +185,7 @@ class ExLlamaV3Backend(WorkerBackend):
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """TabbyAPI's defaults for exllamav3 (backends/exllamav3/model.py): ``max_seq_len`` the
         model's own, ``cache_size`` = max_seq_len, FP16 cache, chunk 2048; one user."""
-        made = self._made(weights, ctx)
-        model = ctx.model if made is None else model_from_hf_config(made)
+        model = self._model(weights, ctx)
         config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
         return DefaultLaunch(config, (
             f"TabbyAPI's exllamav3 defaults: max_seq_len the model's own {model.max_context} tokens, cache_size the "
@@ -238,13 +229,8 @@ class ExLlamaV3Backend(WorkerBackend):
     def _chunk(self, config: TrialConfig, ctx: StudyContext) -> Any:
         return config.option("chunk_size", self.setting(ctx, "chunk_size"))
 
-    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
-        problem = self.check_weights(config.weights, ctx)
-        if problem:
-            return [problem]
+    def check_config(self, config: TrialConfig, ctx: StudyContext, model: ModelSpec) -> list[str]:
         reasons = []
-        made = self._made(config.weights, ctx)
-        model: ModelSpec = ctx.model if made is None else model_from_hf_config(made)
         quantized = False
         try:
             quantized = normalize_cache_type(config.option("cache_type", "fp16")) != "fp16"
