@@ -20,6 +20,9 @@ The attention path is what ``exllamav2.attn`` found at import (``has_flash_attn`
 ``has_flash_attn_with_paged``, ``has_xformers``, ``has_lower_right_sdpa``) as the model's
 config left it enabled, in the order ``ExLlamaV2Attention`` picks: flash-attn, xformers,
 Torch SDPA (lower-right causal mask), plain matmul.
+
+The request loop, the prompts and the ``load``/``sample`` answers are
+:mod:`.worker_engine`'s, shared with exllamav3's worker; this module builds ExLlamaV2's jobs.
 """
 
 from __future__ import annotations

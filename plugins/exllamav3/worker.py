@@ -97,11 +97,11 @@ class Engine(WorkerEngine):
                      "bc_attn": os.environ.get("EXL3_BC_ATTN", "1")}
         return self.load_reply(started, attention, _version())
 
-    def _run(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
-        return self._requests([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
+    def run_shape(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
+        return self.run_load([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
 
-    def _requests(self, lengths: Sequence[Sequence[int]], concurrency: int,
-                  arrivals: Sequence[float] | None) -> list[StreamResult]:
+    def run_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
+                 arrivals: Sequence[float] | None) -> list[StreamResult]:
         """A workload's requests through the generator (:func:`.worker_engine.run_requests`);
         each request's first token is unique, so no cached page is reused and every run prefills."""
         from exllamav3 import ArgmaxSampler, Job
@@ -114,9 +114,6 @@ class Engine(WorkerEngine):
         check_fits(settings, prompt, output)
         for p, o in lengths:
             check_fits(settings, int(p), int(o))
-
-    run_shape = _run
-    run_load = _requests
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Mapping[str, Any]]]:
         return {"load": self.load, "sample": self.sample}

@@ -479,7 +479,7 @@ def test_the_worker_runs_exllamav3_jobs_through_the_shared_request_loop(monkeypa
     enqueued = []
     monkeypatch.setattr(gen, "enqueue", lambda job: (enqueued.append(job), gen.jobs.append(job)))
     lengths = [(20, 3), (60, 5), (100, 2), (10, 4), (30, 1)]
-    streams = engine._requests(lengths, 2, None)
+    streams = engine.run_load(lengths, 2, None)
     assert [(s.prompt_tokens, s.output_tokens) for s in streams] == lengths
     assert gen.most == 2  # the closed loop kept 2 in flight, though the generator takes 8
     assert [len(j.prompt[0]) for j in enqueued] == [p for p, _ in lengths]
