@@ -14,7 +14,8 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   the model there, and measures with the core's loop, :func:`autotune.measure.measure_engine`, one
   worker round trip per run (a single stream, then ``parallel`` streams together), NVML
   watching the worker's pid. The worker is always stopped, also on a crash, a hang,
-  ``atexit`` or SIGTERM (:mod:`.worker_process`).
+  ``atexit`` or SIGTERM (:mod:`.worker_process`). That lifecycle is :class:`.worker_backend.WorkerBackend`'s,
+  shared with the exllamav3 backend.
 
 Settings (study file, ``[backends.exllamav2]``) are declared in ``SETTINGS``: the interpreter
 that runs the worker, paged attention, how ``parallel > 1`` runs without it, timeouts, the CUDA
@@ -27,26 +28,19 @@ is told to build (it refuses rather than build another), so it serves what was m
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.backend import (
-    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line,
-    same_value)
-from autotune.artifacts import artifact_path, is_format
+    DefaultLaunch, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line, same_value)
+from autotune.artifacts import is_format
 from autotune import processes
-from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.formats import normalize_format, parse_format
-from autotune.cuda_devices import cuda_visible_entry
+from autotune.errors import AutotuneError, ConfigError
+from autotune.formats import parse_format
 from autotune.redact import engine_environment
-from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import SERVING_UNITS, measure_engine
-from autotune.models import ModelSpec, model_from_hf_config
+from autotune.measure import SERVING_UNITS
+from autotune.models import ModelSpec
 from autotune.paths import path_problem
 from autotune.safetensors_dir import read_config_json
 
@@ -57,8 +51,8 @@ from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
-from autotune_plugins.exllamav2.worker_sampling import worker_sampler
-from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
+from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive, preflight_script
+from autotune_plugins.exllamav2.worker_process import WorkerProcess
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
 
@@ -73,31 +67,21 @@ SCORING_CTX = 2048
 INSTALL = "pip install -e '.[exllamav2]' in autotune's checkout (exllamav2==0.3.2, torch>=2.3)"
 
 
-def _positive(value: float) -> str | None:
-    return None if value > 0 else "must be > 0"
-
-
-def _command_problem(command: list) -> str | None:
-    if command and all(isinstance(c, str) and c for c in command):
-        return None
-    return "must be a non-empty list of non-empty strings (the worker's whole command line)"
-
-
 SETTINGS: tuple[Setting, ...] = (
     Setting("python", str, None, "the interpreter that runs the worker and has torch and exllamav2 "
             "(absent: autotune's own)"),
     Setting("worker_command", list, None, "the worker's whole command line, replacing python -m "
-            "autotune_plugins.exllamav2.worker (tests run fake workers)", check=_command_problem),
+            "autotune_plugins.exllamav2.worker (tests run fake workers)", check=command_problem),
     Setting("paged", (str, bool), "auto", "paged attention for concurrent jobs: \"auto\" (when flash-attn "
             ">= 2.5.7 is installed for the worker's interpreter), true or false", choices=("auto", True, False)),
     Setting("unpaged_parallel", str, "queue", "how parallel > 1 runs without paged attention: \"queue\" "
             "(jobs one after another, as a deployed server serves them) or \"batched\" (batched forward "
             "passes: offline batch work)", choices=UNPAGED_CHOICES),
-    Setting("startup_timeout_s", float, 60.0, "seconds the worker may take to start", check=_positive),
+    Setting("startup_timeout_s", float, 60.0, "seconds the worker may take to start", check=positive),
     Setting("load_timeout_s", float, 900.0, "seconds loading the model may take (the first load JIT-compiles "
-            "ExLlamaV2's extension, about 4.5 minutes on an H200)", check=_positive),
+            "ExLlamaV2's extension, about 4.5 minutes on an H200)", check=positive),
     Setting("request_timeout_s", float, 600.0, "seconds one measurement run or scoring request may take",
-            check=_positive),
+            check=positive),
     Setting("cuda_context_mib", float, float(memory.DEFAULT_CUDA_CONTEXT_MIB), "CUDA context and PyTorch/cuBLAS "
             "workspace in the memory estimate, MiB (measured on an H200)",
             check=lambda v: None if v >= 0 else "must be >= 0"),
@@ -132,19 +116,7 @@ def flash_attn_version(python: str) -> tuple[int, ...] | None:
     return parts or None
 
 
-# Finds the modules without importing exllamav2 (whose import may JIT-compile its extension
-# for minutes); torch is imported, as the worker will, to ask it for CUDA devices.
-_PREFLIGHT = """
-import importlib.util, json
-found = {m: importlib.util.find_spec(m) is not None for m in ("torch", "exllamav2")}
-if found["torch"]:
-    try:
-        import torch
-        found["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as exc:
-        found["torch_error"] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(found))
-"""
+_PREFLIGHT = preflight_script("exllamav2")
 
 
 def _rope_problem(cfg: dict, config_file: Path) -> str | None:
@@ -206,7 +178,7 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
                        notes)
 
 
-class ExLlamaV2Backend(BaseBackend):
+class ExLlamaV2Backend(WorkerBackend):
     name: ClassVar[str] = "exllamav2"
     engine: ClassVar[str] = "exllamav2"
     description: ClassVar[str] = "ExLlamaV2's dynamic generator on an EXL2 directory, one worker process per trial"
@@ -215,6 +187,11 @@ class ExLlamaV2Backend(BaseBackend):
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL2,)
     # The worker and the converter are Python: see the declaration.
     engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
+    worker_module: ClassVar[str] = "autotune_plugins.exllamav2.worker"
+    generator_class: ClassVar[type] = GeneratorSettings
+    install: ClassVar[str] = INSTALL
+    preflight_script: ClassVar[str] = _PREFLIGHT
+    runs_on: ClassVar[str] = "ExLlamaV2 runs on NVIDIA GPUs only"
 
     # -------------------------------------------------------------- space and rules
 
@@ -240,23 +217,11 @@ class ExLlamaV2Backend(BaseBackend):
         return exl2_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,
                            tuple(self.value(ctx, "convert_args")))
 
-    def weights_path(self, weights: str, ctx: StudyContext) -> Path:
-        """The EXL2 directory a candidate names: relative to the study file, or for a format
-        (``exl2:4.0``) its place in the artifact cache, made or not yet."""
-        if is_format(weights, self.weight_formats) and ctx.source is not None:
-            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights, self.weight_formats), ctx.source, ctx))
-        return ctx.path(weights)
-
-    def _made(self, weights: str, ctx: StudyContext) -> Path | None:
-        p = self.weights_path(weights, ctx)
-        return None if is_format(weights, self.weight_formats) and not p.is_dir() else p
-
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """ExLlamaV2's defaults: ``ExLlamaV2Config`` keeps the model's own ``max_seq_len`` (its
         config.json), ``ExLlamaV2Cache`` is FP16 and holds one sequence of that length
         (``batch_size=1``); TabbyAPI's cache_mode and cache_size default to the same."""
-        made = self._made(weights, ctx)
-        model = ctx.model if made is None else self._model_of(made)
+        model = self._model(weights, ctx)
         config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
         return DefaultLaunch(config, (
             f"ExLlamaV2's defaults: FP16 cache of the model's own {model.max_context} tokens (max_seq_len from "
@@ -290,17 +255,8 @@ class ExLlamaV2Backend(BaseBackend):
             return str(exc)
         return None
 
-    @staticmethod
-    def _model_of(path: Path) -> ModelSpec:
-        return model_from_hf_config(path)
-
-    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
-        problem = self.check_weights(config.weights, ctx)
-        if problem:
-            return [problem]
+    def check_config(self, config: TrialConfig, ctx: StudyContext, model: ModelSpec) -> list[str]:
         reasons = []
-        made = self._made(config.weights, ctx)
-        model = ctx.model if made is None else self._model_of(made)
         try:
             normalize_cache_type(config.option("cache_type", "fp16"))
         except ConfigError as exc:
@@ -315,9 +271,6 @@ class ExLlamaV2Backend(BaseBackend):
 
     # -------------------------------------------------------------- settings
 
-    def python(self, ctx: StudyContext) -> str:
-        return str(self.setting(ctx, "python") or sys.executable)
-
     def paged(self, ctx: StudyContext) -> bool:
         value = self.setting(ctx, "paged")
         if isinstance(value, bool):
@@ -329,41 +282,6 @@ class ExLlamaV2Backend(BaseBackend):
         """The generator a trial measures and its deploy line serves: one object for both."""
         return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel, self.paged(ctx),
                                   self.setting(ctx, "unpaged_parallel"))
-
-    def preflight(self, ctx: StudyContext) -> list[str]:
-        """torch and exllamav2 importable by the worker's interpreter, and a CUDA device it sees.
-
-        Looked up in a child process of that interpreter, so autotune itself never imports torch.
-        A ``worker_command`` of the user's own is theirs to vouch for: nothing is checked then.
-        """
-        if self.setting(ctx, "worker_command") is not None:
-            return []
-        python = self.python(ctx)
-        try:
-            env = self.worker_env(ctx)
-        except AutotuneError as exc:
-            return [str(exc)]
-        try:
-            done = processes.run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout_s=300, env=env)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return [f"[backends.exllamav2] python = {python!r} cannot be run ({exc}): name an interpreter "
-                    f"that has torch and exllamav2"]
-        try:
-            found = json.loads(done.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return [f"{python} could not say whether torch and exllamav2 are installed ({tail})"]
-        missing = [m for m in ("torch", "exllamav2") if not found.get(m)]
-        if missing:
-            return [f"{' and '.join(missing)} cannot be imported by {python}: {INSTALL}, or set "
-                    f"[backends.exllamav2] python to an interpreter that has them"]
-        if found.get("torch_error"):
-            return [f"torch cannot be imported by {python}: {found['torch_error']}"]
-        if not found.get("cuda_devices"):
-            return [f"torch in {python} sees no CUDA device (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}): "
-                    f"ExLlamaV2 runs on NVIDIA GPUs only; run the study where one is visible, or predict with "
-                    f"the twin-exllamav2 backend"]
-        return []
 
     # -------------------------------------------------------------- memory
 
@@ -385,94 +303,13 @@ class ExLlamaV2Backend(BaseBackend):
                           config.parallel, self.python(ctx), "flash-attn >= 2.5.7 is not installed for the "
                           "measured interpreter (it needs sm_80)")
 
-    def engine_version(self) -> str:
-        try:
-            import importlib.metadata as m
-
-            return f"exllamav2 {m.version('exllamav2')}"
-        except Exception:  # noqa: BLE001 - not installed here; the worker reports its own
-            return "exllamav2 (not installed in autotune's environment)"
-
     # -------------------------------------------------------------- run
-
-    def worker_command(self, ctx: StudyContext) -> list[str]:
-        command = self.setting(ctx, "worker_command")
-        return default_worker_command(self.python(ctx)) if command is None else list(command)
-
-    @classmethod
-    def worker_env(cls, ctx: StudyContext) -> dict[str, str]:
-        """The worker's environment: it sees the study's one card as its CUDA device 0, named
-        as the user's own CUDA_VISIBLE_DEVICES names it (the card autotune's telemetry reads)."""
-        return engine_environment(cls.engine_variables, CUDA_VISIBLE_DEVICES=cuda_visible_entry(ctx.gpu_index))
-
-    def start_worker(self, ctx: StudyContext, log_dir: Path) -> WorkerProcess:
-        env = self.worker_env(ctx)
-        # The worker imports autotune_plugins from wherever this process does.
-        roots = [str(Path(__file__).resolve().parents[2])]
-        env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        worker = WorkerProcess(self.worker_command(ctx), log_dir / "exllamav2-worker.log", env=env)
-        worker.start(float(self.setting(ctx, "startup_timeout_s")))
-        return worker
 
     def load(self, worker: WorkerProcess, model_dir: Path, settings: GeneratorSettings, ctx: StudyContext,
              purpose: str = "measure") -> dict[str, Any]:
-        """Have the worker build exactly ``settings``; a worker that built anything else is a failure."""
-        loaded = worker.request("load", float(self.setting(ctx, "load_timeout_s")), model_dir=str(model_dir),
-                                settings=settings.to_dict(), purpose=purpose)
-        try:
-            built = GeneratorSettings.from_dict(loaded.get("settings") or {})
-        except (ConfigError, TypeError) as exc:
-            raise worker.failure(f"answered 'load' without the settings it built ({exc})") from None
-        if built != settings:
-            raise worker.failure(f"built {built.to_dict()} instead of the {settings.to_dict()} asked for, so the "
-                                 f"measurement would not be what the deploy line serves")
-        return loaded
-
-    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
-        has_gpu = _has_gpu()
-        request_s = float(self.setting(ctx, "request_timeout_s"))
-        settings = self.generator_settings(config, ctx)
-        wl = ctx.workload
-        with tempfile.TemporaryDirectory(prefix="autotune-exllamav2-") as tmp:
-            worker = self.start_worker(ctx, Path(tmp))
-            try:
-                loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
-                last: dict[str, Any] = {}
-
-                def ask(extra: Mapping[str, Any]) -> Mapping[str, Any]:
-                    reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
-                                           output_tokens=wl.output_tokens, **extra)
-                    last.update(reply)
-                    return reply
-
-                sample = worker_sampler(ask, wl, config.parallel)
-                # The worker composes a run in its own process (one request alone, then the
-                # batch, as autotune.measure.serving_metrics defines it); the core's loop decides
-                # how many, the probe and the telemetry.
-                stats, telemetry, peak = measure_engine(ctx, sample, key=str(self.setting(ctx, "stability_metric")),
-                                                        units=UNITS, gpu=has_gpu, pid=worker.pid)
-            except BackendError:
-                raise
-            except Exception as exc:  # measurement errors, a malformed reply: the worker's log says more
-                raise worker.failure(f"measurement failed ({type(exc).__name__}: {exc})") from exc
-            finally:
-                worker.stop()
-        attention = loaded.get("attention") or {}
-        attrs: dict[str, Any] = {
-            "engine_version": f"exllamav2 {loaded.get('engine_version', 'unknown')}",
-            "attention_path": attention.get("path", "unknown"),
-            "attention": attention,
-            "generator": settings.to_dict(),
-            "torch_version": loaded.get("torch_version"),
-            "cuda_device": loaded.get("cuda_device"),
-            "load_s": loaded.get("load_s"),
-            "torch_max_allocated_bytes": last.get("max_allocated_bytes"),
-            "torch_max_reserved_bytes": last.get("max_reserved_bytes"),
-            "command": " ".join(self.worker_command(ctx)),
-            "gpu": has_gpu,
-            "prompt_tokens": wl.prompt_tokens,
-        }
-        return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
+        """The worker builds exactly ``settings`` (:meth:`WorkerBackend.load`) for a measurement
+        or, ``purpose = "score"``, for a scorer (no generator, only the model and its cache)."""
+        return super().load(worker, model_dir, settings, ctx, purpose=purpose)
 
     # -------------------------------------------------------------- scoring
 

@@ -10,7 +10,7 @@ exllamav2 backend and the twin of ExLlamaV2 use them directly too. Importing it 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from autotune.models import ModelSpec
 from autotune.safetensors_dir import read_config_json
 
 __all__ = ["ACCEPTS", "EXL2_BPW_MAX", "EXL2_MAX_BITS", "EXL2_BPW_MIN", "Exl2Quantization", "bpw_of", "exl2_quantization", "exl2_weights",
-           "quote", "spell"]
+           "bpw_within", "quantization_config", "quote", "quote_directory", "spell"]
 
 # ExLlamaV2 quantizes to 2-8 bits per weight; 16 leaves room for an unquantized head's share.
 EXL2_MAX_BITS = 16.0
@@ -48,8 +48,8 @@ def exl2_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "c
     """The EXL2 quantization a config.json states (``quantization_config.quant_method = "exl2"``
     with numeric ``bits``), or None; bits outside (0, EXL2_MAX_BITS] are a ConfigError naming
     ``where`` (the file)."""
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == "exl2" and isinstance(q.get("bits"), (int, float)):
+    q = quantization_config(cfg, "exl2")
+    if q is not None:
         if isinstance(q["bits"], bool) or not 0 < q["bits"] <= EXL2_MAX_BITS:
             # nan, inf, 0 or 1e9 bits per weight would price the weights at nothing or at exabytes.
             raise ConfigError(f"{where}: quantization_config.bits = {q['bits']!r}: an EXL2 model has "
@@ -60,13 +60,41 @@ def exl2_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "c
     return None
 
 
+def quantization_config(cfg: Mapping[str, Any], method: str) -> Mapping[str, Any] | None:
+    """A config.json's ``quantization_config`` when its ``quant_method`` is ``method`` and it
+    states numeric ``bits`` (EXL2's and EXL3's converters both write it so), else None."""
+    q = cfg.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == method and isinstance(q.get("bits"), (int, float)):
+        return q
+    return None
+
+
+def quote_directory(source: Path, family: str,
+                    quantization: Callable[[Mapping[str, Any], Path], Any]) -> tuple[str, int] | None:
+    """A model directory (or its config.json) as the ``family:bpw`` format ``quantization`` reads
+    from its config.json (an object with ``bits``, or None) and its bytes on disk, or None."""
+    directory = source.parent if source.name == "config.json" else source
+    quant = quantization(read_config_json(directory), directory / "config.json") if directory.is_dir() else None
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors")) if quant is not None else 0
+    return (f"{family}:{spell(quant.bits)}", size) if quant is not None and size else None
+
+
 def quote(source: Path) -> tuple[str, int] | None:
     """An EXL2 model directory (or its config.json) as the format it is in and its bytes on disk
     (``("exl2:4.0", 15_300_000_000)``), for the model's quoted artifact sizes; None for any other."""
-    directory = source.parent if source.name == "config.json" else source
-    quant = exl2_quantization(read_config_json(directory), directory / "config.json") if directory.is_dir() else None
-    size = sum(f.stat().st_size for f in directory.glob("*.safetensors")) if quant is not None else 0
-    return (f"exl2:{spell(quant.bits)}", size) if quant is not None and size else None
+    return quote_directory(source, "exl2", exl2_quantization)
+
+
+def bpw_within(variant: str, low: float, high: float) -> float:
+    """A written bits per weight -> the number, if from ``low`` to ``high``.
+
+    Raises:
+        ValueError: Not a number, or outside the range.
+    """
+    bpw = float(variant)  # ValueError for "four"
+    if not low <= bpw <= high:  # NaN fails this too
+        raise ValueError(variant)
+    return bpw
 
 
 def bpw_of(variant: str) -> float:
@@ -75,10 +103,7 @@ def bpw_of(variant: str) -> float:
     Raises:
         ValueError: Not a number, or outside 2.0-8.0.
     """
-    bpw = float(variant)  # ValueError for "four"
-    if not EXL2_BPW_MIN <= bpw <= EXL2_BPW_MAX:  # NaN fails this too
-        raise ValueError(variant)
-    return bpw
+    return bpw_within(variant, EXL2_BPW_MIN, EXL2_BPW_MAX)
 
 
 def spell(bpw: float) -> str:

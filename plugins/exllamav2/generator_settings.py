@@ -37,7 +37,8 @@ from typing import Any, Mapping
 
 from autotune.errors import ConfigError
 
-__all__ = ["CACHE_CHOICES", "PAGE_SIZE", "UNPAGED_CHOICES", "GeneratorSettings", "generator_settings", "normalize_cache_type"]
+__all__ = ["CACHE_CHOICES", "PAGE_SIZE", "UNPAGED_CHOICES", "GeneratorSettings", "SettingsRecord", "generator_settings",
+           "normalize_cache_type"]
 
 PAGE_SIZE = 256  # exllamav2/generator/dynamic.py PAGED_PAGE_SIZE
 MAX_Q_SIZE = 8  # the dynamic generator's default max_q_size (tokens per sequence per step)
@@ -60,8 +61,24 @@ def pad_to_page(tokens: int) -> int:
     return -(-tokens // PAGE_SIZE) * PAGE_SIZE
 
 
+class SettingsRecord:
+    """A generator's settings (a frozen dataclass with ``jobs_at_once``) as the parent and its
+    worker exchange them: ``to_dict`` for the ``load`` request and the trial's record,
+    ``from_dict`` for what the worker says it built. Both exllama plugins' settings are one."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "jobs_at_once": self.jobs_at_once}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
+        try:
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except KeyError as exc:
+            raise ConfigError(f"generator settings lack {exc.args[0]!r}") from None
+
+
 @dataclass(frozen=True)
-class GeneratorSettings:
+class GeneratorSettings(SettingsRecord):
     """What one trial's worker builds.
 
     Attributes:
@@ -99,16 +116,6 @@ class GeneratorSettings:
     def prefill_batch(self) -> int:
         """Sequences prefilled in one forward pass (their attention scores coexist)."""
         return self.cache_batch_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "jobs_at_once": self.jobs_at_once}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "GeneratorSettings":
-        try:
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
-        except KeyError as exc:
-            raise ConfigError(f"generator settings lack {exc.args[0]!r}") from None
 
 
 def generator_settings(cache_type: str, ctx: int, parallel: int, paged: bool,

@@ -20,31 +20,32 @@ The attention path is what ``exllamav2.attn`` found at import (``has_flash_attn`
 ``has_flash_attn_with_paged``, ``has_xformers``, ``has_lower_right_sdpa``) as the model's
 config left it enabled, in the order ``ExLlamaV2Attention`` picks: flash-attn, xformers,
 Torch SDPA (lower-right causal mask), plain matmul.
+
+The request loop, the prompts and the ``load``/``sample`` answers are
+:mod:`.worker_engine`'s, shared with exllamav3's worker; this module builds ExLlamaV2's jobs.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 from autotune.errors import BackendError, ConfigError
-from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
+from autotune.measure import StreamResult, serving_metrics
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
-from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, encode, serve
+from autotune_plugins.exllamav2.worker_engine import (
+    PROMPT_TEXT, WorkerEngine, engine_missing, prompt_ids, run_requests, serve_engine)
 
-__all__ = ["Engine", "SCORE_CHUNK", "attention_path", "check_paged", "main", "prompt_ids", "sample_metrics",
-           "score_passes"]
+__all__ = ["Engine", "PROMPT_TEXT", "SCORE_CHUNK", "attention_path", "check_paged", "main", "prompt_ids",
+           "sample_metrics", "score_passes"]
 
 CACHE_CLASSES = {"fp16": "ExLlamaV2Cache", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6",
                  "q4": "ExLlamaV2Cache_Q4"}
-# First token ids of generated prompts start above the byte/special range of common
-# vocabularies; only a distinct first token per request matters (no shared cache pages).
-FIRST_TOKEN_BASE = 1000
+INSTALL = "pip install -e '.[exllamav2]' in autotune's checkout (exllamav2==0.3.2, torch>=2.3)"
 
 
 def attention_path(flags: Mapping[str, bool], paged: bool) -> str:
@@ -81,22 +82,6 @@ def check_paged(settings: GeneratorSettings, has_paged_attention: bool, no_flash
                            f"(jobs are then served one at a time), or fix flash-attn's install")
 
 
-def prompt_ids(base: Sequence[int], n_tokens: int, serial: int, vocab: int) -> list[int]:
-    """``n_tokens`` prompt ids: ``base`` repeated, with a first token unique to ``serial``.
-
-    The dynamic generator reuses cache pages whose token hashes match (prefix caching); a
-    different first token changes every page's hash, so each request really prefills.
-    """
-    if n_tokens < 1:
-        raise ConfigError(f"prompt of {n_tokens} tokens: must be >= 1")
-    if not base:
-        raise BackendError("the tokenizer returned no tokens for the prompt text")
-    ids = [base[i % len(base)] for i in range(n_tokens)]
-    span = max(1, vocab - FIRST_TOKEN_BASE)
-    ids[0] = FIRST_TOKEN_BASE + serial % span if vocab > FIRST_TOKEN_BASE else serial % vocab
-    return ids
-
-
 #: Tokens per forward pass when scoring a whole text (next_token_logprobs).
 SCORE_CHUNK = 64
 
@@ -122,19 +107,10 @@ def score_passes(n_tokens: int, starts: Sequence[int]) -> list[tuple[int, int]]:
 sample_metrics = serving_metrics
 
 
-PROMPT_TEXT = (
-    "Once upon a time, in a small town by the sea, there lived an old clockmaker who repaired "
-    "every watch the fishermen brought him. Each morning he opened his shop, swept the floor, "
-    "and listened to the ticking of a hundred clocks. "
-)
-
-
-class Engine:
+class Engine(WorkerEngine):
     """The loaded model and what runs it; every torch/exllamav2 import happens in ``load``."""
 
-    def __init__(self) -> None:
-        self.settings: GeneratorSettings | None = None
-        self.serial = 0
+    settings: GeneratorSettings | None
 
     # -------------------------------------------------------------- load
 
@@ -145,10 +121,7 @@ class Engine:
             import exllamav2
             from exllamav2 import attn as exl2_attn
         except ImportError as exc:
-            raise BackendError(
-                f"exllamav2 is not importable by {sys.executable} ({exc}): "
-                f"pip install -e '.[exllamav2]' in autotune's checkout (exllamav2==0.3.2, torch>=2.3), or set "
-                f"[backends.exllamav2] python to an interpreter that has it") from exc
+            raise engine_missing("exllamav2", INSTALL, exc) from exc
         from exllamav2 import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer
         from exllamav2.generator import ExLlamaV2DynamicGenerator
 
@@ -181,115 +154,28 @@ class Engine:
             "xformers": bool(exl2_attn.has_xformers) and not config.no_xformers,
             "sdpa": bool(exl2_attn.has_lower_right_sdpa) and not config.no_sdpa,
         }
-        torch.cuda.synchronize()
         flash_version = getattr(sys.modules.get("flash_attn"), "__version__", None)
-        return {
-            "settings": settings.to_dict(),
-            "attention": {"path": attention_path(flags, settings.paged), "paged": settings.paged,
-                          "mode": settings.mode, "flash_attn_version": flash_version, **flags},
-            "engine_version": exllamav2.__version__,
-            "torch_version": torch.__version__,
-            "cuda_device": torch.cuda.get_device_name(0),
-            "vocab_size": self.vocab,
-            "load_s": time.monotonic() - started,
-            "allocated_bytes_after_load": int(torch.cuda.memory_allocated()),
-            "reserved_bytes_after_load": int(torch.cuda.memory_reserved()),
-        }
-
-    def _require(self) -> GeneratorSettings:
-        if self.settings is None:
-            raise BackendError("no model loaded: send 'load' first")
-        return self.settings
-
-    def _next_prompt(self, n_tokens: int) -> list[int]:
-        self.serial += 1
-        return prompt_ids(self.base_ids, n_tokens, self.serial, self.vocab)
+        return self.load_reply(started, {"path": attention_path(flags, settings.paged), "paged": settings.paged,
+                                         "mode": settings.mode, "flash_attn_version": flash_version, **flags},
+                               exllamav2.__version__)
 
     # -------------------------------------------------------------- generation
 
     def _dynamic(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
-        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
-
-        torch = self.torch
-        gen = self.generator
-        gen.reset_page_table()  # forget cached pages: every run prefills its prompts
-        greedy = ExLlamaV2Sampler.Settings.greedy()
-        start = time.monotonic()
-        for i in range(n_jobs):
-            ids = torch.tensor([self._next_prompt(prompt_tokens)], dtype=torch.long)
-            # No stop_conditions: the job runs to max_new_tokens, like ignore_eos.
-            gen.enqueue(ExLlamaV2DynamicJob(input_ids=ids, max_new_tokens=output_tokens,
-                                            gen_settings=greedy, identifier=i))
-        first: dict[int, float] = {}
-        end: dict[int, float] = {}
-        n_out: dict[int, int] = {}
-        while gen.num_remaining_jobs():
-            for r in gen.iterate():
-                if r.get("stage") != "streaming":
-                    continue
-                now = time.monotonic()
-                i = r["identifier"]
-                ids = r.get("token_ids")
-                if ids is not None and ids.numel():
-                    first.setdefault(i, now)
-                if r.get("eos"):
-                    end[i] = now
-                    n_out[i] = int(r.get("new_tokens", 0))
-        return [StreamResult.from_timestamps(prompt_tokens, n_out[i], start, first.get(i, end[i]), end[i])
-                for i in range(n_jobs)]
+        """``n_jobs`` requests of one shape, enqueued together (:meth:`_dynamic_load`)."""
+        return self._dynamic_load([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
 
     def _dynamic_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
                       arrivals: Sequence[float] | None) -> list[StreamResult]:
-        """A workload's requests (autotune.workload): each job built to its own lengths, sent
-        closed-loop (``concurrency`` in flight, the next enqueued as one ends) or at its arrival
-        time (open loop); each request's clock starts when it is enqueued, as a client's does."""
+        """A workload's requests (autotune.workload) through the dynamic generator, after its
+        cached pages are forgotten (:func:`.worker_engine.run_requests`)."""
         from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-        torch, gen = self.torch, self.generator
+        gen = self.generator
         gen.reset_page_table()
         greedy = ExLlamaV2Sampler.Settings.greedy()
-        n = len(lengths)
-        sent: dict[int, float] = {}
-        first: dict[int, float] = {}
-        end: dict[int, float] = {}
-        n_out: dict[int, int] = {}
-        nxt = 0
-
-        def send(k: int) -> None:
-            ids = torch.tensor([self._next_prompt(int(lengths[k][0]))], dtype=torch.long)
-            sent[k] = time.monotonic()
-            gen.enqueue(ExLlamaV2DynamicJob(input_ids=ids, max_new_tokens=int(lengths[k][1]), gen_settings=greedy,
-                                            identifier=k))
-
-        t0 = time.monotonic()
-        if arrivals is None:
-            for nxt in range(min(concurrency, n)):
-                send(nxt)
-            nxt = min(concurrency, n)
-        while len(end) < n:
-            if arrivals is not None:
-                while nxt < n and time.monotonic() - t0 >= arrivals[nxt]:
-                    send(nxt)
-                    nxt += 1
-                if not gen.num_remaining_jobs():
-                    time.sleep(max(0.0, t0 + arrivals[nxt] - time.monotonic()))
-                    continue
-            for r in gen.iterate():
-                if r.get("stage") != "streaming":
-                    continue
-                now = time.monotonic()
-                i = r["identifier"]
-                ids = r.get("token_ids")
-                if ids is not None and ids.numel():
-                    first.setdefault(i, now)
-                if r.get("eos"):
-                    end[i] = now
-                    n_out[i] = int(r.get("new_tokens", 0))
-                    if arrivals is None and nxt < n:
-                        send(nxt)
-                        nxt += 1
-        return [StreamResult.from_timestamps(int(lengths[k][0]), n_out[k], sent[k], first.get(k, end[k]), end[k])
-                for k in range(n)]
+        return run_requests(gen, self._prompt_tensor, lambda ids, n_out, k: ExLlamaV2DynamicJob(
+            input_ids=ids, max_new_tokens=n_out, gen_settings=greedy, identifier=k), lengths, concurrency, arrivals)
 
     def _batched(self, n_rows: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
         torch = self.torch
@@ -313,35 +199,22 @@ class Engine:
         return [StreamResult.from_timestamps(prompt_tokens, output_tokens, start, first, end)
                 for _ in range(n_rows)]
 
-    def sample(self, req: dict[str, Any]) -> dict[str, Any]:
-        settings = self._require()
-        prompt, output = int(req["prompt_tokens"]), int(req["output_tokens"])
+    def check_sample(self, settings: GeneratorSettings, prompt: int, output: int,
+                     lengths: Sequence[Sequence[int]]) -> None:
         if prompt + output > settings.max_seq_len:
             raise ConfigError(f"prompt {prompt} + output {output} tokens exceed max_seq_len {settings.max_seq_len}")
-        run = self._dynamic if settings.mode == "dynamic" else self._batched
-        lengths = req.get("requests")  # a workload's drawn requests (their own lengths), or one shape
         if lengths and settings.mode != "dynamic":
             raise ConfigError("a length distribution or Poisson arrivals need the dynamic generator: batched "
                               "forward passes serve one request shape (rows of one length)")
-        longest = max((int(p) + int(o) for p, o in lengths or ()), default=0)
+        longest = max((int(p) + int(o) for p, o in lengths), default=0)
         if longest > settings.max_seq_len:
             raise ConfigError(f"a request of {longest} tokens exceeds max_seq_len {settings.max_seq_len}")
-        single = run(1, prompt, output)[0]
-        t0 = time.monotonic()
-        if lengths:
-            streams = self._dynamic_load(lengths, int(req.get("concurrency") or settings.max_batch_size),
-                                         req.get("arrivals"))
-        else:
-            streams = run(settings.max_batch_size, prompt, output)
-        together = ConcurrentResult(streams=tuple(streams), wall_s=time.monotonic() - t0)
-        torch = self.torch
-        return {
-            "metrics": sample_metrics(single, together),
-            "single": vars(single).copy(),
-            "streams": [vars(s).copy() for s in streams],
-            "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
-            "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
-        }
+
+    def run_shape(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
+        run = self._dynamic if self._require().mode == "dynamic" else self._batched
+        return run(n_jobs, prompt_tokens, output_tokens)
+
+    run_load = _dynamic_load
 
     # -------------------------------------------------------------- scoring
 
@@ -408,14 +281,7 @@ class Engine:
 
 
 def main() -> int:
-    # The protocol keeps the original stdout to itself; fd 1 then points at stderr, so that
-    # whatever the engine prints (Python or C++) lands in the log, not in the protocol.
-    protocol_out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    protocol_out.write(encode({"event": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
-                               "python": platform.python_version(), "executable": sys.executable}))
-    return serve(Engine().handlers(), sys.stdin.buffer, protocol_out)
+    return serve_engine(Engine())
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ __all__ = ["WorkerProcess", "default_worker_command"]
 _EOF = object()
 
 
-def default_worker_command(python: str | None = None) -> list[str]:
-    """``python -m autotune_plugins.exllamav2.worker`` with autotune's interpreter by default."""
-    return [python or sys.executable, "-u", "-m", "autotune_plugins.exllamav2.worker"]
+def default_worker_command(python: str | None = None, module: str = "autotune_plugins.exllamav2.worker") -> list[str]:
+    """``python -m MODULE`` (ExLlamaV2's worker unless named) with autotune's interpreter by default."""
+    return [python or sys.executable, "-u", "-m", module]
 
 
 def _tail(path: Path, n_lines: int = 40, max_bytes: int = 64 * 1024) -> str:

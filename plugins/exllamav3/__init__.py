@@ -1,13 +1,10 @@
-"""exllamav3 for autotune: the ``exllamav3`` backend (extra ``exllamav3``).
+"""exllamav3 for autotune: the ``exllamav3`` backend (extra ``exllamav3``), an EXL3 directory
+loaded in a worker process per trial, exllamav3's paged generator measured
+(:mod:`autotune_plugins.exllamav3.backend`).
 
-Backends (through the ``register_backends`` hook):
-
-* ``exllamav3``: loads an EXL3 directory in a worker process per trial and measures
-  exllamav3's paged generator (:mod:`autotune_plugins.exllamav3.backend`).
-
-Registering imports neither torch nor exllamav3: only the worker process does
-(:mod:`autotune_plugins.exllamav3.worker`), so the plugin loads and its space, rules and
-memory estimate work on a machine without them.
+Only that worker (:mod:`autotune_plugins.exllamav3.worker`) imports torch and exllamav3, as in
+ExLlamaV2's plugin: registering needs neither, and the space, rules and memory estimate work
+on a machine without them.
 """
 
 from __future__ import annotations
@@ -19,11 +16,7 @@ __all__ = ["register_backends"]
 
 @hookimpl
 def register_backends(register):
-    """Add the ``exllamav3`` backend.
-
-    Args:
-        register: Called with each backend instance.
-    """
+    """Add the ``exllamav3`` backend (``register`` is called with it)."""
     from autotune_plugins.exllamav3.backend import ExLlamaV3Backend
 
     register(ExLlamaV3Backend())

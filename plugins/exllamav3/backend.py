@@ -11,9 +11,10 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   the 256-token page);
 * ``estimate_memory`` reads the directory's tensor bytes and follows exllamav3 1.6.5's
   allocations (:mod:`.memory`);
-* ``run`` starts ``python -m autotune_plugins.exllamav3.worker`` in its own session (the
-  process handling of :mod:`autotune_plugins.exllamav2.worker_process`, shared), loads the
-  model there, and measures with the core's loop, :func:`autotune.measure.measure_engine`.
+* ``run`` starts ``python -m autotune_plugins.exllamav3.worker`` in its own session, loads the
+  model there, and measures with the core's loop, :func:`autotune.measure.measure_engine`: the
+  lifecycle ExLlamaV2's backend shares (:class:`autotune_plugins.exllamav2.worker_backend.WorkerBackend`),
+  with this engine's own refusals (``refuse_run``, ``preflight_more``) and record (``generator_attrs``).
 
 The space: ``cache_type`` (``fp16``, ``k8v8``, ``k4v6``...; all 50 when the study names none
 would be a large space, so the default is fp16 and the symmetric k8v8, k6v6, k4v4, k2v2
@@ -27,31 +28,22 @@ rather than build another), so it serves what was measured.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune import processes
-from autotune.artifacts import artifact_path, is_format
-from autotune.backend import (
-    BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line)
-from autotune.cuda_devices import cuda_visible_entry
+from autotune.artifacts import is_format
+from autotune.backend import DefaultLaunch, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line
 from autotune.declarations import CacheType, WeightFormats
-from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.formats import normalize_format, parse_format
-from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import SERVING_UNITS, measure_engine
+from autotune.errors import AutotuneError, ConfigError
+from autotune.formats import parse_format
+from autotune.measure import SERVING_UNITS
 from autotune.models import ModelSpec, model_from_hf_config
 from autotune.paths import path_problem
-from autotune.redact import engine_environment
 from autotune.safetensors_dir import read_config_json
+from autotune.workload import Workload
 
-from autotune_plugins.exllamav2.worker_process import WorkerProcess
-from autotune_plugins.exllamav2.worker_sampling import worker_sampler
+from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive, preflight_script
+from autotune_plugins.exllamav2.worker_process import default_worker_command as _worker_command
 from autotune_plugins.exllamav3 import declarations, memory
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
 from autotune_plugins.exllamav3.generator_settings import (
@@ -71,16 +63,6 @@ DEFAULT_CACHES = ("fp16", "k8v8", "k6v6", "k4v4", "k2v2")
 CACHE_ACCEPTED = ("fp16", "k<K>v<V> with K, V from 2 to 8")
 
 
-def _positive(value: float) -> str | None:
-    return None if value > 0 else "must be > 0"
-
-
-def _command_problem(command: list) -> str | None:
-    if command and all(isinstance(c, str) and c for c in command):
-        return None
-    return "must be a non-empty list of non-empty strings (the worker's whole command line)"
-
-
 def _head_bits_problem(value: float) -> str | None:
     return None if head_bits_ok(float(value)) else "must be 1-8 (halves only 1.5, 2.5, 3.5) or 16, as -hb accepts"
 
@@ -89,15 +71,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("python", str, None, "the interpreter that runs the worker and the converter, with torch and "
             "exllamav3 (absent: autotune's own)"),
     Setting("worker_command", list, None, "the worker's whole command line, replacing python -m "
-            "autotune_plugins.exllamav3.worker (tests run fake workers)", check=_command_problem),
+            "autotune_plugins.exllamav3.worker (tests run fake workers)", check=command_problem),
     Setting("chunk_size", int, DEFAULT_CHUNK, "prefill chunk in tokens (Generator max_chunk_size, TabbyAPI "
             "chunk_size), a multiple of 256; [space] chunk_size searches it instead", check=chunk_problem),
     Setting("head_bits", float, EXL3_HEAD_BITS, "bits of the output head when an EXL3 format is made (the "
             "converter's -hb)", check=_head_bits_problem),
-    Setting("startup_timeout_s", float, 60.0, "seconds the worker may take to start", check=_positive),
+    Setting("startup_timeout_s", float, 60.0, "seconds the worker may take to start", check=positive),
     Setting("load_timeout_s", float, 1800.0, "seconds loading the model may take (the first load JIT-compiles "
-            "exllamav3's extension, many minutes; warmup compiles the Triton kernels)", check=_positive),
-    Setting("request_timeout_s", float, 600.0, "seconds one measurement run may take", check=_positive),
+            "exllamav3's extension, many minutes; warmup compiles the Triton kernels)", check=positive),
+    Setting("request_timeout_s", float, 600.0, "seconds one measurement run may take", check=positive),
     Setting("cuda_context_mib", float, float(memory.DEFAULT_CUDA_CONTEXT_MIB), "CUDA context, kernels and "
             "workspaces in the memory estimate, MiB", check=lambda v: None if v >= 0 else "must be >= 0"),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
@@ -107,34 +89,29 @@ SETTINGS: tuple[Setting, ...] = (
             check=convert_args_problem),
 )
 
-# Finds the modules without importing exllamav3 (whose import JIT-compiles its extension for
-# minutes); torch is imported, as the worker will, to ask it for CUDA devices.
-_PREFLIGHT = """
-import importlib.util, json, shutil
-found = {m: importlib.util.find_spec(m) is not None for m in ("torch", "exllamav3")}
+# And what compiles exllamav3's extension at its first import: nvcc on PATH, or where torch's
+# extension loader finds it (CUDA_HOME), unless the extension is prebuilt.
+_PREFLIGHT = preflight_script("exllamav3", """
+import shutil
 found["nvcc"] = shutil.which("nvcc") is not None
+found["cuda_home"] = None
 if found["torch"]:
     try:
-        import torch
-        found["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as exc:
-        found["torch_error"] = f"{type(exc).__name__}: {exc}"
-    try:  # where torch's extension loader finds nvcc (CUDA_HOME, else nvcc on PATH)
         from torch.utils.cpp_extension import CUDA_HOME
         found["cuda_home"] = CUDA_HOME
     except Exception:
-        found["cuda_home"] = None
+        pass
 if found["exllamav3"]:
-    import importlib.util as u
-    spec = u.find_spec("exllamav3_ext")
-    found["prebuilt_ext"] = spec is not None
-print(json.dumps(found))
-"""
+    found["prebuilt_ext"] = importlib.util.find_spec("exllamav3_ext") is not None
+""")
+
+
+WORKER = "autotune_plugins.exllamav3.worker"
 
 
 def default_worker_command(python: str | None = None) -> list[str]:
     """``python -m autotune_plugins.exllamav3.worker`` with autotune's interpreter by default."""
-    return [python or sys.executable, "-u", "-m", "autotune_plugins.exllamav3.worker"]
+    return _worker_command(python, WORKER)
 
 
 def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
@@ -163,7 +140,7 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
                        notes)
 
 
-class ExLlamaV3Backend(BaseBackend):
+class ExLlamaV3Backend(WorkerBackend):
     name: ClassVar[str] = "exllamav3"
     engine: ClassVar[str] = "exllamav3"
     description: ClassVar[str] = "exllamav3's paged generator on an EXL3 directory, one worker process per trial"
@@ -171,6 +148,11 @@ class ExLlamaV3Backend(BaseBackend):
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL3,)
     engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
+    worker_module: ClassVar[str] = WORKER
+    generator_class: ClassVar[type] = GeneratorSettings
+    install: ClassVar[str] = INSTALL
+    preflight_script: ClassVar[str] = _PREFLIGHT
+    runs_on: ClassVar[str] = "exllamav3 runs on NVIDIA GPUs (Ampere or newer) only"
 
     # -------------------------------------------------------------- space and rules
 
@@ -200,23 +182,10 @@ class ExLlamaV3Backend(BaseBackend):
         return exl3_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,
                            tuple(self.value(ctx, "convert_args")), float(self.value(ctx, "head_bits")))
 
-    def weights_path(self, weights: str, ctx: StudyContext) -> Path:
-        """The EXL3 directory a candidate names: relative to the study file, or for a format
-        (``exl3:4.0``) its place in the artifact cache, made or not yet."""
-        if is_format(weights, self.weight_formats) and ctx.source is not None:
-            fmt = normalize_format(weights, self.weight_formats)
-            return artifact_path(ctx.source, self.artifact_recipe(fmt, ctx.source, ctx))
-        return ctx.path(weights)
-
-    def _made(self, weights: str, ctx: StudyContext) -> Path | None:
-        p = self.weights_path(weights, ctx)
-        return None if is_format(weights, self.weight_formats) and not p.is_dir() else p
-
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """TabbyAPI's defaults for exllamav3 (backends/exllamav3/model.py): ``max_seq_len`` the
         model's own, ``cache_size`` = max_seq_len, FP16 cache, chunk 2048; one user."""
-        made = self._made(weights, ctx)
-        model = ctx.model if made is None else model_from_hf_config(made)
+        model = self._model(weights, ctx)
         config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
         return DefaultLaunch(config, (
             f"TabbyAPI's exllamav3 defaults: max_seq_len the model's own {model.max_context} tokens, cache_size the "
@@ -260,13 +229,8 @@ class ExLlamaV3Backend(BaseBackend):
     def _chunk(self, config: TrialConfig, ctx: StudyContext) -> Any:
         return config.option("chunk_size", self.setting(ctx, "chunk_size"))
 
-    def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
-        problem = self.check_weights(config.weights, ctx)
-        if problem:
-            return [problem]
+    def check_config(self, config: TrialConfig, ctx: StudyContext, model: ModelSpec) -> list[str]:
         reasons = []
-        made = self._made(config.weights, ctx)
-        model: ModelSpec = ctx.model if made is None else model_from_hf_config(made)
         quantized = False
         try:
             quantized = normalize_cache_type(config.option("cache_type", "fp16")) != "fp16"
@@ -285,48 +249,13 @@ class ExLlamaV3Backend(BaseBackend):
 
     # -------------------------------------------------------------- settings
 
-    def python(self, ctx: StudyContext) -> str:
-        return str(self.setting(ctx, "python") or sys.executable)
-
     def generator_settings(self, config: TrialConfig, ctx: StudyContext) -> GeneratorSettings:
         """The generator a trial measures and its deploy line serves: one object for both."""
         return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel,
                                   self._chunk(config, ctx))
 
-    def preflight(self, ctx: StudyContext) -> list[str]:
-        """torch and exllamav3 importable by the worker's interpreter, a CUDA device it sees, and
-        nvcc to compile exllamav3's extension at first import.
-
-        Looked up in a child process of that interpreter, so autotune itself never imports torch.
-        A ``worker_command`` of the user's own is theirs to vouch for: nothing is checked then.
-        """
-        if self.setting(ctx, "worker_command") is not None:
-            return []
-        python = self.python(ctx)
-        try:
-            env = self.worker_env(ctx)
-        except AutotuneError as exc:
-            return [str(exc)]
-        try:
-            done = processes.run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout_s=300, env=env)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return [f"[backends.exllamav3] python = {python!r} cannot be run ({exc}): name an interpreter "
-                    f"that has torch and exllamav3"]
-        try:
-            found = json.loads(done.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return [f"{python} could not say whether torch and exllamav3 are installed ({tail})"]
-        missing = [m for m in ("torch", "exllamav3") if not found.get(m)]
-        if missing:
-            return [f"{' and '.join(missing)} cannot be imported by {python}: {INSTALL}, or set "
-                    f"[backends.exllamav3] python to an interpreter that has them"]
-        if found.get("torch_error"):
-            return [f"torch cannot be imported by {python}: {found['torch_error']}"]
-        if not found.get("cuda_devices"):
-            return [f"torch in {python} sees no CUDA device (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}): "
-                    f"exllamav3 runs on NVIDIA GPUs (Ampere or newer) only; run the study where one is visible, or "
-                    f"predict with the twin-exllamav3 backend"]
+    def preflight_more(self, found: Mapping[str, Any], python: str) -> list[str]:
+        """nvcc to compile exllamav3's extension at first import, unless it is prebuilt."""
         if not found.get("prebuilt_ext") and not found.get("nvcc") and not found.get("cuda_home"):
             return [f"exllamav3 in {python} has no prebuilt extension and no CUDA toolkit is found (nvcc not on "
                     "PATH, no CUDA_HOME): it compiles exllamav3_ext at first import (exllamav3/ext.py); install "
@@ -351,97 +280,15 @@ class ExLlamaV3Backend(BaseBackend):
         return deploy_for(self.generator_settings(config, ctx), self.weights_path(config.weights, ctx),
                           config.parallel, self.python(ctx))
 
-    def engine_version(self) -> str:
-        try:
-            import importlib.metadata as m
-
-            return f"exllamav3 {m.version('exllamav3')}"
-        except Exception:  # noqa: BLE001 - not installed here; the worker reports its own
-            return "exllamav3 (not installed in autotune's environment)"
-
     # -------------------------------------------------------------- run
 
-    def worker_command(self, ctx: StudyContext) -> list[str]:
-        command = self.setting(ctx, "worker_command")
-        return default_worker_command(self.python(ctx)) if command is None else list(command)
-
-    @classmethod
-    def worker_env(cls, ctx: StudyContext) -> dict[str, str]:
-        """The worker's environment: it sees the study's one card as its CUDA device 0, named
-        as the user's own CUDA_VISIBLE_DEVICES names it (the card autotune's telemetry reads)."""
-        return engine_environment(cls.engine_variables, CUDA_VISIBLE_DEVICES=cuda_visible_entry(ctx.gpu_index))
-
-    def start_worker(self, ctx: StudyContext, log_dir: Path) -> WorkerProcess:
-        env = self.worker_env(ctx)
-        roots = [str(Path(__file__).resolve().parents[2])]  # the worker imports autotune_plugins from here
-        env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        worker = WorkerProcess(self.worker_command(ctx), log_dir / "exllamav3-worker.log", env=env,
-                               name="exllamav3 worker")
-        worker.start(float(self.setting(ctx, "startup_timeout_s")))
-        return worker
-
-    def load(self, worker: WorkerProcess, model_dir: Path, settings: GeneratorSettings,
-             ctx: StudyContext) -> dict[str, Any]:
-        """Have the worker build exactly ``settings``; a worker that built anything else is a failure."""
-        loaded = worker.request("load", float(self.setting(ctx, "load_timeout_s")), model_dir=str(model_dir),
-                                settings=settings.to_dict())
-        try:
-            built = GeneratorSettings.from_dict(loaded.get("settings") or {})
-        except (ConfigError, TypeError) as exc:
-            raise worker.failure(f"answered 'load' without the settings it built ({exc})") from None
-        if built != settings:
-            raise worker.failure(f"built {built.to_dict()} instead of the {settings.to_dict()} asked for, so the "
-                                 f"measurement would not be what the deploy line serves")
-        return loaded
-
-    def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
-        has_gpu = _has_gpu()
-        request_s = float(self.setting(ctx, "request_timeout_s"))
-        settings = self.generator_settings(config, ctx)
-        wl = ctx.workload
+    def refuse_run(self, config: TrialConfig, settings: GeneratorSettings, wl: Workload) -> None:
         if wl.prompt_tokens + wl.output_tokens > settings.max_seq_len:
             raise ConfigError(f"the workload's prompt {wl.prompt_tokens} + output {wl.output_tokens} tokens exceed "
                               f"ctx {config.ctx}")
-        with tempfile.TemporaryDirectory(prefix="autotune-exllamav3-") as tmp:
-            worker = self.start_worker(ctx, Path(tmp))
-            try:
-                loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
-                last: dict[str, Any] = {}
 
-                def ask(extra: Mapping[str, Any]) -> Mapping[str, Any]:
-                    reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
-                                           output_tokens=wl.output_tokens, **extra)
-                    last.update(reply)
-                    return reply
-
-                # The worker runs the workload's requests; the metrics are the core's (shared
-                # with ExLlamaV2's worker backend).
-                sample = worker_sampler(ask, wl, config.parallel)
-
-                stats, telemetry, peak = measure_engine(ctx, sample, key=str(self.setting(ctx, "stability_metric")),
-                                                        units=UNITS, gpu=has_gpu, pid=worker.pid)
-            except BackendError:
-                raise
-            except Exception as exc:  # measurement errors, a malformed reply: the worker's log says more
-                raise worker.failure(f"measurement failed ({type(exc).__name__}: {exc})") from exc
-            finally:
-                worker.stop()
-        attrs: dict[str, Any] = {
-            "engine_version": f"exllamav3 {loaded.get('engine_version', 'unknown')}",
-            "attention_path": (loaded.get("attention") or {}).get("path", "unknown"),
-            "attention": loaded.get("attention") or {},
-            "generator": settings.to_dict(),
-            "pages_per_job": pages_per_job(settings.max_seq_len),
-            "torch_version": loaded.get("torch_version"),
-            "cuda_device": loaded.get("cuda_device"),
-            "load_s": loaded.get("load_s"),
-            "torch_max_allocated_bytes": last.get("max_allocated_bytes"),
-            "torch_max_reserved_bytes": last.get("max_reserved_bytes"),
-            "command": " ".join(self.worker_command(ctx)),
-            "gpu": has_gpu,
-            "prompt_tokens": wl.prompt_tokens,
-        }
-        return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
+    def generator_attrs(self, settings: GeneratorSettings) -> dict[str, Any]:
+        return {"pages_per_job": pages_per_job(settings.max_seq_len)}
 
 
 def _is_cache(value: str) -> bool:

@@ -22,7 +22,10 @@ from typing import Any
 from autotune.errors import ConfigError
 from autotune.formats import WeightsBreakdown
 from autotune.models import ModelSpec
-from autotune.safetensors_dir import read_config_json
+
+# The EXL2 plugin owns what the EXL families share: the config.json's quantization_config, a
+# directory's quote, the bpw spelling (two decimals, as both converters record it).
+from autotune_plugins.exllamav2.formats import bpw_within, quantization_config, quote_directory, spell
 
 __all__ = ["ACCEPTS", "EXL3_BPW_MAX", "EXL3_BPW_MIN", "EXL3_HEAD_BITS", "Exl3Quantization", "bits_per_weight", "bpw_of",
            "exl3_quantization", "exl3_weights", "head_bits_ok", "quote", "spell"]
@@ -54,8 +57,8 @@ class Exl3Quantization:
 def exl3_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "config.json") -> Exl3Quantization | None:
     """The EXL3 quantization a config.json states (``quantization_config.quant_method = "exl3"``
     with numeric ``bits``), or None; bits outside [1, 8] are a ConfigError naming ``where``."""
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == "exl3" and isinstance(q.get("bits"), (int, float)):
+    q = quantization_config(cfg, "exl3")
+    if q is not None:
         if isinstance(q["bits"], bool) or not EXL3_BPW_MIN <= q["bits"] <= EXL3_BPW_MAX:
             raise ConfigError(f"{where}: quantization_config.bits = {q['bits']!r}: an EXL3 model has "
                               f"{EXL3_BPW_MIN} to {EXL3_BPW_MAX} bits per weight")
@@ -68,10 +71,7 @@ def exl3_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "c
 def quote(source: Path) -> tuple[str, int] | None:
     """An EXL3 model directory (or its config.json) as the format it is in and its bytes on disk
     (``("exl3:4.0", 4_400_000_000)``), for the model's quoted artifact sizes; None for any other."""
-    directory = source.parent if source.name == "config.json" else source
-    quant = exl3_quantization(read_config_json(directory), directory / "config.json") if directory.is_dir() else None
-    size = sum(f.stat().st_size for f in directory.glob("*.safetensors")) if quant is not None else 0
-    return (f"exl3:{spell(quant.bits)}", size) if quant is not None and size else None
+    return quote_directory(source, "exl3", exl3_quantization)
 
 
 def bpw_of(variant: str) -> float:
@@ -80,16 +80,7 @@ def bpw_of(variant: str) -> float:
     Raises:
         ValueError: Not a number, or outside 1.0-8.0.
     """
-    bpw = float(variant)
-    if not EXL3_BPW_MIN <= bpw <= EXL3_BPW_MAX:  # NaN fails this too
-        raise ValueError(variant)
-    return bpw
-
-
-def spell(bpw: float) -> str:
-    """The canonical spelling of a bpw, to two decimals as the converter records it
-    (``4`` -> ``4.0``, ``3.254`` -> ``3.25``)."""
-    return str(round(float(bpw), 2))
+    return bpw_within(variant, EXL3_BPW_MIN, EXL3_BPW_MAX)
 
 
 def bits_per_weight(bpw: float, model: ModelSpec | None = None) -> float:

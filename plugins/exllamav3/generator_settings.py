@@ -32,11 +32,12 @@ Every trial records these settings; the deploy line is built from the same objec
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from autotune.errors import ConfigError
 
+from autotune_plugins.exllamav2.generator_settings import SettingsRecord
 from autotune_plugins.exllamav3.declarations import cache_kv_bits
 
 __all__ = ["DEFAULT_CHUNK", "PAGE_SIZE", "GeneratorSettings", "chunk_problem", "generator_settings",
@@ -75,7 +76,7 @@ def chunk_problem(chunk: Any) -> str | None:
 
 
 @dataclass(frozen=True)
-class GeneratorSettings:
+class GeneratorSettings(SettingsRecord):
     """What one trial's worker builds, and what TabbyAPI is told.
 
     Attributes:
@@ -111,16 +112,6 @@ class GeneratorSettings:
     def jobs_at_once(self) -> int:
         """Jobs whose pages fit the cache together (the generator admits no more)."""
         return min(self.max_batch_size, self.pages // pages_per_job(self.max_seq_len))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "jobs_at_once": self.jobs_at_once}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "GeneratorSettings":
-        try:
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
-        except KeyError as exc:
-            raise ConfigError(f"generator settings lack {exc.args[0]!r}") from None
 
 
 def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int = DEFAULT_CHUNK) -> GeneratorSettings:

@@ -23,16 +23,15 @@ What runs (exllamav3 1.6.5), as TabbyAPI's backends/exllamav3/model.py builds it
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 from autotune.errors import BackendError, ConfigError
-from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
+from autotune.measure import StreamResult
 
-from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, encode, serve
-from autotune_plugins.exllamav2.worker import PROMPT_TEXT, prompt_ids
+from autotune_plugins.exllamav2.worker_engine import (
+    PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine)
 from autotune_plugins.exllamav3.generator_settings import GeneratorSettings, pages_per_job
 
 __all__ = ["AUTOSPLIT_RESERVE_GB", "Engine", "check_fits", "main"]
@@ -57,12 +56,11 @@ def check_fits(settings: GeneratorSettings, prompt: int, output: int) -> None:
                           f"has {settings.pages}")
 
 
-class Engine:
-    """The loaded model and its generator; every torch/exllamav3 import happens in ``load``."""
+class Engine(WorkerEngine):
+    """The loaded model and its generator; every torch/exllamav3 import happens in ``load``
+    (what it shares with ExLlamaV2's worker: :class:`autotune_plugins.exllamav2.worker_engine.WorkerEngine`)."""
 
-    def __init__(self) -> None:
-        self.settings: GeneratorSettings | None = None
-        self.serial = 0
+    settings: GeneratorSettings | None
 
     def load(self, req: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
@@ -70,8 +68,7 @@ class Engine:
             import torch
             from exllamav3 import Cache, CacheLayer_fp16, CacheLayer_quant, Config, Generator, Model, Tokenizer
         except ImportError as exc:
-            raise BackendError(f"exllamav3 is not importable by {sys.executable} ({exc}): {INSTALL}, or set "
-                               "[backends.exllamav3] python to an interpreter that has it") from exc
+            raise engine_missing("exllamav3", INSTALL, exc) from exc
         if not torch.cuda.is_available():
             raise BackendError("torch sees no CUDA device (exllamav3 runs on NVIDIA GPUs, Ampere or newer)")
         self.torch = torch
@@ -96,105 +93,27 @@ class Engine:
         self.model, self.cache, self.tokenizer, self.settings = model, cache, tokenizer, settings
         self.vocab = int(tokenizer.actual_vocab_size)
         self.base_ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)[0].tolist()
-        torch.cuda.synchronize()
-        return {
-            "settings": settings.to_dict(),
-            "attention": {"path": "exllamav3_paged", "qc_staging": os.environ.get("EXL3_QC_STAGING", "1"),
-                          "bc_attn": os.environ.get("EXL3_BC_ATTN", "1")},
-            "engine_version": _version(),
-            "torch_version": torch.__version__,
-            "cuda_device": torch.cuda.get_device_name(0),
-            "vocab_size": self.vocab,
-            "load_s": time.monotonic() - started,
-            "allocated_bytes_after_load": int(torch.cuda.memory_allocated()),
-            "reserved_bytes_after_load": int(torch.cuda.memory_reserved()),
-        }
+        attention = {"path": "exllamav3_paged", "qc_staging": os.environ.get("EXL3_QC_STAGING", "1"),
+                     "bc_attn": os.environ.get("EXL3_BC_ATTN", "1")}
+        return self.load_reply(started, attention, _version())
 
-    def _require(self) -> GeneratorSettings:
-        if self.settings is None:
-            raise BackendError("no model loaded: send 'load' first")
-        return self.settings
+    def run_shape(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
+        return self.run_load([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
 
-    def _run(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
-        return self._requests([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
-
-    def _requests(self, lengths: Sequence[Sequence[int]], concurrency: int,
-              arrivals: Sequence[float] | None) -> list[StreamResult]:
-        """Requests to their own lengths, sent closed-loop (``concurrency`` in flight, the next
-        enqueued as one ends) or at their arrival times (open loop); each request's clock starts
-        when it is enqueued, as a client's does (autotune.workload)."""
+    def run_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
+                 arrivals: Sequence[float] | None) -> list[StreamResult]:
+        """A workload's requests through the generator (:func:`.worker_engine.run_requests`);
+        each request's first token is unique, so no cached page is reused and every run prefills."""
         from exllamav3 import ArgmaxSampler, Job
 
-        torch = self.torch
-        gen = self.generator
-        n = len(lengths)
-        sent: dict[int, float] = {}
-        first: dict[int, float] = {}
-        end: dict[int, float] = {}
-        n_out: dict[int, int] = {}
+        return run_requests(self.generator, self._prompt_tensor, lambda ids, n_out, k: Job(
+            input_ids=ids, max_new_tokens=n_out, sampler=ArgmaxSampler(), identifier=k), lengths, concurrency, arrivals)
 
-        def send(k: int) -> None:
-            self.serial += 1
-            # A first token unique to the request: no cached page is reused, every run prefills.
-            ids = torch.tensor([prompt_ids(self.base_ids, int(lengths[k][0]), self.serial, self.vocab)],
-                               dtype=torch.long)
-            sent[k] = time.monotonic()
-            # No stop conditions: the job runs to max_new_tokens, like ignore_eos.
-            gen.enqueue(Job(input_ids=ids, max_new_tokens=int(lengths[k][1]), sampler=ArgmaxSampler(), identifier=k))
-
-        t0 = time.monotonic()
-        nxt = 0
-        if arrivals is None:
-            for nxt in range(min(concurrency, n)):
-                send(nxt)
-            nxt = min(concurrency, n)
-        while len(end) < n:
-            if arrivals is not None:
-                while nxt < n and time.monotonic() - t0 >= arrivals[nxt]:
-                    send(nxt)
-                    nxt += 1
-                if not gen.num_remaining_jobs():
-                    time.sleep(max(0.0, t0 + arrivals[nxt] - time.monotonic()))
-                    continue
-            for r in gen.iterate():
-                if r.get("stage") != "streaming":
-                    continue
-                now = time.monotonic()
-                i = r["identifier"]
-                ids = r.get("token_ids")
-                if ids is not None and ids.numel():
-                    first.setdefault(i, now)
-                if r.get("eos"):
-                    end[i] = now
-                    n_out[i] = int(r.get("new_tokens", 0))
-                    if arrivals is None and nxt < n:
-                        send(nxt)
-                        nxt += 1
-        return [StreamResult.from_timestamps(int(lengths[k][0]), n_out[k], sent[k], first.get(k, end[k]), end[k])
-                for k in range(n)]
-
-    def sample(self, req: dict[str, Any]) -> dict[str, Any]:
-        settings = self._require()
-        prompt, output = int(req["prompt_tokens"]), int(req["output_tokens"])
+    def check_sample(self, settings: GeneratorSettings, prompt: int, output: int,
+                     lengths: Sequence[Sequence[int]]) -> None:
         check_fits(settings, prompt, output)
-        lengths = req.get("requests")  # a workload's drawn requests (their own lengths), or one shape
-        for p, o in lengths or ():
+        for p, o in lengths:
             check_fits(settings, int(p), int(o))
-        single = self._run(1, prompt, output)[0]
-        t0 = time.monotonic()
-        if lengths:
-            streams = self._requests(lengths, int(req.get("concurrency") or settings.max_batch_size), req.get("arrivals"))
-        else:
-            streams = self._run(settings.max_batch_size, prompt, output)
-        together = ConcurrentResult(streams=tuple(streams), wall_s=time.monotonic() - t0)
-        torch = self.torch
-        return {
-            "metrics": serving_metrics(single, together),
-            "single": vars(single).copy(),
-            "streams": [vars(s).copy() for s in streams],
-            "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
-            "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
-        }
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Mapping[str, Any]]]:
         return {"load": self.load, "sample": self.sample}
@@ -207,14 +126,7 @@ def _version() -> str:
 
 
 def main() -> int:
-    # The protocol keeps the original stdout to itself; fd 1 then points at stderr, so that
-    # whatever the engine prints (Python, C++, the extension's compiler) lands in the log.
-    protocol_out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    protocol_out.write(encode({"event": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
-                               "python": platform.python_version(), "executable": sys.executable}))
-    return serve(Engine().handlers(), sys.stdin.buffer, protocol_out)
+    return serve_engine(Engine())
 
 
 if __name__ == "__main__":

@@ -11,21 +11,16 @@ set, every request is appended to that file as a JSON line, so tests see what th
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from fake_worker_protocol import serve  # this script's own directory is on sys.path
+
 MODE = sys.argv[1]
 PIDFILE = sys.argv[2] if len(sys.argv) > 2 else None
-
-
-def send(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
 
 if PIDFILE:
     # The child sleeper shows whether the whole process group is killed, not just the leader.
@@ -39,49 +34,39 @@ if MODE == "noise":
     print("Loading extension... done", flush=True)
     time.sleep(300)
 
-send({"event": "hello", "protocol": 2, "pid": os.getpid(), "python": "3"})
-samples = 0
-for line in sys.stdin:
-    req = json.loads(line)
-    if os.environ.get("EXL2_FAKE_REQUESTS"):
-        with open(os.environ["EXL2_FAKE_REQUESTS"], "a") as log:
-            log.write(json.dumps(req) + "\n")
-    op = req["op"]
-    if op == "exit":
-        send({"id": req["id"], "ok": True})
-        break
-    if op == "load":
-        if MODE == "crash-on-load":
-            print("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr, flush=True)
-            sys.exit(3)
-        if MODE == "hang-on-load":
-            time.sleep(300)
-        built = dict(req["settings"])
-        if MODE == "other-settings":  # as a worker that fell back to one sequence at a time would
-            built.update(paged=False, cache_max_seq_len=built["max_seq_len"])
-        send({"id": req["id"], "ok": True, "engine_version": "0.3.2-fake", "settings": built,
-              "attention": {"path": "sdpa", "paged": built["paged"]}, "load_s": 0.01})
-    elif op == "sample":
-        samples += 1
-        if MODE == "signal-on-sample":
-            print("Segmentation fault in kernel", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if MODE == "error-on-sample":
-            send({"id": req["id"], "ok": False, "type": "AssertionError", "error": "Total sequence length exceeds cache size"})
-            continue
-        # What the real worker answers: the request alone and every stream, from which the
-        # parent computes the metrics. Each stream decodes at 100 tok/s after a 50 ms first token;
-        # the run's requests (a workload's lengths) or parallel copies of the one shape.
-        lengths = req.get("requests") or [[req["prompt_tokens"], req["output_tokens"]]] * 2
 
-        def stream(start, p, o):
-            return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 50.0, "decode_tok_s": 100.0,
-                    "prefill_tok_s": p / 0.05, "start_s": start, "end_s": start + 0.05 + (o - 1) / 100.0}
+def load(req: dict) -> dict:
+    if MODE == "crash-on-load":
+        print("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if MODE == "hang-on-load":
+        time.sleep(300)
+    built = dict(req["settings"])
+    if MODE == "other-settings":  # as a worker that fell back to one sequence at a time would
+        built.update(paged=False, cache_max_seq_len=built["max_seq_len"])
+    return {"ok": True, "engine_version": "0.3.2-fake", "settings": built,
+            "attention": {"path": "sdpa", "paged": built["paged"]}, "load_s": 0.01}
 
-        t = 10.0 * samples
-        send({"id": req["id"], "ok": True, "metrics": {},
-              "single": stream(t, req["prompt_tokens"], req["output_tokens"]),
-              "streams": [stream(t + 0.01 * k, p, o) for k, (p, o) in enumerate(lengths)],
-              "max_allocated_bytes": 1, "max_reserved_bytes": 2, "requests_seen": len(lengths)})
-    else:
-        send({"id": req["id"], "ok": False, "type": "ProtocolError", "error": f"unknown op {op}"})
+
+def sample(req: dict, samples: int) -> dict:
+    if MODE == "signal-on-sample":
+        print("Segmentation fault in kernel", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if MODE == "error-on-sample":
+        return {"ok": False, "type": "AssertionError", "error": "Total sequence length exceeds cache size"}
+    # What the real worker answers: the request alone and every stream, from which the
+    # parent computes the metrics. Each stream decodes at 100 tok/s after a 50 ms first token;
+    # the run's requests (a workload's lengths) or parallel copies of the one shape.
+    lengths = req.get("requests") or [[req["prompt_tokens"], req["output_tokens"]]] * 2
+
+    def stream(start, p, o):
+        return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 50.0, "decode_tok_s": 100.0,
+                "prefill_tok_s": p / 0.05, "start_s": start, "end_s": start + 0.05 + (o - 1) / 100.0}
+
+    t = 10.0 * samples
+    return {"ok": True, "metrics": {}, "single": stream(t, req["prompt_tokens"], req["output_tokens"]),
+            "streams": [stream(t + 0.01 * k, p, o) for k, (p, o) in enumerate(lengths)],
+            "max_allocated_bytes": 1, "max_reserved_bytes": 2, "requests_seen": len(lengths)}
+
+
+serve("EXL2_FAKE_REQUESTS", load, sample)

@@ -8,55 +8,41 @@ every request is appended to that file as a JSON line, so tests see what the par
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
+
+from fake_worker_protocol import serve  # this script's own directory is on sys.path
 
 MODE = sys.argv[1]
 
 
-def send(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+def load(req: dict) -> dict:
+    if MODE == "crash-on-load":
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if MODE == "hang-on-load":
+        time.sleep(300)
+    built = dict(req["settings"])
+    if MODE == "other-settings":  # as a worker that cut the cache to one job's pages would
+        built.update(cache_tokens=256)
+    return {"ok": True, "engine_version": "1.6.5-fake", "settings": built, "attention": {"path": "exllamav3_paged"},
+            "load_s": 0.01}
 
 
-send({"event": "hello", "protocol": 2, "pid": os.getpid(), "python": "3"})
-samples = 0
-for line in sys.stdin:
-    req = json.loads(line)
-    if os.environ.get("EXL3_FAKE_REQUESTS"):
-        with open(os.environ["EXL3_FAKE_REQUESTS"], "a") as log:
-            log.write(json.dumps(req) + "\n")
-    op = req["op"]
-    if op == "exit":
-        send({"id": req["id"], "ok": True})
-        break
-    if op == "load":
-        if MODE == "crash-on-load":
-            print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB", file=sys.stderr, flush=True)
-            sys.exit(3)
-        if MODE == "hang-on-load":
-            time.sleep(300)
-        built = dict(req["settings"])
-        if MODE == "other-settings":  # as a worker that cut the cache to one job's pages would
-            built.update(cache_tokens=256)
-        send({"id": req["id"], "ok": True, "engine_version": "1.6.5-fake", "settings": built,
-              "attention": {"path": "exllamav3_paged"}, "load_s": 0.01})
-    elif op == "sample":
-        samples += 1
-        # What the real worker answers: the request alone and every request of the run, from
-        # which the parent computes the metrics. Each decodes at 100 tok/s after a 40 ms first
-        # token, a little faster each sample (so repeated samples differ); the run's requests
-        # are the workload's lengths, or two copies of the one shape.
-        lengths = req.get("requests") or [[req["prompt_tokens"], req["output_tokens"]]] * 2
-        rate = 100.0 + samples
+def sample(req: dict, samples: int) -> dict:
+    # What the real worker answers: the request alone and every request of the run, from
+    # which the parent computes the metrics. Each decodes at 100 tok/s after a 40 ms first
+    # token, a little faster each sample (so repeated samples differ); the run's requests
+    # are the workload's lengths, or two copies of the one shape.
+    lengths = req.get("requests") or [[req["prompt_tokens"], req["output_tokens"]]] * 2
+    rate = 100.0 + samples
 
-        def stream(start, p, o):
-            return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 40.0, "decode_tok_s": rate,
-                    "prefill_tok_s": p / 0.04, "start_s": start, "end_s": start + 0.04 + (o - 1) / rate}
+    def stream(start, p, o):
+        return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 40.0, "decode_tok_s": rate,
+                "prefill_tok_s": p / 0.04, "start_s": start, "end_s": start + 0.04 + (o - 1) / rate}
 
-        send({"id": req["id"], "ok": True, "single": stream(0.0, req["prompt_tokens"], req["output_tokens"]),
-              "streams": [stream(1.0, p, o) for p, o in lengths], "max_allocated_bytes": 1, "max_reserved_bytes": 2})
-    else:
-        send({"id": req["id"], "ok": False, "type": "ProtocolError", "error": f"unknown op {op}"})
+    return {"ok": True, "single": stream(0.0, req["prompt_tokens"], req["output_tokens"]),
+            "streams": [stream(1.0, p, o) for p, o in lengths], "max_allocated_bytes": 1, "max_reserved_bytes": 2}
+
+
+serve("EXL3_FAKE_REQUESTS", load, sample)

@@ -448,3 +448,46 @@ def test_a_workloads_requests_reach_the_worker_and_its_requests_are_scored_by_th
     assert samples and all(r["requests"] == [list(x) for x in lengths] and r["concurrency"] == 2 for r in samples)
     # The fake's requests: 40 ms to the first token, each past the 30 ms target: no goodput.
     assert m.metrics["ttft_p95_ms"].median == pytest.approx(40.0) and m.metrics["goodput_req_s"].median == 0
+
+
+def test_the_worker_runs_exllamav3_jobs_through_the_shared_request_loop(monkeypatch):
+    """exllamav3's worker, as far as it runs without a GPU: its jobs (exllamav3's ``Job`` with a
+    sampler) through the request loop it shares with ExLlamaV2's worker, and ``sample``'s answer."""
+    import types
+
+    from tests.plugins.test_exllamav2_backend import _FakeDynamicGenerator
+
+    from autotune_plugins.exllamav3 import worker
+
+    class Job:
+        def __init__(self, input_ids, max_new_tokens, sampler, identifier):
+            assert isinstance(sampler, Argmax)
+            self.prompt, self.max_new_tokens, self.identifier, self.made = input_ids, max_new_tokens, identifier, 0
+
+    class Argmax:
+        pass
+
+    fake = types.ModuleType("exllamav3")
+    fake.Job, fake.ArgmaxSampler = Job, Argmax
+    monkeypatch.setitem(sys.modules, "exllamav3", fake)
+    engine = worker.Engine()
+    cuda = types.SimpleNamespace(max_memory_allocated=lambda: 7, max_memory_reserved=lambda: 9)
+    engine.torch = types.SimpleNamespace(tensor=lambda rows, dtype=None: rows, long=None, cuda=cuda)
+    engine.base_ids, engine.vocab = [5, 6, 7], 2000
+    engine.settings = generator_settings("fp16", 512, 2, 256)
+    engine.generator = gen = _FakeDynamicGenerator(max_batch=8)
+    enqueued = []
+    monkeypatch.setattr(gen, "enqueue", lambda job: (enqueued.append(job), gen.jobs.append(job)))
+    lengths = [(20, 3), (60, 5), (100, 2), (10, 4), (30, 1)]
+    streams = engine.run_load(lengths, 2, None)
+    assert [(s.prompt_tokens, s.output_tokens) for s in streams] == lengths
+    assert gen.most == 2  # the closed loop kept 2 in flight, though the generator takes 8
+    assert [len(j.prompt[0]) for j in enqueued] == [p for p, _ in lengths]
+    assert len({j.prompt[0][0] for j in enqueued}) == len(lengths)  # each prompt its own first token
+    # sample: the request alone, then max_batch_size (2) copies of it, the parent's fields.
+    reply = engine.sample({"prompt_tokens": 40, "output_tokens": 6})
+    assert reply["single"]["output_tokens"] == 6 and len(reply["streams"]) == 2
+    assert (reply["max_allocated_bytes"], reply["max_reserved_bytes"]) == (7, 9)
+    assert {"aggregate_tok_s", "ttft_ms", "e2e_p95_ms"} <= set(reply["metrics"])  # the core's serving_metrics
+    with pytest.raises(ConfigError, match="exceed max_seq_len"):
+        engine.sample({"prompt_tokens": 40, "output_tokens": 6, "requests": [[500, 100]]})
