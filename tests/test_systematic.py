@@ -83,3 +83,12 @@ def test_the_counts_name_every_state_and_add_up(tmp_path, tmp_storage):
     assert s.n_complete + s.n_pruned + s.n_failed + answered + s.extra["n_cut_short"] == s.n_trials
     assert f"{s.n_trials} trials: {s.n_complete} complete, {s.n_pruned} pruned, {s.n_failed} failed, " \
            f"{answered} answered from storage" in summary_text(s)
+    # A configuration queued for a later run (WAITING) is said to be queued, not "still running"
+    # (the report of a stopped study said "3 still running" of trials never started).
+    import optuna
+
+    study = optuna.load_study(study_name=s.study_name, storage=tmp_storage)
+    study.enqueue_trial({"parallel": 1})
+    queued = stored_summary(tmp_storage)
+    assert queued.extra["n_queued"] == 1 and "n_running" not in queued.extra
+    assert "1 queued, not started" in summary_text(queued) and "still running" not in summary_text(queued)

@@ -261,7 +261,8 @@ def counts_text(summary: StudySummary) -> str:
     for key, words in (("n_answered_from_storage", "answered from storage (an earlier trial's outcome)"),
                        ("n_cut_short", "cut short and queued again"),
                        ("n_deferred", "not started (their weights would take longer to make than the budget had left)"),
-                       ("n_running", "still running")):
+                       ("n_running", "still running"),
+                       ("n_queued", "queued, not started")):
         if extra.get(key):
             parts.append(f"{extra[key]} {words}")
     return f"{summary.n_trials} trials: " + ", ".join(parts)
@@ -452,7 +453,10 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     n_deferred = sum(1 for r in all_records if r.state == TrialState.FAIL and r.deferred)
     # Why the failed ones failed, most common first: a count alone sends the user to the logs.
     # Still RUNNING (another worker measures it, or one died): named, so the parts add up.
-    n_running = sum(1 for r in all_records if r.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED))
+    # WAITING: queued by the strategy (the prior, a cut-short retry) and not started yet
+    n_queued = sum(1 for r in all_records if r.state == TrialState.WAITING)
+    n_running = sum(1 for r in all_records if r.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED,
+                                                              TrialState.WAITING))
     failed_by = Counter(failure_kind(r.fail_reason) for r in all_records if r.state == TrialState.FAIL and not r.retry)
     finish = finish_verdict(study)
     best = chosen_best(study, finish)
@@ -470,6 +474,7 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
         best=_best_of(study, best, finish),
         extra={"n_answered_from_storage": n_answered, "n_cut_short": n_cut_short,
                **({"n_running": n_running} if n_running else {}),
+               **({"n_queued": n_queued} if n_queued else {}),
                **({"n_deferred": n_deferred} if n_deferred else {}),
                **({"failed_by_reason": dict(sorted(failed_by.items(), key=lambda kv: (-kv[1], kv[0])))} if failed_by else {})},
     )
