@@ -190,6 +190,13 @@ def report(ctx: click.Context, study_file: Path | None, study_name: str | None, 
     _run(ctx.obj["debug"], go)
 
 
+def _listed(names: list[str], most: int = 12) -> str:
+    """Names on one line; a long list (an engine may declare fifty cache types) cut, with the count
+    (``--json`` has them all)."""
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown}, ... ({len(names)} in all; --json lists them)"
+
+
 @cli.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
@@ -205,7 +212,7 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
             click.echo(f"{kind}:")
             for item in found[kind]:
                 click.echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")
-                declared = [f"{what} {', '.join(item[key])}" for key, what in (("formats", "formats"),
+                declared = [f"{what} {_listed(item[key])}" for key, what in (("formats", "formats"),
                             ("cache_types", "cache types")) if item.get(key)]
                 if declared:
                     click.echo(f"  {'':<22} {'; '.join(declared)}")

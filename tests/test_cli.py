@@ -338,6 +338,15 @@ def test_plugins_json_lists_the_twin(twin_plugin):
     assert [m["name"] for m in found["metrics"]] == ["twin-mmlu"]
 
 
+def test_plugins_text_cuts_a_long_declared_list_and_json_keeps_it_whole(twin_plugin):
+    text = CliRunner().invoke(cli, ["plugins"]).stdout
+    (line,) = [ln for ln in text.splitlines() if "formats exl3:<bpw>" in ln]  # twin-exllamav3: 50 types
+    assert "cache types fp16, k8v8" in line and "... (50 in all; --json lists them)" in line
+    found = json.loads(CliRunner().invoke(cli, ["plugins", "--json"]).stdout)
+    (exl3,) = [b for b in found["backends"] if b["name"] == "twin-exllamav3"]
+    assert len(exl3["cache_types"]) == 50
+
+
 def test_study_prints_its_summary_when_the_dashboard_note_cannot_be_written(tmp_path, monkeypatch, twin_plugin):
     """optuna-dashboard missing (a machine given only the study's wheels): the study's note is a
     copy of the printed summary, so the study still ends with its summary and exit 0."""
