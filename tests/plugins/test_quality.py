@@ -490,7 +490,7 @@ def test_a_kld_is_shown_as_a_kld_and_a_drop_as_a_drop(tmp_path, tmp_storage, qua
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         summary = run_study(load_study_config(path), n_trials=3, storage=tmp_storage)
     study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
-    kld = {t.user_attrs["config"]["weights"]: TrialRecord.of(t).quality for t in study.trials}
+    kld = {r.config["weights"]: r.quality for r in map(TrialRecord.of, study.trials)}
     text = summary_text(summary)
     best = summary.best["quality"]
     assert f"  quality: KLD {best['value']:.4f} nats from exact" in text
