@@ -58,8 +58,12 @@ def study_dir(tmp_path_factory) -> Path:
     # tokens to a descheduled thread (its threads wait for each other every step): with two busy
     # neighbours the study did not end in 900 s. One thread slows by the share of the core it
     # loses, no more.
-    assert "threads = 2" in text
-    one_thread = text.replace("threads = 2", "threads = 1")
+    # And 32 output tokens instead of 64, 28 measured trials instead of 40: each run's decode is
+    # most of a trial's time, and what is checked is the chain and the statistics (at least 20
+    # measured), not the speed (pytest's own time, issue 28).
+    assert "threads = 2" in text and "output_tokens = 64" in text and "n_trials = 40" in text
+    one_thread = text.replace("threads = 2", "threads = 1").replace("output_tokens = 64", "output_tokens = 32") \
+        .replace("n_trials = 40", "n_trials = 28")
     (root / "cpu-tiny-1t.toml").write_text(one_thread, encoding="utf-8")
     # The same study for resuming after an interrupt: what is checked there is that the stored
     # trials stand and new ones are measured; the baselines and the finish (five launches more,
@@ -140,7 +144,7 @@ def check_the_twin_learned_from_the_study(study: optuna.Study, study_dir: Path, 
     assert any(abs(cal["after"][f] / cal["before"][f] - 1) > 0.1 for f in cal["before"] if cal["before"][f] > 0)
     assert summary["calibration"]["llama-server"] == cal  # the report shows it
     ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(study_dir / "models" / "tiny-f16.gguf"),
-                       workload=Workload(prompt_tokens=128, output_tokens=64), vram_budget_bytes=15 * 2**30,
+                       workload=Workload(prompt_tokens=128, output_tokens=32), vram_budget_bytes=15 * 2**30,
                        protocol=Protocol(), settings={"threads": 1, "startup_timeout_s": 60}, base_dir=study_dir)
     twin = TwinLlamaCpp()
     trials = [(replace(r.trial_config, backend=twin.name), {m: r.median(m) for m in SPEED_METRICS if r.median(m)})
