@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 30 item 4 on one H200 as one detached pipeline: every device call (kind nvidia-h200,
-# carry [".carry"] made by bench/make_carry.sh, from the repository root) is
+# carry the .carry/ paths README.md names, made by bench/make_carry.sh; from the repository root) is
 #
 #   bash bench/exllamav3_h200/pipeline.sh 540
 #
