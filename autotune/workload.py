@@ -114,6 +114,12 @@ class Workload:
             return len(self.requests)
         return parallel
 
+    def run_lengths(self, parallel: int) -> list[tuple[int, int]]:
+        """The (prompt, output) tokens of a run's requests, in order, for an engine that is handed
+        them all at once (a worker, the twin's simulation): the drawn requests, else ``parallel``
+        copies of the one shape."""
+        return list(self.requests) or [(self.prompt_tokens, self.output_tokens)] * parallel
+
 
 @dataclass(frozen=True)
 class Preset:

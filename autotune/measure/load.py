@@ -24,17 +24,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from autotune.measure.openai_api import stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.measure.streams import LATENCY_UNITS, ConcurrentResult, StreamResult, _raise_first
-from autotune.workload import SLO_KEYS, percentile
+from autotune.workload import RATE_SEARCH_STEPS, SLO_KEYS, Workload, percentile
 
 __all__ = ["LATENCY_UNITS", "LoadReport", "latency_metrics", "meets", "poisson_arrivals", "request_latencies",
-           "run_openai_load", "run_requests", "search_rate"]
+           "rate_run", "run_openai_load", "run_requests", "search_rate"]
 
 def poisson_arrivals(n: int, rate: float, seed: int | str) -> list[float]:
     """``n`` arrival times (seconds from the start, the first at 0) of a Poisson process of
@@ -286,3 +286,32 @@ def search_rate(measure: Callable[[float], Mapping[str, float]], slo: Sequence[t
         else:
             hi = mid
     return lo, tried
+
+
+R = TypeVar("R")
+
+
+def rate_run(workload: Workload, run: Callable[[float | None], R],
+             metrics_of: Callable[[R], Mapping[str, float]]) -> tuple[R, float | None]:
+    """The run a workload's arrivals ask for, and the rate it reports (``rate_req_s``), for an
+    engine whose runs can be kept: a worker's, the twin's simulation. ``run(rate)`` sends the
+    run's requests at a Poisson ``rate`` (None: closed loop); ``metrics_of`` its latency keys.
+
+    Closed loop: ``run(None)``, no rate. A fixed rate: that run and rate. A rate search: the
+    bisection's run at the highest rate that met the targets, reported; when none did, its run at
+    the range's low end, reported as 0. (:func:`autotune.measure.serving_run` decides the same
+    but sends the chosen rate once more: its backend's hook reads the engine's counters around
+    the one run it reports.)
+    """
+    if workload.arrival == "poisson" and workload.rate_search:
+        runs: dict[float, R] = {}
+
+        def measured(rate: float) -> Mapping[str, float]:
+            runs[rate] = run(rate)
+            return metrics_of(runs[rate])
+
+        found, _ = search_rate(measured, workload.slo, *workload.rate_search, steps=RATE_SEARCH_STEPS)
+        # search_rate always runs ``low`` before it gives up, and returns a rate it ran
+        return runs[found if found is not None else workload.rate_search[0]], found or 0.0
+    rate = workload.rate if workload.arrival == "poisson" else None
+    return run(rate), rate

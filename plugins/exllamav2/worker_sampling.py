@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
-from autotune.measure.load import poisson_arrivals, search_rate
-from autotune.workload import RATE_SEARCH_STEPS, Workload
+from autotune.measure.load import poisson_arrivals, rate_run
+from autotune.workload import Workload
 
 __all__ = ["worker_sampler"]
 
@@ -31,29 +31,20 @@ def worker_sampler(ask: Callable[[Mapping[str, Any]], Mapping[str, Any]], wl: Wo
         wl: The study's workload.
         parallel: The configuration's concurrent requests (closed loop).
     """
-    load: dict[str, Any] = {}
-    if wl.shaped:  # the workload's requests, each to its lengths, as every backend sends them
-        lengths = list(wl.requests) or [(wl.prompt_tokens, wl.output_tokens)] * parallel
-        load = {"requests": lengths, "concurrency": parallel,
-                "arrivals": poisson_arrivals(len(lengths), wl.rate, wl.seed)
-                if wl.arrival == "poisson" and wl.rate else None}
+    lengths = wl.run_lengths(parallel)
 
-    def one(extra: Mapping[str, Any]) -> dict[str, float]:
+    def one(rate: float | None) -> dict[str, float]:
+        extra: dict[str, Any] = {}
+        if wl.shaped:  # the workload's requests, each to its lengths, as every backend sends them
+            extra = {"requests": lengths, "concurrency": parallel,
+                     "arrivals": poisson_arrivals(len(lengths), rate, wl.seed) if rate else None}
         reply = ask(extra)
         single, streams = StreamResult(**reply["single"]), [StreamResult(**r) for r in reply["streams"]]
         wall = max(r.end_s for r in streams) - min(r.start_s for r in streams)
         return serving_metrics(single, ConcurrentResult(tuple(streams), wall), wl.slo)
 
     def sample() -> dict[str, float]:
-        if not wl.rate_search:
-            return {**one(load), **({"rate_req_s": wl.rate} if load.get("arrivals") else {})}
-        found_at: dict[float, dict[str, float]] = {}
-
-        def at(rate: float) -> dict[str, float]:
-            found_at[rate] = one({**load, "arrivals": poisson_arrivals(len(load["requests"]), rate, wl.seed)})
-            return found_at[rate]
-
-        found, tried = search_rate(at, wl.slo, *wl.rate_search, steps=RATE_SEARCH_STEPS)
-        return {**found_at[found if found is not None else tried[-1][0]], "rate_req_s": found or 0.0}
+        metrics, rate = rate_run(wl, one, lambda m: m)
+        return {**metrics, **({"rate_req_s": rate} if rate is not None else {})}
 
     return sample

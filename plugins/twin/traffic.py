@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autotune.measure import ConcurrentResult, StreamResult
-from autotune.measure.load import latency_metrics, poisson_arrivals, search_rate
-from autotune.workload import RATE_SEARCH_STEPS, Workload
+from autotune.measure.load import latency_metrics, poisson_arrivals, rate_run
+from autotune.workload import Workload
 
 from autotune_plugins.twin import physics
 
@@ -107,7 +107,7 @@ def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics
 
     slots = min(s.jobs_at_once or s.parallel, s.parallel)
     request_s = k.request_ms * 1e-3 if s.harness == "server" else 0.0
-    lengths = list(workload.requests) or [(workload.prompt_tokens, workload.output_tokens)] * s.parallel
+    lengths = workload.run_lengths(s.parallel)
     prefill = physics.prefill_tok_s(s, k, host, gpu_layers)
 
     def at(rate: float | None) -> ConcurrentResult:
@@ -116,17 +116,7 @@ def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics
                            arrivals=arrivals)
         return ConcurrentResult(tuple(streams), max(r.end_s for r in streams))
 
-    if workload.arrival == "poisson" and workload.rate_search:  # as the core's loop searches (serving_run)
-        runs: dict[float, ConcurrentResult] = {}
-
-        def measured(rate: float) -> dict[str, float]:
-            runs[rate] = at(rate)
-            return latency_metrics(runs[rate], workload.slo)
-
-        found, tried = search_rate(measured, workload.slo, *workload.rate_search, steps=RATE_SEARCH_STEPS)
-        return runs[found if found is not None else tried[-1][0]], found or 0.0
-    rate = workload.rate if workload.arrival == "poisson" else None
-    return at(rate), rate
+    return rate_run(workload, at, lambda run: latency_metrics(run, workload.slo))
 
 
 def scaled(run: ConcurrentResult, speed: float) -> ConcurrentResult:
