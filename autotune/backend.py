@@ -545,6 +545,12 @@ class BaseBackend(abc.ABC):
         """
         raise ScoringUnsupportedError(f"backend '{self.name}' has no scoring API (it does not implement scorer())")
 
+    def repeats_exactly(self, ctx: StudyContext) -> bool:
+        """Whether a configuration measured again gives exactly the same figures (a model without
+        simulated noise). The finish then measures nothing again: its leaders are compared, and a
+        tie settled, on their one figure each."""
+        return False
+
     @property
     def is_model(self) -> bool:
         """Whether it predicts instead of measuring (implements ``predict``: a digital twin)."""

@@ -274,6 +274,23 @@ def storage_upgrade(ctx: click.Context, url: str) -> None:
     _run(ctx.find_root().obj["debug"], go)
 
 
+def _settings_given(given: tuple[str, ...]) -> dict[str, object]:
+    """``--setting NAME=VALUE`` as a [backends.NAME] table: VALUE read as TOML (``true``, ``4``,
+    ``"x"``), else as the plain word (``batched``)."""
+    import tomllib
+
+    out: dict[str, object] = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--setting {item!r}: write NAME=VALUE, e.g. unpaged_parallel=batched")
+        try:
+            out[name.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[name.strip()] = value
+    return out
+
+
 @cli.command()
 @click.option("--gpu", "gpu_key", default=None, help="Catalog GPU key, or auto (NVML) [default: auto; with --study, "
               "the study's].")
@@ -296,11 +313,15 @@ def storage_upgrade(ctx: click.Context, url: str) -> None:
                    "budget and the memory correction it learned judge.")
 @click.option("--storage", default=None, help="Where --study is (default: $AUTOTUNE_STORAGE, else "
               "sqlite:///<study name>.db).")
+@click.option("--setting", "settings", multiple=True, metavar="NAME=VALUE",
+              help="A backend setting, as in the study file's [backends.NAME] (a TOML value; repeatable), e.g. "
+                   "unpaged_parallel=batched.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
              ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int, prompt_tokens: int | None,
-             output_tokens: int | None, study_name: str | None, storage: str | None, as_json: bool) -> None:
+             output_tokens: int | None, study_name: str | None, storage: str | None, settings: tuple[str, ...],
+             as_json: bool) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
 
     Fits or not is the study's judge's verdict: the memory model (with the correction a
@@ -317,7 +338,8 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
         if storage is not None and study_name is None:
             raise ConfigError("--storage is where --study is: give --study NAME too")
         result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
-                                 parallel, prompt_tokens, output_tokens, study_name, storage)
+                                 parallel, prompt_tokens, output_tokens, study_name, storage,
+                                 settings=_settings_given(settings))
         click.echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
         if result["verdict"] == "invalid":
             raise ConfigError("invalid configuration: " + "; ".join(result["invalid"]))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from autotune import plugins
 from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
@@ -204,7 +204,7 @@ def _study_budget(study: Any, study_name: str, gpu: Any) -> tuple["Budget", list
 def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
                     ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int,
                     prompt_tokens: int | None = None, output_tokens: int | None = None, study_name: str | None = None,
-                    storage: str | None = None) -> dict[str, Any]:
+                    storage: str | None = None, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
 
     Args:
@@ -217,6 +217,8 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             calibration of the twin predicts, and whose budget and learned memory correction
             judge (``storage``: where it is; default $AUTOTUNE_STORAGE, else
             ``sqlite:///<name>.db``).
+        settings: The backend's settings, as a study's ``[backends.NAME]`` table gives them (how
+            ExLlamaV2 runs parallel streams without paged attention, say); checked as a study's are.
 
     Returns:
         ``{"config", "gpu", "model", "vram": {weights_bytes, kv_bytes, buffers_bytes,
@@ -292,8 +294,14 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             residuals = learned_residuals(study).get(backend.name, [])
     else:
         budget = budget_of(gpu, None, SAFETY_MARGIN_MIB * 2**20)
+    if settings:
+        from autotune.study.prepare import check_settings
+
+        problems = check_settings(backend, settings, "--setting")
+        if problems:
+            raise ConfigError("; ".join(problems))
     ctx = StudyContext(gpu=gpu, model=model, workload=Workload(prompt_tokens, output_tokens),
-                       vram_budget_bytes=budget.bytes, protocol=Protocol(), for_gpu=True)
+                       vram_budget_bytes=budget.bytes, protocol=Protocol(), for_gpu=True, settings=dict(settings or {}))
     problem = backend.check_weights(weights, ctx)
     if problem:
         raise ConfigError(f"{flag} {weights!r}: {problem}")

@@ -4,6 +4,7 @@ is named; a tie where the lead is inside what run-to-run noise explains, resolve
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import socket
 import subprocess
 import sys
@@ -340,3 +341,50 @@ def test_the_headline_is_the_median_of_every_run_not_the_first(tmp_path, storage
                                metrics={"aggregate_tok_s": {"median": 1960.0, "spread": 0.01}})
     ratio = compare(best, {default.key: default})[default.key]["ratio"]["aggregate"]
     assert ratio["winner"] == pytest.approx(1722.3) and ratio["ratio"] < 1 and ratio["within_noise"]
+
+
+class ExactBackend(ScriptedBackend):
+    """A model without noise (``repeats_exactly``): every launch says the same; weights "b" and
+    "c" are predicted to need 1 GiB less than "a"."""
+
+    name = "fake-scripted"
+
+    def repeats_exactly(self, ctx: StudyContext) -> bool:
+        return True
+
+    def estimate_memory(self, config: TrialConfig, ctx: StudyContext):
+        base = super().estimate_memory(config, ctx)
+        return base if config.weights == "a" else replace(base, weights_bytes=0)
+
+
+def test_exact_predictions_are_not_measured_again_and_equal_ones_are_one_answer(tmp_path, storage):
+    """Issue 36: the twin's figures repeat exactly, so the finish launches nothing (it measured
+    the default study's leaders 4 times to report "a tie within the 0.0% noise explains"); the
+    configurations predicted the same score are one answer, the one with the least memory, in
+    one line."""
+    backend = ExactBackend({"a": [100], "b": [100], "c": [60], "d": [50]})
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "abcd")), storage=storage)
+    assert len(backend.calls) == 4  # the grid, each once; nothing again
+    a, b = trial_of(storage, "a"), trial_of(storage, "b")
+    finish = summary.extra["finish"]
+    assert finish["verdict"] == "tie" and sorted(finish["tied"]) == sorted([a, b])
+    assert finish["chosen"] == b == summary.best["number"]
+    first, second = sorted([a, b])
+    assert finish["text"] == (f"trials {first} and {second} are predicted the same score (100.0): one answer, "
+                              f"trial {b}, the least memory (1.00 GiB less, predicted)")
+    text = summary_text(stored_summary(storage))
+    assert text.count(finish["text"]) == 1 and "measured again (" not in text and "noise explains" not in text
+    assert records.remeasures(optuna.load_study(study_name="fake-study", storage=open_storage(storage))) == {}
+
+
+def test_an_exact_lead_is_a_winner_without_a_round(tmp_path, storage):
+    backend = ExactBackend({"a": [101], "b": [100], "c": [50]})
+    with registered(backend):
+        summary = run_study(load_study_config(study_file(tmp_path, "abc")), storage=storage)
+    assert len(backend.calls) == 3
+    a, b = trial_of(storage, "a"), trial_of(storage, "b")
+    finish = summary.extra["finish"]
+    assert finish["verdict"] == "winner" and finish["chosen"] == a == summary.best["number"]
+    assert finish["text"] == (f"winner: trial {a} (1.0% above trial {b}; the figures are exact predictions, "
+                              "so nothing was measured again)")

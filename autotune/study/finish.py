@@ -64,6 +64,11 @@ class FinishPhase:
         if len(top) < 2 or len(self.study.directions) > 1:
             return 0  # nothing to compare; a Pareto front has no single winner to confirm
         numbers = [r.number for r in top]
+        if all(self._repeats_exactly(r) for r in top):
+            # A prediction without noise says the same every time: measuring it again would only
+            # report "a tie within the 0.0% noise explains". The verdict reads the first figures.
+            records.write_finish_plan(self.study, numbers, 0)
+            return 0
         rounds = self.cfg.finish_rounds
         plan = records.finish_plan(self.study)
         if plan is not None and plan[0] == numbers:
@@ -87,6 +92,11 @@ class FinishPhase:
         if others and note is not None:
             note(f"finish: {others} round(s) measured by another worker of this study")
         return launches
+
+    def _repeats_exactly(self, record: TrialRecord) -> bool:
+        config = record.trial_config
+        assert config is not None
+        return self.prepared.backend(config.backend).repeats_exactly(self.prepared.contexts[config.backend])
 
     def _finish_rounds(self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None,
                        said: int) -> tuple[int, int, bool]:

@@ -88,6 +88,8 @@ def trial_record(r: TrialRecord) -> dict[str, Any]:
 # Peak memory figures closer than this are one footprint seen through measurement noise, not
 # headroom worth a slower configuration: per-user speed decides between them instead.
 SAME_MEMORY = 0.02
+# Exact predictions this close are the same figure written twice (float rounding), not a lead.
+EXACT_SAME = 1e-9
 # A lead is called at this two-sided confidence (pyperf's compare_to uses the same level).
 CONFIDENCE = 0.95
 
@@ -308,6 +310,8 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
                                               "re-measures stored (run the study again to complete it); "
                                               "best by its first measurement")
         return out
+    if n_rounds == 0:
+        return _exact_verdict(out, contenders)
     sound = sorted((c for c in contenders if c.values and not c.failures),
                    key=lambda c: (-c.mean, -c.record.values[0]))  # type: ignore[index]
     measured_memory = all(c.memory(True) is not None for c in sound)
@@ -354,6 +358,43 @@ def finish_verdict(study: optuna.Study) -> dict[str, Any] | None:
                     f"the {_pct(needed)} that run-to-run noise explains at {CONFIDENCE:.0%} confidence, {runs}): "
                     f"chose {chosen.record.number}, {why}"
                     f"{failed_note}")
+    return out
+
+
+def _exact_verdict(out: dict[str, Any], contenders: list[_Contender]) -> dict[str, Any]:
+    """The verdict where the leaders' figures repeat exactly (a model without noise: the finish
+    measured nothing again, ``BaseBackend.repeats_exactly``). Equal figures are one answer, not a
+    tie to resolve: the one with the least predicted memory stands for it (more headroom, the
+    finish's rule for ties), then the higher per-user speed; any lead at all is a winner's."""
+    ranked = sorted(contenders, key=lambda c: -c.record.values[0])  # type: ignore[index]
+    top = ranked[0].record.values[0]  # type: ignore[index]
+    same = [c for c in ranked if _relative(top, c.record.values[0]) <= EXACT_SAME]  # type: ignore[index]
+    memory = {c.record.number: c.memory(False) for c in same}
+
+    def per_user(c: _Contender) -> float:
+        value = c.record.median("per_user_tok_s")
+        return value if value is not None else -math.inf
+
+    chosen = min(same, key=lambda c: (memory[c.record.number] if memory[c.record.number] is not None else math.inf,
+                                      -per_user(c)))
+    out.update(verdict="winner" if len(same) == 1 else "tie", chosen=chosen.record.number,
+               tied=[c.record.number for c in same], lead=0.0, needed=0.0)
+    if len(same) == 1:
+        runner_up = ranked[1]
+        out["lead"] = _relative(top, runner_up.record.values[0])  # type: ignore[index]
+        out["text"] = (f"winner: trial {chosen.record.number} ({_pct(out['lead'])} above trial "
+                       f"{runner_up.record.number}; the figures are exact predictions, so nothing was measured again)")
+        return out
+    mine = memory[chosen.record.number]
+    others = [memory[c.record.number] for c in same if c is not chosen]
+    if mine is None or any(m is None for m in others):
+        why = "the highest per-user speed"
+    elif all(m > mine * (1 + SAME_MEMORY) for m in others):  # type: ignore[operator]
+        why = f"the least memory ({memory_text(min(others) - mine)} less, predicted)"  # type: ignore[type-var,operator]
+    else:
+        why = "the least memory (predicted), then the highest per-user speed"
+    out["text"] = (f"trials {_trials([c.record.number for c in same])} are predicted the same score "
+                   f"({top:.1f}): one answer, trial {chosen.record.number}, {why}")
     return out
 
 

@@ -149,7 +149,8 @@ def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
 
 
 def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str = "python",
-               why_unpaged: str = "flash-attn 2 needs sm_80", found: str = "measured") -> str:
+               why_unpaged: str = "flash-attn 2 needs sm_80", found: str = "measured",
+               served_alone: tuple[float, float] | None = None) -> str:
     """The deploy line that delivers what ``s`` measures (or the twin predicts).
 
     Paged, TabbyAPI runs the ``parallel`` jobs together. Unpaged in ``"queue"`` mode, TabbyAPI's
@@ -157,7 +158,9 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
     ``paged=False`` means "the max supported batch size is 1"), which is what was measured. Unpaged
     ``"batched"`` forward passes have no server: what delivers them is an offline batch job,
     ExLlamaV2's base generator over a cache of ``parallel`` rows (exllamav2's
-    examples/deprecated/batched_inference.py), and the line is that job, not TabbyAPI.
+    examples/deprecated/batched_inference.py), and the line is that job, not TabbyAPI; where the
+    single-stream figures are known (``served_alone``: decode and aggregate tok/s of one request),
+    the line says what TabbyAPI would give instead.
     """
     if s.mode == "batched":
         return deploy_line([python, "examples/deprecated/batched_inference.py"], [
@@ -165,7 +168,9 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
             f"over {parallel} prompts at a time, config.max_batch_size = {parallel}, ExLlamaV2Cache(batch_size="
             f"{parallel}, max_seq_len={s.max_seq_len}), cache mode {s.cache_type.upper()}, model {model_dir} (set "
             f"in the script)", f"no server serves concurrent users with ExLlamaV2 here ({why_unpaged}): TabbyAPI "
-            "would take them one at a time"])
+            "would take them one at a time" + ("" if served_alone is None else
+                                               f", {served_alone[0]:.1f} tok/s for the user being served and "
+                                               f"{served_alone[1]:.1f} tok/s in all ({found})")])
     notes = [f"TabbyAPI, run from its checkout by the interpreter whose exllamav2 was {found} (config.yml "
              "model: keys of the same names)", "--host 0.0.0.0 serves other machines"]
     if s.paged:

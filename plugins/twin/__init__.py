@@ -243,6 +243,11 @@ class TwinBackend(BaseBackend):
 
     # ------------------------------------------------------------------ run
 
+    def repeats_exactly(self, ctx: StudyContext) -> bool:
+        """Without simulated noise a launch draws nothing: the same configuration predicts the same
+        figures every time (throttling included: each launch starts its own clock)."""
+        return not float(self.setting(ctx, "noise"))
+
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         self.refuse(config, ctx)
         scenario = self.scenario(config, ctx)
@@ -454,7 +459,12 @@ class TwinExllamaV2(TwinBackend):
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         _, bpw = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
         path = self.weights_file(config.weights, ctx) or Path("models") / f"{ctx.model.key}-exl2-{bpw}bpw"
-        return service.exllamav2_deploy(self.generator(config, ctx), path, ctx.gpu)
+        generator = self.generator(config, ctx)
+        alone = None
+        if generator.mode == "batched":  # no server gives this: say what the one that exists gives
+            one = self.predict(replace(config, parallel=1), ctx)
+            alone = None if one is None else (one["decode_tok_s"], one["aggregate_tok_s"])
+        return service.exllamav2_deploy(generator, path, ctx.gpu, served_alone=alone)
 
     def engine_version(self) -> str:
         return "twin"

@@ -54,8 +54,10 @@ def served(parallel: int, jobs: int, prompt_s: float, output_tokens: int, step_s
     return parallel * output_tokens / wall, per_user, statistics.median(ttft)
 
 
-def exllamav2_deploy(s: GeneratorSettings, model_dir: Path, gpu: GpuSpec) -> str:
+def exllamav2_deploy(s: GeneratorSettings, model_dir: Path, gpu: GpuSpec,
+                     served_alone: tuple[float, float] | None = None) -> str:
     """The real backend's deploy line (:func:`deploy_for`) for the generator twin-exllamav2
-    predicted: TabbyAPI with every job at once, TabbyAPI one job at a time, or an offline batch job."""
+    predicted: TabbyAPI with every job at once, TabbyAPI one job at a time, or an offline batch job
+    (with what TabbyAPI would give instead: ``served_alone``, one request's decode and aggregate)."""
     why = f"flash-attn 2 needs sm_80, the {gpu.name} is sm_{gpu.compute_capability.replace('.', '')}"
-    return deploy_for(s, model_dir, s.max_batch_size, why_unpaged=why, found="predicted")
+    return deploy_for(s, model_dir, s.max_batch_size, why_unpaged=why, found="predicted", served_alone=served_alone)

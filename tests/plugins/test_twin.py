@@ -193,6 +193,9 @@ def test_noise_makes_the_protocol_repeat_and_throttling_slows_later_runs():
     quiet = twin.run(config, ctx_for("v100-16gb", "qwen2.5-7b"))
     noisy = twin.run(config, ctx_for("v100-16gb", "qwen2.5-7b", noise=0.2))
     assert quiet.metrics["aggregate_tok_s"].n == 1
+    # Only the quiet twin repeats itself exactly: the finish measures its leaders again only when noisy.
+    assert twin.repeats_exactly(ctx_for("v100-16gb", "qwen2.5-7b"))
+    assert not twin.repeats_exactly(ctx_for("v100-16gb", "qwen2.5-7b", noise=0.2))
     assert noisy.metrics["aggregate_tok_s"].n > 1 and noisy.metrics["aggregate_tok_s"].stdev > 0
     hot = ctx_for("v100-16gb", "qwen2.5-7b", throttle_after_s=0.0, throttle_factor=0.75)
     throttled = twin.run(config, hot)
