@@ -9,8 +9,10 @@ normalizer and pre-tokenizer, so the converter recognises it by its own hash, an
 tokenize as the real model does. Weights are numpy arrays written with safetensors (FP16); no
 torch, no download.
 
-Usage: python build_qwen_source.py VOCAB_GGUF OUT_DIR [--tiny]
+Usage: python build_qwen_source.py VOCAB_GGUF OUT_DIR [--tiny | --small]
   --tiny: 2 layers, hidden 64: the same tokenizer and vocabulary, converted in seconds on a CPU.
+  --small: Qwen2.5-0.5B's shape (24 layers, hidden 896): an EXL3 conversion takes about a third
+           of the 1.5B's on an H200, so one device session can make and measure every format.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num
              num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
              rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
              max_window_layers=28, bos_token_id=151643, eos_token_id=151643)
+# Qwen2.5-0.5B's config.json: the same vocabulary, 14 heads of 64, 2 K/V heads.
+SMALL = dict(SHAPE, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+             num_key_value_heads=2, max_window_layers=21)
 TINY = dict(SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_window_layers=2)
 
@@ -117,7 +122,8 @@ def write_model(out: Path, shape: dict, seed: int = 0) -> None:
 
 def main() -> None:
     vocab, out = sys.argv[1], Path(sys.argv[2])
-    shape = TINY if "--tiny" in sys.argv[3:] else SHAPE
+    flags = sys.argv[3:]
+    shape = TINY if "--tiny" in flags else SMALL if "--small" in flags else SHAPE
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     write_tokenizer(vocab, out)

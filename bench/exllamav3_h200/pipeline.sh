@@ -15,8 +15,9 @@
 #              only if its modules do not import); the study file with the options below
 #   in parallel:
 #     exl3_jit   exllamav3's extension, JIT-compiled by its first import (sm_90 only, 14 jobs)
-#     source     bench/artifacts_h200/build_qwen_source.py: random Qwen2.5-1.5B-shaped FP16 model
-#                with Qwen2's own tokenizer (numpy + safetensors, CPU)
+#     source     bench/artifacts_h200/build_qwen_source.py: random Qwen2.5-0.5B-shaped FP16 model
+#                (SMALL=1, default; SMALL=0 the 1.5B shape) with Qwen2's own tokenizer (numpy +
+#                safetensors, CPU); the directory keeps its name q15b either way
 #     llama      (GGUF=1, default) autotune engine build llama.cpp --cuda-arch 90 from the carried tree
 #     exl2_jit   (EXL2=1) ExLlamaV2's extension
 #   artifacts  exl3:3.0, 4.0, 5.0 at once on the GPU, gguf:Q4_K_M (and exl2:4.0 with EXL2=1), each
@@ -36,6 +37,7 @@ mkdir -p "$DONE" "$LOGS"
 GGUF=${GGUF:-1}
 EXL2=${EXL2:-0}
 TABBY=${TABBY:-0}
+SMALL=${SMALL:-1}
 
 if [ "${1:-}" != "--run" ]; then
   wait_s=${1:-540}
@@ -47,10 +49,10 @@ if [ "${1:-}" != "--run" ]; then
     else
       nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
       rm -rf "$W/repo" && mkdir -p "$W/repo" && cp -r bench .carry "$W/repo/"
-      GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY setsid bash "$W/repo/bench/exllamav3_h200/pipeline.sh" --run \
+      GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY SMALL=$SMALL setsid bash "$W/repo/bench/exllamav3_h200/pipeline.sh" --run \
           >>"$LOGS/pipeline.log" 2>&1 < /dev/null &
       echo $! >"$W/pid"
-      echo "pipeline started (pid $(cat "$W/pid")); GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY"
+      echo "pipeline started (pid $(cat "$W/pid")); GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY SMALL=$SMALL"
     fi
   else
     echo "pipeline running (pid $(cat "$W/pid"))"
@@ -143,7 +145,8 @@ print("exllamav3", __version__, "extension ready in", round(time.time() - t), "s
 
 source_model() {
   gunzip -c .carry/ggml-vocab-qwen2.gguf.gz >"$W/ggml-vocab-qwen2.gguf" &&
-    python3 bench/artifacts_h200/build_qwen_source.py "$W/ggml-vocab-qwen2.gguf" "$W/q15b" && ls -la "$W/q15b"
+    python3 bench/artifacts_h200/build_qwen_source.py "$W/ggml-vocab-qwen2.gguf" "$W/q15b" \
+      $([ "$SMALL" = 1 ] && echo --small) && ls -la "$W/q15b"
 }
 
 llama() {
