@@ -184,3 +184,58 @@ def test_mmlu_answers_through_the_worker(dirs, tmp_path):
                                   backend, ctx, items)
     assert value.n == 3 and value.per_item["item"] == list(items)
     assert all(c in (0, 1) for c in value.per_item["correct"])
+
+
+# ------------------------------------------------------------------ in a study
+
+
+def test_a_study_over_exl3_bits_measures_kld_against_the_source(dirs, tmp_path):
+    import autotune_plugins.exllamav3 as exllamav3_plugin
+    import autotune_plugins.quality as quality_plugin
+    from autotune.config import load_study_config
+    from autotune.study.prepare import prepare_study
+    from autotune.study.quality import QualityBook
+    from tests.conftest import plugin_registered
+
+    study = tmp_path / "study.toml"
+    study.write_text(f"""
+[study]
+name = "exl3-kld"
+sampler = "grid"
+
+[hardware]
+gpu = "h200"
+vram_budget_gib = 20
+
+[model]
+source = "src"
+
+[workload]
+prompt_tokens = 64
+output_tokens = 16
+
+[[candidates]]
+backend = "exllamav3"
+weights = ["src", "tiny-exl3-3.0", "tiny-exl3-5.0"]
+
+[space]
+ctx = [512]
+cache_type = ["fp16", "k4v4"]
+parallel = [1]
+
+[backends.exllamav3]
+worker_command = {json.dumps([sys.executable, str(FAKE), "ok"])}
+
+[objective]
+metric = "aggregate_tok_s"
+quality = "kld"
+""")
+    with plugin_registered(exllamav3_plugin, "exllamav3"), plugin_registered(quality_plugin, "quality"):
+        prepared = prepare_study(load_study_config(study))
+    ref = prepared.reference["exllamav3"]
+    assert (ref.weights, ref.option("cache_type")) == ("src", "fp16")  # the largest: the source, widest cache
+    book = QualityBook(prepared, None)
+    drops = {(w, c): book.trial_quality(TrialConfig("exllamav3", w, 512, 1, (("cache_type", c),)))["drop_points"]
+             for w in ("tiny-exl3-3.0", "tiny-exl3-5.0") for c in ("fp16", "k4v4")}
+    assert drops[("tiny-exl3-3.0", "fp16")] > drops[("tiny-exl3-5.0", "fp16")] > 0
+    assert all(drops[(w, "k4v4")] != drops[(w, "fp16")] for w in ("tiny-exl3-3.0", "tiny-exl3-5.0"))
