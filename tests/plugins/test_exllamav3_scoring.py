@@ -65,6 +65,45 @@ def make_ctx(base: Path, source: Path, **settings) -> StudyContext:
                         source=source)
 
 
+def write_study(base: Path, weights: list[str], quality: str | None = None) -> Path:
+    """A study over exllamav3 weights beside the fixtures' directories, run by the fake worker."""
+    study = base / "study.toml"
+    objective = f'quality = "{quality}"' if quality else ""
+    study.write_text(f"""
+[study]
+name = "exl3-kld"
+sampler = "grid"
+
+[hardware]
+gpu = "h200"
+vram_budget_gib = 20
+
+[model]
+source = "src"
+
+[workload]
+prompt_tokens = 64
+output_tokens = 16
+
+[[candidates]]
+backend = "exllamav3"
+weights = {json.dumps(weights)}
+
+[space]
+ctx = [512]
+cache_type = ["fp16", "k4v4"]
+parallel = [1]
+
+[backends.exllamav3]
+worker_command = {json.dumps([sys.executable, str(FAKE), "ok"])}
+
+[objective]
+metric = "aggregate_tok_s"
+{objective}
+""")
+    return study
+
+
 # ------------------------------------------------------------------ the worker side, in process
 
 
@@ -197,39 +236,7 @@ def test_a_study_over_exl3_bits_measures_kld_against_the_source(dirs, tmp_path):
     from autotune.study.quality import QualityBook
     from tests.conftest import plugin_registered
 
-    study = tmp_path / "study.toml"
-    study.write_text(f"""
-[study]
-name = "exl3-kld"
-sampler = "grid"
-
-[hardware]
-gpu = "h200"
-vram_budget_gib = 20
-
-[model]
-source = "src"
-
-[workload]
-prompt_tokens = 64
-output_tokens = 16
-
-[[candidates]]
-backend = "exllamav3"
-weights = ["src", "tiny-exl3-3.0", "tiny-exl3-5.0"]
-
-[space]
-ctx = [512]
-cache_type = ["fp16", "k4v4"]
-parallel = [1]
-
-[backends.exllamav3]
-worker_command = {json.dumps([sys.executable, str(FAKE), "ok"])}
-
-[objective]
-metric = "aggregate_tok_s"
-quality = "kld"
-""")
+    study = write_study(tmp_path, ["src", "tiny-exl3-3.0", "tiny-exl3-5.0"], quality="kld")
     with plugin_registered(exllamav3_plugin, "exllamav3"), plugin_registered(quality_plugin, "quality"):
         prepared = prepare_study(load_study_config(study))
     ref = prepared.reference["exllamav3"]
@@ -239,3 +246,24 @@ quality = "kld"
              for w in ("tiny-exl3-3.0", "tiny-exl3-5.0") for c in ("fp16", "k4v4")}
     assert drops[("tiny-exl3-3.0", "fp16")] > drops[("tiny-exl3-5.0", "fp16")] > 0
     assert all(drops[(w, "k4v4")] != drops[(w, "fp16")] for w in ("tiny-exl3-3.0", "tiny-exl3-5.0"))
+
+
+def test_kld_artifacts_scores_each_artifact_and_cache_against_the_source(dirs, tmp_path):
+    """bench/exllamav3_h200/kld_artifacts.py: the H200 study's KLD step, on the fake worker."""
+    import importlib.util
+
+    import autotune_plugins.exllamav3 as exllamav3_plugin
+    from tests.conftest import REPO, plugin_registered
+
+    spec = importlib.util.spec_from_file_location("kld_artifacts", REPO / "bench" / "exllamav3_h200" / "kld_artifacts.py")
+    kld_artifacts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kld_artifacts)
+    study = write_study(tmp_path, ["tiny-exl3-3.0", "tiny-exl3-5.0"])
+    out_json, out_md = tmp_path / "kld.json", tmp_path / "kld.md"
+    with plugin_registered(exllamav3_plugin, "exllamav3"):
+        assert kld_artifacts.main([str(study), "--json", str(out_json), "--md", str(out_md)]) == 0
+    rows = {(r["weights"], r["cache_type"]): r for r in json.loads(out_json.read_text())}
+    assert set(rows) == {(w, c) for w in ("tiny-exl3-3.0", "tiny-exl3-5.0") for c in ("fp16", "k4v4")}
+    assert {(r["reference"], r["reference_cache_type"]) for r in rows.values()} == {(str(dirs["source"]), "fp16")}
+    assert rows[("tiny-exl3-3.0", "fp16")]["kld_mean"] > rows[("tiny-exl3-5.0", "fp16")]["kld_mean"] > 0
+    assert len(out_md.read_text().splitlines()) == 2 + 4 + 2
