@@ -25,7 +25,7 @@ from tests.plugins.test_exllamav3_backend import CONFIG, write_exl3
 from autotune_plugins.exllamav3.backend import ExLlamaV3Backend
 from autotune_plugins.exllamav3.worker_scoring import SCORE_CHUNK, PassScorer
 from autotune_plugins.quality import kld
-from autotune_plugins.quality.metrics import KldMetric, MmluMetric
+from autotune_plugins.quality.metrics import CevalMetric, KldMetric, MmluMetric
 
 FAKE = Path(__file__).with_name("exllamav3_fake_worker.py")
 SOURCE_CONFIG = {k: v for k, v in CONFIG.items() if k != "quantization_config"}
@@ -213,9 +213,10 @@ def test_kld_against_the_source_falls_with_bits_and_shows_a_quantized_cache(dirs
     assert three.n == sum(len(w) - len(w) // 2 for w in windows if len(w) >= 4)
 
 
-def test_mmlu_answers_through_the_worker(dirs, tmp_path):
+@pytest.mark.parametrize("metric_class", [MmluMetric, CevalMetric])
+def test_benchmark_answers_through_the_worker(dirs, tmp_path, metric_class):
     backend, ctx = ExLlamaV3Backend(), make_ctx(tmp_path, dirs["source"])
-    metric = MmluMetric()
+    metric = metric_class()
     assert metric.supports(backend) is None
     metric.configure({"shots": 1}, {})
     items = metric.item_order()[0][:3]
