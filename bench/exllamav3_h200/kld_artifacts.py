@@ -101,13 +101,13 @@ def measure(study: str, given: dict[str, str], say=print) -> list[dict[str, Any]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | weights | cache | KLD vs own full precision (nats) | top-1 agreement | tokens | reference | s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| backend | weights | cache | KLD vs own full precision (nats) | top-1 agreement | tokens | reference "
+             "| s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = f"{r['reference']} ({r['reference_cache_type']})"
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r['weights']} | {r['cache_type']} | failed: {r['error'][:200]} | | | {ref} "
-                         f"| {r['seconds']} |")
+            lines.append(f"| {r['backend']} | {r['weights']} | {r['cache_type']} | failed: {r['error'][:200]} | | "
+                         f"| {ref} | {r['seconds']} |")
             continue
         se = f" ± {r['kld_stderr']:.5f}" if r.get("kld_stderr") is not None else ""
         lines.append(f"| {r['backend']} | {r['weights']} | {r['cache_type']} | {r['kld_mean']:.5f}{se} "

@@ -194,7 +194,7 @@ if [ "$KLD" = 1 ]; then
   # Q4_K_M was quantized from, in the artifact cache already). Rows that fail say so in the JSON.
   refs=()
   [ "$GGUF" = 1 ] && refs+=(--reference "llama-server=gguf:F16")
-  step kld python3 bench/exllamav3_h200/kld_artifacts.py "$STUDY" "${refs[@]}" \
+  step kld python3 bench/exllamav3_h200/kld_artifacts.py "$STUDY" ${refs[@]+"${refs[@]}"} \
       --json "$LOGS/h200_exl3_kld.json" --md "$LOGS/h200_exl3_kld.md"
   [ -f "$LOGS/h200_exl3_kld.json" ] && python3 bench/study_table.py "sqlite:///$LOGS/study.db" --study h200-exl3 \
       --gpu h200 --kld "$LOGS/h200_exl3_kld.json" --json "$LOGS/h200_exl3_study.json" --md "$LOGS/h200_exl3_study.md" \

@@ -256,7 +256,8 @@ def test_kld_artifacts_scores_each_artifact_and_cache_against_the_source(dirs, t
     import autotune_plugins.exllamav3 as exllamav3_plugin
     from tests.conftest import REPO, plugin_registered
 
-    spec = importlib.util.spec_from_file_location("kld_artifacts", REPO / "bench" / "exllamav3_h200" / "kld_artifacts.py")
+    spec = importlib.util.spec_from_file_location("kld_artifacts",
+                                                  REPO / "bench" / "exllamav3_h200" / "kld_artifacts.py")
     kld_artifacts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kld_artifacts)
     study = write_study(tmp_path, ["tiny-exl3-3.0", "tiny-exl3-5.0"])
