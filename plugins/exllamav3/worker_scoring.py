@@ -151,7 +151,15 @@ def exllamav3_forward(torch: Any, model: Any, cache: Any, n_vocab: int, seq_len:
 
     A pass without rows runs ``model.prefill`` (it stops at the last layer that writes the
     cache, as the generator's prefill does); one with rows runs ``model.forward``.
+
+    Raises:
+        ConfigError: The model has recurrent layers (their state lives outside the cache's pages
+            and the generator carries it between passes; these passes do not).
     """
+    recurrent = [getattr(m, "key", "?") for m in model if (getattr(m, "caps", None) or {}).get("recurrent_cache")]
+    if recurrent:
+        raise ConfigError(f"the scorer runs models whose only state is the K/V cache; {recurrent[0]} and "
+                          f"{len(recurrent) - 1} more layers keep a recurrent state")
 
     def forward(ids: Sequence[int], past_len: int, rows: bool) -> np.ndarray | None:
         if past_len + len(ids) > seq_len:

@@ -269,3 +269,83 @@ def test_kld_artifacts_scores_each_artifact_and_cache_against_the_source(dirs, t
     assert {(r["reference"], r["reference_cache_type"]) for r in rows.values()} == {(str(dirs["source"]), "fp16")}
     assert rows[("tiny-exl3-3.0", "fp16")]["kld_mean"] > rows[("tiny-exl3-5.0", "fp16")]["kld_mean"] > 0
     assert len(out_md.read_text().splitlines()) == 2 + 4 + 2
+
+
+# ------------------------------------------------------------------ what the worker asks of exllamav3
+
+
+class _Rows(np.ndarray):
+    """A numpy array with the few tensor methods the forward pass calls."""
+
+    def float(self):
+        return self.astype(np.float32)
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return np.asarray(self)
+
+
+class _FakeTorch:
+    long = np.int64
+
+    @staticmethod
+    def tensor(data, dtype):
+        return np.asarray(data, dtype=dtype)
+
+    @staticmethod
+    def inference_mode():
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def log_softmax(x, dim):
+        x = np.asarray(x, dtype=np.float64)
+        x = x - x.max(axis=dim, keepdims=True)
+        return (x - np.log(np.exp(x).sum(axis=dim, keepdims=True))).view(_Rows)
+
+
+class _FakeExl3Model:
+    """Records the calls; its head is padded past the vocabulary, as exllamav3 pads it."""
+
+    def __init__(self, modules=()):
+        self.calls: list[tuple[str, list[int], dict]] = []
+        self.modules = list(modules)
+
+    def __iter__(self):
+        return iter(self.modules)
+
+    def prefill(self, x, params):
+        self.calls.append(("prefill", x.tolist(), dict(params)))
+
+    def forward(self, x, params):
+        self.calls.append(("forward", x.tolist(), dict(params)))
+        logits = np.zeros((1, x.shape[1], 520))
+        logits[0, :, 515] = 100.0  # a padding column: cropped away, never part of a distribution
+        return logits.view(_Rows)
+
+
+def test_the_forward_pass_asks_exllamav3_for_one_sequence_in_the_cache():
+    from autotune.errors import ConfigError
+    from autotune_plugins.exllamav3.worker_scoring import exllamav3_forward
+
+    model, cache = _FakeExl3Model(), object()
+    forward = exllamav3_forward(_FakeTorch, model, cache, 512, 768)
+    assert forward([5, 6, 7], 0, False) is None
+    rows = forward([8, 9], 3, True)
+    assert rows.shape == (2, 512)
+    np.testing.assert_allclose(rows, np.log(1 / 512))  # the padded head's column 515 is not there
+    (op1, ids1, p1), (op2, ids2, p2) = model.calls
+    assert (op1, ids1, op2, ids2) == ("prefill", [[5, 6, 7]], "forward", [[8, 9]])
+    for params, past in ((p1, 0), (p2, 3)):
+        assert params == {"attn_mode": "flash_attn", "cache": cache, "batch_shape": (1, 768), "past_len": past}
+    with pytest.raises(ConfigError, match="exceed the scorer's cache of 768"):
+        forward([1] * 10, 760, True)
+
+    class Recurrent:
+        key, caps = "model.layers.0.linear_attn", {"recurrent_cache": True}
+
+    with pytest.raises(ConfigError, match="linear_attn and 0 more layers keep a recurrent state"):
+        exllamav3_forward(_FakeTorch, _FakeExl3Model([Recurrent()]), cache, 512, 768)
