@@ -11,6 +11,10 @@ a few percent at short contexts and is left out), so ``gpu weight bytes x decode
 second / peak bandwidth``. Steps per second are the single-stream decode rate for one stream,
 and ``aggregate / jobs decoded together`` under load: a server that queues its jobs (ExLlamaV2
 without paged attention) decodes one at a time, a batching one decodes all ``parallel``.
+
+KLD (nats): what the trial recorded when the study's quality metric was ``kld``, else, with
+``--kld FILE``, the row of bench/exllamav3_h200/kld_artifacts.py's JSON for the same backend,
+weights and cache type (the artifact's KL divergence against its engine's full precision).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ def rows(study: optuna.Study, bandwidth_gb_s: float) -> list[dict[str, Any]]:
             "options": {k: v for k, v in config.items() if k not in ("backend", "weights", "ctx", "parallel")},
             "reason": r.fail_reason or r.prune_reason,
         }
+        quality = dict(r.quality or {})
+        if quality.get("metric") == "kld" and quality.get("value") is not None:
+            row["kld"] = quality["value"]
         if r.state == optuna.trial.TrialState.COMPLETE and r.metrics:
             predicted = dict(r.predicted_vram or {})
             measured, residual = r.measured_vram_bytes, r.vram_residual_bytes
@@ -79,6 +86,15 @@ def rows(study: optuna.Study, bandwidth_gb_s: float) -> list[dict[str, Any]]:
     return out
 
 
+def add_kld(table: list[dict[str, Any]], measured: list[dict[str, Any]]) -> None:
+    """Give each row without a KLD of its own the one measured for its backend, weights and cache."""
+    found = {(m["backend"], m["weights"], m.get("cache_type")): m["kld_mean"] for m in measured if "kld_mean" in m}
+    for row in table:
+        key = (row["backend"], row["weights"], (row.get("options") or {}).get("cache_type"))
+        if row.get("kld") is None and key in found:
+            row["kld"] = found[key]
+
+
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:+.1f}%"
 
@@ -90,13 +106,14 @@ def _num(x: float | None, fmt: str = "{:.0f}") -> str:
 def markdown(table: list[dict[str, Any]], bandwidth_gb_s: float) -> str:
     head = ("| trial | backend | weights | cache | parallel | jobs at once | decode tok/s (1 stream) | aggregate tok/s "
             "| per user tok/s | TTFT ms | NVML MiB | predicted MiB (error; raw model) | GPU weights MiB "
-            "| roofline, 1 stream | roofline, aggregate |")
+            "| roofline, 1 stream | roofline, aggregate | KLD (nats) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
         opts = dict(r.get("options") or {})
         if r["state"] != "COMPLETE" or "decode_tok_s" not in r:
             lines.append(f"| {r['trial']} | {r['backend']} | {r['weights']} | {opts.get('cache_type', '')} "
-                         f"| {r['parallel']} | {r['state'].lower()}: {r.get('reason') or ''} |" + " |" * 9)
+                         f"| {r['parallel']} | {r['state'].lower()}: {r.get('reason') or ''} |" + " |" * 9
+                         + f" {_num(r.get('kld'), '{:.5f}')} |")
             continue
         measured = r["measured_vram_bytes"]
         lines.append(
@@ -105,7 +122,8 @@ def markdown(table: list[dict[str, Any]], bandwidth_gb_s: float) -> str:
             f"| {_num(r['per_user_tok_s'])} | {_num(r['ttft_ms'])} | {_num(measured and measured / MiB)} "
             f"| {_num(r['predicted_vram_bytes'] / MiB)} ({_pct(r['vram_prediction_error'])}; "
             f"{_pct(r['raw_vram_prediction_error'])}) | {_num(r['gpu_weights_bytes'] / MiB)} "
-            f"| {_pct(r['roofline_share_single']).lstrip('+')} | {_pct(r['roofline_share_aggregate']).lstrip('+')} |")
+            f"| {_pct(r['roofline_share_single']).lstrip('+')} | {_pct(r['roofline_share_aggregate']).lstrip('+')} "
+            f"| {_num(r.get('kld'), '{:.5f}')} |")
     lines.append("")
     lines.append(f"Roofline: GPU-resident weight bytes x decode steps/s over {bandwidth_gb_s:.0f} GB/s; "
                  "error = (predicted - NVML) / NVML, with and without the study's learned correction.")
@@ -119,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", default="h200", help="catalog GPU whose peak bandwidth is the roofline (default h200)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--md", help="write the Markdown table here (default: stdout)")
+    p.add_argument("--kld", help="kld_artifacts.py's JSON: a KLD column for trials that recorded none")
     args = p.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
@@ -128,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bandwidth = get_gpu(args.gpu).mem_bandwidth_gb_s
     table = rows(study, bandwidth)
+    if args.kld:
+        with open(args.kld, encoding="utf-8") as f:
+            add_kld(table, json.load(f))
     md = markdown(table, bandwidth)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

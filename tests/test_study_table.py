@@ -84,3 +84,26 @@ def test_cli_writes_json_and_markdown(storage, tmp_path, capsys):
     assert study_table.main([f"sqlite:///{tmp_path / 'empty.db'}"]) == 2
     assert "empty.db does not exist" in capsys.readouterr().err
     assert not (tmp_path / "empty.db").exists()  # a reader never creates a database
+
+
+def test_kld_column_from_the_trial_or_from_kld_artifacts_json(storage, tmp_path):
+    study = study_table.load_study(storage)
+    recorded = measured({"backend": "exllamav3", "weights": "exl3:4.0", "ctx": 1024, "parallel": 1,
+                         "cache_type": "fp16"}, decode=300.0, aggregate=300.0, jobs=1, weights=900_000_000,
+                        predicted=2_000_000_000, nvml=2_000_000_000, residual=0)
+    recorded.user_attrs["quality"] = {"metric": "kld", "value": 0.0123, "drop_points": 1.23}
+    study.add_trial(recorded)
+    kld = tmp_path / "kld.json"
+    kld.write_text(json.dumps([
+        {"backend": "exllamav2", "weights": "m-exl2-4.0", "cache_type": "q8", "kld_mean": 0.0456},
+        {"backend": "exllamav2", "weights": "m-exl2-4.0", "cache_type": "fp16", "kld_mean": 0.0400},
+        {"backend": "exllamav3", "weights": "exl3:4.0", "cache_type": "fp16", "kld_mean": 0.9},
+        {"backend": "llama-server", "weights": "m.gguf", "cache_type": "q8_0", "error": "no scorer"}]))
+    out_json, out_md = tmp_path / "t.json", tmp_path / "t.md"
+    assert study_table.main([storage, "--json", str(out_json), "--md", str(out_md), "--kld", str(kld)]) == 0
+    by_trial = {r["trial"]: r.get("kld") for r in json.loads(out_json.read_text())}
+    # The cache type matches too; what the trial recorded itself wins; a failed row gives nothing.
+    assert by_trial == {0: 0.0456, 1: None, 2: None, 3: 0.0123}
+    lines = out_md.read_text().splitlines()
+    assert all(line.count("|") == lines[0].count("|") for line in lines[:6])
+    assert lines[2].endswith("| 0.04560 |") and lines[5].endswith("| 0.01230 |")

@@ -26,6 +26,10 @@
 #   study      bench/h200_exl3_study.toml (grid, 16 trials; 18 with EXL2=1) while
 #              bench/hold_gpu_memory.py leaves 24 GiB of the card (one physical budget)
 #   table      bench/study_table.py (NVML against the memory model, per trial) and autotune best
+#   kld        (KLD=1, default; issue 42) bench/exllamav3_h200/kld_artifacts.py: every artifact and cache
+#              type of the study against its engine's full precision (exllamav3 and ExLlamaV2: the
+#              source directory; llama.cpp: gguf:F16), after the speed results are safe; then the
+#              table again with a KLD column. A failure here stops nothing before it
 #   tabby_*    (TABBY=1; carry from make_tabby_carry.sh) TabbyAPI from its carried checkout, serving
 #              the exl3:4.0 artifact through openai-server's tabbyapi-exllamav3 template: cache k4v4,
 #              parallel 1 and 8, under the same budget (issue 30 item 3)
@@ -38,6 +42,7 @@ GGUF=${GGUF:-1}
 EXL2=${EXL2:-0}
 TABBY=${TABBY:-0}
 SMALL=${SMALL:-1}
+KLD=${KLD:-1}
 
 if [ "${1:-}" != "--run" ]; then
   wait_s=${1:-540}
@@ -49,10 +54,10 @@ if [ "${1:-}" != "--run" ]; then
     else
       nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
       rm -rf "$W/repo" && mkdir -p "$W/repo" && cp -r bench .carry "$W/repo/"
-      GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY SMALL=$SMALL setsid bash "$W/repo/bench/exllamav3_h200/pipeline.sh" --run \
+      GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY SMALL=$SMALL KLD=$KLD setsid bash "$W/repo/bench/exllamav3_h200/pipeline.sh" --run \
           >>"$LOGS/pipeline.log" 2>&1 < /dev/null &
       echo $! >"$W/pid"
-      echo "pipeline started (pid $(cat "$W/pid")); GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY SMALL=$SMALL"
+      echo "pipeline started (pid $(cat "$W/pid")); GGUF=$GGUF EXL2=$EXL2 TABBY=$TABBY SMALL=$SMALL KLD=$KLD"
     fi
   else
     echo "pipeline running (pid $(cat "$W/pid"))"
@@ -66,8 +71,8 @@ if [ "${1:-}" != "--run" ]; then
   cat "$LOGS/times.txt" 2>/dev/null
   tail -n 20 "$LOGS/pipeline.log"
   # Few files come back: the results whole, everything else in one archive.
-  for f in times.txt h200_exl3_study.md h200_exl3_study.json best.json study.db h200_exl3_tabbyapi.md \
-      h200_exl3_tabbyapi.json tabby.db; do
+  for f in times.txt h200_exl3_study.md h200_exl3_study.json best.json study.db h200_exl3_kld.md h200_exl3_kld.json \
+      h200_exl3_tabbyapi.md h200_exl3_tabbyapi.json tabby.db; do
     [ -f "$LOGS/$f" ] && cp "$LOGS/$f" "$OUT/"
   done
   tar czf "$OUT/logs.tgz" -C "$LOGS" --exclude=study.db --exclude=tabby.db . 2>/dev/null
@@ -185,6 +190,19 @@ kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
 step table python3 bench/study_table.py "sqlite:///$LOGS/study.db" --study h200-exl3 --gpu h200 \
     --json "$LOGS/h200_exl3_study.json" --md "$LOGS/h200_exl3_study.md" || fail "table"
 "${AT[@]}" best --storage "sqlite:///$LOGS/study.db" --study h200-exl3 --json >"$LOGS/best.json" 2>>"$LOGS/table.log"
+
+if [ "$KLD" = 1 ]; then
+  # Issue 42: the quality column. Each engine's own full precision is its reference (exllamav3 and
+  # ExLlamaV2 load the source directory as it is, the default; llama.cpp's is the F16 GGUF its
+  # Q4_K_M was quantized from, in the artifact cache already). Rows that fail say so in the JSON.
+  refs=()
+  [ "$GGUF" = 1 ] && refs+=(--reference "llama-server=gguf:F16")
+  step kld python3 bench/exllamav3_h200/kld_artifacts.py "$STUDY" ${refs[@]+"${refs[@]}"} \
+      --json "$LOGS/h200_exl3_kld.json" --md "$LOGS/h200_exl3_kld.md"
+  [ -f "$LOGS/h200_exl3_kld.json" ] && python3 bench/study_table.py "sqlite:///$LOGS/study.db" --study h200-exl3 \
+      --gpu h200 --kld "$LOGS/h200_exl3_kld.json" --json "$LOGS/h200_exl3_study.json" --md "$LOGS/h200_exl3_study.md" \
+      >>"$LOGS/kld.log" 2>&1
+fi
 
 tabby_setup() {
   local want=()

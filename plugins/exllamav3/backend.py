@@ -21,6 +21,9 @@ would be a large space, so the default is fp16 and the symmetric k8v8, k6v6, k4v
 that TabbyAPI's legacy Q8/Q6/Q4 names mean), and ``chunk_size`` when the study's ``[space]``
 names it (else the ``chunk_size`` setting, 2048 like TabbyAPI's).
 
+Quality: ``scorer`` loads an artifact in a worker for the quality metrics (KL divergence against
+the full-precision source, MMLU, C-Eval; :mod:`.scorer`).
+
 The deploy line is TabbyAPI (``--backend exllamav3``) built from the same
 :class:`~.generator_settings.GeneratorSettings` the worker was told to build (it refuses
 rather than build another), so it serves what was measured.
@@ -61,6 +64,8 @@ INSTALL = ("pip install -e '.[exllamav3]' in autotune's checkout (exllamav3==1.6
 # Q4 -> 4,4), plus 2 bits; any k<K>v<V> is accepted when named.
 DEFAULT_CACHES = ("fp16", "k8v8", "k6v6", "k4v4", "k2v2")
 CACHE_ACCEPTED = ("fp16", "k<K>v<V> with K, V from 2 to 8")
+# The scorer's context, as ExLlamaV2's and llama.cpp's: MMLU 5-shot prompts reach ~1,500 tokens.
+SCORING_CTX = 2048
 
 
 def _head_bits_problem(value: float) -> str | None:
@@ -82,6 +87,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("request_timeout_s", float, 600.0, "seconds one measurement run may take", check=positive),
     Setting("cuda_context_mib", float, float(memory.DEFAULT_CUDA_CONTEXT_MIB), "CUDA context, kernels and "
             "workspaces in the memory estimate, MiB", check=lambda v: None if v >= 0 else "must be >= 0"),
+    Setting("scoring_ctx", int, SCORING_CTX, "tokens a quality scorer's cache holds (at most the model's "
+            "context)", check=lambda v: None if v >= 1 else "must be >= 1"),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
             choices=tuple(UNITS)),
     Setting("convert_args", list, [], "more arguments for exllamav3's converter when an EXL3 format is made, "
@@ -289,6 +296,13 @@ class ExLlamaV3Backend(WorkerBackend):
 
     def generator_attrs(self, settings: GeneratorSettings) -> dict[str, Any]:
         return {"pages_per_job": pages_per_job(settings.max_seq_len)}
+
+    # -------------------------------------------------------------- scoring
+
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        from autotune_plugins.exllamav3.scorer import ExLlamaV3Scorer
+
+        return ExLlamaV3Scorer.open(self, weights, cache_type or "fp16", ctx)
 
 
 def _is_cache(value: str) -> bool:

@@ -18,6 +18,10 @@ What runs (exllamav3 1.6.5), as TabbyAPI's backends/exllamav3/model.py builds it
 * ``model.warmup(cache, max_chunk_size, max_batch_size)`` before the generator takes the cache;
 * ``Generator(model, cache, tokenizer, max_batch_size, max_chunk_size)``; jobs without
   ``max_rq_tokens`` (TabbyAPI's ``output_chunking: false``, see :mod:`.generator_settings`).
+
+A worker loaded for scoring (``load`` with ``purpose = "score"``, by :mod:`.scorer`) builds the
+same model and cache, no generator and no warmup, and answers ``tokenize``, ``loglikelihood``
+and ``next_token_logprobs`` through :mod:`.worker_scoring`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from autotune.measure import StreamResult
 
 from autotune_plugins.exllamav2.worker_engine import (
     PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine)
+from autotune_plugins.exllamav3 import worker_scoring
 from autotune_plugins.exllamav3.generator_settings import GeneratorSettings, pages_per_job
 
 __all__ = ["AUTOSPLIT_RESERVE_GB", "Engine", "check_fits", "main"]
@@ -61,6 +66,7 @@ class Engine(WorkerEngine):
     (what it shares with ExLlamaV2's worker: :class:`autotune_plugins.exllamav2.worker_engine.WorkerEngine`)."""
 
     settings: GeneratorSettings | None
+    scoring: worker_scoring.PassScorer | None = None
 
     def load(self, req: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
@@ -83,11 +89,21 @@ class Engine(WorkerEngine):
                           k_bits=settings.k_bits, v_bits=settings.v_bits, max_batch_size=settings.max_batch_size)
         model.load(reserve_per_device=[AUTOSPLIT_RESERVE_GB], max_chunk_size=settings.chunk_size,
                    max_batch_size=settings.max_batch_size, progressbar=False)
+        tokenizer = Tokenizer.from_config(config)
+        if req.get("purpose", "measure") == "score":
+            # One sequence scored by forward passes through the cache: no generator to take it,
+            # and no warmup (Triton compiles what the passes need on the first of them).
+            self.model, self.cache, self.tokenizer, self.settings = model, cache, tokenizer, settings
+            self.scoring = worker_scoring.PassScorer(
+                lambda text, add_bos: tokenizer.encode(text, add_bos=add_bos)[0].tolist(),
+                worker_scoring.exllamav3_forward(torch, model, cache, int(config.vocab_size), settings.cache_tokens),
+                int(config.vocab_size), settings.max_seq_len, settings.chunk_size, str(req["model_dir"]))
+            self.vocab = int(tokenizer.actual_vocab_size)
+            return self.load_reply(started, {"path": "exllamav3_forward", "purpose": "score"}, _version())
         # Triton compilation and autotuning, the GEMM autotuner and the decode graphs' workspaces
         # (model.py warmup: "instead of on the first user requests"), before the Generator takes
         # the cache, as its docstring asks; a server pays the same on its first requests.
         model.warmup(cache=cache, max_chunk_size=settings.chunk_size, max_batch_size=settings.max_batch_size)
-        tokenizer = Tokenizer.from_config(config)
         self.generator = Generator(model=model, cache=cache, tokenizer=tokenizer,
                                    max_batch_size=settings.max_batch_size, max_chunk_size=settings.chunk_size)
         self.model, self.cache, self.tokenizer, self.settings = model, cache, tokenizer, settings
@@ -115,8 +131,13 @@ class Engine(WorkerEngine):
         for p, o in lengths:
             check_fits(settings, int(p), int(o))
 
+    def _scorer(self) -> worker_scoring.PassScorer:
+        if self.scoring is None:
+            raise BackendError("no model loaded for scoring: send 'load' with purpose 'score' first")
+        return self.scoring
+
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Mapping[str, Any]]]:
-        return {"load": self.load, "sample": self.sample}
+        return {"load": self.load, "sample": self.sample, **worker_scoring.handlers(self._scorer)}
 
 
 def _version() -> str:

@@ -4,6 +4,8 @@ Its behaviour comes from the first argument: ``ok`` (answers like a loaded engin
 ``crash-on-load`` (prints a reason to stderr and exits 3), ``hang-on-load`` (never answers),
 ``other-settings`` (builds a smaller cache than asked for). With ``EXL3_FAKE_REQUESTS`` set,
 every request is appended to that file as a JSON line, so tests see what the parent sent.
+Loaded for scoring (``purpose = "score"``), it answers the scorer's requests with the real
+worker side (``worker_scoring.PassScorer``) over ``exllamav3_fake_model.FakeModel``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,19 @@ from __future__ import annotations
 import sys
 import time
 
-from fake_worker_protocol import serve  # this script's own directory is on sys.path
+from exllamav3_fake_model import FakeModel, encode  # this script's own directory is on sys.path
+from fake_worker_protocol import serve
+
+from autotune_plugins.exllamav3 import worker_scoring
 
 MODE = sys.argv[1]
+SCORER: list[worker_scoring.PassScorer] = []
+
+
+def scorer() -> worker_scoring.PassScorer:
+    if not SCORER:
+        raise RuntimeError("no model loaded for scoring: send 'load' with purpose 'score' first")
+    return SCORER[0]
 
 
 def load(req: dict) -> dict:
@@ -25,6 +37,11 @@ def load(req: dict) -> dict:
     built = dict(req["settings"])
     if MODE == "other-settings":  # as a worker that cut the cache to one job's pages would
         built.update(cache_tokens=256)
+    if req.get("purpose") == "score":
+        s = req["settings"]
+        model = FakeModel(req["model_dir"], s["cache_type"], s["cache_tokens"])
+        SCORER[:] = [worker_scoring.PassScorer(encode, model.forward, model.n_vocab, s["max_seq_len"],
+                                               s["chunk_size"], req["model_dir"])]
     return {"ok": True, "engine_version": "1.6.5-fake", "settings": built, "attention": {"path": "exllamav3_paged"},
             "load_s": 0.01}
 
@@ -45,4 +62,4 @@ def sample(req: dict, samples: int) -> dict:
             "streams": [stream(1.0, p, o) for p, o in lengths], "max_allocated_bytes": 1, "max_reserved_bytes": 2}
 
 
-serve("EXL3_FAKE_REQUESTS", load, sample)
+serve("EXL3_FAKE_REQUESTS", load, sample, worker_scoring.handlers(scorer))

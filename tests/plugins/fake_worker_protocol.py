@@ -2,7 +2,8 @@
 ``exllamav3_fake_worker.py``): hello, then one JSON line per request until ``exit``.
 
 Each fake says only how it answers ``load`` and ``sample`` (a reply without its ``id``,
-``ok`` included), and may fail there as a real worker would (exit, hang, SIGKILL).
+``ok`` included), and may fail there as a real worker would (exit, hang, SIGKILL); other
+operations (a scorer's) may be answered by handlers as the real protocol takes them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 
 def send(message: dict) -> None:
@@ -18,7 +19,8 @@ def send(message: dict) -> None:
     sys.stdout.flush()
 
 
-def serve(requests_log: str, load: Callable[[dict], dict], sample: Callable[[dict, int], dict]) -> None:
+def serve(requests_log: str, load: Callable[[dict], dict], sample: Callable[[dict, int], dict],
+          more: Mapping[str, Callable[[dict], Mapping[str, Any]]] | None = None) -> None:
     """Answer the parent until it says ``exit``; with the environment variable ``requests_log``
     set, every request is appended to that file as a JSON line, so tests see what was sent.
 
@@ -26,6 +28,8 @@ def serve(requests_log: str, load: Callable[[dict], dict], sample: Callable[[dic
         requests_log: The variable's name.
         load: The ``load`` request -> the reply.
         sample: The ``sample`` request and how many samples so far (this one included) -> the reply.
+        more: Other operations -> the reply's fields (``ok`` added); an exception is a failed
+            request, as the real worker answers it.
     """
     send({"event": "hello", "protocol": 2, "pid": os.getpid(), "python": "3"})
     samples = 0
@@ -43,5 +47,10 @@ def serve(requests_log: str, load: Callable[[dict], dict], sample: Callable[[dic
         elif op == "sample":
             samples += 1
             send({"id": req["id"], **sample(req, samples)})
+        elif more and op in more:
+            try:
+                send({"id": req["id"], "ok": True, **more[op](req)})
+            except Exception as exc:  # noqa: BLE001 - answered as the real protocol answers it
+                send({"id": req["id"], "ok": False, "type": type(exc).__name__, "error": str(exc)})
         else:
             send({"id": req["id"], "ok": False, "type": "ProtocolError", "error": f"unknown op {op}"})
