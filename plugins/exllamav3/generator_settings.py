@@ -25,7 +25,12 @@ v_bits)`` (cache/cache.py) shared by every job:
   is raised to at least 256 and rounded up to a multiple of 256 (backends/exllamav3/model.py
   ``adjust_chunk_size``), and the generator's default ``shared_chunk_size`` (half of it, rounded
   up to a page) must not exceed it (generator.py asserts), so we accept multiples of 256 only:
-  what was measured is what TabbyAPI runs.
+  what was measured is what TabbyAPI runs. The chunk is cut to the cache: the loader's measuring
+  pass runs ``batch_shape = (1, max_chunk_size)`` against the cache (model/model_ls.py), and
+  attention asserts ``bsz * cache_max_seq_len <= cache.max_num_tokens`` ("Cache too small for
+  batch shape", modules/attn.py), so one stream of ctx 1024 (a 1,280-token cache) failed to load
+  with the default 2048 on the H200; no prompt is longer than the cache, so a larger chunk
+  never prefilled more.
 
 Every trial records these settings; the deploy line is built from the same object.
 """
@@ -132,4 +137,5 @@ def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int
     if problem:
         raise ConfigError(f"chunk_size {problem}")
     cache = normalize_cache_type(cache_type)
-    return GeneratorSettings(cache, ctx, parallel * pages_per_job(ctx) * PAGE_SIZE, parallel, chunk_size)
+    cache_tokens = parallel * pages_per_job(ctx) * PAGE_SIZE
+    return GeneratorSettings(cache, ctx, cache_tokens, parallel, min(chunk_size, cache_tokens))

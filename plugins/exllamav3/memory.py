@@ -32,7 +32,7 @@ never fitted away.
   rows (decode) or ``max_output_size = 32`` (the measuring pass), FP32.
 * **Overhead**: the CUDA context with PyTorch's, Triton's and exllamav3's kernels, cuBLAS
   workspaces and the decode graphs (``EXL3_BC_ATTN`` captures one CUDA graph per batch
-  shape): a setting (``cuda_context_mib``) until an H200 run measures it.
+  shape): a setting (``cuda_context_mib``), its default measured on an H200.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ __all__ = ["DEFAULT_CUDA_CONTEXT_MIB", "Exl3Weights", "MiB", "cache_bytes", "est
            "exl3_dir_weights", "predicted_exl3_weights", "staging_bytes", "transient_bytes"]
 
 MiB = 2**20
-# Until an H200 run of exllamav3 measures its own: ExLlamaV2's figure on the same H200
-# (torch 2.11+cu130; bench/results/h200_exllamav2_study.md), NVML's process total minus the
-# modelled parts. A study learns its own from its first measured trial.
-DEFAULT_CUDA_CONTEXT_MIB = 1190
+# exllamav3 1.6.5's own on an H200 (torch 2.11+cu130, driver 580): NVML's process total minus
+# the modelled parts, median of the 15 trials that loaded in bench/results/exl3_h200/ (842-967
+# MiB; the spread follows the bits, see the table's notes). A study learns its own from its
+# first measured trial.
+DEFAULT_CUDA_CONTEXT_MIB = 905
 # modules/attention_fn/triton_paged.py: _qc_staging_pages = 256 (EXL3_QC_STAGING_PAGES).
 STAGING_PAGES = 256
 # modules/quant/exl3.py: AUTO_RECONSTRUCT_THRESHOLD = 144 rows; MAX_RECONSTRUCT_SLICE_N = 32768.

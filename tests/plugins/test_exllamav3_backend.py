@@ -186,6 +186,15 @@ def test_a_job_reserves_its_whole_response_plus_one_token_in_pages():
         generator_settings("fp16", 512, 1, chunk_size=300)
 
 
+def test_the_prefill_chunk_never_exceeds_the_cache():
+    # exllamav3's loader measures with batch_shape (1, max_chunk_size) against the cache and
+    # asserts it fits ("Cache too small for batch shape"): one stream of ctx 1024 on the H200
+    one = generator_settings("fp16", 1024, 1)
+    assert (one.cache_tokens, one.chunk_size) == (1280, 1280)
+    assert generator_settings("k4v4", 1024, 4).chunk_size == 2048  # a 5,120-token cache keeps the default
+    assert generator_settings("fp16", 1024, 1, chunk_size=512).chunk_size == 512
+
+
 def test_the_worker_refuses_jobs_the_cache_cannot_hold_together():
     s = generator_settings("fp16", 600, 3)
     check_fits(s, 500, 100)
@@ -263,8 +272,9 @@ def test_estimate_puts_the_bytes_where_exllamav3_does(exl3_dir, tmp_path):
     c = make_ctx(tmp_path, cuda_context_mib=100)
     est = b.estimate_memory(cfg(ctx=300, parallel=2, cache="k4v6"), c)
     cache = memory.cache_bytes(model, 4, 6, 2 * 512)  # 2 jobs x 2 pages
-    # the loader's measuring pass stages 256 pages of FP16 K and V; its fp32 accumulator beside
-    staging = 2 * 65536 * 64 * 2 + 2048 * 4 * 32 * 4
+    # the loader's measuring pass stages 256 pages of FP16 K and V; its fp32 accumulator beside,
+    # for the chunk cut to the 1,024-token cache
+    staging = 2 * 65536 * 64 * 2 + 1024 * 4 * 32 * 4
     assert est.kv_bytes == cache + staging
     assert est.weights_bytes == memory.exl3_dir_weights(exl3_dir, True).gpu_bytes
     assert est.host_bytes == 512 * 128 * 2 and est.overhead_bytes == 100 * 2**20
@@ -272,9 +282,9 @@ def test_estimate_puts_the_bytes_where_exllamav3_does(exl3_dir, tmp_path):
     assert fp16.kv_bytes == memory.cache_bytes(model, None, None, 1024)  # no staging for an FP16 cache
     attn, mlp, logits = memory.transient_bytes(model, generator_settings("fp16", 300, 2))
     assert fp16.buffers_bytes == max(attn, mlp) + logits
-    # a chunk of 144 rows or fewer reconstructs nothing (modules/quant/exl3.py); 2048 reconstructs
+    # a chunk of 144 rows or fewer reconstructs nothing (modules/quant/exl3.py); 1024 reconstructs
     _, small, _ = memory.transient_bytes(model, generator_settings("fp16", 300, 2, chunk_size=256))
-    assert mlp - 2048 * (128 * 2 + 2 * 256 * 2) == 2 * 128 * 256 and small < mlp
+    assert mlp - 1024 * (128 * 2 + 2 * 256 * 2) == 2 * 128 * 256 and small < mlp
     assert any("1024 tokens (4 pages of 256)" in n for n in est.notes)
 
 
