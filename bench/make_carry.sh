@@ -39,7 +39,10 @@ if [ "${CONVERT:-0}" = 1 ]; then
   rm -f .carry/whl-convert/numpy-*.whl
 fi
 rm -f .carry/whl/autotune-*.whl
-python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/whl .
+# Without build isolation where this python3 can build wheels; else isolated (setuptools from
+# PyPI): a system python3 without the wheel package stopped here with "invalid command 'bdist_wheel'".
+python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/whl . 2>/dev/null ||
+    python3 -m pip wheel -q --no-deps -w .carry/whl .
 # gzipped: with scipy the carry is near its 64 MiB limit (a vocabulary shrinks to a quarter)
 for v in qwen2 llama-bpe; do gzip -9 -c "$SRC/models/ggml-vocab-$v.gguf" >".carry/ggml-vocab-$v.gguf.gz"; done
 tar czf .carry/llama.cpp.tar.gz -C "$SRC" \

@@ -5,7 +5,7 @@
 #                            work tree; about 160 KB)
 #   .carry/whl-tabby/        its dependencies (pyproject.toml) as cp312 wheels, --no-deps, with
 #                            their own dependencies listed by hand; the pipeline installs only those
-#                            whose modules the image cannot import (missing_wheels.py). About 15 MB.
+#                            whose modules the image cannot import (missing_wheels.py). About 2 MB.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${TABBY_GIT:?set TABBY_GIT to a TabbyAPI git checkout (its .git directory or work tree)}"
@@ -17,8 +17,9 @@ P=(--only-binary=:all: --python-version 3.12 --implementation cp --platform many
 # fastapi-slim 0.128.0 is the last that is itself the package (later ones only require fastapi,
 # which pulls opentelemetry); it wants starlette < 0.51. huggingface-hub < 1 reads through requests
 # (1.x and later need httpx2); the image usually has it already (transformers).
-python3 -m pip download -q "${P[@]}" -d .carry/whl-tabby fastapi-slim==0.128.0 starlette==0.50.0 annotated-doc \
-    ruamel.yaml ruamel.yaml.clib uvicorn h11 click loguru sse-starlette anyio sniffio aiofiles async-lru httptools \
-    uvloop jinja2 markupsafe aiohttp aiosignal aiohappyeyeballs attrs frozenlist multidict propcache yarl idna \
-    huggingface-hub==0.36.0 filelock fsspec tqdm hf-xet
+# Only what the H200 image lacks (its package list: the device library's KINDS.md; aiohttp,
+# anyio, click, h11, jinja2, huggingface-hub, hf-xet, uvloop and their kind are there): the whole
+# list was 15 MB, which with the other carried wheels and the tree passed the 64 MiB carry limit.
+python3 -m pip download -q "${P[@]}" -d .carry/whl-tabby fastapi-slim==0.128.0 starlette==0.50.0 \
+    ruamel.yaml ruamel.yaml.clib uvicorn loguru sse-starlette sniffio async-lru httptools
 du -sh .carry/tabbyAPI.tar.gz .carry/whl-tabby
