@@ -177,7 +177,7 @@ def test_the_default_twin_study_says_how_much_faster_than_the_default_launch(tmp
     found = summary.extra["baseline"]
     llama = found["twin-llama.cpp"]
     assert llama["weights"] == "gguf:Q8_0" and llama["per_user_tok_s"]["median"] < 10
-    assert llama["deploy_command"].startswith("llama-server -m qwen2.5-27b-article-Q8_0.gguf -ngl 999 --host")
+    assert llama["deploy_command"].startswith("llama-server -m qwen2.5-27b-article-Q8_0.gguf --host")
     assert llama["ratio"]["per_user"]["ratio"] > 3 and not llama["ratio"]["per_user"]["within_noise"]
     assert found["twin-exllamav2"]["error"].startswith("CUDA out of memory")
 
@@ -290,7 +290,10 @@ def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and
     assert "-ngl 0" in backend.baselines(model.name, on_cpu, UserLoad(512, 3))[1].description
     assert "(and -ngl 0: no GPU)" in backend.deploy_command(fit.config, on_cpu)
     plain = backend.server_argv(default.config, ctx, binary="llama-server", port=8080, has_gpu=True)
-    assert "-ngl" in plain and "-c" not in plain and "--fit" not in plain  # the default launch as it was
+    assert not {"-ngl", "-c", "-np", "--fit", "-fa", "-t"} & set(plain)  # the engine's own default: -ngl auto, --fit on
+    assert "-ngl auto" in default.description and "every flag but -m at" in backend.deploy_command(default.config, ctx)
+    plain_cpu = backend.server_argv(default.config, ctx, binary="llama-server", port=8080, has_gpu=False)
+    assert plain_cpu[plain_cpu.index("-ngl") + 1] == "0" and "-c" not in plain_cpu
 
 
 def test_a_winner_measured_again_is_shown_with_its_range_not_as_plus_minus():

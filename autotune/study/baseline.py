@@ -1,7 +1,7 @@
 """How much better than doing nothing: what each engine chooses for itself, measured once per study.
 
 Before the search, a study measures what its user gets without tuning: each backend's
-``baselines`` (its ``default_launch``: llama-server with ``-m`` and ``-ngl`` only, ExLlamaV2's
+``baselines`` (its ``default_launch``: llama-server with ``-m`` only, ExLlamaV2's
 defaults, ...; and any other choice the engine makes for itself: llama-server's ``--fit on``
 with the user's context and slots) on the user's highest-precision candidate, under the study's
 workload. The summary, ``best`` and the report then say how many times faster the winner is than
@@ -143,7 +143,7 @@ def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx:
         return 1
     records.write_baseline(
         study, name, launch.name, **head, seconds=time.monotonic() - start, peak_vram_bytes=m.peak_vram_bytes,
-        engine={"backend": name, "engine": backend.engine, "version": backend.engine_version()},
+        engine={"backend": name, "engine": backend.engine, "version": backend.engine_build(ctx)},
         metrics={k: _brief(v.to_dict()) for k, v in m.metrics.items()})
     return 1
 
