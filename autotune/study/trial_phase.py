@@ -159,7 +159,7 @@ class TrialPhase:
             if not verdict.admitted:
                 return self._prune(trial, config, verdict)
 
-        write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_version()},
+        write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_build(ctx)},
               gpu=records.gpu_attrs(prepared.gpu))
         heard: dict[str, str] = {}
         run_ctx = ctx

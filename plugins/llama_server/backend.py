@@ -468,9 +468,14 @@ class LlamaServerBackend(BaseBackend):
         return LlamaCppScorer(self.weights_path(weights, ctx), cache_type, self.resolved_settings(ctx))
 
     def engine_version(self) -> str:
-        # Asked for every trial and by every resume's comparability check: one --version per binary.
+        return self.engine_build(None)
+
+    def engine_build(self, ctx: StudyContext | None) -> str:
+        """The --version line of the binary the study runs: the configured ``binary`` where the
+        study names one (not the cached build, which a study with its own binary never runs).
+        Asked for every trial and by every resume's comparability check: one --version per binary."""
         try:
-            binary = str(self.binary().absolute())
+            binary = str(self.binary(ctx).absolute())
         except AutotuneError as exc:
             return f"unknown ({exc})"
         return self._version_of(binary)
