@@ -19,12 +19,16 @@ A baseline is not a search trial: it is stored as a study attribute (``records.B
 ``<backend>`` for the default launch and ``<backend>:<name>`` for the others), never admitted
 by the judge, never the best, never seen by the sampler. A study measures each once (a resumed
 study reads it back); a launch that fails is recorded with its reason and the study goes on; its
-seconds are spent inside the run, so they count in the budget. ``[study] baseline = false``
-turns them all off.
+seconds are spent inside the run, so they count in the budget, and together they take at most
+``cost.BASELINE_SHARE`` of it (issue 39 item 3): one the share or the budget cuts short, or
+leaves unlaunched, is recorded so ("cut short by the budget") and measured again by a resume
+(item 7), as is one that failed for the machine's sake. ``[study] baseline = false`` turns
+them all off.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Callable, Mapping
 
@@ -34,8 +38,9 @@ from autotune import artifacts
 from autotune.artifacts import ArtifactError
 from autotune.backend import BaseBackend, DefaultLaunch, UserLoad, Workload
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
+from autotune.measure import deadline
 from autotune.space import BackendSpace
-from autotune.study import records
+from autotune.study import cost, records
 from autotune.study.prepare import PreparedStudy, highest_precision
 
 WHY_WEIGHTS = "the study's highest-precision candidate (most bytes of weights): what the user has before tuning"
@@ -57,27 +62,56 @@ def user_load(entry: BackendSpace, workload: Workload) -> UserLoad:
     return UserLoad(ctx, parallel, f"ctx {ctx}: {why}; {parallel} users: the most [space] parallel names")
 
 
+# Failures that are not the launch's own, in studies stored before ``Baseline.retry`` (their
+# words then): the budget ended it, or the machine had no port for it.
+_NOT_ITS_OWN = re.compile(r"budget \([^)]*\) ran out|cut short by the budget|no free TCP port", re.IGNORECASE)
+
+
+def measure_again(base: records.Baseline) -> bool:
+    """Whether a resume measures ``base`` again: it failed for the budget's or the machine's
+    sake (item 7), not its own; a stale failure would otherwise stay in every summary."""
+    return base.failed and (base.retry or bool(_NOT_ITS_OWN.search(base.error or "")))
+
+
 def title_of(backend: str, title: str) -> str:
     """How the summary names a baseline ("N x what <title> gives")."""
     return title or f"{backend}'s default launch"
 
 
 def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str], bool], worker: str,
-            say: Callable[[str], None] | None = None) -> int:
-    """Measure each backend's baselines not stored yet; returns the launches made.
+            say: Callable[[str], None] | None = None, budget_s: float | None = None) -> int:
+    """Measure each backend's baselines not stored yet (or stored as failed for the budget's or
+    the machine's sake: ``measure_again``); returns the launches made.
 
     Args:
         claim: Takes ``baseline:<key>`` (``Baseline.key``) for this worker (False: another
             worker of the study holds it and measures it).
         say: Hears one line per launch (it is not a trial: the user must see why nothing is
-            searched yet).
+            searched yet), and what they cost against the budget.
+        budget_s: This run's budget; the baselines end by ``cost.BASELINE_SHARE`` of it.
 
     Raises:
         EngineUnavailableError: The engine cannot run at all (every trial would fail too).
     """
     if not prepared.cfg.baseline:
         return 0
-    stored = records.baselines(study)
+    stored = {key: base for key, base in records.baselines(study).items() if not measure_again(base)}
+    start = time.monotonic()
+    share_at = None if budget_s is None else start + cost.BASELINE_SHARE * budget_s
+    share = (f"the baselines' share of the budget ({cost.BASELINE_SHARE:.0%} of {budget_s or 0:g} s = "
+             f"{cost.BASELINE_SHARE * (budget_s or 0):.0f} s) ran out")
+    with deadline.within(share_at, share):
+        launches = _measure_each(prepared, study, claim, worker, say, stored)
+    if launches and say is not None:
+        spent = time.monotonic() - start
+        of = (f" ({spent / budget_s:.0%} of the {budget_s:g} s budget; at most {cost.BASELINE_SHARE:.0%})"
+              if budget_s else "")
+        say(f"baseline: {launches} launch{'es' if launches != 1 else ''} took {spent:.0f} s{of}")
+    return launches
+
+
+def _measure_each(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str], bool], worker: str,
+                  say: Callable[[str], None] | None, stored: Mapping[str, records.Baseline]) -> int:
     launches = 0
     for cand in prepared.cfg.candidates:
         name = cand.backend
@@ -125,6 +159,13 @@ def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx:
             f"its context of {config.ctx} tokens per user cannot hold the workload's {need} "
             f"({ctx.workload.need_text}): not launched"))
         return 0
+    over = deadline.passed()
+    if over is not None:  # nothing left of the budget (or of the baselines' share) to launch it in
+        records.write_baseline(study, name, launch.name, **head, retry=True, error=(
+            f"{cost.CUT_SHORT}: not launched, {over.reason}; a run with budget left measures it"))
+        if say is not None:
+            say(f"baseline: {title} not launched: {over.reason}")
+        return 0
     if say is not None:
         say(f"baseline: {title} on {weights} (not a trial; measured once per study)")
     start = time.monotonic()
@@ -134,12 +175,15 @@ def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx:
     except EngineUnavailableError:
         raise
     except (BackendError, ArtifactError) as exc:
-        records.write_baseline(study, name, launch.name, **head, error=str(exc), seconds=time.monotonic() - start,
+        cut = cost.cut_short(exc)
+        records.write_baseline(study, name, launch.name, **head, error=cut or str(exc), seconds=time.monotonic() - start,
+                               **({"retry": True} if cut else {}),
                                **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
         return 1
     except Exception as exc:  # noqa: BLE001 - a bug in a plugin must not kill the study
-        records.write_baseline(study, name, launch.name, **head, error=f"{type(exc).__name__}: {exc}",
-                               seconds=time.monotonic() - start)
+        cut = cost.cut_short(exc)
+        records.write_baseline(study, name, launch.name, **head, error=cut or f"{type(exc).__name__}: {exc}",
+                               seconds=time.monotonic() - start, **({"retry": True} if cut else {}))
         return 1
     records.write_baseline(
         study, name, launch.name, **head, seconds=time.monotonic() - start, peak_vram_bytes=m.peak_vram_bytes,
@@ -199,6 +243,7 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
             "backend": base.backend, "name": base.name, "title": title_of(base.backend, base.title),
             "weights": base.weights, "weights_why": base.weights_why, "deploy_command": base.deploy_command,
             "description": base.description, "error": base.error, "config": base.config,
+            "seconds": base.seconds, "retry": measure_again(base),
         }
         for _, metric in measured:
             m = base.metrics.get(metric)

@@ -300,7 +300,7 @@ class StudyRunner(TrialPhase, FinishPhase):
                 # The budget ends a request still open at its end (an engine that keeps a stream
                 # alive without finishing); the finish runs after the budget, unbounded by it.
                 with deadline.within(self._deadline, f"the study's budget ({budget_s or 0:g} s) ran out"):
-                    self.measure_baseline(note)
+                    self.measure_baseline(note, budget_s)
                     self._search(heartbeat, start, budget_s, n_trials, callback)
                 if self.systematic is None:  # its launches would fail alike
                     self.finish(note)
@@ -392,7 +392,7 @@ class StudyRunner(TrialPhase, FinishPhase):
                                 "or refused")
                 return
 
-    def measure_baseline(self, note: Callable[[str], None] | None = None) -> int:
+    def measure_baseline(self, note: Callable[[str], None] | None = None, budget_s: float | None = None) -> int:
         """Each backend's default launch, once per study, before the search (``study.baseline``):
         not a trial, inside the run so that its seconds count in the budget. Workers sharing the
         study claim it, so one of them measures it; a claim of a worker killed on this machine is
@@ -407,7 +407,7 @@ class StudyRunner(TrialPhase, FinishPhase):
             return False
 
         try:
-            return baseline.measure(self.prepared, self.study, claim, self.worker, note)
+            return baseline.measure(self.prepared, self.study, claim, self.worker, note, budget_s)
         except BaseException:
             stored = records.baselines(self.study)
             for key in held:
