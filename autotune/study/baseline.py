@@ -102,8 +102,8 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
              f"{cost.BASELINE_SHARE * (budget_s or 0):.0f} s) ran out")
     with deadline.within(share_at, share):
         launches = _measure_each(prepared, study, claim, worker, say, stored)
-    if launches and say is not None:
-        spent = time.monotonic() - start
+    spent = time.monotonic() - start
+    if launches and say is not None and (budget_s or spent >= 1):  # a model's baselines cost nothing to say
         of = (f" ({spent / budget_s:.0%} of the {budget_s:g} s budget; at most {cost.BASELINE_SHARE:.0%})"
               if budget_s else "")
         say(f"baseline: {launches} launch{'es' if launches != 1 else ''} took {spent:.0f} s{of}")
