@@ -29,6 +29,7 @@ them all off.
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from typing import Any, Callable, Mapping
 
@@ -197,24 +198,39 @@ def _brief(stat: Mapping[str, Any]) -> dict[str, Any]:
     return {k: stat.get(k) for k in ("median", "spread", "n", "min", "max", "values", "unit", "warning")}
 
 
-def _ratio(best: Mapping[str, Any], base: records.Baseline, metric: str) -> dict[str, Any] | None:
+def _figure(base: records.Baseline, rounds: Mapping[int, Mapping[str, Any]], metric: str) -> tuple[float | None, float, int]:
+    """The baseline's figure of ``metric``: (median, spread, launches). Measured again by the
+    finish (beside the leaders, interleaved), the median over its launches and their range;
+    else its one launch's median and spread."""
+    from autotune.study.noise import baseline_launches, relative_range
+
+    launches = baseline_launches(base, rounds, metric)
+    if len(launches) > 1:
+        return statistics.median(launches), relative_range(launches) or 0.0, len(launches)
+    return base.median(metric), (base.metrics.get(metric) or {}).get("spread") or 0.0, 1
+
+
+def _ratio(best: Mapping[str, Any], base: records.Baseline, metric: str,
+           rounds: Mapping[int, Mapping[str, Any]] | None = None, between: float | None = None) -> dict[str, Any] | None:
     """The winner's median over the baseline's for one metric, and whether it is within noise.
 
     A ratio of medians moves by about the sum of their relative spreads (each a MAD over its
-    median); a ratio closer to 1 than that is not a gain anyone measured, and is called so.
+    median), and a ratio of launches by at least what two launches of one configuration differ
+    (``between``: the study's between-launch spread, ``study/noise.py``); a ratio closer to 1
+    than the larger is not a gain anyone measured, and is called so.
     """
     w = (best.get("metrics") or {}).get(metric)
-    b = base.median(metric)
+    b, bs, b_runs = _figure(base, rounds or {}, metric)
     if w is None or not b:
         return None
     ws = (best.get("spreads") or {}).get(metric) or 0.0
-    bs = (base.metrics.get(metric) or {}).get("spread") or 0.0
     ratio = w / b
     # After the finish the winner's figure is a median over its runs, its spread their range
     # (summary.headline): said as a range, not as "+-", which is a single run's MAD spread.
     runs = (best.get("runs") or {}).get(metric) or 1
+    noise = max(ws + bs, between or 0.0)
     return {"winner": w, "winner_spread": ws, "winner_runs": runs, "baseline": b, "baseline_spread": bs,
-            "ratio": ratio, "within_noise": abs(ratio - 1.0) <= ws + bs}
+            "baseline_runs": b_runs, "between_launches": between, "ratio": ratio, "within_noise": abs(ratio - 1.0) <= noise}
 
 
 def _pct(x: float) -> str:
@@ -222,7 +238,8 @@ def _pct(x: float) -> str:
 
 
 def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baseline], *,
-            goodput: bool = False) -> dict[str, Any]:
+            goodput: bool = False, rounds: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None,
+            between: float | None = None) -> dict[str, Any]:
     """Each stored baseline with the winner's ratios against it, and a sentence for people.
 
     Returns:
@@ -232,7 +249,9 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
         (median and spread), ``ratio`` (``aggregate`` and ``per_user``: each with both medians,
         both spreads, the ratio and ``within_noise``) and ``text``. With ``goodput`` (a study
         with latency targets) ``goodput_tok_s`` too, and its ratio as ``goodput``: the
-        baseline's requests were counted against the same targets.
+        baseline's requests were counted against the same targets. ``rounds``: the finish's
+        launches of each baseline (``noise.baseline_rounds``); ``between``: the study's
+        between-launch spread.
     """
     measured = (("aggregate", "aggregate_tok_s"), ("per_user", "per_user_tok_s"))
     if goodput:
@@ -248,7 +267,8 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
         for _, metric in measured:
             m = base.metrics.get(metric)
             entry[metric] = None if m is None else {"median": m.get("median"), "spread": m.get("spread")}
-        ratios = {k: _ratio(best, base, metric) for k, metric in measured} if best and not base.failed else {}
+        ratios = ({k: _ratio(best, base, metric, (rounds or {}).get(key), between) for k, metric in measured}
+                  if best and not base.failed else {})
         entry["ratio"] = ratios
         entry["text"] = _text(entry["title"], base, ratios, best)
         out[key] = entry
@@ -279,7 +299,11 @@ def _text(title: str, base: records.Baseline, ratios: Mapping[str, Any], best: M
         runs = r.get("winner_runs") or 1
         winner = (f"{r['winner']:.1f}, range {_pct(r['winner_spread'])} over {runs} runs," if runs > 1
                   else f"{r['winner']:.1f} +- {_pct(r['winner_spread'])}")
-        figures = f"{winner} vs {r['baseline']:.1f} +- {_pct(r['baseline_spread'])}"
+        b_runs = r.get("baseline_runs") or 1
+        baseline = (f"{r['baseline']:.1f}, range {_pct(r['baseline_spread'])} over {b_runs} runs" if b_runs > 1
+                    else f"{r['baseline']:.1f} +- {_pct(r['baseline_spread'])}")
+        between = r.get("between_launches")
+        figures = f"{winner} vs {baseline}" + (f"; launches differ by {_pct(between)}" if between else "")
         if r["within_noise"]:
             parts.append(f"within noise {noise}: no gain shown ({r['ratio']:.2f}x, {figures})")
         else:
