@@ -76,6 +76,10 @@ def test_the_finish_relaunches_the_baseline_and_the_between_launch_spread_judges
     assert f"noise: within a launch 1.0% (the runs inside one launch), between launches {found.between * 100:.1f}%" in text
     assert "within noise of what fake-defaults's default launch gives" in text
     assert "over 3 runs" in text and f"launches differ by {found.between * 100:.1f}%" in text
+    from autotune.report import write_study_report
+
+    page = write_study_report(stored, summary, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "<p id='noise'>noise: within a launch 1.0%" in page
 
 
 def test_without_a_second_launch_the_between_spread_is_unknown_and_said_so(tmp_path, storage):
