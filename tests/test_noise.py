@@ -104,3 +104,28 @@ def test_a_baseline_round_names_its_baseline_and_round_and_is_no_baseline_itself
     assert noise.baseline_rounds(study_) == {"b:fit": {0: {"metrics": {"aggregate_tok_s": 12.0}, "error": None,
                                                            "worker": None}}}
     assert list(records.baselines(study_)) == ["b:fit"]
+
+
+def test_the_bench_script_pools_a_studys_storages_by_configuration(tmp_path, capsys):
+    import importlib.util
+
+    from autotune.study import open_storage as opened
+
+    spec = importlib.util.spec_from_file_location("noise_spreads", noise.__file__.replace(
+        "autotune/study/noise.py", "bench/noise_spreads.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    paths = []
+    for run, level in (("a", 1.0), ("b", 1.1)):  # two storages of one study: a configuration launched in each
+        path = tmp_path / f"{run}.db"
+        s = optuna.create_study(storage=opened(f"sqlite:///{path}"), study_name="grid")
+        records.write_baseline(s, "b", weights="w", metrics={"aggregate_tok_s": {"median": 10.0 * level,
+                                                                                    "spread": 0.01}})
+        paths.append(str(path))
+    assert script.main([*paths, "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    [study_row] = out["studies"]
+    assert study_row["configs"] == 1 and study_row["median"] == pytest.approx(1.0 / 10.5)
+    assert all(r["configs"] == 0 for r in out["storages"])  # one launch in each alone

@@ -83,7 +83,10 @@ def launches_by_config(study: "optuna.Study", metric: str) -> dict[str, list[flo
         if key is None:
             continue
         for _, round_ in sorted(rounds.items()):
-            value = (round_.metrics or {}).get(metric)
+            # Rounds stored before they kept their metrics hold the score alone: the metric's
+            # own value where the objective is that metric and the round met every constraint.
+            value = (round_.metrics or {}).get(metric) if round_.metrics is not None else \
+                (round_.value if round_.feasible else None)
             if value is not None and not round_.failed:
                 out[key].append(float(value))
     stored_rounds = baseline_rounds(study)
