@@ -104,3 +104,36 @@ def test_a_study_of_model_backends_has_no_forecast(tmp_path):
             path = write_study(tmp_path / "m.toml", "fake-model", ["q8"], parallel=(1, 2))
             prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{scratch / 'm.db'}")
             assert cost.forecast(prepared) is None  # a prediction costs no measuring
+
+
+class FastRates(Rates):
+    """A model that predicts launches all start and no measuring (the engine's start dominates)."""
+
+    def predict(self, config, ctx):
+        fast = {k: v * 1e4 for k, v in RATES.items()}
+        return dict(fast, per_user_tok_s=fast["aggregate_tok_s"] / config.parallel)
+
+
+@pytest.mark.parametrize("model, extra, on", [
+    (Rates, "", True),                    # 2 of 4 runs saved of a launch that is mostly runs
+    (FastRates, "", False),               # a launch that is mostly its start: a probe saves little
+    (Rates, "probe_margin = 0", False),   # off as asked
+    (FastRates, "probe_margin = 0.2", True),  # on as asked, whatever it saves
+])
+def test_the_probe_is_on_by_default_where_it_pays(tmp_path, model, extra, on):
+    from autotune.study.probe import LeaderGapPruner
+    from autotune.study.runner import StudyRunner
+
+    with registered(Defaults(), model()):
+        for scratch in memory_dir(tmp_path):
+            prepared = prepare_study(load_study_config(study_file(tmp_path, extra)),
+                                     storage=f"sqlite:///{scratch / 'p.db'}")
+            runner = StudyRunner(prepared)
+            assert isinstance(runner.study.pruner, LeaderGapPruner) is on
+            if on and not extra:
+                fc = cost.forecast(prepared)
+                saved = fc.trial.seconds - fc.trial.probed_s(1)
+                assert saved / fc.trial.seconds >= cost.PROBE_PAYS and runner.study.pruner.margin == cost.PROBE_MARGIN
+                assert runner.probe_note.startswith("probe: on ([study] probe_margin not given)")
+            elif not extra:
+                assert runner.probe_note is None

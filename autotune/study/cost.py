@@ -271,3 +271,33 @@ def _baseline_cost(backend: Any, config: Any, ctx: Any, backends: Mapping[str, A
     cost = launch_cost(ctx.workload, ctx.protocol, config.parallel, found[1],
                        est.weights_bytes + (est.host_bytes or 0))
     return cost or trial
+
+
+# ------------------------------------------------------------------------------ the probe by default
+
+PROBE_MARGIN = 0.15  # docs/search.md: wider than the recorded grids' between-run spread (median 2.5-3.5%)
+# The probe pays where a launch it stops saves at least this share of a full one: its runs after
+# the first are the measurement's bulk (long requests, many of them), not the engine's start.
+# On the recorded H200 grids a stopped 7B launch saved 15-20% (half of a launch is the start),
+# one launch more in a quarter of the grid's time and no better pick (docs/search.md); a chat
+# workload of hundreds of requests on a slow card saves most of a 4-minute launch.
+PROBE_PAYS = 1 / 3
+
+
+def auto_probe(prepared: "PreparedStudy") -> tuple[float | None, str | None]:
+    """The probe's margin for a study that does not set ``[study] probe_margin`` (None: off),
+    and the line that says why it is on; off where nothing forecasts the launch's cost."""
+    try:
+        fc = forecast(prepared)
+    except Exception:  # noqa: BLE001 - no forecast, no probe: the study runs as before
+        return None, None
+    if fc is None:
+        return None, None
+    saved = fc.trial.seconds - fc.trial.probed_s(fc.protocol.warmup_runs)
+    share = saved / fc.trial.seconds if fc.trial.seconds > 0 else 0.0
+    if share < PROBE_PAYS:
+        return None, None
+    return PROBE_MARGIN, (
+        f"probe: on ([study] probe_margin not given): a launch whose first run is more than {PROBE_MARGIN:.0%} below "
+        f"the leader stops there, saving about {saved:.0f} s of its forecast {fc.trial.seconds:.0f} s ({share:.0%}, "
+        f"at least {PROBE_PAYS:.0%} pays); probe_margin = 0 turns it off")

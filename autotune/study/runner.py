@@ -30,6 +30,7 @@ from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
 from autotune.redact import scrub
 from autotune.study import baseline, calibration, claims, records, storage, systematic
+from autotune.study import cost  # issue 39: the probe where it pays
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
 from autotune.study.finish import FinishPhase, finish_token
@@ -95,8 +96,11 @@ class StudyRunner(TrialPhase, FinishPhase):
                                        functools.partial(self._evaluated_keys, snapshot=True), seed=self.seed)
         with storage.faults(prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
             self.study = storage.open_study(prepared, self.sampler)
-            if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
-                self.study.pruner = LeaderGapPruner(self.cfg.probe_margin)
+            # The probe as given, else on where it pays (issue 39 item 2: cost.auto_probe).
+            margin, self.probe_note = (self.cfg.probe_margin, None) if self.cfg.probe_margin is not None \
+                else cost.auto_probe(prepared)
+            if margin and len(self.study.directions) == 1:
+                self.study.pruner = LeaderGapPruner(margin)
             self.judge = judge_for(prepared, self.study)
             self.quality = self.judge.quality
             self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
@@ -290,6 +294,8 @@ class StudyRunner(TrialPhase, FinishPhase):
         if self.uses_prior:
             self.enqueue_prior()
         self._announce_quality_power(note)
+        if self.probe_note and note is not None:
+            note(self.probe_note)
         self._note = note
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
