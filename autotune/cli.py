@@ -92,7 +92,7 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         plan_budget = budget
         if plan_trials is None and plan_budget is None:
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
-        costs = _cost_forecast(prepared, runner.study, plan_budget, cfg.probe_margin is not None)
+        costs = _cost_forecast(runner.forecast, plan_budget, runner.study.pruner)
         with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
                           quiet=quiet) as live:
             live.note(header_text(prepared, config if config is not None else default_study_path(), plan_trials,
@@ -138,22 +138,19 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
     _run(ctx.obj["debug"], go)
 
 
-def _cost_forecast(prepared: Any, study: Any, budget_s: float | None, probe: bool) -> str | None:
-    """The header's cost line (``study/cost.py``), or None where nothing forecasts it.
+def _cost_forecast(forecast: Any, budget_s: float | None, pruner: Any) -> str | None:
+    """The header's cost line (``study/cost.py``, the runner's forecast), or None where nothing
+    forecasts it.
 
     Raises:
         ConfigError: The budget cannot measure the baselines and one trial (exit 2, before
             anything runs), with the figures and the remedies.
     """
-    from autotune.study import cost
+    from autotune.study.probe import LeaderGapPruner
 
-    try:
-        forecast = cost.forecast(prepared, study)
-    except Exception as exc:  # noqa: BLE001 - a forecast never stops a study that could run
-        return f"cost forecast: none ({type(exc).__name__}: {exc})"
     if forecast is None:
         return None
-    refusal = forecast.refusal(budget_s, probe=probe)
+    refusal = forecast.refusal(budget_s, probe=isinstance(pruner, LeaderGapPruner))
     if refusal:
         raise ConfigError(refusal)
     return forecast.text(budget_s)

@@ -137,3 +137,23 @@ def test_the_probe_is_on_by_default_where_it_pays(tmp_path, model, extra, on):
                 assert runner.probe_note.startswith("probe: on ([study] probe_margin not given)")
             elif not extra:
                 assert runner.probe_note is None
+
+
+def test_baselines_forecast_beyond_their_share_are_measured_after_the_search(tmp_path):
+    from autotune.study.runner import StudyRunner
+
+    backend = Defaults()
+    said: list[str] = []
+    with registered(backend, Rates()):
+        for scratch in memory_dir(tmp_path):
+            prepared = prepare_study(load_study_config(study_file(tmp_path, "finish_top = 0")),
+                                     storage=f"sqlite:///{scratch / 'a.db'}")
+            runner = StudyRunner(prepared)
+            fc = runner.forecast
+            budget = 0.9 * fc.baselines_s / cost.BASELINE_SHARE  # their forecast is more than their share
+            assert not cost.baselines_first(fc, budget)[0] and cost.baselines_first(fc, 2 * budget)[0]
+            summary = runner.run(budget_s=budget, note=said.append)
+    kinds = [bool(c.option("defaults")) for c in backend.calls]
+    assert kinds == sorted(kinds) and kinds[0] is False and kinds[-1] is True  # every trial, then the baseline
+    assert any(line.startswith("baseline: measured after the search") for line in said), said
+    assert summary.extra["baseline"]["fake-defaults"]["error"] is None

@@ -284,13 +284,29 @@ PROBE_MARGIN = 0.15  # docs/search.md: wider than the recorded grids' between-ru
 PROBE_PAYS = 1 / 3
 
 
-def auto_probe(prepared: "PreparedStudy") -> tuple[float | None, str | None]:
+def safe_forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> Forecast | None:
+    """``forecast``, or None where it fails: a forecast never stops a study that could run."""
+    try:
+        return forecast(prepared, study)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def baselines_first(fc: Forecast | None, budget_s: float | None) -> tuple[bool, str | None]:
+    """Whether the baselines go before the search (their forecast fits their share of the
+    budget), else after it, with what the budget leaves (issue 39 item 3: they never starve the
+    search), and the line that says so."""
+    if fc is None or budget_s is None or not fc.baselines or fc.baselines_s <= BASELINE_SHARE * budget_s:
+        return True, None
+    return False, (f"baseline: measured after the search: their forecast {fc.baselines_s:.0f} s is more than "
+                   f"{BASELINE_SHARE:.0%} of the {budget_s:g} s budget; what the search leaves of it (at most that "
+                   "share) goes to them, and a resume measures any not launched")
+
+
+def auto_probe(prepared: "PreparedStudy", fc: Forecast | None = None) -> tuple[float | None, str | None]:
     """The probe's margin for a study that does not set ``[study] probe_margin`` (None: off),
     and the line that says why it is on; off where nothing forecasts the launch's cost."""
-    try:
-        fc = forecast(prepared)
-    except Exception:  # noqa: BLE001 - no forecast, no probe: the study runs as before
-        return None, None
+    fc = fc if fc is not None else safe_forecast(prepared)
     if fc is None:
         return None, None
     saved = fc.trial.seconds - fc.trial.probed_s(fc.protocol.warmup_runs)

@@ -97,8 +97,9 @@ class StudyRunner(TrialPhase, FinishPhase):
         with storage.faults(prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
             self.study = storage.open_study(prepared, self.sampler)
             # The probe as given, else on where it pays (issue 39 item 2: cost.auto_probe).
+            self.forecast = cost.safe_forecast(prepared, self.study)
             margin, self.probe_note = (self.cfg.probe_margin, None) if self.cfg.probe_margin is not None \
-                else cost.auto_probe(prepared)
+                else cost.auto_probe(prepared, self.forecast)
             if margin and len(self.study.directions) == 1:
                 self.study.pruner = LeaderGapPruner(margin)
             self.judge = judge_for(prepared, self.study)
@@ -306,8 +307,14 @@ class StudyRunner(TrialPhase, FinishPhase):
                 # The budget ends a request still open at its end (an engine that keeps a stream
                 # alive without finishing); the finish runs after the budget, unbounded by it.
                 with deadline.within(self._deadline, f"the study's budget ({budget_s or 0:g} s) ran out"):
-                    self.measure_baseline(note, budget_s)
+                    first, why = cost.baselines_first(self.forecast, budget_s)
+                    if first:
+                        self.measure_baseline(note, budget_s)
+                    elif note is not None:
+                        note(why)
                     self._search(heartbeat, start, budget_s, n_trials, callback)
+                    if not first:  # what the search left, within their share
+                        self.measure_baseline(note, budget_s)
                 if self.systematic is None:  # its launches would fail alike
                     self.finish(note)
             except (KeyboardInterrupt, Interrupted):
