@@ -85,6 +85,11 @@ def test_the_baselines_stop_at_their_share_and_a_resume_measures_them_again(tmp_
         # The search had the rest: at least one trial measured within the budget.
         assert any(not c.option("defaults") for c in backend.calls)
         assert time.monotonic() - start < budget + 2.0
+        from autotune.study.summary import summarize
+
+        said = summarize(load(storage), storage).extra["baseline"]["fake-defaults"]["text"]
+        assert said.startswith("fake-defaults's default launch on f16-full not measured: cut short by the budget")
+        assert said.endswith("the next run measures it") and "f16-full failed" not in said
         # A resume with a fast engine measures both again; the stale failures are gone.
         backend.slow_default = False
         summary = run_study(study(tmp_path), n_trials=1, storage=storage)

@@ -79,7 +79,12 @@ def test_the_forecast_prices_a_trial_and_each_baseline_and_counts_the_trials_the
     assert fc.refusal(fc.need_s(), probe=False) is None and fc.refusal(None, probe=False) is None
     refused = fc.refusal(0.4 * fc.need_s(), probe=False)
     assert "cannot measure the baselines and one trial" in refused
-    assert "--budget" in refused and "[workload] requests" in refused and "probe_margin" in refused
+    assert "--budget" in refused and "probe_margin" in refused
+    # One request shape: shorter requests; drawn ones: fewer of them.
+    assert "[workload] output_tokens" in refused and "[workload] requests" not in refused
+    from dataclasses import replace
+
+    assert "[workload] requests = " in replace(fc, drawn=True).refusal(0.4 * fc.need_s(), probe=False)
     assert "probe_margin" not in fc.refusal(0.4 * fc.need_s(), probe=True)
 
 

@@ -100,7 +100,7 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
     start = time.monotonic()
     share_at = None if budget_s is None else start + cost.BASELINE_SHARE * budget_s
     share = (f"the baselines' share of the budget ({cost.BASELINE_SHARE:.0%} of {budget_s or 0:g} s = "
-             f"{cost.BASELINE_SHARE * (budget_s or 0):.0f} s) ran out")
+             f"{cost.BASELINE_SHARE * (budget_s or 0):.3g} s) ran out")
     with deadline.within(share_at, share):
         launches = _measure_each(prepared, study, claim, worker, say, stored)
     spent = time.monotonic() - start
@@ -276,6 +276,8 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
 
 
 def _text(title: str, base: records.Baseline, ratios: Mapping[str, Any], best: Mapping[str, Any] | None) -> str:
+    if base.failed and measure_again(base):  # the budget's or the machine's doing, not the engine's
+        return f"{title} on {base.weights} not measured: {base.error}; the next run measures it"
     if base.failed:
         return f"{title} on {base.weights} failed: {base.error}"
     agg, per_user = ratios.get("aggregate"), ratios.get("per_user")

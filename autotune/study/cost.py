@@ -138,6 +138,7 @@ class Forecast:
     requests: int
     protocol: Protocol
     basis: str
+    drawn: bool = False  # the run's requests are drawn from a distribution ([workload] requests sets how many)
 
     @property
     def baselines_s(self) -> float:
@@ -161,7 +162,8 @@ class Forecast:
         if self.baselines:
             line += "; baselines " + ", ".join(f"{title} about {s:.0f} s" for title, s in self.baselines)
         if budget_s:
-            line += (f"; the {budget_s:g} s budget affords about {self.trials_affordable(budget_s)} trials "
+            n = self.trials_affordable(budget_s)
+            line += (f"; the {budget_s:g} s budget affords about {n} trial{'' if n == 1 else 's'} "
                      f"after the baselines (at most {BASELINE_SHARE:.0%} of it)")
         return f"{line} ({self.basis}; the start assumes {LOAD_BYTES_S / 1e9:g} GB/s reads)"
 
@@ -175,7 +177,9 @@ class Forecast:
         fewer = max(1, self.requests // 4)
         cheaper = t.with_requests(fewer / max(self.requests, 1)).seconds
         remedies = [f"a larger budget (--budget {math.ceil(need * 1.2 / 60)}m: the need and a fifth more)",
-                    f"fewer requests per run ([workload] requests = {fewer}: a trial then costs about {cheaper:.0f} s)"]
+                    f"fewer requests per run ([workload] requests = {fewer}: a trial then costs about {cheaper:.0f} s)"
+                    if self.drawn else
+                    f"shorter requests ([workload] output_tokens, prompt_tokens: a run is {self.requests} of them)"]
         if not probe:
             remedies.append(f"the probe ([study] probe_margin = 0.15: a configuration far behind the leader stops "
                             f"after its first run, about {t.probed_s(p.warmup_runs):.0f} s)")
@@ -247,7 +251,7 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
     requests = workload.run_size(max(c.parallel for c in configs)) if configs else 0
     return Forecast(trial, (costs[0].seconds, costs[-1].seconds), tuple(baselines), requests, protocol,
                     f"rates from {', '.join(sorted(basis))}'s prediction for this card, "
-                    f"{len(costs)} configurations")
+                    f"{len(costs)} configurations", drawn=bool(workload.requests))
 
 
 def _base_predict() -> Any:
