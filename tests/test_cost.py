@@ -162,3 +162,30 @@ def test_baselines_forecast_beyond_their_share_are_measured_after_the_search(tmp
     assert kinds == sorted(kinds) and kinds[0] is False and kinds[-1] is True  # every trial, then the baseline
     assert any(line.startswith("baseline: measured after the search") for line in said), said
     assert summary.extra["baseline"]["fake-defaults"]["error"] is None
+
+
+def test_a_baseline_expected_to_outlast_the_budget_left_is_not_launched(tmp_path):
+    import time
+
+    import optuna
+
+    from autotune.measure import deadline
+    from autotune.study import baseline, records
+    from autotune.study.prepare import prepare_study as prepare
+
+    backend = Defaults()
+    with registered(backend, Rates()):
+        for scratch in memory_dir(tmp_path):
+            prepared = prepare(load_study_config(study_file(tmp_path)), storage=f"sqlite:///{scratch / 'e.db'}")
+            study_ = optuna.create_study(storage=f"sqlite:///{scratch / 'e2.db'}", study_name="e")
+            with deadline.within(time.monotonic() + 60, "the study's budget (60 s) ran out"):
+                baseline.measure(prepared, study_, lambda key: True, "w", expect=lambda key: (1000.0, "its forecast"))
+            stored = records.baselines(study_)["fake-defaults"]
+    assert backend.calls == [] and stored.retry and baseline.measure_again(stored)
+    assert "expected to take 1000 s (its forecast), more than the 60 s left before the study's budget" in stored.error
+    # The pace: this run's launches against the forecast trial scale a baseline's forecast.
+    fc = cost.Forecast(cost.LaunchCost(1.0, 1.0, 2.0, 4), (10.0, 10.0), (("b", 20.0),), 2, Protocol(), "x",
+                       baseline_by_key={"b": 20.0})
+    assert cost.expected_baseline_s(fc, "b", [])[0] == pytest.approx(20.0)
+    assert cost.expected_baseline_s(fc, "b", [25.0, 30.0, 35.0])[0] == pytest.approx(20.0 * 30.0 / fc.trial.seconds)
+    assert cost.expected_baseline_s(None, "b", [1.0]) is None and cost.expected_baseline_s(fc, "c", []) is None

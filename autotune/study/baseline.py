@@ -80,7 +80,8 @@ def title_of(backend: str, title: str) -> str:
 
 
 def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str], bool], worker: str,
-            say: Callable[[str], None] | None = None, budget_s: float | None = None) -> int:
+            say: Callable[[str], None] | None = None, budget_s: float | None = None,
+            expect: Callable[[str], tuple[float, str] | None] | None = None) -> int:
     """Measure each backend's baselines not stored yet (or stored as failed for the budget's or
     the machine's sake: ``measure_again``); returns the launches made.
 
@@ -90,6 +91,8 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
         say: Hears one line per launch (it is not a trial: the user must see why nothing is
             searched yet), and what they cost against the budget.
         budget_s: This run's budget; the baselines end by ``cost.BASELINE_SHARE`` of it.
+        expect: ``Baseline.key`` -> (seconds it is expected to take, on what): one expected to
+            outlast what is left of the budget is not launched (a resume measures it).
 
     Raises:
         EngineUnavailableError: The engine cannot run at all (every trial would fail too).
@@ -102,7 +105,7 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
     share = (f"the baselines' share of the budget ({cost.BASELINE_SHARE:.0%} of {budget_s or 0:g} s = "
              f"{cost.BASELINE_SHARE * (budget_s or 0):.3g} s) ran out")
     with deadline.within(share_at, share):
-        launches = _measure_each(prepared, study, claim, worker, say, stored)
+        launches = _measure_each(prepared, study, claim, worker, say, stored, expect)
     spent = time.monotonic() - start
     if launches and say is not None and (budget_s or spent >= 1):  # a model's baselines cost nothing to say
         of = (f" ({spent / budget_s:.0%} of the {budget_s:g} s budget; at most {cost.BASELINE_SHARE:.0%})"
@@ -112,7 +115,8 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
 
 
 def _measure_each(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str], bool], worker: str,
-                  say: Callable[[str], None] | None, stored: Mapping[str, records.Baseline]) -> int:
+                  say: Callable[[str], None] | None, stored: Mapping[str, records.Baseline],
+                  expect: Callable[[str], tuple[float, str] | None] | None) -> int:
     launches = 0
     for cand in prepared.cfg.candidates:
         name = cand.backend
@@ -139,12 +143,13 @@ def _measure_each(prepared: PreparedStudy, study: optuna.Study, claim: Callable[
             seen.add(key)
             if not claim(key):
                 continue
-            launches += _measure_one(backend, launch, weights, ctx, study, worker, say)
+            launches += _measure_one(backend, launch, weights, ctx, study, worker, say,
+                                     expect(key) if expect is not None else None)
     return launches
 
 
 def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx: Any, study: optuna.Study,
-                 worker: str, say: Callable[[str], None] | None) -> int:
+                 worker: str, say: Callable[[str], None] | None, expected: tuple[float, str] | None = None) -> int:
     """Launch, measure and store one baseline (its failure too); 1 if it was launched."""
     name, config = backend.name, launch.config
     title = title_of(name, launch.title)
@@ -161,6 +166,11 @@ def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx:
             f"({ctx.workload.need_text}): not launched"))
         return 0
     over = deadline.passed()
+    bound = deadline.current()
+    if over is None and expected is not None and bound is not None and expected[0] > bound.left_s():
+        # A launch the budget would end before it measures anything: not started, said why.
+        over = deadline.Deadline(bound.at_s, f"it is expected to take {expected[0]:.0f} s ({expected[1]}), more "
+                                             f"than the {max(bound.left_s(), 0):.0f} s left before {bound.reason.split(' ran out')[0]} runs out")
     if over is not None:  # nothing left of the budget (or of the baselines' share) to launch it in
         records.write_baseline(study, name, launch.name, **head, retry=True, error=(
             f"{cost.CUT_SHORT}: not launched, {over.reason}; a run with budget left measures it"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from autotune.measure import deadline
@@ -139,6 +139,7 @@ class Forecast:
     protocol: Protocol
     basis: str
     drawn: bool = False  # the run's requests are drawn from a distribution ([workload] requests sets how many)
+    baseline_by_key: Mapping[str, float] = field(default_factory=dict)  # Baseline.key -> seconds
 
     @property
     def baselines_s(self) -> float:
@@ -229,6 +230,7 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
     trial = costs[len(costs) // 2]
     stored = records.baselines(study) if study is not None else {}
     baselines: list[tuple[str, float]] = []
+    by_key: dict[str, float] = {}
     if prepared.cfg.baseline:
         for cand in prepared.cfg.candidates:
             entry, ctx = prepared.space.entries.get(cand.backend), prepared.contexts.get(cand.backend)
@@ -244,14 +246,15 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
                 base = stored.get(records.baseline_key(cand.backend, launch.name))
                 if base is not None and not measure_again(base):
                     continue
-                baselines.append((title_of(cand.backend, launch.title),
-                                  _baseline_cost(backend, launch.config, ctx, backends, trial).seconds))
+                seconds = _baseline_cost(backend, launch.config, ctx, backends, trial).seconds
+                baselines.append((title_of(cand.backend, launch.title), seconds))
+                by_key[records.baseline_key(cand.backend, launch.name)] = seconds
     workload = next(iter(prepared.contexts.values())).workload
     protocol = next(iter(prepared.contexts.values())).protocol
     requests = workload.run_size(max(c.parallel for c in configs)) if configs else 0
     return Forecast(trial, (costs[0].seconds, costs[-1].seconds), tuple(baselines), requests, protocol,
                     f"rates from {', '.join(sorted(basis))}'s prediction for this card, "
-                    f"{len(costs)} configurations", drawn=bool(workload.requests))
+                    f"{len(costs)} configurations", drawn=bool(workload.requests), baseline_by_key=by_key)
 
 
 def _base_predict() -> Any:
@@ -305,6 +308,20 @@ def baselines_first(fc: Forecast | None, budget_s: float | None) -> tuple[bool, 
     return False, (f"baseline: measured after the search: their forecast {fc.baselines_s:.0f} s is more than "
                    f"{BASELINE_SHARE:.0%} of the {budget_s:g} s budget; what the search leaves of it (at most that "
                    "share) goes to them, and a resume measures any not launched")
+
+
+def expected_baseline_s(fc: Forecast | None, key: str, launch_seconds: list[float]) -> tuple[float, str] | None:
+    """What baseline ``key`` is expected to take, and on what: its forecast, scaled by how this
+    run's launches so far compared with the forecast trial (the twin can be off 2-3x: its
+    MoE prefill with experts on the host); None without a forecast."""
+    if fc is None or key not in fc.baseline_by_key:
+        return None
+    seconds = fc.baseline_by_key[key]
+    if launch_seconds and fc.trial.seconds > 0:
+        pace = statistics.median(launch_seconds) / fc.trial.seconds
+        return seconds * pace, (f"its forecast {seconds:.0f} s x {pace:.2f}, this run's launches against the "
+                                f"forecast trial")
+    return seconds, "its forecast"
 
 
 def auto_probe(prepared: "PreparedStudy", fc: Forecast | None = None) -> tuple[float | None, str | None]:

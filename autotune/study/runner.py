@@ -420,7 +420,8 @@ class StudyRunner(TrialPhase, FinishPhase):
             return False
 
         try:
-            return baseline.measure(self.prepared, self.study, claim, self.worker, note, budget_s)
+            return baseline.measure(self.prepared, self.study, claim, self.worker, note, budget_s,
+                                    lambda key: cost.expected_baseline_s(self.forecast, key, self._launch_seconds))
         except BaseException:
             stored = records.baselines(self.study)
             for key in held:
