@@ -500,6 +500,12 @@ class BaseBackend(abc.ABC):
         """Version/build of the engine, recorded with every trial."""
         return "unknown"
 
+    def engine_build(self, ctx: StudyContext | None) -> str:
+        """Version/build of the engine this study runs (its settings may name the binary: the
+        header, every trial's record and the resume's comparability check say this one, issue 39
+        item 6). The default is ``engine_version``: a backend whose settings choose no build."""
+        return self.engine_version()
+
     def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
         """Predicted metrics without running anything; only model backends implement it."""
         return None

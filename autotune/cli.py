@@ -92,10 +92,13 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         plan_budget = budget
         if plan_trials is None and plan_budget is None:
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
+        costs = _cost_forecast(runner.forecast, plan_budget, runner.study.pruner)
         with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
                           quiet=quiet) as live:
             live.note(header_text(prepared, config if config is not None else default_study_path(), plan_trials,
                                   plan_budget))
+            if costs:
+                live.note(costs)
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note)
         if as_json:
             click.echo(json.dumps(summary_json(summary), indent=2, default=str))
@@ -133,6 +136,24 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             sys.exit(1)
 
     _run(ctx.obj["debug"], go)
+
+
+def _cost_forecast(forecast: Any, budget_s: float | None, pruner: Any) -> str | None:
+    """The header's cost line (``study/cost.py``, the runner's forecast), or None where nothing
+    forecasts it.
+
+    Raises:
+        ConfigError: The budget cannot measure the baselines and one trial (exit 2, before
+            anything runs), with the figures and the remedies.
+    """
+    from autotune.study.probe import LeaderGapPruner
+
+    if forecast is None:
+        return None
+    refusal = forecast.refusal(budget_s, probe=isinstance(pruner, LeaderGapPruner))
+    if refusal:
+        raise ConfigError(refusal)
+    return forecast.text(budget_s)
 
 
 def _reading(storage: str | None, study_file: Path | None, study_name: str | None) -> tuple[str, str | None]:

@@ -339,9 +339,10 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     # "How much better than doing nothing": each backend's default launch, measured once per study.
     baseline = r.get("study", study, "baseline", bool, True)
     # Multi-fidelity (autotune.study.probe): a launch whose first run is this far below the
-    # leader stops there.
+    # leader stops there. Not given: on where it pays (study/cost.py: auto_probe); 0: off.
     probe_margin = r.get("study", study, "probe_margin", float, None,
-                         check=lambda v: None if 0 < v < 1 else "must be a fraction between 0 and 1, e.g. 0.15")
+                         check=lambda v: None if 0 <= v < 1 else "must be a fraction between 0 and 1, e.g. 0.15, "
+                                                                 "or 0 (no probe)")
 
     hw = r.table("hardware", required=True)
     r.unknown_keys("hardware", hw, {"gpu", "gpu_index", "vram_budget_gib", "safety_margin_mib"})

@@ -17,7 +17,7 @@ from typing import Callable
 import httpx
 
 from autotune.errors import BackendError
-from autotune.measure.deadline import DeadlineExceeded
+from autotune.measure.deadline import DeadlineExceeded, passed
 from autotune.measure.streams import fetch
 
 __all__ = ["connect_host", "free_port", "loopback", "port_free", "server_url", "tail", "wait_ready"]
@@ -96,6 +96,9 @@ def wait_ready(proc: subprocess.Popen, http: httpx.Client, url: str, timeout_s: 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise failure("failed to start")
+        outer = passed()
+        if outer is not None:  # the study's budget ran out while it loaded: not "not ready after 60 s"
+            raise failure(f"{outer.reason} while it loaded")
         try:
             if fetch(http, "GET", url, 2, setting="health check").status_code == 200:
                 return

@@ -33,7 +33,7 @@ def header_text(prepared: Any, study_file: Any, n_trials: int | None = None, bud
     for name in prepared.space.entries:
         backend = prepared.backend(name)
         try:
-            version = backend.engine_version()
+            version = backend.engine_build(prepared.contexts.get(name))
         except Exception as exc:  # noqa: BLE001 - a header never stops a study
             version = f"version unknown ({type(exc).__name__})"
         engines.append(f"{name} ({backend.engine or name} {version})")

@@ -121,6 +121,8 @@ def summary_text(summary: StudySummary) -> str:
     if finish:
         lines.append(f"  {finish['text']}")
     lines += [f"  {line}" for line in headline_lines(best)]
+    if summary.extra.get("noise"):  # what the figures above are worth: both spreads, named
+        lines.append(f"  {summary.extra['noise']['text']}")
     latency = latency_line(best, summary.extra["slo"]) if summary.extra.get("slo") else None
     if latency:
         lines.append(f"  {latency}")

@@ -320,6 +320,8 @@ def _winner(summary: StudySummary) -> str:
     if len(figures) == 1 and spreads.get("aggregate_tok_s") is not None:  # one run: its own spread
         figures[0] += f", measured spread {100 * spreads['aggregate_tok_s']:.1f}%"
     parts += [f"<p>{html.escape(line)}</p>" for line in figures]
+    if summary.extra.get("noise"):  # both spreads, named (study/noise.py)
+        parts.append(f"<p id='noise'>{html.escape(summary.extra['noise']['text'])}</p>")
     baselines = summary.extra.get("baseline") or {}
     if baselines:  # what each engine chooses for itself (study/baseline.py): how much better than doing nothing
         items = "".join(f"<li><b>{html.escape(b['text'])}</b><br>weights {html.escape(str(b['weights']))}: "

@@ -54,7 +54,7 @@ from autotune.errors import AutotuneError, ConfigError, handle_errors  # noqa: E
 from autotune.measure import Protocol  # noqa: E402
 from autotune.models import load_model_catalog, resolve_model  # noqa: E402
 from autotune.strategy import BaseStrategy  # noqa: E402
-from autotune.study import records, storage  # noqa: E402
+from autotune.study import cost, records, storage  # noqa: E402
 from autotune.study.prepare import PreparedStudy, prepare_study  # noqa: E402
 from autotune.study.records import TrialState  # noqa: E402
 from autotune.study.runner import StudyRunner  # noqa: E402
@@ -135,16 +135,23 @@ class Strategy:
 
 
 PROBE = "+probe"
+NO_PROBE = "+noprobe"  # probe_margin = 0: the study as it ran before the probe's default (issue 39)
 PROBE_MARGIN = 0.15
 # Names of earlier replays (docs/search.md, bench/results/) for what is now a composition.
 ALIASES = {"multifidelity": "prior" + PROBE}
 
 
-def replayed(registered: BaseStrategy, probe: bool = False) -> Strategy:
+def replayed(registered: BaseStrategy, probe: bool | None = None) -> Strategy:
     """A registered strategy as the replay runs it: the prior head start only where the strategy
-    itself defaults to it (a plain ``tpe`` replays TPE alone, not the real study's default)."""
+    itself defaults to it (a plain ``tpe`` replays TPE alone, not the real study's default).
+    ``probe``: True on, False off (``probe_margin = 0``), None the runner's default (on where
+    the forecast says it pays: ``cost.auto_probe``)."""
     study: dict[str, Any] = {"sampler": registered.name, "prior": bool(registered.prior)}
     doc = registered.description or registered.name
+    if probe is False:
+        study["probe_margin"] = 0.0
+        doc += "; no probe (probe_margin = 0)"
+        return Strategy(registered.name + NO_PROBE, study, doc)
     if probe:
         study["probe_margin"] = PROBE_MARGIN
         doc += (f"; every launch's first run a probe: more than {PROBE_MARGIN:.0%} below the leader, "
@@ -155,8 +162,8 @@ def replayed(registered: BaseStrategy, probe: bool = False) -> Strategy:
 def strategy_named(name: str, registry: Mapping[str, BaseStrategy]) -> Strategy | None:
     """``NAME``, ``NAME+probe`` or an alias, from the registry; None when it names none."""
     base = ALIASES.get(name, name)
-    probe = base.endswith(PROBE)
-    base = base.removesuffix(PROBE)
+    probe: bool | None = True if base.endswith(PROBE) else False if base.endswith(NO_PROBE) else None
+    base = base.removesuffix(PROBE).removesuffix(NO_PROBE)
     if base not in registry:
         return None
     return replace(replayed(registry[base], probe), name=name)
@@ -410,9 +417,24 @@ def replay_grid(grid: RecordedGrid, study_file: Path, model: str | None, strateg
                                             "ratio": o.ratio, "pick_feasible": o.pick_feasible,
                                             "cost_fraction": o.cost_fraction, "launches": o.launches}
                                            for o in outcomes]
+            out.setdefault("forecast", forecast_of(prepared, grid))
         return out
     finally:
         plugins.unregister_plugin(plugin_name)
+
+
+def forecast_of(prepared: PreparedStudy, grid: RecordedGrid) -> dict[str, Any] | None:
+    """What the study's cost forecast (``autotune.study.cost``) says of one launch, beside the
+    grid's recorded mean launch, and whether the probe is on by default here (``auto_probe``)."""
+    fc = cost.forecast(prepared)
+    if fc is None:
+        return None
+    launched = [k for k in grid.configs if grid.launched(k)]
+    recorded = grid.measuring_seconds() / len(launched) if launched else None
+    saved = 1 - fc.trial.probed_s(fc.protocol.warmup_runs) / fc.trial.seconds if fc.trial.seconds else 0.0
+    return {"trial_s": fc.trial.seconds, "trial_range_s": list(fc.trial_range), "start_s": fc.trial.start_s,
+            "run_s": fc.trial.run_s, "recorded_launch_s": recorded, "probe_saves": saved,
+            "probe_default": saved >= cost.PROBE_PAYS}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -446,6 +468,12 @@ def text_report(result: Mapping[str, Any]) -> str:
             f"  budget: {g['budget_fraction']:.2f} x {g['measuring_s']:.0f} s = {g['budget_s']:.0f} s of recorded "
             "launches",
         ]
+        fc = g.get("forecast")
+        if fc:
+            lines.append(f"  forecast: one launch {fc['trial_s']:.1f} s (start {fc['start_s']:.1f} s, runs of "
+                         f"{fc['run_s']:.2f} s; recorded mean {fc['recorded_launch_s']:.1f} s); a probe stop would save "
+                         f"{_pct(fc['probe_saves'])}: probe {'on' if fc['probe_default'] else 'off'} by default "
+                         f"(on from {_pct(cost.PROBE_PAYS)})")
         if g["unsettled"]:
             hits = ", ".join(f"{n} {f['unsettled_launches']}" for n, f in g["strategies"].items())
             lines.append(f"  unsettled (every recorded launch interrupted; a replayed launch of one fails at no "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autotune.errors import MeasurementError
 
-__all__ = ["Deadline", "DeadlineExceeded", "current", "request_deadline", "within"]
+__all__ = ["Deadline", "DeadlineExceeded", "current", "passed", "request_deadline", "within"]
 
 
 class DeadlineExceeded(MeasurementError):
@@ -58,6 +58,13 @@ _OUTER: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("autotu
 def current() -> Deadline | None:
     """The earliest outer deadline in force here, or None."""
     return _OUTER.get()
+
+
+def passed() -> Deadline | None:
+    """The outer deadline in force here once it has passed, else None: a failure then is that
+    deadline's doing (the study's budget ran out), not the engine's."""
+    outer = _OUTER.get()
+    return outer if outer is not None and outer.left_s() <= 0 else None
 
 
 @contextmanager

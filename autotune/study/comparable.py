@@ -31,7 +31,8 @@ ENGINES_ATTR = "engines"  # study attribute: backend name -> engine build, as it
 
 def engines_of(prepared: "PreparedStudy") -> dict[str, str]:
     """The engine build of each backend of the study, as the backend names it."""
-    return {name: str(entry.backend.engine_version()) for name, entry in prepared.space.entries.items()}
+    return {name: str(entry.backend.engine_build(prepared.contexts.get(name)))
+            for name, entry in prepared.space.entries.items()}
 
 
 def _known(version: Any) -> bool:

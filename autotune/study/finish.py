@@ -14,8 +14,10 @@ import socket
 from typing import Callable
 
 
+from autotune.backend import TrialConfig
 from autotune.errors import EngineUnavailableError
-from autotune.study import records
+from autotune.study import noise, records
+from autotune.study.baseline import title_of
 from autotune.study.claims import process_alive
 from autotune.study.records import TrialRecord
 from autotune.study.summary import finish_candidates, finish_verdict, worth_another_round
@@ -144,4 +146,40 @@ class FinishPhase:
                                         peak_vram_bytes=m.peak_vram_bytes, worker=self.worker,
                                         metrics={k: float(v.median) for k, v in m.metrics.items()
                                                  if isinstance(getattr(v, "median", None), (int, float))})
+            if not self._baseline_round(round_, note):
+                return launches, others, False
         return launches, others, True
+
+    def _baseline_round(self, round_: int, note: Callable[[str], None] | None) -> bool:
+        """The fastest baseline launched once more after the round's leaders (interleaved with
+        them: A B C base A B C base), so its ratio compares launches of the same time with each
+        other and its launches count in the between-launch spread (``study/noise.py``).
+        False when the engine is unavailable."""
+        base = noise.fastest_baseline(self.study)
+        if base is None or round_ in noise.baseline_rounds(self.study).get(base.key, {}):
+            return True
+        key = f"finish-baseline:{base.key}:{round_}"
+        if not self._claim_once(key):
+            return True
+        config = TrialConfig.from_dict(base.config or {})
+        ctx = self.prepared.contexts.get(config.backend)
+        if ctx is None:
+            return True
+        if note is not None:
+            note(f"finish: {title_of(base.backend, base.title)} measured again beside them (round {round_ + 1})")
+        try:
+            m = self.prepared.backend(config.backend).run(config, ctx)
+        except EngineUnavailableError:
+            self.claims.release(key, self.finish_token)
+            return False
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self.claims.release(key, self.finish_token)
+                raise
+            noise.write_baseline_round(self.study, base.key, round_, error=f"{type(exc).__name__}: {exc}",
+                                       worker=self.worker)
+            return True
+        noise.write_baseline_round(self.study, base.key, round_, worker=self.worker,
+                                   metrics={k: float(v.median) for k, v in m.metrics.items()
+                                            if isinstance(getattr(v, "median", None), (int, float))})
+        return True

@@ -458,6 +458,7 @@ class Baseline:
     seconds: float | None = None
     engine: Mapping[str, Any] | None = None
     worker: str | None = None
+    retry: bool = False                  # failed for the budget's or the machine's sake: a resume measures it again
 
     @property
     def failed(self) -> bool:

@@ -30,6 +30,7 @@ from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
 from autotune.redact import scrub
 from autotune.study import baseline, calibration, claims, records, storage, systematic
+from autotune.study import cost  # issue 39: the probe where it pays
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
 from autotune.study.finish import FinishPhase, finish_token
@@ -95,8 +96,12 @@ class StudyRunner(TrialPhase, FinishPhase):
                                        functools.partial(self._evaluated_keys, snapshot=True), seed=self.seed)
         with storage.faults(prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
             self.study = storage.open_study(prepared, self.sampler)
-            if self.cfg.probe_margin is not None and len(self.study.directions) == 1:
-                self.study.pruner = LeaderGapPruner(self.cfg.probe_margin)
+            # The probe as given, else on where it pays (issue 39 item 2: cost.auto_probe).
+            self.forecast = cost.safe_forecast(prepared, self.study)
+            margin, self.probe_note = (self.cfg.probe_margin, None) if self.cfg.probe_margin is not None \
+                else cost.auto_probe(prepared, self.forecast)
+            if margin and len(self.study.directions) == 1:
+                self.study.pruner = LeaderGapPruner(margin)
             self.judge = judge_for(prepared, self.study)
             self.quality = self.judge.quality
             self.claims = Claims(storage.sql_engine(self.study), storage.study_id_of(self.study))
@@ -290,6 +295,8 @@ class StudyRunner(TrialPhase, FinishPhase):
         if self.uses_prior:
             self.enqueue_prior()
         self._announce_quality_power(note)
+        if self.probe_note and note is not None:
+            note(self.probe_note)
         self._note = note
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
@@ -300,8 +307,14 @@ class StudyRunner(TrialPhase, FinishPhase):
                 # The budget ends a request still open at its end (an engine that keeps a stream
                 # alive without finishing); the finish runs after the budget, unbounded by it.
                 with deadline.within(self._deadline, f"the study's budget ({budget_s or 0:g} s) ran out"):
-                    self.measure_baseline(note)
+                    first, why = cost.baselines_first(self.forecast, budget_s)
+                    if first:
+                        self.measure_baseline(note, budget_s)
+                    elif note is not None:
+                        note(why)
                     self._search(heartbeat, start, budget_s, n_trials, callback)
+                    if not first:  # what the search left, within their share
+                        self.measure_baseline(note, budget_s)
                 if self.systematic is None:  # its launches would fail alike
                     self.finish(note)
             except (KeyboardInterrupt, Interrupted):
@@ -392,7 +405,7 @@ class StudyRunner(TrialPhase, FinishPhase):
                                 "or refused")
                 return
 
-    def measure_baseline(self, note: Callable[[str], None] | None = None) -> int:
+    def measure_baseline(self, note: Callable[[str], None] | None = None, budget_s: float | None = None) -> int:
         """Each backend's default launch, once per study, before the search (``study.baseline``):
         not a trial, inside the run so that its seconds count in the budget. Workers sharing the
         study claim it, so one of them measures it; a claim of a worker killed on this machine is
@@ -407,7 +420,8 @@ class StudyRunner(TrialPhase, FinishPhase):
             return False
 
         try:
-            return baseline.measure(self.prepared, self.study, claim, self.worker, note)
+            return baseline.measure(self.prepared, self.study, claim, self.worker, note, budget_s,
+                                    lambda key: cost.expected_baseline_s(self.forecast, key, self._launch_seconds))
         except BaseException:
             stored = records.baselines(self.study)
             for key in held:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import optuna
 
 from autotune.objective import objective_words
-from autotune.study import claims, records
+from autotune.study import claims, noise, records
 from autotune.study.baseline import compare
 from autotune.study.records import TrialRecord, TrialState
 
@@ -535,9 +535,13 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     slo = objective.get("slo")
     if slo:  # the latency targets, for the best's latency line (latency_line)
         summary.extra["slo"] = [list(pair) for pair in slo]
+    spread = noise.estimate(study)
+    if not spread.silent:  # both spreads, each named (a model's study has neither)
+        summary.extra["noise"] = spread.as_dict() | {"text": spread.text()}
     baselines = records.baselines(study)
     if baselines:  # each backend's default launch, and how many times faster the best is
-        summary.extra["baseline"] = compare(summary.best, baselines, goodput=bool(slo))
+        summary.extra["baseline"] = compare(summary.best, baselines, goodput=bool(slo),
+                                            rounds=noise.baseline_rounds(study), between=spread.between)
     decisions = records.quality_decisions(study)
     if decisions:
         summary.extra["quality_decisions"] = decisions

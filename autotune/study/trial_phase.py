@@ -26,6 +26,7 @@ from autotune.errors import BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
 from autotune.space import NotOffered
 from autotune.study import calibration, records, storage, systematic, trial_writes
+from autotune.study import cost
 from autotune.study.admission import Verdict
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.records import TrialRecord, TrialState, hold, write
@@ -159,7 +160,7 @@ class TrialPhase:
             if not verdict.admitted:
                 return self._prune(trial, config, verdict)
 
-        write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_version()},
+        write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_build(ctx)},
               gpu=records.gpu_attrs(prepared.gpu))
         heard: dict[str, str] = {}
         run_ctx = ctx
@@ -173,6 +174,11 @@ class TrialPhase:
             raise
         except BackendError as exc:
             self.n_measured += 1
+            cut = cost.cut_short(exc)
+            if cut is not None:  # the budget ended it, not the engine: a run with time left measures it again
+                write(trial, fail_reason=cut, retry=True, **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
+                self.study.tell(trial, state=TrialState.FAIL)
+                return Outcome("FAIL", config.as_dict(), reason=cut)
             write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
             self.study.tell(trial, state=TrialState.FAIL)
             return Outcome("FAIL", config.as_dict(), reason=str(exc), failed_in=systematic.launching(config.backend),

@@ -206,14 +206,17 @@ class LlamaServerBackend(BaseBackend):
         return gguf_recipe(fmt, source, self.resolved_settings(ctx), lambda: self.binary(ctx))
 
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
-        """``llama-server -m WEIGHTS -ngl N``: the GPU offload the study uses, every other flag at
-        llama-server's default (``DEFAULT_SLOTS`` slots sharing the model's trained context)."""
+        """``llama-server -m WEIGHTS``: every flag at llama-server's default (``DEFAULT_SLOTS``
+        slots sharing the model's trained context, ``-ngl`` auto and ``--fit on`` in this build),
+        what a user gets who types the model's path and nothing else (issue 39 item 5: a forced
+        ``-ngl 999`` died of out-of-memory where the engine's own fitting would have run)."""
         model = self._model_for(weights, ctx)
         config = TrialConfig(self.name, weights, max(1, model.max_context // DEFAULT_SLOTS), DEFAULT_SLOTS,
                              ((ENGINE_DEFAULTS, True),))
         return DefaultLaunch(config, (
-            f"llama-server -m and -ngl only: -c 0 (the model's own {model.max_context} tokens, one KV pool "
-            f"shared by {DEFAULT_SLOTS} slots: -np auto), -fa auto, f16 KV cache, -b 2048 -ub 512, --fit on, "
+            f"llama-server -m only: -c 0 (the model's own {model.max_context} tokens, one KV pool "
+            f"shared by {DEFAULT_SLOTS} slots: -np auto), -ngl auto{'' if self._on_gpu(ctx) else ' (-ngl 0: no GPU)'}, "
+            f"-fa auto, f16 KV cache, -b 2048 -ub 512, --fit on, "
             f"threads chosen by the engine (llama.cpp's defaults: common/common.h, common/arg.cpp, "
             f"tools/server/server.cpp); measured with {DEFAULT_SLOTS} users at once"))
 
@@ -369,10 +372,12 @@ class LlamaServerBackend(BaseBackend):
                     *(() if has_gpu else ("-ngl", "0")), "--host", str(self.value(ctx, "host")),
                     "--port", str(port), "--no-webui"]
         if config.option(ENGINE_DEFAULTS):
-            # The default launch (``default_launch``): no -c/-np/-fa/-ctk/-t/--fit, so the engine's own
-            # defaults apply; --host/--port/--no-webui only say where it listens.
+            # The default launch (``default_launch``): no -c/-np/-ngl/-fa/-ctk/-t/--fit, so the engine's
+            # own defaults apply (-ngl auto, --fit on: it chooses its offload, and where even that
+            # cannot run, its log's reason is the failure's); a study without a GPU keeps -ngl 0 as
+            # everywhere. --host/--port/--no-webui only say where it listens.
             return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                    "-ngl", str(self.gpu_layers(ctx, has_gpu)), "--host", str(self.value(ctx, "host")),
+                    *(() if has_gpu else ("-ngl", "0")), "--host", str(self.value(ctx, "host")),
                     "--port", str(port), "--no-webui"]
         # At the engine's default log verbosity, as deployed: -lv 4, which the start-up buffer
         # sizes need, logs trace lines per request and slot, and cost 9% of the aggregate at 8
@@ -396,7 +401,8 @@ class LlamaServerBackend(BaseBackend):
         notes = [f"every flag but -m, -c, -np and --fit{'' if has_gpu else ' (and -ngl 0: no GPU)'} at "
                  f"llama-server's default{': --fit chooses the offload' if has_gpu else ''}"
                  if config.option(ENGINE_DEFAULTS) == FIT else
-                 "every flag but -m and -ngl at llama-server's default" if config.option(ENGINE_DEFAULTS) else
+                 f"every flag but -m{'' if has_gpu else ' (and -ngl 0: no GPU)'} at llama-server's default"
+                 if config.option(ENGINE_DEFAULTS) else
                  f"-c is shared by the slots: ctx {config.ctx} x {config.parallel} slots"]
         try:
             binary = str(self.binary(ctx).absolute())
@@ -462,9 +468,14 @@ class LlamaServerBackend(BaseBackend):
         return LlamaCppScorer(self.weights_path(weights, ctx), cache_type, self.resolved_settings(ctx))
 
     def engine_version(self) -> str:
-        # Asked for every trial and by every resume's comparability check: one --version per binary.
+        return self.engine_build(None)
+
+    def engine_build(self, ctx: StudyContext | None) -> str:
+        """The --version line of the binary the study runs: the configured ``binary`` where the
+        study names one (not the cached build, which a study with its own binary never runs).
+        Asked for every trial and by every resume's comparability check: one --version per binary."""
         try:
-            binary = str(self.binary().absolute())
+            binary = str(self.binary(ctx).absolute())
         except AutotuneError as exc:
             return f"unknown ({exc})"
         return self._version_of(binary)

@@ -371,7 +371,7 @@ class TwinLlamaCpp(TwinBackend):
         config = TrialConfig(self.name, weights, max(1, ctx.model.max_context // DEFAULT_SLOTS), DEFAULT_SLOTS,
                              (("cache_type", "f16"), (ENGINE_DEFAULTS, True), ("flash_attn", True)))
         return DefaultLaunch(config, (
-            f"predicted for llama-server -m and -ngl only: the model's own {ctx.model.max_context} tokens in one "
+            f"predicted for llama-server -m only: the model's own {ctx.model.max_context} tokens in one "
             f"KV pool of {DEFAULT_SLOTS} slots (-c 0, -np auto), f16 cache, -fa auto; {DEFAULT_SLOTS} users at once"))
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
@@ -379,7 +379,7 @@ class TwinLlamaCpp(TwinBackend):
             _, detail = parse_format(self.as_format(config.weights, ctx), self.weight_formats)
             path = self.weights_file(config.weights, ctx)
             model_file = str(path) if path is not None else f"{ctx.model.key}-{detail}.gguf"
-            return deploy_line(["llama-server", "-m", model_file, "-ngl", "999", "--host", "127.0.0.1", "--port", "8080"],
+            return deploy_line(["llama-server", "-m", model_file, "--host", "127.0.0.1", "--port", "8080"],
                                ["every other flag at llama-server's default"])
         cache = config.option("cache_type", "f16")
         fa = "on" if config.option("flash_attn", True) else "off"

@@ -123,7 +123,7 @@ def test_the_whole_study_on_real_servers(study_dir):
     assert summary["best"]["number"] == finish.get("chosen", fastest)
     assert fastest in finish.get("trials", [fastest])
     assert servers_on(study_dir / "models") == []
-    # Before the search, llama-server's default launch (-m and -ngl only) on the largest file, measured
+    # Before the search, llama-server's default launch (-m only; -ngl 0 without a GPU) on the largest file, measured
     # once with 4 users (-np auto), and how many times faster the winner is.
     base = summary["baseline"]["llama-server"]
     assert base["error"] is None and base["weights"] == "models/tiny-f16.gguf", base
