@@ -35,13 +35,14 @@ import contextlib
 import functools
 import json
 import os
-import shlex
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
+from autotune.redact import mask_argv
+from autotune.shell import command_line
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
     TrialConfig, UserLoad, deploy_line, same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
@@ -669,8 +670,8 @@ class LlamaServerBackend(BaseBackend):
         measured = runs[ctx.protocol.warmup_runs:]  # the runs the stats are made of
         attrs: dict[str, Any] = {
             "engine_version": self._version_of(server.cmd[0]),
-            "command": shlex.join(server.cmd),
-            "argv": list(server.cmd),
+            "command": command_line(mask_argv(server.cmd)),  # stored and shown: a key masked
+            "argv": mask_argv(server.cmd),
             "gpu": has_gpu,
             "prompt_tokens": len(prompt),
             **_timings(measured),

@@ -31,9 +31,11 @@ class OpenAIServer:
         host, port: Where it listens.
         env: Its environment.
         label: The template's name, for messages.
+        api_key: Sent as ``Authorization: Bearer`` with every request (``api_key_env``).
     """
 
-    def __init__(self, argv: Sequence[str], *, host: str, port: int, env: Mapping[str, str], label: str):
+    def __init__(self, argv: Sequence[str], *, host: str, port: int, env: Mapping[str, str], label: str,
+                 api_key: str | None = None):
         self.argv = list(argv)
         self.label = label
         self.url = server_url(host, port)
@@ -42,8 +44,11 @@ class OpenAIServer:
         # A local server: no proxy from the environment, no pool limit (every stream gets its
         # connection at once), no keep-alive (a server closing idle connections on its own
         # schedule failed pooled requests: see the llama-server plugin's Server).
-        self.http = httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=None,
-                                                                      max_keepalive_connections=0))
+        # api_key: a server started with one answers 401 to every request without it; it is held
+        # here only, as the header of every request, never stored nor printed.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.http = httpx.Client(trust_env=False, headers=headers,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
         with open(self.log_path, "w") as log:
             try:
                 self.proc = processes.start(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
