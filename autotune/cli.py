@@ -132,9 +132,10 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
                 echo("Error: no feasible configuration: no configuration was tried (why the search ended "
                            "says why); raise the budget, then run again", err=True)
             else:
+                causes = "".join(f"\n  {line}" for line in summary.extra.get("no_feasible", []))
                 echo("Error: no feasible configuration: every configuration tried was refused, failed or broke "
-                           "a constraint (the counts and reasons above say which); widen [space], raise the budget or "
-                           "fix the failures, then run again", err=True)
+                     "a constraint; widen [space], relax the target, raise the budget or fix the failures, then run "
+                     "again:" + causes, err=True)
             sys.exit(1)
 
     _run(ctx.obj["debug"], go)

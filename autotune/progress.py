@@ -91,6 +91,9 @@ class LiveProgress:
             if not self.quiet and event.answered_from is None and event.state in ("COMPLETE", "FAIL"):
                 cfg = event.config
                 outcome = f"{event.value:.1f}" if event.value is not None else f"failed: {event.reason}"
+                if event.value is not None and getattr(event, "broken", ()):
+                    # A figure alone read as a candidate: a trial over its target says it is not one.
+                    outcome += f" (infeasible: {', '.join(event.broken)})"
                 self.console.print(terminal.shown(f"trial {event.number}: {config_text(cfg)} -> {outcome}"),
                                    highlight=False, soft_wrap=True, markup=False)
             return

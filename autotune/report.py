@@ -124,6 +124,8 @@ def summary_text(summary: StudySummary) -> str:
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")
+        # Per cause, what stopped each configuration (study.infeasible): the reason, not a count.
+        lines += [f"  {line}" for line in summary.extra.get("no_feasible", [])]
         return "\n".join(lines + baseline_lines(summary.extra) + quality_lines(summary.extra)
                          + stopped_lines(summary.extra))
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
