@@ -67,3 +67,34 @@ def test_the_study_command_exits_with_the_causes(tmp_path, monkeypatch):
     # Each trial's own line says it missed: a figure alone read as a candidate.
     trial_lines = [ln for ln in result.output.splitlines() if ln.startswith("trial ")]
     assert len(trial_lines) == 2 and all(ln.endswith("(infeasible: per_user_below_min)") for ln in trial_lines)
+
+
+class DenseOnly(FakeBackend):
+    """The model is dense: n_cpu_moe other than 0 is refused by a rule naming it, whatever the rest."""
+
+    def parameters(self, space):
+        from autotune.backend import Param
+
+        return [*super().parameters(space),
+                Param("n_cpu_moe", tuple(space.get("n_cpu_moe", (0,))), "experts on the CPU", accepted=("0..",))]
+
+    def check(self, config, ctx):
+        n = config.option("n_cpu_moe", 0)
+        return [f"n_cpu_moe {n}: the model is dense (no expert tensors to keep on the CPU)"] if n else []
+
+
+def test_a_value_no_configuration_can_use_is_refused_once_before_the_search(tmp_path):
+    from autotune.errors import ConfigError
+    import pytest
+
+    path = write_study(tmp_path / "s.toml", "fake", ["w", "w2"], parallel=(1, 2), sampler="grid",
+                       extra_space='mode = ["plain", "fast"]\nn_cpu_moe = [0, 4]')
+    with registered(DenseOnly()), pytest.raises(ConfigError) as err:
+        prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 's.db'}")
+    (line,) = str(err.value).splitlines()
+    assert line == (f"{path}: [space] n_cpu_moe = 4: fake refuses it in every configuration of this study: "
+                    "n_cpu_moe 4: the model is dense (no expert tensors to keep on the CPU)")
+    # n_cpu_moe = 0 alone: nothing refused, the study prepares.
+    path.write_text(path.read_text().replace("n_cpu_moe = [0, 4]", "n_cpu_moe = [0]"))
+    with registered(DenseOnly()):
+        assert prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 's.db'}").space

@@ -24,6 +24,7 @@ from autotune.metric import BaseMetric, QualityReference
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import CORE_OPTIONS, BackendSpace, SearchSpace
 from autotune.study.admission import Admission, budget_of
+from autotune.study.refused import always_refused
 from autotune.study import storage as storage_mod
 from autotune.workload import study_workload
 
@@ -301,6 +302,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
             if type(quality).item_order is BaseMetric.item_order or proxy is quality:
                 errors.append(f"{src}: [quality] undecided = 'kld': the metric {quality.name!r} answers no items, so "
                               "nothing is undecided; use it with mmlu or ceval")
+    if not errors:  # a value no configuration of the study can use is refused once, not pruned per trial
+        for entry in entries:
+            errors += [f"{src}: [space] {problem}"
+                       for problem in always_refused(entry, contexts[entry.backend.name], dict(cfg.space))]
     if errors:
         raise ConfigError("\n".join(errors))
 

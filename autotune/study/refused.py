@@ -1,0 +1,58 @@
+"""[space] values the engine's rules refuse in every configuration, refused once, up front.
+
+``n_cpu_moe = [4]`` on a dense model, ``gpu_layers`` past the model's layers, ``ubatch`` above
+every ``batch``: each of their trials was pruned, one by one, and a study made only of them
+ended "no feasible configuration". A value whose every combination with the other options
+(every format, the shortest ctx, the fewest slots) breaks a rule that names its key is refused
+before the search, with the rule's own reason, as any other bad value of the study file is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+from autotune.backend import StudyContext, TrialConfig
+from autotune.space import BackendSpace
+
+__all__ = ["always_refused"]
+
+# Combinations of the other options tried per value at most: a wider space is left to the trials.
+MOST_COMBINATIONS = 2048
+
+
+def _mentions(reason: str, key: str) -> bool:
+    return reason.startswith(key) or f" {key} " in f" {reason} " or f"{key} =" in reason
+
+
+def always_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tuple[Any, ...]]) -> list[str]:
+    """``key = value: reason`` for each value of ``given`` (the study's [space]) that the
+    backend's rules (``check``) refuse, for a reason naming ``key``, in every combination."""
+    out = []
+    shortest, fewest = min(entry.ctx), min(entry.parallel)
+    for param in entry.params:
+        if param.name not in given:
+            continue
+        others = [p for p in entry.params if p.name != param.name]
+        if math.prod(len(p.choices) for p in others) * len(entry.weights) > MOST_COMBINATIONS:
+            continue
+        for value in param.choices:
+            first: str | None = None
+            for weights in entry.weights:
+                for combo in itertools.product(*(p.choices for p in others)):
+                    options = tuple(sorted([*zip((p.name for p in others), combo), (param.name, value)]))
+                    reasons = [r for r in entry.backend.check(TrialConfig(entry.backend.name, weights, shortest,
+                                                                          fewest, options), ctx)
+                               if _mentions(r, param.name)]
+                    if not reasons:
+                        break
+                    first = first or reasons[0]
+                else:
+                    continue
+                break  # one combination without such a reason: the value can run
+            else:
+                if first is not None:
+                    out.append(f"{param.name} = {value!r}: {entry.backend.name} refuses it in every configuration "
+                               f"of this study: {first}")
+    return out
