@@ -15,7 +15,7 @@ from typing import Any, Callable
 import click
 
 from autotune import plugins
-from autotune.config import SEED_MAX, load_study_config, parse_duration
+from autotune.config import SEED_MAX, load_study_config, parse_duration, study_name_problem
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
 from autotune.paths import path_problem
@@ -372,6 +372,8 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
     def go() -> None:
         if out.exists() and not force:
             raise ConfigError(f"--out {out}: already exists (pass --force to replace it)")
+        if name is not None and study_name_problem(name):  # before the file is written, not after
+            raise ConfigError(f"--name {name!r}: {study_name_problem(name)}")
         draft = draft_study(str(model), gpu_key, name)
         out.write_text(render(draft, out), encoding="utf-8")
         try:

@@ -276,6 +276,14 @@ def _one_of(options: tuple[str, ...]) -> Callable[[Any], str | None]:
     return lambda v: None if v in options else f"must be one of {', '.join(options)}"
 
 
+def study_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a study (None: it can): it names the study's files."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", name) and len(name) <= MAX_STUDY_NAME and name.strip(".") != "":
+        return None
+    return (f"use letters, digits, '.', '_' or '-', at most {MAX_STUDY_NAME} of them, not only dots (it names the "
+            "study's files, <name>.db and <name>.html, and a file name has at most 255 bytes)")
+
+
 def load_study_config(path: str | Path, *, read_files: bool = True) -> StudyConfig:
     """Read and validate a study file.
 
@@ -321,10 +329,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         "finish_top", "finish_rounds", "finish_max_rounds", "probe_margin", "baseline",
     })
     default_name = path.stem if path else "study"
-    name = r.get("study", study, "name", str, default_name,
-                 check=lambda v: None if re.fullmatch(r"[A-Za-z0-9_.-]+", v) and len(v) <= MAX_STUDY_NAME
-                 else f"use letters, digits, '.', '_' or '-', at most {MAX_STUDY_NAME} of them (it names the "
-                 "study's files, <name>.db and <name>.html, and a file name has at most 255 bytes)")
+    name = r.get("study", study, "name", str, default_name, check=study_name_problem)
     seed = r.get("study", study, "seed", int, 0, check=_between(0, SEED_MAX))
     strategies = plugins.get_strategies()
     sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(tuple(strategies)))

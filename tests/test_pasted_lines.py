@@ -128,3 +128,16 @@ def test_dashboard_notes_show_a_file_name_as_text_not_a_link():
     assert "[click me]" not in card and "\\[click me\\]" in card
     block = _block("````\nbreak out\n````")
     assert block[1] == block[-2] and len(block[1]) == 5  # a fence longer than any in the text
+
+
+def test_a_hostile_study_name_for_init_is_refused_before_anything_is_written(seven_b, tmp_path, monkeypatch):
+    from tests.test_study_writer import Plugin
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for name in ("x;$(touch b)", "..", "a/../../b"):
+        with plugin_registered(Plugin, "makers"):
+            result = CliRunner().invoke(cli, ["init", str(seven_b), "--gpu", "t4", "--name", name])
+        assert result.exit_code == 2 and f"--name {name!r}: use letters, digits" in result.output, result.output
+        assert list(work.iterdir()) == []
