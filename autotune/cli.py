@@ -19,7 +19,7 @@ from autotune.config import SEED_MAX, load_study_config, parse_duration, study_n
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
 from autotune.paths import path_problem
-from autotune.terminal import echo
+from autotune.terminal import echo, shown
 
 # The study machinery (optuna, SQLAlchemy, the runner, the report) is imported inside the commands
 # that use it: it takes about as long again as this module's own import, which `autotune --help`
@@ -400,7 +400,22 @@ plugins.add_commands(cli)
 
 
 def main() -> None:
-    cli(obj={})
+    """The ``autotune`` command. Click's own errors (a bad option, a path that does not exist)
+    quote what was typed: shown through ``terminal.shown`` like every other line, so a pasted
+    argument holding an escape sequence does not reach the terminal raw."""
+    try:
+        cli.main(obj={}, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        echo("Aborted!", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.message = shown(exc.message)
+        if isinstance(exc, click.BadParameter) and exc.param_hint is not None and isinstance(exc.param_hint, str):
+            exc.param_hint = shown(exc.param_hint)
+        exc.show()
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":  # pragma: no cover

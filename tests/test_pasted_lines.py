@@ -141,3 +141,13 @@ def test_a_hostile_study_name_for_init_is_refused_before_anything_is_written(sev
             result = CliRunner().invoke(cli, ["init", str(seven_b), "--gpu", "t4", "--name", name])
         assert result.exit_code == 2 and f"--name {name!r}: use letters, digits" in result.output, result.output
         assert list(work.iterdir()) == []
+
+
+def test_clicks_own_errors_show_a_typed_escape_sequence_as_text(tmp_path):
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "best", f"{ESCAPES}x.toml"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "AUTOTUNE_LOAD_PLUGINS": ""})
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert not any(c in proc.stderr for c in "\x1b\x07\x9b") and "\\x1b]52;c;" in proc.stderr
