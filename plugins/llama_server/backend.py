@@ -110,7 +110,7 @@ def _positive(value: Any) -> str | None:
     return None if value > 0 else "must be > 0"
 
 
-INT32_MAX = 2**31 - 1  # llama.cpp's -ngl, -ub, -b, --n-cpu-moe are C ints (std::stoi)
+INT32_MAX = declarations.INT32_MAX  # llama.cpp's -ngl, -ub, -b, --n-cpu-moe are C ints (std::stoi)
 
 
 def _gpu_layers_problem(value: Any) -> str | None:
@@ -185,25 +185,26 @@ class LlamaServerBackend(BaseBackend):
             Param("flash_attn", given("flash_attn", (True, False), (True, False)),
                   "flash attention (-fa on|off)", accepted=(True, False)),
         ]
-        def counted(name: str, low: int) -> tuple[int, ...]:
-            # llama.cpp reads these with std::stoi into an int32: a larger value is refused by
-            # llama-server itself, so it is refused here, up front, with the accepted range.
-            return tuple(v for v in space[name] if type(v) is int and low <= v <= INT32_MAX)
+        def counted(name: str) -> tuple[int, ...]:
+            # llama.cpp reads these with std::stoi into an int32 (declarations.OPTION_RANGES): a
+            # larger value is refused by llama-server itself, so it is refused here, up front.
+            low, high = declarations.OPTION_RANGES[name]
+            return tuple(v for v in space[name] if type(v) is int and low <= v <= high)
 
         if "ubatch" in space:
-            params.append(Param("ubatch", counted("ubatch", 1), "physical batch size (-ub)",
+            params.append(Param("ubatch", counted("ubatch"), "physical batch size (-ub)",
                                 accepted=(f"an integer 1..{INT32_MAX}",)))
         # The offload dimensions (issue 27), only when the space names them: a study that does not
         # keeps today's command line, the gpu_layers setting and no -b/--n-cpu-moe.
         if "batch" in space:
-            params.append(Param("batch", counted("batch", 1), "logical batch size (-b); ubatch <= batch",
+            params.append(Param("batch", counted("batch"), "logical batch size (-b); ubatch <= batch",
                                 accepted=(f"an integer 1..{INT32_MAX}",)))
         if "gpu_layers" in space:
-            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and 0 <= v <= INT32_MAX))
+            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v in counted("gpu_layers")))
             params.append(Param("gpu_layers", ngl, "layers on the GPU (-ngl; \"all\" = -ngl 999): the output layer and "
                                 "the last N - 1 decoder layers", accepted=("\"all\"", f"an integer 0..{INT32_MAX}")))
         if "n_cpu_moe" in space:
-            params.append(Param("n_cpu_moe", counted("n_cpu_moe", 0), "layers whose routed experts stay in host "
+            params.append(Param("n_cpu_moe", counted("n_cpu_moe"), "layers whose routed experts stay in host "
                                 "memory (--n-cpu-moe: the first N)", accepted=(f"an integer 0..{INT32_MAX}",)))
         return params
 
