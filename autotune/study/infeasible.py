@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any, Iterable
+from typing import Callable, Iterable
 
 from autotune.objective import PER_USER, QUALITY, VRAM
 from autotune.study.records import TrialRecord, TrialState
@@ -50,12 +50,11 @@ def _cause(reason: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", first)[:100]
 
 
-def no_feasible_lines(found: Iterable[TrialRecord]) -> list[str]:
+def no_feasible_lines(found: Iterable[TrialRecord], kind_of: Callable[[str | None], str]) -> list[str]:
     """Per cause, the configurations it stopped: not launched (the rule's or the memory
     model's reason, an example), failed (by kind), measured but over a bound (how many, and the
-    closest miss with its trial). Answers from storage count once, as their first trial did."""
-    from autotune.study.summary import failure_kind
-
+    closest miss with its trial). Answers from storage count once, as their first trial did.
+    ``kind_of``: a failure's reason in a few words (``summary.failure_kind``)."""
     pruned: dict[str, list[TrialRecord]] = {}
     failed: Counter[str] = Counter()
     broken: dict[str, list[tuple[float, TrialRecord]]] = {}
@@ -65,7 +64,7 @@ def no_feasible_lines(found: Iterable[TrialRecord]) -> list[str]:
         if r.state == TrialState.PRUNED:
             pruned.setdefault(_cause(r.prune_reason or "no reason recorded"), []).append(r)
         elif r.state == TrialState.FAIL and not r.retry:
-            failed[failure_kind(r.fail_reason)] += 1
+            failed[kind_of(r.fail_reason)] += 1
         elif r.state == TrialState.COMPLETE:
             for name, value in r.constraints.items():
                 if value > 0:
