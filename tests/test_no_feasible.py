@@ -84,17 +84,26 @@ class DenseOnly(FakeBackend):
 
 
 def test_a_value_no_configuration_can_use_is_refused_once_before_the_search(tmp_path):
+    path = write_study(tmp_path / "s.toml", "fake", ["w", "w2"], parallel=(1, 2), sampler="grid",
+                       extra_space='mode = ["plain", "fast"]\nn_cpu_moe = [0, 4]')
+    backend = DenseOnly()
+    with registered(backend):
+        prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 's.db'}")
+        summary = StudyRunner(prepared, seed=0).run()
+    assert ("fake: [space] n_cpu_moe = 4: refused in every configuration of this study: n_cpu_moe 4: the model is "
+            "dense (no expert tensors to keep on the CPU)") in prepared.excluded
+    # Said once: no trial of n_cpu_moe 4 was proposed, so none was pruned for it.
+    assert summary.n_pruned == 0 and all(c.option("n_cpu_moe") == 0 for c in backend.calls)
+    assert summary.best is not None
+
+
+def test_a_key_with_no_usable_value_leaves_nothing_to_search(tmp_path):
     from autotune.errors import ConfigError
     import pytest
 
-    path = write_study(tmp_path / "s.toml", "fake", ["w", "w2"], parallel=(1, 2), sampler="grid",
-                       extra_space='mode = ["plain", "fast"]\nn_cpu_moe = [0, 4]')
+    path = write_study(tmp_path / "s.toml", "fake", ["w"], parallel=(1, 2), sampler="grid",
+                       extra_space="n_cpu_moe = [4]")
     with registered(DenseOnly()), pytest.raises(ConfigError) as err:
         prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 's.db'}")
-    (line,) = str(err.value).splitlines()
-    assert line == (f"{path}: [space] n_cpu_moe = 4: fake refuses it in every configuration of this study: "
-                    "n_cpu_moe 4: the model is dense (no expert tensors to keep on the CPU)")
-    # n_cpu_moe = 0 alone: nothing refused, the study prepares.
-    path.write_text(path.read_text().replace("n_cpu_moe = [0, 4]", "n_cpu_moe = [0]"))
-    with registered(DenseOnly()):
-        assert prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 's.db'}").space
+    assert "nothing in the search space can run" in str(err.value)
+    assert "n_cpu_moe = 4: refused in every configuration of this study: n_cpu_moe 4: the model is dense" in str(err.value)
