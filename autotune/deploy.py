@@ -16,6 +16,8 @@ from autotune.shell import quote
 __all__ = ["control_problem", "deploy_line"]
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# In a note: C1 controls (U+009B is a terminal's CSI) and bidirectional overrides too.
+_NOTE_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def control_problem(value: str) -> str | None:
@@ -37,5 +39,5 @@ def deploy_line(argv: Sequence[Any], notes: Sequence[str] = (), env: Mapping[str
     words = [f"{k}={quote(v)}" for k, v in (env or {}).items()] + [quote(a) for a in mask_argv(argv)]
     line = " ".join(words)
     if notes:
-        line += "  # " + _CONTROL.sub(" ", "; ".join(notes))
+        line += "  # " + _NOTE_CONTROL.sub(" ", "; ".join(notes))
     return line

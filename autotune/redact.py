@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 from autotune.processes import MARK_ENV
 
-__all__ = ["MASK", "PASS_ENV", "engine_environment", "is_secret_name", "mask_argv", "mask_url", "remember_url", "scrub",
+__all__ = ["MASK", "PASS_ENV", "engine_environment", "is_secret_name", "mask_argv", "mask_url", "remember_secret", "remember_url", "scrub",
            "secret_values", "split_url", "url_secrets"]
 
 MASK = "***"
@@ -141,6 +141,14 @@ def remember_url(url: str) -> None:
     environment variable :func:`secret_values` would read)."""
     with _known_lock:
         _known.update(url_secrets(url))
+
+
+def remember_secret(value: str) -> None:
+    """Scrub ``value`` from engine output from now on: a key read from a variable whose name
+    does not look secret (``api_key_env = "VLLM_API"``), which :func:`secret_values` would miss."""
+    if value:
+        with _known_lock:
+            _known.add(value)
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> set[str]:

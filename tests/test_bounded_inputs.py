@@ -117,3 +117,11 @@ def test_best_answers_from_the_storage_when_the_lengths_file_has_moved(tmp_path,
         result = CliRunner().invoke(cli, ["best", str(path), "--json"])
     assert result.exit_code == 0, result.output
     assert '"n_complete": 2' in result.output
+
+
+def test_a_fifo_as_the_study_file_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "s.toml")
+    code = ("from autotune.cli import main; main()")
+    out = subprocess.run([sys.executable, "-c", code, "best", "s.toml"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 2 and "s.toml: is a named pipe (FIFO), not a regular file" in out.stderr, out

@@ -78,3 +78,20 @@ def test_an_unset_api_key_env_is_refused_before_any_server(tmp_path, monkeypatch
     assert any("api_key_env = 'NOT_SET_KEY'" in p and "not set" in p for p in problems)
     (setting,) = [s for s in OpenAIServerBackend.settings if s.name == "api_key_env"]
     assert "not the key itself" in setting.problem(KEY) and setting.problem("MY_KEY") is None
+
+
+def test_a_key_from_a_plainly_named_variable_is_scrubbed_from_engine_output(tmp_path, monkeypatch):
+    from autotune.errors import BackendError
+    from autotune_plugins.openai_server.backend import OpenAIServerBackend
+    from tests.plugins.test_openai_server import make_ctx
+
+    value = "plain-looking-" + "k3y" * 6
+    monkeypatch.setenv("SERVE_WITH", value)  # no secret word in the name: secret_values alone misses it
+    assert OpenAIServerBackend().api_key(make_ctx(tmp_path, api_key_env="SERVE_WITH")) == value
+    err = BackendError(f"server exited: started with --api-key {value}", log_tail=f"key={value}")
+    assert value not in str(err) and value not in err.log_tail
+
+
+def test_a_deploy_note_holds_no_c1_control_or_bidi_override():
+    line = deploy_line(["srv"], ["docs \x9b31m red \u202e evil"])
+    assert "\x9b" not in line and "\u202e" not in line

@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.redact import mask_argv
+from autotune.redact import mask_argv, remember_secret
 from autotune.shell import command_line
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
     deploy_line
@@ -391,6 +391,7 @@ class OpenAIServerBackend(BaseBackend):
         if not value:
             raise ConfigError(f"[backends.{self.name}] api_key_env = {name!r}: ${name} is not set (or empty); "
                               f"export the server's API key as {name} before the study")
+        remember_secret(value)  # scrubbed from the engine's output, whatever the variable's name
         return value
 
     def startup_timeout(self, ctx: StudyContext, t: Template) -> float:
