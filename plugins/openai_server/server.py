@@ -19,6 +19,7 @@ from autotune.measure.streams import fetch
 from autotune.errors import BackendError, EngineUnavailableError, MeasurementError
 from autotune.local_server import read_log, server_url, tail, wait_ready
 from autotune.redact import engine_environment
+from autotune_plugins.llama_server.server import DEBUGGER_LINE
 
 __all__ = ["OpenAIServer"]
 
@@ -67,7 +68,8 @@ class OpenAIServer:
         text = self.log()
         rc = self.proc.poll()
         status = f"exited with code {rc}" if rc is not None else "is running"
-        last = [ln.strip() for ln in text.splitlines() if ln.strip()][-3:]
+        # A debugger's backtrace (ggml's crash handler runs gdb) is not the engine's words.
+        last = [ln.strip() for ln in text.splitlines() if ln.strip() and not DEBUGGER_LINE.search(ln.strip())][-3:]
         message = f"{self.label} server {status}: {what}: {' | '.join(last) or 'no output'}"
         if rc in (126, 127):  # the shell's "cannot execute" / "not found": every trial would fail
             return EngineUnavailableError(f"{message}. The engine cannot run here", log_tail=tail(text))

@@ -33,3 +33,28 @@ def test_the_assertion_is_the_reason_and_the_backtrace_is_not():
 def test_an_ordinary_error_line_is_still_the_reason():
     log = "load_model: loading\nerror: unknown value for --cache-type-k: q9_0\nmain: exiting\n"
     assert engine_reason(log) == "error: unknown value for --cache-type-k: q9_0"
+
+
+def test_a_batch_smaller_than_the_slots_is_refused_before_launch_and_its_abort_reads_as_itself(tmp_path):
+    """llama-server -np 2 -b 1 aborts at start in output_reserve and prints gdb's backtrace: the
+    rule refuses it before launch, and the log's reason, had it run, is the assertion."""
+    import shutil
+    import subprocess
+
+    from autotune.backend import TrialConfig
+    from autotune_plugins.llama_server.backend import LlamaServerBackend
+    from tests.engine_fixtures import llama_server_binary
+    from tests.plugins.test_openai_server import STORIES, make_ctx
+
+    shutil.copy(STORIES, tmp_path / "m.gguf")
+    ctx = make_ctx(tmp_path)
+    opts = (("batch", 1), ("cache_type", "f16"), ("flash_attn", True))
+    (reason,) = LlamaServerBackend().check(TrialConfig("llama-server", "m.gguf", 256, 2, opts), ctx)
+    assert reason.startswith("batch 1 is smaller than parallel 2: llama.cpp aborts")
+    assert LlamaServerBackend().check(TrialConfig("llama-server", "m.gguf", 256, 1, opts), ctx) == []
+    proc = subprocess.run([str(llama_server_binary()), "-m", str(tmp_path / "m.gguf"), "-c", "256", "-np", "2",
+                           "-b", "1", "-t", "1", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    said = engine_reason(proc.stdout + proc.stderr)
+    assert "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed" in said.split(" | ")[0]
+    assert "#0" not in said and "Inferior" not in said
