@@ -19,7 +19,7 @@ from autotune.config import SEED_MAX, load_study_config, parse_duration, study_n
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
 from autotune.paths import path_problem
-from autotune.terminal import echo, shown
+from autotune.terminal import echo, show_warnings, shown
 
 # The study machinery (optuna, SQLAlchemy, the runner, the report) is imported inside the commands
 # that use it: it takes about as long again as this module's own import, which `autotune --help`
@@ -47,6 +47,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     """Find the fastest way to serve an LLM on your GPU without breaking its memory or quality."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    show_warnings()
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:

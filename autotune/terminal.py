@@ -9,12 +9,14 @@ already did through ``errors.printable``: one owner, so the two cannot disagree.
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 from typing import Any
 
 import click
 
-__all__ = ["echo", "printable", "shown"]
+__all__ = ["echo", "printable", "shown", "show_warnings"]
 
 # An ANSI escape sequence (CSI such as colours and cursor moves, OSC such as a window title or a
 # clipboard write, DCS/APC/PM strings, or a two-character escape), then any other control
@@ -48,3 +50,22 @@ def shown(text: Any) -> str:
 def echo(message: Any = "", err: bool = False) -> None:
     """``click.echo`` of :func:`shown` text: every line a command prints."""
     click.echo(shown(message), err=err)
+
+
+class _ShownFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return shown(super().format(record))
+
+
+def show_warnings() -> None:
+    """Warnings logged by autotune and its plugins (a template's name, a configuration's
+    weights path in them), printed as Python's last-resort handler would, ``%(message)s`` on
+    stderr at WARNING and above, but through :func:`shown`. Once; not where logging is set up
+    already (an embedding program's handlers, pytest's)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_ShownFormatter("%(message)s"))
+    root.addHandler(handler)

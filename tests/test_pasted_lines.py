@@ -151,3 +151,16 @@ def test_clicks_own_errors_show_a_typed_escape_sequence_as_text(tmp_path):
                           env={**os.environ, "AUTOTUNE_LOAD_PLUGINS": ""})
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert not any(c in proc.stderr for c in "\x1b\x07\x9b") and "\\x1b]52;c;" in proc.stderr
+
+
+def test_a_logged_warning_shows_a_name_as_text(tmp_path):
+    import sys
+
+    code = ("import logging\nfrom autotune.cli import cli\n"
+            "@cli.command('warn-test')\ndef warn_test():\n"
+            f"    logging.getLogger('autotune.x').warning('template %s', {ESCAPES!r})\n"
+            "from autotune.cli import main\nmain()\n")
+    proc = subprocess.run([sys.executable, "-c", code, "warn-test"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120, env={**os.environ, "AUTOTUNE_LOAD_PLUGINS": ""})
+    assert proc.returncode == 0 and proc.stderr.startswith("template \\x1b]52;c;"), proc.stderr
+    assert not any(c in proc.stderr for c in "\x1b\x07\x9b")
