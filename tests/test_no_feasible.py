@@ -107,3 +107,23 @@ def test_a_key_with_no_usable_value_leaves_nothing_to_search(tmp_path):
         prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 's.db'}")
     assert "nothing in the search space can run" in str(err.value)
     assert "n_cpu_moe = 4: refused in every configuration of this study: n_cpu_moe 4: the model is dense" in str(err.value)
+
+
+class OddNeedsTwo(FakeBackend):
+    def parameters(self, space):
+        from autotune.backend import Param
+
+        return [Param("mode", tuple(space.get("mode", ("plain",))), "a flag", accepted=("plain", "odd"))]
+
+    def check(self, config, ctx):
+        return ["mode odd needs two slots"] if config.option("mode") == "odd" and config.parallel == 1 else []
+
+
+def test_a_value_refused_only_with_some_slots_stays_in_the_space(tmp_path):
+    path = write_study(tmp_path / "s.toml", "fake", ["w"], parallel=(1, 2), sampler="grid",
+                       extra_space='mode = ["plain", "odd"]')
+    with registered(OddNeedsTwo()):
+        prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 's.db'}")
+    assert not any("mode" in line for line in prepared.excluded)
+    (mode,) = [p for e in prepared.space.entries.values() for p in e.params if p.name == "mode"]
+    assert mode.choices == ("plain", "odd")

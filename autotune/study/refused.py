@@ -3,7 +3,7 @@
 ``n_cpu_moe = [4]`` on a dense model, ``gpu_layers`` past the model's layers, ``ubatch`` above
 every ``batch``: each of their trials was pruned, one by one, and a study made only of them
 ended "no feasible configuration". A value whose every combination with the other options
-(every format, the shortest ctx, the fewest slots) breaks a rule that names its key is taken
+(every format, ctx and slot count) breaks a rule that names its key is taken
 out of the space before the search, said once with the rule's own reason among what was
 excluded before the search (as weights that never fit are); a key left with no value leaves
 nothing of its backend to search.
@@ -22,7 +22,7 @@ from autotune.space import BackendSpace
 __all__ = ["always_refused", "without_refused"]
 
 # Combinations of the other options tried per value at most: a wider space is left to the trials.
-MOST_COMBINATIONS = 2048
+MOST_COMBINATIONS = 8192
 
 
 def _mentions(reason: str, key: str) -> bool:
@@ -34,20 +34,22 @@ def always_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tupl
     """``(key, value, reason)`` for each value of ``given`` (the study's [space]) that the
     backend's rules (``check``) refuse, for a reason naming ``key``, in every combination."""
     out = []
-    shortest, fewest = min(entry.ctx), min(entry.parallel)
     for param in entry.params:
         if param.name not in given:
             continue
         others = [p for p in entry.params if p.name != param.name]
-        if math.prod(len(p.choices) for p in others) * len(entry.weights) > MOST_COMBINATIONS:
+        # Every ctx and slot count too: a rule may refuse the fewest slots ("needs two slots")
+        # as well as the most (a batch smaller than the slots).
+        if (math.prod(len(p.choices) for p in others) * len(entry.weights) * len(entry.ctx) * len(entry.parallel)
+                > MOST_COMBINATIONS):
             continue
         for value in param.choices:
             first: str | None = None
-            for weights in entry.weights:
+            for weights, n_ctx, slots in itertools.product(entry.weights, entry.ctx, entry.parallel):
                 for combo in itertools.product(*(p.choices for p in others)):
                     options = tuple(sorted([*zip((p.name for p in others), combo), (param.name, value)]))
-                    reasons = [r for r in entry.backend.check(TrialConfig(entry.backend.name, weights, shortest,
-                                                                          fewest, options), ctx)
+                    reasons = [r for r in entry.backend.check(TrialConfig(entry.backend.name, weights, n_ctx,
+                                                                          slots, options), ctx)
                                if _mentions(r, param.name)]
                     if not reasons:
                         break
