@@ -15,10 +15,11 @@ from typing import Any, Callable
 import click
 
 from autotune import plugins
-from autotune.config import SEED_MAX, load_study_config, parse_duration
+from autotune.config import SEED_MAX, load_study_config, parse_duration, study_name_problem
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
 from autotune.paths import path_problem
+from autotune.terminal import echo, show_warnings, shown
 
 # The study machinery (optuna, SQLAlchemy, the runner, the report) is imported inside the commands
 # that use it: it takes about as long again as this module's own import, which `autotune --help`
@@ -46,6 +47,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     """Find the fastest way to serve an LLM on your GPU without breaking its memory or quality."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    show_warnings()
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -101,38 +103,43 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
                 live.note(costs)
             summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note)
         if as_json:
-            click.echo(json.dumps(summary_json(summary), indent=2, default=str))
+            echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
-            click.echo(summary_text(summary))
+            echo(summary_text(summary))
         from autotune.dashboard import annotate_study, deploy_commands
 
         try:  # the study's dashboard note is a copy of what was just printed: losing it loses nothing
             annotate_study(runner.study, summary_text(summary), deploy_commands(summary))
         except Exception as exc:  # noqa: BLE001
-            click.echo(f"warning: no dashboard note for the study ({type(exc).__name__}: {exc})", err=True)
+            echo(f"warning: no dashboard note for the study ({type(exc).__name__}: {exc})", err=True)
         if report_path is not None:
             from autotune.report import write_study_report
 
-            click.echo(f"report: {write_study_report(runner.study, summary, report_path)}", err=True)
+            echo(f"report: {write_study_report(runner.study, summary, report_path)}", err=True)
         else:
-            click.echo(f"an HTML report of this study: autotune report --storage '{prepared.shown_storage}' "
-                       f"--study {cfg.name} --out {cfg.name}.html (or --report PATH next time)", err=True)
+            from autotune.report import report_file_name
+            from autotune.shell import command_line
+
+            hint = command_line(["autotune", "report", "--storage", prepared.shown_storage, "--study", cfg.name,
+                                 "--out", report_file_name(cfg.name)])
+            echo(f"an HTML report of this study: {hint} (or --report PATH next time)", err=True)
         if summary.interrupted:
-            click.echo("interrupted: the storage is consistent; run the same command again to continue", err=True)
+            echo("interrupted: the storage is consistent; run the same command again to continue", err=True)
             sys.exit(130)
         failed = summary.extra.get("systematic_failure")
         if failed:  # every next trial would fail alike: the cause and its remedy, as bad input is told
-            click.echo(f"Error: {failed['text']}", err=True)
+            echo(f"Error: {failed['text']}", err=True)
             sys.exit(2)
         if summary.best is None:
             # Nothing to deploy: a script reading `best --json` must not take this for a result.
             if summary.n_trials == 0:  # nothing was tried: "every configuration tried was refused" would be false
-                click.echo("Error: no feasible configuration: no configuration was tried (why the search ended "
+                echo("Error: no feasible configuration: no configuration was tried (why the search ended "
                            "says why); raise the budget, then run again", err=True)
             else:
-                click.echo("Error: no feasible configuration: every configuration tried was refused, failed or broke "
-                           "a constraint (the counts and reasons above say which); widen [space], raise the budget or "
-                           "fix the failures, then run again", err=True)
+                causes = "".join(f"\n  {line}" for line in summary.extra.get("no_feasible", []))
+                echo("Error: no feasible configuration: every configuration tried was refused, failed or broke "
+                     "a constraint; widen [space], relax the target, raise the budget or fix the failures, then run "
+                     "again:" + causes, err=True)
             sys.exit(1)
 
     _run(ctx.obj["debug"], go)
@@ -183,7 +190,7 @@ def best(ctx: click.Context, study_file: Path | None, study_name: str | None, st
 
     def go() -> None:
         summary = stored_summary(*_reading(storage, study_file, study_name))
-        click.echo(json.dumps(summary_json(summary), indent=2, default=str) if as_json else summary_text(summary))
+        echo(json.dumps(summary_json(summary), indent=2, default=str) if as_json else summary_text(summary))
 
     _run(ctx.obj["debug"], go)
 
@@ -199,14 +206,14 @@ def best(ctx: click.Context, study_file: Path | None, study_name: str | None, st
 def report(ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None,
            out: Path | None) -> None:
     """Write a study's report: one self-contained HTML file with the winner, plots and every trial."""
-    from autotune.report import load_study, stored_summary, write_study_report
+    from autotune.report import load_study, report_file_name, stored_summary, write_study_report
 
     def go() -> None:
         url, name = _reading(storage, study_file, study_name)
         study = load_study(url, name)
         summary = stored_summary(url, study.study_name)
-        path = write_study_report(study, summary, out or Path(f"{study.study_name}.html"))
-        click.echo(str(path))
+        path = write_study_report(study, summary, out or report_file_name(study.study_name))
+        echo(str(path))
 
     _run(ctx.obj["debug"], go)
 
@@ -227,22 +234,22 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
     def go() -> None:
         found = plugins.describe()
         if as_json:
-            click.echo(json.dumps(found, indent=2))
+            echo(json.dumps(found, indent=2))
             return
         for kind in ("backends", "metrics", "strategies"):
-            click.echo(f"{kind}:")
+            echo(f"{kind}:")
             for item in found[kind]:
-                click.echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")
+                echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")
                 declared = [f"{what} {_listed(item[key])}" for key, what in (("formats", "formats"),
                             ("cache_types", "cache types")) if item.get(key)]
                 if declared:
-                    click.echo(f"  {'':<22} {'; '.join(declared)}")
+                    echo(f"  {'':<22} {'; '.join(declared)}")
             if not found[kind]:
-                click.echo("  (none)")
+                echo("  (none)")
         if found["broken"]:
-            click.echo("broken (left out):")
+            echo("broken (left out):")
             for item in found["broken"]:
-                click.echo(f"  {item['plugin']:<22} {item['hook']}: {item['error']}")
+                echo(f"  {item['plugin']:<22} {item['hook']}: {item['error']}")
 
     _run(ctx.obj["debug"], go)
 
@@ -270,7 +277,7 @@ def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, 
         busy = port_problem(host, port)
         if busy:
             raise ConfigError(busy)
-        click.echo(f"optuna-dashboard for {mask_url(url)} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
+        echo(f"optuna-dashboard for {mask_url(url)} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
         run_server(store, host=host, port=port, artifact_store=artifact_store(url, create=False))
 
     _run(ctx.obj["debug"], go)
@@ -290,7 +297,7 @@ def storage_upgrade(ctx: click.Context, url: str) -> None:
 
     def go() -> None:
         for line in upgrade(url):
-            click.echo(line)
+            echo(line)
 
     _run(ctx.find_root().obj["debug"], go)
 
@@ -361,7 +368,7 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
         result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
                                  parallel, prompt_tokens, output_tokens, study_name, storage,
                                  settings=_settings_given(settings))
-        click.echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
+        echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
         if result["verdict"] == "invalid":
             raise ConfigError("invalid configuration: " + "; ".join(result["invalid"]))
         if result["verdict"] == "refused":
@@ -387,6 +394,8 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
     def go() -> None:
         if out.exists() and not force:
             raise ConfigError(f"--out {out}: already exists (pass --force to replace it)")
+        if name is not None and study_name_problem(name):  # before the file is written, not after
+            raise ConfigError(f"--name {name!r}: {study_name_problem(name)}")
         draft = draft_study(str(model), gpu_key, name)
         out.write_text(render(draft, out), encoding="utf-8")
         try:
@@ -394,14 +403,17 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
         except ConfigError as exc:
             raise ConfigError(f"{out}: written, but it does not validate (a bug in autotune init; please report "
                               f"it):\n{exc}") from None
-        click.echo(f"wrote {out}: {', '.join(f'{b} {len(w)} formats' for b, w in draft.candidates.items())} on "
+        echo(f"wrote {out}: {', '.join(f'{b} {len(w)} formats' for b, w in draft.candidates.items())} on "
                    f"{draft.gpu.name}; ctx {draft.ctx[0]}..{draft.ctx[-1]}, parallel 1..16"
                    + (f", quality {draft.quality} against the source" if draft.quality else ""))
         for note in draft.notes:
-            click.echo(f"  note: {note}")
+            echo(f"  note: {note}")
         for why in draft.left_out:
-            click.echo(f"  left out: {why}")
-        click.echo(f"next: autotune study {out}    then: autotune best --storage sqlite:///{draft.name}.db")
+            echo(f"  left out: {why}")
+        from autotune.shell import command_line
+
+        echo(f"next: {command_line(['autotune', 'study', out])}    "
+             f"then: {command_line(['autotune', 'best', '--storage', f'sqlite:///{draft.name}.db'])}")
 
     _run(ctx.obj["debug"], go)
 
@@ -410,7 +422,22 @@ plugins.add_commands(cli)
 
 
 def main() -> None:
-    cli(obj={})
+    """The ``autotune`` command. Click's own errors (a bad option, a path that does not exist)
+    quote what was typed: shown through ``terminal.shown`` like every other line, so a pasted
+    argument holding an escape sequence does not reach the terminal raw."""
+    try:
+        cli.main(obj={}, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        echo("Aborted!", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.message = shown(exc.message)
+        if isinstance(exc, click.BadParameter) and exc.param_hint is not None and isinstance(exc.param_hint, str):
+            exc.param_hint = shown(exc.param_hint)
+        exc.show()
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from autotune import plugins
 from autotune.errors import ConfigError
+from autotune.paths import read_input
 from autotune.measure.protocol import Protocol
 from autotune.workload import SLO_KEYS, WORKLOAD_KEYS, WorkloadSpec, draw, read_slo, read_workload
 
@@ -34,6 +35,7 @@ METRICS = ("aggregate_tok_s", "decode_tok_s", "per_user_tok_s", "goodput_tok_s",
 # [quality] table: field -> (type, min, max or None, what it is). Metrics that sample a
 # benchmark read the first three (the shipped samples hold 10 items and 5 dev examples per
 # subject); the rest say how the study measures a paired drop (autotune/study/quality.py).
+MAX_STUDY_FILE_BYTES = 16 * 2**20  # a study file is a page of TOML; more is not one
 # The longest study name: it becomes file names (<name>.db, <name>.html, <name>.<suffix> of
 # the report's assets), and a file name has at most 255 bytes on the usual filesystems.
 MAX_STUDY_NAME = 200
@@ -274,8 +276,20 @@ def _one_of(options: tuple[str, ...]) -> Callable[[Any], str | None]:
     return lambda v: None if v in options else f"must be one of {', '.join(options)}"
 
 
-def load_study_config(path: str | Path) -> StudyConfig:
+def study_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a study (None: it can): it names the study's files."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", name) and len(name) <= MAX_STUDY_NAME and name.strip(".") != "":
+        return None
+    return (f"use letters, digits, '.', '_' or '-', at most {MAX_STUDY_NAME} of them, not only dots (it names the "
+            "study's files, <name>.db and <name>.html, and a file name has at most 255 bytes)")
+
+
+def load_study_config(path: str | Path, *, read_files: bool = True) -> StudyConfig:
     """Read and validate a study file.
+
+    ``read_files=False``: the study file alone, not the files it names ([workload] file), for
+    the commands that answer from the storage (``best``, ``report``): a lengths file that has
+    moved since the study ran changes nothing they say.
 
     Raises:
         ConfigError: the file is missing, not TOML, or has bad fields (all of them listed).
@@ -286,15 +300,22 @@ def load_study_config(path: str | Path) -> StudyConfig:
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory; give a study file (.toml)")
     try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = read_input(path, limit=MAX_STUDY_FILE_BYTES, what="a study file (.toml)").decode("utf-8")
+    except ValueError as exc:  # a FIFO, a device, a huge file (UnicodeDecodeError is one, said below)
+        if isinstance(exc, UnicodeDecodeError):
+            raise ConfigError(f"{path}: not a UTF-8 text file") from None
+        raise ConfigError(str(exc)) from None
+    try:
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
-    return parse_study_config(doc, source=str(path), path=path)
+    return parse_study_config(doc, source=str(path), path=path, read_files=read_files)
 
 
-def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Path | None = None) -> StudyConfig:
+def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Path | None = None,
+                       read_files: bool = True) -> StudyConfig:
     """Validate an already-parsed study document (see ``load_study_config``)."""
     r = _Reader(source, doc)
     r.unknown_keys("", {k: v for k, v in doc.items()}, {
@@ -308,10 +329,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         "finish_top", "finish_rounds", "finish_max_rounds", "probe_margin", "baseline",
     })
     default_name = path.stem if path else "study"
-    name = r.get("study", study, "name", str, default_name,
-                 check=lambda v: None if re.fullmatch(r"[A-Za-z0-9_.-]+", v) and len(v) <= MAX_STUDY_NAME
-                 else f"use letters, digits, '.', '_' or '-', at most {MAX_STUDY_NAME} of them (it names the "
-                 "study's files, <name>.db and <name>.html, and a file name has at most 255 bytes)")
+    name = r.get("study", study, "name", str, default_name, check=study_name_problem)
     seed = r.get("study", study, "seed", int, 0, check=_between(0, SEED_MAX))
     strategies = plugins.get_strategies()
     sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(tuple(strategies)))
@@ -372,7 +390,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                                                              message))
     requests: tuple[tuple[int, int], ...] = ()
     try:
-        requests = draw(spec, seed, path.parent if path else Path("."))
+        requests = draw(spec, seed, path.parent if path else Path(".")) if read_files else ()
     except ValueError as exc:
         r.errors.append(f"{source}: [workload] file = {spec.file!r}: {exc}")
     if requests:  # the typical request stands for the distribution where one shape is asked for

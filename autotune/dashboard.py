@@ -18,6 +18,7 @@ serves a page. tests/test_dashboard_notes.py reads them back with optuna-dashboa
 from __future__ import annotations
 
 import math
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -94,9 +95,10 @@ def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
     """A trial's note: a few Markdown lines a person reads instead of the attributes."""
     c = dict(r.config or {})
     options = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("backend", "weights", "ctx", "parallel"))
-    lines = [f"### {c.get('backend', '?')}: {Path(str(c.get('weights', '?'))).name}",
-             f"{c.get('parallel', '?')} parallel streams of {c.get('ctx', '?')} tokens each"
-             + (f"; {options}" if options else ""), ""]
+    # Every name is escaped: a weights file named "[click me](javascript:...)" is text, not a link.
+    lines = [f"### {_escaped(str(c.get('backend', '?')))}: {_escaped(Path(str(c.get('weights', '?'))).name)}",
+             _escaped(f"{c.get('parallel', '?')} parallel streams of {c.get('ctx', '?')} tokens each"
+                      + (f"; {options}" if options else "")), ""]
     if r.answered:
         lines.append(f"Answered from trial {r.answered_from}: {_escaped(str(r.prune_reason))}")
         return "\n".join(lines)
@@ -124,20 +126,21 @@ def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
     return "\n".join(lines)
 
 
+_SHELL_WORD = re.compile(r"""(?:\$'(?:[^'\\]|\\.)*'|'[^']*'|"(?:[^"\\]|\\.)*"|\\.|[^\s'"\\])+""")
+
+
 def _wrapped(command: str, width: int = 76) -> list[str]:
     """A deploy command as shell lines of at most ``width`` characters (a note's code block does
     not wrap, and one 300-character line makes the trial page that wide); its trailing comment
     goes on lines of its own, each part wrapped at ``width`` too (a backend's note can be a
     sentence of 170 characters)."""
-    import shlex
     import textwrap
 
     line, _, comment = command.partition("  # ")
     out, current = [], ""
-    for word in shlex.split(line):
-        name, eq, value = word.partition("=")
-        # An assignment (VAR=value) keeps its name bare, or the shell would read it as a command.
-        word = f"{name}={shlex.quote(value)}" if eq and name.isidentifier() else shlex.quote(word)
+    # The words as deploy_line quoted them (shell.quote: '...', bash's $'...' for a control
+    # character), kept as written: split and quoted again, a $'...' word would change.
+    for word in _SHELL_WORD.findall(line):
         if current and len(current) + len(word) + 3 > width:
             out.append(current + " \\")
             current = "  "
@@ -192,7 +195,7 @@ def deploy_commands(summary: Any) -> list[str]:
     return [c for c in found if c]
 
 
-_MARKDOWN = set("\\`*_[]<>#|~!&")
+_MARKDOWN = set("\\`*_[]<>#|~!&()")
 
 
 def _escaped(text: str) -> str:
@@ -219,7 +222,8 @@ def _block(text: str, indent: str = "") -> list[str]:
 
     rows = [row for line in text.splitlines() or [""]
             for row in textwrap.wrap(line, 76, break_long_words=True, break_on_hyphens=False) or [""]]
-    fence = "````" if "```" in text else "```"
+    # A fence longer than any run of backticks in the text, which then cannot close it.
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
     return [f"{indent}{row}" for row in ["", fence, *rows, fence, ""]]
 
 

@@ -8,12 +8,16 @@ can end the line's comment and start a command of its own.
 from __future__ import annotations
 
 import re
-import shlex
 from typing import Any, Mapping, Sequence
+
+from autotune.redact import mask_argv
+from autotune.shell import quote
 
 __all__ = ["control_problem", "deploy_line"]
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# In a note: C1 controls (U+009B is a terminal's CSI) and bidirectional overrides too.
+_NOTE_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def control_problem(value: str) -> str | None:
@@ -27,12 +31,13 @@ def control_problem(value: str) -> str | None:
 def deploy_line(argv: Sequence[Any], notes: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:
     """A deploy command as the one shell line a person pastes: ``VAR=value argv...  # note; note``.
 
-    Every word is quoted as a shell needs it (``shlex.quote``: a plain word stays as it is), and
+    Every word is quoted as a shell needs it (``shell.quote``: a plain word stays as it is), a
+    secret in it (``--api-key sk-...``) is masked (``redact.mask_argv``), and
     each control character of a note becomes a space, so nothing in a setting, a path or a
     template can end the comment and start a command of its own.
     """
-    words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()] + [shlex.quote(str(a)) for a in argv]
+    words = [f"{k}={quote(v)}" for k, v in (env or {}).items()] + [quote(a) for a in mask_argv(argv)]
     line = " ".join(words)
     if notes:
-        line += "  # " + _CONTROL.sub(" ", "; ".join(notes))
+        line += "  # " + _NOTE_CONTROL.sub(" ", "; ".join(notes))
     return line

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import sys
 import traceback
 from typing import Iterator
 
 from autotune.redact import scrub
+from autotune.terminal import printable, shown
 
 
 class AutotuneError(Exception):
@@ -27,22 +27,6 @@ class UnknownNameError(ConfigError):
 
 class MeasurementError(AutotuneError):
     """A measurement could not be completed (timeout, engine died, nonsense values)."""
-
-
-# An ANSI escape sequence (CSI such as colours and cursor moves, OSC such as a window title,
-# or a two-character escape), then any other control character but tab and newline.
-_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """Text an engine wrote, made safe to print to a terminal and to store: ANSI escapes are
-    dropped (an engine's colours, or a sequence that rewrites the user's terminal), a carriage
-    return ends a line (progress bars), and every other control character, raw binary among
-    them, is shown as ``\\xNN`` rather than sent. Only this: masking secrets in the same text
-    is a separate function, applied to what this returns."""
-    text = _ESCAPE.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class PluginError(AutotuneError):
@@ -108,7 +92,7 @@ def handle_errors(debug: bool = False) -> Iterator[None]:
     except AutotuneError as exc:
         if debug:
             traceback.print_exc()
-        print(f"Error: {exc}", file=sys.stderr)
+        print(f"Error: {shown(exc)}", file=sys.stderr)
         raise SystemExit(exit_status(exc)) from None
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -120,7 +104,7 @@ def handle_errors(debug: bool = False) -> Iterator[None]:
             raise
         if debug:
             traceback.print_exc()
-        print(f"Error: {too_long(exc.filename)}", file=sys.stderr)
+        print(f"Error: {shown(too_long(exc.filename))}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
 
 

@@ -29,3 +29,28 @@ def path_problem(path: str | Path, want: str = "file") -> str | None:
         return None
     kind = next((name for test, name in _KINDS if test(mode)), "not a file nor a directory")
     return f"is {kind}, not a {'regular file' if want == 'file' else want}"
+
+
+def read_input(path: str | Path, shown: str | None = None, limit: int = 64 * 2**20,
+               what: str = "a file") -> bytes:
+    """The bytes of ``path``, an input file autotune reads whole (a workload's lengths file).
+
+    Only a regular file is opened: a FIFO would block the study (and ``best``) for ever, and
+    ``/dev/zero`` (or a link to it) would fill memory. One over ``limit`` bytes is refused
+    rather than read, and at most ``limit + 1`` bytes are ever read (a file that grows).
+
+    Raises:
+        ValueError: naming the file (``shown``, default the path), what it is and what is accepted.
+    """
+    shown = shown or str(path)
+    problem = path_problem(path)
+    if problem is not None:
+        raise ValueError(f"{shown}: {problem}; give {what}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise ValueError(f"{shown}: cannot be read ({exc.strerror or exc})") from None
+    if len(data) > limit:
+        raise ValueError(f"{shown}: larger than {limit // 2**20} MiB, the most autotune reads as {what}")
+    return data

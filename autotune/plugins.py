@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from autotune.terminal import shown
 from autotune import hookspecs
 from autotune.errors import PluginError, UnknownNameError
 
@@ -77,13 +78,13 @@ def load_plugins() -> None:
             module = ep.load()
             pm.register(module, name=ep.name)
         except Exception as exc:  # a broken third-party plugin must not take the CLI down
-            print(f"autotune: plugin '{ep.name}' failed to load: {exc}", file=sys.stderr)
+            print(shown(f"autotune: plugin '{ep.name}' failed to load: {exc}"), file=sys.stderr)
             continue
         _sources[ep.name] = ep.dist.name if ep.dist else "?"
     try:
         pm.check_pending()  # a misspelled hook name would otherwise be silently ignored
     except pluggy.PluginValidationError as exc:
-        print(f"autotune: {exc}", file=sys.stderr)
+        print(shown(f"autotune: {exc}"), file=sys.stderr)
     if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
         _trace()
 
@@ -163,7 +164,7 @@ _broken: dict[tuple[str, str], str] = {}  # (plugin, hook) -> error, reported on
 def _report_broken(plugin: str, hook_name: str, exc: Exception) -> None:
     if (plugin, hook_name) not in _broken:
         _broken[(plugin, hook_name)] = f"{type(exc).__name__}: {exc}"
-        print(f"autotune: plugin '{plugin}' failed in {hook_name} and is left out: {type(exc).__name__}: {exc}",
+        print(shown(f"autotune: plugin '{plugin}' failed in {hook_name} and is left out: {type(exc).__name__}: {exc}"),
               file=sys.stderr)
 
 

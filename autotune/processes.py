@@ -147,6 +147,13 @@ def on_exit(cleanup: Callable[[], None]) -> None:
         _INSTALLED = True
 
 
+def forget(cleanup: Callable[[], None]) -> None:
+    """Stop running ``cleanup`` at exit (its work is done: a partial file became the result)."""
+    with _LOCK:
+        if cleanup in _CLEANUPS:
+            _CLEANUPS.remove(cleanup)
+
+
 def live() -> set[subprocess.Popen]:
     """Children started with :func:`start` (or :func:`run`) and not stopped yet."""
     with _LIVE_LOCK:

@@ -10,6 +10,7 @@ from rich.live import Live
 from rich.text import Text
 
 from autotune.study.admission import budget_of, budget_text
+from autotune import terminal
 
 
 FIXED = ("backend", "weights", "ctx", "parallel")
@@ -80,9 +81,9 @@ class LiveProgress:
         if self.quiet:
             return
         if self.live is not None:
-            self.live.update(Text(text))
+            self.live.update(Text(terminal.shown(text)))
         else:
-            self.console.print(text, highlight=False, soft_wrap=True, markup=False)
+            self.console.print(terminal.shown(text), highlight=False, soft_wrap=True, markup=False)
 
     def update(self, event: Any) -> None:
         self.counts[event.state] = self.counts.get(event.state, 0) + 1
@@ -90,7 +91,10 @@ class LiveProgress:
             if not self.quiet and event.answered_from is None and event.state in ("COMPLETE", "FAIL"):
                 cfg = event.config
                 outcome = f"{event.value:.1f}" if event.value is not None else f"failed: {event.reason}"
-                self.console.print(f"trial {event.number}: {config_text(cfg)} -> {outcome}",
+                if event.value is not None and getattr(event, "broken", ()):
+                    # A figure alone read as a candidate: a trial over its target says it is not one.
+                    outcome += f" (infeasible: {', '.join(event.broken)})"
+                self.console.print(terminal.shown(f"trial {event.number}: {config_text(cfg)} -> {outcome}"),
                                    highlight=False, soft_wrap=True, markup=False)
             return
         done = f"{event.n_done}" + (f"/{self.n_trials}" if self.n_trials else "")
@@ -106,4 +110,4 @@ class LiveProgress:
             f"trials {done} (ok {self.counts['COMPLETE']}, pruned {self.counts['PRUNED']}, failed {self.counts['FAIL']})"
             f" | best {best}{left}"
         )
-        self.live.update(Text(text))
+        self.live.update(Text(terminal.shown(text)))

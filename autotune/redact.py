@@ -7,6 +7,10 @@ One owner for three things that must agree on what a secret is:
   ``user:password@host`` (an unencoded ``@`` in the password included: the userinfo ends at the
   last ``@`` before the host), ``?password=`` and other secret-looking query keys, SQLAlchemy's
   ``dialect+driver://`` schemes.
+* :func:`mask_argv`: a command line as autotune stores and shows it (the deploy command, the
+  trial's attributes and notes, ``study``, ``best``, ``best --json``, the report): the value of a
+  secret flag (``--api-key``, ``--hf-token``, ``--token``, ``--password``, ``-H 'Authorization:
+  ...'``) and anything shaped like a token (``sk-...``, ``hf_...``) replaced by ``***``.
 * :func:`engine_environment`: an engine's environment from an allow-list plus what its backend
   declares (``BaseBackend.engine_environment``), never the whole of ours: an engine has no use
   for ``$AUTOTUNE_STORAGE`` or ``$HF_TOKEN``, and some print their environment when they fail.
@@ -26,7 +30,7 @@ from urllib.parse import unquote
 
 from autotune.processes import MARK_ENV
 
-__all__ = ["MASK", "PASS_ENV", "engine_environment", "is_secret_name", "mask_url", "remember_url", "scrub",
+__all__ = ["MASK", "PASS_ENV", "engine_environment", "is_secret_name", "mask_argv", "mask_url", "remember_secret", "remember_url", "scrub",
            "secret_values", "split_url", "url_secrets"]
 
 MASK = "***"
@@ -139,6 +143,14 @@ def remember_url(url: str) -> None:
         _known.update(url_secrets(url))
 
 
+def remember_secret(value: str) -> None:
+    """Scrub ``value`` from engine output from now on: a key read from a variable whose name
+    does not look secret (``api_key_env = "VLLM_API"``), which :func:`secret_values` would miss."""
+    if value:
+        with _known_lock:
+            _known.add(value)
+
+
 def secret_values(environ: Mapping[str, str] | None = None) -> set[str]:
     """Values that must not appear in relayed text: those of secret-looking variables, the
     secrets of URLs in any variable ($AUTOTUNE_STORAGE, $DATABASE_URL), and the remembered URLs'."""
@@ -182,4 +194,53 @@ def engine_environment(declared: Iterable[str] = (), *, environ: Mapping[str, st
         if name in exact or (not is_secret_name(name) and any(fnmatch.fnmatchcase(name, p) for p in patterns)):
             out[name] = value
     out.update(overrides)
+    return out
+
+
+# Tokens recognisable by their shape wherever they stand in a word: OpenAI-style keys (sk-,
+# sk-proj-), Hugging Face (hf_), GitHub (ghp_, github_pat_), Slack (xox?-), AWS access keys.
+_TOKEN_SHAPES = re.compile(r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|"
+                           r"github_pat_[A-Za-z0-9_]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})")
+# A header that carries a credential: ``-H 'Authorization: Bearer ...'`` (curl, vLLM's
+# --allowed-headers are names only), its proxy twin, and the API-key headers of some servers.
+_SECRET_HEADER = re.compile(r"^\s*((?:proxy-)?authorization|x-api-key|api-key|x-auth-token)\s*:\s*", re.I)
+# A flag whose value names where a secret is, not the secret: a file, a path, a variable.
+_NOT_SECRET_FLAG = re.compile(r"(file|path|dir|env|var|name|mode|type|len|length|size)$", re.I)
+
+
+def _secret_flag(word: str) -> bool:
+    """Whether ``word`` is a flag whose value is a secret (``--api-key``, ``--hf-token``, ``-token``)."""
+    if not word.startswith("-") or len(word) < 3:
+        return False
+    name = word.lstrip("-")
+    return is_secret_name(name) and not _NOT_SECRET_FLAG.search(name)
+
+
+def _masked_value(value: str) -> str:
+    # A number is no secret (``--max-tokens 512``); nor is an empty value.
+    return value if not value or value.isdigit() else MASK
+
+
+def mask_argv(argv: Iterable[object]) -> list[str]:
+    """``argv`` as strings with every secret it holds replaced by ``***`` (see the module's doc):
+    the value after a secret flag or in its ``--flag=value`` form, a credential header's value,
+    and token-shaped words anywhere. What is not secret is returned unchanged, word for word."""
+    out: list[str] = []
+    words = [str(a) for a in argv]
+    after_flag = False
+    for word in words:
+        if after_flag and not word.startswith("-"):
+            out.append(_masked_value(word))
+            after_flag = False
+            continue
+        after_flag = False
+        flag, eq, value = word.partition("=")
+        header = _SECRET_HEADER.match(word)
+        if header and word[header.end():]:
+            out.append(word[:header.end()] + MASK)
+        elif eq and _secret_flag(flag):
+            out.append(f"{flag}={_masked_value(value)}")
+        else:
+            after_flag = _secret_flag(word)
+            out.append(_TOKEN_SHAPES.sub(MASK, word))
     return out

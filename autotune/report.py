@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import optuna
 
+from autotune.config import MAX_STUDY_NAME
 from autotune.hardware import CPU_KEY
 from autotune.errors import ConfigError
 from autotune.metric import metric_named
@@ -49,6 +51,15 @@ def stored_summary(storage: str, study_name: str | None = None) -> StudySummary:
     """The summary of a stored study (``best``, ``report``): the same one ``study`` printed."""
     with faults(mask_url(storage)):
         return summarize(load_study(storage, study_name), mask_url(storage))
+
+
+def report_file_name(study_name: str) -> Path:
+    """The report's default file: ``<study name>.html`` in the working directory, whatever the
+    name holds. A name comes from the storage, which another client may have written
+    (``../../../X``, ``/etc/x``): its separators and leading dots become ``_``, so the file is
+    always one file name here and never a path elsewhere."""
+    safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", study_name).lstrip(".") or "study"
+    return Path(safe[:MAX_STUDY_NAME] + ".html")
 
 
 def write_study_report(study: optuna.Study, summary: StudySummary, out: Path) -> Path:
@@ -113,6 +124,8 @@ def summary_text(summary: StudySummary) -> str:
     best = summary.best
     if not best:
         lines.append("no feasible configuration measured yet")
+        # Per cause, what stopped each configuration (study.infeasible): the reason, not a count.
+        lines += [f"  {line}" for line in summary.extra.get("no_feasible", [])]
         return "\n".join(lines + baseline_lines(summary.extra) + quality_lines(summary.extra)
                          + stopped_lines(summary.extra))
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())

@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from autotune import hardware, plugins
+from autotune import hardware, plugins, toml_text
 from autotune.backend import Param, StudyContext, TrialConfig, Workload
 from autotune.config import SAFETY_MARGIN_MIB
 from autotune.artifacts import check_makings
 from autotune.declarations import installed_weight_formats
 from autotune.errors import AutotuneError, ConfigError
+from autotune.shell import command_line
 from autotune.formats import normalize_format
 from autotune.measure import Protocol
 from autotune.models import ModelSpec, resolve_model
@@ -322,23 +322,11 @@ def _comment_block(heading: list[str], reasons: Sequence[str]) -> list[str]:
     """A heading and each reason indented under it, as comment lines; nothing without reasons."""
     if not reasons:
         return []
-    return heading + ["#   " + line for why in reasons for line in why.splitlines()] + [""]
+    return heading + ["#   " + line[2:] for why in reasons for line in _comment(why)] + [""]
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-def _comment(text: str) -> list[str]:
-    return ["# " + line for line in text.splitlines()]
+_toml_value = toml_text.value
+_comment = toml_text.comment
 
 
 def render(draft: StudyDraft, out: Path) -> str:
@@ -351,8 +339,9 @@ def render(draft: StudyDraft, out: Path) -> str:
         source = str(draft.source)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     lines = [
-        f"# Written by `autotune init` on {stamp} for {draft.source.name} on this machine",
-        f"# ({draft.gpu.name}). Run it with: autotune study {out.name}",
+        # Names the user did not choose for TOML (a newline in a file name) go through _comment.
+        *_comment(f"Written by `autotune init` on {stamp} for {draft.source.name} on this machine"),
+        *_comment(f"({draft.gpu.name}). Run it with: {command_line(['autotune', 'study', out.name])}"),
         "# Weights named as formats (family:variant) are made from [model] source by the first",
         "# trial that needs them and kept in ~/.cache/autotune/artifacts for every later study.",
     ]
@@ -370,7 +359,7 @@ def render(draft: StudyDraft, out: Path) -> str:
                   f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {budget_text(usable.bytes)} "
                   f"after the {SAFETY_MARGIN_MIB} MiB safety margin"]
     else:
-        lines += [f"gpu = {_toml_value(draft.gpu_key)}  # {draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}"]
+        lines += [f"gpu = {_toml_value(draft.gpu_key)}  " + _comment(f"{draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}")[0]]
     lines += ["", "[model]", f"source = {_toml_value(source)}",
               "", "[workload]", f"prompt_tokens = {draft.workload[0]}", f"output_tokens = {draft.workload[1]}", ""]
     if draft.gpu.is_cpu:

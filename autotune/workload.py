@@ -25,10 +25,13 @@ import csv
 import json
 import math
 import random
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from autotune.paths import path_problem, read_input
 
 __all__ = ["ARRIVALS", "PRESETS", "SLO_KEYS", "Preset", "WORKLOAD_KEYS", "Workload", "WorkloadSpec", "study_workload", "draw", "read_lengths", "read_slo",
            "read_workload"]
@@ -198,6 +201,19 @@ class WorkloadSpec:
         return self.profile is not None or self.file is not None
 
 
+MAX_LENGTHS_BYTES = 64 * 2**20  # a lengths file: a million requests with their text is under this
+RATE_RANGE = (0.01, 10_000.0)  # requests per second a rate (or a rate search) may ask for
+SLO_RANGE_MS = (0.1, 86_400_000.0)  # a latency target: below a tenth of a millisecond no server answers
+MAX_TOKENS = 10_000_000  # a prompt or an output longer than any model's context: a typo, refused
+
+
+def _short(value: Any) -> str:
+    """A bad value as an error shows it: 10**400 is not 400 digits of message."""
+    text = repr(value) if not isinstance(value, int) else str(value) if abs(value) < 10**30 else \
+        f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
     """Request lengths from a JSONL file (an object a line) or a CSV file (a header line), each
     request's ``prompt_tokens`` and ``output_tokens``.
@@ -208,28 +224,39 @@ def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
     """
     shown = shown or str(path)
     fields = ("prompt_tokens", "output_tokens")
+    what = "a regular .jsonl or .csv file of request lengths"
+    if path_problem(path) == "no such file":
+        raise ValueError(f"{shown}: no such file (a .jsonl or .csv of request lengths)")
+    data = read_input(path, shown, MAX_LENGTHS_BYTES, what)  # no FIFO, no device, no 10 GB file
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"{shown}: no such file (a .jsonl or .csv of request lengths)") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        # utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte-order mark, which would
+        # otherwise be part of the first column's name ("lacks prompt_tokens").
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
         raise ValueError(f"{shown}: cannot be read as UTF-8 text ({exc})") from None
     rows: list[tuple[int, Mapping[str, Any]]] = []
     if path.suffix.lower() == ".csv":
+        # Other columns are ignored, however long (a conversation's text): the csv module's
+        # default limit of 128 KiB a field raised _csv.Error; the file's own limit bounds them.
+        csv.field_size_limit(max(csv.field_size_limit(), MAX_LENGTHS_BYTES))
         reader = csv.DictReader(text.splitlines())
         missing = [f for f in fields if f not in (reader.fieldnames or ())]
         if missing:
             raise ValueError(f"{shown}: line 1: the header lacks {', '.join(missing)} (a CSV of request lengths "
                              f"needs the columns {', '.join(fields)})")
-        rows = [(reader.line_num, row) for row in reader]
+        try:
+            rows = [(reader.line_num, row) for row in reader]
+        except csv.Error as exc:
+            raise ValueError(f"{shown}: line {reader.line_num}: not CSV ({exc})") from None
     elif path.suffix.lower() in (".jsonl", ".ndjson"):
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{shown}: line {n}: not JSON ({exc.msg}); each line must be an object such as "
+            except ValueError as exc:  # JSONDecodeError, or a number of more than 4,300 digits
+                raise ValueError(f"{shown}: line {n}: not JSON ({getattr(exc, 'msg', exc)}); each line must be an "
+                                 "object such as "
                                  '{"prompt_tokens": 812, "output_tokens": 240}') from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{shown}: line {n}: a JSON {type(obj).__name__}, not an object with "
@@ -243,11 +270,13 @@ def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
         pair = []
         for f in fields:
             value = row.get(f)
-            if isinstance(value, str) and value.strip().isdigit():
+            # ASCII digits only: str.isdigit() takes '²', which int() then refuses.
+            if isinstance(value, str) and re.fullmatch(r"[0-9]{1,12}", value.strip()):
                 value = int(value)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                got = "missing" if value is None else repr(value)
-                raise ValueError(f"{shown}: line {n}: {f} = {got}: must be an integer >= 1 (tokens)")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TOKENS:
+                got = "missing" if value is None else _short(value)
+                raise ValueError(f"{shown}: line {n}: {f} = {got}: must be an integer from 1 to {MAX_TOKENS:,} "
+                                 "(tokens)")
             pair.append(value)
         out.append((pair[0], pair[1]))
     if not out:
@@ -282,11 +311,11 @@ def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Call
     """Read ``[workload]`` with the study file's reader (``get(key, kind, default, check=...)``
     and ``error(key, value, message)``, both for this table, a value of None meaning a missing
     key), every problem reported."""
-    def at_least(n: float) -> Callable[[Any], str | None]:
-        return lambda v: None if v >= n else f"must be >= {n}"
+    def tokens(v: Any) -> str | None:
+        return None if 1 <= v <= MAX_TOKENS else f"must be 1..{MAX_TOKENS:,} (tokens)"
 
-    prompt = get("prompt_tokens", int, None, check=at_least(1))
-    output = get("output_tokens", int, None, check=at_least(1))
+    prompt = get("prompt_tokens", int, None, check=tokens)
+    output = get("output_tokens", int, None, check=tokens)
     profile = get("profile", str, None,
                   check=lambda v: None if v in PRESETS else f"must be one of {', '.join(PRESETS)} (docs/workload.md)")
     file = get("file", str, None, check=lambda v: None if v.strip() else "must name a .jsonl or .csv file")
@@ -294,7 +323,9 @@ def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Call
     seed = get("seed", int, None, check=lambda v: None if 0 <= v <= 2**32 - 1 else f"must be 0..{2**32 - 1}")
     arrival = get("arrival", str, "closed", check=lambda v: None if v in ARRIVALS else
                   f"must be one of {', '.join(ARRIVALS)}")
-    rate = get("rate", float, None, check=lambda v: None if v > 0 else "must be > 0 (requests per second)")
+    rate = get("rate", float, None, check=lambda v: None if RATE_RANGE[0] <= v <= RATE_RANGE[1] else
+               f"must be {RATE_RANGE[0]:g}..{RATE_RANGE[1]:g} requests per second (below, a run of requests takes "
+               "hours; 1e-300 named a best at 0.0 tok/s)")
     shape = "give prompt_tokens and output_tokens (one request shape), or profile, or file"
     if "profile" in table and "file" in table:
         error("profile", profile, f"and file = {file!r} are both set: {shape}, not both")
@@ -307,8 +338,9 @@ def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Call
             if key not in table:
                 error(key, None, f"required: {shape}")
     search = get("rate_search", list, None, check=lambda v: None if len(v) == 2 and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) and 0 < v[0] < v[1] else
-        "must be [low, high] requests per second, 0 < low < high, e.g. [0.5, 16.0]")
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) and RATE_RANGE[0] <= v[0] < v[1] <=
+        RATE_RANGE[1] else f"must be [low, high] requests per second, {RATE_RANGE[0]:g} <= low < high <= "
+        f"{RATE_RANGE[1]:g}, e.g. [0.5, 16.0]")
     if arrival == "poisson" and "rate" in table and "rate_search" in table:
         error("rate_search", search, f"and rate = {rate} are both set: give one (a fixed rate, or the range to search)")
     elif arrival == "poisson" and "rate" not in table and "rate_search" not in table:
@@ -328,7 +360,9 @@ def read_slo(table: Mapping[str, Any], get: Callable[..., Any]) -> tuple[tuple[s
     """The latency targets of ``[objective]`` (``ttft_p95_ms = 500``...), in :data:`SLO_KEYS` order."""
     out = []
     for key in SLO_KEYS:
-        value = get(key, float, None, check=lambda v: None if v > 0 else "must be > 0 (milliseconds)")
+        value = get(key, float, None, check=lambda v: None if SLO_RANGE_MS[0] <= v <= SLO_RANGE_MS[1] else
+                    f"must be {SLO_RANGE_MS[0]:g}..{SLO_RANGE_MS[1]:g} (milliseconds: a tenth of a millisecond to "
+                    "a day)")
         if value is not None:
             out.append((key, float(value)))
     return tuple(out)

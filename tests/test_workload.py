@@ -66,8 +66,8 @@ def test_lengths_are_read_from_jsonl_and_csv(tmp_path):
 
 @pytest.mark.parametrize("name, text, expected", [
     ("b.jsonl", '{"prompt_tokens": 12, "output_tokens": 3}\n{"prompt_tokens": 0, "output_tokens": 3}\n',
-     "b.jsonl: line 2: prompt_tokens = 0: must be an integer >= 1"),
-    ("b.jsonl", '{"prompt_tokens": 12}\n', "b.jsonl: line 1: output_tokens = missing: must be an integer >= 1"),
+     "b.jsonl: line 2: prompt_tokens = 0: must be an integer from 1 to 10,000,000"),
+    ("b.jsonl", '{"prompt_tokens": 12}\n', "b.jsonl: line 1: output_tokens = missing: must be an integer from 1 to 10,000,000"),
     ("b.jsonl", '{"prompt_tokens": 12, "output_tokens": 3}\nnot json\n', "b.jsonl: line 2: not JSON"),
     ("b.jsonl", '[12, 3]\n', "b.jsonl: line 1: a JSON list, not an object"),
     ("b.csv", "prompt,output_tokens\n1,2\n", "b.csv: line 1: the header lacks prompt_tokens"),
@@ -129,7 +129,7 @@ def test_a_lengths_file_is_relative_to_the_study_file(tmp_path):
     ('prompt_tokens = 10\noutput_tokens = 5\nrequests = 9', "", "[workload] requests = 9: is for a length"),
     ('prompt_tokens = 10\noutput_tokens = 5\nburst = 9', "", "[workload] burst: unknown field"),
     ('file = "none.jsonl"', "", "[workload] file = 'none.jsonl': none.jsonl: no such file"),
-    ("prompt_tokens = 10\noutput_tokens = 5", "ttft_p95_ms = -1", "[objective] ttft_p95_ms = -1: must be > 0"),
+    ("prompt_tokens = 10\noutput_tokens = 5", "ttft_p95_ms = -1", "[objective] ttft_p95_ms = -1: must be 0.1.."),
     ("prompt_tokens = 10\noutput_tokens = 5", "ttft_p90_ms = 100", "[objective] ttft_p90_ms: unknown field"),
 ])
 def test_bad_workload_keys_are_named(tmp_path, workload, objective, expected):

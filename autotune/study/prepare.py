@@ -24,6 +24,7 @@ from autotune.metric import BaseMetric, QualityReference
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import CORE_OPTIONS, BackendSpace, SearchSpace
 from autotune.study.admission import Admission, budget_of
+from autotune.study.refused import without_refused
 from autotune.study import storage as storage_mod
 from autotune.workload import study_workload
 
@@ -315,7 +316,12 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
     judge = Admission(SearchSpace(entries), contexts, cfg.objective)
     screened, excluded = [], list(notes)
     for entry in entries:
-        narrowed, dropped = judge.screen(entry)
+        # A value no configuration of the study can use is said once here, not pruned per trial.
+        kept, refused = without_refused(entry, contexts[entry.backend.name], dict(cfg.space))
+        excluded += refused
+        if kept is None:
+            continue
+        narrowed, dropped = judge.screen(kept)
         excluded += dropped
         if narrowed is not None:
             screened.append(narrowed)

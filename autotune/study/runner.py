@@ -75,6 +75,7 @@ class TrialEvent:
     n_done: int
     elapsed_s: float
     answered_from: int | None = None
+    broken: tuple[str, ...] = ()  # constraints the measured trial broke: infeasible, said on its line
 
 
 def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSampler:
@@ -493,6 +494,7 @@ class StudyRunner(TrialPhase, FinishPhase):
             best_value=best.values[0] if best and best.values else None,
             best_config=dict(best.config) if best and best.config else None,
             n_done=self.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
+            broken=outcome.broken,
         )
 
 

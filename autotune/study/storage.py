@@ -123,10 +123,10 @@ def reading_target(given: str | None, study_file: str | Path | None, study_name:
     if given or os.environ.get(STORAGE_ENV):
         source = "--storage" if given else f"${STORAGE_ENV}"
         if study_file is not None and study_name is None:
-            study_name = load_study_config(Path(study_file)).name
+            study_name = load_study_config(Path(study_file), read_files=False).name
         return given or os.environ[STORAGE_ENV], study_name, source
     if study_file is not None:
-        cfg = load_study_config(Path(study_file))
+        cfg = load_study_config(Path(study_file), read_files=False)  # the storage alone answers
         return resolve_url(None, cfg.storage, cfg.default_storage), study_name or cfg.name, f"study file {study_file}"
     last = _last_run_file()
     if last.is_file():

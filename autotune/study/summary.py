@@ -20,6 +20,7 @@ import optuna
 from autotune.objective import objective_words
 from autotune.study import claims, noise, records
 from autotune.study.baseline import compare
+from autotune.study.infeasible import no_feasible_lines
 from autotune.study.records import TrialRecord, TrialState
 
 
@@ -521,6 +522,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     )
     if finish is not None:
         summary.extra["finish"] = finish
+    if best is None and all_records:  # why nothing is feasible, per cause (issue 41)
+        summary.extra["no_feasible"] = no_feasible_lines(all_records, failure_kind)
     # Configurations another worker (this host or another) still measures, or left RUNNING when
     # it died: until they end, the best above may not be the study's.
     measuring = [h.as_dict() for t, h in claims.running_holders(study)

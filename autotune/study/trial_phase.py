@@ -41,6 +41,7 @@ class Outcome:
     answered_from: int | None = None
     failed_in: str | None = None           # the scope whose failure this is (study/systematic.py)
     worked: tuple[str, ...] = ()           # the scopes that did their part
+    broken: tuple[str, ...] = ()           # the constraints a measured trial broke (its line says so)
 
 
 class TrialPhase:
@@ -208,7 +209,8 @@ class TrialPhase:
         self.study.tell(trial, list(s.values))
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
         return Outcome("COMPLETE", config.as_dict(), list(s.values),
-                       worked=(systematic.making(config.backend), systematic.launching(config.backend)))
+                       worked=(systematic.making(config.backend), systematic.launching(config.backend)),
+                       broken=tuple(k for k, v in s.constraints.items() if v > 0))
 
     def _affordable(self, config: TrialConfig) -> bool:
         return (config.backend, config.weights) not in self._deferred_artifacts

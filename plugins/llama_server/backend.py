@@ -35,13 +35,14 @@ import contextlib
 import functools
 import json
 import os
-import shlex
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
+from autotune.redact import mask_argv
+from autotune.shell import command_line
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
     TrialConfig, UserLoad, deploy_line, same_value
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
@@ -109,10 +110,13 @@ def _positive(value: Any) -> str | None:
     return None if value > 0 else "must be > 0"
 
 
+INT32_MAX = declarations.INT32_MAX  # llama.cpp's -ngl, -ub, -b, --n-cpu-moe are C ints (std::stoi)
+
+
 def _gpu_layers_problem(value: Any) -> str | None:
     if isinstance(value, str):
-        return None if value == "all" else "use \"all\" or a number of layers >= 0"
-    return None if value >= 0 else "use \"all\" or a number of layers >= 0"
+        return None if value == "all" else f"use \"all\" or a number of layers 0..{INT32_MAX}"
+    return None if 0 <= value <= INT32_MAX else f"use \"all\" or a number of layers 0..{INT32_MAX}"
 
 
 def _port_problem(value: Any) -> str | None:
@@ -181,22 +185,27 @@ class LlamaServerBackend(BaseBackend):
             Param("flash_attn", given("flash_attn", (True, False), (True, False)),
                   "flash attention (-fa on|off)", accepted=(True, False)),
         ]
+        def counted(name: str) -> tuple[int, ...]:
+            # llama.cpp reads these with std::stoi into an int32 (declarations.OPTION_RANGES): a
+            # larger value is refused by llama-server itself, so it is refused here, up front.
+            low, high = declarations.OPTION_RANGES[name]
+            return tuple(v for v in space[name] if type(v) is int and low <= v <= high)
+
         if "ubatch" in space:
-            ub = tuple(v for v in space["ubatch"] if type(v) is int and v > 0)
-            params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
+            params.append(Param("ubatch", counted("ubatch"), "physical batch size (-ub)",
+                                accepted=(f"an integer 1..{INT32_MAX}",)))
         # The offload dimensions (issue 27), only when the space names them: a study that does not
         # keeps today's command line, the gpu_layers setting and no -b/--n-cpu-moe.
         if "batch" in space:
-            b = tuple(v for v in space["batch"] if type(v) is int and v > 0)
-            params.append(Param("batch", b, "logical batch size (-b); ubatch <= batch", accepted=("any integer >= 1",)))
+            params.append(Param("batch", counted("batch"), "logical batch size (-b); ubatch <= batch",
+                                accepted=(f"an integer 1..{INT32_MAX}",)))
         if "gpu_layers" in space:
-            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v >= 0))
+            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v in counted("gpu_layers")))
             params.append(Param("gpu_layers", ngl, "layers on the GPU (-ngl; \"all\" = -ngl 999): the output layer and "
-                                "the last N - 1 decoder layers", accepted=("\"all\"", "any integer >= 0")))
+                                "the last N - 1 decoder layers", accepted=("\"all\"", f"an integer 0..{INT32_MAX}")))
         if "n_cpu_moe" in space:
-            moe = tuple(v for v in space["n_cpu_moe"] if type(v) is int and v >= 0)
-            params.append(Param("n_cpu_moe", moe, "layers whose routed experts stay in host memory (--n-cpu-moe: "
-                                "the first N)", accepted=("any integer >= 0",)))
+            params.append(Param("n_cpu_moe", counted("n_cpu_moe"), "layers whose routed experts stay in host "
+                                "memory (--n-cpu-moe: the first N)", accepted=(f"an integer 0..{INT32_MAX}",)))
         return params
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
@@ -680,8 +689,8 @@ class LlamaServerBackend(BaseBackend):
         measured = runs[ctx.protocol.warmup_runs:]  # the runs the stats are made of
         attrs: dict[str, Any] = {
             "engine_version": self._version_of(server.cmd[0]),
-            "command": shlex.join(server.cmd),
-            "argv": list(server.cmd),
+            "command": command_line(mask_argv(server.cmd)),  # stored and shown: a key masked
+            "argv": mask_argv(server.cmd),
             "gpu": has_gpu,
             "prompt_tokens": len(prompt),
             **_timings(measured),

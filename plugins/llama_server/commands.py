@@ -18,7 +18,8 @@ from typing import Any
 import click
 
 from autotune.errors import AutotuneError, ConfigError, handle_errors
-from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS
+from autotune.terminal import echo
+from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, LIMITS, SEED_RANGE
 
 __all__ = ["add_engine_commands", "add_synth_command"]
 
@@ -36,7 +37,7 @@ def _errors() -> Iterator[None]:
         except AutotuneError as exc:
             tail = getattr(exc, "log_tail", "")
             if tail:
-                click.echo(tail, err=True)
+                echo(tail, err=True)
             raise
 
 
@@ -86,7 +87,7 @@ class _BuildProgress:
         if self.bar is not None:
             self.bar.console.print(message, highlight=False)
         else:
-            click.echo(message, err=True)
+            echo(message, err=True)
 
     def __call__(self, done: int, total: int, line: str) -> None:
         if self.bar is not None:
@@ -98,7 +99,7 @@ class _BuildProgress:
         decile = 10 * done // max(total, 1)
         if decile > self.last_decile:
             self.last_decile = decile
-            click.echo(f"compiling: {done}/{total} ({100 * done // max(total, 1)}%)", err=True)
+            echo(f"compiling: {done}/{total} ({100 * done // max(total, 1)}%)", err=True)
 
 
 def add_engine_commands(cli: click.Group) -> None:
@@ -149,19 +150,19 @@ def add_engine_commands(cli: click.Group) -> None:
         version = result.manifest.get("version", {})
         label = engine_mod.EngineVersion(**version).label if version else "llama.cpp"
         verb = "reused" if result.reused else f"built in {time.monotonic() - started:.0f}s"
-        click.echo(f"{label} {result.manifest.get('tag', '')} {verb}")
+        echo(f"{label} {result.manifest.get('tag', '')} {verb}")
         for tool in engine_mod.BUILD_TARGETS:
-            click.echo(f"  {tool + ':':21}{result.tool(tool) or 'missing'}")
+            echo(f"  {tool + ':':21}{result.tool(tool) or 'missing'}")
         cuda = result.manifest.get("cuda") or {}
         if cuda.get("version"):
-            click.echo(f"  {'CUDA:':21}{cuda['version']} ({cuda.get('compiler')}) for sm_{', sm_'.join(cuda['archs'])}")
-        click.echo(f"  {'libraries:':21}{result.lib_dir}  (LLAMA_CPP_LIB_PATH for llama-cpp-python "
+            echo(f"  {'CUDA:':21}{cuda['version']} ({cuda.get('compiler')}) for sm_{', sm_'.join(cuda['archs'])}")
+        echo(f"  {'libraries:':21}{result.lib_dir}  (LLAMA_CPP_LIB_PATH for llama-cpp-python "
                    f"{result.manifest.get('llama_cpp_python', '')})")
-        click.echo(f"  {'build log:':21}{result.install_dir / 'build.log'}")
+        echo(f"  {'build log:':21}{result.install_dir / 'build.log'}")
         if python_bindings:
             with _errors(), (result.install_dir / "build.log").open("a", encoding="utf-8") as log:
                 installed = engine_mod.install_python_bindings(result, cache_dir=cache_dir, log=log)
-            click.echo(f"  llama-cpp-python {installed} installed, loading {result.lib_dir}")
+            echo(f"  llama-cpp-python {installed} installed, loading {result.lib_dir}")
 
     @group.command("list")
     @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -172,13 +173,13 @@ def add_engine_commands(cli: click.Group) -> None:
 
         builds = engine_mod.built_engines(cache_dir)
         if not builds:
-            click.echo(f"no builds in {engine_mod.engines_dir(cache_dir)}")
+            echo(f"no builds in {engine_mod.engines_dir(cache_dir)}")
         for b in builds:
             version = b.manifest.get("version", {})
             label = engine_mod.EngineVersion(**version).label if version else "?"
-            click.echo(f"{b.install_dir.name:32} {label:40} {b.server}")
+            echo(f"{b.install_dir.name:32} {label:40} {b.server}")
         with contextlib.suppress(AutotuneError):
-            click.echo(f"llama-server in use: {engine_mod.find_llama_server(cache_dir=cache_dir)}")
+            echo(f"llama-server in use: {engine_mod.find_llama_server(cache_dir=cache_dir)}")
 
 
 def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
@@ -187,26 +188,32 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple
     return tuple(v.strip().upper() for v in value.split(",") if v.strip())
 
 
+def _limit(field: str) -> click.IntRange:
+    """The option's range: the shape's own (synth_shapes.LIMITS), refused by click before anything runs."""
+    low, high, _why = LIMITS[field]
+    return click.IntRange(low, high)
+
+
 def add_synth_command(cli: click.Group) -> None:
     """Add ``synth`` to ``cli``."""
 
     @cli.command("synth")
     @click.option("--arch", type=click.Choice(sorted(ARCH_DEFAULTS)), required=True, help="GGUF architecture.")
-    @click.option("--layers", type=click.IntRange(min=1), required=True, help="Transformer blocks.")
-    @click.option("--hidden", type=click.IntRange(min=1), required=True, help="Embedding width.")
-    @click.option("--heads", type=click.IntRange(min=1), required=True, help="Attention (query) heads.")
-    @click.option("--kv-heads", type=click.IntRange(min=1), required=True, help="Key/value heads (GQA).")
-    @click.option("--ffn", type=click.IntRange(min=1), required=True,
+    @click.option("--layers", type=_limit("n_layers"), required=True, help="Transformer blocks.")
+    @click.option("--hidden", type=_limit("hidden"), required=True, help="Embedding width.")
+    @click.option("--heads", type=_limit("n_heads"), required=True, help="Attention (query) heads.")
+    @click.option("--kv-heads", type=_limit("n_kv_heads"), required=True, help="Key/value heads (GQA).")
+    @click.option("--ffn", type=_limit("ffn"), required=True,
                   help="Feed-forward width (of a dense block; a MoE's config value is written as is).")
-    @click.option("--head-dim", type=click.IntRange(min=1), default=None,
+    @click.option("--head-dim", type=_limit("head_size"), default=None,
                   help="Width of one head when it is not hidden / heads (Qwen3: 128).")
-    @click.option("--experts", type=click.IntRange(min=0), default=0, show_default=True,
+    @click.option("--experts", type=_limit("experts"), default=0, show_default=True,
                   help="Routed experts per block (a MoE architecture such as qwen3moe).")
-    @click.option("--experts-used", type=click.IntRange(min=0), default=0, show_default=True,
+    @click.option("--experts-used", type=_limit("experts_used"), default=0, show_default=True,
                   help="Experts each token is routed to.")
-    @click.option("--expert-ffn", type=click.IntRange(min=0), default=0, show_default=True,
+    @click.option("--expert-ffn", type=_limit("expert_ffn"), default=0, show_default=True,
                   help="Feed-forward width of one expert.")
-    @click.option("--ctx", "context_length", type=click.IntRange(min=16), default=32768, show_default=True,
+    @click.option("--ctx", "context_length", type=_limit("context_length"), default=32768, show_default=True,
                   help="Trained context length written to the metadata.")
     @click.option("--vocab-from", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
                   help="A GGUF whose tokenizer to copy [default: llama.cpp's ggml-vocab-llama-bpe.gguf "
@@ -217,7 +224,7 @@ def add_synth_command(cli: click.Group) -> None:
                        "(files named <out>-<TYPE>.gguf).")
     @click.option("--tie-embeddings", is_flag=True,
                   help="No output.weight: the head reuses the embeddings (small Qwen2.5 models).")
-    @click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the weights.")
+    @click.option("--seed", type=click.IntRange(*SEED_RANGE), default=0, show_default=True, help="Random seed of the weights.")
     @click.option("--force", is_flag=True, help="Overwrite existing output files.")
     def synth(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int | None,
               experts: int, experts_used: int, expert_ffn: int, context_length: int, vocab_from: Path | None,
@@ -238,12 +245,12 @@ def add_synth_command(cli: click.Group) -> None:
                                        experts_used=experts_used, expert_ffn=expert_ffn)
             vocab = vocab_from or synth_mod.find_vocab(arch)
             written = synth_mod.write_model(spec, out, vocab_from=vocab, seed=seed, overwrite=force,
-                                            progress=_echo_progress(), quantize=quantize, say=click.echo)
-            click.echo(f"wrote {written.path} ({written.size_bytes / 2**20:.1f} MiB, {written.n_params:,} "
+                                            progress=_echo_progress(), quantize=quantize, say=echo)
+            echo(f"wrote {written.path} ({written.size_bytes / 2**20:.1f} MiB, {written.n_params:,} "
                        f"parameters, vocab {written.n_vocab} from {vocab.name})")
             for qtype in quantize:
                 q = synth_mod.quantize(out, qtype, overwrite=force)
-                click.echo(f"wrote {q} ({q.stat().st_size / 2**20:.1f} MiB)")
+                echo(f"wrote {q} ({q.stat().st_size / 2**20:.1f} MiB)")
 
 
 def _echo_progress() -> Callable[[int, int], None]:
@@ -253,6 +260,6 @@ def _echo_progress() -> Callable[[int, int], None]:
         decile = 10 * done // max(total, 1)
         if decile > last[0]:
             last[0] = decile
-            click.echo(f"writing tensors: {done}/{total}", err=True)
+            echo(f"writing tensors: {done}/{total}", err=True)
 
     return report

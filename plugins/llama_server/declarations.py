@@ -38,3 +38,15 @@ GGUF = WeightFormats(
     accepts=formats.ACCEPTS, parse=formats.file_type, predict=formats.predict_gguf_weights,
     bits=formats.bits_per_weight, quote=formats.quote,
 )
+
+# The numeric options' ranges, as llama.cpp's own parser takes them: -ngl, -ub, -b and
+# --n-cpu-moe are read with std::stoi into a C int, so a larger value (gpu_layers = 10**12,
+# ubatch = 2**40) is refused by llama-server at start. Declared here, beside the cache types, so
+# that every backend of the engine (llama-server, its twin) refuses the same values up front.
+INT32_MAX = 2**31 - 1
+OPTION_RANGES: dict[str, tuple[int, int]] = {
+    "gpu_layers": (0, INT32_MAX),
+    "n_cpu_moe": (0, INT32_MAX),
+    "ubatch": (1, INT32_MAX),
+    "batch": (1, INT32_MAX),
+}

@@ -68,11 +68,24 @@ _REASON_RX = re.compile(
 )
 
 
+# ggml's own failure line: "ggml.c:1234: GGML_ASSERT(cond) failed", GGML_ABORT's message, a C++
+# exception's what(). The most specific words there are: said first.
+_ASSERT_RX = re.compile(r"GGML_ASSERT|GGML_ABORT|: fatal error|terminate called|what\(\):")
+# What ggml's crash handler prints after it: gdb's (or lldb's) backtrace of every thread. Its last
+# lines ("#5 0x... in main ()", "[Inferior 1 (process 12) detached]") were stored as the reason.
+DEBUGGER_LINE = re.compile(r"^(#\d+\s|\[New LWP|\[Thread debugging|\[Inferior \d|Using host libthread_db|"
+                          r"warning: (could not|Unable to|Error disabling)|\(gdb\)|ptrace:|No stack\.|"
+                          r"Could not attach|0x[0-9a-f]+ in )")
+
+
 def engine_reason(log_text: str) -> str:
-    """The engine's own words for a failure: its error lines, most specific first."""
+    """The engine's own words for a failure: its error lines, most specific first (an
+    assertion's own line before any other), never a debugger's backtrace."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"\s E\s", f" {ln} ") or _REASON_RX.search(ln)]
-    pick = errors[:3] if errors else lines[-3:]
+    lines = [ln for ln in lines if not DEBUGGER_LINE.search(ln)]
+    asserted = [ln for ln in lines if _ASSERT_RX.search(ln)]
+    errors = [ln for ln in lines if ln not in asserted and (re.search(r"\s E\s", f" {ln} ") or _REASON_RX.search(ln))]
+    pick = (asserted + errors)[:3] if asserted or errors else lines[-3:]
     return " | ".join(pick)[:800] or "no output"
 
 

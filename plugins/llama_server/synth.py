@@ -357,6 +357,13 @@ def write_model(
     out_path = Path(out)
     if out_path.exists() and not overwrite:
         raise ConfigError(f"--out {out_path}: already exists (pass --force to replace it)")
+    # The whole plan before a byte is written: a bad --quantize type was refused only after the
+    # F16 model (gigabytes, minutes) was written.
+    check_quantize_types(quantize)
+    for qtype in quantize:
+        dst = quantized_path(out_path, qtype)
+        if dst.exists() and not overwrite:
+            raise ConfigError(f"--quantize {qtype}: {dst} already exists (pass --force to replace it)")
     tokenizer, n_vocab = read_tokenizer(vocab_from)
     space = disk_plan(spec, out_path, tokenizer=tokenizer, n_vocab=n_vocab, quantize=tuple(quantize))
     if say is not None:
@@ -366,6 +373,12 @@ def write_model(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".partial")
 
+    def remove_partial() -> None:
+        tmp.unlink(missing_ok=True)
+
+    # SIGTERM (a batch system's stop, `kill`) ends the process without the except below: the
+    # exit hook removes the partial file then too (it was 0.4-0.8 GB left behind).
+    processes.on_exit(remove_partial)
     w = gguf_writer(tmp, spec, tokenizer, n_vocab, plan)
     rng = np.random.default_rng(seed)
     try:
@@ -392,6 +405,8 @@ def write_model(
         w.close()
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        processes.forget(remove_partial)
     return SynthResult(out_path, out_path.stat().st_size, sum(t.n_elements for t in plan), n_vocab)
 
 
@@ -405,6 +420,14 @@ def quantize_types() -> list[str]:
     import gguf
 
     return [n.removeprefix("MOSTLY_") for n in gguf.LlamaFileType.__members__ if n.startswith("MOSTLY_")]
+
+
+def check_quantize_types(types: Sequence[str]) -> None:
+    """Raises ConfigError naming every type ``llama-quantize`` does not know."""
+    allowed = quantize_types()
+    bad = [t for t in types if t.upper() not in allowed]
+    if bad:
+        raise ConfigError(f"--quantize {', '.join(map(repr, bad))}: not a llama.cpp type (use one of {', '.join(allowed)})")
 
 
 def quantize(
@@ -437,9 +460,7 @@ def quantize(
     from autotune_plugins.llama_server import engine
 
     qtype = qtype.upper()
-    allowed = quantize_types()
-    if qtype not in allowed:
-        raise ConfigError(f"--quantize {qtype!r}: not a llama.cpp type (use one of {', '.join(allowed)})")
+    check_quantize_types((qtype,))
     src = Path(model)
     dst = Path(out) if out else quantized_path(src, qtype)
     if dst.exists() and not overwrite:
@@ -447,14 +468,24 @@ def quantize(
     _check_quantized_space(src, qtype, dst)
     exe = Path(binary) if binary else engine.find_llama_quantize()
     tmp = dst.with_name(dst.name + ".partial")
+
+    def remove_partial() -> None:
+        tmp.unlink(missing_ok=True)
+
+    processes.on_exit(remove_partial)  # SIGTERM while llama-quantize writes
     try:
         proc = processes.run([str(exe), str(src), str(tmp), qtype], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout_s=timeout_s)
     except FileNotFoundError:
+        processes.forget(remove_partial)
         raise AutotuneError(f"{exe}: no such executable") from None
-    except subprocess.TimeoutExpired:
-        tmp.unlink(missing_ok=True)
-        raise AutotuneError(f"llama-quantize {qtype}: no result after {timeout_s:.0f}s") from None
+    except BaseException as exc:
+        remove_partial()
+        processes.forget(remove_partial)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise AutotuneError(f"llama-quantize {qtype}: no result after {timeout_s:.0f}s") from None
+        raise
+    processes.forget(remove_partial)
     if proc.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         tail = " | ".join(proc.stdout.decode("utf-8", "replace").strip().splitlines()[-3:])

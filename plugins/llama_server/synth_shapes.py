@@ -74,11 +74,12 @@ class SynthSpec:
         problems = []
         if self.arch not in ARCH_DEFAULTS:
             problems.append(f"arch {self.arch!r}: use one of {', '.join(sorted(ARCH_DEFAULTS))}")
-        for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "context_length"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                problems.append(f"{name} = {getattr(self, name)!r}: must be a positive integer")
-        if self.head_size is not None and (not _is_int(self.head_size) or self.head_size < 1):
-            problems.append(f"head_size = {self.head_size!r}: must be a positive integer")
+        for name, (low, high, why) in LIMITS.items():
+            value = getattr(self, name)
+            if name == "head_size" and value is None:
+                continue
+            if not _is_int(value) or not low <= value <= high:
+                problems.append(f"{name} = {value!r}: must be an integer {low}..{high} ({why})")
         if not problems:
             if self.head_size is None and self.hidden % self.n_heads:
                 problems.append(f"hidden = {self.hidden}: must be a multiple of heads ({self.n_heads}), "
@@ -115,6 +116,24 @@ class SynthSpec:
     def name(self) -> str:
         experts = f"-{self.experts}x{self.experts_used}E" if self.is_moe else ""
         return f"synthetic-{self.arch}-{self.n_layers}L-{self.hidden}H{experts}"
+
+
+# What llama.cpp loads, per field of the shape: (lowest, highest, why). Checked before anything
+# is planned or written: --layers 1000000000 took the host's memory planning tensors, and
+# --head-dim 1000000 on a 256-wide model started writing 11.6 GiB.
+LIMITS: dict[str, tuple[int, int, str]] = {
+    "n_layers": (1, 512, "llama.cpp's LLAMA_MAX_LAYERS"),
+    "hidden": (1, 65536, "4x the widest published model's"),
+    "n_heads": (1, 1024, "query heads"),
+    "n_kv_heads": (1, 1024, "key/value heads"),
+    "ffn": (1, 262144, "4x the widest published feed-forward"),
+    "context_length": (16, 2**31 - 1, "llama.cpp's n_ctx_train is a C int"),
+    "head_size": (1, 1024, "the largest head llama.cpp's kernels take is 576, DeepSeek's"),
+    "experts": (0, 512, "llama.cpp's LLAMA_MAX_EXPERTS"),
+    "experts_used": (0, 512, "at most experts"),
+    "expert_ffn": (0, 262144, "as ffn"),
+}
+SEED_RANGE = (0, 2**32 - 1)  # numpy's generator takes no negative seed
 
 
 def _is_int(value: Any) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,6 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
+from autotune.redact import mask_argv, remember_secret
+from autotune.shell import command_line
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
     deploy_line
 from autotune.declarations import CacheType
@@ -88,6 +91,13 @@ def _args_problem(value: Any) -> str | None:
     return None
 
 
+def _variable_problem(value: Any) -> str | None:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return ("must be the name of an environment variable (letters, digits, '_'), not the key itself: "
+                "export the key under that name")
+    return None
+
+
 def _args(value: Any) -> list[str]:
     return shlex.split(value) if isinstance(value, str) else list(value or ())
 
@@ -122,6 +132,9 @@ class OpenAIServerBackend(BaseBackend):
         Setting("executable", str, None, "the engine's executable, in place of the command's first argument"),
         Setting("extra_args", (str, list), None, "arguments added after the template's command",
                 check=_args_problem),
+        Setting("api_key_env", str, None, "the name (never the value) of an environment variable holding the "
+                "server's API key: sent as 'Authorization: Bearer' with every request and handed to the engine "
+                "under that name (vLLM reads VLLM_API_KEY, llama-server LLAMA_API_KEY)", check=_variable_problem),
         Setting("ready", str, None, "the health path polled until it answers 200 (default: the template's)"),
         Setting("startup_timeout_s", float, None, "bound on the server's start, seconds (default: the template's)",
                 check=_positive),
@@ -189,6 +202,10 @@ class OpenAIServerBackend(BaseBackend):
                       if built else f"install {t.engine}, or set [backends.{self.name}] executable to its path")
             problems.append(f"template {t.name}: {t.command[0]!r} is not an executable here "
                             f"(not found on PATH): {remedy}")
+        try:
+            self.api_key(ctx)  # a variable named but unset: said before any server starts, not as 401s
+        except ConfigError as exc:
+            problems.append(str(exc))
         if _has_gpu():
             try:
                 cuda_visible_entry(ctx.gpu_index)
@@ -356,8 +373,26 @@ class OpenAIServerBackend(BaseBackend):
         port = free_port(host)
         argv = self.argv(config, ctx, host=host, port=port, has_gpu=has_gpu, t=t)
         devices = cuda_visible_entry(ctx.gpu_index) if has_gpu else None
-        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices, self.engine_variables),
-                            label=t.name)
+        key_env = self.value(ctx, "api_key_env")
+        declared = (*self.engine_variables, key_env) if key_env else self.engine_variables
+        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices, declared),
+                            label=t.name, api_key=self.api_key(ctx))
+
+    def api_key(self, ctx: StudyContext) -> str | None:
+        """The key named by ``api_key_env``, from our environment (None: none named).
+
+        Raises:
+            ConfigError: The variable is named but not set, before any server starts.
+        """
+        name = self.value(ctx, "api_key_env")
+        if not name:
+            return None
+        value = os.environ.get(str(name))
+        if not value:
+            raise ConfigError(f"[backends.{self.name}] api_key_env = {name!r}: ${name} is not set (or empty); "
+                              f"export the server's API key as {name} before the study")
+        remember_secret(value)  # scrubbed from the engine's output, whatever the variable's name
+        return value
 
     def startup_timeout(self, ctx: StudyContext, t: Template) -> float:
         given = self.value(ctx, "startup_timeout_s")
@@ -452,7 +487,8 @@ class OpenAIServerBackend(BaseBackend):
         attrs: dict[str, Any] = {
             "engine_version": self.version(t),
             "template": t.name, "template_file": t.source, "template_docs": t.docs,
-            "command": shlex.join(server.argv), "argv": list(server.argv), "gpu": has_gpu,
+            # Stored and shown (notes, report): any key in the argv masked (mask_argv).
+            "command": command_line(mask_argv(server.argv)), "argv": mask_argv(server.argv), "gpu": has_gpu,
             "prompt_tokens": n_prompt,
             "server_metrics": _compare(server_rows[ctx.protocol.warmup_runs:], t),
         }

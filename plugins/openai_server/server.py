@@ -19,6 +19,7 @@ from autotune.measure.streams import fetch
 from autotune.errors import BackendError, EngineUnavailableError, MeasurementError
 from autotune.local_server import read_log, server_url, tail, wait_ready
 from autotune.redact import engine_environment
+from autotune_plugins.llama_server.server import DEBUGGER_LINE
 
 __all__ = ["OpenAIServer"]
 
@@ -31,9 +32,11 @@ class OpenAIServer:
         host, port: Where it listens.
         env: Its environment.
         label: The template's name, for messages.
+        api_key: Sent as ``Authorization: Bearer`` with every request (``api_key_env``).
     """
 
-    def __init__(self, argv: Sequence[str], *, host: str, port: int, env: Mapping[str, str], label: str):
+    def __init__(self, argv: Sequence[str], *, host: str, port: int, env: Mapping[str, str], label: str,
+                 api_key: str | None = None):
         self.argv = list(argv)
         self.label = label
         self.url = server_url(host, port)
@@ -42,8 +45,11 @@ class OpenAIServer:
         # A local server: no proxy from the environment, no pool limit (every stream gets its
         # connection at once), no keep-alive (a server closing idle connections on its own
         # schedule failed pooled requests: see the llama-server plugin's Server).
-        self.http = httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=None,
-                                                                      max_keepalive_connections=0))
+        # api_key: a server started with one answers 401 to every request without it; it is held
+        # here only, as the header of every request, never stored nor printed.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.http = httpx.Client(trust_env=False, headers=headers,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
         with open(self.log_path, "w") as log:
             try:
                 self.proc = processes.start(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -62,7 +68,8 @@ class OpenAIServer:
         text = self.log()
         rc = self.proc.poll()
         status = f"exited with code {rc}" if rc is not None else "is running"
-        last = [ln.strip() for ln in text.splitlines() if ln.strip()][-3:]
+        # A debugger's backtrace (ggml's crash handler runs gdb) is not the engine's words.
+        last = [ln.strip() for ln in text.splitlines() if ln.strip() and not DEBUGGER_LINE.search(ln.strip())][-3:]
         message = f"{self.label} server {status}: {what}: {' | '.join(last) or 'no output'}"
         if rc in (126, 127):  # the shell's "cannot execute" / "not found": every trial would fail
             return EngineUnavailableError(f"{message}. The engine cannot run here", log_tail=tail(text))

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import click
 
 from autotune.errors import ConfigError, handle_errors
+from autotune.terminal import echo
 
 __all__ = ["add_quality_command", "measure_quality"]
 
@@ -153,14 +154,14 @@ def add_quality_command(cli: click.Group) -> None:
                                          per_subject=per_subject, shots=shots, seed=seed, reference=reference,
                                          settings=settings, progress=progress.update, announce=progress.note)
         if as_json:
-            click.echo(json.dumps(result, indent=2, ensure_ascii=False))
+            echo(json.dumps(result, indent=2, ensure_ascii=False))
             return
         se = f" ± {result['stderr']:.4f}" if result["stderr"] is not None else ""
         if benchmark == "kld":
-            click.echo(f"kld {weights} vs {reference}: mean KLD {result['kld_mean']:.5f}{se} nats, top-1 agreement "
+            echo(f"kld {weights} vs {reference}: mean KLD {result['kld_mean']:.5f}{se} nats, top-1 agreement "
                        f"{result['top1_agreement']:.1%} on {result['n']} tokens ({result['seconds']:.1f} s)")
         else:
-            click.echo(f"{benchmark} {weights}: accuracy {result['accuracy']:.1%}{se} on {result['n']} items "
+            echo(f"{benchmark} {weights}: accuracy {result['accuracy']:.1%}{se} on {result['n']} items "
                        f"({per_subject} per subject, {shots}-shot, seed {seed}; {result['seconds']:.1f} s)")
 
 

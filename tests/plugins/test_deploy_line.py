@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import subprocess
 
 import pytest
 
@@ -30,6 +31,13 @@ def test_a_control_character_in_a_host_is_refused_naming_the_file_and_the_field(
     assert check_settings(backend, {"host": "0.0.0.0"}, "s.toml") == []
 
 
+def _pasted(command: str) -> list[str]:
+    """The words bash gives ``command`` (Python's shlex does not read bash's $'...')."""
+    out = subprocess.run(["bash", "--norc", "-c", "words() { printf '%s\\0' \"$@\"; }; words " + command],
+                         capture_output=True, check=True)
+    return out.stdout.decode().split("\0")[:-1]
+
+
 def test_a_control_character_in_a_template_field_is_refused(tmp_path):
     path = tmp_path / "t.toml"
     path.write_text('[template]\ncommand = ["srv", "-m", "{weights}", "--port", "{port}"]\nmemory = "measured"\n'
@@ -49,14 +57,15 @@ def test_the_deploy_line_is_one_shell_line_whatever_a_path_holds(tmp_path):
     line = OpenAIServerBackend().deploy_command(cfg("m b.gguf"), make_ctx(where, template="t.toml"))
     command, _, comment = line.partition("  # ")
     assert "\n" not in comment and comment.startswith("template t (")
-    assert shlex.split(command)[1:] == ["-m", str(where / "m b.gguf"), "--port", "8000"]  # quoted, not split
+    assert "\n" not in command  # one line: the newline is bash's $'\x0a'
+    assert _pasted(command)[1:] == ["-m", str(where / "m b.gguf"), "--port", "8000"]  # quoted, not split
 
 
 def test_deploy_line_quotes_only_what_needs_it():
     assert deploy_line(["llama-server", "-m", "/m/a.gguf", "-c", 4096], ["ctx 4096 x 1 slots", "listens on x"],
                        {"CUDA_VISIBLE_DEVICES": "0"}) == (
         "CUDA_VISIBLE_DEVICES=0 llama-server -m /m/a.gguf -c 4096  # ctx 4096 x 1 slots; listens on x")
-    assert deploy_line(["srv", "a b", "x\ny"], ["one\nrm -rf ~"]) == "srv 'a b' 'x\ny'  # one rm -rf ~"
+    assert deploy_line(["srv", "a b", "x\ny"], ["one\nrm -rf ~"]) == "srv 'a b' $'x\\x0ay'  # one rm -rf ~"
 
 
 def test_the_dashboard_note_keeps_the_quoting():

@@ -288,6 +288,9 @@ def test_a_cpu_study_through_the_llama_server_template(study_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["n_complete"] == 2  # parallel 1 and 2 with an f16 cache; q8_0 refused (head size 8)
+    # ... once, before the search (issue 41): no q8_0 trial is proposed, none pruned.
+    assert any("[space] cache_type = 'q8_0': refused in every configuration of this study: cache_type q8_0: its "
+               "block of 32 does not divide the head size 8" in line for line in summary["excluded_before_search"])
     study = optuna.load_study(study_name="openai-cpu", storage=storage)
     for t in study.trials:
         if t.state == optuna.trial.TrialState.COMPLETE:
