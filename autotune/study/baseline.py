@@ -41,7 +41,9 @@ from autotune.backend import BaseBackend, DefaultLaunch, UserLoad, Workload
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
 from autotune.space import BackendSpace
-from autotune.study import cost, records
+from autotune.study import records
+from autotune.study import budget_cut as cost
+from autotune.study.noise import baseline_launches, relative_range
 from autotune.study.prepare import PreparedStudy, highest_precision
 
 WHY_WEIGHTS = "the study's highest-precision candidate (most bytes of weights): what the user has before tuning"
@@ -212,8 +214,6 @@ def _figure(base: records.Baseline, rounds: Mapping[int, Mapping[str, Any]], met
     """The baseline's figure of ``metric``: (median, spread, launches). Measured again by the
     finish (beside the leaders, interleaved), the median over its launches and their range;
     else its one launch's median and spread."""
-    from autotune.study.noise import baseline_launches, relative_range
-
     launches = baseline_launches(base, rounds, metric)
     if len(launches) > 1:
         return statistics.median(launches), relative_range(launches) or 0.0, len(launches)

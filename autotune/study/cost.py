@@ -13,9 +13,15 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
-from autotune.measure import deadline
 from autotune.measure.protocol import Protocol
 from autotune.workload import RATE_SEARCH_STEPS, Workload
+from autotune import plugins
+from autotune.backend import BaseBackend
+from autotune.study import records
+from autotune.study.admission import Admission
+from autotune.study.baseline import highest_precision, measure_again, title_of, user_load
+from autotune.study.budget_cut import BASELINE_SHARE, CUT_SHORT, cut_short
+from autotune.study.predictor import predictor_for
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -25,21 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["BASELINE_SHARE", "CUT_SHORT", "Forecast", "LaunchCost", "cut_short", "forecast", "launch_cost",
            "run_seconds"]
 
-# The most of a run's budget its baselines may take: what the user gets without tuning is worth
-# knowing, but a study exists to search; a quarter leaves the search three quarters.
-BASELINE_SHARE = 0.25
-CUT_SHORT = "cut short by the budget"  # how every budget-ended measurement begins (summary, retries)
-
-
-def cut_short(exc: BaseException) -> str | None:
-    """Why a failed measurement is the budget's doing, when the deadline in force here has passed
-    (it ended the requests, or the engine's loading); None when the failure is the engine's.
-
-    The engine's own words stay in the record's log tail; the reason says what happened."""
-    over = deadline.passed()
-    if over is None:
-        return None
-    return f"{CUT_SHORT}: {over.reason} during its measurement (not the engine's failure: {exc})"
+# The budget's share and its words live in budget_cut (the baselines use them without the forecast).
 
 
 # ------------------------------------------------------------------------------ the forecast
@@ -195,11 +187,6 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
     this card; None where nothing predicts a configuration of it, and for a study of model
     backends (a twin predicts itself: its trials cost no measuring). ``study``: a resumed
     study's storage (its baselines already measured cost nothing)."""
-    from autotune import plugins
-    from autotune.study import records
-    from autotune.study.admission import Admission
-    from autotune.study.baseline import highest_precision, measure_again, title_of, user_load
-    from autotune.study.predictor import predictor_for
 
     backends = plugins.get_backends()
     judge = Admission(prepared.space, prepared.contexts, prepared.cfg.objective)
@@ -258,7 +245,6 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
 
 
 def _base_predict() -> Any:
-    from autotune.backend import BaseBackend
 
     return BaseBackend.predict
 
@@ -266,7 +252,6 @@ def _base_predict() -> Any:
 def _baseline_cost(backend: Any, config: Any, ctx: Any, backends: Mapping[str, Any], trial: LaunchCost) -> LaunchCost:
     """A baseline's launch at its model's prediction; the median trial's where none predicts it
     (an engine's own flags, as llama.cpp's --fit, are not the model's options)."""
-    from autotune.study.predictor import predictor_for
 
     try:
         found = predictor_for(backend, config, ctx, backends)
