@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover - types only
     import click
 
     from autotune.backend import BaseBackend
+    from autotune.engine_model import EngineModel
     from autotune.metric import BaseMetric
     from autotune.strategy import BaseStrategy
 
@@ -35,6 +36,18 @@ def register_backends(register: Callable[["BaseBackend"], None]) -> None:
     Args:
         register: Call once per backend instance. Its ``name`` must be unique among all
             installed plugins: a name already taken is a ``PluginError`` naming both plugins.
+    """
+
+
+@hookspec
+def register_engine_models(register: Callable[["EngineModel"], None]) -> None:
+    """Register engine models (:class:`autotune.engine_model.EngineModel`): one per engine, by
+    the engine's name. Its backends read their space and rules from it, and the twin plugin
+    simulates every one that names a ``twin_name``.
+
+    Args:
+        register: Call once per engine model. Its ``name`` (the engine) must be unique among
+            all installed plugins: a name already taken is a ``PluginError`` naming both plugins.
     """
 
 

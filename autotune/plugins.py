@@ -27,6 +27,7 @@ from autotune.errors import PluginError, UnknownNameError
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.backend import BaseBackend
+    from autotune.engine_model import EngineModel
     from autotune.metric import BaseMetric
     from autotune.strategy import BaseStrategy
 
@@ -175,6 +176,25 @@ def broken_plugins() -> list[dict[str, str]]:
 def get_backends() -> dict[str, "BaseBackend"]:
     """Every registered backend by name."""
     return {name: obj for name, (obj, _) in sorted(_collect("register_backends", "backend").items())}
+
+
+_engine_models: tuple[int, dict[str, Any]] | None = None
+
+
+def get_engine_models() -> dict[str, "EngineModel"]:
+    """Every installed engine model, by engine name (``register_engine_models``); gathered once
+    per set of plugins, as the twin's physics asks for them in its inner loops."""
+    global _engine_models
+    load_plugins()
+    if _engine_models is None or _engine_models[0] != _version:
+        found = {name: obj for name, (obj, _) in sorted(_collect("register_engine_models", "engine model").items())}
+        _engine_models = (_version, found)
+    return dict(_engine_models[1])
+
+
+def get_engine_model(name: str) -> "EngineModel":
+    """One engine's model; an unknown name is a ``ConfigError`` listing the installed ones."""
+    return _one("engine model", name, get_engine_models())
 
 
 def get_metrics() -> dict[str, "BaseMetric"]:

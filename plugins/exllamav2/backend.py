@@ -51,8 +51,8 @@ from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
-from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive, preflight_script
-from autotune_plugins.exllamav2.worker_process import WorkerProcess
+from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
+from autotune_plugins.shared.worker_process import WorkerProcess
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
 

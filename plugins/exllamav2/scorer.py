@@ -23,7 +23,7 @@ from autotune.errors import BackendError
 from autotune.scoring import LogLikelihood, Scorer, ScoringError
 
 from autotune_plugins.exllamav2.generator_settings import generator_settings
-from autotune_plugins.exllamav2.worker_process import WorkerProcess
+from autotune_plugins.shared.worker_process import WorkerProcess
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np

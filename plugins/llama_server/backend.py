@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, UserLoad, deploy_line, same_value
+    TrialConfig, UserLoad, deploy_line
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.local_server import free_port, loopback, tail, wait_ready
 from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
@@ -56,11 +56,11 @@ from autotune import processes
 from autotune.cuda_devices import cuda_visible_entry
 from autotune.redact import engine_environment
 from autotune.hardware import has_gpu as _has_gpu
-from autotune.rules import Rule, load_rules, violations
 from autotune.artifacts import artifact_path, is_format
 from autotune.formats import normalize_format, weights_for
 from autotune.declarations import CacheType, WeightFormats
-from autotune_plugins.llama_server import declarations, engine, memory
+from autotune_plugins.llama_server import engine, memory
+from autotune_plugins.llama_server.engine_model import LLAMA_CPP
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS, FIT
 from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
@@ -69,7 +69,6 @@ from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, 
 
 __all__ = ["LlamaServerBackend", "parse_log"]
 
-CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
 UNITS = SERVING_UNITS
@@ -84,12 +83,6 @@ WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers
 _STARTUP_FACTS: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
 
 # ------------------------------------------------------------------------------ GGUF file
-
-
-@functools.lru_cache(maxsize=1)
-def _rules() -> list[Rule]:
-    """llama.cpp's refusals, kept as data beside this module (rules.toml)."""
-    return load_rules(Path(__file__).with_name("rules.toml"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,9 +123,10 @@ class LlamaServerBackend(BaseBackend):
     name: ClassVar[str] = "llama-server"
     engine: ClassVar[str] = "llama.cpp"
     description: ClassVar[str] = "llama.cpp's llama-server on a GGUF file, launched and measured"
-    kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
-    weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.GGUF,)
-    engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*",)  # ggml's own switches (GGML_CUDA_*, GGML_VK_*)
+    # The engine model's declarations (engine_model.py), which the twin of llama.cpp shares.
+    kv_cache_types: ClassVar[tuple[CacheType, ...]] = LLAMA_CPP.kv_cache_types
+    weight_formats: ClassVar[tuple[WeightFormats, ...]] = LLAMA_CPP.weight_formats
+    engine_variables: ClassVar[tuple[str, ...]] = LLAMA_CPP.engine_variables
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
                                      "else the newest `autotune engine build llama.cpp`, else PATH)"),
@@ -166,38 +160,8 @@ class LlamaServerBackend(BaseBackend):
     # -------------------------------------------------------------- space and rules
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        """The study's values llama-server understands, exactly as given; a key the study does
-        not name gets this engine's defaults. A key whose values are all foreign yields no
-        choices, so the core reports the values with ``accepted``."""
-
-        def given(name: str, accepted: Sequence[Any], default: Sequence[Any]) -> tuple[Any, ...]:
-            if name not in space:
-                return tuple(default)
-            return tuple(v for v in space[name] if any(same_value(v, a) for a in accepted))
-
-        params = [
-            Param("cache_type", given("cache_type", CACHE_CHOICES, CACHE_CHOICES),
-                  "KV-cache type (-ctk/-ctv): f16, q8_0, q4_0", accepted=CACHE_CHOICES),
-            Param("flash_attn", given("flash_attn", (True, False), (True, False)),
-                  "flash attention (-fa on|off)", accepted=(True, False)),
-        ]
-        if "ubatch" in space:
-            ub = tuple(v for v in space["ubatch"] if type(v) is int and v > 0)
-            params.append(Param("ubatch", ub, "physical batch size (-ub)", accepted=("any integer >= 1",)))
-        # The offload dimensions (issue 27), only when the space names them: a study that does not
-        # keeps today's command line, the gpu_layers setting and no -b/--n-cpu-moe.
-        if "batch" in space:
-            b = tuple(v for v in space["batch"] if type(v) is int and v > 0)
-            params.append(Param("batch", b, "logical batch size (-b); ubatch <= batch", accepted=("any integer >= 1",)))
-        if "gpu_layers" in space:
-            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v >= 0))
-            params.append(Param("gpu_layers", ngl, "layers on the GPU (-ngl; \"all\" = -ngl 999): the output layer and "
-                                "the last N - 1 decoder layers", accepted=("\"all\"", "any integer >= 0")))
-        if "n_cpu_moe" in space:
-            moe = tuple(v for v in space["n_cpu_moe"] if type(v) is int and v >= 0)
-            params.append(Param("n_cpu_moe", moe, "layers whose routed experts stay in host memory (--n-cpu-moe: "
-                                "the first N)", accepted=("any integer >= 0",)))
-        return params
+        """The engine model's space (:meth:`.engine_model.LlamaCppModel.parameters`), the twin's too."""
+        return LLAMA_CPP.parameters(space)
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
         """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
@@ -269,16 +233,12 @@ class LlamaServerBackend(BaseBackend):
         return None
 
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        """The weights file, then the engine model's rules (``rules.toml``) on what the file says
+        of the model: the same refusals the twin of llama.cpp makes."""
         problem = self.check_weights(config.weights, ctx)
         if problem:
             return [problem]
-        model = self._model_for(config.weights, ctx)
-        options = {"cache_type": "f16", "flash_attn": True, **dict(config.options),
-                   "ctx": config.ctx, "parallel": config.parallel}
-        facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
-                 "compute_capability": getattr(ctx.gpu, "compute_capability", None), "moe": model.is_moe,
-                 "n_layers": model.n_layers, "all_layers": model.n_layers + 1, "batch": memory.DEFAULT_BATCH}
-        return violations(_rules(), options, facts)
+        return LLAMA_CPP.rules(config, ctx, self._model_for(config.weights, ctx))
 
     # -------------------------------------------------------------- memory
 

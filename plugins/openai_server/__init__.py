@@ -25,3 +25,12 @@ def register_backends(register):
     from autotune_plugins.openai_server.backend import OpenAIServerBackend
 
     register(OpenAIServerBackend())
+
+
+@hookimpl
+def register_engine_models(register):
+    """The engine's one model (its space, rules, memory model and physics constants): its
+    backend reads it, and the twin simulates it from it."""
+    from autotune_plugins.openai_server.engine_model import VLLM
+
+    register(VLLM)

@@ -23,10 +23,6 @@ def _fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be > 0 and <= 1 (a speed multiplier)"
 
 
-def card_share(value: float) -> str | None:
-    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a share of the card's memory)"
-
-
 def _positive(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
 

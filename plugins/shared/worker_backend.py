@@ -32,8 +32,8 @@ from autotune.models import ModelSpec, model_from_hf_config
 from autotune.redact import engine_environment
 from autotune.workload import Workload
 
-from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
-from autotune_plugins.exllamav2.worker_sampling import worker_sampler
+from autotune_plugins.shared.worker_process import WorkerProcess, default_worker_command
+from autotune_plugins.shared.worker_sampling import worker_sampler
 
 __all__ = ["WorkerBackend", "command_problem", "positive", "preflight_script"]
 

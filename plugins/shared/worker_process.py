@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from autotune import processes
 from autotune.errors import BackendError
 
-from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
+from autotune_plugins.shared.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 
 __all__ = ["WorkerProcess", "default_worker_command"]
 
