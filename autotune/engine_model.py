@@ -219,13 +219,26 @@ def engine_model(name: str) -> EngineModel:
     return models[name]
 
 
+_asking: set[str] = set()
+
+
 def weight_format(family: str) -> WeightFormats:
     """A weight-format family (``gguf``) as the engine model that declares it does.
 
     Raises:
         UnknownNameError: No engine declares it; the message lists the families declared.
     """
-    declared = {f.name: f for m in engine_models().values() for f in m.weight_formats}
+    declared: dict[str, WeightFormats] = {}
+    for m in engine_models().values():
+        if m.name in _asking:
+            continue  # an engine model whose formats are themselves looked up here (a property)
+        _asking.add(m.name)
+        try:
+            formats = m.weight_formats
+        finally:
+            _asking.discard(m.name)
+        for f in formats:
+            declared.setdefault(f.name, f)
     if family not in declared:
         raise UnknownNameError(f"weight format '{family}' is declared by no engine model "
                                f"(declared: {', '.join(sorted(declared)) or 'none'})")

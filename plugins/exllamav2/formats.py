@@ -10,7 +10,7 @@ exllamav2 backend and the twin of ExLlamaV2 use them directly too. Importing it 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

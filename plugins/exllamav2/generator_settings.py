@@ -32,8 +32,8 @@ Every trial records the mode and ``jobs_at_once``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from autotune.errors import ConfigError
 from autotune_plugins.shared.generator_record import SettingsRecord

@@ -78,18 +78,11 @@ class TwinBackend(BaseBackend):
     #: Launches of each configuration in this process (a key's n-th launch draws the n-th noise).
     _launches: ClassVar[dict[str, int]] = {}
 
-    @property
-    def artifacts(self) -> tuple[str, ...]:
-        """The artifacts on disk the engine loads (keys of ``formats.artifact_words()``)."""
-        return self.model.artifacts
-
-    @property
-    def cache_types(self) -> tuple[str, ...]:
-        return self.model.cache_types
-
-    @property
-    def default_cache(self) -> str:
-        return self.model.default_cache
+    #: The artifacts on disk the engine loads (keys of ``formats.artifact_words()``), the cache
+    #: types offered and the default one: the engine model's (:func:`twin_class` sets them).
+    artifacts: ClassVar[tuple[str, ...]] = ()
+    cache_types: ClassVar[tuple[str, ...]] = ()
+    default_cache: ClassVar[str] = ""
 
     # ------------------------------------------------------------------ space and rules
 
@@ -326,6 +319,7 @@ def twin_class(model: EngineModel) -> type[TwinBackend]:
         "__module__": "autotune_plugins.twin",
         "model": model, "name": model.twin_name, "engine": model.name, "description": model.twin_description,
         "kv_cache_types": model.kv_cache_types, "weight_formats": tuple(model.weight_formats),
+        "artifacts": model.artifacts, "cache_types": model.cache_types, "default_cache": model.default_cache,
         "settings": TWIN_SETTINGS + tuple(model.twin_settings),
     })
     _classes[model.twin_class] = (model, cls)
