@@ -26,7 +26,7 @@ from autotune.study.calibration import SPEED_METRICS
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
-from autotune_plugins.llama_server import backend as llama_backend
+from autotune_plugins.llama_server import backend as llama_backend, trial_run
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
 from autotune_plugins.twin import TwinLlamaCpp
@@ -177,7 +177,7 @@ def test_two_streams_serve_more_than_one(study_dir, monkeypatch):
 
     def served(parallel: int) -> tuple[float, RecordedRequests, list[str]]:
         sent = RecordedRequests(post_events)
-        monkeypatch.setattr(llama_backend, "post_events", sent)
+        monkeypatch.setattr(trial_run, "post_events", sent)
         config = TrialConfig("llama-server", model_path.name, 512, parallel,
                              (("cache_type", "f16"), ("flash_attn", True)))
         m = b.run(config, ctx)
