@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import ConfigError
-from autotune.formats import WeightsBreakdown
-from autotune.models import ModelSpec
+from autotune.api import ConfigError, ModelSpec, WeightsBreakdown
 from autotune_plugins.shared.quant_config import bpw_within, quantization_config, quote_directory, spell
 
 __all__ = ["ACCEPTS", "EXL2_BPW_MAX", "EXL2_MAX_BITS", "EXL2_BPW_MIN", "Exl2Quantization", "bpw_of", "exl2_quantization", "exl2_weights",

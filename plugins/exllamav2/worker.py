@@ -33,8 +33,7 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.errors import BackendError, ConfigError
-from autotune.measure import StreamResult, serving_metrics
+from autotune.api import BackendError, ConfigError, StreamResult, serving_metrics
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 from autotune_plugins.shared.worker_engine import (

@@ -9,7 +9,7 @@ on a machine without them.
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 __all__ = ["register_backends"]
 

@@ -31,16 +31,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.artifacts import is_format
-from autotune.backend import DefaultLaunch, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line
-from autotune.declarations import CacheType, WeightFormats
-from autotune.errors import AutotuneError, ConfigError
-from autotune.formats import parse_format
-from autotune.measure import SERVING_UNITS
-from autotune.models import ModelSpec, model_from_hf_config
-from autotune.paths import path_problem
+from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
+    SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, Workload, deploy_line, is_format, \
+    model_from_hf_config, parse_format, path_problem
 from autotune.safetensors_dir import read_config_json
-from autotune.workload import Workload
 
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
 from autotune_plugins.shared.worker_process import default_worker_command as _worker_command

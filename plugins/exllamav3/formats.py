@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import ConfigError
-from autotune.formats import WeightsBreakdown
-from autotune.models import ModelSpec
+from autotune.api import ConfigError, ModelSpec, WeightsBreakdown
 
 # The EXL2 plugin owns what the EXL families share: the config.json's quantization_config, a
 # directory's quote, the bpw spelling (two decimals, as both converters record it).

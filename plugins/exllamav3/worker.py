@@ -27,8 +27,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.errors import BackendError, ConfigError
-from autotune.measure import StreamResult
+from autotune.api import BackendError, ConfigError, StreamResult
 
 from autotune_plugins.shared.worker_engine import (
     PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine)

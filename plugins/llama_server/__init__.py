@@ -16,7 +16,7 @@ Backends (through the ``register_backends`` hook):
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 from autotune_plugins.llama_server import commands
 

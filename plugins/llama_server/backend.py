@@ -38,23 +38,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, UserLoad, deploy_line
-from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
+from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, DefaultLaunch, EngineUnavailableError, \
+    Measurement, MemoryEstimate, ModelSpec, PROMPT_TEXT, Param, SERVING_UNITS, Setting, StudyContext, TrialConfig, \
+    UserLoad, WeightFormats, artifact_path, cuda_visible_entry, deploy_line, engine_environment, fetch, \
+    has_gpu as _has_gpu, is_format, model_from_gguf, normalize_format, path_problem, prompt_of, weights_for
 from autotune.local_server import free_port, loopback, tail, wait_ready
-from autotune.measure import SERVING_UNITS
-from autotune.measure.streams import fetch
-from autotune.measure.prompts import PROMPT_TEXT, prompt_of
-from autotune.models import ModelSpec, model_from_gguf
-from autotune.paths import path_problem
 
 from autotune import processes
-from autotune.cuda_devices import cuda_visible_entry
-from autotune.redact import engine_environment
-from autotune.hardware import has_gpu as _has_gpu
-from autotune.artifacts import artifact_path, is_format
-from autotune.formats import normalize_format, weights_for
-from autotune.declarations import CacheType, WeightFormats
 from autotune_plugins.llama_server import engine, memory
 from autotune_plugins.llama_server import trial_run
 from autotune_plugins.llama_server.engine_model import LLAMA_CPP

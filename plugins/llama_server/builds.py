@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import processes
-from autotune.redact import engine_environment
-from autotune.errors import ConfigError, EngineUnavailableError
+from autotune.api import ConfigError, EngineUnavailableError, engine_environment
 from autotune_plugins.llama_server import cuda_toolkit
 from autotune_plugins.llama_server.cuda_toolkit import cuda_arch_from_cc, resolve_arch
 from autotune_plugins.llama_server.llama_build import BUILD_TARGETS, LLAMA_CPP_PYTHON_VERSION, MARKER, SERVER

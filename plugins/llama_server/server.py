@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from autotune.errors import BackendError, EngineUnavailableError
+from autotune.api import BackendError, EngineUnavailableError
 from autotune.local_server import read_log, server_url, tail
 
 __all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "median", "parse_log", "plan_cpus",

@@ -11,9 +11,8 @@ import shlex
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.backend import Measurement, StudyContext, TrialConfig
-from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
-from autotune.measure.prompts import prompt_of, varied
+from autotune.api import ConcurrentResult, Measurement, SERVING_UNITS, StreamResult, StudyContext, TrialConfig, \
+    measure_engine, post_events, prompt_of, serving_run, varied
 from autotune_plugins.llama_server.server import CpuPlan, Pinned, Server, median, process_cpu_s
 
 __all__ = ["measure"]

@@ -10,7 +10,7 @@ Backends (through the ``register_backends`` hook):
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 __all__ = ["register_backends"]
 

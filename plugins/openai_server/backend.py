@@ -31,23 +31,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
-    deploy_line
-from autotune.declarations import CacheType
-from autotune.cuda_devices import cuda_visible_entry
+from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, ConcurrentResult, ConfigError, \
+    Measurement, MemoryEstimate, PROMPT_TEXT, Param, SERVING_UNITS, Setting, SlotLayout, StreamResult, StudyContext, \
+    TrialConfig, cuda_visible_entry, deploy_line, engine_environment, engine_models, fetch, has_gpu as _has_gpu, \
+    kv_cache_bytes, measure_engine, path_problem, prompt_of, serving_run, varied, violations
 from autotune import processes
-from autotune.redact import engine_environment
-from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
-from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_run
 from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
-from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
-from autotune.measure.streams import fetch
-from autotune.paths import path_problem
-from autotune.rules import violations
-from autotune.vram import SlotLayout, kv_cache_bytes
-from autotune.engine_model import engine_models
 from autotune_plugins.shared.engine_cache import engines_dir
 from autotune_plugins.shared.paging import PAGE_SIZE as EXL3_PAGE, pages_per_job
 from autotune_plugins.openai_server import declarations

@@ -15,10 +15,8 @@ from typing import Any, Mapping, Sequence
 import httpx
 
 from autotune import processes
-from autotune.measure.streams import fetch
-from autotune.errors import BackendError, EngineUnavailableError, MeasurementError
+from autotune.api import BackendError, EngineUnavailableError, MeasurementError, engine_environment, fetch
 from autotune.local_server import read_log, server_url, tail, wait_ready
-from autotune.redact import engine_environment
 
 __all__ = ["OpenAIServer"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Mapping
 
-from autotune.errors import ConfigError
+from autotune.api import ConfigError
 
 __all__ = ["SettingsRecord"]
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.formats import WeightsBreakdown
-from autotune.hardware import GpuSpec
-from autotune.models import ModelSpec
+from autotune.api import GpuSpec, ModelSpec, WeightsBreakdown
 
 GiB = 2**30
 # llama.cpp prefills in ubatches of 512 tokens by default (-ub 512); llama-server's memory model

@@ -23,8 +23,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.errors import BackendError, ConfigError
-from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
+from autotune.api import BackendError, ConcurrentResult, ConfigError, StreamResult, serving_metrics
 
 from autotune_plugins.shared.protocol import PROTOCOL_VERSION, encode, serve
 

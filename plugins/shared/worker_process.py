@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autotune import processes
-from autotune.errors import BackendError
+from autotune.api import BackendError
 
 from autotune_plugins.shared.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 

@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.api import AutotuneError, BaseBackend, ConfigError, DefaultLaunch, EngineModel, Measurement, \
-    MemoryEstimate, Param, Setting, StudyContext, TrialConfig, UnsupportedError, WeightsBreakdown, \
-    engine_models, measure_engine, parse_format, weights_for
-from autotune.formats import safetensors_dir_weights
-from autotune.measure import Protocol
+    MemoryEstimate, Param, Protocol, Setting, StudyContext, TrialConfig, UnsupportedError, WeightsBreakdown, \
+    engine_models, measure_engine, parse_format, safetensors_dir_weights, weights_for
 from autotune_plugins.twin import calibration, formats, physics, traffic
 from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS

@@ -29,9 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from autotune.formats import WeightsBreakdown, weights_for
-from autotune.hardware import get_gpu, load_gpu_catalog
-from autotune.models import ModelSpec, get_model, load_model_catalog
+from autotune.api import ModelSpec, WeightsBreakdown, get_gpu, get_model, load_gpu_catalog, load_model_catalog, \
+    weights_for
 
 from autotune_plugins.twin import physics
 from autotune_plugins.twin.formats import twin_formats

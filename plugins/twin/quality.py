@@ -29,10 +29,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from autotune.errors import ConfigError
-from autotune.formats import parse_format
-from autotune.models import ModelSpec
-from autotune.api import engine_models
+from autotune.api import ConfigError, ModelSpec, engine_models, parse_format
 from autotune_plugins.twin.formats import twin_formats
 
 # (bits per weight, mean KLD vs F16) of llama.cpp file types, LLaMA 3 8B (see module doc).

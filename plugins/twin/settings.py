@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from autotune.backend import Setting
-from autotune.measure import SERVING_UNITS
+from autotune.api import SERVING_UNITS, Setting
 
 
 #: What one simulated run reports, and in which unit: what every serving backend measures.
