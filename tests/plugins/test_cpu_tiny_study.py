@@ -173,7 +173,7 @@ def test_two_streams_serve_more_than_one(study_dir, monkeypatch):
                        protocol=Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=1.0),
                        settings={"threads": 1, "startup_timeout_s": 60}, base_dir=model_path.parent)
     b = LlamaServerBackend()
-    post_events = llama_backend.post_events
+    post_events = trial_run.post_events
 
     def served(parallel: int) -> tuple[float, RecordedRequests, list[str]]:
         sent = RecordedRequests(post_events)
