@@ -26,7 +26,7 @@ from autotune.study.calibration import SPEED_METRICS
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
-from autotune_plugins.llama_server import backend as llama_backend, trial_run
+from autotune_plugins.llama_server import trial_run
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
 from autotune_plugins.twin import TwinLlamaCpp
