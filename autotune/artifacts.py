@@ -39,8 +39,9 @@ from autotune.errors import AutotuneError, BackendError, ConfigError, UnknownNam
 from autotune.formats import normalize_format, parse_format
 from autotune.redact import engine_environment, scrub
 
+# A backend and its study context are typed ``Any`` here (what ``BaseBackend.artifact_recipe``
+# returns is a Recipe of this module): artifacts stay below backend, no import cycle between them.
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.backend import BaseBackend, StudyContext
     from autotune.declarations import WeightFormats
 
 __all__ = [
@@ -316,7 +317,7 @@ def _remove(path: Path) -> None:
 _failed: dict[Path, str] = {}
 
 
-def ensure(backend: "BaseBackend", weights: str, ctx: "StudyContext",
+def ensure(backend: Any, weights: str, ctx: Any,
            say: Callable[[str], None] | None = None) -> Artifact | None:
     """The artifact ``weights`` names for ``backend``, made now if the cache lacks it.
 
@@ -339,13 +340,13 @@ def ensure(backend: "BaseBackend", weights: str, ctx: "StudyContext",
     return _ensure(backend, weights, ctx, say or (lambda _: None), depth=0)
 
 
-def _made_by(backend: "BaseBackend", weights: str) -> bool:
+def _made_by(backend: Any, weights: str) -> bool:
     """Whether ``backend`` makes ``weights`` (a format it has recipes for) rather than loading a
     file as given; a model backend (the twin) predicts a format and makes nothing."""
     return not backend.is_model and backend.makes_artifacts and is_format(weights, backend.weight_formats)
 
 
-def _recipe(backend: "BaseBackend", fmt: str, ctx: "StudyContext") -> Recipe:
+def _recipe(backend: Any, fmt: str, ctx: Any) -> Recipe:
     if ctx.source is None:
         raise ArtifactError(f"weights {fmt!r}: no [model] source to make it from (name the model directory or "
                             "full-precision GGUF file there)")
@@ -355,7 +356,7 @@ def _recipe(backend: "BaseBackend", fmt: str, ctx: "StudyContext") -> Recipe:
     return recipe
 
 
-def _ensure(backend: "BaseBackend", fmt: str, ctx: "StudyContext", say: Callable[[str], None],
+def _ensure(backend: Any, fmt: str, ctx: Any, say: Callable[[str], None],
             depth: int) -> Artifact:
     if depth > 4:
         raise ArtifactError(f"{fmt}: the recipes of backend '{backend.name}' need each other in a loop")
@@ -431,7 +432,7 @@ def _learned_rates() -> dict[tuple[str, str], list[float]]:
     return rates
 
 
-def predict_making(backend: "BaseBackend", weights: str, ctx: "StudyContext") -> MakeEstimate | None:
+def predict_making(backend: Any, weights: str, ctx: Any) -> MakeEstimate | None:
     """How long making ``weights`` would take now: None when there is nothing to make (a file
     path, a cached artifact, a backend that makes none) or no recipe to ask.
 
@@ -467,7 +468,7 @@ def predict_making(backend: "BaseBackend", weights: str, ctx: "StudyContext") ->
     return MakeEstimate(total, tuple(r.fmt for r in plan), "; ".join(bases))
 
 
-def check_makings(backend: "BaseBackend", weights: "list[str] | tuple[str, ...]", ctx: "StudyContext") -> list[str]:
+def check_makings(backend: Any, weights: "list[str] | tuple[str, ...]", ctx: Any) -> list[str]:
     """What the recipes that will run to make ``weights`` (those not cached yet) would fail on,
     by their dry runs (``Recipe.check``), each recipe checked once: one line per problem,
     naming the step. Nothing is made.
@@ -490,7 +491,7 @@ def check_makings(backend: "BaseBackend", weights: "list[str] | tuple[str, ...]"
     return problems
 
 
-def _unmade(backend: "BaseBackend", fmt: str, ctx: "StudyContext", depth: int) -> list[Recipe]:
+def _unmade(backend: Any, fmt: str, ctx: Any, depth: int) -> list[Recipe]:
     """The recipes that would run to make ``fmt``, needs first (none when it is cached)."""
     if depth > 4:
         return []

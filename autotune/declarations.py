@@ -9,6 +9,7 @@ declared by the plugin that understands it; the core names none of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -19,10 +20,9 @@ from autotune import plugins
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from autotune.formats import WeightsBreakdown
     from autotune.models import ModelSpec
 
-__all__ = ["CacheType", "WeightFormats", "installed_weight_formats"]
+__all__ = ["CacheType", "WeightFormats", "WeightsBreakdown", "installed_weight_formats"]
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,90 @@ def installed_weight_formats() -> dict[str, WeightFormats]:
         for family in getattr(backend, "weight_formats", ()):
             found.setdefault(family.name.lower(), family)
     return found
+
+
+@dataclass(frozen=True)
+class WeightsBreakdown:
+    """Bytes of a model's weights, by where they live and when they are read.
+
+    Attributes:
+        embedding_bytes: The token-embedding matrix. Only one row per token is read when
+            decoding, so it costs memory but almost no bandwidth.
+        output_bytes: The output head (lm_head); 0 when a GGUF file ties embeddings, where
+            the embedding matrix serves as the head (see ``head_is_embedding``).
+        per_layer_bytes: Each decoder layer's weights, norms and biases included.
+        other_bytes: Everything else (the final norm; calibration rounding).
+        embedding_on_gpu: False when the engine keeps the embedding matrix in system RAM:
+            ExLlamaV2 (``embed_cpu``) and llama.cpp (input layer always on the CPU) both do.
+        head_is_embedding: True when the output head is the embedding matrix itself (tied
+            embeddings in GGUF). An engine that keeps embeddings on the host still needs the
+            matrix on the GPU as the head: llama.cpp loads it a second time there
+            (``TENSOR_DUPLICATED`` in src/llama-model.cpp), so :attr:`gpu_bytes` counts it.
+        per_layer_expert_bytes: Of each layer's bytes, its routed experts' matrices (a mixture
+            of experts' ``ffn_{gate,up,down}_exps``): what an engine can keep in host memory
+            apart from the rest of the layer. Empty for a dense model (or an unknown split).
+        per_layer_largest_bytes: Each layer's largest single matrix: what an engine that runs a
+            host-resident layer's big batches on the GPU must stage there at once.
+        per_layer_largest_expert_bytes: Each layer's largest expert matrix, likewise.
+    """
+
+    embedding_bytes: int
+    output_bytes: int
+    per_layer_bytes: tuple[int, ...]
+    other_bytes: int
+    embedding_on_gpu: bool = True
+    head_is_embedding: bool = False
+    per_layer_expert_bytes: tuple[int, ...] = ()
+    per_layer_largest_bytes: tuple[int, ...] = ()
+    per_layer_largest_expert_bytes: tuple[int, ...] = ()
+
+    def expert_bytes(self, layer: int) -> int:
+        """Bytes of layer ``layer``'s routed-expert matrices (0 for a dense model)."""
+        return self.per_layer_expert_bytes[layer] if layer < len(self.per_layer_expert_bytes) else 0
+
+    def largest_bytes(self, layer: int, experts_only: bool = False) -> int:
+        """Layer ``layer``'s largest matrix (of its experts only, with ``experts_only``); 0 unknown."""
+        found = self.per_layer_largest_expert_bytes if experts_only else self.per_layer_largest_bytes
+        return found[layer] if layer < len(found) else 0
+
+    @property
+    def layers_bytes(self) -> int:
+        """Sum of the decoder layers."""
+        return sum(self.per_layer_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """All weights: the size of the artifact on disk."""
+        return self.embedding_bytes + self.output_bytes + self.layers_bytes + self.other_bytes
+
+    @property
+    def gpu_bytes(self) -> int:
+        """The weights in VRAM when every layer is offloaded (the embedding matrix only when the
+        engine puts it there, or when it doubles as the head)."""
+        on_gpu = self.embedding_on_gpu or self.head_is_embedding
+        return self.output_bytes + self.layers_bytes + self.other_bytes + (self.embedding_bytes if on_gpu else 0)
+
+    @property
+    def host_bytes(self) -> int:
+        """The weights that stay in system RAM when every layer is offloaded."""
+        return 0 if self.embedding_on_gpu else self.embedding_bytes
+
+    def scaled_to(self, total_bytes: int) -> WeightsBreakdown:
+        """Returns the same breakdown scaled so that its total is exactly ``total_bytes``.
+
+        Every part keeps its share; the few bytes lost to rounding go to ``other_bytes``.
+        """
+        if self.total_bytes <= 0:
+            return self
+        k = Fraction(total_bytes, self.total_bytes)
+        emb = math.floor(self.embedding_bytes * k)
+        out = math.floor(self.output_bytes * k)
+        layers = tuple(math.floor(b * k) for b in self.per_layer_bytes)
+        other = total_bytes - emb - out - sum(layers)
+
+        def scaled(values: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(math.floor(b * k) for b in values)
+
+        return WeightsBreakdown(emb, out, layers, other, self.embedding_on_gpu, self.head_is_embedding,
+                                scaled(self.per_layer_expert_bytes), scaled(self.per_layer_largest_bytes),
+                                scaled(self.per_layer_largest_expert_bytes))

@@ -8,16 +8,16 @@ Implementations may accept any subset of a hook's arguments (pluggy passes them 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import click
 
-    from autotune.backend import BaseBackend
-    from autotune.metric import BaseMetric
-    from autotune.strategy import BaseStrategy
+# Each ``register`` takes an instance of the class its docstring names (``BaseBackend``,
+# ``EngineModel``, ``BaseMetric``, ``BaseStrategy``); typed ``Any`` so that this contract imports
+# none of their modules, which import the registry (no import cycle through the hooks).
 
 hookspec = pluggy.HookspecMarker("autotune")
 hookimpl = pluggy.HookimplMarker("autotune")
@@ -29,7 +29,7 @@ hookimpl = pluggy.HookimplMarker("autotune")
 
 
 @hookspec
-def register_backends(register: Callable[["BaseBackend"], None]) -> None:
+def register_backends(register: Callable[[Any], None]) -> None:
     """Register serving backends.
 
     Args:
@@ -39,7 +39,19 @@ def register_backends(register: Callable[["BaseBackend"], None]) -> None:
 
 
 @hookspec
-def register_metrics(register: Callable[["BaseMetric"], None]) -> None:
+def register_engine_models(register: Callable[[Any], None]) -> None:
+    """Register engine models (:class:`autotune.engine_model.EngineModel`): one per engine, by
+    the engine's name. Its backends read their space and rules from it, and the twin plugin
+    simulates every one that names a ``twin_name``.
+
+    Args:
+        register: Call once per engine model. Its ``name`` (the engine) must be unique among
+            all installed plugins: a name already taken is a ``PluginError`` naming both plugins.
+    """
+
+
+@hookspec
+def register_metrics(register: Callable[[Any], None]) -> None:
     """Register metrics (quality benchmarks and proxies) that a study's objective can use.
 
     Args:
@@ -49,7 +61,7 @@ def register_metrics(register: Callable[["BaseMetric"], None]) -> None:
 
 
 @hookspec
-def register_strategies(register: Callable[["BaseStrategy"], None]) -> None:
+def register_strategies(register: Callable[[Any], None]) -> None:
     """Register search strategies: what a study file names as ``[study] sampler``.
 
     The core registers its own (tpe, prior, random, nsga2, grid) the same way, from

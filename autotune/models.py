@@ -28,7 +28,6 @@ from typing import Any
 from autotune._catalog import read_catalog
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
-from autotune.formats import families
 from autotune.paths import path_problem
 from autotune.shape_limits import expert_fields, SHAPE_LIMITS, shape_problem
 
@@ -302,6 +301,10 @@ def get_model(key: str) -> ModelSpec:
 
 def _quoted(source: Path) -> dict[str, int]:
     """``source``'s size under its format, as the family that knows it says (``WeightFormats.quote``)."""
+    # Imported here: the formats read models (a format's predictor takes a ModelSpec), so the
+    # models module stays below them.
+    from autotune.formats import families
+
     return dict(q for f in families().values() if f.quote is not None and (q := f.quote(source)) is not None)
 
 

@@ -18,7 +18,7 @@ import importlib
 import importlib.metadata
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
@@ -26,10 +26,8 @@ from autotune.terminal import shown
 from autotune import hookspecs
 from autotune.errors import PluginError, UnknownNameError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from autotune.backend import BaseBackend
-    from autotune.metric import BaseMetric
-    from autotune.strategy import BaseStrategy
+# The registry hands out backends, engine models, metrics and strategies as ``Any``: it imports
+# none of their modules (they read the registry), so no import cycle runs through it.
 
 ENTRY_POINT_GROUP = "autotune"
 # Plugin name -> module of the plugins registered even when autoloading is off (tests) or an
@@ -173,17 +171,36 @@ def broken_plugins() -> list[dict[str, str]]:
     return [{"plugin": p, "hook": h, "error": e} for (p, h), e in sorted(_broken.items())]
 
 
-def get_backends() -> dict[str, "BaseBackend"]:
+def get_backends() -> dict[str, Any]:
     """Every registered backend by name."""
     return {name: obj for name, (obj, _) in sorted(_collect("register_backends", "backend").items())}
 
 
-def get_metrics() -> dict[str, "BaseMetric"]:
+_engine_models: tuple[int, dict[str, Any]] | None = None
+
+
+def get_engine_models() -> dict[str, Any]:
+    """Every installed engine model, by engine name (``register_engine_models``); gathered once
+    per set of plugins, as the twin's physics asks for them in its inner loops."""
+    global _engine_models
+    load_plugins()
+    if _engine_models is None or _engine_models[0] != _version:
+        found = {name: obj for name, (obj, _) in sorted(_collect("register_engine_models", "engine model").items())}
+        _engine_models = (_version, found)
+    return dict(_engine_models[1])
+
+
+def get_engine_model(name: str) -> Any:
+    """One engine's model; an unknown name is a ``ConfigError`` listing the installed ones."""
+    return _one("engine model", name, get_engine_models())
+
+
+def get_metrics() -> dict[str, Any]:
     """Every registered metric by name."""
     return {name: obj for name, (obj, _) in sorted(_collect("register_metrics", "metric").items())}
 
 
-def get_strategies() -> dict[str, "BaseStrategy"]:
+def get_strategies() -> dict[str, Any]:
     """Every registered search strategy by name (``[study] sampler``)."""
     return {name: obj for name, (obj, _) in sorted(_collect("register_strategies", "strategy").items())}
 
@@ -194,17 +211,17 @@ def _one(kind: str, name: str, found: dict[str, Any]) -> Any:
     return found[name]
 
 
-def get_strategy(name: str) -> "BaseStrategy":
+def get_strategy(name: str) -> Any:
     """One search strategy by name, or an error listing the installed ones."""
     return _one("strategy", name, get_strategies())
 
 
-def get_backend(name: str) -> "BaseBackend":
+def get_backend(name: str) -> Any:
     """One backend by name, or an error listing the installed ones."""
     return _one("backend", name, get_backends())
 
 
-def get_metric(name: str) -> "BaseMetric":
+def get_metric(name: str) -> Any:
     """One metric by name, or an error listing the installed ones."""
     return _one("metric", name, get_metrics())
 

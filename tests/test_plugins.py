@@ -7,6 +7,8 @@ datasette's tests/test_plugins.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import contextlib
 import dataclasses
 import importlib.util
@@ -219,6 +221,33 @@ def test_hook_register_strategies(twin_plugin, tmp_path):
     assert "throwaway-sorted" not in plugins.get_strategies()
     with pytest.raises(Exception, match=r"\[study\] sampler.*'throwaway-sorted'.*must be one of .*tpe.*twin"):
         load_study_config(path)
+
+
+def test_hook_register_engine_models(example_module, twin_plugin, echo_ctx):
+    """An engine model registered by a third-party plugin gets a twin from its declaration alone
+    (nothing of the twin edited): the same space and rule as its real backend, its memory model,
+    speed predicted from its constants, and a deploy line."""
+    from autotune.engine_model import engine_model
+
+    with registered(example_module, "example"):
+        assert plugins.get_engine_models()["example-echo"] is example_module.ECHO
+        assert engine_model("example-echo") is example_module.ECHO
+        backend, twin = plugins.get_backend("example-echo"), plugins.get_backend("twin-example-echo")
+        assert type(twin).__name__ == "TwinExampleEcho" and twin.engine == backend.engine == "example-echo"
+        assert [p.choices for p in twin.parameters({"cache_type": ("q8_0", "fp16")})] == \
+            [p.choices for p in backend.parameters({"cache_type": ("q8_0", "fp16")})] == [("q8_0",)]
+        config = TrialConfig("twin-example-echo", "gguf:Q4_K_M", 8192, 2, (("cache_type", "f16"),))
+        assert twin.check(config, echo_ctx) == backend.check(config, echo_ctx) == [
+            "ctx 8192 is beyond llama-2-7b's trained context of 4096"]
+        config = replace(config, ctx=2048)
+        assert twin.check(config, echo_ctx) == []
+        mem = twin.estimate_memory(config, echo_ctx)
+        assert mem.overhead_bytes == example_module.OVERHEAD_BYTES
+        assert mem.kv_bytes == int(example_module.kv_bytes_per_token(echo_ctx.model, "f16") * 2048 * 2)
+        faster = twin.predict(replace(config, weights="gguf:Q4_0"), echo_ctx)["decode_tok_s"]
+        assert faster > twin.predict(replace(config, weights="gguf:Q8_0"), echo_ctx)["decode_tok_s"] > 0
+        assert "example-echo-serve" in twin.deploy_command(config, echo_ctx)
+    assert "twin-example-echo" not in plugins.get_backends()
 
 
 def test_hook_register_commands():

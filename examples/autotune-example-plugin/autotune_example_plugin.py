@@ -24,19 +24,18 @@ from fractions import Fraction
 
 import click
 
-from autotune import hookimpl
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext
-from autotune.declarations import CacheType
-from autotune.errors import AutotuneError, BackendError, MeasurementError
-from autotune.formats import bits_per_weight, parse_format
-from autotune.measure import StreamResult, measure_engine, serving_run
-from autotune.models import ModelSpec, resolve_model
-from autotune_plugins.llama_server.declarations import GGUF
+# A plugin imports autotune.api only: the names a backend, engine model, metric or strategy needs.
+from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, EngineModel, Measurement, \
+    MeasurementError, MemoryEstimate, ModelSpec, Param, Setting, StreamResult, StudyContext, bits_per_weight, \
+    deploy_line, hookimpl, kept, measure_engine, parse_format, resolve_model, serving_run, weight_format
 
-# The weight formats the toy loads: GGUF files, as the llama-server plugin declares them (how a
-# `gguf:<TYPE>` is written, its bits per weight, its predicted size). A backend of a format no
-# installed plugin declares writes its own WeightFormats (docs/plugins.md).
-WEIGHT_FORMATS = (GGUF,)
+
+def weight_formats():
+    """The weight formats the toy loads: GGUF files, as the engine model that declares them does
+    (how a `gguf:<TYPE>` is written, its bits per weight, its predicted size), looked up when
+    needed. A backend of a format no installed plugin declares writes its own WeightFormats
+    (docs/plugins.md)."""
+    return (weight_format("gguf"),)
 
 __version__ = "0.1.0"
 
@@ -55,7 +54,7 @@ class ToyEngine:
     """The model's weights and KV cache, ``scale`` times smaller, and a token loop over them."""
 
     def __init__(self, model: ModelSpec, weights: str, cache_type: str, scale: int):
-        self.weights = bytes(int(model.n_params * bits_per_weight(weights, declared=WEIGHT_FORMATS) / 8 / scale))
+        self.weights = bytes(int(model.n_params * bits_per_weight(weights, declared=weight_formats()) / 8 / scale))
         self.kv_bytes_per_token = max(1, round(kv_bytes_per_token(model, cache_type) / scale))
         self.log = [f"loaded {len(self.weights)} weight bytes (1/{scale} of {model.key} {weights})"]
 
@@ -81,7 +80,6 @@ class EchoBackend(BaseBackend):
     engine = "example-echo"
     description = "toy CPU engine from the example plugin: echoes prompts, speed measured for real"
     kv_cache_types = CACHE_TYPES
-    weight_formats = WEIGHT_FORMATS
     # Declared settings are checked before a study runs: a typo or a bad value is exit 2.
     settings = (
         Setting("timeout_s", float, 60.0, "seconds one measurement may take", check=lambda v: None if v > 0 else "must be > 0"),
@@ -89,16 +87,18 @@ class EchoBackend(BaseBackend):
                 check=lambda v: None if v >= 1 else "must be >= 1"),
     )
 
+    @property
+    def weight_formats(self):
+        return weight_formats()
+
     def parameters(self, space):
-        # Keep the cache types this engine knows, exactly as given (the core refuses a value no
-        # backend takes); when the study does not search cache types, search both.
-        caches = tuple(c for c in space.get("cache_type", tuple(CACHE_BYTES)) if c in CACHE_BYTES)
-        return [Param("cache_type", caches, "KV-cache element type (f16, q8_0)", accepted=tuple(CACHE_BYTES))]
+        """The engine model's space: the backend and its twin search the same one."""
+        return ECHO.parameters(space)
 
     def check_weights(self, weights, ctx):
         family = weights.partition(":")[0].lower()
-        if family != GGUF.name:
-            return f"example-echo loads {GGUF.name} weights, not {family}"
+        if family != "gguf":
+            return f"example-echo loads gguf weights, not {family}"
         try:
             parse_format(weights, self.weight_formats)  # a variant GGUF has, or what it accepts
         except AutotuneError as exc:
@@ -106,9 +106,7 @@ class EchoBackend(BaseBackend):
         return None
 
     def check(self, config, ctx):
-        if config.ctx > ctx.model.max_context:
-            return [f"ctx {config.ctx} is beyond {ctx.model.key}'s trained context of {ctx.model.max_context}"]
-        return []
+        return ECHO.rules(config, ctx)
 
     def estimate_memory(self, config, ctx):
         model = ctx.model
@@ -162,9 +160,66 @@ def _scale(ctx: StudyContext) -> int:
     return int(EchoBackend().setting(ctx, "scale"))
 
 
+class EchoModel(EngineModel):
+    """The toy engine as an engine model: its space, its rule and its memory model, written once
+    for the backend above and for the twin, which simulates it from this declaration alone
+    (``twin-example-echo``; docs/plugins.md, "Adding an engine with its twin")."""
+
+    name = "example-echo"
+    kv_cache_types = CACHE_TYPES
+    cache_types = tuple(CACHE_BYTES)
+    default_cache = "f16"
+    twin_name = "twin-example-echo"
+    twin_class = "TwinExampleEcho"
+    twin_description = "digital twin of the example plugin's toy engine (physics, no GPU needed)"
+    artifacts = ("gguf",)
+
+    @property
+    def weight_formats(self):
+        return weight_formats()
+
+    def constants(self):
+        # The twin's physics constants (autotune_plugins.shared.scenario.EngineConstants): a real
+        # engine keeps them in a TOML beside its engine model (constants_file) and fits them to
+        # measurements; the toy's are round guesses.
+        return {"weight_bw_efficiency": 0.5, "layer_us_ghz": 50.0, "sample_ns_per_vocab": 0.0, "request_ms": 1.0,
+                "spill_step_ms": 0.0, "volta_bw_factor": 1.0, "vector_max_batch": 8, "unfused_attn_per_layer_us": 0.0,
+                "unfused_kv_copies": 0.0, "quant_cache_extra_bytes": 0.0, "decode_compute_efficiency": 0.5,
+                "prefill_efficiency": 0.3, "context_bytes": OVERHEAD_BYTES, "keeps_embeddings_on_host": False,
+                "spill": "oom"}
+
+    def parameters(self, space):
+        # Keep the cache types this engine knows, exactly as given (the core refuses a value no
+        # backend takes); when the study does not search cache types, search both.
+        caches = kept(space, "cache_type", tuple(CACHE_BYTES))
+        return [Param("cache_type", caches, "KV-cache element type (f16, q8_0)", accepted=tuple(CACHE_BYTES))]
+
+    def rules(self, config, ctx, model=None):
+        model = model or ctx.model
+        if config.ctx > model.max_context:
+            return [f"ctx {config.ctx} is beyond {model.key}'s trained context of {model.max_context}"]
+        return []
+
+    def memory(self, s, k):
+        kv = int(kv_bytes_per_token(s.model, s.cache_type) * s.ctx * s.parallel)
+        return MemoryEstimate(int(s.weights.total_bytes), kv, 4 * s.model.vocab_size * PREFILL_BATCH,
+                              int(k.context_bytes))
+
+    def deploy_command(self, twin, config, ctx):
+        return deploy_line(["autotune", "example-echo-serve", "--model", ctx.model.key, "--weights", config.weights])
+
+
+ECHO = EchoModel()
+
+
 @hookimpl
 def register_backends(register):
     register(EchoBackend())
+
+
+@hookimpl
+def register_engine_models(register):
+    register(ECHO)
 
 
 @hookimpl

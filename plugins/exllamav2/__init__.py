@@ -12,7 +12,7 @@ memory estimate work on a machine without them.
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 __all__ = ["register_backends"]
 
@@ -27,3 +27,12 @@ def register_backends(register):
     from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 
     register(ExLlamaV2Backend())
+
+
+@hookimpl
+def register_engine_models(register):
+    """The engine's one model (its space, rules, memory model and physics constants): its
+    backend reads it, and the twin simulates it from it."""
+    from autotune_plugins.exllamav2.engine_model import EXLLAMAV2
+
+    register(EXLLAMAV2)

@@ -32,27 +32,20 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.backend import (
-    DefaultLaunch, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line, same_value)
-from autotune.artifacts import is_format
+from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
+    SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, deploy_line, engine_environment, is_format, \
+    parse_format, path_problem, same_value
 from autotune import processes
-from autotune.errors import AutotuneError, ConfigError
-from autotune.formats import parse_format
-from autotune.redact import engine_environment
-from autotune.measure import SERVING_UNITS
-from autotune.models import ModelSpec
-from autotune.paths import path_problem
 from autotune.safetensors_dir import read_config_json
 
-from autotune.declarations import CacheType, WeightFormats
 from autotune_plugins.exllamav2 import declarations, memory
 from autotune_plugins.exllamav2.formats import exl2_quantization
 from autotune_plugins.exllamav2.generator_settings import (
     CACHE_CHOICES, MAX_Q_SIZE, UNPAGED_CHOICES, GeneratorSettings, generator_settings, normalize_cache_type,
     pad_to_page)
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
-from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive, preflight_script
-from autotune_plugins.exllamav2.worker_process import WorkerProcess
+from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
+from autotune_plugins.shared.worker_process import WorkerProcess
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from autotune.declarations import CacheType, WeightFormats
+from autotune.api import CacheType, WeightFormats
 from autotune_plugins.exllamav2 import formats
 
 __all__ = ["CACHE_TYPES", "EXL2", "PYTHON_ENGINE_VARIABLES"]

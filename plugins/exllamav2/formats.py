@@ -10,15 +10,13 @@ exllamav2 backend and the twin of ExLlamaV2 use them directly too. Importing it 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import ConfigError
-from autotune.formats import WeightsBreakdown
-from autotune.models import ModelSpec
-from autotune.safetensors_dir import read_config_json
+from autotune.api import ConfigError, ModelSpec, WeightsBreakdown
+from autotune_plugins.shared.quant_config import bpw_within, quantization_config, quote_directory, spell
 
 __all__ = ["ACCEPTS", "EXL2_BPW_MAX", "EXL2_MAX_BITS", "EXL2_BPW_MIN", "Exl2Quantization", "bpw_of", "exl2_quantization", "exl2_weights",
            "bpw_within", "quantization_config", "quote", "quote_directory", "spell"]
@@ -60,41 +58,10 @@ def exl2_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "c
     return None
 
 
-def quantization_config(cfg: Mapping[str, Any], method: str) -> Mapping[str, Any] | None:
-    """A config.json's ``quantization_config`` when its ``quant_method`` is ``method`` and it
-    states numeric ``bits`` (EXL2's and EXL3's converters both write it so), else None."""
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == method and isinstance(q.get("bits"), (int, float)):
-        return q
-    return None
-
-
-def quote_directory(source: Path, family: str,
-                    quantization: Callable[[Mapping[str, Any], Path], Any]) -> tuple[str, int] | None:
-    """A model directory (or its config.json) as the ``family:bpw`` format ``quantization`` reads
-    from its config.json (an object with ``bits``, or None) and its bytes on disk, or None."""
-    directory = source.parent if source.name == "config.json" else source
-    quant = quantization(read_config_json(directory), directory / "config.json") if directory.is_dir() else None
-    size = sum(f.stat().st_size for f in directory.glob("*.safetensors")) if quant is not None else 0
-    return (f"{family}:{spell(quant.bits)}", size) if quant is not None and size else None
-
-
 def quote(source: Path) -> tuple[str, int] | None:
     """An EXL2 model directory (or its config.json) as the format it is in and its bytes on disk
     (``("exl2:4.0", 15_300_000_000)``), for the model's quoted artifact sizes; None for any other."""
     return quote_directory(source, "exl2", exl2_quantization)
-
-
-def bpw_within(variant: str, low: float, high: float) -> float:
-    """A written bits per weight -> the number, if from ``low`` to ``high``.
-
-    Raises:
-        ValueError: Not a number, or outside the range.
-    """
-    bpw = float(variant)  # ValueError for "four"
-    if not low <= bpw <= high:  # NaN fails this too
-        raise ValueError(variant)
-    return bpw
 
 
 def bpw_of(variant: str) -> float:
@@ -104,11 +71,6 @@ def bpw_of(variant: str) -> float:
         ValueError: Not a number, or outside 2.0-8.0.
     """
     return bpw_within(variant, EXL2_BPW_MIN, EXL2_BPW_MAX)
-
-
-def spell(bpw: float) -> str:
-    """The canonical spelling of a bpw, to two decimals (``4`` -> ``4.0``, ``3.254`` -> ``3.25``)."""
-    return str(round(float(bpw), 2))
 
 
 def bits_per_weight(bpw: float, model: ModelSpec | None = None) -> float:

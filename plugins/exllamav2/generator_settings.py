@@ -32,10 +32,11 @@ Every trial records the mode and ``jobs_at_once``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from autotune.errors import ConfigError
+from autotune.api import ConfigError
+from autotune_plugins.shared.generator_record import SettingsRecord
 
 __all__ = ["CACHE_CHOICES", "PAGE_SIZE", "UNPAGED_CHOICES", "GeneratorSettings", "SettingsRecord", "generator_settings",
            "normalize_cache_type"]
@@ -59,22 +60,6 @@ def normalize_cache_type(value: Any) -> str:
 
 def pad_to_page(tokens: int) -> int:
     return -(-tokens // PAGE_SIZE) * PAGE_SIZE
-
-
-class SettingsRecord:
-    """A generator's settings (a frozen dataclass with ``jobs_at_once``) as the parent and its
-    worker exchange them: ``to_dict`` for the ``load`` request and the trial's record,
-    ``from_dict`` for what the worker says it built. Both exllama plugins' settings are one."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "jobs_at_once": self.jobs_at_once}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Any:
-        try:
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
-        except KeyError as exc:
-            raise ConfigError(f"generator settings lack {exc.args[0]!r}") from None
 
 
 @dataclass(frozen=True)

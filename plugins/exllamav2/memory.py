@@ -31,10 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
-from autotune.backend import MemoryEstimate
-from autotune.errors import ConfigError
-from autotune.models import ModelSpec, model_from_hf_config
-from autotune.formats import safetensors_dir_weights
+from autotune.api import ConfigError, MemoryEstimate, ModelSpec, model_from_hf_config, safetensors_dir_weights
 from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings

@@ -23,10 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-from autotune.artifacts import Recipe, run_tool
-from autotune.errors import AutotuneError
-from autotune.formats import family_of, normalize_format, parse_format
-from autotune.models import model_from_hf_config
+from autotune.api import AutotuneError, Recipe, family_of, model_from_hf_config, normalize_format, parse_format, \
+    run_tool
 from autotune_plugins.exllamav2 import declarations
 from autotune_plugins.exllamav2.formats import exl2_weights
 

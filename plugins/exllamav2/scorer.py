@@ -18,12 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from autotune.backend import StudyContext
-from autotune.errors import BackendError
-from autotune.scoring import LogLikelihood, Scorer, ScoringError
+from autotune.api import BackendError, LogLikelihood, Scorer, ScoringError, StudyContext
 
 from autotune_plugins.exllamav2.generator_settings import generator_settings
-from autotune_plugins.exllamav2.worker_process import WorkerProcess
+from autotune_plugins.shared.worker_process import WorkerProcess
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np

@@ -33,11 +33,10 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.errors import BackendError, ConfigError
-from autotune.measure import StreamResult, serving_metrics
+from autotune.api import BackendError, ConfigError, StreamResult, serving_metrics
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
-from autotune_plugins.exllamav2.worker_engine import (
+from autotune_plugins.shared.worker_engine import (
     PROMPT_TEXT, WorkerEngine, engine_missing, prompt_ids, run_requests, serve_engine)
 
 __all__ = ["Engine", "PROMPT_TEXT", "SCORE_CHUNK", "attention_path", "check_paged", "main", "prompt_ids",

@@ -9,7 +9,7 @@ on a machine without them.
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 __all__ = ["register_backends"]
 
@@ -20,3 +20,12 @@ def register_backends(register):
     from autotune_plugins.exllamav3.backend import ExLlamaV3Backend
 
     register(ExLlamaV3Backend())
+
+
+@hookimpl
+def register_engine_models(register):
+    """The engine's one model (its space, rules, memory model and physics constants): its
+    backend reads it, and the twin simulates it from it."""
+    from autotune_plugins.exllamav3.engine_model import EXLLAMAV3
+
+    register(EXLLAMAV3)

@@ -13,7 +13,7 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   allocations (:mod:`.memory`);
 * ``run`` starts ``python -m autotune_plugins.exllamav3.worker`` in its own session, loads the
   model there, and measures with the core's loop, :func:`autotune.measure.measure_engine`: the
-  lifecycle ExLlamaV2's backend shares (:class:`autotune_plugins.exllamav2.worker_backend.WorkerBackend`),
+  lifecycle ExLlamaV2's backend shares (:class:`autotune_plugins.shared.worker_backend.WorkerBackend`),
   with this engine's own refusals (``refuse_run``, ``preflight_more``) and record (``generator_attrs``).
 
 The space: ``cache_type`` (``fp16``, ``k8v8``, ``k4v6``...; all 50 when the study names none
@@ -34,19 +34,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.artifacts import is_format
-from autotune.backend import DefaultLaunch, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, deploy_line
-from autotune.declarations import CacheType, WeightFormats
-from autotune.errors import AutotuneError, ConfigError
-from autotune.formats import parse_format
-from autotune.measure import SERVING_UNITS
-from autotune.models import ModelSpec, model_from_hf_config
-from autotune.paths import path_problem
+from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
+    SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, Workload, deploy_line, is_format, \
+    model_from_hf_config, parse_format, path_problem
 from autotune.safetensors_dir import read_config_json
-from autotune.workload import Workload
 
-from autotune_plugins.exllamav2.worker_backend import WorkerBackend, command_problem, positive, preflight_script
-from autotune_plugins.exllamav2.worker_process import default_worker_command as _worker_command
+from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
+from autotune_plugins.shared.worker_process import default_worker_command as _worker_command
 from autotune_plugins.exllamav3 import declarations, memory
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
 from autotune_plugins.exllamav3.generator_settings import (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from autotune.declarations import CacheType, WeightFormats
+from autotune.api import CacheType, WeightFormats
 from autotune_plugins.exllamav3 import formats
 
 __all__ = ["ARCHITECTURES", "CACHE_BITS", "CACHE_TYPES", "EXL3", "PYTHON_ENGINE_VARIABLES", "architecture_problem",

@@ -19,13 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import ConfigError
-from autotune.formats import WeightsBreakdown
-from autotune.models import ModelSpec
+from autotune.api import ConfigError, ModelSpec, WeightsBreakdown
 
 # The EXL2 plugin owns what the EXL families share: the config.json's quantization_config, a
 # directory's quote, the bpw spelling (two decimals, as both converters record it).
-from autotune_plugins.exllamav2.formats import bpw_within, quantization_config, quote_directory, spell
+from autotune_plugins.shared.quant_config import bpw_within, quantization_config, quote_directory, spell
 
 __all__ = ["ACCEPTS", "EXL3_BPW_MAX", "EXL3_BPW_MIN", "EXL3_HEAD_BITS", "Exl3Quantization", "bits_per_weight", "bpw_of",
            "exl3_quantization", "exl3_weights", "head_bits_ok", "quote", "spell"]

@@ -40,15 +40,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.errors import ConfigError
+from autotune.api import ConfigError
 
-from autotune_plugins.exllamav2.generator_settings import SettingsRecord
+from autotune_plugins.shared.generator_record import SettingsRecord
+from autotune_plugins.shared.paging import PAGE_SIZE, pad_to_page, pages_per_job  # noqa: F401  (this module's names, as before)
 from autotune_plugins.exllamav3.declarations import cache_kv_bits
 
 __all__ = ["DEFAULT_CHUNK", "PAGE_SIZE", "GeneratorSettings", "chunk_problem", "generator_settings",
            "normalize_cache_type", "pad_to_page", "pages_per_job"]
 
-PAGE_SIZE = 256  # exllamav3/constants.py
 DEFAULT_CHUNK = 2048  # Generator(max_chunk_size=2048), TabbyAPI chunk_size default 2048
 CACHE_ACCEPTED = "fp16 or k<K>v<V> with K and V from 2 to 8 (k8v8, k4v6, ...)"
 
@@ -62,15 +62,6 @@ def normalize_cache_type(value: Any) -> str:
     except ValueError:
         raise ConfigError(f"cache_type {value!r}: exllamav3 has {CACHE_ACCEPTED}") from None
     return text
-
-
-def pad_to_page(tokens: int) -> int:
-    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
-
-
-def pages_per_job(ctx: int) -> int:
-    """Pages one job of ``ctx`` tokens (prompt + output) reserves: ceil((ctx + 1) / 256)."""
-    return -(-(ctx + 1) // PAGE_SIZE)
 
 
 def chunk_problem(chunk: Any) -> str | None:

@@ -41,9 +41,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from autotune.backend import MemoryEstimate
-from autotune.formats import WeightsBreakdown, safetensors_dir_weights
-from autotune.models import ModelSpec, model_from_hf_config
+from autotune.api import MemoryEstimate, ModelSpec, WeightsBreakdown, model_from_hf_config, safetensors_dir_weights
 from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav3.generator_settings import PAGE_SIZE, GeneratorSettings, pages_per_job

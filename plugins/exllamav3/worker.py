@@ -1,7 +1,7 @@
 """The exllamav3 worker process: ``python -m autotune_plugins.exllamav3.worker``.
 
 One worker serves one trial: it loads the EXL3 model with the trial's cache and generator,
-then answers the parent's requests (the protocol of :mod:`autotune_plugins.exllamav2.protocol`,
+then answers the parent's requests (the protocol of :mod:`autotune_plugins.shared.protocol`,
 which both exllama workers speak) until told to exit or until its stdin closes. torch and
 exllamav3 are imported here only, on ``load`` (the first import JIT-compiles exllamav3's
 extension, exllamav3/ext.py), so autotune itself never needs them, and a CUDA crash or an
@@ -31,10 +31,9 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.errors import BackendError, ConfigError
-from autotune.measure import StreamResult
+from autotune.api import BackendError, ConfigError, StreamResult
 
-from autotune_plugins.exllamav2.worker_engine import (
+from autotune_plugins.shared.worker_engine import (
     PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine)
 from autotune_plugins.exllamav3 import worker_scoring
 from autotune_plugins.exllamav3.generator_settings import GeneratorSettings, pages_per_job
@@ -63,7 +62,7 @@ def check_fits(settings: GeneratorSettings, prompt: int, output: int) -> None:
 
 class Engine(WorkerEngine):
     """The loaded model and its generator; every torch/exllamav3 import happens in ``load``
-    (what it shares with ExLlamaV2's worker: :class:`autotune_plugins.exllamav2.worker_engine.WorkerEngine`)."""
+    (what it shares with ExLlamaV2's worker: :class:`autotune_plugins.shared.worker_engine.WorkerEngine`)."""
 
     settings: GeneratorSettings | None
     scoring: worker_scoring.PassScorer | None = None

@@ -16,7 +16,7 @@ Backends (through the ``register_backends`` hook):
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 from autotune_plugins.llama_server import commands
 
@@ -44,3 +44,12 @@ def register_backends(register):
     from autotune_plugins.llama_server.backend import LlamaServerBackend
 
     register(LlamaServerBackend())
+
+
+@hookimpl
+def register_engine_models(register):
+    """The engine's one model (its space, rules, memory model and physics constants): its
+    backend reads it, and the twin simulates it from it."""
+    from autotune_plugins.llama_server.engine_model import LLAMA_CPP
+
+    register(LLAMA_CPP)

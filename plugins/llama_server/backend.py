@@ -31,46 +31,31 @@ Settings (study file, ``[backends.llama-server]``): see ``LlamaServerBackend.set
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import os
 import subprocess
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.redact import mask_argv
-from autotune.shell import command_line
-from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, UserLoad, deploy_line, same_value
-from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
+from autotune.api import command_line, mask_argv
+from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, DefaultLaunch, EngineUnavailableError, \
+    Measurement, MemoryEstimate, ModelSpec, PROMPT_TEXT, Param, SERVING_UNITS, Setting, StudyContext, TrialConfig, \
+    UserLoad, WeightFormats, artifact_path, cuda_visible_entry, deploy_line, engine_environment, fetch, \
+    has_gpu as _has_gpu, is_format, model_from_gguf, normalize_format, path_problem, prompt_of, weights_for
 from autotune.local_server import free_port, loopback, tail, wait_ready
-from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, post_events, serving_run
-from autotune.measure.streams import fetch
-from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
-from autotune.models import ModelSpec, model_from_gguf
-from autotune.paths import path_problem
 
 from autotune import processes
-from autotune.cuda_devices import cuda_visible_entry
-from autotune.redact import engine_environment
-from autotune.hardware import has_gpu as _has_gpu
-from autotune.rules import Rule, load_rules, violations
-from autotune.artifacts import artifact_path, is_format
-from autotune.formats import normalize_format, weights_for
-from autotune.declarations import CacheType, WeightFormats
 from autotune_plugins.llama_server import declarations, engine, memory
+from autotune_plugins.llama_server import trial_run
+from autotune_plugins.llama_server.engine_model import LLAMA_CPP
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS, FIT
 from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
-from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, median, parse_log, \
-    plan_cpus, process_cpu_s
+from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, parse_log, plan_cpus
 
 __all__ = ["LlamaServerBackend", "parse_log"]
 
-CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
 UNITS = SERVING_UNITS
@@ -85,12 +70,6 @@ WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers
 _STARTUP_FACTS: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
 
 # ------------------------------------------------------------------------------ GGUF file
-
-
-@functools.lru_cache(maxsize=1)
-def _rules() -> list[Rule]:
-    """llama.cpp's refusals, kept as data beside this module (rules.toml)."""
-    return load_rules(Path(__file__).with_name("rules.toml"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -134,9 +113,10 @@ class LlamaServerBackend(BaseBackend):
     name: ClassVar[str] = "llama-server"
     engine: ClassVar[str] = "llama.cpp"
     description: ClassVar[str] = "llama.cpp's llama-server on a GGUF file, launched and measured"
-    kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
-    weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.GGUF,)
-    engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*",)  # ggml's own switches (GGML_CUDA_*, GGML_VK_*)
+    # The engine model's declarations (engine_model.py), which the twin of llama.cpp shares.
+    kv_cache_types: ClassVar[tuple[CacheType, ...]] = LLAMA_CPP.kv_cache_types
+    weight_formats: ClassVar[tuple[WeightFormats, ...]] = LLAMA_CPP.weight_formats
+    engine_variables: ClassVar[tuple[str, ...]] = LLAMA_CPP.engine_variables
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
                                      "else the newest `autotune engine build llama.cpp`, else PATH)"),
@@ -170,43 +150,8 @@ class LlamaServerBackend(BaseBackend):
     # -------------------------------------------------------------- space and rules
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        """The study's values llama-server understands, exactly as given; a key the study does
-        not name gets this engine's defaults. A key whose values are all foreign yields no
-        choices, so the core reports the values with ``accepted``."""
-
-        def given(name: str, accepted: Sequence[Any], default: Sequence[Any]) -> tuple[Any, ...]:
-            if name not in space:
-                return tuple(default)
-            return tuple(v for v in space[name] if any(same_value(v, a) for a in accepted))
-
-        params = [
-            Param("cache_type", given("cache_type", CACHE_CHOICES, CACHE_CHOICES),
-                  "KV-cache type (-ctk/-ctv): f16, q8_0, q4_0", accepted=CACHE_CHOICES),
-            Param("flash_attn", given("flash_attn", (True, False), (True, False)),
-                  "flash attention (-fa on|off)", accepted=(True, False)),
-        ]
-        def counted(name: str) -> tuple[int, ...]:
-            # llama.cpp reads these with std::stoi into an int32 (declarations.OPTION_RANGES): a
-            # larger value is refused by llama-server itself, so it is refused here, up front.
-            low, high = declarations.OPTION_RANGES[name]
-            return tuple(v for v in space[name] if type(v) is int and low <= v <= high)
-
-        if "ubatch" in space:
-            params.append(Param("ubatch", counted("ubatch"), "physical batch size (-ub)",
-                                accepted=(f"an integer 1..{INT32_MAX}",)))
-        # The offload dimensions (issue 27), only when the space names them: a study that does not
-        # keeps today's command line, the gpu_layers setting and no -b/--n-cpu-moe.
-        if "batch" in space:
-            params.append(Param("batch", counted("batch"), "logical batch size (-b); ubatch <= batch",
-                                accepted=(f"an integer 1..{INT32_MAX}",)))
-        if "gpu_layers" in space:
-            ngl = tuple(v for v in space["gpu_layers"] if v == "all" or (type(v) is int and v in counted("gpu_layers")))
-            params.append(Param("gpu_layers", ngl, "layers on the GPU (-ngl; \"all\" = -ngl 999): the output layer and "
-                                "the last N - 1 decoder layers", accepted=("\"all\"", f"an integer 0..{INT32_MAX}")))
-        if "n_cpu_moe" in space:
-            params.append(Param("n_cpu_moe", counted("n_cpu_moe"), "layers whose routed experts stay in host "
-                                "memory (--n-cpu-moe: the first N)", accepted=(f"an integer 0..{INT32_MAX}",)))
-        return params
+        """The engine model's space (:meth:`.engine_model.LlamaCppModel.parameters`), the twin's too."""
+        return LLAMA_CPP.parameters(space)
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
         """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
@@ -281,16 +226,12 @@ class LlamaServerBackend(BaseBackend):
         return None
 
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        """The weights file, then the engine model's rules (``rules.toml``) on what the file says
+        of the model: the same refusals the twin of llama.cpp makes."""
         problem = self.check_weights(config.weights, ctx)
         if problem:
             return [problem]
-        model = self._model_for(config.weights, ctx)
-        options = {"cache_type": "f16", "flash_attn": True, **dict(config.options),
-                   "ctx": config.ctx, "parallel": config.parallel}
-        facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
-                 "compute_capability": getattr(ctx.gpu, "compute_capability", None), "moe": model.is_moe,
-                 "n_layers": model.n_layers, "all_layers": model.n_layers + 1, "batch": memory.DEFAULT_BATCH}
-        return violations(_rules(), options, facts)
+        return LLAMA_CPP.rules(config, ctx, self._model_for(config.weights, ctx))
 
     # -------------------------------------------------------------- memory
 
@@ -611,92 +552,8 @@ class LlamaServerBackend(BaseBackend):
 
     def _measure(self, server: Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
                  startup_s: float, request_s: float) -> Measurement:
-        self.wait_ready(server, startup_s)
-        wl = ctx.workload
-        base = self.base_tokens(server)
-        prompt = prompt_of(base, wl.prompt_tokens)
-        url = f"{server.url}/completion"
-
-        def body(i: int) -> dict[str, Any]:
-            n_prompt, n_out = wl.request(i)  # request i's lengths, the same for every backend
-            return {"prompt": varied(prompt_of(base, n_prompt), i), "n_predict": n_out, "ignore_eos": True,
-                    "temperature": 0, "cache_prompt": False, "stream": True}
-
-        def stream(i: int, seen: list[dict[str, Any]]) -> StreamResult:
-            start = time.monotonic()
-            first = None
-            n_out = 0
-            n_prompt = wl.request(i)[0]
-            timings: dict[str, Any] = {}
-            events = post_events(server.http, url, body(i), request_s, failure=server.failure)
-            with contextlib.closing(events):
-                for payload in events:
-                    data = json.loads(payload)
-                    if first is None and data.get("content") is not None and not data.get("stop"):
-                        first = time.monotonic()
-                    if data.get("stop"):
-                        timings = data.get("timings") or {}
-                        n_out = int(timings.get("predicted_n", data.get("tokens_predicted", 0)))
-                        n_prompt = int(timings.get("prompt_n", n_prompt))
-                        # The last event: waiting for the server to close the stream as well
-                        # hung a finish's request alone until the timeout (seen on the CPU).
-                        break
-            end = time.monotonic()
-            if first is None:
-                first = end
-            client = StreamResult.from_timestamps(n_prompt, n_out, start, first, end)
-            seen.append({"client_decode": client.decode_tok_s, "client_ttft_ms": client.ttft_ms,
-                         "engine_decode": float(timings.get("predicted_per_second") or 0.0),
-                         "engine_prefill": float(timings.get("prompt_per_second") or 0.0), "timings": timings})
-            if not timings.get("predicted_per_second"):
-                return client
-            # The server's own clock for the rates: on a fast model a whole burst of tokens
-            # arrives in one read, and the client's gaps measure the socket, not the decode.
-            return StreamResult(n_prompt, n_out, client.ttft_ms, float(timings["predicted_per_second"]),
-                                float(timings.get("prompt_per_second") or client.prefill_tok_s), start, end)
-
-        runs: list[dict[str, Any]] = []  # per run: the engine's timings and what the client cost
-
-        def alone(i: int) -> StreamResult:
-            """One request alone: the engine's timings, and the time to its first token as a
-            client sees it (``ttft_ms`` means that for every backend; the engine's ``prompt_ms``
-            leaves out queueing, tokenizing and slot handling)."""
-            seen: list[dict[str, Any]] = []
-            result = stream(i, seen)
-            if not seen[0]["timings"].get("predicted_per_second"):
-                raise server.failure("/completion gave no timings (predicted_per_second) for a request alone")
-            runs.append({"single": {**seen[0]["timings"], "client_ttft_ms": result.ttft_ms}, "streams": []})
-            return result
-
-        def around_streams(streams: Callable[[], ConcurrentResult]) -> ConcurrentResult:
-            cpu0, engine0, wall0 = time.process_time(), process_cpu_s(server.proc.pid), time.monotonic()
-            conc = streams()
-            wall = time.monotonic() - wall0
-            cpu, engine1 = time.process_time() - cpu0, process_cpu_s(server.proc.pid)
-            runs[-1].update({"wall_s": wall, "client_cpu_s": cpu, "aggregate_tok_s": conc.aggregate_tok_s,
-                             "engine_cpu_s": None if engine0 is None or engine1 is None else engine1 - engine0})
-            return conc
-
-        with Pinned(server.cpus.client) as client_pin:
-            stats, telemetry, peak = measure_engine(
-                ctx, serving_run(alone, lambda j: stream(j, runs[-1]["streams"]), config.parallel, request_s,
-                                 around_streams=around_streams, workload=wl),
-                warm_up=lambda: stream(-1, []),  # allocator, caches, CUDA graphs
-                key=str(self.value(ctx, "stability_metric")), gpu=has_gpu, pid=server.proc.pid)
-        cpus = server.cpus
-        if client_pin.error:
-            cpus = CpuPlan(cpus.engine, None, f"{cpus.note}, but the load generator was {client_pin.error}")
-        measured = runs[ctx.protocol.warmup_runs:]  # the runs the stats are made of
-        attrs: dict[str, Any] = {
-            "engine_version": self._version_of(server.cmd[0]),
-            "command": command_line(mask_argv(server.cmd)),  # stored and shown: a key masked
-            "argv": mask_argv(server.cmd),
-            "gpu": has_gpu,
-            "prompt_tokens": len(prompt),
-            **_timings(measured),
-            "load_generator": _load_generator(measured, cpus),
-        }
-        return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
+        """One launched server measured under the protocol (:func:`.trial_run.measure`)."""
+        return trial_run.measure(self, server, config, ctx, has_gpu, startup_s, request_s)
 
     @staticmethod
     @functools.lru_cache(maxsize=8)
@@ -710,46 +567,3 @@ class LlamaServerBackend(BaseBackend):
 @functools.lru_cache(maxsize=8)
 def _checked_version(binary: str) -> engine.EngineVersion:
     return engine.engine_version(binary)
-
-
-def _timings(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The engine's own figures beside the client's, each the median over the measured runs.
-
-    ``engine_timings`` are llama-server's ``timings`` (its own clock); ``streams_*`` are over the
-    ``parallel`` streams of one run: ``_sum`` adds them (the engine's view of the aggregate),
-    ``_median`` is the middle stream. ``client_timings`` are autotune's timestamps.
-    """
-
-    def over_runs(f: Any) -> float | None:
-        return median([v for v in (f(r) for r in runs) if v is not None])
-
-    def streams(r: Mapping[str, Any], k: str) -> list[float]:
-        return [s[k] for s in r["streams"]]
-
-    return {
-        "engine_timings": {
-            "single_decode_tok_s": over_runs(lambda r: float(r["single"]["predicted_per_second"])),
-            "single_prefill_tok_s": over_runs(lambda r: float(r["single"]["prompt_per_second"])),
-            "single_prompt_ms": over_runs(lambda r: r["single"].get("prompt_ms")),
-            "streams_decode_tok_s_sum": over_runs(lambda r: sum(streams(r, "engine_decode")) or None),
-            "streams_decode_tok_s_median": over_runs(lambda r: median(streams(r, "engine_decode"))),
-            "streams_prefill_tok_s_median": over_runs(lambda r: median(streams(r, "engine_prefill"))),
-        },
-        "client_timings": {
-            "aggregate_tok_s": over_runs(lambda r: r["aggregate_tok_s"]),
-            "streams_decode_tok_s_median": over_runs(lambda r: median(streams(r, "client_decode"))),
-            "streams_ttft_ms_median": over_runs(lambda r: median(streams(r, "client_ttft_ms"))),
-        },
-    }
-
-
-def _load_generator(runs: Sequence[Mapping[str, Any]], cpus: CpuPlan) -> dict[str, Any]:
-    """What the client cost during the concurrent phase (CPU seconds of autotune's whole
-    process per wall second, i.e. cores busy) and the engine's own use, with the pinning."""
-
-    def cores(k: str) -> float | None:
-        return median([r[k] / r["wall_s"] for r in runs if r[k] is not None and r["wall_s"] > 0])
-
-    return {"client_cpu_cores": cores("client_cpu_s"), "engine_cpu_cores": cores("engine_cpu_s"),
-            **cpus.to_dict()}
-

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from autotune import processes
-from autotune.redact import engine_environment
-from autotune.errors import ConfigError, EngineUnavailableError
+from autotune.api import ConfigError, EngineUnavailableError, engine_environment
 from autotune_plugins.llama_server import cuda_toolkit
 from autotune_plugins.llama_server.cuda_toolkit import cuda_arch_from_cc, resolve_arch
 from autotune_plugins.llama_server.llama_build import BUILD_TARGETS, LLAMA_CPP_PYTHON_VERSION, MARKER, SERVER
+from autotune_plugins.shared.engine_cache import engines_dir
 
 __all__ = [
     "ENGINE_TOOLS",
@@ -57,25 +57,6 @@ class EngineNotFoundError(EngineUnavailableError):
 # --------------------------------------------------------------------------------------
 # Cache directory
 # --------------------------------------------------------------------------------------
-
-
-def engines_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The directory holding built engines.
-
-    Args:
-        cache_dir: An explicit directory (``--cache-dir``); it is used as is.
-
-    Returns:
-        ``cache_dir``, else ``$AUTOTUNE_CACHE_DIR/engines``, else
-        ``$XDG_CACHE_HOME/autotune/engines``, else ``~/.cache/autotune/engines``.
-    """
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("AUTOTUNE_CACHE_DIR"):
-        return Path(os.environ["AUTOTUNE_CACHE_DIR"]).expanduser() / "engines"
-    # An empty XDG_CACHE_HOME means "unset" (XDG Base Directory spec).
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "autotune" / "engines"
 
 
 # --------------------------------------------------------------------------------------

@@ -17,8 +17,7 @@ from typing import Any
 
 import click
 
-from autotune.errors import AutotuneError, ConfigError, handle_errors
-from autotune.terminal import echo
+from autotune.api import AutotuneError, ConfigError, echo, handle_errors
 from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, LIMITS, SEED_RANGE
 
 __all__ = ["add_engine_commands", "add_synth_command"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from autotune.declarations import CacheType, WeightFormats
+from autotune.api import CacheType, WeightFormats
 from autotune_plugins.llama_server import formats
 
 __all__ = ["CACHE_TYPES", "GGUF"]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from autotune import processes
-from autotune.errors import AutotuneError, ConfigError
+from autotune.api import AutotuneError, ConfigError
 from autotune_plugins.llama_server import cuda_toolkit
 
 __all__ = [

@@ -24,12 +24,10 @@ Calibration (each figure is llama.cpp's own start-up log, ``-lv 4``, or nvidia-s
 
 from __future__ import annotations
 
-from autotune.backend import MemoryEstimate
-from autotune.formats import WeightsBreakdown
-from autotune.models import ModelSpec
-from autotune.cache_types import resolve
-from autotune.vram import GraphBuffers, SlotLayout, kv_cache_bytes
+from autotune.api import GraphBuffers, MemoryEstimate, ModelSpec, SlotLayout, WeightsBreakdown, kv_cache_bytes, \
+    resolve_cache_type as resolve
 from autotune_plugins.llama_server.declarations import CACHE_TYPES
+from autotune_plugins.shared.scenario import LLAMA_UBATCH
 
 __all__ = ["CPU_BUFFERS", "CUDA_BUFFERS", "CUDA_CONTEXT_BYTES", "LAYOUT", "DEFAULT_BATCH", "DEFAULT_UBATCH", "estimate",
            "placement"]
@@ -38,7 +36,7 @@ MiB = 2**20
 GiB = 2**30
 
 LAYOUT = SlotLayout(pad=256, unified=False)
-DEFAULT_UBATCH = 512  # llama-server's -ub
+DEFAULT_UBATCH = LLAMA_UBATCH  # llama-server's -ub (512), one number for the memory model and the physics
 
 CPU_BUFFERS = GraphBuffers(ffn_coef=3, hidden_coef=4, attn_hidden_coef=5, mask_bytes=4, mask_bytes_fused=2,
                            source="llama.cpp CPU start-up logs, 21 configurations")

@@ -12,8 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from autotune.errors import UnknownNameError
-from autotune.models import ModelSpec
+from autotune.api import ModelSpec, UnknownNameError
 
 __all__ = ["GGML_TYPES", "GGUF_FILE_TYPES", "GgmlType", "GgufFileType", "TensorPlan", "ggml_tensor_bytes",
            "gguf_tensor_plan"]

@@ -21,12 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from autotune.artifacts import Recipe, run_tool
-from autotune.errors import AutotuneError
-from autotune.formats import family_of, parse_format
+from autotune.api import AutotuneError, ModelSpec, Recipe, engine_environment, family_of, parse_format, \
+    resolve_model, run_tool
 from autotune.gguf_file import read_gguf
-from autotune.models import ModelSpec, resolve_model
-from autotune.redact import engine_environment
 from autotune_plugins.llama_server import declarations, engine
 from autotune_plugins.llama_server.builds import _manifest_of
 from autotune_plugins.llama_server.formats import predict_gguf_weights

@@ -15,8 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from autotune.errors import AutotuneError
-from autotune.scoring import LogLikelihood, Scorer, ScoringError
+from autotune.api import AutotuneError, LogLikelihood, Scorer, ScoringError
 
 __all__ = ["LlamaCppScorer", "GGML_CACHE_TYPES", "log_softmax"]
 

@@ -18,8 +18,9 @@ from typing import Any, Sequence
 
 import httpx
 
-from autotune.errors import BackendError, EngineUnavailableError
+from autotune.api import BackendError, EngineUnavailableError
 from autotune.local_server import read_log, server_url, tail
+from autotune_plugins.shared.engine_log import DEBUGGER_LINE
 
 __all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "median", "parse_log", "plan_cpus",
            "process_cpu_s"]
@@ -71,11 +72,6 @@ _REASON_RX = re.compile(
 # ggml's own failure line: "ggml.c:1234: GGML_ASSERT(cond) failed", GGML_ABORT's message, a C++
 # exception's what(). The most specific words there are: said first.
 _ASSERT_RX = re.compile(r"GGML_ASSERT|GGML_ABORT|: fatal error|terminate called|what\(\):")
-# What ggml's crash handler prints after it: gdb's (or lldb's) backtrace of every thread. Its last
-# lines ("#5 0x... in main ()", "[Inferior 1 (process 12) detached]") were stored as the reason.
-DEBUGGER_LINE = re.compile(r"^(#\d+\s|\[New LWP|\[Thread debugging|\[Inferior \d|Using host libthread_db|"
-                          r"warning: (could not|Unable to|Error disabling)|\(gdb\)|ptrace:|No stack\.|"
-                          r"Could not attach|0x[0-9a-f]+ in )")
 
 
 def engine_reason(log_text: str) -> str:

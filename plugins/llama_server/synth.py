@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from autotune import processes
-from autotune.errors import AutotuneError, ConfigError
+from autotune.api import AutotuneError, ConfigError
 from autotune_plugins.llama_server.gguf_tokenizer import read_tokenizer
 from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, SynthSpec, TensorPlan, tensor_plan
 
@@ -195,7 +195,7 @@ def quantized_path(model: str | os.PathLike[str], qtype: str) -> Path:
 
 
 def _as_model(spec: SynthSpec, n_vocab: int) -> Any:
-    from autotune.models import ModelSpec
+    from autotune.api import ModelSpec
 
     return ModelSpec(key=spec.name, name=spec.name, architecture=spec.arch, n_layers=spec.n_layers,
                      hidden_size=spec.hidden, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
@@ -207,7 +207,7 @@ def _as_model(spec: SynthSpec, n_vocab: int) -> Any:
 def _quantized_bytes(model: Any, qtype: str, unquantized_bytes: int) -> tuple[int, str]:
     """Tensor bytes of a ``qtype`` copy (autotune.formats' per-tensor types), or the
     unquantized size as a bound for a type it has no table for."""
-    from autotune.errors import UnknownNameError
+    from autotune.api import UnknownNameError
     from autotune_plugins.llama_server.formats import predict_gguf_weights
 
     try:
@@ -496,7 +496,7 @@ def quantize(
 
 def _check_quantized_space(src: Path, qtype: str, dst: Path) -> None:
     """Refuse a copy that would not fit, before llama-quantize fills the disk."""
-    from autotune.models import model_from_gguf
+    from autotune.api import model_from_gguf
 
     try:
         model = model_from_gguf(src)

@@ -10,7 +10,7 @@ Backends (through the ``register_backends`` hook):
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 __all__ = ["register_backends"]
 
@@ -25,3 +25,12 @@ def register_backends(register):
     from autotune_plugins.openai_server.backend import OpenAIServerBackend
 
     register(OpenAIServerBackend())
+
+
+@hookimpl
+def register_engine_models(register):
+    """The engine's one model (its space, rules, memory model and physics constants): its
+    backend reads it, and the twin simulates it from it."""
+    from autotune_plugins.openai_server.engine_model import VLLM
+
+    register(VLLM)

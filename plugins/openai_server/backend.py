@@ -32,29 +32,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.redact import mask_argv, remember_secret
-from autotune.shell import command_line
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
-    deploy_line
-from autotune.declarations import CacheType
-from autotune.cuda_devices import cuda_visible_entry
+from autotune.api import command_line, mask_argv, remember_secret
+from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, ConcurrentResult, ConfigError, \
+    Measurement, MemoryEstimate, PROMPT_TEXT, Param, SERVING_UNITS, Setting, SlotLayout, StreamResult, StudyContext, \
+    TrialConfig, cuda_visible_entry, deploy_line, engine_environment, engine_models, fetch, has_gpu as _has_gpu, \
+    kv_cache_bytes, measure_engine, path_problem, prompt_of, serving_run, varied, violations
 from autotune import processes
-from autotune.redact import engine_environment
-from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.hardware import has_gpu as _has_gpu
 from autotune.local_server import free_port, loopback
-from autotune.measure import SERVING_UNITS, ConcurrentResult, StreamResult, measure_engine, serving_run
 from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
-from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
-from autotune.measure.streams import fetch
-from autotune.paths import path_problem
-from autotune.rules import violations
-from autotune.vram import SlotLayout, kv_cache_bytes
-from autotune_plugins.exllamav2 import declarations as exllamav2_declared
-from autotune_plugins.exllamav3 import declarations as exllamav3_declared
-from autotune_plugins.exllamav3.generator_settings import PAGE_SIZE as EXL3_PAGE, pages_per_job
-from autotune_plugins.llama_server import declarations as llama_declared
-from autotune_plugins.llama_server.builds import engines_dir
+from autotune_plugins.shared.engine_cache import engines_dir
+from autotune_plugins.shared.paging import PAGE_SIZE as EXL3_PAGE, pages_per_job
 from autotune_plugins.openai_server import declarations
 from autotune_plugins.openai_server.server import OpenAIServer
 from autotune_plugins.openai_server.templates import Template, load_template, render, shipped, template_path, \
@@ -112,17 +99,29 @@ class OpenAIServerBackend(BaseBackend):
     engine: ClassVar[str] = "openai-api"
     description: ClassVar[str] = ("any OpenAI-compatible server started from a command template (shipped: "
                                   + ", ".join(shipped()) + ")")
-    # The cache types of the engines its shipped templates serve: vLLM's and SGLang's
-    # --kv-cache-dtype, llama-server's -ctk, TabbyAPI's cache_mode for ExLlamaV2 and for exllamav3
-    # (fp16 is both exllamas', declared alike).
-    kv_cache_types: ClassVar[tuple[CacheType, ...]] = (declarations.CACHE_TYPES + llama_declared.CACHE_TYPES
-                                                       + exllamav2_declared.CACHE_TYPES
-                                                       + tuple(c for c in exllamav3_declared.CACHE_TYPES
-                                                               if c.name != "fp16"))
-    # What the shipped templates' engines read: ggml's switches (llama-server), a Python
-    # engine's setup (vLLM, SGLang, TabbyAPI) and vLLM's and SGLang's own.
-    engine_variables: ClassVar[tuple[str, ...]] = ("GGML_*", *exllamav2_declared.PYTHON_ENGINE_VARIABLES,
-                                                   "TOKENIZERS_*", "VLLM_*", "SGLANG_*", "FLASHINFER_*")
+    # vLLM's and SGLang's own environment, beyond what the engine models of the engines its
+    # shipped templates serve declare (``engine_variables``).
+    own_variables: ClassVar[tuple[str, ...]] = ("TOKENIZERS_*", "VLLM_*", "SGLANG_*", "FLASHINFER_*")
+
+    @property
+    def kv_cache_types(self) -> tuple[CacheType, ...]:  # type: ignore[override]
+        """The cache types of the engines its shipped templates serve: vLLM's and SGLang's
+        --kv-cache-dtype, and every engine model's (llama-server's -ctk, TabbyAPI's cache_mode
+        for ExLlamaV2 and for exllamav3), each name once (fp16 is both exllamas', declared alike)."""
+        out, seen = list(declarations.CACHE_TYPES), {c.name for c in declarations.CACHE_TYPES}
+        for model in engine_models().values():
+            for c in model.kv_cache_types:
+                if c.name not in seen:
+                    out.append(c)
+                    seen.add(c.name)
+        return tuple(out)
+
+    @property
+    def engine_variables(self) -> tuple[str, ...]:  # type: ignore[override]
+        """What the shipped templates' engines read: each engine model's (ggml's switches, a Python
+        engine's setup) and vLLM's and SGLang's own."""
+        found = [v for m in engine_models().values() for v in m.engine_variables]
+        return tuple(dict.fromkeys([*found, *self.own_variables]))
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("template", str, "llama-server", "a shipped template (" + ", ".join(shipped()) + ") or a template "
                                                  "TOML file, relative to the study file"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from autotune.declarations import CacheType
+from autotune.api import CacheType
 
 __all__ = ["CACHE_TYPES"]
 

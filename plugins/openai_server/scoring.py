@@ -19,13 +19,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from autotune.backend import TrialConfig
-from autotune.errors import AutotuneError
-from autotune.hardware import has_gpu
-from autotune.scoring import LogLikelihood, Scorer, ScoringError, ScoringUnsupportedError
+from autotune.api import AutotuneError, LogLikelihood, Scorer, ScoringError, ScoringUnsupportedError, TrialConfig, \
+    has_gpu
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.backend import StudyContext
+    from autotune.api import StudyContext
     from autotune_plugins.openai_server.backend import OpenAIServerBackend
 
 __all__ = ["OpenAIServerScorer"]

@@ -15,11 +15,9 @@ from typing import Any, Mapping, Sequence
 import httpx
 
 from autotune import processes
-from autotune.measure.streams import fetch
-from autotune.errors import BackendError, EngineUnavailableError, MeasurementError
+from autotune.api import BackendError, EngineUnavailableError, MeasurementError, engine_environment, fetch
 from autotune.local_server import read_log, server_url, tail, wait_ready
-from autotune.redact import engine_environment
-from autotune_plugins.llama_server.server import DEBUGGER_LINE
+from autotune_plugins.shared.engine_log import DEBUGGER_LINE
 
 __all__ = ["OpenAIServer"]
 

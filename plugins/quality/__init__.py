@@ -20,7 +20,7 @@ measures the items it needs, paired with the reference's (``autotune.study.quali
 
 from __future__ import annotations
 
-from autotune import hookimpl
+from autotune.api import hookimpl
 
 __all__ = ["register_commands", "register_metrics"]
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from autotune.errors import AutotuneError
-from autotune.scoring import Scorer
+from autotune.api import AutotuneError, Scorer
 
 __all__ = ["ScorerLM", "lm_eval_missing", "require_lm_eval"]
 

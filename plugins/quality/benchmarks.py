@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import AutotuneError
+from autotune.api import AutotuneError
 
 __all__ = ["BENCHMARKS", "Benchmark", "DataMissingError", "POOLS", "data_dir", "docs_by_subject", "full_items",
            "item_ids", "load_items", "stratified_order", "subset"]

@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import click
 
-from autotune.errors import ConfigError, handle_errors
-from autotune.terminal import echo
+from autotune.api import ConfigError, echo, handle_errors
 
 __all__ = ["add_quality_command", "measure_quality"]
 
@@ -26,8 +25,8 @@ QUICK = {"per_subject": 1, "shots": 0}
 
 
 def _context(settings: dict[str, Any]):
-    from autotune.backend import StudyContext, Workload
-    from autotune.measure import Protocol
+    from autotune.api import StudyContext, Workload
+    from autotune.api import Protocol
 
     # A scorer needs the backend's settings and where relative paths start; the GPU, model and
     # workload of a study play no part in scoring, so none is resolved here.
@@ -65,8 +64,8 @@ def measure_quality(
             a backend without scoring / lm-eval missing (the metric's own reason).
     """
     from autotune import plugins
-    from autotune.backend import TrialConfig
-    from autotune.metric import QualityReference
+    from autotune.api import TrialConfig
+    from autotune.api import QualityReference
 
     if benchmark not in BENCHMARK_NAMES:
         raise ConfigError(f"--benchmark {benchmark!r}: use one of {', '.join(BENCHMARK_NAMES)}")

@@ -22,9 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from autotune.errors import AutotuneError
-from autotune.metric import MetricValue
-from autotune.scoring import Scorer
+from autotune.api import AutotuneError, MetricValue, Scorer
 
 __all__ = ["ReferenceDistributions", "compare", "kld_text", "reference_distributions"]
 

@@ -11,11 +11,8 @@ import functools
 import hashlib
 from typing import Any, Callable, ClassVar, Mapping
 
-from autotune.artifacts import is_format, source_hash
-from autotune.backend import BaseBackend, StudyContext, TrialConfig
-from autotune.formats import normalize_format
-from autotune.errors import AutotuneError
-from autotune.metric import BaseMetric, MetricValue, QualityReference
+from autotune.api import AutotuneError, BaseBackend, BaseMetric, MetricValue, QualityReference, StudyContext, \
+    TrialConfig, is_format, normalize_format, source_hash
 
 from autotune_plugins.quality import benchmarks, kld
 from autotune_plugins.quality.adapter import lm_eval_missing

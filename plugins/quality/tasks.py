@@ -23,8 +23,7 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
-from autotune.metric import MetricValue
-from autotune.scoring import Scorer
+from autotune.api import MetricValue, Scorer
 
 from autotune_plugins.quality import benchmarks
 from autotune_plugins.quality.adapter import ScorerLM, require_lm_eval

@@ -29,13 +29,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from autotune.formats import WeightsBreakdown, weights_for
-from autotune.hardware import get_gpu, load_gpu_catalog
-from autotune.models import ModelSpec, get_model, load_model_catalog
-from autotune_plugins.llama_server.formats import predict_gguf_weights
+from autotune.api import ModelSpec, WeightsBreakdown, get_gpu, get_model, load_gpu_catalog, load_model_catalog, \
+    weights_for
 
 from autotune_plugins.twin import physics
-from autotune_plugins.twin.formats import FORMATS
+from autotune_plugins.twin.formats import twin_formats
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLISHED = REPO / "autotune" / "data" / "published_decode.toml"
@@ -72,7 +70,7 @@ def _scenario(engine: str, gpu: str, model: str, weights: str, *, ctx: int = 409
               harness: str = "bench") -> physics.Scenario:
     m = get_model(model)
     return physics.Scenario(
-        engine=engine, gpu=get_gpu(gpu), model=m, weights=weights_for(m, weights, FORMATS), ctx=ctx, parallel=parallel,
+        engine=engine, gpu=get_gpu(gpu), model=m, weights=weights_for(m, weights, twin_formats()), ctx=ctx, parallel=parallel,
         cache_type=cache or ("f16" if engine == "llama.cpp" else "fp16"),
         flash_attn=(engine == "exllamav2") if flash_attn is None else flash_attn,
         prompt_tokens=max(prompt, 1), output_tokens=output, harness=harness)
@@ -238,7 +236,7 @@ def moe_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
     buffers check this (tests/plugins/test_twin_offload.py)."""
     stacked = replace(model, architecture="qwen3", ffn_size=model.n_experts * model.expert_ffn_size, n_experts=0,
                       n_experts_used=0, expert_ffn_size=0)
-    w = predict_gguf_weights(stacked, file_type)
+    w = weights_for(stacked, f"gguf:{file_type}", twin_formats())
     router = model.hidden_size * model.n_experts * 4
     return replace(w, per_layer_bytes=tuple(b + router for b in w.per_layer_bytes))
 
@@ -257,7 +255,7 @@ def offload_scenario(model_file: str, case: dict[str, str], prompt: int, output:
         weights = moe_gguf_weights(model, fmt.split(":")[1])
     else:
         model = get_model(H200_MODELS["q7b"])
-        weights = weights_for(model, fmt, FORMATS)
+        weights = weights_for(model, fmt, twin_formats())
     ngl = int(case.get("ngl", "999"))
     return physics.Scenario(
         engine="llama.cpp", gpu=get_gpu("h200"), model=model, weights=weights, ctx=4096, parallel=1,

@@ -23,12 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.formats import weights_for
-from autotune.hardware import get_gpu
-from autotune.models import get_model
+from autotune.api import ConfigError, engine_model, get_gpu, get_model, weights_for
 
-from autotune_plugins.twin import evidence, load_constants, physics, quality, service
-from autotune_plugins.twin.formats import FORMATS
+from autotune_plugins.twin import evidence, load_constants, physics, quality
+from autotune_plugins.twin.formats import twin_formats
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REFERENCE = REPO / "reference" / "article_v100_qwen27b.toml"
@@ -72,14 +70,15 @@ def scenario(row: Row, doc: dict[str, Any], parallel: int | None = None, **chang
     gpu = get_gpu("v100-16gb")
     auto = "auto" in str(row.data.get("gpu_layers", "")) or "offloaded" in str(row.data.get("note", ""))
     s = physics.Scenario(
-        engine=row.engine, gpu=gpu, model=model, weights=weights_for(model, row.weights, FORMATS), ctx=row.ctx,
+        engine=row.engine, gpu=gpu, model=model, weights=weights_for(model, row.weights, twin_formats()), ctx=row.ctx,
         parallel=parallel or row.parallel, cache_type=row.cache, flash_attn=row.flash_attn,
         prompt_tokens=doc["workload"]["max_prompt_tokens"], output_tokens=doc["workload"]["max_new_tokens"],
         gpu_layers="auto" if (auto or row.engine == "llama.cpp") else "all",
     )
-    if row.engine == "exllamav2":  # ExLlamaV2 on a V100 runs concurrent streams only as batched passes
-        s = replace(s, jobs_at_once=service.exllamav2_settings(gpu, row.cache, row.ctx, s.parallel, "auto", row.data.get(
-            "unpaged_parallel", "queue")).jobs_at_once)
+    jobs_at_once = getattr(engine_model(row.engine), "jobs_at_once", None)
+    if jobs_at_once is not None:  # ExLlamaV2 on a V100 runs concurrent streams only as batched passes
+        s = replace(s, jobs_at_once=jobs_at_once(gpu, row.cache, row.ctx, s.parallel,
+                                                 row.data.get("unpaged_parallel", "queue")))
     return replace(s, **changes)
 
 
@@ -325,9 +324,12 @@ def h200_table(engines: dict[str, physics.EngineConstants], host: physics.HostCo
 
 
 def write_constants(engines: dict[str, physics.EngineConstants], host: physics.HostConstants, ppk8: float) -> None:
+    """The host's and quality's constants to the twin's constants.toml; each engine's to its own
+    plugin's file (``EngineModel.constants_file``), where its engine model reads them."""
     lines = [
         "# Fitted constants of the digital twin. Written by: python -m autotune_plugins.twin.fit --refit --write",
-        "# Each engine constant is explained in plugins/twin/physics.py (EngineConstants); the fit in docs/twin.md.",
+        "# The host's and quality's constants; each engine's own are in its plugin's engine_model.toml",
+        "# (explained in plugins/shared/scenario.py, EngineConstants); the fit in docs/twin.md.",
         "",
         "[host]",
         f"host_bw_efficiency = {host.host_bw_efficiency:.4f}",
@@ -337,8 +339,11 @@ def write_constants(engines: dict[str, physics.EngineConstants], host: physics.H
         "[quality]",
         f"points_per_kld_8b = {ppk8:.4f}",
     ]
+    CONSTANTS.write_text("\n".join(lines) + "\n", encoding="utf-8")
     for name, k in engines.items():
-        lines += ["", f'[engines."{name}"]']
+        lines = [f"# The physics constants of {name} (the twin's speed model; each is explained in",
+                 "# plugins/shared/scenario.py, EngineConstants; the fit in docs/twin.md).",
+                 "# Written by: python -m autotune_plugins.twin.fit --refit --write", "", "[constants]"]
         for field, value in vars(k).items():
             if isinstance(value, bool):
                 lines.append(f"{field} = {'true' if value else 'false'}")
@@ -348,7 +353,10 @@ def write_constants(engines: dict[str, physics.EngineConstants], host: physics.H
                 lines.append(f"{field} = {int(value)}")
             else:
                 lines.append(f"{field} = {value:.4f}")
-    CONSTANTS.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        path = engine_model(name).constants_file
+        if path is None:
+            raise ConfigError(f"engine model {name!r} names no constants_file to write its constants to")
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def table(items: list[dict[str, Any]]) -> str:

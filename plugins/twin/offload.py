@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 
-from autotune.models import ModelSpec
+from autotune.api import ModelSpec
 
 
 def distinct_experts(model: ModelSpec, tokens: float) -> float:

@@ -33,25 +33,14 @@ autotune's protocol measures, ``P`` requests sent together (:mod:`service`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from autotune.backend import MemoryEstimate
-from autotune.cache_types import cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token, resolve
-from autotune.declarations import CacheType
-from autotune.hardware import GpuSpec
-from autotune.models import ModelSpec
-from autotune.vram import SlotLayout, kv_cache_bytes
-from autotune_plugins.exllamav2 import declarations as exllamav2_declared
-from autotune_plugins.exllamav3 import declarations as exllamav3_declared
-from autotune_plugins.exllamav3 import memory as exllamav3_memory_model
-from autotune_plugins.exllamav3.generator_settings import generator_settings as exllamav3_generator
-from autotune_plugins.llama_server import declarations as llama_declared
-from autotune_plugins.llama_server import memory as llama_memory
-from autotune_plugins.openai_server import declarations as vllm_declared
+from autotune.api import CacheType, GpuSpec, MemoryEstimate, ModelSpec, cache_bytes_per_element, engine_model, \
+    engine_models, resolve_cache_type
+from autotune_plugins.shared.scenario import (  # noqa: F401  (physics' names for them, as before)
+    LLAMA_UBATCH, VLLM_GPU_MEMORY_UTILIZATION, EngineConstants, HostConstants, Scenario)
 from autotune_plugins.twin import offload, service
 from autotune_plugins.twin.offload import distinct_experts  # noqa: F401  (physics' name for it, as before)
-from autotune_plugins.twin.scenario import (  # noqa: F401  (physics' names for them, as before)
-    LLAMA_UBATCH, VLLM_GPU_MEMORY_UTILIZATION, EngineConstants, HostConstants, Scenario)
 
 GiB = 2**30
 
@@ -60,13 +49,17 @@ GiB = 2**30
 # kernels are neither purely bandwidth- nor purely ALU-bound.
 ROOFLINE_SHARPNESS = 4.0
 
-# The cache types of the engines the twin models: their real backends' own tables.
-TWINNED_CACHE_TYPES = (llama_declared.CACHE_TYPES + exllamav2_declared.CACHE_TYPES + exllamav3_declared.CACHE_TYPES
-                       + vllm_declared.CACHE_TYPES)
-# ExLlamaV2 runs prompts in chunks of max_input_len tokens (config.max_input_len, 2048).
-EXL2_CHUNK = 2048
-# vLLM's KV blocks (--block-size, 16 tokens on CUDA).
-VLLM_BLOCK_TOKENS = 16
+
+
+def twinned_cache_types() -> tuple[CacheType, ...]:
+    """The cache types of the engines the twin models: their engine models' own tables."""
+    models = engine_models()  # the same mapping until the plugins change
+    if _TWINNED[0] is not models:
+        _TWINNED[:] = [models, tuple(ct for m in models.values() for ct in m.kv_cache_types)]
+    return _TWINNED[1]
+
+
+_TWINNED: list = [None, ()]
 
 
 
@@ -195,103 +188,14 @@ def soft_max(a: float, b: float, k: float = ROOFLINE_SHARPNESS) -> float:
 
 # ----------------------------------------------------------------------------------- memory
 #
-# Each engine's memory model is named by its own description (``memory_model`` in its
-# constants.toml table) and looked up in MEMORY_MODELS; an engine without one is an error, not
-# another engine's formula.
-
-
-def _weights_on_gpu(s: Scenario, k: EngineConstants) -> tuple[int, int, list[str]]:
-    """(bytes on the GPU, bytes left on the host, notes) of the weights in the engine's placement."""
-    w = s.weights
-    if k.keeps_embeddings_on_host or not w.embedding_on_gpu:
-        # gpu_bytes keeps a tied head (the embedding matrix loaded on the GPU again as the output layer).
-        host = w.total_bytes - w.gpu_bytes
-        notes = [f"token embeddings ({host / GiB:.2f} GiB) stay in host memory"] if host else []
-        return int(w.gpu_bytes), int(host), notes
-    return int(w.total_bytes), 0, []
-
-
-def llama_server_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
-    """llama-server's own memory model (:func:`autotune_plugins.llama_server.memory.estimate`, within
-    ~1% of NVML on an H200), in the configuration's placement: the twin and the real backend give the same
-    bytes for the same configuration, so a twin-admitted configuration is a real-admitted one."""
-    return llama_memory.estimate(s.model, s.weights, s.ctx, s.parallel, s.cache_type, s.flash_attn,
-                                 ubatch=s.ubatch, gpu=True, **llama_offload_keywords(s))
-
-
-def llama_offload_keywords(s: Scenario) -> dict[str, Any]:
-    """The placement keywords of llama-server's memory model: a layer count as ``-ngl`` means it
-    ("auto" is the twin's own fill, :func:`gpu_layer_split`, which the memory model's every-layer
-    figure drives), and the experts kept in host memory."""
-    layers = s.gpu_layers if isinstance(s.gpu_layers, int) else None
-    return {"gpu_layers": layers, "n_cpu_moe": s.n_cpu_moe}
-
-
-def exllamav2_buffer_bytes(s: Scenario) -> int:
-    """ExLlamaV2's scratch: sized by the prompt chunk (``EXL2_CHUNK`` tokens); its matmul attention
-    materialises the chunk's scores against the allocated cache in FP16 when attention is not fused."""
-    m = s.model
-    act = EXL2_CHUNK * (4 * m.hidden_size + 3 * m.ffn_size) * 2
-    scores = 0 if s.flash_attn else EXL2_CHUNK * s.ctx * m.n_heads * 2
-    logits = s.parallel * m.vocab_size * 4 * 2
-    return int(act + scores + logits)
-
-
-def exllamav2_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
-    """ExLlamaV2: a cache of ``ctx`` cells per sequence it holds at once (no padding), the chunk's
-    scratch, and the context/allocator overhead row 2 of the article measured (``context_bytes``)."""
-    weights_gpu, host, notes = _weights_on_gpu(s, k)
-    seqs = min(s.jobs_at_once or s.parallel, s.parallel)
-    if seqs < s.parallel:
-        notes.append(f"cache of {seqs} sequence: unpaged, ExLlamaV2 serves the {s.parallel} streams {seqs} at a time")
-    kv = int(SlotLayout().cells(s.ctx, seqs) * kv_bytes_per_token(s.model, _cache(s)))
-    kv += cache_fixed_bytes(s.model, _cache(s), s.ctx * seqs)
-    return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=kv, buffers_bytes=exllamav2_buffer_bytes(s),
-                          overhead_bytes=int(k.context_bytes), host_bytes=host, notes=tuple(notes))
-
-
-def vllm_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
-    """vLLM reserves ``gpu_memory_utilization`` of the card at start-up, whatever the configuration
-    needs: weights, its runtime (CUDA context, the profiling run's activations, CUDA graphs:
-    ``context_bytes``) and a KV pool of ``VLLM_BLOCK_TOKENS``-token blocks that fills the rest.
-    The footprint is that share; a configuration whose weights, runtime and KV of ``ctx x
-    parallel`` tokens exceed it does not start (``TwinVllm.load_failure``), and its estimate says
-    by how much."""
-    weights_gpu, host, notes = _weights_on_gpu(s, k)
-    kv, _, how = kv_cache_bytes(s.model, _cache(s), s.ctx, s.parallel, SlotLayout(pad=VLLM_BLOCK_TOKENS))
-    runtime = int(k.context_bytes)
-    share = int(s.gpu_memory_utilization * s.gpu.vram_bytes)
-    pool = max(kv, share - weights_gpu - runtime)
-    notes.append(f"vLLM reserves gpu_memory_utilization {s.gpu_memory_utilization:g} of the card "
-                 f"({share / GiB:.2f} GiB); KV of {how}: {kv / GiB:.2f} GiB, the pool {pool / GiB:.2f} GiB")
-    return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=pool, buffers_bytes=0, overhead_bytes=runtime,
-                          host_bytes=host, notes=tuple(notes))
-
-
-def exllamav3_memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
-    """exllamav3's own memory model (:func:`autotune_plugins.exllamav3.memory.estimate_for`, read
-    from its allocation code), for the paged cache its generator gets (``parallel`` jobs of
-    ``ctx`` tokens, pages of 256): the twin and the exllamav3 backend give the same bytes. The
-    CUDA context is ``context_bytes`` (the backend's ``cuda_context_mib`` default)."""
-    weights_gpu, host, _ = _weights_on_gpu(s, k)
-    w = exllamav3_memory_model.Exl3Weights(gpu_bytes=weights_gpu, host_bytes=host, n_tensors=0,
-                                           files=("(predicted by the twin)",))
-    settings = exllamav3_generator(s.cache_type, s.ctx, s.parallel)
-    return exllamav3_memory_model.estimate_for(s.model, w, settings, s.prompt_tokens, int(k.context_bytes))
-
-
-#: The engines' memory models, by the name an engine's ``memory_model`` gives.
-MEMORY_MODELS: Mapping[str, Callable[[Scenario, EngineConstants], MemoryEstimate]] = {
-    "llama-server": llama_server_memory,
-    "exllamav2": exllamav2_memory,
-    "vllm": vllm_memory,
-    "exllamav3": exllamav3_memory,
-}
+# Each engine's memory model is its engine model's own (``EngineModel.memory``, in the engine's
+# plugin, the same its real backend uses); an engine without one is an error, not another
+# engine's formula.
 
 
 def memory(s: Scenario, k: EngineConstants) -> MemoryEstimate:
     """Device memory of the configuration with every layer on the GPU, by the engine's own model."""
-    return MEMORY_MODELS[k.memory_model](s, k)
+    return engine_model(s.engine).memory(s, k)
 
 
 def gpu_layer_split(s: Scenario, k: EngineConstants, mem: MemoryEstimate) -> int:
@@ -356,7 +260,7 @@ class Prediction:
 def _cache(s: Scenario) -> CacheType | str:
     """The scenario's cache type as the twinned engines declare it (the twin models them without
     the registry); a name they lack goes on to the installed backends' catalog."""
-    return resolve(s.cache_type, TWINNED_CACHE_TYPES) or s.cache_type
+    return resolve_cache_type(s.cache_type, twinned_cache_types()) or s.cache_type
 
 
 def kv_read_bytes_per_token(s: Scenario, k: EngineConstants) -> float:

@@ -29,11 +29,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from autotune.errors import ConfigError
-from autotune.formats import parse_format
-from autotune.models import ModelSpec
-from autotune_plugins.exllamav3 import declarations as exllamav3_declared
-from autotune_plugins.twin.formats import FORMATS
+from autotune.api import ConfigError, ModelSpec, engine_models, parse_format
+from autotune_plugins.twin.formats import twin_formats
 
 # (bits per weight, mean KLD vs F16) of llama.cpp file types, LLaMA 3 8B (see module doc).
 GGUF_KLD = {
@@ -88,7 +85,7 @@ _INTERCEPT, _SLOPE = _kquant_regression()
 
 def weights_kld(fmt: str) -> float:
     """Mean KLD a weights format causes (LLaMA-3-8B scale)."""
-    family, detail = parse_format(fmt, FORMATS)
+    family, detail = parse_format(fmt, twin_formats())
     if family == "gguf":
         name = str(detail).upper()
         if name in GGUF_KLD:
@@ -113,7 +110,8 @@ def _split_kld(table: Mapping[int, float], bits: int) -> float:
 def cache_kld(cache_type: str, model: ModelSpec) -> float:
     """KLD a cache type adds; exllamav3's ``k<K>v<V>`` from K's and V's bits apart."""
     name = cache_type.lower()
-    bits = exllamav3_declared.cache_kv_bits(name) if name not in CACHE_KLD else None
+    bits = None if name in CACHE_KLD else next(
+        (b for m in engine_models().values() if (b := m.cache_kv_bits(name)) is not None), None)
     kld = CACHE_KLD[name] if bits is None else _split_kld(K_KLD, bits[0]) + _split_kld(V_KLD, bits[1])
     return kld * ARCH_KV_SENSITIVITY.get(model.architecture, 1.0)
 

@@ -4,34 +4,13 @@ autotune's protocol sends ``P`` requests together and measures the aggregate (al
 over the wall time), the median stream's decode rate (per user) and the median time to first
 token (autotune/measure/streams.py). An engine that takes every request at once decodes them
 in one batch; one that holds ``j < P`` sequences (ExLlamaV2's dynamic generator without paged
-attention holds one: ``plugins/exllamav2/generator_settings.py``) serves them in waves of ``j``:
+attention holds one: its engine model's ``jobs_at_once``) serves them in waves of ``j``:
 each wave prefills its prompts and decodes at the ``j``-stream step, and the others wait.
 """
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
-
-from autotune.hardware import GpuSpec
-from autotune_plugins.exllamav2.backend import deploy_for
-from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
-
-#: flash-attn 2 (and with it ExLlamaV2's paged attention) needs compute capability 8.0.
-FLASH_ATTN2_MIN_CC = (8, 0)
-
-
-def has_paged_attention(gpu: GpuSpec, paged: str | bool) -> bool:
-    """The ``paged`` setting resolved: ``"auto"`` is where flash-attn 2 runs (sm_80 and later)."""
-    return gpu.compute_capability_tuple >= FLASH_ATTN2_MIN_CC if paged == "auto" else bool(paged)
-
-
-def exllamav2_settings(gpu: GpuSpec, cache: str, ctx: int, parallel: int, paged: str | bool = "auto",
-                       unpaged_parallel: str = "queue") -> GeneratorSettings:
-    """The generator the real backend would run (its ``generator_settings``) on ``gpu``: paged
-    where flash-attn 2 runs; without it one job at a time (``"queue"``: TabbyAPI's dynamic
-    generator) or offline batched forward passes (``"batched"``)."""
-    return generator_settings(cache, ctx, parallel, has_paged_attention(gpu, paged), unpaged_parallel)
 
 
 def served(parallel: int, jobs: int, prompt_s: float, output_tokens: int, step_s: float,
@@ -52,12 +31,3 @@ def served(parallel: int, jobs: int, prompt_s: float, output_tokens: int, step_s
     decode_s = max(output_tokens - 1, 1) * step_s
     per_user = statistics.median(decode_s / step_s / (decode_s + t - ttft[0]) for t in ttft)
     return parallel * output_tokens / wall, per_user, statistics.median(ttft)
-
-
-def exllamav2_deploy(s: GeneratorSettings, model_dir: Path, gpu: GpuSpec,
-                     served_alone: tuple[float, float] | None = None) -> str:
-    """The real backend's deploy line (:func:`deploy_for`) for the generator twin-exllamav2
-    predicted: TabbyAPI with every job at once, TabbyAPI one job at a time, or an offline batch job
-    (with what TabbyAPI would give instead: ``served_alone``, one request's decode and aggregate)."""
-    why = f"flash-attn 2 needs sm_80, the {gpu.name} is sm_{gpu.compute_capability.replace('.', '')}"
-    return deploy_for(s, model_dir, s.max_batch_size, why_unpaged=why, found="predicted", served_alone=served_alone)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from autotune.backend import Setting
-from autotune.measure import SERVING_UNITS
+from autotune.api import SERVING_UNITS, Setting
 
 
 #: What one simulated run reports, and in which unit: what every serving backend measures.
@@ -21,10 +20,6 @@ def _at_least_zero(value: float) -> str | None:
 
 def _fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be > 0 and <= 1 (a speed multiplier)"
-
-
-def card_share(value: float) -> str | None:
-    return None if 0 < value <= 1 else "must be > 0 and <= 1 (a share of the card's memory)"
 
 
 def _positive(value: int) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import optuna
 
-from autotune.strategy import BaseStrategy, Search
+from autotune.api import BaseStrategy, Search
 
 __all__ = ["TwinStrategy"]
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from autotune.measure import ConcurrentResult, StreamResult
-from autotune.measure.load import latency_metrics, poisson_arrivals, rate_run
-from autotune.workload import Workload
+from autotune.api import ConcurrentResult, StreamResult, Workload, latency_metrics, poisson_arrivals, rate_run
 
 from autotune_plugins.twin import physics
 

@@ -26,7 +26,7 @@ from autotune.study.calibration import SPEED_METRICS
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import model_from_gguf
-from autotune_plugins.llama_server import backend as llama_backend
+from autotune_plugins.llama_server import trial_run
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
 from autotune_plugins.twin import TwinLlamaCpp
@@ -173,11 +173,11 @@ def test_two_streams_serve_more_than_one(study_dir, monkeypatch):
                        protocol=Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=1.0),
                        settings={"threads": 1, "startup_timeout_s": 60}, base_dir=model_path.parent)
     b = LlamaServerBackend()
-    post_events = llama_backend.post_events
+    post_events = trial_run.post_events
 
     def served(parallel: int) -> tuple[float, RecordedRequests, list[str]]:
         sent = RecordedRequests(post_events)
-        monkeypatch.setattr(llama_backend, "post_events", sent)
+        monkeypatch.setattr(trial_run, "post_events", sent)
         config = TrialConfig("llama-server", model_path.name, 512, parallel,
                              (("cache_type", "f16"), ("flash_attn", True)))
         m = b.run(config, ctx)

@@ -29,7 +29,8 @@ from autotune.models import model_from_hf_config
 from autotune.safetensors_dir import SAFETENSORS_DTYPE_BYTES, read_safetensors_header
 from tests.conftest import REPO, plugin_registered
 
-from autotune_plugins.exllamav2 import memory, protocol
+from autotune_plugins.exllamav2 import memory
+from autotune_plugins.shared import protocol
 from autotune_plugins.exllamav2.backend import SETTINGS, ExLlamaV2Backend, tabbyapi_args
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
 from autotune_plugins.exllamav2.worker import (
@@ -487,7 +488,7 @@ def test_no_worker_survives_autotune_being_stopped(tmp_path):
 import sys, time
 sys.path.insert(0, {str(REPO)!r})
 from pathlib import Path
-from autotune_plugins.exllamav2.worker_process import WorkerProcess
+from autotune_plugins.shared.worker_process import WorkerProcess
 w = WorkerProcess({fake("ok", pidfile)!r}, Path({str(tmp_path / "w.log")!r}))
 w.start(10)
 print("up", flush=True)

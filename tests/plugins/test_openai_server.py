@@ -33,7 +33,7 @@ from tests.engine_fixtures import STORIES, RecordedRequests, llama_cpp_module, l
 from tests.plugins.test_cpu_tiny_study import TINY
 from tests.plugins.test_llama_server_backend import servers_on
 
-from autotune_plugins.llama_server import backend as llama_backend
+from autotune_plugins.llama_server import trial_run as llama_backend  # where the measurement (post_events) lives
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import write_model
 from autotune_plugins.openai_server.backend import OpenAIServerBackend

@@ -3,7 +3,9 @@ within ~1% of NVML on an H200), and each twin engine takes its formula from its 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,8 @@ from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import get_model, model_from_gguf
 from autotune_plugins.llama_server.backend import LlamaServerBackend
+from autotune.engine_model import engine_models
+from autotune_plugins.exllamav2.engine_model import buffer_bytes as exl2_buffer_bytes
 from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinVllm, _constants_doc, load_constants, physics
 
 from tests.conftest import REPO
@@ -60,14 +64,21 @@ def test_the_issues_example_is_llama_servers_figure(engine_plugins):
     assert physics.memory(s, k).total_bytes / GiB == pytest.approx(5.26, abs=0.005)
 
 
-def test_each_twin_engine_names_its_own_memory_model():
-    engines = load_constants()[0]
-    assert {name: k.memory_model for name, k in engines.items()} == {
-        "llama.cpp": "llama-server", "exllamav2": "exllamav2", "vllm": "vllm", "exllamav3": "exllamav3"}
+def test_each_twin_engine_has_its_own_plugins_memory_model_and_constants():
+    """The twin reads each engine's memory model and constants from that engine's plugin (its
+    engine model), none from another engine's: one place per engine."""
+    models = engine_models()
+    owners = {name: type(m).memory.__module__ for name, m in models.items() if m.twin_name}
+    assert owners == {"llama.cpp": "autotune_plugins.llama_server.engine_model",
+                      "exllamav2": "autotune_plugins.exllamav2.engine_model",
+                      "vllm": "autotune_plugins.openai_server.engine_model",
+                      "exllamav3": "autotune_plugins.exllamav3.engine_model"}
+    for name, m in models.items():
+        assert m.constants_file.parent == Path(sys.modules[type(m).__module__].__file__).parent
     doc = _constants_doc()
     broken = {**doc, "engines": {**doc["engines"], "vllm": {**doc["engines"]["vllm"], "memory_model": "exllama"}}}
-    with pytest.raises(ConfigError, match=r'constants.toml: \[engines."vllm"\] memory_model = .exllama.: accepted: '
-                                          r"'llama-server', 'exllamav2', 'vllm', 'exllamav3'"):
+    with pytest.raises(ConfigError, match=r"openai_server/engine_model.toml: \[constants\]: .*memory_model.*; accepted: "
+                                          r"weight_bw_efficiency, "):
         load_constants(broken)
 
 
@@ -81,13 +92,13 @@ def test_twin_vllm_reserves_its_share_of_the_card_not_exllamav2s_scratch(tmp_pat
     assert mem_on.total_bytes == int(0.9 * study.gpu.vram_bytes)
     # ExLlamaV2's formula sizes a 2048-token chunk's scratch and, unfused, its scores over the
     # cache: vLLM's estimate holds neither, and does not move with flash attention.
-    exl2_scratch = physics.exllamav2_buffer_bytes(vllm.scenario(on, study))
+    exl2_scratch = exl2_buffer_bytes(vllm.scenario(on, study))
     assert exl2_scratch > 0 and mem_on.buffers_bytes == 0 and mem_on == mem_off
-    assert physics.exllamav2_buffer_bytes(vllm.scenario(off, study)) > exl2_scratch
+    assert exl2_buffer_bytes(vllm.scenario(off, study)) > exl2_scratch
     # The same configuration on twin-exllamav2 is sized by the other formula.
     exl2 = TwinExllamaV2().estimate_memory(TrialConfig("twin-exllamav2", "exl2:4.0", 8192, 4,
                                                        (("cache_type", "fp16"), ("flash_attn", True))), study)
-    assert exl2.buffers_bytes == physics.exllamav2_buffer_bytes(TwinExllamaV2().scenario(
+    assert exl2.buffers_bytes == exl2_buffer_bytes(TwinExllamaV2().scenario(
         TrialConfig("twin-exllamav2", "exl2:4.0", 8192, 4, (("cache_type", "fp16"), ("flash_attn", True))), study))
     # A smaller share is a smaller footprint, and one that cannot hold the weights does not start.
     half = context("a100-80gb", "qwen2.5-7b", tmp_path, gpu_memory_utilization=0.5)

@@ -215,7 +215,8 @@ def test_twin_llama_cpp_refuses_experts_on_a_dense_model_and_bad_values():
     g = get_gpu("h200")
     dense = StudyContext(gpu=g, model=evidence.get_model("qwen2.5-7b"), workload=Workload(512, 64),
                          vram_budget_bytes=g.vram_bytes, protocol=Protocol(), settings={})
-    assert any("has no experts" in r for r in twin.check(_cfg(n_cpu_moe=4), dense))
+    # The rule of rules.toml, the same the llama-server backend checks (one place for both).
+    assert any("n_cpu_moe 4: the model is dense" in r for r in twin.check(_cfg(n_cpu_moe=4), dense))
     assert any("ubatch 0" in r for r in twin.check(_cfg(ubatch=0), dense))
     assert any("gpu_layers 'auto'" in r for r in twin.check(_cfg(gpu_layers="auto"), dense))
     assert not twin.check(_cfg(n_cpu_moe=4, gpu_layers=13, ubatch=1024), _moe_ctx())

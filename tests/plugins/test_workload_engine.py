@@ -16,7 +16,7 @@ from autotune.measure import Protocol
 from autotune.models import model_from_gguf
 from autotune.study.records import TrialRecord
 from autotune.workload import Workload
-from autotune_plugins.llama_server import backend as llama_backend
+from autotune_plugins.llama_server import trial_run as llama_backend  # where the measurement (post_events) lives
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from tests.engine_fixtures import STORIES, RecordedRequests, llama_server_binary
 

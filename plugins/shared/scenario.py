@@ -1,20 +1,22 @@
-"""What the twin's physics takes: one configuration as the physics sees it (:class:`Scenario`),
-and the constants of an engine and of the host (:class:`EngineConstants`, :class:`HostConstants`:
-the values fitted or read from source live in ``constants.toml``). :mod:`physics` computes
-memory and speed from them.
+"""What an engine model's memory model and the twin's physics take: one configuration as the
+physics sees it (:class:`Scenario`), and the constants of an engine and of the host
+(:class:`EngineConstants`, :class:`HostConstants`: each engine's fitted or source-read values
+live in its own plugin's ``engine_model.toml``, the host's in the twin's ``constants.toml``).
+Shared by the engine plugins (their memory models) and the twin (its physics); no engine owns it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.formats import WeightsBreakdown
-from autotune.hardware import GpuSpec
-from autotune.models import ModelSpec
-from autotune_plugins.llama_server import memory as llama_memory
+from autotune.api import GpuSpec, ModelSpec, WeightsBreakdown
 
-# llama.cpp prefills in ubatches of 512 tokens by default (-ub 512): llama-server's memory model's own.
-LLAMA_UBATCH = llama_memory.DEFAULT_UBATCH
+GiB = 2**30
+# llama.cpp prefills in ubatches of 512 tokens by default (-ub 512); llama-server's memory model
+# reads it from here (the physics prefills every engine's prompt in such ubatches).
+LLAMA_UBATCH = 512
+#: flash-attn 2 (and with it ExLlamaV2's paged attention, vLLM's FlashAttention backend) needs sm_80.
+FLASH_ATTN2_MIN_CC = (8, 0)
 # The share of the card vLLM reserves by default (--gpu-memory-utilization 0.9).
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -56,10 +58,6 @@ class EngineConstants:
         keeps_embeddings_on_host: Whether the token embeddings stay in host memory.
         spill: ``layers`` (the engine moves layers that do not fit to the CPU, as llama.cpp
             does) or ``oom`` (it fails to load).
-        memory_model: The engine's memory model, a key of ``MEMORY_MODELS``: ``llama-server``
-            (the real backend's, ``plugins/llama_server/memory.py``), ``exllamav2`` (the chunked
-            scratch and measured overhead), ``exllamav3`` (the exllamav3 backend's own,
-            ``plugins/exllamav3/memory.py``) or ``vllm`` (the share of the card it reserves).
         op_offload_min_batch: Fewest tokens of a batch for which the engine multiplies host
             weights on the GPU, copying them over (llama.cpp: ``GGML_OP_OFFLOAD_MIN_BATCH``, 32);
             smaller batches are multiplied by the CPU (:mod:`offload`). 0: not modelled (prefill
@@ -90,7 +88,6 @@ class EngineConstants:
     context_bytes: float
     keeps_embeddings_on_host: bool
     spill: str
-    memory_model: str
     op_offload_min_batch: int = 0
     expert_tile_columns: int = 0
     trellis_ops_per_weight: float = 0.0
@@ -139,6 +136,8 @@ class Scenario:
     n_cpu_moe: int = 0
     # llama.cpp's -ub: prompt tokens per physical batch (host weights cross PCIe once per ubatch).
     ubatch: int = LLAMA_UBATCH
+    # llama.cpp's -b: the logical batch (None: the engine's default), which bounds the ubatch.
+    batch: int | None = None
     # CPU threads the engine runs host layers with (None: unknown, the host's memory bandwidth alone).
     host_threads: int | None = None
     # "server": autotune's protocol, the engine's server sampling every token of every stream;
@@ -150,3 +149,14 @@ class Scenario:
     # Sequences the engine generates together (0: all ``parallel``); fewer are served in waves,
     # as ExLlamaV2's dynamic generator without paged attention does (:mod:`service`).
     jobs_at_once: int = 0
+
+
+def weights_on_gpu(s: Scenario, k: EngineConstants) -> tuple[int, int, list[str]]:
+    """(bytes on the GPU, bytes left on the host, notes) of the weights in the engine's placement."""
+    w = s.weights
+    if k.keeps_embeddings_on_host or not w.embedding_on_gpu:
+        # gpu_bytes keeps a tied head (the embedding matrix loaded on the GPU again as the output layer).
+        host = w.total_bytes - w.gpu_bytes
+        notes = [f"token embeddings ({host / GiB:.2f} GiB) stay in host memory"] if host else []
+        return int(w.gpu_bytes), int(host), notes
+    return int(w.total_bytes), 0, []

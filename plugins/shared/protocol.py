@@ -30,7 +30,7 @@ import json
 import traceback
 from typing import Any, Callable, IO, Mapping
 
-from autotune.errors import AutotuneError
+from autotune.api import AutotuneError
 
 __all__ = ["OPS", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "error_reply", "serve"]
 

@@ -23,10 +23,9 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.errors import BackendError, ConfigError
-from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
+from autotune.api import BackendError, ConcurrentResult, ConfigError, StreamResult, serving_metrics
 
-from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, encode, serve
+from autotune_plugins.shared.protocol import PROTOCOL_VERSION, encode, serve
 
 __all__ = ["PROMPT_TEXT", "WorkerEngine", "engine_missing", "prompt_ids", "run_requests", "serve_engine"]
 

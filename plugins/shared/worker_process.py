@@ -21,17 +21,17 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autotune import processes
-from autotune.errors import BackendError
+from autotune.api import BackendError
 
-from autotune_plugins.exllamav2.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
+from autotune_plugins.shared.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 
 __all__ = ["WorkerProcess", "default_worker_command"]
 
 _EOF = object()
 
 
-def default_worker_command(python: str | None = None, module: str = "autotune_plugins.exllamav2.worker") -> list[str]:
-    """``python -m MODULE`` (ExLlamaV2's worker unless named) with autotune's interpreter by default."""
+def default_worker_command(python: str | None, module: str) -> list[str]:
+    """``python -m MODULE`` (the engine's worker) with autotune's interpreter by default."""
     return [python or sys.executable, "-u", "-m", module]
 
 
@@ -65,7 +65,7 @@ class WorkerProcess:
     """
 
     def __init__(self, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                 name: str = "exllamav2 worker"):
+                 name: str = "engine worker"):
         self.command = list(command)
         self.log_path = Path(log_path)
         self.env = env

@@ -21,19 +21,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 from autotune import processes
-from autotune.artifacts import artifact_path, is_format
-from autotune.backend import BaseBackend, Measurement, StudyContext, TrialConfig
-from autotune.cuda_devices import cuda_visible_entry
-from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.formats import normalize_format
-from autotune.hardware import has_gpu as _has_gpu
-from autotune.measure import SERVING_UNITS, measure_engine
-from autotune.models import ModelSpec, model_from_hf_config
-from autotune.redact import engine_environment
-from autotune.workload import Workload
+from autotune.api import AutotuneError, BackendError, BaseBackend, ConfigError, Measurement, ModelSpec, \
+    SERVING_UNITS, StudyContext, TrialConfig, Workload, artifact_path, cuda_visible_entry, engine_environment, \
+    has_gpu as _has_gpu, is_format, measure_engine, model_from_hf_config, normalize_format
 
-from autotune_plugins.exllamav2.worker_process import WorkerProcess, default_worker_command
-from autotune_plugins.exllamav2.worker_sampling import worker_sampler
+from autotune_plugins.shared.worker_process import WorkerProcess, default_worker_command
+from autotune_plugins.shared.worker_sampling import worker_sampler
 
 __all__ = ["WorkerBackend", "command_problem", "positive", "preflight_script"]
 

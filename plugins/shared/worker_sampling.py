@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from autotune.measure import ConcurrentResult, StreamResult, serving_metrics
-from autotune.measure.load import poisson_arrivals, rate_run
-from autotune.workload import Workload
+from autotune.api import ConcurrentResult, StreamResult, Workload, poisson_arrivals, rate_run, serving_metrics
 
 __all__ = ["worker_sampler"]
 
