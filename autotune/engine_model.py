@@ -17,6 +17,8 @@ They never import the twin: an engine plugin imports only the core (``autotune.a
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
@@ -24,6 +26,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune.backend import DefaultLaunch, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, same_value
 from autotune.declarations import CacheType, WeightFormats
 from autotune.errors import BackendError, ConfigError, UnknownNameError
+from autotune import plugins
+from autotune.plugins import ENTRY_POINT_GROUP
 
 __all__ = ["EngineModel", "engine_model", "engine_models", "kept", "weight_format"]
 
@@ -175,10 +179,6 @@ def _installed_models() -> dict[str, EngineModel]:
     read once: what an engine is does not depend on which backends a process registered."""
     global _installed
     if _installed is None:
-        import importlib.metadata
-
-        from autotune.plugins import ENTRY_POINT_GROUP
-
         found: dict[str, EngineModel] = {}
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
@@ -195,8 +195,6 @@ def engine_models() -> dict[str, EngineModel]:
     """Every engine model by engine name: the registered ones (``register_engine_models``) over
     those of the installed plugins, so that the twin, a replay and a test with no engine plugin
     registered know the same engines."""
-    from autotune import plugins
-
     global _merged
     plugins.load_plugins()
     if _merged is None or _merged[0] != plugins.version():

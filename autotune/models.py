@@ -30,6 +30,7 @@ from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
 from autotune.paths import path_problem
 from autotune.shape_limits import expert_fields, SHAPE_LIMITS, shape_problem
+from autotune import plugins
 
 __all__ = [
     "ModelSpec",
@@ -301,11 +302,12 @@ def get_model(key: str) -> ModelSpec:
 
 def _quoted(source: Path) -> dict[str, int]:
     """``source``'s size under its format, as the family that knows it says (``WeightFormats.quote``)."""
-    # Imported here: the formats read models (a format's predictor takes a ModelSpec), so the
-    # models module stays below them.
-    from autotune.formats import families
-
-    return dict(q for f in families().values() if f.quote is not None and (q := f.quote(source)) is not None)
+    # From the registry, not autotune.formats: the formats read models (a predictor takes a ModelSpec).
+    plugins.load_plugins()
+    found = {}
+    for family in (f for backend in plugins.get_backends().values() for f in getattr(backend, "weight_formats", ())):
+        found.setdefault(family.name.lower(), family)
+    return dict(q for f in found.values() if f.quote is not None and (q := f.quote(source)) is not None)
 
 
 def model_from_gguf(path: str | Path) -> ModelSpec:

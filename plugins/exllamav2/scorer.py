@@ -12,37 +12,24 @@ too large for a JSON line; the worker saves them as ``.npy`` files in a director
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from autotune.api import BackendError, LogLikelihood, Scorer, ScoringError, StudyContext
+from autotune.api import BackendError, ScoringError, StudyContext
 
 from autotune_plugins.exllamav2.generator_settings import generator_settings
-from autotune_plugins.shared.worker_process import WorkerProcess
+from autotune_plugins.shared.worker_scorer import WorkerScorer
 
 if TYPE_CHECKING:  # pragma: no cover
-    import numpy as np
-
     from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 
 __all__ = ["ExLlamaV2Scorer"]
 
 
-class ExLlamaV2Scorer(Scorer):
-    """A :class:`~autotune.scoring.Scorer` over one worker that holds the model."""
-
-    def __init__(self, worker: WorkerProcess, tmp_dir: Path, n_vocab: int, n_ctx: int, description: str,
-                 request_timeout_s: float):
-        self.worker = worker
-        self.tmp_dir = tmp_dir
-        self.n_vocab = n_vocab
-        self.n_ctx = n_ctx
-        self.description = description
-        self.request_timeout_s = request_timeout_s
-        self._closed = False
+class ExLlamaV2Scorer(WorkerScorer):
+    """A :class:`~autotune.scoring.Scorer` over one exllamav2 worker that holds the model."""
 
     @classmethod
     def open(cls, backend: "ExLlamaV2Backend", weights: str, cache_type: str, ctx: StudyContext) -> "ExLlamaV2Scorer":
@@ -74,41 +61,3 @@ class ExLlamaV2Scorer(Scorer):
                    f"{path.name} (exl2, cache {cache_type.upper()}, attention "
                    f"{loaded.get('attention', {}).get('path', 'unknown')})",
                    float(backend.setting(ctx, "request_timeout_s")))
-
-    def _ask(self, op: str, **fields):
-        if self._closed:
-            raise ScoringError(f"scorer {self.description} is closed")
-        try:
-            return self.worker.request(op, self.request_timeout_s, **fields)
-        except BackendError as exc:
-            raise ScoringError(str(exc)) from exc
-
-    def tokenize(self, text: str, *, add_bos: bool = False) -> list[int]:
-        return [int(t) for t in self._ask("tokenize", text=text, add_bos=add_bos)["tokens"]]
-
-    def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[LogLikelihood]:
-        reply = self._ask("loglikelihood", requests=[[c, x] for c, x in requests])
-        return [LogLikelihood(float(r["logprob"]), bool(r["is_greedy"]), int(r["n_tokens"]))
-                for r in reply["results"]]
-
-    def next_token_logprobs(self, tokens: Sequence[int]) -> "np.ndarray":
-        import numpy as np
-
-        reply = self._ask("next_token_logprobs", tokens=[int(t) for t in tokens], out_dir=str(self.tmp_dir))
-        path = Path(reply["array_path"])
-        try:
-            return np.load(path)
-        finally:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.worker.stop()
-        finally:
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 from autotune.api import BackendError, ConfigError, StreamResult, serving_metrics
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
+from autotune_plugins.shared.pass_scoring import SCORE_CHUNK, score_passes
 from autotune_plugins.shared.worker_engine import (
     PROMPT_TEXT, WorkerEngine, engine_missing, prompt_ids, run_requests, serve_engine)
 
@@ -79,27 +80,6 @@ def check_paged(settings: GeneratorSettings, has_paged_attention: bool, no_flash
             "exllamav2 found no flash-attn >= 2.5.7 it could import"
         raise BackendError(f"paged attention was chosen but {why}: set [backends.exllamav2] paged = false "
                            f"(jobs are then served one at a time), or fix flash-attn's install")
-
-
-#: Tokens per forward pass when scoring a whole text (next_token_logprobs).
-SCORE_CHUNK = 64
-
-
-def score_passes(n_tokens: int, starts: Sequence[int]) -> list[tuple[int, int]]:
-    """``[begin, end)`` of the forward passes that score ``n_tokens`` tokens.
-
-    ExLlamaV2 attends over a pass's own keys and values in FP16 and writes them to the cache
-    afterwards; only a later pass reads them back through a quantized cache (Q8/Q6/Q4). One
-    pass over everything would hide the cache's damage (on the H200, Q4 and FP16 caches gave
-    identical distributions that way), so scoring splits the tokens where a server would:
-    a prompt, then what is decoded after it.
-
-    Args:
-        n_tokens: Tokens to score, >= 1.
-        starts: Where passes begin; 0 is implied, values outside ``(0, n_tokens)`` are ignored.
-    """
-    cuts = sorted({0, *(int(s) for s in starts if 0 < int(s) < n_tokens)})
-    return [(b, e) for b, e in zip(cuts, cuts[1:] + [n_tokens])]
 
 
 # One run's numbers: the core's definition, so a run means the same for every backend.

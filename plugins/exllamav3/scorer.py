@@ -17,11 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.backend import StudyContext
-from autotune.errors import BackendError, ConfigError
-from autotune.scoring import ScoringError
+from autotune.api import BackendError, ConfigError, ScoringError, StudyContext
 
-from autotune_plugins.exllamav2.scorer import ExLlamaV2Scorer
+from autotune_plugins.shared.worker_scorer import WorkerScorer
 from autotune_plugins.exllamav3.generator_settings import generator_settings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ExLlamaV3Scorer"]
 
 
-class ExLlamaV3Scorer(ExLlamaV2Scorer):
+class ExLlamaV3Scorer(WorkerScorer):
     """A :class:`~autotune.scoring.Scorer` over one exllamav3 worker that holds the model."""
 
     @classmethod

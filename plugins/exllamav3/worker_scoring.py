@@ -37,10 +37,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from autotune.errors import ConfigError
-from autotune.scoring import LogLikelihood, Scorer
+from autotune.api import ConfigError, LogLikelihood, Scorer
 
-from autotune_plugins.exllamav2.worker import SCORE_CHUNK, score_passes
+from autotune_plugins.shared.pass_scoring import SCORE_CHUNK, score_passes
 
 __all__ = ["Forward", "PassScorer", "exllamav3_forward", "handlers"]
 
