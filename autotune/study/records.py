@@ -173,7 +173,9 @@ def flat_columns(fields: Mapping[str, Any]) -> dict[str, Any]:
     predicted = fields.get("predicted_vram")
     if isinstance(predicted, Mapping) and predicted.get("total_bytes") is not None:
         out["memory_predicted_gib"] = round(predicted["total_bytes"] / _GIB, 3)
-    for key in ("prune_reason", "fail_reason"):
+    # An answer (PRUNED) copies the failed trial's fail_reason beside its own prune_reason: the
+    # reason of its own state wins.
+    for key in ("fail_reason", "prune_reason"):
         if fields.get(key):
             out["reason"] = fields[key]
     return out

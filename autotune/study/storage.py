@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -26,7 +25,6 @@ from autotune.config import load_study_config
 from autotune.errors import ConfigError, StorageError
 from autotune.objective import name_objectives
 from autotune.redact import mask_url, remember_url, scrub, split_url
-from autotune.space import canonical_order, dimension_of
 from autotune.study import comparable, records
 # What reaches into Optuna's internals lives in one module; these are re-exported for the
 # runner, the claims and the tests, which know them as the storage's.

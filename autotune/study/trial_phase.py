@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-import warnings
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import optuna
@@ -25,7 +23,6 @@ from autotune.errors import BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
 from autotune.space import NotOffered
 from autotune.study import calibration, records, storage, systematic
-from autotune.study.admission import Verdict
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.records import TrialRecord, TrialState
 from autotune.study.trial_result import TrialResult, commit
