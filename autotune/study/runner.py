@@ -32,7 +32,7 @@ from autotune.redact import scrub
 from autotune.study import baseline, calibration, claims, records, storage, systematic
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
-from autotune.study.finish import FinishPhase, finish_token
+from autotune.study.finish import Finish, finish_token
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.judge import judge_for
 from autotune.study.probe import LeaderGapPruner
@@ -83,7 +83,7 @@ def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSamp
     return plugins.get_strategy(prepared.cfg.sampler).sampler(seed)
 
 
-class StudyRunner(TrialPhase, FinishPhase):
+class StudyRunner(TrialPhase):
     """Runs trials of a prepared study until its budget is spent."""
 
     def __init__(self, prepared: PreparedStudy, seed: int | None = None):
@@ -123,6 +123,15 @@ class StudyRunner(TrialPhase, FinishPhase):
         self._failures = FailureWatch()
         self.systematic: SystematicFailure | None = None  # what stopped this run, if a cause every trial repeats
         self.stopped: str = ""  # why the search ended, in words (the study's last line)
+        self.finisher = Finish(self.study, prepared, self.claims, self.worker, self.finish_token, self.interrupts,
+                               self._score)
+
+    def finish(self, note: Callable[[str], None] | None = None) -> int:
+        """The noise-aware finish (``Finish.finish``)."""
+        return self.finisher.finish(note)
+
+    def _claim_once(self, key: str) -> bool:
+        return self.finisher.claim_once(key)
 
     def _say(self, text: str) -> None:
         if self._note is not None:
