@@ -70,8 +70,9 @@ class TrialResult:
         return self._told
 
     def pending(self) -> dict[str, Any]:
-        """The fields learnt since the last commit (or changed since)."""
-        return {k: v for k, v in self.fields.items() if k not in self._stored or self._stored[k] is not v}
+        """The fields learnt since the last commit with another value than it stored (the
+        prediction judged again after the weights are made is mostly the same: not rewritten)."""
+        return {k: v for k, v in self.fields.items() if k not in self._stored or self._stored[k] != v}
 
 
 def commit(study: optuna.Study, trial: optuna.Trial, result: TrialResult) -> None:
