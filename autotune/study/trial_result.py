@@ -83,14 +83,17 @@ def commit(study: optuna.Study, trial: optuna.Trial, result: TrialResult) -> Non
     Raises:
         optuna.exceptions.UpdateFinishedTrialError: the trial was finished already.
     """
+    ending = result.ends is not None and not result._told
+    if ending:
+        # First: each set_constraint reads the whole trial back, the measurement not yet in it.
+        for key, value in result.constraints.items():
+            trial.set_constraint(key, value)
     new = result.pending()
     if new:
         records.store(trial, new)
         result._stored.update(new)
-    if result.ends is None or result._told:
+    if not ending:
         return
-    for key, value in result.constraints.items():
-        trial.set_constraint(key, value)
     if result.ends == TrialState.COMPLETE:
         study.tell(trial, result.values)
     else:
