@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from autotune.cli import cli
 from autotune.errors import StorageError
-from autotune.study import records, schema2_cells
+from autotune.study import optuna_internals, records, schema2_cells
 from autotune.study.records import TrialRecord, TrialState
 from autotune.study.trial_result import TrialResult, commit
 
@@ -122,3 +122,18 @@ def test_a_schema_2_storage_is_read_refused_for_writing_and_upgraded_to_the_same
     assert not any(schema2_cells.is_split(v) for t in study.get_trials() for v in t.user_attrs.values())
     again = CliRunner().invoke(cli, ["storage", "upgrade", schema2_copy], obj={})
     assert "schema 3, left as it is" in again.output
+
+
+def test_a_checkpoint_in_one_transaction_stores_what_optunas_own_calls_store(tmp_path, monkeypatch):
+    def stored(url: str) -> tuple:
+        study = optuna.create_study(storage=url)
+        trial = study.ask()
+        r = TrialResult().learn(config=CONFIG, worker="w")
+        commit(study, trial, r)
+        commit(study, trial, r.learn(metrics=METRICS, measured_vram_bytes=2 ** 30).completed([1.5], {"vram": -1.0, "q": 2}))
+        t = study.trials[0]
+        return t.user_attrs, t.system_attrs, t.constraints, t.values, t.state
+
+    batched = stored(f"sqlite:///{tmp_path}/batched.db")
+    monkeypatch.setattr(optuna_internals, "write_trial", lambda *args: False)
+    assert stored(f"sqlite:///{tmp_path}/optunas.db") == batched

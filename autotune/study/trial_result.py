@@ -19,7 +19,7 @@ from typing import Any
 
 import optuna
 
-from autotune.study import records
+from autotune.study import optuna_internals, records
 from autotune.study.records import TrialState
 
 
@@ -77,21 +77,22 @@ class TrialResult:
 
 def commit(study: optuna.Study, trial: optuna.Trial, result: TrialResult) -> None:
     """Store what ``result`` learnt since its last commit; once it has ended, its constraints
-    and the tell too (once). Optuna's public calls only (``records.store``, ``set_constraint``,
-    ``Study.tell``).
+    and the tell too (once). One transaction on an RDB storage (``optuna_internals.write_trial``),
+    else Optuna's public calls (``records.store``, ``set_constraint``); then ``Study.tell``.
 
     Raises:
         optuna.exceptions.UpdateFinishedTrialError: the trial was finished already.
     """
     ending = result.ends is not None and not result._told
-    if ending:
-        # First: each set_constraint reads the whole trial back, the measurement not yet in it.
-        for key, value in result.constraints.items():
-            trial.set_constraint(key, value)
     new = result.pending()
-    if new:
+    constraints = result.constraints if ending else {}
+    if not optuna_internals.write_trial(trial, records.attributes(new), constraints):
+        # Optuna's own calls: another storage, or what write_trial leaves to them. The
+        # constraints first: each set_constraint reads the whole trial back.
+        for key, value in constraints.items():
+            trial.set_constraint(key, value)
         records.store(trial, new)
-        result._stored.update(new)
+    result._stored.update(new)
     if not ending:
         return
     if result.ends == TrialState.COMPLETE:
