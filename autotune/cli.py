@@ -79,6 +79,7 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
     from autotune.study.prepare import prepare_study
     from autotune.study.runner import StudyRunner
     from autotune.study.storage import remember_run
+    from autotune.dashboard import trial_notes
 
     def go() -> None:
         cfg = load_study_config(config if config is not None else default_study_path())
@@ -101,7 +102,8 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
                                   plan_budget))
             if costs:
                 live.note(costs)
-            summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note)
+            summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note,
+                                 on_trial=trial_notes(prepared.storage_url))
         if as_json:
             echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
@@ -293,7 +295,7 @@ def storage_group() -> None:
 @click.pass_context
 def storage_upgrade(ctx: click.Context, url: str) -> None:
     """Rewrite the studies in URL that an older autotune stored to this one's schema, in place."""
-    from autotune.study.storage import upgrade
+    from autotune.study.upgrade import upgrade
 
     def go() -> None:
         for line in upgrade(url):

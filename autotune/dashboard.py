@@ -8,11 +8,8 @@ study's holds the summary. A failed trial's engine log is attached as an artifac
 (a finished trial's own attributes cannot change) where the storage is a file with room beside
 it for artifacts.
 
-The notes are written here in optuna-dashboard's own layout (``save_note``'s: a version and the
-body in chunks, as study system attributes), in one transaction each: its ``save_note`` reads
-every attribute of the study twice per note, and importing optuna-dashboard (its server, plots
-and parameter importance, with scikit-learn and pandas) was a second of every study that never
-serves a page. tests/test_dashboard_notes.py reads them back with optuna-dashboard's reader.
+The notes are written with optuna-dashboard's public ``save_note``. The runner knows nothing
+of them: the CLI passes ``trial_notes`` to ``StudyRunner.run`` as its ``on_trial`` observer.
 """
 
 from __future__ import annotations
@@ -22,18 +19,14 @@ import re
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import optuna
 
 from autotune.hardware import CPU_KEY
 from autotune.metric import metric_named
-from autotune.study import storage as storage_mod
-from autotune.study import trial_writes
 from autotune.study.records import TrialRecord, TrialState
 from autotune.study.summary import memory_text
-
-NOTE_CHUNK = 2045  # optuna-dashboard's SYSTEM_ATTR_MAX_LENGTH: the characters of one chunk of a note
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -151,30 +144,17 @@ def _wrapped(command: str, width: int = 76) -> list[str]:
     return out
 
 
-def save_note(study: optuna.Study, trial: optuna.Trial | None, body: str) -> None:
-    """``optuna_dashboard.save_note`` of ``trial`` (None: the study's note), in one transaction
-    where the storage is an RDB one: the next version, the body's chunks, and any chunk of an
-    older, longer note blanked, under optuna-dashboard's keys."""
-    trial_id = None if trial is None else trial._trial_id
-    head = "dashboard:" if trial_id is None else f"dashboard:{trial_id}:"
-    version_key, chunk_prefix = head + "note_ver", head + "note_str:"
-    chunks = {f"{chunk_prefix}{i}": body[i * NOTE_CHUNK:(i + 1) * NOTE_CHUNK]
-              for i in range(math.ceil(len(body) / NOTE_CHUNK))}
+def save_note(target: optuna.Study | optuna.Trial, body: str) -> None:
+    """optuna-dashboard's ``save_note`` of a study or a trial, imported on the first note (its
+    server, plots and importance modules load with it: a study run without notes never pays)."""
+    from optuna_dashboard import save_note as dashboard_save_note
 
-    def update(stored: dict[str, Any]) -> dict[str, Any]:
-        old = sum(1 for key in stored if key.startswith(chunk_prefix))
-        return {version_key: stored.get(version_key, 0) + 1, **chunks,
-                **{f"{chunk_prefix}{i}": "" for i in range(len(chunks), old)}}
-
-    if not trial_writes.update_study_system_attrs(study, head + "note_", update):
-        import optuna_dashboard  # a storage of another kind: optuna-dashboard's own writer
-
-        optuna_dashboard.save_note(study if trial is None else trial, body)
+    dashboard_save_note(target, body)
 
 
 def annotate_trial(study: optuna.Study, trial: optuna.Trial, url: str | None = None) -> None:
     """Write the note of a finished trial (and attach its engine log if it failed with one)."""
-    r = TrialRecord.of(storage_mod.frozen(study, storage_mod.trial_id_of(trial)))
+    r = TrialRecord.of(study.get_trials(deepcopy=False)[trial.number])  # numbers run 0, 1, ... in a study
     log_name = None
     store = artifact_store(url) if url and r.state == TrialState.FAIL and r.log_tail else None
     if store is not None:
@@ -185,7 +165,13 @@ def annotate_trial(study: optuna.Study, trial: optuna.Trial, url: str | None = N
             path = Path(tmp) / log_name
             path.write_text(str(r.log_tail))
             upload_artifact(artifact_store=store, file_path=str(path), study_or_trial=study, mimetype="text/plain")
-    save_note(study, trial, trial_card(r, log_name))
+    save_note(trial, trial_card(r, log_name))
+
+
+def trial_notes(url: str | None) -> Callable[[optuna.Study, optuna.Trial], None]:
+    """The observer the CLI passes to ``StudyRunner.run(on_trial=...)``: each finished trial's
+    note (``annotate_trial``), its engine log attached where ``url`` has room for artifacts."""
+    return lambda study, trial: annotate_trial(study, trial, url)
 
 
 def deploy_commands(summary: Any) -> list[str]:
@@ -267,4 +253,4 @@ def note_markdown(summary_text: str, commands: Iterable[str] = ()) -> str:
 def annotate_study(study: optuna.Study, summary_text: str, commands: Iterable[str] = ()) -> None:
     """The study's note: the summary a person would print with ``autotune best``, as Markdown
     that wraps (``note_markdown``); ``commands`` are its shell lines (``deploy_commands``)."""
-    save_note(study, None, note_markdown(summary_text, commands))
+    save_note(study, note_markdown(summary_text, commands))

@@ -14,7 +14,7 @@ import optuna
 
 from autotune.hookspecs import hookimpl
 from autotune.strategy import BaseStrategy, Search
-from autotune.study.sampling import FitOnceTPESampler
+from autotune.study.optuna_internals import FitOnceTPESampler
 
 __all__ = ["GridStrategy", "Nsga2Strategy", "PriorStrategy", "RandomStrategy", "TpeStrategy"]
 

@@ -118,9 +118,8 @@ def test_the_dashboard_speaks_autotune_and_each_page_fits_the_window(studies):
             browser.get(f"{base}/{twin_id}/trials?numbers={measured.number}")
             wait_for(browser, lambda: "parallel streams of" in body(), what=f"trial {measured.number}'s note")
             assert "aggregate" in body() and "VRAM predicted" in body()
-            # Each user attribute is one unwrapped line: long values are stored in parts that
-            # fit it (records.cells), cut between words (the page was 9,238 px, then 1,438).
-            assert "config_key.0" in body() and "deploy_command.0" in body()
+            # Schema 3: each field one attribute, its whole value (no parts: config_key.0 was one).
+            assert "config_key" in body() and "deploy_command" in body() and "config_key.0" not in body()
             assert_fits(browser, f"trial {measured.number}'s page")
             browser.get(f"{base}/{broken_id}/note")
             wait_for(browser, lambda: "BPE pre-tokenizer was not recognized" in body(), what="the failed study's note")

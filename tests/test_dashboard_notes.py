@@ -1,6 +1,6 @@
-"""The notes autotune writes for optuna-dashboard (``autotune.dashboard.save_note``): optuna-dashboard's
-own layout, written in one transaction without importing optuna-dashboard, read back by its reader;
-and a study's machinery that imports neither it nor what it pulls in."""
+"""The notes autotune writes for optuna-dashboard: through its public ``save_note``, read back by
+its ``get_note``, passed to the runner as an observer; and a study's machinery that imports
+neither optuna-dashboard nor what it pulls in until the first note."""
 
 from __future__ import annotations
 
@@ -10,46 +10,32 @@ import sys
 
 import optuna
 import optuna_dashboard
-import pytest
 
 from autotune import dashboard
-from autotune.study import open_storage, trial_writes
+from autotune.study import open_storage
 
 LONG = "".join(f"line {i}: {'x' * (i % 70)}\n" for i in range(200))  # 8690 characters: 5 chunks of 2045
 
 
-def _study(url: str) -> optuna.Study:
-    return optuna.create_study(storage=open_storage(url) if url.startswith("sqlite") else url)
-
-
-def _notes(study: optuna.Study) -> dict:
-    return {k: v for k, v in study._storage.get_study_system_attrs(study._study_id).items()
-            if k.startswith("dashboard:")}
-
-
-@pytest.mark.parametrize("upsert", [True, False], ids=["upsert", "per-key write"])
-def test_notes_are_optuna_dashboards_own(tmp_path, monkeypatch, upsert):
-    if not upsert:  # a database without an upsert: Optuna's own writes, the same attributes
-        monkeypatch.setattr(trial_writes, "_upsert", lambda table, dialect, owner: None)
-    ours, theirs = _study(f"sqlite:///{tmp_path / 'ours.db'}"), _study(f"sqlite:///{tmp_path / 'theirs.db'}")
-    trials = {study: [study.ask() for _ in range(2)] for study in (ours, theirs)}
+def test_notes_are_read_back_by_optuna_dashboard(tmp_path):
+    study = optuna.create_study(storage=open_storage(f"sqlite:///{tmp_path / 's.db'}"))
+    trials = [study.ask() for _ in range(2)]
     for which, body in ((0, LONG), (1, "short"), (0, "shorter now"), (None, LONG), (None, "")):
-        dashboard.save_note(ours, None if which is None else trials[ours][which], body)
-        optuna_dashboard.save_note(theirs if which is None else trials[theirs][which], body)
-        assert _notes(ours) == _notes(theirs)  # versions, chunks, and an older note's chunks blanked
-    assert len(_notes(ours)) == 3 + 5 + 1 + 5  # versions; chunks of trial 0, trial 1, the study
-    trial0 = optuna.Trial(ours, ours.trials[0]._trial_id)
-    assert optuna_dashboard.get_note(trial0) == "shorter now"
-    assert optuna_dashboard.get_note(ours) == ""
+        dashboard.save_note(study if which is None else trials[which], body)
+    assert optuna_dashboard.get_note(trials[0]) == "shorter now"
+    assert optuna_dashboard.get_note(trials[1]) == "short"
+    assert optuna_dashboard.get_note(study) == ""
 
 
-def test_a_storage_of_another_kind_gets_optuna_dashboards_writer():
-    study = optuna.create_study()  # in memory
+def test_the_trial_note_is_an_observer_of_the_finished_trial(tmp_path):
+    study = optuna.create_study(storage=open_storage(f"sqlite:///{tmp_path / 's.db'}"))
     trial = study.ask()
-    dashboard.save_note(study, trial, LONG)
-    dashboard.save_note(study, None, "the summary")
-    assert optuna_dashboard.get_note(trial) == LONG
-    assert optuna_dashboard.get_note(study) == "the summary"
+    trial.set_user_attr("config", {"backend": "b", "weights": "w.gguf", "ctx": 4096, "parallel": 2})
+    trial.set_user_attr("prune_reason", "does not fit: needs 9 GiB")
+    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    dashboard.trial_notes(None)(study, trial)
+    note = optuna_dashboard.get_note(trial)
+    assert note.startswith("### b: w.gguf") and "**not launched**: does not fit: needs 9 GiB" in note
 
 
 def test_the_study_machinery_imports_no_dashboard_server_nor_scipy():

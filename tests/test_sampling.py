@@ -8,7 +8,7 @@ import contextlib
 import optuna
 
 from autotune.default_strategies import TpeStrategy
-from autotune.study.sampling import FitOnceTPESampler
+from autotune.study.optuna_internals import FitOnceTPESampler
 
 SPACE = {
     "backend": optuna.distributions.CategoricalDistribution(["a", "b"]),

@@ -19,7 +19,7 @@ from autotune.config import load_study_config
 from autotune.report import stored_summary, summary_text
 from autotune.study import StudyRunner, claims, prepare_study
 from autotune.study import storage as study_storage
-from autotune.study.records import write
+from autotune.study.records import store
 
 if __package__:  # tests/ is a package
     from .fake_backends import FakeBackend, memory_dir, registered, write_study
@@ -58,7 +58,7 @@ def _another_host_measures_the_best(tmp_path, url: str):
     config = max(other.prepared.space.enumerate(), key=FakeBackend().speed)
     other._enqueue(config)
     trial = other.study.ask()
-    write(trial, config_key=config.key, worker="other-host:4242")
+    store(trial, {"config_key": config.key, "worker": "other-host:4242"})
     assert other.claims.claim(config.key, trial._trial_id) is None
     other.study._storage.record_heartbeat(trial._trial_id)
     return cfg, trial, config

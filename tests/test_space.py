@@ -77,7 +77,7 @@ def test_a_version_1_study_is_refused_then_upgraded_in_place(tmp_path, engine_pl
         load_study(url)
     result = CliRunner().invoke(cli, ["storage", "upgrade", url], obj={})
     assert result.exit_code == 0, result.output
-    assert "schema 1 -> 2" in result.output and "kv_bits" in result.output
+    assert "schema 1 -> 3" in result.output and "kv_bits" in result.output
     study = load_study(url)
     for t in study.trials:
         config = t.user_attrs["config"]

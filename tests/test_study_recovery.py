@@ -14,7 +14,8 @@ from autotune.config import load_study_config
 from autotune.study import StudyRunner, prepare_study, records
 from autotune.study import runner as runner_mod
 from autotune.study import storage as study_storage
-from autotune.study.records import write
+from autotune.study.records import store
+from autotune.study.trial_result import TrialResult
 from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
@@ -85,9 +86,9 @@ def test_a_grid_killed_mid_trial_measures_every_configuration_once_on_resume(tmp
         # What a worker killed by SIGKILL in its third trial leaves: the grid's next queued trial
         # RUNNING, stamped with the dead worker, its configuration claimed, its heartbeat beaten.
         orphan = first.study.ask()
-        config = TrialConfig.from_dict(records.joined(orphan.user_attrs, "config"))  # a running trial: no record yet
+        config = TrialConfig.from_dict(records.field_of(orphan.user_attrs, "config"))  # a running trial: no record yet
         host = socket.gethostname() if death == "killed here" else "other-host"
-        write(orphan, config_key=config.key, worker=f"{host}:999999999")
+        store(orphan, {"config_key": config.key, "worker": f"{host}:999999999"})
         first.claims.claim(config.key, orphan._trial_id)
         first.study._storage.record_heartbeat(orphan._trial_id)
         if death == "killed on another host":
@@ -117,8 +118,8 @@ def test_a_configuration_that_kills_its_worker_every_time_is_not_queued_forever(
     queued = []
     attempt = runner.study.ask()
     for _ in range(runner_mod.MAX_CUT_SHORT):
-        write(attempt, config=config.as_dict(), config_key=config.key, worker="other-host:1")
-        runner._fail_quietly(attempt, "interrupted", retry=True)
+        store(attempt, {"config": config.as_dict(), "config_key": config.key, "worker": "other-host:1"})
+        runner._fail_quietly(attempt, TrialResult(), "interrupted", retry=True)
         queued.append(runner.requeue_cut_short())
         attempt = runner.study.ask()  # the queued retry, while there is one
     assert queued == [1] * (runner_mod.MAX_CUT_SHORT - 1) + [0]

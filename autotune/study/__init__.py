@@ -6,16 +6,18 @@ The modules, in the order a study flows through them (docs/architecture.md):
 * ``admission``: the one judge of whether a configuration can run without launching it.
 * ``quality``: each artifact's quality measured once, and the drop against the reference.
 * ``prior``: the twin's ranking of what to measure first.
-* ``runner``: the loop, signals and the flow of one trial.
-* ``records``: what a trial and a study store (the one writer and reader).
-* ``storage``: opening and checking storages; every Optuna internal.
+* ``runner``: the loop and signals; ``trial_phase`` the flow of one trial, which fills a
+  ``TrialResult`` that ``trial_result.commit`` stores.
+* ``records``: what a trial and a study store (one attribute per field; ``schema2_cells`` reads
+  the older layout, ``upgrade`` rewrites it).
+* ``storage``: opening and checking storages; ``optuna_internals``: every Optuna internal.
 * ``summary``: the best trial and the Pareto front.
 
 Import from here or from the module that holds a name: the names below are the public API.
 They are loaded when first asked for, not when this package is imported: every module of the
 package (``records``, ``storage``) is imported through this file, and an eager import of
 ``runner`` here would load the whole study machinery for each of them and close a loop through
-every module the runner uses that reads records (``autotune.dashboard``, ``autotune.report``).
+every module the runner uses that reads records (``autotune.report``).
 """
 
 from __future__ import annotations

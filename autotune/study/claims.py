@@ -154,5 +154,5 @@ def running_holders(study: optuna.Study) -> list[tuple[optuna.trial.FrozenTrial,
     limit of this module, at the database's clock."""
     ages = storage.heartbeat_ages(study)
     running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-    return [(t, holder(t.number, records.joined(t.user_attrs, "worker"), ages.get(storage.trial_id_of(t)),
+    return [(t, holder(t.number, records.field_of(t.user_attrs, "worker"), ages.get(storage.trial_id_of(t)),
                        storage.HEARTBEAT_GRACE_S)) for t in running]

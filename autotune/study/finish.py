@@ -1,7 +1,8 @@
 """The finish of a study: its leaders measured again, interleaved, until a winner or a tie.
 
-The phase of ``StudyRunner`` after the search (``StudyRunner.finish``); workers sharing a study
-claim each round (``_claim_once``), and a claim names its host and pid so that the next run on
+What ``StudyRunner`` runs after the search (``StudyRunner.finish``), given what it uses (the
+study, the prepared study, the claims, the scoring) rather than sharing the runner's state;
+workers sharing a study claim each round (``Finish.claim_once``), and a claim names its host and pid so that the next run on
 that machine can take over the rounds of a worker killed mid-finish. The verdict itself (a
 two-sample t-test) is ``summary.finish_verdict``'s.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+import optuna
 
 from autotune.backend import TrialConfig
 from autotune.errors import EngineUnavailableError
@@ -21,6 +23,12 @@ from autotune.study.baseline import title_of
 from autotune.study.claims import process_alive
 from autotune.study.records import TrialRecord
 from autotune.study.summary import finish_candidates, finish_verdict, worth_another_round
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.objective import Score
+    from autotune.study.claims import Claims
+    from autotune.study.interrupts import Interrupts
+    from autotune.study.prepare import PreparedStudy
 
 
 _PID_BITS = 22  # Linux's largest pid_max is 2**22
@@ -40,11 +48,25 @@ def dead_local_finisher(token: int) -> bool:
     value = -token
     return value >> _PID_BITS == host_tag(socket.gethostname()) and not process_alive(value & ((1 << _PID_BITS) - 1))
 
-class FinishPhase:
-    """The finish and the claims on work done once per study (a finish round, a baseline);
-    mixed into ``StudyRunner``, whose state it uses."""
+class Finish:
+    """The finish and the claims on work done once per study (a finish round, a baseline).
 
-    def _claim_once(self, key: str) -> bool:
+    Args:
+        study, prepared: The study and what it was prepared from.
+        claims: The study's claims (``study/claims.py``).
+        worker: This worker's name, stored with each round.
+        finish_token: What this worker's claims hold (``finish_token``).
+        interrupts: Ctrl-C between launches.
+        score: The objective of a measurement, as a trial is scored (``TrialPhase._score``).
+    """
+
+    def __init__(self, study: optuna.Study, prepared: "PreparedStudy", claims: "Claims", worker: str,
+                 finish_token: int, interrupts: "Interrupts", score: Callable[..., "Score"]):
+        self.study, self.prepared, self.cfg = study, prepared, prepared.cfg
+        self.claims, self.worker, self.finish_token = claims, worker, finish_token
+        self.interrupts, self._score = interrupts, score
+
+    def claim_once(self, key: str) -> bool:
         """Whether this worker holds ``key`` (work done once per study, not per worker): claimed
         now, held already, or taken over from a worker killed on this machine."""
         holder = self.claims.claim(key, self.finish_token)
@@ -114,7 +136,7 @@ class FinishPhase:
                 # Workers sharing the study reach the finish together: each round is claimed, so
                 # they share the rounds out instead of each measuring all of them.
                 key = f"finish:{r.number}:{round_}"
-                if not self._claim_once(key):
+                if not self.claim_once(key):
                     others += 1
                     continue
                 config = r.trial_config

@@ -49,7 +49,7 @@ class LeaderGapPruner(BasePruner):
 
     def leader(self, study: optuna.Study) -> float | None:
         values = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                  if t.values and (records.joined(t.user_attrs, "score") or {}).get("feasible", True)
+                  if t.values and (records.field_of(t.user_attrs, "score") or {}).get("feasible", True)
                   and t.user_attrs.get("answered_from") is None]
         return max(values) if values else None
 

@@ -1,7 +1,8 @@
 """What a trial and a study store: the one writer and the one reader of their attributes.
 
 Optuna keeps a trial's data as free-form user attributes. autotune's are declared here, once:
-``write`` refuses a key that is not a field of ``TrialRecord``, and ``TrialRecord.of`` is how
+``attributes`` (what ``store`` and study/trial_result.commit write) refuses a key that is not a
+field of ``TrialRecord``, and ``TrialRecord.of`` is how
 everything that reads a stored trial (the runner on resume, the summary, the report, bench/)
 sees it. A study records ``SCHEMA_VERSION``; a storage written by a newer autotune, or a study
 that autotune did not write, is refused instead of misread.
@@ -9,8 +10,6 @@ that autotune did not write, is refused instead of misread.
 
 from __future__ import annotations
 
-import json
-import unicodedata
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -19,16 +18,21 @@ import optuna
 
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import StorageError
-from autotune.study import trial_writes
+from autotune.study import schema2_cells
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # 1 -> 2: the knobs every backend shares are stored under one parameter name (``ctx``,
 # ``parallel``, ``flash_attn``, ``kv_bits``; space.py) instead of ``<backend>.<name>``; the
 # trials' attributes did not change. ``autotune storage upgrade`` renames a version-1 study.
 UPGRADABLE = {1}
+# 2 -> 3: one attribute per field, its whole value (schema 2 cut long values into 72-column
+# parts: study/schema2_cells.py reads them), and flat copies (``FLAT``). A schema-2 study is
+# read as it is (every storage under bench/results is one) but takes no new trials:
+# ``autotune storage upgrade`` rewrites it (study/upgrade.py).
+READ_ONLY = {2}
 SCHEMA_ATTR = "autotune_schema_version"
 QUALITY_PREFIX = "quality:"
 QUALITY_DECISION_PREFIX = QUALITY_PREFIX + "drop:"  # + a hash: one candidate's paired drop and verdict
@@ -45,7 +49,7 @@ TrialState = optuna.trial.TrialState
 
 
 # The runner reads every trial's record before each trial (what was measured, what stands for
-# each configuration): joining split attributes again each time took 13% of the default study.
+# each configuration): building records again each time (joining schema 2's parts) took 13% of the default study.
 # A finished trial never changes, and Optuna's cached storage hands back the same FrozenTrial
 # for it, so its record is kept while that object lives (id -> weak reference to it, record).
 _FINISHED: dict[int, tuple[weakref.ref, "TrialRecord"]] = {}
@@ -96,7 +100,7 @@ class TrialRecord:
             if hit is not None and hit[0]() is t:
                 return hit[1]
         a = t.user_attrs
-        stored = {name: joined(a, name) for name in STORED if name in a}
+        stored = {name: field_of(a, name) for name in STORED if name in a}
         record = cls(number=t.number, state=t.state, values=tuple(t.values) if t.values else None,
                      constraints=dict(t.constraints), raw=a, **stored)
         if finished:
@@ -145,186 +149,68 @@ STORED = tuple(f.name for f in fields(TrialRecord) if f.name not in _FROM_OPTUNA
 _STORED_SET = frozenset(STORED)
 
 
-# optuna-dashboard shows each user attribute on one line that does not wrap: a long JSON value
-# (a trial's metrics are 1,600 characters, an engine's log tail 4,000) made a trial page 9,000 px
-# wide. A dict, list or string whose line would be wider than this is stored in parts, with
-# ``<field>`` holding a marker; ``joined`` puts it back. A list is stored one item per attribute
-# (``<field>.<i>``), a string one piece per attribute, cut only after a separator (a line's end,
-# a space, a comma, a semicolon; else a slash) where the line has one, so that a word is never
-# split across two lines unless it is wider than a line itself. A dict packs its short items
-# together, as many as fit a line, under ``<field>.~<i>``, and stores each item too long for a
-# line under ``<field>.<key>`` (recursively): one attribute per key made a trial 131 attributes,
-# each written in a transaction of its own, 38% of the default study's time.
-# 72 columns: the attribute column of a trial page in a 1,280 px window holds some 85 characters
-# of key and value (tests/test_browser.py measures the page); wide letters need the rest.
-CELL_CHARS = 72
-SPLIT_MARK = "_split"  # {"_split": "dict"}, "list" or "text" (a long string, in pieces)
-STALE = {SPLIT_MARK: "stale"}  # a part of an earlier, longer value (attributes cannot be deleted)
-_BREAK_AFTER = ("\n", " ,;\t", "/")  # where a piece may end, the best first
+# Schema 3 stores each field above as one user attribute holding its whole value (Optuna keeps
+# it as JSON text of any length), so pandas, SQL and optuna-dashboard read a trial as it is:
+# ``json.loads`` of one column per field. Beside them, a few flat copies of what a person sorts
+# by (the dashboard's columns, ``trials_dataframe``); written from the fields, never read back.
+FLAT = ("score_value", "aggregate_tok_s", "per_user_tok_s", "memory_measured_gib", "memory_predicted_gib",
+        "reason")
+_GIB = 1024 ** 3
 
 
-def width(text: str) -> int:
-    """The columns ``text`` takes on one line: an East Asian wide or full-width character (CJK,
-    most emoji) counts two, a combining mark none."""
-    if text.isascii():
-        return len(text)
-    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
-               for ch in text)
-
-
-def _fitting(text: str, columns: int) -> int:
-    """How many characters of ``text``, from its start, fit ``columns`` (at least one)."""
-    if text.isascii():
-        return max(1, min(len(text), columns))
-    used = 0
-    for i, ch in enumerate(text):
-        used += width(ch)
-        if used > columns:
-            return max(1, i)
-    return len(text)
-
-
-def _cut(text: str, columns: int) -> int:
-    """Where the first piece of ``text`` (wider than ``columns``) ends: after the last separator
-    that fits, the best kind first; else where the line is full, never before a combining mark
-    (it belongs to the letter before it)."""
-    n = _fitting(text, columns)
-    for kinds in _BREAK_AFTER:
-        at = max(text.rfind(ch, 0, n) for ch in kinds)
-        if at > 0:
-            return at + 1
-    while 1 < n < len(text) and unicodedata.combining(text[n]):
-        n -= 1
-    return n
-
-
-def _pieces(text: str, columns: int) -> list[str]:
-    """``text`` in pieces of at most ``columns`` columns whose concatenation is ``text``."""
-    out = []
-    while width(text) > columns:
-        cut = _cut(text, columns)
-        out.append(text[:cut])
-        text = text[cut:]
-    return out + ([text] if text else [])
-
-
-def cells(name: str, value: Any) -> list[tuple[str, Any]]:
-    """The user attributes that store ``value`` under ``name``: itself, or a marker and its parts."""
-    if isinstance(value, str) and width(name) + width(value) + 2 > CELL_CHARS:
-        pieces = _pieces(value, max(CELL_CHARS - width(name) - 8, 40))
-        digits = len(str(len(pieces) - 1))  # .00 to .11: optuna-dashboard lists the parts in order
-        return [(name, {SPLIT_MARK: "text"})] + [(f"{name}.{i:0{digits}d}", p) for i, p in enumerate(pieces)]
-    if not isinstance(value, (dict, list)) or not value:
-        return [(name, value)]
-    if width(name) + len(json.dumps(value, default=str)) <= CELL_CHARS:
-        return [(name, value)]
-    if isinstance(value, dict):
-        if any(not isinstance(k, str) or "." in k or k.startswith(GROUP) for k in value):
-            return [(name, value)]  # its keys could not be told from the path: kept whole
-        return [(name, {SPLIT_MARK: "dict"})] + _packed(name, value)
-    out: list[tuple[str, Any]] = [(name, {SPLIT_MARK: "list"})]
-    digits = len(str(len(value) - 1))
-    for i, item in enumerate(value):
-        out += cells(f"{name}.{i:0{digits}d}", item)
+def flat_columns(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat copies that ``fields`` (some of a trial's) set."""
+    out: dict[str, Any] = {}
+    score = fields.get("score")
+    if isinstance(score, Mapping) and score.get("values"):
+        out["score_value"] = score["values"][0]
+    metrics = fields.get("metrics")
+    if isinstance(metrics, Mapping):
+        for key in ("aggregate_tok_s", "per_user_tok_s"):
+            if isinstance(metrics.get(key), Mapping) and metrics[key].get("median") is not None:
+                out[key] = metrics[key]["median"]
+    if fields.get("measured_vram_bytes") is not None:
+        out["memory_measured_gib"] = round(fields["measured_vram_bytes"] / _GIB, 3)
+    predicted = fields.get("predicted_vram")
+    if isinstance(predicted, Mapping) and predicted.get("total_bytes") is not None:
+        out["memory_predicted_gib"] = round(predicted["total_bytes"] / _GIB, 3)
+    # An answer (PRUNED) copies the failed trial's fail_reason beside its own prune_reason: the
+    # reason of its own state wins.
+    for key in ("fail_reason", "prune_reason"):
+        if fields.get(key):
+            out["reason"] = fields[key]
     return out
 
 
-GROUP = "~"  # ``<field>.~<i>``: several short items of a dict, stored as one
+def field_of(attrs: Mapping[str, Any], name: str) -> Any:
+    """Field ``name`` of a trial's user attributes, in either schema this autotune reads (a
+    schema-2 value stored in parts is joined: ``schema2_cells``)."""
+    return schema2_cells.joined(attrs, name)
 
 
-def _packed(name: str, value: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """The parts of a long dict: its short items in groups that fit a line, the others split."""
-    out: list[tuple[str, Any]] = []
-    groups: list[dict[str, Any]] = [{}]
+def attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The user attributes that store ``fields`` (of ``TrialRecord``): each whole, and their
+    flat copies.
 
-    def fits(d: Mapping[str, Any]) -> bool:
-        return len(name) + len(GROUP) + 4 + len(json.dumps(d, default=str)) <= CELL_CHARS
-
-    for key, item in value.items():
-        if not fits({key: item}):
-            out += cells(f"{name}.{key}", item)
-        elif fits({**groups[-1], key: item}):
-            groups[-1][key] = item
-        else:
-            groups.append({key: item})
-    return [(f"{name}.{GROUP}{i}", g) for i, g in enumerate(groups) if g] + out
-
-
-def joined(attrs: Mapping[str, Any], name: str) -> Any:
-    """The value ``cells`` stored under ``name`` (a value stored whole is returned as is)."""
-    value = attrs.get(name)
-    if not (isinstance(value, dict) and set(value) == {SPLIT_MARK}):
-        return value
-    prefix = name + "."
-    keys = {k[len(prefix):].split(".", 1)[0] for k in attrs if k.startswith(prefix)}
-    parts = {k: joined(attrs, prefix + k) for k in keys if attrs.get(prefix + k) != STALE}
-    if value[SPLIT_MARK] in ("list", "text"):
-        ordered = [parts[k] for k in sorted(parts, key=int)]
-        return "".join(ordered) if value[SPLIT_MARK] == "text" else ordered
-    out: dict[str, Any] = {}
-    # The groups in the order they were packed (so the dict's keys keep their order), then the
-    # long items by name: ``keys`` is a set, whose order differs from one process to the next.
-    for k in sorted(parts, key=lambda k: (0, int(k[len(GROUP):]), "") if k.startswith(GROUP) else (1, 0, k)):
-        if k.startswith(GROUP):
-            out.update(parts[k])
-        else:
-            out[k] = parts[k]
-    return out
-
-
-# What ``hold`` and ``set_constraints`` keep for a running trial until its next ``write`` (the
-# trial's object -> its user attributes in the order they were held, its constraints).
-_HELD: "weakref.WeakKeyDictionary[optuna.Trial, tuple[dict[str, Any], dict[str, float]]]" = weakref.WeakKeyDictionary()
-
-
-def write(trial: optuna.Trial, **attrs: Any) -> None:
-    """Store fields of ``TrialRecord`` on a running trial, in one transaction with the fields
-    held for it (saved at once, so a crash keeps what was known); long dicts and lists as
-    ``cells``. With no fields, it stores what is held."""
-    _store(trial, _attrs_of(trial, attrs))
-
-
-def hold(trial: optuna.Trial, **attrs: Any) -> None:
-    """``write`` these fields with the trial's next ``write``, in its transaction: for fields
-    learnt one after another with nothing slow or outside the process in between (the runner
-    ``write``s before it launches, makes, measures or tells; each storage transaction was a
-    few milliseconds, some eight a trial). The trial reads them at once (``Trial.user_attrs``)."""
-    _held(trial, _attrs_of(trial, attrs))
-
-
-def _held(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
-    _HELD.setdefault(trial, ({}, {}))[0].update(attrs)
-    trial_writes.remember_user_attrs(trial, attrs)
-
-
-def _store(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
-    held, constraints = _HELD.pop(trial, ({}, {}))
-    trial_writes.set_user_attrs(trial, {**held, **attrs} if held else attrs, constraints or None)
-
-
-def _attrs_of(trial: optuna.Trial, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The user attributes that store ``fields``: their cells, and a stale mark on each part of
-    an earlier, longer value that the new one does not overwrite."""
-    had = trial_writes.user_attrs_of(trial)
-    out: dict[str, Any] = {}
-    for key, value in fields.items():
+    Raises:
+        KeyError: a name that is not a field of ``TrialRecord``.
+    """
+    for key in fields:
         if key not in _STORED_SET:
             raise KeyError(f"{key!r} is not a TrialRecord field")
-        new = dict(cells(key, value))
-        if isinstance(value, (dict, list, str)):
-            prefix = key + "."
-            out.update((k, STALE) for k, v in had.items() if k.startswith(prefix) and k not in new and v != STALE)
-        out.update(new)
-    return out
+    return {**fields, **flat_columns(fields)}
 
 
-def hold_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) -> None:
-    """``hold`` a measurement's fields, and a flat copy of each metric's median (the score and
-    the tell follow at once)."""
-    attrs = _attrs_of(trial, {"metrics": {k: v.to_dict() for k, v in m.metrics.items()}})
-    # flat copies: sortable columns in optuna-dashboard, never read back
-    attrs.update((k, v.median) for k, v in m.metrics.items())
-    fields: dict[str, Any] = {}
+def store(trial: optuna.Trial, fields: Mapping[str, Any]) -> None:
+    """Write ``fields`` of a running trial, through Optuna's public ``set_user_attr`` (the
+    pipeline's owner calls this at its checkpoints: study/trial_result.py)."""
+    for key, value in attributes(fields).items():
+        trial.set_user_attr(key, value)
+
+
+def measurement_fields(m: Measurement, predicted_bytes: int) -> dict[str, Any]:
+    """The fields a measurement sets."""
+    fields: dict[str, Any] = {"metrics": {k: v.to_dict() for k, v in m.metrics.items()}}
     if m.peak_vram_bytes is not None:
         fields.update(measured_vram_bytes=m.peak_vram_bytes,
                       vram_prediction_error=(predicted_bytes - m.peak_vram_bytes) / m.peak_vram_bytes)
@@ -332,14 +218,8 @@ def hold_measurement(trial: optuna.Trial, m: Measurement, predicted_bytes: int) 
         fields["telemetry"] = m.telemetry.to_dict()
     if m.attrs:
         fields["engine_facts"] = dict(m.attrs)
-    attrs.update(_attrs_of(trial, fields))
-    _held(trial, attrs)
+    return fields
 
-
-def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
-    """The trial's constraints (what the sampler reads as feasibility), stored with its next
-    ``write``, in the same transaction; the runner writes before it tells."""
-    _HELD.setdefault(trial, ({}, {}))[1].update(constraints)
 
 
 def records(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:
@@ -523,11 +403,13 @@ def study_header(study: optuna.Study) -> dict[str, Any]:
             and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX, REMEASURE_PREFIX, BASELINE_PREFIX))} if SCHEMA_ATTR in attrs else {}
 
 
-def check_schema(study: optuna.Study, shown_storage: str) -> None:
-    """Refuse a study this autotune would misread.
+def check_schema(study: optuna.Study, shown_storage: str, writing: bool = False) -> None:
+    """Refuse a study this autotune would misread, or, ``writing``, one it would write in a
+    layout its readers do not expect (schema 2: read, never written).
 
     Raises:
-        StorageError: written by a newer autotune, or trials that autotune did not write.
+        StorageError: written by a newer autotune, trials that autotune did not write, or a
+            schema-2 study to write into.
     """
     version = study.user_attrs.get(SCHEMA_ATTR)
     if version is None:
@@ -540,6 +422,11 @@ def check_schema(study: optuna.Study, shown_storage: str) -> None:
             f"study '{study.study_name}' in {shown_storage} has schema version {version}: its parameters are named "
             f"per backend (<backend>.ctx), which this autotune would misread; run 'autotune storage upgrade "
             f"{shown_storage}' once to rename them (the trials' records stay as they are)")
+    if writing and version in READ_ONLY:
+        raise StorageError(
+            f"study '{study.study_name}' in {shown_storage} has schema version {version}: its long values are stored "
+            f"in 72-column parts, which this autotune reads but does not write; run 'autotune storage upgrade "
+            f"{shown_storage}' once to store each field whole (schema {SCHEMA_VERSION}), then run again")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise StorageError(f"study '{study.study_name}' in {shown_storage} has schema version {version!r}; this "
                            f"autotune reads up to {SCHEMA_VERSION}: upgrade autotune to read it")

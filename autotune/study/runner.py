@@ -33,15 +33,16 @@ from autotune.study import baseline, calibration, claims, records, storage, syst
 from autotune.study import cost  # issue 39: the probe where it pays
 from autotune.study.claims import Claims
 from autotune.study.explain import explain_best
-from autotune.study.finish import FinishPhase, finish_token
+from autotune.study.finish import Finish, finish_token
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.judge import judge_for
 from autotune.study.probe import LeaderGapPruner
 from autotune.study.prepare import PreparedStudy, prepare_study
 from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
-from autotune.study.records import TrialState, write
+from autotune.study.records import TrialState
 from autotune.study.sampling import ScreenedSampler
-from autotune.study.trial_phase import TrialPhase, Outcome
+from autotune.study.trial_phase import TrialPhase
+from autotune.study.trial_result import TrialResult, commit
 from autotune.strategy import Search
 from autotune.study.systematic import FailureWatch, SystematicFailure
 from autotune.study.summary import StudySummary, best_trial, chosen_best, summarize, trial_record
@@ -84,7 +85,7 @@ def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSamp
     return plugins.get_strategy(prepared.cfg.sampler).sampler(seed)
 
 
-class StudyRunner(TrialPhase, FinishPhase):
+class StudyRunner(TrialPhase):
     """Runs trials of a prepared study until its budget is spent."""
 
     def __init__(self, prepared: PreparedStudy, seed: int | None = None):
@@ -121,12 +122,22 @@ class StudyRunner(TrialPhase, FinishPhase):
         self._launch_seconds: list[float] = []
         self.interrupts = Interrupts()
         self._note: Callable[[str], None] | None = None
+        self._on_trial: Callable[[optuna.Study, optuna.Trial], None] | None = None
         self._failed_artifacts: set[tuple[str, str]] = set()
         self._deferred_artifacts: set[tuple[str, str]] = set()  # too long to make in what is left of the budget
         self._deadline: float | None = None  # time.monotonic() at which this run's budget ends
         self._failures = FailureWatch()
         self.systematic: SystematicFailure | None = None  # what stopped this run, if a cause every trial repeats
         self.stopped: str = ""  # why the search ended, in words (the study's last line)
+        self.finisher = Finish(self.study, prepared, self.claims, self.worker, self.finish_token, self.interrupts,
+                               self._score)
+
+    def finish(self, note: Callable[[str], None] | None = None) -> int:
+        """The noise-aware finish (``Finish.finish``)."""
+        return self.finisher.finish(note)
+
+    def _claim_once(self, key: str) -> bool:
+        return self.finisher.claim_once(key)
 
     def _say(self, text: str) -> None:
         if self._note is not None:
@@ -156,8 +167,9 @@ class StudyRunner(TrialPhase, FinishPhase):
         configuration, which is measured again."""
         for t, holder in claims.running_holders(self.study):
             if not holder.alive:
-                storage.set_finished_attrs(self.study, t, {"fail_reason": f"worker {holder.worker or '?'} died: "
-                                                           f"{holder.describe()}", "retry": True}, TrialState.FAIL)
+                why = f"worker {holder.worker or '?'} died: {holder.describe()}"
+                storage.set_finished_attrs(self.study, t, records.attributes({"fail_reason": why, "retry": True}),
+                                           TrialState.FAIL)
 
     def _cleanup_dead_workers(self) -> None:
         """Fail the RUNNING trials of dead workers (``_fail_dead_workers``), and queue again
@@ -168,13 +180,14 @@ class StudyRunner(TrialPhase, FinishPhase):
     # ----------------------------------------------------------------------------- queueing
 
     def _enqueue(self, config: TrialConfig, **attrs: Any) -> None:
-        self.study.enqueue_trial(self.prepared.space.params_of(config), user_attrs={**dict(records.cells("config", config.as_dict())), **attrs})
+        self.study.enqueue_trial(self.prepared.space.params_of(config),
+                                 user_attrs=records.attributes({"config": config.as_dict(), **attrs}))
 
     def _has_waiting(self) -> bool:
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
     def _waiting_keys(self) -> set[str]:
-        return {TrialConfig.from_dict(records.joined(t.user_attrs, "config")).key
+        return {TrialConfig.from_dict(records.field_of(t.user_attrs, "config")).key
                 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if "config" in t.user_attrs}
 
     def enqueue_prior(self) -> int:
@@ -272,7 +285,8 @@ class StudyRunner(TrialPhase, FinishPhase):
 
     def run(self, budget_s: float | None = None, n_trials: int | None = None,
             callback: Callable[[TrialEvent], None] | None = None,
-            note: Callable[[str], None] | None = None) -> StudySummary:
+            note: Callable[[str], None] | None = None,
+            on_trial: Callable[[optuna.Study, optuna.Trial], None] | None = None) -> StudySummary:
         """Run trials until ``budget_s`` seconds are spent or ``n_trials`` configurations launched.
 
         Only launches (measured or failed) count against ``n_trials``: configurations that the
@@ -284,6 +298,7 @@ class StudyRunner(TrialPhase, FinishPhase):
         run at all (``EngineUnavailableError``) stops the study at once: every trial would fail.
         """
         with storage.faults(self.prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
+            self._on_trial = on_trial
             return self._run(budget_s, n_trials, callback, note)
 
     def _run(self, budget_s: float | None, n_trials: int | None, callback: Callable[[TrialEvent], None] | None,
@@ -334,18 +349,18 @@ class StudyRunner(TrialPhase, FinishPhase):
         summary.elapsed_s = time.monotonic() - start
         return summary
 
-    def _storage_failed(self, trial: optuna.Trial | None, exc: BaseException) -> AutotuneError:
+    def _storage_failed(self, trial: optuna.Trial | None, result: TrialResult | None,
+                        exc: BaseException) -> AutotuneError:
         """The error that stops the study when its storage fails under ``trial``. The trial is
         failed for a retry where the storage still takes that write; else it stays RUNNING, and
         the next run fails it and measures its configuration again: on this host because its
         process is gone (``_fail_dead_workers``), on another once its heartbeat is older
         than ``storage.HEARTBEAT_GRACE_S``."""
         error = storage.fault(exc, self.prepared.shown_storage)
-        if trial is None:
+        if trial is None or result is None:
             return error
         try:
-            write(trial, fail_reason=f"the storage failed: {error}", retry=True)
-            self.study.tell(trial, state=TrialState.FAIL)
+            commit(self.study, trial, result.failed(f"the storage failed: {error}", retry=True))
             left = f"trial {trial.number} was failed, to be measured again"
         except Exception:  # noqa: BLE001 - the storage refuses this write too
             left = (f"trial {trial.number} is left RUNNING: the next run fails it and measures its "
@@ -453,41 +468,46 @@ class StudyRunner(TrialPhase, FinishPhase):
             self._last_cleanup = now
             self._cleanup_dead_workers()
         trial = None
+        result = TrialResult()
         try:
             with self.interrupts.deferred():
                 trial = self.study.ask()
                 heartbeat.beat(trial)
-            outcome = self._evaluate(trial)
+            self._evaluate(trial, result)
+            commit(self.study, trial, result)  # finished: the rest of the record, the constraints, the tell
         except (KeyboardInterrupt, Interrupted):
             if trial is not None:
-                self._fail_quietly(trial, "interrupted", retry=True)
+                self._fail_quietly(trial, result, "interrupted", retry=True)
             raise
         except EngineUnavailableError as exc:
             assert trial is not None
-            self._fail_quietly(trial, str(exc), retry=True)  # not the configuration's fault
+            self._fail_quietly(trial, result, str(exc), retry=True)  # not the configuration's fault
             raise
         except storage.FAULTS as exc:
             # The storage failed under the trial (a disk full, a lock held past the wait): not the
             # configuration's fault, and every next trial would fail alike. The study stops.
-            raise self._storage_failed(trial, exc) from None
+            raise self._storage_failed(trial, result, exc) from None
         except Exception as exc:  # a bug in a plugin must not kill the study either
             assert trial is not None
-            if "engine" in trial.user_attrs:
+            launched = "engine" in result.fields
+            if launched:
                 self.n_measured += 1  # it was launched: it counts like a BackendError
-            write(trial, log_tail=scrub(traceback.format_exc())[-4000:])
-            self._fail_quietly(trial, scrub(f"{type(exc).__name__}: {exc}"))
-            config = records.joined(trial.user_attrs, "config") or {}
-            outcome = Outcome("FAIL", config, reason=scrub(str(exc)),
-                              failed_in=systematic.launching(config["backend"]) if "engine" in trial.user_attrs
-                              and "backend" in config else None)
+            if not result.told:
+                result.learn(log_tail=scrub(traceback.format_exc())[-4000:])
+            self._fail_quietly(trial, result, scrub(f"{type(exc).__name__}: {exc}"))
+            config = result.config
+            result.state, result.reason = "FAIL", scrub(str(exc))
+            result.failed_in = (systematic.launching(config["backend"]) if launched and "backend" in config
+                                else None)
+            result.worked = ()
         heartbeat.beat(None)
+        outcome = result
         self._failures.worked(*outcome.worked)
         if outcome.failed_in is not None and outcome.reason:
             self.systematic = self._failures.failed(outcome.failed_in, outcome.reason) or self.systematic
-        # First: it brings the finished trial into the storage's cache, where the note reads it
-        # (else the note reads the whole trial back from the database).
+        # First: it brings the finished trial into the storage's cache, where the observer reads it.
         best = best_trial(self.study)
-        self._annotate(trial)
+        self._observe(trial)
         return TrialEvent(
             number=trial.number, state=outcome.state, config=outcome.config,
             value=outcome.values[0] if outcome.values else None, reason=outcome.reason,
@@ -498,7 +518,15 @@ class StudyRunner(TrialPhase, FinishPhase):
         )
 
 
-    # ----------------------------------------------------------------------------- one trial
+    def _observe(self, trial: optuna.Trial) -> None:
+        """Tell ``on_trial`` (the CLI's dashboard note) of the finished trial; what it raises
+        costs the study nothing."""
+        if self._on_trial is None:
+            return
+        try:
+            self._on_trial(self.study, trial)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"trial {trial.number}: {type(exc).__name__}: {exc}")
 
 
 def run_study(cfg: Any, budget_s: float | None = None, n_trials: int | None = None, storage: str | None = None,

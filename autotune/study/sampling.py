@@ -10,15 +10,16 @@ proposal, keeps it if it is admissible and new, and asks again otherwise; after
 ``max_tries`` it falls back to a random admissible new configuration.
 
 Those tries cost one fit of the inner model each where the model does not change between
-them: ``FitOnceTPESampler`` (the ``tpe`` strategy's) fits once per trial and draws each try
-from that fit, the same draws as Optuna's TPE makes.
+them: ``FitOnceTPESampler`` (the ``tpe`` strategy's, in study/optuna_internals.py: it reaches
+into TPE) fits once per trial and draws each try from that fit, the same draws as Optuna's TPE
+makes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
@@ -122,63 +123,3 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: optuna.trial.TrialState,
                     values: Any) -> None:
         self.inner.after_trial(study, trial, state, values)
-
-
-
-class FitOnceTPESampler(optuna.samplers.TPESampler):
-    """Optuna's TPE that, inside ``fitting_once()``, fits its two Parzen estimators once per
-    search space (a group of ``group=True``) and draws every later proposal from that fit.
-
-    TPE fits from the finished trials of the study's snapshot, which ``Study.ask`` takes once per
-    trial (``use_cache``): every proposal asked for one trial is fitted on the same trials, and
-    refitting them is the same fit again. Fitting draws nothing from the random state, so the
-    proposals, and their order, are those of ``TPESampler`` with the same arguments, one for one
-    (tests/test_sampling.py holds them side by side). Outside ``fitting_once()``, and with
-    ``constant_liar`` (whose fit counts running trials, which change between tries), it is
-    ``TPESampler`` unchanged.
-
-    Built on two of TPESampler's internals (``_sample``, ``_build_parzen_estimator``) of
-    Optuna 5, which pyproject.toml pins.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._fits: dict[tuple[Any, ...], tuple[Any, Any]] | None = None
-        self._built: list[Any] | None = None
-
-    @contextlib.contextmanager
-    def fitting_once(self) -> Iterator[None]:
-        """Proposals asked inside share one fit per search space (one trial's, not a study's)."""
-        self._fits = {}
-        try:
-            yield
-        finally:
-            self._fits = None
-
-    def _build_parzen_estimator(self, *args: Any, **kwargs: Any) -> Any:
-        estimator = super()._build_parzen_estimator(*args, **kwargs)
-        if self._built is not None:
-            self._built.append(estimator)
-        return estimator
-
-    def _sample(self, study: optuna.Study, trial: FrozenTrial,
-                search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
-        if self._fits is None or self._constant_liar:
-            return super()._sample(study, trial, search_space)
-        key = tuple(search_space.items())
-        fit = self._fits.get(key)
-        if fit is None:  # the first proposal: TPE's own, keeping the estimators it fits
-            self._built = []
-            try:
-                proposal = super()._sample(study, trial, search_space)
-            finally:
-                built, self._built = self._built, None
-            if len(built) == 2:  # below, above
-                self._fits[key] = (built[0], built[1])
-            return proposal
-        below, above = fit  # what TPESampler._sample does after its fit
-        samples = below.sample(self._rng.rng, self._n_ei_candidates)
-        proposal = self._compare(samples, self._compute_acquisition_func(samples, below, above))
-        for name, distribution in search_space.items():
-            proposal[name] = distribution.to_external_repr(proposal[name])
-        return proposal

@@ -1,9 +1,8 @@
 """Where a study lives: opening, checking and naming its Optuna storage.
 
-Every use of Optuna's private API is in this module (the RDB heartbeat, the storage and ids
-behind a study or trial, writing a finished trial's attributes, writing a trial's attributes and
-constraints in one transaction), so an Optuna upgrade has one place to look. SQLite pragmas
-are set on our own engine's connections only: a host program's other databases are not touched.
+Through Optuna's public API; what must reach further (the RDB heartbeat, the ids and storage
+behind a study or trial) is study/optuna_internals.py's, re-exported here. SQLite pragmas are
+set on our own engine's connections only: a host program's other databases are not touched.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -21,22 +19,23 @@ from typing import TYPE_CHECKING, Any, Iterator
 import optuna
 import sqlalchemy
 import sqlalchemy.exc
-from optuna.storages._heartbeat import is_heartbeat_enabled  # RDBStorage's heartbeat, used by optimize()
 
 from autotune import objective as objective_mod
 from autotune.config import load_study_config
 from autotune.errors import ConfigError, StorageError
 from autotune.objective import name_objectives
 from autotune.redact import mask_url, remember_url, scrub, split_url
-from autotune.space import canonical_order, dimension_of
 from autotune.study import comparable, records
+# What reaches into Optuna's internals lives in one module; these are re-exported for the
+# runner, the claims and the tests, which know them as the storage's.
+from autotune.study.optuna_internals import (  # noqa: F401
+    HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, Heartbeat, frozen, heartbeat_ages, set_finished_attrs, sql_engine,
+    storage_of, study_id_of, trial_id_of, trial_snapshot)
 
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.prepare import PreparedStudy
 
-HEARTBEAT_INTERVAL_S = 20
-HEARTBEAT_GRACE_S = 60
 # How long a write to SQLite waits for another process's lock before it is an error (SQLite's
 # busy timeout: it retries until then); said in the error, so the user knows it was waited for.
 SQLITE_LOCK_WAIT_S = 60
@@ -328,103 +327,6 @@ def study_names(storage: optuna.storages.BaseStorage, shown: str) -> list[str]:
         raise StorageError(f"storage {shown}: not a study storage ({_first_line(exc)})") from None
 
 
-# ------------------------------------------------------------------ Optuna internals, in one place
-
-
-def storage_of(study: optuna.Study) -> optuna.storages.BaseStorage:
-    return study._storage
-
-
-def study_id_of(study: optuna.Study) -> int:
-    return study._study_id
-
-
-def trial_id_of(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
-    return trial._trial_id
-
-
-def sql_engine(study: optuna.Study) -> sqlalchemy.engine.Engine | None:
-    """The SQLAlchemy engine under a study's storage (None for journal files)."""
-    storage = study._storage
-    backend = getattr(storage, "_backend", storage)  # a study wraps its RDBStorage in a cache
-    return getattr(backend, "engine", None)
-
-
-def set_finished_attrs(study: optuna.Study, trial: optuna.trial.FrozenTrial, attrs: dict[str, Any],
-                       state: optuna.trial.TrialState | None = None) -> bool:
-    """Write attributes (and a state) of a trial this worker does not hold; False when another
-    worker finished it first."""
-    try:
-        for key, value in attrs.items():
-            study._storage.set_trial_user_attr(trial._trial_id, key, value)
-        if state is not None:
-            study._storage.set_trial_state_values(trial._trial_id, state)
-    except optuna.exceptions.UpdateFinishedTrialError:
-        return False
-    return True
-
-
-def heartbeat_ages(study: optuna.Study) -> dict[int, float]:
-    """Seconds since the last heartbeat of each RUNNING trial that has one, by trial id, at the
-    database's clock (as Optuna's own stale check reads it: the workers' clocks may differ);
-    empty for a storage without heartbeats."""
-    from optuna.storages._rdb import models
-
-    engine = sql_engine(study)
-    if engine is None or not is_heartbeat_enabled(study._storage):
-        return {}
-    beats = models.TrialHeartbeatModel
-    with engine.connect() as conn:
-        now = conn.execute(sqlalchemy.select(sqlalchemy.func.now())).scalar()
-        rows = conn.execute(sqlalchemy.select(beats.trial_id, beats.heartbeat)
-                            .join(models.TrialModel, models.TrialModel.trial_id == beats.trial_id)
-                            .where(models.TrialModel.study_id == study._study_id,
-                                   models.TrialModel.state == optuna.trial.TrialState.RUNNING)).all()
-    now = now.replace(tzinfo=None)
-    return {int(trial_id): max((now - beat.replace(tzinfo=None)).total_seconds(), 0.0) for trial_id, beat in rows}
-
-
-def frozen(study: optuna.Study, trial_id: int) -> optuna.trial.FrozenTrial:
-    return study._storage.get_trial(trial_id)
-
-
-def trial_snapshot(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """The study's trials as Optuna's samplers read them while a trial is sampled: read once per
-    trial, by the first reader after ``Study.ask`` (which empties that cache), and kept until the
-    next ask. Read only."""
-    return study._get_trials(deepcopy=False, use_cache=True)
-
-
-class Heartbeat:
-    """Records the running trial's heartbeat so another worker can fail it if we die."""
-
-    def __init__(self, study: optuna.Study):
-        self.storage = study._storage
-        self.trial_id: int | None = None
-        self.stop = threading.Event()
-        self.enabled = is_heartbeat_enabled(self.storage)
-        if self.enabled:
-            threading.Thread(target=self._loop, daemon=True, name="autotune-heartbeat").start()
-
-    def _loop(self) -> None:
-        while not self.stop.wait(HEARTBEAT_INTERVAL_S / 2):
-            trial_id = self.trial_id
-            if trial_id is not None:
-                try:
-                    self.storage.record_heartbeat(trial_id)
-                except Exception:  # a missed beat only risks a spurious stale mark later
-                    pass
-
-    def beat(self, trial: optuna.Trial | None) -> None:
-        self.trial_id = None if trial is None else trial._trial_id
-        if self.enabled and self.trial_id is not None:
-            self.storage.record_heartbeat(self.trial_id)
-
-    def close(self) -> None:
-        self.beat(None)
-        self.stop.set()
-
-
 # ------------------------------------------------------------------ a prepared study's storage
 
 
@@ -449,7 +351,7 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
         raise ConfigError(
             f"study '{cfg.name}' in {shown} has {len(study.directions)} objective(s) but the study file asks for "
             f"mode = {cfg.objective.mode!r}; use another study name or storage")
-    records.check_schema(study, shown)
+    records.check_schema(study, shown, writing=True)
     _check_same_space(study, prepared)
     engines = comparable.engines_of(prepared)
     comparable.check_comparable(study, prepared, engines)
@@ -500,72 +402,3 @@ def _check_same_space(study: optuna.Study, prepared: "PreparedStudy") -> None:
             f"study '{prepared.cfg.name}' in {prepared.shown_storage} was run with other choices for "
             f"{'; '.join(changed)}. Optuna cannot change a parameter's choices within a study: give the "
             "study a new [study] name (or another --storage) to search the new space")
-
-
-# ------------------------------------------------------------------ schema upgrades
-
-
-def upgrade(url: str) -> list[str]:
-    """Rename a version-1 storage's parameters to the shared names of schema 2 (space.py), in
-    place: each study whose schema is 1 gets ``ctx``, ``parallel``, ``flash_attn`` and
-    ``kv_bits`` for its ``<backend>.<name>`` parameters, every shared name with the union of
-    its backends' choices (one distribution per name), and schema version 2. Trial numbers,
-    states, values and attributes are untouched, so a study's records read as before.
-
-    Optuna has no public way to rename a finished trial's parameter, so this rewrites its
-    ``trial_params`` rows (param_value is the index of the choice: it is recomputed for the new
-    choices), in one transaction per study. Journal storages are refused (an append-only log).
-
-    Returns:
-        One line per study: what was renamed, or why it was left alone.
-
-    Raises:
-        StorageError: not an RDB storage, or no such database.
-    """
-    from optuna.distributions import CategoricalDistribution, distribution_to_json, json_to_distribution
-
-    shown = mask_url(url)
-    if url.startswith("journal:"):
-        raise StorageError(f"storage {shown}: a journal file cannot be upgraded in place; copy the study into "
-                           "SQLite first (optuna.copy_study) and upgrade that")
-    _check_file(url, url.split(":///", 1)[1] if url.startswith("sqlite:") and ":///" in url else "", writable=True)
-    store = open_storage(url, create=False)  # it rewrites a database, never creates one
-    engine = getattr(store, "engine", None)
-    assert engine is not None
-    done = []
-    for name in study_names(store, shown):
-        study = optuna.load_study(study_name=name, storage=store)
-        version = study.user_attrs.get(records.SCHEMA_ATTR)
-        if version not in records.UPGRADABLE:
-            done.append(f"{name}: schema {version!r}, left as it is")
-            continue
-        sid = study_id_of(study)
-        with engine.begin() as conn:
-            rows = conn.execute(sqlalchemy.text(
-                "SELECT p.param_id, p.trial_id, p.param_name, p.param_value, p.distribution_json FROM trial_params p "
-                "JOIN trials t ON t.trial_id = p.trial_id WHERE t.study_id = :sid"), {"sid": sid}).all()
-            renamed = []  # (param_id, new name, new external value)
-            choices: dict[str, tuple] = {}
-            for param_id, _trial_id, pname, internal, dist_json in rows:
-                dist = json_to_distribution(dist_json)
-                value = dist.to_external_repr(internal)
-                backend, dot, option = pname.rpartition(".")
-                if not dot or not isinstance(dist, CategoricalDistribution):
-                    new_name, new_value, new_choices = pname, value, tuple(getattr(dist, "choices", ()))
-                else:
-                    dim = dimension_of(backend, option, tuple(dist.choices))
-                    new_name, new_value, new_choices = dim.name, dim.encode(value), dim.choices
-                shared = "." not in new_name and new_name != "backend"
-                choices[new_name] = canonical_order(choices.get(new_name, ()) + new_choices) if shared else new_choices
-                renamed.append((param_id, new_name, new_value))
-            for param_id, new_name, new_value in renamed:
-                dist = CategoricalDistribution(list(choices[new_name]))
-                conn.execute(sqlalchemy.text(
-                    "UPDATE trial_params SET param_name = :n, param_value = :v, distribution_json = :d "
-                    "WHERE param_id = :id"),
-                    {"n": new_name, "v": dist.to_internal_repr(new_value), "d": distribution_to_json(dist), "id": param_id})
-        study.set_user_attr(records.SCHEMA_ATTR, records.SCHEMA_VERSION)
-        names = sorted(n for n in choices if "." not in n and n != "backend")
-        done.append(f"{name}: schema {version} -> {records.SCHEMA_VERSION}, {len(rows)} parameters of "
-                    f"{len({r[1] for r in rows})} trials; shared names: {', '.join(names) or '(none)'}")
-    return done

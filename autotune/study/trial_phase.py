@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-import warnings
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import optuna
@@ -21,27 +19,13 @@ from autotune import artifacts
 from autotune import objective as objective_mod
 from autotune.artifacts import ArtifactError
 from autotune.backend import Measurement, TrialConfig
-from autotune.dashboard import annotate_trial
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
 from autotune.space import NotOffered
-from autotune.study import calibration, records, storage, systematic, trial_writes
-from autotune.study import cost
-from autotune.study.admission import Verdict
+from autotune.study import calibration, cost, records, storage, systematic
 from autotune.study.probe import LeaderGapPruner, make_probe
-from autotune.study.records import TrialRecord, TrialState, hold, write
-
-
-@dataclass
-class Outcome:
-    state: str
-    config: dict[str, Any]
-    values: list[float] | None = None
-    reason: str | None = None
-    answered_from: int | None = None
-    failed_in: str | None = None           # the scope whose failure this is (study/systematic.py)
-    worked: tuple[str, ...] = ()           # the scopes that did their part
-    broken: tuple[str, ...] = ()           # the constraints a measured trial broke (its line says so)
+from autotune.study.records import TrialRecord, TrialState
+from autotune.study.trial_result import TrialResult, commit
 
 
 class TrialPhase:
@@ -59,19 +43,14 @@ class TrialPhase:
                                    (quality or {}).get("admitted"),
                                    {key: m.metrics[key].median for key, _ in self.cfg.objective.slo if key in m.metrics})
 
-    def _annotate(self, trial: optuna.Trial) -> None:
-        """The trial's note for optuna-dashboard (``autotune.dashboard``); a note that cannot be
-        written costs the study nothing."""
+    def _fail_quietly(self, trial: optuna.Trial, result: TrialResult, reason: str, retry: bool = False) -> None:
+        """End ``result`` as failed and commit it, unless the trial already finished (an
+        interrupt after the tell): its outcome stands."""
+        if result.told:
+            return
+        result.failed(reason, **({"retry": True} if retry else {}))
         try:
-            annotate_trial(self.study, trial, self.prepared.storage_url)
-        except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"trial {trial.number}: no dashboard note ({type(exc).__name__}: {exc})")
-
-    def _fail_quietly(self, trial: optuna.Trial, reason: str, retry: bool = False) -> None:
-        """Record ``trial`` as failed unless it already finished (an interrupt after tell)."""
-        try:
-            write(trial, fail_reason=reason, **({"retry": True} if retry else {}))
-            self.study.tell(trial, state=TrialState.FAIL)
+            commit(self.study, trial, result)
         except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
             pass  # it is finished already: its outcome stands
 
@@ -97,78 +76,76 @@ class TrialPhase:
                 return None
         return holder
 
-    def _evaluate(self, trial: optuna.Trial) -> Outcome:
-        """One trial through the flow."""
+    def _evaluate(self, trial: optuna.Trial, r: TrialResult) -> TrialResult:
+        """One trial through the flow, learnt into ``r`` (and returned); committed at the
+        checkpoints of study/trial_result.py, the last one (finished) by the runner."""
         prepared = self.prepared
         try:
             config = prepared.space.suggest(trial)
         except NotOffered as exc:  # a shared knob's value the drawn backend lacks: free, recorded
-            write(trial, prune_reason=str(exc))
-            self.study.tell(trial, state=TrialState.PRUNED)
-            return Outcome("PRUNED", {}, reason=str(exc))
+            return r.pruned(str(exc))
         backend = prepared.backend(config.backend)
         ctx = prepared.contexts[config.backend]
-        write(trial, config=config.as_dict(), config_key=config.key, worker=self.worker)
+        r.config = config.as_dict()
+        r.learn(config=r.config, config_key=config.key, worker=self.worker)
+        commit(self.study, trial, r)  # started: another worker that meets the claim reads them
 
         earlier = self._claim(trial, config)
         if earlier is not None:
-            return self._answer_from(trial, earlier, config)
+            return self._answer_from(r, earlier)
 
-        # The configuration is stored before the claim (another worker that meets the claim reads
-        # it); what follows is held (records.hold) and stored by the next write, which comes
-        # before anything that makes, measures, launches or tells.
         verdict = self.judge.judge(config)
         if verdict.estimate is not None:
-            hold(trial, predicted_vram=verdict.estimate.to_dict())
-        hold(trial, deploy_command=backend.deploy_command(config, ctx))
+            r.learn(predicted_vram=verdict.estimate.to_dict())
+        r.learn(deploy_command=backend.deploy_command(config, ctx))
         if not verdict.admitted:
-            return self._prune(trial, config, verdict)
+            return r.pruned(verdict.reason, verdict.constraints)
         deferred = self._over_budget_to_make(config)
         if deferred is not None:
             # Not the configuration's fault, and nothing launched: a later run with the time
             # for it tries it (retry), and this run proposes these weights no more.
             self._deferred_artifacts.add((config.backend, config.weights))
-            write(trial, fail_reason=deferred, retry=True, deferred=True)
-            self.study.tell(trial, state=TrialState.FAIL)
             self._say(f"trial {trial.number}: {deferred}")
-            return Outcome("FAIL", config.as_dict(), reason=deferred)
-        write(trial)  # making weights can take minutes: a crash then keeps what is known
+            return r.failed(deferred, retry=True, deferred=True)
+        commit(self.study, trial, r)  # making weights can take minutes: a crash then keeps what is known
         try:
-            self._ensure_artifacts(trial, config)
+            self._ensure_artifacts(trial, config, r)
         except ArtifactError as exc:
             # Only the trials needing this artifact fail; the sampler proposes it no more this run
             # (a later run tries again: the user may have fixed what the tool said).
             self._failed_artifacts.add((config.backend, config.weights))
             self.n_measured += 1
-            write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
-            self.study.tell(trial, state=TrialState.FAIL)
+            r.failed(str(exc), exc.log_tail)
             # Too large for the disk is this artifact's size, as out of memory is a configuration's.
-            return Outcome("FAIL", config.as_dict(), reason=str(exc),
-                           failed_in=None if isinstance(exc, artifacts.DiskSpaceError) else systematic.making(config.backend))
+            r.failed_in = None if isinstance(exc, artifacts.DiskSpaceError) else systematic.making(config.backend)
+            return r
         verdict = self.judge.judge(config)  # a made artifact: its own tensors, not the prediction
         if verdict.estimate is not None:
-            hold(trial, predicted_vram=verdict.estimate.to_dict())
+            r.learn(predicted_vram=verdict.estimate.to_dict())
         if not verdict.admitted:
-            return self._prune(trial, config, verdict)
+            return r.pruned(verdict.reason, verdict.constraints)
         if self.quality is not None:
-            write(trial)  # measuring quality can take minutes
+            commit(self.study, trial, r)  # measuring quality can take minutes
             # Quality depends on the artifact, not on ctx or parallel, and is measured once per
             # study; when it rules the configuration out, launching it would be waste.
             described = self.quality.trial_quality(config)
-            hold(trial, quality=described, **({"quality_drop_points": described["drop_points"]}
-                                              if "drop_points" in described else {}))
+            r.learn(quality=described, **({"quality_drop_points": described["drop_points"]}
+                                          if "drop_points" in described else {}))
             verdict = self.judge.judge(config)
             if not verdict.admitted:
-                return self._prune(trial, config, verdict)
+                return r.pruned(verdict.reason, verdict.constraints)
 
-        write(trial, engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_build(ctx)},
-              gpu=records.gpu_attrs(prepared.gpu))
+        r.learn(engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_build(ctx)},
+                gpu=records.gpu_attrs(prepared.gpu))
+        commit(self.study, trial, r)  # the launch
+        drop = r.fields.get("quality_drop_points")
         heard: dict[str, str] = {}
         run_ctx = ctx
         if isinstance(self.study.pruner, LeaderGapPruner):
             run_ctx = dataclasses.replace(ctx, probe=make_probe(
                 trial, self.cfg.objective, verdict.estimate.total_bytes, ctx.vram_budget_bytes,  # type: ignore[union-attr]
-                trial.user_attrs.get("quality_drop_points"), self.study.pruner.margin, heard))
+                drop, self.study.pruner.margin, heard))
+        made = (systematic.making(config.backend),)
         try:
             measurement = backend.run(config, run_ctx)
         except EngineUnavailableError:
@@ -177,40 +154,35 @@ class TrialPhase:
             self.n_measured += 1
             cut = cost.cut_short(exc)
             if cut is not None:  # the budget ended it, not the engine: a run with time left measures it again
-                write(trial, fail_reason=cut, retry=True, **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
-                self.study.tell(trial, state=TrialState.FAIL)
-                return Outcome("FAIL", config.as_dict(), reason=cut)
-            write(trial, fail_reason=str(exc), **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
-            self.study.tell(trial, state=TrialState.FAIL)
-            return Outcome("FAIL", config.as_dict(), reason=str(exc), failed_in=systematic.launching(config.backend),
-                           worked=(systematic.making(config.backend),))
+                return r.failed(cut, exc.log_tail, retry=True)
+            r.failed(str(exc), exc.log_tail)
+            r.failed_in, r.worked = systematic.launching(config.backend), made
+            return r
         self.n_measured += 1
         assert verdict.estimate is not None and verdict.raw_total_bytes is not None
-        records.hold_measurement(trial, measurement, verdict.estimate.total_bytes)
+        r.learn(**records.measurement_fields(measurement, verdict.estimate.total_bytes))
         if measurement.peak_vram_bytes is not None:
             residual = measurement.peak_vram_bytes - verdict.raw_total_bytes
-            hold(trial, vram_residual_bytes=int(residual))
+            r.learn(vram_residual_bytes=int(residual))
             self.judge.learn(backend.name, residual)
 
         metric = self.cfg.objective.metric
         if metric not in measurement.metrics:
             raise BackendError(f"backend '{backend.name}' did not measure {metric}")
+        r.worked = made + (systematic.launching(config.backend),)
         if measurement.metrics[metric].stop_reason == PROBE_STOP:
             # One run is not a measurement to crown: recorded, never launched again, never best.
-            write(trial, prune_reason=heard.get("reason", "probe: stopped after the first run"), probe=True)
-            self.study.tell(trial, state=TrialState.PRUNED)
-            return Outcome("PRUNED", config.as_dict(), reason=heard.get("reason"),
-                           worked=(systematic.making(config.backend), systematic.launching(config.backend)))
-        s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes,
-                        trial.user_attrs.get("quality_drop_points"), records.joined(trial.user_attrs, "quality"))
-        records.set_constraints(trial, s.constraints)
-        write(trial, score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
-                            "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
-        self.study.tell(trial, list(s.values))
+            r.pruned(heard.get("reason", "probe: stopped after the first run"), probe=True)
+            r.reason = heard.get("reason")
+            return r
+        s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes, drop, r.fields.get("quality"))
+        r.learn(score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
+                       "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
+        r.completed(list(s.values), s.constraints)
+        commit(self.study, trial, r)  # finished: the calibration reads this trial
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
-        return Outcome("COMPLETE", config.as_dict(), list(s.values),
-                       worked=(systematic.making(config.backend), systematic.launching(config.backend)),
-                       broken=tuple(k for k, v in s.constraints.items() if v > 0))
+        r.broken = tuple(k for k, v in s.constraints.items() if v > 0)
+        return r
 
     def _affordable(self, config: TrialConfig) -> bool:
         return (config.backend, config.weights) not in self._deferred_artifacts
@@ -234,7 +206,7 @@ class TrialPhase:
         return (f"not started: making {' then '.join(need.formats)} would take about {need.seconds:.0f} s "
                 f"({need.basis}) and a launch {launch:.0f} s, with {max(left, 0):.0f} s of the budget left")
 
-    def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig) -> None:
+    def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig, r: TrialResult) -> None:
         """Make (or find in the cache) the weights this trial loads, and its quality reference's.
 
         Inside the trial, so the making counts in the study's budget and in this trial's time;
@@ -251,7 +223,8 @@ class TrialPhase:
             artifact = artifacts.ensure(backend, weights, ctx, say=self._say_artifact)
             if artifact is not None:
                 made.append({**artifact.to_dict(), "weights": weights})
-                write(trial, artifacts=made)
+                r.learn(artifacts=list(made))
+                commit(self.study, trial, r)
 
     def _say_artifact(self, text: str) -> None:
         """An artifact's line, each said once per run: one study said "cache hit" 324 times for
@@ -261,13 +234,7 @@ class TrialPhase:
             said.add(text)
             self._say(text)
 
-    def _prune(self, trial: optuna.Trial, config: TrialConfig, verdict: Verdict) -> Outcome:
-        records.set_constraints(trial, verdict.constraints)
-        write(trial, prune_reason=verdict.reason)
-        self.study.tell(trial, state=TrialState.PRUNED)
-        return Outcome("PRUNED", config.as_dict(), reason=verdict.reason)
-
-    def _answer_from(self, trial: optuna.Trial, earlier: TrialRecord, config: TrialConfig) -> Outcome:
+    def _answer_from(self, r: TrialResult, earlier: TrialRecord) -> TrialResult:
         """Answer a configuration already in the storage without launching it again.
 
         The answer is recorded as PRUNED with the earlier trial's outcome attached, not as a
@@ -276,15 +243,14 @@ class TrialPhase:
         """
         skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason",
                 "retry"}
-        # the earlier trial's record, flat columns included (a long field's parts with it)
-        trial_writes.set_user_attrs(trial, {key: value for key, value in earlier.raw.items()
-                                            if key.split(".", 1)[0] not in skip})
+        # the earlier trial's record (its flat columns follow from its fields)
+        r.learn(**{name: getattr(earlier, name) for name in records.STORED if name in earlier.raw and name not in skip})
         if earlier.state == TrialState.RUNNING:
             reason = f"being measured by trial {earlier.number} (worker {earlier.worker})"
         else:
             outcome = earlier.values[0] if earlier.values else (earlier.prune_reason or earlier.fail_reason)
             reason = f"already evaluated as trial {earlier.number} ({earlier.state.name}: {outcome})"
-        write(trial, answered_from=earlier.number, prune_reason=reason)
-        self.study.tell(trial, state=TrialState.PRUNED)
-        return Outcome(earlier.state.name, config.as_dict(), list(earlier.values) if earlier.values else None,
-                        reason, earlier.number)
+        r.pruned(reason, answered_from=earlier.number)
+        r.state, r.answered_from = earlier.state.name, earlier.number
+        r.values = list(earlier.values) if earlier.values else None
+        return r
