@@ -60,7 +60,7 @@ from autotune.rules import Rule, load_rules, violations
 from autotune.artifacts import artifact_path, is_format
 from autotune.formats import normalize_format, weights_for
 from autotune.declarations import CacheType, WeightFormats
-from autotune_plugins.llama_server import declarations, engine, memory
+from autotune_plugins.llama_server import declarations, engine, memory, rpc, split
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS, FIT
 from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
@@ -197,7 +197,7 @@ class LlamaServerBackend(BaseBackend):
             moe = tuple(v for v in space["n_cpu_moe"] if type(v) is int and v >= 0)
             params.append(Param("n_cpu_moe", moe, "layers whose routed experts stay in host memory (--n-cpu-moe: "
                                 "the first N)", accepted=("any integer >= 0",)))
-        return params
+        return params + split.parameters(space)  # several devices (split.py), only when the space names them
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
         """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
@@ -278,13 +278,13 @@ class LlamaServerBackend(BaseBackend):
         facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
                  "compute_capability": getattr(ctx.gpu, "compute_capability", None), "moe": model.is_moe,
                  "n_layers": model.n_layers, "all_layers": model.n_layers + 1, "batch": memory.DEFAULT_BATCH}
-        return violations(_rules(), options, facts)
+        return violations(_rules(), options, facts) + split.check(config, ctx, model, cuda=self._on_gpu(ctx))
 
     # -------------------------------------------------------------- memory
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         path = self._made(config.weights, ctx)
-        ngl = self.layers_of(config, ctx, self._on_gpu(ctx))
+        ngl = self.layers_of(config, ctx, self._has_devices(ctx))
         # -ngl 0 from the setting: the estimate of a CPU run, as before the offload dimensions; a
         # configuration that names gpu_layers 0 on a GPU still has a CUDA context and buffers.
         on_gpu = self._on_gpu(ctx) and (ngl > 0 or config.option("gpu_layers") is not None)
@@ -292,6 +292,8 @@ class LlamaServerBackend(BaseBackend):
         # A format not made yet: its tensors as llama-quantize will write them, from the source's shape.
         weights = weights_for(ctx.model, config.weights, self.weight_formats) if path is None else gguf_file_weights(path)
         model = ctx.model if path is None else _model_of(path)
+        if split.n_devices(ctx) > 1:  # several cards or RPC devices: each one's share (split.py)
+            return split.device_estimate(model, weights, config, ctx, None if ngl >= 999 else ngl, self._on_gpu(ctx))
         return memory.estimate(model, weights, config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
                                ubatch=int(ub) if ub is not None else None, gpu=on_gpu,
@@ -319,6 +321,10 @@ class LlamaServerBackend(BaseBackend):
     @staticmethod
     def _on_gpu(ctx: StudyContext) -> bool:
         return _has_gpu() if ctx.for_gpu is None else ctx.for_gpu
+
+    def _has_devices(self, ctx: StudyContext) -> bool:
+        """Whether layers can go anywhere but the host: a GPU, or the RPC devices of a CPU study."""
+        return self._on_gpu(ctx) or split.rpc_device_count(ctx) > 0
 
     def gpu_layers(self, ctx: StudyContext, has_gpu: bool = True) -> int:
         if not has_gpu:
@@ -356,7 +362,7 @@ class LlamaServerBackend(BaseBackend):
         moe = config.option("n_cpu_moe")
         if moe is not None:
             out += ["--n-cpu-moe", str(int(moe))]
-        return out
+        return out + split.flags(config)
 
     def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
                     has_gpu: bool) -> list[str]:
@@ -379,7 +385,8 @@ class LlamaServerBackend(BaseBackend):
         # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
         # their own (startup_facts).
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                *self.flags(config, self.layers_of(config, ctx, has_gpu)), "-t", str(self.threads(ctx)),
+                *self.flags(config, self.layers_of(config, ctx, has_gpu or split.rpc_device_count(ctx) > 0)),
+                *rpc.endpoints_flag(self._rpc_endpoints(ctx)), "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
                 "--no-webui"]
 
@@ -389,7 +396,14 @@ class LlamaServerBackend(BaseBackend):
         variable names it (so the server sees the card autotune watches, and only that one)."""
         if not has_gpu:
             return None
-        return cuda_visible_entry(ctx.gpu_index)
+        return split.cuda_visible(ctx) or cuda_visible_entry(ctx.gpu_index)
+
+    def _rpc_endpoints(self, ctx: StudyContext) -> list[str]:
+        """The RPC devices of a CPU study on several devices: the running trial's, else the deploy
+        line's (rpc-server's default port and the next ones, one server per device)."""
+        n = split.rpc_device_count(ctx)
+        running = getattr(self, "_rpc_running", None)  # set by _rpc_devices
+        return list(running) if running and n else [f"{rpc.HOST}:{rpc.DEPLOY_PORT + i}" for i in range(n)]
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         has_gpu = self._on_gpu(ctx)
@@ -438,6 +452,10 @@ class LlamaServerBackend(BaseBackend):
         except AutotuneError as exc:
             return [f"{exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
                     "a llama-server that runs here"]
+        if split.rpc_device_count(ctx) and not rpc.binary_beside(binary).is_file():
+            return [f"[hardware] gpus names {split.rpc_device_count(ctx)} CPU devices, which llama-server runs as RPC "
+                    f"devices, and {rpc.binary_beside(binary)} is missing (a build from before GGML_RPC): rebuild with "
+                    "`autotune engine build llama.cpp --force`"]
         if self._on_gpu(ctx):
             try:
                 cuda_visible_entry(ctx.gpu_index)
@@ -521,7 +539,7 @@ class LlamaServerBackend(BaseBackend):
         has_gpu = self._on_gpu(ctx)
         startup_s = float(self.value(ctx, "startup_timeout_s"))
         request_s = float(self.value(ctx, "request_timeout_s"))
-        with tempfile.TemporaryDirectory(prefix="autotune-llama-server-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="autotune-llama-server-") as tmp, self._rpc_devices(ctx, Path(tmp)):
             server = self.launch(config, ctx, has_gpu, Path(tmp))
             try:
                 measured = self._measure(server, config, ctx, has_gpu, startup_s, request_s)
@@ -548,6 +566,19 @@ class LlamaServerBackend(BaseBackend):
                 except BackendError as exc:  # the figures are the engine's notes, not the trial's result
                     measured.attrs["startup_facts_error"] = str(exc)[:500]
             return measured
+
+    @contextlib.contextmanager
+    def _rpc_devices(self, ctx: StudyContext, log_dir: Path) -> Any:
+        """A CPU study's RPC devices (split.rpc_device_count), running for one trial's launches;
+        nothing for any other study."""
+        n = split.rpc_device_count(ctx)
+        binary = rpc.binary_beside(self.binary(ctx)) if n else Path()
+        with rpc.rpc_servers(binary, n, max(1, self.threads(ctx) // max(1, n)), log_dir) as found:
+            self._rpc_running = found
+            try:
+                yield found
+            finally:
+                self._rpc_running = None
 
     def startup_facts(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path,
                       startup_s: float) -> dict[str, Any]:
