@@ -484,6 +484,14 @@ class BaseBackend(abc.ABC):
         engine cannot split a model."""
         return {}
 
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """Dimensions of where the model goes across the study's cards (``ctx.placement``, more
+        than one): ``[space]`` keys of this backend's ``parameters`` with the values it would
+        search (split mode, proportions per card from their budgets...). A study that names
+        several cards searches them unless its ``[space]`` names the key itself. Empty (the
+        default): the engine runs on one card."""
+        return {}
+
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""
         return None

@@ -278,7 +278,12 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
             errors += [f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}"
                        for problem in check_makings(backend, cand.weights, ctx)]
         if "ctx" in cfg.space and "parallel" in cfg.space:
-            params = backend.parameters({k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS})
+            named = {k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS}
+            if placement is not None and len(placement.cards) > 1:
+                # Several cards: where the model goes is searched (the backend's dimensions and
+                # values), unless the file names a dimension itself.
+                named = {**backend.placement_space(ctx), **named}
+            params = backend.parameters(named)
             offered[cand.backend] = params
             entries.append(BackendSpace(backend, tuple(cand.weights), tuple(cfg.space["ctx"]), tuple(cfg.space["parallel"]),
                                         tuple(p for p in params if p.choices)))

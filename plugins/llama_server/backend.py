@@ -300,6 +300,9 @@ class LlamaServerBackend(BaseBackend):
                                gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(config.option("n_cpu_moe", 0)),
                                batch=int(b) if b is not None else None)
 
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        return split.space(ctx, cuda=self._on_gpu(ctx))
+
     def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
         """What ``autotune init`` may search when ``weights`` do not fit whole: for a mixture of
         experts first ``n_cpu_moe`` (its experts are most of its bytes and least of its reads per

@@ -145,6 +145,10 @@ def check(config: TrialConfig, ctx: StudyContext, model: ModelSpec, cuda: bool) 
     if ts is not None and parse_ts(ts, n) is None:
         out.append(f"tensor_split {ts!r}: give at most {n} non-negative proportions, not all 0, e.g. "
                    f"\"{','.join('1' * n)}\"")
+    if mode == "none" and ts is not None and len(set(parse_ts(ts) or (0.0, 1.0))) > 1:
+        # -ts does nothing to one device: the search measures split mode none once, with the even split.
+        out.append(f"tensor_split {ts!r} does nothing with split_mode none (one device, -mg): the even split stands "
+                   "for it")
     mg = config.option("main_gpu")
     if mg is not None and int(mg) >= n:
         out.append(f"main_gpu {mg}: the study has devices 0..{n - 1}")
@@ -281,3 +285,15 @@ def cuda_visible(ctx: StudyContext) -> str | None:
     if p is None or p.on_cpu:
         return None
     return ",".join(cuda_visible_entry(c.device) for c in p.cards)
+
+
+def space(ctx: StudyContext, cuda: bool) -> dict[str, list[Any]]:
+    """What a study on several devices searches when its ``[space]`` does not say: the split
+    modes these devices take (row and tensor on CUDA cards only: an RPC device has no split
+    buffers, and the meta device of tensor parallelism is CUDA-tested upstream) and a few ``-ts``
+    values from the cards' budgets (:func:`ts_candidates`)."""
+    p = ctx.placement
+    if p is None or len(p.cards) < 2:
+        return {}
+    return {"split_mode": ["layer", "none", *(("row", "tensor") if cuda else ())],
+            "tensor_split": ts_candidates(p.budgets)}

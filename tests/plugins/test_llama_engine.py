@@ -533,9 +533,10 @@ def test_install_outputs_copies_every_target_and_refuses_a_missing_one(tmp_path)
         engine.install_outputs(built, tmp_path / "bin2")
 
 
-def test_cmake_builds_the_benchmarks(tmp_path):
+def test_cmake_builds_the_benchmarks_and_the_rpc_server(tmp_path):
     args = engine.cmake_build_args(plan_for("cpu", tmp_path))
-    assert args[args.index("--target") + 1:] == ["llama-server", "llama-quantize", "llama-bench", "llama-batched-bench"]
+    assert args[args.index("--target") + 1:] == ["llama-server", "llama-quantize", "llama-bench", "llama-batched-bench",
+                                                 "ggml-rpc-server"]
 
 
 # ------------------------------------------------------------------ which card a build runs on
