@@ -300,6 +300,14 @@ class LlamaServerBackend(BaseBackend):
                                gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(config.option("n_cpu_moe", 0)),
                                batch=int(b) if b is not None else None)
 
+    def search_dimensions(self) -> list[Param]:
+        """Every [space] key this backend takes (``autotune plugins``), the optional ones too."""
+        return self.parameters({k: [] for k in ("ubatch", "batch", "gpu_layers", "n_cpu_moe", *split.KEYS)})
+
+    def search_rules(self) -> list[str]:
+        """What is refused before launching, in words (``autotune plugins``)."""
+        return [r.name for r in _rules()] + list(split.RULES)
+
     def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
         return split.space(ctx, cuda=self._on_gpu(ctx))
 
@@ -370,26 +378,28 @@ class LlamaServerBackend(BaseBackend):
     def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
                     has_gpu: bool) -> list[str]:
         """The one place the server's command line is built: trials launch it, deploy prints it."""
+        # A CPU study's RPC devices (split.py) are devices like cards: every launch is given them.
+        devices = rpc.endpoints_flag(self._rpc_endpoints(ctx))
+        has_gpu = has_gpu or bool(devices)
         if config.option(ENGINE_DEFAULTS) == FIT:
             # llama.cpp's own choice (``baselines``): the user's -c/-np, --fit on and no -ngl, so
             # the fitting decides the offload; a study without a GPU keeps -ngl 0 as everywhere.
             return [binary, "-m", str(self.weights_path(config.weights, ctx)),
                     "-c", str(config.ctx * config.parallel), "-np", str(config.parallel), "--fit", "on",
-                    *(() if has_gpu else ("-ngl", "0")), "--host", str(self.value(ctx, "host")),
+                    *(() if has_gpu else ("-ngl", "0")), *devices, "--host", str(self.value(ctx, "host")),
                     "--port", str(port), "--no-webui"]
         if config.option(ENGINE_DEFAULTS):
             # The default launch (``default_launch``): no -c/-np/-fa/-ctk/-t/--fit, so the engine's own
             # defaults apply; --host/--port/--no-webui only say where it listens.
             return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                    "-ngl", str(self.gpu_layers(ctx, has_gpu)), "--host", str(self.value(ctx, "host")),
+                    "-ngl", str(self.gpu_layers(ctx, has_gpu)), *devices, "--host", str(self.value(ctx, "host")),
                     "--port", str(port), "--no-webui"]
         # At the engine's default log verbosity, as deployed: -lv 4, which the start-up buffer
         # sizes need, logs trace lines per request and slot, and cost 9% of the aggregate at 8
         # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
         # their own (startup_facts).
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                *self.flags(config, self.layers_of(config, ctx, has_gpu or split.rpc_device_count(ctx) > 0)),
-                *rpc.endpoints_flag(self._rpc_endpoints(ctx)), "-t", str(self.threads(ctx)),
+                *self.flags(config, self.layers_of(config, ctx, has_gpu)), *devices, "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
                 "--no-webui"]
 
@@ -429,6 +439,10 @@ class LlamaServerBackend(BaseBackend):
                          "host = \"0.0.0.0\"")
         else:
             notes.append(f"listens on {host}")
+        if split.rpc_device_count(ctx):
+            notes.append("its devices are rpc-servers, one per [hardware] gpus entry, started first: "
+                         + "; ".join(f"{rpc.binary_beside(Path(binary))} -H {e.replace(':', ' -p ')}"
+                                     for e in self._rpc_endpoints(ctx)))
         devices = self.cuda_devices(ctx, has_gpu)
         return deploy_line(argv, notes, None if devices is None else {"CUDA_VISIBLE_DEVICES": devices})
 

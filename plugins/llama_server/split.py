@@ -55,6 +55,15 @@ NO_TENSOR_ARCHS = frozenset({
     "glm5-next", "qwen3tts", "qwen4exp"})
 
 
+# The rules :func:`check` applies, for ``autotune plugins``.
+RULES = (
+    "split_mode row: CUDA cards only (split buffers; an RPC or CPU device refuses it)",
+    "split_mode tensor: needs flash_attn on, and an architecture llama.cpp implements it for; --fit does not apply",
+    "tensor_split: at most one proportion per device; ignored (measured once, even) with split_mode none",
+    "main_gpu: one of the study's devices",
+)
+
+
 def n_devices(ctx: StudyContext) -> int:
     """The devices llama-server is given: the study's cards (one without ``[hardware] gpus``)."""
     return len(ctx.placement.cards) if ctx.placement is not None else 1

@@ -77,3 +77,40 @@ def test_each_device_holds_its_layers_their_kv_and_a_compute_buffer():
     assert e.per_device_bytes == (0, 500 + 710 + 250 + 35)
     e = split.estimate(base, model, w, config(split_mode="tensor", tensor_split="1,1"), 2, None, kv_all, 30, 0)
     assert e.per_device_bytes[0] == e.per_device_bytes[1] and e.kv_bytes == kv_all
+
+
+def test_plugins_lists_every_dimension_with_its_accepted_values_and_the_rules(engine_plugins):
+    from click.testing import CliRunner
+
+    from autotune.cli import cli
+
+    out = CliRunner().invoke(cli, ["plugins"]).stdout
+    mine = out.split("  llama-server ", 1)[1].split("\n  openai-server", 1)[0]
+    for line in ("[space] gpu_layers = \"all\", any integer >= 0:", "[space] n_cpu_moe = any integer >= 0:",
+                 "[space] ubatch = any integer >= 1:", "[space] split_mode = none, layer, row, tensor:",
+                 "[space] tensor_split = proportions such as", "[space] main_gpu = a device number from 0:",
+                 "rule: split_mode row: CUDA cards only", "rule: quantized V cache needs flash attention"):
+        assert line in mine, line
+
+
+def test_estimate_takes_every_dimension_and_judges_each_card(tmp_path, engine_plugins):
+    import shutil
+
+    from autotune.estimate import estimate_config
+    from autotune.errors import ConfigError
+    from tests.conftest import shared_file
+
+    model = tmp_path / "stories260K.gguf"
+    shutil.copy(shared_file("models/stories260K.gguf"), model)
+    r = estimate_config(None, str(model), "llama-server", None, 512, None, None, 1, 64, 16,
+                        dimensions={"split_mode": "layer", "tensor_split": "3,1", "ubatch": 128},
+                        gpus=["rtx3090", "rtx3060-12gb"])
+    assert r["config"]["split_mode"] == "layer" and r["config"]["ubatch"] == 128
+    per = r["vram"]["per_device_bytes"]
+    assert len(per) == 2 == len(r["card_budgets"]) and sum(per) == r["vram"]["total_bytes"]
+    assert r["verdict"] == "fits"
+    with pytest.raises(ConfigError, match=r"--set split_mode='diagonal': llama-server takes split_mode = none, layer"):
+        estimate_config(None, str(model), "llama-server", None, 512, None, None, 1, 64, 16,
+                        dimensions={"split_mode": "diagonal"}, gpus=["t4", "t4"])
+    with pytest.raises(ConfigError, match=r"--set warp: not a dimension of llama-server \(it has: cache_type"):
+        estimate_config("t4", str(model), "llama-server", None, 512, None, None, 1, 64, 16, dimensions={"warp": 9})
