@@ -106,3 +106,79 @@ def test_each_device_s_buffers_match_the_engine_s_log(build, stories, n, mode, t
             layers = [i for i, dev in enumerate(devices[:-1]) if dev == d]
             assert kv_mib[d] == pytest.approx(kv_all * len(layers) / len(weights.per_layer_bytes), abs=0.01)
         assert predicted == pytest.approx(logged, rel=0.05, abs=0.05), (d, facts)
+
+
+STUDY = """
+[study]
+name = "rpc"
+seed = 0
+sampler = "grid"
+baseline = false
+finish_top = 0
+
+[hardware]
+gpus = ["cpu", "cpu"]
+vram_budget_gib = 1
+
+[model]
+ref = "stories260K.gguf"
+
+[workload]
+prompt_tokens = 16
+output_tokens = 8
+
+[measure]
+warmup_runs = 0
+min_runs = 1
+max_runs = 1
+max_seconds = 10
+
+[[candidates]]
+backend = "llama-server"
+weights = ["stories260K.gguf"]
+
+[space]
+ctx = [256]
+parallel = [1]
+cache_type = ["f16"]
+flash_attn = [true]
+
+[backends.llama-server]
+threads = 1
+pin_cores = false
+startup_timeout_s = 60
+binary = "{binary}"
+"""
+
+
+def test_a_study_across_two_rpc_devices_searches_split_mode_and_ts(build, stories, tmp_path):
+    """The study file names two CPU devices and no split dimension: split mode (layer, none) and
+    -ts (from the two budgets) are searched; every trial runs llama-server on both devices."""
+    import optuna
+
+    from autotune.study.records import TrialRecord
+
+    study = tmp_path / "rpc.toml"
+    study.write_text(STUDY.replace("{binary}", str(build.server)), encoding="utf-8")
+    run = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "study", str(study),
+                          "--storage", f"sqlite:///{tmp_path / 'rpc.db'}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "2 devices, memory budget 2.00 GiB in all: device 0: CPU" in run.stdout, run.stdout[:600]
+    trials = optuna.load_study(study_name="rpc", storage=f"sqlite:///{tmp_path / 'rpc.db'}").get_trials()
+    measured = [TrialRecord.of(t) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    seen = set()
+    for r in measured:
+        argv = r.engine_facts["argv"]
+        options = dict(r.config or {})
+        assert argv[argv.index("-sm") + 1] == options["split_mode"]
+        endpoints = argv[argv.index("--rpc") + 1].split(",")
+        assert len(endpoints) == 2 and all(e.startswith("127.0.0.1:") for e in endpoints)
+        # The deploy line is the measured command, with the deploy port and rpc-server's ports.
+        deploy = r.deploy_command.split("  # ")[0].split()
+        assert deploy[deploy.index("-sm") + 1] == options["split_mode"]
+        assert deploy[deploy.index("--rpc") + 1] == "127.0.0.1:50052,127.0.0.1:50053"
+        assert [a for a in deploy if a.startswith("-")] == [a for a in argv if a.startswith("-")]
+        seen.add((options["split_mode"], options.get("tensor_split") if options["split_mode"] != "none" else None))
+    # layer with each -ts candidate, and none once (its other -ts values are refused unlaunched).
+    assert seen == {("layer", "1,1"), ("layer", "3,2"), ("layer", "2,3"), ("none", None)}, seen
