@@ -66,13 +66,14 @@ RULES = (
 
 def n_devices(ctx: StudyContext) -> int:
     """The devices llama-server is given: the study's cards (one without ``[hardware] gpus``)."""
-    return len(ctx.placement.cards) if ctx.placement is not None else 1
+    p = getattr(ctx, "placement", None)
+    return len(p.cards) if p is not None else 1
 
 
 def rpc_device_count(ctx: StudyContext) -> int:
     """How many rpc-server processes stand for the study's devices: one per ``"cpu"`` card when
     the study names several (a CPU-only machine's devices are llama.cpp's RPC backend's)."""
-    p = ctx.placement
+    p = getattr(ctx, "placement", None)
     return len(p.cards) if p is not None and p.on_cpu and len(p.cards) > 1 else 0
 
 
@@ -290,7 +291,7 @@ def cuda_visible(ctx: StudyContext) -> str | None:
     device order, as the user's own variable names them (None: one card, or RPC devices)."""
     from autotune.cuda_devices import cuda_visible_entry
 
-    p = ctx.placement
+    p = getattr(ctx, "placement", None)
     if p is None or p.on_cpu:
         return None
     return ",".join(cuda_visible_entry(c.device) for c in p.cards)
@@ -301,7 +302,7 @@ def space(ctx: StudyContext, cuda: bool) -> dict[str, list[Any]]:
     modes these devices take (row and tensor on CUDA cards only: an RPC device has no split
     buffers, and the meta device of tensor parallelism is CUDA-tested upstream) and a few ``-ts``
     values from the cards' budgets (:func:`ts_candidates`)."""
-    p = ctx.placement
+    p = getattr(ctx, "placement", None)
     if p is None or len(p.cards) < 2:
         return {}
     return {"split_mode": ["layer", "none", *(("row", "tensor") if cuda else ())],
