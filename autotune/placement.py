@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune import hardware
+from autotune import cuda_devices, hardware
 from autotune.errors import ConfigError
 from autotune.hardware import CPU_KEY, GpuSpec
 
@@ -189,13 +189,11 @@ def _detected(source: str) -> list[tuple[GpuSpec, int]]:
         reason = hardware.nvml_unavailable_reason() or "no GPU found"
         raise ConfigError(f"{source} = ['auto']: no GPU detected ({reason}); name the cards as catalog keys, e.g. "
                           "[\"rtx3090\", \"rtx3060-12gb\"], or [\"cpu\", \"cpu\"] for host-memory devices")
-    from autotune.cuda_devices import resolve_cuda_device
-
     by_index = {d.index: d for d in found}
     cards: list[tuple[GpuSpec, int]] = []
     for cuda in range(len(found)):
         try:
-            nvml = resolve_cuda_device(cuda).nvml_index
+            nvml = cuda_devices.resolve_cuda_device(cuda).nvml_index
         except ConfigError:
             break  # CUDA_VISIBLE_DEVICES shows fewer cards than NVML has
         d = by_index.get(nvml)

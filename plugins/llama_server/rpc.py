@@ -20,6 +20,7 @@ from typing import Iterator
 from autotune import processes
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.local_server import free_port
+from autotune_plugins.llama_server.llama_build import RPC_SERVER
 
 __all__ = ["DEPLOY_PORT", "binary_beside", "endpoints_flag", "rpc_servers"]
 
@@ -29,8 +30,6 @@ DEPLOY_PORT = 50052  # rpc-server's own default port: the deploy line's first de
 
 def binary_beside(server: Path) -> Path:
     """The rpc-server built with ``server`` (the same build: the RPC protocol is versioned)."""
-    from autotune_plugins.llama_server.llama_build import RPC_SERVER
-
     return server.parent / RPC_SERVER
 
 

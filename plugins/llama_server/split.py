@@ -37,8 +37,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from autotune.backend import MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.cache_types import resolve
+from autotune.cuda_devices import cuda_visible_entry
 from autotune.formats import WeightsBreakdown
 from autotune.models import ModelSpec
+from autotune.vram import kv_cache_bytes
+from autotune_plugins.llama_server import memory
+from autotune_plugins.llama_server.declarations import CACHE_TYPES
 
 __all__ = ["MODES", "NO_TENSOR_ARCHS", "check", "device_estimate", "estimate", "flags", "layer_devices", "n_devices", "parameters",
            "parse_ts", "rpc_device_count", "ts_candidates"]
@@ -263,11 +268,6 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
     An RPC device is a CPU backend in another process: its compute buffer follows the CPU's
     coefficients and it has no CUDA context.
     """
-    from autotune.cache_types import resolve
-    from autotune.vram import kv_cache_bytes
-    from autotune_plugins.llama_server import memory
-    from autotune_plugins.llama_server.declarations import CACHE_TYPES
-
     ub_opt, b_opt = config.option("ubatch"), config.option("batch")
     cache = config.option("cache_type", "f16")
     fa = bool(config.option("flash_attn", True))
@@ -289,8 +289,6 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
 def cuda_visible(ctx: StudyContext) -> str | None:
     """``CUDA_VISIBLE_DEVICES`` for a study on several cards: every one of them, in the study's
     device order, as the user's own variable names them (None: one card, or RPC devices)."""
-    from autotune.cuda_devices import cuda_visible_entry
-
     p = getattr(ctx, "placement", None)
     if p is None or p.on_cpu:
         return None
