@@ -130,3 +130,17 @@ def test_cpu_devices_are_host_memory_shares():
     p = resolve_placement(CardsRequest(("cpu", "cpu", "cpu"), (1.0,), (0.0,)))
     assert p.on_cpu and p.budgets == (2**30,) * 3
     assert placement.Placement(p.cards[:1]).total_budget_bytes == 2**30
+
+
+def test_a_study_on_several_cards_prepares_with_each_budget_and_its_header_lists_them(twin_plugin, tmp_path):
+    from autotune.progress import header_text
+    from autotune.study.prepare import prepare_study
+
+    cfg = parse_study_config(doc(gpus=["rtx3090", "rtx3060-12gb"], vram_budget_gib=[20, 10]), source="s.toml")
+    prepared = prepare_study(cfg, storage=f"sqlite:///{tmp_path / 's.db'}")
+    assert prepared.placement is not None and prepared.gpu.key == "rtx3090"
+    assert prepared.vram_budget_bytes == prepared.placement.total_budget_bytes
+    assert prepared.contexts["twin-llama.cpp"].placement is prepared.placement
+    header = header_text(prepared, "s.toml")
+    assert "2 cards, memory budget 29.50 GiB in all: device 0: GeForce RTX 3090: budget 19.75 GiB" in header
+    assert "device 1: GeForce RTX 3060 12GB: budget 9.75 GiB" in header
