@@ -619,6 +619,8 @@ class LlamaServerBackend(BaseBackend):
         except OSError:
             return {}  # the measured launch says what is wrong with the file
         ngl = (self.layers_of(config, ctx, has_gpu), config.option("n_cpu_moe", 0))
+        # The split decides each device's buffers, the model's too (split.py).
+        ngl = (*ngl, *split.flags(config), split.rpc_device_count(ctx))
         key = (str(path.resolve()), st.st_mtime_ns, st.st_size, ngl, self.cuda_devices(ctx, has_gpu),
                str(self.binary(ctx).absolute()), config.key if config.option(ENGINE_DEFAULTS) else None)
         hit = _STARTUP_FACTS.get(key)

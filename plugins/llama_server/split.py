@@ -206,7 +206,8 @@ def layer_devices(n_layers: int, gpu_layers: int | None, ts: Sequence[float]) ->
 
 
 def estimate(base: MemoryEstimate, model: ModelSpec, weights: WeightsBreakdown, config: TrialConfig, n: int,
-             gpu_layers: int | None, kv_bytes_all: int, buffers: int, overhead: int) -> MemoryEstimate:
+             gpu_layers: int | None, kv_bytes_all: int, buffers: int, overhead: int,
+             pipeline_bytes: int = 0) -> MemoryEstimate:
     """``base`` (one device's estimate of the same configuration) with each device's share.
 
     Args:
@@ -214,6 +215,8 @@ def estimate(base: MemoryEstimate, model: ModelSpec, weights: WeightsBreakdown, 
         kv_bytes_all: The KV cache of every layer, wherever it is.
         buffers: One device's compute buffer for this configuration.
         overhead: Each device's fixed cost (a CUDA context; 0 for an RPC device).
+        pipeline_bytes: What pipeline parallelism adds to the compute buffer of each device
+            that holds layers (:func:`pipeline_copies_bytes`; 0 when it is off).
     """
     mode = config.option("split_mode", "layer")
     main = int(config.option("main_gpu", 0) or 0)
@@ -240,7 +243,10 @@ def estimate(base: MemoryEstimate, model: ModelSpec, weights: WeightsBreakdown, 
             else:
                 per_dev[d] += weights.per_layer_bytes[il]
                 kv_dev[d] += kv_bytes_all // n_layers
-        used = sorted({d for d in devices if d is not None})
+        # A device that holds only the output layer computes one matrix product of the last
+        # rows: its logged compute buffer was 0.00-0.01 MiB (stories260K, -ts 3,1 and 2,1,1).
+        used = sorted({d for d in devices[:-1] if d is not None})
+        buffers_of = {d: buffers + pipeline_bytes for d in used}
     else:
         # row / tensor: every layer's matrices split in -ts proportions (an approximation: the
         # norms and biases, a few KiB a layer, are not split); row keeps the KV cache on the
@@ -253,11 +259,37 @@ def estimate(base: MemoryEstimate, model: ModelSpec, weights: WeightsBreakdown, 
         if mode == "row":
             kv_dev[main] = kv_bytes_all
         used = [d for d in range(n) if ts[d] > 0] or [main]
-    shares = tuple(per_dev[d] + kv_dev[d] + (buffers + overhead if d in used else 0) for d in range(n))
+    if mode != "layer" or n < 2:
+        buffers_of = {d: buffers for d in used}
+    holding = {d for d in range(n) if per_dev[d] or kv_dev[d]} | set(used)
+    shares = tuple(per_dev[d] + kv_dev[d] + buffers_of.get(d, 0) + (overhead if d in holding else 0) for d in range(n))
     note = f"-sm {mode}" + (f" -ts {config.option('tensor_split')}" if mode != "none" else f" -mg {main}")
     notes = (*base.notes, f"{note}: per device " + ", ".join(f"{d}: {b / MiB:.0f} MiB" for d, b in enumerate(shares)))
-    return replace(base, weights_bytes=sum(per_dev), kv_bytes=sum(kv_dev), buffers_bytes=buffers * len(used),
-                   overhead_bytes=overhead * len(used), per_device_bytes=shares, notes=notes)
+    return replace(base, weights_bytes=sum(per_dev), kv_bytes=sum(kv_dev), buffers_bytes=sum(buffers_of.values()),
+                   overhead_bytes=overhead * len(holding), per_device_bytes=shares, notes=notes)
+
+
+# ggml's scheduler keeps this many copies of each split's inputs when llama.cpp turns pipeline
+# parallelism on (GGML_SCHED_MAX_COPIES, 4 by default; the log's "sched copies = 4").
+PIPELINE_COPIES = 4
+# Bytes per token of a split's inputs besides the residual and the mask (positions, output-row
+# ids): fitted on stories260K's logged compute buffers, layer split against none on the same
+# configuration, 5 configurations (ubatch 64-512, ctx 256-1024, fused and unfused attention).
+PIPELINE_TOKEN_BYTES = 112
+
+
+def pipeline_copies_bytes(model: ModelSpec, cells_per_sequence: int, ubatch: int, flash_attn: bool) -> int:
+    """What pipeline parallelism adds to a layer-holding device's compute buffer: the extra
+    copies of its inputs (the micro-batch's residual, the mask and the token inputs).
+
+    llama.cpp turns it on for a layer split over several devices with every layer offloaded,
+    the KV cache offloaded and no tensor overrides (llama_context's constructor), on devices
+    that support events (CUDA's and RPC's do). Logged on two RPC devices: +0.16 MiB at ubatch
+    64 to +3.44 MiB at ubatch 256 unfused over 1024 cells; this formula gives each within 0.2 MiB.
+    """
+    mask = cells_per_sequence * ubatch * (memory.CPU_BUFFERS.mask_bytes_fused if flash_attn
+                                          else memory.CPU_BUFFERS.mask_bytes)
+    return (PIPELINE_COPIES - 1) * (mask + ubatch * (model.hidden_size * 4 + PIPELINE_TOKEN_BYTES))
 
 
 def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialConfig, ctx: StudyContext,
@@ -277,13 +309,18 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
                            batch=int(b_opt) if b_opt is not None else None)
     kv_all, _, _ = kv_cache_bytes(model, resolve(cache, CACHE_TYPES) or cache, config.ctx, config.parallel,
                                   memory.LAYOUT)
+    ub = min(int(ub_opt or memory.DEFAULT_UBATCH), int(b_opt or memory.DEFAULT_BATCH), config.ctx * config.parallel)
+    cells = memory.LAYOUT.cells_per_sequence(config.ctx)
     if cuda:
         buffers, overhead = base.buffers_bytes, memory.CUDA_CONTEXT_BYTES
     else:
-        ub = min(int(ub_opt or memory.DEFAULT_UBATCH), int(b_opt or memory.DEFAULT_BATCH), config.ctx * config.parallel)
-        buffers = memory.CPU_BUFFERS.bytes(model, memory.LAYOUT.cells_per_sequence(config.ctx), ub, fa)
-        overhead = 0
-    return estimate(base, model, weights, config, n_devices(ctx), gpu_layers, kv_all, buffers, overhead)
+        buffers, overhead = memory.CPU_BUFFERS.bytes(model, cells, ub, fa), 0
+    n = n_devices(ctx)
+    n_layers = len(weights.per_layer_bytes) or model.n_layers
+    pipelined = (config.option("split_mode", "layer") == "layer" and n > 1 and not config.option("n_cpu_moe")
+                 and (gpu_layers is None or gpu_layers > n_layers))
+    return estimate(base, model, weights, config, n, gpu_layers, kv_all, buffers, overhead,
+                    pipeline_copies_bytes(model, cells, ub, fa) if pipelined else 0)
 
 
 def cuda_visible(ctx: StudyContext) -> str | None:
