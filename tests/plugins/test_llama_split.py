@@ -114,3 +114,15 @@ def test_estimate_takes_every_dimension_and_judges_each_card(tmp_path, engine_pl
                         dimensions={"split_mode": "diagonal"}, gpus=["t4", "t4"])
     with pytest.raises(ConfigError, match=r"--set warp: not a dimension of llama-server \(it has: cache_type"):
         estimate_config("t4", str(model), "llama-server", None, 512, None, None, 1, 64, 16, dimensions={"warp": 9})
+
+
+def test_a_device_with_only_the_output_layer_has_no_compute_buffer_and_pipelining_adds_copies():
+    w = WeightsBreakdown(embedding_bytes=1000, output_bytes=700, per_layer_bytes=(100,) * 5, other_bytes=10)
+    base = MemoryEstimate(0, 0, 0, 0)
+    e = split.estimate(base, SimpleNamespace(n_layers=5), w, config(split_mode="layer", tensor_split="3,1"), 2, None,
+                       250, 30, 7, pipeline_bytes=11)
+    # Layers 0-4 on device 0 (5/6 is past the 0.75 split point only for the output layer).
+    assert e.per_device_bytes == (500 + 250 + 30 + 11 + 7, 710 + 7)
+    model = SimpleNamespace(hidden_size=64)
+    assert split.pipeline_copies_bytes(model, 256, 128, True) == 3 * (256 * 128 * 2 + 128 * (64 * 4 + 112))
+    assert split.pipeline_copies_bytes(model, 256, 128, False) == 3 * (256 * 128 * 4 + 128 * (64 * 4 + 112))
