@@ -633,6 +633,10 @@ class LlamaServerBackend(BaseBackend):
                 server.close()
                 processes.stop(server.proc)
             facts.setdefault("spilled", False)
+            if not has_gpu and not split.rpc_device_count(ctx):
+                # Nowhere else to put a layer: nothing spilled. A build with the RPC backend logs
+                # "offloaded 0/N layers to GPU" even then (it supports offload, to RPC devices).
+                facts["spilled"] = False
             hit = _STARTUP_FACTS[key] = (config.key, facts)
         launched, facts = hit
         if launched == config.key:
