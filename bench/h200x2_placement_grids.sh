@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 43: placement grids on two H200s (device kind nvidia-h200-x2, carry [".carry"] made by
 # bench/make_carry.sh), in back-to-back calls while the machine stays warm (all under /tmp/o):
-#   bash bench/h200x2_placement_grids.sh prep           # sm_90 build with GGML_RPC of the carried
+#   bash bench/h200x2_placement_grids.sh prep           # sm_90 build (CUDA; no RPC) of the carried
 #                                                       # tree; a dense 32B shape and a Qwen3-30B-A3B
 #                                                       # shape (48 layers), Q4_K_M each
 #   bash bench/h200x2_placement_grids.sh grid NAME RUN [SECS]
@@ -26,8 +26,8 @@ prep)
   gunzip -c .carry/ggml-vocab-qwen2.gguf.gz >/tmp/o/ggml-vocab-qwen2.gguf
   t build bash -c "cmake -S /tmp/o/src -B /tmp/o/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
-      -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_RPC=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 && \
-      ninja -C /tmp/o/gpu llama-server llama-quantize ggml-rpc-server" &
+      -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 && \
+      ninja -C /tmp/o/gpu llama-server llama-quantize" &
   t synth_dense "${AT[@]}" synth --arch qwen2 --layers 64 --hidden 5120 --heads 40 --kv-heads 8 --ffn 27648 \
       --ctx 32768 --vocab-from /tmp/o/ggml-vocab-qwen2.gguf --out /tmp/o/m/q32b.gguf &
   t synth_moe "${AT[@]}" synth --arch qwen3moe --layers 48 --hidden 2048 --heads 32 --kv-heads 4 --head-dim 128 \
