@@ -24,7 +24,7 @@ from autotune import cuda_devices, hardware
 from autotune.errors import ConfigError
 from autotune.hardware import CPU_KEY, GpuSpec
 
-__all__ = ["Card", "CardsRequest", "Placement", "check_cards", "read_cards", "resolve_placement"]
+__all__ = ["Card", "CardsRequest", "Placement", "check_cards", "cuda_visible", "read_cards", "resolve_placement"]
 
 AUTO = "auto"
 ACCEPTED_GPUS = ('["auto"] (every card CUDA shows), or catalog keys, one per card, e.g. ["rtx3090", '
@@ -265,3 +265,12 @@ def check_cards(per_device: Sequence[int], placement: Placement) -> str | None:
     if len(per_device) > len(placement.cards):
         over.append(f"{len(per_device)} devices used, the study has {len(placement.cards)}")
     return "; ".join(over) or None
+
+
+def cuda_visible(placement: Placement | None, gpu_index: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of an engine: every card of a study on several, in device order
+    (so an engine's tensor or pipeline parallelism sees them all), else the study's one card;
+    each as the user's own variable names it."""
+    if placement is None or placement.on_cpu:
+        return cuda_devices.cuda_visible_entry(gpu_index)
+    return ",".join(cuda_devices.cuda_visible_entry(c.device) for c in placement.cards)

@@ -144,3 +144,12 @@ def test_a_study_on_several_cards_prepares_with_each_budget_and_its_header_lists
     header = header_text(prepared, "s.toml")
     assert "2 cards, memory budget 29.50 GiB in all: device 0: GeForce RTX 3090: budget 19.75 GiB" in header
     assert "device 1: GeForce RTX 3060 12GB: budget 9.75 GiB" in header
+
+
+def test_an_engine_on_several_cards_sees_them_all(monkeypatch):
+    monkeypatch.setattr("autotune.cuda_devices.cuda_visible_entry", lambda i: f"GPU-{i}")
+    two = resolve_placement(CardsRequest(("h200", "h200"), (None,), (256.0,)))
+    assert placement.cuda_visible(two, 0) == "GPU-0,GPU-1"
+    assert placement.cuda_visible(None, 3) == "GPU-3"
+    cpus = resolve_placement(CardsRequest(("cpu", "cpu"), (1.0,), (0.0,)))
+    assert placement.cuda_visible(cpus, 0) == "GPU-0"  # RPC devices on the host: no card to show

@@ -38,7 +38,7 @@ import numpy as np
 
 from autotune.backend import MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.cache_types import resolve
-from autotune.cuda_devices import cuda_visible_entry
+from autotune.placement import cuda_visible as placement_cuda_visible
 from autotune.formats import WeightsBreakdown
 from autotune.models import ModelSpec
 from autotune.vram import kv_cache_bytes
@@ -324,12 +324,12 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
 
 
 def cuda_visible(ctx: StudyContext) -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` for a study on several cards: every one of them, in the study's
-    device order, as the user's own variable names them (None: one card, or RPC devices)."""
+    """``CUDA_VISIBLE_DEVICES`` for a study on several cards (autotune.placement.cuda_visible);
+    None: one card, or RPC devices."""
     p = getattr(ctx, "placement", None)
     if p is None or p.on_cpu:
         return None
-    return ",".join(cuda_visible_entry(c.device) for c in p.cards)
+    return placement_cuda_visible(p, ctx.gpu_index)
 
 
 def space(ctx: StudyContext, cuda: bool) -> dict[str, list[Any]]:

@@ -35,6 +35,7 @@ from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Se
     deploy_line
 from autotune.declarations import CacheType
 from autotune.cuda_devices import cuda_visible_entry
+from autotune.placement import cuda_visible
 from autotune import processes
 from autotune.redact import engine_environment
 from autotune.errors import AutotuneError, BackendError, ConfigError
@@ -301,7 +302,7 @@ class OpenAIServerBackend(BaseBackend):
             "ctx": config.ctx, "ctx_total": config.ctx * config.parallel, "ctx_input": max(1, config.ctx - 1),
             "ctx_paged": config.parallel * pages_per_job(config.ctx) * EXL3_PAGE,
             "parallel": config.parallel, "port": port, "host": host,
-            "gpu": cuda_visible_entry(ctx.gpu_index) if has_gpu else "",
+            "gpu": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index) if has_gpu else "",
             "memory_fraction": "" if t.memory_fraction is None else f"{t.memory_fraction:g}",
         }
         options = {k: v for k, v in config.options if k not in ("cache_type", "flash_attn")}
@@ -328,7 +329,7 @@ class OpenAIServerBackend(BaseBackend):
         if "{host}" in t.command:
             notes.append(f"listens on {host} only; [backends.{self.name}] host = \"0.0.0.0\" serves other machines"
                          if loopback(host) else f"listens on {host}")
-        return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible_entry(ctx.gpu_index)} if has_gpu else None)
+        return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index)} if has_gpu else None)
 
     def engine_version(self) -> str:
         return "unknown (depends on the study's template)"
@@ -355,7 +356,7 @@ class OpenAIServerBackend(BaseBackend):
         host = "127.0.0.1"
         port = free_port(host)
         argv = self.argv(config, ctx, host=host, port=port, has_gpu=has_gpu, t=t)
-        devices = cuda_visible_entry(ctx.gpu_index) if has_gpu else None
+        devices = cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index) if has_gpu else None
         return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices, self.engine_variables),
                             label=t.name)
 
