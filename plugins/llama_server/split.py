@@ -334,11 +334,12 @@ def cuda_visible(ctx: StudyContext) -> str | None:
 
 def space(ctx: StudyContext, cuda: bool) -> dict[str, list[Any]]:
     """What a study on several devices searches when its ``[space]`` does not say: the split
-    modes these devices take (row and tensor on CUDA cards only: an RPC device has no split
-    buffers, and the meta device of tensor parallelism is CUDA-tested upstream) and a few ``-ts``
-    values from the cards' budgets (:func:`ts_candidates`)."""
+    modes these devices take (row on CUDA cards only: an RPC device has no split buffers;
+    tensor runs on RPC devices too, through llama.cpp's meta device, which logs its buffers as
+    "Meta()" for the devices together) and a few ``-ts`` values from the cards' budgets
+    (:func:`ts_candidates`)."""
     p = getattr(ctx, "placement", None)
     if p is None or len(p.cards) < 2:
         return {}
-    return {"split_mode": ["layer", "none", *(("row", "tensor") if cuda else ())],
+    return {"split_mode": ["layer", "none", "tensor", *(("row",) if cuda else ())],
             "tensor_split": ts_candidates(p.budgets)}

@@ -166,8 +166,9 @@ binary = "{binary}"
 
 
 def test_a_study_across_two_rpc_devices_searches_split_mode_and_ts(build, stories, tmp_path):
-    """The study file names two CPU devices and no split dimension: split mode (layer, none) and
-    -ts (from the two budgets) are searched; every trial runs llama-server on both devices."""
+    """The study file names two CPU devices and no split dimension: split mode (layer, none,
+    tensor) and -ts (from the two budgets) are searched; every trial runs llama-server on both
+    devices."""
     import optuna
 
     from autotune.study.records import TrialRecord
@@ -180,7 +181,7 @@ def test_a_study_across_two_rpc_devices_searches_split_mode_and_ts(build, storie
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     said = run.stdout + run.stderr
     assert "2 devices, memory budget 1.50 GiB in all: device 0: CPU" in said, said[:600]
-    assert "6 trials: 4 complete, 2 pruned, 0 failed" in said, said[-2000:]
+    assert "9 trials: 7 complete, 2 pruned, 0 failed" in said, said[-2000:]
     trials = optuna.load_study(study_name="rpc", storage=f"sqlite:///{tmp_path / 'rpc.db'}").get_trials()
     measured = [TrialRecord.of(t) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     seen = set()
@@ -196,5 +197,6 @@ def test_a_study_across_two_rpc_devices_searches_split_mode_and_ts(build, storie
         assert deploy[deploy.index("--rpc") + 1] == "127.0.0.1:50052,127.0.0.1:50053"
         assert [a for a in deploy if a.startswith("-")] == [a for a in argv if a.startswith("-")]
         seen.add((options["split_mode"], options.get("tensor_split") if options["split_mode"] != "none" else None))
-    # layer with each -ts candidate, and none once (its other -ts values are refused unlaunched).
-    assert seen == {("layer", "1,1"), ("layer", "3,2"), ("layer", "2,3"), ("none", None)}, seen
+    # layer and tensor with each -ts candidate, and none once (its other -ts values are refused
+    # unlaunched).
+    assert seen == {(mode, ts) for mode in ("layer", "tensor") for ts in ("1,1", "3,2", "2,3")} | {("none", None)}, seen
