@@ -39,6 +39,7 @@ from autotune.metric import BaseMetric, MetricValue, QualityReference
 from autotune.models import ModelSpec, get_model, load_model_catalog, model_from_gguf, model_from_hf_config, \
     resolve_model
 from autotune.paths import path_problem
+from autotune.placement import cuda_visible
 from autotune.redact import engine_environment, mask_argv, remember_secret
 from autotune.shell import command_line
 from autotune.terminal import echo
@@ -68,7 +69,7 @@ __all__ = [
     "SERVING_UNITS", "ConcurrentResult", "Protocol", "StreamResult", "measure_engine", "post_events",
     "serving_metrics", "serving_run", "latency_metrics", "poisson_arrivals", "rate_run", "PROMPT_TEXT", "prompt_of",
     "varied", "fetch", "cuda_visible_entry", "engine_environment", "path_problem",
-    "mask_argv", "remember_secret", "command_line", "echo",
+    "mask_argv", "remember_secret", "command_line", "echo", "cuda_visible",
     # quality: metrics and the scorers they read
     "BaseMetric", "MetricValue", "QualityReference", "LogLikelihood", "Scorer", "ScoringError",
     "ScoringUnsupportedError",

@@ -39,6 +39,7 @@ from autotune.workload import Workload  # noqa: F401 - backends and tests import
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware import GpuSpec
+    from autotune.placement import Placement
     from autotune.measure import GpuTelemetry, Protocol, Stat
     from autotune.models import ModelSpec
     from autotune.scoring import Scorer
@@ -186,6 +187,9 @@ class StudyContext:
         source: The study's ``[model] source`` as an absolute path (a Hugging Face directory or
             a full-precision GGUF file): what candidates named as formats are made from
             (:mod:`autotune.artifacts`). None: the study names its weights as files.
+        placement: The study's cards when it names several (``[hardware] gpus``,
+            :mod:`autotune.placement`), each with its budget; ``gpu`` is the first of them.
+            None: one card, ``gpu``.
     """
 
     gpu: "GpuSpec"
@@ -201,6 +205,7 @@ class StudyContext:
     calibration: Mapping[str, Any] | None = None
     probe: Callable[[Mapping[str, float]], bool] | None = None
     source: Path | None = None
+    placement: "Placement | None" = None
 
     def path(self, ref: str) -> Path:
         """A file or directory the study file names, as an absolute path (relative ones are
@@ -223,6 +228,9 @@ class MemoryEstimate:
         notes: Why a figure is what it is, for the trial record.
         host_buffers_bytes: Buffers the engine allocates in host memory beside those (pinned
             staging or the host's compute buffer): host memory the configuration needs too.
+        per_device_bytes: Each card's share of the total, in the study's device order, when
+            the study has several cards (``StudyContext.placement``) and the backend knows
+            where things go; the judge checks each against its card's budget. Empty: one card.
     """
 
     weights_bytes: int
@@ -232,6 +240,7 @@ class MemoryEstimate:
     host_bytes: int = 0
     notes: tuple[str, ...] = ()
     host_buffers_bytes: int = 0
+    per_device_bytes: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -246,6 +255,7 @@ class MemoryEstimate:
             "host_bytes": self.host_bytes,
             "host_buffers_bytes": self.host_buffers_bytes,
             "total_bytes": self.total_bytes,
+            **({"per_device_bytes": list(self.per_device_bytes)} if self.per_device_bytes else {}),
             "notes": list(self.notes),
         }
 
@@ -472,6 +482,14 @@ class BaseBackend(abc.ABC):
         dimension with values the judge admits (those values, and the first one too when another
         format of the backend fits whole), and says so in a comment. Empty (the default): the
         engine cannot split a model."""
+        return {}
+
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """Dimensions of where the model goes across the study's cards (``ctx.placement``, more
+        than one): ``[space]`` keys of this backend's ``parameters`` with the values it would
+        search (split mode, proportions per card from their budgets...). A study that names
+        several cards searches them unless its ``[space]`` names the key itself. Empty (the
+        default): the engine runs on one card."""
         return {}
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:

@@ -246,6 +246,11 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
                             ("cache_types", "cache types")) if item.get(key)]
                 if declared:
                     echo(f"  {'':<22} {'; '.join(declared)}")
+                for d in item.get("dimensions", ()):  # [space] keys: accepted values, then what each means
+                    accepted = [json.dumps(v) if not isinstance(v, str) else v for v in d["accepted"]]
+                    echo(f"  {'':<22} [space] {d['name']} = {_listed(accepted)}: {d['doc']}")
+                for rule in item.get("rules", ()):
+                    echo(f"  {'':<22} rule: {rule}")
             if not found[kind]:
                 echo("  (none)")
         if found["broken"]:
@@ -346,12 +351,19 @@ def _settings_given(given: tuple[str, ...]) -> dict[str, object]:
 @click.option("--setting", "settings", multiple=True, metavar="NAME=VALUE",
               help="A backend setting, as in the study file's [backends.NAME] (a TOML value; repeatable), e.g. "
                    "unpaged_parallel=batched.")
+@click.option("--set", "dimensions", multiple=True, metavar="NAME=VALUE",
+              help="A value of one of the backend's search dimensions ([space] keys; autotune plugins lists them), "
+                   "a TOML value or a plain word; repeatable, e.g. --set gpu_layers=20 --set split_mode=layer "
+                   "--set tensor_split=3,1.")
+@click.option("--gpus", default=None, metavar="KEY,KEY,...",
+              help="Several cards, catalog keys in device order (as [hardware] gpus): each card's share is judged "
+                   "against its own memory less 256 MiB.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
              ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int, prompt_tokens: int | None,
              output_tokens: int | None, study_name: str | None, storage: str | None, settings: tuple[str, ...],
-             as_json: bool) -> None:
+             dimensions: tuple[str, ...], gpus: str | None, as_json: bool) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
 
     Fits or not is the study's judge's verdict: the memory model (with the correction a
@@ -369,7 +381,8 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
             raise ConfigError("--storage is where --study is: give --study NAME too")
         result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
                                  parallel, prompt_tokens, output_tokens, study_name, storage,
-                                 settings=_settings_given(settings))
+                                 settings=_settings_given(settings), dimensions=_settings_given(dimensions),
+                                 gpus=[g.strip() for g in gpus.split(",") if g.strip()] if gpus else None)
         echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
         if result["verdict"] == "invalid":
             raise ConfigError("invalid configuration: " + "; ".join(result["invalid"]))

@@ -23,6 +23,7 @@ from autotune import plugins
 from autotune.errors import ConfigError
 from autotune.paths import read_input
 from autotune.measure.protocol import Protocol
+from autotune.placement import CardsRequest, read_cards
 from autotune.workload import SLO_KEYS, WORKLOAD_KEYS, WorkloadSpec, draw, read_slo, read_workload
 
 # Memory kept free of the budget when a study file does not say ([hardware] safety_margin_mib):
@@ -127,6 +128,7 @@ class StudyConfig:
     prior_trials: int
     gpu: str
     gpu_index: int
+    cards: CardsRequest | None  # [hardware] gpus (autotune.placement); None: one card, [hardware] gpu
     vram_budget_bytes: int | None
     safety_margin_bytes: int
     model: str
@@ -363,15 +365,21 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                                                                  "or 0 (no probe)")
 
     hw = r.table("hardware", required=True)
-    r.unknown_keys("hardware", hw, {"gpu", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
+    r.unknown_keys("hardware", hw, {"gpu", "gpus", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
+    # Several cards ([hardware] gpus, autotune.placement): their budgets are per card, read there.
+    cards = read_cards(hw, lambda key, value, message: r.error("hardware", key, value, message), SAFETY_MARGIN_MIB)
     gpu = r.get("hardware", hw, "gpu", str, "auto", accepted="a catalog key such as v100-16gb, or 'auto'")
     gpu_index = r.get("hardware", hw, "gpu_index", int, 0, check=_at_least(0))
-    vram_gib = r.get("hardware", hw, "vram_budget_gib", float, None,
-                     check=lambda v: None if 0 < v <= MAX_VRAM_GIB else
-                     f"must be > 0 and at most {MAX_VRAM_GIB} (GiB of one card)")
-    margin_mib = r.get("hardware", hw, "safety_margin_mib", float, SAFETY_MARGIN_MIB,
-                       check=lambda v: None if 0 <= v <= MAX_VRAM_GIB * 1024 else
-                       f"must be >= 0 and at most {MAX_VRAM_GIB * 1024} (MiB of one card)")
+    vram_gib, margin_mib = None, SAFETY_MARGIN_MIB
+    if cards is None and "gpus" not in hw:
+        vram_gib = r.get("hardware", hw, "vram_budget_gib", float, None,
+                         check=lambda v: None if 0 < v <= MAX_VRAM_GIB else
+                         f"must be > 0 and at most {MAX_VRAM_GIB} (GiB of one card)")
+        margin_mib = r.get("hardware", hw, "safety_margin_mib", float, SAFETY_MARGIN_MIB,
+                           check=lambda v: None if 0 <= v <= MAX_VRAM_GIB * 1024 else
+                           f"must be >= 0 and at most {MAX_VRAM_GIB * 1024} (MiB of one card)")
+    elif cards is not None and cards.gpus != ("auto",):
+        gpu = cards.gpus[0]  # the first card is the main one: what a one-card model reads
 
     model_t = r.table("model", required=True)
     r.unknown_keys("model", model_t, {"ref", "source"})
@@ -528,6 +536,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         prior_trials=prior_trials,
         gpu=gpu,
         gpu_index=gpu_index,
+        cards=cards,
         vram_budget_bytes=int(vram_gib * 2**30) if vram_gib else None,
         safety_margin_bytes=int(margin_mib * 2**20),
         model=model,

@@ -27,16 +27,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from autotune import plugins
-from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
+from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload, same_value
 from autotune.config import SAFETY_MARGIN_MIB, load_study_config
 from autotune.declarations import installed_weight_formats
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.hardware import has_gpu, load_gpu_catalog, resolve_gpu
 from autotune.measure import Protocol
 from autotune.models import load_model_catalog, resolve_model
+from autotune.placement import CardsRequest, check_cards, resolve_placement
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.admission import Budget
@@ -204,7 +205,8 @@ def _study_budget(study: Any, study_name: str, gpu: Any) -> tuple["Budget", list
 def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
                     ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int,
                     prompt_tokens: int | None = None, output_tokens: int | None = None, study_name: str | None = None,
-                    storage: str | None = None, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    storage: str | None = None, settings: Mapping[str, Any] | None = None,
+                    dimensions: Mapping[str, Any] | None = None, gpus: Sequence[str] | None = None) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
 
     Args:
@@ -219,6 +221,10 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             ``sqlite:///<name>.db``).
         settings: The backend's settings, as a study's ``[backends.NAME]`` table gives them (how
             ExLlamaV2 runs parallel streams without paged attention, say); checked as a study's are.
+        dimensions: Values of the backend's other search dimensions (``--set``: offload, experts
+            on the host, micro-batch, split...), each checked against what the backend accepts.
+        gpus: Several cards (``--gpus``, as ``[hardware] gpus``): the judge checks each card's
+            share against its own budget (256 MiB margin each).
 
     Returns:
         ``{"config", "gpu", "model", "vram": {weights_bytes, kv_bytes, buffers_bytes,
@@ -236,6 +242,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         configuration that is also valid.
     """
     study = None
+    placement = None
     if study_name is not None:
         from autotune.study import records
 
@@ -258,6 +265,11 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
                               f"on a machine with that card, or give --gpu (a catalog key: "
                               f"{', '.join(load_gpu_catalog())})")
         gpu = here
+    elif gpus:
+        if gpu_key is not None:
+            raise ConfigError("--gpu names one card and --gpus several: give one or the other")
+        placement = resolve_placement(CardsRequest(tuple(gpus), (None,), (float(SAFETY_MARGIN_MIB),)), "--gpus")
+        gpu = placement.cards[0].spec
     else:
         gpu = resolve_gpu(gpu_key or "auto")
     try:
@@ -280,9 +292,11 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         options["cache_type"] = cache_type
     elif "cache_type" in params:
         options["cache_type"] = params["cache_type"].choices[0]
+    for name, value in (dimensions or {}).items():
+        options[name] = _dimension(backend, name, value)
     # The study's own judge (imported here: it brings the study machinery, which `estimate
     # --help` and the CLI's import do not need).
-    from autotune.study.admission import Admission, budget_of
+    from autotune.study.admission import Admission, Budget, budget_of
 
     residuals: list[int] | None = None
     budget_note = None
@@ -292,6 +306,9 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         budget, residuals, budget_note = _study_budget(study, study_name or "", gpu)
         if residuals is not None:
             residuals = learned_residuals(study).get(backend.name, [])
+    elif placement is not None:
+        budget = Budget(sum(c.memory_bytes for c in placement.cards), sum(c.margin_bytes for c in placement.cards),
+                        f"{len(placement.cards)} cards' memory: " + ", ".join(placement.keys))
     else:
         budget = budget_of(gpu, None, SAFETY_MARGIN_MIB * 2**20)
     if settings:
@@ -301,7 +318,8 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         if problems:
             raise ConfigError("; ".join(problems))
     ctx = StudyContext(gpu=gpu, model=model, workload=Workload(prompt_tokens, output_tokens),
-                       vram_budget_bytes=budget.bytes, protocol=Protocol(), for_gpu=True, settings=dict(settings or {}))
+                       vram_budget_bytes=budget.bytes, protocol=Protocol(), for_gpu=not gpu.is_cpu,
+                       settings=dict(settings or {}), placement=placement)
     problem = backend.check_weights(weights, ctx)
     if problem:
         raise ConfigError(f"{flag} {weights!r}: {problem}")
@@ -341,7 +359,8 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
                 predicted = predictor.predict(probe, ctx)
             except ConfigError as exc:  # a weights file whose format the speed model has no entry for
                 no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
-    fits = mem.total_bytes <= budget.bytes
+    fits = mem.total_bytes <= budget.bytes and not (placement is not None and mem.per_device_bytes
+                                                    and check_cards(mem.per_device_bytes, placement))
     resolved = None
     if backend.name != backend_name:
         kind = "a format" if is_format(weights) else "a file or directory"
@@ -356,6 +375,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         "budget": {"memory_bytes": budget.memory_bytes, "safety_margin_bytes": budget.margin_bytes,
                    "memory_source": budget.memory_source, "study": study_name},
         "budget_note": budget_note,
+        **({"card_budgets": list(placement.budgets)} if placement is not None else {}),
         "predicted": dict(predicted) if predicted else None,
         "refused": refused,
         "invalid": invalid,
@@ -369,6 +389,21 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             "median_abs_error_after": calibration.get("median_abs_error_after")},
         "calibration_note": calibration_note,
     }
+
+
+def _dimension(backend: Any, name: str, value: Any) -> Any:
+    """``--set NAME=VALUE``: the value, if the backend takes it for that dimension; else the
+    error names what it takes."""
+    found = [p for p in backend.parameters({name: (value,)}) if p.name == name]
+    if found and any(same_value(value, c) for c in found[0].choices):
+        return value
+    dims = {p.name: p for p in (backend.search_dimensions() if hasattr(backend, "search_dimensions")
+                                else backend.parameters({}))}
+    if name in dims:
+        accepted = ", ".join(str(v) for v in (dims[name].accepted or dims[name].choices))
+        raise ConfigError(f"--set {name}={value!r}: {backend.name} takes {name} = {accepted}")
+    raise ConfigError(f"--set {name}: not a dimension of {backend.name} (it has: {', '.join(dims) or 'none'}; "
+                      "autotune plugins lists them)")
 
 
 def _percent(fraction: float | None) -> str:
@@ -415,6 +450,9 @@ def estimate_text(r: dict[str, Any]) -> str:
         lines.append(f"  {r['budget_note']}")
     if v["host_bytes"]:
         lines.append(f"  host memory: {v['host_bytes'] / gib:.2f} {unit}")
+    for d, (used, budget) in enumerate(zip(v.get("per_device_bytes", ()), r.get("card_budgets", ()))):
+        lines.append(f"  device {d}: {used / gib:.2f} {unit} of budget {budget_text(budget)}"
+                     + ("" if used <= budget else ": DOES NOT FIT"))
     for note in v.get("notes", []):
         lines.append(f"  - {note}")
     p = r["predicted"]

@@ -244,8 +244,28 @@ def describe() -> dict[str, list[dict[str, Any]]]:
             if key == "backends":
                 out[key][-1]["formats"] = [f.syntax for f in getattr(obj, "weight_formats", ())]
                 out[key][-1]["cache_types"] = [c.name for c in getattr(obj, "kv_cache_types", ())]
+                out[key][-1].update(_dimensions(obj))
     out["broken"] = broken_plugins()
     return out
+
+
+def _dimensions(backend: Any) -> dict[str, Any]:
+    """A backend's search dimensions ([space] keys) with their accepted values and what each
+    means, and the rules it checks before launching: its ``search_dimensions()`` and
+    ``search_rules()`` where it has them (the dimensions a study names only when it wants them:
+    offload, micro-batch, split), else what ``parameters({})`` offers by default."""
+    try:
+        params = backend.search_dimensions() if hasattr(backend, "search_dimensions") else backend.parameters({})
+        rules = list(backend.search_rules()) if hasattr(backend, "search_rules") else []
+    except Exception as exc:  # noqa: BLE001 - a listing never fails on one backend
+        return {"dimensions": [], "rules": [], "dimensions_error": f"{type(exc).__name__}: {exc}"}
+    return {"dimensions": [{"name": p.name, "accepted": [_shown(v) for v in (p.accepted or p.choices)], "doc": p.doc}
+                           for p in params],
+            "rules": rules}
+
+
+def _shown(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
 
 
 def add_commands(cli: Any) -> None:

@@ -44,8 +44,13 @@ def header_text(prepared: Any, study_file: Any, n_trials: int | None = None, bud
     plan = [f"{n_trials} trials" if n_trials else "", f"{budget_s:g} s" if budget_s else ""]
     # gpu = "cpu": the device is the host (its name says "CPU: ..."), not a card.
     device = "device" if prepared.gpu.is_cpu else "card"
-    return (f"study {study_file} -> {prepared.shown_storage}; engines: {', '.join(engines) or '-'}; "
-            f"{device}: {prepared.gpu.name} ({budget})"
+    hardware = f"{device}: {prepared.gpu.name} ({budget})"
+    placement = getattr(prepared, "placement", None)
+    if placement is not None:
+        # Several cards: each one with its own budget (autotune.placement).
+        hardware = (f"{len(placement.cards)} {device}s, memory budget {budget_text(placement.total_budget_bytes)} in "
+                    f"all: " + "; ".join(placement.lines()))
+    return (f"study {study_file} -> {prepared.shown_storage}; engines: {', '.join(engines) or '-'}; {hardware}"
             + (f"; this run: up to {' or '.join(p for p in plan if p)}" if any(plan) else ""))
 
 

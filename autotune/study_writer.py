@@ -360,6 +360,11 @@ def render(draft: StudyDraft, out: Path) -> str:
                   f"after the {SAFETY_MARGIN_MIB} MiB safety margin"]
     else:
         lines += [f"gpu = {_toml_value(draft.gpu_key)}  " + _comment(f"{draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}")[0]]
+        cards = hardware.detect_gpus() if draft.gpu_key == "auto" else []
+        if len(cards) > 1:
+            # Several cards here: where the model goes across them is a search of its own (issue 40).
+            lines += [f"# This machine has {len(cards)} cards; to search where the model goes across them (split mode,",
+                      "# proportions per card), replace gpu with: gpus = [\"auto\"] (docs/usage.md#many-gpus-or-hosts)"]
     lines += ["", "[model]", f"source = {_toml_value(source)}",
               "", "[workload]", f"prompt_tokens = {draft.workload[0]}", f"output_tokens = {draft.workload[1]}", ""]
     if draft.gpu.is_cpu:

@@ -148,6 +148,10 @@ def test_hook_register_backends():
             "description": "a backend that only exists in tests",
             "formats": [],
             "cache_types": [],
+            # Its search dimensions, from parameters({}) (it declares no search_dimensions).
+            "dimensions": [{"name": p.name, "accepted": list(p.accepted or p.choices), "doc": p.doc}
+                           for p in ThrowawayBackend().parameters({})],
+            "rules": [],
         } in plugins.describe()["backends"]
     assert "throwaway" not in plugins.get_backends()
 

@@ -21,6 +21,7 @@ from autotune import objective as objective_mod
 from autotune import vram
 from autotune.backend import MemoryEstimate, StudyContext, TrialConfig
 from autotune.config import Objective
+from autotune.placement import check_cards
 from autotune.space import BackendSpace, SearchSpace
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -183,6 +184,15 @@ class Admission:
                       f"overhead {_gib(e.overhead_bytes)} GiB)")
             over = objective_mod.vram_constraint(e.total_bytes, budget)
             return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
+        # Several cards: each holds its own share, within its own budget (autotune.placement).
+        cards = getattr(ctx, "placement", None)
+        if cards is not None and estimate.per_device_bytes:
+            why = check_cards(estimate.per_device_bytes, cards)
+            if why:
+                over = max(objective_mod.vram_constraint(b, c.budget_bytes)
+                           for b, c in zip(estimate.per_device_bytes, cards.cards))
+                return Verdict(OVER_BUDGET, f"infeasible: per card, {why}", estimate, raw,
+                               objective_mod.unmeasured_constraints(self.objective, over))
         host = estimate.host_bytes + estimate.host_buffers_bytes
         # On the CPU the budget above is host memory already; on a GPU what the card does not
         # hold (layers or experts left on the host, their cache, pinned buffers) must fit the host.

@@ -22,6 +22,7 @@ from autotune.study import records
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
+    from autotune.placement import Placement
     from autotune.study.prepare import PreparedStudy
 
 __all__ = ["ENGINES_ATTR", "check_comparable", "engines_of"]
@@ -76,6 +77,7 @@ def check_comparable(study: "optuna.Study", prepared: "PreparedStudy", engines: 
     stored_key = stored_gpu.get("key") if isinstance(stored_gpu, Mapping) else None
     if stored_key is not None and stored_key != prepared.gpu.key:
         differences.append(f"GPU: stored {stored_key!r}, now {prepared.gpu.key!r}")
+    differences += _card_differences(attrs.get("placement"), getattr(prepared, "placement", None))
     stored_model = attrs.get("model")
     if isinstance(stored_model, str) and stored_model != prepared.model.key:
         differences.append(f"model: stored {stored_model!r}, now {prepared.model.key!r}")
@@ -88,3 +90,17 @@ def check_comparable(study: "optuna.Study", prepared: "PreparedStudy", engines: 
             f"study '{prepared.cfg.name}' in {prepared.shown_storage} was measured on something else, and its "
             f"trials would be compared with this run's: {'; '.join(differences)}. Give the study a new [study] "
             "name (or another --storage) to start a new one")
+
+
+def _card_differences(stored: Any, now: "Placement | None") -> list[str]:
+    """A study on several cards compares only with one on the same cards, in the same order:
+    a layer split's speed is its slowest card's, and each card's budget bounds its share."""
+    stored_keys = [c.get("key") for c in stored.get("cards", [])] if isinstance(stored, Mapping) else []
+    now_keys = list(now.keys) if now is not None else []
+    if (stored_keys or now_keys) and stored_keys != now_keys:
+        def shown(keys: list[Any]) -> str:
+            return repr(keys) if keys else "one card ([hardware] gpu)"
+        return [f"cards: stored {shown(stored_keys)}, now {shown(now_keys)}"]
+    # The budgets may change, as one card's may (they decide what is launched, not what a
+    # launch measures).
+    return []

@@ -19,6 +19,7 @@ from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
 from autotune.hardware import GpuSpec
+from autotune.placement import Placement, resolve_placement
 from autotune.measure import Protocol
 from autotune.metric import BaseMetric, QualityReference
 from autotune.models import ModelSpec, resolve_model
@@ -46,6 +47,8 @@ class PreparedStudy:
     # The metric that judges a configuration whose paired drop is still undecided at the cap,
     # through the study's fitted KLD relation ([quality] undecided = "kld").
     quality_proxy: BaseMetric | None = None
+    # [hardware] gpus: the study's cards and each one's budget (None: one card, [hardware] gpu).
+    placement: Placement | None = None
 
     def backend(self, name: str) -> BaseBackend:
         return plugins.get_backend(name) if name not in self.space.entries else self.space.entries[name].backend
@@ -172,8 +175,13 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
     src = str(cfg.path) if cfg.path else "<study>"
     errors: list[str] = []
     gpu = None
+    placement = None
     try:
-        gpu = resolve_gpu(cfg)
+        if cfg.cards is not None:
+            placement = resolve_placement(cfg.cards, f"{src}: [hardware] gpus")
+            gpu = placement.cards[0].spec  # the main card: what a one-card model reads
+        else:
+            gpu = resolve_gpu(cfg)
     except ConfigError as exc:
         errors.append(str(exc))
     model = None
@@ -204,6 +212,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
     over = _budget_over_card(cfg, gpu, src) if gpu is not None else None
     if over:
         errors.append(over)
+    elif placement is not None:
+        # Every card's budget together: a backend without a per-device model is judged on the
+        # whole; one with it, card by card too (Admission, placement.check_cards).
+        budget = placement.total_budget_bytes
     elif gpu is not None:
         budget = budget_of(gpu, cfg.vram_budget_bytes, cfg.safety_margin_bytes).bytes
         if budget <= 0:
@@ -244,7 +256,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
         ctx = StudyContext(gpu=gpu, model=model, workload=study_workload(cfg),
                            vram_budget_bytes=budget, protocol=protocol, seed=cfg.seed,
                            settings=cfg.backend_settings.get(cand.backend, {}), base_dir=cfg.base_dir,
-                           gpu_index=cfg.gpu_index, source=source,
+                           gpu_index=cfg.gpu_index, source=source, placement=placement,
                            # gpu = "cpu": nothing is offloaded, even on a machine that has a GPU.
                            for_gpu=False if gpu.is_cpu else None)
         contexts[cand.backend] = ctx
@@ -267,7 +279,12 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
             errors += [f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}"
                        for problem in check_makings(backend, cand.weights, ctx)]
         if "ctx" in cfg.space and "parallel" in cfg.space:
-            params = backend.parameters({k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS})
+            named = {k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS}
+            if placement is not None and len(placement.cards) > 1:
+                # Several cards: where the model goes is searched (the backend's dimensions and
+                # values), unless the file names a dimension itself.
+                named = {**backend.placement_space(ctx), **named}
+            params = backend.parameters(named)
             offered[cand.backend] = params
             entries.append(BackendSpace(backend, tuple(cand.weights), tuple(cfg.space["ctx"]), tuple(cfg.space["parallel"]),
                                         tuple(p for p in params if p.choices)))
@@ -331,6 +348,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
         cfg=cfg, gpu=gpu, model=model, vram_budget_bytes=budget, space=SearchSpace(screened), contexts=contexts,
         quality=quality, reference=reference, quality_proxy=proxy,
         storage_url=storage_mod.resolve_url(storage, cfg.storage, cfg.default_storage), excluded=excluded,
+        placement=placement,
     )
 
 

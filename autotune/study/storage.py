@@ -358,6 +358,8 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
     name_objectives(study, vars(cfg.objective))
     records.write_study_header(study, {
         "gpu": records.gpu_attrs(prepared.gpu),
+        # [hardware] gpus: every card and its budget (a one-card study's header is as it was).
+        **({"placement": prepared.placement.to_dict()} if getattr(prepared, "placement", None) else {}),
         "model": prepared.model.key,
         "vram_budget_bytes": prepared.vram_budget_bytes,
         # What `estimate --study` needs to judge as the study does: the margin inside the

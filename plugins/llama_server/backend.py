@@ -31,6 +31,7 @@ Settings (study file, ``[backends.llama-server]``): see ``LlamaServerBackend.set
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -46,9 +47,10 @@ from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, De
 from autotune.local_server import free_port, loopback, tail, wait_ready
 
 from autotune import processes
-from autotune_plugins.llama_server import declarations, engine, memory
+from autotune_plugins.llama_server import declarations, engine, memory, rpc, split
 from autotune_plugins.llama_server import trial_run
 from autotune_plugins.llama_server.engine_model import LLAMA_CPP
+from autotune_plugins.llama_server.engine_model import engine_rules
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS, FIT
 from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
@@ -150,8 +152,9 @@ class LlamaServerBackend(BaseBackend):
     # -------------------------------------------------------------- space and rules
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        """The engine model's space (:meth:`.engine_model.LlamaCppModel.parameters`), the twin's too."""
-        return LLAMA_CPP.parameters(space)
+        """The engine model's space (:meth:`.engine_model.LlamaCppModel.parameters`), the twin's too,
+        and the split across several devices (split.py) when the space names them."""
+        return LLAMA_CPP.parameters(space) + split.parameters(space)
 
     def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
         """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
@@ -231,13 +234,14 @@ class LlamaServerBackend(BaseBackend):
         problem = self.check_weights(config.weights, ctx)
         if problem:
             return [problem]
-        return LLAMA_CPP.rules(config, ctx, self._model_for(config.weights, ctx))
+        model = self._model_for(config.weights, ctx)
+        return LLAMA_CPP.rules(config, ctx, model) + split.check(config, ctx, model, cuda=self._on_gpu(ctx))
 
     # -------------------------------------------------------------- memory
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         path = self._made(config.weights, ctx)
-        ngl = self.layers_of(config, ctx, self._on_gpu(ctx))
+        ngl = self.layers_of(config, ctx, self._has_devices(ctx))
         # -ngl 0 from the setting: the estimate of a CPU run, as before the offload dimensions; a
         # configuration that names gpu_layers 0 on a GPU still has a CUDA context and buffers.
         on_gpu = self._on_gpu(ctx) and (ngl > 0 or config.option("gpu_layers") is not None)
@@ -245,11 +249,24 @@ class LlamaServerBackend(BaseBackend):
         # A format not made yet: its tensors as llama-quantize will write them, from the source's shape.
         weights = weights_for(ctx.model, config.weights, self.weight_formats) if path is None else gguf_file_weights(path)
         model = ctx.model if path is None else _model_of(path)
+        if split.n_devices(ctx) > 1:  # several cards or RPC devices: each one's share (split.py)
+            return split.device_estimate(model, weights, config, ctx, None if ngl >= 999 else ngl, self._on_gpu(ctx))
         return memory.estimate(model, weights, config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
                                ubatch=int(ub) if ub is not None else None, gpu=on_gpu,
                                gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(config.option("n_cpu_moe", 0)),
                                batch=int(b) if b is not None else None)
+
+    def search_dimensions(self) -> list[Param]:
+        """Every [space] key this backend takes (``autotune plugins``), the optional ones too."""
+        return self.parameters({k: [] for k in ("ubatch", "batch", "gpu_layers", "n_cpu_moe", *split.KEYS)})
+
+    def search_rules(self) -> list[str]:
+        """What is refused before launching, in words (``autotune plugins``)."""
+        return [r.name for r in engine_rules()] + list(split.RULES)
+
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        return split.space(ctx, cuda=self._on_gpu(ctx))
 
     def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
         """What ``autotune init`` may search when ``weights`` do not fit whole: for a mixture of
@@ -272,6 +289,10 @@ class LlamaServerBackend(BaseBackend):
     @staticmethod
     def _on_gpu(ctx: StudyContext) -> bool:
         return _has_gpu() if ctx.for_gpu is None else ctx.for_gpu
+
+    def _has_devices(self, ctx: StudyContext) -> bool:
+        """Whether layers can go anywhere but the host: a GPU, or the RPC devices of a CPU study."""
+        return self._on_gpu(ctx) or split.rpc_device_count(ctx) > 0
 
     def gpu_layers(self, ctx: StudyContext, has_gpu: bool = True) -> int:
         if not has_gpu:
@@ -309,17 +330,20 @@ class LlamaServerBackend(BaseBackend):
         moe = config.option("n_cpu_moe")
         if moe is not None:
             out += ["--n-cpu-moe", str(int(moe))]
-        return out
+        return out + split.flags(config)
 
     def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
                     has_gpu: bool) -> list[str]:
         """The one place the server's command line is built: trials launch it, deploy prints it."""
+        # A CPU study's RPC devices (split.py) are devices like cards: every launch is given them.
+        devices = rpc.endpoints_flag(self._rpc_endpoints(ctx))
+        has_gpu = has_gpu or bool(devices)
         if config.option(ENGINE_DEFAULTS) == FIT:
             # llama.cpp's own choice (``baselines``): the user's -c/-np, --fit on and no -ngl, so
             # the fitting decides the offload; a study without a GPU keeps -ngl 0 as everywhere.
             return [binary, "-m", str(self.weights_path(config.weights, ctx)),
                     "-c", str(config.ctx * config.parallel), "-np", str(config.parallel), "--fit", "on",
-                    *(() if has_gpu else ("-ngl", "0")), "--host", str(self.value(ctx, "host")),
+                    *(() if has_gpu else ("-ngl", "0")), *devices, "--host", str(self.value(ctx, "host")),
                     "--port", str(port), "--no-webui"]
         if config.option(ENGINE_DEFAULTS):
             # The default launch (``default_launch``): no -c/-np/-ngl/-fa/-ctk/-t/--fit, so the engine's
@@ -327,14 +351,14 @@ class LlamaServerBackend(BaseBackend):
             # cannot run, its log's reason is the failure's); a study without a GPU keeps -ngl 0 as
             # everywhere. --host/--port/--no-webui only say where it listens.
             return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                    *(() if has_gpu else ("-ngl", "0")), "--host", str(self.value(ctx, "host")),
+                    *(() if has_gpu else ("-ngl", "0")), *devices, "--host", str(self.value(ctx, "host")),
                     "--port", str(port), "--no-webui"]
         # At the engine's default log verbosity, as deployed: -lv 4, which the start-up buffer
         # sizes need, logs trace lines per request and slot, and cost 9% of the aggregate at 8
         # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
         # their own (startup_facts).
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                *self.flags(config, self.layers_of(config, ctx, has_gpu)), "-t", str(self.threads(ctx)),
+                *self.flags(config, self.layers_of(config, ctx, has_gpu)), *devices, "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
                 "--no-webui"]
 
@@ -344,7 +368,14 @@ class LlamaServerBackend(BaseBackend):
         variable names it (so the server sees the card autotune watches, and only that one)."""
         if not has_gpu:
             return None
-        return cuda_visible_entry(ctx.gpu_index)
+        return split.cuda_visible(ctx) or cuda_visible_entry(ctx.gpu_index)
+
+    def _rpc_endpoints(self, ctx: StudyContext) -> list[str]:
+        """The RPC devices of a CPU study on several devices: the running trial's, else the deploy
+        line's (rpc-server's default port and the next ones, one server per device)."""
+        n = split.rpc_device_count(ctx)
+        running = getattr(self, "_rpc_running", None)  # set by _rpc_devices
+        return list(running) if running and n else [f"{rpc.HOST}:{rpc.DEPLOY_PORT + i}" for i in range(n)]
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         has_gpu = self._on_gpu(ctx)
@@ -368,6 +399,10 @@ class LlamaServerBackend(BaseBackend):
                          "host = \"0.0.0.0\"")
         else:
             notes.append(f"listens on {host}")
+        if split.rpc_device_count(ctx):
+            notes.append("its devices are rpc-servers, one per [hardware] gpus entry, started first: "
+                         + "; ".join(f"{rpc.binary_beside(Path(binary))} -H {e.replace(':', ' -p ')}"
+                                     for e in self._rpc_endpoints(ctx)))
         devices = self.cuda_devices(ctx, has_gpu)
         return deploy_line(argv, notes, None if devices is None else {"CUDA_VISIBLE_DEVICES": devices})
 
@@ -394,6 +429,10 @@ class LlamaServerBackend(BaseBackend):
         except AutotuneError as exc:
             return [f"{exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
                     "a llama-server that runs here"]
+        if split.rpc_device_count(ctx) and not rpc.binary_beside(binary).is_file():
+            return [f"[hardware] gpus names {split.rpc_device_count(ctx)} CPU devices, which llama-server runs as RPC "
+                    f"devices, and {rpc.binary_beside(binary)} is missing (a build from before GGML_RPC): rebuild with "
+                    "`autotune engine build llama.cpp --force`"]
         if self._on_gpu(ctx):
             try:
                 cuda_visible_entry(ctx.gpu_index)
@@ -482,7 +521,7 @@ class LlamaServerBackend(BaseBackend):
         has_gpu = self._on_gpu(ctx)
         startup_s = float(self.value(ctx, "startup_timeout_s"))
         request_s = float(self.value(ctx, "request_timeout_s"))
-        with tempfile.TemporaryDirectory(prefix="autotune-llama-server-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="autotune-llama-server-") as tmp, self._rpc_devices(ctx, Path(tmp)):
             server = self.launch(config, ctx, has_gpu, Path(tmp))
             try:
                 measured = self._measure(server, config, ctx, has_gpu, startup_s, request_s)
@@ -510,6 +549,19 @@ class LlamaServerBackend(BaseBackend):
                     measured.attrs["startup_facts_error"] = str(exc)[:500]
             return measured
 
+    @contextlib.contextmanager
+    def _rpc_devices(self, ctx: StudyContext, log_dir: Path) -> Any:
+        """A CPU study's RPC devices (split.rpc_device_count), running for one trial's launches;
+        nothing for any other study."""
+        n = split.rpc_device_count(ctx)
+        binary = rpc.binary_beside(self.binary(ctx)) if n else Path()
+        with rpc.rpc_servers(binary, n, max(1, self.threads(ctx) // max(1, n)), log_dir) as found:
+            self._rpc_running = found
+            try:
+                yield found
+            finally:
+                self._rpc_running = None
+
     def startup_facts(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path,
                       startup_s: float) -> dict[str, Any]:
         """What llama.cpp logs at start (buffer sizes by device, layers offloaded, KV cells),
@@ -532,6 +584,8 @@ class LlamaServerBackend(BaseBackend):
         except OSError:
             return {}  # the measured launch says what is wrong with the file
         ngl = (self.layers_of(config, ctx, has_gpu), config.option("n_cpu_moe", 0))
+        # The split decides each device's buffers, the model's too (split.py).
+        ngl = (*ngl, *split.flags(config), split.rpc_device_count(ctx))
         key = (str(path.resolve()), st.st_mtime_ns, st.st_size, ngl, self.cuda_devices(ctx, has_gpu),
                str(self.binary(ctx).absolute()), config.key if config.option(ENGINE_DEFAULTS) else None)
         hit = _STARTUP_FACTS.get(key)
@@ -544,6 +598,10 @@ class LlamaServerBackend(BaseBackend):
                 server.close()
                 processes.stop(server.proc)
             facts.setdefault("spilled", False)
+            if not has_gpu and not split.rpc_device_count(ctx):
+                # Nowhere else to put a layer: nothing spilled. A build with the RPC backend logs
+                # "offloaded 0/N layers to GPU" even then (it supports offload, to RPC devices).
+                facts["spilled"] = False
             hit = _STARTUP_FACTS[key] = (config.key, facts)
         launched, facts = hit
         if launched == config.key:

@@ -59,6 +59,7 @@ from autotune_plugins.llama_server.cuda_toolkit import cuda_arch_from_cc, resolv
 from autotune_plugins.llama_server.llama_build import (
     BENCH_TOOLS,
     BUILD_TARGETS,
+    RPC_SERVER,
     LLAMA_CPP_PYTHON_SHA256,
     LLAMA_CPP_PYTHON_VERSION,
     SERVER,
@@ -81,6 +82,7 @@ from autotune_plugins.llama_server.python_bindings import import_llama_cpp, inst
 __all__ = [
     "BENCH_TOOLS",
     "BUILD_TARGETS",
+    "RPC_SERVER",
     "ENGINE_TOOLS",
     "LLAMA_CPP_PYTHON_SHA256",
     "LLAMA_CPP_PYTHON_VERSION",

@@ -17,13 +17,13 @@ from autotune_plugins.llama_server import declarations, memory
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 
-__all__ = ["LLAMA_CPP", "LlamaCppModel"]
+__all__ = ["LLAMA_CPP", "LlamaCppModel", "engine_rules"]
 
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 
 
 @functools.lru_cache(maxsize=1)
-def _rules() -> list[Rule]:
+def engine_rules() -> list[Rule]:
     """llama.cpp's refusals, kept as data beside this module (rules.toml)."""
     return load_rules(Path(__file__).with_name("rules.toml"))
 
@@ -112,7 +112,7 @@ class LlamaCppModel(EngineModel):
         facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
                  "compute_capability": getattr(ctx.gpu, "compute_capability", None), "moe": model.is_moe,
                  "n_layers": model.n_layers, "all_layers": model.n_layers + 1, "batch": memory.DEFAULT_BATCH}
-        return violations(_rules(), options, facts)
+        return violations(engine_rules(), options, facts)
 
     # ------------------------------------------------------------------ memory and physics
 

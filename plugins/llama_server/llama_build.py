@@ -33,6 +33,7 @@ __all__ = [
     "LLAMA_CPP_PYTHON_SHA256",
     "LLAMA_CPP_PYTHON_VERSION",
     "MARKER",
+    "RPC_SERVER",
     "SERVER",
     "BuildPlan",
     "Builder",
@@ -62,7 +63,12 @@ LLAMA_CPP_PYTHON_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372
 # them took 17 s (19 CPU-s) on 2 cores, beside 1,058 s for the server and quantizer.
 SERVER = "llama-server"
 BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
-BUILD_TARGETS = (SERVER, "llama-quantize", *BENCH_TOOLS)
+# llama.cpp's RPC backend (GGML_RPC) and its server: an rpc-server process on 127.0.0.1 is one
+# more device to llama-server (--rpc HOST:PORT), so a CPU-only machine runs llama-server across
+# several devices for real: split mode, -ts and the per-device memory model are tested without
+# GPUs (issue 40). One C++ file over the ggml libraries; the target's name in this tree.
+RPC_SERVER = "ggml-rpc-server"
+BUILD_TARGETS = (SERVER, "llama-quantize", *BENCH_TOOLS, RPC_SERVER)
 
 # Written last into a build's directory: its presence means the build is complete.
 MARKER = "engine.json"
@@ -378,6 +384,9 @@ def cmake_configure_args(
         # only needs the HTTP API, and the build must work offline.
         "LLAMA_USE_PREBUILT_UI": "OFF",
         "LLAMA_BUILD_UI": "OFF",
+        # The RPC backend: remote (or local) processes as extra devices (RPC_SERVER above).
+        # The top-level CMakeLists names it in its deprecation table (LLAMA_RPC -> GGML_RPC).
+        "GGML_RPC": "ON",
     }
     args += [f"-D{name}={value}" for name, value in wanted.items() if name in text]
     if host_flags:

@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.api import command_line, mask_argv, remember_secret
+from autotune.api import command_line, cuda_visible, mask_argv, remember_secret
 from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, ConcurrentResult, ConfigError, \
     Measurement, MemoryEstimate, PROMPT_TEXT, Param, SERVING_UNITS, Setting, SlotLayout, StreamResult, StudyContext, \
     TrialConfig, cuda_visible_entry, deploy_line, engine_environment, engine_models, fetch, has_gpu as _has_gpu, \
@@ -317,7 +317,7 @@ class OpenAIServerBackend(BaseBackend):
             "ctx": config.ctx, "ctx_total": config.ctx * config.parallel, "ctx_input": max(1, config.ctx - 1),
             "ctx_paged": config.parallel * pages_per_job(config.ctx) * EXL3_PAGE,
             "parallel": config.parallel, "port": port, "host": host,
-            "gpu": cuda_visible_entry(ctx.gpu_index) if has_gpu else "",
+            "gpu": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index) if has_gpu else "",
             "memory_fraction": "" if t.memory_fraction is None else f"{t.memory_fraction:g}",
         }
         options = {k: v for k, v in config.options if k not in ("cache_type", "flash_attn")}
@@ -344,7 +344,7 @@ class OpenAIServerBackend(BaseBackend):
         if "{host}" in t.command:
             notes.append(f"listens on {host} only; [backends.{self.name}] host = \"0.0.0.0\" serves other machines"
                          if loopback(host) else f"listens on {host}")
-        return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible_entry(ctx.gpu_index)} if has_gpu else None)
+        return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index)} if has_gpu else None)
 
     def engine_version(self) -> str:
         return "unknown (depends on the study's template)"
@@ -371,7 +371,7 @@ class OpenAIServerBackend(BaseBackend):
         host = "127.0.0.1"
         port = free_port(host)
         argv = self.argv(config, ctx, host=host, port=port, has_gpu=has_gpu, t=t)
-        devices = cuda_visible_entry(ctx.gpu_index) if has_gpu else None
+        devices = cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index) if has_gpu else None
         key_env = self.value(ctx, "api_key_env")
         declared = (*self.engine_variables, key_env) if key_env else self.engine_variables
         return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices, declared),

@@ -198,7 +198,8 @@ def test_engine_version_errors(tmp_path):
 # ------------------------------------------------------------------ architectures and CMake
 
 # A top-level CMakeLists.txt that knows every option the builder may pass.
-KNOWN = "option(LLAMA_CURL) option(LLAMA_OPENSSL) LLAMA_BUILD_TESTS LLAMA_BUILD_EXAMPLES LLAMA_USE_PREBUILT_UI LLAMA_BUILD_UI"
+KNOWN = ("option(LLAMA_CURL) option(LLAMA_OPENSSL) LLAMA_BUILD_TESTS LLAMA_BUILD_EXAMPLES LLAMA_USE_PREBUILT_UI LLAMA_BUILD_UI "
+         "llama_option_depr(WARNING LLAMA_RPC GGML_RPC)")
 
 
 def gpu(cc: str) -> SimpleNamespace:
@@ -215,9 +216,12 @@ def test_cmake_args_cpu(tmp_path):
                         "-B", str(tmp_path / "llama.cpp-0.3.36-cpu" / "build"), "-G", "Ninja"]
     for flag in ("-DGGML_CUDA=OFF", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_COMMIT=0c1e570",
-                 "-DCMAKE_BUILD_TYPE=Release"):
+                 "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON"):
         assert flag in args
     assert not [a for a in args if "CUDA_ARCHITECTURES" in a]
+    # The RPC backend's server is built and installed with the rest (issue 40: several devices
+    # on a CPU-only machine).
+    assert engine.RPC_SERVER in engine.BUILD_TARGETS
 
 
 @pytest.mark.parametrize(("cc", "arch"), [("7.0", "70"), ("9.0", "90"), ("8.6", "86")])
@@ -529,9 +533,10 @@ def test_install_outputs_copies_every_target_and_refuses_a_missing_one(tmp_path)
         engine.install_outputs(built, tmp_path / "bin2")
 
 
-def test_cmake_builds_the_benchmarks(tmp_path):
+def test_cmake_builds_the_benchmarks_and_the_rpc_server(tmp_path):
     args = engine.cmake_build_args(plan_for("cpu", tmp_path))
-    assert args[args.index("--target") + 1:] == ["llama-server", "llama-quantize", "llama-bench", "llama-batched-bench"]
+    assert args[args.index("--target") + 1:] == ["llama-server", "llama-quantize", "llama-bench", "llama-batched-bench",
+                                                 "ggml-rpc-server"]
 
 
 # ------------------------------------------------------------------ which card a build runs on
