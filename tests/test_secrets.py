@@ -106,7 +106,7 @@ def test_the_backends_do_not_hand_on_our_secrets(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_TOKEN", "hf_secret1")
     monkeypatch.setenv("AUTOTUNE_STORAGE", "postgresql://bob:pw1234@h/x")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
-    env = OpenAIServer.environment("0", OpenAIServerBackend.engine_variables)
+    env = OpenAIServer.environment("0", OpenAIServerBackend().engine_variables)
     assert "HF_TOKEN" not in env and "AUTOTUNE_STORAGE" not in env
     assert env["VLLM_LOGGING_LEVEL"] == "DEBUG" and env["CUDA_VISIBLE_DEVICES"] == "0" and "PATH" in env
     worker = engine_environment(ExLlamaV2Backend.engine_variables)

@@ -181,7 +181,7 @@ class Finish:
         if base is None or round_ in noise.baseline_rounds(self.study).get(base.key, {}):
             return True
         key = f"finish-baseline:{base.key}:{round_}"
-        if not self._claim_once(key):
+        if not self.claim_once(key):
             return True
         config = TrialConfig.from_dict(base.config or {})
         ctx = self.prepared.contexts.get(config.backend)

@@ -86,8 +86,8 @@ def test_plugins_lists_every_dimension_with_its_accepted_values_and_the_rules(en
 
     out = CliRunner().invoke(cli, ["plugins"]).stdout
     mine = out.split("  llama-server ", 1)[1].split("\n  openai-server", 1)[0]
-    for line in ("[space] gpu_layers = \"all\", any integer >= 0:", "[space] n_cpu_moe = any integer >= 0:",
-                 "[space] ubatch = any integer >= 1:", "[space] split_mode = none, layer, row, tensor:",
+    for line in ("[space] gpu_layers = \"all\", an integer 0..2147483647:", "[space] n_cpu_moe = an integer 0..2147483647:",
+                 "[space] ubatch = an integer 1..2147483647:", "[space] split_mode = none, layer, row, tensor:",
                  "[space] tensor_split = proportions such as", "[space] main_gpu = a device number from 0:",
                  "rule: split_mode row: CUDA cards only", "rule: quantized V cache needs flash attention"):
         assert line in mine, line
