@@ -271,9 +271,7 @@ def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, 
     """Start optuna-dashboard on the study storage (localhost by default)."""
 
     def go() -> None:
-        from optuna_dashboard import run_server
-
-        from autotune.dashboard import artifact_store, port_problem
+        from autotune.dashboard import artifact_store, port_problem, serve
         from autotune.report import load_study
         from autotune.study.storage import mask_url, open_storage, study_names
 
@@ -285,7 +283,7 @@ def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, 
         if busy:
             raise ConfigError(busy)
         echo(f"optuna-dashboard for {mask_url(url)} on http://{host}:{port}/ (Ctrl-C to stop)", err=True)
-        run_server(store, host=host, port=port, artifact_store=artifact_store(url, create=False))
+        serve(store, host, port, artifact_store(url, create=False))
 
     _run(ctx.obj["debug"], go)
 

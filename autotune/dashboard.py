@@ -50,6 +50,50 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+# optuna-dashboard shows each user attribute as one line that never wraps, so a trial whose
+# metrics attribute is a 5,000-character JSON made its page 9,211 px wide. Schema 3 stores each
+# field whole (any tool reads it as it is), so the page, not the value, is what changes here.
+WRAP_ATTRIBUTES = b"<style>main p.MuiTypography-root{white-space:normal;overflow-wrap:anywhere}</style>"
+
+
+def wrapping_pages(app: Callable[..., Any]) -> Callable[..., Any]:
+    """optuna-dashboard's WSGI ``app`` with ``WRAP_ATTRIBUTES`` in its page's head (its
+    Content-Security-Policy allows inline styles): every other response passes unchanged."""
+    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if not environ.get("PATH_INFO", "").startswith("/dashboard"):
+            return app(environ, start_response)
+        said: dict[str, Any] = {}
+
+        def hold(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], None]:
+            said.update(status=status, headers=headers)  # sent below, once the body is known
+            return lambda data: None
+
+        body = b"".join(app(environ, hold))
+        status, headers = said["status"], said["headers"]
+        if b"</head>" in body:
+            body = body.replace(b"</head>", WRAP_ATTRIBUTES + b"</head>", 1)
+            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+            headers.append(("Content-Length", str(len(body))))
+        start_response(status, headers)
+        return [body]
+
+    return wrapped
+
+
+def serve(storage: Any, host: str, port: int, artifacts: Any = None) -> None:
+    """Serve optuna-dashboard on ``storage`` until interrupted: its own WSGI application
+    (``optuna_dashboard.wsgi``), its pages wrapped (``wrapping_pages``)."""
+    import wsgiref.simple_server
+
+    from optuna_dashboard import wsgi
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("Server", (wsgiref.simple_server.WSGIServer,), {"address_family": family})
+    with wsgiref.simple_server.make_server(host, port, wrapping_pages(wsgi(storage, artifact_store=artifacts)),
+                                           server_class=server_class) as server:
+        server.serve_forever()
+
+
 def artifact_store(url: str, create: bool = True) -> Any:
     """A file store beside a SQLite or journal storage (``<file>.artifacts/``); None for a
     database server (nowhere of ours to put files) or, when ``create`` is false, when the

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from autotune.cli import cli
 from autotune.config import load_study_config
-from autotune.dashboard import annotate_study, deploy_commands
+from autotune.dashboard import annotate_study, deploy_commands, trial_notes
 from autotune.report import load_study, stored_summary, summary_text, write_study_report
 from autotune.study import StudyRunner, prepare_study
 from tests.browser import WINDOW, assert_fits, check_report, chromium, console_errors, plots_rendered, wait_for
@@ -42,7 +42,7 @@ def studies(tmp_path_factory):
     url = f"sqlite:///{tmp / 'studies.db'}"
     with plugin_registered(twin, "twin"):
         runner = StudyRunner(prepare_study(load_study_config(REPO / "studies" / "v100-qwen27b.toml"), storage=url))
-        summary = runner.run(n_trials=12)
+        summary = runner.run(n_trials=12, on_trial=trial_notes(url))  # as the CLI writes them
         annotate_study(runner.study, summary_text(summary), deploy_commands(summary))
     path = write_study(tmp / "broken.toml", "fake-broken", ["w0", "w1"], name=BROKEN, parallel=(1, 2), sampler="grid")
     with registered(BrokenBackend(cause=CAUSE)):

@@ -50,3 +50,26 @@ def test_the_study_machinery_imports_no_dashboard_server_nor_scipy():
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout)
     assert loaded == []
+
+
+def _served(app, path):
+    said = {}
+    body = b"".join(app({"PATH_INFO": path, "REQUEST_METHOD": "GET"},
+                        lambda status, headers, exc_info=None: said.update(status=status, headers=dict(headers))))
+    return said, body
+
+
+def test_the_dashboard_page_wraps_long_attributes_and_nothing_else_changes(tmp_path):
+    """optuna-dashboard's own page, served through ``wrapping_pages``: the style that wraps a
+    whole attribute's line is in its head (one 5,000-character metrics line made a trial page
+    9,211 px wide), the length says so; its API answers byte for byte as without it."""
+    storage = open_storage(f"sqlite:///{tmp_path / 's.db'}")
+    optuna.create_study(storage=storage, study_name="s")
+    plain, wrapped = optuna_dashboard.wsgi(storage), dashboard.wrapping_pages(optuna_dashboard.wsgi(storage))
+    said, page = _served(wrapped, "/dashboard/studies/1")
+    _, original = _served(plain, "/dashboard/studies/1")
+    assert said["status"].startswith("200") and dashboard.WRAP_ATTRIBUTES + b"</head>" in page
+    assert page.replace(dashboard.WRAP_ATTRIBUTES, b"") == original
+    assert int(said["headers"]["Content-Length"]) == len(page)
+    assert "'unsafe-inline'" in said["headers"]["Content-Security-Policy"].split("style-src")[1].split(";")[0]
+    assert _served(wrapped, "/api/studies")[1] == _served(plain, "/api/studies")[1]
