@@ -39,7 +39,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import command_line, mask_argv
 from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, DefaultLaunch, EngineUnavailableError, \
     Measurement, MemoryEstimate, ModelSpec, PROMPT_TEXT, Param, SERVING_UNITS, Setting, StudyContext, TrialConfig, \
     UserLoad, WeightFormats, artifact_path, cuda_visible_entry, deploy_line, engine_environment, fetch, \
@@ -48,7 +47,7 @@ from autotune.local_server import free_port, loopback, tail, wait_ready
 
 from autotune import processes
 from autotune_plugins.llama_server import declarations, engine, memory, rpc, split
-from autotune_plugins.llama_server import trial_run
+from autotune_plugins.llama_server import startup_facts as startup_facts_mod, trial_run
 from autotune_plugins.llama_server.engine_model import LLAMA_CPP
 from autotune_plugins.llama_server.engine_model import engine_rules
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS, FIT
@@ -61,15 +60,6 @@ __all__ = ["LlamaServerBackend", "parse_log"]
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
 UNITS = SERVING_UNITS
-# libllama's INFO lines (buffer sizes, offloaded layers) print at llama-server's "trace" level, 4
-# (common/log.cpp, common_log_get_verbosity); the default, 3, leaves them out.
-STARTUP_LOG_VERBOSITY = 4
-# Start-up facts that depend only on the weights file, -ngl, --n-cpu-moe and the devices (--fit off):
-# true of every configuration of that file, unlike the cache and compute buffers.
-WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers", "spilled"})
-# (weights file, its mtime and size, -ngl, devices, binary, default-launch config) ->
-# (the configuration launched, its start-up facts): one verbose launch per weights file.
-_STARTUP_FACTS: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
 
 # ------------------------------------------------------------------------------ GGUF file
 
@@ -474,13 +464,13 @@ class LlamaServerBackend(BaseBackend):
     def launch(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path, *,
                verbose: bool = False) -> Server:
         """Start llama-server on ``config``: as deployed, or with ``verbose`` at the log verbosity
-        that prints its buffers (``STARTUP_LOG_VERBOSITY``), for ``startup_facts``."""
+        that prints its buffers, for ``startup_facts``."""
         binary = self.binary(ctx)
         host = str(self.value(ctx, "host"))
         port = free_port(host)
         cmd = self.server_argv(config, ctx, binary=str(binary.absolute()), port=port, has_gpu=has_gpu)
         if verbose:
-            cmd += ["-lv", str(STARTUP_LOG_VERBOSITY)]
+            cmd += ["-lv", str(startup_facts_mod.STARTUP_LOG_VERBOSITY)]
         # No LLAMA_ARG_*: each would set a flag the deploy line does not show.
         env = engine_environment(self.engine_variables)
         devices = self.cuda_devices(ctx, has_gpu)
@@ -564,49 +554,9 @@ class LlamaServerBackend(BaseBackend):
 
     def startup_facts(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path,
                       startup_s: float) -> dict[str, Any]:
-        """What llama.cpp logs at start (buffer sizes by device, layers offloaded, KV cells),
-        from a short launch of its own at ``-lv 4``: the measured launch runs at the default
-        verbosity, which does not print them.
-
-        One such launch per weights file, GPU layers and devices (per configuration for the
-        default launch, whose ``--fit on`` decides the offload itself), made with the first
-        configuration that needs it and remembered for the process. Every trial of that file
-        gets the facts of the weights (model buffers, offloaded layers); the cache and compute
-        buffers only the configuration that was launched, whose figures they are
-        (``startup_facts_of`` names it in the others).
-
-        Raises:
-            BackendError: the launch failed (the engine's own words, at the verbose level).
-        """
-        path = self.weights_path(config.weights, ctx)
-        try:
-            st = path.stat()
-        except OSError:
-            return {}  # the measured launch says what is wrong with the file
-        ngl = (self.layers_of(config, ctx, has_gpu), config.option("n_cpu_moe", 0))
-        # The split decides each device's buffers, the model's too (split.py).
-        ngl = (*ngl, *split.flags(config), split.rpc_device_count(ctx))
-        key = (str(path.resolve()), st.st_mtime_ns, st.st_size, ngl, self.cuda_devices(ctx, has_gpu),
-               str(self.binary(ctx).absolute()), config.key if config.option(ENGINE_DEFAULTS) else None)
-        hit = _STARTUP_FACTS.get(key)
-        if hit is None:
-            server = self.launch(config, ctx, has_gpu, log_dir, verbose=True)
-            try:
-                self.wait_ready(server, startup_s)
-                facts = parse_log(server.log())
-            finally:
-                server.close()
-                processes.stop(server.proc)
-            facts.setdefault("spilled", False)
-            if not has_gpu and not split.rpc_device_count(ctx):
-                # Nowhere else to put a layer: nothing spilled. A build with the RPC backend logs
-                # "offloaded 0/N layers to GPU" even then (it supports offload, to RPC devices).
-                facts["spilled"] = False
-            hit = _STARTUP_FACTS[key] = (config.key, facts)
-        launched, facts = hit
-        if launched == config.key:
-            return dict(facts)
-        return {**{k: v for k, v in facts.items() if k in WEIGHTS_FACTS}, "startup_facts_of": launched}
+        """What llama.cpp logs at start, from a short launch of its own at ``-lv 4``
+        (:func:`.startup_facts.startup_facts`)."""
+        return startup_facts_mod.startup_facts(self, config, ctx, has_gpu, log_dir, startup_s)
 
     def _measure(self, server: Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
                  startup_s: float, request_s: float) -> Measurement:

@@ -90,9 +90,9 @@ def test_each_device_s_buffers_match_the_engine_s_log(build, stories, n, mode, t
     under the log by more than 5% (the judge must not admit what does not fit), and over it by
     at most the CPU compute model's own margin plus what a device with few layers does not
     copy (see the figures in split.pipeline_copies_bytes)."""
-    import autotune_plugins.llama_server.backend as llama_backend
+    import autotune_plugins.llama_server.startup_facts as llama_startup
 
-    llama_backend._STARTUP_FACTS.clear()  # each case its own launch
+    llama_startup._STARTUP_FACTS.clear()  # each case its own launch
     c = context(stories, n, build)
     options = {"cache_type": "f16", "flash_attn": fa, "split_mode": mode, "ubatch": ub,
                **({"tensor_split": ts} if ts else {})}

@@ -28,7 +28,7 @@ from autotune.models import model_from_gguf
 from tests.conftest import REPO, shared_file
 from tests.engine_fixtures import fake_engine, fake_engine_calls, llama_server_binary
 
-from autotune_plugins.llama_server import backend as lsb, engine
+from autotune_plugins.llama_server import backend as lsb, engine, startup_facts
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.server import plan_cpus
 
@@ -331,7 +331,7 @@ def test_estimate_reads_the_file(stories, monkeypatch, engine_plugins):
 
 
 def test_run_measures_and_matches_the_logged_buffers(server_binary, stories, engine_plugins):
-    lsb._STARTUP_FACTS.clear()  # this test's first configuration is the one launched for the facts
+    startup_facts._STARTUP_FACTS.clear()  # this test's first configuration is the one launched for the facts
     b = LlamaServerBackend()
     c = make_ctx(stories, startup_facts=True)
     config = cfg("stories260K.gguf", ctx=600, parallel=2)
