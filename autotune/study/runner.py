@@ -273,6 +273,9 @@ class StudyRunner(TrialPhase):
                 n += 1
         return n
 
+    def _affordable(self, config: TrialConfig) -> bool:
+        return (config.backend, config.weights) not in self._deferred_artifacts
+
     def _enqueue_unexplored(self) -> bool:
         """Queue one random configuration that has not been evaluated and could run."""
         config = self.sampler.random_admissible(self._evaluated_keys())
@@ -517,6 +520,16 @@ class StudyRunner(TrialPhase):
             broken=outcome.broken,
         )
 
+    def _fail_quietly(self, trial: optuna.Trial, result: TrialResult, reason: str, retry: bool = False) -> None:
+        """End ``result`` as failed and commit it, unless the trial already finished (an
+        interrupt after the tell): its outcome stands."""
+        if result.told:
+            return
+        result.failed(reason, **({"retry": True} if retry else {}))
+        try:
+            commit(self.study, trial, result)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+            pass  # it is finished already: its outcome stands
 
     def _observe(self, trial: optuna.Trial) -> None:
         """Tell ``on_trial`` (the CLI's dashboard note) of the finished trial; what it raises

@@ -43,17 +43,6 @@ class TrialPhase:
                                    (quality or {}).get("admitted"),
                                    {key: m.metrics[key].median for key, _ in self.cfg.objective.slo if key in m.metrics})
 
-    def _fail_quietly(self, trial: optuna.Trial, result: TrialResult, reason: str, retry: bool = False) -> None:
-        """End ``result`` as failed and commit it, unless the trial already finished (an
-        interrupt after the tell): its outcome stands."""
-        if result.told:
-            return
-        result.failed(reason, **({"retry": True} if retry else {}))
-        try:
-            commit(self.study, trial, result)
-        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
-            pass  # it is finished already: its outcome stands
-
     def _claim(self, trial: optuna.Trial, config: TrialConfig) -> TrialRecord | None:
         """Claim ``config`` for ``trial``; returns the trial that answers for it instead, if any."""
         if self.claims.engine is None:
@@ -183,9 +172,6 @@ class TrialPhase:
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
         r.broken = tuple(k for k, v in s.constraints.items() if v > 0)
         return r
-
-    def _affordable(self, config: TrialConfig) -> bool:
-        return (config.backend, config.weights) not in self._deferred_artifacts
 
     def _over_budget_to_make(self, config: TrialConfig) -> str | None:
         """Why ``config`` is not started, when making its weights (``artifacts.predict_making``)
