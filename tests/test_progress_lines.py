@@ -11,7 +11,7 @@ from rich.console import Console
 
 from autotune.cli import cli
 from autotune.progress import LiveProgress, config_text
-from autotune.study.trial_phase import TrialPhase
+from autotune.study.trial_phase import RunState, TrialPhase
 
 if __package__:
     from .fake_backends import FakeBackend, registered, write_study
@@ -38,8 +38,8 @@ def test_two_configurations_that_differ_in_any_value_print_different_lines():
 
 def test_an_artifact_line_is_said_once_per_run():
     said: list[str] = []
-    phase = TrialPhase()
-    phase._say = said.append  # type: ignore[method-assign]
+    phase = TrialPhase(SimpleNamespace(cfg=None), None, SimpleNamespace(quality=None), None, "", RunState(),
+                       said.append, lambda: None)
     for _ in range(3):
         phase._say_artifact("artifact gguf:Q4_0: cache hit, /cache/x.gguf")
     phase._say_artifact("artifact gguf:Q8_0: cache hit, /cache/y.gguf")

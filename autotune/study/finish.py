@@ -57,7 +57,7 @@ class Finish:
         worker: This worker's name, stored with each round.
         finish_token: What this worker's claims hold (``finish_token``).
         interrupts: Ctrl-C between launches.
-        score: The objective of a measurement, as a trial is scored (``TrialPhase._score``).
+        score: The objective of a measurement, as a trial is scored (``TrialPhase.score``).
     """
 
     def __init__(self, study: optuna.Study, prepared: "PreparedStudy", claims: "Claims", worker: str,

@@ -41,7 +41,7 @@ from autotune.study.prepare import PreparedStudy, prepare_study
 from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
 from autotune.study.records import TrialState
 from autotune.study.sampling import ScreenedSampler
-from autotune.study.trial_phase import TrialPhase
+from autotune.study.trial_phase import RunState, TrialPhase
 from autotune.study.trial_result import TrialResult, commit
 from autotune.strategy import Search
 from autotune.study.systematic import FailureWatch, SystematicFailure
@@ -85,7 +85,7 @@ def make_sampler(prepared: PreparedStudy, seed: int) -> optuna.samplers.BaseSamp
     return plugins.get_strategy(prepared.cfg.sampler).sampler(seed)
 
 
-class StudyRunner(TrialPhase):
+class StudyRunner:
     """Runs trials of a prepared study until its budget is spent."""
 
     def __init__(self, prepared: PreparedStudy, seed: int | None = None):
@@ -110,7 +110,6 @@ class StudyRunner(TrialPhase):
             self._fail_dead_workers()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.finish_token = finish_token(socket.gethostname(), os.getpid())
-        self.n_measured = 0
         self.n_new = 0
         self.converged = False
         self._last_cleanup = float("-inf")
@@ -119,18 +118,17 @@ class StudyRunner(TrialPhase):
                              evaluated_keys=self._evaluated_keys, has_waiting=self._has_waiting,
                              enqueue=self._enqueue, enqueue_unexplored=self._enqueue_unexplored,
                              ranking=lambda: [config for config, _ in self._prior_order()])
-        self._launch_seconds: list[float] = []
         self.interrupts = Interrupts()
         self._note: Callable[[str], None] | None = None
         self._on_trial: Callable[[optuna.Study, optuna.Trial], None] | None = None
-        self._failed_artifacts: set[tuple[str, str]] = set()
-        self._deferred_artifacts: set[tuple[str, str]] = set()  # too long to make in what is left of the budget
-        self._deadline: float | None = None  # time.monotonic() at which this run's budget ends
         self._failures = FailureWatch()
         self.systematic: SystematicFailure | None = None  # what stopped this run, if a cause every trial repeats
         self.stopped: str = ""  # why the search ended, in words (the study's last line)
+        self.run_state = RunState()
+        self.phase = TrialPhase(prepared, self.study, self.judge, self.claims, self.worker, self.run_state,
+                                self._say, self._cleanup_dead_workers)
         self.finisher = Finish(self.study, prepared, self.claims, self.worker, self.finish_token, self.interrupts,
-                               self._score)
+                               self.phase.score)
 
     def finish(self, note: Callable[[str], None] | None = None) -> int:
         """The noise-aware finish (``Finish.finish``)."""
@@ -150,7 +148,7 @@ class StudyRunner(TrialPhase):
         (weights whose making failed in this run are not proposed again: each would fail alike;
         nor weights too long to make in what is left of the budget)."""
         weights = (config.backend, config.weights)
-        return (weights not in self._failed_artifacts and weights not in self._deferred_artifacts
+        return (weights not in self.run_state.failed_artifacts and weights not in self.run_state.deferred_artifacts
                 and self.judge.judge(config).admitted)
 
     def _evaluated_keys(self, snapshot: bool = False) -> set[str]:
@@ -237,7 +235,7 @@ class StudyRunner(TrialPhase):
         there is none to go by)."""
         if left_s <= 0:
             return False
-        return not self._launch_seconds or statistics.median(self._launch_seconds) <= left_s
+        return not self.run_state.launch_seconds or statistics.median(self.run_state.launch_seconds) <= left_s
 
     def queue_strategy_choice(self) -> bool:
         """Let a strategy that queues its own choices (``queues_each_launch``) queue the next,
@@ -272,6 +270,9 @@ class StudyRunner(TrialPhase):
                 self._enqueue(config)
                 n += 1
         return n
+
+    def _affordable(self, config: TrialConfig) -> bool:
+        return (config.backend, config.weights) not in self.run_state.deferred_artifacts
 
     def _enqueue_unexplored(self) -> bool:
         """Queue one random configuration that has not been evaluated and could run."""
@@ -316,13 +317,13 @@ class StudyRunner(TrialPhase):
         self._note = note
         heartbeat = storage.Heartbeat(self.study)
         start = time.monotonic()
-        self._deadline = None if budget_s is None else start + budget_s
+        self.run_state.deadline = None if budget_s is None else start + budget_s
         interrupted = False
         with self.interrupts.installed():
             try:
                 # The budget ends a request still open at its end (an engine that keeps a stream
                 # alive without finishing); the finish runs after the budget, unbounded by it.
-                with deadline.within(self._deadline, f"the study's budget ({budget_s or 0:g} s) ran out"):
+                with deadline.within(self.run_state.deadline, f"the study's budget ({budget_s or 0:g} s) ran out"):
                     first, why = cost.baselines_first(self.forecast, budget_s)
                     if first:
                         self.measure_baseline(note, budget_s)
@@ -344,7 +345,7 @@ class StudyRunner(TrialPhase):
         # this run knows (how many it launched, how long it took) is added here.
         summary = summarize(self.study, self.prepared.shown_storage)
         summary.n_new = self.n_new
-        summary.n_measured = self.n_measured
+        summary.n_measured = self.run_state.n_measured
         summary.interrupted = interrupted
         summary.elapsed_s = time.monotonic() - start
         return summary
@@ -384,7 +385,7 @@ class StudyRunner(TrialPhase):
         idle = 0
         while True:
             self.interrupts.raise_if_interrupted()
-            if n_trials is not None and self.n_measured >= n_trials:
+            if n_trials is not None and self.run_state.n_measured >= n_trials:
                 self.stopped = f"{n_trials} trial{'s' if n_trials != 1 else ''} measured, as asked"
                 return
             if budget_s is not None and not self._next_launch_fits(budget_s - (time.monotonic() - start)):
@@ -397,15 +398,15 @@ class StudyRunner(TrialPhase):
                 self.converged = True
                 self.stopped = f"converged: the {self.cfg.sampler} strategy has nothing more worth launching"
                 return
-            measured_before = self.n_measured
+            measured_before = self.run_state.n_measured
             launch_start = time.monotonic()
             event = self._one_trial(heartbeat, start)
-            if self.n_measured > measured_before:
-                self._launch_seconds.append(time.monotonic() - launch_start)
+            if self.run_state.n_measured > measured_before:
+                self.run_state.launch_seconds.append(time.monotonic() - launch_start)
             self.n_new += 1
             # Proposals answered from the storage, and refused configurations, launch
             # nothing; very many in a row mean nothing is left that could run.
-            idle = 0 if self.n_measured > measured_before else idle + 1
+            idle = 0 if self.run_state.n_measured > measured_before else idle + 1
             if callback:
                 callback(event)
             if self.systematic is not None:
@@ -435,9 +436,10 @@ class StudyRunner(TrialPhase):
                 return True
             return False
 
+        launches = self.run_state.launch_seconds
         try:
             return baseline.measure(self.prepared, self.study, claim, self.worker, note, budget_s,
-                                    lambda key: cost.expected_baseline_s(self.forecast, key, self._launch_seconds))
+                                    lambda key: cost.expected_baseline_s(self.forecast, key, launches))
         except BaseException:
             stored = records.baselines(self.study)
             for key in held:
@@ -473,7 +475,7 @@ class StudyRunner(TrialPhase):
             with self.interrupts.deferred():
                 trial = self.study.ask()
                 heartbeat.beat(trial)
-            self._evaluate(trial, result)
+            self.phase.evaluate(trial, result)
             commit(self.study, trial, result)  # finished: the rest of the record, the constraints, the tell
         except (KeyboardInterrupt, Interrupted):
             if trial is not None:
@@ -491,7 +493,7 @@ class StudyRunner(TrialPhase):
             assert trial is not None
             launched = "engine" in result.fields
             if launched:
-                self.n_measured += 1  # it was launched: it counts like a BackendError
+                self.run_state.n_measured += 1  # it was launched: it counts like a BackendError
             if not result.told:
                 result.learn(log_tail=scrub(traceback.format_exc())[-4000:])
             self._fail_quietly(trial, result, scrub(f"{type(exc).__name__}: {exc}"))
@@ -513,10 +515,20 @@ class StudyRunner(TrialPhase):
             value=outcome.values[0] if outcome.values else None, reason=outcome.reason,
             best_value=best.values[0] if best and best.values else None,
             best_config=dict(best.config) if best and best.config else None,
-            n_done=self.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
+            n_done=self.run_state.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
             broken=outcome.broken,
         )
 
+    def _fail_quietly(self, trial: optuna.Trial, result: TrialResult, reason: str, retry: bool = False) -> None:
+        """End ``result`` as failed and commit it, unless the trial already finished (an
+        interrupt after the tell): its outcome stands."""
+        if result.told:
+            return
+        result.failed(reason, **({"retry": True} if retry else {}))
+        try:
+            commit(self.study, trial, result)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+            pass  # it is finished already: its outcome stands
 
     def _observe(self, trial: optuna.Trial) -> None:
         """Tell ``on_trial`` (the CLI's dashboard note) of the finished trial; what it raises

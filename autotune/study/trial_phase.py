@@ -1,9 +1,10 @@
 """One trial of a study: claim, judge, make its weights, launch, score, record.
 
-The phase of ``StudyRunner`` between the sampler's proposal and the stored result
-(``StudyRunner._evaluate``), following docs/architecture.md's flow: admission (rules, memory,
-known quality), quality once per artifact, the launch and its measurement, the score, the
-record; a configuration the storage already holds is answered, not launched again.
+The phase of a study between the sampler's proposal and the stored result
+(``TrialPhase.evaluate``, which ``StudyRunner`` calls for each trial), following
+docs/architecture.md's flow: admission (rules, memory, known quality), quality once per
+artifact, the launch and its measurement, the score, the record; a configuration the storage
+already holds is answered, not launched again.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import optuna
 
@@ -27,13 +28,49 @@ from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.records import TrialRecord, TrialState
 from autotune.study.trial_result import TrialResult, commit
 
+if TYPE_CHECKING:  # pragma: no cover
+    from autotune.study.admission import Admission
+    from autotune.study.claims import Claims
+    from autotune.study.prepare import PreparedStudy
+
+
+@dataclasses.dataclass
+class RunState:
+    """What one run has learnt so far, kept by the runner, whose loop stops on it, and added to
+    by its trial phase."""
+
+    n_measured: int = 0  # trials launched, or failed making their weights: what ``n_trials`` counts
+    launch_seconds: list[float] = dataclasses.field(default_factory=list)  # each such trial's, making included
+    deadline: float | None = None  # time.monotonic() at which this run's budget ends
+    # Weights (backend, weights) not proposed again in this run: their making failed (each
+    # trial would fail alike), or would take longer than what is left of the budget.
+    failed_artifacts: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+    deferred_artifacts: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+
 
 class TrialPhase:
-    """What happens to one proposed configuration; mixed into ``StudyRunner``, whose state
-    (the study, the judge, the claims, the quality book) it uses."""
+    """What happens to one proposed configuration.
 
-    def _score(self, m: Measurement, predicted_bytes: int, budget_bytes: int,
-               drop: float | None, quality: Mapping[str, Any] | None = None) -> objective_mod.Score:
+    Args:
+        prepared, study: The prepared study and its Optuna study.
+        judge: The study's judge (``study/judge.py``), its quality book with it.
+        claims: The study's claims (``study/claims.py``).
+        worker: This worker's name, stored with each trial.
+        run_state: What this run has learnt, shared with the runner.
+        say: Says a line of progress.
+        cleanup_dead_workers: Fails the trials of dead workers (a claim's holder may be one).
+    """
+
+    def __init__(self, prepared: "PreparedStudy", study: optuna.Study, judge: "Admission", claims: "Claims",
+                 worker: str, run_state: RunState, say: Callable[[str], None],
+                 cleanup_dead_workers: Callable[[], None]):
+        self.prepared, self.cfg, self.study = prepared, prepared.cfg, study
+        self.judge, self.quality, self.claims, self.worker = judge, judge.quality, claims, worker
+        self.run_state, self._say, self._cleanup_dead_workers = run_state, say, cleanup_dead_workers
+        self._artifact_lines: set[str] = set()
+
+    def score(self, m: Measurement, predicted_bytes: int, budget_bytes: int,
+              drop: float | None, quality: Mapping[str, Any] | None = None) -> objective_mod.Score:
         """The objective of one measurement: against its measured peak memory where there is one,
         else the predicted footprint."""
         used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted_bytes
@@ -42,17 +79,6 @@ class TrialPhase:
                                    budget_bytes, drop, per_user.median if per_user is not None else None,
                                    (quality or {}).get("admitted"),
                                    {key: m.metrics[key].median for key, _ in self.cfg.objective.slo if key in m.metrics})
-
-    def _fail_quietly(self, trial: optuna.Trial, result: TrialResult, reason: str, retry: bool = False) -> None:
-        """End ``result`` as failed and commit it, unless the trial already finished (an
-        interrupt after the tell): its outcome stands."""
-        if result.told:
-            return
-        result.failed(reason, **({"retry": True} if retry else {}))
-        try:
-            commit(self.study, trial, result)
-        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
-            pass  # it is finished already: its outcome stands
 
     def _claim(self, trial: optuna.Trial, config: TrialConfig) -> TrialRecord | None:
         """Claim ``config`` for ``trial``; returns the trial that answers for it instead, if any."""
@@ -76,7 +102,7 @@ class TrialPhase:
                 return None
         return holder
 
-    def _evaluate(self, trial: optuna.Trial, r: TrialResult) -> TrialResult:
+    def evaluate(self, trial: optuna.Trial, r: TrialResult) -> TrialResult:
         """One trial through the flow, learnt into ``r`` (and returned); committed at the
         checkpoints of study/trial_result.py, the last one (finished) by the runner."""
         prepared = self.prepared
@@ -104,7 +130,7 @@ class TrialPhase:
         if deferred is not None:
             # Not the configuration's fault, and nothing launched: a later run with the time
             # for it tries it (retry), and this run proposes these weights no more.
-            self._deferred_artifacts.add((config.backend, config.weights))
+            self.run_state.deferred_artifacts.add((config.backend, config.weights))
             self._say(f"trial {trial.number}: {deferred}")
             return r.failed(deferred, retry=True, deferred=True)
         commit(self.study, trial, r)  # making weights can take minutes: a crash then keeps what is known
@@ -113,8 +139,8 @@ class TrialPhase:
         except ArtifactError as exc:
             # Only the trials needing this artifact fail; the sampler proposes it no more this run
             # (a later run tries again: the user may have fixed what the tool said).
-            self._failed_artifacts.add((config.backend, config.weights))
-            self.n_measured += 1
+            self.run_state.failed_artifacts.add((config.backend, config.weights))
+            self.run_state.n_measured += 1
             r.failed(str(exc), exc.log_tail)
             # Too large for the disk is this artifact's size, as out of memory is a configuration's.
             r.failed_in = None if isinstance(exc, artifacts.DiskSpaceError) else systematic.making(config.backend)
@@ -151,14 +177,14 @@ class TrialPhase:
         except EngineUnavailableError:
             raise
         except BackendError as exc:
-            self.n_measured += 1
+            self.run_state.n_measured += 1
             cut = cost.cut_short(exc)
             if cut is not None:  # the budget ended it, not the engine: a run with time left measures it again
                 return r.failed(cut, exc.log_tail, retry=True)
             r.failed(str(exc), exc.log_tail)
             r.failed_in, r.worked = systematic.launching(config.backend), made
             return r
-        self.n_measured += 1
+        self.run_state.n_measured += 1
         assert verdict.estimate is not None and verdict.raw_total_bytes is not None
         r.learn(**records.measurement_fields(measurement, verdict.estimate.total_bytes))
         if measurement.peak_vram_bytes is not None:
@@ -175,7 +201,7 @@ class TrialPhase:
             r.pruned(heard.get("reason", "probe: stopped after the first run"), probe=True)
             r.reason = heard.get("reason")
             return r
-        s = self._score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes, drop, r.fields.get("quality"))
+        s = self.score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes, drop, r.fields.get("quality"))
         r.learn(score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
                        "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
         r.completed(list(s.values), s.constraints)
@@ -184,23 +210,20 @@ class TrialPhase:
         r.broken = tuple(k for k, v in s.constraints.items() if v > 0)
         return r
 
-    def _affordable(self, config: TrialConfig) -> bool:
-        return (config.backend, config.weights) not in self._deferred_artifacts
-
     def _over_budget_to_make(self, config: TrialConfig) -> str | None:
         """Why ``config`` is not started, when making its weights (``artifacts.predict_making``)
         and then one launch (the median so far) would end after the budget; None when it fits,
         when there is nothing to make, or before anything was measured in this run (a study
         must measure something, and the first making teaches the rate)."""
-        if self._deadline is None or not self._launch_seconds:
+        if self.run_state.deadline is None or not self.run_state.launch_seconds:
             return None
         backend = self.prepared.backend(config.backend)
         ctx = self.prepared.contexts[config.backend]
         need = artifacts.predict_making(backend, config.weights, ctx)
         if need is None or need.seconds is None:
             return None  # nothing to make, or no way to tell what it costs: it is tried
-        left = self._deadline - time.monotonic()
-        launch = statistics.median(self._launch_seconds)
+        left = self.run_state.deadline - time.monotonic()
+        launch = statistics.median(self.run_state.launch_seconds)
         if need.seconds + launch <= left:
             return None
         return (f"not started: making {' then '.join(need.formats)} would take about {need.seconds:.0f} s "
@@ -229,9 +252,8 @@ class TrialPhase:
     def _say_artifact(self, text: str) -> None:
         """An artifact's line, each said once per run: one study said "cache hit" 324 times for
         a few artifacts, once per trial that loaded them."""
-        said: set[str] = self.__dict__.setdefault("_artifact_lines", set())
-        if text not in said:
-            said.add(text)
+        if text not in self._artifact_lines:
+            self._artifact_lines.add(text)
             self._say(text)
 
     def _answer_from(self, r: TrialResult, earlier: TrialRecord) -> TrialResult:
