@@ -68,7 +68,11 @@ def wrapping_pages(app: Callable[..., Any]) -> Callable[..., Any]:
             said.update(status=status, headers=headers)  # sent below, once the body is known
             return lambda data: None
 
-        body = b"".join(app(environ, hold))
+        answer = app(environ, hold)
+        try:
+            body = b"".join(answer)
+        finally:  # the server closes what it is given (PEP 3333): here, the page's file, not a list
+            getattr(answer, "close", lambda: None)()
         status, headers = said["status"], said["headers"]
         if b"</head>" in body:
             body = body.replace(b"</head>", WRAP_ATTRIBUTES + b"</head>", 1)

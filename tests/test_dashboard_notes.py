@@ -73,3 +73,18 @@ def test_the_dashboard_page_wraps_long_attributes_and_nothing_else_changes(tmp_p
     assert int(said["headers"]["Content-Length"]) == len(page)
     assert "'unsafe-inline'" in said["headers"]["Content-Security-Policy"].split("style-src")[1].split(";")[0]
     assert _served(wrapped, "/api/studies")[1] == _served(plain, "/api/studies")[1]
+
+
+def test_the_wrapped_page_closes_what_the_dashboard_answered():
+    closed = []
+
+    class Answer(list):
+        def close(self):
+            closed.append(True)
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/html"), ("Content-Length", "27")])
+        return Answer([b"<html><head></head></html>"])
+
+    said, page = _served(dashboard.wrapping_pages(app), "/dashboard")
+    assert closed == [True] and dashboard.WRAP_ATTRIBUTES in page and said["headers"]["Content-Length"] == str(len(page))
