@@ -126,6 +126,12 @@ class BackendSpace:
                 n *= sum(_product(len(c.choices) for c in children if v in c.parent_values) for v in parent.choices)
         return n
 
+    def active(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` without the conditional parameters their parent switches off."""
+        return {k: v for k, v in options.items()
+                if not any(isinstance(p, ConditionalParam) and p.name == k and options.get(p.parent) not in p.parent_values
+                           for p in self.params)}
+
     def dimensions(self) -> list[Dimension]:
         """Its parameters as Optuna names them (module docstring), in a stable order."""
         name = self.backend.name
