@@ -205,7 +205,8 @@ class LlamaCppModel(EngineModel):
         if config.option("batch") is not None:
             placement += ["-b", scenario.batch]
         return deploy_line(["llama-server", "-m", model_file, "-c", config.ctx * config.parallel, "-np", config.parallel,
-                            "-ngl", ngl, *placement, *split.flags(config), "-fa", fa, "-ctk", cache, "-ctv", cache, "--host", "127.0.0.1",
+                            "-ngl", ngl, *placement, *split.flags(config), "-fa", fa, "-ctk", cache, "-ctv", cache,
+                            "--host", "127.0.0.1",
                             "--port", "8080"], notes)
 
 
