@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from autotune.api import SERVING_UNITS, Setting
+from autotune_plugins.twin.speculation import DEFAULT_ACCEPTANCE, acceptance_problem
 
 
 #: What one simulated run reports, and in which unit: what every serving backend measures.
@@ -43,6 +44,10 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
             check=layers_problem),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
             choices=tuple(UNITS)),
+    Setting("acceptance", (float, dict), None, "per-token acceptance of speculative drafts the twin assumes: one "
+            "number, or a table by spec type or family (draft, mtp, ngram); absent: "
+            + ", ".join(f"{f} {a}" for f, a in DEFAULT_ACCEPTANCE.items()) + " (docs/twin.md)",
+            check=acceptance_problem),
     Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
             "host's memory bandwidth alone bounds them)", check=_positive),
 )
