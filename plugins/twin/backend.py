@@ -214,10 +214,12 @@ class TwinBackend(BaseBackend):
             draft = replace(common, model=resolve_model(str(path)) if path is not None else ctx.model,
                             weights=self.weights(str(ref), ctx), gpu_layers=layers,
                             cache_type=str(config.option("draft_cache_type", common.cache_type)))
-        return speculation.Speculation(
-            spec_type=spec_type, n_max=int(config.option("spec_n_max", speculation.DEFAULT_N_MAX)),
-            n_min=int(config.option("spec_n_min", 0)), p_min=float(config.option("spec_p_min", 0.0)),
-            acceptance=speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type), draft=draft)
+        n_max = int(config.option("spec_n_max", speculation.DEFAULT_N_MAX))
+        rate = self.setting(ctx, "acceptance_rate")
+        a = speculation.per_token(float(rate), n_max) if rate is not None \
+            else speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type)
+        return speculation.Speculation(spec_type=spec_type, n_max=n_max, n_min=int(config.option("spec_n_min", 0)),
+                                       p_min=float(config.option("spec_p_min", 0.0)), acceptance=a, draft=draft)
 
     def layers_on_gpu(self, config: TrialConfig, ctx: StudyContext) -> int:
         """Decoder layers the simulation keeps on the GPU (the rest run on the host)."""

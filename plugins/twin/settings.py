@@ -48,6 +48,9 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
             "number, or a table by spec type or family (draft, mtp, ngram); absent: "
             + ", ".join(f"{f} {a}" for f, a in DEFAULT_ACCEPTANCE.items()) + " (docs/twin.md)",
             check=acceptance_problem),
+    Setting("acceptance_rate", float, None, "the engine's measured acceptance of drafts (accepted / drafted, a "
+            "trial's acceptance.rate) at the trial's n-max, converted to per-token; over acceptance when given "
+            "(autotune estimate --acceptance)", check=lambda v: None if 0 <= v < 1 else "must be >= 0 and < 1"),
     Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
             "host's memory bandwidth alone bounds them)", check=_positive),
 )
