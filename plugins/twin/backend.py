@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune.api import AutotuneError, BaseBackend, ConfigError, DefaultLaunch, EngineModel, Measurement, \
     MemoryEstimate, Param, Protocol, Setting, StudyContext, TrialConfig, UnsupportedError, WeightsBreakdown, \
     engine_models, measure_engine, parse_format, resolve_model, safetensors_dir_weights, weights_for
-from autotune_plugins.twin import calibration, formats, physics, speculation, traffic
+from autotune_plugins.twin import calibration, formats, multicard, physics, speculation, traffic
 from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS
 
@@ -93,13 +93,17 @@ class TwinBackend(BaseBackend):
         """The engine model's own parameters: the same space as its real backend; and the
         speculation options the twin prices (:mod:`speculation`) where the study's space names
         them and the engine model does not declare them itself."""
-        params = self.model.parameters(space)
+        params = self.model.parameters(space) + self.model.placement_parameters(space)
         declared = {p.name for p in params}
         return params + [p for p in speculation.parameters(space) if p.name not in declared]
 
     def _speculation_declared(self) -> bool:
         """Whether the engine model itself offers speculation (then its rules judge it)."""
         return any(p.name == "spec_type" for p in self.model.parameters({"spec_type": speculation.SPEC_TYPES}))
+
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """The engine model's split dimensions for a study on several cards."""
+        return self.model.placement_space(ctx)
 
     def as_format(self, weights: str, ctx: StudyContext) -> str:
         """A weights reference as the twin's models read it: a format as given; a GGUF file as the
@@ -164,7 +168,7 @@ class TwinBackend(BaseBackend):
         problem = self.check_weights(config.weights, ctx)
         if problem:
             return [problem]
-        reasons = self.model.rules(config, ctx)
+        reasons = self.model.rules(config, ctx) + self.model.placement_rules(config, ctx)
         if not self._speculation_declared():
             reasons += speculation.rules(dict(config.options))
         draft = config.option("draft")
@@ -196,9 +200,9 @@ class TwinBackend(BaseBackend):
             gpu_layers=gpu_layers,
         )
         return replace(self.model.scenario(self, common, config, ctx),
-                       speculation=self.speculation(config, ctx, common))
+                       speculation=self.speculation_of(config, ctx, common))
 
-    def speculation(self, config: TrialConfig, ctx: StudyContext,
+    def speculation_of(self, config: TrialConfig, ctx: StudyContext,
                     common: physics.Scenario) -> speculation.Speculation | None:
         """The trial's speculation as the physics prices it (None without): its options, the
         ``acceptance`` setting (assumed, see :mod:`speculation`), and a draft model's own scenario
@@ -224,6 +228,8 @@ class TwinBackend(BaseBackend):
     def layers_on_gpu(self, config: TrialConfig, ctx: StudyContext) -> int:
         """Decoder layers the simulation keeps on the GPU (the rest run on the host)."""
         scenario, k = self.scenario(config, ctx), self.constants()
+        if self.split(config, ctx) is not None:
+            return scenario.model.n_layers  # several cards: every layer on them (multicard.predict)
         return physics.gpu_layer_split(scenario, k, physics.memory(scenario, k))
 
     def calibrated_constants(self, ctx: StudyContext) -> physics.EngineConstants:
@@ -235,8 +241,23 @@ class TwinBackend(BaseBackend):
             return k
         return replace(k, **{f: float(v) for f, v in cal.get("after", {}).items() if f in calibration.CALIBRATED_FIELDS})
 
+    def split(self, config: TrialConfig, ctx: StudyContext) -> multicard.Split | None:
+        """The configuration's split over the study's cards (None: the study has one)."""
+        cards = multicard.cards_of(ctx)
+        return None if cards is None else multicard.split_of(config, cards, self.setting(ctx, "interconnect"))
+
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
-        return physics.memory(self.scenario(config, ctx), self.constants())
+        s, split = self.scenario(config, ctx), self.split(config, ctx)
+        mem = physics.memory(s if split is None else replace(s, gpu_layers="all"), self.constants())
+        if split is None:
+            return mem
+        head = s.weights.output_bytes + s.weights.other_bytes
+        return multicard.per_device(mem, split, s.weights.per_layer_bytes, head)
+
+    def _predict(self, s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants,
+                 config: TrialConfig, ctx: StudyContext) -> physics.Prediction:
+        split = self.split(config, ctx)
+        return physics.predict(s, k, host) if split is None else multicard.predict(s, k, host, split)
 
     def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
         try:
@@ -245,7 +266,7 @@ class TwinBackend(BaseBackend):
             return None
         _, host, _ = load_constants()
         scenario, k = self.scenario(config, ctx), self.calibrated_constants(ctx)
-        out = physics.predict(scenario, k, host).as_dict()
+        out = self._predict(scenario, k, host, config, ctx).as_dict()
         if ctx.workload.shaped or ctx.workload.slo:  # the requests one by one (traffic.py): their latencies
             out.update(traffic.predicted_metrics(scenario, k, host, ctx.workload, out["aggregate_tok_s"]))
         return out
@@ -299,9 +320,9 @@ class TwinBackend(BaseBackend):
         scenario = self.scenario(config, ctx)
         k = self.constants()
         _, host, _ = load_constants()
-        mem = physics.memory(scenario, k)
-        self.load_failure(config, ctx, mem)
-        p = physics.predict(scenario, k, host)
+        if self.split(config, ctx) is None:  # several cards: each card's share is judged before the launch
+            self.load_failure(config, ctx, physics.memory(scenario, k))
+        p = self._predict(scenario, k, host, config, ctx)
         noise = float(self.setting(ctx, "noise"))
         # Seeded for reproducible studies, but each launch of a configuration draws afresh: the
         # same noise on every re-measure would hide the between-run spread the finish looks for.
