@@ -125,7 +125,6 @@ def test_a_twin_study_over_spec_and_parallel_finds_speculation_wins_at_one_slot_
     from autotune.report import summary_text
     from autotune.study import StudyRunner, prepare_study
     from autotune.study.summary import summarize
-    from autotune.study.storage import open_storage  # noqa: F401  (the runner's storage, read back below)
 
     path = tmp_path / "spec.toml"
     path.write_text(SPEC_STUDY, encoding="utf-8")
@@ -140,6 +139,10 @@ def test_a_twin_study_over_spec_and_parallel_finds_speculation_wins_at_one_slot_
     assert found["verdict"].startswith("speculation loses from ")
     text = summary_text(summary)
     assert found["verdict"] in text and "parallel 1: x" in text
+    from autotune.report_html import render
+
+    page = render(runner.study, summary)
+    assert "id='speculation'" in page and "plot-speculation" in page
 
 
 def test_estimate_acceptance_on_the_command_line(twin_plugin):
