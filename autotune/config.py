@@ -94,6 +94,7 @@ class Candidates:
 
     backend: str
     weights: tuple[str, ...]
+    draft: tuple[str, ...] = ()  # draft weights for speculative decoding, searched as the option "draft"
 
 
 @dataclass(frozen=True)
@@ -432,12 +433,14 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     else:
         for i, cand in enumerate(raw_candidates):
             sec = f"candidates.{i}"
-            r.unknown_keys(sec, cand, {"backend", "weights"})
+            r.unknown_keys(sec, cand, {"backend", "weights", "draft"})
             backend = r.get(sec, cand, "backend", str, None, required=True, accepted="an installed backend (autotune plugins)")
             weights = r.get(sec, cand, "weights", list, None, required=True,
                             check=lambda v: None if v and all(isinstance(w, str) and w for w in v) else "must be a non-empty list of strings")
+            draft = r.get(sec, cand, "draft", list, [], accepted="a list of draft weights, as weights are named",
+                          check=lambda v: None if all(isinstance(w, str) and w for w in v) else "must be a list of non-empty strings")
             if backend and weights:
-                candidates.append(Candidates(backend, tuple(weights)))
+                candidates.append(Candidates(backend, tuple(weights), tuple(draft or ())))
 
     space_t = r.table("space", required=True)
     space: dict[str, tuple[Any, ...]] = {}
