@@ -177,6 +177,14 @@ class ExLlamaV3Backend(WorkerBackend):
                                 accepted=("a multiple of 256, at least 256",)))
         return params + split.parameters(space)
 
+    def search_dimensions(self) -> list[Param]:
+        """Every [space] key this backend takes (``autotune plugins``, ``estimate --set``)."""
+        return self.parameters({"chunk_size": [], **{k: [] for k in split.KEYS}})
+
+    def search_rules(self) -> list[str]:
+        """The split's rules in words (``autotune plugins``)."""
+        return list(split.RULES)
+
     def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
         """``gpu_split`` and ``tensor_parallel`` for a study on several cards (:mod:`.split`)."""
         return split.space(ctx, ctx.model, self._hf_config(None, ctx))
