@@ -122,6 +122,13 @@ class EngineModel:
         """What a study on several cards searches of the split when its ``[space]`` does not say."""
         return {}
 
+    def placement_memory(self, mem: MemoryEstimate, s: Any, config: TrialConfig,
+                         ctx: StudyContext) -> MemoryEstimate | None:
+        """Each card's share of ``mem`` (the one-card estimate of scenario ``s``, every layer on
+        the card) by the engine's own placement, where it has one (its real backend's per-card
+        model); None: the twin's generic split (``plugins/twin/multicard.py``) stands for it."""
+        return None
+
     def refuse(self, twin: Any, config: TrialConfig, ctx: StudyContext) -> None:
         """Raise the engine's own ``UnsupportedError`` for a card or option it does not support."""
 

@@ -251,6 +251,9 @@ class TwinBackend(BaseBackend):
         mem = physics.memory(s if split is None else replace(s, gpu_layers="all"), self.constants())
         if split is None:
             return mem
+        own = self.model.placement_memory(mem, s, config, ctx)
+        if own is not None:  # the engine places the model itself (exllamav3's autosplit, its TP allocator)
+            return own
         head = s.weights.output_bytes + s.weights.other_bytes
         return multicard.per_device(mem, split, s.weights.per_layer_bytes, head)
 
