@@ -412,6 +412,11 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
     def go() -> None:
         if out.exists() and not force:
             raise ConfigError(f"--out {out}: already exists (pass --force to replace it)")
+        # Found before the model is read and the backends asked, not as a traceback at the write.
+        problem = path_problem(out.absolute().parent, "directory")
+        if problem:
+            raise ConfigError(f"--out {out}: {out.absolute().parent}: {problem} (the study file's directory must "
+                              "exist)")
         if name is not None and study_name_problem(name):  # before the file is written, not after
             raise ConfigError(f"--name {name!r}: {study_name_problem(name)}")
         draft = draft_study(str(model), gpu_key, name)

@@ -83,6 +83,9 @@ def parse_duration(text: str | int | float, source: str = "--budget") -> float:
     if not match:
         raise ConfigError(f"{source} {text!r}: use a number with s, m or h, e.g. 90m or 2h")
     seconds = float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
+    if not math.isfinite(seconds):  # 400 digits overflow to inf: no budget at all, said as one
+        raise ConfigError(f"{source} {_show_long(text)}: too large for a number of seconds; give a finite duration, "
+                          "e.g. 90m or 2h")
     if seconds <= 0:
         raise ConfigError(f"{source} {text!r}: must be more than no time, e.g. 90m or 2h")
     return seconds
@@ -257,6 +260,11 @@ def _not_finite(value: Any) -> bool:
     if isinstance(value, float):
         return not math.isfinite(value)
     return isinstance(value, list) and any(_not_finite(v) for v in value)
+
+
+def _show_long(text: str) -> str:
+    """A typed value quoted, cut where it is longer than a line."""
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text)} characters)"
 
 
 def _show(value: Any) -> str:
