@@ -22,7 +22,9 @@ What the model assumes, each named where it is used (docs/twin.md, "Speculative 
 
 * acceptance is a property of the text and the draft, not of the card: the twin takes it as a
   setting (``acceptance``, per spec type, defaults in :data:`DEFAULT_ACCEPTANCE`), since only a
-  measurement on the user's own workload knows it (autotune's trials store the engine's counts);
+  measurement on the user's own workload knows it (autotune's trials store the engine's counts,
+  and once a study has measured a spec type its calibration prices later trials of that type at
+  the measured acceptance: :func:`measured_acceptance`);
 * ``p_min`` gates the draft on its own confidence, which the twin takes as calibrated and
   distributed as Beta(alpha, 1) with mean ``a`` (:func:`gated`): the gate stops drafting before
   unlikely tokens, shortening drafts (less cost) and losing some tokens that would have been kept;
@@ -46,7 +48,7 @@ from typing import Any, Mapping, Sequence
 from autotune.api import Param, kept
 
 __all__ = ["DEFAULT_ACCEPTANCE", "SPEC_TYPES", "CycleCosts", "Speculation", "load_cycle_costs", "acceptance_for", "acceptance_problem",
-           "expected_tokens", "family_of_type", "gated", "parameters", "per_token", "rate_of", "rules"]
+           "expected_tokens", "family_of_type", "gated", "measured_acceptance", "parameters", "per_token", "rate_of", "rules"]
 
 #: The values of llama-server's ``--spec-type`` in the pinned build (its ``--help``), for an
 #: engine model that does not declare them itself.
@@ -293,6 +295,24 @@ def rules(options: Mapping[str, Any]) -> list[str]:
     if n_max is not None and n_min is not None and n_min > n_max:
         reasons.append(f"spec_n_min {n_min} > spec_n_max {n_max}: the draft could never be long enough")
     return reasons
+
+
+def measured_acceptance(trials: Sequence[tuple[Mapping[str, Any], Mapping[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per spec type, the per-token acceptance the study's trials measured: each trial's engine
+    counts (``acceptance_drafted``, ``acceptance_accepted`` beside its metrics) turned into a
+    per-token ``a`` at its own n-max (:func:`per_token`), pooled weighted by tokens drafted, so
+    that trials at different n-max agree on one property of the text and the draft."""
+    pooled: dict[str, list[float]] = {}
+    for options, metrics in trials:
+        spec_type = str(options.get("spec_type", "none"))
+        drafted, accepted = metrics.get("acceptance_drafted"), metrics.get("acceptance_accepted")
+        if spec_type == "none" or not drafted or accepted is None:
+            continue
+        n_max = int(options.get("spec_n_max", DEFAULT_N_MAX))
+        a = per_token(min(max(accepted / drafted, 0.0), 1.0), n_max)
+        weight, total = pooled.setdefault(spec_type, [0.0, 0.0])
+        pooled[spec_type] = [weight + drafted, total + drafted * a]
+    return {t: {"per_token": round(total / weight, 4), "drafted": weight} for t, (weight, total) in pooled.items()}
 
 
 def acceptance_problem(value: Any) -> str | None:

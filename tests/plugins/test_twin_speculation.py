@@ -227,3 +227,33 @@ def test_speculation_loses_by_four_slots_on_every_card(gpu, rate):
 
     gains = {p: speculation_evidence.twin_ratio(gpu, 2, rate, p) for p in (1, 4, 8, 16)}
     assert gains[1] > 1.3 and max(gains[4], gains[8], gains[16]) < 1.0
+
+
+def test_the_calibration_prices_later_trials_at_the_acceptance_the_study_measured():
+    """Trials that counted their drafts (the core passes the counts beside the metrics) give the
+    twin's calibration a per-token acceptance per spec type, pooled over n-max; later trials of
+    that type are priced at it, not at the assumed default."""
+    from dataclasses import replace
+
+    twin = TwinLlamaCpp()
+    ctx = ctx_for()
+    a = 0.6
+    measured = []
+    for n_max, drafted in ((2, 400), (4, 800)):
+        config = TrialConfig(twin.name, "gguf:Q4_K_M", 4096, 1,
+                             (("cache_type", "q4_0"), ("spec_n_max", n_max), ("spec_type", "draft-mtp")))
+        metrics = dict(twin.predict(config, ctx))
+        metrics.update(acceptance_drafted=float(drafted),
+                       acceptance_accepted=drafted * speculation.rate_of(a, n_max))
+        measured.append((config, metrics))
+    report = twin.calibrate(measured, ctx)
+    assert report["acceptance"]["draft-mtp"]["per_token"] == pytest.approx(a, abs=1e-3)
+    assert report["acceptance"]["draft-mtp"]["drafted"] == 1200
+    calibrated = replace(ctx, calibration=report)
+    priced = speed(calibrated, spec_type="draft-mtp", spec_n_max=3)
+    assumed = speed(ctx, spec_type="draft-mtp", spec_n_max=3)  # the default, mtp 0.8
+    at_measured = speed(ctx_for(acceptance=a), spec_type="draft-mtp", spec_n_max=3)
+    assert priced == pytest.approx(at_measured, rel=0.02) and priced < assumed
+    # A spec type the study never measured keeps the assumption.
+    assert speed(calibrated, spec_type="ngram-simple", spec_n_max=3) == \
+        pytest.approx(speed(ctx, spec_type="ngram-simple", spec_n_max=3), rel=0.02)
