@@ -70,6 +70,11 @@ def calibrate(prepared: PreparedStudy, study: optuna.Study) -> dict[str, dict[st
             if config is None or config.backend != name or (r.gpu and r.gpu.get("key") != ctx.gpu.key):
                 continue  # another backend's, or measured on another card before a resume
             metrics = {m: float(v) for m in SPEED_METRICS if (v := r.median(m)) is not None}
+            if metrics and r.acceptance and r.acceptance.get("drafted"):
+                # The engine's own draft counts: a predictor that prices speculation learns the
+                # study's acceptance from them, which depends on the text, not the card.
+                metrics.update(acceptance_drafted=float(r.acceptance["drafted"]),
+                               acceptance_accepted=float(r.acceptance["accepted"]))
             found = predictor_for(real, config, ctx, backends)
             if not metrics or found is None or found[0] is real:
                 continue

@@ -220,8 +220,14 @@ class TwinBackend(BaseBackend):
                             cache_type=str(config.option("draft_cache_type", common.cache_type)))
         n_max = int(config.option("spec_n_max", speculation.DEFAULT_N_MAX))
         rate = self.setting(ctx, "acceptance_rate")
-        a = speculation.per_token(float(rate), n_max) if rate is not None \
-            else speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type)
+        cal = ctx.calibration or {}
+        measured = cal.get("acceptance", {}) if cal.get("engine") == self.engine else {}
+        if spec_type in measured:  # the study's own trials counted it: no assumption beats that
+            a = float(measured[spec_type]["per_token"])
+        elif rate is not None:
+            a = speculation.per_token(float(rate), n_max)
+        else:
+            a = speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type)
         return speculation.Speculation(spec_type=spec_type, n_max=n_max, n_min=int(config.option("spec_n_min", 0)),
                                        p_min=float(config.option("spec_p_min", 0.0)), acceptance=a, draft=draft)
 
@@ -289,7 +295,8 @@ class TwinBackend(BaseBackend):
             return None
         _, host, _ = load_constants()
         _, report = calibration.fit(self.constants(), host, observations)
-        return {"engine": self.engine, "gpu": ctx.gpu.key, **report}
+        counted = speculation.measured_acceptance([(dict(c.options), m) for c, m in measured])
+        return {"engine": self.engine, "gpu": ctx.gpu.key, **report, **({"acceptance": counted} if counted else {})}
 
     def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
         """Raise the engine's own error for a card or option it does not support."""
