@@ -104,10 +104,10 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
             f"--backend {name!r}: not an installed backend or engine "
             f"(backends: {', '.join(backends) or 'none'}; engines: {', '.join(engines) or 'none'})"
         )
-    twins = [b for b in same if b.is_model]
-    real = [b for b in same if not b.is_model]
+    twins = [b for b in same if b.predictor is not None]
+    real = [b for b in same if b.predictor is None]
     if is_format(weights):
-        if named is not None and named.is_model:
+        if named is not None and named.predictor is not None:
             chosen = named
         elif twins:
             chosen = twins[0]
@@ -121,7 +121,7 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
         chosen = named  # the real backend or the twin, as named: both read the file
     else:
         chosen = real[0] if real else twins[0]
-    return chosen, chosen if chosen.is_model else (twins[0] if twins else None)
+    return chosen, chosen if chosen.predictor is not None else (twins[0] if twins else None)
 
 
 def _weights_of(model_ref: str, weights: str | None) -> str:
@@ -356,7 +356,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             refused = str(exc)
         if refused is None:
             try:
-                predicted = predictor.predict(probe, ctx)
+                predicted = predictor.predictor.predict(probe, ctx)
             except ConfigError as exc:  # a weights file whose format the speed model has no entry for
                 no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
     fits = mem.total_bytes <= budget.bytes and not (placement is not None and mem.per_device_bytes
@@ -364,7 +364,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
     resolved = None
     if backend.name != backend_name:
         kind = "a format" if is_format(weights) else "a file or directory"
-        role = "the engine's digital twin" if backend.is_model else "the engine's real backend"
+        role = "the engine's digital twin" if backend.predictor is not None else "the engine's real backend"
         resolved = f"--backend {backend_name} with {kind} as weights: estimated by {backend.name}, {role}"
     return {
         "config": config.as_dict(),
