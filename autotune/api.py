@@ -39,6 +39,7 @@ from autotune.parts import ArtifactMaker, Predictor, Scoring, Splitting, part
 from autotune.metric import BaseMetric, MetricValue, QualityReference
 from autotune.models import ModelSpec, get_model, load_model_catalog, model_from_gguf, model_from_hf_config, \
     resolve_model
+from autotune.links import Link, get_link, host_link, load_links, slowest_link
 from autotune.paths import path_problem
 from autotune.placement import cuda_visible
 from autotune.redact import engine_environment, mask_argv, remember_secret
@@ -65,6 +66,7 @@ __all__ = [
     "parse_format", "safetensors_dir_weights", "weights_for", "Recipe", "artifact_path", "is_format", "run_tool",
     "source_hash", "ModelSpec", "get_model", "load_model_catalog", "model_from_gguf", "model_from_hf_config",
     "resolve_model", "GpuSpec", "detect_gpus", "get_gpu", "has_gpu", "load_gpu_catalog",
+    "Link", "get_link", "host_link", "load_links", "slowest_link",
     # cache and memory arithmetic
     "GraphBuffers", "SlotLayout", "cache_bytes_per_element", "cache_fixed_bytes", "kv_bytes_per_token",
     "kv_cache_bytes", "resolve_cache_type",

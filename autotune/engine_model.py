@@ -109,6 +109,19 @@ class EngineModel:
         """Why the engine would refuse ``config`` before launching (empty: it starts)."""
         return []
 
+    def placement_parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """The engine's split dimensions over several cards that ``space`` names (docs/study-file.md,
+        "Several cards"); none by default: the engine runs on one card."""
+        return []
+
+    def placement_rules(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        """Why the engine would refuse ``config``'s split over the study's cards (empty: it starts)."""
+        return []
+
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """What a study on several cards searches of the split when its ``[space]`` does not say."""
+        return {}
+
     def refuse(self, twin: Any, config: TrialConfig, ctx: StudyContext) -> None:
         """Raise the engine's own ``UnsupportedError`` for a card or option it does not support."""
 

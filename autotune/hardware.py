@@ -189,7 +189,7 @@ def _spec_from_table(key: str, table: Mapping[str, Any], where: str) -> GpuSpec:
 
 @functools.lru_cache(maxsize=1)
 def _catalog() -> Mapping[str, GpuSpec]:
-    return read_catalog(_CATALOG_FILE, _spec_from_table)
+    return read_catalog(_CATALOG_FILE, _spec_from_table, skip=("links",))  # links: autotune/links.py
 
 
 def load_gpu_catalog() -> dict[str, GpuSpec]:

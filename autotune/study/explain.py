@@ -38,6 +38,10 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
     judge = judge_for(prepared, study)
     candidates = next((c.weights for c in cfg.candidates if c.backend == config.backend), (config.weights,))
     options = {k: v for k, v in cfg.space.items() if k not in ("ctx", "parallel")}
+    # The placement dimensions a study on several cards searches without naming them (split
+    # mode, proportions): each is a neighbour too, so the summary says why the winner's split wins.
+    split = {} if backend.splitting is None else backend.splitting.placement_space(prepared.contexts[config.backend])
+    options = {**split, **options}
     dims: list[tuple[str, tuple[Any, ...]]] = [
         ("weights", tuple(candidates)), ("ctx", tuple(cfg.space["ctx"])), ("parallel", tuple(cfg.space["parallel"])),
     ]
@@ -56,6 +60,9 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
             verdict = judge.judge(alt)
             if verdict.kind == "invalid":
                 lines.append(f"{label}: {verdict.reason}")
+                continue
+            if verdict.kind == "over_budget" and verdict.estimate is not None and verdict.estimate.per_device_bytes:
+                lines.append(f"{label}: does not fit: {verdict.reason.removeprefix('infeasible: ')}")
                 continue
             if verdict.kind == "over_budget" and verdict.estimate is not None:
                 budget = prepared.contexts[config.backend].vram_budget_bytes

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from autotune.api import DefaultLaunch, EngineModel, MemoryEstimate, ModelSpec, Param, Rule, StudyContext, \
     TrialConfig, WeightsBreakdown, deploy_line, kept, load_rules, parse_format, violations
 from autotune.gguf_file import read_gguf
-from autotune_plugins.llama_server import declarations, memory
+from autotune_plugins.llama_server import declarations, memory, split
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS
 
@@ -114,6 +114,18 @@ class LlamaCppModel(EngineModel):
                  "n_layers": model.n_layers, "all_layers": model.n_layers + 1, "batch": memory.DEFAULT_BATCH}
         return violations(engine_rules(), options, facts)
 
+    def placement_parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """-sm, -ts, -mg (split.py), for the twin: the real backend adds them itself."""
+        return split.parameters(space)
+
+    def placement_rules(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        p = getattr(ctx, "placement", None)
+        return split.check(config, ctx, ctx.model, cuda=p is not None and not p.on_cpu)
+
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        p = getattr(ctx, "placement", None)
+        return split.space(ctx, cuda=p is not None and not p.on_cpu)
+
     # ------------------------------------------------------------------ memory and physics
 
     def memory(self, s: Any, k: Any) -> MemoryEstimate:
@@ -193,7 +205,8 @@ class LlamaCppModel(EngineModel):
         if config.option("batch") is not None:
             placement += ["-b", scenario.batch]
         return deploy_line(["llama-server", "-m", model_file, "-c", config.ctx * config.parallel, "-np", config.parallel,
-                            "-ngl", ngl, *placement, "-fa", fa, "-ctk", cache, "-ctv", cache, "--host", "127.0.0.1",
+                            "-ngl", ngl, *placement, *split.flags(config), "-fa", fa, "-ctk", cache, "-ctv", cache,
+                            "--host", "127.0.0.1",
                             "--port", "8080"], notes)
 
 

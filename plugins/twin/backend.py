@@ -17,11 +17,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import Predictor, part
+from autotune.api import Predictor, Splitting, part
 from autotune.api import AutotuneError, BaseBackend, ConfigError, DefaultLaunch, EngineModel, Measurement, \
     MemoryEstimate, Param, Protocol, Setting, StudyContext, TrialConfig, UnsupportedError, WeightsBreakdown, \
     engine_models, measure_engine, parse_format, safetensors_dir_weights, weights_for
-from autotune_plugins.twin import calibration, formats, physics, traffic
+from autotune_plugins.twin import calibration, formats, multicard, physics, traffic
 from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS
 
@@ -83,7 +83,7 @@ class TwinPredictor(Predictor):
             return None
         _, host, _ = load_constants()
         scenario, k = t.scenario(config, ctx), t.calibrated_constants(ctx)
-        out = physics.predict(scenario, k, host).as_dict()
+        out = t._predict(scenario, k, host, config, ctx).as_dict()
         if ctx.workload.shaped or ctx.workload.slo:  # the requests one by one (traffic.py): their latencies
             out.update(traffic.predicted_metrics(scenario, k, host, ctx.workload, out["aggregate_tok_s"]))
         return out
@@ -112,12 +112,19 @@ class TwinPredictor(Predictor):
         return not float(self.backend.setting(ctx, "noise"))
 
 
+class TwinSplitting(Splitting):
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """The engine model's split dimensions for a study on several cards."""
+        return self.backend.model.placement_space(ctx)
+
+
 class TwinBackend(BaseBackend):
     """A simulated backend of one engine model (``model``); :func:`twin_class` makes its subclasses."""
 
     model: ClassVar[EngineModel]
     settings: ClassVar[tuple[Setting, ...]] = TWIN_SETTINGS
     predictor = part(TwinPredictor)
+    splitting = part(TwinSplitting)
     #: Launches of each configuration in this process (a key's n-th launch draws the n-th noise).
     _launches: ClassVar[dict[str, int]] = {}
 
@@ -136,7 +143,7 @@ class TwinBackend(BaseBackend):
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         """The engine model's own parameters: the same space as its real backend."""
-        return self.model.parameters(space)
+        return self.model.parameters(space) + self.model.placement_parameters(space)
 
     def as_format(self, weights: str, ctx: StudyContext) -> str:
         """A weights reference as the twin's models read it: a format as given; a GGUF file as the
@@ -199,7 +206,7 @@ class TwinBackend(BaseBackend):
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
         """The weights, then the engine model's rules (the same its real backend checks)."""
         problem = self.check_weights(config.weights, ctx)
-        return [problem] if problem else self.model.rules(config, ctx)
+        return [problem] if problem else self.model.rules(config, ctx) + self.model.placement_rules(config, ctx)
 
     # ------------------------------------------------------------------ physics
 
@@ -227,6 +234,8 @@ class TwinBackend(BaseBackend):
     def layers_on_gpu(self, config: TrialConfig, ctx: StudyContext) -> int:
         """Decoder layers the simulation keeps on the GPU (the rest run on the host)."""
         scenario, k = self.scenario(config, ctx), self.constants()
+        if self.split(config, ctx) is not None:
+            return scenario.model.n_layers  # several cards: every layer on them (multicard.predict)
         return physics.gpu_layer_split(scenario, k, physics.memory(scenario, k))
 
     def calibrated_constants(self, ctx: StudyContext) -> physics.EngineConstants:
@@ -238,8 +247,23 @@ class TwinBackend(BaseBackend):
             return k
         return replace(k, **{f: float(v) for f, v in cal.get("after", {}).items() if f in calibration.CALIBRATED_FIELDS})
 
+    def split(self, config: TrialConfig, ctx: StudyContext) -> multicard.Split | None:
+        """The configuration's split over the study's cards (None: the study has one)."""
+        cards = multicard.cards_of(ctx)
+        return None if cards is None else multicard.split_of(config, cards, self.setting(ctx, "interconnect"))
+
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
-        return physics.memory(self.scenario(config, ctx), self.constants())
+        s, split = self.scenario(config, ctx), self.split(config, ctx)
+        mem = physics.memory(s if split is None else replace(s, gpu_layers="all"), self.constants())
+        if split is None:
+            return mem
+        head = s.weights.output_bytes + s.weights.other_bytes
+        return multicard.per_device(mem, split, s.weights.per_layer_bytes, head)
+
+    def _predict(self, s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants,
+                 config: TrialConfig, ctx: StudyContext) -> physics.Prediction:
+        split = self.split(config, ctx)
+        return physics.predict(s, k, host) if split is None else multicard.predict(s, k, host, split)
 
     def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
         """Raise the engine's own error for a card or option it does not support."""
@@ -268,9 +292,9 @@ class TwinBackend(BaseBackend):
         scenario = self.scenario(config, ctx)
         k = self.constants()
         _, host, _ = load_constants()
-        mem = physics.memory(scenario, k)
-        self.load_failure(config, ctx, mem)
-        p = physics.predict(scenario, k, host)
+        if self.split(config, ctx) is None:  # several cards: each card's share is judged before the launch
+            self.load_failure(config, ctx, physics.memory(scenario, k))
+        p = self._predict(scenario, k, host, config, ctx)
         noise = float(self.setting(ctx, "noise"))
         # Seeded for reproducible studies, but each launch of a configuration draws afresh: the
         # same noise on every re-measure would hide the between-run spread the finish looks for.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from autotune.api import SERVING_UNITS, Setting
+from autotune.api import SERVING_UNITS, Setting, load_links
 
 
 #: What one simulated run reports, and in which unit: what every serving backend measures.
@@ -32,6 +32,11 @@ def layers_problem(value: Any) -> str | None:
     return None if value >= 0 else "must be >= 0 layers"
 
 
+def _link_problem(value: str) -> str | None:
+    known = load_links()
+    return None if value in known else f"must be a link of the GPU catalog: {', '.join(known)}"
+
+
 TWIN_SETTINGS: tuple[Setting, ...] = (
     Setting("noise", float, 0.0, "relative standard deviation of simulated measurement noise (0: exact)",
             check=_at_least_zero),
@@ -45,4 +50,6 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
             choices=tuple(UNITS)),
     Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
             "host's memory bandwidth alone bounds them)", check=_positive),
+    Setting("interconnect", str, None, "what a study's several cards send activations over: pcie3, pcie4, pcie5, "
+            "nvlink, nvlink4 (absent: the slowest of the cards' own PCIe links)", check=_link_problem),
 )
