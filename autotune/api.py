@@ -43,7 +43,9 @@ from autotune.links import Link, get_link, host_link, load_links, slowest_link
 from autotune.paths import path_problem
 from autotune.placement import cuda_visible
 from autotune.redact import engine_environment, mask_argv, remember_secret
+from autotune.acceptance import ACCEPTANCE_ATTR, Acceptance, DraftCount, total as total_acceptance
 from autotune.shell import command_line
+from autotune.space import ConditionalParam
 from autotune.terminal import echo
 from autotune.rules import Rule, load_rules, violations
 from autotune.scoring import LogLikelihood, Scorer, ScoringError, ScoringUnsupportedError
@@ -52,10 +54,11 @@ from autotune.vram import GraphBuffers, SlotLayout, kv_cache_bytes
 from autotune.workload import Workload
 
 __all__ = [
+    "ACCEPTANCE_ATTR", "Acceptance", "DraftCount", "total_acceptance",
     # hooks
     "hookimpl",
     # backends
-    "BaseBackend", "DefaultLaunch", "Measurement", "MemoryEstimate", "Param", "Setting", "StudyContext", "TrialConfig",
+    "BaseBackend", "ConditionalParam", "DefaultLaunch", "Measurement", "MemoryEstimate", "Param", "Setting", "StudyContext", "TrialConfig",
     "UserLoad", "Workload", "deploy_line", "same_value", "control_problem",
     # a backend's optional parts
     "ArtifactMaker", "Predictor", "Scoring", "Splitting", "part",

@@ -356,12 +356,16 @@ def _settings_given(given: tuple[str, ...]) -> dict[str, object]:
 @click.option("--gpus", default=None, metavar="KEY,KEY,...",
               help="Several cards, catalog keys in device order (as [hardware] gpus): each card's share is judged "
                    "against its own memory less 256 MiB.")
+@click.option("--acceptance", type=float, default=None, metavar="RATE",
+              help="With speculation set (--set spec_type=draft-mtp --set spec_n_max=2): the share of drafted tokens "
+                   "the engine accepts (accepted / drafted, as a trial's acceptance records it); the speed is "
+                   "predicted at it and compared with no speculation.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
              ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int, prompt_tokens: int | None,
              output_tokens: int | None, study_name: str | None, storage: str | None, settings: tuple[str, ...],
-             dimensions: tuple[str, ...], gpus: str | None, as_json: bool) -> None:
+             dimensions: tuple[str, ...], gpus: str | None, acceptance: float | None, as_json: bool) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
 
     Fits or not is the study's judge's verdict: the memory model (with the correction a
@@ -380,7 +384,8 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
         result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
                                  parallel, prompt_tokens, output_tokens, study_name, storage,
                                  settings=_settings_given(settings), dimensions=_settings_given(dimensions),
-                                 gpus=[g.strip() for g in gpus.split(",") if g.strip()] if gpus else None)
+                                 gpus=[g.strip() for g in gpus.split(",") if g.strip()] if gpus else None,
+                                 acceptance=acceptance)
         echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
         if result["verdict"] == "invalid":
             raise ConfigError("invalid configuration: " + "; ".join(result["invalid"]))
@@ -407,6 +412,11 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
     def go() -> None:
         if out.exists() and not force:
             raise ConfigError(f"--out {out}: already exists (pass --force to replace it)")
+        # Found before the model is read and the backends asked, not as a traceback at the write.
+        problem = path_problem(out.absolute().parent, "directory")
+        if problem:
+            raise ConfigError(f"--out {out}: {out.absolute().parent}: {problem} (the study file's directory must "
+                              "exist)")
         if name is not None and study_name_problem(name):  # before the file is written, not after
             raise ConfigError(f"--name {name!r}: {study_name_problem(name)}")
         draft = draft_study(str(model), gpu_key, name)

@@ -83,6 +83,9 @@ def parse_duration(text: str | int | float, source: str = "--budget") -> float:
     if not match:
         raise ConfigError(f"{source} {text!r}: use a number with s, m or h, e.g. 90m or 2h")
     seconds = float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
+    if not math.isfinite(seconds):  # 400 digits overflow to inf: no budget at all, said as one
+        raise ConfigError(f"{source} {_show_long(text)}: too large for a number of seconds; give a finite duration, "
+                          "e.g. 90m or 2h")
     if seconds <= 0:
         raise ConfigError(f"{source} {text!r}: must be more than no time, e.g. 90m or 2h")
     return seconds
@@ -94,6 +97,7 @@ class Candidates:
 
     backend: str
     weights: tuple[str, ...]
+    draft: tuple[str, ...] = ()  # draft weights for speculative decoding, searched as the option "draft"
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,11 @@ def _not_finite(value: Any) -> bool:
     if isinstance(value, float):
         return not math.isfinite(value)
     return isinstance(value, list) and any(_not_finite(v) for v in value)
+
+
+def _show_long(text: str) -> str:
+    """A typed value quoted, cut where it is longer than a line."""
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text)} characters)"
 
 
 def _show(value: Any) -> str:
@@ -432,12 +441,14 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     else:
         for i, cand in enumerate(raw_candidates):
             sec = f"candidates.{i}"
-            r.unknown_keys(sec, cand, {"backend", "weights"})
+            r.unknown_keys(sec, cand, {"backend", "weights", "draft"})
             backend = r.get(sec, cand, "backend", str, None, required=True, accepted="an installed backend (autotune plugins)")
             weights = r.get(sec, cand, "weights", list, None, required=True,
                             check=lambda v: None if v and all(isinstance(w, str) and w for w in v) else "must be a non-empty list of strings")
+            draft = r.get(sec, cand, "draft", list, [], accepted="a list of draft weights, as weights are named",
+                          check=lambda v: None if all(isinstance(w, str) and w for w in v) else "must be a list of non-empty strings")
             if backend and weights:
-                candidates.append(Candidates(backend, tuple(weights)))
+                candidates.append(Candidates(backend, tuple(weights), tuple(draft or ())))
 
     space_t = r.table("space", required=True)
     space: dict[str, tuple[Any, ...]] = {}

@@ -206,7 +206,8 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
                     ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int,
                     prompt_tokens: int | None = None, output_tokens: int | None = None, study_name: str | None = None,
                     storage: str | None = None, settings: Mapping[str, Any] | None = None,
-                    dimensions: Mapping[str, Any] | None = None, gpus: Sequence[str] | None = None) -> dict[str, Any]:
+                    dimensions: Mapping[str, Any] | None = None, gpus: Sequence[str] | None = None,
+                    acceptance: float | None = None) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
 
     Args:
@@ -225,6 +226,10 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             on the host, micro-batch, split...), each checked against what the backend accepts.
         gpus: Several cards (``--gpus``, as ``[hardware] gpus``): the judge checks each card's
             share against its own budget (256 MiB margin each).
+        acceptance: With speculation in ``dimensions`` (``spec_type``, ``spec_n_max``): the
+            engine's acceptance rate of drafts, accepted / drafted at that n-max (what a trial's
+            ``acceptance.rate`` records), which the speed model prices the speculation at; the
+            result's ``speculation`` then compares it with the same configuration without.
 
     Returns:
         ``{"config", "gpu", "model", "vram": {weights_bytes, kv_bytes, buffers_bytes,
@@ -341,7 +346,11 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
                                 "study, another card, or nothing measured yet): the published constants predict")
         ctx = replace(ctx, calibration=calibration)
     predicted = None
+    speculated = None
     refused = None
+    if acceptance is not None and str(dict(options).get("spec_type", "none")) == "none":
+        raise ConfigError(f"--acceptance {acceptance}: prices speculative decoding, and the configuration has none: "
+                          "give its type and draft length, e.g. --set spec_type=draft-mtp --set spec_n_max=2")
     no_prediction = None if predictor is not None else "no speed model for this engine is installed"
     if invalid:
         no_prediction = "no speed is predicted for an invalid configuration"
@@ -356,7 +365,10 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             refused = str(exc)
         if refused is None:
             try:
-                predicted = predictor.predictor.predict(probe, ctx)
+                if acceptance is not None:
+                    predicted, speculated = _with_acceptance(predictor, probe, ctx, acceptance)
+                else:
+                    predicted = predictor.predictor.predict(probe, ctx)
             except ConfigError as exc:  # a weights file whose format the speed model has no entry for
                 no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
     fits = mem.total_bytes <= budget.bytes and not (placement is not None and mem.per_device_bytes
@@ -377,6 +389,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         "budget_note": budget_note,
         **({"card_budgets": list(placement.budgets)} if placement is not None else {}),
         "predicted": dict(predicted) if predicted else None,
+        "speculation": speculated,
         "refused": refused,
         "invalid": invalid,
         "verdict": _verdict(verdict.kind, refused),
@@ -389,6 +402,30 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
             "median_abs_error_after": calibration.get("median_abs_error_after")},
         "calibration_note": calibration_note,
     }
+
+
+def _with_acceptance(predictor: BaseBackend, probe: TrialConfig, ctx: StudyContext, rate: float
+                     ) -> tuple[Mapping[str, float] | None, dict[str, Any] | None]:
+    """The prediction of ``probe`` with its speculation priced at the engine's acceptance
+    ``rate``, and how it compares with the same configuration without speculation.
+
+    Raises:
+        ConfigError: The speed model prices no acceptance, or ``rate`` is outside [0, 1).
+    """
+    if not 0 <= rate < 1:
+        raise ConfigError(f"--acceptance {rate}: accepted / drafted, a number >= 0 and < 1")
+    if not any(s.name == "acceptance_rate" for s in predictor.settings):
+        raise ConfigError(f"--acceptance: {predictor.name} prices no speculative decoding (it takes no acceptance_rate)")
+    priced = predictor.predictor.predict(probe, replace(ctx, settings={**ctx.settings, "acceptance_rate": rate}))
+    spec_keys = {"spec_type", "spec_n_max", "spec_n_min", "spec_p_min", "draft", "draft_gpu_layers", "draft_cache_type"}
+    plain = predictor.predictor.predict(replace(probe, options=tuple(o for o in probe.options if o[0] not in spec_keys)), ctx)
+    if not priced or not plain:
+        return priced, None
+    options = dict(probe.options)
+    return priced, {"acceptance_rate": rate, "spec_type": options["spec_type"], "spec_n_max": options.get("spec_n_max"),
+                    "without": {k: plain[k] for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s")},
+                    "gain": {k: priced[k] / plain[k] for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s")
+                             if plain[k]}}
 
 
 def _dimension(backend: Any, name: str, value: Any) -> Any:
@@ -464,6 +501,13 @@ def estimate_text(r: dict[str, Any]) -> str:
         )
     elif not r.get("refused") and r.get("no_prediction"):
         lines.append(f"  {r['no_prediction']}")
+    spec = r.get("speculation")
+    if p and spec:
+        gain, without = spec["gain"], spec["without"]
+        lines.append(f"  speculation {spec['spec_type']} n-max {spec['spec_n_max'] or 'default'} at acceptance "
+                     f"{spec['acceptance_rate']:.2f} (accepted / drafted): decode x{gain['decode_tok_s']:.2f} "
+                     f"(without: {without['decode_tok_s']:.1f} tok/s), aggregate x{gain['aggregate_tok_s']:.2f} "
+                     f"(without: {without['aggregate_tok_s']:.1f} tok/s) at parallel {c['parallel']}")
     cal = r.get("calibration")
     if p and cal:
         lines.append(f"  calibrated on {cal['n']} measured trials of study {cal['study']} (its median error there "

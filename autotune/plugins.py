@@ -76,7 +76,8 @@ def load_plugins() -> None:
             module = ep.load()
             pm.register(module, name=ep.name)
         except Exception as exc:  # a broken third-party plugin must not take the CLI down
-            print(shown(f"autotune: plugin '{ep.name}' failed to load: {exc}"), file=sys.stderr)
+            # Kept with the others that broke: `autotune plugins` names it, not stderr alone.
+            _report_broken(ep.name, "loading", exc)
             continue
         _sources[ep.name] = ep.dist.name if ep.dist else "?"
     try:
@@ -230,6 +231,9 @@ def describe() -> dict[str, list[dict[str, Any]]]:
     """What ``autotune plugins`` shows: each backend, metric and strategy with its plugin and
     distribution; a backend also with the weight formats and KV-cache types it declares."""
     out: dict[str, list[dict[str, Any]]] = {"backends": [], "metrics": [], "strategies": [], "broken": []}
+    # A backend that registers but cannot say what it declares (an optional dependency its
+    # properties import): listed, and named under broken with its error, not a traceback for all.
+    unlisted: list[dict[str, str]] = []
     for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric"),
                             ("strategies", "register_strategies", "strategy")):
         for name, (obj, plugin) in sorted(_collect(hook, kind).items()):
@@ -242,10 +246,17 @@ def describe() -> dict[str, list[dict[str, Any]]]:
                 }
             )
             if key == "backends":
-                out[key][-1]["formats"] = [f.syntax for f in getattr(obj, "weight_formats", ())]
-                out[key][-1]["cache_types"] = [c.name for c in getattr(obj, "kv_cache_types", ())]
+                try:
+                    out[key][-1]["formats"] = [f.syntax for f in getattr(obj, "weight_formats", ())]
+                    out[key][-1]["cache_types"] = [c.name for c in getattr(obj, "kv_cache_types", ())]
+                except Exception as exc:  # noqa: BLE001 - a listing never fails on one backend
+                    out[key][-1].update(formats=[], cache_types=[])
+                    unlisted.append({"plugin": plugin, "hook": f"backend {name}", "error": f"{type(exc).__name__}: {exc}"})
                 out[key][-1].update(_dimensions(obj))
-    out["broken"] = broken_plugins()
+                if "dimensions_error" in out[key][-1]:
+                    unlisted.append({"plugin": plugin, "hook": f"backend {name}",
+                                     "error": out[key][-1]["dimensions_error"]})
+    out["broken"] = broken_plugins() + unlisted
     return out
 
 

@@ -14,6 +14,7 @@ from autotune.errors import ConfigError
 from autotune.metric import metric_named
 from autotune.report_html import write_report
 from autotune.study import records
+from autotune.study.speculation_gain import SlotGain, gain_lines
 from autotune.study.storage import faults, mask_url, open_storage, study_names
 from autotune.study.summary import StudySummary, contender_text, memory_text, counts_text, failures_text, \
     headline_lines, latency_line, summarize
@@ -166,6 +167,7 @@ def summary_text(summary: StudySummary) -> str:
             params = ", ".join(f"{k}={v}" for k, v in t["params"].items())
             metric = metric_named((t.get("quality") or {}).get("metric"))
             lines.append(f"  {t['values'][0]:.1f} tok/s, {metric.drop_text(t['values'][1])}: {params}")
+    lines += speculation_lines(summary.extra)
     why = summary.extra.get("why") or []
     if why:
         lines.append("why not a neighbour (one value changed):")
@@ -187,6 +189,15 @@ def quality_text(q: dict[str, Any]) -> str:
     return (metric.compared_text(q["value"], q["drop_points"], q["reference_weights"])
             + (f" (± {metric.amount_text(se)}{', paired' if q.get('items_used') else ''})" if se is not None else "")
             + (f", {q['items_used']} items, {q['verdict'] or 'no bound'}" if q.get("items_used") else ""))
+
+
+def speculation_lines(extra: dict[str, Any]) -> list[str]:
+    """When speculation loses, then its gain at each slot count (study/speculation_gain.py)."""
+    found = extra.get("speculation_gain")
+    if not found:
+        return []
+    slots = [SlotGain(**g) for g in found["slots"]]
+    return [found["verdict"], *gain_lines(slots)]
 
 
 def stopped_lines(extra: dict[str, Any]) -> list[str]:

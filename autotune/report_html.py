@@ -24,6 +24,7 @@ from autotune.hardware import CPU_KEY
 from autotune.metric import metric_named
 from autotune.objective import objective_words
 from autotune.report_slo import slo_section
+from autotune.report_speculation import speculation_section
 from autotune.study.systematic import normalized
 from autotune.study.summary import StudySummary, contender_text, counts_text, failure_kind, headline_lines
 
@@ -405,6 +406,7 @@ def render(study: optuna.Study, summary: StudySummary) -> str:
 {_causes(rows, summary) if summary.best else ''}
 {''.join(plots)}
 {slo_section(rows, objective, (summary.best or {}).get("number"))}
+{speculation_section(summary.extra)}
 {why_html}
 <h2>Every configuration's own trial ({len(rows)} of {summary.n_trials}: answers from storage and attempts
 cut short left out; click a column to sort)</h2>

@@ -13,12 +13,18 @@ over the union of every backend's values (``SearchSpace.distributions``); a valu
 backend does not offer is a configuration it cannot run: the study's sampler never proposes
 one (``ScreenedSampler`` completes proposals from each backend's own values), and a draw that
 still holds one is refused, free, with ``NotOffered`` (docs/architecture.md).
+
+A backend's parameter may be conditional (``ConditionalParam``): drawn only when another of
+its parameters has one of the listed values (a speculative draft's length only when
+speculation is on). Otherwise the configuration leaves it out, and so do Optuna's parameters
+for that trial: TPE models it over the trials that drew it, and the inactive value is never a
+second configuration of the same launch.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig
@@ -31,10 +37,22 @@ if TYPE_CHECKING:  # pragma: no cover
 CORE_OPTIONS = ("ctx", "parallel")
 SHARED_OPTIONS = ("flash_attn",)  # backend options every engine means the same by
 KV_BITS = "kv_bits"
+# A candidate's draft weights for speculative decoding ([[candidates]] draft): the backend's
+# option of this name, made like the main weights (artifacts) by the first trial that loads them.
+DRAFT_OPTION = "draft"
 
 
 class NotOffered(ValueError):
     """A draw holds a shared knob's value that the drawn backend does not offer."""
+
+
+@dataclass(frozen=True)
+class ConditionalParam(Param):
+    """A parameter that exists only when the parameter ``parent`` of the same backend has one of
+    ``parent_values`` (the parent is an unconditional one of its ``parameters``)."""
+
+    parent: str = ""
+    parent_values: tuple[Any, ...] = ()
 
 
 def canonical_order(values: Any) -> tuple[Any, ...]:
@@ -53,6 +71,12 @@ class Dimension:
     option: str
     choices: tuple[Any, ...]
     values: tuple[Any, ...]
+    parent: str | None = None                # the option this one depends on (ConditionalParam)
+    parent_values: tuple[Any, ...] = ()
+
+    def active(self, plain: Mapping[str, Any]) -> bool:
+        """Whether it is drawn, given the configuration's values of the options before it."""
+        return self.parent is None or (self.parent in plain and plain[self.parent] in self.parent_values)
 
     @property
     def shared(self) -> bool:
@@ -92,9 +116,21 @@ class BackendSpace:
     @property
     def size(self) -> int:
         n = len(self.weights) * len(self.ctx) * len(self.parallel)
-        for p in self.params:
-            n *= len(p.choices)
+        plain = [p for p in self.params if not isinstance(p, ConditionalParam)]
+        for p in plain:
+            if not any(isinstance(c, ConditionalParam) and c.parent == p.name for c in self.params):
+                n *= len(p.choices)
+        for parent in plain:  # a parent's values, each times what it switches on
+            children = [c for c in self.params if isinstance(c, ConditionalParam) and c.parent == parent.name]
+            if children:
+                n *= sum(_product(len(c.choices) for c in children if v in c.parent_values) for v in parent.choices)
         return n
+
+    def active(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` without the conditional parameters their parent switches off."""
+        return {k: v for k, v in options.items()
+                if not any(isinstance(p, ConditionalParam) and p.name == k and options.get(p.parent) not in p.parent_values
+                           for p in self.params)}
 
     def dimensions(self) -> list[Dimension]:
         """Its parameters as Optuna names them (module docstring), in a stable order."""
@@ -102,7 +138,19 @@ class BackendSpace:
         dims = [dimension_of(name, "weights", self.weights), dimension_of(name, "ctx", self.ctx),
                 dimension_of(name, "parallel", self.parallel)]
         declared = self.backend.kv_cache_types
-        return dims + [dimension_of(name, p.name, p.choices, declared) for p in self.params]
+        plain = [p for p in self.params if not isinstance(p, ConditionalParam)]
+        conditional = [p for p in self.params if isinstance(p, ConditionalParam)]
+        dims += [dimension_of(name, p.name, p.choices, declared) for p in plain]
+        # Conditional ones last: their parent is drawn (and decoded) before them.
+        return dims + [replace(dimension_of(name, p.name, p.choices, declared), parent=p.parent,
+                               parent_values=tuple(p.parent_values)) for p in conditional]
+
+
+def _product(counts: Iterator[int]) -> int:
+    n = 1
+    for c in counts:
+        n *= c
+    return n
 
 
 class SearchSpace:
@@ -135,25 +183,39 @@ class SearchSpace:
         union = self.distributions()
         backend = trial.suggest_categorical("backend", list(self.entries))
         entry = self.entries[backend]
-        drawn = {dim.name: trial.suggest_categorical(dim.name, list(union[dim.name])) for dim in entry.dimensions()}
+        drawn: dict[str, Any] = {}
+        plain: dict[str, Any] = {}
         for dim in entry.dimensions():
+            if not dim.active(plain):
+                continue
+            drawn[dim.name] = trial.suggest_categorical(dim.name, list(union[dim.name]))
             if drawn[dim.name] not in dim.choices:
                 raise NotOffered(f"backend '{backend}' does not offer {dim.name} = {drawn[dim.name]!r} "
                                  f"(it offers {', '.join(map(repr, dim.choices))})")
+            plain[dim.option] = dim.decode(drawn[dim.name])
         return self.config_of(entry, drawn)
 
     def config_of(self, entry: BackendSpace, drawn: Mapping[str, Any]) -> TrialConfig:
-        """The configuration of one backend's drawn parameters (keyed by Optuna name)."""
-        plain = {dim.option: dim.decode(drawn[dim.name]) for dim in entry.dimensions()}
-        options = tuple(sorted((p.name, plain[p.name]) for p in entry.params))
+        """The configuration of one backend's drawn parameters (keyed by Optuna name); a
+        conditional parameter whose parent does not switch it on is left out, drawn or not."""
+        plain: dict[str, Any] = {}
+        for dim in entry.dimensions():
+            if dim.active(plain):
+                plain[dim.option] = dim.decode(drawn[dim.name])
+        options = tuple(sorted((p.name, plain[p.name]) for p in entry.params if p.name in plain))
         return TrialConfig(entry.backend.name, plain["weights"], int(plain["ctx"]), int(plain["parallel"]), options)
 
     def enumerate(self) -> Iterator[TrialConfig]:
         """Every configuration, backend by backend, in a stable order."""
         for entry in self.entries.values():
             dims = entry.dimensions()
-            for combo in itertools.product(*(d.choices for d in dims)):
-                yield self.config_of(entry, dict(zip((d.name for d in dims), combo)))
+            fixed = [d for d in dims if d.parent is None]
+            for combo in itertools.product(*(d.choices for d in fixed)):
+                drawn = dict(zip((d.name for d in fixed), combo))
+                plain = {d.option: d.decode(drawn[d.name]) for d in fixed}
+                switched = [d for d in dims if d.parent is not None and d.active(plain)]
+                for more in itertools.product(*(d.choices for d in switched)):
+                    yield self.config_of(entry, {**drawn, **dict(zip((d.name for d in switched), more))})
 
     def params_of(self, config: TrialConfig) -> dict[str, Any]:
         """Optuna parameters that reproduce ``config`` (for ``enqueue_trial``)."""

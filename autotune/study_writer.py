@@ -41,14 +41,16 @@ from typing import Any, Sequence
 
 from autotune import hardware, plugins, toml_text
 from autotune.backend import Param, StudyContext, TrialConfig, Workload
-from autotune.config import SAFETY_MARGIN_MIB
+from autotune.config import MAX_STUDY_NAME, SAFETY_MARGIN_MIB
 from autotune.artifacts import check_makings
 from autotune.declarations import installed_weight_formats
 from autotune.errors import AutotuneError, ConfigError
 from autotune.shell import command_line
 from autotune.formats import normalize_format
+from autotune.gguf_file import read_gguf
 from autotune.measure import Protocol
 from autotune.models import ModelSpec, resolve_model
+from autotune.safetensors_dir import read_safetensors_dir
 from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of, budget_text
 
 __all__ = ["StudyDraft", "draft_study", "offered_formats", "render"]
@@ -156,7 +158,10 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         # A model with a short context (stories260K: 128 tokens... here 2048) gets a request that fits.
         prompt = max(1, model.max_context // 2)
         workload = (prompt, max(1, min(workload[1], model.max_context - prompt)))
-    name = name or re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem if source.is_file() else source.name).strip("-") or "study"
+    # A name taken from the file must be one a study may have (config.study_name_problem): cut
+    # to its length and without leading dots, or the file written was refused as it was read.
+    derived = re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem if source.is_file() else source.name)
+    name = name or derived.lstrip(".").strip("-")[:MAX_STUDY_NAME].rstrip("-") or "study"
     draft = StudyDraft(name=name, source=source, model=model, gpu=spec, gpu_key=gpu_key, budget_gib=budget_gib,
                        workload=workload, notes=notes, budget=budget)
     draft.ctx = _ctx_values(model, sum(workload))
@@ -264,7 +269,8 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     space.update(offload)
     draft.space = space
 
-    full_precision = any(fmt in full_precision_formats or fmt == str(source)
+    quantized = _quantized_as(source)
+    full_precision = any(fmt in full_precision_formats or (fmt == str(source) and quantized is None)
                          for fmts in draft.candidates.values() for fmt in fmts)
     try:
         metric = plugins.get_metric(QUALITY_METRIC)
@@ -275,12 +281,36 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                        if (why := metric.supports(plugins.get_backend(b)))]
         if unsupported:
             draft.notes.append(f"quality: {QUALITY_METRIC} left out ({'; '.join(unsupported)})")
+        elif not full_precision and quantized is not None and not any(
+                fmt in full_precision_formats for fmts in draft.candidates.values() for fmt in fmts):
+            # The source as its own reference would measure a drop against itself: zero, and called a check.
+            draft.notes.append(f"quality: {QUALITY_METRIC} left out: the source is {quantized}, not full precision, "
+                               "so there is nothing to compare its quality against (give the full-precision model)")
         elif not full_precision:
             draft.notes.append(f"quality: {QUALITY_METRIC} left out: no full-precision format of the source fits "
                                "here to compare against")
         else:
             draft.quality = QUALITY_METRIC
     return draft
+
+
+# GGUF tensor types at full precision (llama.cpp's converter writes these from a checkpoint).
+_FULL_PRECISION_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def _quantized_as(source: Path) -> str | None:
+    """What the source is quantized as (a GGUF's type, a directory's ``quant_method``), None
+    when it is at full precision or cannot be told (then it is taken at its word, as before)."""
+    try:
+        if source.is_dir():
+            return read_safetensors_dir(source).quant_method
+        header = read_gguf(source)
+    except (OSError, ValueError, AutotuneError):
+        return None
+    if header.file_type is not None:
+        return None if header.file_type in _FULL_PRECISION_TYPES else header.file_type
+    types = {t.ggml_type for t in header.tensors}
+    return None if not types or types <= _FULL_PRECISION_TYPES else "/".join(sorted(types - _FULL_PRECISION_TYPES))
 
 
 def _refused(judge: Admission, backend: str, formats: list[str], shortest: int, params: list[Param],

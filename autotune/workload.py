@@ -342,7 +342,9 @@ def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Call
         RATE_RANGE[1] else f"must be [low, high] requests per second, {RATE_RANGE[0]:g} <= low < high <= "
         f"{RATE_RANGE[1]:g}, e.g. [0.5, 16.0]")
     if arrival == "poisson" and "rate" in table and "rate_search" in table:
-        error("rate_search", search, f"and rate = {rate} are both set: give one (a fixed rate, or the range to search)")
+        # As written, even when it is bad itself: "(missing)" beside "both set" said the opposite.
+        error("rate_search", table["rate_search"], f"and rate = {table['rate']} are both set: give one (a fixed rate, "
+              "or the range to search)")
     elif arrival == "poisson" and "rate" not in table and "rate_search" not in table:
         error("rate", None, "required with arrival = 'poisson': requests per second, e.g. 2.0 (or rate_search = "
                             "[low, high] to find the highest rate that meets the latency targets)")
@@ -352,6 +354,9 @@ def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Call
     if requests is not None and "profile" not in table and "file" not in table and arrival == "closed":
         error("requests", requests, "is for a length distribution (profile or file) or arrival = 'poisson'; "
                                     "one request shape sends parallel requests a run")
+    if seed is not None and "profile" not in table and "file" not in table and arrival == "closed":
+        error("seed", seed, "draws a length distribution (profile or file) or arrival = 'poisson''s times; one "
+                            "request shape in a closed loop draws nothing, so it would change nothing")
     return WorkloadSpec(prompt, output, profile, file, requests, seed, arrival, rate,
                         (float(search[0]), float(search[1])) if search else None)
 

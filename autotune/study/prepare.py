@@ -23,7 +23,7 @@ from autotune.placement import Placement, resolve_placement
 from autotune.measure import Protocol
 from autotune.metric import BaseMetric, QualityReference
 from autotune.models import ModelSpec, resolve_model
-from autotune.space import CORE_OPTIONS, BackendSpace, SearchSpace
+from autotune.space import CORE_OPTIONS, DRAFT_OPTION, BackendSpace, SearchSpace
 from autotune.study.admission import Admission, budget_of
 from autotune.study.refused import without_refused
 from autotune.study import storage as storage_mod
@@ -268,24 +268,31 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
         found = len(errors)
         for problem in backend.preflight(ctx):
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}")
-        for w in cand.weights:
-            made = is_format(w, backend.weight_formats)
-            problem = _format_problem(backend, w, ctx, cfg.model_source) if made else None
-            problem = problem or backend.check_weights(w, ctx)
-            if problem:
-                errors.append(f"{src}: [candidates.{i}] weights {w!r}: {problem}")
+        for key, names in (("weights", cand.weights), (DRAFT_OPTION, cand.draft)):
+            for w in names:
+                made = is_format(w, backend.weight_formats)
+                problem = _format_problem(backend, w, ctx, cfg.model_source) if made else None
+                problem = problem or backend.check_weights(w, ctx)
+                if problem:
+                    errors.append(f"{src}: [candidates.{i}] {key} {w!r}: {problem}")
         if dry_runs and len(errors) == found and backend.predictor is None:
             # What every making of this backend would fail on (a converter that does not know
             # the model's tokenizer), found before the first trial rather than by each.
             errors += [f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}"
-                       for problem in check_makings(backend, cand.weights, ctx)]
+                       for problem in check_makings(backend, (*cand.weights, *cand.draft), ctx)]
         if "ctx" in cfg.space and "parallel" in cfg.space:
             named = {k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS}
             if placement is not None and len(placement.cards) > 1:
                 # Several cards: where the model goes is searched (the backend's dimensions and
                 # values), unless the file names a dimension itself.
                 named = {**(backend.splitting.placement_space(ctx) if backend.splitting else {}), **named}
+            if cand.draft:  # the candidate's draft weights are its backend's "draft" dimension
+                named[DRAFT_OPTION] = list(cand.draft)
             params = backend.parameters(named)
+            if cand.draft and not any(p.name == DRAFT_OPTION and p.choices for p in params):
+                errors.append(f"{src}: [candidates.{i}] draft: backend {cand.backend!r} searches no draft weights with "
+                              "this [space]: name the speculation parameter that loads a draft there (`autotune "
+                              "plugins` lists the backend's), or remove draft")
             offered[cand.backend] = params
             entries.append(BackendSpace(backend, tuple(cand.weights), tuple(cfg.space["ctx"]), tuple(cfg.space["parallel"]),
                                         tuple(p for p in params if p.choices)))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import optuna
 
+from autotune.acceptance import ACCEPTANCE_ATTR
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import StorageError
 from autotune.study import schema2_cells
@@ -91,6 +92,9 @@ class TrialRecord:
     quality_drop_points: float | None = None
     artifacts: tuple[Mapping[str, Any], ...] | list[Mapping[str, Any]] = ()  # weights made for it or found cached
     score: Mapping[str, Any] | None = None
+    # Speculative decoding's drafted/accepted tokens, the engine's own counters summed over the
+    # measured requests (autotune/acceptance.py, Acceptance.to_dict); None: no speculation.
+    acceptance: Mapping[str, Any] | None = None
 
     @classmethod
     def of(cls, t: optuna.trial.FrozenTrial) -> "TrialRecord":
@@ -216,8 +220,11 @@ def measurement_fields(m: Measurement, predicted_bytes: int) -> dict[str, Any]:
                       vram_prediction_error=(predicted_bytes - m.peak_vram_bytes) / m.peak_vram_bytes)
     if m.telemetry is not None:
         fields["telemetry"] = m.telemetry.to_dict()
-    if m.attrs:
-        fields["engine_facts"] = dict(m.attrs)
+    facts = {k: v for k, v in m.attrs.items() if k != ACCEPTANCE_ATTR}
+    if facts:
+        fields["engine_facts"] = facts
+    if m.attrs.get(ACCEPTANCE_ATTR) is not None:
+        fields["acceptance"] = dict(m.attrs[ACCEPTANCE_ATTR])
     return fields
 
 

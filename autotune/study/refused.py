@@ -47,7 +47,10 @@ def always_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tupl
             first: str | None = None
             for weights, n_ctx, slots in itertools.product(entry.weights, entry.ctx, entry.parallel):
                 for combo in itertools.product(*(p.choices for p in others)):
-                    options = tuple(sorted([*zip((p.name for p in others), combo), (param.name, value)]))
+                    drawn = entry.active({**dict(zip((p.name for p in others), combo)), param.name: value})
+                    if param.name not in drawn:
+                        continue  # a conditional value its parent switches off here: not this combination's
+                    options = tuple(sorted(drawn.items()))
                     reasons = [r for r in entry.backend.check(TrialConfig(entry.backend.name, weights, n_ctx,
                                                                           slots, options), ctx)
                                if _mentions(r, param.name)]

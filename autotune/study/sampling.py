@@ -74,10 +74,14 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
         if backend not in self.space.entries:
             backend = self._rng.choice(list(self.space.entries))
         entry = self.space.entries[backend]
-        values = {}
+        values: dict[str, Any] = {}
+        plain: dict[str, Any] = {}
         for dim in entry.dimensions():  # a shared knob's value this backend lacks is drawn again
+            if not dim.active(plain):
+                continue  # a conditional parameter its parent switched off (space.ConditionalParam)
             value = proposal.get(dim.name)
             values[dim.name] = value if value in dim.choices else self._rng.choice(dim.choices)
+            plain[dim.option] = dim.decode(values[dim.name])
         return self.space.config_of(entry, values)
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]) -> dict[str, Any]:

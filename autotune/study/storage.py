@@ -135,6 +135,12 @@ def reading_target(given: str | None, study_file: str | Path | None, study_name:
             data = {}
         if isinstance(data, dict) and data.get("storage"):
             return str(data["storage"]), study_name or data.get("study"), "the study last run in this directory"
+        if isinstance(data, dict) and data.get("study"):
+            # Its URL held a password and was not written down: the default study's storage
+            # would answer for another study, or say "does not exist" of a study that does.
+            raise ConfigError(f"the study last run in this directory ({data['study']}) is in a storage whose URL "
+                              "holds a password, which autotune does not write down: give it again with --storage "
+                              f"URL or ${STORAGE_ENV}")
     cfg = load_study_config(default_file)
     return resolve_url(None, cfg.storage, cfg.default_storage), study_name, f"the default study ({default_file.name})"
 

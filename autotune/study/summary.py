@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import optuna
 
 from autotune.objective import objective_words
-from autotune.study import claims, noise, records
+from autotune.study import claims, noise, records, speculation_gain
 from autotune.study.baseline import compare
 from autotune.study.infeasible import no_feasible_lines
 from autotune.study.records import TrialRecord, TrialState
@@ -561,4 +561,8 @@ def summarize(study: optuna.Study, shown_storage: str) -> StudySummary:
     summary.extra["excluded_before_search"] = attrs.get(records.EXCLUDED_ATTR, [])
     summary.extra["why"] = attrs.get(records.WHY_BEST_ATTR, [])
     summary.extra["calibration"] = records.stored_calibrations(study)
+    found = speculation_gain.gains(all_records)
+    if found:  # speculation measured with and without at the same other values (issue 47)
+        summary.extra["speculation_gain"] = {"slots": [g.as_dict() for g in found],
+                                             "verdict": speculation_gain.verdict(found)}
     return summary

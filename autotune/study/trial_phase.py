@@ -22,7 +22,7 @@ from autotune.artifacts import ArtifactError
 from autotune.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
-from autotune.space import NotOffered
+from autotune.space import DRAFT_OPTION, NotOffered
 from autotune.study import calibration, cost, records, storage, systematic
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.records import TrialRecord, TrialState
@@ -238,6 +238,9 @@ class TrialPhase:
         backend = self.prepared.backend(config.backend)
         ctx = self.prepared.contexts[config.backend]
         wanted = [config.weights]
+        draft = config.option(DRAFT_OPTION)  # speculative decoding's draft weights, made like the main ones
+        if isinstance(draft, str) and draft not in wanted:
+            wanted.append(draft)
         reference = self.prepared.reference.get(config.backend) if self.quality is not None else None
         if reference is not None and reference.weights not in wanted:
             wanted.append(reference.weights)

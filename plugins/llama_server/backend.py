@@ -47,7 +47,7 @@ from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, De
 from autotune.local_server import free_port, loopback, tail, wait_ready
 
 from autotune import processes
-from autotune_plugins.llama_server import declarations, engine, memory, rpc, split
+from autotune_plugins.llama_server import declarations, draft_memory, engine, memory, rpc, speculation, split
 from autotune_plugins.llama_server import startup_facts as startup_facts_mod, trial_run
 from autotune_plugins.llama_server.engine_model import LLAMA_CPP
 from autotune_plugins.llama_server.engine_model import engine_rules
@@ -182,6 +182,7 @@ class LlamaServerBackend(BaseBackend):
                                                             "repeating", choices=tuple(UNITS)),
         Setting("scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics",
                 check=_positive),
+        *speculation.SETTINGS,
     )
 
     def resolved_settings(self, ctx: StudyContext) -> dict[str, Any]:
@@ -193,7 +194,7 @@ class LlamaServerBackend(BaseBackend):
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         """The engine model's space (:meth:`.engine_model.LlamaCppModel.parameters`), the twin's too,
         and the split across several devices (split.py) when the space names them."""
-        return LLAMA_CPP.parameters(space) + split.parameters(space)
+        return LLAMA_CPP.parameters(space) + split.parameters(space) + speculation.parameters(space)
 
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """``llama-server -m WEIGHTS``: every flag at llama-server's default (``DEFAULT_SLOTS``
@@ -268,7 +269,12 @@ class LlamaServerBackend(BaseBackend):
         if problem:
             return [problem]
         model = self._model_for(config.weights, ctx)
-        return LLAMA_CPP.rules(config, ctx, model) + split.check(config, ctx, model, cuda=self._on_gpu(ctx))
+        draft = config.option("draft")
+        if isinstance(draft, str) and (problem := self.check_weights(draft, ctx)):
+            return [f"draft: {problem}"]
+        return (LLAMA_CPP.rules(config, ctx, model) + split.check(config, ctx, model, cuda=self._on_gpu(ctx))
+                + speculation.check(config, ctx, self._made(config.weights, ctx), lambda w: self._made(w, ctx),
+                                    self.resolved_settings(ctx)))
 
     # -------------------------------------------------------------- memory
 
@@ -284,19 +290,21 @@ class LlamaServerBackend(BaseBackend):
         model = ctx.model if path is None else _model_of(path)
         if split.n_devices(ctx) > 1:  # several cards or RPC devices: each one's share (split.py)
             return split.device_estimate(model, weights, config, ctx, None if ngl >= 999 else ngl, self._on_gpu(ctx))
-        return memory.estimate(model, weights, config.ctx, config.parallel,
+        target = memory.estimate(model, weights, config.ctx, config.parallel,
                                config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
                                ubatch=int(ub) if ub is not None else None, gpu=on_gpu,
                                gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(config.option("n_cpu_moe", 0)),
                                batch=int(b) if b is not None else None)
+        return draft_memory.with_draft(target, self, config, ctx, on_gpu)
 
     def search_dimensions(self) -> list[Param]:
         """Every [space] key this backend takes (``autotune plugins``), the optional ones too."""
-        return self.parameters({k: [] for k in ("ubatch", "batch", "gpu_layers", "n_cpu_moe", *split.KEYS)})
+        return self.parameters({k: [] for k in ("ubatch", "batch", "gpu_layers", "n_cpu_moe", *split.KEYS,
+                                                *speculation.KEYS)})
 
     def search_rules(self) -> list[str]:
         """What is refused before launching, in words (``autotune plugins``)."""
-        return [r.name for r in engine_rules()] + list(split.RULES)
+        return [r.name for r in engine_rules()] + list(split.RULES) + list(speculation.RULES)
 
     # -------------------------------------------------------------- the command line
 
@@ -372,7 +380,8 @@ class LlamaServerBackend(BaseBackend):
         # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
         # their own (startup_facts).
         return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                *self.flags(config, self.layers_of(config, ctx, has_gpu)), *devices, "-t", str(self.threads(ctx)),
+                *self.flags(config, self.layers_of(config, ctx, has_gpu)), *speculation.flags(config, lambda w: self.weights_path(w, ctx), self.resolved_settings(ctx)),
+                *devices, "-t", str(self.threads(ctx)),
                 "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
                 "--no-webui"]
 
@@ -438,6 +447,9 @@ class LlamaServerBackend(BaseBackend):
             binary = self.binary(ctx)
         except EngineUnavailableError as exc:
             return [str(exc)]
+        synth = speculation.settings_problems(self.resolved_settings(ctx))
+        if synth:
+            return [f"[backends.{self.name}] {p}" for p in synth]
         try:
             _checked_version(str(binary))
         except AutotuneError as exc:

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.api import command_line, mask_argv
+from autotune.api import ACCEPTANCE_ATTR, DraftCount, command_line, mask_argv, total_acceptance
 from autotune.api import ConcurrentResult, Measurement, SERVING_UNITS, StreamResult, StudyContext, TrialConfig, \
     measure_engine, post_events, prompt_of, serving_run, varied
 from autotune_plugins.llama_server.server import CpuPlan, Pinned, Server, median, process_cpu_s
@@ -107,6 +107,8 @@ def measure(backend: Any, server: Server, config: TrialConfig, ctx: StudyContext
         **_timings(measured),
         "load_generator": _load_generator(measured, cpus),
     }
+    if config.option("spec_type", "none") != "none":
+        attrs[ACCEPTANCE_ATTR] = acceptance(measured).to_dict()
     return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
 
 
@@ -139,6 +141,18 @@ def _timings(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "streams_ttft_ms_median": over_runs(lambda r: median(streams(r, "client_ttft_ms"))),
         },
     }
+
+
+def acceptance(runs: Sequence[Mapping[str, Any]]) -> Any:
+    """The draft counters of every measured request (the one alone and the streams), summed.
+
+    llama-server's ``timings`` carry ``draft_n`` and ``draft_n_accepted`` once a slot has drafted
+    (tools/server/server-common.cpp ``server_slot_stats::to_json``: absent while
+    ``n_draft_tokens`` is 0, so a request that drafted nothing counts 0). Its verification passes
+    (``n_draft_verif_steps``) are only logged, not returned: ``passes`` stays unknown."""
+    requests = [r["single"] for r in runs] + [s["timings"] for r in runs for s in r["streams"]]
+    return total_acceptance(DraftCount(int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)),
+                                       int(t.get("predicted_n", 0))) for t in requests)
 
 
 def _load_generator(runs: Sequence[Mapping[str, Any]], cpus: CpuPlan) -> dict[str, Any]:

@@ -8,6 +8,7 @@ Shared by the engine plugins (their memory models) and the twin (its physics); n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from autotune.api import GpuSpec, ModelSpec, WeightsBreakdown
 
@@ -149,6 +150,9 @@ class Scenario:
     # Sequences the engine generates together (0: all ``parallel``); fewer are served in waves,
     # as ExLlamaV2's dynamic generator without paged attention does (:mod:`service`).
     jobs_at_once: int = 0
+    # Speculative decoding as the twin prices it (autotune_plugins.twin.speculation.Speculation;
+    # None: none). Typed loosely: the engine plugins' memory models never read it.
+    speculation: Any = None
 
 
 def weights_on_gpu(s: Scenario, k: EngineConstants) -> tuple[int, int, list[str]]:

@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune.api import Predictor, Splitting, part
 from autotune.api import AutotuneError, BaseBackend, ConfigError, DefaultLaunch, EngineModel, Measurement, \
     MemoryEstimate, Param, Protocol, Setting, StudyContext, TrialConfig, UnsupportedError, WeightsBreakdown, \
-    engine_models, measure_engine, parse_format, safetensors_dir_weights, weights_for
-from autotune_plugins.twin import calibration, formats, multicard, physics, traffic
+    engine_models, measure_engine, parse_format, resolve_model, safetensors_dir_weights, weights_for
+from autotune_plugins.twin import calibration, formats, multicard, physics, speculation, traffic
 from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS
 
@@ -142,8 +142,16 @@ class TwinBackend(BaseBackend):
         return tuple(f.name for f in self.weight_formats)
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        """The engine model's own parameters: the same space as its real backend."""
-        return self.model.parameters(space) + self.model.placement_parameters(space)
+        """The engine model's own parameters: the same space as its real backend; and the
+        speculation options the twin prices (:mod:`speculation`) where the study's space names
+        them and the engine model does not declare them itself."""
+        params = self.model.parameters(space) + self.model.placement_parameters(space)
+        declared = {p.name for p in params}
+        return params + [p for p in speculation.parameters(space) if p.name not in declared]
+
+    def _speculation_declared(self) -> bool:
+        """Whether the engine model itself offers speculation (then its rules judge it)."""
+        return any(p.name == "spec_type" for p in self.model.parameters({"spec_type": speculation.SPEC_TYPES}))
 
     def as_format(self, weights: str, ctx: StudyContext) -> str:
         """A weights reference as the twin's models read it: a format as given; a GGUF file as the
@@ -206,7 +214,17 @@ class TwinBackend(BaseBackend):
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
         """The weights, then the engine model's rules (the same its real backend checks)."""
         problem = self.check_weights(config.weights, ctx)
-        return [problem] if problem else self.model.rules(config, ctx) + self.model.placement_rules(config, ctx)
+        if problem:
+            return [problem]
+        reasons = self.model.rules(config, ctx) + self.model.placement_rules(config, ctx)
+        if not self._speculation_declared():
+            reasons += speculation.rules(dict(config.options))
+        draft = config.option("draft")
+        if draft is not None and not reasons:
+            problem = self.check_weights(str(draft), ctx)
+            if problem:
+                reasons.append(f"draft {draft!r}: {problem}")
+        return reasons
 
     # ------------------------------------------------------------------ physics
 
@@ -229,7 +247,31 @@ class TwinBackend(BaseBackend):
             output_tokens=ctx.workload.output_tokens,
             gpu_layers=gpu_layers,
         )
-        return self.model.scenario(self, common, config, ctx)
+        return replace(self.model.scenario(self, common, config, ctx),
+                       speculation=self.speculation_of(config, ctx, common))
+
+    def speculation_of(self, config: TrialConfig, ctx: StudyContext,
+                    common: physics.Scenario) -> speculation.Speculation | None:
+        """The trial's speculation as the physics prices it (None without): its options, the
+        ``acceptance`` setting (assumed, see :mod:`speculation`), and a draft model's own scenario
+        (its weights: a format of the study's model or a file, on the same card)."""
+        spec_type = str(config.option("spec_type", "none"))
+        if spec_type == "none":
+            return None
+        draft = None
+        ref = config.option("draft")
+        if speculation.family_of_type(spec_type) == "draft" and ref is not None:
+            path = self.weights_file(str(ref), ctx)
+            layers = config.option("draft_gpu_layers", "all")
+            draft = replace(common, model=resolve_model(str(path)) if path is not None else ctx.model,
+                            weights=self.weights(str(ref), ctx), gpu_layers=layers,
+                            cache_type=str(config.option("draft_cache_type", common.cache_type)))
+        n_max = int(config.option("spec_n_max", speculation.DEFAULT_N_MAX))
+        rate = self.setting(ctx, "acceptance_rate")
+        a = speculation.per_token(float(rate), n_max) if rate is not None \
+            else speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type)
+        return speculation.Speculation(spec_type=spec_type, n_max=n_max, n_min=int(config.option("spec_n_min", 0)),
+                                       p_min=float(config.option("spec_p_min", 0.0)), acceptance=a, draft=draft)
 
     def layers_on_gpu(self, config: TrialConfig, ctx: StudyContext) -> int:
         """Decoder layers the simulation keeps on the GPU (the rest run on the host)."""

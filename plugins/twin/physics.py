@@ -291,22 +291,25 @@ def host_rate(s: Scenario, host: HostConstants) -> float:
 
 
 def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: int,
-               context_tokens: float, gpu_layers: int) -> dict[str, float]:
+               context_tokens: float, gpu_layers: int, tokens_per_stream: float = 1.0) -> dict[str, float]:
     """Seconds of each term of one decode step for ``parallel`` streams.
 
     Weights read per step: every non-expert weight once, and of each layer's experts the share
-    the step's ``parallel`` tokens route to (:func:`distinct_experts`); each on the device it
-    sits on (:func:`placement`): the GPU's part over its bandwidth, the host's over
-    :func:`host_rate`. Arithmetic counts the active parameters of each token."""
+    the step's tokens route to (:func:`distinct_experts`); each on the device it sits on
+    (:func:`placement`): the GPU's part over its bandwidth, the host's over :func:`host_rate`.
+    Arithmetic counts the active parameters of each token. ``tokens_per_stream`` > 1 is a
+    speculative verify pass (:mod:`speculation`): each stream's drafted tokens are rows of the
+    same step (arithmetic, routing and sampling count them) over the stream's one cache."""
     g, m = s.gpu, s.model
     bw = g.mem_bandwidth_gb_s * 1e9
     n = m.n_layers
     where = placement(s, gpu_layers)
+    cache_streams, parallel = parallel, parallel * tokens_per_stream  # rows of the step from here on
     routed = distinct_experts(m, parallel) / m.n_experts if m.is_moe else 1.0
     frac_gpu = gpu_layers / n
     # The embedding row lookup reads one row per token: no bandwidth worth counting.
     weights_read = where.gpu_dense_bytes + where.gpu_expert_bytes * routed
-    kv_read = parallel * context_tokens * kv_read_bytes_per_token(s, k) * frac_gpu
+    kv_read = cache_streams * context_tokens * kv_read_bytes_per_token(s, k) * frac_gpu
     t_mem = (weights_read + kv_read) / (bw * bandwidth_efficiency(g, k))
     # Arithmetic on the GPU: its share of each token's active parameters (layers and experts alike).
     used = m.n_experts_used / m.n_experts if m.is_moe else 1.0
@@ -323,7 +326,7 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     t_unfused = 0.0
     if not s.flash_attn:
         t_unfused += n * k.unfused_attn_per_layer_us * 1e-6
-        t_unfused += parallel * context_tokens * unfused_copy_bytes(m, k) * frac_gpu / (bw * bandwidth_efficiency(g, k))
+        t_unfused += cache_streams * context_tokens * unfused_copy_bytes(m, k) * frac_gpu / (bw * bandwidth_efficiency(g, k))
     t_host = 0.0
     host_read = where.host_dense_bytes + where.host_expert_bytes * routed
     if host_read:
@@ -331,7 +334,7 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
         # memory, and the host layers' KV with them; the activations cross PCIe twice per
         # step and host segment (negligible next to the weights). A step of at least the
         # engine's offload batch copies the weights to the GPU instead (offload.offloaded).
-        host_kv = parallel * context_tokens * kv_read_bytes_per_token(s, k) * where.host_kv_layers / n
+        host_kv = cache_streams * context_tokens * kv_read_bytes_per_token(s, k) * where.host_kv_layers / n
         if k.op_offload_min_batch and offload.offloaded(parallel, k.op_offload_min_batch):
             t_host = host_read / (g.pcie_gb_s * 1e9 * host.host_pcie_efficiency) + host_kv / host_rate(s, host)
         else:
@@ -350,6 +353,15 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
 
 def step_seconds(terms: Mapping[str, float]) -> float:
     return terms["fixed"] + terms["serve"] + terms["roofline"] + terms["unfused_attention"] + terms["host"]
+
+
+def decode_seconds(s: Scenario, k: EngineConstants, host: HostConstants, parallel: int,
+                   context_tokens: float, gpu_layers: int) -> float:
+    """Seconds per generated token of each of ``parallel`` streams: one step, or with
+    speculation (``s.speculation``) a cycle's drafting and verify pass over the tokens it yields."""
+    if s.speculation is not None and s.speculation.spec_type != "none":
+        return s.speculation.seconds_per_token(s, k, host, parallel, context_tokens, gpu_layers)
+    return step_seconds(step_terms(s, k, host, parallel, context_tokens, gpu_layers))
 
 
 def prefill_tok_s(s: Scenario, k: EngineConstants, host: HostConstants, gpu_layers: int) -> float:
@@ -393,7 +405,7 @@ def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
     jobs = min(s.jobs_at_once or s.parallel, s.parallel)  # sequences the engine runs together
     t1_terms = step_terms(s, k, host, 1, c_decode, gpu_layers)
     tp_terms = step_terms(s, k, host, jobs, c_decode, gpu_layers)
-    t1, tp = step_seconds(t1_terms), step_seconds(tp_terms)
+    t1, tp = (decode_seconds(s, k, host, p, c_decode, gpu_layers) for p in (1, jobs))
     pf = prefill_tok_s(s, k, host, gpu_layers)
     request_s = k.request_ms * 1e-3 if s.harness == "server" else 0.0
     aggregate, per_user, ttft_s = service.served(s.parallel, jobs, s.prompt_tokens / pf, s.output_tokens, tp, request_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from autotune.api import SERVING_UNITS, Setting, load_links
+from autotune_plugins.twin.speculation import DEFAULT_ACCEPTANCE, acceptance_problem
 
 
 #: What one simulated run reports, and in which unit: what every serving backend measures.
@@ -48,6 +49,13 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
             check=layers_problem),
     Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
             choices=tuple(UNITS)),
+    Setting("acceptance", (float, dict), None, "per-token acceptance of speculative drafts the twin assumes: one "
+            "number, or a table by spec type or family (draft, mtp, ngram); absent: "
+            + ", ".join(f"{f} {a}" for f, a in DEFAULT_ACCEPTANCE.items()) + " (docs/twin.md)",
+            check=acceptance_problem),
+    Setting("acceptance_rate", float, None, "the engine's measured acceptance of drafts (accepted / drafted, a "
+            "trial's acceptance.rate) at the trial's n-max, converted to per-token; over acceptance when given "
+            "(autotune estimate --acceptance)", check=lambda v: None if 0 <= v < 1 else "must be >= 0 and < 1"),
     Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
             "host's memory bandwidth alone bounds them)", check=_positive),
     Setting("interconnect", str, None, "what a study's several cards send activations over: pcie3, pcie4, pcie5, "

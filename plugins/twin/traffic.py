@@ -100,7 +100,7 @@ def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics
 
     def step_s(n: int) -> float:
         if n not in steps:
-            steps[n] = physics.step_seconds(physics.step_terms(s, k, host, n, c_decode, gpu_layers))
+            steps[n] = physics.decode_seconds(s, k, host, n, c_decode, gpu_layers)
         return steps[n]
 
     slots = min(s.jobs_at_once or s.parallel, s.parallel)
