@@ -10,7 +10,7 @@ drift apart.
 
 The twin hooks (``scenario``, ``refuse``, ``load_failure``, ``deploy_command`` ...) receive the
 twin backend as ``twin``: a :class:`autotune.backend.BaseBackend` whose ``setting``,
-``scenario``, ``predict``, ``as_format``, ``weights_file`` and ``layers_on_gpu`` they may call.
+``scenario``, ``predictor``, ``as_format``, ``weights_file`` and ``layers_on_gpu`` they may call.
 They never import the twin: an engine plugin imports only the core (``autotune.api``) and
 ``autotune_plugins.shared``.
 """

@@ -34,6 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
+from autotune.api import ArtifactMaker, Scoring, part
 from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
     SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, Workload, cuda_visible, deploy_line, \
     engine_environment, is_format, model_from_hf_config, parse_format, path_problem
@@ -142,6 +143,23 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
                        notes)
 
 
+class ExLlamaV3Artifacts(ArtifactMaker):
+    def recipe(self, fmt: str, source: Path, ctx: StudyContext):
+        """EXL3 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
+        interpreter on the study's card."""
+        b = self.backend
+        version = b.engine_build(None).partition(" (")[0].replace(" ", "-")
+        return exl3_recipe(fmt, source, b.python(ctx), lambda: b.worker_env(ctx), version,
+                           tuple(b.value(ctx, "convert_args")), float(b.value(ctx, "head_bits")))
+
+
+class ExLlamaV3Scoring(Scoring):
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        from autotune_plugins.exllamav3.scorer import ExLlamaV3Scorer
+
+        return ExLlamaV3Scorer.open(self.backend, weights, cache_type or "fp16", ctx)
+
+
 class ExLlamaV3Backend(WorkerBackend):
     name: ClassVar[str] = "exllamav3"
     engine: ClassVar[str] = "exllamav3"
@@ -150,6 +168,8 @@ class ExLlamaV3Backend(WorkerBackend):
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL3,)
     engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
+    artifacts = part(ExLlamaV3Artifacts)
+    scoring = part(ExLlamaV3Scoring)
     worker_module: ClassVar[str] = WORKER
     generator_class: ClassVar[type] = GeneratorSettings
     install: ClassVar[str] = INSTALL
@@ -197,13 +217,6 @@ class ExLlamaV3Backend(WorkerBackend):
                 return read_config_json(d)
         return None
 
-    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
-        """EXL3 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
-        interpreter on the study's card."""
-        version = self.engine_version().partition(" (")[0].replace(" ", "-")
-        return exl3_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,
-                           tuple(self.value(ctx, "convert_args")), float(self.value(ctx, "head_bits")))
-
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """TabbyAPI's defaults for exllamav3 (backends/exllamav3/model.py): ``max_seq_len`` the
         model's own, ``cache_size`` = max_seq_len, FP16 cache, chunk 2048; one user."""
@@ -216,7 +229,7 @@ class ExLlamaV3Backend(WorkerBackend):
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
-            # Whether it can be made is the study's check (artifact_recipe); whether exllamav3
+            # Whether it can be made is the study's check (the artifacts part); whether exllamav3
             # loads the source's architecture is ours, before any conversion is spent on it.
             source = Path(ctx.source) if ctx.source is not None else None
             if source is not None and (source / "config.json").is_file():
@@ -320,13 +333,6 @@ class ExLlamaV3Backend(WorkerBackend):
 
     def generator_attrs(self, settings: GeneratorSettings) -> dict[str, Any]:
         return {"pages_per_job": pages_per_job(settings.max_seq_len)}
-
-    # -------------------------------------------------------------- scoring
-
-    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
-        from autotune_plugins.exllamav3.scorer import ExLlamaV3Scorer
-
-        return ExLlamaV3Scorer.open(self, weights, cache_type or "fp16", ctx)
 
 
 def placement_of(config: TrialConfig, ctx: StudyContext) -> tuple[str, bool]:

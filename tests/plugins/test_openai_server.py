@@ -224,7 +224,7 @@ def test_validity_rules_and_mappings_refuse_before_launching(tmp_path):
 def test_an_engine_without_prompt_logprobs_refuses_quality_clearly(tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(ScoringUnsupportedError, match=r"template tgi cannot score: TGI's /v1/completions has no echo"):
-        OpenAIServerBackend().scorer("model", None, make_ctx(tmp_path, template="tgi"))
+        OpenAIServerBackend().scoring.scorer("model", None, make_ctx(tmp_path, template="tgi"))
 
 
 def test_server_metrics_beside_the_client_warn_beyond_five_percent():
@@ -402,7 +402,7 @@ def test_quality_through_logprobs_matches_the_in_process_scorer(study_dir):
     ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["-t", "1"], scoring_ctx=256)
     requests = [("Once upon a time, there was a little girl", " named Lily."), ("The cat sat on the", " mat.")]
     text = "Once upon a time there was"
-    with OpenAIServerBackend().scorer("stories260K.gguf", "f16", ctx) as served:
+    with OpenAIServerBackend().scoring.scorer("stories260K.gguf", "f16", ctx) as served:
         got = served.loglikelihood(requests)
         tokens = served.tokenize(text, add_bos=True)
         rows = served.next_token_logprobs(tokens)

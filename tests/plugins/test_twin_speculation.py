@@ -26,7 +26,7 @@ def ctx_for(gpu: str = "rtx4090", **settings) -> StudyContext:
 def speed(ctx: StudyContext, parallel: int = 1, metric: str = "decode_tok_s", **options) -> float:
     twin = TwinLlamaCpp()
     config = TrialConfig(twin.name, "gguf:Q4_K_M", 4096, parallel, tuple(sorted({"cache_type": "q4_0", **options}.items())))
-    return twin.predict(config, ctx)[metric]
+    return twin.predictor.predict(config, ctx)[metric]
 
 
 def test_acceptance_length_and_the_engines_rate_are_one_relation():
