@@ -34,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import ArtifactMaker, Scoring, part
+from autotune.api import ArtifactMaker, Scoring, Splitting, part
 from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
     SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, Workload, cuda_visible, deploy_line, \
     engine_environment, is_format, model_from_hf_config, parse_format, path_problem
@@ -160,6 +160,12 @@ class ExLlamaV3Scoring(Scoring):
         return ExLlamaV3Scorer.open(self.backend, weights, cache_type or "fp16", ctx)
 
 
+class ExLlamaV3Splitting(Splitting):
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """``gpu_split`` and ``tensor_parallel`` for a study on several cards (:mod:`.split`)."""
+        return split.space(ctx, ctx.model, self.backend._hf_config(None, ctx))
+
+
 class ExLlamaV3Backend(WorkerBackend):
     name: ClassVar[str] = "exllamav3"
     engine: ClassVar[str] = "exllamav3"
@@ -170,6 +176,7 @@ class ExLlamaV3Backend(WorkerBackend):
     engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
     artifacts = part(ExLlamaV3Artifacts)
     scoring = part(ExLlamaV3Scoring)
+    splitting = part(ExLlamaV3Splitting)
     worker_module: ClassVar[str] = WORKER
     generator_class: ClassVar[type] = GeneratorSettings
     install: ClassVar[str] = INSTALL
@@ -204,10 +211,6 @@ class ExLlamaV3Backend(WorkerBackend):
     def search_rules(self) -> list[str]:
         """The split's rules in words (``autotune plugins``)."""
         return list(split.RULES)
-
-    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
-        """``gpu_split`` and ``tensor_parallel`` for a study on several cards (:mod:`.split`)."""
-        return split.space(ctx, ctx.model, self._hf_config(None, ctx))
 
     def _hf_config(self, weights: str | None, ctx: StudyContext) -> dict | None:
         """The config.json the architecture rules read: the weights' own, else the source's."""

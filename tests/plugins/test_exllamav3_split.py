@@ -69,10 +69,10 @@ def test_only_values_exllamav3_takes_become_choices():
 
 def test_a_study_on_several_cards_searches_auto_an_even_split_and_tensor_parallel(tmp_path):
     two = ctx_of(tmp_path, "rtx3090", "rtx3060-12gb")
-    found = ExLlamaV3Backend().placement_space(two)
+    found = ExLlamaV3Backend().splitting.placement_space(two)
     assert found["gpu_split"][0] == "auto" and found["gpu_split"][1] == "12,12"
     assert found["tensor_parallel"] == [False, True]
-    assert ExLlamaV3Backend().placement_space(ctx_of(tmp_path, "rtx3090")) == {}
+    assert ExLlamaV3Backend().splitting.placement_space(ctx_of(tmp_path, "rtx3090")) == {}
 
 
 # ------------------------------------------------------------------ each card's memory
@@ -170,7 +170,7 @@ def test_twin_exllamav3_places_the_model_as_the_backend_does(tmp_path, twin_plug
     two = ctx_of(tmp_path, "rtx3090", "rtx3090")
     names = {p.name for p in twin.parameters({"gpu_split": ["auto"], "tensor_parallel": [True]})}
     assert {"gpu_split", "tensor_parallel"} <= names
-    assert twin.placement_space(two) == ExLlamaV3Backend().placement_space(two)
+    assert twin.splitting.placement_space(two) == ExLlamaV3Backend().splitting.placement_space(two)
     config = TrialConfig("twin-exllamav3", "exl3:4.0", 4096, 2, (("cache_type", "fp16"), ("gpu_split", "6,23")))
     mem = twin.estimate_memory(config, two)
     assert len(mem.per_device_bytes) == 2 and mem.per_device_bytes[0] <= 6 * GiB

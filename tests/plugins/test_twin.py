@@ -248,7 +248,7 @@ def test_parameters_keep_the_studys_values_as_given_and_name_what_each_engine_ac
 def test_settings_are_declared_and_read_through_their_declaration():
     declared = {s.name: s for s in TwinLlamaCpp.settings}
     assert set(declared) == {"noise", "throttle_after_s", "throttle_factor", "gpu_layers", "stability_metric", "host_threads",
-                             "interconnect"}
+                             "interconnect", "acceptance", "acceptance_rate"}
     # vLLM's own: the release it answers like, and the share of the card it reserves (its memory).
     assert {s.name for s in TwinVllm.settings} == set(declared) | {"version", "gpu_memory_utilization"}
     assert declared["gpu_layers"].problem(20) is None and declared["gpu_layers"].problem("auto") is None

@@ -242,11 +242,11 @@ def test_the_calibration_prices_later_trials_at_the_acceptance_the_study_measure
     for n_max, drafted in ((2, 400), (4, 800)):
         config = TrialConfig(twin.name, "gguf:Q4_K_M", 4096, 1,
                              (("cache_type", "q4_0"), ("spec_n_max", n_max), ("spec_type", "draft-mtp")))
-        metrics = dict(twin.predict(config, ctx))
+        metrics = dict(twin.predictor.predict(config, ctx))
         metrics.update(acceptance_drafted=float(drafted),
                        acceptance_accepted=drafted * speculation.rate_of(a, n_max))
         measured.append((config, metrics))
-    report = twin.calibrate(measured, ctx)
+    report = twin.predictor.calibrate(measured, ctx)
     assert report["acceptance"]["draft-mtp"]["per_token"] == pytest.approx(a, abs=1e-3)
     assert report["acceptance"]["draft-mtp"]["drafted"] == 1200
     calibrated = replace(ctx, calibration=report)
