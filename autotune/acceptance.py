@@ -61,14 +61,14 @@ class Acceptance:
         return 1 + self.accepted / self.passes if self.passes else None
 
     @property
-    def drafted_share(self) -> float | None:
+    def accepted_share(self) -> float | None:
         """Accepted draft tokens as a share of all generated tokens: what speculation saved."""
         return self.accepted / self.generated if self.generated else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "drafted": self.drafted, "accepted": self.accepted,
                 "generated": self.generated, "rate": self.rate, "passes": self.passes,
-                "tokens_per_pass": self.tokens_per_pass, "accepted_share": self.drafted_share}
+                "tokens_per_pass": self.tokens_per_pass, "accepted_share": self.accepted_share}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Acceptance":

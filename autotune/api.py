@@ -35,6 +35,7 @@ from autotune.measure import SERVING_UNITS, ConcurrentResult, Protocol, StreamRe
 from autotune.measure.load import latency_metrics, poisson_arrivals, rate_run
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.measure.streams import fetch
+from autotune.parts import ArtifactMaker, Predictor, Scoring, Splitting, part
 from autotune.metric import BaseMetric, MetricValue, QualityReference
 from autotune.models import ModelSpec, get_model, load_model_catalog, model_from_gguf, model_from_hf_config, \
     resolve_model
@@ -59,6 +60,8 @@ __all__ = [
     # backends
     "BaseBackend", "ConditionalParam", "DefaultLaunch", "Measurement", "MemoryEstimate", "Param", "Setting", "StudyContext", "TrialConfig",
     "UserLoad", "Workload", "deploy_line", "same_value", "control_problem",
+    # a backend's optional parts
+    "ArtifactMaker", "Predictor", "Scoring", "Splitting", "part",
     # engine models (and with them the twin)
     "EngineModel", "engine_model", "engine_models", "kept", "weight_format", "Rule", "load_rules", "violations",
     # declarations, formats, artifacts, models, hardware

@@ -343,14 +343,14 @@ def ensure(backend: Any, weights: str, ctx: Any,
 def _made_by(backend: Any, weights: str) -> bool:
     """Whether ``backend`` makes ``weights`` (a format it has recipes for) rather than loading a
     file as given; a model backend (the twin) predicts a format and makes nothing."""
-    return not backend.is_model and backend.makes_artifacts and is_format(weights, backend.weight_formats)
+    return backend.predictor is None and backend.artifacts is not None and is_format(weights, backend.weight_formats)
 
 
 def _recipe(backend: Any, fmt: str, ctx: Any) -> Recipe:
     if ctx.source is None:
         raise ArtifactError(f"weights {fmt!r}: no [model] source to make it from (name the model directory or "
                             "full-precision GGUF file there)")
-    recipe = backend.artifact_recipe(fmt, ctx.source, ctx)
+    recipe = None if backend.artifacts is None else backend.artifacts.recipe(fmt, ctx.source, ctx)
     if recipe is None:
         raise ArtifactError(f"backend '{backend.name}' cannot make {fmt} from {ctx.source}")
     return recipe

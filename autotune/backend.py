@@ -23,309 +23,17 @@ A backend never decides scores or constraints: that is ``autotune.objective``'s 
 from __future__ import annotations
 
 import abc
-import functools
-import json
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune import cache_types
+from autotune.backend_records import (  # noqa: F401 - backend writers and the core import them from here
+    DEFAULT_BASELINE, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, UserLoad,
+    same_value)
 from autotune.declarations import CacheType, WeightFormats
 from autotune.deploy import control_problem, deploy_line  # noqa: F401 - a backend writer imports both from here
 from autotune.errors import ConfigError
-from autotune.scoring import ScoringUnsupportedError
+from autotune.parts import ArtifactMaker, Predictor, Scoring, Splitting
 from autotune.workload import Workload  # noqa: F401 - backends and tests import it from here, as always
-
-if TYPE_CHECKING:  # pragma: no cover
-    from autotune.hardware import GpuSpec
-    from autotune.placement import Placement
-    from autotune.measure import GpuTelemetry, Protocol, Stat
-    from autotune.models import ModelSpec
-    from autotune.scoring import Scorer
-    from autotune.artifacts import Recipe
-
-
-@dataclass(frozen=True)
-class Param:
-    """One dimension a backend adds to the search space.
-
-    Args:
-        name: Short name, e.g. ``cache_type``; the study stores it as ``<backend>.<name>``.
-        choices: The values to search, in a stable order.
-        doc: What the parameter means for this engine.
-    """
-
-    name: str
-    choices: tuple[Any, ...]
-    doc: str = ""
-    accepted: tuple[Any, ...] = ()
-    """Every value the engine understands for this option, named in the error when a study
-    asks for one that no backend takes (empty: the choices say it all)."""
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Equality that tells ``true`` from ``1``: a study value is taken only as itself."""
-    return type(a) is type(b) and a == b
-
-
-_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-@dataclass(frozen=True)
-class Setting:
-    """One key a backend accepts in the study file's ``[backends.<name>]`` table.
-
-    Declared settings are checked when the study is prepared, before anything runs: an unknown
-    key or a value of the wrong type is an error naming the file, the table and the key.
-
-    Args:
-        name: The key.
-        kind: Accepted Python type(s) of the value (``int``, ``float``, ``str``, ``bool``); an
-            int is accepted where ``float`` is.
-        default: Value when the key is absent (``BaseBackend.setting`` returns it).
-        help: What it does, shown in errors and ``autotune plugins``.
-        choices: The only values accepted, when there are few.
-        check: Further check of a well-typed value; returns why it is wrong, or None.
-    """
-
-    name: str
-    kind: type | tuple[type, ...]
-    default: Any
-    help: str
-    choices: tuple[Any, ...] = ()
-    check: Callable[[Any], str | None] | None = None
-
-    def accepted(self) -> str:
-        if self.choices:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
-        return " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
-
-    def problem(self, value: Any) -> str | None:
-        """Why ``value`` is not acceptable for this setting (None: it is)."""
-        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok or (self.choices and not any(same_value(value, c) for c in self.choices)):
-            return f"must be {self.accepted()} ({self.help})"
-        # A string that is an argument list (a command) is split into words; any other is one line.
-        if isinstance(value, str) and list not in kinds and control_problem(value):
-            return control_problem(value)
-        return self.check(value) if self.check else None
-
-
-@dataclass(frozen=True)
-class TrialConfig:
-    """One serving configuration.
-
-    ``ctx`` is always the context each sequence gets (what one user's prompt plus output
-    needs); a backend translates it into its engine's flags (llama-server ``-c`` is ctx x
-    parallel) and says so in the deploy command.
-    """
-
-    backend: str
-    weights: str
-    ctx: int
-    parallel: int
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def option(self, name: str, default: Any = None) -> Any:
-        for key, value in self.options:
-            if key == name:
-                return value
-        return default
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "backend": self.backend,
-            "weights": self.weights,
-            "ctx": self.ctx,
-            "parallel": self.parallel,
-        }
-        out.update(dict(self.options))
-        return out
-
-    @functools.cached_property  # asked of each configuration of the space at every fallback draw
-    def key(self) -> str:
-        """Canonical text of the configuration: equal keys are the same thing to measure."""
-        return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TrialConfig":
-        rest = {k: v for k, v in data.items() if k not in ("backend", "weights", "ctx", "parallel")}
-        return cls(
-            backend=data["backend"],
-            weights=data["weights"],
-            ctx=int(data["ctx"]),
-            parallel=int(data["parallel"]),
-            options=tuple(sorted(rest.items())),
-        )
-
-
-@dataclass(frozen=True)
-class StudyContext:
-    """Everything a backend may need to know about the study it serves.
-
-    Args:
-        gpu: The card (detected, or named by the study file).
-        model: The model architecture the candidates share.
-        workload: Prompt and output lengths of one request.
-        vram_budget_bytes: Memory a configuration may use, safety margin already taken off.
-        protocol: Repetition rules for measurements.
-        seed: The study seed, for anything random a backend does.
-        settings: The study file's ``[backends.<name>]`` table for this backend.
-        base_dir: Directory that relative paths in the study file are relative to.
-        gpu_index: Which GPU to run on.
-        for_gpu: Estimate for ``gpu`` even on a machine without it (``autotune estimate``);
-            None lets a backend decide from the machine it runs on.
-        probe: Multi-fidelity (``[study] probe_margin``): set by the runner for one launch;
-            :func:`autotune.measure.measure_engine`, every backend's loop, stops after the
-            first run when it says so. None: measure in full.
-        calibration: What a model backend's ``calibrate`` returned for this study (JSON-able),
-            as the study stores it; the model backend uses it in ``predict`` when it is its own
-            (its engine and card). None: predict with the published constants.
-        source: The study's ``[model] source`` as an absolute path (a Hugging Face directory or
-            a full-precision GGUF file): what candidates named as formats are made from
-            (:mod:`autotune.artifacts`). None: the study names its weights as files.
-        placement: The study's cards when it names several (``[hardware] gpus``,
-            :mod:`autotune.placement`), each with its budget; ``gpu`` is the first of them.
-            None: one card, ``gpu``.
-    """
-
-    gpu: "GpuSpec"
-    model: "ModelSpec"
-    workload: Workload
-    vram_budget_bytes: int
-    protocol: "Protocol"
-    seed: int = 0
-    settings: Mapping[str, Any] = field(default_factory=dict)
-    base_dir: Path = Path(".")
-    gpu_index: int = 0
-    for_gpu: bool | None = None
-    calibration: Mapping[str, Any] | None = None
-    probe: Callable[[Mapping[str, float]], bool] | None = None
-    source: Path | None = None
-    placement: "Placement | None" = None
-
-    def path(self, ref: str) -> Path:
-        """A file or directory the study file names, as an absolute path (relative ones are
-        relative to the study file), so no engine command depends on the working directory."""
-        p = Path(ref).expanduser()
-        return (p if p.is_absolute() else Path(self.base_dir) / p).absolute()
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Predicted device memory of one configuration, by where it goes.
-
-    Args:
-        weights_bytes: Weights resident on the GPU.
-        kv_bytes: KV cache for all sequences, as the engine lays it out.
-        buffers_bytes: Compute/activation buffers the engine allocates.
-        overhead_bytes: CUDA context and allocator slack.
-        host_bytes: What the configuration keeps in host memory instead (spilled layers,
-            embeddings an engine keeps on the CPU, the KV cache of layers left there).
-        notes: Why a figure is what it is, for the trial record.
-        host_buffers_bytes: Buffers the engine allocates in host memory beside those (pinned
-            staging or the host's compute buffer): host memory the configuration needs too.
-        per_device_bytes: Each card's share of the total, in the study's device order, when
-            the study has several cards (``StudyContext.placement``) and the backend knows
-            where things go; the judge checks each against its card's budget. Empty: one card.
-    """
-
-    weights_bytes: int
-    kv_bytes: int
-    buffers_bytes: int
-    overhead_bytes: int
-    host_bytes: int = 0
-    notes: tuple[str, ...] = ()
-    host_buffers_bytes: int = 0
-    per_device_bytes: tuple[int, ...] = ()
-
-    @property
-    def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.buffers_bytes + self.overhead_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "weights_bytes": self.weights_bytes,
-            "kv_bytes": self.kv_bytes,
-            "buffers_bytes": self.buffers_bytes,
-            "overhead_bytes": self.overhead_bytes,
-            "host_bytes": self.host_bytes,
-            "host_buffers_bytes": self.host_buffers_bytes,
-            "total_bytes": self.total_bytes,
-            **({"per_device_bytes": list(self.per_device_bytes)} if self.per_device_bytes else {}),
-            "notes": list(self.notes),
-        }
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """What a backend measured for one configuration.
-
-    Args:
-        metrics: Stats by name. Every backend provides ``decode_tok_s`` (one stream),
-            ``aggregate_tok_s`` (all ``parallel`` streams together) and ``per_user_tok_s``;
-            ``prefill_tok_s`` and ``ttft_ms`` where it can.
-        peak_vram_bytes: Measured peak device memory of the configuration, if known.
-        telemetry: NVML readings taken while measuring, if a GPU was there.
-        attrs: Engine facts worth keeping (version, attention path, layers offloaded...).
-    """
-
-    metrics: Mapping[str, "Stat"]
-    peak_vram_bytes: int | None = None
-    telemetry: "GpuTelemetry | None" = None
-    attrs: Mapping[str, Any] = field(default_factory=dict)
-
-
-DEFAULT_BASELINE = "default"  # the name of a backend's default launch among its baselines
-
-
-@dataclass(frozen=True)
-class DefaultLaunch:
-    """What a user gets from this engine without tuning: its default launch on the user's weights.
-
-    Args:
-        config: What ``run`` and ``deploy_command`` are given. ``ctx`` and ``parallel`` say what
-            the defaults amount to in the study's terms (``parallel``: the streams the baseline is
-            measured with, the engine's default number of concurrent requests); a backend marks
-            it with an option of its own when its command must leave flags out to keep the
-            engine's defaults (llama-server: ``engine_defaults``).
-        description: In words, which settings are left at which default and where those
-            defaults come from (the engine's source or documentation), for the summary.
-        name: Which of the backend's baselines this is (``baselines``): ``default`` for the
-            engine's default launch, another short name (``fit``) for each other one. The
-            study stores and shows it as ``<backend>`` or ``<backend>:<name>``.
-        title: How the summary names it ("N x what <title> gives"); empty: "<backend>'s
-            default launch".
-    """
-
-    config: TrialConfig
-    description: str
-    name: str = DEFAULT_BASELINE
-    title: str = ""
-
-    def __post_init__(self) -> None:
-        if not re.fullmatch(r"[a-z][a-z0-9_-]*", self.name):
-            raise ValueError(f"a baseline's name must be lowercase letters, digits, '-' or '_' (got {self.name!r})")
-
-
-@dataclass(frozen=True)
-class UserLoad:
-    """The context per user and the users at once the study's user serves, as the study's
-    ``[space]`` says them: what a baseline that takes the user's context and slots is given
-    (``BaseBackend.baselines``), chosen by the core so that every backend gets the same.
-
-    Args:
-        ctx: Tokens per user.
-        parallel: Users at once.
-        why: Where both come from, in words, for the baseline's description.
-    """
-
-    ctx: int
-    parallel: int
-    why: str = ""
 
 
 class BaseBackend(abc.ABC):
@@ -342,6 +50,8 @@ class BaseBackend(abc.ABC):
         weight_formats: The weight-format families it can make and load (``WeightFormats``):
             what a ``NAME:...`` weights value is, and the formats ``autotune init`` offers.
         engine_variables: What its engine needs of autotune's environment (see below).
+        artifacts, scoring, predictor, splitting: Its optional parts (:mod:`autotune.parts`),
+            each None where the engine has none; declare one as ``artifacts = part(MyRecipes)``.
     """
 
     name: ClassVar[str] = ""
@@ -355,6 +65,14 @@ class BaseBackend(abc.ABC):
     """Variables of autotune's environment (names or ``fnmatch`` patterns) its engine needs beyond
     the allow-list of :func:`autotune.redact.engine_environment`; the engine gets no others. A
     pattern never hands on a secret-looking variable, a name does."""
+    artifacts: ClassVar[ArtifactMaker | None] = None
+    """Makes weights formats from the study's source (``autotune.artifacts``)."""
+    scoring: ClassVar[Scoring | None] = None
+    """Loads weights for log-likelihood scoring (the quality metrics)."""
+    predictor: ClassVar[Predictor | None] = None
+    """Predicts instead of measuring: a backend with one is a model (a digital twin)."""
+    splitting: ClassVar[Splitting | None] = None
+    """Where the model goes when one card is not enough (``autotune init``, several cards)."""
 
     def setting(self, ctx: StudyContext, name: str) -> Any:
         """A ``[backends.<name>]`` value, or its declared default (one owner of each default)."""
@@ -415,26 +133,6 @@ class BaseBackend(abc.ABC):
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         """The exact command that serves ``config``."""
 
-    def quality_reference(self, params: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
-        """The options under which quality is judged best (the reference's options).
-
-        Args:
-            params: Each of this backend's parameters with its searched values.
-
-        Returns:
-            One value per parameter: the widest KV-cache type of the catalog among those searched
-            (``cache_type``), fused attention when it is searched (``flash_attn``: numerically the
-            same, and the setting a deployment would keep), else the first searched value.
-            Backends override it when their engine knows better.
-        """
-        ref = {name: values[0] for name, values in params.items()}
-        known = {c: ct for c in params.get("cache_type", ()) if (ct := cache_types.resolve(c, self.kv_cache_types))}
-        if known:
-            ref["cache_type"] = max(known, key=lambda c: known[c].bytes_per_element)
-        if True in params.get("flash_attn", ()):
-            ref["flash_attn"] = True
-        return ref
-
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """The engine's default launch on ``weights``: the baseline a study measures once, before
         the search, and compares its winner with ("how much better than doing nothing").
@@ -473,60 +171,15 @@ class BaseBackend(abc.ABC):
         launch = self.default_launch(weights, ctx)
         return [] if launch is None else [launch]
 
-    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
-        """Dimensions that let ``weights`` run when they do not fit the card whole: ``[space]``
-        keys of this backend's ``parameters`` with candidate values (layers on the GPU, experts
-        kept in host memory...), in order of preference, each list starting with the value that
-        splits nothing (``"all"`` layers, no experts on the host). ``autotune init`` asks for
-        them when a format's lightest configuration is over the budget, offers the first
-        dimension with values the judge admits (those values, and the first one too when another
-        format of the backend fits whole), and says so in a comment. Empty (the default): the
-        engine cannot split a model."""
-        return {}
-
-    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
-        """Dimensions of where the model goes across the study's cards (``ctx.placement``, more
-        than one): ``[space]`` keys of this backend's ``parameters`` with the values it would
-        search (split mode, proportions per card from their budgets...). A study that names
-        several cards searches them unless its ``[space]`` names the key itself. Empty (the
-        default): the engine runs on one card."""
-        return {}
-
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         """Why a candidate weights reference is unusable (None: usable). Called at load time."""
         return None
 
-    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext) -> "Recipe | None":
-        """How this engine makes weights format ``fmt`` from a source model, for the artifact cache.
-
-        A real backend whose candidates may be formats (``gguf:Q4_K_M``, ``exl2:4.0``) implements
-        it; :func:`autotune.artifacts.ensure` decides when to make what, keeps the result and
-        records it in the trial. Nothing is made here: the recipe is a description (cheap to
-        build, called to find the artifact's path as well as to make it).
-
-        Args:
-            fmt: A canonical format (:func:`autotune.formats.normalize_format`).
-            source: The study's model source, absolute.
-            ctx: The study's context for this backend (its settings name the engine's tools).
-
-        Returns:
-            The recipe, or None when this engine cannot make ``fmt`` (the default: it makes nothing).
-        """
-        return None
-
-    def engine_version(self) -> str:
-        """Version/build of the engine, recorded with every trial."""
-        return "unknown"
-
     def engine_build(self, ctx: StudyContext | None) -> str:
         """Version/build of the engine this study runs (its settings may name the binary: the
         header, every trial's record and the resume's comparability check say this one, issue 39
-        item 6). The default is ``engine_version``: a backend whose settings choose no build."""
-        return self.engine_version()
-
-    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
-        """Predicted metrics without running anything; only model backends implement it."""
-        return None
+        item 6). ``None``: the build found without a study's settings. The default: unknown."""
+        return "unknown"
 
     def model_settings(self, ctx: StudyContext) -> Mapping[str, Any]:
         """How this backend will run its engine, as settings of the engine's model backend (the
@@ -534,67 +187,23 @@ class BaseBackend(abc.ABC):
         for this backend's configurations (``study/predictor.py``: ``model_context``)."""
         return {}
 
-    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
-                  ctx: StudyContext) -> Mapping[str, Any] | None:
-        """Refit this model backend's speed constants to what a real backend of its engine measured.
 
-        Only model backends implement it (the default: None, nothing learned). The study calls
-        it after each measured trial of a real backend this one predicts for, stores the result
-        and hands it back as ``ctx.calibration`` to ``predict``.
+def quality_reference(backend: BaseBackend, params: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    """The options under which a backend's quality is judged best (the quality reference's options).
 
-        Args:
-            measured: Each measured configuration, renamed to this backend, with the medians of
-                the measured ``decode_tok_s``, ``aggregate_tok_s``, ``per_user_tok_s`` and
-                ``prefill_tok_s`` it has.
-            ctx: The real backend's study context.
+    Args:
+        backend: Whose parameters they are (its ``kv_cache_types`` rank the cache types).
+        params: Each of its parameters with its searched values.
 
-        Returns:
-            A JSON-able mapping; the core reads (for the report and ``autotune estimate
-            --study``) ``gpu`` (the card's key it holds for), ``n`` (configurations fitted),
-            ``before`` and ``after`` (each refit constant, published and fitted),
-            ``median_abs_error_before`` and ``median_abs_error_after`` (on ``measured``, as
-            fractions); anything else is the backend's own.
-        """
-        return None
-
-    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext) -> "Scorer":
-        """Load ``weights`` with KV-cache type ``cache_type`` for log-likelihood scoring.
-
-        Quality metrics use only this (see ``autotune.scoring``); a backend that implements it
-        gets MMLU, C-Eval and the KL-divergence proxy without further work.
-
-        Raises:
-            ScoringUnsupportedError: This backend has no scoring API (the default).
-            ScoringError: The artifact could not be loaded for scoring.
-        """
-        raise ScoringUnsupportedError(f"backend '{self.name}' has no scoring API (it does not implement scorer())")
-
-    def repeats_exactly(self, ctx: StudyContext) -> bool:
-        """Whether a configuration measured again gives exactly the same figures (a model without
-        simulated noise). The finish then measures nothing again: its leaders are compared, and a
-        tie settled, on their one figure each."""
-        return False
-
-    @property
-    def is_model(self) -> bool:
-        """Whether it predicts instead of measuring (implements ``predict``: a digital twin)."""
-        return type(self).predict is not BaseBackend.predict
-
-    @property
-    def makes_artifacts(self) -> bool:
-        """Whether it makes weights formats from a source (implements ``artifact_recipe``); a
-        backend that does not reads a format-like weights name as it sees fit."""
-        return type(self).artifact_recipe is not BaseBackend.artifact_recipe
-
-    def scoring_problem(self) -> str | None:
-        """Why ``scorer`` cannot work here (None: it can), checked before a study starts so that a
-        quality metric does not fail every trial. The default: only whether ``scorer`` is
-        implemented; a backend whose scorer needs a package checks that it is installed."""
-        if not self.supports_scoring:
-            return f"backend '{self.name}' has no scoring API (it does not implement scorer())"
-        return None
-
-    @property
-    def supports_scoring(self) -> bool:
-        """Whether ``scorer`` is implemented (metrics' ``supports`` checks this)."""
-        return type(self).scorer is not BaseBackend.scorer
+    Returns:
+        One value per parameter: the widest KV-cache type of the catalog among those searched
+        (``cache_type``), fused attention when it is searched (``flash_attn``: numerically the
+        same, and the setting a deployment would keep), else the first searched value.
+    """
+    ref = {name: values[0] for name, values in params.items()}
+    known = {c: ct for c in params.get("cache_type", ()) if (ct := cache_types.resolve(c, backend.kv_cache_types))}
+    if known:
+        ref["cache_type"] = max(known, key=lambda c: known[c].bytes_per_element)
+    if True in params.get("flash_attn", ()):
+        ref["flash_attn"] = True
+    return ref

@@ -10,7 +10,7 @@ drift apart.
 
 The twin hooks (``scenario``, ``refuse``, ``load_failure``, ``deploy_command`` ...) receive the
 twin backend as ``twin``: a :class:`autotune.backend.BaseBackend` whose ``setting``,
-``scenario``, ``predict``, ``as_format``, ``weights_file`` and ``layers_on_gpu`` they may call.
+``scenario``, ``predictor``, ``as_format``, ``weights_file`` and ``layers_on_gpu`` they may call.
 They never import the twin: an engine plugin imports only the core (``autotune.api``) and
 ``autotune_plugins.shared``.
 """
@@ -121,6 +121,13 @@ class EngineModel:
     def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
         """What a study on several cards searches of the split when its ``[space]`` does not say."""
         return {}
+
+    def placement_memory(self, mem: MemoryEstimate, s: Any, config: TrialConfig,
+                         ctx: StudyContext) -> MemoryEstimate | None:
+        """Each card's share of ``mem`` (the one-card estimate of scenario ``s``, every layer on
+        the card) by the engine's own placement, where it has one (its real backend's per-card
+        model); None: the twin's generic split (``plugins/twin/multicard.py``) stands for it."""
+        return None
 
     def refuse(self, twin: Any, config: TrialConfig, ctx: StudyContext) -> None:
         """Raise the engine's own ``UnsupportedError`` for a card or option it does not support."""

@@ -104,10 +104,10 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
             f"--backend {name!r}: not an installed backend or engine "
             f"(backends: {', '.join(backends) or 'none'}; engines: {', '.join(engines) or 'none'})"
         )
-    twins = [b for b in same if b.is_model]
-    real = [b for b in same if not b.is_model]
+    twins = [b for b in same if b.predictor is not None]
+    real = [b for b in same if b.predictor is None]
     if is_format(weights):
-        if named is not None and named.is_model:
+        if named is not None and named.predictor is not None:
             chosen = named
         elif twins:
             chosen = twins[0]
@@ -121,7 +121,7 @@ def resolve_backends(name: str, weights: str) -> tuple[BaseBackend, BaseBackend 
         chosen = named  # the real backend or the twin, as named: both read the file
     else:
         chosen = real[0] if real else twins[0]
-    return chosen, chosen if chosen.is_model else (twins[0] if twins else None)
+    return chosen, chosen if chosen.predictor is not None else (twins[0] if twins else None)
 
 
 def _weights_of(model_ref: str, weights: str | None) -> str:
@@ -368,7 +368,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
                 if acceptance is not None:
                     predicted, speculated = _with_acceptance(predictor, probe, ctx, acceptance)
                 else:
-                    predicted = predictor.predict(probe, ctx)
+                    predicted = predictor.predictor.predict(probe, ctx)
             except ConfigError as exc:  # a weights file whose format the speed model has no entry for
                 no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
     fits = mem.total_bytes <= budget.bytes and not (placement is not None and mem.per_device_bytes
@@ -376,7 +376,7 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
     resolved = None
     if backend.name != backend_name:
         kind = "a format" if is_format(weights) else "a file or directory"
-        role = "the engine's digital twin" if backend.is_model else "the engine's real backend"
+        role = "the engine's digital twin" if backend.predictor is not None else "the engine's real backend"
         resolved = f"--backend {backend_name} with {kind} as weights: estimated by {backend.name}, {role}"
     return {
         "config": config.as_dict(),
@@ -416,9 +416,9 @@ def _with_acceptance(predictor: BaseBackend, probe: TrialConfig, ctx: StudyConte
         raise ConfigError(f"--acceptance {rate}: accepted / drafted, a number >= 0 and < 1")
     if not any(s.name == "acceptance_rate" for s in predictor.settings):
         raise ConfigError(f"--acceptance: {predictor.name} prices no speculative decoding (it takes no acceptance_rate)")
-    priced = predictor.predict(probe, replace(ctx, settings={**ctx.settings, "acceptance_rate": rate}))
+    priced = predictor.predictor.predict(probe, replace(ctx, settings={**ctx.settings, "acceptance_rate": rate}))
     spec_keys = {"spec_type", "spec_n_max", "spec_n_min", "spec_p_min", "draft", "draft_gpu_layers", "draft_cache_type"}
-    plain = predictor.predict(replace(probe, options=tuple(o for o in probe.options if o[0] not in spec_keys)), ctx)
+    plain = predictor.predictor.predict(replace(probe, options=tuple(o for o in probe.options if o[0] not in spec_keys)), ctx)
     if not priced or not plain:
         return priced, None
     options = dict(probe.options)

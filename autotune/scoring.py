@@ -2,10 +2,10 @@
 
 Quality metrics (MMLU and C-Eval through lm-eval, the KL-divergence proxy) never talk to an
 engine themselves. They ask the backend for a :class:`Scorer` on one artifact
-(``BaseBackend.scorer(weights, cache_type, ctx)``) and use only the methods below, so any
+(``backend.scoring.scorer(weights, cache_type, ctx)``, :class:`autotune.parts.Scoring`) and use only the methods below, so any
 backend plugin that implements this small protocol gets every quality metric for free.
 
-Lifecycle: the metric opens a scorer with ``with backend.scorer(...) as scorer:``, calls
+Lifecycle: the metric opens a scorer with ``with backend.scoring.scorer(...) as scorer:``, calls
 ``tokenize``, ``loglikelihood`` and ``next_token_logprobs`` as often as it likes, and the
 ``with`` block's end calls ``close()``, which must free the engine (model memory, a worker
 process, a server). A scorer is used from one thread at a time.

@@ -174,7 +174,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     offload: dict[str, list[Any]] = {}
     formats, full_precision_formats = offered_formats()
     for backend_name, backend in plugins.get_backends().items():
-        if backend.is_model:
+        if backend.predictor is not None:
             continue
         ctx = StudyContext(gpu=spec, model=model, workload=Workload(*workload), vram_budget_bytes=budget.bytes,
                            protocol=Protocol(), source=source, for_gpu=False if spec.is_cpu else None)
@@ -194,7 +194,8 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         unmakable: dict[str, str] = {}  # format -> why it cannot be made from the source
         for fmt in formats:
             try:
-                recipe = backend.artifact_recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
+                recipe = None if backend.artifacts is None else \
+                    backend.artifacts.recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
             except AutotuneError as exc:
                 unmakable[fmt] = str(exc)
                 continue
@@ -208,7 +209,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                 if split:
                     kept.append(fmt)
                     for key, values in split.items():
-                        mine.setdefault(key, [backend.offload_space(fmt, ctx)[key][0]])  # its "no split" first
+                        mine.setdefault(key, [_offload_space(backend, fmt, ctx)[key][0]])  # its "no split" first
                         mine[key] += [v for v in values if v not in mine[key]]
                     draft.offload.append(f"{backend_name} {fmt}: does not fit whole ({judge.never_fits(*found)}); "
                                          "fits with " + ", ".join(f"{k} in {_toml_value(v)}" for k, v in split.items()))
@@ -345,6 +346,11 @@ def _refused(judge: Admission, backend: str, formats: list[str], shortest: int, 
     return "; ".join(shared or ["refused by the rules in every combination"])
 
 
+def _offload_space(backend: Any, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+    """The backend's ``offload_space`` (its ``splitting`` part); empty when it cannot split a model."""
+    return {} if backend.splitting is None else backend.splitting.offload_space(weights, ctx)
+
+
 def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyContext, shortest: int,
                     params: list[Any]) -> dict[str, list[Any]]:
     """Of the backend's ``offload_space`` for ``weights``, the first dimension (in the backend's
@@ -352,7 +358,7 @@ def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyCont
     judge admits, and those values; empty when none fits. Each dimension's first value is the
     backend's "no split", which a format over the budget never fits with."""
     kept: dict[str, list[Any]] = {}
-    for key, values in backend.offload_space(weights, ctx).items():
+    for key, values in _offload_space(backend, weights, ctx).items():
         fits = []
         for value in values[1:]:
             found = judge.lightest(TrialConfig(backend.name, weights, shortest, 1), [*params, Param(key, (value,))])

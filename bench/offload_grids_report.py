@@ -248,7 +248,7 @@ def twin_check(name: str, runs: list[tuple[str, Any]], measured: Mapping[str, Ma
         recs = [run[key] for run in measured.values() if key in run]
         c = TrialConfig.from_dict(recs[0].config)  # type: ignore[arg-type]
         probe = replace(c, backend=twin.name, weights="gguf:" + Path(c.weights).stem.rsplit("-", 1)[-1])
-        preds = {label: [twin.predict(probe, ctx) for ctx in ctxs] for label, ctxs in asked.items()}
+        preds = {label: [twin.predictor.predict(probe, ctx) for ctx in ctxs] for label, ctxs in asked.items()}
         meas = {m: statistics.fmean(r.median(m) for r in recs) for m in METRICS}  # type: ignore[misc]
         rows.append((c, meas, preds))
     labels = list(asked)

@@ -191,7 +191,7 @@ def study_file_for(name: str, given: Sequence[Path]) -> Path:
 def twin_of(engine: str) -> BaseBackend:
     """The registered backend of ``engine`` that predicts (its twin)."""
     for b in plugins.get_backends().values():
-        if b.engine == engine and b.is_model:
+        if b.engine == engine and b.predictor is not None:
             return b
     raise ConfigError(f"no backend of engine {engine!r} predicts (no twin installed): --model cannot be checked")
 

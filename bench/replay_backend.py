@@ -309,7 +309,7 @@ class ReplayBackend(BaseBackend):
                 return t.record.deploy_command
         return f"(replay of {key})"
 
-    def engine_version(self) -> str:
+    def engine_build(self, ctx: StudyContext | None = None) -> str:
         return f"replay of {self.grid.name}"
 
 

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from autotune import hookimpl, plugins
 from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.parts import ArtifactMaker, Predictor, Scoring, Splitting, part
 from autotune.errors import BackendError
 from autotune.measure import Stat
 
@@ -72,7 +73,7 @@ class FakeBackend(BaseBackend):
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         return f"fake-serve --weights {config.weights} --ctx {config.ctx} --parallel {config.parallel}"
 
-    def engine_version(self) -> str:
+    def engine_build(self, ctx: StudyContext | None = None) -> str:
         return "fake-1.0"
 
     def _log(self, config: TrialConfig) -> None:
@@ -168,9 +169,51 @@ class RealExl2Backend(FakeBackend):
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         self._log(config)
-        predicted = self.twin.predict(replace(config, backend=self.twin.name), ctx)
+        predicted = self.twin.predictor.predict(replace(config, backend=self.twin.name), ctx)
         assert predicted is not None
         return Measurement(metrics=stats_for(0.9 * predicted["aggregate_tok_s"], config.parallel))
+
+
+class ForwardingPredictor(Predictor):
+    """A test double's predictor: its backend's own ``predict``, ``calibrate`` and
+    ``repeats_exactly`` methods, so that each double overrides them in one class, as it did."""
+
+    @property
+    def learns(self) -> bool:  # type: ignore[override]
+        return hasattr(self.backend, "calibrate")
+
+    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
+        predict = getattr(self.backend, "predict", None)
+        return None if predict is None else predict(config, ctx)
+
+    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
+                  ctx: StudyContext) -> Mapping[str, Any] | None:
+        return self.backend.calibrate(measured, ctx) if self.learns else None
+
+    def repeats_exactly(self, ctx: StudyContext) -> bool:
+        repeats = getattr(self.backend, "repeats_exactly", None)
+        return bool(repeats is not None and repeats(ctx))
+
+
+class ForwardingArtifacts(ArtifactMaker):
+    """A test double's artifact maker: its backend's own ``artifact_recipe`` method."""
+
+    def recipe(self, fmt: str, source: Path, ctx: StudyContext) -> Any:
+        return self.backend.artifact_recipe(fmt, source, ctx)
+
+
+class ForwardingSplitting(Splitting):
+    """A test double's splitting: its backend's own ``offload_space`` method."""
+
+    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+        return self.backend.offload_space(weights, ctx)
+
+
+class ForwardingScoring(Scoring):
+    """A test double's scoring: its backend's own ``scorer`` method."""
+
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext) -> Any:
+        return self.backend.scorer(weights, cache_type, ctx)
 
 
 class FakeModelBackend(FakeBackend):
@@ -180,6 +223,7 @@ class FakeModelBackend(FakeBackend):
 
     name = "fake-model"
     description = "test double of a model backend (predict and calibrate)"
+    predictor = part(ForwardingPredictor)
 
     def __init__(self, log_path: str | Path | None = None):
         super().__init__(log_path)

@@ -21,6 +21,8 @@ from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import get_model
 from autotune.study.records import TrialRecord
+from autotune.parts import part
+from tests.fake_backends import ForwardingArtifacts, ForwardingPredictor
 from tests.fake_backends import stats_for
 
 # Formats (gguf:, exl2:) are what the engine plugins declare.
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("engine_plugins")
 class MakingBackend(BaseBackend):
     """Makes ``fake:<n>``-free formats: any gguf:<TYPE> by writing the type into a file, from an
     F16 it makes first; ``gguf:Q2_K`` fails as a tool would."""
+    artifacts = part(ForwardingArtifacts)
 
     name = "maker"
     engine = "maker-engine"
@@ -305,6 +308,7 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
 
 class MakerTwin(BaseBackend):
     """A model of the maker's engine: predicts each weights' throughput, makes and runs nothing."""
+    predictor = part(ForwardingPredictor)
 
     name = "maker-twin"
     engine = "maker-engine"

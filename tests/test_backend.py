@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autotune.backend import StudyContext, Workload
+from autotune.backend import StudyContext, Workload, quality_reference
 from autotune.hardware import get_gpu
 from autotune.measure import Protocol
 from autotune.models import get_model
@@ -27,8 +27,8 @@ def test_paths_are_absolute_and_relative_to_the_study_file(tmp_path, monkeypatch
 def test_the_default_quality_reference_is_the_most_precise_searched_setting(engine_plugins):
     # FakeBackend declares no cache types: the installed backends' (llama-server's here) rank its names.
     b = FakeBackend()
-    assert b.quality_reference({"cache_type": ("q4_0", "f16", "q8_0"), "flash_attn": (False, True),
+    assert quality_reference(b, {"cache_type": ("q4_0", "f16", "q8_0"), "flash_attn": (False, True),
                                 "mode": ("x", "y")}) == {"cache_type": "f16", "flash_attn": True, "mode": "x"}
-    assert b.quality_reference({"flash_attn": (False,)}) == {"flash_attn": False}
+    assert quality_reference(b, {"flash_attn": (False,)}) == {"flash_attn": False}
     # A cache name the catalog does not know keeps the first searched value.
-    assert b.quality_reference({"cache_type": ("mystery",)}) == {"cache_type": "mystery"}
+    assert quality_reference(b, {"cache_type": ("mystery",)}) == {"cache_type": "mystery"}

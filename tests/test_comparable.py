@@ -15,12 +15,12 @@ from tests.fake_backends import FakeBackend, registered, write_study
 class RebuiltBackend(FakeBackend):
     """The fake engine, rebuilt: same backend name, another build."""
 
-    def engine_version(self) -> str:
+    def engine_build(self, ctx: StudyContext | None = None) -> str:
         return "fake-2.0"
 
 
 class UnknownBuildBackend(FakeBackend):
-    def engine_version(self) -> str:
+    def engine_build(self, ctx: StudyContext | None = None) -> str:
         return "unknown (no binary found)"
 
 

@@ -23,6 +23,8 @@ from autotune.study import StudyRunner, open_storage, prepare_study, records, ru
 from autotune.study.baseline import compare
 from autotune.study.finish import finish_token, host_tag
 from autotune.study.records import TrialRecord
+from autotune.parts import part
+from tests.fake_backends import ForwardingPredictor
 
 if __package__:  # tests/ is a package
     from .fake_backends import GIB, FakeBackend, memory_dir, registered, stats_for, write_study
@@ -346,6 +348,7 @@ def test_the_headline_is_the_median_of_every_run_not_the_first(tmp_path, storage
 class ExactBackend(ScriptedBackend):
     """A model without noise (``repeats_exactly``): every launch says the same; weights "b" and
     "c" are predicted to need 1 GiB less than "a"."""
+    predictor = part(ForwardingPredictor)
 
     name = "fake-scripted"
 

@@ -21,6 +21,8 @@ from autotune.study.explain import explain_best
 from autotune.study import StudyRunner, judge_for, prepare_study, run_study
 from autotune.study_writer import draft_study, render
 from autotune_plugins.llama_server.declarations import GGUF
+from autotune.parts import part
+from tests.fake_backends import ForwardingArtifacts
 from tests.conftest import plugin_registered
 from tests.fake_backends import GIB, stats_for
 
@@ -31,6 +33,7 @@ KV_PER_TOKEN = {"f16": 56 * 1024, "q8_0": 56 * 1024 * 34 // 64}  # Qwen2.5-7B: 2
 class Judged(BaseBackend):
     """Makes gguf formats (the made file holds the format's name, which it reads back), and uses
     HUNGER more than it predicts."""
+    artifacts = part(ForwardingArtifacts)
 
     name = "fake-judged"
     engine = "judged-engine"

@@ -248,8 +248,8 @@ def test_hook_register_engine_models(example_module, twin_plugin, echo_ctx):
         mem = twin.estimate_memory(config, echo_ctx)
         assert mem.overhead_bytes == example_module.OVERHEAD_BYTES
         assert mem.kv_bytes == int(example_module.kv_bytes_per_token(echo_ctx.model, "f16") * 2048 * 2)
-        faster = twin.predict(replace(config, weights="gguf:Q4_0"), echo_ctx)["decode_tok_s"]
-        assert faster > twin.predict(replace(config, weights="gguf:Q8_0"), echo_ctx)["decode_tok_s"] > 0
+        faster = twin.predictor.predict(replace(config, weights="gguf:Q4_0"), echo_ctx)["decode_tok_s"]
+        assert faster > twin.predictor.predict(replace(config, weights="gguf:Q8_0"), echo_ctx)["decode_tok_s"] > 0
         assert "example-echo-serve" in twin.deploy_command(config, echo_ctx)
     assert "twin-example-echo" not in plugins.get_backends()
 

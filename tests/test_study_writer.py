@@ -18,11 +18,14 @@ from autotune.formats import weights_for
 from autotune.study.prepare import prepare_study
 from autotune.study_writer import draft_study, render
 from autotune_plugins.llama_server.declarations import GGUF
+from autotune.parts import part
+from tests.fake_backends import ForwardingArtifacts, ForwardingSplitting
 from tests.conftest import plugin_registered
 
 
 class GgufMaker(BaseBackend):
     """Makes gguf formats; its memory is the predicted weights plus 1 GiB."""
+    artifacts = part(ForwardingArtifacts)
 
     name = "gguf-maker"
     engine = "gguf-engine"
@@ -160,6 +163,7 @@ def test_a_backend_that_loads_the_source_itself_takes_it_as_its_reference(seven_
 
 class Splitter(GgufMaker):
     """A GgufMaker that can keep layers in host memory: ``gpu_layers`` of 28 on the card."""
+    splitting = part(ForwardingSplitting)
 
     name = "splitter"
     engine = "splitter-engine"
@@ -223,9 +227,9 @@ def test_llama_server_offers_experts_first_for_a_mixture_of_experts():
                             protocol=Protocol(), source=Path("/nonexistent"))
 
     b = LlamaServerBackend()
-    moe = b.offload_space("gguf:Q4_K_M", ctx(n_experts=128, n_experts_used=8, expert_ffn_size=768))
+    moe = b.splitting.offload_space("gguf:Q4_K_M", ctx(n_experts=128, n_experts_used=8, expert_ffn_size=768))
     assert list(moe) == ["n_cpu_moe", "gpu_layers"] and moe["n_cpu_moe"] == [0, 6, 12, 18, 24, 30, 36, 42, 48]
-    assert b.offload_space("gguf:Q4_K_M", ctx()) == {"gpu_layers": ["all", 48, 42, 36, 30, 24, 18, 12, 6, 0]}
+    assert b.splitting.offload_space("gguf:Q4_K_M", ctx()) == {"gpu_layers": ["all", 48, 42, 36, 30, 24, 18, 12, 6, 0]}
 
 
 class HeadSizeRules(GgufMaker):

@@ -14,6 +14,8 @@ from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune.models import get_model, model_from_gguf
 from autotune.study import StudyRunner, prepare_study, run_study
 from autotune.vram import GraphBuffers, SlotLayout, apply_correction, kv_cache_bytes, learned_correction
+from autotune.parts import part
+from tests.fake_backends import ForwardingPredictor
 from tests.conftest import shared_file
 from tests.fake_backends import GIB, FakeBackend, registered, stats_for, write_study
 
@@ -147,6 +149,7 @@ def test_a_study_resumed_with_other_choices_is_refused_up_front(tmp_path):
 
 class PredictingHungryBackend(HungryBackend):
     """The hungry backend with a model of itself, so the prior can rank its configurations."""
+    predictor = part(ForwardingPredictor)
 
     name = "fake-hungry"
 

@@ -22,20 +22,34 @@ silently did nothing there.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autotune.measure.gpu_telemetry import GpuTelemetry, measure_with_telemetry
 from autotune.measure.load import latency_metrics, poisson_arrivals, run_requests, search_rate
 from autotune.workload import FIRST_RUN_REQUEST, RATE_SEARCH_STEPS
-from autotune.measure.protocol import Stat
+from autotune.measure.protocol import Protocol, Stat
 from autotune.measure.streams import SERVING_UNITS, ConcurrentResult, StreamResult, run_streams_threaded
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.backend import StudyContext
     from autotune.workload import Workload
 
 __all__ = ["measure_engine", "serving_metrics", "serving_run"]
+
+
+class MeasuredContext(typing.Protocol):
+    """What the loop reads of a study's context (:class:`autotune.backend.StudyContext` is one):
+    named here, so that the loop sits below the backend that hands it its context."""
+
+    @property
+    def protocol(self) -> Protocol: ...
+
+    @property
+    def gpu_index(self) -> int: ...
+
+    @property
+    def probe(self) -> Callable[[Mapping[str, float]], bool] | None: ...
 
 
 def serving_metrics(alone: StreamResult, together: ConcurrentResult,
@@ -118,7 +132,7 @@ def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], St
     return run_once
 
 
-def measure_engine(ctx: "StudyContext", run_once: Callable[[], Mapping[str, float]], *,
+def measure_engine(ctx: MeasuredContext, run_once: Callable[[], Mapping[str, float]], *,
                    warm_up: Callable[[], Any] | None = None, key: str = "aggregate_tok_s",
                    units: Mapping[str, str] = SERVING_UNITS, gpu: bool = False, pid: int | None = None,
                    ) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:

@@ -30,7 +30,7 @@ SPEED_METRICS = ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s", "prefill_t
 
 
 def _can_calibrate(backend: BaseBackend) -> bool:
-    return type(backend).calibrate is not BaseBackend.calibrate
+    return backend.predictor is not None and backend.predictor.learns
 
 
 def learning_backends(prepared: PreparedStudy) -> list[str]:
@@ -39,7 +39,7 @@ def learning_backends(prepared: PreparedStudy) -> list[str]:
     out = []
     for name in prepared.space.entries:
         real = prepared.backend(name)
-        if not real.is_model and any(b.engine == real.engine and b is not real for b in others):
+        if real.predictor is None and any(b.engine == real.engine and b is not real for b in others):
             out.append(name)
     return out
 
@@ -70,6 +70,11 @@ def calibrate(prepared: PreparedStudy, study: optuna.Study) -> dict[str, dict[st
             if config is None or config.backend != name or (r.gpu and r.gpu.get("key") != ctx.gpu.key):
                 continue  # another backend's, or measured on another card before a resume
             metrics = {m: float(v) for m in SPEED_METRICS if (v := r.median(m)) is not None}
+            if metrics and r.acceptance and r.acceptance.get("drafted"):
+                # The engine's own draft counts: a predictor that prices speculation learns the
+                # study's acceptance from them, which depends on the text, not the card.
+                metrics.update(acceptance_drafted=float(r.acceptance["drafted"]),
+                               acceptance_accepted=float(r.acceptance["accepted"]))
             found = predictor_for(real, config, ctx, backends)
             if not metrics or found is None or found[0] is real:
                 continue
@@ -80,7 +85,7 @@ def calibrate(prepared: PreparedStudy, study: optuna.Study) -> dict[str, dict[st
             continue
         predictor, observations = max(groups.values(), key=lambda group: len(group[1]))
         try:
-            result = predictor.calibrate(observations, model_context(real, ctx))
+            result = predictor.predictor.calibrate(observations, model_context(real, ctx))
         except Exception as exc:  # a model backend's bug must not stop the measurements
             stored: dict[str, Any] = {"predictor": predictor.name, "error": f"{type(exc).__name__}: {exc}"}
         else:

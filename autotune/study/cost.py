@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 from autotune.measure.protocol import Protocol
 from autotune.workload import RATE_SEARCH_STEPS, Workload
 from autotune import plugins
-from autotune.backend import BaseBackend
 from autotune.study import records
 from autotune.study.admission import Admission
 from autotune.study.baseline import highest_precision, measure_again, title_of, user_load
@@ -196,7 +195,7 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
     basis: set[str] = set()
     for config in configs[::step][:SAMPLED_CONFIGS]:
         real = prepared.backend(config.backend)
-        if type(real).predict is not _base_predict():
+        if real.predictor is not None:
             return None  # a model backend's study: nothing is measured
         ctx = prepared.contexts.get(config.backend)
         verdict = judge.judge(config)
@@ -242,11 +241,6 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
     return Forecast(trial, (costs[0].seconds, costs[-1].seconds), tuple(baselines), requests, protocol,
                     f"rates from {', '.join(sorted(basis))}'s prediction for this card, "
                     f"{len(costs)} configurations", drawn=bool(workload.requests), baseline_by_key=by_key)
-
-
-def _base_predict() -> Any:
-
-    return BaseBackend.predict
 
 
 def _baseline_cost(backend: Any, config: Any, ctx: Any, backends: Mapping[str, Any], trial: LaunchCost) -> LaunchCost:

@@ -40,7 +40,8 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
     options = {k: v for k, v in cfg.space.items() if k not in ("ctx", "parallel")}
     # The placement dimensions a study on several cards searches without naming them (split
     # mode, proportions): each is a neighbour too, so the summary says why the winner's split wins.
-    options = {**backend.placement_space(prepared.contexts[config.backend]), **options}
+    split = {} if backend.splitting is None else backend.splitting.placement_space(prepared.contexts[config.backend])
+    options = {**split, **options}
     dims: list[tuple[str, tuple[Any, ...]]] = [
         ("weights", tuple(candidates)), ("ctx", tuple(cfg.space["ctx"])), ("parallel", tuple(cfg.space["parallel"])),
     ]

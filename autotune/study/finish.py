@@ -120,7 +120,8 @@ class Finish:
     def _repeats_exactly(self, record: TrialRecord) -> bool:
         config = record.trial_config
         assert config is not None
-        return self.prepared.backend(config.backend).repeats_exactly(self.prepared.contexts[config.backend])
+        predictor = self.prepared.backend(config.backend).predictor
+        return predictor is not None and predictor.repeats_exactly(self.prepared.contexts[config.backend])
 
     def _finish_rounds(self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None,
                        said: int) -> tuple[int, int, bool]:

@@ -31,11 +31,13 @@ def predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
     prediction; None when none can (its option values or its weights are not the predictor's)."""
     others = [b for b in backends.values() if b.engine == real.engine and b is not real]
     for predictor in [real, *others]:
+        if predictor.predictor is None:
+            continue  # it measures: no say before it runs
         probe = replace(config, backend=predictor.name)
         if predictor is not real and not _takes_options(predictor, probe):
             continue
         try:
-            predicted = predictor.predict(probe, ctx if predictor is real else model_context(real, ctx))
+            predicted = predictor.predictor.predict(probe, ctx if predictor is real else model_context(real, ctx))
         except AutotuneError:
             # Weights it cannot read (a quantization it has no model for): no say on this one.
             continue

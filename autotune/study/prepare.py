@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from autotune import hardware, plugins
 from autotune.artifacts import check_makings, is_format
-from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, same_value
+from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, quality_reference, same_value
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, ConfigError
 from autotune.formats import normalize_format
@@ -115,7 +115,7 @@ def check_space_values(offered: Mapping[str, list[Param]], space: Mapping[str, t
 def _format_problem(backend: BaseBackend, weights: str, ctx: StudyContext, given_source: str | None) -> str | None:
     """Why a real backend cannot make the format ``weights`` names (None: it can). A model
     backend predicts formats and needs no source."""
-    if backend.is_model or not backend.makes_artifacts:
+    if backend.predictor is not None or backend.artifacts is None:
         return None  # it predicts a format, or reads a format-like name its own way
     if ctx.source is None:
         if given_source is not None:
@@ -123,7 +123,7 @@ def _format_problem(backend: BaseBackend, weights: str, ctx: StudyContext, given
         return ("a format is made from the model's source: add [model] source = \"path/to/model\" (a Hugging Face "
                 "directory or a full-precision .gguf file), or name a weights file")
     try:
-        recipe = backend.artifact_recipe(normalize_format(weights, backend.weight_formats), ctx.source, ctx)
+        recipe = backend.artifacts.recipe(normalize_format(weights, backend.weight_formats), ctx.source, ctx)
     except AutotuneError as exc:
         return str(exc)
     if recipe is None:
@@ -260,7 +260,8 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
                            # gpu = "cpu": nothing is offloaded, even on a machine that has a GPU.
                            for_gpu=False if gpu.is_cpu else None)
         contexts[cand.backend] = ctx
-        if strategy.needs_model and not any(b.is_model and b.engine == backend.engine for b in backends.values()):
+        if strategy.needs_model and not any(b.predictor is not None and b.engine == backend.engine
+                                            for b in backends.values()):
             errors.append(f"{src}: [study] sampler = {strategy.name!r}: no installed backend predicts engine "
                           f"{backend.engine} (of [candidates.{i}] backend = {cand.backend!r}); install its twin "
                           "or use sampler = 'tpe'")
@@ -274,7 +275,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
                 problem = problem or backend.check_weights(w, ctx)
                 if problem:
                     errors.append(f"{src}: [candidates.{i}] {key} {w!r}: {problem}")
-        if dry_runs and len(errors) == found and not backend.is_model:
+        if dry_runs and len(errors) == found and backend.predictor is None:
             # What every making of this backend would fail on (a converter that does not know
             # the model's tokenizer), found before the first trial rather than by each.
             errors += [f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}"
@@ -284,7 +285,7 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
             if placement is not None and len(placement.cards) > 1:
                 # Several cards: where the model goes is searched (the backend's dimensions and
                 # values), unless the file names a dimension itself.
-                named = {**backend.placement_space(ctx), **named}
+                named = {**(backend.splitting.placement_space(ctx) if backend.splitting else {}), **named}
             if cand.draft:  # the candidate's draft weights are its backend's "draft" dimension
                 named[DRAFT_OPTION] = list(cand.draft)
             params = backend.parameters(named)
@@ -387,7 +388,7 @@ def _references(cfg: StudyConfig, space: SearchSpace, contexts: Mapping[str, Stu
             continue  # another backend owns the reference: compare against that one's quality
         else:
             chosen = highest_precision(entry.backend, entry.weights, ctx)
-        options = entry.backend.quality_reference({p.name: p.choices for p in entry.params})
+        options = quality_reference(entry.backend, {p.name: p.choices for p in entry.params})
         refs[name] = TrialConfig(name, chosen, max(entry.ctx), 1, tuple(sorted(options.items())))
     if named and refs:
         owner = next((n for n, e in space.entries.items() if named in e.weights), None)

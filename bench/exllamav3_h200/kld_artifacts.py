@@ -28,7 +28,7 @@ from typing import Any
 
 from autotune import artifacts
 from autotune.artifacts import is_format
-from autotune.backend import TrialConfig
+from autotune.backend import TrialConfig, quality_reference
 from autotune.config import load_study_config
 from autotune.errors import AutotuneError
 from autotune.metric import QualityReference
@@ -58,7 +58,7 @@ def measure(study: str, given: dict[str, str], say=print) -> list[dict[str, Any]
     rows: list[dict[str, Any]] = []
     for name, entry in prepared.space.entries.items():
         backend, ctx = entry.backend, prepared.contexts[name]
-        if not backend.supports_scoring:
+        if backend.scoring is None:
             say(f"{name}: no scorer, no KLD")
             continue
         reference = given.get(name)
@@ -68,7 +68,7 @@ def measure(study: str, given: dict[str, str], say=print) -> list[dict[str, Any]
                                  f"precision with --reference {name}=WEIGHTS (e.g. llama-server=gguf:F16)")
             reference = str(ctx.source)
         params = {p.name: p.choices for p in entry.params}
-        ref_cache = backend.quality_reference(params).get("cache_type")
+        ref_cache = quality_reference(backend, params).get("cache_type")
         ref_config = TrialConfig(name, reference, 0, 1, (("cache_type", ref_cache),) if ref_cache else ())
         _ensure(backend, reference, ctx)
         metric = KldMetric()

@@ -152,7 +152,7 @@ class EchoBackend(BaseBackend):
                 f"--ctx {config.ctx} --parallel {config.parallel} "
                 f"--cache-type {config.option('cache_type', 'f16')} --scale {_scale(ctx)}")
 
-    def engine_version(self):
+    def engine_build(self, ctx=None):
         return f"example-echo {__version__} (Python {platform.python_version()})"
 
 

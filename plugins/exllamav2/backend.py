@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
+from autotune.api import ArtifactMaker, Scoring, part
 from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
     SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, deploy_line, engine_environment, is_format, \
     parse_format, path_problem, same_value
@@ -176,6 +177,24 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
                        notes)
 
 
+class ExLlamaV2Artifacts(ArtifactMaker):
+    def recipe(self, fmt: str, source: Path, ctx: StudyContext):
+        """EXL2 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
+        interpreter on the study's card."""
+        b = self.backend
+        version = b.engine_build(None).partition(" (")[0].replace(" ", "-")
+        # The environment names the study's card; it is asked for only when converting.
+        return exl2_recipe(fmt, source, b.python(ctx), lambda: b.worker_env(ctx), version,
+                           tuple(b.value(ctx, "convert_args")))
+
+
+class ExLlamaV2Scoring(Scoring):
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        from autotune_plugins.exllamav2.scorer import ExLlamaV2Scorer
+
+        return ExLlamaV2Scorer.open(self.backend, weights, cache_type or "fp16", ctx)
+
+
 class ExLlamaV2Backend(WorkerBackend):
     name: ClassVar[str] = "exllamav2"
     engine: ClassVar[str] = "exllamav2"
@@ -185,6 +204,8 @@ class ExLlamaV2Backend(WorkerBackend):
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL2,)
     # The worker and the converter are Python: see the declaration.
     engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
+    artifacts = part(ExLlamaV2Artifacts)
+    scoring = part(ExLlamaV2Scoring)
     worker_module: ClassVar[str] = "autotune_plugins.exllamav2.worker"
     generator_class: ClassVar[type] = GeneratorSettings
     install: ClassVar[str] = INSTALL
@@ -207,14 +228,6 @@ class ExLlamaV2Backend(WorkerBackend):
         return [Param("cache_type", caches, "KV-cache mode: fp16, q8, q6, q4 (TabbyAPI's cache_mode)",
                       accepted=CACHE_CHOICES)]
 
-    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
-        """EXL2 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
-        interpreter on the study's card."""
-        version = self.engine_version().partition(" (")[0].replace(" ", "-")
-        # The environment names the study's card; it is asked for only when converting.
-        return exl2_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,
-                           tuple(self.value(ctx, "convert_args")))
-
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """ExLlamaV2's defaults: ``ExLlamaV2Config`` keeps the model's own ``max_seq_len`` (its
         config.json), ``ExLlamaV2Cache`` is FP16 and holds one sequence of that length
@@ -227,7 +240,7 @@ class ExLlamaV2Backend(WorkerBackend):
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
-            return None  # whether it can be made is the study's check (artifact_recipe)
+            return None  # whether it can be made is the study's check (the artifacts part)
         p = self.weights_path(weights, ctx)
         problem = path_problem(p, "directory")
         if problem:
@@ -308,10 +321,3 @@ class ExLlamaV2Backend(WorkerBackend):
         """The worker builds exactly ``settings`` (:meth:`WorkerBackend.load`) for a measurement
         or, ``purpose = "score"``, for a scorer (no generator, only the model and its cache)."""
         return super().load(worker, model_dir, settings, ctx, purpose=purpose)
-
-    # -------------------------------------------------------------- scoring
-
-    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
-        from autotune_plugins.exllamav2.scorer import ExLlamaV2Scorer
-
-        return ExLlamaV2Scorer.open(self, weights, cache_type or "fp16", ctx)

@@ -120,7 +120,7 @@ class ExLlamaV2Model(EngineModel):
         generator = self.generator(twin, config, ctx)
         alone = None
         if generator.mode == "batched":  # no server gives this: say what the one that exists gives
-            one = twin.predict(replace(config, parallel=1), ctx)
+            one = twin.predictor.predict(replace(config, parallel=1), ctx)
             alone = None if one is None else (one["decode_tok_s"], one["aggregate_tok_s"])
         gpu = ctx.gpu
         why = f"flash-attn 2 needs sm_80, the {gpu.name} is sm_{gpu.compute_capability.replace('.', '')}"

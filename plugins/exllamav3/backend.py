@@ -34,21 +34,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
+from autotune.api import ArtifactMaker, Scoring, part
 from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
-    SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, Workload, deploy_line, is_format, \
-    model_from_hf_config, parse_format, path_problem
+    SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, Workload, cuda_visible, deploy_line, \
+    engine_environment, is_format, model_from_hf_config, parse_format, path_problem
 from autotune.safetensors_dir import read_config_json
 
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
 from autotune_plugins.shared.worker_process import default_worker_command as _worker_command
-from autotune_plugins.exllamav3 import declarations, memory
+from autotune_plugins.exllamav3 import declarations, memory, split
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
 from autotune_plugins.exllamav3.generator_settings import (
     DEFAULT_CHUNK, GeneratorSettings, chunk_problem, generator_settings, normalize_cache_type, pages_per_job)
 from autotune_plugins.exllamav3.recipes import convert_args_problem, exl3_recipe
 
 __all__ = ["DEFAULT_CACHES", "ExLlamaV3Backend", "INSTALL", "SETTINGS", "UNITS", "default_worker_command",
-           "deploy_for", "tabbyapi_args"]
+           "deploy_for", "per_card", "placement_of", "tabbyapi_args"]
 
 UNITS = SERVING_UNITS
 INSTALL = ("pip install -e '.[exllamav3]' in autotune's checkout (exllamav3==1.6.5 and torch; exllamav3 compiles "
@@ -126,7 +127,8 @@ def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
     return ["--model-dir", str(model_dir.parent), "--model-name", model_dir.name, "--backend", "exllamav3",
             "--max-seq-len", str(s.max_seq_len), "--cache-size", str(s.cache_tokens),
             "--cache-mode", declarations.tabby_cache_mode(s.cache_type), "--max-batch-size", str(s.max_batch_size),
-            "--chunk-size", str(s.chunk_size), "--output-chunking", "false", "--cuda-malloc-async", "false"]
+            "--chunk-size", str(s.chunk_size), "--output-chunking", "false", "--cuda-malloc-async", "false",
+            *split.tabbyapi_split_args(s.gpu_split, s.tensor_parallel)]
 
 
 def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str = "python",
@@ -141,6 +143,23 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
                        notes)
 
 
+class ExLlamaV3Artifacts(ArtifactMaker):
+    def recipe(self, fmt: str, source: Path, ctx: StudyContext):
+        """EXL3 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
+        interpreter on the study's card."""
+        b = self.backend
+        version = b.engine_build(None).partition(" (")[0].replace(" ", "-")
+        return exl3_recipe(fmt, source, b.python(ctx), lambda: b.worker_env(ctx), version,
+                           tuple(b.value(ctx, "convert_args")), float(b.value(ctx, "head_bits")))
+
+
+class ExLlamaV3Scoring(Scoring):
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        from autotune_plugins.exllamav3.scorer import ExLlamaV3Scorer
+
+        return ExLlamaV3Scorer.open(self.backend, weights, cache_type or "fp16", ctx)
+
+
 class ExLlamaV3Backend(WorkerBackend):
     name: ClassVar[str] = "exllamav3"
     engine: ClassVar[str] = "exllamav3"
@@ -149,6 +168,8 @@ class ExLlamaV3Backend(WorkerBackend):
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = declarations.CACHE_TYPES
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = (declarations.EXL3,)
     engine_variables: ClassVar[tuple[str, ...]] = declarations.PYTHON_ENGINE_VARIABLES
+    artifacts = part(ExLlamaV3Artifacts)
+    scoring = part(ExLlamaV3Scoring)
     worker_module: ClassVar[str] = WORKER
     generator_class: ClassVar[type] = GeneratorSettings
     install: ClassVar[str] = INSTALL
@@ -174,14 +195,27 @@ class ExLlamaV3Backend(WorkerBackend):
             chunks = tuple(v for v in space["chunk_size"] if chunk_problem(v) is None)
             params.append(Param("chunk_size", chunks, "prefill chunk (max_chunk_size, TabbyAPI chunk_size)",
                                 accepted=("a multiple of 256, at least 256",)))
-        return params
+        return params + split.parameters(space)
 
-    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
-        """EXL3 formats from a Hugging Face directory (:mod:`.recipes`), converted by the worker's
-        interpreter on the study's card."""
-        version = self.engine_version().partition(" (")[0].replace(" ", "-")
-        return exl3_recipe(fmt, source, self.python(ctx), lambda: self.worker_env(ctx), version,
-                           tuple(self.value(ctx, "convert_args")), float(self.value(ctx, "head_bits")))
+    def search_dimensions(self) -> list[Param]:
+        """Every [space] key this backend takes (``autotune plugins``, ``estimate --set``)."""
+        return self.parameters({"chunk_size": [], **{k: [] for k in split.KEYS}})
+
+    def search_rules(self) -> list[str]:
+        """The split's rules in words (``autotune plugins``)."""
+        return list(split.RULES)
+
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """``gpu_split`` and ``tensor_parallel`` for a study on several cards (:mod:`.split`)."""
+        return split.space(ctx, ctx.model, self._hf_config(None, ctx))
+
+    def _hf_config(self, weights: str | None, ctx: StudyContext) -> dict | None:
+        """The config.json the architecture rules read: the weights' own, else the source's."""
+        made = self._made(weights, ctx) if weights is not None else None
+        for d in (made, Path(ctx.source) if ctx.source is not None else None):
+            if d is not None and (d / "config.json").is_file():
+                return read_config_json(d)
+        return None
 
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """TabbyAPI's defaults for exllamav3 (backends/exllamav3/model.py): ``max_seq_len`` the
@@ -195,7 +229,7 @@ class ExLlamaV3Backend(WorkerBackend):
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
-            # Whether it can be made is the study's check (artifact_recipe); whether exllamav3
+            # Whether it can be made is the study's check (the artifacts part); whether exllamav3
             # loads the source's architecture is ours, before any conversion is spent on it.
             source = Path(ctx.source) if ctx.source is not None else None
             if source is not None and (source / "config.json").is_file():
@@ -243,6 +277,7 @@ class ExLlamaV3Backend(WorkerBackend):
                            "shared_chunk_size must be a page multiple no larger than it")
         if config.ctx > model.max_context:
             reasons.append(f"ctx {config.ctx} exceeds the model's max_position_embeddings {model.max_context}")
+        reasons += split.check(config, ctx, model, self._hf_config(config.weights, ctx))
         if quantized and model.kv_dim % 32:
             reasons.append(f"cache_type {config.option('cache_type')}: the model's K/V width {model.kv_dim} is not a "
                            "multiple of 32, the group a quantized cache packs and scales (cache/quant.py token_dim // 32)")
@@ -253,7 +288,7 @@ class ExLlamaV3Backend(WorkerBackend):
     def generator_settings(self, config: TrialConfig, ctx: StudyContext) -> GeneratorSettings:
         """The generator a trial measures and its deploy line serves: one object for both."""
         return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel,
-                                  self._chunk(config, ctx))
+                                  self._chunk(config, ctx), *placement_of(config, ctx))
 
     def preflight_more(self, found: Mapping[str, Any], python: str) -> list[str]:
         """nvcc to compile exllamav3's extension at first import, unless it is prebuilt."""
@@ -271,9 +306,17 @@ class ExLlamaV3Backend(WorkerBackend):
         made = self._made(config.weights, ctx)
         if made is None:  # a format not converted yet: its bytes predicted from the source's shape
             _, bpw = parse_format(config.weights, self.weight_formats)
-            return memory.estimate_for(ctx.model, memory.predicted_exl3_weights(ctx.model, float(bpw)), settings,
-                                       ctx.workload.prompt_tokens, context)
-        return memory.estimate(made, settings, ctx.workload.prompt_tokens, context)
+            model, weights = ctx.model, memory.predicted_exl3_weights(ctx.model, float(bpw))
+        else:
+            model = model_from_hf_config(made)
+            weights = memory.exl3_dir_weights(made, model.tie_embeddings)
+        mem = memory.estimate_for(model, weights, settings, ctx.workload.prompt_tokens, context)
+        return per_card(mem, model, weights, settings, ctx)
+
+    @classmethod
+    def worker_env(cls, ctx: StudyContext) -> dict[str, str]:
+        """The worker sees every card of a study on several (in device order), else the one."""
+        return engine_environment(cls.engine_variables, CUDA_VISIBLE_DEVICES=cuda_visible(ctx.placement, ctx.gpu_index))
 
     # -------------------------------------------------------------- commands
 
@@ -291,12 +334,30 @@ class ExLlamaV3Backend(WorkerBackend):
     def generator_attrs(self, settings: GeneratorSettings) -> dict[str, Any]:
         return {"pages_per_job": pages_per_job(settings.max_seq_len)}
 
-    # -------------------------------------------------------------- scoring
 
-    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
-        from autotune_plugins.exllamav3.scorer import ExLlamaV3Scorer
+def placement_of(config: TrialConfig, ctx: StudyContext) -> tuple[str, bool]:
+    """The generator's ``gpu_split`` and ``tensor_parallel`` for a configuration: ``auto`` where
+    a study on several cards names no split (TabbyAPI's default, ``gpu_split_auto: true``);
+    nothing on one card."""
+    if split.n_cards(ctx) < 2:
+        return "", False
+    return str(config.option("gpu_split", split.AUTO)), bool(config.option("tensor_parallel", False))
 
-        return ExLlamaV3Scorer.open(self, weights, cache_type or "fp16", ctx)
+
+def per_card(mem: MemoryEstimate, model: ModelSpec, weights: memory.Exl3Weights, settings: GeneratorSettings,
+             ctx: StudyContext) -> MemoryEstimate:
+    """``mem`` with each card's share on a study of several (:func:`.memory.per_card`): exllamav3
+    fills ``gpu_split`` GiB on each card, or with ``auto`` each card's budget less TabbyAPI's
+    reserve; ``mem`` unchanged on one card. The real backend and its twin both call it."""
+    p = getattr(ctx, "placement", None)
+    if p is None or len(p.cards) < 2 or not settings.gpu_split:
+        return mem
+    gib = split.gpu_split_gib(settings.gpu_split, len(p.cards))
+    if not gib:
+        capacities = memory.autosplit_capacity(p.budgets)
+    else:
+        capacities = tuple(int(g * 2**30) for g in gib) + (0,) * (len(p.cards) - len(gib))
+    return memory.per_card(mem, model, weights, settings, capacities, settings.tensor_parallel)
 
 
 def _is_cache(value: str) -> bool:

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from autotune.api import EngineModel, MemoryEstimate, Param, StudyContext, TrialConfig, kept, parse_format
-from autotune_plugins.exllamav3 import declarations, memory
-from autotune_plugins.exllamav3.backend import deploy_for
+from autotune_plugins.exllamav3 import declarations, memory, split
+from autotune_plugins.exllamav3.backend import deploy_for, per_card, placement_of
 from autotune_plugins.exllamav3.formats import exl3_quantization
-from autotune_plugins.exllamav3.generator_settings import generator_settings
+from autotune_plugins.exllamav3.generator_settings import DEFAULT_CHUNK, generator_settings
+from autotune.safetensors_dir import read_config_json
 from autotune_plugins.shared.scenario import weights_on_gpu
 
 __all__ = ["EXLLAMAV3", "ExLlamaV3Model"]
@@ -42,6 +43,24 @@ class ExLlamaV3Model(EngineModel):
         return [Param("cache_type", kept(space, "cache_type", offered),
                       "KV-cache type: fp16 or k<K>v<V>, K and V bits 2-8", accepted=self.cache_types)]
 
+    def placement_parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
+        """``gpu_split``, ``tensor_parallel`` (split.py), as the real backend names them."""
+        return split.parameters(space)
+
+    def placement_rules(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
+        return split.check(config, ctx, ctx.model, _source_config(ctx))
+
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        return split.space(ctx, ctx.model, _source_config(ctx))
+
+    def placement_memory(self, mem: MemoryEstimate, s: Any, config: TrialConfig,
+                         ctx: StudyContext) -> MemoryEstimate | None:
+        """The real backend's per-card model (backend.per_card) on the twin's predicted bytes."""
+        w = memory.Exl3Weights(gpu_bytes=mem.weights_bytes, host_bytes=mem.host_bytes, n_tensors=0,
+                               files=("(predicted by the twin)",), per_layer_bytes=tuple(s.weights.per_layer_bytes))
+        settings = generator_settings(s.cache_type, s.ctx, s.parallel, DEFAULT_CHUNK, *placement_of(config, ctx))
+        return per_card(mem, s.model, w, settings, ctx)
+
     def memory(self, s: Any, k: Any) -> MemoryEstimate:
         """The backend's own model (:func:`.memory.estimate_for`) for the paged cache its generator
         gets (``parallel`` jobs of ``ctx`` tokens, pages of 256): the twin and the backend give the
@@ -63,7 +82,8 @@ class ExLlamaV3Model(EngineModel):
         """The exllamav3 backend's own TabbyAPI line for the generator predicted."""
         _, bpw = parse_format(twin.as_format(config.weights, ctx), self.weight_formats)
         path = twin.weights_file(config.weights, ctx) or Path("models") / f"{ctx.model.key}-exl3-{bpw}bpw"
-        settings = generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel)
+        settings = generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel,
+                                      DEFAULT_CHUNK, *placement_of(config, ctx))
         return deploy_for(settings, path, config.parallel, found="predicted")
 
     def directory_format(self, directory: Any, check: bool = False) -> str | None:
@@ -75,6 +95,13 @@ class ExLlamaV3Model(EngineModel):
             return declarations.cache_kv_bits(cache_type)
         except ValueError:
             return None
+
+
+def _source_config(ctx: StudyContext) -> dict | None:
+    """The study's source config.json, where it has one (the architecture's tensor-parallel rule)."""
+    source = getattr(ctx, "source", None)
+    path = Path(source) / "config.json" if source is not None else None
+    return read_config_json(Path(source)) if path is not None and path.is_file() else None
 
 
 EXLLAMAV3 = ExLlamaV3Model()

@@ -82,6 +82,9 @@ class GeneratorSettings(SettingsRecord):
             ``cache_size``).
         max_batch_size: Jobs run together (the trial's ``parallel``).
         chunk_size: The prefill chunk (``max_chunk_size``; TabbyAPI's ``chunk_size``).
+        gpu_split: ``""`` (one card), ``"auto"`` or GiB per card (``"20,24"``): how ``model.load``
+            spreads the model over several cards (TabbyAPI's ``gpu_split_auto`` / ``gpu_split``).
+        tensor_parallel: ``model.load(tensor_p=True)`` (TabbyAPI's ``tensor_parallel``).
     """
 
     cache_type: str
@@ -89,6 +92,8 @@ class GeneratorSettings(SettingsRecord):
     cache_tokens: int
     max_batch_size: int
     chunk_size: int
+    gpu_split: str = ""
+    tensor_parallel: bool = False
 
     @property
     def pages(self) -> int:
@@ -110,7 +115,8 @@ class GeneratorSettings(SettingsRecord):
         return min(self.max_batch_size, self.pages // pages_per_job(self.max_seq_len))
 
 
-def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int = DEFAULT_CHUNK) -> GeneratorSettings:
+def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int = DEFAULT_CHUNK,
+                       gpu_split: str = "", tensor_parallel: bool = False) -> GeneratorSettings:
     """The cache and generator a trial gets.
 
     Args:
@@ -118,6 +124,8 @@ def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int
         ctx: Tokens per sequence (prompt + output), >= 1.
         parallel: Concurrent sequences, >= 1.
         chunk_size: The prefill chunk, a multiple of 256.
+        gpu_split: The split over several cards (``""``: one card; see :mod:`.split`).
+        tensor_parallel: Whether the cards split every layer.
 
     Raises:
         ConfigError: A value exllamav3 or TabbyAPI would not take as it is.
@@ -129,4 +137,5 @@ def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int
         raise ConfigError(f"chunk_size {problem}")
     cache = normalize_cache_type(cache_type)
     cache_tokens = parallel * pages_per_job(ctx) * PAGE_SIZE
-    return GeneratorSettings(cache, ctx, cache_tokens, parallel, min(chunk_size, cache_tokens))
+    return GeneratorSettings(cache, ctx, cache_tokens, parallel, min(chunk_size, cache_tokens), gpu_split,
+                             bool(tensor_parallel))

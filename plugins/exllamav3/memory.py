@@ -40,14 +40,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 from autotune.api import MemoryEstimate, ModelSpec, WeightsBreakdown, model_from_hf_config, safetensors_dir_weights
 from autotune.safetensors_dir import read_safetensors_dir
 
 from autotune_plugins.exllamav3.generator_settings import PAGE_SIZE, GeneratorSettings, pages_per_job
+from autotune_plugins.exllamav3.split import kv_units
 
 __all__ = ["DEFAULT_CUDA_CONTEXT_MIB", "Exl3Weights", "MiB", "cache_bytes", "estimate", "estimate_for",
-           "exl3_dir_weights", "predicted_exl3_weights", "staging_bytes", "transient_bytes"]
+           "autosplit_capacity", "exl3_dir_weights", "per_card", "predicted_exl3_weights", "staging_bytes", "transient_bytes"]
 
 MiB = 2**20
 # exllamav3 1.6.5's own on an H200 (torch 2.11+cu130, driver 580): NVML's process total minus
@@ -75,6 +77,8 @@ class Exl3Weights:
         n_tensors: Tensors read (0: predicted).
         files: The safetensors files read, sorted (or why there are none).
         head_from_embedding: True when the head is the embedding loaded again.
+        per_layer_bytes: Each decoder layer's bytes (the rest of ``gpu_bytes`` is the head and
+            norms, on the last card of a layer split); empty: not known.
     """
 
     gpu_bytes: int
@@ -82,11 +86,13 @@ class Exl3Weights:
     n_tensors: int
     files: tuple[str, ...]
     head_from_embedding: bool = False
+    per_layer_bytes: tuple[int, ...] = ()
 
 
 def _placed(w: WeightsBreakdown, n_tensors: int, files: tuple[str, ...]) -> Exl3Weights:
     return Exl3Weights(gpu_bytes=replace(w, embedding_on_gpu=False).gpu_bytes, host_bytes=w.embedding_bytes,
-                       n_tensors=n_tensors, files=files, head_from_embedding=w.head_is_embedding)
+                       n_tensors=n_tensors, files=files, head_from_embedding=w.head_is_embedding,
+                       per_layer_bytes=tuple(w.per_layer_bytes))
 
 
 def exl3_dir_weights(model_dir: str | os.PathLike[str], tied: bool) -> Exl3Weights:
@@ -201,3 +207,113 @@ def estimate_for(model: ModelSpec, w: Exl3Weights, settings: GeneratorSettings, 
         host_bytes=w.host_bytes,
         notes=notes,
     )
+
+
+# ---------------------------------------------------------------------- several cards
+
+# model/model_ls.py _load_autosplit: a card is closed when its headroom no longer covers the
+# largest transient seen there plus EXL3_AUTOSPLIT_MARGIN_MB (256 by default).
+AUTOSPLIT_MARGIN = 256 * MiB
+# model/model.py load_gen: reserve_per_device is padded with 0.5 GiB for each card past the
+# list TabbyAPI passes ([96 MB], on card 0).
+AUTOSPLIT_RESERVE = (96 * MiB, 512 * MiB)
+
+
+def autosplit_capacity(budgets: Sequence[int]) -> tuple[int, ...]:
+    """What ``gpu_split_auto`` lets exllamav3 fill on each card: its budget less the reserve."""
+    return tuple(max(0, b - AUTOSPLIT_RESERVE[0 if d == 0 else 1]) for d, b in enumerate(budgets))
+
+
+def _ratio_split(units: int, weights: Sequence[float]) -> list[int]:
+    """util/misc.py ratio_split (chunk 1): ``units`` dealt in proportion, largest remainders first."""
+    total = sum(weights)
+    if total <= 0:
+        return [0] * len(weights)
+    ideal = [units * w / total for w in weights]
+    base = [int(x) for x in ideal]
+    for i in sorted(range(len(ideal)), key=lambda i: -(ideal[i] - int(ideal[i])))[:units - sum(base)]:
+        base[i] += 1
+    return base
+
+
+def per_card(mem: MemoryEstimate, model: ModelSpec, w: Exl3Weights, settings: GeneratorSettings,
+             capacities: Sequence[int], tensor_parallel: bool) -> MemoryEstimate:
+    """``mem`` (:func:`estimate_for`, one card) with each card's share (``per_device_bytes``).
+
+    Args:
+        capacities: What exllamav3 may fill on each card: ``gpu_split`` GiB, or
+            :func:`autosplit_capacity` of the budgets for ``auto``.
+        tensor_parallel: Heads and channels split (``_load_tp``) rather than whole layers.
+
+    A layer split (``_load_autosplit``) loads the modules in order onto the first card until the
+    next would leave less than the largest transient plus :data:`AUTOSPLIT_MARGIN` free, then the
+    next card; each layer's KV cache is on its layer's card, the head on the last card used; a
+    card that gets no layer is not touched (no CUDA context). What the last card cannot hold
+    stays on it, so the judge sees it overflow. A tensor split (``TPAllocator.initial_split``)
+    deals each layer's K/V head units and MLP channel units, and the head's 128-column units, in
+    proportion to what each card has left; storage goes with its units, every card pays the
+    replicated part of a transient and its own CUDA context.
+    """
+    n = len(capacities)
+    cache = cache_bytes(model, settings.k_bits, settings.v_bits, settings.cache_tokens)
+    staging = mem.kv_bytes - cache
+    layers = list(w.per_layer_bytes) or [w.gpu_bytes // max(1, model.n_layers)] * model.n_layers
+    head = max(0, w.gpu_bytes - sum(layers))
+    cache_layer = cache // max(1, len(layers))
+    attn, mlp, logits = transient_bytes(model, settings)
+    transient = max(attn, mlp)
+    weights, kv, buffers = [0] * n, [0] * n, [0] * n
+    if not tensor_parallel:
+        d = 0
+        for need, kv_need in [(b, cache_layer) for b in layers] + [(head, 0)]:
+            while d < n - 1 and (weights[d] + kv[d] + need + kv_need + transient + staging + AUTOSPLIT_MARGIN
+                                 + mem.overhead_bytes > capacities[d]):
+                d += 1
+            weights[d] += need
+            kv[d] += kv_need
+        for d in range(n):
+            if weights[d] or kv[d]:
+                kv[d] += staging
+                buffers[d] = transient
+        last = max(d for d in range(n) if weights[d])
+        buffers[last] += logits
+    else:
+        q, kvd, h = model.q_dim, model.kv_dim, model.hidden_size
+        ffn = model.expert_ffn_size * model.n_experts if model.n_experts else model.ffn_size
+        attn_params, mlp_params = 2 * h * q + 2 * h * kvd, 3 * h * ffn
+        units_attn = max(1, (kv_units(model.head_dim, model.n_kv_heads) or 1))
+        units_mlp = max(1, (model.n_experts or ffn // 128))
+        units_head = max(1, model.vocab_size // 128)
+        share_attn = attn_params / max(1, attn_params + mlp_params)
+        components = []
+        for b in layers:
+            components.append((int(b * share_attn) + cache_layer, units_attn, attn, True))
+            components.append((b - int(b * share_attn), units_mlp, mlp, False))
+        components.append((head, units_head, logits, False))
+        overhead = [0] * n
+        for storage, units, work, is_attn in components:
+            free = [max(0, c - weights[d] - kv[d] - overhead[d]) for d, c in enumerate(capacities)]
+            split = _ratio_split(units, free if sum(free) else capacities)
+            for d in range(n):
+                part = storage * split[d] // units
+                if is_attn:
+                    kv[d] += cache_layer * split[d] // units
+                    part -= cache_layer * split[d] // units
+                weights[d] += part
+                if split[d] or free[d]:
+                    replicated = settings.chunk_size * h * 2
+                    overhead[d] = max(overhead[d], replicated + max(0, work - replicated) * split[d] // units)
+        for d in range(n):
+            if weights[d] or kv[d]:
+                buffers[d] = overhead[d]
+        total_kv_units = sum(kv) or 1
+        for d in range(n):
+            kv[d] += staging * kv[d] // total_kv_units
+    used = [d for d in range(n) if weights[d] or kv[d]]
+    shares = tuple(weights[d] + kv[d] + buffers[d] + (mem.overhead_bytes if d in used else 0) for d in range(n))
+    how = "tensor parallel" if tensor_parallel else "layer split"
+    note = (f"{how} over {len(used)} of {n} cards (exllamav3 may fill "
+            + ", ".join(f"{c / 2**30:.2f}" for c in capacities) + " GiB): per card "
+            + ", ".join(f"{d}: {b / 2**30:.2f} GiB" for d, b in enumerate(shares)))
+    return replace(mem, weights_bytes=sum(weights), kv_bytes=sum(kv), buffers_bytes=sum(buffers),
+                   overhead_bytes=mem.overhead_bytes * len(used), per_device_bytes=shares, notes=(*mem.notes, note))

@@ -14,7 +14,8 @@ What runs (exllamav3 1.6.5), as TabbyAPI's backends/exllamav3/model.py builds it
   max_batch_size)`` (``CacheLayer_fp16`` for fp16), created before the model loads so that
   loading allocates it;
 * ``model.load(reserve_per_device=[96 / 1024], max_chunk_size, max_batch_size)``: the
-  autosplit loader with TabbyAPI's default reserve (``autosplit_reserve: [96]`` MB);
+  autosplit loader with TabbyAPI's default reserve (``autosplit_reserve: [96]`` MB); on several
+  cards ``use_per_device`` for a ``gpu_split`` in GiB and ``tensor_p`` (:func:`split_load_args`);
 * ``model.warmup(cache, max_chunk_size, max_batch_size)`` before the generator takes the cache;
 * ``Generator(model, cache, tokenizer, max_batch_size, max_chunk_size)``; jobs without
   ``max_rq_tokens`` (TabbyAPI's ``output_chunking: false``, see :mod:`.generator_settings`).
@@ -35,10 +36,10 @@ from autotune.api import BackendError, ConfigError, StreamResult
 
 from autotune_plugins.shared.worker_engine import (
     PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine)
-from autotune_plugins.exllamav3 import worker_scoring
+from autotune_plugins.exllamav3 import split, worker_scoring
 from autotune_plugins.exllamav3.generator_settings import GeneratorSettings, pages_per_job
 
-__all__ = ["AUTOSPLIT_RESERVE_GB", "Engine", "check_fits", "main"]
+__all__ = ["AUTOSPLIT_RESERVE_GB", "Engine", "check_fits", "main", "split_load_args"]
 
 # TabbyAPI config_sample.yml: "autosplit_reserve: [96]" (MB), passed as GB to load_gen.
 AUTOSPLIT_RESERVE_GB = 96 / 1024
@@ -58,6 +59,18 @@ def check_fits(settings: GeneratorSettings, prompt: int, output: int) -> None:
     if need > settings.pages:
         raise ConfigError(f"{settings.max_batch_size} jobs of {prompt + output} tokens need {need} pages; the cache "
                           f"has {settings.pages}")
+
+
+def split_load_args(settings: GeneratorSettings) -> dict[str, Any]:
+    """``model.load``'s split arguments as TabbyAPI passes them (backends/exllamav3/model.py):
+    a ``gpu_split`` in GiB is ``use_per_device`` with no reserve; otherwise (one card, ``auto``)
+    the autosplit reserve; ``tensor_p`` for tensor parallelism, on TabbyAPI's default backend
+    ``native`` (exllamav3's own default is ``nccl``: the measurement follows the deploy line)."""
+    gib = split.gpu_split_gib(settings.gpu_split) if settings.gpu_split else None
+    args: dict[str, Any] = ({"use_per_device": list(gib)} if gib else {"reserve_per_device": [AUTOSPLIT_RESERVE_GB]})
+    if settings.tensor_parallel:
+        args.update(tensor_p=True, tp_backend=split.TP_BACKEND)
+    return args
 
 
 class Engine(WorkerEngine):
@@ -86,7 +99,7 @@ class Engine(WorkerEngine):
         else:
             cache = Cache(model, max_num_tokens=settings.cache_tokens, layer_type=CacheLayer_quant,
                           k_bits=settings.k_bits, v_bits=settings.v_bits, max_batch_size=settings.max_batch_size)
-        model.load(reserve_per_device=[AUTOSPLIT_RESERVE_GB], max_chunk_size=settings.chunk_size,
+        model.load(**split_load_args(settings), max_chunk_size=settings.chunk_size,
                    max_batch_size=settings.max_batch_size, progressbar=False)
         tokenizer = Tokenizer.from_config(config)
         if req.get("purpose", "measure") == "score":

@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
+from autotune.api import ArtifactMaker, Scoring, Splitting, part
 from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, DefaultLaunch, EngineUnavailableError, \
     Measurement, MemoryEstimate, ModelSpec, PROMPT_TEXT, Param, SERVING_UNITS, Setting, StudyContext, TrialConfig, \
     UserLoad, WeightFormats, artifact_path, cuda_visible_entry, deploy_line, engine_environment, fetch, \
@@ -101,6 +102,51 @@ def _host_problem(value: Any) -> str | None:
 # ------------------------------------------------------------------------------ the backend
 
 
+class LlamaArtifacts(ArtifactMaker):
+    def recipe(self, fmt: str, source: Path, ctx: StudyContext):
+        """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
+        from autotune_plugins.llama_server.recipes import gguf_recipe
+
+        b = self.backend
+        return gguf_recipe(fmt, source, b.resolved_settings(ctx), lambda: b.binary(ctx))
+
+
+class LlamaSplitting(Splitting):
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        return split.space(ctx, cuda=self.backend._on_gpu(ctx))
+
+    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
+        """What ``autotune init`` may search when ``weights`` do not fit whole: for a mixture of
+        experts first ``n_cpu_moe`` (its experts are most of its bytes and least of its reads per
+        token: 4.4x decode lost with every expert on the host, against 19x for every dense layer,
+        bench/results/offload_probe_h200), then ``gpu_layers`` from every layer down to none, in
+        about 8 steps (the judge keeps those that fit the card and host memory); each starts with
+        the value that splits nothing (0, "all")."""
+        # A format has the source's shape, made or not (and without asking for the engine).
+        model = ctx.model if is_format(weights, self.backend.weight_formats) else self.backend._model_for(weights, ctx)
+        n = model.n_layers
+        step = max(1, n // 8)
+        layers = ["all", *sorted({*range(n, 0, -step), 0}, reverse=True)]
+        if model.is_moe:
+            return {"n_cpu_moe": sorted({0, *range(step, n, step), n}), "gpu_layers": layers}
+        return {"gpu_layers": layers}
+
+
+class LlamaScoring(Scoring):
+    def problem(self) -> str | None:
+        """The scorer runs in-process through llama-cpp-python: is it installed?"""
+        from autotune_plugins.llama_server.python_bindings import bindings_missing
+
+        return bindings_missing()
+
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        """Log-likelihoods of ``weights`` through llama-cpp-python on this engine's build."""
+        from autotune_plugins.llama_server.scoring import LlamaCppScorer
+
+        b = self.backend
+        return LlamaCppScorer(b.weights_path(weights, ctx), cache_type, b.resolved_settings(ctx))
+
+
 class LlamaServerBackend(BaseBackend):
     name: ClassVar[str] = "llama-server"
     engine: ClassVar[str] = "llama.cpp"
@@ -109,6 +155,9 @@ class LlamaServerBackend(BaseBackend):
     kv_cache_types: ClassVar[tuple[CacheType, ...]] = LLAMA_CPP.kv_cache_types
     weight_formats: ClassVar[tuple[WeightFormats, ...]] = LLAMA_CPP.weight_formats
     engine_variables: ClassVar[tuple[str, ...]] = LLAMA_CPP.engine_variables
+    artifacts = part(LlamaArtifacts)
+    scoring = part(LlamaScoring)
+    splitting = part(LlamaSplitting)
     settings: ClassVar[tuple[Setting, ...]] = (
         Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
                                      "else the newest `autotune engine build llama.cpp`, else PATH)"),
@@ -147,12 +196,6 @@ class LlamaServerBackend(BaseBackend):
         and the split across several devices (split.py) when the space names them."""
         return LLAMA_CPP.parameters(space) + split.parameters(space) + speculation.parameters(space)
 
-    def artifact_recipe(self, fmt: str, source: Path, ctx: StudyContext):
-        """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
-        from autotune_plugins.llama_server.recipes import gguf_recipe
-
-        return gguf_recipe(fmt, source, self.resolved_settings(ctx), lambda: self.binary(ctx))
-
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         """``llama-server -m WEIGHTS``: every flag at llama-server's default (``DEFAULT_SLOTS``
         slots sharing the model's trained context, ``-ngl`` auto and ``--fit on`` in this build),
@@ -187,7 +230,7 @@ class LlamaServerBackend(BaseBackend):
         """The GGUF file a candidate names: a path relative to the study file, or for a format
         (``gguf:Q4_K_M``) its place in the artifact cache, made or not yet."""
         if is_format(weights, self.weight_formats) and ctx.source is not None:
-            return artifact_path(ctx.source, self.artifact_recipe(normalize_format(weights, self.weight_formats), ctx.source, ctx))
+            return artifact_path(ctx.source, self.artifacts.recipe(normalize_format(weights, self.weight_formats), ctx.source, ctx))
         return ctx.path(weights)
 
     def _made(self, weights: str, ctx: StudyContext) -> Path | None:
@@ -201,7 +244,7 @@ class LlamaServerBackend(BaseBackend):
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
-            return None  # whether it can be made is the study's check (artifact_recipe)
+            return None  # whether it can be made is the study's check (the artifacts part)
         p = self.weights_path(weights, ctx)
         problem = path_problem(p, "file")
         if problem:
@@ -262,25 +305,6 @@ class LlamaServerBackend(BaseBackend):
     def search_rules(self) -> list[str]:
         """What is refused before launching, in words (``autotune plugins``)."""
         return [r.name for r in engine_rules()] + list(split.RULES) + list(speculation.RULES)
-
-    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
-        return split.space(ctx, cuda=self._on_gpu(ctx))
-
-    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
-        """What ``autotune init`` may search when ``weights`` do not fit whole: for a mixture of
-        experts first ``n_cpu_moe`` (its experts are most of its bytes and least of its reads per
-        token: 4.4x decode lost with every expert on the host, against 19x for every dense layer,
-        bench/results/offload_probe_h200), then ``gpu_layers`` from every layer down to none, in
-        about 8 steps (the judge keeps those that fit the card and host memory); each starts with
-        the value that splits nothing (0, "all")."""
-        # A format has the source's shape, made or not (and without asking for the engine).
-        model = ctx.model if is_format(weights, self.weight_formats) else self._model_for(weights, ctx)
-        n = model.n_layers
-        step = max(1, n // 8)
-        layers = ["all", *sorted({*range(n, 0, -step), 0}, reverse=True)]
-        if model.is_moe:
-            return {"n_cpu_moe": sorted({0, *range(step, n, step), n}), "gpu_layers": layers}
-        return {"gpu_layers": layers}
 
     # -------------------------------------------------------------- the command line
 
@@ -445,21 +469,6 @@ class LlamaServerBackend(BaseBackend):
             if why:
                 return [why]
         return []
-
-    def scoring_problem(self) -> str | None:
-        """The scorer runs in-process through llama-cpp-python: is it installed?"""
-        from autotune_plugins.llama_server.python_bindings import bindings_missing
-
-        return bindings_missing()
-
-    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
-        """Log-likelihoods of ``weights`` through llama-cpp-python on this engine's build."""
-        from autotune_plugins.llama_server.scoring import LlamaCppScorer
-
-        return LlamaCppScorer(self.weights_path(weights, ctx), cache_type, self.resolved_settings(ctx))
-
-    def engine_version(self) -> str:
-        return self.engine_build(None)
 
     def engine_build(self, ctx: StudyContext | None) -> str:
         """The --version line of the binary the study runs: the configured ``binary`` where the

@@ -1,4 +1,4 @@
-"""How llama.cpp makes a GGUF artifact from a source model (the backend's ``artifact_recipe``).
+"""How llama.cpp makes a GGUF artifact from a source model (the backend's ``artifacts`` part).
 
 * A Hugging Face directory becomes ``gguf:F16`` (or BF16, F32) through llama.cpp's own
   ``convert_hf_to_gguf.py`` from the engine build's vendored tree (``<build>/src``, with its

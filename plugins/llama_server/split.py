@@ -39,7 +39,7 @@ import numpy as np
 from autotune.api import MemoryEstimate, ModelSpec, Param, StudyContext, TrialConfig, WeightsBreakdown, kv_cache_bytes
 from autotune.api import cuda_visible as placement_cuda_visible
 from autotune.api import resolve_cache_type as resolve
-from autotune_plugins.llama_server import memory
+from autotune_plugins.llama_server import devices, memory
 from autotune_plugins.llama_server.declarations import CACHE_TYPES
 
 __all__ = ["MODES", "NO_TENSOR_ARCHS", "check", "device_estimate", "estimate", "flags", "layer_devices", "n_devices", "parameters",
@@ -47,7 +47,7 @@ __all__ = ["MODES", "NO_TENSOR_ARCHS", "check", "device_estimate", "estimate", "
 
 MiB = 2**20
 MODES = ("none", "layer", "row", "tensor")
-KEYS = ("split_mode", "tensor_split", "main_gpu")
+KEYS = ("split_mode", "tensor_split", "main_gpu", "devices")
 # llm_arch_supports_sm_tensor (src/llama-arch.cpp) returns false for these, by llama.cpp's
 # GGUF architecture names; every other architecture may use -sm tensor.
 NO_TENSOR_ARCHS = frozenset({
@@ -63,6 +63,7 @@ RULES = (
     "split_mode tensor: needs flash_attn on, and an architecture llama.cpp implements it for; --fit does not apply",
     "tensor_split: at most one proportion per device; ignored (measured once, even) with split_mode none",
     "main_gpu: one of the study's devices",
+    "devices: a subset of the study's devices by ggml's names (CUDA0, RPC1, ...), each once; -ts and -mg index it",
 )
 
 
@@ -134,16 +135,16 @@ def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
         params.append(Param("main_gpu", tuple(v for v in space["main_gpu"] if type(v) is int and v >= 0),
                             "the device of split_mode none, and of row split's KV cache (-mg)",
                             accepted=("a device number from 0",)))
-    return params
+    return params + devices.parameters(space)
 
 
 def check(config: TrialConfig, ctx: StudyContext, model: ModelSpec, cuda: bool) -> list[str]:
     """The split's rules (see the module's docstring): what llama-server would refuse at load."""
     mode = config.option("split_mode")
-    n = n_devices(ctx)
-    out = []
+    out = [why] if (why := devices.problem(config, ctx)) else []
+    n = devices.count(config, ctx) if n_devices(ctx) > 1 else 1
     if mode is not None and n < 2 and mode != "none":
-        out.append(f"split_mode {mode}: the study has one device ([hardware] gpus names several)")
+        out.append(f"split_mode {mode}: one device to split over (the study's [hardware] gpus, or devices, names one)")
     if mode == "row" and not cuda:
         out.append("split_mode row: these devices have no split buffers (llama.cpp: CUDA's only; an RPC or CPU "
                    "device refuses it)")
@@ -170,7 +171,7 @@ def check(config: TrialConfig, ctx: StudyContext, model: ModelSpec, cuda: bool) 
 def flags(config: TrialConfig) -> list[str]:
     """``-sm``/``-ts``/``-mg`` of a configuration, only those it names (so a one-card study's
     command line is as it was)."""
-    out = []
+    out = devices.flags(config)
     if config.option("split_mode") is not None:
         out += ["-sm", str(config.option("split_mode"))]
     if config.option("tensor_split") is not None and config.option("split_mode", "layer") != "none":
@@ -312,12 +313,13 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
         buffers, overhead = base.buffers_bytes, memory.CUDA_CONTEXT_BYTES
     else:
         buffers, overhead = memory.CPU_BUFFERS.bytes(model, cells, ub, fa), 0
-    n = n_devices(ctx)
+    n = devices.count(config, ctx) if n_devices(ctx) > 1 else 1
     n_layers = len(weights.per_layer_bytes) or model.n_layers
     pipelined = (config.option("split_mode", "layer") == "layer" and n > 1 and not config.option("n_cpu_moe")
                  and (gpu_layers is None or gpu_layers > n_layers))
-    return estimate(base, model, weights, config, n, gpu_layers, kv_all, buffers, overhead,
-                    pipeline_copies_bytes(model, cells, ub, fa) if pipelined else 0)
+    mem = estimate(base, model, weights, config, n, gpu_layers, kv_all, buffers, overhead,
+                   pipeline_copies_bytes(model, cells, ub, fa) if pipelined else 0)
+    return devices.spread(mem, config, ctx)
 
 
 def cuda_visible(ctx: StudyContext) -> str | None:

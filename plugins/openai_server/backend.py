@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
+from autotune.api import Scoring, part
 from autotune.api import command_line, cuda_visible, mask_argv, remember_secret
 from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, ConcurrentResult, ConfigError, \
     Measurement, MemoryEstimate, PROMPT_TEXT, Param, SERVING_UNITS, Setting, SlotLayout, StreamResult, StudyContext, \
@@ -94,11 +95,25 @@ def _load(path: str, mtime_ns: int) -> Template:
     return load_template(Path(path))
 
 
+class OpenAIServerScoring(Scoring):
+    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
+        """Log-likelihoods through the server's ``/v1/completions`` log-probabilities.
+
+        Raises:
+            ScoringUnsupportedError: The template's engine returns no usable log-probabilities
+                (``[api] logprobs = "none"``), with the template's reason.
+        """
+        from autotune_plugins.openai_server.scoring import OpenAIServerScorer
+
+        return OpenAIServerScorer(self.backend, weights, cache_type, ctx)
+
+
 class OpenAIServerBackend(BaseBackend):
     name: ClassVar[str] = "openai-server"
     engine: ClassVar[str] = "openai-api"
     description: ClassVar[str] = ("any OpenAI-compatible server started from a command template (shipped: "
                                   + ", ".join(shipped()) + ")")
+    scoring = part(OpenAIServerScoring)
     # vLLM's and SGLang's own environment, beyond what the engine models of the engines its
     # shipped templates serve declare (``engine_variables``).
     own_variables: ClassVar[tuple[str, ...]] = ("TOKENIZERS_*", "VLLM_*", "SGLANG_*", "FLASHINFER_*")
@@ -346,7 +361,7 @@ class OpenAIServerBackend(BaseBackend):
                          if loopback(host) else f"listens on {host}")
         return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index)} if has_gpu else None)
 
-    def engine_version(self) -> str:
+    def engine_build(self, ctx: StudyContext | None = None) -> str:
         return "unknown (depends on the study's template)"
 
     @staticmethod
@@ -494,19 +509,6 @@ class OpenAIServerBackend(BaseBackend):
         for warning in attrs["server_metrics"]["warnings"]:
             log.warning("%s (template %s, %s)", warning, t.name, config.key)
         return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
-
-    # -------------------------------------------------------------- quality
-
-    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
-        """Log-likelihoods through the server's ``/v1/completions`` log-probabilities.
-
-        Raises:
-            ScoringUnsupportedError: The template's engine returns no usable log-probabilities
-                (``[api] logprobs = "none"``), with the template's reason.
-        """
-        from autotune_plugins.openai_server.scoring import OpenAIServerScorer
-
-        return OpenAIServerScorer(self, weights, cache_type, ctx)
 
 
 def _bytes_on_disk(path: Path) -> int:

@@ -11,6 +11,7 @@ import functools
 import hashlib
 from typing import Any, Callable, ClassVar, Mapping
 
+from autotune.api import ScoringUnsupportedError
 from autotune.api import AutotuneError, BaseBackend, BaseMetric, MetricValue, QualityReference, StudyContext, \
     TrialConfig, is_format, normalize_format, source_hash
 
@@ -88,13 +89,21 @@ class _ScoringMetric(BaseMetric):
         self.references = dict(references)
 
     def supports(self, backend: BaseBackend) -> str | None:
-        return backend.scoring_problem()
+        if backend.scoring is None:
+            return _no_scoring(backend)
+        return backend.scoring.problem()
 
     def artifact_key(self, config: TrialConfig, ctx: StudyContext) -> str:
         return f"{artifact_hash(config.weights, ctx)}|cache={config.option('cache_type')}"
 
     def open_scorer(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext):
-        return backend.scorer(config.weights, config.option("cache_type"), ctx)
+        if backend.scoring is None:
+            raise ScoringUnsupportedError(_no_scoring(backend))
+        return backend.scoring.scorer(config.weights, config.option("cache_type"), ctx)
+
+
+def _no_scoring(backend: BaseBackend) -> str:
+    return f"backend '{backend.name}' has no scoring API (it declares no scoring part)"
 
 
 class BenchmarkMetric(_ScoringMetric):

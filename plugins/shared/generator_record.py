@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import MISSING, asdict
 from typing import Any, Mapping
 
 from autotune.api import ConfigError
@@ -21,9 +21,12 @@ class SettingsRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Any:
-        try:
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
-        except KeyError as exc:
-            raise ConfigError(f"generator settings lack {exc.args[0]!r}") from None
+        """The settings ``data`` holds; a field with a default may be absent (a record written
+        before the field existed, a fake worker that echoes the older keys)."""
+        fields = cls.__dataclass_fields__
+        missing = [k for k, f in fields.items() if k not in data and f.default is MISSING]
+        if missing:
+            raise ConfigError(f"generator settings lack {missing[0]!r}")
+        return cls(**{k: data[k] for k in fields if k in data})
 
 

@@ -37,7 +37,7 @@ class EngineConstants:
         spill_step_ms: Extra cost per step when the model is split between the GPU and the
             host (synchronising the two halves of the graph, the host's thread pool), in ms.
         vector_max_batch: The most streams the engine's matrix-vector decode kernels take; rows
-            beyond it run on the tensor cores like a prompt (llama.cpp: MMVQ_MAX_BATCH_SIZE = 8,
+            beyond it run the matrix kernels (physics.matrix_rows_rate; llama.cpp: MMVQ_MAX_BATCH_SIZE = 8,
             then its MMQ kernels).
         volta_bw_factor: What the engine's decode kernels reach on Volta (sm_70) relative to
             later cards: both engines' kernels are written for sm_75+ (asynchronous copies,

@@ -92,7 +92,7 @@ class WorkerBackend(BaseBackend):
         (``exl2:4.0``) its place in the artifact cache, made or not yet."""
         if is_format(weights, self.weight_formats) and ctx.source is not None:
             fmt = normalize_format(weights, self.weight_formats)
-            return artifact_path(ctx.source, self.artifact_recipe(fmt, ctx.source, ctx))
+            return artifact_path(ctx.source, self.artifacts.recipe(fmt, ctx.source, ctx))
         return ctx.path(weights)
 
     def _made(self, weights: str, ctx: StudyContext) -> Path | None:
@@ -126,7 +126,7 @@ class WorkerBackend(BaseBackend):
     def python(self, ctx: StudyContext) -> str:
         return str(self.setting(ctx, "python") or sys.executable)
 
-    def engine_version(self) -> str:
+    def engine_build(self, ctx: StudyContext | None = None) -> str:
         try:
             import importlib.metadata as m
 

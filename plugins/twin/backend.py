@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
+from autotune.api import Predictor, Splitting, part
 from autotune.api import AutotuneError, BaseBackend, ConfigError, DefaultLaunch, EngineModel, Measurement, \
     MemoryEstimate, Param, Protocol, Setting, StudyContext, TrialConfig, UnsupportedError, WeightsBreakdown, \
     engine_models, measure_engine, parse_format, resolve_model, safetensors_dir_weights, weights_for
@@ -68,17 +69,69 @@ def _cached_doc() -> dict[str, Any]:
     return _doc_cache[key]
 
 
+class TwinPredictor(Predictor):
+    """The twin's physics (``physics.predict``) with the study's calibration, refit to what a real
+    backend of its engine measured (``calibration.fit``)."""
+
+    learns = True
+
+    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
+        t = self.backend
+        try:
+            t.refuse(config, ctx)
+        except UnsupportedError:
+            return None
+        _, host, _ = load_constants()
+        scenario, k = t.scenario(config, ctx), t.calibrated_constants(ctx)
+        out = t._predict(scenario, k, host, config, ctx).as_dict()
+        if ctx.workload.shaped or ctx.workload.slo:  # the requests one by one (traffic.py): their latencies
+            out.update(traffic.predicted_metrics(scenario, k, host, ctx.workload, out["aggregate_tok_s"]))
+        return out
+
+    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
+                  ctx: StudyContext) -> Mapping[str, Any] | None:
+        """The speed constants refit to a real study's measurements (``calibration.fit``),
+        always from the published ones: the stored result is a function of the trials alone."""
+        t = self.backend
+        observations = []
+        for config, metrics in measured:
+            try:
+                t.refuse(config, ctx)
+                observations.append((t.scenario(config, ctx), metrics))
+            except AutotuneError:
+                continue  # weights it cannot read, an option it refuses: no say on that trial
+        if not observations:
+            return None
+        _, host, _ = load_constants()
+        _, report = calibration.fit(t.constants(), host, observations)
+        counted = speculation.measured_acceptance([(dict(c.options), m) for c, m in measured])
+        return {"engine": t.engine, "gpu": ctx.gpu.key, **report, **({"acceptance": counted} if counted else {})}
+
+    def repeats_exactly(self, ctx: StudyContext) -> bool:
+        """Without simulated noise a launch draws nothing: the same configuration predicts the same
+        figures every time (throttling included: each launch starts its own clock)."""
+        return not float(self.backend.setting(ctx, "noise"))
+
+
+class TwinSplitting(Splitting):
+    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
+        """The engine model's split dimensions for a study on several cards."""
+        return self.backend.model.placement_space(ctx)
+
+
 class TwinBackend(BaseBackend):
     """A simulated backend of one engine model (``model``); :func:`twin_class` makes its subclasses."""
 
     model: ClassVar[EngineModel]
     settings: ClassVar[tuple[Setting, ...]] = TWIN_SETTINGS
+    predictor = part(TwinPredictor)
+    splitting = part(TwinSplitting)
     #: Launches of each configuration in this process (a key's n-th launch draws the n-th noise).
     _launches: ClassVar[dict[str, int]] = {}
 
     #: The artifacts on disk the engine loads (keys of ``formats.artifact_words()``), the cache
     #: types offered and the default one: the engine model's (:func:`twin_class` sets them).
-    artifacts: ClassVar[tuple[str, ...]] = ()
+    loaded_artifacts: ClassVar[tuple[str, ...]] = ()
     cache_types: ClassVar[tuple[str, ...]] = ()
     default_cache: ClassVar[str] = ""
 
@@ -100,10 +153,6 @@ class TwinBackend(BaseBackend):
     def _speculation_declared(self) -> bool:
         """Whether the engine model itself offers speculation (then its rules judge it)."""
         return any(p.name == "spec_type" for p in self.model.parameters({"spec_type": speculation.SPEC_TYPES}))
-
-    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
-        """The engine model's split dimensions for a study on several cards."""
-        return self.model.placement_space(ctx)
 
     def as_format(self, weights: str, ctx: StudyContext) -> str:
         """A weights reference as the twin's models read it: a format as given; a GGUF file as the
@@ -151,10 +200,10 @@ class TwinBackend(BaseBackend):
         try:
             if path is not None:
                 kind = formats.artifact_kind(path)
-                if kind not in self.artifacts:
+                if kind not in self.loaded_artifacts:
                     words = formats.artifact_words()
                     return (f"{path}: {words[kind][0]}, which {self.engine} does not load (it loads "
-                            f"{' and '.join(words[a][1] for a in self.artifacts)}, or a format "
+                            f"{' and '.join(words[a][1] for a in self.loaded_artifacts)}, or a format "
                             f"{' or '.join(f.syntax for f in self.weight_formats)})")
             family, _ = parse_format(self.as_format(weights, ctx), self.weight_formats)
         except AutotuneError as exc:
@@ -220,8 +269,14 @@ class TwinBackend(BaseBackend):
                             cache_type=str(config.option("draft_cache_type", common.cache_type)))
         n_max = int(config.option("spec_n_max", speculation.DEFAULT_N_MAX))
         rate = self.setting(ctx, "acceptance_rate")
-        a = speculation.per_token(float(rate), n_max) if rate is not None \
-            else speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type)
+        cal = ctx.calibration or {}
+        measured = cal.get("acceptance", {}) if cal.get("engine") == self.engine else {}
+        if spec_type in measured:  # the study's own trials counted it: no assumption beats that
+            a = float(measured[spec_type]["per_token"])
+        elif rate is not None:
+            a = speculation.per_token(float(rate), n_max)
+        else:
+            a = speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type)
         return speculation.Speculation(spec_type=spec_type, n_max=n_max, n_min=int(config.option("spec_n_min", 0)),
                                        p_min=float(config.option("spec_p_min", 0.0)), acceptance=a, draft=draft)
 
@@ -251,6 +306,9 @@ class TwinBackend(BaseBackend):
         mem = physics.memory(s if split is None else replace(s, gpu_layers="all"), self.constants())
         if split is None:
             return mem
+        own = self.model.placement_memory(mem, s, config, ctx)
+        if own is not None:  # the engine places the model itself (exllamav3's autosplit, its TP allocator)
+            return own
         head = s.weights.output_bytes + s.weights.other_bytes
         return multicard.per_device(mem, split, s.weights.per_layer_bytes, head)
 
@@ -258,35 +316,6 @@ class TwinBackend(BaseBackend):
                  config: TrialConfig, ctx: StudyContext) -> physics.Prediction:
         split = self.split(config, ctx)
         return physics.predict(s, k, host) if split is None else multicard.predict(s, k, host, split)
-
-    def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
-        try:
-            self.refuse(config, ctx)
-        except UnsupportedError:
-            return None
-        _, host, _ = load_constants()
-        scenario, k = self.scenario(config, ctx), self.calibrated_constants(ctx)
-        out = self._predict(scenario, k, host, config, ctx).as_dict()
-        if ctx.workload.shaped or ctx.workload.slo:  # the requests one by one (traffic.py): their latencies
-            out.update(traffic.predicted_metrics(scenario, k, host, ctx.workload, out["aggregate_tok_s"]))
-        return out
-
-    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
-                  ctx: StudyContext) -> Mapping[str, Any] | None:
-        """The speed constants refit to a real study's measurements (``calibration.fit``),
-        always from the published ones: the stored result is a function of the trials alone."""
-        observations = []
-        for config, metrics in measured:
-            try:
-                self.refuse(config, ctx)
-                observations.append((self.scenario(config, ctx), metrics))
-            except AutotuneError:
-                continue  # weights it cannot read, an option it refuses: no say on that trial
-        if not observations:
-            return None
-        _, host, _ = load_constants()
-        _, report = calibration.fit(self.constants(), host, observations)
-        return {"engine": self.engine, "gpu": ctx.gpu.key, **report}
 
     def refuse(self, config: TrialConfig, ctx: StudyContext) -> None:
         """Raise the engine's own error for a card or option it does not support."""
@@ -305,15 +334,10 @@ class TwinBackend(BaseBackend):
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
         return self.model.deploy_command(self, config, ctx)
 
-    def engine_version(self) -> str:
+    def engine_build(self, ctx: StudyContext | None = None) -> str:
         return "twin"
 
     # ------------------------------------------------------------------ run
-
-    def repeats_exactly(self, ctx: StudyContext) -> bool:
-        """Without simulated noise a launch draws nothing: the same configuration predicts the same
-        figures every time (throttling included: each launch starts its own clock)."""
-        return not float(self.setting(ctx, "noise"))
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         self.refuse(config, ctx)
@@ -380,7 +404,7 @@ def twin_class(model: EngineModel) -> type[TwinBackend]:
         "__module__": "autotune_plugins.twin",
         "model": model, "name": model.twin_name, "engine": model.name, "description": model.twin_description,
         "kv_cache_types": model.kv_cache_types, "weight_formats": tuple(model.weight_formats),
-        "artifacts": model.artifacts, "cache_types": model.cache_types, "default_cache": model.default_cache,
+        "loaded_artifacts": model.artifacts, "cache_types": model.cache_types, "default_cache": model.default_cache,
         "settings": TWIN_SETTINGS + tuple(model.twin_settings),
     })
     _classes[model.twin_class] = (model, cls)

@@ -97,6 +97,24 @@ def prefill_tflops(gpu: GpuSpec) -> float:
     return max(gpu.fp16_tensor_tflops, int8_dot_tops(gpu) if gpu.compute_capability_tuple < (7, 0) else 0.0)
 
 
+#: llama.cpp's ``MMQ_DP4A_MAX_BATCH_SIZE`` (ggml-cuda/mmq.cuh): on a card without INT8 tensor cores
+#: (before Turing, sm_75) its quantized matrix kernel (MMQ) multiplies with dp4a on the CUDA cores
+#: for batches below it, and hands larger ones to cuBLAS on the FP16 tensor cores
+#: (``ggml_cuda_should_use_mmq``).
+DP4A_MAX_BATCH = 64
+
+
+def matrix_rows_rate(gpu: GpuSpec, k: EngineConstants, rows: float) -> float:
+    """FLOP/s of a decode step's rows past the matrix-vector kernels' batch: the tensor cores
+    like a prompt where the card has INT8 ones (Turing on); before Turing, below
+    :data:`DP4A_MAX_BATCH` rows, the same dp4a on the same CUDA cores as the matrix-vector
+    kernels, so such a row costs what a matrix-vector row does (a Volta's FP16 tensor cores
+    take only cuBLAS's larger batches)."""
+    if gpu.compute_capability_tuple < (7, 5) and rows < DP4A_MAX_BATCH:
+        return fp16_core_tflops(gpu) * 1e12 * k.decode_compute_efficiency
+    return prefill_tflops(gpu) * 1e12 * k.prefill_efficiency
+
+
 def linear_params(model: ModelSpec) -> int:
     """Parameters in the matrices a token could multiply with: all of them but the embeddings
     (for a mixture of experts, every expert: what memory holds, not what one token reads)."""
@@ -318,7 +336,7 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     n_lin = active_linear_params(m) * active_gpu / max(active_all, 1.0)
     vector_rows = min(parallel, k.vector_max_batch)
     t_comp = vector_rows * 2 * n_lin / (fp16_core_tflops(g) * 1e12 * k.decode_compute_efficiency)
-    t_comp += (parallel - vector_rows) * 2 * n_lin / (prefill_tflops(g) * 1e12 * k.prefill_efficiency)
+    t_comp += (parallel - vector_rows) * 2 * n_lin / matrix_rows_rate(g, k, parallel)
     # A trellis weight is decoded once per step (the GEMV/GEMM tile shares it across the rows).
     t_comp += n_lin * k.trellis_ops_per_weight / (int32_tops(g) * 1e12)
     t_fixed = n * k.layer_us_ghz * 1e-6 / (g.boost_clock_mhz / 1000.0)

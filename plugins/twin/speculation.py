@@ -22,23 +22,33 @@ What the model assumes, each named where it is used (docs/twin.md, "Speculative 
 
 * acceptance is a property of the text and the draft, not of the card: the twin takes it as a
   setting (``acceptance``, per spec type, defaults in :data:`DEFAULT_ACCEPTANCE`), since only a
-  measurement on the user's own workload knows it (autotune's trials store the engine's counts);
+  measurement on the user's own workload knows it (autotune's trials store the engine's counts,
+  and once a study has measured a spec type its calibration prices later trials of that type at
+  the measured acceptance: :func:`measured_acceptance`);
 * ``p_min`` gates the draft on its own confidence, which the twin takes as calibrated and
   distributed as Beta(alpha, 1) with mean ``a`` (:func:`gated`): the gate stops drafting before
   unlikely tokens, shortening drafts (less cost) and losing some tokens that would have been kept;
 * an MTP head is one more decoder layer of the target plus its output head (``nextn`` layers);
-* an n-gram lookup costs the host a fixed time per slot (:data:`NGRAM_DRAFT_MS`).
+* an n-gram lookup costs the host a fixed time per slot (:data:`NGRAM_DRAFT_MS`);
+* a cycle pays fixed host costs the kernels' physics does not see (:class:`CycleCosts`, fitted
+  by :mod:`speculation_evidence` to two published rows): each draft pass of a model or an MTP
+  head is a graph of its own (launch, synchronise, read back its token), and each verify cycle
+  samples the drafts, keeps or drops them and rolls the rejected ones back out of the cache (a
+  hybrid model's recurrent state too), slot after slot.
 """
 
 from __future__ import annotations
 
+import functools
+import tomllib
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any, Mapping, Sequence
 
 from autotune.api import Param, kept
 
-__all__ = ["DEFAULT_ACCEPTANCE", "SPEC_TYPES", "Speculation", "acceptance_for", "acceptance_problem",
-           "expected_tokens", "family_of_type", "gated", "parameters", "per_token", "rate_of", "rules"]
+__all__ = ["DEFAULT_ACCEPTANCE", "SPEC_TYPES", "CycleCosts", "Speculation", "load_cycle_costs", "acceptance_for", "acceptance_problem",
+           "expected_tokens", "family_of_type", "gated", "measured_acceptance", "parameters", "per_token", "rate_of", "rules"]
 
 #: The values of llama-server's ``--spec-type`` in the pinned build (its ``--help``), for an
 #: engine model that does not declare them itself.
@@ -63,6 +73,28 @@ NGRAM_DRAFT_MS = 0.05
 #: llama-server's ``--spec-draft-n-max`` default (common/common.h), for a trial that names a spec
 #: type and no n-max.
 DEFAULT_N_MAX = 3
+
+
+@dataclass(frozen=True)
+class CycleCosts:
+    """Fixed host costs of speculation per slot (``[speculation]`` of constants.toml).
+
+    Attributes:
+        draft_pass_us: One draft pass of a draft model or an MTP head beyond its kernels: its
+            graph's launch, the synchronisation and the read-back of its token, in µs.
+        verify_cycle_us: One verify cycle's bookkeeping: sampling the drafted positions, keeping
+            or dropping them, removing the rejected ones from the cache (and a hybrid model's
+            recurrent state), in µs.
+    """
+
+    draft_pass_us: float = 0.0
+    verify_cycle_us: float = 0.0
+
+
+@functools.lru_cache(maxsize=1)
+def load_cycle_costs() -> CycleCosts:
+    doc = tomllib.loads(resources.files(__package__).joinpath("constants.toml").read_text(encoding="utf-8"))
+    return CycleCosts(**doc.get("speculation", {}))
 
 
 def family_of_type(spec_type: str) -> str:
@@ -126,6 +158,7 @@ class Speculation:
             model and weights on the same card); None for MTP and n-gram.
         draft_slots_batched: Whether the engine drafts every slot in one batch (False:
             llama-server drafts slot after slot).
+        costs: The cycle's fixed host costs; None: the fitted ones (:func:`load_cycle_costs`).
     """
 
     spec_type: str
@@ -135,6 +168,7 @@ class Speculation:
     acceptance: float
     draft: Any = None
     draft_slots_batched: bool = False
+    costs: CycleCosts | None = None
 
     @property
     def family(self) -> str:
@@ -167,7 +201,14 @@ class Speculation:
         verify = physics.step_seconds(physics.step_terms(s, k, host, parallel, context_tokens, gpu_layers,
                                                          tokens_per_stream=rows / parallel))
         draft_s = steps * self.draft_step_seconds(s, k, host, parallel, context_tokens, gpu_layers)
-        return (verify + draft_s) / tokens
+        return (verify + draft_s + self.host_seconds(steps, parallel)) / tokens
+
+    def host_seconds(self, steps: float, parallel: int) -> float:
+        """One cycle's fixed host costs over the ``parallel`` slots, ``steps`` draft passes each
+        (an n-gram lookup has no graph to launch: :data:`NGRAM_DRAFT_MS` is its whole cost)."""
+        c = self.costs or load_cycle_costs()
+        passes = 0.0 if self.family == "ngram" else steps * c.draft_pass_us
+        return parallel * (passes + c.verify_cycle_us) * 1e-6
 
     def draft_step_seconds(self, s: Any, k: Any, host: Any, parallel: int, context_tokens: float,
                            gpu_layers: int) -> float:
@@ -254,6 +295,24 @@ def rules(options: Mapping[str, Any]) -> list[str]:
     if n_max is not None and n_min is not None and n_min > n_max:
         reasons.append(f"spec_n_min {n_min} > spec_n_max {n_max}: the draft could never be long enough")
     return reasons
+
+
+def measured_acceptance(trials: Sequence[tuple[Mapping[str, Any], Mapping[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per spec type, the per-token acceptance the study's trials measured: each trial's engine
+    counts (``acceptance_drafted``, ``acceptance_accepted`` beside its metrics) turned into a
+    per-token ``a`` at its own n-max (:func:`per_token`), pooled weighted by tokens drafted, so
+    that trials at different n-max agree on one property of the text and the draft."""
+    pooled: dict[str, list[float]] = {}
+    for options, metrics in trials:
+        spec_type = str(options.get("spec_type", "none"))
+        drafted, accepted = metrics.get("acceptance_drafted"), metrics.get("acceptance_accepted")
+        if spec_type == "none" or not drafted or accepted is None:
+            continue
+        n_max = int(options.get("spec_n_max", DEFAULT_N_MAX))
+        a = per_token(min(max(accepted / drafted, 0.0), 1.0), n_max)
+        weight, total = pooled.setdefault(spec_type, [0.0, 0.0])
+        pooled[spec_type] = [weight + drafted, total + drafted * a]
+    return {t: {"per_token": round(total / weight, 4), "drafted": weight} for t, (weight, total) in pooled.items()}
 
 
 def acceptance_problem(value: Any) -> str | None:

@@ -149,9 +149,9 @@ def check_the_twin_learned_from_the_study(study: optuna.Study, study_dir: Path, 
     twin = TwinLlamaCpp()
     trials = [(replace(r.trial_config, backend=twin.name), {m: r.median(m) for m in SPEED_METRICS if r.median(m)})
               for r in records.measured(study)]
-    trials = [(c, m) for c, m in trials if twin.predict(c, ctx) is not None]
-    before = median_abs_error([twin.predict(c, ctx) for c, _ in trials], trials)
-    after = median_abs_error([twin.predict(c, replace(ctx, calibration=cal)) for c, _ in trials], trials)
+    trials = [(c, m) for c, m in trials if twin.predictor.predict(c, ctx) is not None]
+    before = median_abs_error([twin.predictor.predict(c, ctx) for c, _ in trials], trials)
+    after = median_abs_error([twin.predictor.predict(c, replace(ctx, calibration=cal)) for c, _ in trials], trials)
     print(f"cpu-tiny: twin's median error on its {len(trials)} trials {before:.0%} -> {after:.0%}; "
           f"constants {cal['before']} -> {cal['after']}")
     assert after < before

@@ -44,7 +44,7 @@ def test_the_configured_binary_names_the_build_not_the_cached_one(tmp_path, monk
     mine = backend.engine_build(ctx_with(binary=str(configured)))
     assert "2222" in mine and "1111" not in mine
     assert "1111" in backend.engine_build(ctx_with())
-    assert "1111" in backend.engine_version()  # no study: the build found without settings
+    assert "1111" in backend.engine_build(None)  # no study: the build found without settings
     monkeypatch.setattr(engine, "find_llama_server", real_find)
     # Where no build is cached and none is on PATH, the configured one is still named.
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))

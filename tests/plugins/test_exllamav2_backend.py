@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.backend import StudyContext, TrialConfig, Workload, quality_reference
 from autotune.errors import BackendError, ConfigError
 from autotune import processes
 from autotune.hardware import get_gpu
@@ -155,7 +155,7 @@ def test_parameters_keep_exllamav2_cache_modes_as_given():
     assert param.accepted == ("fp16", "q8", "q6", "q4")
     assert b.parameters({"cache_type": ["q8_0"]})[0].choices == ()  # nothing of ours: no stand-in
     assert b.parameters({})[0].choices == ("fp16", "q8", "q6", "q4")
-    assert b.quality_reference({"cache_type": ("q4", "q8", "fp16")}) == {"cache_type": "fp16"}
+    assert quality_reference(b, {"cache_type": ("q4", "q8", "fp16")}) == {"cache_type": "fp16"}
 
 
 def test_generator_settings_by_attention_support():
@@ -478,8 +478,8 @@ def test_scorer_refuses_unusable_weights(tmp_path):
     (tmp_path / "tiny-exl2-4.0").mkdir()
     (tmp_path / "tiny-exl2-4.0" / "config.json").write_text(json.dumps(CONFIG))
     with pytest.raises(ScoringError, match="no tokenizer.json"):
-        ExLlamaV2Backend().scorer("tiny-exl2-4.0", "q8", make_ctx(tmp_path))
-    assert ExLlamaV2Backend().supports_scoring
+        ExLlamaV2Backend().scoring.scorer("tiny-exl2-4.0", "q8", make_ctx(tmp_path))
+    assert ExLlamaV2Backend().scoring is not None
 
 
 def test_no_worker_survives_autotune_being_stopped(tmp_path):

@@ -165,7 +165,7 @@ def test_the_backend_scores_through_a_worker_loaded_for_scoring(dirs, tmp_path, 
     requests = tmp_path / "requests.jsonl"
     monkeypatch.setenv("EXL3_FAKE_REQUESTS", str(requests))
     ctx = make_ctx(tmp_path, dirs["source"], scoring_ctx=1000, chunk_size=512)
-    with ExLlamaV3Backend().scorer("tiny-exl3-3.0", "K4V4", ctx) as scorer:
+    with ExLlamaV3Backend().scoring.scorer("tiny-exl3-3.0", "K4V4", ctx) as scorer:
         tokens = scorer.tokenize("Once upon a time", add_bos=True)
         rows = scorer.next_token_logprobs(tokens)
         lls = scorer.loglikelihood([("Once upon a", " time"), ("Once upon a", " tide")])
@@ -185,12 +185,12 @@ def test_the_backend_scores_through_a_worker_loaded_for_scoring(dirs, tmp_path, 
 def test_the_scorer_refuses_what_exllamav3_cannot_load(dirs, tmp_path):
     ctx = make_ctx(tmp_path, dirs["source"])
     with pytest.raises(ScoringError, match="fp16 or k<K>v<V>"):
-        ExLlamaV3Backend().scorer("tiny-exl3-3.0", "q8_0", ctx)
+        ExLlamaV3Backend().scoring.scorer("tiny-exl3-3.0", "q8_0", ctx)
     with pytest.raises(ScoringError, match="no-such-dir"):
-        ExLlamaV3Backend().scorer("no-such-dir", "fp16", ctx)
+        ExLlamaV3Backend().scoring.scorer("no-such-dir", "fp16", ctx)
     crash = make_ctx(tmp_path, dirs["source"], worker_command=[sys.executable, str(FAKE), "crash-on-load"])
     with pytest.raises(ScoringError, match="out of memory"):
-        ExLlamaV3Backend().scorer("tiny-exl3-3.0", "fp16", crash)
+        ExLlamaV3Backend().scoring.scorer("tiny-exl3-3.0", "fp16", crash)
 
 
 def test_kld_against_the_source_falls_with_bits_and_shows_a_quantized_cache(dirs, tmp_path):

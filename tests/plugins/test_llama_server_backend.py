@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.backend import StudyContext, TrialConfig, Workload, quality_reference
 from autotune import processes
 from autotune.errors import BackendError, ConfigError, EngineUnavailableError
 from autotune.cache_types import kv_bytes_per_token
@@ -236,7 +236,7 @@ def test_parameters_filter_the_study_space():
     assert params == {"cache_type": ("q8_0", "q4_0"), "flash_attn": (True, False)}
     params = {p.name: p.choices for p in b.parameters({"ubatch": [128, 512]})}
     assert params["ubatch"] == (128, 512) and params["cache_type"] == ("f16", "q8_0", "q4_0")
-    assert b.quality_reference({"cache_type": ("q4_0", "f16"), "flash_attn": (False, True)}) == \
+    assert quality_reference(b, {"cache_type": ("q4_0", "f16"), "flash_attn": (False, True)}) == \
         {"cache_type": "f16", "flash_attn": True}
 
 

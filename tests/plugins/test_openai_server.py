@@ -78,6 +78,17 @@ def test_every_shipped_template_renders_to_an_argument_list(tmp_path):
     for flag, value in (("--max-model-len", "1024"), ("--max-num-seqs", "4"), ("--kv-cache-dtype", "fp8"),
                         ("--gpu-memory-utilization", "0.9")):
         assert vllm[vllm.index(flag) + 1] == value
+    spec = '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4}'  # a JSON value passes whole
+    vllm = b.argv(cfg("model", 1, 1024, cache_type="auto", flash_attn=True, speculative_config=spec),
+                  make_ctx(tmp_path, template="vllm"), host="127.0.0.1", port=8000, has_gpu=False)
+    assert vllm[vllm.index("--speculative-config") + 1] == spec
+    sglang = b.argv(cfg("model", 1, 1024, cache_type=next(iter(load_template(template_path("sglang", tmp_path))
+                                                                 .cache_type)), speculative_algorithm="EAGLE",
+                        speculative_num_steps=3, speculative_num_draft_tokens=4),
+                    make_ctx(tmp_path, template="sglang"), host="127.0.0.1", port=8000, has_gpu=False)
+    for flag, value in (("--speculative-algorithm", "EAGLE"), ("--speculative-num-steps", "3"),
+                        ("--speculative-num-draft-tokens", "4")):
+        assert sglang[sglang.index(flag) + 1] == value
     tabby = b.argv(cfg("model", 4, 1000, cache_type="k4v6", chunk_size=512),
                    make_ctx(tmp_path, template="tabbyapi-exllamav3"), host="127.0.0.1", port=5000, has_gpu=False)
     # exllamav3 reserves ceil((1000 + 1) / 256) = 4 pages a job: 4 jobs need 4096 tokens, not 4 x 1000
@@ -213,7 +224,7 @@ def test_validity_rules_and_mappings_refuse_before_launching(tmp_path):
 def test_an_engine_without_prompt_logprobs_refuses_quality_clearly(tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(ScoringUnsupportedError, match=r"template tgi cannot score: TGI's /v1/completions has no echo"):
-        OpenAIServerBackend().scorer("model", None, make_ctx(tmp_path, template="tgi"))
+        OpenAIServerBackend().scoring.scorer("model", None, make_ctx(tmp_path, template="tgi"))
 
 
 def test_server_metrics_beside_the_client_warn_beyond_five_percent():
@@ -391,7 +402,7 @@ def test_quality_through_logprobs_matches_the_in_process_scorer(study_dir):
     ctx = make_ctx(study_dir, executable=str(llama_server_binary()), extra_args=["-t", "1"], scoring_ctx=256)
     requests = [("Once upon a time, there was a little girl", " named Lily."), ("The cat sat on the", " mat.")]
     text = "Once upon a time there was"
-    with OpenAIServerBackend().scorer("stories260K.gguf", "f16", ctx) as served:
+    with OpenAIServerBackend().scoring.scorer("stories260K.gguf", "f16", ctx) as served:
         got = served.loglikelihood(requests)
         tokens = served.tokenize(text, add_bos=True)
         rows = served.next_token_logprobs(tokens)

@@ -33,6 +33,8 @@ import autotune_plugins.quality as quality_plugin
 from autotune_plugins.quality import benchmarks, metrics, tasks
 from autotune_plugins.quality.commands import add_quality_command
 from autotune_plugins.quality.progress import QualityProgress, format_seconds
+from autotune.parts import part
+from tests.fake_backends import ForwardingScoring
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                 reason="lm-eval is not installed (pip install -e '.[test]')")
@@ -82,6 +84,7 @@ class ScriptedScorer(Scorer):
 
 class ScoringFakeBackend(FakeBackend):
     """The fake backend with a scoring API: the weights name says how well the artifact answers."""
+    scoring = part(ForwardingScoring)
 
     name = "fake-scoring"
     opened: list[str] = []
@@ -209,7 +212,7 @@ def test_metrics_register_and_refuse_a_backend_without_scoring(quality_registere
     assert {"mmlu", "ceval", "kld"} <= set(found)
     assert found["kld"].higher_is_better is False
     why = found["mmlu"].supports(FakeBackend())
-    assert why == "backend 'fake' has no scoring API (it does not implement scorer())"
+    assert why == "backend 'fake' has no scoring API (it declares no scoring part)"
     assert found["mmlu"].supports(ScoringFakeBackend()) is None
 
 

@@ -97,3 +97,32 @@ def test_acceptance_sums_the_engines_counters_and_refuses_a_fiction():
     assert total([DraftCount(4, 2, 8, passes=2)]).tokens_per_pass == 2.0
     with pytest.raises(ValueError, match="3 accepted of 2 drafted"):
         total([DraftCount(2, 3, 8)])
+
+
+def _study_file(tmp_path, draft: str, space: str) -> object:
+    from tests.engine_fixtures import write_llama_study
+
+    path = write_llama_study(tmp_path / "s.toml", space=space)
+    text = path.read_text().replace(f'weights = ["{STORIES}"]', f'weights = ["{STORIES}"]\ndraft = {draft}', 1)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("draft, space, expected", [
+    ('"d.gguf"', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft = 'd.gguf': must be a list; a list of draft weights"),
+    ('[""]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft .*non-empty strings"),
+    ('["missing.gguf"]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft 'missing.gguf': .*missing.gguf"),
+    ('["gguf:Q9_9"]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft 'gguf:Q9_9'"),
+    (f'["{STORIES}"]', "", r"\[candidates.0\] draft: backend 'llama-server' searches no draft weights"),
+])
+def test_a_bad_draft_is_named_with_its_field(tmp_path, monkeypatch, draft, space, expected):
+    import autotune_plugins.llama_server as llama_server
+    from autotune.config import load_study_config
+    from autotune.errors import ConfigError
+    from autotune.study import prepare_study
+    from tests.conftest import plugin_registered
+
+    monkeypatch.setattr("autotune_plugins.llama_server.backend.LlamaServerBackend.preflight", lambda self, ctx: [])
+    with plugin_registered(llama_server, "llama_server"), pytest.raises(ConfigError, match=expected) as err:
+        prepare_study(load_study_config(_study_file(tmp_path, draft, space)), storage=f"sqlite:///{tmp_path}/s.db")
+    assert "s.toml" in str(err.value)

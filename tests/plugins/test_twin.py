@@ -43,12 +43,12 @@ def test_every_article_row_lands_in_its_widened_range():
 def test_the_twin_is_not_a_lookup_a_faster_card_is_faster_and_bigger_models_slower():
     twin = TwinExllamaV2()
     base = cfg("twin-exllamav2", "exl2:4.0", cache_type="fp16", flash_attn=True)
-    v100 = twin.predict(base, ctx_for("v100-16gb", "qwen2.5-7b"))["decode_tok_s"]
-    h100 = twin.predict(base, ctx_for("h100-sxm", "qwen2.5-7b"))["decode_tok_s"]
-    h100_14b = twin.predict(base, ctx_for("h100-sxm", "qwen2.5-14b"))["decode_tok_s"]
+    v100 = twin.predictor.predict(base, ctx_for("v100-16gb", "qwen2.5-7b"))["decode_tok_s"]
+    h100 = twin.predictor.predict(base, ctx_for("h100-sxm", "qwen2.5-7b"))["decode_tok_s"]
+    h100_14b = twin.predictor.predict(base, ctx_for("h100-sxm", "qwen2.5-14b"))["decode_tok_s"]
     assert h100 > 2 * v100  # 3.35 TB/s against 0.9 TB/s
     assert h100_14b < 0.7 * h100
-    fewer_bits = twin.predict(cfg("twin-exllamav2", "exl2:3.0", cache_type="fp16", flash_attn=True),
+    fewer_bits = twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.0", cache_type="fp16", flash_attn=True),
                               ctx_for("h100-sxm", "qwen2.5-7b"))["decode_tok_s"]
     assert fewer_bits > h100
 
@@ -137,7 +137,7 @@ def test_parallel_streams_raise_aggregate_until_the_card_saturates():
     twin = TwinExllamaV2()
     for ctx in (ctx_for("a100-80gb", "qwen2.5-27b-article"),
                 ctx_for("v100-16gb", "qwen2.5-27b-article", unpaged_parallel="batched")):
-        agg = [twin.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
+        agg = [twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
                for p in (1, 2, 4, 8)]
         assert agg[0]["aggregate_tok_s"] < agg[1]["aggregate_tok_s"] < agg[2]["aggregate_tok_s"]
         assert agg[3]["per_user_tok_s"] < agg[2]["per_user_tok_s"] < agg[0]["per_user_tok_s"]
@@ -151,7 +151,7 @@ def test_exllamav2_without_paged_attention_serves_concurrent_users_one_at_a_time
     at a fraction of the single-stream rate (so parallel 4 is no tie with parallel 1)."""
     twin = TwinExllamaV2()
     ctx = ctx_for("v100-16gb", "qwen2.5-27b-article")
-    one, four = (twin.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
+    one, four = (twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
                  for p in (1, 4))
     assert four["aggregate_tok_s"] == pytest.approx(one["aggregate_tok_s"], rel=1e-9)
     request_s = ctx.workload.prompt_tokens / one["prefill_tok_s"] + ctx.workload.output_tokens / one["decode_tok_s"]
@@ -166,7 +166,7 @@ def test_exllamav2_without_paged_attention_serves_concurrent_users_one_at_a_time
            for p in (1, 4)]
     assert mem[0] == mem[1]
     batched = ctx_for("v100-16gb", "qwen2.5-27b-article", unpaged_parallel="batched")
-    b4 = twin.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=4, cache_type="q8", flash_attn=True), batched)
+    b4 = twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=4, cache_type="q8", flash_attn=True), batched)
     assert b4["aggregate_tok_s"] > 1.5 * four["aggregate_tok_s"]
 
 
@@ -194,8 +194,8 @@ def test_noise_makes_the_protocol_repeat_and_throttling_slows_later_runs():
     noisy = twin.run(config, ctx_for("v100-16gb", "qwen2.5-7b", noise=0.2))
     assert quiet.metrics["aggregate_tok_s"].n == 1
     # Only the quiet twin repeats itself exactly: the finish measures its leaders again only when noisy.
-    assert twin.repeats_exactly(ctx_for("v100-16gb", "qwen2.5-7b"))
-    assert not twin.repeats_exactly(ctx_for("v100-16gb", "qwen2.5-7b", noise=0.2))
+    assert twin.predictor.repeats_exactly(ctx_for("v100-16gb", "qwen2.5-7b"))
+    assert not twin.predictor.repeats_exactly(ctx_for("v100-16gb", "qwen2.5-7b", noise=0.2))
     assert noisy.metrics["aggregate_tok_s"].n > 1 and noisy.metrics["aggregate_tok_s"].stdev > 0
     hot = ctx_for("v100-16gb", "qwen2.5-7b", throttle_after_s=0.0, throttle_factor=0.75)
     throttled = twin.run(config, hot)
@@ -300,7 +300,7 @@ def test_the_twin_predicts_for_a_real_gguf_file(tmp_path):
     config = TrialConfig("twin-llama.cpp", str(path), 256, 2, (("cache_type", "f16"), ("flash_attn", True)))
     assert twin.as_format(str(path), ctx) == "gguf:F32"
     assert twin.check_weights(str(path), ctx) is None
-    predicted = twin.predict(config, ctx)
+    predicted = twin.predictor.predict(config, ctx)
     assert predicted["aggregate_tok_s"] > predicted["decode_tok_s"] > 0
     assert twin.scenario(config, ctx).weights == gguf_file_weights(path)
     assert f"-m {path} " in twin.deploy_command(config, ctx)
@@ -384,14 +384,14 @@ def test_exllamav2_without_flash_attn_copies_grouped_kv_over_the_context_in_use(
     Llama-2 7B (112/101/93 tok/s against the README's 245/207/170 when flash-attn was off)."""
     twin = TwinExllamaV2()
     on_4090 = ctx_for("rtx4090", "llama-2-7b")
-    fused, unfused = (twin.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=fa),
+    fused, unfused = (twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=fa),
                                    on_4090)["decode_tok_s"] for fa in (True, False))
     assert unfused == pytest.approx(fused)
     v100 = ctx_for("v100-16gb", "qwen2.5-27b-article")
-    by_ctx = [twin.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=c, cache_type="fp16", flash_attn=False), v100)
+    by_ctx = [twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=c, cache_type="fp16", flash_attn=False), v100)
               ["decode_tok_s"] for c in (2048, 4096)]
     assert by_ctx[0] == pytest.approx(by_ctx[1])
-    grouped = twin.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=True), v100)
+    grouped = twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=True), v100)
     assert by_ctx[1] < 0.9 * grouped["decode_tok_s"]  # 28 query heads on 4 key heads: a 7x copy
 
 

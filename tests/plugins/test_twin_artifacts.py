@@ -114,7 +114,7 @@ def test_the_exllamav2_twin_predicts_for_an_exl2_directory(exl2_dir, tmp_path):
     mem = twin.estimate_memory(config, ctx)
     exl2 = memory.exl2_weights(exl2_dir, tied=True)
     assert (mem.weights_bytes, mem.host_bytes) == (exl2.gpu_bytes, exl2.host_bytes)
-    predicted = twin.predict(config, ctx)
+    predicted = twin.predictor.predict(config, ctx)
     assert predicted["aggregate_tok_s"] > predicted["decode_tok_s"] > 0
     assert f"--model-dir {tmp_path} --model-name tiny-exl2-4.0 " in twin.deploy_command(config, ctx)
     # A 0.4M-parameter model is outside what the twin's quality model covers (0.5B to 1T): it
@@ -134,7 +134,7 @@ def test_a_lower_bpw_directory_is_predicted_smaller_and_faster(exl2_dir, tmp_pat
     assert w_low.layers_bytes < w_high.layers_bytes
     assert w_low.output_bytes == 512 * 128 * 4 // 8  # the head's real bytes, at its 4 head bits
     assert twin.estimate_memory(lower, ctx).weights_bytes < twin.estimate_memory(high, ctx).weights_bytes
-    assert twin.predict(lower, ctx)["decode_tok_s"] > twin.predict(high, ctx)["decode_tok_s"]
+    assert twin.predictor.predict(lower, ctx)["decode_tok_s"] > twin.predictor.predict(high, ctx)["decode_tok_s"]
 
 
 def test_what_the_twins_do_not_read_is_named_with_what_they_do(exl2_dir, tmp_path):
@@ -170,10 +170,10 @@ def test_the_vllm_twin_predicts_an_unquantized_directory_as_its_element_type(exl
     assert twin.as_format(hf.name, ctx) == "gguf:BF16" and twin.check_weights(hf.name, ctx) is None
     # vLLM keeps everything on the GPU: the whole directory's bytes.
     assert twin.estimate_memory(config, ctx).weights_bytes == safetensors_dir_weights(hf).total_bytes
-    assert twin.predict(config, ctx)["decode_tok_s"] > 0
+    assert twin.predictor.predict(config, ctx)["decode_tok_s"] > 0
     assert twin.deploy_command(config, ctx).startswith(f"vllm serve {hf} ")
     # BF16 weights on a card without BF16: vLLM's own refusal, as for gguf:BF16.
-    assert twin.predict(config, ctx_for(tmp_path, hf, gpu="v100-16gb")) is None
+    assert twin.predictor.predict(config, ctx_for(tmp_path, hf, gpu="v100-16gb")) is None
 
 
 # ------------------------------------------------------------------------------ the prior
@@ -248,7 +248,7 @@ def test_prior_ranks_a_real_exllamav2_study_over_exl2_directories(exl2_dir, tmp_
         twin, ctx = TwinExllamaV2(), prepared.contexts["exllamav2"]
         for config, value in ranked:
             probe = TrialConfig("twin-exllamav2", config.weights, config.ctx, config.parallel, config.options)
-            assert value == pytest.approx(twin.predict(probe, ctx)["aggregate_tok_s"])
+            assert value == pytest.approx(twin.predictor.predict(probe, ctx)["aggregate_tok_s"])
         assert [v for _, v in ranked] == sorted((v for _, v in ranked), reverse=True)
         by_cache = {}
         for config, _ in ranked:
@@ -271,7 +271,7 @@ def test_the_prior_leaves_what_the_twin_cannot_speak_for_unranked(exl2_dir, tmp_
     ctx = ctx_for(tmp_path, exl2_dir)
     config = TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q8"),))
     predictor, predicted = predictor_for(real, config, ctx, backends)
-    assert predictor is twin and predicted == twin.predict(replace(config, backend=twin.name), ctx)
+    assert predictor is twin and predicted == twin.predictor.predict(replace(config, backend=twin.name), ctx)
     assert predictor_for(real, TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q5"),)),
                           ctx, backends) is None
     (exl2_dir / "output-00002-of-00002.safetensors").write_bytes(b"\x01")  # the twin's ConfigError: no say

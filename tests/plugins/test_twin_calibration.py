@@ -40,7 +40,7 @@ def h200_trials() -> list[tuple[TrialConfig, dict[str, float]]]:
 
 
 def errors_on(twin: TwinLlamaCpp, ctx: StudyContext, trials) -> float:
-    predicted = [twin.predict(config, ctx) for config, _ in trials]
+    predicted = [twin.predictor.predict(config, ctx) for config, _ in trials]
     return calibration.median_abs_error(predicted, trials)
 
 
@@ -49,7 +49,7 @@ def test_five_measured_configurations_improve_the_predictions_for_the_rest():
     trials = h200_trials()
     assert len(trials) == 35
     fitted_on, rest = trials[:N_FIT], trials[N_FIT:]  # the study's first five, in the order it measured them
-    cal = twin.calibrate(fitted_on, ctx)
+    cal = twin.predictor.calibrate(fitted_on, ctx)
     assert cal is not None and cal["n"] == N_FIT and cal["gpu"] == "h200" and cal["engine"] == "llama.cpp"
     before = errors_on(twin, ctx, rest)
     after = errors_on(twin, replace(ctx, calibration=cal), rest)
@@ -63,7 +63,7 @@ def test_five_measured_configurations_improve_the_predictions_for_the_rest():
 def test_one_measurement_barely_moves_the_constants():
     """Five constants are not determined by one trial: the prior keeps them near the published fit."""
     twin, ctx = TwinLlamaCpp(), h200_ctx()
-    cal = twin.calibrate(h200_trials()[:1], ctx)
+    cal = twin.predictor.calibrate(h200_trials()[:1], ctx)
     for field, before in cal["before"].items():
         after = cal["after"][field]
         if before > 0:
@@ -75,11 +75,11 @@ def test_one_measurement_barely_moves_the_constants():
 def test_the_calibration_applies_to_its_own_engine_and_card_only():
     twin, ctx = TwinLlamaCpp(), h200_ctx()
     config, _ = h200_trials()[0]
-    cal = twin.calibrate(h200_trials()[:N_FIT], ctx)
-    plain = twin.predict(config, ctx)
-    assert twin.predict(config, replace(ctx, calibration=cal)) != plain
-    assert twin.predict(config, replace(ctx, calibration=dict(cal, gpu="a100-80gb"))) == plain
-    assert twin.predict(config, replace(ctx, calibration=dict(cal, engine="exllamav2"))) == plain
+    cal = twin.predictor.calibrate(h200_trials()[:N_FIT], ctx)
+    plain = twin.predictor.predict(config, ctx)
+    assert twin.predictor.predict(config, replace(ctx, calibration=cal)) != plain
+    assert twin.predictor.predict(config, replace(ctx, calibration=dict(cal, gpu="a100-80gb"))) == plain
+    assert twin.predictor.predict(config, replace(ctx, calibration=dict(cal, engine="exllamav2"))) == plain
 
 
 def test_fit_without_observations_keeps_the_published_constants():
@@ -99,7 +99,7 @@ def test_a_robust_fit_is_not_dragged_by_one_disturbed_trial(monkeypatch):
     def shift(slowdown: float) -> float:
         disturbed = [(c, {m: v / slowdown for m, v in metrics.items()}) if i == 0 else (c, metrics)
                      for i, (c, metrics) in enumerate(trials)]
-        clean, dirty = twin.calibrate(trials, ctx)["after"], twin.calibrate(disturbed, ctx)["after"]
+        clean, dirty = twin.predictor.calibrate(trials, ctx)["after"], twin.predictor.calibrate(disturbed, ctx)["after"]
         return max(abs(dirty[f] / clean[f] - 1) for f in clean if clean[f] > 0)
 
     robust, robust_third = shift(10), shift(3)

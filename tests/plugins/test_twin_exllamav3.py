@@ -66,9 +66,9 @@ def test_decode_is_memory_bound_on_ada_and_trellis_bound_on_hopper():
     matters (exllamav3's own comment: per-SM INT-throughput-bound)."""
     twin = TwinExllamaV3()
     ada, hopper = ctx_for("rtx4090", "llama-2-7b", 1, 128), ctx_for("h200", "llama-2-7b", 1, 128)
-    ada_speed = [twin.predict(cfg(f"exl3:{b}"), ada)["decode_tok_s"] for b in (4.0, 5.0, 6.0)]
+    ada_speed = [twin.predictor.predict(cfg(f"exl3:{b}"), ada)["decode_tok_s"] for b in (4.0, 5.0, 6.0)]
     assert ada_speed[0] > 1.15 * ada_speed[2] and ada_speed[0] > ada_speed[1] > ada_speed[2]
-    hopper_speed = [twin.predict(cfg(f"exl3:{b}"), hopper)["decode_tok_s"] for b in (4.0, 6.0)]
+    hopper_speed = [twin.predictor.predict(cfg(f"exl3:{b}"), hopper)["decode_tok_s"] for b in (4.0, 6.0)]
     assert hopper_speed[0] == pytest.approx(hopper_speed[1], rel=0.03)
 
 
@@ -77,7 +77,7 @@ def test_parallel_streams_batch_in_the_paged_generator():
     without paging would serve them one at a time), so the aggregate grows with the streams
     while each user's rate falls; the deploy line is the exllamav3 backend's TabbyAPI line."""
     twin, ctx = TwinExllamaV3(), ctx_for("rtx4090", "llama-3.1-8b")
-    one, four = (twin.predict(cfg("exl3:4.0", parallel=p, cache="k8v8"), ctx) for p in (1, 4))
+    one, four = (twin.predictor.predict(cfg("exl3:4.0", parallel=p, cache="k8v8"), ctx) for p in (1, 4))
     assert four["aggregate_tok_s"] > 1.8 * one["aggregate_tok_s"]
     assert four["per_user_tok_s"] < one["per_user_tok_s"]
     line = twin.deploy_command(cfg("exl3:4.0", parallel=4, cache="k4v6"), ctx)

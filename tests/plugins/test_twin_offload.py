@@ -244,7 +244,7 @@ def test_the_twin_speaking_for_llama_server_is_told_its_threads():
         ctx = _moe_ctx(threads=threads)
         predictor, predicted = predictor_for(real, config, ctx, {real.name: real, twin.name: twin})
         assert predictor is twin
-        told = twin.predict(replace(config, backend=twin.name), _moe_ctx(host_threads=threads))
+        told = twin.predictor.predict(replace(config, backend=twin.name), _moe_ctx(host_threads=threads))
         assert predicted["decode_tok_s"] == pytest.approx(told["decode_tok_s"])
-    untold = twin.predict(replace(config, backend=twin.name), _moe_ctx())
+    untold = twin.predictor.predict(replace(config, backend=twin.name), _moe_ctx())
     assert predicted["decode_tok_s"] < untold["decode_tok_s"]
