@@ -5,6 +5,7 @@ init` and the reading commands. Each test failed on the behaviour it names befor
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -18,10 +19,11 @@ from autotune.cli import cli
 from autotune.config import MAX_STUDY_NAME, load_study_config, parse_duration
 from autotune.errors import AutotuneError, ConfigError
 from autotune.metric import BaseMetric
+from autotune.parts import part
 from autotune.study.storage import remember_run
 from autotune.study_writer import draft_study
 from tests.conftest import plugin_registered
-from tests.fake_backends import FakeBackend, registered, write_study
+from tests.fake_backends import FakeBackend, ForwardingArtifacts, registered, write_study
 
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K.gguf"
 
@@ -112,6 +114,7 @@ class _GgufLoader(FakeBackend):
 
     name = "gguf-loader"
     engine = "gguf-loader-engine"
+    artifacts = part(ForwardingArtifacts)  # its artifact_recipe, below, is what init asks
 
     @property
     def weight_formats(self):  # type: ignore[override]
@@ -303,3 +306,27 @@ def test_init_says_once_that_a_quantized_gguf_is_no_source_for_any_format(tmp_pa
     said = [line for line in draft.left_out if "no source to make" in line]
     assert len(said) == 1, draft.left_out
     assert all(f"gguf:{t}" in said[0] for t in ("F16", "Q8_0", "Q4_0"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_init_on_a_model_whose_config_is_a_pipe_or_device_names_what_it_is(tmp_path, kind):
+    # It was "directory has no config.json": the file is there, it is the wrong kind of file.
+    config = tmp_path / "m" / "config.json"
+    config.parent.mkdir()
+    os.mkfifo(config) if kind == "fifo" else config.symlink_to("/dev/zero")
+    result = CliRunner().invoke(cli, ["init", str(config.parent), "--gpu", "cpu", "--out", str(tmp_path / "s.toml")])
+    assert result.exit_code == 2
+    assert f"{config}: is a {'named pipe' if kind == 'fifo' else 'character device'}" in result.output
+    assert "a regular JSON file" in result.output
+
+
+def test_init_on_an_enormous_config_json_refuses_it_unread(tmp_path, monkeypatch):
+    # A config.json of hundreds of MB was read whole into memory (650 MB for 300 MB).
+    import autotune.models as models
+
+    monkeypatch.setattr(models, "MAX_CONFIG_BYTES", 1024, raising=False)
+    config = tmp_path / "m" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "pad": "x" * 4096}))
+    result = CliRunner().invoke(cli, ["init", str(config.parent), "--gpu", "cpu", "--out", str(tmp_path / "s.toml")])
+    assert result.exit_code == 2 and f"{config}: larger than" in result.output, result.output
