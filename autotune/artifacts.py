@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,8 @@ ARTIFACTS_ENV = "AUTOTUNE_ARTIFACTS_DIR"
 # (formats.weights_for), and a full disk fails the user's other work too.
 DISK_MARGIN = 1.10
 _HASH_CHUNK = 1 << 22
+# How often a running converter or quantizer is said to be running, output or none.
+PROGRESS_S = 10.0
 
 
 class ArtifactError(BackendError):
@@ -72,28 +75,41 @@ class ArtifactError(BackendError):
 
 def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Path | None = None,
              env: Mapping[str, str] | None = None) -> None:
-    """Run a converter or quantizer: its latest line passed to ``say`` about every 10 s (a
-    conversion can take minutes), and on failure an error carrying the tool's own last lines
-    (its error lines first), so the trials that needed the artifact say why. Like an engine, it
+    """Run a converter or quantizer: that it runs, with its latest line, passed to ``say`` every
+    ``PROGRESS_S`` (a conversion takes minutes, some of them silent; it has no timeout, a 70B
+    conversion's time being unknown: Ctrl-C or SIGTERM is the bound, and ends its group), and on
+    failure an error carrying the tool's own last lines (its error lines first), so the trials that needed the artifact say why. Like an engine, it
     gets the allow-listed environment (``autotune.redact.engine_environment``) unless ``env`` is
     given: a converter has no use for the storage URL or a token, and prints what it likes."""
     env = engine_environment() if env is None else dict(env)
     proc = processes.start(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                            text=True, errors="replace", cwd=cwd, env=env)
     lines: list[str] = []
-    last = time.monotonic()
     assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:  # a thread: the wait below must wake to report a tool that prints nothing
+        nonlocal lines
+        for line in stdout:
+            if line.rstrip():
+                lines = [*lines[-40:], line.rstrip()]
+
+    reader = threading.Thread(target=read, daemon=True, name="autotune-tool-output")
+    reader.start()
+    started = time.monotonic()
     try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                lines = [*lines[-40:], line]
-                if time.monotonic() - last >= 10:
-                    say(f"  {what}: {scrub(line)[:160]}")  # relayed to the terminal
-                    last = time.monotonic()
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=PROGRESS_S)
+                break
+            except subprocess.TimeoutExpired:
+                # A silent tool (a converter writing a large tensor, or one stuck) said as such:
+                # before, nothing was shown until it printed, and a stuck one looked like a hang.
+                last = f": {scrub(lines[-1])[:160]}" if lines else " (no output yet)"
+                say(f"  {what}: running for {time.monotonic() - started:.0f} s{last}")
     finally:
         processes.stop(proc)  # an interrupted tool's group, and what a finished one left running
+    reader.join(timeout=5)  # its last lines; what held the pipe open is stopped by now
     if code != 0:
         errors = [ln for ln in lines if re.search(r"error|Error|ERROR|Traceback|No module", ln)]
         raise AutotuneError(scrub(f"{what} failed (exit status {code}): {' | '.join((errors or lines)[-3:])}"))

@@ -63,7 +63,13 @@ MEASURE_OPTIONS: dict[str, tuple[type, float, str]] = {
 # still undecided at the cap counts as (the safe answer by default).
 QUALITY_POOLS = ("sample", "full")
 UNDECIDED_POLICIES = ("reject", "accept", "kld")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh])\s*$")
+# Hours, minutes and seconds, each at most once and in that order ("2h30m", "90m", "1.5h"). Each
+# number is followed by its letter, so a run of digits is tried once per unit: linear in the
+# input, which is cut at _DURATION_CHARS before it is matched anyway.
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*(?:(\d+(?:\.\d+)?)\s*s)?")
+_DURATION_CHARS = 40
+# A budget of more than a year is a typo of unit (99999999999999999h ran as no budget at all).
+MAX_DURATION_S = 365 * 86400
 # Optuna's samplers seed numpy's generator, which takes 0..2**32-1: a seed outside it would be a
 # numpy traceback after the storage was made, so the file and --seed are checked against this.
 SEED_MAX = 2**32 - 1
@@ -73,21 +79,42 @@ MAX_VRAM_GIB = 1024
 
 
 def parse_duration(text: str | int | float, source: str = "--budget") -> float:
-    """``'2h'``, ``'45m'``, ``'90s'`` (or a number of seconds) -> seconds."""
+    """``'2h'``, ``'45m'``, ``'90s'``, ``'2h30m'`` (or a number of seconds) -> seconds.
+
+    Raises:
+        ConfigError: not a duration, none, or more than a year; the message quotes ``source``,
+            the value (cut when long) and what would be accepted.
+    """
+    accepted = "e.g. 90m or 2h"
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if not math.isfinite(text) or text <= 0:
             raise ConfigError(f"{source} {_show(text)}: must be a finite number of seconds > 0, or a string such as "
                               "'90m' or '2h'")
-        return float(text)
-    match = _DURATION.match(str(text))
-    if not match:
-        raise ConfigError(f"{source} {text!r}: use a number with s, m or h, e.g. 90m or 2h")
-    seconds = float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
-    if not math.isfinite(seconds):  # 400 digits overflow to inf: no budget at all, said as one
-        raise ConfigError(f"{source} {_show_long(text)}: too large for a number of seconds; give a finite duration, "
-                          "e.g. 90m or 2h")
-    if seconds <= 0:
-        raise ConfigError(f"{source} {text!r}: must be more than no time, e.g. 90m or 2h")
+        seconds = float(text)
+    else:
+        typed = str(text)
+        stripped = typed.strip()
+        if len(typed) > _DURATION_CHARS:
+            raise ConfigError(f"{source} {_show_long(typed)}: too long for a duration; give a finite one, a number "
+                              f"with s, m or h, {accepted}")
+        match = _DURATION.fullmatch(stripped)
+        if not stripped or not match or not any(match.groups()):
+            bare = re.fullmatch(r"(\d+)\s*h\s*(\d+)", stripped)
+            if bare:  # "2h30": minutes meant, the unit left off
+                minutes = int(bare.group(1)) * 60 + int(bare.group(2))
+                raise ConfigError(f"{source} {typed!r}: the last number has no unit; write '{minutes}m' or "
+                                  f"'{bare.group(1)}h{bare.group(2)}m'")
+            raise ConfigError(f"{source} {typed!r}: use a number with s, m or h, {accepted}")
+        h, m, s = (float(g) if g else 0.0 for g in match.groups())
+        seconds = h * 3600 + m * 60 + s
+        if not math.isfinite(seconds):  # 400 digits overflow to inf: no budget at all, said as one
+            raise ConfigError(f"{source} {_show_long(typed)}: too large for a number of seconds; give a finite "
+                              f"duration, {accepted}")
+        if seconds <= 0:
+            raise ConfigError(f"{source} {typed!r}: must be more than no time, {accepted}")
+    if seconds > MAX_DURATION_S:
+        raise ConfigError(f"{source} {_show_long(str(text))}: more than a year ({MAX_DURATION_S // 3600}h), a typo of "
+                          f"unit; give a duration up to 8760h, {accepted}")
     return seconds
 
 

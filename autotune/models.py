@@ -18,7 +18,6 @@ Three sources produce one:
 from __future__ import annotations
 
 import functools
-import json
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from typing import Any
 from autotune._catalog import read_catalog
 from autotune.errors import ConfigError, UnknownNameError
 from autotune.gguf_file import read_gguf
-from autotune.paths import path_problem
+from autotune.paths import path_problem, read_json
 from autotune.shape_limits import expert_fields, SHAPE_LIMITS, shape_problem
 from autotune import plugins
 
@@ -435,13 +434,16 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
 # ---------------------------------------------------------------------------------------------
 
 
+MAX_CONFIG_BYTES = 16 * 2**20  # the largest real ones (vocabularies of labels inside) are under 1 MiB
+
+
 def _config_path(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     problem = path_problem(p, "file")
     if problem:
-        raise ConfigError(f"{p}: {problem}")
+        raise ConfigError(f"{p}: {problem}; give the model's config.json, a regular JSON file")
     return p
 
 
@@ -470,12 +472,10 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
             field, e.g. ``path/config.json: field 'num_hidden_layers' missing``.
     """
     p = _config_path(path)
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{p}: cannot read ({exc})") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    try:  # bounded: a 300 MB config.json was read whole (650 MB of memory), a larger one filled it
+        cfg = read_json(p, limit=MAX_CONFIG_BYTES, what="a model's config.json")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: must be a JSON object")
     # Multimodal wrappers keep the language model's numbers under text_config.
@@ -583,8 +583,8 @@ def resolve_model(ref: str) -> ModelSpec:
     if p.is_file() and p.suffix.lower() == ".json":
         return model_from_hf_config(p)
     if p.is_dir():
-        if (p / "config.json").is_file():
-            return model_from_hf_config(p)
+        if (p / "config.json").exists() or (p / "config.json").is_symlink():
+            return model_from_hf_config(p)  # a FIFO or a device is named as what it is, not as missing
         raise ConfigError(f"{p}: directory has no config.json (an HF or EXL2 model directory needs one)")
     if p.exists():
         raise ConfigError(f"{p}: not a .gguf file, a config.json or a model directory")

@@ -7,8 +7,10 @@ is not a regular file is refused before it is opened.
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
+from typing import Any
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
@@ -54,3 +56,20 @@ def read_input(path: str | Path, shown: str | None = None, limit: int = 64 * 2**
     if len(data) > limit:
         raise ValueError(f"{shown}: larger than {limit // 2**20} MiB, the most autotune reads as {what}")
     return data
+
+
+def read_json(path: str | Path, shown: str | None = None, limit: int = 64 * 2**20, what: str = "a JSON file") -> Any:
+    """The JSON document in ``path``, read as :func:`read_input` reads (a regular file, bounded).
+
+    Raises:
+        ValueError: naming the file, what is wrong (its kind, its size, not UTF-8, not JSON and
+            where) and what is accepted.
+    """
+    shown = shown or str(path)
+    data = read_input(path, shown, limit, what)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{shown}: cannot be read as UTF-8 text ({exc}); give {what}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{shown}: not valid JSON ({exc.msg} at line {exc.lineno})") from None

@@ -37,7 +37,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from autotune import hardware, plugins, toml_text
 from autotune.backend import Param, StudyContext, TrialConfig, Workload
@@ -191,12 +191,13 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         kept: list[str] = []
         mine: dict[str, list[Any]] = {}  # this backend's split values
         whole = False  # whether one of its formats fits the card whole
+        unmakable: dict[str, str] = {}  # format -> why it cannot be made from the source
         for fmt in formats:
             try:
                 recipe = None if backend.artifacts is None else \
                     backend.artifacts.recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
             except AutotuneError as exc:
-                draft.left_out.append(f"{backend_name} {fmt}: {exc}")
+                unmakable[fmt] = str(exc)
                 continue
             if recipe is None:
                 continue  # another engine's format
@@ -217,6 +218,7 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             else:
                 kept.append(fmt)
                 whole = True
+        draft.left_out += _unmakable_lines(backend_name, unmakable)
         # The space is shared by this backend's formats: one that fits whole keeps its whole
         # configuration (the dimension's first value, the backend's "no split") among the values.
         for key, (first, *values) in mine.items():
@@ -292,6 +294,20 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         else:
             draft.quality = QUALITY_METRIC
     return draft
+
+
+def _unmakable_lines(backend_name: str, unmakable: Mapping[str, str]) -> list[str]:
+    """What a backend cannot make from the source, one line per distinct reason: a quantized
+    GGUF is no source for any GGUF format, said once for all six rather than six times."""
+    by_reason: dict[str, list[str]] = {}
+    for fmt, why in unmakable.items():
+        by_reason.setdefault(why.replace(fmt, "\0"), []).append(fmt)
+    lines = []
+    for reason, fmts in by_reason.items():
+        named = fmts[0] if len(fmts) == 1 else f"{', '.join(fmts[:-1])} or {fmts[-1]}"
+        # Grouped, the reason names the formats itself (its "make gguf:F16, ... or gguf:Q4_0").
+        lines.append(f"{backend_name}{'' if len(fmts) > 1 else ' ' + named}: {reason.replace(chr(0), named)}")
+    return lines
 
 
 # GGUF tensor types at full precision (llama.cpp's converter writes these from a checkpoint).

@@ -214,6 +214,21 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
 def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
     """Request lengths from a JSONL file (an object a line) or a CSV file (a header line), each
     request's ``prompt_tokens`` and ``output_tokens``.
@@ -244,8 +259,16 @@ def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
         if missing:
             raise ValueError(f"{shown}: line 1: the header lacks {', '.join(missing)} (a CSV of request lengths "
                              f"needs the columns {', '.join(fields)})")
+        header = ", ".join(reader.fieldnames or ())
         try:
-            rows = [(reader.line_num, row) for row in reader]
+            for row in reader:
+                # DictReader keeps a row's surplus values under None: 1,200,7 under a header of
+                # two read as 1 and 200, whatever the 7 meant (a shifted column, a comma in a number).
+                if None in row:
+                    raise ValueError(f"{shown}: line {reader.line_num}: {len(reader.fieldnames or ()) + len(row[None])} "
+                                     f"values under a header of {len(reader.fieldnames or ())} ({header}); give one "
+                                     "value a column, quoting a value that holds a comma")
+                rows.append((reader.line_num, row))
         except csv.Error as exc:
             raise ValueError(f"{shown}: line {reader.line_num}: not CSV ({exc})") from None
     elif path.suffix.lower() in (".jsonl", ".ndjson"):
@@ -253,7 +276,10 @@ def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_unique_keys)
+            except _RepeatedKey as exc:  # json.loads keeps the last of two: which one was meant?
+                raise ValueError(f"{shown}: line {n}: the key {exc.key!r} twice; give each of "
+                                 f"{' and '.join(fields)} once") from None
             except ValueError as exc:  # JSONDecodeError, or a number of more than 4,300 digits
                 raise ValueError(f"{shown}: line {n}: not JSON ({getattr(exc, 'msg', exc)}); each line must be an "
                                  "object such as "

@@ -5,6 +5,7 @@ init` and the reading commands. Each test failed on the behaviour it names befor
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -18,10 +19,11 @@ from autotune.cli import cli
 from autotune.config import MAX_STUDY_NAME, load_study_config, parse_duration
 from autotune.errors import AutotuneError, ConfigError
 from autotune.metric import BaseMetric
+from autotune.parts import part
 from autotune.study.storage import remember_run
 from autotune.study_writer import draft_study
 from tests.conftest import plugin_registered
-from tests.fake_backends import FakeBackend, registered, write_study
+from tests.fake_backends import FakeBackend, ForwardingArtifacts, registered, write_study
 
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K.gguf"
 
@@ -112,6 +114,7 @@ class _GgufLoader(FakeBackend):
 
     name = "gguf-loader"
     engine = "gguf-loader-engine"
+    artifacts = part(ForwardingArtifacts)  # its artifact_recipe, below, is what init asks
 
     @property
     def weight_formats(self):  # type: ignore[override]
@@ -234,3 +237,96 @@ def test_a_plugin_that_fails_to_load_is_named_by_autotune_plugins(monkeypatch):
     assert {"plugin": "unloadable", "hook": "loading", "error": "ModuleNotFoundError: No module named 'vllm'"} in \
         json.loads(result.stdout)["broken"]
     assert "plugin 'unloadable' failed in loading" in result.stderr  # still said at once, too
+
+
+# --- second round (issue 49 item 4): what the first round noticed and left ----------------------
+
+def test_a_budget_beyond_a_year_is_refused_as_a_typo_of_unit():
+    # 99999999999999999h is finite: it ran, a study with no budget at all that said it had one.
+    with pytest.raises(ConfigError, match=r"more than a year.*e\.g\. 90m or 2h"):
+        parse_duration("99999999999999999h")
+    with pytest.raises(ConfigError, match="more than a year"):
+        parse_duration(10.0**12)
+    assert parse_duration("8760h") == 8760 * 3600  # a year is still a budget
+
+
+@pytest.mark.parametrize("typed, meant, compound", [("2h30", "150m", "2h30m"), ("1h5", "65m", "1h5m"),
+                                                   ("2h 30", "150m", "2h30m")])
+def test_a_budget_with_a_bare_trailing_number_suggests_what_was_meant(typed, meant, compound):
+    with pytest.raises(ConfigError) as info:
+        parse_duration(typed)
+    said = str(info.value)
+    assert f"{typed!r}" in said and f"'{meant}'" in said and f"'{compound}'" in said
+    assert parse_duration(meant) == parse_duration(compound)  # both suggestions are accepted
+
+
+@pytest.mark.parametrize("typed, seconds", [("2h30m", 9000), ("1h30m15s", 5415), ("1m30s", 90), ("2h 30m", 9000)])
+def test_a_budget_of_hours_and_minutes_together_is_read(typed, seconds):
+    assert parse_duration(typed) == seconds
+
+
+def test_a_pathological_budget_string_is_refused_at_once_and_shown_cut():
+    # Long runs of digits and units (what a backtracking pattern chokes on) and 1 MB of input: a
+    # one-line error that quotes the start of it, not the megabyte.
+    for text in ["1" * 1_000_000, "1h" * 100_000 + "x", "1." * 200_000, " " * 500_000 + "1"]:
+        with pytest.raises(ConfigError) as info:
+            parse_duration(text)
+        assert len(str(info.value)) < 300 and "characters" in str(info.value)
+
+
+def test_a_jsonl_line_with_a_repeated_key_is_refused_naming_the_key(tmp_path):
+    # json.loads keeps the last of two: a request measured with a length the file also contradicts.
+    from autotune.workload import read_lengths
+
+    path = tmp_path / "l.jsonl"
+    path.write_text('{"prompt_tokens": 10, "output_tokens": 5}\n'
+                    '{"prompt_tokens": 10, "output_tokens": 5, "prompt_tokens": 900}\n')
+    with pytest.raises(ValueError) as info:
+        read_lengths(path)
+    assert str(info.value).startswith(f"{path}: line 2: ") and "'prompt_tokens' twice" in str(info.value)
+
+
+def test_a_csv_row_with_more_values_than_the_header_is_refused_naming_the_columns(tmp_path):
+    # csv.DictReader keeps a row's surplus under the key None: the row 812,240,7 was read as
+    # 812 and 240, whatever the third value meant (a shifted column, a comma in a number).
+    from autotune.workload import read_lengths
+
+    path = tmp_path / "l.csv"
+    path.write_text("prompt_tokens,output_tokens\n812,240\n1,200,7\n")
+    with pytest.raises(ValueError) as info:
+        read_lengths(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: line 3: ") and "3 values" in message and "prompt_tokens, output_tokens" in message
+
+
+def test_init_says_once_that_a_quantized_gguf_is_no_source_for_any_format(tmp_path):
+    source = _quantized_gguf(tmp_path)
+    with plugin_registered(_LoaderAndKld, "loader-kld"):
+        draft = draft_study(str(source), gpu="cpu")
+    said = [line for line in draft.left_out if "no source to make" in line]
+    assert len(said) == 1, draft.left_out
+    assert all(f"gguf:{t}" in said[0] for t in ("F16", "Q8_0", "Q4_0"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_init_on_a_model_whose_config_is_a_pipe_or_device_names_what_it_is(tmp_path, kind):
+    # It was "directory has no config.json": the file is there, it is the wrong kind of file.
+    config = tmp_path / "m" / "config.json"
+    config.parent.mkdir()
+    os.mkfifo(config) if kind == "fifo" else config.symlink_to("/dev/zero")
+    result = CliRunner().invoke(cli, ["init", str(config.parent), "--gpu", "cpu", "--out", str(tmp_path / "s.toml")])
+    assert result.exit_code == 2
+    assert f"{config}: is a {'named pipe' if kind == 'fifo' else 'character device'}" in result.output
+    assert "a regular JSON file" in result.output
+
+
+def test_init_on_an_enormous_config_json_refuses_it_unread(tmp_path, monkeypatch):
+    # A config.json of hundreds of MB was read whole into memory (650 MB for 300 MB).
+    import autotune.models as models
+
+    monkeypatch.setattr(models, "MAX_CONFIG_BYTES", 1024, raising=False)
+    config = tmp_path / "m" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "pad": "x" * 4096}))
+    result = CliRunner().invoke(cli, ["init", str(config.parent), "--gpu", "cpu", "--out", str(tmp_path / "s.toml")])
+    assert result.exit_code == 2 and f"{config}: larger than" in result.output, result.output

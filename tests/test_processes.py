@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from autotune import processes
 
 
@@ -155,3 +157,27 @@ def test_what_a_finished_tool_leaves_running_is_stopped(tmp_path):
     assert gone(escaped_grandchild(pidfile)), "run_tool left the converter's daemon running"
     result = processes.run([sys.executable, "-c", DOUBLE_FORK, str(tmp_path / "again.pid"), "exit"], timeout_s=30)
     assert result.returncode == 0 and gone(escaped_grandchild(tmp_path / "again.pid"))
+
+
+def test_a_silent_converter_is_said_to_be_running_and_an_interrupt_ends_it(tmp_path, monkeypatch):
+    """A converter that prints nothing (one writing a large tensor, or stuck) was a study that
+    showed nothing at all until it ended: the progress came only with its output lines."""
+    from autotune import artifacts
+
+    monkeypatch.setattr(artifacts, "PROGRESS_S", 0.2, raising=False)
+    pids = tmp_path / "pids"
+    tool = tmp_path / "tool"
+    tool.write_text(f"#!{sys.executable}\nimport os, time\nopen({str(pids)!r}, 'w').write(str(os.getpid()))\n"
+                    "time.sleep(3)\n")  # before, it ran out unreported
+    tool.chmod(0o755)
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if pids.exists() and pids.read_text():
+            raise KeyboardInterrupt  # Ctrl-C while it runs, delivered where the study waits
+
+    with pytest.raises(KeyboardInterrupt):
+        artifacts.run_tool([str(tool)], "convert m", say)
+    assert said[0].startswith("  convert m: running for ") and said[0].endswith("(no output yet)")
+    assert not processes.live() and not alive(int(pids.read_text()))
