@@ -11,6 +11,7 @@ from typing import Any
 import optuna
 
 from autotune.backend import TrialConfig
+from autotune.space import DRAFT_OPTION, ConditionalParam
 from autotune.metric import metric_named
 from autotune.study import records
 from autotune.study.admission import budget_text
@@ -42,21 +43,33 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
     # mode, proportions): each is a neighbour too, so the summary says why the winner's split wins.
     split = {} if backend.splitting is None else backend.splitting.placement_space(prepared.contexts[config.backend])
     options = {**split, **options}
+    draft = next((c.draft for c in cfg.candidates if c.backend == config.backend and c.draft), ())
+    if draft:
+        options[DRAFT_OPTION] = list(draft)
     dims: list[tuple[str, tuple[Any, ...]]] = [
         ("weights", tuple(candidates)), ("ctx", tuple(cfg.space["ctx"])), ("parallel", tuple(cfg.space["parallel"])),
     ]
-    dims += [(p.name, p.choices) for p in backend.parameters(options) if p.choices]
+    params = [p for p in backend.parameters(options) if p.choices]
+    dims += [(p.name, p.choices) for p in params]
+    conditional = {p.name: p for p in params if isinstance(p, ConditionalParam)}
     latest = records.standing_by_key(study, latest=True)
     best_value = best["values"][0] if best.get("values") else None
     lines = []
     for name, choices in dims:
+        cond = conditional.get(name)
+        if cond is not None and config.as_dict().get(cond.parent) not in cond.parent_values:
+            continue  # not drawn for the best (n-max without speculation): changing it changes nothing
         for value in choices:
             data = config.as_dict()
             if data.get(name) == value:
                 continue
             data[name] = value
+            data = _with_dependents(data, name, conditional, latest.values())
             alt = TrialConfig.from_dict(data)
             label = f"{name} {value}"
+            drawn = {k: data[k] for k in sorted(data) if k in conditional and conditional[k].parent == name}
+            if drawn:  # the options that changing it brings in, at their best measured values
+                label += f" (with {', '.join(f'{k} {v}' for k, v in drawn.items())})"
             verdict = judge.judge(alt)
             if verdict.kind == "invalid":
                 lines.append(f"{label}: {verdict.reason}")
@@ -86,3 +99,30 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
             else:
                 lines.append(f"{label}: {r.reason} (trial {r.number})")
     return lines
+
+
+def _with_dependents(data: dict[str, Any], changed: str, conditional: dict[str, ConditionalParam],
+                     measured: Any) -> dict[str, Any]:
+    """``data`` with ``changed`` set, the options that depend on it made consistent: dropped
+    where its new value does not draw them, and where it does (speculation switched on: a draft
+    and its length), set to the values of the best measured configuration that agrees on
+    everything else, else to their first choices. One value changed is then still a
+    configuration the study could have drawn, not one the engine refuses for a missing draft."""
+    dependents = [p for p in conditional.values() if p.parent == changed]
+    if not dependents:
+        return data
+    for p in dependents:
+        if data[changed] not in p.parent_values:
+            data.pop(p.name, None)
+    wanted = [p for p in dependents if data[changed] in p.parent_values and p.name not in data]
+    if not wanted:
+        return data
+    free = {p.name for p in wanted}
+    best: tuple[float, dict[str, Any]] | None = None
+    for r in measured:
+        if r.config is None or r.state != optuna.trial.TrialState.COMPLETE or not r.values:
+            continue
+        other = dict(r.config)
+        if {k: v for k, v in other.items() if k not in free} == data and (best is None or r.values[0] > best[0]):
+            best = (r.values[0], other)
+    return best[1] if best is not None else {**data, **{p.name: p.choices[0] for p in wanted}}

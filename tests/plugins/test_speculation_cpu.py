@@ -105,6 +105,19 @@ def test_a_study_over_spec_type_and_n_max_reads_acceptance_from_the_engine(tmp_p
     assert "--spec-ngram-simple-size-n 2" in by[("ngram-simple", None)].deploy_command
     print({k: v.acceptance for k, v in by.items()})
     assert not processes.live()
+    # "Why not a neighbour": speculation switched on or off is one value changed, with the draft
+    # and its length it brings in at their best measured values (not a configuration the engine
+    # refuses for a missing draft), and a draft length is no neighbour where nothing is drafted.
+    why = study.user_attrs[records.WHY_BEST_ATTR]
+    best = study.user_attrs.get("best_config") or next(
+        r.config for r in done if r.number == study.best_trial.number)
+    if best.get("spec_type") == "none":
+        assert not [line for line in why if line.startswith("spec_n_max")], why
+        (on,) = [line for line in why if line.startswith("spec_type draft-simple")]
+        assert "(with draft " in on and "spec_n_max " in on and "measured score" in on, on
+    else:
+        (off,) = [line for line in why if line.startswith("spec_type none")]
+        assert "(with" not in off and "measured score" in off, off
 
 
 def test_the_drafts_memory_is_what_the_engine_allocates(tmp_path):
