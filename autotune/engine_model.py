@@ -95,6 +95,9 @@ class EngineModel:
 
     # ------------------------------------------------------------------ space and rules
 
+    # The study's values of an option that the engine accepts: ``self.kept(space, name, accepted)``.
+    kept = staticmethod(kept)
+
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         """The engine's tunables: ``cache_type`` and ``flash_attn`` unless overridden; an option
         whose values are all foreign comes back without choices (the core reports it)."""
