@@ -11,18 +11,18 @@ is internal; autotune's own plugins also use ``autotune._builtin``, which makes 
 
 from __future__ import annotations
 
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
+from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
     deploy_line
-from autotune.declarations import CacheType, WeightFormats, WeightsBreakdown
-from autotune.engine_model import EngineModel, weight_format
+from autotune.engine.declarations import CacheType, WeightFormats, WeightsBreakdown
+from autotune.engine.model import EngineModel, weight_format
 from autotune.errors import AutotuneError, BackendError, MeasurementError
-from autotune.formats import bits_per_weight, parse_format
+from autotune.engine.formats import bits_per_weight, parse_format
 from autotune.hookspecs import hookimpl
 from autotune.measure import StreamResult, measure_engine, serving_run
-from autotune.metric import BaseMetric, MetricValue
-from autotune.strategy import BaseStrategy
-from autotune.models import ModelSpec, resolve_model
-from autotune.parts import ArtifactMaker, part
+from autotune.engine.metric import BaseMetric, MetricValue
+from autotune.engine.strategy import BaseStrategy
+from autotune.modelfiles.models import ModelSpec, resolve_model
+from autotune.engine.parts import ArtifactMaker, part
 
 __all__ = [
     # hooks

@@ -18,8 +18,8 @@ from autotune import plugins
 from autotune.config import SEED_MAX, load_study_config, parse_duration, study_name_problem
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
-from autotune.paths import path_problem
-from autotune.terminal import echo, show_warnings, shown
+from autotune.toolkit.paths import path_problem
+from autotune.toolkit.terminal import echo, show_warnings, shown
 
 # The study machinery (optuna, SQLAlchemy, the runner, the report) is imported inside the commands
 # that use it: it takes about as long again as this module's own import, which `autotune --help`
@@ -74,12 +74,12 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 def study(ctx: click.Context, config: Path | None, budget: float | None, n_trials: int | None, storage: str | None,
           seed: int | None, as_json: bool, quiet: bool, report_path: Path | None) -> None:
     """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
-    from autotune.progress import LiveProgress, header_text
-    from autotune.report import summary_json, summary_text
+    from autotune.report.progress import LiveProgress, header_text
+    from autotune.report.text import summary_json, summary_text
     from autotune.study.prepare import prepare_study
     from autotune.study.runner import StudyRunner
     from autotune.study.storage import remember_run
-    from autotune.dashboard import trial_notes
+    from autotune.report.dashboard import trial_notes
 
     def go() -> None:
         cfg = load_study_config(config if config is not None else default_study_path())
@@ -108,19 +108,19 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
             echo(summary_text(summary))
-        from autotune.dashboard import annotate_study, deploy_commands
+        from autotune.report.dashboard import annotate_study, deploy_commands
 
         try:  # the study's dashboard note is a copy of what was just printed: losing it loses nothing
             annotate_study(runner.study, summary_text(summary), deploy_commands(summary))
         except Exception as exc:  # noqa: BLE001
             echo(f"warning: no dashboard note for the study ({type(exc).__name__}: {exc})", err=True)
         if report_path is not None:
-            from autotune.report import write_study_report
+            from autotune.report.text import write_study_report
 
             echo(f"report: {write_study_report(runner.study, summary, report_path)}", err=True)
         else:
-            from autotune.report import report_file_name
-            from autotune.shell import command_line
+            from autotune.report.text import report_file_name
+            from autotune.toolkit.shell import command_line
 
             hint = command_line(["autotune", "report", "--storage", prepared.shown_storage, "--study", cfg.name,
                                  "--out", report_file_name(cfg.name)])
@@ -188,7 +188,7 @@ _READ_STORAGE = click.option("--storage", help="Optuna storage URL (default: $AU
 def best(ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None,
          as_json: bool) -> None:
     """The best trial of a study, its metrics and its deploy command."""
-    from autotune.report import stored_summary, summary_json, summary_text
+    from autotune.report.text import stored_summary, summary_json, summary_text
 
     def go() -> None:
         summary = stored_summary(*_reading(storage, study_file, study_name))
@@ -208,7 +208,7 @@ def best(ctx: click.Context, study_file: Path | None, study_name: str | None, st
 def report(ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None,
            out: Path | None) -> None:
     """Write a study's report: one self-contained HTML file with the winner, plots and every trial."""
-    from autotune.report import load_study, report_file_name, stored_summary, write_study_report
+    from autotune.report.text import load_study, report_file_name, stored_summary, write_study_report
 
     def go() -> None:
         url, name = _reading(storage, study_file, study_name)
@@ -271,8 +271,8 @@ def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, 
     """Start optuna-dashboard on the study storage (localhost by default)."""
 
     def go() -> None:
-        from autotune.dashboard import artifact_store, port_problem, serve
-        from autotune.report import load_study
+        from autotune.report.dashboard import artifact_store, port_problem, serve
+        from autotune.report.text import load_study
         from autotune.study.storage import mask_url, open_storage, study_names
 
         url, name = _reading(storage, study_file, None)
@@ -433,7 +433,7 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
             echo(f"  note: {note}")
         for why in draft.left_out:
             echo(f"  left out: {why}")
-        from autotune.shell import command_line
+        from autotune.toolkit.shell import command_line
 
         echo(f"next: {command_line(['autotune', 'study', out])}    "
              f"then: {command_line(['autotune', 'best', '--storage', f'sqlite:///{draft.name}.db'])}")

@@ -21,10 +21,10 @@ from typing import Any, Callable, Mapping
 
 from autotune import plugins
 from autotune.errors import ConfigError
-from autotune.paths import read_input
+from autotune.toolkit.paths import read_input
 from autotune.measure.protocol import Protocol
-from autotune.placement import CardsRequest, read_cards
-from autotune.workload import SLO_KEYS, WORKLOAD_KEYS, WorkloadSpec, draw, read_slo, read_workload
+from autotune.hardware.placement import CardsRequest, read_cards
+from autotune.engine.workload import SLO_KEYS, WORKLOAD_KEYS, WorkloadSpec, draw, read_slo, read_workload
 
 # Memory kept free of the budget when a study file does not say ([hardware] safety_margin_mib):
 # `autotune init` and `autotune estimate` judge with it too, so a study they describe agrees.
@@ -129,7 +129,7 @@ class Candidates:
 
 @dataclass(frozen=True)
 class Objective:
-    """How a trial is scored (see ``autotune.objective``)."""
+    """How a trial is scored (see ``autotune.study.objective``)."""
 
     metric: str = "aggregate_tok_s"
     quality: str | None = None
@@ -139,7 +139,7 @@ class Objective:
     mode: str = "single"
     require_quality: bool = True
     min_per_user_tok_s: float | None = None
-    # Latency targets (autotune.workload.SLO_KEYS: ttft_p95_ms...): each a constraint, and the
+    # Latency targets (autotune.engine.workload.SLO_KEYS: ttft_p95_ms...): each a constraint, and the
     # per-request bounds goodput counts against.
     slo: tuple[tuple[str, float], ...] = ()
 
@@ -159,7 +159,7 @@ class StudyConfig:
     prior_trials: int
     gpu: str
     gpu_index: int
-    cards: CardsRequest | None  # [hardware] gpus (autotune.placement); None: one card, [hardware] gpu
+    cards: CardsRequest | None  # [hardware] gpus (autotune.hardware.placement); None: one card, [hardware] gpu
     vram_budget_bytes: int | None
     safety_margin_bytes: int
     model: str
@@ -178,7 +178,7 @@ class StudyConfig:
     finish_max_rounds: int = 4
     probe_margin: float | None = None  # None: every launch measured in full (see autotune.study.probe)
     baseline: bool = True  # measure each backend's default launch once, before the search (study/baseline.py)
-    workload: WorkloadSpec = WorkloadSpec()  # [workload] as written (autotune.workload)
+    workload: WorkloadSpec = WorkloadSpec()  # [workload] as written (autotune.engine.workload)
     requests: tuple[tuple[int, int], ...] = ()  # the lengths drawn from its distribution, if any
 
     @property
@@ -402,7 +402,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
 
     hw = r.table("hardware", required=True)
     r.unknown_keys("hardware", hw, {"gpu", "gpus", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
-    # Several cards ([hardware] gpus, autotune.placement): their budgets are per card, read there.
+    # Several cards ([hardware] gpus, autotune.hardware.placement): their budgets are per card, read there.
     cards = read_cards(hw, lambda key, value, message: r.error("hardware", key, value, message), SAFETY_MARGIN_MIB)
     gpu = r.get("hardware", hw, "gpu", str, "auto", accepted="a catalog key such as v100-16gb, or 'auto'")
     gpu_index = r.get("hardware", hw, "gpu_index", int, 0, check=_at_least(0))

@@ -9,8 +9,8 @@ import sys
 import traceback
 from typing import Iterator
 
-from autotune.redact import scrub
-from autotune.terminal import printable, shown
+from autotune.toolkit.redact import scrub
+from autotune.toolkit.terminal import printable, shown
 
 
 class AutotuneError(Exception):
@@ -36,7 +36,7 @@ class PluginError(AutotuneError):
 class BackendError(AutotuneError):
     """A backend could not launch or measure a configuration; the message is the engine's reason.
 
-    The message and the log tail are scrubbed of known secrets (``autotune.redact.scrub``) here,
+    The message and the log tail are scrubbed of known secrets (``autotune.toolkit.redact.scrub``) here,
     where every backend's engine output enters the core: both are printed and stored in the trial,
     and an engine may print its environment or its command line when it fails.
 

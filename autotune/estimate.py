@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from autotune import plugins
-from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload, same_value
+from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig, Workload, same_value
 from autotune.config import SAFETY_MARGIN_MIB, load_study_config
-from autotune.declarations import installed_weight_formats
+from autotune.engine.declarations import installed_weight_formats
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.hardware import has_gpu, load_gpu_catalog, resolve_gpu
+from autotune.hardware.gpus import has_gpu, load_gpu_catalog, resolve_gpu
 from autotune.measure import Protocol
-from autotune.models import load_model_catalog, resolve_model
-from autotune.placement import CardsRequest, check_cards, resolve_placement
+from autotune.modelfiles.models import load_model_catalog, resolve_model
+from autotune.hardware.placement import CardsRequest, check_cards, resolve_placement
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.admission import Budget
@@ -146,7 +146,7 @@ def study_gpu_and_model(study_name: str, storage: str | None) -> tuple[Any, str,
         ConfigError: No such study in the storage, or its model is neither a catalog model nor
             found through its study file (then ``--model`` is needed).
     """
-    from autotune.report import load_study
+    from autotune.report.text import load_study
     from autotune.study import records
     from autotune.study.storage import resolve_url
 

@@ -40,7 +40,7 @@ def register_backends(register: Callable[[Any], None]) -> None:
 
 @hookspec
 def register_engine_models(register: Callable[[Any], None]) -> None:
-    """Register engine models (:class:`autotune.engine_model.EngineModel`): one per engine, by
+    """Register engine models (:class:`autotune.engine.model.EngineModel`): one per engine, by
     the engine's name. Its backends read their space and rules from it, and the twin plugin
     simulates every one that names a ``twin_name``.
 
@@ -65,11 +65,11 @@ def register_strategies(register: Callable[[Any], None]) -> None:
     """Register search strategies: what a study file names as ``[study] sampler``.
 
     The core registers its own (tpe, prior, random, nsga2, grid) the same way, from
-    ``autotune.default_strategies``; a plugin adds one that needs what it ships (the twin's
+    ``autotune.engine.default_strategies``; a plugin adds one that needs what it ships (the twin's
     ``twin``, which ranks with the twin before every launch).
 
     Args:
-        register: Call once per strategy instance (an ``autotune.strategy.BaseStrategy``).
+        register: Call once per strategy instance (an ``autotune.engine.strategy.BaseStrategy``).
             Names are unique across plugins, as for backends: a name already taken is a
             ``PluginError`` naming both plugins.
     """

@@ -2,7 +2,7 @@
 
 Built-in plugins are entry points of this very distribution, so there is no list of them
 here: the core never names a backend. The core's own search strategies
-(``autotune.default_strategies``) are the one plugin always registered, whatever the variables
+(``autotune.engine.default_strategies``) are the one plugin always registered, whatever the variables
 say, as pytest's essential plugins: every study needs one. Two environment variables steer
 loading:
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import pluggy
 
-from autotune.terminal import shown
+from autotune.toolkit.terminal import shown
 from autotune import hookspecs
 from autotune.errors import PluginError, UnknownNameError
 
@@ -32,7 +32,7 @@ from autotune.errors import PluginError, UnknownNameError
 ENTRY_POINT_GROUP = "autotune"
 # Plugin name -> module of the plugins registered even when autoloading is off (tests) or an
 # allow-list leaves them out.
-ESSENTIAL_PLUGINS = {"autotune": "autotune.default_strategies"}
+ESSENTIAL_PLUGINS = {"autotune": "autotune.engine.default_strategies"}
 
 pm = pluggy.PluginManager("autotune")
 pm.add_hookspecs(hookspecs)

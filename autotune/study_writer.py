@@ -39,18 +39,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from autotune import hardware, plugins, toml_text
-from autotune.backend import Param, StudyContext, TrialConfig, Workload
+from autotune import plugins
+from autotune.hardware import gpus as hardware
+from autotune.toolkit import toml_text
+from autotune.engine.backend import Param, StudyContext, TrialConfig, Workload
 from autotune.config import MAX_STUDY_NAME, SAFETY_MARGIN_MIB
-from autotune.artifacts import check_makings
-from autotune.declarations import installed_weight_formats
+from autotune.modelfiles.artifacts import check_makings
+from autotune.engine.declarations import installed_weight_formats
 from autotune.errors import AutotuneError, ConfigError
-from autotune.shell import command_line
-from autotune.formats import normalize_format
-from autotune.gguf_file import read_gguf
+from autotune.toolkit.shell import command_line
+from autotune.engine.formats import normalize_format
+from autotune.modelfiles.gguf_file import read_gguf
 from autotune.measure import Protocol
-from autotune.models import ModelSpec, resolve_model
-from autotune.safetensors_dir import read_safetensors_dir
+from autotune.modelfiles.models import ModelSpec, resolve_model
+from autotune.modelfiles.safetensors_dir import read_safetensors_dir
 from autotune.study.admission import ADMITTED, INVALID, Admission, Budget, budget_of, budget_text
 
 __all__ = ["StudyDraft", "draft_study", "offered_formats", "render"]

@@ -39,11 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import MeasurementError
-from autotune.hardware import get_gpu
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server import engine, synth
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 

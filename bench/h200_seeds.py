@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay import WITHIN, truth_of  # noqa: E402
 from replay_backend import RecordedGrid, trial_seconds  # noqa: E402
 
-from autotune.report import load_study  # noqa: E402
+from autotune.report.text import load_study  # noqa: E402
 from autotune.study import records  # noqa: E402
 from autotune.study.summary import needed_lead, summarize  # noqa: E402
 

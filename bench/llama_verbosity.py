@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune import processes
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.toolkit import processes
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 
 QUANTITIES = ("decode_tok_s", "prefill_tok_s", "aggregate_tok_s", "per_user_tok_s", "ttft_ms")

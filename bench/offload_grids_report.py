@@ -37,11 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import offload_grid_models  # noqa: E402
 
-from autotune import hardware, plugins, vram  # noqa: E402
-from autotune.backend import StudyContext, TrialConfig, Workload  # noqa: E402
+from autotune import plugins
+from autotune.hardware import gpus as hardware
+from autotune.engine import vram
+from autotune.engine.backend import StudyContext, TrialConfig, Workload  # noqa: E402
 from autotune.measure import Protocol  # noqa: E402
-from autotune.models import resolve_model  # noqa: E402
-from autotune.report import load_study  # noqa: E402
+from autotune.modelfiles.models import resolve_model  # noqa: E402
+from autotune.report.text import load_study  # noqa: E402
 from autotune.study import records  # noqa: E402
 from autotune.study.records import TrialRecord, TrialState  # noqa: E402
 

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from autotune.models import ModelSpec
+from autotune.modelfiles.models import ModelSpec
 from autotune_plugins.llama_server import memory
 from autotune_plugins.llama_server.formats import predict_gguf_weights
 

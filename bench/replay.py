@@ -46,14 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replay_backend import REPLAY_BACKEND, RecordedGrid, ReplayBackend, ReplayPlugin  # noqa: E402
 
-from autotune import hardware, plugins  # noqa: E402
-from autotune import objective as objective_mod  # noqa: E402
-from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload  # noqa: E402
+from autotune import plugins
+from autotune.hardware import gpus as hardware
+from autotune.study import objective as objective_mod
+from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig, Workload  # noqa: E402
 from autotune.config import Objective, parse_study_config  # noqa: E402
 from autotune.errors import AutotuneError, ConfigError, handle_errors  # noqa: E402
 from autotune.measure import Protocol  # noqa: E402
-from autotune.models import load_model_catalog, resolve_model  # noqa: E402
-from autotune.strategy import BaseStrategy  # noqa: E402
+from autotune.modelfiles.models import load_model_catalog, resolve_model  # noqa: E402
+from autotune.engine.strategy import BaseStrategy  # noqa: E402
 from autotune.study import cost, records, storage  # noqa: E402
 from autotune.study.prepare import PreparedStudy, prepare_study  # noqa: E402
 from autotune.study.records import TrialState  # noqa: E402

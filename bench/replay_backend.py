@@ -33,11 +33,12 @@ from typing import Any, Mapping, Sequence
 
 import optuna
 
-from autotune import hookimpl, vram
-from autotune.backend import (BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload,
+from autotune import hookimpl
+from autotune.engine import vram
+from autotune.engine.backend import (BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload,
                               same_value)
 from autotune.errors import AutotuneError, BackendError, ConfigError
-from autotune.formats import normalize_format
+from autotune.engine.formats import normalize_format
 from autotune.measure import PROBE_STOP, Stat
 from autotune.study import records
 from autotune.study.records import TrialRecord, TrialState
@@ -148,7 +149,7 @@ class RecordedGrid:
             seen[fmt] = path
 
     def _load(self, url: str, study_name: str | None) -> optuna.Study:
-        from autotune.report import load_study  # opens for reading only, picks the one study, checks the schema
+        from autotune.report.text import load_study  # opens for reading only, picks the one study, checks the schema
 
         return load_study(url, study_name)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import optuna
 
 from autotune import hookimpl, plugins
-from autotune import objective as objective_mod
+from autotune.study import objective as objective_mod
 from autotune.config import load_study_config
 from autotune.study import StudyRunner, prepare_study, records
 from autotune.study.quality import drop_between

@@ -23,12 +23,12 @@ import platform
 import tempfile
 from pathlib import Path
 
-from autotune import processes
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.toolkit import processes
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
 from autotune.measure.streams import fetch
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import SynthSpec, write_model
 

@@ -27,8 +27,8 @@ from typing import Any
 import optuna
 
 from autotune.errors import ConfigError
-from autotune.hardware import get_gpu
-from autotune.report import load_study
+from autotune.hardware.gpus import get_gpu
+from autotune.report.text import load_study
 from autotune.study import records
 from autotune.study.records import TrialRecord
 

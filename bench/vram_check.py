@@ -24,11 +24,11 @@ from pathlib import Path
 
 import httpx
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
-from autotune import processes
+from autotune.modelfiles.models import model_from_gguf
+from autotune.toolkit import processes
 from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log
 
 MiB = 2**20

@@ -37,7 +37,7 @@ def shared_file(relative: str) -> Path:
 def _artifacts_elsewhere(tmp_path_factory):
     """Artifacts made by tests go to a throwaway cache, never the user's ~/.cache/autotune/artifacts
     (subprocesses inherit the variable)."""
-    from autotune.artifacts import ARTIFACTS_ENV
+    from autotune.modelfiles.artifacts import ARTIFACTS_ENV
 
     before = os.environ.get(ARTIFACTS_ENV)
     os.environ[ARTIFACTS_ENV] = str(tmp_path_factory.mktemp("artifacts"))

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from autotune import hookimpl, plugins
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
-from autotune.parts import ArtifactMaker, Predictor, Scoring, Splitting, part
+from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.engine.parts import ArtifactMaker, Predictor, Scoring, Splitting, part
 from autotune.errors import BackendError
 from autotune.measure import Stat
 

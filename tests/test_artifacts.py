@@ -1,5 +1,5 @@
 """The artifact cache: made once by the first trial that needs it, keyed by the source's content,
-the tool's version and the format; failures, disk space and records (autotune/artifacts.py)."""
+the tool's version and the format; failures, disk space and records (autotune/modelfiles/artifacts.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from typing import Any, Callable, Mapping, Sequence
 import optuna
 import pytest
 
-from autotune import artifacts
-from autotune.artifacts import ARTIFACTS_ENV, ArtifactError, Recipe, ensure, is_format, source_hash
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload
+from autotune.modelfiles import artifacts
+from autotune.modelfiles.artifacts import ARTIFACTS_ENV, ArtifactError, Recipe, ensure, is_format, source_hash
+from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload
 from autotune.config import parse_study_config
 from autotune.errors import AutotuneError, ConfigError
-from autotune.hardware import get_gpu
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import get_model
+from autotune.modelfiles.models import get_model
 from autotune.study.records import TrialRecord
-from autotune.parts import part
+from autotune.engine.parts import part
 from tests.fake_backends import ForwardingArtifacts, ForwardingPredictor
 from tests.fake_backends import stats_for
 
@@ -264,7 +264,7 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
     a later run with the time for it makes and measures it."""
     import random
 
-    from autotune.report import summary_text
+    from autotune.report.text import summary_text
     from autotune.study.prepare import prepare_study
     from autotune.study.runner import StudyRunner
     from tests.conftest import plugin_registered

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autotune.backend import StudyContext, Workload, quality_reference
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, Workload, quality_reference
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import get_model
+from autotune.modelfiles.models import get_model
 from tests.fake_backends import FakeBackend
 
 

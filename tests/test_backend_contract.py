@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import pytest
 
-from autotune.backend import BaseBackend, StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import PROBE_STOP, SERVING_UNITS, Protocol
-from autotune.models import get_model, model_from_gguf
+from autotune.modelfiles.models import get_model, model_from_gguf
 from tests.conftest import REPO, shared_file
 
 TWO_RUNS = Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=1.0)
@@ -85,7 +85,7 @@ def exllamav2_case(tmp_path: Path) -> Case:
     import sys
 
     from tests.plugins.test_exllamav2_backend import CONFIG, FAKE, layer_tensors, write_safetensors
-    from autotune.models import model_from_hf_config
+    from autotune.modelfiles.models import model_from_hf_config
     from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 
     d = tmp_path / "tiny-exl2-4.0"
@@ -107,7 +107,7 @@ def exllamav3_case(tmp_path: Path) -> Case:
     import sys
 
     from tests.plugins.test_exllamav3_backend import FAKE, write_exl3
-    from autotune.models import model_from_hf_config
+    from autotune.modelfiles.models import model_from_hf_config
     from autotune_plugins.exllamav3.backend import ExLlamaV3Backend
 
     d = write_exl3(tmp_path / "tiny-exl3-4.0")

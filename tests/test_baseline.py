@@ -7,12 +7,12 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from autotune.backend import DefaultLaunch, Measurement, MemoryEstimate, StudyContext, TrialConfig, UserLoad, Workload
+from autotune.engine.backend import DefaultLaunch, Measurement, MemoryEstimate, StudyContext, TrialConfig, UserLoad, Workload
 from autotune.cli import default_study_path
 from autotune.config import load_study_config
 from autotune.errors import BackendError, ConfigError
 from autotune.measure import Stat
-from autotune.report import summary_json, summary_text
+from autotune.report.text import summary_json, summary_text
 from autotune.study import noise, open_storage, records, run_study
 from autotune.study.baseline import compare
 from autotune.study.records import TrialRecord
@@ -230,7 +230,7 @@ def test_a_second_baseline_takes_the_users_context_and_slots_is_measured_once_an
 
 
 def test_the_users_load_is_the_most_slots_with_the_smallest_context_that_holds_the_workload():
-    from autotune.space import BackendSpace
+    from autotune.engine.space import BackendSpace
     from autotune.study.baseline import user_load
 
     def load_of(ctx):
@@ -274,9 +274,9 @@ def test_a_baseline_name_is_a_plain_word_and_a_plugin_that_errs_does_not_stop_th
 def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and_nothing_else():
     from dataclasses import replace
 
-    from autotune.hardware import get_gpu
+    from autotune.hardware.gpus import get_gpu
     from autotune.measure import Protocol
-    from autotune.models import model_from_gguf
+    from autotune.modelfiles.models import model_from_gguf
     from autotune_plugins.llama_server.backend import LlamaServerBackend
     from tests.conftest import shared_file
 

@@ -49,7 +49,7 @@ def test_a_link_to_dev_zero_is_refused_by_what_it_is(tmp_path):
 
 
 def test_a_lengths_file_over_the_limit_is_refused_unread(tmp_path, monkeypatch):
-    import autotune.workload as wl
+    import autotune.engine.workload as wl
 
     monkeypatch.setattr(wl, "MAX_LENGTHS_BYTES", 1000)
     (tmp_path / "big.jsonl").write_text('{"prompt_tokens": 10, "output_tokens": 10}\n' * 100)

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from autotune.cli import cli
 from autotune.config import load_study_config
-from autotune.dashboard import annotate_study, deploy_commands, trial_notes
-from autotune.report import load_study, stored_summary, summary_text, write_study_report
+from autotune.report.dashboard import annotate_study, deploy_commands, trial_notes
+from autotune.report.text import load_study, stored_summary, summary_text, write_study_report
 from autotune.study import StudyRunner, prepare_study
 from tests.browser import WINDOW, assert_fits, check_report, chromium, console_errors, plots_rendered, wait_for
 from tests.conftest import plugin_registered

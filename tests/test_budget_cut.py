@@ -13,9 +13,9 @@ import httpx
 import optuna
 import pytest
 
-from autotune.backend import Measurement, StudyContext, TrialConfig
+from autotune.engine.backend import Measurement, StudyContext, TrialConfig
 from autotune.errors import BackendError
-from autotune.local_server import wait_ready
+from autotune.toolkit.local_server import wait_ready
 from autotune.measure import deadline
 from autotune.study import cost, open_storage, records, run_study
 from autotune.study.baseline import measure_again

@@ -104,7 +104,7 @@ def test_estimate_and_report_use_the_twins_calibration_of_a_real_study(tmp_path,
     ExLlamaV2 twin; `estimate --study` predicts with it, for the study's GPU and model, and the
     report shows it."""
     from autotune.estimate import estimate_config, estimate_text
-    from autotune.report import stored_summary, summary_json, summary_text
+    from autotune.report.text import stored_summary, summary_json, summary_text
 
     path = write_study(tmp_path / "s.toml", "fake-exl2", ["exl2:3.0", "exl2:3.5"], ctx=(4096,), parallel=(1, 2, 4),
                        extra_space='cache_type = ["q8"]\nflash_attn = [true]')

@@ -352,12 +352,12 @@ def test_plugins_text_cuts_a_long_declared_list_and_json_keeps_it_whole(twin_plu
 def test_study_prints_its_summary_when_the_dashboard_note_cannot_be_written(tmp_path, monkeypatch, twin_plugin):
     """optuna-dashboard missing (a machine given only the study's wheels): the study's note is a
     copy of the printed summary, so the study still ends with its summary and exit 0."""
-    import autotune.dashboard
+    import autotune.report.dashboard
 
     def no_dashboard(study, text, commands=()):
         raise ModuleNotFoundError("No module named 'optuna_dashboard'")
 
-    monkeypatch.setattr(autotune.dashboard, "annotate_study", no_dashboard)
+    monkeypatch.setattr(autotune.report.dashboard, "annotate_study", no_dashboard)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(cli, ["study", "--trials", "2", "--quiet", "--json",
                                       "--storage", f"sqlite:///{tmp_path / 's.db'}"])

@@ -13,7 +13,7 @@ from autotune.config import load_study_config
 from autotune.measure import Protocol
 from autotune.study import cost
 from autotune.study.prepare import prepare_study
-from autotune.workload import RATE_SEARCH_STEPS, Workload
+from autotune.engine.workload import RATE_SEARCH_STEPS, Workload
 
 if __package__:
     from .fake_backends import GIB, FakeBackend, FakeModelBackend, memory_dir, registered, write_study

@@ -11,7 +11,7 @@ import sys
 import optuna
 import optuna_dashboard
 
-from autotune import dashboard
+from autotune.report import dashboard
 from autotune.study import open_storage
 
 LONG = "".join(f"line {i}: {'x' * (i % 70)}\n" for i in range(200))  # 8690 characters: 5 chunks of 2045
@@ -43,7 +43,7 @@ def test_the_study_machinery_imports_no_dashboard_server_nor_scipy():
     twin, the notes): optuna-dashboard's server with scikit-learn and pandas, and scipy, are a
     second and a half of every study; they load where used (``autotune dashboard``, a quality
     bound's statistics, a real study's calibration)."""
-    code = ("import sys, autotune.cli, autotune.study.runner, autotune.dashboard, autotune.plugins as p;"
+    code = ("import sys, autotune.cli, autotune.study.runner, autotune.report.dashboard, autotune.plugins as p;"
             "p.load_plugins(); import autotune_plugins.twin;"
             "print(__import__('json').dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('optuna_dashboard', 'sklearn', 'pandas', 'scipy'))))")

@@ -14,16 +14,16 @@ import optuna
 import pytest
 from click.testing import CliRunner
 
-from autotune.backend import Measurement, StudyContext, TrialConfig
+from autotune.engine.backend import Measurement, StudyContext, TrialConfig
 from autotune.cli import cli
 from autotune.config import load_study_config
 from autotune.errors import BackendError, ConfigError
-from autotune.report import stored_summary, summary_json, summary_text
+from autotune.report.text import stored_summary, summary_json, summary_text
 from autotune.study import StudyRunner, open_storage, prepare_study, records, run_study
 from autotune.study.baseline import compare
 from autotune.study.finish import finish_token, host_tag
 from autotune.study.records import TrialRecord
-from autotune.parts import part
+from autotune.engine.parts import part
 from tests.fake_backends import ForwardingPredictor
 
 if __package__:  # tests/ is a package

@@ -1,5 +1,5 @@
-"""Tests for autotune.formats (the registry of weight formats; the GGUF and EXL2 sizes their plugins
-declare) and autotune.cache_types (KV-cache element types)."""
+"""Tests for autotune.engine.formats (the registry of weight formats; the GGUF and EXL2 sizes their plugins
+declare) and autotune.engine.cache_types (KV-cache element types)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from tests.conftest import shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.cache_types import catalog, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
-from autotune.formats import WeightsBreakdown, bits_per_weight, normalize_format, parse_format, weights_for
-from autotune.models import get_model, model_from_gguf
+from autotune.engine.cache_types import catalog, cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
+from autotune.engine.formats import WeightsBreakdown, bits_per_weight, normalize_format, parse_format, weights_for
+from autotune.modelfiles.models import get_model, model_from_gguf
 from autotune_plugins.exllamav2.formats import exl2_weights
 from autotune_plugins.llama_server.formats import predict_gguf_weights
 from autotune_plugins.llama_server.quant import GGML_TYPES, GGUF_FILE_TYPES, gguf_tensor_plan
@@ -336,8 +336,8 @@ def test_a_backend_declares_a_new_cache_type_and_format(article, tmp_path):
     sizes, bits and the dequantize buffer; a ``fp4x:...`` weights value is a format for estimate
     and is offered by init, full precision marked; unregistered, they are unknown again."""
     from autotune import estimate, study_writer
-    from autotune.backend import BaseBackend
-    from autotune.declarations import CacheType, WeightFormats
+    from autotune.engine.backend import BaseBackend
+    from autotune.engine.declarations import CacheType, WeightFormats
     from tests.conftest import plugin_registered
 
     class Fp4Engine(BaseBackend):
@@ -375,7 +375,7 @@ def test_a_backend_declares_a_new_cache_type_and_format(article, tmp_path):
         assert cache_fixed_bytes(article, "nvfp4", 100) == 2 * 2 * 2 * 100 * article.kv_dim
         assert estimate.is_format("fp4x:nvfp4") and not estimate.is_format("gguf:Q4_0")
         assert study_writer.offered_formats() == (("fp4x:bf16", "fp4x:nvfp4"), frozenset({"fp4x:bf16"}))
-        from autotune.space import KV_BITS, dimension_of
+        from autotune.engine.space import KV_BITS, dimension_of
         assert dimension_of("fp4-engine", "cache_type", ("nvfp4",)).name == KV_BITS
     assert not estimate.is_format("fp4x:nvfp4")
     with pytest.raises(UnknownNameError, match="known: none"):
@@ -383,8 +383,8 @@ def test_a_backend_declares_a_new_cache_type_and_format(article, tmp_path):
 
 
 def test_two_backends_declaring_one_cache_type_differently_are_refused():
-    from autotune.backend import BaseBackend
-    from autotune.declarations import CacheType
+    from autotune.engine.backend import BaseBackend
+    from autotune.engine.declarations import CacheType
     from autotune.errors import PluginError
     from tests.conftest import plugin_registered
 
@@ -425,8 +425,8 @@ def test_the_twins_declare_their_engines_own_tables():
 
 def test_another_engine_may_spell_a_cache_type_alike_with_the_same_figures(engine_plugins):
     """A third engine's ``f16`` of 2 bytes and 16 bits is llama.cpp's ``f16`` for sizing: no clash."""
-    from autotune.backend import BaseBackend
-    from autotune.declarations import CacheType
+    from autotune.engine.backend import BaseBackend
+    from autotune.engine.declarations import CacheType
     from tests.conftest import plugin_registered
 
     class Other(BaseBackend):
@@ -448,8 +448,8 @@ def test_another_engine_may_spell_a_cache_type_alike_with_the_same_figures(engin
 
 def test_a_shared_name_does_not_make_one_engines_k_and_v_foreign(article, engine_plugins):
     """With another engine's f16 found first, llama.cpp's q8_0 K and f16 V still go together."""
-    from autotune.backend import BaseBackend
-    from autotune.declarations import CacheType
+    from autotune.engine.backend import BaseBackend
+    from autotune.engine.declarations import CacheType
     from tests.conftest import plugin_registered
 
     class Early(BaseBackend):
@@ -477,8 +477,8 @@ def test_a_plugin_s_format_family_is_read_spelled_and_sized_by_its_own_callables
     """The core knows a family only through its declaration: a new one (awq:<bits>-g<group>, as
     docs/plugins.md writes it) is parsed, spelled, sized and calibrated by its callables, and
     its bad variants are refused with what it accepts; unregistered, it is unknown again."""
-    from autotune.backend import BaseBackend
-    from autotune.declarations import WeightFormats
+    from autotune.engine.backend import BaseBackend
+    from autotune.engine.declarations import WeightFormats
     from tests.conftest import plugin_registered
 
     def awq_variant(variant: str) -> tuple[int, int]:

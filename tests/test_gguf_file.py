@@ -1,4 +1,4 @@
-"""autotune.gguf_file: the one reader of GGUF files, cached by path, mtime and size."""
+"""autotune.modelfiles.gguf_file: the one reader of GGUF files, cached by path, mtime and size."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from autotune.errors import ConfigError
-from autotune.gguf_file import MAX_DECODED_ARRAY, read_gguf, read_gguf_key_values
+from autotune.modelfiles.gguf_file import MAX_DECODED_ARRAY, read_gguf, read_gguf_key_values
 from tests.conftest import shared_file
 
 

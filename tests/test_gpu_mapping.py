@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune import cuda_devices, hardware
-from autotune import nvml as nvml_mod
+from autotune.hardware import cuda_devices
+from autotune.hardware import gpus as hardware
+from autotune.hardware import nvml as nvml_mod
 from autotune.errors import ConfigError
-from autotune.cuda_devices import cuda_visible_entry, resolve_cuda_device
+from autotune.hardware.cuda_devices import cuda_visible_entry, resolve_cuda_device
 from autotune.measure.gpu_telemetry import GpuSampler
 from tests.test_hardware import V100, _FakeNvml
 

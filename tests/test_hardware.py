@@ -1,4 +1,4 @@
-"""Tests for autotune.hardware: the GPU catalog and the NVML probe (with a fake NVML)."""
+"""Tests for autotune.hardware.gpus: the GPU catalog and the NVML probe (with a fake NVML)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from tests.conftest import REPO
 
-from autotune import hardware
-from autotune import nvml as nvml_mod
+from autotune.hardware import gpus as hardware
+from autotune.hardware import nvml as nvml_mod
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.hardware import (
+from autotune.hardware.gpus import (
     DetectedGpu,
     GpuSpec,
     detect_gpus,
@@ -295,7 +295,7 @@ def test_v100_bandwidth_formula_matches_datasheet(monkeypatch):
 
 
 def test_resolve_gpu_names_the_setting_in_its_errors(monkeypatch):
-    from autotune import hardware
+    from autotune.hardware import gpus as hardware
     from autotune.errors import ConfigError
 
     assert hardware.resolve_gpu("v100-16gb").key == "v100-16gb"

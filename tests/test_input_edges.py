@@ -14,12 +14,12 @@ import pytest
 from click.testing import CliRunner
 
 from autotune import hookimpl
-from autotune.backend import MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.engine.backend import MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.cli import cli
 from autotune.config import MAX_STUDY_NAME, load_study_config, parse_duration
 from autotune.errors import AutotuneError, ConfigError
-from autotune.metric import BaseMetric
-from autotune.parts import part
+from autotune.engine.metric import BaseMetric
+from autotune.engine.parts import part
 from autotune.study.storage import remember_run
 from autotune.study_writer import draft_study
 from tests.conftest import plugin_registered
@@ -276,7 +276,7 @@ def test_a_pathological_budget_string_is_refused_at_once_and_shown_cut():
 
 def test_a_jsonl_line_with_a_repeated_key_is_refused_naming_the_key(tmp_path):
     # json.loads keeps the last of two: a request measured with a length the file also contradicts.
-    from autotune.workload import read_lengths
+    from autotune.engine.workload import read_lengths
 
     path = tmp_path / "l.jsonl"
     path.write_text('{"prompt_tokens": 10, "output_tokens": 5}\n'
@@ -289,7 +289,7 @@ def test_a_jsonl_line_with_a_repeated_key_is_refused_naming_the_key(tmp_path):
 def test_a_csv_row_with_more_values_than_the_header_is_refused_naming_the_columns(tmp_path):
     # csv.DictReader keeps a row's surplus under the key None: the row 812,240,7 was read as
     # 812 and 240, whatever the third value meant (a shifted column, a comma in a number).
-    from autotune.workload import read_lengths
+    from autotune.engine.workload import read_lengths
 
     path = tmp_path / "l.csv"
     path.write_text("prompt_tokens,output_tokens\n812,240\n1,200,7\n")
@@ -322,7 +322,7 @@ def test_init_on_a_model_whose_config_is_a_pipe_or_device_names_what_it_is(tmp_p
 
 def test_init_on_an_enormous_config_json_refuses_it_unread(tmp_path, monkeypatch):
     # A config.json of hundreds of MB was read whole into memory (650 MB for 300 MB).
-    import autotune.models as models
+    import autotune.modelfiles.models as models
 
     monkeypatch.setattr(models, "MAX_CONFIG_BYTES", 1024, raising=False)
     config = tmp_path / "m" / "config.json"

@@ -1,4 +1,4 @@
-"""Tests for autotune.models: the catalog, GGUF headers, HF configs and resolve_model."""
+"""Tests for autotune.modelfiles.models: the catalog, GGUF headers, HF configs and resolve_model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import REPO, shared_file
 
 from autotune.errors import ConfigError, UnknownNameError
-from autotune.models import (
+from autotune.modelfiles.models import (
     ModelSpec,
     count_params,
     get_model,
@@ -368,7 +368,7 @@ def test_exl2_bits_outside_what_exllamav2_writes_are_refused(tmp_path, bits, eng
 
 
 def test_safetensors_negative_dimensions_are_refused(tmp_path):
-    from autotune.safetensors_dir import read_safetensors_header
+    from autotune.modelfiles.safetensors_dir import read_safetensors_header
 
     # -2 x -2 x F16 = 8 bytes: the offsets agree with the product, so only the sign shows it.
     header = json.dumps({"w": {"dtype": "F16", "shape": [-2, -2], "data_offsets": [0, 8]}}).encode()

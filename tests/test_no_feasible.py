@@ -17,7 +17,7 @@ class Refusing(FakeBackend):
     """Every configuration with mode "big" breaks a rule of its engine."""
 
     def parameters(self, space):
-        from autotune.backend import Param
+        from autotune.engine.backend import Param
 
         return [Param("mode", tuple(space.get("mode", ("plain",))), "a flag", accepted=("plain", "big"))]
 
@@ -73,7 +73,7 @@ class DenseOnly(FakeBackend):
     """The model is dense: n_cpu_moe other than 0 is refused by a rule naming it, whatever the rest."""
 
     def parameters(self, space):
-        from autotune.backend import Param
+        from autotune.engine.backend import Param
 
         return [*super().parameters(space),
                 Param("n_cpu_moe", tuple(space.get("n_cpu_moe", (0,))), "experts on the CPU", accepted=("0..",))]
@@ -111,7 +111,7 @@ def test_a_key_with_no_usable_value_leaves_nothing_to_search(tmp_path):
 
 class OddNeedsTwo(FakeBackend):
     def parameters(self, space):
-        from autotune.backend import Param
+        from autotune.engine.backend import Param
 
         return [Param("mode", tuple(space.get("mode", ("plain",))), "a flag", accepted=("plain", "odd"))]
 

@@ -10,9 +10,9 @@ import statistics
 import optuna
 import pytest
 
-from autotune.backend import Measurement, StudyContext, TrialConfig
+from autotune.engine.backend import Measurement, StudyContext, TrialConfig
 from autotune.measure import Stat
-from autotune.report import summary_text
+from autotune.report.text import summary_text
 from autotune.study import noise, open_storage, records, run_study
 
 if __package__:
@@ -76,7 +76,7 @@ def test_the_finish_relaunches_the_baseline_and_the_between_launch_spread_judges
     assert f"noise: within a launch 1.0% (the runs inside one launch), between launches {found.between * 100:.1f}%" in text
     assert "within noise of what fake-defaults's default launch gives" in text
     assert "over 3 runs" in text and f"launches differ by {found.between * 100:.1f}%" in text
-    from autotune.report import write_study_report
+    from autotune.report.text import write_study_report
 
     page = write_study_report(stored, summary, tmp_path / "r.html").read_text(encoding="utf-8")
     assert "<p id='noise'>noise: within a launch 1.0%" in page

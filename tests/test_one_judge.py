@@ -12,16 +12,16 @@ from typing import Any, Callable, Mapping, Sequence
 from click.testing import CliRunner
 
 from autotune import hookimpl
-from autotune.artifacts import Recipe
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.modelfiles.artifacts import Recipe
+from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.cli import cli
 from autotune.config import load_study_config
-from autotune.formats import weights_for
+from autotune.engine.formats import weights_for
 from autotune.study.explain import explain_best
 from autotune.study import StudyRunner, judge_for, prepare_study, run_study
 from autotune.study_writer import draft_study, render
 from autotune_plugins.llama_server.declarations import GGUF
-from autotune.parts import part
+from autotune.engine.parts import part
 from tests.fake_backends import ForwardingArtifacts
 from tests.conftest import plugin_registered
 from tests.fake_backends import GIB, stats_for

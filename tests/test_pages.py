@@ -4,9 +4,9 @@ causes first, no plot without data, memory axes in the data's unit, notes that w
 
 from __future__ import annotations
 
-from autotune import report_html
-from autotune.dashboard import _wrapped, note_markdown, trial_card
-from autotune.objective import objective_words
+from autotune.report import html as report_html
+from autotune.report.dashboard import _wrapped, note_markdown, trial_card
+from autotune.study.objective import objective_words
 from autotune.study.records import TrialRecord, TrialState
 from autotune.study.summary import StudySummary
 

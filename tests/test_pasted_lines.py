@@ -35,7 +35,7 @@ def _paste(line: str, cwd: Path) -> list[str]:
 
 @pytest.mark.parametrize("word", HOSTILE)
 def test_a_quoted_word_is_one_word_when_pasted_and_runs_nothing(word, tmp_path):
-    from autotune.shell import command_line
+    from autotune.toolkit.shell import command_line
 
     line = command_line(["autotune", "study", word])
     assert "\n" not in line and "\x1b" not in line  # one line of printable text
@@ -114,7 +114,7 @@ def test_report_without_out_writes_in_the_working_directory(tmp_path, monkeypatc
 
 
 def test_dashboard_notes_show_a_file_name_as_text_not_a_link():
-    from autotune.dashboard import _block, trial_card
+    from autotune.report.dashboard import _block, trial_card
     from autotune.study.records import TrialRecord
 
     r = TrialRecord.__new__(TrialRecord)

@@ -1,4 +1,4 @@
-"""Several cards in a study ([hardware] gpus, autotune.placement): reading, budgets per card,
+"""Several cards in a study ([hardware] gpus, autotune.hardware.placement): reading, budgets per card,
 the judge per card, the header and the refusal to resume on another set of cards."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune import hardware, placement
-from autotune.backend import MemoryEstimate
+from autotune.hardware import gpus as hardware
+from autotune.hardware import placement
+from autotune.engine.backend import MemoryEstimate
 from autotune.config import parse_study_config
 from autotune.errors import ConfigError
-from autotune.placement import CardsRequest, check_cards, resolve_placement
+from autotune.hardware.placement import CardsRequest, check_cards, resolve_placement
 from autotune.study import comparable
 
 BASE = {
@@ -80,7 +81,7 @@ def test_auto_is_every_card_cuda_shows(monkeypatch):
              for i in range(3)]
     monkeypatch.setattr(hardware, "detect_gpus", lambda: found)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    monkeypatch.setattr("autotune.cuda_devices.resolve_cuda_device",
+    monkeypatch.setattr("autotune.hardware.cuda_devices.resolve_cuda_device",
                         lambda i: SimpleNamespace(nvml_index=[2, 0][i]) if i < 2 else (_ for _ in ()).throw(ConfigError("x")))
     p = resolve_placement(CardsRequest(("auto",), (100.0,), (1024.0,)))
     assert [c.nvml_index for c in p.cards] == [2, 0] and p.keys == ("h200", "h200")
@@ -133,7 +134,7 @@ def test_cpu_devices_are_host_memory_shares():
 
 
 def test_a_study_on_several_cards_prepares_with_each_budget_and_its_header_lists_them(twin_plugin, tmp_path):
-    from autotune.progress import header_text
+    from autotune.report.progress import header_text
     from autotune.study.prepare import prepare_study
 
     cfg = parse_study_config(doc(gpus=["rtx3090", "rtx3060-12gb"], vram_budget_gib=[20, 10]), source="s.toml")
@@ -147,7 +148,7 @@ def test_a_study_on_several_cards_prepares_with_each_budget_and_its_header_lists
 
 
 def test_an_engine_on_several_cards_sees_them_all(monkeypatch):
-    monkeypatch.setattr("autotune.cuda_devices.cuda_visible_entry", lambda i: f"GPU-{i}")
+    monkeypatch.setattr("autotune.hardware.cuda_devices.cuda_visible_entry", lambda i: f"GPU-{i}")
     two = resolve_placement(CardsRequest(("h200", "h200"), (None,), (256.0,)))
     assert placement.cuda_visible(two, 0) == "GPU-0,GPU-1"
     assert placement.cuda_visible(None, 3) == "GPU-3"

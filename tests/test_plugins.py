@@ -28,13 +28,13 @@ import pytest
 from click.testing import CliRunner
 
 from autotune import hookimpl, hookspecs, plugins
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload
+from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError, PluginError, UnknownNameError
-from autotune.hardware import get_gpu
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol, Stat
-from autotune.metric import BaseMetric, MetricValue
-from autotune.models import get_model
-from autotune.strategy import BaseStrategy
+from autotune.engine.metric import BaseMetric, MetricValue
+from autotune.modelfiles.models import get_model
+from autotune.engine.strategy import BaseStrategy
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "autotune-example-plugin"
@@ -231,7 +231,7 @@ def test_hook_register_engine_models(example_module, twin_plugin, echo_ctx):
     """An engine model registered by a third-party plugin gets a twin from its declaration alone
     (nothing of the twin edited): the same space and rule as its real backend, its memory model,
     speed predicted from its constants, and a deploy line."""
-    from autotune.engine_model import engine_model
+    from autotune.engine.model import engine_model
 
     with registered(example_module, "example"):
         assert plugins.get_engine_models()["example-echo"] is example_module.ECHO

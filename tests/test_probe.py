@@ -8,7 +8,7 @@ from typing import Mapping
 import optuna
 import pytest
 
-from autotune.backend import Measurement, StudyContext, TrialConfig
+from autotune.engine.backend import Measurement, StudyContext, TrialConfig
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
 from autotune.measure import PROBE_STOP, Protocol, repeat_until_stable_many

@@ -1,4 +1,4 @@
-"""autotune.processes: an engine's whole process group is registered, stopped and forgotten."""
+"""autotune.toolkit.processes: an engine's whole process group is registered, stopped and forgotten."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from autotune import processes
+from autotune.toolkit import processes
 
 
 def alive(pid: int) -> bool:
@@ -150,7 +150,7 @@ def test_run_ends_a_hanging_tool_and_everything_it_started(tmp_path):
 
 def test_what_a_finished_tool_leaves_running_is_stopped(tmp_path):
     """A converter or build step that exits 0 but left a daemon behind (artifacts.run_tool)."""
-    from autotune.artifacts import run_tool
+    from autotune.modelfiles.artifacts import run_tool
 
     pidfile = tmp_path / "grandchild.pid"
     run_tool([sys.executable, "-c", DOUBLE_FORK, str(pidfile), "exit"], "a converter", lambda _: None)
@@ -162,7 +162,7 @@ def test_what_a_finished_tool_leaves_running_is_stopped(tmp_path):
 def test_a_silent_converter_is_said_to_be_running_and_an_interrupt_ends_it(tmp_path, monkeypatch):
     """A converter that prints nothing (one writing a large tensor, or stuck) was a study that
     showed nothing at all until it ended: the progress came only with its output lines."""
-    from autotune import artifacts
+    from autotune.modelfiles import artifacts
 
     monkeypatch.setattr(artifacts, "PROGRESS_S", 0.2, raising=False)
     pids = tmp_path / "pids"

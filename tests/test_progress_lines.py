@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from autotune.cli import cli
-from autotune.progress import LiveProgress, config_text
+from autotune.report.progress import LiveProgress, config_text
 from autotune.study.trial_phase import RunState, TrialPhase
 
 if __package__:

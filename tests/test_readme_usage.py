@@ -273,7 +273,7 @@ def run_readme_report(work, studied):
 
 def run_readme_engine_build(work, studied):
     llama_server_binary()  # skip (or fail in CI) without a build: this run must not compile for minutes
-    from autotune.hardware import has_gpu
+    from autotune.hardware.gpus import has_gpu
 
     if has_gpu():
         pytest.skip("`engine build llama.cpp` builds for this machine's GPU here, a compile of minutes")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import replay  # noqa: E402
 from replay_backend import RecordedGrid  # noqa: E402
 
-from autotune.backend import Measurement, StudyContext, TrialConfig  # noqa: E402
+from autotune.engine.backend import Measurement, StudyContext, TrialConfig  # noqa: E402
 from autotune.config import load_study_config  # noqa: E402
 from autotune.study import StudyRunner, prepare_study  # noqa: E402
 

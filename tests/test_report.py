@@ -18,7 +18,7 @@ def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, d
     summary = run_study(load_study_config(path), n_trials=15, storage=tmp_storage, seed=0)
     front = summary.extra["pareto_front"]
     assert front
-    from autotune.report import summary_text
+    from autotune.report.text import summary_text
 
     # Each member's drop in words, never a bare sign (issue 28: "+" for a drop).
     lines = summary_text(summary).split("Pareto front (throughput vs quality drop):\n")[1].splitlines()[:len(front)]
@@ -40,7 +40,7 @@ def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, d
 
 
 def test_the_explanation_of_a_resumed_study_uses_the_latest_result_per_configuration(tmp_path):
-    from autotune.backend import TrialConfig
+    from autotune.engine.backend import TrialConfig
     from autotune.study.explain import explain_best
     from autotune.study import StudyRunner, prepare_study
     from tests.fake_backends import FakeBackend, registered, write_study
@@ -75,7 +75,7 @@ def test_study_and_best_give_one_summary(twin_plugin, default_study_path, tmp_st
     """The summary is built once, from the storage: what a run returns (``study --json``) and
     what ``best --json`` reads back afterwards are the same object but for what only the run
     knows (how many it launched, how long it took). ``converged`` was the run's alone."""
-    from autotune.report import stored_summary, summary_json
+    from autotune.report.text import stored_summary, summary_json
 
     ran = summary_json(run_study(load_study_config(default_study_path), n_trials=6, storage=tmp_storage, seed=0))
     stored = summary_json(stored_summary(tmp_storage, ran["study"]))
@@ -89,8 +89,8 @@ def test_a_cpu_studys_report_calls_its_device_a_device_and_its_budget_one_figure
     # Issue 28: a "GPU" row read "CPU: Intel Xeon"; one budget was 17.7, 17.45 and 17.4.
     import re
 
-    from autotune.report import stored_summary
-    from autotune.report_html import render
+    from autotune.report.text import stored_summary
+    from autotune.report.html import render
     from autotune.study.admission import budget_text
     from autotune.study.records import study_header
     from tests.fake_backends import FakeBackend, registered, write_study

@@ -1,11 +1,11 @@
-"""autotune.rules: validity rules as data, and the errors a bad rules file gives."""
+"""autotune.engine.rules: validity rules as data, and the errors a bad rules file gives."""
 
 from __future__ import annotations
 
 import pytest
 
 from autotune.errors import ConfigError
-from autotune.rules import load_rules, violations
+from autotune.engine.rules import load_rules, violations
 
 FACTS = {"head_dim": 8, "ctx": 4096, "max_context": 2048, "compute_capability": "7.0"}
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from autotune.deploy import deploy_line
-from autotune.redact import MASK, mask_argv
+from autotune.engine.deploy import deploy_line
+from autotune.toolkit.redact import MASK, mask_argv
 
 KEY = "sk-proj-" + "A1b2C3d4" * 4
 HF = "hf_" + "Zz9" * 10

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from autotune.cli import cli
 from autotune.errors import AutotuneError, BackendError, StorageError
-from autotune.redact import engine_environment, is_secret_name, mask_url, scrub, secret_values
+from autotune.toolkit.redact import engine_environment, is_secret_name, mask_url, scrub, secret_values
 from autotune.study.storage import _last_run_file, open_storage, remember_run
 
 
@@ -183,7 +183,7 @@ def _env_printer(path, *, version: bool = False):
 def test_version_probes_and_tools_get_the_allow_list_too(tmp_path, monkeypatch):
     """Not only the measured engine: its --version probe, and the converters and quantizers
     run_tool starts, get the allow-listed environment."""
-    from autotune.artifacts import run_tool
+    from autotune.modelfiles.artifacts import run_tool
     from autotune_plugins.llama_server.builds import engine_version
 
     monkeypatch.setenv("HF_TOKEN", "hf_secret1")

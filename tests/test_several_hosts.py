@@ -16,7 +16,7 @@ from optuna.storages._rdb import models
 
 from autotune.cli import cli
 from autotune.config import load_study_config
-from autotune.report import stored_summary, summary_text
+from autotune.report.text import stored_summary, summary_text
 from autotune.study import StudyRunner, claims, prepare_study
 from autotune.study import storage as study_storage
 from autotune.study.records import store

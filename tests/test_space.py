@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from autotune.cli import cli, default_study_path
 from autotune.config import load_study_config
 from autotune.errors import StorageError
-from autotune.report import load_study
-from autotune.space import NotOffered
+from autotune.report.text import load_study
+from autotune.engine.space import NotOffered
 from autotune.study import prepare_study, records
 from tests.conftest import plugin_registered
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from autotune import hookimpl, plugins
-from autotune.backend import Param, Setting, StudyContext, TrialConfig
+from autotune.engine.backend import Param, Setting, StudyContext, TrialConfig
 from autotune.cli import cli
 from autotune.errors import BackendError, EngineUnavailableError
 from tests.fake_backends import FakeBackend, registered, write_study

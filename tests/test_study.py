@@ -17,7 +17,7 @@ import pytest
 import autotune.study as study_mod
 import autotune.study.runner as study_runner
 import autotune.study.storage as study_storage
-from autotune.backend import TrialConfig
+from autotune.engine.backend import TrialConfig
 from autotune.config import load_study_config
 from autotune.study import StudyRunner, open_storage, prepare_study, rank_by_prior, run_study
 from autotune.study.records import TrialRecord

@@ -9,7 +9,7 @@ from collections import Counter
 import optuna
 import pytest
 
-from autotune.backend import TrialConfig
+from autotune.engine.backend import TrialConfig
 from autotune.config import load_study_config
 from autotune.study import StudyRunner, prepare_study, records
 from autotune.study import runner as runner_mod

@@ -10,15 +10,15 @@ from typing import Any, Callable, Mapping, Sequence
 import pytest
 
 from autotune import hookimpl
-from autotune.artifacts import Recipe
-from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
+from autotune.modelfiles.artifacts import Recipe
+from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
-from autotune.formats import weights_for
+from autotune.engine.formats import weights_for
 from autotune.study.prepare import prepare_study
 from autotune.study_writer import draft_study, render
 from autotune_plugins.llama_server.declarations import GGUF
-from autotune.parts import part
+from autotune.engine.parts import part
 from tests.fake_backends import ForwardingArtifacts, ForwardingSplitting
 from tests.conftest import plugin_registered
 
@@ -108,7 +108,7 @@ def test_cpu_mode_budget_is_host_memory(seven_b, tmp_path):
         prepared = prepare_study(load_study_config(out), dry_runs=False)
     said = f"{prepared.vram_budget_bytes / 2**30:.2f} GiB"
     assert f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {said} after the 256 MiB safety margin" in text
-    from autotune.progress import header_text
+    from autotune.report.progress import header_text
 
     assert "device: CPU: " in header_text(prepared, out) and f"(memory budget {said} = " in header_text(prepared, out)
 
@@ -212,12 +212,12 @@ def test_a_format_too_large_whole_is_offered_split(seven_b, tmp_path):
 
 
 def test_llama_server_offers_experts_first_for_a_mixture_of_experts():
-    from autotune.models import ModelSpec
+    from autotune.modelfiles.models import ModelSpec
     from autotune_plugins.llama_server.backend import LlamaServerBackend
 
     def ctx(**moe) -> StudyContext:
-        from autotune.backend import Workload
-        from autotune.hardware import get_gpu
+        from autotune.engine.backend import Workload
+        from autotune.hardware.gpus import get_gpu
         from autotune.measure import Protocol
 
         model = ModelSpec(key="m", name="m", architecture="qwen3moe", n_layers=48, hidden_size=2048, n_heads=32,

@@ -67,7 +67,7 @@ def test_the_watch_sets_numbers_and_paths_aside_and_keeps_scopes_apart():
 def test_the_counts_name_every_state_and_add_up(tmp_path, tmp_storage):
     # A random sampler over 2 configurations asked for more: its repeats are answered from storage.
     from autotune.config import load_study_config
-    from autotune.report import stored_summary, summary_text
+    from autotune.report.text import stored_summary, summary_text
     from autotune.study import run_study
 
     if __package__:

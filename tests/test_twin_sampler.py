@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import optuna
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig
+from autotune.engine.backend import StudyContext, TrialConfig
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
 from autotune.study import StudyRunner, open_storage, prepare_study, records

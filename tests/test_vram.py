@@ -1,4 +1,4 @@
-"""autotune.vram: the engine-neutral memory model, and a study learning from measured peaks."""
+"""autotune.engine.vram: the engine-neutral memory model, and a study learning from measured peaks."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from autotune.backend import MemoryEstimate, Measurement, StudyContext, TrialConfig
+from autotune.engine.backend import MemoryEstimate, Measurement, StudyContext, TrialConfig
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
-from autotune.cache_types import kv_bytes_per_token
+from autotune.engine.cache_types import kv_bytes_per_token
 from autotune_plugins.llama_server.formats import gguf_file_weights
-from autotune.models import get_model, model_from_gguf
+from autotune.modelfiles.models import get_model, model_from_gguf
 from autotune.study import StudyRunner, prepare_study, run_study
-from autotune.vram import GraphBuffers, SlotLayout, apply_correction, kv_cache_bytes, learned_correction
-from autotune.parts import part
+from autotune.engine.vram import GraphBuffers, SlotLayout, apply_correction, kv_cache_bytes, learned_correction
+from autotune.engine.parts import part
 from tests.fake_backends import ForwardingPredictor
 from tests.conftest import shared_file
 from tests.fake_backends import GIB, FakeBackend, registered, stats_for, write_study
@@ -43,13 +43,13 @@ def test_gguf_file_weights_are_the_tensor_table(tmp_path):
 def test_the_memory_model_reads_no_files():
     import ast
 
-    import autotune.vram as vram
+    import autotune.engine.vram as vram
 
     tree = ast.parse(open(vram.__file__, encoding="utf-8").read())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     called = {getattr(n.func, "attr", getattr(n.func, "id", None)) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-    assert not imported & {"gguf", "os", "pathlib", "io", "autotune.gguf_file"}
+    assert not imported & {"gguf", "os", "pathlib", "io", "autotune.modelfiles.gguf_file"}
     assert not called & {"open", "stat", "read_gguf", "GGUFReader", "read_bytes", "read_text"}
 
 

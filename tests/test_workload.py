@@ -11,13 +11,13 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune import objective as objective_mod
+from autotune.study import objective as objective_mod
 from autotune.config import Objective, load_study_config
 from autotune.errors import ConfigError
 from autotune.measure import ConcurrentResult, StreamResult, serving_run
 from autotune.measure.load import latency_metrics, meets, poisson_arrivals, request_latencies, run_requests, \
     search_rate
-from autotune.workload import PRESETS, FIRST_RUN_REQUEST, Workload, WorkloadSpec, draw, percentile, read_lengths
+from autotune.engine.workload import PRESETS, FIRST_RUN_REQUEST, Workload, WorkloadSpec, draw, percentile, read_lengths
 
 # A small twin study: one engine, a handful of configurations, no quality metric.
 STUDY = """
@@ -281,7 +281,7 @@ def test_a_twin_study_under_a_ttft_target_gives_up_throughput_for_it(tmp_path, t
     assert bound["params"]["parallel"] < free["params"]["parallel"]  # ...by taking more users at once
     assert bound["metrics"]["aggregate_tok_s"] < free["metrics"]["aggregate_tok_s"]
     # The report's latency section: the winner under the target, the fastest without it, the cost.
-    from autotune.report_html import render
+    from autotune.report.html import render
     from autotune.study import summarize
 
     page = render(bound_study, summarize(bound_study, "x"))
@@ -310,10 +310,10 @@ def test_rate_search_keys(tmp_path):
 def test_the_twin_finds_the_highest_rate_within_the_target(twin_plugin):
     from dataclasses import replace
 
-    from autotune.backend import StudyContext, TrialConfig
-    from autotune.hardware import get_gpu
+    from autotune.engine.backend import StudyContext, TrialConfig
+    from autotune.hardware.gpus import get_gpu
     from autotune.measure import Protocol
-    from autotune.models import get_model
+    from autotune.modelfiles.models import get_model
     from autotune_plugins.twin import TwinLlamaCpp, load_constants, traffic
 
     wl = Workload(2000, 150, requests=draw(WorkloadSpec(profile="rag", requests=24), 0, Path(".")),

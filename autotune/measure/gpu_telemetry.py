@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol as _TypingProtocol
 
 from autotune.errors import ConfigError
-from autotune.cuda_devices import CudaDevice, resolve_cuda_device
+from autotune.hardware.cuda_devices import CudaDevice, resolve_cuda_device
 from autotune.measure.protocol import Protocol, Stat, _is_real, repeat_until_stable_many
 
 __all__ = [
@@ -80,7 +80,7 @@ class NvmlReader(_TypingProtocol):
 
     Any method may raise when the GPU does not support that reading; the
     sampler then leaves that field out and keeps the others. A reader of a
-    real card also has ``device`` (a :class:`~autotune.hardware.CudaDevice`):
+    real card also has ``device`` (a :class:`~autotune.hardware.gpus.CudaDevice`):
     which card it reads, recorded with the telemetry.
     """
 
@@ -174,7 +174,7 @@ class PynvmlReader:
 
     def process_used_bytes(self, pid: int) -> int | None:
         # The engine's whole process group: autotune starts each engine as the leader of a
-        # session of its own (autotune.processes), and servers such as vLLM and SGLang hold
+        # session of its own (autotune.toolkit.processes), and servers such as vLLM and SGLang hold
         # the card's memory in worker processes they start, not in the process autotune ran.
         used = [p.usedGpuMemory for p in
                 self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)

@@ -31,7 +31,7 @@ import httpx
 from autotune.measure.openai_api import stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.measure.streams import LATENCY_UNITS, ConcurrentResult, StreamResult, _raise_first
-from autotune.workload import RATE_SEARCH_STEPS, SLO_KEYS, Workload, percentile
+from autotune.engine.workload import RATE_SEARCH_STEPS, SLO_KEYS, Workload, percentile
 
 __all__ = ["LATENCY_UNITS", "LoadReport", "latency_metrics", "meets", "poisson_arrivals", "request_latencies",
            "rate_run", "run_openai_load", "run_requests", "search_rate"]

@@ -28,18 +28,18 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.measure.gpu_telemetry import GpuTelemetry, measure_with_telemetry
 from autotune.measure.load import latency_metrics, poisson_arrivals, run_requests, search_rate
-from autotune.workload import FIRST_RUN_REQUEST, RATE_SEARCH_STEPS
+from autotune.engine.workload import FIRST_RUN_REQUEST, RATE_SEARCH_STEPS
 from autotune.measure.protocol import Protocol, Stat
 from autotune.measure.streams import SERVING_UNITS, ConcurrentResult, StreamResult, run_streams_threaded
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.workload import Workload
+    from autotune.engine.workload import Workload
 
 __all__ = ["measure_engine", "serving_metrics", "serving_run"]
 
 
 class MeasuredContext(typing.Protocol):
-    """What the loop reads of a study's context (:class:`autotune.backend.StudyContext` is one):
+    """What the loop reads of a study's context (:class:`autotune.engine.backend.StudyContext` is one):
     named here, so that the loop sits below the backend that hands it its context."""
 
     @property

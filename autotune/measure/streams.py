@@ -25,7 +25,7 @@ import httpx
 from autotune.errors import ConfigError, MeasurementError
 from autotune.measure.deadline import Deadline, DeadlineExceeded, request_deadline
 from autotune.measure.protocol import _is_int, _is_real
-from autotune.workload import SLO_KEYS
+from autotune.engine.workload import SLO_KEYS
 
 __all__ = ["CONCURRENT_UNITS", "LATENCY_UNITS", "SERVING_RATES", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "fetch",
            "post_events", "run_streams_threaded"]

@@ -17,7 +17,7 @@ Import from here or from the module that holds a name: the names below are the p
 They are loaded when first asked for, not when this package is imported: every module of the
 package (``records``, ``storage``) is imported through this file, and an eager import of
 ``runner`` here would load the whole study machinery for each of them and close a loop through
-every module the runner uses that reads records (``autotune.report``).
+every module the runner uses that reads records (``autotune.report.text``).
 """
 
 from __future__ import annotations

@@ -16,17 +16,17 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
-from autotune import hardware
-from autotune import objective as objective_mod
-from autotune import vram
-from autotune.backend import MemoryEstimate, StudyContext, TrialConfig
+from autotune.hardware import gpus as hardware
+from autotune.study import objective as objective_mod
+from autotune.engine import vram
+from autotune.engine.backend import MemoryEstimate, StudyContext, TrialConfig
 from autotune.config import Objective
-from autotune.placement import check_cards
-from autotune.space import BackendSpace, SearchSpace
+from autotune.hardware.placement import check_cards
+from autotune.engine.space import BackendSpace, SearchSpace
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.backend import BaseBackend, Param
-    from autotune.hardware import GpuSpec
+    from autotune.engine.backend import BaseBackend, Param
+    from autotune.hardware.gpus import GpuSpec
     from autotune.study.quality import QualityBook
 
 ADMITTED, INVALID, OVER_BUDGET, LOW_QUALITY = "admitted", "invalid", "over_budget", "low_quality"
@@ -184,7 +184,7 @@ class Admission:
                       f"overhead {_gib(e.overhead_bytes)} GiB)")
             over = objective_mod.vram_constraint(e.total_bytes, budget)
             return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
-        # Several cards: each holds its own share, within its own budget (autotune.placement).
+        # Several cards: each holds its own share, within its own budget (autotune.hardware.placement).
         cards = getattr(ctx, "placement", None)
         if cards is not None and estimate.per_device_bytes:
             why = check_cards(estimate.per_device_bytes, cards)

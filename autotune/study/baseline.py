@@ -35,12 +35,12 @@ from typing import Any, Callable, Mapping
 
 import optuna
 
-from autotune import artifacts
-from autotune.artifacts import ArtifactError
-from autotune.backend import BaseBackend, DefaultLaunch, UserLoad, Workload
+from autotune.modelfiles import artifacts
+from autotune.modelfiles.artifacts import ArtifactError
+from autotune.engine.backend import BaseBackend, DefaultLaunch, UserLoad, Workload
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
-from autotune.space import BackendSpace
+from autotune.engine.space import BackendSpace
 from autotune.study import records
 from autotune.study import budget_cut as cost
 from autotune.study.noise import baseline_launches, relative_range

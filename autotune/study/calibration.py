@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import optuna
 
 from autotune import plugins
-from autotune.backend import BaseBackend, StudyContext, TrialConfig
+from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.study import records
 from autotune.study.prepare import PreparedStudy
 from autotune.study.predictor import model_context, predictor_for

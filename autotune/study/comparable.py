@@ -22,7 +22,7 @@ from autotune.study import records
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from autotune.placement import Placement
+    from autotune.hardware.placement import Placement
     from autotune.study.prepare import PreparedStudy
 
 __all__ = ["ENGINES_ATTR", "check_comparable", "engines_of"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from autotune.measure.protocol import Protocol
-from autotune.workload import RATE_SEARCH_STEPS, Workload
+from autotune.engine.workload import RATE_SEARCH_STEPS, Workload
 from autotune import plugins
 from autotune.study import records
 from autotune.study.admission import Admission

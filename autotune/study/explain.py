@@ -10,9 +10,9 @@ from typing import Any
 
 import optuna
 
-from autotune.backend import TrialConfig
-from autotune.space import DRAFT_OPTION, ConditionalParam
-from autotune.metric import metric_named
+from autotune.engine.backend import TrialConfig
+from autotune.engine.space import DRAFT_OPTION, ConditionalParam
+from autotune.engine.metric import metric_named
 from autotune.study import records
 from autotune.study.admission import budget_text
 from autotune.study.judge import judge_for

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import optuna
 
-from autotune.backend import TrialConfig
+from autotune.engine.backend import TrialConfig
 from autotune.errors import EngineUnavailableError
 from autotune.study import noise, records
 from autotune.study.baseline import title_of
@@ -25,7 +25,7 @@ from autotune.study.records import TrialRecord
 from autotune.study.summary import finish_candidates, finish_verdict, worth_another_round
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.objective import Score
+    from autotune.study.objective import Score
     from autotune.study.claims import Claims
     from autotune.study.interrupts import Interrupts
     from autotune.study.prepare import PreparedStudy

@@ -13,7 +13,7 @@ import re
 from collections import Counter
 from typing import Callable, Iterable
 
-from autotune.objective import PER_USER, QUALITY, VRAM
+from autotune.study.objective import PER_USER, QUALITY, VRAM
 from autotune.study.records import TrialRecord, TrialState
 
 __all__ = ["no_feasible_lines"]

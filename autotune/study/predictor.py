@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
-from autotune.backend import BaseBackend, StudyContext, TrialConfig
+from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.errors import AutotuneError
 
 __all__ = ["model_context", "predictor_for"]

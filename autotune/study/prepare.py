@@ -12,22 +12,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from autotune import hardware, plugins
-from autotune.artifacts import check_makings, is_format
-from autotune.backend import BaseBackend, Param, StudyContext, TrialConfig, quality_reference, same_value
+from autotune import plugins
+from autotune.hardware import gpus as hardware
+from autotune.modelfiles.artifacts import check_makings, is_format
+from autotune.engine.backend import BaseBackend, Param, StudyContext, TrialConfig, quality_reference, same_value
 from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, ConfigError
-from autotune.formats import normalize_format
-from autotune.hardware import GpuSpec
-from autotune.placement import Placement, resolve_placement
+from autotune.engine.formats import normalize_format
+from autotune.hardware.gpus import GpuSpec
+from autotune.hardware.placement import Placement, resolve_placement
 from autotune.measure import Protocol
-from autotune.metric import BaseMetric, QualityReference
-from autotune.models import ModelSpec, resolve_model
-from autotune.space import CORE_OPTIONS, DRAFT_OPTION, BackendSpace, SearchSpace
+from autotune.engine.metric import BaseMetric, QualityReference
+from autotune.modelfiles.models import ModelSpec, resolve_model
+from autotune.engine.space import CORE_OPTIONS, DRAFT_OPTION, BackendSpace, SearchSpace
 from autotune.study.admission import Admission, budget_of
 from autotune.study.refused import without_refused
 from autotune.study import storage as storage_mod
-from autotune.workload import study_workload
+from autotune.engine.workload import study_workload
 
 
 @dataclass

@@ -22,11 +22,11 @@ from typing import Callable, Mapping
 
 import optuna
 
-from autotune import objective as objective_mod
+from autotune.study import objective as objective_mod
 from autotune import plugins
-from autotune.backend import BaseBackend, StudyContext, TrialConfig
+from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.errors import AutotuneError
-from autotune.metric import BaseMetric
+from autotune.engine.metric import BaseMetric
 from autotune.study.admission import Admission
 from autotune.study.calibration import contexts_with_calibration
 from autotune.study.predictor import predictor_for

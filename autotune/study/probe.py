@@ -25,7 +25,7 @@ import optuna
 from optuna.pruners import BasePruner
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune import objective as objective_mod
+from autotune.study import objective as objective_mod
 from autotune.study import records
 
 if TYPE_CHECKING:  # pragma: no cover

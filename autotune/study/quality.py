@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import optuna
 
-from autotune.backend import BaseBackend, StudyContext, TrialConfig
-from autotune.metric import BaseMetric, signed_drop
+from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig
+from autotune.engine.metric import BaseMetric, signed_drop
 from autotune.study import paired
 from autotune.study.records import QUALITY_DECISION_PREFIX, QUALITY_PREFIX
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import optuna
 
-from autotune.acceptance import ACCEPTANCE_ATTR
-from autotune.backend import Measurement, TrialConfig
+from autotune.engine.acceptance import ACCEPTANCE_ATTR
+from autotune.engine.backend import Measurement, TrialConfig
 from autotune.errors import StorageError
 from autotune.study import schema2_cells
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.hardware import GpuSpec
+    from autotune.hardware.gpus import GpuSpec
 
 SCHEMA_VERSION = 3
 # 1 -> 2: the knobs every backend shares are stored under one parameter name (``ctx``,
@@ -93,7 +93,7 @@ class TrialRecord:
     artifacts: tuple[Mapping[str, Any], ...] | list[Mapping[str, Any]] = ()  # weights made for it or found cached
     score: Mapping[str, Any] | None = None
     # Speculative decoding's drafted/accepted tokens, the engine's own counters summed over the
-    # measured requests (autotune/acceptance.py, Acceptance.to_dict); None: no speculation.
+    # measured requests (autotune/engine/acceptance.py, Acceptance.to_dict); None: no speculation.
     acceptance: Mapping[str, Any] | None = None
 
     @classmethod

@@ -16,8 +16,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from autotune.backend import StudyContext, TrialConfig
-from autotune.space import BackendSpace
+from autotune.engine.backend import StudyContext, TrialConfig
+from autotune.engine.space import BackendSpace
 
 __all__ = ["always_refused", "without_refused"]
 

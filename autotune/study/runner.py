@@ -24,11 +24,12 @@ from typing import Any, Callable
 
 import optuna
 
-from autotune import artifacts, plugins
-from autotune.backend import TrialConfig
+from autotune import plugins
+from autotune.modelfiles import artifacts
+from autotune.engine.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
-from autotune.redact import scrub
+from autotune.toolkit.redact import scrub
 from autotune.study import baseline, calibration, claims, records, storage, systematic
 from autotune.study import cost  # issue 39: the probe where it pays
 from autotune.study.claims import Claims
@@ -43,7 +44,7 @@ from autotune.study.records import TrialState
 from autotune.study.sampling import ScreenedSampler
 from autotune.study.trial_phase import RunState, TrialPhase
 from autotune.study.trial_result import TrialResult, commit
-from autotune.strategy import Search
+from autotune.engine.strategy import Search
 from autotune.study.systematic import FailureWatch, SystematicFailure
 from autotune.study.summary import StudySummary, best_trial, chosen_best, summarize, trial_record
 

@@ -25,8 +25,8 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial
 
-from autotune.backend import TrialConfig
-from autotune.space import SearchSpace
+from autotune.engine.backend import TrialConfig
+from autotune.engine.space import SearchSpace
 
 
 class ScreenedSampler(optuna.samplers.BaseSampler):

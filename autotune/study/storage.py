@@ -20,11 +20,11 @@ import optuna
 import sqlalchemy
 import sqlalchemy.exc
 
-from autotune import objective as objective_mod
+from autotune.study import objective as objective_mod
 from autotune.config import load_study_config
 from autotune.errors import ConfigError, StorageError
-from autotune.objective import name_objectives
-from autotune.redact import mask_url, remember_url, scrub, split_url
+from autotune.study.objective import name_objectives
+from autotune.toolkit.redact import mask_url, remember_url, scrub, split_url
 from autotune.study import comparable, records
 # What reaches into Optuna's internals lives in one module; these are re-exported for the
 # runner, the claims and the tests, which know them as the storage's.

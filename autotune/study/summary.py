@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import optuna
 
-from autotune.objective import objective_words
+from autotune.study.objective import objective_words
 from autotune.study import claims, noise, records, speculation_gain
 from autotune.study.baseline import compare
 from autotune.study.infeasible import no_feasible_lines

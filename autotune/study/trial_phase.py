@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import optuna
 
-from autotune import artifacts
-from autotune import objective as objective_mod
-from autotune.artifacts import ArtifactError
-from autotune.backend import Measurement, TrialConfig
+from autotune.modelfiles import artifacts
+from autotune.study import objective as objective_mod
+from autotune.modelfiles.artifacts import ArtifactError
+from autotune.engine.backend import Measurement, TrialConfig
 from autotune.errors import BackendError, EngineUnavailableError
 from autotune.measure import PROBE_STOP
-from autotune.space import DRAFT_OPTION, NotOffered
+from autotune.engine.space import DRAFT_OPTION, NotOffered
 from autotune.study import calibration, cost, records, storage, systematic
 from autotune.study.probe import LeaderGapPruner, make_probe
 from autotune.study.records import TrialRecord, TrialState

@@ -19,8 +19,8 @@ import optuna
 import sqlalchemy
 
 from autotune.errors import StorageError
-from autotune.redact import mask_url
-from autotune.space import canonical_order, dimension_of
+from autotune.toolkit.redact import mask_url
+from autotune.engine.space import canonical_order, dimension_of
 from autotune.study import optuna_internals, records, schema2_cells
 from autotune.study.storage import _check_file, open_storage, study_names
 

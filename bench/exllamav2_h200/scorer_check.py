@@ -58,10 +58,10 @@ def main() -> int:
     import exllamav2
     from tokenizers import Tokenizer
 
-    from autotune.backend import StudyContext, Workload
-    from autotune.hardware import get_gpu
+    from autotune.engine.backend import StudyContext, Workload
+    from autotune.hardware.gpus import get_gpu
     from autotune.measure import Protocol
-    from autotune.models import model_from_hf_config
+    from autotune.modelfiles.models import model_from_hf_config
     from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
     from autotune_plugins.exllamav2.scorer import ExLlamaV2Scorer
 

@@ -26,12 +26,12 @@ import sys
 import time
 from typing import Any
 
-from autotune import artifacts
-from autotune.artifacts import is_format
-from autotune.backend import TrialConfig, quality_reference
+from autotune.modelfiles import artifacts
+from autotune.modelfiles.artifacts import is_format
+from autotune.engine.backend import TrialConfig, quality_reference
 from autotune.config import load_study_config
 from autotune.errors import AutotuneError
-from autotune.metric import QualityReference
+from autotune.engine.metric import QualityReference
 from autotune.study.prepare import prepare_study
 
 from autotune_plugins.quality.metrics import KldMetric

@@ -14,7 +14,8 @@ import json
 import sys
 import time
 
-from autotune import artifacts, plugins
+from autotune import plugins
+from autotune.modelfiles import artifacts
 from autotune.config import load_study_config
 from autotune.study.prepare import prepare_study
 

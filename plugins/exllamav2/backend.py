@@ -1,11 +1,11 @@
 """The real ExLlamaV2 backend: each trial in its own worker process, measured like every backend.
 
-A trial's lifecycle (see :mod:`autotune.backend`):
+A trial's lifecycle (see :mod:`autotune.engine.backend`):
 
 * weights are EXL2 directories (``config.json`` with ``quantization_config.quant_method =
   "exl2"`` and ``*.safetensors``), relative to the study file's directory, or formats
   (``exl2:4.0``) converted from the study's ``[model] source`` when a trial first needs them
-  (:mod:`autotune.artifacts`, recipes in :mod:`~autotune_plugins.exllamav2.recipes`);
+  (:mod:`autotune.modelfiles.artifacts`, recipes in :mod:`~autotune_plugins.exllamav2.recipes`);
 * ``check`` refuses what ExLlamaV2 refuses (a context beyond the model's, more concurrent
   jobs than the generator's step buffer holds);
 * ``estimate_memory`` reads the directory's tensor bytes and follows ExLlamaV2 0.3.2's

@@ -1,4 +1,4 @@
-"""ExLlamaV2 as one engine model (:class:`autotune.engine_model.EngineModel`): its cache modes and
+"""ExLlamaV2 as one engine model (:class:`autotune.engine.model.EngineModel`): its cache modes and
 EXL2 formats (:mod:`.declarations`), the generator the real backend runs on a card
 (:mod:`.generator_settings`), its memory model (the chunked scratch and the measured context
 overhead) and its physics constants (``engine_model.toml``), which the twin of ExLlamaV2 reads.

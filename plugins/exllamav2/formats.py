@@ -2,7 +2,7 @@
 weight bytes of a model at one of them, predicted from the architecture.
 
 The callables of the ``EXL2`` declaration (:mod:`autotune_plugins.exllamav2.declarations`),
-through which :mod:`autotune.formats` reads, spells and sizes an ``exl2:`` format; the
+through which :mod:`autotune.engine.formats` reads, spells and sizes an ``exl2:`` format; the
 exllamav2 backend and the twin of ExLlamaV2 use them directly too. Importing it costs nothing
 (no torch).
 """

@@ -5,7 +5,7 @@ checked against NVML (the ``peak_vram_bytes`` of a real trial) and corrected her
 fitted away.
 
 * **Weights**: the exact bytes of every tensor in the directory's ``*.safetensors`` files,
-  read from their headers by :mod:`autotune.safetensors_dir`, no torch needed. The token
+  read from their headers by :mod:`autotune.modelfiles.safetensors_dir`, no torch needed. The token
   embedding (``model.embed_tokens.weight``) stays in host memory: ``ExLlamaV2.load`` puts
   module 0 on the CPU (exllamav2/model.py, "Embedding layer on CPU"). A tied model whose file
   has no ``lm_head.*`` tensors loads the embedding again on the GPU as its head.
@@ -84,7 +84,7 @@ class Exl2Weights:
 def exl2_weights(model_dir: str | os.PathLike[str], tied: bool) -> Exl2Weights:
     """The exact weight bytes of an EXL2 directory, by where ExLlamaV2 puts them.
 
-    The bytes are the directory's own (:func:`autotune.formats.safetensors_dir_weights`,
+    The bytes are the directory's own (:func:`autotune.engine.formats.safetensors_dir_weights`,
     read from the safetensors headers); where they go is ExLlamaV2's: the embedding in host
     memory, and again on the GPU as the head of a tied model without ``lm_head`` tensors
     (exllamav2/model.py).
@@ -201,7 +201,7 @@ def estimate(model_dir: Path, settings: GeneratorSettings, prompt_tokens: int,
 
 def predicted_exl2_weights(model: ModelSpec, bpw: float) -> Exl2Weights:
     """Where an EXL2 conversion of ``model`` at ``bpw`` will put its bytes, before it exists
-    (:func:`autotune.formats.exl2_weights`; the converter quantizes a tied head as its own copy)."""
+    (:func:`autotune.engine.formats.exl2_weights`; the converter quantizes a tied head as its own copy)."""
     from autotune_plugins.exllamav2.formats import exl2_weights as predicted
 
     w = predicted(model, bpw)

@@ -1,4 +1,4 @@
-"""Log-probabilities from ExLlamaV2's forward pass, for the quality metrics (``autotune.scoring``).
+"""Log-probabilities from ExLlamaV2's forward pass, for the quality metrics (``autotune.engine.scoring``).
 
 The model runs in a worker process, the same one trials use, not in autotune's process:
 torch and exllamav2 stay out of autotune (CI and the study runner never import them), a
@@ -30,7 +30,7 @@ __all__ = ["ExLlamaV2Scorer"]
 
 
 class ExLlamaV2Scorer(WorkerScorer):
-    """A :class:`~autotune.scoring.Scorer` over one exllamav2 worker that holds the model."""
+    """A :class:`~autotune.engine.scoring.Scorer` over one exllamav2 worker that holds the model."""
 
     @classmethod
     def open(cls, backend: "ExLlamaV2Backend", weights: str, cache_type: str, ctx: StudyContext) -> "ExLlamaV2Scorer":

@@ -147,7 +147,7 @@ class Engine(WorkerEngine):
 
     def _dynamic_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
                       arrivals: Sequence[float] | None) -> list[StreamResult]:
-        """A workload's requests (autotune.workload) through the dynamic generator, after its
+        """A workload's requests (autotune.engine.workload) through the dynamic generator, after its
         cached pages are forgotten (:func:`.worker_engine.run_requests`)."""
         from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 

@@ -1,11 +1,11 @@
 """The exllamav3 backend: each trial in its own worker process, measured like every backend.
 
-A trial's lifecycle (see :mod:`autotune.backend`):
+A trial's lifecycle (see :mod:`autotune.engine.backend`):
 
 * weights are EXL3 directories (``config.json`` with ``quantization_config.quant_method =
   "exl3"`` and ``*.safetensors``), relative to the study file's directory, or formats
   (``exl3:4.0``) converted from the study's ``[model] source`` when a trial first needs them
-  (:mod:`autotune.artifacts`, recipe in :mod:`~autotune_plugins.exllamav3.recipes`);
+  (:mod:`autotune.modelfiles.artifacts`, recipe in :mod:`~autotune_plugins.exllamav3.recipes`);
 * ``check`` refuses what exllamav3 and TabbyAPI refuse (a context beyond the model's, a cache
   type outside fp16 / k<K>v<V> with K, V in 2..8, a prefill chunk that is not a multiple of
   the 256-token page);

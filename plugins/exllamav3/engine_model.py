@@ -1,4 +1,4 @@
-"""exllamav3 as one engine model (:class:`autotune.engine_model.EngineModel`): EXL3 weights, a
+"""exllamav3 as one engine model (:class:`autotune.engine.model.EngineModel`): EXL3 weights, a
 paged cache and continuous batching. Its memory model is the exllamav3 backend's own
 (:mod:`.memory`, read from its allocation code), its generator the backend's
 (:mod:`.generator_settings`), its speed the twin's physics with the trellis decode cost and the

@@ -2,7 +2,7 @@
 weight bytes of a model at one of them, predicted from the architecture.
 
 The callables of the ``EXL3`` declaration (:mod:`autotune_plugins.exllamav3.declarations`),
-through which :mod:`autotune.formats` reads, spells and sizes an ``exl3:`` format; the
+through which :mod:`autotune.engine.formats` reads, spells and sizes an ``exl3:`` format; the
 exllamav3 backend and the twin of exllamav3 use them directly too. Importing it costs nothing
 (no torch).
 

@@ -5,7 +5,7 @@ NVML (a real trial's ``peak_vram_bytes``; bench/exllamav3_h200 prints both) and 
 never fitted away.
 
 * **Weights**: the exact bytes of every tensor in the directory's ``*.safetensors`` files, from
-  their headers (:mod:`autotune.safetensors_dir`). An unquantized token embedding stays in host
+  their headers (:mod:`autotune.modelfiles.safetensors_dir`). An unquantized token embedding stays in host
   memory (modules/embedding.py: ``"prefer_cpu": not quantized``; the loader puts a
   ``prefer_cpu`` module on the CPU, model/model_ls.py ``_load_autosplit``). A tied model whose
   directory has no ``lm_head`` tensors loads the embedding again on the GPU as its head

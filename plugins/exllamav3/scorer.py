@@ -1,4 +1,4 @@
-"""Log-probabilities from exllamav3's forward pass, for the quality metrics (``autotune.scoring``):
+"""Log-probabilities from exllamav3's forward pass, for the quality metrics (``autotune.engine.scoring``):
 the KL divergence against the full-precision model (``kld``, in nats as for GGUF) and MMLU /
 C-Eval log-likelihoods, so that a study over EXL3 bits trades speed against quality.
 
@@ -30,7 +30,7 @@ __all__ = ["ExLlamaV3Scorer"]
 
 
 class ExLlamaV3Scorer(WorkerScorer):
-    """A :class:`~autotune.scoring.Scorer` over one exllamav3 worker that holds the model."""
+    """A :class:`~autotune.engine.scoring.Scorer` over one exllamav3 worker that holds the model."""
 
     @classmethod
     def open(cls, backend: "ExLlamaV3Backend", weights: str, cache_type: str,  # type: ignore[override]

@@ -51,7 +51,7 @@ Forward = Callable[[Sequence[int], int, bool], "np.ndarray | None"]
 
 
 class PassScorer(Scorer):
-    """A :class:`~autotune.scoring.Scorer` over one sequence's forward passes through a cache.
+    """A :class:`~autotune.engine.scoring.Scorer` over one sequence's forward passes through a cache.
 
     Args:
         encode: ``(text, add_bos)`` -> token ids (no special-token parsing).

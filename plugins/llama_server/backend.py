@@ -1,10 +1,10 @@
 """The real llama.cpp backend: launch ``llama-server`` on a GGUF file, measure it, tear it down.
 
-A trial's lifecycle (see :mod:`autotune.backend`):
+A trial's lifecycle (see :mod:`autotune.engine.backend`):
 
 * weights are GGUF file paths, relative to the study file's directory, or formats
   (``gguf:Q4_K_M``) made from the study's ``[model] source`` when a trial first needs them
-  (:mod:`autotune.artifacts`, recipes in :mod:`~autotune_plugins.llama_server.recipes`);
+  (:mod:`autotune.modelfiles.artifacts`, recipes in :mod:`~autotune_plugins.llama_server.recipes`);
 * ``check`` refuses what llama.cpp refuses (a quantized V cache without flash attention, a
   quantized cache whose block does not divide the head size, a context beyond the model's) or
   would ignore or clamp (``n_cpu_moe`` on a dense model or beyond the layers, ``gpu_layers``

@@ -312,7 +312,7 @@ def cuda_arch_from_cc(compute_capability: str) -> str:
     """The CMake CUDA architecture of an NVML compute capability.
 
     Args:
-        compute_capability: "major.minor", as :class:`autotune.hardware.DetectedGpu` has it.
+        compute_capability: "major.minor", as :class:`autotune.hardware.gpus.DetectedGpu` has it.
 
     Returns:
         E.g. "70" for "7.0" (V100), "90" for "9.0" (H100).
@@ -337,7 +337,7 @@ def resolve_arch(spec: str, gpus: Sequence[Any] | None = None) -> str:
         spec: "auto", "cpu", or architectures separated by commas or semicolons ("70", "70,86",
             "90a").
         gpus: Detected GPUs (objects with ``compute_capability``); None detects them with
-            :func:`autotune.hardware.detect_gpus`.
+            :func:`autotune.hardware.gpus.detect_gpus`.
 
     Returns:
         "cpu" or the architectures joined by ";", sorted and without duplicates.

@@ -1,4 +1,4 @@
-"""llama.cpp as one engine model (:class:`autotune.engine_model.EngineModel`): the space, the
+"""llama.cpp as one engine model (:class:`autotune.engine.model.EngineModel`): the space, the
 refusals (``rules.toml``), the memory model (:mod:`.memory`) and the physics constants
 (``engine_model.toml``) that the llama-server backend and the twin of llama.cpp both read.
 """

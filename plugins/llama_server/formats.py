@@ -2,7 +2,7 @@
 architecture or read from a file's tensor table.
 
 The callables of the ``GGUF`` declaration (:mod:`autotune_plugins.llama_server.declarations`),
-through which :mod:`autotune.formats` reads, spells and sizes a ``gguf:`` format; the
+through which :mod:`autotune.engine.formats` reads, spells and sizes a ``gguf:`` format; the
 llama-server backend and the twin of llama.cpp use the functions directly too. The per-tensor
 types are llama-quantize's (:mod:`autotune_plugins.llama_server.quant`).
 """
@@ -96,7 +96,7 @@ def predict_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
 
     Returns:
         The breakdown, with ``embedding_on_gpu=False`` and, for tied embeddings,
-        ``head_is_embedding`` (see :class:`~autotune.formats.WeightsBreakdown`).
+        ``head_is_embedding`` (see :class:`~autotune.engine.formats.WeightsBreakdown`).
 
     Raises:
         UnknownNameError: ``file_type`` is not known.

@@ -1,4 +1,4 @@
-"""llama-server's memory, in the terms of :mod:`autotune.vram`: its slot layout and constants.
+"""llama-server's memory, in the terms of :mod:`autotune.engine.vram`: its slot layout and constants.
 
 Calibration (each figure is llama.cpp's own start-up log, ``-lv 4``, or nvidia-smi):
 
@@ -91,7 +91,7 @@ def estimate(model: ModelSpec, weights: WeightsBreakdown, ctx: int, parallel: in
 
     Args:
         model: The model's shape (from the GGUF file's metadata).
-        weights: The file's tensor bytes (:func:`autotune.formats.gguf_file_weights`).
+        weights: The file's tensor bytes (:func:`autotune.engine.formats.gguf_file_weights`).
         ctx: Context of one sequence.
         parallel: Slots (``-np``).
         cache_type: K and V cache type (``-ctk``/``-ctv``).

@@ -4,7 +4,7 @@ The server is not used for quality: llama-server's completion log-probabilities 
 the sampled token, not the log-likelihood of a given continuation nor whole distributions.
 llama-cpp-python (ctypes over the engine build's ``libllama.so``, imported through
 ``engine.import_llama_cpp``) evaluates a token sequence and returns every position's logits
-(``logits_all``), which is all :class:`autotune.scoring.Scorer` needs.
+(``logits_all``), which is all :class:`autotune.engine.scoring.Scorer` needs.
 """
 
 from __future__ import annotations

@@ -325,7 +325,7 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
 
 
 def cuda_visible(ctx: StudyContext) -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` for a study on several cards (autotune.placement.cuda_visible);
+    """``CUDA_VISIBLE_DEVICES`` for a study on several cards (autotune.hardware.placement.cuda_visible);
     None: one card, or RPC devices."""
     p = getattr(ctx, "placement", None)
     if p is None or p.on_cpu:

@@ -206,7 +206,7 @@ def _as_model(spec: SynthSpec, n_vocab: int) -> Any:
 
 
 def _quantized_bytes(model: Any, qtype: str, unquantized_bytes: int) -> tuple[int, str]:
-    """Tensor bytes of a ``qtype`` copy (autotune.formats' per-tensor types), or the
+    """Tensor bytes of a ``qtype`` copy (autotune.engine.formats' per-tensor types), or the
     unquantized size as a bound for a type it has no table for."""
     from autotune._builtin import UnknownNameError
     from autotune_plugins.llama_server.formats import predict_gguf_weights

@@ -1,6 +1,6 @@
 """Any OpenAI-compatible server as a backend, started from a command template.
 
-A trial's lifecycle (see :mod:`autotune.backend`):
+A trial's lifecycle (see :mod:`autotune.engine.backend`):
 
 * the study names a template (``[backends.openai-server] template = "vllm"``, or a TOML file of
   its own) and may replace its ``command``, ``ready`` path, executable or memory model; all of it
@@ -12,7 +12,7 @@ A trial's lifecycle (see :mod:`autotune.backend`):
   ``--gpu-memory-utilization``), that share; otherwise the weights on disk plus the KV cache,
   and the trial records the server's measured NVML peak (its whole process group);
 * ``run`` renders the template to an argument list (never through a shell), starts it with
-  :mod:`autotune.processes`, waits for the ready path, then measures one stream and
+  :mod:`autotune.toolkit.processes`, waits for the ready path, then measures one stream and
   ``parallel`` concurrent streams of ``/v1/completions`` through the core's loop,
   :func:`autotune.measure.measure_engine` (the study's protocol and probe), reading the
   engine's own ``/metrics`` before and after each concurrent phase; it always stops the server;

@@ -1,4 +1,4 @@
-"""vLLM as one engine model (:class:`autotune.engine_model.EngineModel`), which openai-server
+"""vLLM as one engine model (:class:`autotune.engine.model.EngineModel`), which openai-server
 serves through its shipped template and the twin of vLLM predicts: its ``--kv-cache-dtype``
 values (:mod:`.declarations`), the share of the card it reserves (its memory model), its
 refusals by card and release, and its physics constants (``engine_model.toml``).

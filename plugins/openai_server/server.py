@@ -1,6 +1,6 @@
 """One running OpenAI-compatible server: started from a rendered template, its log, its address.
 
-Its lifetime belongs to :mod:`autotune.processes` (its own session, dies with autotune, stopped in
+Its lifetime belongs to :mod:`autotune.toolkit.processes` (its own session, dies with autotune, stopped in
 a ``finally``); this module adds what an HTTP engine has: the client, readiness, the model name
 it serves, and a failure message that carries the server's own log tail.
 """

@@ -16,7 +16,7 @@ engine, each citing the engine's documentation for its flags). It says:
   ``none``, with ``logprobs_note`` saying why);
 * ``[server_metrics]``: the engine's ``/metrics`` counters (see
   :class:`autotune.measure.openai_api.ServerCounters`);
-* ``[[rule]]``: configurations the engine refuses, in :mod:`autotune.rules`' format.
+* ``[[rule]]``: configurations the engine refuses, in :mod:`autotune.engine.rules`' format.
 
 :func:`load_template` checks all of it and reports every problem at once, each naming the file,
 the field and what is accepted; :func:`render` turns a configuration into the argument list.

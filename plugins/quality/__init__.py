@@ -1,7 +1,7 @@
 """Quality metrics for autotune: MMLU and C-Eval through lm-eval on local data, and a KLD proxy.
 
 Metrics (through the ``register_metrics`` hook), all measured through the backend's scoring API
-(``BaseBackend.scorer``, see ``autotune.scoring``):
+(``BaseBackend.scorer``, see ``autotune.engine.scoring``):
 
 * ``mmlu``, ``ceval``: accuracy on a seeded per-subject sample of the shipped benchmark files
   (``data/``, licences beside them), 0- to 5-shot, in lm-eval's standard prompt formats

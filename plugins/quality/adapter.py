@@ -1,4 +1,4 @@
-"""The lm-eval model adapter: lm-eval's ``LM`` interface over an ``autotune.scoring.Scorer``.
+"""The lm-eval model adapter: lm-eval's ``LM`` interface over an ``autotune.engine.scoring.Scorer``.
 
 lm-eval builds the prompts and computes the metrics; the backend's scorer only answers
 log-likelihood requests. Multiple-choice tasks (MMLU, C-Eval) need nothing else, so the

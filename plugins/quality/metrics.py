@@ -54,7 +54,7 @@ def artifact_hash(weights: str, ctx: StudyContext) -> str:
     hashed as text.
     """
     if is_format(weights) and ctx.source is not None:
-        # Made from the study's source (autotune.artifacts): the source's content and the format
+        # Made from the study's source (autotune.modelfiles.artifacts): the source's content and the format
         # name it, known before the artifact is made (the key is asked at every proposal).
         return "made:" + hashlib.sha256(f"{source_hash(ctx.source)}|{normalize_format(weights)}".encode()
                                         ).hexdigest()[:20]

@@ -1,4 +1,4 @@
-"""A quality scorer over an engine worker process that holds the model (``autotune.scoring``):
+"""A quality scorer over an engine worker process that holds the model (``autotune.engine.scoring``):
 the protocol both exllama workers answer (tokenize, loglikelihood, next_token_logprobs); each
 engine's plugin says how its worker is opened."""
 
@@ -21,7 +21,7 @@ __all__ = ["WorkerScorer"]
 
 
 class WorkerScorer(Scorer):
-    """A :class:`~autotune.scoring.Scorer` over one worker that holds the model."""
+    """A :class:`~autotune.engine.scoring.Scorer` over one worker that holds the model."""
 
     def __init__(self, worker: WorkerProcess, tmp_dir: Path, n_vocab: int, n_ctx: int, description: str,
                  request_timeout_s: float):

@@ -1,7 +1,7 @@
 """The digital twin: backends that answer like an engine on a given GPU would, with no GPU.
 
 Every engine model an installed plugin registers with a ``twin_name``
-(:class:`autotune.engine_model.EngineModel`) gets a twin backend (``backend.py``): the engine
+(:class:`autotune.engine.model.EngineModel`) gets a twin backend (``backend.py``): the engine
 model's space, rules, memory model and deploy line, speed from physics (``physics.py``) with the
 engine's own fitted constants (its plugin's ``engine_model.toml``, ``fit.py``), and quality from
 published quantization-damage data (``quality.py``). It runs the whole tuner in seconds on a

@@ -1,4 +1,4 @@
-"""The twin backend, generic over the registered engine models (:mod:`autotune.engine_model`).
+"""The twin backend, generic over the registered engine models (:mod:`autotune.engine.model`).
 
 :func:`twin_class` makes one :class:`TwinBackend` subclass per engine model that names a
 ``twin_name``: its space, refusals, memory model, placement and deploy line are the engine

@@ -20,12 +20,12 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.study import records
 from autotune.study.calibration import SPEED_METRICS
-from autotune.hardware import get_gpu
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server import trial_run
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from autotune.deploy import deploy_line
-from autotune.dashboard import _wrapped
+from autotune.engine.deploy import deploy_line
+from autotune.report.dashboard import _wrapped
 from autotune.errors import ConfigError
 from autotune.study.prepare import check_settings
 from tests.plugins.test_openai_server import STORIES, cfg, make_ctx

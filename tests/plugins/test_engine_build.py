@@ -7,10 +7,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from autotune.backend import StudyContext, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server import engine
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from tests.conftest import shared_file

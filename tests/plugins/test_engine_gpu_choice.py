@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.backend import StudyContext, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import resolve_model
+from autotune.modelfiles.models import resolve_model
 
 from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 from autotune_plugins.llama_server.backend import LlamaServerBackend

@@ -41,7 +41,7 @@ def test_a_batch_smaller_than_the_slots_is_refused_before_launch_and_its_abort_r
     import shutil
     import subprocess
 
-    from autotune.backend import TrialConfig
+    from autotune.engine.backend import TrialConfig
     from autotune_plugins.llama_server.backend import LlamaServerBackend
     from tests.engine_fixtures import llama_server_binary
     from tests.plugins.test_openai_server import STORIES, make_ctx

@@ -9,10 +9,10 @@ from click.testing import CliRunner
 import autotune_plugins.llama_server as llama_plugin
 import autotune_plugins.twin as twin_plugin
 from autotune.cli import cli
-from autotune.cache_types import kv_bytes_per_token, resolve
+from autotune.engine.cache_types import kv_bytes_per_token, resolve
 from autotune_plugins.llama_server.declarations import CACHE_TYPES
 from autotune_plugins.llama_server.formats import gguf_file_weights
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server import memory
 from tests.conftest import plugin_registered, shared_file
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload, quality_reference
+from autotune.engine.backend import StudyContext, TrialConfig, Workload, quality_reference
 from autotune.errors import BackendError, ConfigError
-from autotune import processes
-from autotune.hardware import get_gpu
+from autotune.toolkit import processes
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol, StreamResult
-from autotune.models import model_from_hf_config
-from autotune.safetensors_dir import SAFETENSORS_DTYPE_BYTES, read_safetensors_header
+from autotune.modelfiles.models import model_from_hf_config
+from autotune.modelfiles.safetensors_dir import SAFETENSORS_DTYPE_BYTES, read_safetensors_header
 from tests.conftest import REPO, plugin_registered
 
 from autotune_plugins.exllamav2 import memory
@@ -473,7 +473,7 @@ def test_the_real_worker_says_when_exllamav2_is_missing(exl2_dir, tmp_path):
 
 
 def test_scorer_refuses_unusable_weights(tmp_path):
-    from autotune.scoring import ScoringError
+    from autotune.engine.scoring import ScoringError
 
     (tmp_path / "tiny-exl2-4.0").mkdir()
     (tmp_path / "tiny-exl2-4.0" / "config.json").write_text(json.dumps(CONFIG))

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from autotune import artifacts
-from autotune.artifacts import ArtifactError, ensure
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.modelfiles import artifacts
+from autotune.modelfiles.artifacts import ArtifactError, ensure
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_hf_config
+from autotune.modelfiles.models import model_from_hf_config
 from autotune_plugins.exllamav2.backend import ExLlamaV2Backend
 from tests.plugins.test_exllamav2_backend import CONFIG, layer_tensors, write_safetensors
 

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from autotune import artifacts, cache_types, processes
-from autotune.artifacts import ArtifactError, ensure
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.modelfiles import artifacts
+from autotune.engine import cache_types
+from autotune.toolkit import processes
+from autotune.modelfiles.artifacts import ArtifactError, ensure
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError, ConfigError
-from autotune.hardware import get_gpu
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_hf_config
+from autotune.modelfiles.models import model_from_hf_config
 from tests.conftest import REPO, plugin_registered
 from tests.plugins.test_exllamav2_backend import write_fake_modules, write_safetensors
 

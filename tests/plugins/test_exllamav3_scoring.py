@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.metric import QualityReference
-from autotune.models import model_from_hf_config
-from autotune.scoring import ScoringError
+from autotune.engine.metric import QualityReference
+from autotune.modelfiles.models import model_from_hf_config
+from autotune.engine.scoring import ScoringError
 from tests.plugins.exllamav3_fake_model import FakeModel, encode
 from tests.plugins.test_exllamav2_backend import write_safetensors
 from tests.plugins.test_exllamav3_backend import CONFIG, write_exl3

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import get_model
-from autotune.placement import CardsRequest, check_cards, resolve_placement
+from autotune.modelfiles.models import get_model
+from autotune.hardware.placement import CardsRequest, check_cards, resolve_placement
 from autotune_plugins.exllamav3 import split
 from autotune_plugins.exllamav3.backend import ExLlamaV3Backend
 from autotune_plugins.exllamav3.generator_settings import generator_settings

@@ -17,14 +17,14 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from autotune import processes
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.toolkit import processes
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError
-from autotune.hardware import get_gpu
-from autotune.local_server import free_port, wait_ready
+from autotune.hardware.gpus import get_gpu
+from autotune.toolkit.local_server import free_port, wait_ready
 from autotune.measure import DeadlineExceeded, Protocol, run_streams_threaded, within
 from autotune.measure.openai_api import stream_completion
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from tests.engine_fixtures import STORIES, keepalive_engine
 
 from autotune_plugins.llama_server.backend import LlamaServerBackend

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from autotune.backend import TrialConfig
-from autotune.placement import CardsRequest, resolve_placement
+from autotune.engine.backend import TrialConfig
+from autotune.hardware.placement import CardsRequest, resolve_placement
 from autotune_plugins.llama_server import devices, split
 
 

@@ -11,11 +11,11 @@ import shutil
 
 import pytest
 
-from autotune.backend import TrialConfig
-from autotune.models import model_from_gguf
+from autotune.engine.backend import TrialConfig
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server import memory
-from autotune import processes
+from autotune.toolkit import processes
 from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log
 from autotune_plugins.llama_server.synth import SynthSpec, quantize, write_model
 from tests.conftest import shared_file

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from autotune import processes
-from autotune.backend import TrialConfig
+from autotune.toolkit import processes
+from autotune.engine.backend import TrialConfig
 from autotune.config import load_study_config
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server import memory
 from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log
 from autotune_plugins.llama_server.formats import gguf_file_weights

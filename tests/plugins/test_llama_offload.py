@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import TrialConfig
-from autotune.models import model_from_gguf
+from autotune.engine.backend import TrialConfig
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server import memory
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from autotune_plugins.llama_server.formats import gguf_file_weights
@@ -134,7 +134,7 @@ def test_the_backend_estimates_the_configurations_split(files, monkeypatch):
 
 
 def test_the_judge_checks_the_host_part_against_host_memory(files, monkeypatch):
-    from autotune import hardware
+    from autotune.hardware import gpus as hardware
     from autotune.study.admission import ADMITTED, OVER_BUDGET, Admission
     from autotune_plugins.llama_server import backend as lsb
 
@@ -178,8 +178,8 @@ def test_the_split_against_the_h200_probe():
 
 
 def test_the_lightest_split_is_one_the_judge_admits(files, monkeypatch):
-    from autotune import hardware
-    from autotune.backend import Param
+    from autotune.hardware import gpus as hardware
+    from autotune.engine.backend import Param
     from autotune.study.admission import ADMITTED, OVER_BUDGET, Admission
     from autotune_plugins.llama_server import backend as lsb
 

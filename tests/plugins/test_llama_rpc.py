@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import cpu_spec
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import cpu_spec
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
-from autotune.placement import CardsRequest, resolve_placement
+from autotune.modelfiles.models import model_from_gguf
+from autotune.hardware.placement import CardsRequest, resolve_placement
 from autotune_plugins.llama_server import memory, rpc, split
 from autotune_plugins.llama_server.backend import LlamaServerBackend, parse_log
 from autotune_plugins.llama_server.formats import gguf_file_weights

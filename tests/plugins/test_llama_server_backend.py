@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload, quality_reference
-from autotune import processes
+from autotune.engine.backend import StudyContext, TrialConfig, Workload, quality_reference
+from autotune.toolkit import processes
 from autotune.errors import BackendError, ConfigError, EngineUnavailableError
-from autotune.cache_types import kv_bytes_per_token
-from autotune.hardware import get_gpu
+from autotune.engine.cache_types import kv_bytes_per_token
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from tests.conftest import REPO, shared_file
 from tests.engine_fixtures import fake_engine, fake_engine_calls, llama_server_binary
 

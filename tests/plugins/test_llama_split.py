@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune.backend import MemoryEstimate, TrialConfig
-from autotune.formats import WeightsBreakdown
-from autotune.placement import CardsRequest, resolve_placement
+from autotune.engine.backend import MemoryEstimate, TrialConfig
+from autotune.engine.formats import WeightsBreakdown
+from autotune.hardware.placement import CardsRequest, resolve_placement
 from autotune_plugins.llama_server import split
 
 

@@ -99,7 +99,7 @@ def test_formats_are_made_once_and_found_by_the_next_study(workdir):
         # The engine loaded the file it was given: the deploy line names it.
         assert a["path"] in TrialRecord.of(t).deploy_command
         made[a["format"]] = a
-    from autotune.gguf_file import read_gguf
+    from autotune.modelfiles.gguf_file import read_gguf
 
     assert read_gguf(made["gguf:Q4_0"]["path"]).file_type == "Q4_0"
     assert read_gguf(made["gguf:Q8_0"]["path"]).file_type == "Q8_0"
@@ -152,6 +152,6 @@ def test_init_on_a_hugging_face_directory_writes_a_study_that_runs(workdir):
     (t,) = trials
     formats = {a["format"]: a for a in TrialRecord.of(t).artifacts}
     assert "gguf:F16" in formats  # converted by llama.cpp's convert_hf_to_gguf.py, then quantized from it
-    from autotune.gguf_file import read_gguf
+    from autotune.modelfiles.gguf_file import read_gguf
 
     assert read_gguf(formats["gguf:F16"]["path"]).architecture == "llama"

@@ -21,13 +21,13 @@ import numpy as np
 import optuna
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError, ConfigError
-from autotune.hardware import get_gpu
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol, openai_api
 from autotune.measure.openai_api import ServerCounters, disagreements, parse_prometheus
-from autotune.models import model_from_gguf
-from autotune.scoring import ScoringUnsupportedError
+from autotune.modelfiles.models import model_from_gguf
+from autotune.engine.scoring import ScoringUnsupportedError
 from autotune.study.records import TrialRecord
 from tests.engine_fixtures import STORIES, RecordedRequests, llama_cpp_module, llama_server_binary
 from tests.plugins.test_cpu_tiny_study import TINY

@@ -20,10 +20,10 @@ import optuna
 import pytest
 from click.testing import CliRunner
 
-from autotune.backend import StudyContext
+from autotune.engine.backend import StudyContext
 from autotune.config import load_study_config
 from autotune.errors import ConfigError
-from autotune.scoring import LogLikelihood, Scorer
+from autotune.engine.scoring import LogLikelihood, Scorer
 from autotune.study import prepare_study, run_study
 from autotune.study.records import TrialRecord
 from tests.conftest import plugin_registered
@@ -33,7 +33,7 @@ import autotune_plugins.quality as quality_plugin
 from autotune_plugins.quality import benchmarks, metrics, tasks
 from autotune_plugins.quality.commands import add_quality_command
 from autotune_plugins.quality.progress import QualityProgress, format_seconds
-from autotune.parts import part
+from autotune.engine.parts import part
 from tests.fake_backends import ForwardingScoring
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
@@ -233,7 +233,7 @@ def test_benchmark_metric_says_when_data_is_missing(monkeypatch, tmp_path):
 
 
 def test_cache_key_is_what_quality_depends_on(tmp_path):
-    from autotune.backend import TrialConfig
+    from autotune.engine.backend import TrialConfig
 
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     a.write_bytes(b"GGUF" + b"\0" * 100)
@@ -322,7 +322,7 @@ def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path
             assert q["drop_stderr_points"] < q["unpaired_stderr_points"] or q["unpaired_stderr_points"] == 0
             assert TrialRecord.of(t).score["feasible"]
     assert "quality" in summary.extra["quality_power"] and "items per candidate" in summary.extra["quality_power"]
-    from autotune.report import summary_text
+    from autotune.report.text import summary_text
 
     text = summary_text(summary)
     assert "always-a: refused (paired): over the bound" in text and "exact: admitted (paired): within the bound" in text
@@ -485,7 +485,7 @@ def test_quality_errors_are_one_error_line_with_the_cli_exit_statuses(quality_re
 
 def test_a_kld_is_shown_as_a_kld_and_a_drop_as_a_drop(tmp_path, tmp_storage, quality_registered):
     # Issue 28: "+2.56 points" was shown for a KL divergence of 0.0256, and a "+" for a drop.
-    from autotune.report import summary_text
+    from autotune.report.text import summary_text
 
     path = write_study(tmp_path / "study.toml", "fake-scoring", ["exact", "miss-12", "always-a"], parallel=(1,))
     path.write_text(path.read_text(encoding="utf-8") + 'quality = "kld"\nmax_drop_points = 5\n'
@@ -505,7 +505,7 @@ def test_a_kld_is_shown_as_a_kld_and_a_drop_as_a_drop(tmp_path, tmp_storage, qua
 
 
 def test_an_accuracy_drop_is_a_drop_and_the_accuracy_a_percentage(tmp_path, tmp_storage, quality_registered):
-    from autotune.report import summary_text
+    from autotune.report.text import summary_text
 
     path = quality_study(tmp_path, 'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
                          "[quality]\nper_subject = 2\nshots = 0\n")

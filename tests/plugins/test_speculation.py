@@ -7,9 +7,9 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from autotune.acceptance import Acceptance, DraftCount, total
-from autotune.backend import TrialConfig
-from autotune.space import BackendSpace, SearchSpace
+from autotune.engine.acceptance import Acceptance, DraftCount, total
+from autotune.engine.backend import TrialConfig
+from autotune.engine.space import BackendSpace, SearchSpace
 from autotune.study.sampling import ScreenedSampler
 from autotune_plugins.llama_server import speculation
 from autotune_plugins.llama_server.backend import LlamaServerBackend

@@ -14,8 +14,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune import processes
-from autotune.backend import TrialConfig
+from autotune.toolkit import processes
+from autotune.engine.backend import TrialConfig
 from autotune.config import load_study_config
 from autotune.study import records
 from autotune_plugins.llama_server import draft_memory, memory

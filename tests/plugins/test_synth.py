@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from autotune import plugins
 from autotune.errors import ConfigError
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune_plugins.llama_server import synth
 from autotune_plugins.llama_server.synth import SynthSpec, write_model
 from tests.conftest import shared_file

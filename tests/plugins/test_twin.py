@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError, UnsupportedError
 from autotune.estimate import estimate_config
-from autotune.hardware import get_gpu, load_gpu_catalog
+from autotune.hardware.gpus import get_gpu, load_gpu_catalog
 from autotune.measure import Protocol
-from autotune.models import get_model, load_model_catalog
+from autotune.modelfiles.models import get_model, load_model_catalog
 from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVllm, fit, load_constants, quality
 
 from tests.conftest import REPO
@@ -285,11 +285,11 @@ def test_llama_cpp_deploy_line_offloads_the_layers_that_were_simulated_on_the_gp
 
 def test_the_twin_predicts_for_a_real_gguf_file(tmp_path):
     """A GGUF file is read as the format its header names, its weights from its own tensors."""
-    from autotune.backend import StudyContext, TrialConfig, Workload
+    from autotune.engine.backend import StudyContext, TrialConfig, Workload
     from autotune_plugins.llama_server.formats import gguf_file_weights
-    from autotune.hardware import get_gpu
+    from autotune.hardware.gpus import get_gpu
     from autotune.measure import Protocol
-    from autotune.models import model_from_gguf
+    from autotune.modelfiles.models import model_from_gguf
     from autotune_plugins.twin import TwinLlamaCpp, TwinMmlu
     from tests.conftest import REPO
 
@@ -428,7 +428,7 @@ def test_quality_is_refused_for_a_model_outside_what_the_quality_model_covers(tw
     The study is refused before the search instead, naming the model, its size and the range."""
     from autotune.config import parse_study_config
     from autotune.errors import ConfigError
-    from autotune.models import ModelSpec
+    from autotune.modelfiles.models import ModelSpec
     from autotune.study.prepare import prepare_study
 
     tiny = ModelSpec("tiny", "tiny", "llama", 4, 512, 8, 4, 64, 1536, 512, 13_000_000, False, 2048, "test")

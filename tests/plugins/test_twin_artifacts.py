@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import ConfigError
-from autotune.hardware import get_gpu
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_hf_config
-from autotune.formats import safetensors_dir_weights
-from autotune.safetensors_dir import read_safetensors_dir
+from autotune.modelfiles.models import model_from_hf_config
+from autotune.engine.formats import safetensors_dir_weights
+from autotune.modelfiles.safetensors_dir import read_safetensors_dir
 from autotune_plugins.exllamav2 import memory
 from autotune_plugins.exllamav2.formats import exl2_quantization
 from autotune_plugins.exllamav2.generator_settings import CACHE_CHOICES

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import resolve_model
+from autotune.modelfiles.models import resolve_model
 from autotune_plugins.twin import TwinLlamaCpp, calibration, load_constants
 from tests.conftest import REPO
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import get_model
+from autotune.modelfiles.models import get_model
 from autotune_plugins.exllamav3 import memory as exl3_memory
 from autotune_plugins.exllamav3.generator_settings import generator_settings
 from autotune_plugins.twin import TwinExllamaV3, TwinMmlu, evidence, load_constants

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError, ConfigError
-from autotune.formats import weights_for
-from autotune.hardware import get_gpu
+from autotune.engine.formats import weights_for
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import get_model, model_from_gguf
+from autotune.modelfiles.models import get_model, model_from_gguf
 from autotune_plugins.llama_server.backend import LlamaServerBackend
-from autotune.engine_model import engine_models
+from autotune.engine.model import engine_models
 from autotune_plugins.exllamav2.engine_model import buffer_bytes as exl2_buffer_bytes
 from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinVllm, _constants_doc, load_constants, physics
 

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
 from autotune_plugins.twin import TwinLlamaCpp, evidence, load_constants, offload, physics
 

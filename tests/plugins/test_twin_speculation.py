@@ -8,10 +8,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from autotune.backend import StudyContext, TrialConfig, Workload
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig, Workload
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import get_model
+from autotune.modelfiles.models import get_model
 from autotune_plugins.twin import TwinLlamaCpp, speculation
 
 MODEL = "qwen2.5-27b-article"
@@ -122,7 +122,7 @@ metric = "aggregate_tok_s"
 def test_a_twin_study_over_spec_and_parallel_finds_speculation_wins_at_one_slot_and_loses_at_many(tmp_path,
                                                                                                  twin_plugin):
     from autotune.config import load_study_config
-    from autotune.report import summary_text
+    from autotune.report.text import summary_text
     from autotune.study import StudyRunner, prepare_study
     from autotune.study.summary import summarize
 
@@ -139,7 +139,7 @@ def test_a_twin_study_over_spec_and_parallel_finds_speculation_wins_at_one_slot_
     assert found["verdict"].startswith("speculation loses from ")
     text = summary_text(summary)
     assert found["verdict"] in text and "parallel 1: x" in text
-    from autotune.report_html import render
+    from autotune.report.html import render
 
     page = render(runner.study, summary)
     assert "id='speculation'" in page and "plot-speculation" in page

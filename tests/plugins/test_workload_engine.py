@@ -10,12 +10,12 @@ import sys
 import optuna
 import pytest
 
-from autotune.backend import StudyContext, TrialConfig
-from autotune.hardware import get_gpu
+from autotune.engine.backend import StudyContext, TrialConfig
+from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol
-from autotune.models import model_from_gguf
+from autotune.modelfiles.models import model_from_gguf
 from autotune.study.records import TrialRecord
-from autotune.workload import Workload
+from autotune.engine.workload import Workload
 from autotune_plugins.llama_server import trial_run as llama_backend  # where the measurement (post_events) lives
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from tests.engine_fixtures import STORIES, RecordedRequests, llama_server_binary
