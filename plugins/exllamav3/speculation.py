@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from autotune.api import ConditionalParam, ModelSpec, Param, TrialConfig, kept
+from autotune.api import ConditionalParam, ConfigError, ModelSpec, Param, TrialConfig, kept
+
+from autotune_plugins.exllamav3.generator_settings import normalize_cache_type
 
 __all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_NGRAM_MATCH", "KEYS", "MODEL_MODES", "RULES", "SPEC_TYPES",
            "TABBY_DRAFT_MODE", "check", "draft_tokens", "mtp_layers", "ngram_match", "speculates"]
@@ -96,16 +98,7 @@ def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
         on("spec_ngram_n", tuple(v for v in space["spec_ngram_n"] if type(v) is int and v >= 1),
            "least n-gram match that drafts (ngram_match_min)", ("ngram",), ("an integer >= 1",))
     if "draft_cache_type" in space:
-        from autotune_plugins.exllamav3.generator_settings import normalize_cache_type
-
-        def ok(v: Any) -> bool:
-            try:
-                normalize_cache_type(v)
-            except Exception:
-                return False
-            return True
-
-        on("draft_cache_type", tuple(v for v in space["draft_cache_type"] if isinstance(v, str) and ok(v)),
+        on("draft_cache_type", tuple(v for v in space["draft_cache_type"] if isinstance(v, str) and _is_cache(v)),
            "draft cache type (TabbyAPI draft_cache_mode)", MODEL_MODES, ("fp16", "k<K>v<V> with K, V from 2 to 8"))
     return params
 
@@ -152,3 +145,11 @@ def check(config: TrialConfig, hf_config: Mapping[str, Any] | None, draft_model:
         out.append(f"draft {name!r}: vocabulary {draft_model.vocab_size} is not the target's {model.vocab_size} (the "
                    "target verifies the draft's token ids)")
     return out
+
+
+def _is_cache(value: Any) -> bool:
+    try:
+        normalize_cache_type(value)
+    except ConfigError:
+        return False
+    return True

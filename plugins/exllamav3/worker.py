@@ -19,6 +19,10 @@ What runs (exllamav3 1.6.5), as TabbyAPI's backends/exllamav3/model.py builds it
 * ``model.warmup(cache, max_chunk_size, max_batch_size)`` before the generator takes the cache;
 * ``Generator(model, cache, tokenizer, max_batch_size, max_chunk_size)``; jobs without
   ``max_rq_tokens`` (TabbyAPI's ``output_chunking: false``, see :mod:`.generator_settings`).
+* With speculation (:mod:`.speculation`): the draft model (or the target's ``mtp`` component)
+  and its cache of the target's size, loaded before the target as TabbyAPI does, and
+  ``draft_model``, ``draft_cache``, ``num_draft_tokens``, ``ngram_match_min`` for the generator;
+  ``sample`` answers the generator's drafted/accepted counters (:class:`DraftCounter`).
 
 A worker loaded for scoring (``load`` with ``purpose = "score"``, by :mod:`.scorer`) builds the
 same model and cache, no generator and no warmup, and answers ``tokenize``, ``loglikelihood``
@@ -101,6 +105,10 @@ class Engine(WorkerEngine):
             cache = Cache(model, max_num_tokens=settings.cache_tokens, layer_type=CacheLayer_quant,
                           k_bits=settings.k_bits, v_bits=settings.v_bits, max_batch_size=settings.max_batch_size,
                           max_history=settings.draft_tokens)
+        # TabbyAPI builds both caches first, then loads the draft (its reserve only), then the target.
+        draft_model, draft_cache = self._drafter(settings, config, Config, Model, Cache, CacheLayer_fp16, CacheLayer_quant)
+        if draft_model is not None:
+            draft_model.load(reserve_per_device=[AUTOSPLIT_RESERVE_GB], progressbar=False)
         model.load(**split_load_args(settings), max_chunk_size=settings.chunk_size,
                    max_batch_size=settings.max_batch_size, progressbar=False)
         tokenizer = Tokenizer.from_config(config)
@@ -118,7 +126,6 @@ class Engine(WorkerEngine):
         # (model.py warmup: "instead of on the first user requests"), before the Generator takes
         # the cache, as its docstring asks; a server pays the same on its first requests.
         model.warmup(cache=cache, max_chunk_size=settings.chunk_size, max_batch_size=settings.max_batch_size)
-        draft_model, draft_cache = self._drafter(settings, config, Config, Model, Cache, CacheLayer_fp16, CacheLayer_quant)
         self.generator = Generator(model=model, cache=cache, tokenizer=tokenizer,
                                    max_batch_size=settings.max_batch_size, max_chunk_size=settings.chunk_size,
                                    draft_model=draft_model, draft_cache=draft_cache,
@@ -137,7 +144,7 @@ class Engine(WorkerEngine):
         """The draft model and its cache, as TabbyAPI builds them (backends/exllamav3/model.py):
         the draft directory's own model, or the target's ``mtp`` component on its config; a cache
         of the target's size (the generator asserts it) with ``draft_cache_type`` and the draft
-        window as ``max_history``. None, None for ``none`` and ``ngram``."""
+        window as ``max_history``; not loaded yet. None, None for ``none`` and ``ngram``."""
         if s.spec_type not in ("draft", "mtp"):
             return None, None
         if s.spec_type == "mtp":
@@ -148,8 +155,6 @@ class Engine(WorkerEngine):
         kw = dict(max_num_tokens=s.cache_tokens, max_batch_size=s.max_batch_size, max_history=s.draft_tokens)
         cache = Cache(draft, layer_type=fp16, **kw) if bits is None else \
             Cache(draft, layer_type=quant, k_bits=bits[0], v_bits=bits[1], **kw)
-        draft.load(reserve_per_device=[AUTOSPLIT_RESERVE_GB], max_chunk_size=s.chunk_size,
-                   max_batch_size=s.max_batch_size, progressbar=False)
         return draft, cache
 
     def run_shape(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
@@ -192,7 +197,8 @@ class Engine(WorkerEngine):
 class DraftCounter:
     """The generator's own counters summed over finished jobs: its last result of a job
     (``eos``) carries ``accepted_draft_tokens`` and ``rejected_draft_tokens`` when speculative
-    decoding is on (generator.py iterate's docstring; job.py counts them per verification)."""
+    decoding is on (generator.py iterate's docstring). The generator counts the positions past
+    the end as rejected "so accepted + rejected equals the number of drafted positions"."""
 
     def __init__(self) -> None:
         self.requests = self.accepted = self.rejected = self.generated = 0

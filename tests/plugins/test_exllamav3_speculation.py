@@ -130,3 +130,38 @@ def test_the_worker_sums_the_generators_own_counters_over_finished_jobs():
     for _ in range(3):
         gen.iterate()
     assert counter.to_dict() == {"requests": 1, "drafted": 16, "accepted": 6, "generated": 10}
+
+
+def test_the_worker_builds_the_drafter_tabbyapi_builds():
+    from autotune_plugins.exllamav3.generator_settings import generator_settings
+    from autotune_plugins.exllamav3.worker import Engine
+
+    made = []
+
+    class Model:
+        @staticmethod
+        def from_config(config, component="text"):
+            made.append(("model", config, component))
+            return "draft-model"
+
+    class Config:
+        @staticmethod
+        def from_directory(d):
+            return f"config of {d}"
+
+    def cache(model, **kw):
+        made.append(("cache", model, kw))
+        return "draft-cache"
+
+    def build(**spec):
+        made.clear()
+        s = generator_settings("fp16", 510, 2, **spec)
+        return Engine()._drafter(s, "target config", Config, Model, cache, "fp16-layer", "quant-layer"), list(made)
+
+    (pair, calls) = build(spec_type="draft", draft_tokens=3, draft_cache_type="k8v6", draft_dir="/m/d")
+    assert pair == ("draft-model", "draft-cache") and calls[0] == ("model", "config of /m/d", "text")
+    assert calls[1] == ("cache", "draft-model", {"max_num_tokens": 2 * 3 * 256, "max_batch_size": 2, "max_history": 3,
+                                                 "layer_type": "quant-layer", "k_bits": 8, "v_bits": 6})
+    (pair, calls) = build(spec_type="mtp", draft_tokens=2)
+    assert calls[0] == ("model", "target config", "mtp") and calls[1][2]["layer_type"] == "fp16-layer"
+    assert build(spec_type="ngram", draft_tokens=4, ngram_match_min=2) == ((None, None), [])
