@@ -1,89 +1,42 @@
-"""The names a plugin author needs, in one place: import from here, not from autotune's modules.
+"""What a plugin author needs, in one place: import from here, and from nothing else of autotune.
 
-A backend (``BaseBackend`` and the records it takes and returns), an engine model
-(``EngineModel``: parameters, rules, memory model, physics constants, and with them a twin), a
-metric (``BaseMetric``), a strategy (``BaseStrategy``), the declarations they make (cache types,
-weight formats), the errors they raise, and the helpers the built-in plugins share (formats,
-cache and memory arithmetic, rules as data, the measurement protocol, an engine process's
-environment). What is not listed in ``__all__`` is autotune's own and may change without
-notice; the example plugin (``examples/autotune-example-plugin``) imports nothing else. A
-backend that runs an engine process of its own may also use the toolkit modules
-``autotune.processes`` (process groups), ``autotune.local_server`` (a local HTTP server),
-``autotune.measure.openai_api`` (an OpenAI-compatible server's streams and counters),
-``autotune.gguf_file`` and ``autotune.safetensors_dir`` (reading weights files).
+A backend (``BaseBackend``, the records it takes and returns, ``deploy_line`` for its deploy
+command), its optional parts (``part``, ``ArtifactMaker``), an engine model
+(``EngineModel``: parameters, rules, memory model, physics constants, and with them a twin), the
+weight formats and cache types it declares, the core's measurement loop (``measure_engine`` fed
+by ``serving_run``), a metric (``BaseMetric``), a search strategy (``BaseStrategy``), and the errors a plugin raises. The example
+plugin (``examples/autotune-example-plugin``) imports nothing else. Everything else of autotune
+is internal; autotune's own plugins also use ``autotune._builtin``, which makes no promise.
 """
 
 from __future__ import annotations
 
-from autotune.artifacts import Recipe, artifact_path, is_format, run_tool, source_hash
-from autotune.backend import BaseBackend, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, \
-    TrialConfig, UserLoad, deploy_line, same_value
-from autotune.cache_types import cache_bytes_per_element, cache_fixed_bytes, kv_bytes_per_token
-from autotune.cache_types import resolve as resolve_cache_type
-from autotune.cuda_devices import cuda_visible_entry
-from autotune.declarations import CacheType, WeightFormats
-from autotune.deploy import control_problem
-from autotune.engine_model import EngineModel, engine_model, engine_models, kept, weight_format
-from autotune.errors import AutotuneError, BackendError, ConfigError, EngineUnavailableError, MeasurementError, \
-    UnknownNameError, UnsupportedError, handle_errors
-from autotune.formats import WeightsBreakdown, bits_per_weight, family_of, normalize_format, parse_format, \
-    safetensors_dir_weights, weights_for
-from autotune.hardware import GpuSpec, detect_gpus, get_gpu, has_gpu, load_gpu_catalog
+from autotune.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
+    deploy_line
+from autotune.declarations import CacheType, WeightFormats, WeightsBreakdown
+from autotune.engine_model import EngineModel, weight_format
+from autotune.errors import AutotuneError, BackendError, MeasurementError
+from autotune.formats import bits_per_weight, parse_format
 from autotune.hookspecs import hookimpl
-from autotune.measure import SERVING_UNITS, ConcurrentResult, Protocol, StreamResult, measure_engine, post_events, \
-    serving_metrics, serving_run
-from autotune.measure.load import latency_metrics, poisson_arrivals, rate_run
-from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
-from autotune.measure.streams import fetch
-from autotune.parts import ArtifactMaker, Predictor, Scoring, Splitting, part
-from autotune.metric import BaseMetric, MetricValue, QualityReference
-from autotune.models import ModelSpec, get_model, load_model_catalog, model_from_gguf, model_from_hf_config, \
-    resolve_model
-from autotune.links import Link, get_link, host_link, load_links, slowest_link
-from autotune.paths import path_problem
-from autotune.placement import cuda_visible
-from autotune.redact import engine_environment, mask_argv, remember_secret
-from autotune.acceptance import ACCEPTANCE_ATTR, Acceptance, DraftCount, total as total_acceptance
-from autotune.shell import command_line
-from autotune.space import ConditionalParam
-from autotune.terminal import echo
-from autotune.rules import Rule, load_rules, violations
-from autotune.scoring import LogLikelihood, Scorer, ScoringError, ScoringUnsupportedError
-from autotune.strategy import BaseStrategy, Search
-from autotune.vram import GraphBuffers, SlotLayout, kv_cache_bytes
-from autotune.workload import Workload
+from autotune.measure import StreamResult, measure_engine, serving_run
+from autotune.metric import BaseMetric, MetricValue
+from autotune.strategy import BaseStrategy
+from autotune.models import ModelSpec, resolve_model
+from autotune.parts import ArtifactMaker, part
 
 __all__ = [
-    "ACCEPTANCE_ATTR", "Acceptance", "DraftCount", "total_acceptance",
     # hooks
     "hookimpl",
-    # backends
-    "BaseBackend", "ConditionalParam", "DefaultLaunch", "Measurement", "MemoryEstimate", "Param", "Setting", "StudyContext", "TrialConfig",
-    "UserLoad", "Workload", "deploy_line", "same_value", "control_problem",
-    # a backend's optional parts
-    "ArtifactMaker", "Predictor", "Scoring", "Splitting", "part",
-    # engine models (and with them the twin)
-    "EngineModel", "engine_model", "engine_models", "kept", "weight_format", "Rule", "load_rules", "violations",
-    # declarations, formats, artifacts, models, hardware
-    "CacheType", "WeightFormats", "WeightsBreakdown", "bits_per_weight", "family_of", "normalize_format",
-    "parse_format", "safetensors_dir_weights", "weights_for", "Recipe", "artifact_path", "is_format", "run_tool",
-    "source_hash", "ModelSpec", "get_model", "load_model_catalog", "model_from_gguf", "model_from_hf_config",
-    "resolve_model", "GpuSpec", "detect_gpus", "get_gpu", "has_gpu", "load_gpu_catalog",
-    "Link", "get_link", "host_link", "load_links", "slowest_link",
-    # cache and memory arithmetic
-    "GraphBuffers", "SlotLayout", "cache_bytes_per_element", "cache_fixed_bytes", "kv_bytes_per_token",
-    "kv_cache_bytes", "resolve_cache_type",
-    # measuring, and an engine process's environment
-    "SERVING_UNITS", "ConcurrentResult", "Protocol", "StreamResult", "measure_engine", "post_events",
-    "serving_metrics", "serving_run", "latency_metrics", "poisson_arrivals", "rate_run", "PROMPT_TEXT", "prompt_of",
-    "varied", "fetch", "cuda_visible_entry", "engine_environment", "path_problem",
-    "mask_argv", "remember_secret", "command_line", "echo", "cuda_visible",
-    # quality: metrics and the scorers they read
-    "BaseMetric", "MetricValue", "QualityReference", "LogLikelihood", "Scorer", "ScoringError",
-    "ScoringUnsupportedError",
-    # strategies
-    "BaseStrategy", "Search",
+    # a backend, the records it takes and returns, its optional parts
+    "BaseBackend", "Setting", "Param", "TrialConfig", "StudyContext", "MemoryEstimate", "Measurement",
+    "deploy_line", "part", "ArtifactMaker",
+    # an engine model (and with it the twin), the formats and cache types it declares
+    "EngineModel", "weight_format", "CacheType", "WeightFormats", "WeightsBreakdown", "parse_format", "bits_per_weight",
+    "ModelSpec", "resolve_model",
+    # measuring: the core's loop, fed with a backend's streams
+    "measure_engine", "serving_run", "StreamResult",
+    # a metric, a search strategy
+    "BaseMetric", "MetricValue", "BaseStrategy",
     # errors
-    "AutotuneError", "BackendError", "ConfigError", "EngineUnavailableError", "MeasurementError", "UnknownNameError",
-    "UnsupportedError", "handle_errors",
+    "AutotuneError", "BackendError", "MeasurementError",
 ]

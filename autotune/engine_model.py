@@ -17,7 +17,6 @@ They never import the twin: an engine plugin imports only the core (``autotune.a
 
 from __future__ import annotations
 
-import importlib.metadata
 
 import tomllib
 from pathlib import Path
@@ -27,7 +26,6 @@ from autotune.backend import DefaultLaunch, MemoryEstimate, Param, Setting, Stud
 from autotune.declarations import CacheType, WeightFormats
 from autotune.errors import BackendError, ConfigError, UnknownNameError
 from autotune import plugins
-from autotune.plugins import ENTRY_POINT_GROUP
 
 __all__ = ["EngineModel", "engine_model", "engine_models", "kept", "weight_format"]
 
@@ -94,6 +92,9 @@ class EngineModel:
         return dict(doc["constants"])
 
     # ------------------------------------------------------------------ space and rules
+
+    # The study's values of an option that the engine accepts: ``self.kept(space, name, accepted)``.
+    kept = staticmethod(kept)
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         """The engine's tunables: ``cache_type`` and ``flash_attn`` unless overridden; an option
@@ -191,38 +192,10 @@ class EngineModel:
         return None
 
 
-_installed: dict[str, EngineModel] | None = None
-
-
-def _installed_models() -> dict[str, EngineModel]:
-    """The engine models of the installed distributions' plugins (the ``autotune`` entry points),
-    read once: what an engine is does not depend on which backends a process registered."""
-    global _installed
-    if _installed is None:
-        found: dict[str, EngineModel] = {}
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                hook = getattr(ep.load(), "register_engine_models", None)
-                if hook is not None:
-                    hook(lambda model: found.setdefault(model.name, model))
-            except Exception:  # noqa: BLE001 - a broken plugin is reported by the registry, not here
-                continue
-        _installed = found
-    return _installed
-
-
 def engine_models() -> dict[str, EngineModel]:
-    """Every engine model by engine name: the registered ones (``register_engine_models``) over
-    those of the installed plugins, so that the twin, a replay and a test with no engine plugin
-    registered know the same engines."""
-    global _merged
-    plugins.load_plugins()
-    if _merged is None or _merged[0] != plugins.version():
-        _merged = (plugins.version(), {**_installed_models(), **plugins.get_engine_models()})
-    return _merged[1]
-
-
-_merged: tuple[int, dict[str, EngineModel]] | None = None
+    """Every engine model by engine name: the registered ones over those of every installed
+    plugin (``plugins.installed_engine_models``)."""
+    return plugins.installed_engine_models()
 
 
 def engine_model(name: str) -> EngineModel:

@@ -67,7 +67,7 @@ def load_plugins() -> None:
         return
     allow = os.environ.get("AUTOTUNE_LOAD_PLUGINS")
     allowed = None if allow is None else {n.strip() for n in allow.split(",") if n.strip()}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _entry_points():
         if allowed is not None and ep.name not in allowed:
             continue
         if pm.get_plugin(ep.name) is not None:
@@ -86,6 +86,11 @@ def load_plugins() -> None:
         print(shown(f"autotune: {exc}"), file=sys.stderr)
     if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
         _trace()
+
+
+def _entry_points() -> Any:
+    """The installed plugins: the ``autotune`` entry-point group, the one place they are found."""
+    return importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
 
 
 def _trace() -> None:
@@ -118,11 +123,17 @@ def unregister_plugin(name: str) -> None:
         del _broken[key]
 
 
-def _collect(hook_name: str, kind: str) -> dict[str, tuple[Any, str]]:
-    """Call a ``register_*`` hook, owning the callback, and return name -> (object, plugin)."""
+def _collect(hook_name: str, kind: str, manager: pluggy.PluginManager = pm,
+             report: bool = True) -> dict[str, tuple[Any, str]]:
+    """Call a ``register_*`` hook, owning the callback, and return name -> (object, plugin).
+
+    Args:
+        manager: The registry (``pm``), or one of every installed plugin (``installed_engine_models``).
+        report: Whether a plugin whose hook raises is reported (once) or only left out.
+    """
     load_plugins()
     found: dict[str, tuple[Any, str]] = {}
-    hook = getattr(pm.hook, hook_name)
+    hook = getattr(manager.hook, hook_name)
     for impl in hook.get_hookimpls():
         plugin_name = impl.plugin_name
 
@@ -147,7 +158,8 @@ def _collect(hook_name: str, kind: str) -> dict[str, tuple[Any, str]]:
             # registrations, said once per process; the others keep working.
             for name in set(found) - before:
                 del found[name]
-            _report_broken(plugin_name, hook_name, exc)
+            if report:
+                _report_broken(plugin_name, hook_name, exc)
             continue
         if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
             # The register_* hooks are called here, not through pluggy's hook caller (the
@@ -189,6 +201,34 @@ def get_engine_models() -> dict[str, Any]:
         found = {name: obj for name, (obj, _) in sorted(_collect("register_engine_models", "engine model").items())}
         _engine_models = (_version, found)
     return dict(_engine_models[1])
+
+
+# Every installed plugin, registered or not: engine models are read from all of them.
+_installed: dict[str, Any] | None = None  # their engine models, read once
+_installed_models: tuple[int, dict[str, Any]] | None = None
+
+
+def installed_engine_models() -> dict[str, Any]:
+    """The registered engine models over those of every installed plugin, loaded or not (an
+    allow-list, or autoloading off under tests): what an engine is does not depend on which
+    backends a process registered, so the twin, a replay and a test with no engine plugin
+    registered know the same engines. A plugin that fails to load is reported by
+    ``load_plugins`` when it is loaded for its backends, and only left out here."""
+    global _installed, _installed_models
+    load_plugins()
+    if _installed is None:
+        every = pluggy.PluginManager("autotune")
+        every.add_hookspecs(hookspecs)
+        for ep in _entry_points():
+            try:
+                every.register(ep.load(), name=ep.name)
+            except Exception:  # noqa: BLE001 - reported where it is loaded for its backends
+                continue
+        found = _collect("register_engine_models", "engine model", every, report=False)
+        _installed = {name: obj for name, (obj, _) in sorted(found.items())}
+    if _installed_models is None or _installed_models[0] != _version:
+        _installed_models = (_version, {**_installed, **get_engine_models()})
+    return _installed_models[1]
 
 
 def get_engine_model(name: str) -> Any:

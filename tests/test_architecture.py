@@ -298,3 +298,14 @@ def test_the_graph_finds_a_cycle_through_a_package_s_init(tmp_path):
     graph = import_graph(lazy)
     assert cycles(graph) == []
     assert graph.from_lazy_package == []  # inside the package itself: its own business
+
+
+def test_one_plugin_loader_reads_the_entry_points():
+    """Plugins are found in one place (``autotune/plugins.py``); an engine model of a plugin
+    that is installed but not loaded (an allow-list, autoloading off under tests) is read
+    through that registry too."""
+    readers = sorted(str(p.relative_to(REPO)) for p in CORE.rglob("*.py") if "entry_points(" in p.read_text())
+    assert readers == ["autotune/plugins.py"]
+    from autotune import plugins
+
+    assert {"llama.cpp", "exllamav2", "exllamav3"} <= set(plugins.installed_engine_models())

@@ -25,9 +25,11 @@ from fractions import Fraction
 import click
 
 # A plugin imports autotune.api only: the names a backend, engine model, metric or strategy needs.
-from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, EngineModel, Measurement, \
-    MeasurementError, MemoryEstimate, ModelSpec, Param, Setting, StreamResult, StudyContext, bits_per_weight, \
-    deploy_line, hookimpl, kept, measure_engine, parse_format, resolve_model, serving_run, weight_format
+from autotune.api import (
+    AutotuneError, BackendError, BaseBackend, CacheType, EngineModel, Measurement, MeasurementError, MemoryEstimate,
+    ModelSpec, Param, Setting, StreamResult, StudyContext, bits_per_weight, deploy_line, hookimpl,
+    measure_engine, parse_format, resolve_model, serving_run, weight_format,
+)
 
 
 def weight_formats():
@@ -191,7 +193,7 @@ class EchoModel(EngineModel):
     def parameters(self, space):
         # Keep the cache types this engine knows, exactly as given (the core refuses a value no
         # backend takes); when the study does not search cache types, search both.
-        caches = kept(space, "cache_type", tuple(CACHE_BYTES))
+        caches = self.kept(space, "cache_type", tuple(CACHE_BYTES))
         return [Param("cache_type", caches, "KV-cache element type (f16, q8_0)", accepted=tuple(CACHE_BYTES))]
 
     def rules(self, config, ctx, model=None):

@@ -32,12 +32,17 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import ArtifactMaker, Scoring, part
-from autotune.api import AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
-    SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, deploy_line, engine_environment, is_format, \
-    parse_format, path_problem, same_value
-from autotune import processes
-from autotune.safetensors_dir import read_config_json
+from autotune.api import ArtifactMaker, part
+from autotune._builtin import Scoring
+from autotune.api import (
+    AutotuneError, CacheType, MemoryEstimate, ModelSpec, Param, Setting, StudyContext, TrialConfig, WeightFormats,
+    deploy_line, parse_format,
+)
+from autotune._builtin import (
+    ConfigError, DefaultLaunch, SERVING_UNITS, engine_environment, is_format, path_problem, same_value,
+)
+from autotune._builtin import processes
+from autotune._builtin import read_config_json
 
 from autotune_plugins.exllamav2 import declarations, memory
 from autotune_plugins.exllamav2.formats import exl2_quantization

@@ -10,8 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from autotune.api import ConfigError, DefaultLaunch, EngineModel, GpuSpec, MemoryEstimate, Setting, SlotLayout, \
-    StudyContext, TrialConfig, cache_fixed_bytes, kv_bytes_per_token, parse_format, resolve_cache_type
+from autotune.api import EngineModel, MemoryEstimate, Setting, StudyContext, TrialConfig, parse_format
+from autotune._builtin import (
+    ConfigError, DefaultLaunch, GpuSpec, SlotLayout, cache_fixed_bytes, kv_bytes_per_token, resolve_cache_type,
+)
 from autotune_plugins.exllamav2 import declarations
 from autotune_plugins.exllamav2.backend import deploy_for
 from autotune_plugins.exllamav2.formats import EXL2_BPW_MAX, EXL2_BPW_MIN, exl2_quantization

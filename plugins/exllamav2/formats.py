@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.api import ConfigError, ModelSpec, WeightsBreakdown
+from autotune.api import ModelSpec
+from autotune.api import WeightsBreakdown
+from autotune._builtin import ConfigError
 from autotune_plugins.shared.quant_config import bpw_within, quantization_config, quote_directory, spell
 
 __all__ = ["ACCEPTS", "EXL2_BPW_MAX", "EXL2_MAX_BITS", "EXL2_BPW_MIN", "Exl2Quantization", "bpw_of", "exl2_quantization", "exl2_weights",

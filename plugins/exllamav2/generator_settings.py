@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.api import ConfigError
+from autotune._builtin import ConfigError
 from autotune_plugins.shared.generator_record import SettingsRecord
 
 __all__ = ["CACHE_CHOICES", "PAGE_SIZE", "UNPAGED_CHOICES", "GeneratorSettings", "SettingsRecord", "generator_settings",

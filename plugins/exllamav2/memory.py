@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
-from autotune.api import ConfigError, MemoryEstimate, ModelSpec, model_from_hf_config, safetensors_dir_weights
-from autotune.safetensors_dir import read_safetensors_dir
+from autotune.api import MemoryEstimate, ModelSpec
+from autotune._builtin import ConfigError, model_from_hf_config, safetensors_dir_weights
+from autotune._builtin import read_safetensors_dir
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 

@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-from autotune.api import AutotuneError, Recipe, family_of, model_from_hf_config, normalize_format, parse_format, \
-    run_tool
+from autotune.api import AutotuneError, parse_format
+from autotune._builtin import Recipe, family_of, model_from_hf_config, normalize_format, run_tool
 from autotune_plugins.exllamav2 import declarations
 from autotune_plugins.exllamav2.formats import exl2_weights
 

@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.api import BackendError, ScoringError, StudyContext
+from autotune.api import BackendError, StudyContext
+from autotune._builtin import ScoringError
 
 from autotune_plugins.exllamav2.generator_settings import generator_settings
 from autotune_plugins.shared.worker_scorer import WorkerScorer

@@ -33,7 +33,8 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.api import BackendError, ConfigError, StreamResult, serving_metrics
+from autotune.api import BackendError, StreamResult
+from autotune._builtin import ConfigError, serving_metrics
 
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 from autotune_plugins.shared.pass_scoring import SCORE_CHUNK, score_passes

@@ -34,11 +34,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import ArtifactMaker, Scoring, Splitting, part
-from autotune.api import ACCEPTANCE_ATTR, Acceptance, AutotuneError, CacheType, ConfigError, DefaultLaunch, MemoryEstimate, ModelSpec, Param, \
-    SERVING_UNITS, Setting, StudyContext, TrialConfig, WeightFormats, Workload, cuda_visible, deploy_line, \
-    engine_environment, is_format, model_from_hf_config, parse_format, path_problem
-from autotune.safetensors_dir import read_config_json
+from autotune.api import ArtifactMaker, part
+from autotune._builtin import Scoring
+from autotune._builtin import Splitting
+from autotune.api import (
+    AutotuneError, CacheType, MemoryEstimate, ModelSpec, Param, Setting, StudyContext, TrialConfig, WeightFormats,
+    deploy_line, parse_format,
+)
+from autotune._builtin import (
+    ACCEPTANCE_ATTR, Acceptance, ConfigError, DefaultLaunch, SERVING_UNITS, Workload, cuda_visible, engine_environment, is_format,
+    model_from_hf_config, path_problem,
+)
+from autotune._builtin import read_config_json
 
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
 from autotune_plugins.shared.worker_process import default_worker_command as _worker_command

@@ -11,12 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from autotune.api import EngineModel, MemoryEstimate, Param, StudyContext, TrialConfig, kept, parse_format
+from autotune.api import EngineModel, MemoryEstimate, Param, StudyContext, TrialConfig, parse_format
+from autotune._builtin import kept
 from autotune_plugins.exllamav3 import declarations, memory, split
 from autotune_plugins.exllamav3.backend import deploy_for, per_card, placement_of
 from autotune_plugins.exllamav3.formats import exl3_quantization
 from autotune_plugins.exllamav3.generator_settings import DEFAULT_CHUNK, generator_settings
-from autotune.safetensors_dir import read_config_json
+from autotune._builtin import read_config_json
 from autotune_plugins.shared.scenario import weights_on_gpu
 
 __all__ = ["EXLLAMAV3", "ExLlamaV3Model"]

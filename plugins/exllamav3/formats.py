@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.api import ConfigError, ModelSpec, WeightsBreakdown
+from autotune.api import ModelSpec
+from autotune.api import WeightsBreakdown
+from autotune._builtin import ConfigError
 
 # The EXL2 plugin owns what the EXL families share: the config.json's quantization_config, a
 # directory's quote, the bpw spelling (two decimals, as both converters record it).

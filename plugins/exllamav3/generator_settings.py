@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.api import ConfigError
+from autotune._builtin import ConfigError
 
 from autotune_plugins.shared.generator_record import SettingsRecord
 from autotune_plugins.shared.paging import PAGE_SIZE, pad_to_page, pages_per_job  # noqa: F401  (this module's names, as before)

@@ -42,8 +42,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from autotune.api import MemoryEstimate, ModelSpec, WeightsBreakdown, model_from_hf_config, safetensors_dir_weights
-from autotune.safetensors_dir import read_safetensors_dir
+from autotune.api import MemoryEstimate, ModelSpec
+from autotune.api import WeightsBreakdown
+from autotune._builtin import model_from_hf_config, safetensors_dir_weights
+from autotune._builtin import read_safetensors_dir
 
 from autotune_plugins.exllamav3.generator_settings import PAGE_SIZE, GeneratorSettings, pages_per_job
 from autotune_plugins.exllamav3.split import kv_units

@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-from autotune.api import AutotuneError, Recipe, family_of, model_from_hf_config, normalize_format, parse_format, \
-    run_tool
-from autotune.safetensors_dir import read_config_json
+from autotune.api import AutotuneError, parse_format
+from autotune._builtin import Recipe, family_of, model_from_hf_config, normalize_format, run_tool
+from autotune._builtin import read_config_json
 from autotune_plugins.exllamav3 import declarations
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, exl3_weights, spell
 

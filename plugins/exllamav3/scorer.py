@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.api import BackendError, ConfigError, ScoringError, StudyContext
+from autotune.api import BackendError, StudyContext
+from autotune._builtin import ConfigError, ScoringError
 
 from autotune_plugins.shared.worker_scorer import WorkerScorer
 from autotune_plugins.exllamav3.generator_settings import generator_settings

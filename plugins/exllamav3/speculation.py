@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from autotune.api import ConditionalParam, ConfigError, ModelSpec, Param, TrialConfig, kept
+from autotune.api import ModelSpec, Param, TrialConfig
+from autotune._builtin import ConditionalParam, ConfigError, kept
 
 from autotune_plugins.exllamav3.generator_settings import normalize_cache_type
 

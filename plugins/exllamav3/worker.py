@@ -36,7 +36,8 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.api import BackendError, ConfigError, StreamResult
+from autotune.api import BackendError, StreamResult
+from autotune._builtin import ConfigError
 
 from autotune_plugins.shared.worker_engine import (
     PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine)

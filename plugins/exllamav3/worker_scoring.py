@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from autotune.api import ConfigError, LogLikelihood, Scorer
+from autotune._builtin import ConfigError, LogLikelihood, Scorer
 
 from autotune_plugins.shared.pass_scoring import SCORE_CHUNK, score_passes
 

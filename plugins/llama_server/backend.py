@@ -39,14 +39,15 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import ArtifactMaker, Scoring, Splitting, part
-from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, DefaultLaunch, EngineUnavailableError, \
-    Measurement, MemoryEstimate, ModelSpec, PROMPT_TEXT, Param, SERVING_UNITS, Setting, StudyContext, TrialConfig, \
-    UserLoad, WeightFormats, artifact_path, cuda_visible_entry, deploy_line, engine_environment, fetch, \
-    has_gpu as _has_gpu, is_format, model_from_gguf, normalize_format, path_problem, prompt_of, weights_for
-from autotune.local_server import free_port, loopback, tail, wait_ready
-
-from autotune import processes
+from autotune._builtin import (
+    PROMPT_TEXT, SERVING_UNITS, DefaultLaunch, EngineUnavailableError, Splitting, UserLoad, artifact_path,
+    cuda_visible_entry, engine_environment, fetch, free_port, is_format, loopback, model_from_gguf, normalize_format,
+    path_problem, processes, prompt_of, tail, wait_ready, weights_for, Scoring, has_gpu as _has_gpu,
+)
+from autotune.api import (
+    ArtifactMaker, AutotuneError, BackendError, BaseBackend, CacheType, Measurement, MemoryEstimate, ModelSpec, Param,
+    Setting, StudyContext, TrialConfig, WeightFormats, deploy_line, part,
+)
 from autotune_plugins.llama_server import declarations, draft_memory, engine, memory, rpc, speculation, split
 from autotune_plugins.llama_server import startup_facts as startup_facts_mod, trial_run
 from autotune_plugins.llama_server.engine_model import LLAMA_CPP

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune import processes
-from autotune.api import ConfigError, EngineUnavailableError, engine_environment
+from autotune._builtin import processes
+from autotune._builtin import ConfigError, EngineUnavailableError, engine_environment
 from autotune_plugins.llama_server import cuda_toolkit
 from autotune_plugins.llama_server.cuda_toolkit import cuda_arch_from_cc, resolve_arch
 from autotune_plugins.llama_server.llama_build import BUILD_TARGETS, LLAMA_CPP_PYTHON_VERSION, MARKER, SERVER

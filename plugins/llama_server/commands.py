@@ -17,7 +17,8 @@ from typing import Any
 
 import click
 
-from autotune.api import AutotuneError, ConfigError, echo, handle_errors
+from autotune.api import AutotuneError
+from autotune._builtin import ConfigError, echo, handle_errors
 from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, LIMITS, SEED_RANGE
 
 __all__ = ["add_engine_commands", "add_synth_command"]

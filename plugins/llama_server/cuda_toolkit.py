@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune import processes
-from autotune.api import AutotuneError, ConfigError
+from autotune._builtin import processes
+from autotune.api import AutotuneError
+from autotune._builtin import ConfigError
 
 __all__ = [
     "CudaCompiler",
@@ -349,7 +350,7 @@ def resolve_arch(spec: str, gpus: Sequence[Any] | None = None) -> str:
         return "cpu"
     if spec == "auto":
         if gpus is None:
-            from autotune.api import detect_gpus
+            from autotune._builtin import detect_gpus
 
             gpus = detect_gpus()
         archs = {cuda_arch_from_cc(g.compute_capability) for g in gpus if g.compute_capability not in ("", "0.0")}

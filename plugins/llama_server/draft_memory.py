@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autotune.api import MemoryEstimate, StudyContext, TrialConfig, weights_for
+from autotune.api import MemoryEstimate, StudyContext, TrialConfig
+from autotune._builtin import weights_for
 from autotune_plugins.llama_server import memory, speculation
 from autotune_plugins.llama_server.formats import gguf_file_weights
 from autotune_plugins.llama_server.server import parse_log

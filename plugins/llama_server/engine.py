@@ -36,7 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from autotune.api import ConfigError
+from autotune._builtin import ConfigError
 from autotune_plugins.llama_server import cuda_toolkit
 from autotune_plugins.llama_server.builds import (
     ENGINE_TOOLS,

@@ -10,9 +10,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from autotune.api import DefaultLaunch, EngineModel, MemoryEstimate, ModelSpec, Param, Rule, StudyContext, \
-    TrialConfig, WeightsBreakdown, deploy_line, kept, load_rules, parse_format, violations
-from autotune.gguf_file import read_gguf
+from autotune.api import (
+    EngineModel, MemoryEstimate, ModelSpec, Param, StudyContext, TrialConfig, deploy_line, parse_format,
+)
+from autotune._builtin import kept
+from autotune.api import WeightsBreakdown
+from autotune._builtin import DefaultLaunch, Rule, load_rules, violations
+from autotune._builtin import read_gguf
 from autotune_plugins.llama_server import declarations, memory, split
 from autotune_plugins.llama_server.formats import format_of, gguf_file_weights
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS

@@ -14,8 +14,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from autotune.api import ModelSpec, WeightsBreakdown
-from autotune.gguf_file import GgufFile, GgufTensor, read_gguf
+from autotune.api import ModelSpec
+from autotune.api import WeightsBreakdown
+from autotune._builtin import GgufFile, GgufTensor, read_gguf
 from autotune_plugins.llama_server.quant import GGML_TYPES, GGUF_FILE_TYPES, TensorPlan, gguf_tensor_plan
 
 __all__ = ["ACCEPTS", "bits_per_weight", "file_type", "format_of", "gguf_file_weights", "predict_gguf_weights", "quote"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from autotune.api import ConfigError
+from autotune._builtin import ConfigError
 
 __all__ = ["read_tokenizer"]
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from autotune import processes
-from autotune.api import AutotuneError, ConfigError
+from autotune._builtin import processes
+from autotune.api import AutotuneError
+from autotune._builtin import ConfigError
 from autotune_plugins.llama_server import cuda_toolkit
 
 __all__ = [

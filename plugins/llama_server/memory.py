@@ -24,8 +24,9 @@ Calibration (each figure is llama.cpp's own start-up log, ``-lv 4``, or nvidia-s
 
 from __future__ import annotations
 
-from autotune.api import GraphBuffers, MemoryEstimate, ModelSpec, SlotLayout, WeightsBreakdown, kv_cache_bytes, \
-    resolve_cache_type as resolve
+from autotune.api import MemoryEstimate, ModelSpec
+from autotune.api import WeightsBreakdown
+from autotune._builtin import GraphBuffers, SlotLayout, kv_cache_bytes, resolve_cache_type as resolve
 from autotune_plugins.llama_server.declarations import CACHE_TYPES
 from autotune_plugins.shared.scenario import LLAMA_UBATCH
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from autotune import processes
+from autotune._builtin import processes
 from autotune_plugins.llama_server.builds import MARKER, EngineBuild, EngineNotFoundError, engines_dir, find_llama_server
 from autotune_plugins.llama_server.llama_build import LLAMA_CPP_PYTHON_VERSION, EngineBuildError
 

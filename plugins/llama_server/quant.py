@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from autotune.api import ModelSpec, UnknownNameError
+from autotune.api import ModelSpec
+from autotune._builtin import UnknownNameError
 
 __all__ = ["GGML_TYPES", "GGUF_FILE_TYPES", "GgmlType", "GgufFileType", "TensorPlan", "ggml_tensor_bytes",
            "gguf_tensor_plan"]

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from autotune.api import AutotuneError, ModelSpec, Recipe, engine_environment, family_of, parse_format, \
-    resolve_model, run_tool
-from autotune.gguf_file import read_gguf
+from autotune.api import AutotuneError, ModelSpec, parse_format, resolve_model
+from autotune._builtin import Recipe, engine_environment, family_of, run_tool
+from autotune._builtin import read_gguf
 from autotune_plugins.llama_server import declarations, engine
 from autotune_plugins.llama_server.builds import _manifest_of
 from autotune_plugins.llama_server.formats import predict_gguf_weights

@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from autotune import processes
-from autotune.api import BackendError, EngineUnavailableError
-from autotune.local_server import free_port
+from autotune._builtin import processes
+from autotune.api import BackendError
+from autotune._builtin import EngineUnavailableError
+from autotune._builtin import free_port
 from autotune_plugins.llama_server.llama_build import RPC_SERVER
 
 __all__ = ["DEPLOY_PORT", "binary_beside", "endpoints_flag", "rpc_servers"]

@@ -15,7 +15,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from autotune.api import AutotuneError, LogLikelihood, Scorer, ScoringError
+from autotune.api import AutotuneError
+from autotune._builtin import LogLikelihood, Scorer, ScoringError
 
 __all__ = ["LlamaCppScorer", "GGML_CACHE_TYPES", "log_softmax"]
 

@@ -18,8 +18,9 @@ from typing import Any, Sequence
 
 import httpx
 
-from autotune.api import BackendError, EngineUnavailableError
-from autotune.local_server import read_log, server_url, tail
+from autotune.api import BackendError
+from autotune._builtin import EngineUnavailableError
+from autotune._builtin import read_log, server_url, tail
 from autotune_plugins.shared.engine_log import DEBUGGER_LINE
 
 __all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "median", "parse_log", "plan_cpus",

@@ -17,8 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.api import ConditionalParam, Param, Setting, StudyContext, TrialConfig, kept
-from autotune.gguf_file import read_gguf
+from autotune.api import Param, Setting, StudyContext, TrialConfig
+from autotune._builtin import kept
+from autotune._builtin import ConditionalParam
+from autotune._builtin import read_gguf
 
 __all__ = ["DRAFT_MODEL_TYPES", "DRAFT_TYPES", "KEYS", "NGRAM_SIZE_FLAGS", "RULES", "SETTINGS", "SPEC_TYPES",
            "check", "flags", "has_nextn", "parameters", "speculates"]

@@ -36,9 +36,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from autotune.api import MemoryEstimate, ModelSpec, Param, StudyContext, TrialConfig, WeightsBreakdown, kv_cache_bytes
-from autotune.api import cuda_visible as placement_cuda_visible
-from autotune.api import resolve_cache_type as resolve
+from autotune.api import MemoryEstimate, ModelSpec, Param, StudyContext, TrialConfig
+from autotune.api import WeightsBreakdown
+from autotune._builtin import kv_cache_bytes
+from autotune._builtin import cuda_visible as placement_cuda_visible
+from autotune._builtin import resolve_cache_type as resolve
 from autotune_plugins.llama_server import devices, memory
 from autotune_plugins.llama_server.declarations import CACHE_TYPES
 

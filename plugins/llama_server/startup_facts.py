@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autotune import processes
+from autotune._builtin import processes
 from autotune.api import StudyContext, TrialConfig
 from autotune_plugins.llama_server import split
 from autotune_plugins.llama_server.engine_defaults import ENGINE_DEFAULTS

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from autotune import processes
-from autotune.api import AutotuneError, ConfigError
+from autotune._builtin import processes
+from autotune.api import AutotuneError
+from autotune._builtin import ConfigError
 from autotune_plugins.llama_server.gguf_tokenizer import read_tokenizer
 from autotune_plugins.llama_server.synth_shapes import ARCH_DEFAULTS, SynthSpec, TensorPlan, tensor_plan
 
@@ -207,7 +208,7 @@ def _as_model(spec: SynthSpec, n_vocab: int) -> Any:
 def _quantized_bytes(model: Any, qtype: str, unquantized_bytes: int) -> tuple[int, str]:
     """Tensor bytes of a ``qtype`` copy (autotune.formats' per-tensor types), or the
     unquantized size as a bound for a type it has no table for."""
-    from autotune.api import UnknownNameError
+    from autotune._builtin import UnknownNameError
     from autotune_plugins.llama_server.formats import predict_gguf_weights
 
     try:
@@ -496,7 +497,7 @@ def quantize(
 
 def _check_quantized_space(src: Path, qtype: str, dst: Path) -> None:
     """Refuse a copy that would not fit, before llama-quantize fills the disk."""
-    from autotune.api import model_from_gguf
+    from autotune._builtin import model_from_gguf
 
     try:
         model = model_from_gguf(src)

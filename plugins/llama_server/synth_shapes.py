@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.api import ConfigError
+from autotune._builtin import ConfigError
 
 __all__ = ["ARCH_DEFAULTS", "SynthSpec", "TensorPlan", "tensor_plan"]
 

@@ -10,9 +10,9 @@ import json
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.api import ACCEPTANCE_ATTR, DraftCount, command_line, mask_argv, total_acceptance
-from autotune.api import ConcurrentResult, Measurement, SERVING_UNITS, StreamResult, StudyContext, TrialConfig, \
-    measure_engine, post_events, prompt_of, serving_run, varied
+from autotune._builtin import ACCEPTANCE_ATTR, DraftCount, command_line, mask_argv, total_acceptance
+from autotune.api import Measurement, StreamResult, StudyContext, TrialConfig, measure_engine, serving_run
+from autotune._builtin import ConcurrentResult, SERVING_UNITS, post_events, prompt_of, varied
 from autotune_plugins.llama_server.server import CpuPlan, Pinned, Server, median, process_cpu_s
 
 __all__ = ["measure"]

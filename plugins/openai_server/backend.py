@@ -32,15 +32,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from autotune.api import Scoring, part
-from autotune.api import command_line, cuda_visible, mask_argv, remember_secret
-from autotune.api import AutotuneError, BackendError, BaseBackend, CacheType, ConcurrentResult, ConfigError, \
-    Measurement, MemoryEstimate, PROMPT_TEXT, Param, SERVING_UNITS, Setting, SlotLayout, StreamResult, StudyContext, \
-    TrialConfig, cuda_visible_entry, deploy_line, engine_environment, engine_models, fetch, has_gpu as _has_gpu, \
-    kv_cache_bytes, measure_engine, path_problem, prompt_of, serving_run, varied, violations
-from autotune import processes
-from autotune.local_server import free_port, loopback
-from autotune.measure.openai_api import disagreements, parse_prometheus, stream_completion
+from autotune.api import part
+from autotune._builtin import Scoring
+from autotune._builtin import command_line, cuda_visible, mask_argv, remember_secret
+from autotune.api import (
+    AutotuneError, BackendError, BaseBackend, CacheType, Measurement, MemoryEstimate, Param, Setting, StreamResult,
+    StudyContext, TrialConfig, deploy_line, measure_engine, serving_run,
+)
+from autotune._builtin import (
+    ConcurrentResult, ConfigError, PROMPT_TEXT, SERVING_UNITS, SlotLayout, cuda_visible_entry, engine_environment,
+    engine_models, fetch, has_gpu as _has_gpu, kv_cache_bytes, path_problem, prompt_of, varied, violations,
+)
+from autotune._builtin import processes
+from autotune._builtin import free_port, loopback
+from autotune._builtin import disagreements, parse_prometheus, stream_completion
 from autotune_plugins.shared.engine_cache import engines_dir
 from autotune_plugins.shared.paging import PAGE_SIZE as EXL3_PAGE, pages_per_job
 from autotune_plugins.openai_server import declarations

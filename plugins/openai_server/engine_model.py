@@ -10,8 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from autotune.api import BackendError, EngineModel, MemoryEstimate, Setting, SlotLayout, StudyContext, TrialConfig, \
-    UnsupportedError, WeightFormats, deploy_line, engine_model, kv_cache_bytes, normalize_format, resolve_cache_type
+from autotune.api import (
+    BackendError, EngineModel, MemoryEstimate, Setting, StudyContext, TrialConfig, WeightFormats, deploy_line,
+)
+from autotune._builtin import (
+    SlotLayout, UnsupportedError, engine_model, kv_cache_bytes, normalize_format, resolve_cache_type,
+)
 from autotune_plugins.openai_server import declarations
 from autotune_plugins.shared.scenario import FLASH_ATTN2_MIN_CC, GiB, VLLM_GPU_MEMORY_UTILIZATION, weights_on_gpu
 

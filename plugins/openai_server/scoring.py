@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from autotune.api import AutotuneError, LogLikelihood, Scorer, ScoringError, ScoringUnsupportedError, TrialConfig, \
-    has_gpu
+from autotune.api import AutotuneError, TrialConfig
+from autotune._builtin import LogLikelihood, Scorer, ScoringError, ScoringUnsupportedError, has_gpu
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.api import StudyContext

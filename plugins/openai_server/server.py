@@ -14,9 +14,10 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-from autotune import processes
-from autotune.api import BackendError, EngineUnavailableError, MeasurementError, engine_environment, fetch
-from autotune.local_server import read_log, server_url, tail, wait_ready
+from autotune._builtin import processes
+from autotune.api import BackendError, MeasurementError
+from autotune._builtin import EngineUnavailableError, engine_environment, fetch
+from autotune._builtin import read_log, server_url, tail, wait_ready
 from autotune_plugins.shared.engine_log import DEBUGGER_LINE
 
 __all__ = ["OpenAIServer"]

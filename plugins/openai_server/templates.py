@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.api import ConfigError, Rule, control_problem, load_rules
-from autotune.measure.openai_api import ServerCounters
+from autotune._builtin import ConfigError, Rule, control_problem, load_rules
+from autotune._builtin import ServerCounters
 
 __all__ = ["PLACEHOLDERS", "SHIPPED_DIR", "Template", "load_template", "render", "shipped", "template_path"]
 

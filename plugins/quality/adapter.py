@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from autotune.api import AutotuneError, Scorer
+from autotune.api import AutotuneError
+from autotune._builtin import Scorer
 
 __all__ = ["ScorerLM", "lm_eval_missing", "require_lm_eval"]
 

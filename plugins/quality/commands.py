@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import click
 
-from autotune.api import ConfigError, echo, handle_errors
+from autotune._builtin import ConfigError, echo, handle_errors
 
 __all__ = ["add_quality_command", "measure_quality"]
 
@@ -25,8 +25,9 @@ QUICK = {"per_subject": 1, "shots": 0}
 
 
 def _context(settings: dict[str, Any]):
-    from autotune.api import StudyContext, Workload
-    from autotune.api import Protocol
+    from autotune.api import StudyContext
+    from autotune._builtin import Workload
+    from autotune._builtin import Protocol
 
     # A scorer needs the backend's settings and where relative paths start; the GPU, model and
     # workload of a study play no part in scoring, so none is resolved here.
@@ -63,14 +64,13 @@ def measure_quality(
         ConfigError: Unknown backend or benchmark, a missing file, kld without a reference, or
             a backend without scoring / lm-eval missing (the metric's own reason).
     """
-    from autotune import plugins
+    from autotune._builtin import QualityReference, get_backend, get_metric
     from autotune.api import TrialConfig
-    from autotune.api import QualityReference
 
     if benchmark not in BENCHMARK_NAMES:
         raise ConfigError(f"--benchmark {benchmark!r}: use one of {', '.join(BENCHMARK_NAMES)}")
-    backend = plugins.get_backend(backend_name)
-    metric = plugins.get_metric(benchmark)
+    backend = get_backend(backend_name)
+    metric = get_metric(benchmark)
     settings = dict(settings or {})
     why = metric.supports(backend)
     if why:

@@ -22,7 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from autotune.api import AutotuneError, MetricValue, Scorer
+from autotune.api import AutotuneError, MetricValue
+from autotune._builtin import Scorer
 
 __all__ = ["ReferenceDistributions", "compare", "kld_text", "reference_distributions"]
 

@@ -11,9 +11,9 @@ import functools
 import hashlib
 from typing import Any, Callable, ClassVar, Mapping
 
-from autotune.api import ScoringUnsupportedError
-from autotune.api import AutotuneError, BaseBackend, BaseMetric, MetricValue, QualityReference, StudyContext, \
-    TrialConfig, is_format, normalize_format, source_hash
+from autotune._builtin import ScoringUnsupportedError
+from autotune.api import AutotuneError, BaseBackend, BaseMetric, MetricValue, StudyContext, TrialConfig
+from autotune._builtin import QualityReference, is_format, normalize_format, source_hash
 
 from autotune_plugins.quality import benchmarks, kld
 from autotune_plugins.quality.adapter import lm_eval_missing

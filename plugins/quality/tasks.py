@@ -23,7 +23,8 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
-from autotune.api import MetricValue, Scorer
+from autotune.api import MetricValue
+from autotune._builtin import Scorer
 
 from autotune_plugins.quality import benchmarks
 from autotune_plugins.quality.adapter import ScorerLM, require_lm_eval

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict
 from typing import Any, Mapping
 
-from autotune.api import ConfigError
+from autotune._builtin import ConfigError
 
 __all__ = ["SettingsRecord"]
 

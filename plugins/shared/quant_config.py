@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from autotune.safetensors_dir import read_config_json
+from autotune._builtin import read_config_json
 
 __all__ = ["bpw_within", "quantization_config", "quote_directory", "spell"]
 

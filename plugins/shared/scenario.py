@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.api import GpuSpec, ModelSpec, WeightsBreakdown
+from autotune.api import ModelSpec
+from autotune.api import WeightsBreakdown
+from autotune._builtin import GpuSpec
 
 GiB = 2**30
 # llama.cpp prefills in ubatches of 512 tokens by default (-ub 512); llama-server's memory model

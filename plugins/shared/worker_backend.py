@@ -20,10 +20,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune import processes
-from autotune.api import AutotuneError, BackendError, BaseBackend, ConfigError, Measurement, ModelSpec, \
-    SERVING_UNITS, StudyContext, TrialConfig, Workload, artifact_path, cuda_visible_entry, engine_environment, \
-    has_gpu as _has_gpu, is_format, measure_engine, model_from_hf_config, normalize_format
+from autotune._builtin import processes
+from autotune.api import (
+    AutotuneError, BackendError, BaseBackend, Measurement, ModelSpec, StudyContext, TrialConfig, measure_engine,
+)
+from autotune._builtin import (
+    ConfigError, SERVING_UNITS, Workload, artifact_path, cuda_visible_entry, engine_environment, has_gpu as _has_gpu,
+    is_format, model_from_hf_config, normalize_format,
+)
 
 from autotune_plugins.shared.worker_process import WorkerProcess, default_worker_command
 from autotune_plugins.shared.worker_sampling import worker_sampler

@@ -23,7 +23,8 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from autotune.api import BackendError, ConcurrentResult, ConfigError, StreamResult, serving_metrics
+from autotune.api import BackendError, StreamResult
+from autotune._builtin import ConcurrentResult, ConfigError, serving_metrics
 
 from autotune_plugins.shared.protocol import PROTOCOL_VERSION, encode, serve
 

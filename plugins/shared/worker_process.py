@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from autotune import processes
+from autotune._builtin import processes
 from autotune.api import BackendError
 
 from autotune_plugins.shared.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode

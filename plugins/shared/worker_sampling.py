@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from autotune.api import ConcurrentResult, StreamResult, Workload, poisson_arrivals, rate_run, serving_metrics
+from autotune.api import StreamResult
+from autotune._builtin import ConcurrentResult, Workload, poisson_arrivals, rate_run, serving_metrics
 
 __all__ = ["worker_sampler"]
 

@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from autotune.api import BackendError, LogLikelihood, Scorer, ScoringError
+from autotune.api import BackendError
+from autotune._builtin import LogLikelihood, Scorer, ScoringError
 
 from autotune_plugins.shared.worker_process import WorkerProcess
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.api import BaseBackend, BaseMetric, MetricValue, ModelSpec, StudyContext, TrialConfig, engine_models, \
-    hookimpl
+from autotune.api import BaseBackend, BaseMetric, MetricValue, ModelSpec, StudyContext, TrialConfig, hookimpl
+from autotune._builtin import engine_models
 from autotune_plugins.twin import quality
 from autotune_plugins.twin.backend import TwinBackend, _constants_doc, load_constants, twin_class, twin_classes
 from autotune_plugins.twin.strategy import TwinStrategy

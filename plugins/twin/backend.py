@@ -17,10 +17,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import Predictor, Splitting, part
-from autotune.api import AutotuneError, BaseBackend, ConfigError, DefaultLaunch, EngineModel, Measurement, \
-    MemoryEstimate, Param, Protocol, Setting, StudyContext, TrialConfig, UnsupportedError, WeightsBreakdown, \
-    engine_models, measure_engine, parse_format, resolve_model, safetensors_dir_weights, weights_for
+from autotune.api import part
+from autotune._builtin import Predictor, Splitting
+from autotune.api import (
+    AutotuneError, BaseBackend, EngineModel, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig,
+    measure_engine, parse_format, resolve_model,
+)
+from autotune.api import WeightsBreakdown
+from autotune._builtin import (
+    ConfigError, DefaultLaunch, Protocol, UnsupportedError, engine_models, safetensors_dir_weights, weights_for,
+)
 from autotune_plugins.twin import calibration, formats, multicard, physics, speculation, traffic
 from autotune_plugins.twin.clock import SimulatedClock
 from autotune_plugins.twin.settings import TWIN_SETTINGS, UNITS

@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from autotune.api import ModelSpec, WeightsBreakdown, get_gpu, get_model, load_gpu_catalog, load_model_catalog, \
-    weights_for
+from autotune.api import ModelSpec
+from autotune.api import WeightsBreakdown
+from autotune._builtin import get_gpu, get_model, load_gpu_catalog, load_model_catalog, weights_for
 
 from autotune_plugins.twin import physics
 from autotune_plugins.twin.formats import twin_formats

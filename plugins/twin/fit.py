@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.api import ConfigError, engine_model, get_gpu, get_model, weights_for
+from autotune._builtin import ConfigError, engine_model, get_gpu, get_model, weights_for
 
 from autotune_plugins.twin import evidence, load_constants, physics, quality
 from autotune_plugins.twin.formats import twin_formats

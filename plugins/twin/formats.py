@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from autotune.api import ConfigError, WeightFormats, WeightsBreakdown, engine_models
-from autotune.gguf_file import read_gguf
-from autotune.safetensors_dir import SafetensorsDir, read_safetensors_dir
+from autotune.api import WeightFormats
+from autotune.api import WeightsBreakdown
+from autotune._builtin import ConfigError, engine_models
+from autotune._builtin import read_gguf
+from autotune._builtin import SafetensorsDir, read_safetensors_dir
 
 __all__ = ["artifact_kind", "artifact_words", "directory_as_format", "directory_format", "file_format", "file_weights",
            "twin_formats"]

@@ -38,7 +38,8 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Sequence
 
-from autotune.api import GpuSpec, Link, MemoryEstimate, TrialConfig, get_link, slowest_link
+from autotune.api import MemoryEstimate, TrialConfig
+from autotune._builtin import GpuSpec, Link, get_link, slowest_link
 from autotune_plugins.twin import physics, service
 
 __all__ = ["ACTIVATION_BYTES", "MODES", "MulticardConstants", "Split", "cards_of", "load_multicard", "per_device",

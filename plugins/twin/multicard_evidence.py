@@ -27,7 +27,8 @@ from pathlib import Path
 
 from scipy.optimize import least_squares
 
-from autotune.api import ModelSpec, TrialConfig, get_gpu, weights_for
+from autotune.api import ModelSpec, TrialConfig
+from autotune._builtin import get_gpu, weights_for
 from autotune_plugins.twin import multicard, physics
 from autotune_plugins.twin.backend import load_constants
 from autotune_plugins.twin.formats import twin_formats

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from autotune.api import CacheType, GpuSpec, MemoryEstimate, ModelSpec, cache_bytes_per_element, engine_model, \
-    engine_models, resolve_cache_type
+from autotune.api import CacheType, MemoryEstimate, ModelSpec
+from autotune._builtin import GpuSpec, cache_bytes_per_element, engine_model, engine_models, resolve_cache_type
 from autotune_plugins.shared.scenario import (  # noqa: F401  (physics' names for them, as before)
     LLAMA_UBATCH, VLLM_GPU_MEMORY_UTILIZATION, EngineConstants, HostConstants, Scenario)
 from autotune_plugins.twin import offload, service

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from autotune.api import ConfigError, ModelSpec, engine_models, parse_format
+from autotune.api import ModelSpec, parse_format
+from autotune._builtin import ConfigError, engine_models
 from autotune_plugins.twin.formats import twin_formats
 
 # (bits per weight, mean KLD vs F16) of llama.cpp file types, LLaMA 3 8B (see module doc).

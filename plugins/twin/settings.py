@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from autotune.api import SERVING_UNITS, Setting, load_links
+from autotune.api import Setting
+from autotune._builtin import SERVING_UNITS, load_links
 from autotune_plugins.twin.speculation import DEFAULT_ACCEPTANCE, acceptance_problem
 
 

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Mapping, Sequence
 
-from autotune.api import Param, kept
+from autotune.api import Param
+from autotune._builtin import kept
 
 __all__ = ["DEFAULT_ACCEPTANCE", "SPEC_TYPES", "CycleCosts", "Speculation", "load_cycle_costs", "acceptance_for", "acceptance_problem",
            "expected_tokens", "family_of_type", "gated", "measured_acceptance", "parameters", "per_token", "rate_of", "rules"]

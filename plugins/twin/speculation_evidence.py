@@ -26,7 +26,8 @@ from pathlib import Path
 
 from scipy.optimize import least_squares
 
-from autotune.api import Protocol, StudyContext, TrialConfig, Workload, get_gpu, get_model
+from autotune.api import StudyContext, TrialConfig
+from autotune._builtin import Protocol, Workload, get_gpu, get_model
 from autotune_plugins.twin import physics, speculation
 from autotune_plugins.twin.backend import load_constants
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import optuna
 
-from autotune.api import BaseStrategy, Search
+from autotune.api import BaseStrategy
+from autotune._builtin import Search
 
 __all__ = ["TwinStrategy"]
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from autotune.api import ConcurrentResult, StreamResult, Workload, latency_metrics, poisson_arrivals, rate_run
+from autotune.api import StreamResult
+from autotune._builtin import ConcurrentResult, Workload, latency_metrics, poisson_arrivals, rate_run
 
 from autotune_plugins.twin import physics
 

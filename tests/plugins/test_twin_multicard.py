@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from autotune.api import ConfigError, TrialConfig, get_gpu, get_link, host_link, load_links
+from autotune.api import TrialConfig
+from autotune._builtin import ConfigError, get_gpu, get_link, host_link, load_links
 from autotune_plugins.twin import multicard, multicard_evidence
 from autotune_plugins.twin.backend import load_constants
 
