@@ -42,14 +42,14 @@ from autotune.api import (
     deploy_line, parse_format,
 )
 from autotune._builtin import (
-    ConfigError, DefaultLaunch, SERVING_UNITS, Workload, cuda_visible, engine_environment, is_format,
+    ACCEPTANCE_ATTR, Acceptance, ConfigError, DefaultLaunch, SERVING_UNITS, Workload, cuda_visible, engine_environment, is_format,
     model_from_hf_config, path_problem,
 )
 from autotune._builtin import read_config_json
 
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
 from autotune_plugins.shared.worker_process import default_worker_command as _worker_command
-from autotune_plugins.exllamav3 import declarations, memory, split
+from autotune_plugins.exllamav3 import declarations, draft_memory, memory, speculation, split
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
 from autotune_plugins.exllamav3.generator_settings import (
     DEFAULT_CHUNK, GeneratorSettings, chunk_problem, generator_settings, normalize_cache_type, pages_per_job)
@@ -135,7 +135,23 @@ def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
             "--max-seq-len", str(s.max_seq_len), "--cache-size", str(s.cache_tokens),
             "--cache-mode", declarations.tabby_cache_mode(s.cache_type), "--max-batch-size", str(s.max_batch_size),
             "--chunk-size", str(s.chunk_size), "--output-chunking", "false", "--cuda-malloc-async", "false",
-            *split.tabbyapi_split_args(s.gpu_split, s.tensor_parallel)]
+            *split.tabbyapi_split_args(s.gpu_split, s.tensor_parallel), *tabbyapi_draft_args(s)]
+
+
+def tabbyapi_draft_args(s: GeneratorSettings) -> list[str]:
+    """TabbyAPI's ``draft_model:`` keys (config_sample.yml, dashed) for ``s``'s speculation: none
+    without it (``draft_mode`` defaults to ``model``, which drafts nothing without a name)."""
+    if s.spec_type == "none":
+        return []
+    out = ["--draft-mode", speculation.TABBY_DRAFT_MODE[s.spec_type], "--draft-num-tokens", str(s.draft_tokens)]
+    if s.spec_type == "draft":
+        draft = Path(s.draft_dir)
+        out += ["--draft-model-dir", str(draft.parent), "--draft-model-name", draft.name]
+    if s.spec_type in speculation.MODEL_MODES:
+        out += ["--draft-cache-mode", declarations.tabby_cache_mode(s.draft_cache_type)]
+    if s.spec_type == "ngram":
+        out += ["--ngram-match-min", str(s.ngram_match_min)]
+    return out
 
 
 def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str = "python",
@@ -143,7 +159,8 @@ def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str
     """The deploy line that delivers what ``s`` measures (or the twin predicts): TabbyAPI."""
     notes = [f"TabbyAPI, run from its checkout by the interpreter whose exllamav3 was {found} (config.yml "
              "model: keys of the same names; cuda_malloc_async is under memory:)",
-             f"cache of {parallel} x pad256({s.max_seq_len} + 1) = {s.cache_tokens} tokens: the {parallel} jobs run "
+             f"cache of {parallel} x pad256({s.max_seq_len} + 1{f' + {s.draft_tokens} drafted' if s.draft_tokens else ''}) "
+             f"= {s.cache_tokens} tokens: the {parallel} jobs run "
              "together when clients send max_tokens (without it a job reserves max_seq_len)",
              "--host 0.0.0.0 serves other machines"]
     return deploy_line([python, "main.py", *tabbyapi_args(s, model_dir), "--host", "127.0.0.1", "--port", "5000"],
@@ -209,15 +226,15 @@ class ExLlamaV3Backend(WorkerBackend):
             chunks = tuple(v for v in space["chunk_size"] if chunk_problem(v) is None)
             params.append(Param("chunk_size", chunks, "prefill chunk (max_chunk_size, TabbyAPI chunk_size)",
                                 accepted=("a multiple of 256, at least 256",)))
-        return params + split.parameters(space)
+        return params + split.parameters(space) + speculation.parameters(space)
 
     def search_dimensions(self) -> list[Param]:
         """Every [space] key this backend takes (``autotune plugins``, ``estimate --set``)."""
-        return self.parameters({"chunk_size": [], **{k: [] for k in split.KEYS}})
+        return self.parameters({"chunk_size": [], **{k: [] for k in (*split.KEYS, *speculation.KEYS)}})
 
     def search_rules(self) -> list[str]:
-        """The split's rules in words (``autotune plugins``)."""
-        return list(split.RULES)
+        """The split's and speculation's rules in words (``autotune plugins``)."""
+        return list(split.RULES) + list(speculation.RULES)
 
     def _hf_config(self, weights: str | None, ctx: StudyContext) -> dict | None:
         """The config.json the architecture rules read: the weights' own, else the source's."""
@@ -287,7 +304,13 @@ class ExLlamaV3Backend(WorkerBackend):
                            "shared_chunk_size must be a page multiple no larger than it")
         if config.ctx > model.max_context:
             reasons.append(f"ctx {config.ctx} exceeds the model's max_position_embeddings {model.max_context}")
-        reasons += split.check(config, ctx, model, self._hf_config(config.weights, ctx))
+        hf_config = self._hf_config(config.weights, ctx)
+        reasons += split.check(config, ctx, model, hf_config)
+        draft = config.option("draft")
+        if isinstance(draft, str) and (problem := self.check_weights(draft, ctx)):
+            return [*reasons, f"draft: {problem}"]
+        draft_dir = self._made(draft, ctx) if isinstance(draft, str) else None
+        reasons += speculation.check(config, hf_config, model_from_hf_config(draft_dir) if draft_dir else None, model)
         if quantized and model.kv_dim % 32:
             reasons.append(f"cache_type {config.option('cache_type')}: the model's K/V width {model.kv_dim} is not a "
                            "multiple of 32, the group a quantized cache packs and scales (cache/quant.py token_dim // 32)")
@@ -297,8 +320,14 @@ class ExLlamaV3Backend(WorkerBackend):
 
     def generator_settings(self, config: TrialConfig, ctx: StudyContext) -> GeneratorSettings:
         """The generator a trial measures and its deploy line serves: one object for both."""
+        draft = config.option("draft")
         return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel,
-                                  self._chunk(config, ctx), *placement_of(config, ctx))
+                                  self._chunk(config, ctx), *placement_of(config, ctx),
+                                  spec_type=config.option("spec_type", "none"),
+                                  draft_tokens=speculation.draft_tokens(config),
+                                  ngram_match_min=speculation.ngram_match(config),
+                                  draft_cache_type=config.option("draft_cache_type", "fp16"),
+                                  draft_dir=str(self.weights_path(draft, ctx)) if isinstance(draft, str) else "")
 
     def preflight_more(self, found: Mapping[str, Any], python: str) -> list[str]:
         """nvcc to compile exllamav3's extension at first import, unless it is prebuilt."""
@@ -321,7 +350,20 @@ class ExLlamaV3Backend(WorkerBackend):
             model = model_from_hf_config(made)
             weights = memory.exl3_dir_weights(made, model.tie_embeddings)
         mem = memory.estimate_for(model, weights, settings, ctx.workload.prompt_tokens, context)
+        draft = config.option("draft")
+        mem = draft_memory.with_draft(mem, model, settings, self._draft_bytes(draft, ctx) if isinstance(draft, str)
+                                      else None, speculation.mtp_layers(self._hf_config(config.weights, ctx)))
         return per_card(mem, model, weights, settings, ctx)
+
+    def _draft_bytes(self, draft: str, ctx: StudyContext) -> tuple[str, ModelSpec, memory.Exl3Weights]:
+        """The draft's architecture and bytes: its directory's, or for a format not made yet the
+        source's shape at the format's bits (as the target's)."""
+        made = self._made(draft, ctx)
+        if made is None:
+            _, bpw = parse_format(draft, self.weight_formats)
+            return draft, ctx.model, memory.predicted_exl3_weights(ctx.model, float(bpw))
+        shape = model_from_hf_config(made)
+        return draft, shape, memory.exl3_dir_weights(made, shape.tie_embeddings)
 
     @classmethod
     def worker_env(cls, ctx: StudyContext) -> dict[str, str]:
@@ -341,8 +383,19 @@ class ExLlamaV3Backend(WorkerBackend):
             raise ConfigError(f"the workload's prompt {wl.prompt_tokens} + output {wl.output_tokens} tokens exceed "
                               f"ctx {config.ctx}")
 
+    def replies_attrs(self, replies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The trial's acceptance: the worker's draft counters (the generator's per-job
+        ``accepted_draft_tokens`` / ``rejected_draft_tokens``) summed over every sample. The
+        generator counts no verification passes, so ``passes`` stays unknown."""
+        counts = [r["drafts"] for r in replies if isinstance(r.get("drafts"), Mapping)]
+        if not counts:
+            return {}
+        acc = Acceptance(*(sum(int(c.get(k, 0)) for c in counts) for k in ("requests", "drafted", "accepted",
+                                                                            "generated")))
+        return {ACCEPTANCE_ATTR: acc.to_dict()}
+
     def generator_attrs(self, settings: GeneratorSettings) -> dict[str, Any]:
-        return {"pages_per_job": pages_per_job(settings.max_seq_len)}
+        return {"pages_per_job": pages_per_job(settings.max_seq_len + settings.draft_tokens)}
 
 
 def placement_of(config: TrialConfig, ctx: StudyContext) -> tuple[str, bool]:

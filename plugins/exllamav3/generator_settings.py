@@ -85,6 +85,12 @@ class GeneratorSettings(SettingsRecord):
         gpu_split: ``""`` (one card), ``"auto"`` or GiB per card (``"20,24"``): how ``model.load``
             spreads the model over several cards (TabbyAPI's ``gpu_split_auto`` / ``gpu_split``).
         tensor_parallel: ``model.load(tensor_p=True)`` (TabbyAPI's ``tensor_parallel``).
+        spec_type: ``none``, ``draft``, ``mtp`` or ``ngram`` (:mod:`.speculation`).
+        draft_tokens: ``num_draft_tokens`` (0 without speculation): every job's pages hold this
+            window past its response (job.py ``max_new_tokens + 1 + max_draft_tokens``).
+        ngram_match_min: The generator's ``ngram_match_min`` (0: no n-gram drafting).
+        draft_cache_type: The draft cache's type (TabbyAPI ``draft_cache_mode``), draft and mtp.
+        draft_dir: The draft weights' directory (spec_type draft; ``""`` otherwise).
     """
 
     cache_type: str
@@ -94,6 +100,11 @@ class GeneratorSettings(SettingsRecord):
     chunk_size: int
     gpu_split: str = ""
     tensor_parallel: bool = False
+    spec_type: str = "none"
+    draft_tokens: int = 0
+    ngram_match_min: int = 0
+    draft_cache_type: str = "fp16"
+    draft_dir: str = ""
 
     @property
     def pages(self) -> int:
@@ -112,11 +123,17 @@ class GeneratorSettings(SettingsRecord):
     @property
     def jobs_at_once(self) -> int:
         """Jobs whose pages fit the cache together (the generator admits no more)."""
-        return min(self.max_batch_size, self.pages // pages_per_job(self.max_seq_len))
+        return min(self.max_batch_size, self.pages // pages_per_job(self.max_seq_len + self.draft_tokens))
+
+    @property
+    def draft_kv_bits(self) -> tuple[int, int] | None:
+        return cache_kv_bits(self.draft_cache_type)
 
 
 def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int = DEFAULT_CHUNK,
-                       gpu_split: str = "", tensor_parallel: bool = False) -> GeneratorSettings:
+                       gpu_split: str = "", tensor_parallel: bool = False, spec_type: str = "none",
+                       draft_tokens: int = 0, ngram_match_min: int = 0,
+                       draft_cache_type: str = "fp16", draft_dir: str = "") -> GeneratorSettings:
     """The cache and generator a trial gets.
 
     Args:
@@ -126,6 +143,8 @@ def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int
         chunk_size: The prefill chunk, a multiple of 256.
         gpu_split: The split over several cards (``""``: one card; see :mod:`.split`).
         tensor_parallel: Whether the cards split every layer.
+        spec_type, draft_tokens, ngram_match_min, draft_cache_type, draft_dir: The speculation
+            (:mod:`.speculation`); the draft window widens every job's pages.
 
     Raises:
         ConfigError: A value exllamav3 or TabbyAPI would not take as it is.
@@ -136,6 +155,8 @@ def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int
     if problem:
         raise ConfigError(f"chunk_size {problem}")
     cache = normalize_cache_type(cache_type)
-    cache_tokens = parallel * pages_per_job(ctx) * PAGE_SIZE
+    window = int(draft_tokens) if spec_type != "none" else 0
+    cache_tokens = parallel * pages_per_job(ctx + window) * PAGE_SIZE
     return GeneratorSettings(cache, ctx, cache_tokens, parallel, min(chunk_size, cache_tokens), gpu_split,
-                             bool(tensor_parallel))
+                             bool(tensor_parallel), spec_type, window, int(ngram_match_min) if spec_type == "ngram" else 0,
+                             normalize_cache_type(draft_cache_type), draft_dir if spec_type == "draft" else "")

@@ -19,6 +19,10 @@ What runs (exllamav3 1.6.5), as TabbyAPI's backends/exllamav3/model.py builds it
 * ``model.warmup(cache, max_chunk_size, max_batch_size)`` before the generator takes the cache;
 * ``Generator(model, cache, tokenizer, max_batch_size, max_chunk_size)``; jobs without
   ``max_rq_tokens`` (TabbyAPI's ``output_chunking: false``, see :mod:`.generator_settings`).
+* With speculation (:mod:`.speculation`): the draft model (or the target's ``mtp`` component)
+  and its cache of the target's size, loaded before the target as TabbyAPI does, and
+  ``draft_model``, ``draft_cache``, ``num_draft_tokens``, ``ngram_match_min`` for the generator;
+  ``sample`` answers the generator's drafted/accepted counters (:class:`DraftCounter`).
 
 A worker loaded for scoring (``load`` with ``purpose = "score"``, by :mod:`.scorer`) builds the
 same model and cache, no generator and no warmup, and answers ``tokenize``, ``loglikelihood``
@@ -56,7 +60,7 @@ def check_fits(settings: GeneratorSettings, prompt: int, output: int) -> None:
     """
     if prompt + output > settings.max_seq_len:
         raise ConfigError(f"prompt {prompt} + output {output} tokens exceed max_seq_len {settings.max_seq_len}")
-    need = settings.max_batch_size * pages_per_job(prompt + output)
+    need = settings.max_batch_size * pages_per_job(prompt + output + settings.draft_tokens)
     if need > settings.pages:
         raise ConfigError(f"{settings.max_batch_size} jobs of {prompt + output} tokens need {need} pages; the cache "
                           f"has {settings.pages}")
@@ -80,6 +84,7 @@ class Engine(WorkerEngine):
 
     settings: GeneratorSettings | None
     scoring: worker_scoring.PassScorer | None = None
+    drafts: "DraftCounter | None" = None
 
     def load(self, req: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
@@ -96,10 +101,15 @@ class Engine(WorkerEngine):
         model = Model.from_config(config)
         if settings.k_bits is None:
             cache = Cache(model, max_num_tokens=settings.cache_tokens, layer_type=CacheLayer_fp16,
-                          max_batch_size=settings.max_batch_size)
+                          max_batch_size=settings.max_batch_size, max_history=settings.draft_tokens)
         else:
             cache = Cache(model, max_num_tokens=settings.cache_tokens, layer_type=CacheLayer_quant,
-                          k_bits=settings.k_bits, v_bits=settings.v_bits, max_batch_size=settings.max_batch_size)
+                          k_bits=settings.k_bits, v_bits=settings.v_bits, max_batch_size=settings.max_batch_size,
+                          max_history=settings.draft_tokens)
+        # TabbyAPI builds both caches first, then loads the draft (its reserve only), then the target.
+        draft_model, draft_cache = self._drafter(settings, config, Config, Model, Cache, CacheLayer_fp16, CacheLayer_quant)
+        if draft_model is not None:
+            draft_model.load(reserve_per_device=[AUTOSPLIT_RESERVE_GB], progressbar=False)
         model.load(**split_load_args(settings), max_chunk_size=settings.chunk_size,
                    max_batch_size=settings.max_batch_size, progressbar=False)
         tokenizer = Tokenizer.from_config(config)
@@ -118,13 +128,35 @@ class Engine(WorkerEngine):
         # the cache, as its docstring asks; a server pays the same on its first requests.
         model.warmup(cache=cache, max_chunk_size=settings.chunk_size, max_batch_size=settings.max_batch_size)
         self.generator = Generator(model=model, cache=cache, tokenizer=tokenizer,
-                                   max_batch_size=settings.max_batch_size, max_chunk_size=settings.chunk_size)
+                                   max_batch_size=settings.max_batch_size, max_chunk_size=settings.chunk_size,
+                                   draft_model=draft_model, draft_cache=draft_cache,
+                                   num_draft_tokens=settings.draft_tokens or None,
+                                   ngram_match_min=settings.ngram_match_min)
+        self.drafts = DraftCounter()
         self.model, self.cache, self.tokenizer, self.settings = model, cache, tokenizer, settings
         self.vocab = int(tokenizer.actual_vocab_size)
         self.base_ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)[0].tolist()
         attention = {"path": "exllamav3_paged", "qc_staging": os.environ.get("EXL3_QC_STAGING", "1"),
                      "bc_attn": os.environ.get("EXL3_BC_ATTN", "1")}
         return self.load_reply(started, attention, _version())
+
+    def _drafter(self, s: GeneratorSettings, config: Any, Config: Any, Model: Any, Cache: Any, fp16: Any,
+                 quant: Any) -> tuple[Any, Any]:
+        """The draft model and its cache, as TabbyAPI builds them (backends/exllamav3/model.py):
+        the draft directory's own model, or the target's ``mtp`` component on its config; a cache
+        of the target's size (the generator asserts it) with ``draft_cache_type`` and the draft
+        window as ``max_history``; not loaded yet. None, None for ``none`` and ``ngram``."""
+        if s.spec_type not in ("draft", "mtp"):
+            return None, None
+        if s.spec_type == "mtp":
+            draft = Model.from_config(config, component="mtp")
+        else:
+            draft = Model.from_config(Config.from_directory(s.draft_dir))
+        bits = s.draft_kv_bits
+        kw = dict(max_num_tokens=s.cache_tokens, max_batch_size=s.max_batch_size, max_history=s.draft_tokens)
+        cache = Cache(draft, layer_type=fp16, **kw) if bits is None else \
+            Cache(draft, layer_type=quant, k_bits=bits[0], v_bits=bits[1], **kw)
+        return draft, cache
 
     def run_shape(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
         return self.run_load([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
@@ -135,8 +167,18 @@ class Engine(WorkerEngine):
         each request's first token is unique, so no cached page is reused and every run prefills."""
         from exllamav3 import ArgmaxSampler, Job
 
-        return run_requests(self.generator, self._prompt_tensor, lambda ids, n_out, k: Job(
+        if self.drafts is None:
+            self.drafts = DraftCounter()
+        return run_requests(CountingGenerator(self.generator, self.drafts), self._prompt_tensor, lambda ids, n_out, k: Job(
             input_ids=ids, max_new_tokens=n_out, sampler=ArgmaxSampler(), identifier=k), lengths, concurrency, arrivals)
+
+    def sample(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The shared run, and the draft counters of its requests (the one alone and the run's)."""
+        self.drafts = DraftCounter()
+        reply = super().sample(req)
+        if self._require().spec_type != "none":
+            reply["drafts"] = self.drafts.to_dict()
+        return reply
 
     def check_sample(self, settings: GeneratorSettings, prompt: int, output: int,
                      lengths: Sequence[Sequence[int]]) -> None:
@@ -151,6 +193,46 @@ class Engine(WorkerEngine):
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Mapping[str, Any]]]:
         return {"load": self.load, "sample": self.sample, **worker_scoring.handlers(self._scorer)}
+
+
+class DraftCounter:
+    """The generator's own counters summed over finished jobs: its last result of a job
+    (``eos``) carries ``accepted_draft_tokens`` and ``rejected_draft_tokens`` when speculative
+    decoding is on (generator.py iterate's docstring). The generator counts the positions past
+    the end as rejected "so accepted + rejected equals the number of drafted positions"."""
+
+    def __init__(self) -> None:
+        self.requests = self.accepted = self.rejected = self.generated = 0
+
+    def add(self, result: Mapping[str, Any]) -> None:
+        if result.get("stage") == "streaming" and result.get("eos") and "accepted_draft_tokens" in result:
+            self.requests += 1
+            self.accepted += int(result["accepted_draft_tokens"])
+            self.rejected += int(result.get("rejected_draft_tokens", 0))
+            self.generated += int(result.get("new_tokens", 0))
+
+    def to_dict(self) -> dict[str, int]:
+        return {"requests": self.requests, "drafted": self.accepted + self.rejected, "accepted": self.accepted,
+                "generated": self.generated}
+
+
+class CountingGenerator:
+    """The generator as :func:`.worker_engine.run_requests` drives it, each result counted."""
+
+    def __init__(self, generator: Any, counter: DraftCounter) -> None:
+        self.generator, self.counter = generator, counter
+
+    def enqueue(self, job: Any) -> None:
+        self.generator.enqueue(job)
+
+    def num_remaining_jobs(self) -> int:
+        return self.generator.num_remaining_jobs()
+
+    def iterate(self) -> list[Any]:
+        results = self.generator.iterate()
+        for r in results:
+            self.counter.add(r)
+        return results
 
 
 def _version() -> str:

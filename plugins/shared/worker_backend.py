@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune._builtin import processes
 from autotune.api import (
@@ -226,6 +226,11 @@ class WorkerBackend(BaseBackend):
         """The trial's record of its generator (after ``generator``, its settings)."""
         return {}
 
+    def replies_attrs(self, replies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The trial's record of what every ``sample`` reply reported beyond the timings (an
+        engine's own counters, e.g. speculation's drafted and accepted tokens)."""
+        return {}
+
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         has_gpu = _has_gpu()
         request_s = float(self.setting(ctx, "request_timeout_s"))
@@ -237,11 +242,13 @@ class WorkerBackend(BaseBackend):
             try:
                 loaded = self.load(worker, self.weights_path(config.weights, ctx), settings, ctx)
                 last: dict[str, Any] = {}
+                replies: list[Mapping[str, Any]] = []
 
                 def ask(extra: Mapping[str, Any]) -> Mapping[str, Any]:
                     reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
                                            output_tokens=wl.output_tokens, **extra)
                     last.update(reply)
+                    replies.append(reply)
                     return reply
 
                 # The worker composes a run in its own process (one request alone, then the run's
@@ -271,5 +278,6 @@ class WorkerBackend(BaseBackend):
             "command": " ".join(self.worker_command(ctx)),
             "gpu": has_gpu,
             "prompt_tokens": wl.prompt_tokens,
+            **self.replies_attrs(replies),
         }
         return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)

@@ -4,6 +4,7 @@ Its behaviour comes from the first argument: ``ok`` (answers like a loaded engin
 ``crash-on-load`` (prints a reason to stderr and exits 3), ``hang-on-load`` (never answers),
 ``other-settings`` (builds a smaller cache than asked for). With ``EXL3_FAKE_REQUESTS`` set,
 every request is appended to that file as a JSON line, so tests see what the parent sent.
+Loaded with speculation (``spec_type`` not ``none``), ``sample`` reports draft counters.
 Loaded for scoring (``purpose = "score"``), it answers the scorer's requests with the real
 worker side (``worker_scoring.PassScorer``) over ``exllamav3_fake_model.FakeModel``.
 """
@@ -20,6 +21,7 @@ from autotune_plugins.exllamav3 import worker_scoring
 
 MODE = sys.argv[1]
 SCORER: list[worker_scoring.PassScorer] = []
+LOADED: dict = {}
 
 
 def scorer() -> worker_scoring.PassScorer:
@@ -35,6 +37,7 @@ def load(req: dict) -> dict:
     if MODE == "hang-on-load":
         time.sleep(300)
     built = dict(req["settings"])
+    LOADED.update(built)
     if MODE == "other-settings":  # as a worker that cut the cache to one job's pages would
         built.update(cache_tokens=256)
     if req.get("purpose") == "score":
@@ -58,8 +61,15 @@ def sample(req: dict, samples: int) -> dict:
         return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 40.0, "decode_tok_s": rate,
                 "prefill_tok_s": p / 0.04, "start_s": start, "end_s": start + 0.04 + (o - 1) / rate}
 
-    return {"ok": True, "single": stream(0.0, req["prompt_tokens"], req["output_tokens"]),
-            "streams": [stream(1.0, p, o) for p, o in lengths], "max_allocated_bytes": 1, "max_reserved_bytes": 2}
+    reply = {"ok": True, "single": stream(0.0, req["prompt_tokens"], req["output_tokens"]),
+             "streams": [stream(1.0, p, o) for p, o in lengths], "max_allocated_bytes": 1, "max_reserved_bytes": 2}
+    if LOADED.get("spec_type", "none") != "none":
+        # As the real worker's DraftCounter: per request, draft_tokens proposed per round and
+        # half of them accepted, over the request alone and the run's requests.
+        outs = [req["output_tokens"], *(o for _, o in lengths)]
+        reply["drafts"] = {"requests": len(outs), "drafted": sum(2 * o for o in outs), "accepted": sum(outs),
+                           "generated": sum(outs)}
+    return reply
 
 
 serve("EXL3_FAKE_REQUESTS", load, sample, worker_scoring.handlers(scorer))
