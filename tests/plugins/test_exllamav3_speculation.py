@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from autotune.backend import TrialConfig
-from autotune.models import model_from_hf_config
-from autotune.space import ConditionalParam
+from autotune.engine.backend import TrialConfig
+from autotune.modelfiles.models import model_from_hf_config
+from autotune.engine.space import ConditionalParam
 from tests.plugins.test_exllamav3_backend import CONFIG, FAKE, make_ctx, write_exl3
 
 from autotune_plugins.exllamav3 import memory, speculation
