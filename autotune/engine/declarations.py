@@ -20,7 +20,7 @@ from autotune import plugins
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from autotune.modelfiles.models import ModelSpec
+    from autotune.modelfiles.model_spec import ModelSpec
 
 __all__ = ["CacheType", "WeightFormats", "WeightsBreakdown", "installed_weight_formats"]
 

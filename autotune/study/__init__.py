@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 _HOME = {
     "Admission": "admission", "Verdict": "admission",
-    "PreparedStudy": "prepare", "prepare_study": "prepare", "resolve_gpu": "prepare",
+    "PreparedStudy": "prepared", "prepare_study": "prepare", "resolve_gpu": "prepare",
     "rank_by_prior": "prior",
     "SCHEMA_VERSION": "records", "TrialRecord": "records",
     "StudyRunner": "runner", "TrialEvent": "runner", "judge_for": "judge", "make_sampler": "runner",
@@ -58,7 +58,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from autotune.study.admission import Admission, Verdict
-    from autotune.study.prepare import PreparedStudy, prepare_study, resolve_gpu
+    from autotune.study.prepare import prepare_study, resolve_gpu
+    from autotune.study.prepared import PreparedStudy
     from autotune.study.prior import rank_by_prior
     from autotune.study.records import SCHEMA_VERSION, TrialRecord
     from autotune.study.runner import StudyRunner, TrialEvent, judge_for, make_sampler, run_study

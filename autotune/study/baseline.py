@@ -44,7 +44,8 @@ from autotune.engine.space import BackendSpace
 from autotune.study import records
 from autotune.study import budget_cut as cost
 from autotune.study.noise import baseline_launches, relative_range
-from autotune.study.prepare import PreparedStudy, highest_precision
+from autotune.study.prepare import highest_precision
+from autotune.study.prepared import PreparedStudy
 
 WHY_WEIGHTS = "the study's highest-precision candidate (most bytes of weights): what the user has before tuning"
 

@@ -22,7 +22,7 @@ import optuna
 from autotune import plugins
 from autotune.engine.backend import BaseBackend, StudyContext, TrialConfig
 from autotune.study import records
-from autotune.study.prepare import PreparedStudy
+from autotune.study.prepared import PreparedStudy
 from autotune.study.predictor import model_context, predictor_for
 
 #: The measured metrics a model backend is calibrated on (``BaseBackend.calibrate``).

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
     from autotune.hardware.placement import Placement
-    from autotune.study.prepare import PreparedStudy
+    from autotune.study.prepared import PreparedStudy
 
 __all__ = ["ENGINES_ATTR", "check_comparable", "engines_of"]
 

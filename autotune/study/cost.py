@@ -25,7 +25,7 @@ from autotune.study.predictor import predictor_for
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from autotune.study.prepare import PreparedStudy
+    from autotune.study.prepared import PreparedStudy
 
 __all__ = ["BASELINE_SHARE", "CUT_SHORT", "Forecast", "LaunchCost", "cut_short", "forecast", "launch_cost",
            "run_seconds"]

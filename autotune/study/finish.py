@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.objective import Score
     from autotune.study.claims import Claims
     from autotune.study.interrupts import Interrupts
-    from autotune.study.prepare import PreparedStudy
+    from autotune.study.prepared import PreparedStudy
 
 
 _PID_BITS = 22  # Linux's largest pid_max is 2**22

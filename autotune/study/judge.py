@@ -12,7 +12,7 @@ import optuna
 
 from autotune.study import records
 from autotune.study.admission import Admission
-from autotune.study.prepare import PreparedStudy
+from autotune.study.prepared import PreparedStudy
 from autotune.study.quality import QualityBook
 from autotune.study.records import TrialState
 

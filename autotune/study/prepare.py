@@ -8,7 +8,6 @@ reported at once, each naming the file, the table, the key and what would be acc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,44 +19,16 @@ from autotune.config import StudyConfig
 from autotune.errors import AutotuneError, ConfigError
 from autotune.engine.formats import normalize_format
 from autotune.hardware.gpus import GpuSpec
-from autotune.hardware.placement import Placement, resolve_placement
+from autotune.hardware.placement import resolve_placement
 from autotune.measure import Protocol
 from autotune.engine.metric import BaseMetric, QualityReference
-from autotune.modelfiles.models import ModelSpec, resolve_model
+from autotune.modelfiles.models import resolve_model
 from autotune.engine.space import CORE_OPTIONS, DRAFT_OPTION, BackendSpace, SearchSpace
 from autotune.study.admission import Admission, budget_of
-from autotune.study.refused import without_refused
+from autotune.study.prepared import PreparedStudy
 from autotune.study import storage as storage_mod
+from autotune.study.refused import without_refused
 from autotune.engine.workload import study_workload
-
-
-@dataclass
-class PreparedStudy:
-    """A study file resolved against plugins, catalogs and the machine."""
-
-    cfg: StudyConfig
-    gpu: GpuSpec
-    model: ModelSpec
-    vram_budget_bytes: int
-    space: SearchSpace
-    contexts: dict[str, StudyContext]
-    quality: BaseMetric | None
-    reference: dict[str, TrialConfig]
-    storage_url: str
-    excluded: list[str] = field(default_factory=list)
-    # The metric that judges a configuration whose paired drop is still undecided at the cap,
-    # through the study's fitted KLD relation ([quality] undecided = "kld").
-    quality_proxy: BaseMetric | None = None
-    # [hardware] gpus: the study's cards and each one's budget (None: one card, [hardware] gpu).
-    placement: Placement | None = None
-
-    def backend(self, name: str) -> BaseBackend:
-        return plugins.get_backend(name) if name not in self.space.entries else self.space.entries[name].backend
-
-    @property
-    def shown_storage(self) -> str:
-        """The storage URL as autotune shows it (password masked)."""
-        return storage_mod.mask_url(self.storage_url)
 
 
 def resolve_gpu(cfg: StudyConfig) -> GpuSpec:

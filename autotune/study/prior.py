@@ -30,7 +30,7 @@ from autotune.engine.metric import BaseMetric
 from autotune.study.admission import Admission
 from autotune.study.calibration import contexts_with_calibration
 from autotune.study.predictor import predictor_for
-from autotune.study.prepare import PreparedStudy
+from autotune.study.prepared import PreparedStudy
 from autotune.study.quality import drop_between
 
 

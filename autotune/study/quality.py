@@ -32,7 +32,7 @@ from autotune.study import paired
 from autotune.study.records import QUALITY_DECISION_PREFIX, QUALITY_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.study.prepare import PreparedStudy
+    from autotune.study.prepared import PreparedStudy
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from autotune.study.finish import Finish, finish_token
 from autotune.study.interrupts import Interrupted, Interrupts
 from autotune.study.judge import judge_for
 from autotune.study.probe import LeaderGapPruner
-from autotune.study.prepare import PreparedStudy, prepare_study
+from autotune.study.prepare import prepare_study
+from autotune.study.prepared import PreparedStudy
 from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
 from autotune.study.records import TrialState
 from autotune.study.sampling import ScreenedSampler

@@ -34,7 +34,7 @@ from autotune.study.optuna_internals import (  # noqa: F401
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autotune.study.prepare import PreparedStudy
+    from autotune.study.prepared import PreparedStudy
 
 # How long a write to SQLite waits for another process's lock before it is an error (SQLite's
 # busy timeout: it retries until then); said in the error, so the user knows it was waited for.

@@ -31,7 +31,7 @@ from autotune.study.trial_result import TrialResult, commit
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.admission import Admission
     from autotune.study.claims import Claims
-    from autotune.study.prepare import PreparedStudy
+    from autotune.study.prepared import PreparedStudy
 
 
 @dataclasses.dataclass
