@@ -25,7 +25,7 @@ from autotune.engine.formats import family_of, normalize_format, safetensors_dir
 from autotune.modelfiles.gguf_file import GgufFile, GgufTensor, read_gguf
 from autotune.hardware.gpus import GpuSpec, detect_gpus, get_gpu, has_gpu, load_gpu_catalog
 from autotune.hardware.links import Link, get_link, host_link, load_links, slowest_link
-from autotune.toolkit.local_server import free_port, loopback, read_log, server_url, tail, wait_ready
+from autotune.measure.local_server import free_port, loopback, read_log, server_url, tail, wait_ready
 from autotune.measure import SERVING_UNITS, ConcurrentResult, Protocol, post_events, serving_metrics
 from autotune.measure.load import latency_metrics, poisson_arrivals, rate_run
 from autotune.measure.openai_api import ServerCounters, disagreements, parse_prometheus, stream_completion

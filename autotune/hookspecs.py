@@ -65,7 +65,7 @@ def register_strategies(register: Callable[[Any], None]) -> None:
     """Register search strategies: what a study file names as ``[study] sampler``.
 
     The core registers its own (tpe, prior, random, nsga2, grid) the same way, from
-    ``autotune.engine.default_strategies``; a plugin adds one that needs what it ships (the twin's
+    ``autotune.study.default_strategies``; a plugin adds one that needs what it ships (the twin's
     ``twin``, which ranks with the twin before every launch).
 
     Args:

@@ -2,7 +2,7 @@
 
 Built-in plugins are entry points of this very distribution, so there is no list of them
 here: the core never names a backend. The core's own search strategies
-(``autotune.engine.default_strategies``) are the one plugin always registered, whatever the variables
+(``autotune.study.default_strategies``) are the one plugin always registered, whatever the variables
 say, as pytest's essential plugins: every study needs one. Two environment variables steer
 loading:
 
@@ -32,7 +32,7 @@ from autotune.errors import PluginError, UnknownNameError
 ENTRY_POINT_GROUP = "autotune"
 # Plugin name -> module of the plugins registered even when autoloading is off (tests) or an
 # allow-list leaves them out.
-ESSENTIAL_PLUGINS = {"autotune": "autotune.engine.default_strategies"}
+ESSENTIAL_PLUGINS = {"autotune": "autotune.study.default_strategies"}
 
 pm = pluggy.PluginManager("autotune")
 pm.add_hookspecs(hookspecs)

@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import httpx
 
 from autotune.modelfiles.gguf_file import read_gguf_key_values
-from autotune.toolkit.local_server import free_port
+from autotune.measure.local_server import free_port
 from autotune.measure.openai_api import parse_prometheus, stream_completion
 from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.measure.streams import run_streams_threaded

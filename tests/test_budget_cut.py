@@ -15,7 +15,7 @@ import pytest
 
 from autotune.engine.backend import Measurement, StudyContext, TrialConfig
 from autotune.errors import BackendError
-from autotune.toolkit.local_server import wait_ready
+from autotune.measure.local_server import wait_ready
 from autotune.measure import deadline
 from autotune.study import cost, open_storage, records, run_study
 from autotune.study.baseline import measure_again

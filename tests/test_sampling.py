@@ -7,7 +7,7 @@ import contextlib
 
 import optuna
 
-from autotune.engine.default_strategies import TpeStrategy
+from autotune.study.default_strategies import TpeStrategy
 from autotune.study.optuna_internals import FitOnceTPESampler
 
 SPACE = {

@@ -2,7 +2,7 @@
 
 A strategy is registered by a plugin (``register_strategies``) under the name a study file gives
 as ``[study] sampler``; the core's own (tpe, random, nsga2, grid, prior) are registered the
-same way, by ``autotune.engine.default_strategies``. The runner never compares strategy names: it
+same way, by ``autotune.study.default_strategies``. The runner never compares strategy names: it
 asks the study's strategy the questions below.
 
 Lifecycle of one run of a study (``StudyRunner.run``):

@@ -21,7 +21,7 @@ from autotune.toolkit import processes
 from autotune.engine.backend import StudyContext, TrialConfig, Workload
 from autotune.errors import BackendError
 from autotune.hardware.gpus import get_gpu
-from autotune.toolkit.local_server import free_port, wait_ready
+from autotune.measure.local_server import free_port, wait_ready
 from autotune.measure import DeadlineExceeded, Protocol, run_streams_threaded, within
 from autotune.measure.openai_api import stream_completion
 from autotune.modelfiles.models import model_from_gguf
