@@ -14,8 +14,9 @@ from autotune.errors import ConfigError
 T = TypeVar("T")
 
 
-def read_catalog(filename: str, build: Callable[[str, Mapping[str, Any], str], T],
-                 skip: tuple[str, ...] = ()) -> Mapping[str, T]:
+def read_catalog(
+    filename: str, build: Callable[[str, Mapping[str, Any], str], T], skip: tuple[str, ...] = ()
+) -> Mapping[str, T]:
     """Parse ``autotune/data/<filename>``: one table per key, each turned into a spec by ``build``;
     the tables named in ``skip`` are another reader's (:func:`read_table`).
 

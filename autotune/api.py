@@ -11,8 +11,16 @@ is internal; autotune's own plugins also use ``autotune._builtin``, which makes 
 
 from __future__ import annotations
 
-from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, \
-    deploy_line
+from autotune.engine.backend import (
+    BaseBackend,
+    Measurement,
+    MemoryEstimate,
+    Param,
+    Setting,
+    StudyContext,
+    TrialConfig,
+    deploy_line,
+)
 from autotune.engine.declarations import CacheType, WeightFormats, WeightsBreakdown
 from autotune.engine.model import EngineModel, weight_format
 from autotune.errors import AutotuneError, BackendError, MeasurementError
@@ -28,15 +36,36 @@ __all__ = [
     # hooks
     "hookimpl",
     # a backend, the records it takes and returns, its optional parts
-    "BaseBackend", "Setting", "Param", "TrialConfig", "StudyContext", "MemoryEstimate", "Measurement",
-    "deploy_line", "part", "ArtifactMaker",
+    "BaseBackend",
+    "Setting",
+    "Param",
+    "TrialConfig",
+    "StudyContext",
+    "MemoryEstimate",
+    "Measurement",
+    "deploy_line",
+    "part",
+    "ArtifactMaker",
     # an engine model (and with it the twin), the formats and cache types it declares
-    "EngineModel", "weight_format", "CacheType", "WeightFormats", "WeightsBreakdown", "parse_format", "bits_per_weight",
-    "ModelSpec", "resolve_model",
+    "EngineModel",
+    "weight_format",
+    "CacheType",
+    "WeightFormats",
+    "WeightsBreakdown",
+    "parse_format",
+    "bits_per_weight",
+    "ModelSpec",
+    "resolve_model",
     # measuring: the core's loop, fed with a backend's streams
-    "measure_engine", "serving_run", "StreamResult",
+    "measure_engine",
+    "serving_run",
+    "StreamResult",
     # a metric, a search strategy
-    "BaseMetric", "MetricValue", "BaseStrategy",
+    "BaseMetric",
+    "MetricValue",
+    "BaseStrategy",
     # errors
-    "AutotuneError", "BackendError", "MeasurementError",
+    "AutotuneError",
+    "BackendError",
+    "MeasurementError",
 ]

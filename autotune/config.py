@@ -12,12 +12,11 @@ against plugins and catalogs by ``autotune.study.prepare``, which reports those 
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from autotune import plugins
 from autotune.errors import ConfigError
@@ -25,6 +24,8 @@ from autotune.toolkit.paths import read_input
 from autotune.measure.protocol import Protocol
 from autotune.hardware.placement import CardsRequest, read_cards
 from autotune.engine.workload import SLO_KEYS, WORKLOAD_KEYS, WorkloadSpec, draw, read_slo, read_workload
+from autotune.toolkit.fields import MISSING, FieldReader, at_least, between, one_of, show
+from autotune.toolkit.durations import parse_duration
 
 # Memory kept free of the budget when a study file does not say ([hardware] safety_margin_mib):
 # `autotune init` and `autotune estimate` judge with it too, so a study they describe agrees.
@@ -48,7 +49,12 @@ QUALITY_OPTIONS: dict[str, tuple[type, float, float | None, str]] = {
     "batch": (int, 1, None, "items added per look of a sequential measurement (default: one per subject)"),
     "max_items": (int, 2, None, "the most items one artifact is measured on (default: the whole pool)"),
     "max_seconds": (float, 1, None, "the most seconds one candidate's sequential measurement may take"),
-    "expected_agreement": (float, 0.5, 1.0, "the fraction of items candidate and reference are expected to answer alike"),
+    "expected_agreement": (
+        float,
+        0.5,
+        1.0,
+        "the fraction of items candidate and reference are expected to answer alike",
+    ),
 }
 # [measure] table: field -> (type, min, what it is); max_runs' minimum is min_runs, and
 # max_seconds must be above its minimum (see autotune.measure.Protocol).
@@ -63,59 +69,12 @@ MEASURE_OPTIONS: dict[str, tuple[type, float, str]] = {
 # still undecided at the cap counts as (the safe answer by default).
 QUALITY_POOLS = ("sample", "full")
 UNDECIDED_POLICIES = ("reject", "accept", "kld")
-# Hours, minutes and seconds, each at most once and in that order ("2h30m", "90m", "1.5h"). Each
-# number is followed by its letter, so a run of digits is tried once per unit: linear in the
-# input, which is cut at _DURATION_CHARS before it is matched anyway.
-_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*(?:(\d+(?:\.\d+)?)\s*s)?")
-_DURATION_CHARS = 40
-# A budget of more than a year is a typo of unit (99999999999999999h ran as no budget at all).
-MAX_DURATION_S = 365 * 86400
 # Optuna's samplers seed numpy's generator, which takes 0..2**32-1: a seed outside it would be a
 # numpy traceback after the storage was made, so the file and --seed are checked against this.
 SEED_MAX = 2**32 - 1
 # No single card holds more (the largest in 2026 hold under 300 GB): a budget or margin above it
 # is a typo of unit, and its byte count would overflow.
 MAX_VRAM_GIB = 1024
-
-
-def parse_duration(text: str | int | float, source: str = "--budget") -> float:
-    """``'2h'``, ``'45m'``, ``'90s'``, ``'2h30m'`` (or a number of seconds) -> seconds.
-
-    Raises:
-        ConfigError: not a duration, none, or more than a year; the message quotes ``source``,
-            the value (cut when long) and what would be accepted.
-    """
-    accepted = "e.g. 90m or 2h"
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not math.isfinite(text) or text <= 0:
-            raise ConfigError(f"{source} {_show(text)}: must be a finite number of seconds > 0, or a string such as "
-                              "'90m' or '2h'")
-        seconds = float(text)
-    else:
-        typed = str(text)
-        stripped = typed.strip()
-        if len(typed) > _DURATION_CHARS:
-            raise ConfigError(f"{source} {_show_long(typed)}: too long for a duration; give a finite one, a number "
-                              f"with s, m or h, {accepted}")
-        match = _DURATION.fullmatch(stripped)
-        if not stripped or not match or not any(match.groups()):
-            bare = re.fullmatch(r"(\d+)\s*h\s*(\d+)", stripped)
-            if bare:  # "2h30": minutes meant, the unit left off
-                minutes = int(bare.group(1)) * 60 + int(bare.group(2))
-                raise ConfigError(f"{source} {typed!r}: the last number has no unit; write '{minutes}m' or "
-                                  f"'{bare.group(1)}h{bare.group(2)}m'")
-            raise ConfigError(f"{source} {typed!r}: use a number with s, m or h, {accepted}")
-        h, m, s = (float(g) if g else 0.0 for g in match.groups())
-        seconds = h * 3600 + m * 60 + s
-        if not math.isfinite(seconds):  # 400 digits overflow to inf: no budget at all, said as one
-            raise ConfigError(f"{source} {_show_long(typed)}: too large for a number of seconds; give a finite "
-                              f"duration, {accepted}")
-        if seconds <= 0:
-            raise ConfigError(f"{source} {typed!r}: must be more than no time, {accepted}")
-    if seconds > MAX_DURATION_S:
-        raise ConfigError(f"{source} {_show_long(str(text))}: more than a year ({MAX_DURATION_S // 3600}h), a typo of "
-                          f"unit; give a duration up to 8760h, {accepted}")
-    return seconds
 
 
 @dataclass(frozen=True)
@@ -155,7 +114,7 @@ class StudyConfig:
     n_trials: int | None
     budget_s: float | None
     storage: str | None
-    prior: bool | None    # None: not given (on for a real study whose engine has a model, see StudyRunner)
+    prior: bool | None  # None: not given (on for a real study whose engine has a model, see StudyRunner)
     prior_trials: int
     gpu: str
     gpu_index: int
@@ -190,136 +149,14 @@ class StudyConfig:
         return f"sqlite:///{self.name}.db"
 
 
-class _Reader:
-    """Reads fields of a TOML document, collecting errors instead of stopping at the first."""
-
-    def __init__(self, source: str, doc: Mapping[str, Any]):
-        self.source = source
-        self.doc = doc
-        self.errors: list[str] = []
-        # TOML reads inf and nan as numbers and no field means either: each one that got
-        # through was a traceback or a silent wrong result far from the file. All of them, in
-        # every table (those read below and those a backend reads later), are reported here
-        # once; ``get`` then skips them.
-        self.not_finite: set[tuple[str, str]] = set()
-        self._find_not_finite("", doc)
-
-    def _find_not_finite(self, section: str, table: Mapping[str, Any]) -> None:
-        for key, value in table.items():
-            inner = f"{section}.{key}" if section else key
-            if isinstance(value, dict):
-                self._find_not_finite(inner, value)
-            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-                for i, each in enumerate(value):
-                    self._find_not_finite(f"{inner}.{i}", each)
-            elif _not_finite(value):
-                self.not_finite.add((section, key))
-                self.error(section, key, value, "must be a finite number (inf and nan are not accepted)")
-
-    def error(self, section: str, key: str, value: Any, message: str) -> None:
-        where = f"[{section}] {key}" if section else key
-        shown = "(missing)" if value is _MISSING else _show(value)
-        self.errors.append(f"{self.source}: {where} = {shown}: {message}")
-
-    def table(self, name: str, required: bool = False) -> Mapping[str, Any]:
-        value = self.doc.get(name, _MISSING)
-        if value is _MISSING:
-            if required:
-                self.errors.append(f"{self.source}: [{name}] is missing: this table is required")
-            return {}
-        if not isinstance(value, dict):
-            self.errors.append(f"{self.source}: {name} must be a table ([{name}]), got {_show(value)}")
-            return {}
-        return value
-
-    def get(
-        self,
-        section: str,
-        table: Mapping[str, Any],
-        key: str,
-        kind: type | tuple[type, ...],
-        default: Any = None,
-        *,
-        required: bool = False,
-        check: Callable[[Any], str | None] | None = None,
-        accepted: str = "",
-    ) -> Any:
-        value = table.get(key, _MISSING)
-        if (section, key) in self.not_finite:
-            return default
-        if value is _MISSING:
-            if required:
-                self.error(section, key, value, f"required{'; ' + accepted if accepted else ''}")
-            return default
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            names = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
-            self.error(section, key, value, f"must be {names}{'; ' + accepted if accepted else ''}")
-            return default
-        if check:
-            problem = check(value)
-            if problem:
-                self.error(section, key, value, problem)
-                return default
-        return value
-
-    def unknown_keys(self, section: str, table: Mapping[str, Any], known: set[str]) -> None:
-        for key in table:
-            if key not in known:
-                self.errors.append(
-                    f"{self.source}: [{section}] {key}: unknown field (known: {', '.join(sorted(known))})"
-                )
-
-
-class _Missing:
-    def __repr__(self) -> str:  # pragma: no cover
-        return "(missing)"
-
-
-_MISSING: Any = _Missing()
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a table"}
-
-
-def _not_finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    return isinstance(value, list) and any(_not_finite(v) for v in value)
-
-
-def _show_long(text: str) -> str:
-    """A typed value quoted, cut where it is longer than a line."""
-    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text)} characters)"
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
-    return str(value)
-
-
-def _at_least(n: float) -> Callable[[Any], str | None]:
-    return lambda v: None if v >= n else f"must be >= {n}"
-
-
-def _between(low: int, high: int) -> Callable[[Any], str | None]:
-    return lambda v: None if low <= v <= high else f"must be {low}..{high}"
-
-
-def _one_of(options: tuple[str, ...]) -> Callable[[Any], str | None]:
-    return lambda v: None if v in options else f"must be one of {', '.join(options)}"
-
-
 def study_name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a study (None: it can): it names the study's files."""
     if re.fullmatch(r"[A-Za-z0-9_.-]+", name) and len(name) <= MAX_STUDY_NAME and name.strip(".") != "":
         return None
-    return (f"use letters, digits, '.', '_' or '-', at most {MAX_STUDY_NAME} of them, not only dots (it names the "
-            "study's files, <name>.db and <name>.html, and a file name has at most 255 bytes)")
+    return (
+        f"use letters, digits, '.', '_' or '-', at most {MAX_STUDY_NAME} of them, not only dots (it names the "
+        "study's files, <name>.db and <name>.html, and a file name has at most 255 bytes)"
+    )
 
 
 def load_study_config(path: str | Path, *, read_files: bool = True) -> StudyConfig:
@@ -352,26 +189,55 @@ def load_study_config(path: str | Path, *, read_files: bool = True) -> StudyConf
     return parse_study_config(doc, source=str(path), path=path, read_files=read_files)
 
 
-def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Path | None = None,
-                       read_files: bool = True) -> StudyConfig:
+def parse_study_config(
+    doc: Mapping[str, Any], source: str = "<study>", path: Path | None = None, read_files: bool = True
+) -> StudyConfig:
     """Validate an already-parsed study document (see ``load_study_config``)."""
-    r = _Reader(source, doc)
-    r.unknown_keys("", {k: v for k, v in doc.items()}, {
-        "study", "hardware", "model", "workload", "measure", "candidates", "space", "objective", "backends",
-        "quality",
-    })
+    r = FieldReader(source, doc)
+    r.unknown_keys(
+        "",
+        {k: v for k, v in doc.items()},
+        {
+            "study",
+            "hardware",
+            "model",
+            "workload",
+            "measure",
+            "candidates",
+            "space",
+            "objective",
+            "backends",
+            "quality",
+        },
+    )
 
     study = r.table("study")
-    r.unknown_keys("study", study, {
-        "name", "description", "seed", "sampler", "n_trials", "budget", "storage", "prior", "prior_trials",
-        "finish_top", "finish_rounds", "finish_max_rounds", "probe_margin", "baseline",
-    })
+    r.unknown_keys(
+        "study",
+        study,
+        {
+            "name",
+            "description",
+            "seed",
+            "sampler",
+            "n_trials",
+            "budget",
+            "storage",
+            "prior",
+            "prior_trials",
+            "finish_top",
+            "finish_rounds",
+            "finish_max_rounds",
+            "probe_margin",
+            "baseline",
+        },
+    )
     default_name = path.stem if path else "study"
     name = r.get("study", study, "name", str, default_name, check=study_name_problem)
-    seed = r.get("study", study, "seed", int, 0, check=_between(0, SEED_MAX))
+    seed = r.get("study", study, "seed", int, 0, check=between(0, SEED_MAX))
     strategies = plugins.get_strategies()
-    sampler = r.get("study", study, "sampler", str, "tpe", check=_one_of(tuple(strategies)))
-    n_trials = r.get("study", study, "n_trials", int, None, check=_at_least(1))
+    sampler = r.get("study", study, "sampler", str, "tpe", check=one_of(tuple(strategies)))
+    n_trials = r.get("study", study, "n_trials", int, None, check=at_least(1))
     budget_s = None
     if "budget" in study and ("study", "budget") not in r.not_finite:
         try:
@@ -380,40 +246,75 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
             r.errors.append(str(exc))
     storage = r.get("study", study, "storage", str, None)
     prior = r.get("study", study, "prior", bool, None)
-    prior_trials = r.get("study", study, "prior_trials", int, 10, check=_at_least(1))
+    prior_trials = r.get("study", study, "prior_trials", int, 10, check=at_least(1))
     # The noise-aware finish (StudyRunner.finish): how many of the best configurations are
     # measured again, and how many times each, before a winner is named.
-    finish_top = r.get("study", study, "finish_top", int, 3,
-                       check=lambda v: None if v == 0 or v >= 2 else "must be 0 (no finish) or >= 2 (a finish compares "
-                                                                    "the best configurations with each other)")
-    finish_rounds = r.get("study", study, "finish_rounds", int, 2, check=_at_least(1))
+    finish_top = r.get(
+        "study",
+        study,
+        "finish_top",
+        int,
+        3,
+        check=lambda v: (
+            None
+            if v == 0 or v >= 2
+            else "must be 0 (no finish) or >= 2 (a finish compares the best configurations with each other)"
+        ),
+    )
+    finish_rounds = r.get("study", study, "finish_rounds", int, 2, check=at_least(1))
     # A tie whose lead is at least half what noise explains may be a real gap measured too few
     # times: rounds are added, one at a time, up to this many.
-    finish_max_rounds = r.get("study", study, "finish_max_rounds", int, max(4, finish_rounds),
-                              check=lambda v: None if v >= finish_rounds else
-                              f"must be >= finish_rounds ({finish_rounds})")
+    finish_max_rounds = r.get(
+        "study",
+        study,
+        "finish_max_rounds",
+        int,
+        max(4, finish_rounds),
+        check=lambda v: None if v >= finish_rounds else f"must be >= finish_rounds ({finish_rounds})",
+    )
     # "How much better than doing nothing": each backend's default launch, measured once per study.
     baseline = r.get("study", study, "baseline", bool, True)
     # Multi-fidelity (autotune.study.probe): a launch whose first run is this far below the
     # leader stops there. Not given: on where it pays (study/cost.py: auto_probe); 0: off.
-    probe_margin = r.get("study", study, "probe_margin", float, None,
-                         check=lambda v: None if 0 <= v < 1 else "must be a fraction between 0 and 1, e.g. 0.15, "
-                                                                 "or 0 (no probe)")
+    probe_margin = r.get(
+        "study",
+        study,
+        "probe_margin",
+        float,
+        None,
+        check=lambda v: None if 0 <= v < 1 else "must be a fraction between 0 and 1, e.g. 0.15, or 0 (no probe)",
+    )
 
     hw = r.table("hardware", required=True)
     r.unknown_keys("hardware", hw, {"gpu", "gpus", "gpu_index", "vram_budget_gib", "safety_margin_mib"})
     # Several cards ([hardware] gpus, autotune.hardware.placement): their budgets are per card, read there.
     cards = read_cards(hw, lambda key, value, message: r.error("hardware", key, value, message), SAFETY_MARGIN_MIB)
     gpu = r.get("hardware", hw, "gpu", str, "auto", accepted="a catalog key such as v100-16gb, or 'auto'")
-    gpu_index = r.get("hardware", hw, "gpu_index", int, 0, check=_at_least(0))
+    gpu_index = r.get("hardware", hw, "gpu_index", int, 0, check=at_least(0))
     vram_gib, margin_mib = None, SAFETY_MARGIN_MIB
     if cards is None and "gpus" not in hw:
-        vram_gib = r.get("hardware", hw, "vram_budget_gib", float, None,
-                         check=lambda v: None if 0 < v <= MAX_VRAM_GIB else
-                         f"must be > 0 and at most {MAX_VRAM_GIB} (GiB of one card)")
-        margin_mib = r.get("hardware", hw, "safety_margin_mib", float, SAFETY_MARGIN_MIB,
-                           check=lambda v: None if 0 <= v <= MAX_VRAM_GIB * 1024 else
-                           f"must be >= 0 and at most {MAX_VRAM_GIB * 1024} (MiB of one card)")
+        vram_gib = r.get(
+            "hardware",
+            hw,
+            "vram_budget_gib",
+            float,
+            None,
+            check=lambda v: (
+                None if 0 < v <= MAX_VRAM_GIB else f"must be > 0 and at most {MAX_VRAM_GIB} (GiB of one card)"
+            ),
+        )
+        margin_mib = r.get(
+            "hardware",
+            hw,
+            "safety_margin_mib",
+            float,
+            SAFETY_MARGIN_MIB,
+            check=lambda v: (
+                None
+                if 0 <= v <= MAX_VRAM_GIB * 1024
+                else f"must be >= 0 and at most {MAX_VRAM_GIB * 1024} (MiB of one card)"
+            ),
+        )
     elif cards is not None and cards.gpus != ("auto",):
         gpu = cards.gpus[0]  # the first card is the main one: what a one-card model reads
 
@@ -421,17 +322,32 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     r.unknown_keys("model", model_t, {"ref", "source"})
     # source: the model that candidates named as formats (gguf:Q8_0, exl2:4.0) are made from;
     # it is also the model's shape unless ref names another.
-    model_source = r.get("model", model_t, "source", str, None,
-                         check=lambda v: None if v.strip() else "must name a model directory or a .gguf file")
-    model = r.get("model", model_t, "ref", str, model_source or "", required=model_source is None,
-                  accepted="a catalog key (autotune estimate --help lists them), a .gguf file or a model directory "
-                           "(or give [model] source, the model formats are made from)")
+    model_source = r.get(
+        "model",
+        model_t,
+        "source",
+        str,
+        None,
+        check=lambda v: None if v.strip() else "must name a model directory or a .gguf file",
+    )
+    model = r.get(
+        "model",
+        model_t,
+        "ref",
+        str,
+        model_source or "",
+        required=model_source is None,
+        accepted="a catalog key (autotune estimate --help lists them), a .gguf file or a model directory "
+        "(or give [model] source, the model formats are made from)",
+    )
 
     wl = r.table("workload", required=True)
     r.unknown_keys("workload", wl, set(WORKLOAD_KEYS))
-    spec = read_workload(wl, lambda key, *a, **k: r.get("workload", wl, key, *a, **k),
-                         lambda key, value, message: r.error("workload", key, _MISSING if value is None else value,
-                                                             message))
+    spec = read_workload(
+        wl,
+        lambda key, *a, **k: r.get("workload", wl, key, *a, **k),
+        lambda key, value, message: r.error("workload", key, MISSING if value is None else value, message),
+    )
     requests: tuple[tuple[int, int], ...] = ()
     try:
         requests = draw(spec, seed, path.parent if path else Path(".")) if read_files else ()
@@ -449,7 +365,7 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     r.unknown_keys("measure", measure_t, set(MEASURE_OPTIONS))
     measure: dict[str, Any] = {}
     for key, (kind, low, what) in MEASURE_OPTIONS.items():
-        check = _at_least(low)
+        check = at_least(low)
         if key == "max_runs":
             floor = measure.get("min_runs", Protocol.min_runs)
             check = lambda v, floor=floor: None if v >= floor else f"must be >= min_runs ({floor})"  # noqa: E731
@@ -460,8 +376,8 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
             measure[key] = value
 
     candidates: list[Candidates] = []
-    raw_candidates = doc.get("candidates", _MISSING)
-    if raw_candidates is _MISSING:
+    raw_candidates = doc.get("candidates", MISSING)
+    if raw_candidates is MISSING:
         r.errors.append(f"{source}: [[candidates]] is missing: list at least one backend with its weights")
     elif not isinstance(raw_candidates, list) or not all(isinstance(c, dict) for c in raw_candidates):
         r.errors.append(f"{source}: candidates must be an array of tables ([[candidates]])")
@@ -469,11 +385,31 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
         for i, cand in enumerate(raw_candidates):
             sec = f"candidates.{i}"
             r.unknown_keys(sec, cand, {"backend", "weights", "draft"})
-            backend = r.get(sec, cand, "backend", str, None, required=True, accepted="an installed backend (autotune plugins)")
-            weights = r.get(sec, cand, "weights", list, None, required=True,
-                            check=lambda v: None if v and all(isinstance(w, str) and w for w in v) else "must be a non-empty list of strings")
-            draft = r.get(sec, cand, "draft", list, [], accepted="a list of draft weights, as weights are named",
-                          check=lambda v: None if all(isinstance(w, str) and w for w in v) else "must be a list of non-empty strings")
+            backend = r.get(
+                sec, cand, "backend", str, None, required=True, accepted="an installed backend (autotune plugins)"
+            )
+            weights = r.get(
+                sec,
+                cand,
+                "weights",
+                list,
+                None,
+                required=True,
+                check=lambda v: (
+                    None if v and all(isinstance(w, str) and w for w in v) else "must be a non-empty list of strings"
+                ),
+            )
+            draft = r.get(
+                sec,
+                cand,
+                "draft",
+                list,
+                [],
+                accepted="a list of draft weights, as weights are named",
+                check=lambda v: (
+                    None if all(isinstance(w, str) and w for w in v) else "must be a list of non-empty strings"
+                ),
+            )
             if backend and weights:
                 candidates.append(Candidates(backend, tuple(weights), tuple(draft or ())))
 
@@ -495,40 +431,66 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
                 # A misspelt key would otherwise be reported only as the missing one.
                 typo = difflib.get_close_matches(key, [k for k in space_t if k not in ("ctx", "parallel")], n=1)
                 hint = f" ([space] {typo[0]} is not a known key: did you mean {key}?)" if typo else ""
-                r.error("space", key, _MISSING, f"required: a list of integers >= {minimum}{hint}")
+                r.error("space", key, MISSING, f"required: a list of integers >= {minimum}{hint}")
             continue
         bad = [v for v in space[key] if not isinstance(v, int) or isinstance(v, bool) or v < minimum]
         if bad:
-            r.error("space", key, list(space[key]), f"every value must be an integer >= {minimum} (bad: {', '.join(map(_show, bad))})")
+            r.error(
+                "space",
+                key,
+                list(space[key]),
+                f"every value must be an integer >= {minimum} (bad: {', '.join(map(show, bad))})",
+            )
             space.pop(key)
 
     obj_t = r.table("objective")
-    r.unknown_keys("objective", obj_t, {
-        "metric", "quality", "penalty_per_point", "max_drop_points", "reference_weights", "mode", "require_quality",
-        "min_per_user_tok_s", *SLO_KEYS,
-    })
+    r.unknown_keys(
+        "objective",
+        obj_t,
+        {
+            "metric",
+            "quality",
+            "penalty_per_point",
+            "max_drop_points",
+            "reference_weights",
+            "mode",
+            "require_quality",
+            "min_per_user_tok_s",
+            *SLO_KEYS,
+        },
+    )
     slo = read_slo(obj_t, lambda key, *a, **k: r.get("objective", obj_t, key, *a, **k))
     objective = Objective(
         # With latency targets the default is goodput: throughput of the requests that met them.
-        metric=r.get("objective", obj_t, "metric", str, "rate_req_s" if spec.rate_search and slo else
-                     "goodput_tok_s" if slo else "aggregate_tok_s",
-                     check=_one_of(METRICS)),
+        metric=r.get(
+            "objective",
+            obj_t,
+            "metric",
+            str,
+            "rate_req_s" if spec.rate_search and slo else "goodput_tok_s" if slo else "aggregate_tok_s",
+            check=one_of(METRICS),
+        ),
         quality=r.get("objective", obj_t, "quality", str, None),
         # tok/s taken off per point of quality lost; a million is beyond any throughput, and a
         # finite 1e308 still overflowed the score to -inf.
-        penalty_per_point=r.get("objective", obj_t, "penalty_per_point", float, 0.0, check=_between(0, 10**6)),
-        max_drop_points=r.get("objective", obj_t, "max_drop_points", float, None, check=_at_least(0)),
+        penalty_per_point=r.get("objective", obj_t, "penalty_per_point", float, 0.0, check=between(0, 10**6)),
+        max_drop_points=r.get("objective", obj_t, "max_drop_points", float, None, check=at_least(0)),
         reference_weights=r.get("objective", obj_t, "reference_weights", str, None),
-        mode=r.get("objective", obj_t, "mode", str, "single", check=_one_of(OBJECTIVE_MODES)),
+        mode=r.get("objective", obj_t, "mode", str, "single", check=one_of(OBJECTIVE_MODES)),
         require_quality=r.get("objective", obj_t, "require_quality", bool, True),
-        min_per_user_tok_s=r.get("objective", obj_t, "min_per_user_tok_s", float, None,
-                                 check=lambda v: None if v > 0 else "must be > 0"),
+        min_per_user_tok_s=r.get(
+            "objective", obj_t, "min_per_user_tok_s", float, None, check=lambda v: None if v > 0 else "must be > 0"
+        ),
         slo=slo,
     )
     if spec.rate_search and not slo:
-        r.errors.append(f"{source}: [workload] rate_search needs latency targets in [objective] (e.g. ttft_p95_ms = "
-                        "500): the rate searched for is the highest that meets them")
-    if objective.quality is None and (objective.penalty_per_point or objective.max_drop_points is not None or objective.mode == "pareto"):
+        r.errors.append(
+            f"{source}: [workload] rate_search needs latency targets in [objective] (e.g. ttft_p95_ms = "
+            "500): the rate searched for is the highest that meets them"
+        )
+    if objective.quality is None and (
+        objective.penalty_per_point or objective.max_drop_points is not None or objective.mode == "pareto"
+    ):
         r.errors.append(
             f"{source}: [objective] quality is missing: penalty_per_point, max_drop_points and mode = 'pareto' need a quality metric"
         )
@@ -541,12 +503,12 @@ def parse_study_config(doc: Mapping[str, Any], source: str = "<study>", path: Pa
     r.unknown_keys("quality", quality_t, set(QUALITY_OPTIONS) | {"pool", "undecided"})
     quality_options: dict[str, Any] = {}
     for key, (kind, low, high, what) in QUALITY_OPTIONS.items():
-        check = _at_least(low) if high is None else _between(low, high)
+        check = at_least(low) if high is None else between(low, high)
         value = r.get("quality", quality_t, key, kind, None, accepted=what, check=check)
         if value is not None:
             quality_options[key] = value
     for key, options in (("pool", QUALITY_POOLS), ("undecided", UNDECIDED_POLICIES)):
-        value = r.get("quality", quality_t, key, str, None, check=_one_of(options))
+        value = r.get("quality", quality_t, key, str, None, check=one_of(options))
         if value is not None:
             quality_options[key] = value
     if quality_t and objective.quality is None:

@@ -113,5 +113,7 @@ def too_long(path: object) -> str:
     text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
     longest = max((len(os.fsencode(part)) for part in text.split(os.sep)), default=0)
     shown = text if len(text) <= 120 else f"{text[:60]}...{text[-40:]} ({len(text):,} characters)"
-    return (f"{shown}: too long for the filesystem (its longest name is {longest:,} bytes; a name may "
-            "have 255 and a whole path 4,096 on Linux): give a shorter path or name")
+    return (
+        f"{shown}: too long for the filesystem (its longest name is {longest:,} bytes; a name may "
+        "have 255 and a whole path 4,096 on Linux): give a shorter path or name"
+    )

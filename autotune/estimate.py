@@ -71,7 +71,9 @@ def is_format(weights: str) -> bool:
 
 def _format_syntax() -> str:
     """How the installed backends' formats are written (``gguf:<TYPE> or exl2:<bpw>``)."""
-    return " or ".join(f.syntax for f in installed_weight_formats().values()) or "none (no installed backend declares one)"
+    return (
+        " or ".join(f.syntax for f in installed_weight_formats().values()) or "none (no installed backend declares one)"
+    )
 
 
 def _format_examples() -> str:
@@ -134,8 +136,10 @@ def _weights_of(model_ref: str, weights: str | None) -> str:
             )
         return weights
     if model_ref in load_model_catalog():
-        raise ConfigError(f"--weights is needed: --model {model_ref!r} is a catalog model, not a file "
-                          f"(give --weights: a file, a directory or a format, {_format_examples()})")
+        raise ConfigError(
+            f"--weights is needed: --model {model_ref!r} is a catalog model, not a file "
+            f"(give --weights: a file, a directory or a format, {_format_examples()})"
+        )
     return model_ref  # resolve_model has checked that it exists: the file is model and weights
 
 
@@ -163,8 +167,10 @@ def study_gpu_and_model(study_name: str, storage: str | None) -> tuple[Any, str,
         cfg = load_study_config(study_file)
         in_dir = cfg.base_dir / cfg.model
         return study, gpu_key, str(in_dir) if in_dir.exists() else cfg.model
-    raise ConfigError(f"--study {study_name!r}: its model {model_key!r} is a file named by its study file "
-                      f"{header.get('study_file')!r}, which is not there (from {Path.cwd()}): give --model")
+    raise ConfigError(
+        f"--study {study_name!r}: its model {model_key!r} is a file named by its study file "
+        f"{header.get('study_file')!r}, which is not there (from {Path.cwd()}): give --model"
+    )
 
 
 def _verdict(kind: str, refused: str | None) -> str:
@@ -191,9 +197,12 @@ def _study_budget(study: Any, study_name: str, gpu: Any) -> tuple["Budget", list
     margin = header.get("safety_margin_bytes")
     if study_gpu != gpu.key:
         margin = SAFETY_MARGIN_MIB * 2**20 if margin is None else int(margin)
-        return (budget_of(gpu, None, margin), None,
-                f"study {study_name!r} ran on {study_gpu}, not {gpu.key}: judged against {gpu.key}'s memory with "
-                "the study's safety margin and without the memory correction it learned there")
+        return (
+            budget_of(gpu, None, margin),
+            None,
+            f"study {study_name!r} ran on {study_gpu}, not {gpu.key}: judged against {gpu.key}'s memory with "
+            "the study's safety margin and without the memory correction it learned there",
+        )
     stored = int(header["vram_budget_bytes"])
     if margin is None:  # a study written before the header kept its margin
         return Budget(stored, 0, f"study {study_name!r}'s budget, its safety margin already off"), [], None
@@ -202,12 +211,24 @@ def _study_budget(study: Any, study_name: str, gpu: Any) -> tuple["Budget", list
     return Budget(stored + margin, margin, f"{source}, study {study_name!r}"), [], None
 
 
-def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
-                    ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int,
-                    prompt_tokens: int | None = None, output_tokens: int | None = None, study_name: str | None = None,
-                    storage: str | None = None, settings: Mapping[str, Any] | None = None,
-                    dimensions: Mapping[str, Any] | None = None, gpus: Sequence[str] | None = None,
-                    acceptance: float | None = None) -> dict[str, Any]:
+def estimate_config(
+    gpu_key: str | None,
+    model_ref: str | None,
+    backend_name: str,
+    weights: str | None,
+    ctx_tokens: int,
+    cache_type: str | None,
+    flash_attn: bool | None,
+    parallel: int,
+    prompt_tokens: int | None = None,
+    output_tokens: int | None = None,
+    study_name: str | None = None,
+    storage: str | None = None,
+    settings: Mapping[str, Any] | None = None,
+    dimensions: Mapping[str, Any] | None = None,
+    gpus: Sequence[str] | None = None,
+    acceptance: float | None = None,
+) -> dict[str, Any]:
     """Memory and predicted speed of one configuration.
 
     Args:
@@ -266,9 +287,11 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         # machine can describe it again.
         here = resolve_gpu("auto") if has_gpu() else None
         if here is None or here.key != gpu_key:
-            raise ConfigError(f"--study {study_name!r} ran on {gpu_key!r}, a card the catalog does not know; run this "
-                              f"on a machine with that card, or give --gpu (a catalog key: "
-                              f"{', '.join(load_gpu_catalog())})")
+            raise ConfigError(
+                f"--study {study_name!r} ran on {gpu_key!r}, a card the catalog does not know; run this "
+                f"on a machine with that card, or give --gpu (a catalog key: "
+                f"{', '.join(load_gpu_catalog())})"
+            )
         gpu = here
     elif gpus:
         if gpu_key is not None:
@@ -312,8 +335,11 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         if residuals is not None:
             residuals = learned_residuals(study).get(backend.name, [])
     elif placement is not None:
-        budget = Budget(sum(c.memory_bytes for c in placement.cards), sum(c.margin_bytes for c in placement.cards),
-                        f"{len(placement.cards)} cards' memory: " + ", ".join(placement.keys))
+        budget = Budget(
+            sum(c.memory_bytes for c in placement.cards),
+            sum(c.margin_bytes for c in placement.cards),
+            f"{len(placement.cards)} cards' memory: " + ", ".join(placement.keys),
+        )
     else:
         budget = budget_of(gpu, None, SAFETY_MARGIN_MIB * 2**20)
     if settings:
@@ -322,9 +348,16 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         problems = check_settings(backend, settings, "--setting")
         if problems:
             raise ConfigError("; ".join(problems))
-    ctx = StudyContext(gpu=gpu, model=model, workload=Workload(prompt_tokens, output_tokens),
-                       vram_budget_bytes=budget.bytes, protocol=Protocol(), for_gpu=not gpu.is_cpu,
-                       settings=dict(settings or {}), placement=placement)
+    ctx = StudyContext(
+        gpu=gpu,
+        model=model,
+        workload=Workload(prompt_tokens, output_tokens),
+        vram_budget_bytes=budget.bytes,
+        protocol=Protocol(),
+        for_gpu=not gpu.is_cpu,
+        settings=dict(settings or {}),
+        placement=placement,
+    )
     problem = backend.check_weights(weights, ctx)
     if problem:
         raise ConfigError(f"{flag} {weights!r}: {problem}")
@@ -333,8 +366,9 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
     judge = Admission.for_backend(backend, ctx, residuals=residuals)
     verdict = judge.judge(config)
     invalid = list(verdict.reasons)
-    mem, raw_total = (verdict.estimate, verdict.raw_total_bytes) if verdict.estimate is not None \
-        else judge.memory(config)
+    mem, raw_total = (
+        (verdict.estimate, verdict.raw_total_bytes) if verdict.estimate is not None else judge.memory(config)
+    )
     n_learned = judge.correction(backend.name)[1]
     calibration, calibration_note = None, None
     if study is not None and predictor is not None:
@@ -342,15 +376,19 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
 
         calibration = calibration_for(study, predictor.name, gpu.key)
         if calibration is None:
-            calibration_note = (f"study {study_name!r} holds no calibration of {predictor.name} on {gpu.key} (a twin "
-                                "study, another card, or nothing measured yet): the published constants predict")
+            calibration_note = (
+                f"study {study_name!r} holds no calibration of {predictor.name} on {gpu.key} (a twin "
+                "study, another card, or nothing measured yet): the published constants predict"
+            )
         ctx = replace(ctx, calibration=calibration)
     predicted = None
     speculated = None
     refused = None
     if acceptance is not None and str(dict(options).get("spec_type", "none")) == "none":
-        raise ConfigError(f"--acceptance {acceptance}: prices speculative decoding, and the configuration has none: "
-                          "give its type and draft length, e.g. --set spec_type=draft-mtp --set spec_n_max=2")
+        raise ConfigError(
+            f"--acceptance {acceptance}: prices speculative decoding, and the configuration has none: "
+            "give its type and draft length, e.g. --set spec_type=draft-mtp --set spec_n_max=2"
+        )
     no_prediction = None if predictor is not None else "no speed model for this engine is installed"
     if invalid:
         no_prediction = "no speed is predicted for an invalid configuration"
@@ -371,8 +409,9 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
                     predicted = predictor.predictor.predict(probe, ctx)
             except ConfigError as exc:  # a weights file whose format the speed model has no entry for
                 no_prediction = f"{predictor.name} cannot predict its speed: {exc}"
-    fits = mem.total_bytes <= budget.bytes and not (placement is not None and mem.per_device_bytes
-                                                    and check_cards(mem.per_device_bytes, placement))
+    fits = mem.total_bytes <= budget.bytes and not (
+        placement is not None and mem.per_device_bytes and check_cards(mem.per_device_bytes, placement)
+    )
     resolved = None
     if backend.name != backend_name:
         kind = "a format" if is_format(weights) else "a file or directory"
@@ -382,10 +421,20 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         "config": config.as_dict(),
         "gpu": gpu.key,
         "model": model.key,
-        "vram": {**mem.to_dict(), "budget_bytes": budget.bytes, "fits": fits, "predicted_bytes": raw_total,
-                 "correction_bytes": mem.total_bytes - raw_total, "correction_trials": n_learned},
-        "budget": {"memory_bytes": budget.memory_bytes, "safety_margin_bytes": budget.margin_bytes,
-                   "memory_source": budget.memory_source, "study": study_name},
+        "vram": {
+            **mem.to_dict(),
+            "budget_bytes": budget.bytes,
+            "fits": fits,
+            "predicted_bytes": raw_total,
+            "correction_bytes": mem.total_bytes - raw_total,
+            "correction_trials": n_learned,
+        },
+        "budget": {
+            "memory_bytes": budget.memory_bytes,
+            "safety_margin_bytes": budget.margin_bytes,
+            "memory_source": budget.memory_source,
+            "study": study_name,
+        },
         "budget_note": budget_note,
         **({"card_budgets": list(placement.budgets)} if placement is not None else {}),
         "predicted": dict(predicted) if predicted else None,
@@ -396,16 +445,21 @@ def estimate_config(gpu_key: str | None, model_ref: str | None, backend_name: st
         "predictor": predictor.name if predictor else None,
         "no_prediction": no_prediction,
         "resolved": resolved,
-        "calibration": None if calibration is None else {
-            "study": study_name, "n": calibration.get("n"),
+        "calibration": None
+        if calibration is None
+        else {
+            "study": study_name,
+            "n": calibration.get("n"),
             "median_abs_error_before": calibration.get("median_abs_error_before"),
-            "median_abs_error_after": calibration.get("median_abs_error_after")},
+            "median_abs_error_after": calibration.get("median_abs_error_after"),
+        },
         "calibration_note": calibration_note,
     }
 
 
-def _with_acceptance(predictor: BaseBackend, probe: TrialConfig, ctx: StudyContext, rate: float
-                     ) -> tuple[Mapping[str, float] | None, dict[str, Any] | None]:
+def _with_acceptance(
+    predictor: BaseBackend, probe: TrialConfig, ctx: StudyContext, rate: float
+) -> tuple[Mapping[str, float] | None, dict[str, Any] | None]:
     """The prediction of ``probe`` with its speculation priced at the engine's acceptance
     ``rate``, and how it compares with the same configuration without speculation.
 
@@ -415,17 +469,24 @@ def _with_acceptance(predictor: BaseBackend, probe: TrialConfig, ctx: StudyConte
     if not 0 <= rate < 1:
         raise ConfigError(f"--acceptance {rate}: accepted / drafted, a number >= 0 and < 1")
     if not any(s.name == "acceptance_rate" for s in predictor.settings):
-        raise ConfigError(f"--acceptance: {predictor.name} prices no speculative decoding (it takes no acceptance_rate)")
+        raise ConfigError(
+            f"--acceptance: {predictor.name} prices no speculative decoding (it takes no acceptance_rate)"
+        )
     priced = predictor.predictor.predict(probe, replace(ctx, settings={**ctx.settings, "acceptance_rate": rate}))
     spec_keys = {"spec_type", "spec_n_max", "spec_n_min", "spec_p_min", "draft", "draft_gpu_layers", "draft_cache_type"}
-    plain = predictor.predictor.predict(replace(probe, options=tuple(o for o in probe.options if o[0] not in spec_keys)), ctx)
+    plain = predictor.predictor.predict(
+        replace(probe, options=tuple(o for o in probe.options if o[0] not in spec_keys)), ctx
+    )
     if not priced or not plain:
         return priced, None
     options = dict(probe.options)
-    return priced, {"acceptance_rate": rate, "spec_type": options["spec_type"], "spec_n_max": options.get("spec_n_max"),
-                    "without": {k: plain[k] for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s")},
-                    "gain": {k: priced[k] / plain[k] for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s")
-                             if plain[k]}}
+    return priced, {
+        "acceptance_rate": rate,
+        "spec_type": options["spec_type"],
+        "spec_n_max": options.get("spec_n_max"),
+        "without": {k: plain[k] for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s")},
+        "gain": {k: priced[k] / plain[k] for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s") if plain[k]},
+    }
 
 
 def _dimension(backend: Any, name: str, value: Any) -> Any:
@@ -434,13 +495,17 @@ def _dimension(backend: Any, name: str, value: Any) -> Any:
     found = [p for p in backend.parameters({name: (value,)}) if p.name == name]
     if found and any(same_value(value, c) for c in found[0].choices):
         return value
-    dims = {p.name: p for p in (backend.search_dimensions() if hasattr(backend, "search_dimensions")
-                                else backend.parameters({}))}
+    dims = {
+        p.name: p
+        for p in (backend.search_dimensions() if hasattr(backend, "search_dimensions") else backend.parameters({}))
+    }
     if name in dims:
         accepted = ", ".join(str(v) for v in (dims[name].accepted or dims[name].choices))
         raise ConfigError(f"--set {name}={value!r}: {backend.name} takes {name} = {accepted}")
-    raise ConfigError(f"--set {name}: not a dimension of {backend.name} (it has: {', '.join(dims) or 'none'}; "
-                      "autotune plugins lists them)")
+    raise ConfigError(
+        f"--set {name}: not a dimension of {backend.name} (it has: {', '.join(dims) or 'none'}; "
+        "autotune plugins lists them)"
+    )
 
 
 def _percent(fraction: float | None) -> str:
@@ -475,21 +540,28 @@ def estimate_text(r: dict[str, Any]) -> str:
     )
     b = r.get("budget")
     if b:
-        lines.append(f"  budget {budget_text(v['budget_bytes'])} = {b['memory_bytes'] / 2**30:.2f} GiB "
-                     f"({b['memory_source']}) - {b['safety_margin_bytes'] / 2**30:.2f} GiB safety margin"
-                     + ("" if b.get("study") else " (autotune's default; a study sets [hardware] safety_margin_mib)"))
+        lines.append(
+            f"  budget {budget_text(v['budget_bytes'])} = {b['memory_bytes'] / 2**30:.2f} GiB "
+            f"({b['memory_source']}) - {b['safety_margin_bytes'] / 2**30:.2f} GiB safety margin"
+            + ("" if b.get("study") else " (autotune's default; a study sets [hardware] safety_margin_mib)")
+        )
         n = v.get("correction_trials", 0)
         if b.get("study") and not learned and not r.get("budget_note"):
-            lines.append(f"  no learned memory correction: study {b['study']!r} has no measured peak of {c['backend']}"
-                         if not n else f"  no learned memory correction: the median of {c['backend']}'s {n} measured "
-                         f"peaks in study {b['study']!r} is not above its prediction")
+            lines.append(
+                f"  no learned memory correction: study {b['study']!r} has no measured peak of {c['backend']}"
+                if not n
+                else f"  no learned memory correction: the median of {c['backend']}'s {n} measured "
+                f"peaks in study {b['study']!r} is not above its prediction"
+            )
     if r.get("budget_note"):
         lines.append(f"  {r['budget_note']}")
     if v["host_bytes"]:
         lines.append(f"  host memory: {v['host_bytes'] / gib:.2f} {unit}")
     for d, (used, budget) in enumerate(zip(v.get("per_device_bytes", ()), r.get("card_budgets", ()))):
-        lines.append(f"  device {d}: {used / gib:.2f} {unit} of budget {budget_text(budget)}"
-                     + ("" if used <= budget else ": DOES NOT FIT"))
+        lines.append(
+            f"  device {d}: {used / gib:.2f} {unit} of budget {budget_text(budget)}"
+            + ("" if used <= budget else ": DOES NOT FIT")
+        )
     for note in v.get("notes", []):
         lines.append(f"  - {note}")
     p = r["predicted"]
@@ -504,14 +576,18 @@ def estimate_text(r: dict[str, Any]) -> str:
     spec = r.get("speculation")
     if p and spec:
         gain, without = spec["gain"], spec["without"]
-        lines.append(f"  speculation {spec['spec_type']} n-max {spec['spec_n_max'] or 'default'} at acceptance "
-                     f"{spec['acceptance_rate']:.2f} (accepted / drafted): decode x{gain['decode_tok_s']:.2f} "
-                     f"(without: {without['decode_tok_s']:.1f} tok/s), aggregate x{gain['aggregate_tok_s']:.2f} "
-                     f"(without: {without['aggregate_tok_s']:.1f} tok/s) at parallel {c['parallel']}")
+        lines.append(
+            f"  speculation {spec['spec_type']} n-max {spec['spec_n_max'] or 'default'} at acceptance "
+            f"{spec['acceptance_rate']:.2f} (accepted / drafted): decode x{gain['decode_tok_s']:.2f} "
+            f"(without: {without['decode_tok_s']:.1f} tok/s), aggregate x{gain['aggregate_tok_s']:.2f} "
+            f"(without: {without['aggregate_tok_s']:.1f} tok/s) at parallel {c['parallel']}"
+        )
     cal = r.get("calibration")
     if p and cal:
-        lines.append(f"  calibrated on {cal['n']} measured trials of study {cal['study']} (its median error there "
-                     f"{_percent(cal['median_abs_error_before'])} -> {_percent(cal['median_abs_error_after'])})")
+        lines.append(
+            f"  calibrated on {cal['n']} measured trials of study {cal['study']} (its median error there "
+            f"{_percent(cal['median_abs_error_before'])} -> {_percent(cal['median_abs_error_after'])})"
+        )
     elif r.get("calibration_note"):
         lines.append(f"  {r['calibration_note']}")
     if verdict == "invalid":

@@ -123,8 +123,9 @@ def unregister_plugin(name: str) -> None:
         del _broken[key]
 
 
-def _collect(hook_name: str, kind: str, manager: pluggy.PluginManager = pm,
-             report: bool = True) -> dict[str, tuple[Any, str]]:
+def _collect(
+    hook_name: str, kind: str, manager: pluggy.PluginManager = pm, report: bool = True
+) -> dict[str, tuple[Any, str]]:
     """Call a ``register_*`` hook, owning the callback, and return name -> (object, plugin).
 
     Args:
@@ -143,8 +144,7 @@ def _collect(hook_name: str, kind: str, manager: pluggy.PluginManager = pm,
                 raise PluginError(f"plugin '{_plugin}' registered a {kind} without a name: {obj!r}")
             if name in found:
                 raise PluginError(
-                    f"{kind} name '{name}' is registered twice: by plugin '{found[name][1]}' "
-                    f"and by plugin '{_plugin}'"
+                    f"{kind} name '{name}' is registered twice: by plugin '{found[name][1]}' and by plugin '{_plugin}'"
                 )
             found[name] = (obj, _plugin)
 
@@ -175,8 +175,10 @@ _broken: dict[tuple[str, str], str] = {}  # (plugin, hook) -> error, reported on
 def _report_broken(plugin: str, hook_name: str, exc: Exception) -> None:
     if (plugin, hook_name) not in _broken:
         _broken[(plugin, hook_name)] = f"{type(exc).__name__}: {exc}"
-        print(shown(f"autotune: plugin '{plugin}' failed in {hook_name} and is left out: {type(exc).__name__}: {exc}"),
-              file=sys.stderr)
+        print(
+            shown(f"autotune: plugin '{plugin}' failed in {hook_name} and is left out: {type(exc).__name__}: {exc}"),
+            file=sys.stderr,
+        )
 
 
 def broken_plugins() -> list[dict[str, str]]:
@@ -274,8 +276,11 @@ def describe() -> dict[str, list[dict[str, Any]]]:
     # A backend that registers but cannot say what it declares (an optional dependency its
     # properties import): listed, and named under broken with its error, not a traceback for all.
     unlisted: list[dict[str, str]] = []
-    for key, hook, kind in (("backends", "register_backends", "backend"), ("metrics", "register_metrics", "metric"),
-                            ("strategies", "register_strategies", "strategy")):
+    for key, hook, kind in (
+        ("backends", "register_backends", "backend"),
+        ("metrics", "register_metrics", "metric"),
+        ("strategies", "register_strategies", "strategy"),
+    ):
         for name, (obj, plugin) in sorted(_collect(hook, kind).items()):
             out[key].append(
                 {
@@ -291,11 +296,14 @@ def describe() -> dict[str, list[dict[str, Any]]]:
                     out[key][-1]["cache_types"] = [c.name for c in getattr(obj, "kv_cache_types", ())]
                 except Exception as exc:  # noqa: BLE001 - a listing never fails on one backend
                     out[key][-1].update(formats=[], cache_types=[])
-                    unlisted.append({"plugin": plugin, "hook": f"backend {name}", "error": f"{type(exc).__name__}: {exc}"})
+                    unlisted.append(
+                        {"plugin": plugin, "hook": f"backend {name}", "error": f"{type(exc).__name__}: {exc}"}
+                    )
                 out[key][-1].update(_dimensions(obj))
                 if "dimensions_error" in out[key][-1]:
-                    unlisted.append({"plugin": plugin, "hook": f"backend {name}",
-                                     "error": out[key][-1]["dimensions_error"]})
+                    unlisted.append(
+                        {"plugin": plugin, "hook": f"backend {name}", "error": out[key][-1]["dimensions_error"]}
+                    )
     out["broken"] = broken_plugins() + unlisted
     return out
 
@@ -310,9 +318,12 @@ def _dimensions(backend: Any) -> dict[str, Any]:
         rules = list(backend.search_rules()) if hasattr(backend, "search_rules") else []
     except Exception as exc:  # noqa: BLE001 - a listing never fails on one backend
         return {"dimensions": [], "rules": [], "dimensions_error": f"{type(exc).__name__}: {exc}"}
-    return {"dimensions": [{"name": p.name, "accepted": [_shown(v) for v in (p.accepted or p.choices)], "doc": p.doc}
-                           for p in params],
-            "rules": rules}
+    return {
+        "dimensions": [
+            {"name": p.name, "accepted": [_shown(v) for v in (p.accepted or p.choices)], "doc": p.doc} for p in params
+        ],
+        "rules": rules,
+    }
 
 
 def _shown(value: Any) -> Any:
@@ -331,8 +342,10 @@ def add_commands(cli: Any) -> None:
     impls = pm.hook.register_commands.get_hookimpls()
     if os.environ.get("AUTOTUNE_TRACE_PLUGINS"):
         # Called one by one here, not through pluggy's hook caller, which its monitoring sees.
-        print(f"autotune trace: register_commands({{'cli': {cli!r}}}) -> {[i.plugin_name for i in impls]}",
-              file=sys.stderr)
+        print(
+            f"autotune trace: register_commands({{'cli': {cli!r}}}) -> {[i.plugin_name for i in impls]}",
+            file=sys.stderr,
+        )
     for impl in impls:
         before = dict(getattr(cli, "commands", {}))
         try:
@@ -343,4 +356,3 @@ def add_commands(cli: Any) -> None:
                 commands.clear()
                 commands.update(before)
             _report_broken(impl.plugin_name, "register_commands", exc)
-

@@ -117,8 +117,10 @@ def offered_formats() -> tuple[tuple[str, ...], frozenset[str]]:
     backend keeps those it can make from the source; full precision first, because with a
     quality metric the largest candidate is the reference."""
     families = installed_weight_formats().values()
-    return (tuple(fmt for f in families for fmt in f.offered),
-            frozenset(fmt for f in families for fmt in f.full_precision))
+    return (
+        tuple(fmt for f in families for fmt in f.offered),
+        frozenset(fmt for f in families for fmt in f.full_precision),
+    )
 
 
 def _gib(n: float) -> str:
@@ -134,8 +136,10 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     """
     source = Path(model_ref).expanduser().absolute()
     if not source.exists():
-        raise ConfigError(f"{model_ref}: no such file or directory (give a Hugging Face model directory or a "
-                          "full-precision .gguf file)")
+        raise ConfigError(
+            f"{model_ref}: no such file or directory (give a Hugging Face model directory or a "
+            "full-precision .gguf file)"
+        )
     model = resolve_model(str(source))
     notes: list[str] = []
     if gpu == "auto" and not hardware.detect_gpus():
@@ -154,8 +158,11 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     # default safety margin it does not override.
     budget = budget_of(spec, int(budget_gib * 2**30) if budget_gib else None, SAFETY_MARGIN_MIB * 2**20)
     if budget_gib:
-        budget = Budget(budget.memory_bytes, budget.margin_bytes,
-                        f"{CPU_BUDGET_SHARE:.0%} of host memory, [hardware] vram_budget_gib")
+        budget = Budget(
+            budget.memory_bytes,
+            budget.margin_bytes,
+            f"{CPU_BUDGET_SHARE:.0%} of host memory, [hardware] vram_budget_gib",
+        )
     if model.max_context < workload[0] + workload[1]:
         # A model with a short context (stories260K: 128 tokens... here 2048) gets a request that fits.
         prompt = max(1, model.max_context // 2)
@@ -164,12 +171,23 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     # to its length and without leading dots, or the file written was refused as it was read.
     derived = re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem if source.is_file() else source.name)
     name = name or derived.lstrip(".").strip("-")[:MAX_STUDY_NAME].rstrip("-") or "study"
-    draft = StudyDraft(name=name, source=source, model=model, gpu=spec, gpu_key=gpu_key, budget_gib=budget_gib,
-                       workload=workload, notes=notes, budget=budget)
+    draft = StudyDraft(
+        name=name,
+        source=source,
+        model=model,
+        gpu=spec,
+        gpu_key=gpu_key,
+        budget_gib=budget_gib,
+        workload=workload,
+        notes=notes,
+        budget=budget,
+    )
     draft.ctx = _ctx_values(model, sum(workload))
     if not draft.ctx:
-        raise ConfigError(f"{source}: the model's context ({model.max_context} tokens) is shorter than the smallest "
-                          f"ctx a study searches ({MIN_CTX})")
+        raise ConfigError(
+            f"{source}: the model's context ({model.max_context} tokens) is shorter than the smallest "
+            f"ctx a study searches ({MIN_CTX})"
+        )
 
     ctx_of: dict[str, StudyContext] = {}
     judges: dict[str, tuple[Admission, list[Param]]] = {}
@@ -178,8 +196,15 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     for backend_name, backend in plugins.get_backends().items():
         if backend.predictor is not None:
             continue
-        ctx = StudyContext(gpu=spec, model=model, workload=Workload(*workload), vram_budget_bytes=budget.bytes,
-                           protocol=Protocol(), source=source, for_gpu=False if spec.is_cpu else None)
+        ctx = StudyContext(
+            gpu=spec,
+            model=model,
+            workload=Workload(*workload),
+            vram_budget_bytes=budget.bytes,
+            protocol=Protocol(),
+            source=source,
+            for_gpu=False if spec.is_cpu else None,
+        )
         problems = backend.preflight(ctx)
         if problems:
             draft.left_out.append(f"backend {backend_name}: " + "; ".join(problems))
@@ -196,8 +221,11 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
         unmakable: dict[str, str] = {}  # format -> why it cannot be made from the source
         for fmt in formats:
             try:
-                recipe = None if backend.artifacts is None else \
-                    backend.artifacts.recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
+                recipe = (
+                    None
+                    if backend.artifacts is None
+                    else backend.artifacts.recipe(normalize_format(fmt, backend.weight_formats), source, ctx)
+                )
             except AutotuneError as exc:
                 unmakable[fmt] = str(exc)
                 continue
@@ -213,8 +241,10 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
                     for key, values in split.items():
                         mine.setdefault(key, [_offload_space(backend, fmt, ctx)[key][0]])  # its "no split" first
                         mine[key] += [v for v in values if v not in mine[key]]
-                    draft.offload.append(f"{backend_name} {fmt}: does not fit whole ({judge.never_fits(*found)}); "
-                                         "fits with " + ", ".join(f"{k} in {_toml_value(v)}" for k, v in split.items()))
+                    draft.offload.append(
+                        f"{backend_name} {fmt}: does not fit whole ({judge.never_fits(*found)}); "
+                        "fits with " + ", ".join(f"{k} in {_toml_value(v)}" for k, v in split.items())
+                    )
                 else:
                     draft.left_out.append(f"{judge.never_fits(*found)} = {budget.describe()}")
             else:
@@ -243,8 +273,10 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
             ctx_of[backend_name] = ctx
             judges[backend_name] = (judge, params)
     if not draft.candidates:
-        raise ConfigError(f"{source}: no backend here can make a format of this model that fits:\n  "
-                          + "\n  ".join(draft.left_out or ["no real backend is installed (autotune plugins)"]))
+        raise ConfigError(
+            f"{source}: no backend here can make a format of this model that fits:\n  "
+            + "\n  ".join(draft.left_out or ["no real backend is installed (autotune plugins)"])
+        )
 
     # Each engine's own defaults for the options every study searches, merged.
     # A value the rules refuse for every format of every backend that offers it (a quantized
@@ -274,25 +306,34 @@ def draft_study(model_ref: str, gpu: str = "auto", name: str | None = None) -> S
     draft.space = space
 
     quantized = _quantized_as(source)
-    full_precision = any(fmt in full_precision_formats or (fmt == str(source) and quantized is None)
-                         for fmts in draft.candidates.values() for fmt in fmts)
+    full_precision = any(
+        fmt in full_precision_formats or (fmt == str(source) and quantized is None)
+        for fmts in draft.candidates.values()
+        for fmt in fmts
+    )
     try:
         metric = plugins.get_metric(QUALITY_METRIC)
     except AutotuneError as exc:
         draft.notes.append(f"quality: no '{QUALITY_METRIC}' metric ({exc})")
     else:
-        unsupported = [f"{b}: {why}" for b in draft.candidates
-                       if (why := metric.supports(plugins.get_backend(b)))]
+        unsupported = [f"{b}: {why}" for b in draft.candidates if (why := metric.supports(plugins.get_backend(b)))]
         if unsupported:
             draft.notes.append(f"quality: {QUALITY_METRIC} left out ({'; '.join(unsupported)})")
-        elif not full_precision and quantized is not None and not any(
-                fmt in full_precision_formats for fmts in draft.candidates.values() for fmt in fmts):
+        elif (
+            not full_precision
+            and quantized is not None
+            and not any(fmt in full_precision_formats for fmts in draft.candidates.values() for fmt in fmts)
+        ):
             # The source as its own reference would measure a drop against itself: zero, and called a check.
-            draft.notes.append(f"quality: {QUALITY_METRIC} left out: the source is {quantized}, not full precision, "
-                               "so there is nothing to compare its quality against (give the full-precision model)")
+            draft.notes.append(
+                f"quality: {QUALITY_METRIC} left out: the source is {quantized}, not full precision, "
+                "so there is nothing to compare its quality against (give the full-precision model)"
+            )
         elif not full_precision:
-            draft.notes.append(f"quality: {QUALITY_METRIC} left out: no full-precision format of the source fits "
-                               "here to compare against")
+            draft.notes.append(
+                f"quality: {QUALITY_METRIC} left out: no full-precision format of the source fits "
+                "here to compare against"
+            )
         else:
             draft.quality = QUALITY_METRIC
     return draft
@@ -331,8 +372,9 @@ def _quantized_as(source: Path) -> str | None:
     return None if not types or types <= _FULL_PRECISION_TYPES else "/".join(sorted(types - _FULL_PRECISION_TYPES))
 
 
-def _refused(judge: Admission, backend: str, formats: list[str], shortest: int, params: list[Param],
-             key: str, value: Any) -> str | None:
+def _refused(
+    judge: Admission, backend: str, formats: list[str], shortest: int, params: list[Param], key: str, value: Any
+) -> str | None:
     """Why the rules refuse ``key = value`` with every one of ``formats`` and every combination
     of the other options (the reasons all of them share: the head size, not the one combination
     that also lacks flash attention), or None where any is accepted (shortest ctx, one slot)."""
@@ -353,8 +395,9 @@ def _offload_space(backend: Any, weights: str, ctx: StudyContext) -> dict[str, l
     return {} if backend.splitting is None else backend.splitting.offload_space(weights, ctx)
 
 
-def _offload_values(backend: Any, judge: Admission, weights: str, ctx: StudyContext, shortest: int,
-                    params: list[Any]) -> dict[str, list[Any]]:
+def _offload_values(
+    backend: Any, judge: Admission, weights: str, ctx: StudyContext, shortest: int, params: list[Any]
+) -> dict[str, list[Any]]:
     """Of the backend's ``offload_space`` for ``weights``, the first dimension (in the backend's
     order of preference) with values whose lightest configuration (shortest ctx, one slot) the
     judge admits, and those values; empty when none fits. Each dimension's first value is the
@@ -401,46 +444,83 @@ def render(draft: StudyDraft, out: Path) -> str:
     ]
     for note in draft.notes:
         lines += _comment(note)
-    lines += ["", "[study]", f"name = {_toml_value(draft.name)}",
-              f"budget = {_toml_value('15m' if draft.gpu.is_cpu else '2h')}", "", "[hardware]"]
+    lines += [
+        "",
+        "[study]",
+        f"name = {_toml_value(draft.name)}",
+        f"budget = {_toml_value('15m' if draft.gpu.is_cpu else '2h')}",
+        "",
+        "[hardware]",
+    ]
     if draft.gpu.is_cpu:
         # The budget every output shows is this less the safety margin: said here, so that the
         # file's 17.7 and the study's 17.45 GiB are one figure (issue 28).
         usable = budget_of(draft.gpu, int(draft.budget_gib * 2**30), SAFETY_MARGIN_MIB * 2**20)  # type: ignore[operator]
-        lines += ["# The host: nothing is offloaded; the budget is host memory (a share of this machine's "
-                  f"{_gib(draft.gpu.vram_bytes)}).",
-                  f"gpu = {_toml_value(hardware.CPU_KEY)}",
-                  f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {budget_text(usable.bytes)} "
-                  f"after the {SAFETY_MARGIN_MIB} MiB safety margin"]
+        lines += [
+            "# The host: nothing is offloaded; the budget is host memory (a share of this machine's "
+            f"{_gib(draft.gpu.vram_bytes)}).",
+            f"gpu = {_toml_value(hardware.CPU_KEY)}",
+            f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {budget_text(usable.bytes)} "
+            f"after the {SAFETY_MARGIN_MIB} MiB safety margin",
+        ]
     else:
-        lines += [f"gpu = {_toml_value(draft.gpu_key)}  " + _comment(f"{draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}")[0]]
+        lines += [
+            f"gpu = {_toml_value(draft.gpu_key)}  " + _comment(f"{draft.gpu.name}, {_gib(draft.gpu.vram_bytes)}")[0]
+        ]
         cards = hardware.detect_gpus() if draft.gpu_key == "auto" else []
         if len(cards) > 1:
             # Several cards here: where the model goes across them is a search of its own (issue 40).
-            lines += [f"# This machine has {len(cards)} cards; to search where the model goes across them (split mode,",
-                      "# proportions per card), replace gpu with: gpus = [\"auto\"] (docs/usage.md#many-gpus-or-hosts)"]
-    lines += ["", "[model]", f"source = {_toml_value(source)}",
-              "", "[workload]", f"prompt_tokens = {draft.workload[0]}", f"output_tokens = {draft.workload[1]}", ""]
+            lines += [
+                f"# This machine has {len(cards)} cards; to search where the model goes across them (split mode,",
+                '# proportions per card), replace gpu with: gpus = ["auto"] (docs/usage.md#many-gpus-or-hosts)',
+            ]
+    lines += [
+        "",
+        "[model]",
+        f"source = {_toml_value(source)}",
+        "",
+        "[workload]",
+        f"prompt_tokens = {draft.workload[0]}",
+        f"output_tokens = {draft.workload[1]}",
+        "",
+    ]
     if draft.gpu.is_cpu:
-        lines += ["[measure]", "warmup_runs = 1", "min_runs = 3", "max_runs = 6", "rel_spread_tol = 0.15",
-                  "max_seconds = 20", ""]
+        lines += [
+            "[measure]",
+            "warmup_runs = 1",
+            "min_runs = 3",
+            "max_runs = 6",
+            "rel_spread_tol = 0.15",
+            "max_seconds = 20",
+            "",
+        ]
     for backend_name, fmts in draft.candidates.items():
         shown = [source if w == str(draft.source) else w for w in fmts]  # the source itself, as [model] names it
         lines += ["[[candidates]]", f"backend = {_toml_value(backend_name)}", f"weights = {_toml_value(shown)}", ""]
     lines += _comment_block(["# Left out:"], draft.left_out)
-    lines += _comment_block(["# Too large for the card whole, so split between the card and host memory: the values",
-                             "# below that the memory model says fit (at the shortest ctx, one slot):"], draft.offload)
+    lines += _comment_block(
+        [
+            "# Too large for the card whole, so split between the card and host memory: the values",
+            "# below that the memory model says fit (at the shortest ctx, one slot):",
+        ],
+        draft.offload,
+    )
     lines += _comment_block(["# Left out of [space]: the engine refuses these values for this model:"], draft.refused)
-    lines += ["[space]", f"ctx = {_toml_value(draft.ctx)}  # up to the model's context, {draft.model.max_context}",
-              f"parallel = {_toml_value(list(PARALLEL))}"]
+    lines += [
+        "[space]",
+        f"ctx = {_toml_value(draft.ctx)}  # up to the model's context, {draft.model.max_context}",
+        f"parallel = {_toml_value(list(PARALLEL))}",
+    ]
     lines += [f"{k} = {_toml_value(v)}" for k, v in draft.space.items()]
-    lines += ["", "[objective]", "metric = \"aggregate_tok_s\""]
+    lines += ["", "[objective]", 'metric = "aggregate_tok_s"']
     if draft.quality:
-        lines += [f"# KL divergence of each format's next-token distributions against the source's own",
-                  "# (its full-precision format, the largest candidate), measured once per format.",
-                  f"quality = {_toml_value(draft.quality)}",
-                  f"# A bound, so that quality counts: a mean KLD over {MAX_DROP_POINTS / 100:g} nats refuses the format",
-                  "# (points of 0.01 nats; about a good 4-bit quantization of an 8B model). A bound rather than",
-                  "# penalty_per_point: a penalty is in tok/s per point, whose size depends on this model's speed.",
-                  f"max_drop_points = {_toml_value(MAX_DROP_POINTS)}"]
+        lines += [
+            f"# KL divergence of each format's next-token distributions against the source's own",
+            "# (its full-precision format, the largest candidate), measured once per format.",
+            f"quality = {_toml_value(draft.quality)}",
+            f"# A bound, so that quality counts: a mean KLD over {MAX_DROP_POINTS / 100:g} nats refuses the format",
+            "# (points of 0.01 nats; about a good 4-bit quantization of an 8B model). A bound rather than",
+            "# penalty_per_point: a penalty is in tok/s per point, whose size depends on this model's speed.",
+            f"max_drop_points = {_toml_value(MAX_DROP_POINTS)}",
+        ]
     return "\n".join(lines) + "\n"

@@ -53,8 +53,10 @@ def main() -> None:
     for a in args.autotune:
         walls, cpus = [w for w, _ in runs[a]], [c for _, c in runs[a]]
         same = outputs[a] == {first}
-        print(f"{a}: median {statistics.median(walls):.1f} s wall (min {min(walls):.1f}), "
-              f"{statistics.median(cpus):.1f} s cpu (min {min(cpus):.1f}); output {'same' if same else 'DIFFERS'}")
+        print(
+            f"{a}: median {statistics.median(walls):.1f} s wall (min {min(walls):.1f}), "
+            f"{statistics.median(cpus):.1f} s cpu (min {min(cpus):.1f}); output {'same' if same else 'DIFFERS'}"
+        )
 
 
 if __name__ == "__main__":

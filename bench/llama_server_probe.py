@@ -47,8 +47,11 @@ def free_port() -> int:
 
 
 def gpu_used_mib(pid: int) -> float | None:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    ).stdout
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 2 and parts[0] == str(pid):
@@ -56,13 +59,41 @@ def gpu_used_mib(pid: int) -> float | None:
     return None
 
 
-def run_one(server: str, model: Path, ctx: int, parallel: int, cache: str, prompt_words: int, n_predict: int,
-            log_dir: Path) -> dict:
+def run_one(
+    server: str, model: Path, ctx: int, parallel: int, cache: str, prompt_words: int, n_predict: int, log_dir: Path
+) -> dict:
     port = free_port()
     log_path = log_dir / f"{model.stem}-np{parallel}-{cache}.log"
-    cmd = [server, "-m", str(model), "-c", str(ctx * parallel), "-np", str(parallel), "-ngl", "999",
-           "-fa", "on", "-ctk", cache, "-ctv", cache, "--fit", "off", "--host", "127.0.0.1", "--port", str(port),
-           "--no-webui", "-lv", "4", "-b", "2048", "-ub", "512"]
+    cmd = [
+        server,
+        "-m",
+        str(model),
+        "-c",
+        str(ctx * parallel),
+        "-np",
+        str(parallel),
+        "-ngl",
+        "999",
+        "-fa",
+        "on",
+        "-ctk",
+        cache,
+        "-ctv",
+        cache,
+        "--fit",
+        "off",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-webui",
+        "-lv",
+        "4",
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -81,14 +112,24 @@ def run_one(server: str, model: Path, ctx: int, parallel: int, cache: str, promp
             time.sleep(0.5)
         else:
             raise RuntimeError("llama-server not ready after 180 s")
-        words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
-                 "boxing matches in the old town square ").split()
+        words = (
+            "the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
+            "boxing matches in the old town square "
+        ).split()
         prompt = " ".join(words[i % len(words)] for i in range(prompt_words))
 
         def complete(seed: int) -> dict:
-            r = http.post(f"http://127.0.0.1:{port}/completion", timeout=600, json={
-                "prompt": f"{seed} {prompt}", "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
-                "cache_prompt": False})
+            r = http.post(
+                f"http://127.0.0.1:{port}/completion",
+                timeout=600,
+                json={
+                    "prompt": f"{seed} {prompt}",
+                    "n_predict": n_predict,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                },
+            )
             r.raise_for_status()
             return r.json()["timings"]
 
@@ -120,7 +161,10 @@ def run_one(server: str, model: Path, ctx: int, parallel: int, cache: str, promp
             found = [float(x) for x in rx.findall(text)]
             buffers[key] = sum(found) if found else None
         return {
-            "model": model.name, "model_bytes": model.stat().st_size, "parallel": parallel, "ctx_per_slot": ctx,
+            "model": model.name,
+            "model_bytes": model.stat().st_size,
+            "parallel": parallel,
+            "ctx_per_slot": ctx,
             "cache_type": cache,
             "prompt_tokens": statistics.median(r["prompt_n"] for r in results),
             "decode_tok_s_per_stream": [r["predicted_per_second"] for r in results],
@@ -151,29 +195,37 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=700)
     ap.add_argument("--n-predict", type=int, default=256)
     args = ap.parse_args()
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
-                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    gpu = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     rows = []
     for model in args.models:
         for p in args.parallel:
             for cache in args.caches:
                 try:
-                    row = run_one(args.server, model, args.ctx, p, cache, args.prompt_words, args.n_predict,
-                                  args.out.parent)
+                    row = run_one(
+                        args.server, model, args.ctx, p, cache, args.prompt_words, args.n_predict, args.out.parent
+                    )
                 except Exception as exc:  # keep the other configurations
                     row = {"model": model.name, "parallel": p, "cache_type": cache, "error": str(exc)[-1500:]}
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
     args.out.write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2))
     print(f"\n{gpu}")
-    print(f"{'model':<22} {'np':>3} {'cache':>5} {'decode/stream':>14} {'aggregate':>10} {'GPU MiB':>9} {'model MiB':>10} {'KV MiB':>8} {'compute MiB':>12}")
+    print(
+        f"{'model':<22} {'np':>3} {'cache':>5} {'decode/stream':>14} {'aggregate':>10} {'GPU MiB':>9} {'model MiB':>10} {'KV MiB':>8} {'compute MiB':>12}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<22} {r['parallel']:>3} {r['cache_type']:>5}  ERROR {r['error'][:80]}")
             continue
-        print(f"{r['model']:<22} {r['parallel']:>3} {r['cache_type']:>5} {statistics.median(r['decode_tok_s_per_stream']):>14.1f} "
-              f"{r['aggregate_tok_s']:>10.1f} {r['gpu_used_mib_peak']:>9.0f} {r['model_buffer_mib'] or 0:>10.1f} "
-              f"{r['kv_buffer_mib'] or 0:>8.1f} {r['compute_buffer_mib'] or 0:>12.1f}")
+        print(
+            f"{r['model']:<22} {r['parallel']:>3} {r['cache_type']:>5} {statistics.median(r['decode_tok_s_per_stream']):>14.1f} "
+            f"{r['aggregate_tok_s']:>10.1f} {r['gpu_used_mib_peak']:>9.0f} {r['model_buffer_mib'] or 0:>10.1f} "
+            f"{r['kv_buffer_mib'] or 0:>8.1f} {r['compute_buffer_mib'] or 0:>12.1f}"
+        )
     return 0
 
 

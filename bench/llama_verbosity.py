@@ -36,8 +36,9 @@ from autotune_plugins.llama_server.backend import LlamaServerBackend
 QUANTITIES = ("decode_tok_s", "prefill_tok_s", "aggregate_tok_s", "per_user_tok_s", "ttft_ms")
 
 
-def measure(backend: LlamaServerBackend, config: TrialConfig, ctx: StudyContext, verbose: bool,
-            gpu: bool) -> dict[str, float]:
+def measure(
+    backend: LlamaServerBackend, config: TrialConfig, ctx: StudyContext, verbose: bool, gpu: bool
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="autotune-verbosity-") as tmp:
         server = backend.launch(config, ctx, gpu, Path(tmp), verbose=verbose)
         try:
@@ -73,26 +74,40 @@ def main() -> int:
     path = args.model.resolve()
     model = model_from_gguf(path)
     backend = LlamaServerBackend()
-    ctx = StudyContext(gpu=get_gpu("h200" if args.gpu else "v100-16gb"), model=model, workload=Workload(args.prompt, args.output),
-                       vram_budget_bytes=16 * 2**30, protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=3),
-                       base_dir=path.parent, for_gpu=args.gpu)
-    config = TrialConfig("llama-server", path.name, args.ctx, args.parallel,
-                         (("cache_type", "f16"), ("flash_attn", True)))
+    ctx = StudyContext(
+        gpu=get_gpu("h200" if args.gpu else "v100-16gb"),
+        model=model,
+        workload=Workload(args.prompt, args.output),
+        vram_budget_bytes=16 * 2**30,
+        protocol=Protocol(warmup_runs=1, min_runs=3, max_runs=3),
+        base_dir=path.parent,
+        for_gpu=args.gpu,
+    )
+    config = TrialConfig(
+        "llama-server", path.name, args.ctx, args.parallel, (("cache_type", "f16"), ("flash_attn", True))
+    )
     sides = {"default": [], "lv4": []}
     for r in range(args.rounds):
         order = ("default", "lv4") if r % 2 == 0 else ("lv4", "default")
         for side in order:
             t0 = time.monotonic()
             sides[side].append(measure(backend, config, ctx, verbose=(side == "lv4"), gpu=args.gpu))
-            print(f"round {r + 1}/{args.rounds} {side:>7}: "
-                  + ", ".join(f"{q} {v:.1f}" for q, v in sides[side][-1].items())
-                  + f" ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1}/{args.rounds} {side:>7}: "
+                + ", ".join(f"{q} {v:.1f}" for q, v in sides[side][-1].items())
+                + f" ({time.monotonic() - t0:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    lines = [f"llama-server at its default verbosity vs -lv 4, {args.rounds} interleaved rounds (ABBA)",
-             f"model {path.name}, ctx {args.ctx} x {args.parallel} slots, prompt {args.prompt}, output {args.output}, "
-             f"machine: {platform.node()}, {os.cpu_count()} cores, "
-             + (f"every layer on the GPU ({_gpu_name()})" if args.gpu else "CPU only (-ngl 0)"),
-             "", f"{'quantity':<16} {'default':>10} {'-lv 4':>10} {'ratio':>7}  per-round ratios (min..max)"]
+    lines = [
+        f"llama-server at its default verbosity vs -lv 4, {args.rounds} interleaved rounds (ABBA)",
+        f"model {path.name}, ctx {args.ctx} x {args.parallel} slots, prompt {args.prompt}, output {args.output}, "
+        f"machine: {platform.node()}, {os.cpu_count()} cores, "
+        + (f"every layer on the GPU ({_gpu_name()})" if args.gpu else "CPU only (-ngl 0)"),
+        "",
+        f"{'quantity':<16} {'default':>10} {'-lv 4':>10} {'ratio':>7}  per-round ratios (min..max)",
+    ]
     summary = {}
     for q in QUANTITIES:
         a = [s[q] for s in sides["default"] if q in s]
@@ -101,10 +116,17 @@ def main() -> int:
             continue
         ratios = [x / y for x, y in zip(a, b) if y]
         med_a, med_b = statistics.median(a), statistics.median(b)
-        summary[q] = {"default": a, "lv4": b, "median_default": med_a, "median_lv4": med_b,
-                      "ratio": med_a / med_b if med_b else None, "round_ratios": ratios}
-        lines.append(f"{q:<16} {med_a:>10.1f} {med_b:>10.1f} {med_a / med_b:>7.3f}  "
-                     f"{min(ratios):.3f}..{max(ratios):.3f}")
+        summary[q] = {
+            "default": a,
+            "lv4": b,
+            "median_default": med_a,
+            "median_lv4": med_b,
+            "ratio": med_a / med_b if med_b else None,
+            "round_ratios": ratios,
+        }
+        lines.append(
+            f"{q:<16} {med_a:>10.1f} {med_b:>10.1f} {med_a / med_b:>7.3f}  {min(ratios):.3f}..{max(ratios):.3f}"
+        )
     lines.append("")
     lines.append("ratio = default / -lv 4 (ttft_ms: lower is better, so a ratio under 1 favours the default)")
     text = "\n".join(lines)
@@ -112,9 +134,21 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".txt").write_text(text + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps(
-            {"model": path.name, "ctx": args.ctx, "parallel": args.parallel, "prompt": args.prompt,
-             "output": args.output, "rounds": args.rounds, "quantities": summary}, indent=1) + "\n")
+        args.out.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "model": path.name,
+                    "ctx": args.ctx,
+                    "parallel": args.parallel,
+                    "prompt": args.prompt,
+                    "output": args.output,
+                    "rounds": args.rounds,
+                    "quantities": summary,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

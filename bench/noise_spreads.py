@@ -29,8 +29,12 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 def spreads(launches: dict[str, list[float]]) -> dict[str, float | int | None]:
     ranges = [r for v in launches.values() if (r := noise.relative_range(v)) is not None]
-    return {"configs": len(ranges), "launches": sum(len(v) for v in launches.values() if len(v) > 1),
-            "median": statistics.median(ranges) if ranges else None, "worst": max(ranges) if ranges else None}
+    return {
+        "configs": len(ranges),
+        "launches": sum(len(v) for v in launches.values() if len(v) > 1),
+        "median": statistics.median(ranges) if ranges else None,
+        "worst": max(ranges) if ranges else None,
+    }
 
 
 def pct(x: float | None) -> str:
@@ -52,27 +56,44 @@ def main(argv: list[str] | None = None) -> int:
             metric = noise.objective_metric(study)
             launches = noise.launches_by_config(study, metric)
             est = noise.estimate(study, metric)
-            rows.append({"storage": str(path), "study": study.study_name, "metric": metric,
-                         "within_launch": est.within, **spreads(launches)})
+            rows.append(
+                {
+                    "storage": str(path),
+                    "study": study.study_name,
+                    "metric": metric,
+                    "within_launch": est.within,
+                    **spreads(launches),
+                }
+            )
             if est.within is not None:
                 within[study.study_name].append(est.within)
             for key, values in launches.items():
                 pooled[study.study_name][key] += values
-    studies = [{"study": name, "storages": sum(1 for r in rows if r["study"] == name),
-                "within_launch": statistics.median(within[name]) if within[name] else None, **spreads(launches)}
-               for name, launches in sorted(pooled.items())]
+    studies = [
+        {
+            "study": name,
+            "storages": sum(1 for r in rows if r["study"] == name),
+            "within_launch": statistics.median(within[name]) if within[name] else None,
+            **spreads(launches),
+        }
+        for name, launches in sorted(pooled.items())
+    ]
     if args.json:
         print(json.dumps({"storages": rows, "studies": studies}, indent=2))
         return 0
     print("per storage (configurations launched more than once inside it):")
     for r in rows:
-        print(f"  {r['storage']}: {r['study']}: within a launch {pct(r['within_launch'])}, between launches "
-              f"{pct(r['median'])} median, {pct(r['worst'])} worst over {r['configs']} configurations")
+        print(
+            f"  {r['storage']}: {r['study']}: within a launch {pct(r['within_launch'])}, between launches "
+            f"{pct(r['median'])} median, {pct(r['worst'])} worst over {r['configs']} configurations"
+        )
     print("per study (its storages pooled by configuration):")
     for s in studies:
-        print(f"  {s['study']} ({s['storages']} storages): within a launch {pct(s['within_launch'])}, between "
-              f"launches {pct(s['median'])} median, {pct(s['worst'])} worst over {s['configs']} configurations "
-              f"({s['launches']} launches)")
+        print(
+            f"  {s['study']} ({s['storages']} storages): within a launch {pct(s['within_launch'])}, between "
+            f"launches {pct(s['median'])} median, {pct(s['worst'])} worst over {s['configs']} configurations "
+            f"({s['launches']} launches)"
+        )
     return 0
 
 

@@ -23,10 +23,20 @@ from autotune_plugins.llama_server.synth_shapes import SynthSpec, tensor_plan
 
 # bench/h200_offload_grids.sh prep: `autotune synth` arguments of each grid's model.
 SHAPES = {
-    "q7b": SynthSpec(arch="qwen2", n_layers=28, hidden=3584, n_heads=28, n_kv_heads=4, ffn=18944,
-                     context_length=32768),
-    "q30a3b12": SynthSpec(arch="qwen3moe", n_layers=12, hidden=2048, n_heads=32, n_kv_heads=4, ffn=6144,
-                          head_size=128, experts=128, experts_used=8, expert_ffn=768, context_length=32768),
+    "q7b": SynthSpec(arch="qwen2", n_layers=28, hidden=3584, n_heads=28, n_kv_heads=4, ffn=18944, context_length=32768),
+    "q30a3b12": SynthSpec(
+        arch="qwen3moe",
+        n_layers=12,
+        hidden=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn=6144,
+        head_size=128,
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+        context_length=32768,
+    ),
 }
 # The study each model served ([study] name of bench/h200_grid_*.toml).
 STUDY_OF = {"q7b": "h200-grid-offload-dense", "q30a3b12": "h200-grid-moe"}

@@ -26,13 +26,41 @@ VOCAB = 151936  # ggml-vocab-qwen2.gguf, which the probe's synth used
 
 # The shapes of bench/h200_offload_probe.sh's `autotune synth` lines.
 MODELS = {
-    "q7b-Q4_K_M.gguf": ModelSpec(key="q7b", name="q7b", architecture="qwen2", n_layers=28, hidden_size=3584,
-                                 n_heads=28, n_kv_heads=4, head_dim=128, ffn_size=18944, vocab_size=VOCAB,
-                                 n_params=7_600_000_000, tie_embeddings=False, max_context=32768, source="bench/h200_offload_probe.sh"),
-    "q30a3b12-Q4_K_M.gguf": ModelSpec(key="q30a3b12", name="q30a3b12", architecture="qwen3moe", n_layers=12,
-                                      hidden_size=2048, n_heads=32, n_kv_heads=4, head_dim=128, ffn_size=6144,
-                                      vocab_size=VOCAB, n_params=7_900_000_000, tie_embeddings=False, max_context=32768, n_experts=128,
-                                      n_experts_used=8, expert_ffn_size=768, source="bench/h200_offload_probe.sh"),
+    "q7b-Q4_K_M.gguf": ModelSpec(
+        key="q7b",
+        name="q7b",
+        architecture="qwen2",
+        n_layers=28,
+        hidden_size=3584,
+        n_heads=28,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_size=18944,
+        vocab_size=VOCAB,
+        n_params=7_600_000_000,
+        tie_embeddings=False,
+        max_context=32768,
+        source="bench/h200_offload_probe.sh",
+    ),
+    "q30a3b12-Q4_K_M.gguf": ModelSpec(
+        key="q30a3b12",
+        name="q30a3b12",
+        architecture="qwen3moe",
+        n_layers=12,
+        hidden_size=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_size=6144,
+        vocab_size=VOCAB,
+        n_params=7_900_000_000,
+        tie_embeddings=False,
+        max_context=32768,
+        n_experts=128,
+        n_experts_used=8,
+        expert_ffn_size=768,
+        source="bench/h200_offload_probe.sh",
+    ),
 }
 
 
@@ -52,20 +80,32 @@ def rows() -> list[tuple[str, str, tuple[float, float | None], ...]]:
                 continue  # llama.cpp chose the offload itself: not a configuration autotune launches
             model = MODELS[r["model"]]
             ngl = int(flag(argv, "-ngl", "999"))
-            e = memory.estimate(model, predict_gguf_weights(model, "Q4_K_M"), int(flag(argv, "-c")),
-                                int(flag(argv, "-np", "1")), "f16", flag(argv, "-fa") == "on",
-                                ubatch=int(flag(argv, "-ub", "512")), gpu=True,
-                                gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(flag(argv, "--n-cpu-moe", "0")))
+            e = memory.estimate(
+                model,
+                predict_gguf_weights(model, "Q4_K_M"),
+                int(flag(argv, "-c")),
+                int(flag(argv, "-np", "1")),
+                "f16",
+                flag(argv, "-fa") == "on",
+                ubatch=int(flag(argv, "-ub", "512")),
+                gpu=True,
+                gpu_layers=None if ngl >= 999 else ngl,
+                n_cpu_moe=int(flag(argv, "--n-cpu-moe", "0")),
+            )
             host = logged.get("CPU_Mapped model", 0) + logged.get("CPU KV", 0) + logged.get("CUDA_Host compute", 0)
             gpu_logged = logged.get("CUDA0 model", 0) + logged.get("CUDA0 KV", 0) + logged.get("CUDA0 compute", 0)
-            found.append((f"{f.stem.removeprefix('offload_')}:{r['model'].split('-')[0]}",
-                         " ".join(f"{k}={v}" for k, v in r["case"].items()),
-                         (e.weights_bytes / MiB, logged.get("CUDA0 model", 0)),
-                         (e.kv_bytes / MiB, logged.get("CUDA0 KV", 0)),
-                         (e.buffers_bytes / MiB, logged.get("CUDA0 compute", 0)),
-                         ((e.host_bytes + e.host_buffers_bytes) / MiB, host),
-                         ((e.total_bytes - e.overhead_bytes) / MiB, gpu_logged),
-                         (e.total_bytes / MiB, r.get("nvml_process_mib"))))
+            found.append(
+                (
+                    f"{f.stem.removeprefix('offload_')}:{r['model'].split('-')[0]}",
+                    " ".join(f"{k}={v}" for k, v in r["case"].items()),
+                    (e.weights_bytes / MiB, logged.get("CUDA0 model", 0)),
+                    (e.kv_bytes / MiB, logged.get("CUDA0 KV", 0)),
+                    (e.buffers_bytes / MiB, logged.get("CUDA0 compute", 0)),
+                    ((e.host_bytes + e.host_buffers_bytes) / MiB, host),
+                    ((e.total_bytes - e.overhead_bytes) / MiB, gpu_logged),
+                    (e.total_bytes / MiB, r.get("nvml_process_mib")),
+                )
+            )
     return found
 
 
@@ -79,11 +119,15 @@ def main() -> int:
         return f"{p:8.1f}/{m:8.1f} {100 * (p - m) / m:+5.1f}%"
 
     head = ("probe", "case", "CUDA0 model", "CUDA0 KV", "CUDA0 compute", "host (all)", "CUDA0 logged", "NVML")
-    print("predicted/measured MiB and error; host = CPU_Mapped model + CPU KV + CUDA_Host compute; CUDA0 logged = "
-          "the three CUDA0 buffers; NVML = the predicted total (with the CUDA context and a MoE's pool) against "
-          "NVML's figure for the server process")
-    print("in-sample: STAGED_MLP_COEF, moe_ffn_coef and CUDA_MOE_POOL_BYTES were read from the moe rows; the dense "
-          "rows and moe ngl=6 check them")
+    print(
+        "predicted/measured MiB and error; host = CPU_Mapped model + CPU KV + CUDA_Host compute; CUDA0 logged = "
+        "the three CUDA0 buffers; NVML = the predicted total (with the CUDA context and a MoE's pool) against "
+        "NVML's figure for the server process"
+    )
+    print(
+        "in-sample: STAGED_MLP_COEF, moe_ffn_coef and CUDA_MOE_POOL_BYTES were read from the moe rows; the dense "
+        "rows and moe ngl=6 check them"
+    )
     print(f"{head[0]:<16} {head[1]:<16} " + " ".join(f"{h:<24}" for h in head[2:]))
     worst = 0.0
     for name, case, *pairs in table:

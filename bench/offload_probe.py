@@ -57,8 +57,23 @@ def nvml_process_mib(pid: int) -> float | None:
 
 def argv_for(server: str, model: str, case: dict[str, str], port: int) -> list[str]:
     ctx, n = int(case.get("ctx", 4096)), int(case.get("np", 1))
-    argv = [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx * n), "-np", str(n),
-            "-lv", "4", "-fa", "on"]
+    argv = [
+        server,
+        "-m",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-c",
+        str(ctx * n),
+        "-np",
+        str(n),
+        "-lv",
+        "4",
+        "-fa",
+        "on",
+    ]
     if case.get("fit") == "on":
         argv += ["--fit", "on"]
     else:
@@ -69,8 +84,7 @@ def argv_for(server: str, model: str, case: dict[str, str], port: int) -> list[s
     return argv
 
 
-def probe(server: str, model: str, case: dict[str, str], prompt: int, output: int, repeats: int,
-          log_dir: str) -> dict:
+def probe(server: str, model: str, case: dict[str, str], prompt: int, output: int, repeats: int, log_dir: str) -> dict:
     port = free_port()
     argv = argv_for(server, model, case, port)
     tag = "_".join(f"{k}{v}" for k, v in case.items())
@@ -99,12 +113,21 @@ def probe(server: str, model: str, case: dict[str, str], prompt: int, output: in
             runs = []
             words = " ".join(f"w{i % 97}" for i in range(prompt))
             for i in range(repeats + 1):  # the first warms up
-                reply = post(base + "/completion", {"prompt": f"{i} {words}", "n_predict": output,
-                                                    "ignore_eos": True, "cache_prompt": False}, timeout=600)
+                reply = post(
+                    base + "/completion",
+                    {"prompt": f"{i} {words}", "n_predict": output, "ignore_eos": True, "cache_prompt": False},
+                    timeout=600,
+                )
                 if i:
                     t = reply["timings"]
-                    runs.append({"prompt_n": t["prompt_n"], "prompt_tok_s": t["prompt_per_second"],
-                                 "predicted_n": t["predicted_n"], "decode_tok_s": t["predicted_per_second"]})
+                    runs.append(
+                        {
+                            "prompt_n": t["prompt_n"],
+                            "prompt_tok_s": t["prompt_per_second"],
+                            "predicted_n": t["predicted_n"],
+                            "decode_tok_s": t["predicted_per_second"],
+                        }
+                    )
             row["runs"] = runs
             row["nvml_process_mib"] = nvml_process_mib(proc.pid)
     except Exception as e:  # noqa: BLE001 - one bad case must not lose the others
@@ -120,8 +143,11 @@ def probe(server: str, model: str, case: dict[str, str], prompt: int, output: in
     for dev, kind, mib in BUFFER.findall(text):
         buffers[f"{dev} {kind}"] = buffers.get(f"{dev} {kind}", 0.0) + float(mib)
     row["buffers_mib"] = buffers
-    row["fit_log"] = [line.split(": ", 1)[-1] for line in text.splitlines() if "common_params_fit" in line or
-                      "common_fit_params" in line][:20]
+    row["fit_log"] = [
+        line.split(": ", 1)[-1]
+        for line in text.splitlines()
+        if "common_params_fit" in line or "common_fit_params" in line
+    ][:20]
     row["log"] = log_path
     return row
 
@@ -145,9 +171,11 @@ def main() -> None:
             out.flush()
             runs = row.get("runs") or []
             dec = [r["decode_tok_s"] for r in runs]
-            print(f"{spec:32s} {row.get('error', '')} load {row.get('load_s')} s decode "
-                  f"{[round(d, 1) for d in dec]} nvml {row.get('nvml_process_mib')} buffers {row['buffers_mib']}",
-                  flush=True)
+            print(
+                f"{spec:32s} {row.get('error', '')} load {row.get('load_s')} s decode "
+                f"{[round(d, 1) for d in dec]} nvml {row.get('nvml_process_mib')} buffers {row['buffers_mib']}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

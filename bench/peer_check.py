@@ -73,8 +73,9 @@ class Workload:
     prompt_tokens: int = 128
     output_tokens: int = 64
     # Greedy, to the exact length, no prompt cache: the same work per request whoever sends it.
-    extra: Mapping[str, Any] = field(default_factory=lambda: {"ignore_eos": True, "temperature": 0,
-                                                              "cache_prompt": False})
+    extra: Mapping[str, Any] = field(
+        default_factory=lambda: {"ignore_eos": True, "temperature": 0, "cache_prompt": False}
+    )
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,11 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, float]:
     span = max(r.end_s for r in records) - min(r.start_s for r in records)
     return {
         "requests": len(records),
-        "ttft_ms_mean": statistics.fmean(ttft), "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_mean": statistics.fmean(ttft),
+        "ttft_ms_p50": percentile(ttft, 50),
         "ttft_ms_p99": percentile(ttft, 99),
-        "itl_ms_mean": statistics.fmean(itl) if itl else math.nan, "itl_ms_p50": percentile(itl, 50),
+        "itl_ms_mean": statistics.fmean(itl) if itl else math.nan,
+        "itl_ms_p50": percentile(itl, 50),
         "output_tok_s": sum(r.output_tokens for r in records) / span if span > 0 else math.nan,
         "request_s": len(records) / span if span > 0 else math.nan,
         "span_s": span,
@@ -135,7 +138,9 @@ class LoadGenerator(Protocol):
 
     def version(self) -> str: ...
 
-    def run(self, base_url: str, model: str, workload: Workload, concurrency: int, count: int) -> list[RequestRecord]: ...
+    def run(
+        self, base_url: str, model: str, workload: Workload, concurrency: int, count: int
+    ) -> list[RequestRecord]: ...
 
 
 class AutotuneStreams:
@@ -147,8 +152,9 @@ class AutotuneStreams:
     name = "autotune"
 
     def __init__(self, http: httpx.Client | None = None, timeout_s: float = 600.0):
-        self.http = http or httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=None,
-                                                                             max_keepalive_connections=0))
+        self.http = http or httpx.Client(
+            trust_env=False, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        )
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)  # next() is atomic under the GIL: one id per request
 
@@ -167,8 +173,12 @@ class AutotuneStreams:
         url = f"{base_url}/v1/completions"
 
         def one(_: int) -> Any:
-            body = {"model": model, "prompt": varied(prompt, next(self._ids)), "max_tokens": workload.output_tokens,
-                    **workload.extra}
+            body = {
+                "model": model,
+                "prompt": varied(prompt, next(self._ids)),
+                "max_tokens": workload.output_tokens,
+                **workload.extra,
+            }
             return stream_completion(self.http, url, body, len(prompt), self.timeout_s).result
 
         run_streams_threaded(one, concurrency, self.timeout_s)  # warm-up round, not returned
@@ -176,8 +186,9 @@ class AutotuneStreams:
         while len(out) < count:
             n = min(concurrency, count - len(out))
             for s in run_streams_threaded(one, n, self.timeout_s).streams:
-                out.append(RequestRecord(s.start_s, s.start_s + s.ttft_ms / 1000, s.end_s, s.prompt_tokens,
-                                         s.output_tokens))
+                out.append(
+                    RequestRecord(s.start_s, s.start_s + s.ttft_ms / 1000, s.end_s, s.prompt_tokens, s.output_tokens)
+                )
         return out
 
 
@@ -201,12 +212,19 @@ class AutotuneLoad:
     def _run(self, base_url: str, model: str, workload: Workload, concurrency: int, count: int) -> list[RequestRecord]:
         from autotune.measure.load import run_openai_load
 
-        report = run_openai_load(base_url, [(workload.prompt_tokens, workload.output_tokens)] * count,
-                                 concurrency=concurrency, model=model, timeout_s=self.timeout_s,
-                                 first_index=self._first)
+        report = run_openai_load(
+            base_url,
+            [(workload.prompt_tokens, workload.output_tokens)] * count,
+            concurrency=concurrency,
+            model=model,
+            timeout_s=self.timeout_s,
+            first_index=self._first,
+        )
         self._first += count
-        return [RequestRecord(s.start_s, s.start_s + s.ttft_ms / 1000, s.end_s, s.prompt_tokens, s.output_tokens)
-                for s in report.result.streams]
+        return [
+            RequestRecord(s.start_s, s.start_s + s.ttft_ms / 1000, s.end_s, s.prompt_tokens, s.output_tokens)
+            for s in report.result.streams
+        ]
 
     def run(self, base_url: str, model: str, workload: Workload, concurrency: int, count: int) -> list[RequestRecord]:
         self._run(base_url, model, workload, concurrency, concurrency)  # warm-up, not returned
@@ -227,24 +245,61 @@ class Aiperf:
 
     def version(self) -> str:
         python = Path(self.binary).with_name("python")
-        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('aiperf'))"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('aiperf'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return f"aiperf {out.stdout.strip() or '?'}"
 
     def run(self, base_url: str, model: str, workload: Workload, concurrency: int, count: int) -> list[RequestRecord]:
         self._runs += 1
         art = self.work / f"aiperf-{self._runs}-c{concurrency}"
-        cmd = [self.binary, "profile", "--model", model, "--url", base_url, "--endpoint-type", "completions",
-               "--streaming", "--tokenizer", str(self.tokenizer),
-               "--isl", str(workload.prompt_tokens), "--isl-stddev", "0",
-               "--osl", str(workload.output_tokens), "--osl-stddev", "0",
-               "--extra-inputs", json.dumps(dict(workload.extra)),
-               "--concurrency", str(concurrency), "--request-count", str(count),
-               "--warmup-request-count", str(concurrency),
-               # distinct prompts, none sent twice (the server's slots match prompts by prefix)
-               "--num-dataset-entries", str(count + concurrency + 1), "--dataset-sampling-strategy", "sequential",
-               "--random-seed", str(self._runs), "--ui-type", "none", "--workers-max", "1",
-               "--record-processors", "1", "--artifact-dir", str(art)]
+        cmd = [
+            self.binary,
+            "profile",
+            "--model",
+            model,
+            "--url",
+            base_url,
+            "--endpoint-type",
+            "completions",
+            "--streaming",
+            "--tokenizer",
+            str(self.tokenizer),
+            "--isl",
+            str(workload.prompt_tokens),
+            "--isl-stddev",
+            "0",
+            "--osl",
+            str(workload.output_tokens),
+            "--osl-stddev",
+            "0",
+            "--extra-inputs",
+            json.dumps(dict(workload.extra)),
+            "--concurrency",
+            str(concurrency),
+            "--request-count",
+            str(count),
+            "--warmup-request-count",
+            str(concurrency),
+            # distinct prompts, none sent twice (the server's slots match prompts by prefix)
+            "--num-dataset-entries",
+            str(count + concurrency + 1),
+            "--dataset-sampling-strategy",
+            "sequential",
+            "--random-seed",
+            str(self._runs),
+            "--ui-type",
+            "none",
+            "--workers-max",
+            "1",
+            "--record-processors",
+            "1",
+            "--artifact-dir",
+            str(art),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         (self.work / f"aiperf-{self._runs}-c{concurrency}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
@@ -270,9 +325,15 @@ def aiperf_records(path: Path, errors: list[dict[str, Any]] | None = None) -> li
                 errors.append(rec.get("error") or {"message": "no first token"})
             continue
         start = meta["request_start_ns"] / 1e9
-        out.append(RequestRecord(start, start + m["time_to_first_token"]["value"] / 1000,
-                                 meta["request_end_ns"] / 1e9, int(m["input_sequence_length"]["value"]),
-                                 int(m["output_sequence_length"]["value"])))
+        out.append(
+            RequestRecord(
+                start,
+                start + m["time_to_first_token"]["value"] / 1000,
+                meta["request_end_ns"] / 1e9,
+                int(m["input_sequence_length"]["value"]),
+                int(m["output_sequence_length"]["value"]),
+            )
+        )
     return out
 
 
@@ -282,13 +343,19 @@ def aiperf_figures(summary: Mapping[str, Any]) -> dict[str, float]:
     def get(key: str, stat: str = "avg") -> float:
         return float(summary.get(key, {}).get(stat, math.nan))
 
-    return {"ttft_ms_mean": get("time_to_first_token"), "ttft_ms_p50": get("time_to_first_token", "p50"),
-            "ttft_ms_p99": get("time_to_first_token", "p99"),
-            "itl_ms_mean": get("inter_token_latency"), "itl_ms_p50": get("inter_token_latency", "p50"),
-            "output_tok_s": get("output_token_throughput"), "request_s": get("request_throughput"),
-            "span_s": get("benchmark_duration"), "requests": get("request_count"),
-            "server_prompt_tokens": get("usage_prompt_tokens"),
-            "server_completion_tokens": get("usage_completion_tokens")}
+    return {
+        "ttft_ms_mean": get("time_to_first_token"),
+        "ttft_ms_p50": get("time_to_first_token", "p50"),
+        "ttft_ms_p99": get("time_to_first_token", "p99"),
+        "itl_ms_mean": get("inter_token_latency"),
+        "itl_ms_p50": get("inter_token_latency", "p50"),
+        "output_tok_s": get("output_token_throughput"),
+        "request_s": get("request_throughput"),
+        "span_s": get("benchmark_duration"),
+        "requests": get("request_count"),
+        "server_prompt_tokens": get("usage_prompt_tokens"),
+        "server_completion_tokens": get("usage_completion_tokens"),
+    }
 
 
 def write_hf_tokenizer(gguf_path: Path, folder: Path) -> Path:
@@ -299,22 +366,52 @@ def write_hf_tokenizer(gguf_path: Path, folder: Path) -> Path:
     kv = {k: v for k, v, _, _ in read_gguf_key_values(gguf_path, "tokenizer.")}
     model, pre = kv.get("tokenizer.ggml.model"), kv.get("tokenizer.ggml.pre")
     if model != b"gpt2" or pre not in (b"smollm", b"starcoder", b"refact"):
-        raise ValueError(f"{gguf_path}: tokenizer.ggml.model = {model!r}, tokenizer.ggml.pre = {pre!r}; "
-                         "this writer knows byte-level BPE (gpt2) with the smollm/starcoder pre-tokenizer only")
+        raise ValueError(
+            f"{gguf_path}: tokenizer.ggml.model = {model!r}, tokenizer.ggml.pre = {pre!r}; "
+            "this writer knows byte-level BPE (gpt2) with the smollm/starcoder pre-tokenizer only"
+        )
     tokens = [t.decode("utf-8") for t in kv["tokenizer.ggml.tokens"]]
     types = kv["tokenizer.ggml.token_type"]
     control = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens, matched whole
-    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-                "special": True} for i, (t, ty) in enumerate(zip(tokens, types)) if ty == control]
+    special = [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, (t, ty) in enumerate(zip(tokens, types))
+        if ty == control
+    ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special, "normalizer": None,
-           "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
-                                                                   byte_level]},
-           "post_processor": None, "decoder": byte_level,
-           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                     "vocab": {t: i for i, t in enumerate(tokens)},
-                     "merges": [m.decode("utf-8").split(" ", 1) for m in kv["tokenizer.ggml.merges"]]}}
+    doc = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+        },
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": [m.decode("utf-8").split(" ", 1) for m in kv["tokenizer.ggml.merges"]],
+        },
+    }
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
 
@@ -322,19 +419,36 @@ def write_hf_tokenizer(gguf_path: Path, folder: Path) -> Path:
         i = kv.get(key)
         return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name("tokenizer.ggml.bos_token_id"),
-        "eos_token": name("tokenizer.ggml.eos_token_id"), "unk_token": name("tokenizer.ggml.unknown_token_id"),
-        "add_bos_token": False, "model_max_length": 8192}), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": name("tokenizer.ggml.bos_token_id"),
+                "eos_token": name("tokenizer.ggml.eos_token_id"),
+                "unk_token": name("tokenizer.ggml.unknown_token_id"),
+                "add_bos_token": False,
+                "model_max_length": 8192,
+            }
+        ),
+        encoding="utf-8",
+    )
     return folder
 
 
 def tokenizer_agrees(python: Path, folder: Path, http: httpx.Client, base_url: str, texts: Sequence[str]) -> bool:
     """Whether the written tokenizer (loaded by aiperf's own transformers) gives the server's ids."""
-    code = ("import json,sys; from transformers import AutoTokenizer; t=AutoTokenizer.from_pretrained(sys.argv[1]);"
-            "print(json.dumps([t.encode(x, add_special_tokens=False) for x in json.load(sys.stdin)]))")
-    out = subprocess.run([str(python), "-c", code, str(folder)], input=json.dumps(list(texts)), capture_output=True,
-                         text=True, timeout=300, check=True)
+    code = (
+        "import json,sys; from transformers import AutoTokenizer; t=AutoTokenizer.from_pretrained(sys.argv[1]);"
+        "print(json.dumps([t.encode(x, add_special_tokens=False) for x in json.load(sys.stdin)]))"
+    )
+    out = subprocess.run(
+        [str(python), "-c", code, str(folder)],
+        input=json.dumps(list(texts)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     ours = json.loads(out.stdout.strip().splitlines()[-1])
     theirs = [http.post(f"{base_url}/tokenize", json={"content": x}, timeout=30).json()["tokens"] for x in texts]
     return ours == theirs
@@ -360,11 +474,30 @@ def llama_server(model: Path, slots: int, engine_cores: Sequence[int] | None, lo
 
     binary = engine.find_llama_server(arch="cpu")
     port = free_port()
-    cmd = [str(binary), "-m", str(model), "-c", str(1024 * slots), "-np", str(slots), "-t", str(len(engine_cores or ())
-           or 1), "--host", "127.0.0.1", "--port", str(port), "--metrics"]
+    cmd = [
+        str(binary),
+        "-m",
+        str(model),
+        "-c",
+        str(1024 * slots),
+        "-np",
+        str(slots),
+        "-t",
+        str(len(engine_cores or ()) or 1),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics",
+    ]
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=(lambda: os.sched_setaffinity(0, engine_cores)) if engine_cores else None)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, engine_cores)) if engine_cores else None,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         http = httpx.Client(trust_env=False)
@@ -403,11 +536,16 @@ def engine_view(http: httpx.Client, url: str, before: Mapping[str, float] | None
     def d(k: str) -> float:
         return now.get(f"llamacpp:{k}", math.nan) - before.get(f"llamacpp:{k}", math.nan)
 
-    return {"prompt_tokens": d("prompt_tokens_total"), "output_tokens": d("tokens_predicted_total"),
-            "prefill_ms_per_token": 1000 * d("prompt_seconds_total") / d("prompt_tokens_total")
-            if d("prompt_tokens_total") else math.nan,
-            "decode_ms_per_token": 1000 * d("tokens_predicted_seconds_total") / d("tokens_predicted_total")
-            if d("tokens_predicted_total") else math.nan}
+    return {
+        "prompt_tokens": d("prompt_tokens_total"),
+        "output_tokens": d("tokens_predicted_total"),
+        "prefill_ms_per_token": 1000 * d("prompt_seconds_total") / d("prompt_tokens_total")
+        if d("prompt_tokens_total")
+        else math.nan,
+        "decode_ms_per_token": 1000 * d("tokens_predicted_seconds_total") / d("tokens_predicted_total")
+        if d("tokens_predicted_total")
+        else math.nan,
+    }
 
 
 def against_engine(run: Mapping[str, Any], workload: Mapping[str, Any]) -> dict[str, float]:
@@ -420,13 +558,16 @@ def against_engine(run: Mapping[str, Any], workload: Mapping[str, Any]) -> dict[
     f, e = run["figures"], run.get("engine", {})
     dec, pre = e.get("decode_ms_per_token", math.nan), e.get("prefill_ms_per_token", math.nan)
     p, o = workload["prompt_tokens"], workload["output_tokens"]
-    return {"itl_over_engine_decode": f["itl_ms_mean"] / dec if dec else math.nan,
-            "ttft_over_engine_prefill": f["ttft_ms_mean"] / (pre * p) if pre else math.nan,
-            "engine_busy": f["request_s"] * (p * pre + o * dec) / 1000 / run["concurrency"]}
+    return {
+        "itl_over_engine_decode": f["itl_ms_mean"] / dec if dec else math.nan,
+        "ttft_over_engine_prefill": f["ttft_ms_mean"] / (pre * p) if pre else math.nan,
+        "engine_busy": f["request_s"] * (p * pre + o * dec) / 1000 / run["concurrency"],
+    }
 
 
-def compare(runs: Sequence[Mapping[str, Any]], concurrency: int, a: str, b: str,
-            workload: Mapping[str, Any]) -> dict[str, Any]:
+def compare(
+    runs: Sequence[Mapping[str, Any]], concurrency: int, a: str, b: str, workload: Mapping[str, Any]
+) -> dict[str, Any]:
     """Median over the repeats of each client's figures at one concurrency, and b over a; then
     the same for the figures taken relative to the engine's own (:func:`against_engine`)."""
     keys = ("ttft_ms_p50", "ttft_ms_mean", "itl_ms_mean", "itl_ms_p50", "output_tok_s", "request_s")
@@ -445,8 +586,13 @@ def compare(runs: Sequence[Mapping[str, Any]], concurrency: int, a: str, b: str,
     rows = {}
     for k in keys + relative:
         ratio = right[k] / left[k] if left and right and left[k] else math.nan
-        rows[k] = {a: left.get(k), b: right.get(k), f"{b}_own_summary": own.get(k), "ratio": ratio,
-                   "within_tolerance": abs(ratio - 1) <= TOLERANCE if math.isfinite(ratio) else None}
+        rows[k] = {
+            a: left.get(k),
+            b: right.get(k),
+            f"{b}_own_summary": own.get(k),
+            "ratio": ratio,
+            "within_tolerance": abs(ratio - 1) <= TOLERANCE if math.isfinite(ratio) else None,
+        }
     return rows
 
 
@@ -457,9 +603,16 @@ def merge(files: Sequence[Path]) -> dict[str, Any]:
     if len({json.dumps(p["workload"], sort_keys=True) for p in parts}) != 1:
         raise ValueError("--merge: the files' workloads differ ([workload] in each); only runs of one workload compare")
     merged = {k: v for k, v in parts[0].items() if k not in ("runs", "comparison", "engine", "clients", "note")}
-    merged["sessions"] = [{"file": f.name, "engine": p.get("engine"), "clients": p.get("clients"),
-                           "tokenizer_matches_server": p.get("tokenizer_matches_server"),
-                           **({"note": p["note"]} if "note" in p else {})} for f, p in zip(files, parts)]
+    merged["sessions"] = [
+        {
+            "file": f.name,
+            "engine": p.get("engine"),
+            "clients": p.get("clients"),
+            "tokenizer_matches_server": p.get("tokenizer_matches_server"),
+            **({"note": p["note"]} if "note" in p else {}),
+        }
+        for f, p in zip(files, parts)
+    ]
     merged["runs"] = [{**r, "session": i} for i, p in enumerate(parts) for r in p["runs"]]
     merged["comparison"] = comparison(merged)
     return merged
@@ -474,16 +627,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="A B pairs per concurrency")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--client", choices=("load", "streams"), default="load",
-                    help="autotune's side: the load generator of a study with a [workload] (load, the default) or "
-                    "the synchronised rounds of one request shape (streams)")
+    ap.add_argument(
+        "--client",
+        choices=("load", "streams"),
+        default="load",
+        help="autotune's side: the load generator of a study with a [workload] (load, the default) or "
+        "the synchronised rounds of one request shape (streams)",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, help="aiperf artifacts and logs (default: a temporary folder)")
-    ap.add_argument("--tables", type=Path, help="a result file already written: make its comparison again from "
-                    "its runs, print the tables (and write it to --out, if given), and stop")
-    ap.add_argument("--merge", type=Path, nargs="+", help="result files of separate invocations (each its own "
-                    "server launch): one file of all their runs, each tagged with its session, and its comparison; "
-                    "written to --out")
+    ap.add_argument(
+        "--tables",
+        type=Path,
+        help="a result file already written: make its comparison again from "
+        "its runs, print the tables (and write it to --out, if given), and stop",
+    )
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="result files of separate invocations (each its own "
+        "server launch): one file of all their runs, each tagged with its session, and its comparison; "
+        "written to --out",
+    )
     args = ap.parse_args(argv)
     if args.merge:
         try:
@@ -523,31 +689,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     clients: list[Any] = [ours, Aiperf(args.aiperf, tokenizer, work)]
     result: dict[str, Any] = {
         "what": "autotune's load generator against aiperf, same workload, same llama-server, interleaved A B A B",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_plan": cpus.to_dict(), "note": "2-core dev VM shared with other sessions' work"},
-        "model": model.name, "workload": {**asdict(workload), "extra": dict(workload.extra)},
-        "clients": {c.name: c.version() for c in clients}, "runs": [],
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_plan": cpus.to_dict(),
+            "note": "2-core dev VM shared with other sessions' work",
+        },
+        "model": model.name,
+        "workload": {**asdict(workload), "extra": dict(workload.extra)},
+        "clients": {c.name: c.version() for c in clients},
+        "runs": [],
     }
     with llama_server(model, max(concurrencies), cpus.engine, work / "llama-server.log") as (url, cmd, engine_label):
         result["engine"] = {"version": engine_label, "command": cmd}
         http = httpx.Client(trust_env=False)
         texts = [PROMPT_TEXT, "Once upon a time, in 2024, a small town's 12 clocks <|im_end|> rang."]
-        result["tokenizer_matches_server"] = tokenizer_agrees(Path(args.aiperf).with_name("python"), tokenizer,
-                                                              http, url, texts)
+        result["tokenizer_matches_server"] = tokenizer_agrees(
+            Path(args.aiperf).with_name("python"), tokenizer, http, url, texts
+        )
         model_id = http.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         for conc, count in zip(concurrencies, counts):
             for rep in range(args.repeats):
-                for client in (clients if rep % 2 == 0 else clients[::-1]):
+                for client in clients if rep % 2 == 0 else clients[::-1]:
                     load0 = os.getloadavg()[0]
                     t0 = time.time()
                     counters = engine_view(http, url)
                     cpu0 = client_cpu_s()
                     records = client.run(url, model_id, workload, conc, count)
                     cpu = client_cpu_s() - cpu0
-                    run = {"tool": client.name, "concurrency": conc, "repeat": rep, "started_utc": time.strftime(
-                        "%H:%M:%S", time.gmtime(t0)), "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
-                        "figures": summarize(records), "engine": engine_view(http, url, counters),
-                        "client_cpu_s": round(cpu, 2), "wall_s": round(time.time() - t0, 1)}
+                    run = {
+                        "tool": client.name,
+                        "concurrency": conc,
+                        "repeat": rep,
+                        "started_utc": time.strftime("%H:%M:%S", time.gmtime(t0)),
+                        "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                        "figures": summarize(records),
+                        "engine": engine_view(http, url, counters),
+                        "client_cpu_s": round(cpu, 2),
+                        "wall_s": round(time.time() - t0, 1),
+                    }
                     if isinstance(client, Aiperf):
                         run["own_summary"] = aiperf_figures(client.last_summary)
                         run["errors"] = client.last_errors
@@ -569,15 +750,20 @@ def comparison(result: Mapping[str, Any]) -> dict[str, Any]:
 
 def markdown_table(result: Mapping[str, Any]) -> str:
     """The comparison as a Markdown table (medians over the repeats)."""
-    lines = ["| concurrency | figure | autotune | aiperf (same formulas) | aiperf (its own summary) | aiperf / autotune |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| concurrency | figure | autotune | aiperf (same formulas) | aiperf (its own summary) | aiperf / autotune |",
+        "|---|---|---|---|---|---|",
+    ]
     for conc, rows in result.get("comparison", {}).items():
         for k, row in rows.items():
+
             def fmt(v: Any) -> str:
                 return f"{v:.4g}" if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
-            lines.append(f"| {conc} | {k} | {fmt(row['autotune'])} | {fmt(row['aiperf'])} | "
-                         f"{fmt(row['aiperf_own_summary'])} | {fmt(row['ratio'])} |")
+            lines.append(
+                f"| {conc} | {k} | {fmt(row['autotune'])} | {fmt(row['aiperf'])} | "
+                f"{fmt(row['aiperf_own_summary'])} | {fmt(row['ratio'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -585,18 +771,22 @@ def runs_table(result: Mapping[str, Any]) -> str:
     """Every run in order, with the engine's own per-token times during it: a client's figure
     that moves with the engine's is the machine's load, one that moves alone is the client
     (:func:`against_engine`; the engine's counters include the run's warm-up requests)."""
-    lines = ["| run | started (UTC) | client | conc. | load 1 min | TTFT p50 ms | ITL mean ms | out tok/s "
-             "| engine prefill ms/tok | engine decode ms/tok | ITL / engine decode | TTFT / engine prefill "
-             "| engine busy | client CPU s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | started (UTC) | client | conc. | load 1 min | TTFT p50 ms | ITL mean ms | out tok/s "
+        "| engine prefill ms/tok | engine decode ms/tok | ITL / engine decode | TTFT / engine prefill "
+        "| engine busy | client CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(result.get("runs", ()), 1):
         f, e, rel = r["figures"], r.get("engine", {}), against_engine(r, result["workload"])
         cpu = r.get("client_cpu_s")
-        lines.append(f"| {i} | {r['started_utc']} | {r['tool']} | {r['concurrency']} | {r['loadavg_1m'][0]:.1f} "
-                     f"| {f['ttft_ms_p50']:.0f} | {f['itl_ms_mean']:.1f} | {f['output_tok_s']:.2f} "
-                     f"| {e.get('prefill_ms_per_token', math.nan):.1f} | {e.get('decode_ms_per_token', math.nan):.1f} "
-                     f"| {rel['itl_over_engine_decode']:.2f} | {rel['ttft_over_engine_prefill']:.2f} "
-                     f"| {rel['engine_busy']:.2f} | {'-' if cpu is None else f'{cpu:.1f}'} |")
+        lines.append(
+            f"| {i} | {r['started_utc']} | {r['tool']} | {r['concurrency']} | {r['loadavg_1m'][0]:.1f} "
+            f"| {f['ttft_ms_p50']:.0f} | {f['itl_ms_mean']:.1f} | {f['output_tok_s']:.2f} "
+            f"| {e.get('prefill_ms_per_token', math.nan):.1f} | {e.get('decode_ms_per_token', math.nan):.1f} "
+            f"| {rel['itl_over_engine_decode']:.2f} | {rel['ttft_over_engine_prefill']:.2f} "
+            f"| {rel['engine_busy']:.2f} | {'-' if cpu is None else f'{cpu:.1f}'} |"
+        )
     return "\n".join(lines)
 
 

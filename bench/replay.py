@@ -59,7 +59,7 @@ from autotune.study import cost, records, storage  # noqa: E402
 from autotune.study.prepare import PreparedStudy, prepare_study  # noqa: E402
 from autotune.study.records import TrialState  # noqa: E402
 from autotune.study.runner import StudyRunner  # noqa: E402
-from autotune.study.summary import best_trial  # noqa: E402
+from autotune.study.verdict import best_trial
 
 BENCH = Path(__file__).resolve().parent
 WITHIN = 0.03
@@ -155,8 +155,7 @@ def replayed(registered: BaseStrategy, probe: bool | None = None) -> Strategy:
         return Strategy(registered.name + NO_PROBE, study, doc)
     if probe:
         study["probe_margin"] = PROBE_MARGIN
-        doc += (f"; every launch's first run a probe: more than {PROBE_MARGIN:.0%} below the leader, "
-                "it stops there")
+        doc += f"; every launch's first run a probe: more than {PROBE_MARGIN:.0%} below the leader, it stops there"
     return Strategy(registered.name + (PROBE if probe else ""), study, doc)
 
 
@@ -204,9 +203,13 @@ def shape_mismatch(grid: RecordedGrid, model_ref: str, doc: Mapping[str, Any]) -
     the real backend read the file). None when all agree."""
     twin = twin_of(grid.engine)
     cfg = parse_study_config(doc)
-    ctx = StudyContext(gpu=hardware.get_gpu(grid.header["gpu"]["key"]), model=resolve_model(model_ref),
-                       workload=Workload(cfg.prompt_tokens, cfg.output_tokens),
-                       vram_budget_bytes=int(grid.header["vram_budget_bytes"]), protocol=Protocol())
+    ctx = StudyContext(
+        gpu=hardware.get_gpu(grid.header["gpu"]["key"]),
+        model=resolve_model(model_ref),
+        workload=Workload(cfg.prompt_tokens, cfg.output_tokens),
+        vram_budget_bytes=int(grid.header["vram_budget_bytes"]),
+        protocol=Protocol(),
+    )
     for key, recorded in grid.predicted.items():
         c = grid.configs[key]
         probe = replace(c, backend=twin.name, weights=grid.format_of[c.weights])
@@ -241,8 +244,10 @@ def replay_model(grid: RecordedGrid, doc: Mapping[str, Any], study_file: Path, g
     fitting = [m for m in load_model_catalog() if shape_mismatch(grid, m, doc) is None]
     if len(fitting) != 1:
         how_many = "no" if not fitting else "more than one"
-        raise ConfigError(f"grid '{grid.name}': its model {ref} is not here and {how_many} catalog model has its "
-                          f"shape ({', '.join(fitting) or 'none'}); name it with --model {grid.name}=KEY")
+        raise ConfigError(
+            f"grid '{grid.name}': its model {ref} is not here and {how_many} catalog model has its "
+            f"shape ({', '.join(fitting) or 'none'}); name it with --model {grid.name}=KEY"
+        )
     return fitting[0]
 
 
@@ -257,26 +262,34 @@ def replay_study_doc(grid: RecordedGrid, doc: Mapping[str, Any], model: str, str
     out["model"] = {**out.get("model", {}), "ref": model}
     candidates = out.get("candidates", [])
     if len(candidates) != 1 or candidates[0].get("backend") != grid.backend:
-        raise ConfigError(f"grid '{grid.name}': the study file must have one [[candidates]] entry, of backend "
-                          f"{grid.backend!r}, the recorded one")
+        raise ConfigError(
+            f"grid '{grid.name}': the study file must have one [[candidates]] entry, of backend "
+            f"{grid.backend!r}, the recorded one"
+        )
     out["candidates"] = [{"backend": REPLAY_BACKEND, "weights": [grid.format_of[w] for w in candidates[0]["weights"]]}]
     out["backends"] = {k: v for k, v in out.get("backends", {}).items() if k != grid.backend}
     return out
 
 
-def prepare_replay(grid: RecordedGrid, doc: Mapping[str, Any], study_file: Path, model: str,
-                   strategy: Strategy) -> PreparedStudy:
+def prepare_replay(
+    grid: RecordedGrid, doc: Mapping[str, Any], study_file: Path, model: str, strategy: Strategy
+) -> PreparedStudy:
     """Prepare the replay study, refusing one that would judge otherwise than the recording."""
-    cfg = parse_study_config(replay_study_doc(grid, doc, model, strategy), source=f"{study_file} (replay)",
-                             path=study_file)
+    cfg = parse_study_config(
+        replay_study_doc(grid, doc, model, strategy), source=f"{study_file} (replay)", path=study_file
+    )
     prepared = prepare_study(cfg, storage=MEMORY_STORAGE)
     recorded_budget = int(grid.header["vram_budget_bytes"])
     if prepared.vram_budget_bytes != recorded_budget:
-        raise ConfigError(f"{study_file}: [hardware] gives a budget of {prepared.vram_budget_bytes} bytes; the grid "
-                          f"'{grid.name}' was recorded with {recorded_budget}")
+        raise ConfigError(
+            f"{study_file}: [hardware] gives a budget of {prepared.vram_budget_bytes} bytes; the grid "
+            f"'{grid.name}' was recorded with {recorded_budget}"
+        )
     if cfg.objective != parse_objective(grid):
-        raise ConfigError(f"{study_file}: [objective] differs from the one grid '{grid.name}' was recorded with "
-                          f"({grid.header['objective']})")
+        raise ConfigError(
+            f"{study_file}: [objective] differs from the one grid '{grid.name}' was recorded with "
+            f"({grid.header['objective']})"
+        )
     return prepared
 
 
@@ -302,9 +315,14 @@ def truth_of(grid: RecordedGrid, key: str) -> Truth | None:
     drops = [r.quality_drop_points for r in measured if r.quality_drop_points is not None]
     # What the runner scores memory by: the measured peak, else the prediction.
     used = int(statistics.fmean(peaks)) if peaks else grid.predicted[key].total_bytes
-    s = objective_mod.score(objective, metric, used,
-                            int(grid.header["vram_budget_bytes"]), statistics.fmean(drops) if drops else None,
-                            statistics.fmean(users) if users else None)  # type: ignore[arg-type]
+    s = objective_mod.score(
+        objective,
+        metric,
+        used,
+        int(grid.header["vram_budget_bytes"]),
+        statistics.fmean(drops) if drops else None,
+        statistics.fmean(users) if users else None,
+    )  # type: ignore[arg-type]
     return Truth(s.values[0], s.feasible)
 
 
@@ -325,8 +343,11 @@ def between_runs(grid: RecordedGrid) -> dict[str, Any]:
         values = [t.record.median(metric) for t in grid.measured(key)]
         if len(values) >= 2:
             spreads.append((max(values) - min(values)) / statistics.fmean(values))  # type: ignore[type-var]
-    return {"n_configs": len(spreads), "median_rel_diff": statistics.median(spreads) if spreads else None,
-            "max_rel_diff": max(spreads) if spreads else None}
+    return {
+        "n_configs": len(spreads),
+        "median_rel_diff": statistics.median(spreads) if spreads else None,
+        "max_rel_diff": max(spreads) if spreads else None,
+    }
 
 
 # ----------------------------------------------------------------------------- one replay
@@ -342,30 +363,53 @@ class Outcome:
     pick_feasible: bool
     pruned_but_measured: list[str] = field(default_factory=list)
     probe_stops: int = 0
-    unsettled: int = 0                   # launches of configurations the grid never settled
+    unsettled: int = 0  # launches of configurations the grid never settled
 
 
-def replay_once(grid: RecordedGrid, backend: ReplayBackend, prepared: PreparedStudy, strategy: Strategy,
-                seed: int, budget_s: float, best: float) -> Outcome:
+def replay_once(
+    grid: RecordedGrid,
+    backend: ReplayBackend,
+    prepared: PreparedStudy,
+    strategy: Strategy,
+    seed: int,
+    budget_s: float,
+    best: float,
+) -> Outcome:
     backend.reset(seed)
     runner = StudyRunner(prepared, seed=seed)
     strategy.drive(runner, backend, budget_s)
     if backend.log.unrecorded:
-        raise AutotuneError(f"replay of '{grid.name}' ({strategy.name}, seed {seed}) launched what the grid pruned: "
-                            f"{backend.log.unrecorded}; its judge disagrees with the recorded one")
+        raise AutotuneError(
+            f"replay of '{grid.name}' ({strategy.name}, seed {seed}) launched what the grid pruned: "
+            f"{backend.log.unrecorded}; its judge disagrees with the recorded one"
+        )
     # Configurations the grid measured that this replay's judge refused for memory: the
     # judge's learned correction differed from the recording's (counted, should be none).
-    pruned_but_measured = sorted({
-        key for r in records.records(runner.study, (TrialState.PRUNED,))
-        if r.config and not r.answered and (r.prune_reason or "").startswith("infeasible: predicted")
-        and grid.measured(key := grid.recorded_key(TrialConfig.from_dict(r.config)))})
+    pruned_but_measured = sorted(
+        {
+            key
+            for r in records.records(runner.study, (TrialState.PRUNED,))
+            if r.config
+            and not r.answered
+            and (r.prune_reason or "").startswith("infeasible: predicted")
+            and grid.measured(key := grid.recorded_key(TrialConfig.from_dict(r.config)))
+        }
+    )
     top = best_trial(runner.study)
     pick = grid.recorded_key(TrialConfig.from_dict(top.config)) if top is not None and top.config else None
     truth = truth_of(grid, pick) if pick else None
     feasible = truth is not None and truth.feasible
-    return Outcome(seed, pick, truth.value / best if feasible and truth else 0.0,  # type: ignore[union-attr]
-                   backend.log.spent_s / grid.measuring_seconds(), len(backend.log.launches), feasible,
-                   pruned_but_measured, backend.log.probe_stops, len(backend.log.unsettled))
+    return Outcome(
+        seed,
+        pick,
+        truth.value / best if feasible and truth else 0.0,  # type: ignore[union-attr]
+        backend.log.spent_s / grid.measuring_seconds(),
+        len(backend.log.launches),
+        feasible,
+        pruned_but_measured,
+        backend.log.probe_stops,
+        len(backend.log.unsettled),
+    )
 
 
 def figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
@@ -381,8 +425,9 @@ def figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
 
 
-def replay_grid(grid: RecordedGrid, study_file: Path, model: str | None, strategies: Sequence[Strategy],
-                seeds: int, fraction: float) -> dict[str, Any]:
+def replay_grid(
+    grid: RecordedGrid, study_file: Path, model: str | None, strategies: Sequence[Strategy], seeds: int, fraction: float
+) -> dict[str, Any]:
     doc = tomllib.loads(study_file.read_text(encoding="utf-8"))
     backend = ReplayBackend(grid)
     plugin_name = f"replay:{grid.name}"
@@ -398,26 +443,44 @@ def replay_grid(grid: RecordedGrid, study_file: Path, model: str | None, strateg
         measuring_s = grid.measuring_seconds()
         budget_s = fraction * measuring_s
         out: dict[str, Any] = {
-            "study": grid.name, "storages": grid.storages, "study_file": _shown(study_file), "replay_model": model,
-            "n_configs": len(grid.configs), "n_measured": len(truths), "n_feasible": len(feasible),
+            "study": grid.name,
+            "storages": grid.storages,
+            "study_file": _shown(study_file),
+            "replay_model": model,
+            "n_configs": len(grid.configs),
+            "n_measured": len(truths),
+            "n_feasible": len(feasible),
             "n_pruned": sum(1 for k in grid.configs if not grid.launched(k)) - len(grid.unsettled()),
             "unsettled": [json.loads(k) for k in grid.unsettled()],
-            "measuring_s": measuring_s, "budget_fraction": fraction, "budget_s": budget_s,
+            "measuring_s": measuring_s,
+            "budget_fraction": fraction,
+            "budget_s": budget_s,
             "best": {"config": json.loads(best_key), "truth": best},
             "between_runs": between_runs(grid),
-            "noise": ("each replayed trial answers from one of the recorded runs of its configuration, drawn at random"
-                      if len(grid.runs) > 1 else "one recorded run: replayed trials answer exactly as recorded"),
-            "strategies": {}, "seeds": {},
+            "noise": (
+                "each replayed trial answers from one of the recorded runs of its configuration, drawn at random"
+                if len(grid.runs) > 1
+                else "one recorded run: replayed trials answer exactly as recorded"
+            ),
+            "strategies": {},
+            "seeds": {},
         }
         for strategy in strategies:
             prepared = prepare_replay(grid, doc, study_file, model, strategy)
             outcomes = [replay_once(grid, backend, prepared, strategy, seed, budget_s, best) for seed in range(seeds)]
             pruned = sorted({k for o in outcomes for k in o.pruned_but_measured})
             out["strategies"][strategy.name] = {**figures(outcomes), "pruned_but_measured": pruned}
-            out["seeds"][strategy.name] = [{"seed": o.seed, "pick": json.loads(o.pick) if o.pick else None,
-                                            "ratio": o.ratio, "pick_feasible": o.pick_feasible,
-                                            "cost_fraction": o.cost_fraction, "launches": o.launches}
-                                           for o in outcomes]
+            out["seeds"][strategy.name] = [
+                {
+                    "seed": o.seed,
+                    "pick": json.loads(o.pick) if o.pick else None,
+                    "ratio": o.ratio,
+                    "pick_feasible": o.pick_feasible,
+                    "cost_fraction": o.cost_fraction,
+                    "launches": o.launches,
+                }
+                for o in outcomes
+            ]
             out.setdefault("forecast", forecast_of(prepared, grid))
         return out
     finally:
@@ -433,9 +496,15 @@ def forecast_of(prepared: PreparedStudy, grid: RecordedGrid) -> dict[str, Any] |
     launched = [k for k in grid.configs if grid.launched(k)]
     recorded = grid.measuring_seconds() / len(launched) if launched else None
     saved = 1 - fc.trial.probed_s(fc.protocol.warmup_runs) / fc.trial.seconds if fc.trial.seconds else 0.0
-    return {"trial_s": fc.trial.seconds, "trial_range_s": list(fc.trial_range), "start_s": fc.trial.start_s,
-            "run_s": fc.trial.run_s, "recorded_launch_s": recorded, "probe_saves": saved,
-            "probe_default": saved >= cost.PROBE_PAYS}
+    return {
+        "trial_s": fc.trial.seconds,
+        "trial_range_s": list(fc.trial_range),
+        "start_s": fc.trial.start_s,
+        "run_s": fc.trial.run_s,
+        "recorded_launch_s": recorded,
+        "probe_saves": saved,
+        "probe_default": saved >= cost.PROBE_PAYS,
+    }
 
 
 # ----------------------------------------------------------------------------- command line
@@ -449,8 +518,10 @@ def group_grids(urls: Sequence[str], study: str | None) -> list[RecordedGrid]:
         if study is not None:
             names = [n for n in names if n == study]
         if len(names) != 1:
-            raise ConfigError(f"--grid {url}: holds {'no study' if not names else 'several studies'} "
-                              f"{'named ' + study if study else '(' + ', '.join(names) + ')'}; name one with --study")
+            raise ConfigError(
+                f"--grid {url}: holds {'no study' if not names else 'several studies'} "
+                f"{'named ' + study if study else '(' + ', '.join(names) + ')'}; name one with --study"
+            )
         by_name.setdefault(names[0], []).append(url)
     return [RecordedGrid(group, name) for name, group in by_name.items()]
 
@@ -471,14 +542,18 @@ def text_report(result: Mapping[str, Any]) -> str:
         ]
         fc = g.get("forecast")
         if fc:
-            lines.append(f"  forecast: one launch {fc['trial_s']:.1f} s (start {fc['start_s']:.1f} s, runs of "
-                         f"{fc['run_s']:.2f} s; recorded mean {fc['recorded_launch_s']:.1f} s); a probe stop would save "
-                         f"{_pct(fc['probe_saves'])}: probe {'on' if fc['probe_default'] else 'off'} by default "
-                         f"(on from {_pct(cost.PROBE_PAYS)})")
+            lines.append(
+                f"  forecast: one launch {fc['trial_s']:.1f} s (start {fc['start_s']:.1f} s, runs of "
+                f"{fc['run_s']:.2f} s; recorded mean {fc['recorded_launch_s']:.1f} s); a probe stop would save "
+                f"{_pct(fc['probe_saves'])}: probe {'on' if fc['probe_default'] else 'off'} by default "
+                f"(on from {_pct(cost.PROBE_PAYS)})"
+            )
         if g["unsettled"]:
             hits = ", ".join(f"{n} {f['unsettled_launches']}" for n, f in g["strategies"].items())
-            lines.append(f"  unsettled (every recorded launch interrupted; a replayed launch of one fails at no "
-                         f"cost): {'; '.join(_short(c) for c in g['unsettled'])}; such launches over all seeds: {hits}")
+            lines.append(
+                f"  unsettled (every recorded launch interrupted; a replayed launch of one fails at no "
+                f"cost): {'; '.join(_short(c) for c in g['unsettled'])}; such launches over all seeds: {hits}"
+            )
         lines += _table(g["strategies"])
         lines.append("")
     if len(result["grids"]) > 1:
@@ -488,11 +563,15 @@ def text_report(result: Mapping[str, Any]) -> str:
 
 
 def _table(strategies: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    out = [f"  {'strategy':<14}{'within 3%':>10}{'median pick/best':>18}{'median cost':>13}{'launches':>10}"
-           f"{'probe stops':>13}{'seeds':>7}"]
+    out = [
+        f"  {'strategy':<14}{'within 3%':>10}{'median pick/best':>18}{'median cost':>13}{'launches':>10}"
+        f"{'probe stops':>13}{'seeds':>7}"
+    ]
     for name, f in strategies.items():
-        out.append(f"  {name:<14}{f['within_3pct']:>10.2f}{f['median_ratio']:>18.3f}{f['median_cost_fraction']:>13.3f}"
-                   f"{f['median_launches']:>10g}{f['median_probe_stops']:>13g}{f['n_seeds']:>7}")
+        out.append(
+            f"  {name:<14}{f['within_3pct']:>10.2f}{f['median_ratio']:>18.3f}{f['median_cost_fraction']:>13.3f}"
+            f"{f['median_launches']:>10g}{f['median_probe_stops']:>13g}{f['n_seeds']:>7}"
+        )
     return out
 
 
@@ -513,23 +592,46 @@ def _short(config: Mapping[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grid", action="append", required=True, metavar="STORAGE_URL",
-                    help="storage of a recorded grid study; repeat for more runs of it, or for other grids")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="STORAGE_URL",
+        help="storage of a recorded grid study; repeat for more runs of it, or for other grids",
+    )
     ap.add_argument("--study", help="the study to read when a storage holds several")
-    ap.add_argument("--study-file", action="append", type=Path, default=[],
-                    help="the grid's study file (default: the bench/*.toml whose [study] name is the recorded one)")
-    ap.add_argument("--model", action="append", default=[], metavar="STUDY=REF",
-                    help="the model a grid ran, as a catalog key or file (default: its study file's, else the "
-                         "catalog model with the recorded KV-cache shape)")
+    ap.add_argument(
+        "--study-file",
+        action="append",
+        type=Path,
+        default=[],
+        help="the grid's study file (default: the bench/*.toml whose [study] name is the recorded one)",
+    )
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="STUDY=REF",
+        help="the model a grid ran, as a catalog key or file (default: its study file's, else the "
+        "catalog model with the recorded KV-cache shape)",
+    )
     ap.add_argument("--seeds", type=int, default=20, help="replays per strategy (seeds 0..N-1)")
     registry = plugins.get_strategies()
     known = [*registry, *ALIASES]
-    ap.add_argument("--strategies", default="random,tpe,prior,twin,multifidelity",
-                    help=f"comma-separated: {', '.join(known)}, or NAME{PROBE} for any of them with the probe")
-    ap.add_argument("--budget-fraction", type=float, default=0.25,
-                    help="recorded seconds each replay may launch, as a fraction of the grid's measuring seconds")
+    ap.add_argument(
+        "--strategies",
+        default="random,tpe,prior,twin,multifidelity",
+        help=f"comma-separated: {', '.join(known)}, or NAME{PROBE} for any of them with the probe",
+    )
+    ap.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.25,
+        help="recorded seconds each replay may launch, as a fraction of the grid's measuring seconds",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--out", type=Path, help="also write PREFIX.txt and PREFIX.json")
     args = ap.parse_args(argv)
@@ -537,8 +639,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     found = {n: strategy_named(n, registry) for n in names}
     unknown = [n for n, s in found.items() if s is None]
     if unknown or not names:
-        ap.error(f"--strategies {args.strategies!r}: unknown {', '.join(unknown) or '(none given)'} "
-                 f"(known: {', '.join(known)}, each also as NAME{PROBE})")
+        ap.error(
+            f"--strategies {args.strategies!r}: unknown {', '.join(unknown) or '(none given)'} "
+            f"(known: {', '.join(known)}, each also as NAME{PROBE})"
+        )
     args.strategy_list = [found[n] for n in names]
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: must be at least 1")
@@ -560,15 +664,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for grid in group_grids(args.grid, args.study):
         study_file = study_file_for(grid.name, args.study_file)
         with in_memory_storages():
-            grids.append(replay_grid(grid, study_file, args.models.get(grid.name), args.strategy_list,
-                                     args.seeds, args.budget_fraction))
+            grids.append(
+                replay_grid(
+                    grid, study_file, args.models.get(grid.name), args.strategy_list, args.seeds, args.budget_fraction
+                )
+            )
     pooled = {}
     for strategy in args.strategy_list:
-        outcomes = [Outcome(s["seed"], None, s["ratio"], s["cost_fraction"], s["launches"], s["pick_feasible"])
-                    for g in grids for s in g["seeds"][strategy.name]]
+        outcomes = [
+            Outcome(s["seed"], None, s["ratio"], s["cost_fraction"], s["launches"], s["pick_feasible"])
+            for g in grids
+            for s in g["seeds"][strategy.name]
+        ]
         pooled[strategy.name] = figures(outcomes)
-    return {"grids": grids, "strategies": pooled, "within": WITHIN,
-            "strategy_docs": {s.name: s.doc for s in args.strategy_list}, "elapsed_s": time.monotonic() - started}
+    return {
+        "grids": grids,
+        "strategies": pooled,
+        "within": WITHIN,
+        "strategy_docs": {s.name: s.doc for s in args.strategy_list},
+        "elapsed_s": time.monotonic() - started,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

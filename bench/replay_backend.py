@@ -35,8 +35,16 @@ import optuna
 
 from autotune import hookimpl
 from autotune.engine import vram
-from autotune.engine.backend import (BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload,
-                              same_value)
+from autotune.engine.backend import (
+    BaseBackend,
+    Measurement,
+    MemoryEstimate,
+    Param,
+    StudyContext,
+    TrialConfig,
+    Workload,
+    same_value,
+)
 from autotune.errors import AutotuneError, BackendError, ConfigError
 from autotune.engine.formats import normalize_format
 from autotune.measure import PROBE_STOP, Stat
@@ -60,8 +68,11 @@ class RecordedTrial:
         that would repeat. A trial stopped from outside (the study interrupted, its worker dead:
         ``retry``) says nothing about its configuration and is left out, as the runner itself
         measures such a configuration again."""
-        return self.record.launched and not self.record.retry and \
-            self.record.state in (TrialState.COMPLETE, TrialState.FAIL)
+        return (
+            self.record.launched
+            and not self.record.retry
+            and self.record.state in (TrialState.COMPLETE, TrialState.FAIL)
+        )
 
 
 def trial_seconds(t: optuna.trial.FrozenTrial) -> float:
@@ -85,11 +96,17 @@ def raw_predictions(study: optuna.Study) -> dict[str, MemoryEstimate]:
         p = r.predicted_vram
         if p is not None and r.config_key and not r.answered:
             correction = vram.learned_correction(residuals) or 0
-            found.setdefault(r.config_key, MemoryEstimate(
-                weights_bytes=int(p["weights_bytes"]), kv_bytes=int(p["kv_bytes"]),
-                buffers_bytes=int(p["buffers_bytes"]), overhead_bytes=int(p["overhead_bytes"]) - correction,
-                host_bytes=int(p.get("host_bytes", 0)),
-                notes=tuple(n for n in p.get("notes", ()) if " learned from " not in n)))
+            found.setdefault(
+                r.config_key,
+                MemoryEstimate(
+                    weights_bytes=int(p["weights_bytes"]),
+                    kv_bytes=int(p["kv_bytes"]),
+                    buffers_bytes=int(p["buffers_bytes"]),
+                    overhead_bytes=int(p["overhead_bytes"]) - correction,
+                    host_bytes=int(p.get("host_bytes", 0)),
+                    notes=tuple(n for n in p.get("notes", ()) if " learned from " not in n),
+                ),
+            )
         if r.state == TrialState.COMPLETE and r.vram_residual_bytes is not None and not r.answered:
             residuals.append(int(r.vram_residual_bytes))
     return found
@@ -102,8 +119,10 @@ def format_of(path: str) -> str:
     try:
         return normalize_format("gguf:" + stem.rsplit("-", 1)[-1])
     except AutotuneError:
-        raise ConfigError(f"recorded weights {path}: its name does not end with a GGUF type (-Q4_K_M, -Q8_0...); "
-                          "the replay names weights by format so that the twin can predict for them") from None
+        raise ConfigError(
+            f"recorded weights {path}: its name does not end with a GGUF type (-Q4_K_M, -Q8_0...); "
+            "the replay names weights by format so that the twin can predict for them"
+        ) from None
 
 
 class RecordedGrid:
@@ -132,11 +151,14 @@ class RecordedGrid:
                 self.predicted.setdefault(key, estimate)
         self.configs: dict[str, TrialConfig] = {
             key: TrialConfig.from_dict(trials[0].record.config)  # type: ignore[arg-type]
-            for key, trials in self.by_key.items()}
+            for key, trials in self.by_key.items()
+        }
         backends = {c.backend for c in self.configs.values()}
         if len(backends) != 1:
-            raise ConfigError(f"grid '{self.name}': the replay takes a grid of one backend, this one has "
-                              f"{', '.join(sorted(backends)) or 'no trial'}")
+            raise ConfigError(
+                f"grid '{self.name}': the replay takes a grid of one backend, this one has "
+                f"{', '.join(sorted(backends)) or 'no trial'}"
+            )
         self.backend = backends.pop()
         engines = {t.record.engine.get("engine") for ts in self.by_key.values() for t in ts if t.record.engine}
         self.engine = str(next(iter(engines))) if len(engines) == 1 else ""
@@ -144,8 +166,10 @@ class RecordedGrid:
         seen: dict[str, str] = {}
         for path, fmt in self.format_of.items():
             if fmt in seen:
-                raise ConfigError(f"grid '{self.name}': {seen[fmt]} and {path} are both {fmt}; the replay names "
-                                  "weights by format and needs one file per format")
+                raise ConfigError(
+                    f"grid '{self.name}': {seen[fmt]} and {path} are both {fmt}; the replay names "
+                    "weights by format and needs one file per format"
+                )
             seen[fmt] = path
 
     def _load(self, url: str, study_name: str | None) -> optuna.Study:
@@ -165,16 +189,20 @@ class RecordedGrid:
 
     def unsettled(self) -> list[str]:
         """Configurations some run launched but none settled: every launch was interrupted."""
-        return [key for key, trials in self.by_key.items()
-                if not self.launched(key) and any(t.record.launched and t.record.retry for t in trials)]
+        return [
+            key
+            for key, trials in self.by_key.items()
+            if not self.launched(key) and any(t.record.launched and t.record.retry for t in trials)
+        ]
 
     def measuring_seconds(self) -> float:
         """Seconds one run of the whole grid spends launching configurations: for each
         configuration some run launched, the mean of its runs' seconds. The mean of the runs'
         sums when every run launched every configuration; a run cut short (its budget or the
         machine's time ran out) neither shortens the grid nor counts its interrupted launch."""
-        return sum(statistics.fmean(t.seconds for t in launched)
-                   for key in self.by_key if (launched := self.launched(key)))
+        return sum(
+            statistics.fmean(t.seconds for t in launched) for key in self.by_key if (launched := self.launched(key))
+        )
 
     def replay_key(self, key: str) -> str:
         """The configuration as a replay study names it (replay backend, weights as a format)."""
@@ -185,8 +213,10 @@ class RecordedGrid:
         """The recorded configuration a replay configuration stands for."""
         path = {fmt: p for p, fmt in self.format_of.items()}.get(config.weights)
         if path is None:
-            raise ConfigError(f"replay of '{self.name}': weights {config.weights!r} were not recorded "
-                              f"(recorded: {', '.join(self.format_of.values())})")
+            raise ConfigError(
+                f"replay of '{self.name}': weights {config.weights!r} were not recorded "
+                f"(recorded: {', '.join(self.format_of.values())})"
+            )
         return replace(config, backend=self.backend, weights=path).key
 
 
@@ -195,10 +225,10 @@ class ReplayLog:
     """What a replay cost and what it asked that the grid cannot answer."""
 
     spent_s: float = 0.0
-    launches: list[str] = field(default_factory=list)          # recorded keys, in order
-    unrecorded: list[str] = field(default_factory=list)        # launched, but the grid never did
-    probe_stops: int = 0                                       # launches the probe ended after one run
-    unsettled: list[str] = field(default_factory=list)         # launched, but the grid's launches were all cut short
+    launches: list[str] = field(default_factory=list)  # recorded keys, in order
+    unrecorded: list[str] = field(default_factory=list)  # launched, but the grid never did
+    probe_stops: int = 0  # launches the probe ended after one run
+    unsettled: list[str] = field(default_factory=list)  # launched, but the grid's launches were all cut short
 
 
 def run_seconds(r: TrialRecord, workload: Workload) -> float:
@@ -208,15 +238,21 @@ def run_seconds(r: TrialRecord, workload: Workload) -> float:
     aggregate rate, after the first token)."""
     assert r.config is not None
     med = r.median
-    single = workload.prompt_tokens / (med("prefill_tok_s") or float("inf")) + \
-        workload.output_tokens / (med("decode_tok_s") or float("inf"))
+    single = workload.prompt_tokens / (med("prefill_tok_s") or float("inf")) + workload.output_tokens / (
+        med("decode_tok_s") or float("inf")
+    )
     together = int(r.config["parallel"]) * workload.output_tokens / (med("aggregate_tok_s") or float("inf"))
     return single + together + (med("ttft_ms") or 0.0) / 1000
 
 
 def _stat(d: Mapping[str, Any]) -> Stat:
-    return Stat(values=tuple(d["values"]), warmups=tuple(d.get("warmups", ())), unit=d.get("unit", ""),
-                rel_spread_tol=d.get("rel_spread_tol", 0.05), stop_reason=d.get("stop_reason"))
+    return Stat(
+        values=tuple(d["values"]),
+        warmups=tuple(d.get("warmups", ())),
+        unit=d.get("unit", ""),
+        rel_spread_tol=d.get("rel_spread_tol", 0.05),
+        stop_reason=d.get("stop_reason"),
+    )
 
 
 class ReplayBackend(BaseBackend):
@@ -244,15 +280,21 @@ class ReplayBackend(BaseBackend):
         self.log = ReplayLog()
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        return [Param(name, tuple(v for v in space.get(name, ()) if any(same_value(v, r) for r in recorded)),
-                      f"as recorded: {', '.join(map(str, recorded))}", accepted=tuple(recorded))
-                for name, recorded in self.options.items()]
+        return [
+            Param(
+                name,
+                tuple(v for v in space.get(name, ()) if any(same_value(v, r) for r in recorded)),
+                f"as recorded: {', '.join(map(str, recorded))}",
+                accepted=tuple(recorded),
+            )
+            for name, recorded in self.options.items()
+        ]
 
     def check(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
         for t in self.grid.by_key.get(self.grid.recorded_key(config), []):
             reason = t.record.prune_reason or ""
             if t.record.state == TrialState.PRUNED and reason.startswith("invalid: "):
-                return [reason[len("invalid: "):]]
+                return [reason[len("invalid: ") :]]
         return []
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
@@ -286,9 +328,13 @@ class ReplayBackend(BaseBackend):
             later = min(st.n for st in metrics.values()) - 1
             self.log.spent_s += max(drawn.seconds - later * run_seconds(r, ctx.workload), 0.0)
             self.log.probe_stops += 1
-            return Measurement(metrics={name: replace(st, values=st.values[:1], stop_reason=PROBE_STOP)
-                                        for name, st in metrics.items()},
-                               peak_vram_bytes=r.measured_vram_bytes, attrs=dict(r.engine_facts))
+            return Measurement(
+                metrics={
+                    name: replace(st, values=st.values[:1], stop_reason=PROBE_STOP) for name, st in metrics.items()
+                },
+                peak_vram_bytes=r.measured_vram_bytes,
+                attrs=dict(r.engine_facts),
+            )
         self.log.spent_s += drawn.seconds
         return Measurement(metrics=metrics, peak_vram_bytes=r.measured_vram_bytes, attrs=dict(r.engine_facts))
 

@@ -38,8 +38,14 @@ import autotune_plugins.twin as twin
 from autotune_plugins.twin import physics
 
 REPO = Path(__file__).resolve().parents[1]
-SPEED_CONSTANTS = ("weight_bw_efficiency", "layer_us_ghz", "sample_ns_per_vocab", "unfused_attn_per_layer_us",
-                   "decode_compute_efficiency", "prefill_efficiency")
+SPEED_CONSTANTS = (
+    "weight_bw_efficiency",
+    "layer_us_ghz",
+    "sample_ns_per_vocab",
+    "unfused_attn_per_layer_us",
+    "decode_compute_efficiency",
+    "prefill_efficiency",
+)
 
 
 def truth_plugin(seed: int):
@@ -84,7 +90,10 @@ def study_file(tmp: Path, sampler: str, prior: bool, name: str) -> Path:
     text = text.replace('name = "v100-qwen27b"', f'name = "{name}"')
     # prior is explicit either way: a real study (these truth backends are not the twin) would
     # start from the twin's ranking by default.
-    text = text.replace('sampler = "tpe"', f'sampler = "{sampler}"' + ("\nprior = true\nprior_trials = 10" if prior else "\nprior = false"))
+    text = text.replace(
+        'sampler = "tpe"',
+        f'sampler = "{sampler}"' + ("\nprior = true\nprior_trials = 10" if prior else "\nprior = false"),
+    )
     text = text.replace('backend = "twin-exllamav2"', 'backend = "truth-exllamav2"')
     text = text.replace('backend = "twin-llama.cpp"', 'backend = "truth-llama.cpp"')
     path = tmp / f"{name}.toml"
@@ -108,18 +117,30 @@ def true_optimum(runner: StudyRunner) -> tuple[str, float, int]:
         if prepared.quality is not None:
             ref = prepared.reference[config.backend]
             q = prepared.quality
-            drop = drop_between(q, q.evaluate(config, backend, ctx).to_dict(),
-                                q.evaluate(ref, prepared.backend(ref.backend), ctx).to_dict()).points
-        s = objective_mod.score(prepared.cfg.objective, m[prepared.cfg.objective.metric], mem.total_bytes,
-                                ctx.vram_budget_bytes, drop, m["per_user_tok_s"])
+            drop = drop_between(
+                q,
+                q.evaluate(config, backend, ctx).to_dict(),
+                q.evaluate(ref, prepared.backend(ref.backend), ctx).to_dict(),
+            ).points
+        s = objective_mod.score(
+            prepared.cfg.objective,
+            m[prepared.cfg.objective.metric],
+            mem.total_bytes,
+            ctx.vram_budget_bytes,
+            drop,
+            m["per_user_tok_s"],
+        )
         if s.feasible and s.values[0] > best_value:
             best_key, best_value = config.key, s.values[0]
     return best_key, best_value, n
 
 
 def launches_until(study: optuna.Study, key: str) -> int | None:
-    launched = [r for r in records.records(study, (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL))
-                if not r.answered]
+    launched = [
+        r
+        for r in records.records(study, (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL))
+        if not r.answered
+    ]
     launched.sort(key=lambda r: r.number)
     for i, t in enumerate(launched, 1):
         if t.config_key == key:
@@ -143,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             plugins.register_plugin(plugin, name="truth", source="bench")
             try:
                 optimum = None
-                for method, sampler, prior in (("random", "random", False), ("tpe", "tpe", False), ("prior", "tpe", True)):
+                for method, sampler, prior in (
+                    ("random", "random", False),
+                    ("tpe", "tpe", False),
+                    ("prior", "tpe", True),
+                ):
                     name = f"eff-{method}-{seed}"
                     cfg = load_study_config(study_file(tmp, sampler, prior, name))
                     prepared = prepare_study(cfg, storage=f"sqlite:///{tmp / (name + '.db')}")
@@ -155,15 +180,22 @@ def main(argv: list[str] | None = None) -> int:
                     runner.run(n_trials=args.cap)
                     found = launches_until(runner.study, optimum)
                     results[method].append(found if found is not None else args.cap + 1)
-                    print(f"  {method:<6} found after {found if found is not None else f'>{args.cap}'} launches", flush=True)
+                    print(
+                        f"  {method:<6} found after {found if found is not None else f'>{args.cap}'} launches",
+                        flush=True,
+                    )
             finally:
                 plugins.unregister_plugin("truth")
     medians = {m: statistics.median(v) for m, v in results.items()}
-    print(f"\nsearch space: {grid} configurations on the grid, {admissible} admissible before any launch "
-          f"(last seed); {args.seeds} seeds, cap {args.cap} launches; {time.monotonic() - started:.0f} s")
+    print(
+        f"\nsearch space: {grid} configurations on the grid, {admissible} admissible before any launch "
+        f"(last seed); {args.seeds} seeds, cap {args.cap} launches; {time.monotonic() - started:.0f} s"
+    )
     for m, v in results.items():
         print(f"median launches until the true optimum: {m:<6} {medians[m]:>5}   (all: {v})")
-    print(f"random / prior = {medians['random'] / medians['prior']:.1f}x; tpe / prior = {medians['tpe'] / medians['prior']:.1f}x")
+    print(
+        f"random / prior = {medians['random'] / medians['prior']:.1f}x; tpe / prior = {medians['tpe'] / medians['prior']:.1f}x"
+    )
     ok = medians["prior"] <= 15 and medians["random"] >= 3 * medians["prior"]
     print("goal (prior median <= 15 and >= 3x fewer than random):", "met" if ok else "NOT met")
     return 0 if ok else 1

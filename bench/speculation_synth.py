@@ -41,8 +41,15 @@ def run(model: Path, n_max: int, synth_len: float | None, tokens: int, threads: 
     settings = {"threads": threads, "startup_timeout_s": 60, "pin_cores": False}
     if synth_len is not None:
         settings["spec_synth_len"] = synth_len
-    ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(model), workload=Workload(16, tokens),
-                       vram_budget_bytes=2**34, protocol=Protocol(), settings=settings, base_dir=model.parent)
+    ctx = StudyContext(
+        gpu=get_gpu("t4"),
+        model=model_from_gguf(model),
+        workload=Workload(16, tokens),
+        vram_budget_bytes=2**34,
+        protocol=Protocol(),
+        settings=settings,
+        base_dir=model.parent,
+    )
     options = [("cache_type", "f16"), ("flash_attn", True)]
     if synth_len is not None:
         options += [("draft", str(STORIES)), ("spec_n_max", n_max), ("spec_type", "draft-simple")]
@@ -52,9 +59,20 @@ def run(model: Path, n_max: int, synth_len: float | None, tokens: int, threads: 
         backend.wait_ready(server, 60)
         rates, drafted, accepted = [], 0, 0
         for i in range(3):
-            r = fetch(server.http, "POST", f"{server.url}/completion", 120, setting="completion",
-                      json={"prompt": f"{i} Once upon a time", "n_predict": tokens, "ignore_eos": True,
-                            "temperature": 0, "cache_prompt": False})
+            r = fetch(
+                server.http,
+                "POST",
+                f"{server.url}/completion",
+                120,
+                setting="completion",
+                json={
+                    "prompt": f"{i} Once upon a time",
+                    "n_predict": tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                },
+            )
             t = r.json()["timings"]
             rates.append(float(t["predicted_per_second"]))
             drafted += int(t.get("draft_n", 0))
@@ -74,8 +92,10 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(TINY, Path(tmp) / "tiny-f16.gguf", vocab_from=STORIES, seed=0).path
-        print(f"machine: {platform.node()} ({platform.processor() or platform.machine()}), {args.threads} thread(s); "
-              f"model: random 13M Llama (F16), draft stories260K, n-max {args.n_max}, {args.tokens} tokens x 3 (median)")
+        print(
+            f"machine: {platform.node()} ({platform.processor() or platform.machine()}), {args.threads} thread(s); "
+            f"model: random 13M Llama (F16), draft stories260K, n-max {args.n_max}, {args.tokens} tokens x 3 (median)"
+        )
         base = run(model, args.n_max, None, args.tokens, args.threads, Path(tmp))
         print(f"{'synth len':>10} {'decode tok/s':>13} {'vs none':>8} {'drafted':>8} {'accepted':>9} {'rate':>6}")
         print(f"{'none':>10} {base['decode_tok_s']:13.1f} {1.0:8.2f}")
@@ -83,8 +103,10 @@ def main() -> None:
             length = 1 + step
             r = run(model, args.n_max, float(length), args.tokens, args.threads, Path(tmp))
             rate = r["accepted"] / r["drafted"] if r["drafted"] else float("nan")
-            print(f"{length:>10} {r['decode_tok_s']:13.1f} {r['decode_tok_s'] / base['decode_tok_s']:8.2f} "
-                  f"{r['drafted']:8d} {r['accepted']:9d} {rate:6.2f}")
+            print(
+                f"{length:>10} {r['decode_tok_s']:13.1f} {r['decode_tok_s'] / base['decode_tok_s']:8.2f} "
+                f"{r['drafted']:8d} {r['accepted']:9d} {rate:6.2f}"
+            )
 
 
 if __name__ == "__main__":

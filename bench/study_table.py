@@ -45,8 +45,12 @@ def rows(study: optuna.Study, bandwidth_gb_s: float) -> list[dict[str, Any]]:
     for r in records.records(study):
         config = dict(r.config or {})
         row: dict[str, Any] = {
-            "trial": r.number, "state": r.state.name, "backend": config.get("backend"),
-            "weights": config.get("weights"), "ctx": config.get("ctx"), "parallel": config.get("parallel"),
+            "trial": r.number,
+            "state": r.state.name,
+            "backend": config.get("backend"),
+            "weights": config.get("weights"),
+            "ctx": config.get("ctx"),
+            "parallel": config.get("parallel"),
             "options": {k: v for k, v in config.items() if k not in ("backend", "weights", "ctx", "parallel")},
             "reason": r.fail_reason or r.prune_reason,
         }
@@ -61,27 +65,33 @@ def rows(study: optuna.Study, bandwidth_gb_s: float) -> list[dict[str, Any]]:
             jobs = _jobs_at_once(r, parallel)
             decode = r.median("decode_tok_s")
             aggregate = r.median("aggregate_tok_s")
-            row.update({
-                "decode_tok_s": decode, "aggregate_tok_s": aggregate,
-                "per_user_tok_s": r.median("per_user_tok_s"), "ttft_ms": r.median("ttft_ms"),
-                "prefill_tok_s": r.median("prefill_tok_s"),
-                "jobs_at_once": jobs,
-                "attention_path": r.engine_facts.get("attention_path"),
-                "generator_mode": (r.engine_facts.get("generator") or {}).get("mode"),
-                "measured_vram_bytes": measured,
-                "predicted_vram_bytes": predicted.get("total_bytes"),
-                "vram_prediction_error": r.vram_prediction_error,
-                # The raw model before the study's learned correction: measured - residual.
-                "raw_vram_prediction_error": (-residual / measured) if measured and residual is not None else None,
-                "gpu_weights_bytes": weights,
-                "kv_bytes": predicted.get("kv_bytes"),
-                "roofline_share_single": weights * decode / (bandwidth_gb_s * 1e9) if decode else None,
-                "roofline_share_aggregate": (weights * aggregate / jobs / (bandwidth_gb_s * 1e9)) if aggregate else None,
-                "deploy_command": r.deploy_command,
-                "metrics": dict(r.metrics),
-                "engine_facts": dict(r.engine_facts),
-                "predicted_vram": predicted,
-            })
+            row.update(
+                {
+                    "decode_tok_s": decode,
+                    "aggregate_tok_s": aggregate,
+                    "per_user_tok_s": r.median("per_user_tok_s"),
+                    "ttft_ms": r.median("ttft_ms"),
+                    "prefill_tok_s": r.median("prefill_tok_s"),
+                    "jobs_at_once": jobs,
+                    "attention_path": r.engine_facts.get("attention_path"),
+                    "generator_mode": (r.engine_facts.get("generator") or {}).get("mode"),
+                    "measured_vram_bytes": measured,
+                    "predicted_vram_bytes": predicted.get("total_bytes"),
+                    "vram_prediction_error": r.vram_prediction_error,
+                    # The raw model before the study's learned correction: measured - residual.
+                    "raw_vram_prediction_error": (-residual / measured) if measured and residual is not None else None,
+                    "gpu_weights_bytes": weights,
+                    "kv_bytes": predicted.get("kv_bytes"),
+                    "roofline_share_single": weights * decode / (bandwidth_gb_s * 1e9) if decode else None,
+                    "roofline_share_aggregate": (weights * aggregate / jobs / (bandwidth_gb_s * 1e9))
+                    if aggregate
+                    else None,
+                    "deploy_command": r.deploy_command,
+                    "metrics": dict(r.metrics),
+                    "engine_facts": dict(r.engine_facts),
+                    "predicted_vram": predicted,
+                }
+            )
         out.append(row)
     return out
 
@@ -104,16 +114,21 @@ def _num(x: float | None, fmt: str = "{:.0f}") -> str:
 
 
 def markdown(table: list[dict[str, Any]], bandwidth_gb_s: float) -> str:
-    head = ("| trial | backend | weights | cache | parallel | jobs at once | decode tok/s (1 stream) | aggregate tok/s "
-            "| per user tok/s | TTFT ms | NVML MiB | predicted MiB (error; raw model) | GPU weights MiB "
-            "| roofline, 1 stream | roofline, aggregate | KLD (nats) |")
+    head = (
+        "| trial | backend | weights | cache | parallel | jobs at once | decode tok/s (1 stream) | aggregate tok/s "
+        "| per user tok/s | TTFT ms | NVML MiB | predicted MiB (error; raw model) | GPU weights MiB "
+        "| roofline, 1 stream | roofline, aggregate | KLD (nats) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
         opts = dict(r.get("options") or {})
         if r["state"] != "COMPLETE" or "decode_tok_s" not in r:
-            lines.append(f"| {r['trial']} | {r['backend']} | {r['weights']} | {opts.get('cache_type', '')} "
-                         f"| {r['parallel']} | {r['state'].lower()}: {r.get('reason') or ''} |" + " |" * 9
-                         + f" {_num(r.get('kld'), '{:.5f}')} |")
+            lines.append(
+                f"| {r['trial']} | {r['backend']} | {r['weights']} | {opts.get('cache_type', '')} "
+                f"| {r['parallel']} | {r['state'].lower()}: {r.get('reason') or ''} |"
+                + " |" * 9
+                + f" {_num(r.get('kld'), '{:.5f}')} |"
+            )
             continue
         measured = r["measured_vram_bytes"]
         lines.append(
@@ -123,10 +138,13 @@ def markdown(table: list[dict[str, Any]], bandwidth_gb_s: float) -> str:
             f"| {_num(r['predicted_vram_bytes'] / MiB)} ({_pct(r['vram_prediction_error'])}; "
             f"{_pct(r['raw_vram_prediction_error'])}) | {_num(r['gpu_weights_bytes'] / MiB)} "
             f"| {_pct(r['roofline_share_single']).lstrip('+')} | {_pct(r['roofline_share_aggregate']).lstrip('+')} "
-            f"| {_num(r.get('kld'), '{:.5f}')} |")
+            f"| {_num(r.get('kld'), '{:.5f}')} |"
+        )
     lines.append("")
-    lines.append(f"Roofline: GPU-resident weight bytes x decode steps/s over {bandwidth_gb_s:.0f} GB/s; "
-                 "error = (predicted - NVML) / NVML, with and without the study's learned correction.")
+    lines.append(
+        f"Roofline: GPU-resident weight bytes x decode steps/s over {bandwidth_gb_s:.0f} GB/s; "
+        "error = (predicted - NVML) / NVML, with and without the study's learned correction."
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -38,8 +38,10 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for f, pred in table:
         source = f.source.rsplit("/", 1)[-1].removesuffix(".jsonl")
-        print(f"| {f.id.removeprefix('offload-').rsplit('-', 1)[0]} | {source} | {placement(f.scenario)} | "
-              f"{f.metric.removesuffix('_tok_s')} | {f.role} | {f.value:,.1f} | {pred:,.1f} | {pred / f.value:.2f} |")
+        print(
+            f"| {f.id.removeprefix('offload-').rsplit('-', 1)[0]} | {source} | {placement(f.scenario)} | "
+            f"{f.metric.removesuffix('_tok_s')} | {f.role} | {f.value:,.1f} | {pred:,.1f} | {pred / f.value:.2f} |"
+        )
     print()
     print("| group | points | median twin/measured | range | within +-25% | geometric mean abs error |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -50,8 +52,10 @@ def main() -> int:
     for name, ratios in sorted(groups.items()):
         inside = sum(abs(r - 1) <= 0.25 for r in ratios)
         gm = math.exp(statistics.mean(abs(math.log(r)) for r in ratios)) - 1
-        print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} | "
-              f"{inside}/{len(ratios)} | {gm:.0%} |")
+        print(
+            f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} | "
+            f"{inside}/{len(ratios)} | {gm:.0%} |"
+        )
     print()
     print("MoE prefill with experts on the host: the share of each host layer's experts a ubatch must have")
     print("copied, at the dense crossings' fitted rate, for the twin to meet the measurement (the twin's")
@@ -65,7 +69,9 @@ def main() -> int:
         if share is not None:
             s, m = f.scenario, f.scenario.model
             uniform = physics.distinct_experts(m, min(s.ubatch, s.prompt_tokens)) / m.n_experts
-            print(f"| {f.id.removeprefix('offload-').rsplit('-', 1)[0]} | {s.n_cpu_moe} | {s.ubatch} | {share:.2f} | {uniform:.2f} |")
+            print(
+                f"| {f.id.removeprefix('offload-').rsplit('-', 1)[0]} | {s.n_cpu_moe} | {s.ubatch} | {share:.2f} | {uniform:.2f} |"
+            )
     return 0
 
 

@@ -62,7 +62,7 @@ def distinct_per_ubatch(tokens: np.ndarray, ub: int, layers: int, rng: np.random
         x = x + att.reshape(n_tok, -1) @ w(N_HEAD * HEAD, H)
         n = rms(x)
         top = np.argsort(-(n @ w(H, E)), 1)[:, :K]
-        out.append([len(np.unique(top[i:i + ub])) for i in range(0, n_tok, ub)])
+        out.append([len(np.unique(top[i : i + ub])) for i in range(0, n_tok, ub)])
         x = x + np.sqrt(K) * (np.maximum(n @ w(H, FF), 0) @ w(FF, H))
     return out
 

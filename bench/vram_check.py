@@ -69,12 +69,22 @@ def main() -> int:
     if args.no_fa_too:
         grid += [(m, c, "f16", p, u, False) for (m, c, k, p, u, _) in grid if k == "f16"]
     for model_path, ctx_tokens, cache, parallel, ub, fa in grid:
-        ctx = StudyContext(gpu=get_gpu(args.gpu), model=model_from_gguf(model_path),
-                           workload=Workload(prompt_tokens=64, output_tokens=16), vram_budget_bytes=10**13,
-                           protocol=Protocol(), settings={"binary": args.server, "startup_timeout_s": 300},
-                           base_dir=model_path.parent)
-        config = TrialConfig("llama-server", model_path.name, ctx_tokens, parallel,
-                             (("cache_type", cache), ("flash_attn", fa), ("ubatch", ub)))
+        ctx = StudyContext(
+            gpu=get_gpu(args.gpu),
+            model=model_from_gguf(model_path),
+            workload=Workload(prompt_tokens=64, output_tokens=16),
+            vram_budget_bytes=10**13,
+            protocol=Protocol(),
+            settings={"binary": args.server, "startup_timeout_s": 300},
+            base_dir=model_path.parent,
+        )
+        config = TrialConfig(
+            "llama-server",
+            model_path.name,
+            ctx_tokens,
+            parallel,
+            (("cache_type", cache), ("flash_attn", fa), ("ubatch", ub)),
+        )
         predicted = backend.estimate_memory(config, ctx)
         server = backend.launch(config, ctx, True, log_dir)
         try:
@@ -86,32 +96,54 @@ def main() -> int:
         finally:
             processes.stop(server.proc)
         # CUDA0 only: CUDA_Host buffers are pinned host memory.
-        gpu_buffers = {k: sum(v for dev, v in logged.get(k, {}).items() if dev.startswith("CUDA") and "Host" not in dev)
-                       for k in ("model_buffer_mib", "kv_buffer_mib", "compute_buffer_mib")}
+        gpu_buffers = {
+            k: sum(v for dev, v in logged.get(k, {}).items() if dev.startswith("CUDA") and "Host" not in dev)
+            for k in ("model_buffer_mib", "kv_buffer_mib", "compute_buffer_mib")
+        }
         row = {
-            "model": model_path.name, "ctx": ctx_tokens, "parallel": parallel, "cache": cache, "ubatch": ub,
-            "flash_attn": fa, "measured_mib": measured, "predicted": predicted.to_dict(),
-            "logged_cuda_mib": gpu_buffers, "offloaded_layers": logged.get("offloaded_layers"),
+            "model": model_path.name,
+            "ctx": ctx_tokens,
+            "parallel": parallel,
+            "cache": cache,
+            "ubatch": ub,
+            "flash_attn": fa,
+            "measured_mib": measured,
+            "predicted": predicted.to_dict(),
+            "logged_cuda_mib": gpu_buffers,
+            "offloaded_layers": logged.get("offloaded_layers"),
             "error": None if measured is None else (predicted.total_bytes / MiB - measured) / measured,
         }
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("model", "ctx", "parallel", "cache", "ubatch", "flash_attn",
-                                                "measured_mib", "error")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: row[k]
+                    for k in ("model", "ctx", "parallel", "cache", "ubatch", "flash_attn", "measured_mib", "error")
+                }
+            ),
+            flush=True,
+        )
     args.out.write_text(json.dumps(rows, indent=1))
 
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
-    lines = ["| weights | ctx | np | cache | ub | fa | NVML MiB | predicted MiB | error | weights pred/logged | "
-             "KV pred/logged | compute pred/logged |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| weights | ctx | np | cache | ub | fa | NVML MiB | predicted MiB | error | weights pred/logged | "
+        "KV pred/logged | compute pred/logged |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p, g = r["predicted"], r["logged_cuda_mib"]
         lines.append(
             f"| {r['model']} | {r['ctx']} | {r['parallel']} | {r['cache']} | {r['ubatch']} | {int(r['flash_attn'])} | "
             f"{r['measured_mib']:.0f} | {p['total_bytes'] / MiB:.0f} | {100 * r['error']:+.1f}% | "
             f"{p['weights_bytes'] / MiB:.0f}/{g['model_buffer_mib']:.0f} | {p['kv_bytes'] / MiB:.0f}/{g['kv_buffer_mib']:.0f} | "
-            f"{p['buffers_bytes'] / MiB:.0f}/{g['compute_buffer_mib']:.0f} |")
+            f"{p['buffers_bytes'] / MiB:.0f}/{g['compute_buffer_mib']:.0f} |"
+        )
     lines.append("")
-    lines.append(f"{len(errors)} configurations: median |error| {100 * statistics.median(errors):.1f}%, "
-                 f"worst {100 * max(errors):.1f}%")
+    lines.append(
+        f"{len(errors)} configurations: median |error| {100 * statistics.median(errors):.1f}%, "
+        f"worst {100 * max(errors):.1f}%"
+    )
     args.md.write_text("\n".join(lines) + "\n")
     print(lines[-1])
     return 0

@@ -59,16 +59,20 @@ def main() -> None:
         for profile, targets in TARGETS.items():
             for tag, objective in (("throughput", ""), ("targets", targets)):
                 name = f"{profile}-{tag}"
-                cfg = parse_study_config(tomllib.loads(STUDY.format(name=name, trials=args.trials, profile=profile,
-                                                                    objective=objective)), source=name)
+                cfg = parse_study_config(
+                    tomllib.loads(STUDY.format(name=name, trials=args.trials, profile=profile, objective=objective)),
+                    source=name,
+                )
                 best = run_study(cfg, storage=f"sqlite:///{Path(tmp) / name}.db").best
                 if best is None:
                     print(f"{name}: no configuration met the targets")
                     continue
                 p, m = best["params"], best["metrics"]
-                print(f"{name:16s} {p.get('weights')} parallel {p.get('parallel')} ubatch {p.get('ubatch')}: "
-                      f"aggregate {m['aggregate_tok_s']:.0f} tok/s, goodput {m['goodput_tok_s']:.0f} tok/s, "
-                      f"TTFT p95 {m['ttft_p95_ms']:.0f} ms, ITL p95 {m['itl_p95_ms']:.1f} ms")
+                print(
+                    f"{name:16s} {p.get('weights')} parallel {p.get('parallel')} ubatch {p.get('ubatch')}: "
+                    f"aggregate {m['aggregate_tok_s']:.0f} tok/s, goodput {m['goodput_tok_s']:.0f} tok/s, "
+                    f"TTFT p95 {m['ttft_p95_ms']:.0f} ms, ITL p95 {m['itl_p95_ms']:.1f} ms"
+                )
 
 
 if __name__ == "__main__":

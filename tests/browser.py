@@ -19,9 +19,18 @@ import pytest
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 DRIVER = ("/usr/bin/chromedriver",)
 # This closed network answers nothing: no update checks, no QUIC, no sync, no sandbox (root in CI).
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1400,1000")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,1000",
+)
 
 
 def missing(what: str) -> NoReturn:
@@ -68,7 +77,9 @@ def wait_for(browser: Any, check: Callable[[], Any], timeout_s: float = 20.0, wh
         if found:
             return found
         if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not there after {timeout_s:.0f} s; page text: {browser.find_element('tag name', 'body').text[:500]!r}")
+            pytest.fail(
+                f"{what}: not there after {timeout_s:.0f} s; page text: {browser.find_element('tag name', 'body').text[:500]!r}"
+            )
         time.sleep(0.2)
 
 
@@ -79,7 +90,8 @@ def console_errors(browser: Any) -> list[str]:
 def plots_rendered(browser: Any) -> int:
     """Plotly figures that drew their SVG."""
     return browser.execute_script(
-        "return [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.querySelector('.main-svg')).length")
+        "return [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.querySelector('.main-svg')).length"
+    )
 
 
 WINDOW = (1280, 1000)  # the laptop a person reads a report on
@@ -103,8 +115,11 @@ def check_report(path: Path, min_plots: int) -> Any:
     with chromium() as browser:
         browser.set_window_size(*WINDOW)
         browser.get(path.resolve().as_uri())
-        n = wait_for(browser, lambda: plots_rendered(browser) >= min_plots and plots_rendered(browser),
-                     what=f"{min_plots} rendered plots in {path.name}")
+        n = wait_for(
+            browser,
+            lambda: plots_rendered(browser) >= min_plots and plots_rendered(browser),
+            what=f"{min_plots} rendered plots in {path.name}",
+        )
         assert not console_errors(browser), console_errors(browser)
         assert_fits(browser, f"the report {path.name}")
         rows = browser.execute_script("return document.querySelectorAll('#trials tbody tr').length")

@@ -77,8 +77,11 @@ def engine_plugins():
     import autotune_plugins.llama_server as llama_server
     import autotune_plugins.openai_server as openai_server
 
-    with plugin_registered(llama_server, "llama-server"), plugin_registered(exllamav2, "exllamav2"), \
-            plugin_registered(openai_server, "openai-server"):
+    with (
+        plugin_registered(llama_server, "llama-server"),
+        plugin_registered(exllamav2, "exllamav2"),
+        plugin_registered(openai_server, "openai-server"),
+    ):
         yield
 
 
@@ -97,9 +100,20 @@ def seven_b(tmp_path) -> Path:
     """A Hugging Face directory of the Qwen2.5-7B shape whose weights `init` never reads."""
     d = tmp_path / "Qwen2.5-7B"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-        "max_position_embeddings": 32768, "tie_word_embeddings": False}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "num_hidden_layers": 28,
+                "hidden_size": 3584,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "intermediate_size": 18944,
+                "vocab_size": 152064,
+                "max_position_embeddings": 32768,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     (d / "model.safetensors").write_bytes(b"not read by init")
     return d

@@ -154,11 +154,11 @@ def keepalive_engine(directory: Path, name: str = "llama-server") -> Path:
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K.gguf"
 
 
-def write_llama_study(path: Path, *, space: str = "", extra: str = "", study: str = "",
-                      parallel: str = "[1]") -> Path:
+def write_llama_study(path: Path, *, space: str = "", extra: str = "", study: str = "", parallel: str = "[1]") -> Path:
     """A llama-server study file over the shipped stories260K on the catalog T4 (a budget
     only: on a machine without a GPU the server runs on the CPU)."""
-    path.write_text(f"""[study]
+    path.write_text(
+        f"""[study]
 name = "{path.stem}"
 {study}
 
@@ -182,7 +182,9 @@ parallel = {parallel}
 {space}
 
 {extra}
-""", encoding="utf-8")
+""",
+        encoding="utf-8",
+    )
     return path
 
 
@@ -212,7 +214,9 @@ class RecordedRequests:
                     if event.get("timings"):
                         counted.update(prompt=event["timings"].get("prompt_n"), output=event["timings"]["predicted_n"])
                     if event.get("usage"):
-                        counted.update(prompt=event["usage"]["prompt_tokens"], output=event["usage"]["completion_tokens"])
+                        counted.update(
+                            prompt=event["usage"]["prompt_tokens"], output=event["usage"]["completion_tokens"]
+                        )
                     yield payload
             finally:
                 events.close()

@@ -63,8 +63,12 @@ class FakeBackend(BaseBackend):
         return [Param("mode", tuple(space.get("mode", ("plain",))), "a flag the fake ignores")]
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
-        return MemoryEstimate(weights_bytes=GIB, kv_bytes=config.ctx * config.parallel * 1024,
-                              buffers_bytes=64 * 2**20, overhead_bytes=256 * 2**20)
+        return MemoryEstimate(
+            weights_bytes=GIB,
+            kv_bytes=config.ctx * config.parallel * 1024,
+            buffers_bytes=64 * 2**20,
+            overhead_bytes=256 * 2**20,
+        )
 
     def speed(self, config: TrialConfig) -> float:
         """Aggregate tok/s: higher parallel and later weights in the list are faster."""
@@ -111,8 +115,10 @@ class FaultyBackend(FakeBackend):
             self.child_pids.append(child.pid)
             os.kill(child.pid, signal.SIGKILL)  # the engine dies mid-measurement (OOM killer, segfault)
             rc = child.wait(timeout=30)
-            raise BackendError(f"engine process {child.pid} exited with status {rc} during measurement",
-                               log_tail=f"killed by signal {-rc}\n")
+            raise BackendError(
+                f"engine process {child.pid} exited with status {rc} during measurement",
+                log_tail=f"killed by signal {-rc}\n",
+            )
         return self.measure(config)
 
 
@@ -122,8 +128,13 @@ class BlockingBackend(FakeBackend):
 
     name = "fake-blocking"
 
-    def __init__(self, log_path: str | Path | None = None, block_on: int | None = None,
-                 marker_path: str | Path | None = None, raise_interrupt_on: int | None = None):
+    def __init__(
+        self,
+        log_path: str | Path | None = None,
+        block_on: int | None = None,
+        marker_path: str | Path | None = None,
+        raise_interrupt_on: int | None = None,
+    ):
         super().__init__(log_path)
         self.block_on = block_on
         self.marker_path = Path(marker_path) if marker_path else None
@@ -186,8 +197,9 @@ class ForwardingPredictor(Predictor):
         predict = getattr(self.backend, "predict", None)
         return None if predict is None else predict(config, ctx)
 
-    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
-                  ctx: StudyContext) -> Mapping[str, Any] | None:
+    def calibrate(
+        self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]], ctx: StudyContext
+    ) -> Mapping[str, Any] | None:
         return self.backend.calibrate(measured, ctx) if self.learns else None
 
     def repeats_exactly(self, ctx: StudyContext) -> bool:
@@ -236,13 +248,20 @@ class FakeModelBackend(FakeBackend):
         aggregate = 0.5 * self.speed(config) * factor
         return {"aggregate_tok_s": aggregate, "per_user_tok_s": aggregate / config.parallel}
 
-    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
-                  ctx: StudyContext) -> Mapping[str, Any] | None:
+    def calibrate(
+        self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]], ctx: StudyContext
+    ) -> Mapping[str, Any] | None:
         self.calibrated.append(list(measured))
         ratios = sorted(m["aggregate_tok_s"] / (0.5 * self.speed(c)) for c, m in measured)
         factor = ratios[len(ratios) // 2]
-        return {"gpu": ctx.gpu.key, "n": len(measured), "before": {"factor": 1.0}, "after": {"factor": factor},
-                "median_abs_error_before": abs(1.0 / factor - 1.0), "median_abs_error_after": 0.0}
+        return {
+            "gpu": ctx.gpu.key,
+            "n": len(measured),
+            "before": {"factor": 1.0},
+            "after": {"factor": factor},
+            "median_abs_error_before": abs(1.0 / factor - 1.0),
+            "median_abs_error_after": 0.0,
+        }
 
 
 class BackendsPlugin:
@@ -291,9 +310,18 @@ def memory_dir(fallback: Path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write_study(path: Path, backend: str, weights: Sequence[str], *, name: str = "fake-study",
-                ctx: Sequence[int] = (4096,), parallel: Sequence[int] = (1, 2, 4),
-                extra_space: str = "", study_extra: str = "", sampler: str = "random") -> Path:
+def write_study(
+    path: Path,
+    backend: str,
+    weights: Sequence[str],
+    *,
+    name: str = "fake-study",
+    ctx: Sequence[int] = (4096,),
+    parallel: Sequence[int] = (1, 2, 4),
+    extra_space: str = "",
+    study_extra: str = "",
+    sampler: str = "random",
+) -> Path:
     """A study file over one fake backend on the catalog V100 and the article's model."""
     weights_toml = ", ".join(json.dumps(w) for w in weights)
     path.write_text(
@@ -358,8 +386,9 @@ main()
 
 
 def child_script(log: Path, marker: Path, block_on: int, argv: list[str], hostname: str = "") -> str:
-    return CHILD_SCRIPT.format(tests=str(TESTS), log=str(log), marker=str(marker), block_on=block_on, argv=argv,
-                               hostname=hostname)
+    return CHILD_SCRIPT.format(
+        tests=str(TESTS), log=str(log), marker=str(marker), block_on=block_on, argv=argv, hostname=hostname
+    )
 
 
 def interleave_two_workers(storage: str, study_path: Path, backend: "FakeBackend"):
@@ -407,8 +436,13 @@ class BrokenBackend(FakeBackend):
 
     name = "fake-broken"
 
-    def __init__(self, log_path: str | Path | None = None, cause: str = "unknown model architecture 'qwen3next'",
-                 oom: bool = False, works_first: int = 0):
+    def __init__(
+        self,
+        log_path: str | Path | None = None,
+        cause: str = "unknown model architecture 'qwen3next'",
+        oom: bool = False,
+        works_first: int = 0,
+    ):
         super().__init__(log_path)
         self.cause, self.oom, self.works_first = cause, oom, works_first
 

@@ -27,34 +27,67 @@ def _tokenizer(out: Path, vocab_size: int, byte_level: bool = False) -> int:
         tok = Tokenizer(models.BPE(unk_token=None))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<s>", "</s>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tok.train([str(KLD_TEXT)], trainer)
         tok.save(str(out / "tokenizer.json"))
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-            "model_max_length": 2048}))
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": "<s>",
+                    "eos_token": "</s>",
+                    "model_max_length": 2048,
+                }
+            )
+        )
         return tok.get_vocab_size()
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+    )
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
     tok.train([str(KLD_TEXT)], trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False, "model_max_length": 2048}))
-    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                             "unk_token": "<unk>"}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "model_max_length": 2048,
+            }
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
     return tok.get_vocab_size()
 
 
-def write_tiny_llama(out: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                     ffn: int = 128, vocab_size: int = 600, context: int = 2048, seed: int = 0,
-                     byte_level: bool = False) -> Path:
+def write_tiny_llama(
+    out: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab_size: int = 600,
+    context: int = 2048,
+    seed: int = 0,
+    byte_level: bool = False,
+) -> Path:
     """Writes the model directory ``out`` (config.json, model.safetensors, tokenizer files).
 
     The head size is ``hidden / heads`` (16 by default: q8_0 and q4_0 caches need 32; pass
@@ -68,11 +101,22 @@ def write_tiny_llama(out: str | Path, *, layers: int = 2, hidden: int = 64, head
     n_vocab = _tokenizer(out, vocab_size, byte_level)
     head_dim = hidden // heads
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": n_vocab,
-        "max_position_embeddings": context, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": n_vocab,
+        "max_position_embeddings": context,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
         "torch_dtype": "float16",
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -81,8 +125,11 @@ def write_tiny_llama(out: str | Path, *, layers: int = 2, hidden: int = 64, head
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.02).astype(np.float16)
 
-    tensors = {"model.embed_tokens.weight": w(n_vocab, hidden), "model.norm.weight": np.ones(hidden, np.float16),
-               "lm_head.weight": w(n_vocab, hidden)}
+    tensors = {
+        "model.embed_tokens.weight": w(n_vocab, hidden),
+        "model.norm.weight": np.ones(hidden, np.float16),
+        "lm_head.weight": w(n_vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {

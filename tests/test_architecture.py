@@ -55,7 +55,8 @@ def _is_lazy_package(path: Path) -> bool:
     """A package whose names are loaded on first use (a module-level ``__getattr__``)."""
     tree = ast.parse(path.read_text())
     return path.name == "__init__.py" and any(
-        isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)
+        isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body
+    )
 
 
 @functools.cache
@@ -155,8 +156,10 @@ def _describe(graph: Graph, component: list[str]) -> str:
 def test_no_import_cycle_in_the_core():
     graph = import_graph(CORE)
     found = cycles(graph)
-    assert not found, ("import cycles in autotune/ (move the shared piece to the module that owns it, or to a "
-                       "new small module; not into a function):\n" + "\n".join(_describe(graph, c) for c in found))
+    assert not found, (
+        "import cycles in autotune/ (move the shared piece to the module that owns it, or to a "
+        "new small module; not into a function):\n" + "\n".join(_describe(graph, c) for c in found)
+    )
 
 
 def test_no_import_cycle_even_through_type_annotations():
@@ -197,17 +200,28 @@ def test_the_lazy_package_s_names_are_where_it_loads_them_from():
     """Each name of ``autotune.study.__all__`` is defined in the module ``_HOME`` names for it."""
     init = CORE / "study" / "__init__.py"
     tree = ast.parse(init.read_text())
-    values = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-              for t in n.targets if isinstance(t, ast.Name) and t.id in ("__all__", "_HOME")}
+    values = {
+        t.id: ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id in ("__all__", "_HOME")
+    }
     assert set(values["__all__"]) == set(values["_HOME"])
-    misplaced = {name: home for name, home in values["_HOME"].items()
-                 if name not in _top_level_names(CORE / "study" / f"{home}.py")}
+    misplaced = {
+        name: home
+        for name, home in values["_HOME"].items()
+        if name not in _top_level_names(CORE / "study" / f"{home}.py")
+    }
     assert not misplaced
 
 
 def test_no_module_of_the_core_or_a_plugin_is_over_600_lines():
-    long = {str(p.relative_to(REPO)): n for p in (*CORE.rglob("*.py"), *(REPO / "plugins").rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (*CORE.rglob("*.py"), *(REPO / "plugins").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, long
 
 
@@ -236,8 +250,12 @@ def engine_literals(root: Path) -> list[str]:
         skip: set[int] = set()
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
-                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            if (
+                isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+            ):
                 skip.add(id(body[0].value))
             names = {t.id for t in getattr(node, "targets", ()) if isinstance(t, ast.Name)}
             if isinstance(node, ast.Assign) and ("__all__" in names or {(module, n) for n in names} & HELP_CONSTANTS):
@@ -258,14 +276,25 @@ def test_the_core_names_no_engine_outside_docstrings():
 
 
 def test_engine_literals_are_found_and_docstrings_are_not(tmp_path):
-    root = _package(tmp_path, {"a.py": (
-        '"""Reads llama.cpp\'s gguf:Q4_K_M."""\n__all__ = ["read_gguf"]\n'
-        'def f(x):\n    """The twin\'s exl2:4.0."""\n'
-        '    return x == "exl2" or x == "twin" or x.startswith("gguf:") or "a .gguf file" in x\n'
-        'MSG = "start llama-server first"\nSAMPLER = "twin-llama.cpp"\nOK = "a digital twin of an EXL2 directory"\n'
-        'option("--weights", help="gguf:<TYPE> or exl2:<bpw>")\n')})
+    root = _package(
+        tmp_path,
+        {
+            "a.py": (
+                '"""Reads llama.cpp\'s gguf:Q4_K_M."""\n__all__ = ["read_gguf"]\n'
+                'def f(x):\n    """The twin\'s exl2:4.0."""\n'
+                '    return x == "exl2" or x == "twin" or x.startswith("gguf:") or "a .gguf file" in x\n'
+                'MSG = "start llama-server first"\nSAMPLER = "twin-llama.cpp"\nOK = "a digital twin of an EXL2 directory"\n'
+                'option("--weights", help="gguf:<TYPE> or exl2:<bpw>")\n'
+            )
+        },
+    )
     assert [line.split(": ", 1)[1] for line in engine_literals(root)] == [
-        "'exl2'", "'twin'", "'gguf:'", "'start llama-server first'", "'twin-llama.cpp'"]
+        "'exl2'",
+        "'twin'",
+        "'gguf:'",
+        "'start llama-server first'",
+        "'twin-llama.cpp'",
+    ]
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -277,12 +306,15 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_graph_finds_a_cycle_held_apart_by_a_function_level_import(tmp_path):
-    root = _package(tmp_path, {
-        "a.py": "from pkg.b import g\n",
-        "b.py": "def g():\n    from pkg import a\n",
-        "c.py": "import pkg.a\nif TYPE_CHECKING:\n    from pkg.d import x\n",
-        "d.py": "from pkg import c\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "a.py": "from pkg.b import g\n",
+            "b.py": "def g():\n    from pkg import a\n",
+            "c.py": "import pkg.a\nif TYPE_CHECKING:\n    from pkg.d import x\n",
+            "d.py": "from pkg import c\n",
+        },
+    )
     graph = import_graph(root)
     assert cycles(graph) == [["pkg.a", "pkg.b"]]  # c <-> d only under TYPE_CHECKING
     assert graph.function_level == [f"{root / 'b.py'}:2 pkg.b -> pkg.a"]
@@ -291,19 +323,25 @@ def test_the_graph_finds_a_cycle_held_apart_by_a_function_level_import(tmp_path)
 def test_the_graph_finds_a_cycle_through_a_package_s_init(tmp_path):
     """Importing pkg.sub.records from outside runs pkg/sub/__init__.py, which imports runner,
     which imports the importer back: a cycle no single pair of modules shows."""
-    root = _package(tmp_path, {
-        "dashboard.py": "from pkg.sub.records import Record\n",
-        "sub/__init__.py": "from pkg.sub.runner import Runner\n",
-        "sub/records.py": "",
-        "sub/runner.py": "from pkg.sub import records\nfrom pkg.dashboard import note\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "dashboard.py": "from pkg.sub.records import Record\n",
+            "sub/__init__.py": "from pkg.sub.runner import Runner\n",
+            "sub/records.py": "",
+            "sub/runner.py": "from pkg.sub import records\nfrom pkg.dashboard import note\n",
+        },
+    )
     assert cycles(import_graph(root)) == [["pkg.dashboard", "pkg.sub", "pkg.sub.runner"]]
-    lazy = _package(tmp_path / "lazy", {
-        "dashboard.py": "from pkg.sub.records import Record\n",
-        "sub/__init__.py": "def __getattr__(name):\n    pass\n",
-        "sub/records.py": "",
-        "sub/runner.py": "from pkg.sub import records\nfrom pkg.dashboard import note\nfrom pkg.sub import Runner\n",
-    })
+    lazy = _package(
+        tmp_path / "lazy",
+        {
+            "dashboard.py": "from pkg.sub.records import Record\n",
+            "sub/__init__.py": "def __getattr__(name):\n    pass\n",
+            "sub/records.py": "",
+            "sub/runner.py": "from pkg.sub import records\nfrom pkg.dashboard import note\nfrom pkg.sub import Runner\n",
+        },
+    )
     graph = import_graph(lazy)
     assert cycles(graph) == []
     assert graph.from_lazy_package == []  # inside the package itself: its own business

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("engine_plugins")
 class MakingBackend(BaseBackend):
     """Makes ``fake:<n>``-free formats: any gguf:<TYPE> by writing the type into a file, from an
     F16 it makes first; ``gguf:Q2_K`` fails as a tool would."""
+
     artifacts = part(ForwardingArtifacts)
 
     name = "maker"
@@ -52,8 +53,15 @@ class MakingBackend(BaseBackend):
                 raise AutotuneError("maker-quantize: error: unsupported tensor shape")
             out.write_text(f"{qtype} from {[p.name for p in inputs]}")
 
-        return Recipe(fmt, "maker-1.0", f"{qtype}.bin", 1000, make,
-                      needs=() if qtype == "F16" else ("gguf:F16",), description=f"maker {qtype}")
+        return Recipe(
+            fmt,
+            "maker-1.0",
+            f"{qtype}.bin",
+            1000,
+            make,
+            needs=() if qtype == "F16" else ("gguf:F16",),
+            description=f"maker {qtype}",
+        )
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         return []
@@ -93,8 +101,14 @@ def _fresh(tmp_path, monkeypatch):
 
 
 def context(source: Path) -> StudyContext:
-    return StudyContext(gpu=get_gpu("t4"), model=get_model("qwen2.5-7b"), workload=Workload(8, 8),
-                        vram_budget_bytes=2**30, protocol=Protocol(), source=source)
+    return StudyContext(
+        gpu=get_gpu("t4"),
+        model=get_model("qwen2.5-7b"),
+        workload=Workload(8, 8),
+        vram_budget_bytes=2**30,
+        protocol=Protocol(),
+        source=source,
+    )
 
 
 @pytest.fixture
@@ -151,7 +165,9 @@ def test_a_failure_carries_the_tool_error_and_is_not_retried_in_the_run(source):
 
 def test_disk_space_is_checked_before_making(source, monkeypatch):
     monkeypatch.setattr(artifacts, "_free_bytes", lambda directory: 500)
-    with pytest.raises(ArtifactError, match=r"needs about 0\.00 GiB in .* but 0\.00 GiB is free.*AUTOTUNE_ARTIFACTS_DIR"):
+    with pytest.raises(
+        ArtifactError, match=r"needs about 0\.00 GiB in .* but 0\.00 GiB is free.*AUTOTUNE_ARTIFACTS_DIR"
+    ):
         ensure(MakingBackend(), "gguf:F16", context(source))
 
 
@@ -169,10 +185,14 @@ def test_a_study_makes_each_artifact_once_and_records_it(source, tmp_path):
 
     Plugin = plugin_of(backend)
 
-    doc = {"study": {"name": "made", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
-           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
-           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q2_K"]}],
-           "space": {"ctx": [256], "parallel": [1, 2]}}
+    doc = {
+        "study": {"name": "made", "sampler": "grid", "finish_top": 0},
+        "hardware": {"gpu": "t4"},
+        "model": {"source": str(source), "ref": "qwen2.5-7b"},
+        "workload": {"prompt_tokens": 8, "output_tokens": 8},
+        "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q2_K"]}],
+        "space": {"ctx": [256], "parallel": [1, 2]},
+    }
     with plugin_registered(Plugin, "maker-plugin"):
         cfg = parse_study_config(doc, source="made.toml", path=tmp_path / "made.toml")
         runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}"))
@@ -180,8 +200,11 @@ def test_a_study_makes_each_artifact_once_and_records_it(source, tmp_path):
     assert sorted(backend.made) == ["gguf:F16", "gguf:Q2_K", "gguf:Q4_0", "gguf:Q8_0"]
     trials = runner.study.get_trials()
     done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(done) == 4 and sorted(backend.loaded) == ["Q4_0 from ['hf-model', 'F16.bin']"] * 2 + \
-        ["Q8_0 from ['hf-model', 'F16.bin']"] * 2
+    assert (
+        len(done) == 4
+        and sorted(backend.loaded)
+        == ["Q4_0 from ['hf-model', 'F16.bin']"] * 2 + ["Q8_0 from ['hf-model', 'F16.bin']"] * 2
+    )
     for t in done:
         (record,) = TrialRecord.of(t).artifacts
         assert record["weights"] == TrialRecord.of(t).config["weights"] and len(record["sha256"]) == 64
@@ -203,11 +226,17 @@ def test_a_format_without_a_source_is_an_error_naming_the_field(tmp_path):
 
     Plugin = plugin_of(backend)
 
-    doc = {"hardware": {"gpu": "t4"}, "model": {"ref": "qwen2.5-7b"},
-           "workload": {"prompt_tokens": 8, "output_tokens": 8},
-           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0"]}], "space": {"ctx": [256], "parallel": [1]}}
+    doc = {
+        "hardware": {"gpu": "t4"},
+        "model": {"ref": "qwen2.5-7b"},
+        "workload": {"prompt_tokens": 8, "output_tokens": 8},
+        "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0"]}],
+        "space": {"ctx": [256], "parallel": [1]},
+    }
     with plugin_registered(Plugin, "maker-plugin"):
-        with pytest.raises(AutotuneError, match=r"s\.toml: \[candidates\.0\] weights 'gguf:Q8_0': .*add \[model\] source"):
+        with pytest.raises(
+            AutotuneError, match=r"s\.toml: \[candidates\.0\] weights 'gguf:Q8_0': .*add \[model\] source"
+        ):
             prepare_study(parse_study_config(doc, source="s.toml", path=tmp_path / "s.toml"))
         doc["model"]["source"] = str(tmp_path / "missing")
         with pytest.raises(AutotuneError, match=r"\[model\] source = .*missing.*: no such file or directory"):
@@ -274,13 +303,18 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
 
     Plugin = plugin_of(backend)
 
-    doc = {"study": {"name": "deferred", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
-           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
-           "candidates": [{"backend": "guesser", "weights": [str(tmp_path / "ready.gguf"), "gguf:Q4_0"]}],
-           "space": {"ctx": [256], "parallel": [1, 2]}}
+    doc = {
+        "study": {"name": "deferred", "sampler": "grid", "finish_top": 0},
+        "hardware": {"gpu": "t4"},
+        "model": {"source": str(source), "ref": "qwen2.5-7b"},
+        "workload": {"prompt_tokens": 8, "output_tokens": 8},
+        "candidates": [{"backend": "guesser", "weights": [str(tmp_path / "ready.gguf"), "gguf:Q4_0"]}],
+        "space": {"ctx": [256], "parallel": [1, 2]},
+    }
     with plugin_registered(Plugin, "guesser-plugin"):
         cfg = parse_study_config(doc, source="d.toml", path=tmp_path / "d.toml")
         prepared = prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'd.db'}")
+
         # A seed whose grid order launches the ready file first (the gate needs a launch to go by).
         def first_of(seed: int) -> TrialConfig:
             configs = list(prepared.space.enumerate())
@@ -295,8 +329,13 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
         assert states.count(optuna.trial.TrialState.COMPLETE) == 2
         deferred = [t for t in runner.study.get_trials() if t.user_attrs.get("deferred")]
         assert len(deferred) == 2 and all(t.state == optuna.trial.TrialState.FAIL for t in deferred)
-        assert "not started: making gguf:F16 then gguf:Q4_0 would take about 20000 s" in TrialRecord.of(deferred[0]).fail_reason
-        assert summary.n_failed == 0 and "2 not started (their weights would take longer to make" in summary_text(summary)
+        assert (
+            "not started: making gguf:F16 then gguf:Q4_0 would take about 20000 s"
+            in TrialRecord.of(deferred[0]).fail_reason
+        )
+        assert summary.n_failed == 0 and "2 not started (their weights would take longer to make" in summary_text(
+            summary
+        )
 
         later = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'd.db'}"))
         later.run(n_trials=5)  # no budget: the deferred configurations are made and measured
@@ -308,6 +347,7 @@ def test_weights_too_long_to_make_in_the_budget_left_wait_for_a_later_run(source
 
 class MakerTwin(BaseBackend):
     """A model of the maker's engine: predicts each weights' throughput, makes and runs nothing."""
+
     predictor = part(ForwardingPredictor)
 
     name = "maker-twin"
@@ -333,8 +373,11 @@ class MakerTwin(BaseBackend):
         return "none"
 
 
-@pytest.mark.parametrize("q4_0, first", [(102.0, "ready.gguf"), (110.0, "gguf:Q4_0")],
-                         ids=["a near tie: the made file first", "clearly better: made first"])
+@pytest.mark.parametrize(
+    "q4_0, first",
+    [(102.0, "ready.gguf"), (110.0, "gguf:Q4_0")],
+    ids=["a near tie: the made file first", "clearly better: made first"],
+)
 def test_the_prior_measures_made_weights_before_near_equals_still_to_make(source, tmp_path, q4_0, first):
     from autotune.study.prepare import prepare_study
     from autotune.study.runner import StudyRunner
@@ -345,18 +388,27 @@ def test_the_prior_measures_made_weights_before_near_equals_still_to_make(source
 
     Plugin = plugin_of(maker, twin)
 
-    doc = {"study": {"name": "prior-cost", "prior": True}, "hardware": {"gpu": "t4"},
-           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
-           "candidates": [{"backend": "guesser", "weights": [str(tmp_path / "ready.gguf"), "gguf:Q4_0"]}],
-           "space": {"ctx": [256], "parallel": [1]}}
+    doc = {
+        "study": {"name": "prior-cost", "prior": True},
+        "hardware": {"gpu": "t4"},
+        "model": {"source": str(source), "ref": "qwen2.5-7b"},
+        "workload": {"prompt_tokens": 8, "output_tokens": 8},
+        "candidates": [{"backend": "guesser", "weights": [str(tmp_path / "ready.gguf"), "gguf:Q4_0"]}],
+        "space": {"ctx": [256], "parallel": [1]},
+    }
     with plugin_registered(Plugin, "maker-plugin"):
         cfg = parse_study_config(doc, source="p.toml", path=tmp_path / "p.toml")
         runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'p.db'}"))
         assert runner.uses_prior and runner.enqueue_prior() == 2
-    queued = [TrialRecord.of(t).config["weights"] for t in runner.study.get_trials()
-              if t.state == optuna.trial.TrialState.WAITING]
-    assert [Path(w).name if not is_format(w) else w for w in queued] == \
-        [first, ({"ready.gguf", "gguf:Q4_0"} - {first}).pop()]
+    queued = [
+        TrialRecord.of(t).config["weights"]
+        for t in runner.study.get_trials()
+        if t.state == optuna.trial.TrialState.WAITING
+    ]
+    assert [Path(w).name if not is_format(w) else w for w in queued] == [
+        first,
+        ({"ready.gguf", "gguf:Q4_0"} - {first}).pop(),
+    ]
 
 
 def test_ties_band_from_their_best_and_only_above_zero():
@@ -388,17 +440,24 @@ def test_a_converter_that_fails_every_format_the_same_way_stops_the_study(source
 
             def make(inputs, out, say):
                 self.made.append(fmt)
-                raise AutotuneError("convert_hf_to_gguf.py exited with code 1: NotImplementedError: BPE "
-                                    "pre-tokenizer was not recognized")
+                raise AutotuneError(
+                    "convert_hf_to_gguf.py exited with code 1: NotImplementedError: BPE "
+                    "pre-tokenizer was not recognized"
+                )
 
             return dataclasses.replace(recipe, make=make)
 
     backend = UnknownTokenizer()
-    doc = {"study": {"name": "made", "sampler": "grid", "finish_top": 0}, "hardware": {"gpu": "t4"},
-           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
-           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q6_K", "gguf:Q4_0", "gguf:Q3_K_M",
-                                                            "gguf:Q2_K"]}],
-           "space": {"ctx": [256], "parallel": [1, 2, 4]}}
+    doc = {
+        "study": {"name": "made", "sampler": "grid", "finish_top": 0},
+        "hardware": {"gpu": "t4"},
+        "model": {"source": str(source), "ref": "qwen2.5-7b"},
+        "workload": {"prompt_tokens": 8, "output_tokens": 8},
+        "candidates": [
+            {"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q6_K", "gguf:Q4_0", "gguf:Q3_K_M", "gguf:Q2_K"]}
+        ],
+        "space": {"ctx": [256], "parallel": [1, 2, 4]},
+    }
     with plugin_registered(plugin_of(backend), "maker-plugin"):
         cfg = parse_study_config(doc, source="made.toml", path=tmp_path / "made.toml")
         runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}"))
@@ -433,18 +492,24 @@ def test_a_making_whose_dry_run_fails_stops_the_study_before_its_first_trial(sou
             return dataclasses.replace(recipe, check=check)
 
     backend = UnknownTokenizer()
-    doc = {"study": {"name": "made"}, "hardware": {"gpu": "t4"},
-           "model": {"source": str(source), "ref": "qwen2.5-7b"}, "workload": {"prompt_tokens": 8, "output_tokens": 8},
-           "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q4_0", "gguf:F16"]}],
-           "space": {"ctx": [256], "parallel": [1]}}
+    doc = {
+        "study": {"name": "made"},
+        "hardware": {"gpu": "t4"},
+        "model": {"source": str(source), "ref": "qwen2.5-7b"},
+        "workload": {"prompt_tokens": 8, "output_tokens": 8},
+        "candidates": [{"backend": "maker", "weights": ["gguf:Q8_0", "gguf:Q4_0", "gguf:F16"]}],
+        "space": {"ctx": [256], "parallel": [1]},
+    }
     with plugin_registered(plugin_of(backend), "maker-plugin"):
         cfg = parse_study_config(doc, source="made.toml", path=tmp_path / "made.toml")
         with pytest.raises(ConfigError) as raised:
             prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}")
         assert checked == ["gguf:F16"]  # three formats need it; its dry run ran once
         assert backend.made == [] and backend.loaded == []
-        assert ("made.toml: [candidates.0] backend = 'maker': making gguf:F16 (maker F16) would fail: "
-                "convert_hf_to_gguf.py failed: BPE pre-tokenizer was not recognized: use a newer converter") in str(raised.value)
+        assert (
+            "made.toml: [candidates.0] backend = 'maker': making gguf:F16 (maker F16) would fail: "
+            "convert_hf_to_gguf.py failed: BPE pre-tokenizer was not recognized: use a newer converter"
+        ) in str(raised.value)
         assert prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'made.db'}", dry_runs=False).contexts
 
         artifacts.ensure(MakingBackend(), "gguf:F16", prepare_study(cfg, dry_runs=False).contexts["maker"])

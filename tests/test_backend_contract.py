@@ -40,8 +40,14 @@ def twin_case(tmp_path: Path) -> Case:
     from autotune_plugins.twin import TwinLlamaCpp
 
     gpu = get_gpu("v100-16gb")
-    ctx = StudyContext(gpu=gpu, model=get_model("qwen2.5-27b-article"), workload=Workload(1500, 800),
-                       vram_budget_bytes=gpu.vram_bytes, protocol=TWO_RUNS, settings={"noise": 0.02})
+    ctx = StudyContext(
+        gpu=gpu,
+        model=get_model("qwen2.5-27b-article"),
+        workload=Workload(1500, 800),
+        vram_budget_bytes=gpu.vram_bytes,
+        protocol=TWO_RUNS,
+        settings={"noise": 0.02},
+    )
     config = TrialConfig("twin-llama.cpp", "gguf:Q4_0", 4096, 2, (("cache_type", "q8_0"), ("flash_attn", True)))
     return Case(TwinLlamaCpp(), config, ctx, "gguf:Q4_0")
 
@@ -59,9 +65,16 @@ def llama_server_case(tmp_path: Path) -> Case:
     llama_server_binary()  # skipped without a build (failed under AUTOTUNE_REQUIRE_ENGINE=1)
     stories = _stories(tmp_path)
     gpu = get_gpu("t4")
-    ctx = StudyContext(gpu=gpu, model=model_from_gguf(stories), workload=Workload(32, 16), vram_budget_bytes=2**33,
-                       protocol=TWO_RUNS, settings={"threads": 2, "startup_timeout_s": 60}, base_dir=tmp_path,
-                       for_gpu=False)
+    ctx = StudyContext(
+        gpu=gpu,
+        model=model_from_gguf(stories),
+        workload=Workload(32, 16),
+        vram_budget_bytes=2**33,
+        protocol=TWO_RUNS,
+        settings={"threads": 2, "startup_timeout_s": 60},
+        base_dir=tmp_path,
+        for_gpu=False,
+    )
     config = TrialConfig("llama-server", stories.name, 256, 2, (("cache_type", "f16"), ("flash_attn", True)))
     return Case(LlamaServerBackend(), config, ctx, stories.name)
 
@@ -73,10 +86,16 @@ def openai_server_case(tmp_path: Path) -> Case:
     binary = str(llama_server_binary())
     stories = _stories(tmp_path)
     gpu = get_gpu("t4")
-    ctx = StudyContext(gpu=gpu, model=model_from_gguf(stories), workload=Workload(16, 16), vram_budget_bytes=2**33,
-                       protocol=TWO_RUNS, settings={"executable": binary, "extra_args": ["-t", "2"],
-                                                    "startup_timeout_s": 60},
-                       base_dir=tmp_path, for_gpu=False)
+    ctx = StudyContext(
+        gpu=gpu,
+        model=model_from_gguf(stories),
+        workload=Workload(16, 16),
+        vram_budget_bytes=2**33,
+        protocol=TWO_RUNS,
+        settings={"executable": binary, "extra_args": ["-t", "2"], "startup_timeout_s": 60},
+        base_dir=tmp_path,
+        for_gpu=False,
+    )
     config = TrialConfig("openai-server", stories.name, 256, 2, (("cache_type", "f16"), ("flash_attn", True)))
     return Case(OpenAIServerBackend(), config, ctx, None)  # it declines a baseline: no defaults of its own
 
@@ -91,14 +110,27 @@ def exllamav2_case(tmp_path: Path) -> Case:
     d = tmp_path / "tiny-exl2-4.0"
     d.mkdir()
     import json
+
     (d / "config.json").write_text(json.dumps(CONFIG))
     (d / "tokenizer.json").write_text("{}")
-    write_safetensors(d / "model.safetensors", {"model.embed_tokens.weight": ("F16", [512, 128]), **layer_tensors(0),
-                                                 **layer_tensors(1), "model.norm.weight": ("F16", [128])})
-    ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(d), workload=Workload(64, 16),
-                       vram_budget_bytes=100 * 2**30, protocol=TWO_RUNS,
-                       settings={"paged": False, "worker_command": [sys.executable, str(FAKE), "ok"]},
-                       base_dir=tmp_path)
+    write_safetensors(
+        d / "model.safetensors",
+        {
+            "model.embed_tokens.weight": ("F16", [512, 128]),
+            **layer_tensors(0),
+            **layer_tensors(1),
+            "model.norm.weight": ("F16", [128]),
+        },
+    )
+    ctx = StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_hf_config(d),
+        workload=Workload(64, 16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=TWO_RUNS,
+        settings={"paged": False, "worker_command": [sys.executable, str(FAKE), "ok"]},
+        base_dir=tmp_path,
+    )
     config = TrialConfig("exllamav2", d.name, 512, 2, (("cache_type", "q4"),))
     return Case(ExLlamaV2Backend(), config, ctx, d.name)
 
@@ -111,9 +143,15 @@ def exllamav3_case(tmp_path: Path) -> Case:
     from autotune_plugins.exllamav3.backend import ExLlamaV3Backend
 
     d = write_exl3(tmp_path / "tiny-exl3-4.0")
-    ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(d), workload=Workload(64, 16),
-                       vram_budget_bytes=100 * 2**30, protocol=TWO_RUNS,
-                       settings={"worker_command": [sys.executable, str(FAKE), "ok"]}, base_dir=tmp_path)
+    ctx = StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_hf_config(d),
+        workload=Workload(64, 16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=TWO_RUNS,
+        settings={"worker_command": [sys.executable, str(FAKE), "ok"]},
+        base_dir=tmp_path,
+    )
     config = TrialConfig("exllamav3", d.name, 512, 2, (("cache_type", "k4v6"),))
     return Case(ExLlamaV3Backend(), config, ctx, d.name)
 
@@ -124,15 +162,25 @@ def example_case(tmp_path: Path) -> Case:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     gpu = get_gpu("t4")
-    ctx = StudyContext(gpu=gpu, model=get_model("qwen2.5-7b"), workload=Workload(32, 16),
-                       vram_budget_bytes=gpu.vram_bytes, protocol=TWO_RUNS, settings={"scale": 65536})
+    ctx = StudyContext(
+        gpu=gpu,
+        model=get_model("qwen2.5-7b"),
+        workload=Workload(32, 16),
+        vram_budget_bytes=gpu.vram_bytes,
+        protocol=TWO_RUNS,
+        settings={"scale": 65536},
+    )
     config = TrialConfig("example-echo", "gguf:Q8_0", 512, 2, (("cache_type", "f16"),))
     return Case(module.EchoBackend(), config, ctx, None)
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
-    "twin": twin_case, "llama-server": llama_server_case, "openai-server": openai_server_case,
-    "exllamav2-fake-worker": exllamav2_case, "exllamav3-fake-worker": exllamav3_case, "example-plugin": example_case,
+    "twin": twin_case,
+    "llama-server": llama_server_case,
+    "openai-server": openai_server_case,
+    "exllamav2-fake-worker": exllamav2_case,
+    "exllamav3-fake-worker": exllamav3_case,
+    "example-plugin": example_case,
 }
 
 

@@ -7,7 +7,15 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from autotune.engine.backend import DefaultLaunch, Measurement, MemoryEstimate, StudyContext, TrialConfig, UserLoad, Workload
+from autotune.engine.backend import (
+    DefaultLaunch,
+    Measurement,
+    MemoryEstimate,
+    StudyContext,
+    TrialConfig,
+    UserLoad,
+    Workload,
+)
 from autotune.cli import default_study_path
 from autotune.config import load_study_config
 from autotune.errors import BackendError, ConfigError
@@ -37,8 +45,12 @@ class DefaultingBackend(FakeBackend):
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         # More characters, more bytes: "q8" < "f16-full", the user's highest precision.
-        return MemoryEstimate(weights_bytes=GIB * len(config.weights) // 8, kv_bytes=config.ctx * config.parallel,
-                              buffers_bytes=0, overhead_bytes=0)
+        return MemoryEstimate(
+            weights_bytes=GIB * len(config.weights) // 8,
+            kv_bytes=config.ctx * config.parallel,
+            buffers_bytes=0,
+            overhead_bytes=0,
+        )
 
     def default_launch(self, weights: str, ctx: StudyContext) -> DefaultLaunch | None:
         if self.decline:
@@ -51,11 +63,13 @@ class DefaultingBackend(FakeBackend):
             if self.fail:
                 raise BackendError("CUDA out of memory: tried to allocate 2.00 GiB", log_tail="cudaMalloc failed\n")
             runs = self.fit_runs if config.option("defaults") == "fit" else self.default_runs
-            return Measurement(metrics={
-                "decode_tok_s": Stat(runs, unit="tok/s"),
-                "aggregate_tok_s": Stat(runs, unit="tok/s"),
-                "per_user_tok_s": Stat(tuple(v / 2 for v in runs), unit="tok/s"),
-            })
+            return Measurement(
+                metrics={
+                    "decode_tok_s": Stat(runs, unit="tok/s"),
+                    "aggregate_tok_s": Stat(runs, unit="tok/s"),
+                    "per_user_tok_s": Stat(tuple(v / 2 for v in runs), unit="tok/s"),
+                }
+            )
         return Measurement(metrics=stats_for(self.speed(config), config.parallel))
 
 
@@ -70,8 +84,12 @@ class FittingBackend(DefaultingBackend):
 
     def baselines(self, weights: str, ctx: StudyContext, user: UserLoad) -> list[DefaultLaunch]:
         self.users.append(user)
-        fit = DefaultLaunch(TrialConfig(self.name, weights, user.ctx, user.parallel, (("defaults", "fit"),)),
-                            f"fake fitting ({user.why})", name="fit", title="fake --fit")
+        fit = DefaultLaunch(
+            TrialConfig(self.name, weights, user.ctx, user.parallel, (("defaults", "fit"),)),
+            f"fake fitting ({user.why})",
+            name="fit",
+            title="fake --fit",
+        )
         return [*super().baselines(weights, ctx, user), fit]
 
 
@@ -87,8 +105,11 @@ ONE_LAUNCH = "finish_top = 0"
 
 
 def study(tmp_path, extra: str = ""):
-    return load_study_config(write_study(tmp_path / "b.toml", "fake-defaults", ["q8", "f16-full"], sampler="grid",
-                                         parallel=(1, 2), study_extra=extra))
+    return load_study_config(
+        write_study(
+            tmp_path / "b.toml", "fake-defaults", ["q8", "f16-full"], sampler="grid", parallel=(1, 2), study_extra=extra
+        )
+    )
 
 
 def load(storage: str) -> optuna.Study:
@@ -145,7 +166,9 @@ def test_a_gain_inside_the_spreads_is_called_noise(tmp_path, storage):
         summary = run_study(study(tmp_path, ONE_LAUNCH), n_trials=4, storage=storage)
     entry = summary.extra["baseline"]["fake-defaults"]
     assert entry["ratio"]["aggregate"]["within_noise"]
-    assert "within noise of what fake-defaults's default launch gives in aggregate tok/s: no gain shown" in entry["text"]
+    assert (
+        "within noise of what fake-defaults's default launch gives in aggregate tok/s: no gain shown" in entry["text"]
+    )
 
 
 def test_a_failed_baseline_is_recorded_with_its_reason_and_the_study_goes_on(tmp_path, storage):
@@ -193,8 +216,17 @@ def test_the_default_twin_study_says_how_much_faster_than_the_default_launch(tmp
 def fitting_study(tmp_path, ctx=(1024, 4096, 8192)):
     # The workload is 1500 + 800 = 2300 tokens: 4096 is the smallest context that holds it.
     # No finish: the baselines' one launch each is what is checked (test_noise: their finish launches).
-    return load_study_config(write_study(tmp_path / "f.toml", "fake-defaults", ["q8", "f16-full"], sampler="grid",
-                                         ctx=ctx, parallel=(1, 2), study_extra=ONE_LAUNCH))
+    return load_study_config(
+        write_study(
+            tmp_path / "f.toml",
+            "fake-defaults",
+            ["q8", "f16-full"],
+            sampler="grid",
+            ctx=ctx,
+            parallel=(1, 2),
+            study_extra=ONE_LAUNCH,
+        )
+    )
 
 
 def test_a_second_baseline_takes_the_users_context_and_slots_is_measured_once_and_said(tmp_path, storage):
@@ -224,9 +256,12 @@ def test_a_second_baseline_takes_the_users_context_and_slots_is_measured_once_an
     # `best --json` (the summary of the stored study, one trial later) has the same shape as `study --json`,
     # and the same baselines read back.
     from autotune.study.summary import summarize
+
     later = summary_json(summarize(load(storage), storage))["baseline"]
     assert {k: sorted(v) for k, v in later.items()} == {k: sorted(v) for k, v in found.items()}
-    assert all(later[k][f] == found[k][f] for k in found for f in ("aggregate_tok_s", "per_user_tok_s", "deploy_command"))
+    assert all(
+        later[k][f] == found[k][f] for k in found for f in ("aggregate_tok_s", "per_user_tok_s", "deploy_command")
+    )
 
 
 def test_the_users_load_is_the_most_slots_with_the_smallest_context_that_holds_the_workload():
@@ -244,8 +279,14 @@ def test_the_users_load_is_the_most_slots_with_the_smallest_context_that_holds_t
 
 def test_a_study_stored_before_there_were_several_reads_as_the_default_launch():
     study = optuna.create_study()
-    study.set_user_attr("baseline:fake-defaults", {"backend": "fake-defaults", "weights": "f16-full",
-                                                   "metrics": {"aggregate_tok_s": {"median": 10.0, "spread": 0.1}}})
+    study.set_user_attr(
+        "baseline:fake-defaults",
+        {
+            "backend": "fake-defaults",
+            "weights": "f16-full",
+            "metrics": {"aggregate_tok_s": {"median": 10.0, "spread": 0.1}},
+        },
+    )
     stored = records.baselines(study)
     assert list(stored) == ["fake-defaults"] and stored["fake-defaults"].name == "default"
     entry = compare(None, stored)["fake-defaults"]
@@ -281,8 +322,15 @@ def test_llama_servers_fit_launch_is_fit_on_with_the_users_context_and_slots_and
     from tests.conftest import shared_file
 
     model = shared_file("models/stories260K.gguf")
-    ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(model), workload=Workload(32, 16),
-                       vram_budget_bytes=15 * 2**30, protocol=Protocol(), base_dir=model.parent, for_gpu=True)
+    ctx = StudyContext(
+        gpu=get_gpu("t4"),
+        model=model_from_gguf(model),
+        workload=Workload(32, 16),
+        vram_budget_bytes=15 * 2**30,
+        protocol=Protocol(),
+        base_dir=model.parent,
+        for_gpu=True,
+    )
     backend = LlamaServerBackend()
     launches = backend.baselines(model.name, ctx, UserLoad(512, 3, "the user's"))
     assert [launch.name for launch in launches] == ["default", "fit"]
@@ -309,13 +357,23 @@ def test_a_winner_measured_again_is_shown_with_its_range_not_as_plus_minus():
     # The winner's figure after the finish is a median over its runs with their range
     # (summary.headline); "+-" is a single measurement's spread. One sign for two things was
     # the same kind of word slip as issue 28's.
-    base = records.Baseline("fake", "f16", metrics={"aggregate_tok_s": {"median": 10.0, "spread": 0.05},
-                                                    "per_user_tok_s": {"median": 10.0, "spread": 0.05}})
-    finished = {"metrics": {"aggregate_tok_s": 30.0, "per_user_tok_s": 15.0},
-                "spreads": {"aggregate_tok_s": 0.1, "per_user_tok_s": 0.2},
-                "runs": {"aggregate_tok_s": 5, "per_user_tok_s": 5}}
+    base = records.Baseline(
+        "fake",
+        "f16",
+        metrics={
+            "aggregate_tok_s": {"median": 10.0, "spread": 0.05},
+            "per_user_tok_s": {"median": 10.0, "spread": 0.05},
+        },
+    )
+    finished = {
+        "metrics": {"aggregate_tok_s": 30.0, "per_user_tok_s": 15.0},
+        "spreads": {"aggregate_tok_s": 0.1, "per_user_tok_s": 0.2},
+        "runs": {"aggregate_tok_s": 5, "per_user_tok_s": 5},
+    }
     text = compare(finished, {"fake": base})["fake"]["text"]
-    assert text == ("3.0x what fake's default launch gives in aggregate tok/s (30.0, range 10.0% over 5 runs, "
-                    "vs 10.0 +- 5.0%), 1.5x in per-user tok/s (15.0, range 20.0% over 5 runs, vs 10.0 +- 5.0%)")
+    assert text == (
+        "3.0x what fake's default launch gives in aggregate tok/s (30.0, range 10.0% over 5 runs, "
+        "vs 10.0 +- 5.0%), 1.5x in per-user tok/s (15.0, range 20.0% over 5 runs, vs 10.0 +- 5.0%)"
+    )
     once = compare({**finished, "runs": {}}, {"fake": base})["fake"]["text"]
     assert "(30.0 +- 10.0% vs 10.0 +- 5.0%)" in once

@@ -36,8 +36,10 @@ def _refused(path: Path) -> str:
 def test_a_fifo_as_the_workload_file_is_refused_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "lengths.jsonl")
     path = _study(tmp_path, 'file = "lengths.jsonl"')
-    code = ("from autotune.config import load_study_config\nfrom autotune.errors import ConfigError\n"
-            f"try:\n    load_study_config({str(path)!r})\nexcept ConfigError as e:\n    print(e)\n")
+    code = (
+        "from autotune.config import load_study_config\nfrom autotune.errors import ConfigError\n"
+        f"try:\n    load_study_config({str(path)!r})\nexcept ConfigError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "[workload] file = 'lengths.jsonl'" in out.stdout and "named pipe (FIFO)" in out.stdout, out
 
@@ -56,13 +58,19 @@ def test_a_lengths_file_over_the_limit_is_refused_unread(tmp_path, monkeypatch):
     assert "larger than" in _refused(_study(tmp_path, 'file = "big.jsonl"'))
 
 
-@pytest.mark.parametrize("content, suffix, said", [
-    ('{"prompt_tokens": 1' + "0" * 400 + ', "output_tokens": 5}\n', "jsonl",
-     "line 1: prompt_tokens = an integer of about 401 digits: must be an integer from 1 to 10,000,000"),
-    ('{"prompt_tokens": 1' + "0" * 5000 + ', "output_tokens": 5}\n', "jsonl", "line 1: not JSON"),
-    ("prompt_tokens,output_tokens\n12,²\n", "csv", "line 2: output_tokens = '²': must be an integer"),
-    ("prompt_tokens,output_tokens\n-1,5\n", "csv", "line 2: prompt_tokens = '-1'"),
-])
+@pytest.mark.parametrize(
+    "content, suffix, said",
+    [
+        (
+            '{"prompt_tokens": 1' + "0" * 400 + ', "output_tokens": 5}\n',
+            "jsonl",
+            "line 1: prompt_tokens = an integer of about 401 digits: must be an integer from 1 to 10,000,000",
+        ),
+        ('{"prompt_tokens": 1' + "0" * 5000 + ', "output_tokens": 5}\n', "jsonl", "line 1: not JSON"),
+        ("prompt_tokens,output_tokens\n12,²\n", "csv", "line 2: output_tokens = '²': must be an integer"),
+        ("prompt_tokens,output_tokens\n-1,5\n", "csv", "line 2: prompt_tokens = '-1'"),
+    ],
+)
 def test_a_bad_length_is_one_error_with_its_line_and_field(tmp_path, content, suffix, said):
     (tmp_path / f"l.{suffix}").write_text(content)
     message = _refused(_study(tmp_path, f'file = "l.{suffix}"'))
@@ -77,20 +85,32 @@ def test_a_spreadsheets_csv_with_a_bom_and_a_long_text_column_is_read(tmp_path):
     assert 100 <= cfg.prompt_tokens <= 102
 
 
-@pytest.mark.parametrize("workload, objective, said", [
-    ('prompt_tokens = 100\noutput_tokens = 10\narrival = "poisson"\nrate = 1e-300', "",
-     "[workload] rate = 1e-300: must be 0.01..10000 requests per second"),
-    ('prompt_tokens = 100\noutput_tokens = 10\narrival = "poisson"\nrate_search = [1e-300, 2.0]', "",
-     "[workload] rate_search"),
-    ("prompt_tokens = 100000000000\noutput_tokens = 10", "", "[workload] prompt_tokens = 100000000000: must be 1.."),
-    ("prompt_tokens = 100\noutput_tokens = 10", "ttft_p95_ms = 1e-300", "ttft_p95_ms = 1e-300: must be 0.1.."),
-])
+@pytest.mark.parametrize(
+    "workload, objective, said",
+    [
+        (
+            'prompt_tokens = 100\noutput_tokens = 10\narrival = "poisson"\nrate = 1e-300',
+            "",
+            "[workload] rate = 1e-300: must be 0.01..10000 requests per second",
+        ),
+        (
+            'prompt_tokens = 100\noutput_tokens = 10\narrival = "poisson"\nrate_search = [1e-300, 2.0]',
+            "",
+            "[workload] rate_search",
+        ),
+        (
+            "prompt_tokens = 100000000000\noutput_tokens = 10",
+            "",
+            "[workload] prompt_tokens = 100000000000: must be 1..",
+        ),
+        ("prompt_tokens = 100\noutput_tokens = 10", "ttft_p95_ms = 1e-300", "ttft_p95_ms = 1e-300: must be 0.1.."),
+    ],
+)
 def test_numbers_out_of_range_are_refused_with_the_range(tmp_path, workload, objective, said):
     assert said in _refused(_study(tmp_path, workload, objective))
 
 
-@pytest.mark.parametrize("key, value", [("gpu_layers", 10**12), ("ubatch", 2**40), ("batch", 2**31),
-                                        ("n_cpu_moe", -1)])
+@pytest.mark.parametrize("key, value", [("gpu_layers", 10**12), ("ubatch", 2**40), ("batch", 2**31), ("n_cpu_moe", -1)])
 def test_llama_server_refuses_what_its_own_parser_would(key, value):
     from autotune.study.prepare import check_space_values
     from autotune_plugins.llama_server.backend import LlamaServerBackend
@@ -121,7 +141,8 @@ def test_best_answers_from_the_storage_when_the_lengths_file_has_moved(tmp_path,
 
 def test_a_fifo_as_the_study_file_is_refused_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "s.toml")
-    code = ("from autotune.cli import main; main()")
-    out = subprocess.run([sys.executable, "-c", code, "best", "s.toml"], capture_output=True, text=True, timeout=60,
-                         cwd=tmp_path)
+    code = "from autotune.cli import main; main()"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "best", "s.toml"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert out.returncode == 2 and "s.toml: is a named pipe (FIFO), not a regular file" in out.stderr, out

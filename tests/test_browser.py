@@ -24,10 +24,13 @@ from tests.fake_backends import BrokenBackend, registered, write_study
 
 TWIN, BROKEN = "v100-qwen27b", "broken"
 # What a converter prints for a model it does not know, as the new user's 217 trials did.
-CAUSE = ("converting the model failed: Traceback (most recent call last): "
-         + 'File "/opt/llama.cpp/convert_hf_to_gguf.py", line 712, in get_vocab_base_pre ' * 6
-         + "NotImplementedError: BPE pre-tokenizer was not recognized - update get_vocab_base_pre() "
-         + "chkhsh=" + "0123456789abcdef" * 6)
+CAUSE = (
+    "converting the model failed: Traceback (most recent call last): "
+    + 'File "/opt/llama.cpp/convert_hf_to_gguf.py", line 712, in get_vocab_base_pre ' * 6
+    + "NotImplementedError: BPE pre-tokenizer was not recognized - update get_vocab_base_pre() "
+    + "chkhsh="
+    + "0123456789abcdef" * 6
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +90,12 @@ def _free_port() -> int:
 def test_the_dashboard_speaks_autotune_and_each_page_fits_the_window(studies):
     tmp, url = studies
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "autotune.cli", "dashboard", "--storage", url, "--port", str(port)],
-                              env=dict(os.environ, AUTOTUNE_LOAD_PLUGINS="twin"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", "dashboard", "--storage", url, "--port", str(port)],
+        env=dict(os.environ, AUTOTUNE_LOAD_PLUGINS="twin"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -107,8 +113,11 @@ def test_the_dashboard_speaks_autotune_and_each_page_fits_the_window(studies):
             browser.set_window_size(*WINDOW)
             body = lambda: browser.find_element("tag name", "body").text  # noqa: E731
             browser.get(f"{base}/{twin_id}")
-            wait_for(browser, lambda: "score (aggregate_tok_s - penalty)" in browser.page_source,
-                     what="the objective's name on the study page")
+            wait_for(
+                browser,
+                lambda: "score (aggregate_tok_s - penalty)" in browser.page_source,
+                what="the objective's name on the study page",
+            )
             wait_for(browser, lambda: plots_rendered(browser), what="a rendered plot on the study page")
             assert_fits(browser, "the study page")
             browser.get(f"{base}/{twin_id}/note")

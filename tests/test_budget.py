@@ -43,8 +43,9 @@ def storage(tmp_path):
 def test_no_launch_starts_that_would_overrun_the_budget(tmp_path, storage, monkeypatch):
     clock = Clock()
     monkeypatch.setattr(runner_mod.time, "monotonic", clock)
-    path = write_study(tmp_path / "s.toml", "fake", ["w1", "w22"], parallel=(1, 2, 4),
-                       study_extra="prior = false\nfinish_top = 0")
+    path = write_study(
+        tmp_path / "s.toml", "fake", ["w1", "w22"], parallel=(1, 2, 4), study_extra="prior = false\nfinish_top = 0"
+    )
     backend = TenSecondBackend(clock)
     with registered(backend):
         summary = StudyRunner(prepare_study(load_study_config(path), storage=storage)).run(budget_s=25)

@@ -119,8 +119,12 @@ def test_a_baseline_failed_for_its_own_sake_stays_failed_one_failed_for_the_budg
     assert not measure_again(own)
     assert measure_again(records.Baseline("b", "w", error="anything", retry=True))
     # Stored before Baseline.retry, in the words of that time (issue 39's report).
-    legacy = records.Baseline("b", "w", error="llama-server measurement failed: the study's budget (300 s) ran "
-                                              "out; the engine kept the stream open without finishing")
+    legacy = records.Baseline(
+        "b",
+        "w",
+        error="llama-server measurement failed: the study's budget (300 s) ran "
+        "out; the engine kept the stream open without finishing",
+    )
     assert measure_again(legacy)
     assert not measure_again(records.Baseline("b", "w", metrics={"aggregate_tok_s": {"median": 1.0}}))
 
@@ -131,8 +135,9 @@ def test_a_server_still_loading_when_the_budget_ends_says_so_at_once():
         start = time.monotonic()
         with httpx.Client() as http, deadline.within(time.monotonic() + 0.2, "the study's budget (3 s) ran out"):
             with pytest.raises(BackendError, match=r"budget \(3 s\) ran out while it loaded"):
-                wait_ready(proc, http, "http://127.0.0.1:9/health", 60,
-                           lambda what: BackendError(f"server is running: {what}"))
+                wait_ready(
+                    proc, http, "http://127.0.0.1:9/health", 60, lambda what: BackendError(f"server is running: {what}")
+                )
         assert time.monotonic() - start < 5  # not "not ready after 60 s"
     finally:
         proc.kill()

@@ -45,8 +45,9 @@ def test_a_model_backend_learns_from_each_measured_trial_and_the_prior_uses_it(t
         assert [len(call) for call in model.calibrated] == [1, 2, 3]
         last = model.calibrated[-1]
         assert {c.backend for c, _ in last} == {"fake-model"}
-        assert sorted(c.key for c, _ in last) == sorted(replace(r.trial_config, backend="fake-model").key
-                                                        for r in measured)
+        assert sorted(c.key for c, _ in last) == sorted(
+            replace(r.trial_config, backend="fake-model").key for r in measured
+        )
         assert all(set(m) == {"decode_tok_s", "aggregate_tok_s", "per_user_tok_s"} for _, m in last)
 
         # Stored in the study under the real backend's name, with the predictor that made it.
@@ -94,7 +95,8 @@ def test_a_failing_model_backend_is_stored_as_an_error_and_the_study_goes_on(tmp
         study = load(storage)
         assert summary.n_complete == 2
         assert records.stored_calibrations(study) == {
-            "fake": {"predictor": "fake-model", "error": "ZeroDivisionError: no data"}}
+            "fake": {"predictor": "fake-model", "error": "ZeroDivisionError: no data"}
+        }
         # An error is no calibration: the prior predicts with the published model.
         assert calibration.contexts_with_calibration(prepared, study)["fake"].calibration is None
 
@@ -106,8 +108,14 @@ def test_estimate_and_report_use_the_twins_calibration_of_a_real_study(tmp_path,
     from autotune.estimate import estimate_config, estimate_text
     from autotune.report.text import stored_summary, summary_json, summary_text
 
-    path = write_study(tmp_path / "s.toml", "fake-exl2", ["exl2:3.0", "exl2:3.5"], ctx=(4096,), parallel=(1, 2, 4),
-                       extra_space='cache_type = ["q8"]\nflash_attn = [true]')
+    path = write_study(
+        tmp_path / "s.toml",
+        "fake-exl2",
+        ["exl2:3.0", "exl2:3.5"],
+        ctx=(4096,),
+        parallel=(1, 2, 4),
+        extra_space='cache_type = ["q8"]\nflash_attn = [true]',
+    )
     with registered(RealExl2Backend()):
         StudyRunner(prepare_study(load_study_config(path), storage=storage)).run(n_trials=4)
         stored = records.stored_calibrations(load(storage))["fake-exl2"]
@@ -124,15 +132,19 @@ def test_estimate_and_report_use_the_twins_calibration_of_a_real_study(tmp_path,
         assert "calibrated on 4 measured trials of study fake-study" in estimate_text(calibrated)
         # Another card than the one it was fitted on: the published constants, and it says so.
         elsewhere = estimate_config("a100-80gb", None, *args, study_name="fake-study", storage=storage)
-        assert elsewhere["calibration"] is None and "no calibration of twin-exllamav2 on a100-80gb" in \
-            estimate_text(elsewhere)
+        assert elsewhere["calibration"] is None and "no calibration of twin-exllamav2 on a100-80gb" in estimate_text(
+            elsewhere
+        )
 
         # A study that ran on a card the catalog lacks (NVML's description of it): only --gpu or
         # that machine can stand for it.
         study = load(storage)
         study.set_user_attr("gpu", {**study.user_attrs["gpu"], "key": "nvml:nvidia-rtx-pro-6000"})
-        with pytest.raises(ConfigError, match=r"ran on 'nvml:nvidia-rtx-pro-6000', a card the catalog does not know.*"
-                                              r"give --gpu \(a catalog key: v100-16gb, "):
+        with pytest.raises(
+            ConfigError,
+            match=r"ran on 'nvml:nvidia-rtx-pro-6000', a card the catalog does not know.*"
+            r"give --gpu \(a catalog key: v100-16gb, ",
+        ):
             estimate_config(None, None, *args, study_name="fake-study", storage=storage)
         assert estimate_config("v100-16gb", None, *args, study_name="fake-study", storage=storage)["gpu"] == "v100-16gb"
 

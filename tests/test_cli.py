@@ -21,8 +21,14 @@ else:
 SEEDS = (0, 1, 2, 3, 4)
 # The article's row 5 (seed/ARTICLE.md): ExLlamaV2 at 3.3 bpw, Q8 cache, 4 streams of 4096 tokens, what
 # the README's estimate asks about.
-ARTICLE_ROW5 = {"backend": "twin-exllamav2", "weights": "exl2:3.3", "ctx": 4096, "cache_type": "q8",
-                "flash_attn": True, "parallel": 4}
+ARTICLE_ROW5 = {
+    "backend": "twin-exllamav2",
+    "weights": "exl2:3.3",
+    "ctx": 4096,
+    "cache_type": "q8",
+    "flash_attn": True,
+    "parallel": 4,
+}
 SUMMARY_KEYS = {"study", "storage", "n_trials", "n_complete", "n_failed", "n_pruned", "best"}
 BEST_KEYS = {"params", "values", "metrics", "deploy_command"}
 
@@ -47,9 +53,17 @@ def seed_runs(tmp_path_factory):
     try:
         for seed in SEEDS:
             storage = f"sqlite:///{store_dir / f'seed{seed}.db'}"
-            procs[seed] = (storage, subprocess.Popen(
-                _autotune("study", "--storage", storage, "--json", "--quiet", "--seed", str(seed)),
-                cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs[seed] = (
+                storage,
+                subprocess.Popen(
+                    _autotune("study", "--storage", storage, "--json", "--quiet", "--seed", str(seed)),
+                    cwd=cwd,
+                    env=_env(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
         runs = {}
         for seed, (storage, proc) in procs.items():
             out, err = proc.communicate(timeout=300)
@@ -73,8 +87,10 @@ def test_default_study_finds_the_article_configuration(seed_runs, seed):
     assert SUMMARY_KEYS <= set(report)
     assert report["study"] == "v100-qwen27b"
     assert report["storage"] == run["storage"]
-    assert report["n_trials"] == report["n_complete"] + report["n_failed"] + report["n_pruned"] \
-        + report["n_answered_from_storage"]
+    assert (
+        report["n_trials"]
+        == report["n_complete"] + report["n_failed"] + report["n_pruned"] + report["n_answered_from_storage"]
+    )
     assert report["n_complete"] > 0 and report["n_failed"] == 0
     best = report["best"]
     assert BEST_KEYS <= set(best)
@@ -89,8 +105,9 @@ def test_default_study_finds_the_article_configuration(seed_runs, seed):
     line = best["deploy_command"]
     assert "ExLlamaV2Cache(batch_size=4, max_seq_len=4096), cache mode Q8" in line and "exl2-3.3bpw" in line
     # ...and what the one server there is would give instead, in the same line.
-    assert f"TabbyAPI would take them one at a time, {metrics['decode_tok_s']:.1f} tok/s for the user being " \
-           "served" in line
+    assert (
+        f"TabbyAPI would take them one at a time, {metrics['decode_tok_s']:.1f} tok/s for the user being served" in line
+    )
 
 
 def test_best_reads_the_same_storage_and_agrees(twin_plugin, seed_runs):
@@ -109,8 +126,10 @@ def test_best_reads_the_same_storage_and_agrees(twin_plugin, seed_runs):
     # The twin's quality says what it is (issue 28: "twin-mmlu 0.9844, +0.94 points"): a share of
     # FP16's accuracy, and a drop as a drop.
     q = study_report["best"]["quality"]
-    assert (f"  quality: predicted MMLU accuracy {q['value']:.2%} of FP16's, drop {q['drop_points']:.2f} points vs "
-            f"{q['reference_weights']}\n") in text.stdout
+    assert (
+        f"  quality: predicted MMLU accuracy {q['value']:.2%} of FP16's, drop {q['drop_points']:.2f} points vs "
+        f"{q['reference_weights']}\n"
+    ) in text.stdout
 
 
 def test_best_names_the_study_it_cannot_find(seed_runs):
@@ -121,17 +140,45 @@ def test_best_names_the_study_it_cannot_find(seed_runs):
 
 def test_estimate_json(twin_plugin, seed_runs):
     params = json.loads(seed_runs[0]["out"])["best"]["params"]
-    result = CliRunner().invoke(cli, [
-        "estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article", "--backend", "exllamav2",
-        "--weights", "exl2:3.3", "--ctx", "4096", "--cache", params["cache_type"], "--flash-attn", "--parallel",
-        str(params["parallel"]), "--setting", "unpaged_parallel=batched", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "estimate",
+            "--gpu",
+            "v100-16gb",
+            "--model",
+            "qwen2.5-27b-article",
+            "--backend",
+            "exllamav2",
+            "--weights",
+            "exl2:3.3",
+            "--ctx",
+            "4096",
+            "--cache",
+            params["cache_type"],
+            "--flash-attn",
+            "--parallel",
+            str(params["parallel"]),
+            "--setting",
+            "unpaged_parallel=batched",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     vram = report["vram"]
-    assert {"weights_bytes", "kv_bytes", "buffers_bytes", "overhead_bytes", "total_bytes", "budget_bytes",
-            "fits"} <= set(vram)
-    assert vram["total_bytes"] == vram["weights_bytes"] + vram["kv_bytes"] + vram["buffers_bytes"] \
-        + vram["overhead_bytes"]
+    assert {
+        "weights_bytes",
+        "kv_bytes",
+        "buffers_bytes",
+        "overhead_bytes",
+        "total_bytes",
+        "budget_bytes",
+        "fits",
+    } <= set(vram)
+    assert (
+        vram["total_bytes"] == vram["weights_bytes"] + vram["kv_bytes"] + vram["buffers_bytes"] + vram["overhead_bytes"]
+    )
     assert vram["fits"] is True and vram["total_bytes"] <= vram["budget_bytes"]
     predicted = report["predicted"]
     assert {"decode_tok_s", "prefill_tok_s", "aggregate_tok_s", "per_user_tok_s", "roofline_tok_s"} <= set(predicted)
@@ -145,15 +192,45 @@ def test_estimate_json(twin_plugin, seed_runs):
 
 
 def test_estimate_unknown_backend_lists_the_installed_ones(twin_plugin):
-    result = CliRunner().invoke(cli, ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article",
-                                      "--backend", "exllama", "--weights", "exl2:3.3", "--ctx", "4096"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "estimate",
+            "--gpu",
+            "v100-16gb",
+            "--model",
+            "qwen2.5-27b-article",
+            "--backend",
+            "exllama",
+            "--weights",
+            "exl2:3.3",
+            "--ctx",
+            "4096",
+        ],
+    )
     assert result.exit_code == 2
     assert "--backend 'exllama'" in result.stderr and "twin-exllamav2" in result.stderr
     assert "engines: exllamav2, exllamav3, llama.cpp, vllm" in result.stderr
 
 
-README_ESTIMATE = ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article", "--backend", "exllamav2",
-                   "--weights", "exl2:3.3", "--ctx", "4096", "--cache", "q8", "--flash-attn", "--parallel", "4"]
+README_ESTIMATE = [
+    "estimate",
+    "--gpu",
+    "v100-16gb",
+    "--model",
+    "qwen2.5-27b-article",
+    "--backend",
+    "exllamav2",
+    "--weights",
+    "exl2:3.3",
+    "--ctx",
+    "4096",
+    "--cache",
+    "q8",
+    "--flash-attn",
+    "--parallel",
+    "4",
+]
 
 
 def test_readme_estimate_reaches_the_twin_although_the_real_exllamav2_is_installed(twin_plugin):
@@ -168,8 +245,9 @@ def test_readme_estimate_reaches_the_twin_although_the_real_exllamav2_is_install
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["config"] == ARTICLE_ROW5 and report["verdict"] == "fits"
-    assert report["resolved"] == ("--backend exllamav2 with a format as weights: estimated by twin-exllamav2, "
-                                  "the engine's digital twin")
+    assert report["resolved"] == (
+        "--backend exllamav2 with a format as weights: estimated by twin-exllamav2, the engine's digital twin"
+    )
     assert text.exit_code == 0 and "estimated by twin-exllamav2" in text.stdout and ": fits" in text.stdout
 
 
@@ -179,8 +257,11 @@ def test_estimate_takes_a_backend_setting_and_names_what_is_accepted(twin_plugin
     batched = CliRunner().invoke(cli, [*README_ESTIMATE, "--setting", "unpaged_parallel=batched", "--json"])
     assert batched.exit_code == 0, batched.output
     assert json.loads(batched.stdout)["predicted"]["aggregate_tok_s"] > 1.5 * queued["aggregate_tok_s"]
-    for bad, why in (("unpaged=batched", "unpaged: unknown setting (accepted: "),
-                     ("unpaged_parallel=serial", "unpaged_parallel = 'serial': "), ("batched", "write NAME=VALUE")):
+    for bad, why in (
+        ("unpaged=batched", "unpaged: unknown setting (accepted: "),
+        ("unpaged_parallel=serial", "unpaged_parallel = 'serial': "),
+        ("batched", "write NAME=VALUE"),
+    ):
         result = CliRunner().invoke(cli, [*README_ESTIMATE, "--setting", bad])
         assert result.exit_code == 2 and "--setting" in result.stderr and why in result.stderr, result.output
 
@@ -195,8 +276,19 @@ def test_estimate_help_states_how_backend_names_resolve():
 
 
 def test_estimate_invalid_configuration_is_not_said_to_fit(twin_plugin):
-    args = ["estimate", "--gpu", "a100-80gb", "--model", "qwen2.5-7b", "--backend", "llama.cpp",
-            "--weights", "gguf:Q4_K_M", "--ctx", "40000"]
+    args = [
+        "estimate",
+        "--gpu",
+        "a100-80gb",
+        "--model",
+        "qwen2.5-7b",
+        "--backend",
+        "llama.cpp",
+        "--weights",
+        "gguf:Q4_K_M",
+        "--ctx",
+        "40000",
+    ]
     text = CliRunner().invoke(cli, args)
     assert text.exit_code == 2
     assert "fits" not in text.stdout.replace("would fit", "")  # memory alone may fit; the verdict is not "fits"
@@ -210,29 +302,64 @@ def test_estimate_invalid_configuration_is_not_said_to_fit(twin_plugin):
 
 
 def test_estimate_engine_refusal_exits_2(twin_plugin):
-    result = CliRunner().invoke(cli, ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-7b", "--backend", "vllm",
-                                      "--weights", "gguf:Q4_K_M", "--ctx", "4096", "--cache", "auto"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "estimate",
+            "--gpu",
+            "v100-16gb",
+            "--model",
+            "qwen2.5-7b",
+            "--backend",
+            "vllm",
+            "--weights",
+            "gguf:Q4_K_M",
+            "--ctx",
+            "4096",
+            "--cache",
+            "auto",
+        ],
+    )
     assert result.exit_code == 2
     assert "REFUSED by the engine: vLLM" in result.stdout
     assert result.stderr.startswith("Error: the engine refuses this configuration: vLLM")
 
 
 def test_estimate_missing_model_file_says_the_file_does_not_exist(twin_plugin):
-    result = CliRunner().invoke(cli, ["estimate", "--gpu", "t4", "--model", "path/to/model.gguf", "--backend",
-                                      "llama.cpp", "--ctx", "4096"])
+    result = CliRunner().invoke(
+        cli, ["estimate", "--gpu", "t4", "--model", "path/to/model.gguf", "--backend", "llama.cpp", "--ctx", "4096"]
+    )
     assert result.exit_code == 2
-    assert result.stderr.startswith("Error: --model path/to/model.gguf: no such file or directory (nor a catalog model; "
-                                    "the catalog has: qwen2.5-27b-article, ")
+    assert result.stderr.startswith(
+        "Error: --model path/to/model.gguf: no such file or directory (nor a catalog model; "
+        "the catalog has: qwen2.5-27b-article, "
+    )
     assert "catalog key, not a file" not in result.output
 
 
 def test_estimate_missing_weights_file_says_where_it_looked(twin_plugin, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, ["estimate", "--gpu", "t4", "--model", "qwen2.5-7b", "--backend", "llama.cpp",
-                                      "--weights", "q7b-Q4_K_M.gguf", "--ctx", "4096"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "estimate",
+            "--gpu",
+            "t4",
+            "--model",
+            "qwen2.5-7b",
+            "--backend",
+            "llama.cpp",
+            "--weights",
+            "q7b-Q4_K_M.gguf",
+            "--ctx",
+            "4096",
+        ],
+    )
     assert result.exit_code == 2
-    assert (f"--weights 'q7b-Q4_K_M.gguf': no such file or directory (relative to the current directory {tmp_path})"
-            in result.stderr)
+    assert (
+        f"--weights 'q7b-Q4_K_M.gguf': no such file or directory (relative to the current directory {tmp_path})"
+        in result.stderr
+    )
     assert "study file" not in result.stderr
 
 
@@ -245,9 +372,11 @@ def test_estimate_missing_weights_file_says_where_it_looked(twin_plugin, tmp_pat
 @pytest.fixture
 def bad_configs(tmp_path, default_study_path):
     text = default_study_path.read_text(encoding="utf-8")
-    three = (text.replace("ctx = [2048, 4096, 8192, 16384]", "ctx = [0, 4096]")
-             .replace("prompt_tokens = 1500", 'prompt_tokens = "many"')
-             .replace('sampler = "tpe"', 'sampler = "bayes"'))
+    three = (
+        text.replace("ctx = [2048, 4096, 8192, 16384]", "ctx = [0, 4096]")
+        .replace("prompt_tokens = 1500", 'prompt_tokens = "many"')
+        .replace('sampler = "tpe"', 'sampler = "bayes"')
+    )
     assert three.count("many") == 1 and three.count("bayes") == 1 and three.count("[0, 4096]") == 1
     (tmp_path / "three.toml").write_text(three, encoding="utf-8")
     (tmp_path / "broken.toml").write_text("[study\nname = 'x'\n", encoding="utf-8")
@@ -274,8 +403,14 @@ def test_bad_study_file_exits_2_naming_the_file(bad_configs, case, tmp_path, mon
 
 def test_bad_study_file_exits_2_in_a_child_process(bad_configs, tmp_path):
     path, _ = bad_configs["three"]
-    proc = subprocess.run(_autotune("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}"),
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        _autotune("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}"),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 3 and all(str(path) in line for line in lines), proc.stderr
@@ -283,8 +418,9 @@ def test_bad_study_file_exits_2_in_a_child_process(bad_configs, tmp_path):
 
 def test_unknown_backend_in_study_exits_2(tmp_path, default_study_path, twin_plugin):
     path = tmp_path / "b.toml"
-    path.write_text(default_study_path.read_text(encoding="utf-8").replace('"twin-llama.cpp"', '"llama"'),
-                    encoding="utf-8")
+    path.write_text(
+        default_study_path.read_text(encoding="utf-8").replace('"twin-llama.cpp"', '"llama"'), encoding="utf-8"
+    )
     result = CliRunner().invoke(cli, ["study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}"])
     assert result.exit_code == 2
     assert f"{path}: [candidates.1] backend = 'llama': not installed" in result.stderr
@@ -320,8 +456,22 @@ class _DuplicateTwin:
 def test_plugin_contract_violation_exits_1(twin_plugin):
     plugins.register_plugin(_DuplicateTwin(), name="twin-again")
     try:
-        result = CliRunner().invoke(cli, ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article",
-                                          "--backend", "exllamav2", "--weights", "exl2:3.3", "--ctx", "4096"])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "estimate",
+                "--gpu",
+                "v100-16gb",
+                "--model",
+                "qwen2.5-27b-article",
+                "--backend",
+                "exllamav2",
+                "--weights",
+                "exl2:3.3",
+                "--ctx",
+                "4096",
+            ],
+        )
     finally:
         plugins.unregister_plugin("twin-again")
     assert result.exit_code == 1
@@ -359,17 +509,22 @@ def test_study_prints_its_summary_when_the_dashboard_note_cannot_be_written(tmp_
 
     monkeypatch.setattr(autotune.report.dashboard, "annotate_study", no_dashboard)
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, ["study", "--trials", "2", "--quiet", "--json",
-                                      "--storage", f"sqlite:///{tmp_path / 's.db'}"])
+    result = CliRunner().invoke(
+        cli, ["study", "--trials", "2", "--quiet", "--json", "--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["n_trials"] >= 2
     assert "no dashboard note for the study (ModuleNotFoundError" in result.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["study", "d/" * 2500 + "x.toml"],
-    ["estimate", "--model", "m" * 5000 + ".gguf", "--backend", "twin-llama.cpp", "--gpu", "t4", "--ctx", "256"],
-], ids=["study-file", "model-file"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["study", "d/" * 2500 + "x.toml"],
+        ["estimate", "--model", "m" * 5000 + ".gguf", "--backend", "twin-llama.cpp", "--gpu", "t4", "--ctx", "256"],
+    ],
+    ids=["study-file", "model-file"],
+)
 def test_a_path_too_long_for_the_filesystem_is_bad_input(args, twin_plugin):
     """ENAMETOOLONG was an OSError traceback (exit 1) wherever a path was first touched."""
     result = CliRunner().invoke(cli, args)
@@ -382,21 +537,32 @@ def test_a_study_name_too_long_for_a_file_name_is_refused(tmp_path):
     from autotune.config import parse_study_config
     from autotune.errors import ConfigError
 
-    doc = {"study": {"name": "n" * 5000}, "hardware": {"gpu": "t4"}, "model": {"ref": "qwen2.5-7b"},
-           "workload": {"prompt_tokens": 64, "output_tokens": 32},
-           "candidates": [{"backend": "twin-llama.cpp", "weights": ["gguf:Q8_0"]}], "space": {"ctx": [512], "parallel": [1]}}
+    doc = {
+        "study": {"name": "n" * 5000},
+        "hardware": {"gpu": "t4"},
+        "model": {"ref": "qwen2.5-7b"},
+        "workload": {"prompt_tokens": 64, "output_tokens": 32},
+        "candidates": [{"backend": "twin-llama.cpp", "weights": ["gguf:Q8_0"]}],
+        "space": {"ctx": [512], "parallel": [1]},
+    }
     with pytest.raises(ConfigError, match=r"\[study\] name = 'n+': use letters, digits, '.', '_' or '-', at most 200"):
         parse_study_config(doc, source="long.toml", path=tmp_path / "long.toml")
     doc["study"]["name"] = "n" * 200
     assert parse_study_config(doc, source="ok.toml", path=tmp_path / "ok.toml").name == "n" * 200
 
 
-def test_a_study_that_tried_nothing_does_not_say_everything_tried_was_refused(twin_plugin, default_study_path, tmp_path):
+def test_a_study_that_tried_nothing_does_not_say_everything_tried_was_refused(
+    twin_plugin, default_study_path, tmp_path
+):
     # Found with issue 28's words: a budget spent before the first trial (on a loaded 2-core
     # machine, by the baselines) printed "every configuration tried was refused" of 0 trials.
-    result = CliRunner().invoke(cli, ["study", str(default_study_path), "--budget", "0.001s",
-                                      "--storage", f"sqlite:///{tmp_path / 'nothing.db'}"])
+    result = CliRunner().invoke(
+        cli,
+        ["study", str(default_study_path), "--budget", "0.001s", "--storage", f"sqlite:///{tmp_path / 'nothing.db'}"],
+    )
     assert result.exit_code == 1
     assert "0 trials: 0 complete" in result.output
-    assert "Error: no feasible configuration: no configuration was tried (why the search ended says why)" in result.output
+    assert (
+        "Error: no feasible configuration: no configuration was tried (why the search ended says why)" in result.output
+    )
     assert "every configuration tried" not in result.output

@@ -40,8 +40,10 @@ def test_resume_on_another_gpu_is_refused_naming_both(tmp_path):
     path = first_run(tmp_path, storage)
     before = n_trials(storage)
     path.write_text(path.read_text().replace('gpu = "v100-16gb"', 'gpu = "t4"'))
-    with registered(FakeBackend()), pytest.raises(
-            ConfigError, match=r"GPU: stored 'v100-16gb', now 't4'.*new \[study\] name"):
+    with (
+        registered(FakeBackend()),
+        pytest.raises(ConfigError, match=r"GPU: stored 'v100-16gb', now 't4'.*new \[study\] name"),
+    ):
         run_study(load_study_config(path), n_trials=2, storage=storage)
     assert n_trials(storage) == before  # nothing added
 
@@ -50,16 +52,20 @@ def test_resume_with_another_model_is_refused(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
     path = first_run(tmp_path, storage)
     path.write_text(path.read_text().replace('ref = "qwen2.5-27b-article"', 'ref = "qwen2.5-7b"'))
-    with registered(FakeBackend()), pytest.raises(
-            ConfigError, match=r"model: stored 'qwen2.5-27b-article', now 'qwen2.5-7b'"):
+    with (
+        registered(FakeBackend()),
+        pytest.raises(ConfigError, match=r"model: stored 'qwen2.5-27b-article', now 'qwen2.5-7b'"),
+    ):
         run_study(load_study_config(path), n_trials=2, storage=storage)
 
 
 def test_resume_on_another_engine_build_is_refused(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
     path = first_run(tmp_path, storage)
-    with registered(RebuiltBackend()), pytest.raises(
-            ConfigError, match=r"fake engine build: stored 'fake-1.0', now 'fake-2.0'"):
+    with (
+        registered(RebuiltBackend()),
+        pytest.raises(ConfigError, match=r"fake engine build: stored 'fake-1.0', now 'fake-2.0'"),
+    ):
         run_study(load_study_config(path), n_trials=2, storage=storage)
 
 

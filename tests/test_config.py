@@ -63,11 +63,15 @@ def test_malformed_toml_names_the_file(tmp_path):
 
 
 def test_three_bad_fields_are_all_reported(tmp_path, default_study_path):
-    path = _edit(default_study_path, tmp_path / "bad.toml", {
-        "ctx": "ctx = [0, 4096]",
-        "prompt_tokens": 'prompt_tokens = "many"',
-        "sampler": 'sampler = "bayes"',
-    })
+    path = _edit(
+        default_study_path,
+        tmp_path / "bad.toml",
+        {
+            "ctx": "ctx = [0, 4096]",
+            "prompt_tokens": 'prompt_tokens = "many"',
+            "sampler": 'sampler = "bayes"',
+        },
+    )
     with pytest.raises(ConfigError) as err:
         load_study_config(path)
     lines = str(err.value).splitlines()
@@ -83,9 +87,9 @@ def test_three_bad_fields_are_all_reported(tmp_path, default_study_path):
 
 def test_unknown_fields_are_reported_with_the_known_ones(tmp_path, default_study_path):
     text = default_study_path.read_text(encoding="utf-8")
-    text = text.replace('[study]\n', '[study]\ncolour = "red"\n', 1)
+    text = text.replace("[study]\n", '[study]\ncolour = "red"\n', 1)
     text = text.replace("[hardware]\n", "[hardware]\nvram_gib = 16\n", 1)
-    text += '\n[extras]\nfoo = 1\n'
+    text += "\n[extras]\nfoo = 1\n"
     path = tmp_path / "unknown.toml"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(ConfigError) as err:
@@ -109,8 +113,10 @@ def test_missing_required_tables(tmp_path):
         assert f"{path}: {table} is missing" in message, table
 
 
-@pytest.mark.parametrize("text, seconds", [("2h", 7200.0), ("45m", 2700.0), ("90s", 90.0), ("1.5h", 5400.0),
-                                           (" 10 m ", 600.0), (30, 30.0), (2.5, 2.5)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("2h", 7200.0), ("45m", 2700.0), ("90s", 90.0), ("1.5h", 5400.0), (" 10 m ", 600.0), (30, 30.0), (2.5, 2.5)],
+)
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -147,12 +153,16 @@ def test_budget_in_study_file(tmp_path, default_study_path):
 
 
 def test_prepare_study_reports_every_unknown_name(tmp_path, default_study_path, twin_plugin):
-    path = _edit(default_study_path, tmp_path / "names.toml", {
-        "gpu": 'gpu = "v99"',
-        "ref": 'ref = "nosuchmodel"',
-        "backend": 'backend = "exllama"',
-        "quality": 'quality = "mmlu"',
-    })
+    path = _edit(
+        default_study_path,
+        tmp_path / "names.toml",
+        {
+            "gpu": 'gpu = "v99"',
+            "ref": 'ref = "nosuchmodel"',
+            "backend": 'backend = "exllama"',
+            "quality": 'quality = "mmlu"',
+        },
+    )
     cfg = load_study_config(path)  # names are not the file's structure: it loads
     with pytest.raises(ConfigError) as err:
         prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'x.db'}")
@@ -171,12 +181,15 @@ def test_prepare_study_reports_every_unknown_name(tmp_path, default_study_path, 
     assert not (tmp_path / "x.db").exists(), "a study that cannot start must not create its storage"
 
 
-@pytest.mark.parametrize("field, line, expected", [
-    ("backend", 'backend = "exllama"', ["[candidates.0] backend = 'exllama'", "installed: twin-exllamav2"]),
-    ("quality", 'quality = "mmlu"', ["[objective] quality = 'mmlu'", "installed: twin-mmlu"]),
-    ("gpu", 'gpu = "v99"', ["[hardware] gpu = 'v99'", "known: v100-16gb"]),
-    ("ref", 'ref = "nosuchmodel"', ["[model] ref = 'nosuchmodel'", "known: qwen2.5-27b-article"]),
-])
+@pytest.mark.parametrize(
+    "field, line, expected",
+    [
+        ("backend", 'backend = "exllama"', ["[candidates.0] backend = 'exllama'", "installed: twin-exllamav2"]),
+        ("quality", 'quality = "mmlu"', ["[objective] quality = 'mmlu'", "installed: twin-mmlu"]),
+        ("gpu", 'gpu = "v99"', ["[hardware] gpu = 'v99'", "known: v100-16gb"]),
+        ("ref", 'ref = "nosuchmodel"', ["[model] ref = 'nosuchmodel'", "known: qwen2.5-27b-article"]),
+    ],
+)
 def test_prepare_study_unknown_name(tmp_path, default_study_path, twin_plugin, field, line, expected):
     path = _edit(default_study_path, tmp_path / f"{field}.toml", {field: line})
     with pytest.raises(ConfigError) as err:
@@ -223,7 +236,7 @@ def test_model_source_alone_names_the_model_and_neither_is_an_error(tmp_path, de
     cfg = load_study_config(with_source)
     assert cfg.model_source == "models/my-model" and cfg.model == "models/my-model"
     neither = tmp_path / "neither.toml"
-    neither.write_text(text.replace('ref = "qwen2.5-27b-article"', ''))
+    neither.write_text(text.replace('ref = "qwen2.5-27b-article"', ""))
     with pytest.raises(ConfigError, match=r"neither\.toml: \[model\] ref = \(missing\): required; .*\[model\] source"):
         load_study_config(neither)
 
@@ -241,20 +254,37 @@ def test_a_pareto_objective_runs_the_strategys_pareto_default(tmp_path, default_
 # ------------------------------------------------------------------------ numbers that are not numbers
 
 
-@pytest.mark.parametrize("after, line, expected", [
-    ("[hardware]", "vram_budget_gib = inf", "[hardware] vram_budget_gib = inf: must be a finite number"),
-    ("[hardware]", "vram_budget_gib = 1e300", "[hardware] vram_budget_gib = 1e+300: must be > 0 and at most 1024"),
-    ("[hardware]", "vram_budget_gib = 1000", None),  # within one card's range: the card is compared later
-    ("[study]", "budget = nan", "[study] budget = nan: must be a finite number"),
-    ("seed = 0", "seed = 9223372036854775807", "[study] seed = 9223372036854775807: must be 0..4294967295"),
-    ("seed = 0", "seed = -1", "[study] seed = -1: must be 0..4294967295"),
-    ("max_drop_points = 1.0", "max_drop_points = -inf", "[objective] max_drop_points = -inf: must be a finite number"),
-    # Finite, but it overflowed every score to -inf.
-    ("penalty_per_point = 1.0", "penalty_per_point = 1e308", "[objective] penalty_per_point = 1e+308: must be 0..1000000"),
-    ("[space]", "rope_scale = [1.0, nan]", "[space] rope_scale = [1.0, nan]: must be a finite number"),
-    ("[space]", "[backends.twin-llama.cpp]\nthreads = inf", "[backends.twin-llama.cpp] threads = inf: must be a finite"),
-])
-def test_non_finite_and_absurd_numbers_are_refused_naming_the_field(tmp_path, default_study_path, after, line, expected):
+@pytest.mark.parametrize(
+    "after, line, expected",
+    [
+        ("[hardware]", "vram_budget_gib = inf", "[hardware] vram_budget_gib = inf: must be a finite number"),
+        ("[hardware]", "vram_budget_gib = 1e300", "[hardware] vram_budget_gib = 1e+300: must be > 0 and at most 1024"),
+        ("[hardware]", "vram_budget_gib = 1000", None),  # within one card's range: the card is compared later
+        ("[study]", "budget = nan", "[study] budget = nan: must be a finite number"),
+        ("seed = 0", "seed = 9223372036854775807", "[study] seed = 9223372036854775807: must be 0..4294967295"),
+        ("seed = 0", "seed = -1", "[study] seed = -1: must be 0..4294967295"),
+        (
+            "max_drop_points = 1.0",
+            "max_drop_points = -inf",
+            "[objective] max_drop_points = -inf: must be a finite number",
+        ),
+        # Finite, but it overflowed every score to -inf.
+        (
+            "penalty_per_point = 1.0",
+            "penalty_per_point = 1e308",
+            "[objective] penalty_per_point = 1e+308: must be 0..1000000",
+        ),
+        ("[space]", "rope_scale = [1.0, nan]", "[space] rope_scale = [1.0, nan]: must be a finite number"),
+        (
+            "[space]",
+            "[backends.twin-llama.cpp]\nthreads = inf",
+            "[backends.twin-llama.cpp] threads = inf: must be a finite",
+        ),
+    ],
+)
+def test_non_finite_and_absurd_numbers_are_refused_naming_the_field(
+    tmp_path, default_study_path, after, line, expected
+):
     text = default_study_path.read_text(encoding="utf-8")
     if line.startswith("[backends"):
         text += f"\n{line}\n"
@@ -273,27 +303,37 @@ def test_non_finite_and_absurd_numbers_are_refused_naming_the_field(tmp_path, de
     assert lines == [next(line for line in lines if line.startswith(f"{path}: {expected}"))], lines
 
 
-@pytest.mark.parametrize("key, line", [("safety_margin_mib", "safety_margin_mib = inf"),
-                                       ("penalty_per_point", "penalty_per_point = inf"),
-                                       ("min_per_user_tok_s", "min_per_user_tok_s = nan")])
+@pytest.mark.parametrize(
+    "key, line",
+    [
+        ("safety_margin_mib", "safety_margin_mib = inf"),
+        ("penalty_per_point", "penalty_per_point = inf"),
+        ("min_per_user_tok_s", "min_per_user_tok_s = nan"),
+    ],
+)
 def test_a_non_finite_number_in_the_default_study_is_one_line(tmp_path, default_study_path, key, line):
     path = _edit(default_study_path, tmp_path / "inf.toml", {key: line})
     with pytest.raises(ConfigError) as err:
         load_study_config(path)
-    assert str(err.value) == f"{path}: [{'hardware' if key == 'safety_margin_mib' else 'objective'}] {line}: " \
-                             "must be a finite number (inf and nan are not accepted)"
+    assert (
+        str(err.value) == f"{path}: [{'hardware' if key == 'safety_margin_mib' else 'objective'}] {line}: "
+        "must be a finite number (inf and nan are not accepted)"
+    )
 
 
 def test_every_bad_measure_field_is_reported_at_once(tmp_path, default_study_path):
     text = default_study_path.read_text(encoding="utf-8")
     path = tmp_path / "measure.toml"
-    path.write_text(text + "\n[measure]\nwarmup_runs = -1\nmin_runs = 0\nmax_runs = 2.5\nrel_spread_tol = nan\n"
-                    "max_seconds = 0\n", encoding="utf-8")
+    path.write_text(
+        text + "\n[measure]\nwarmup_runs = -1\nmin_runs = 0\nmax_runs = 2.5\nrel_spread_tol = nan\nmax_seconds = 0\n",
+        encoding="utf-8",
+    )
     with pytest.raises(ConfigError) as err:
         load_study_config(path)
     lines = str(err.value).splitlines()
     assert sorted(line.split(" = ")[0] for line in lines) == [
-        f"{path}: [measure] {key}" for key in ("max_runs", "max_seconds", "min_runs", "rel_spread_tol", "warmup_runs")]
+        f"{path}: [measure] {key}" for key in ("max_runs", "max_seconds", "min_runs", "rel_spread_tol", "warmup_runs")
+    ]
     path.write_text(text + "\n[measure]\nmin_runs = 5\nmax_runs = 4\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"\[measure\] max_runs = 4: must be >= min_runs \(5\)$"):
         load_study_config(path)
@@ -314,8 +354,11 @@ def test_a_budget_the_card_cannot_hold_is_refused_naming_both_figures(tmp_path, 
         prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'x.db'}")
     assert str(err.value) == (
         f"{path}: [hardware] vram_budget_gib = 1000: more than Tesla V100 16GB (the GPU catalog's v100-16gb) holds, "
-        "15.78 GiB; give at most 15.78, or leave it out for all of it less [hardware] safety_margin_mib")
+        "15.78 GiB; give at most 15.78, or leave it out for all of it less [hardware] safety_margin_mib"
+    )
     assert not (tmp_path / "x.db").exists()
     path.write_text(text.replace("[hardware]\n", "[hardware]\nvram_budget_gib = 15.5\n", 1), encoding="utf-8")
-    assert prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'x.db'}").vram_budget_bytes == \
-        int(15.5 * 2**30) - 1792 * 2**20
+    assert (
+        prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'x.db'}").vram_budget_bytes
+        == int(15.5 * 2**30) - 1792 * 2**20
+    )

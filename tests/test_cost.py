@@ -54,8 +54,9 @@ def test_one_run_is_the_request_alone_then_the_runs_requests_at_the_predicted_ra
 
 
 def study_file(tmp_path, extra: str = ""):
-    return write_study(tmp_path / "c.toml", "fake-defaults", ["q8", "f16-full"], sampler="grid", parallel=(1, 2),
-                       study_extra=extra)
+    return write_study(
+        tmp_path / "c.toml", "fake-defaults", ["q8", "f16-full"], sampler="grid", parallel=(1, 2), study_extra=extra
+    )
 
 
 def test_the_forecast_prices_a_trial_and_each_baseline_and_counts_the_trials_the_budget_affords(tmp_path):
@@ -67,9 +68,14 @@ def test_the_forecast_prices_a_trial_and_each_baseline_and_counts_the_trials_the
     workload = prepared.contexts["fake-defaults"].workload
     # Each configuration's launch at the model's rates (the fake's weights: len(name) / 8 GiB
     # each); the forecast's trial is their median, its range their extremes.
-    expected = sorted(cost.launch_cost(workload, Protocol(), p, RATES, GIB * len(w) // 8).seconds
-                      for p in (1, 2) for w in ("q8", "f16-full"))
-    assert fc.trial.seconds == pytest.approx(expected[2]) and fc.trial_range == pytest.approx((expected[0], expected[-1]))
+    expected = sorted(
+        cost.launch_cost(workload, Protocol(), p, RATES, GIB * len(w) // 8).seconds
+        for p in (1, 2)
+        for w in ("q8", "f16-full")
+    )
+    assert fc.trial.seconds == pytest.approx(expected[2]) and fc.trial_range == pytest.approx(
+        (expected[0], expected[-1])
+    )
     assert [title for title, _ in fc.baselines] == ["fake-defaults's default launch"]
     affordable = fc.trials_affordable(10 * fc.need_s())
     assert affordable == int((10 * fc.need_s() - fc.baselines_s) // fc.trial.seconds)
@@ -92,13 +98,24 @@ def test_the_cli_refuses_a_budget_too_small_before_anything_runs(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     backend = Defaults()
     with registered(backend, Rates()):
-        result = CliRunner().invoke(cli, ["study", str(study_file(tmp_path)), "--budget", "1s", "--quiet",
-                                          "--storage", f"sqlite:///{tmp_path / 'r.db'}"])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "study",
+                str(study_file(tmp_path)),
+                "--budget",
+                "1s",
+                "--quiet",
+                "--storage",
+                f"sqlite:///{tmp_path / 'r.db'}",
+            ],
+        )
         assert result.exit_code == 2, result.output
         assert "cannot measure the baselines and one trial" in result.output and "Remedies" in result.output
         assert backend.calls == []  # refused before any launch
-        ok = CliRunner().invoke(cli, ["study", str(study_file(tmp_path)), "--trials", "1",
-                                      "--storage", f"sqlite:///{tmp_path / 'r.db'}"])
+        ok = CliRunner().invoke(
+            cli, ["study", str(study_file(tmp_path)), "--trials", "1", "--storage", f"sqlite:///{tmp_path / 'r.db'}"]
+        )
     assert ok.exit_code in (0, 1), ok.output
     assert "cost forecast: one trial about" in ok.output
 
@@ -119,20 +136,24 @@ class FastRates(Rates):
         return dict(fast, per_user_tok_s=fast["aggregate_tok_s"] / config.parallel)
 
 
-@pytest.mark.parametrize("model, extra, on", [
-    (Rates, "", True),                    # 2 of 4 runs saved of a launch that is mostly runs
-    (FastRates, "", False),               # a launch that is mostly its start: a probe saves little
-    (Rates, "probe_margin = 0", False),   # off as asked
-    (FastRates, "probe_margin = 0.2", True),  # on as asked, whatever it saves
-])
+@pytest.mark.parametrize(
+    "model, extra, on",
+    [
+        (Rates, "", True),  # 2 of 4 runs saved of a launch that is mostly runs
+        (FastRates, "", False),  # a launch that is mostly its start: a probe saves little
+        (Rates, "probe_margin = 0", False),  # off as asked
+        (FastRates, "probe_margin = 0.2", True),  # on as asked, whatever it saves
+    ],
+)
 def test_the_probe_is_on_by_default_where_it_pays(tmp_path, model, extra, on):
     from autotune.study.probe import LeaderGapPruner
     from autotune.study.runner import StudyRunner
 
     with registered(Defaults(), model()):
         for scratch in memory_dir(tmp_path):
-            prepared = prepare_study(load_study_config(study_file(tmp_path, extra)),
-                                     storage=f"sqlite:///{scratch / 'p.db'}")
+            prepared = prepare_study(
+                load_study_config(study_file(tmp_path, extra)), storage=f"sqlite:///{scratch / 'p.db'}"
+            )
             runner = StudyRunner(prepared)
             assert isinstance(runner.study.pruner, LeaderGapPruner) is on
             if on and not extra:
@@ -151,8 +172,9 @@ def test_baselines_forecast_beyond_their_share_are_measured_after_the_search(tmp
     said: list[str] = []
     with registered(backend, Rates()):
         for scratch in memory_dir(tmp_path):
-            prepared = prepare_study(load_study_config(study_file(tmp_path, "finish_top = 0")),
-                                     storage=f"sqlite:///{scratch / 'a.db'}")
+            prepared = prepare_study(
+                load_study_config(study_file(tmp_path, "finish_top = 0")), storage=f"sqlite:///{scratch / 'a.db'}"
+            )
             runner = StudyRunner(prepared)
             fc = runner.forecast
             budget = 0.9 * fc.baselines_s / cost.BASELINE_SHARE  # their forecast is more than their share
@@ -184,8 +206,9 @@ def test_a_baseline_expected_to_outlast_the_budget_left_is_not_launched(tmp_path
     assert backend.calls == [] and stored.retry and baseline.measure_again(stored)
     assert "expected to take 1000 s (its forecast), more than the 60 s left before the study's budget" in stored.error
     # The pace: this run's launches against the forecast trial scale a baseline's forecast.
-    fc = cost.Forecast(cost.LaunchCost(1.0, 1.0, 2.0, 4), (10.0, 10.0), (("b", 20.0),), 2, Protocol(), "x",
-                       baseline_by_key={"b": 20.0})
+    fc = cost.Forecast(
+        cost.LaunchCost(1.0, 1.0, 2.0, 4), (10.0, 10.0), (("b", 20.0),), 2, Protocol(), "x", baseline_by_key={"b": 20.0}
+    )
     assert cost.expected_baseline_s(fc, "b", [])[0] == pytest.approx(20.0)
     assert cost.expected_baseline_s(fc, "b", [25.0, 30.0, 35.0])[0] == pytest.approx(20.0 * 30.0 / fc.trial.seconds)
     assert cost.expected_baseline_s(None, "b", [1.0]) is None and cost.expected_baseline_s(fc, "c", []) is None

@@ -43,19 +43,24 @@ def test_the_study_machinery_imports_no_dashboard_server_nor_scipy():
     twin, the notes): optuna-dashboard's server with scikit-learn and pandas, and scipy, are a
     second and a half of every study; they load where used (``autotune dashboard``, a quality
     bound's statistics, a real study's calibration)."""
-    code = ("import sys, autotune.cli, autotune.study.runner, autotune.report.dashboard, autotune.plugins as p;"
-            "p.load_plugins(); import autotune_plugins.twin;"
-            "print(__import__('json').dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('optuna_dashboard', 'sklearn', 'pandas', 'scipy'))))")
-    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                       check=True).stdout)
+    code = (
+        "import sys, autotune.cli, autotune.study.runner, autotune.report.dashboard, autotune.plugins as p;"
+        "p.load_plugins(); import autotune_plugins.twin;"
+        "print(__import__('json').dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('optuna_dashboard', 'sklearn', 'pandas', 'scipy'))))"
+    )
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert loaded == []
 
 
 def _served(app, path):
     said = {}
-    body = b"".join(app({"PATH_INFO": path, "REQUEST_METHOD": "GET"},
-                        lambda status, headers, exc_info=None: said.update(status=status, headers=dict(headers))))
+    body = b"".join(
+        app(
+            {"PATH_INFO": path, "REQUEST_METHOD": "GET"},
+            lambda status, headers, exc_info=None: said.update(status=status, headers=dict(headers)),
+        )
+    )
     return said, body
 
 
@@ -87,4 +92,6 @@ def test_the_wrapped_page_closes_what_the_dashboard_answered():
         return Answer([b"<html><head></head></html>"])
 
     said, page = _served(dashboard.wrapping_pages(app), "/dashboard")
-    assert closed == [True] and dashboard.WRAP_ATTRIBUTES in page and said["headers"]["Content-Length"] == str(len(page))
+    assert (
+        closed == [True] and dashboard.WRAP_ATTRIBUTES in page and said["headers"]["Content-Length"] == str(len(page))
+    )

@@ -109,7 +109,9 @@ def test_relative_links_resolve(page):
 
 @pytest.mark.parametrize("study", sorted((REPO / "studies").glob("*.toml")), ids=lambda p: p.name)
 def test_study_files_cite_files_that_exist(study):
-    comments = "\n".join(line.split("#", 1)[1] for line in study.read_text(encoding="utf-8").splitlines() if "#" in line)
+    comments = "\n".join(
+        line.split("#", 1)[1] for line in study.read_text(encoding="utf-8").splitlines() if "#" in line
+    )
     cited = set(re.findall(r"(?<![\w/.-])((?:[\w.-]+/)+[\w.-]+\.(?:md|toml|py))\b", comments))
     missing = sorted(c for c in cited if not (REPO / c).exists())
     assert not missing, f"{study.relative_to(REPO)} cites files that are not in the repository: {', '.join(missing)}"

@@ -39,8 +39,13 @@ class ScriptedBackend(FakeBackend):
 
     name = "fake-scripted"
 
-    def __init__(self, speeds: Mapping[str, Sequence[float]], peaks_gib: Mapping[str, float] | None = None,
-                 fail: Mapping[str, int] | None = None, interrupt_on_call: int | None = None):
+    def __init__(
+        self,
+        speeds: Mapping[str, Sequence[float]],
+        peaks_gib: Mapping[str, float] | None = None,
+        fail: Mapping[str, int] | None = None,
+        interrupt_on_call: int | None = None,
+    ):
         super().__init__()
         self.speeds = {k: list(v) for k, v in speeds.items()}
         self.peaks_gib = dict(peaks_gib or {})
@@ -57,8 +62,10 @@ class ScriptedBackend(FakeBackend):
             raise BackendError("CUDA error: an illegal memory access was encountered")
         values = self.speeds[config.weights]
         peak = self.peaks_gib.get(config.weights)
-        return Measurement(metrics=stats_for(values[min(n, len(values)) - 1], config.parallel),
-                           peak_vram_bytes=int(peak * GIB) if peak is not None else None)
+        return Measurement(
+            metrics=stats_for(values[min(n, len(values)) - 1], config.parallel),
+            peak_vram_bytes=int(peak * GIB) if peak is not None else None,
+        )
 
 
 @pytest.fixture
@@ -69,8 +76,9 @@ def storage(tmp_path):
 
 def study_file(tmp_path, weights: Sequence[str], extra: str = ""):
     # A grid over the weights alone: every configuration measured once, in a seeded order.
-    return write_study(tmp_path / "finish.toml", "fake-scripted", list(weights), parallel=(1,), sampler="grid",
-                       study_extra=extra)
+    return write_study(
+        tmp_path / "finish.toml", "fake-scripted", list(weights), parallel=(1,), sampler="grid", study_extra=extra
+    )
 
 
 def trial_of(storage: str, weights: str) -> int:
@@ -92,8 +100,10 @@ def test_top_three_measured_again_interleaved_and_a_clear_winner(tmp_path, stora
     # explains a lead up to 2.776 * 1 * sqrt(2/3) / 100 = 2.27%.
     assert finish["lead"] == pytest.approx(20 / 100) and finish["needed"] == pytest.approx(0.02267, abs=1e-4)
     assert finish["spread"] == pytest.approx(2 / 100)  # b ranges 99..101: shown, not the test
-    assert finish["text"].startswith(f"winner: trial {finish['chosen']} (lead 20.0% over trial {trial_of(storage, 'b')}, "
-                                     "beyond the 2.3% that run-to-run noise explains at 95% confidence, 3 runs each")
+    assert finish["text"].startswith(
+        f"winner: trial {finish['chosen']} (lead 20.0% over trial {trial_of(storage, 'b')}, "
+        "beyond the 2.3% that run-to-run noise explains at 95% confidence, 3 runs each"
+    )
     study = optuna.load_study(study_name="fake-study", storage=open_storage(storage))
     stored = records.remeasures(study)
     assert [stored[trial_of(storage, "a")][i].value for i in (0, 1)] == [119, 121]
@@ -105,7 +115,9 @@ def test_the_finish_says_what_it_measures_while_it_runs(tmp_path, storage):
     backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81], "d": [60]})
     heard: list[str] = []
     with registered(backend):
-        StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abcd")), storage=storage)).run(note=heard.append)
+        StudyRunner(prepare_study(load_study_config(study_file(tmp_path, "abcd")), storage=storage)).run(
+            note=heard.append
+        )
     a = trial_of(storage, "a")
     assert len(heard) == 6
     assert heard[0].startswith(f"finish 1/6: trial {a} measured again (round 1 of 2, interleaved with trials {a}, ")
@@ -127,8 +139,12 @@ def test_workers_sharing_a_study_share_the_finish_out(tmp_path, storage):
         runner.run(note=heard.append)
     assert len(backend.calls) == 3 + 4  # the grid, then the four rounds nobody else claimed
     assert heard[-1] == "finish: 2 round(s) measured by another worker of this study"
-    assert {(n, r) for n, rounds in records.remeasures(runner.study).items() for r in rounds} == \
-        {(0, 1), (1, 1), (2, 0), (2, 1)}
+    assert {(n, r) for n, rounds in records.remeasures(runner.study).items() for r in rounds} == {
+        (0, 1),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    }
 
 
 def test_rounds_claimed_by_a_worker_killed_on_this_machine_are_taken_over(tmp_path, storage):
@@ -148,8 +164,9 @@ def test_rounds_claimed_by_a_worker_killed_on_this_machine_are_taken_over(tmp_pa
 def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, storage):
     # a leads b by 1% on the means (100.3 vs 99.3), but a's runs vary by 3.5 (sd): noise explains
     # a lead up to 6.2%, a tie; b needs 2 GiB less.
-    backend = ScriptedBackend({"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]},
-                              peaks_gib={"a": 6.0, "b": 4.0, "c": 3.0})
+    backend = ScriptedBackend(
+        {"a": [100, 97, 104], "b": [99, 101, 98], "c": [50, 50, 50]}, peaks_gib={"a": 6.0, "b": 4.0, "c": 3.0}
+    )
     with registered(backend):
         run_study(load_study_config(study_file(tmp_path, "abc")), storage=storage)
     a, b = trial_of(storage, "a"), trial_of(storage, "b")
@@ -159,10 +176,14 @@ def test_a_lead_inside_the_spread_is_a_tie_won_by_the_smaller_memory(tmp_path, s
     assert finish["lead"] == pytest.approx(1 / 99.333, rel=1e-3) and finish["needed"] == pytest.approx(0.0618, abs=1e-3)
     assert summary.best["number"] == b and summary.best["params"]["weights"] == "b"
     text = summary_text(summary)
-    assert (f"tie between trials {a} and {b} (lead 1.0%, within the 6.2% that run-to-run noise explains at 95% "
-            f"confidence, 3 runs each): chose {b}, 2.00 GiB less memory") in text
+    assert (
+        f"tie between trials {a} and {b} (lead 1.0%, within the 6.2% that run-to-run noise explains at 95% "
+        f"confidence, 3 runs each): chose {b}, 2.00 GiB less memory"
+    ) in text
     assert f"best (trial {b})" in text
-    assert f"trial {a}: first 100.0, again 97.0, 104.0 (mean 100.3, median 100.0, range 7.0%), 6.00 GiB measured" in text
+    assert (
+        f"trial {a}: first 100.0, again 97.0, 104.0 (mean 100.3, median 100.0, range 7.0%), 6.00 GiB measured" in text
+    )
     assert summary_json(summary)["finish"]["chosen"] == b
     shown = CliRunner().invoke(cli, ["best", "--storage", storage])
     assert shown.exit_code == 0 and f"chose {b}, 2.00 GiB less memory" in shown.output
@@ -191,8 +212,9 @@ def test_tie_on_the_same_memory_goes_to_the_higher_per_user_speed(tmp_path, stor
 
 @pytest.mark.parametrize("weights_failing", ["a", "b"])
 def test_a_failure_when_measured_again_does_not_stop_the_study_and_cannot_win(tmp_path, storage, weights_failing):
-    backend = ScriptedBackend({"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81]},
-                              fail={weights_failing: 2})  # its first re-measure
+    backend = ScriptedBackend(
+        {"a": [120, 119, 121], "b": [100, 101, 99], "c": [80, 80, 81]}, fail={weights_failing: 2}
+    )  # its first re-measure
     with registered(backend):
         summary = run_study(load_study_config(study_file(tmp_path, "abc")), storage=storage)
     assert not summary.interrupted and summary.n_failed == 0  # the trials stand; the finish noted it
@@ -262,11 +284,15 @@ def test_more_runs_of_the_same_noise_resolve_a_lead_instead_of_hiding_it(tmp_pat
     assert many["lead"] == pytest.approx(0.0303, abs=1e-3) and many["lead"] < many["spread"]
     assert many["needed"] < few["needed"]
 
-@pytest.mark.parametrize("extra, message", [
-    ("finish_top = 1", "[study] finish_top = 1: must be 0 (no finish) or >= 2"),
-    ("finish_rounds = 0", "[study] finish_rounds = 0: must be >= 1"),
-    ('finish_top = "3"', "[study] finish_top = '3': must be an integer"),
-])
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("finish_top = 1", "[study] finish_top = 1: must be 0 (no finish) or >= 2"),
+        ("finish_rounds = 0", "[study] finish_rounds = 0: must be >= 1"),
+        ('finish_top = "3"', "[study] finish_top = '3': must be an integer"),
+    ],
+)
 def test_bad_finish_settings_are_named(tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
         load_study_config(study_file(tmp_path, "ab", extra))
@@ -282,7 +308,9 @@ def test_a_close_tie_gets_more_rounds_until_it_resolves_or_reaches_the_cap(tmp_p
         backend, heard = ScriptedBackend(speeds), []
         with registered(backend):
             path = study_file(tmp_path, "abc", f"finish_max_rounds = {max_rounds}")
-            runner = StudyRunner(prepare_study(load_study_config(path), storage=storage.replace(".db", f"{max_rounds}.db")))
+            runner = StudyRunner(
+                prepare_study(load_study_config(path), storage=storage.replace(".db", f"{max_rounds}.db"))
+            )
             runner.run(note=heard.append)
             return stored_summary(runner.prepared.storage_url).extra["finish"], backend, heard
 
@@ -313,7 +341,7 @@ def test_finish_max_rounds_below_finish_rounds_is_named(tmp_path):
 def test_the_lead_needed_is_students_and_zero_without_spread():
     from scipy.stats import t
 
-    from autotune.study.summary import CONFIDENCE, needed_lead
+    from autotune.study.verdict import CONFIDENCE, needed_lead
 
     a, b = [10.0, 11.0, 12.0], [9.0, 9.5, 10.0]
     se = ((2 * 1.0 + 2 * 0.25) / 4 * (1 / 3 + 1 / 3)) ** 0.5  # pooled variances 1.0 and 0.25
@@ -339,8 +367,9 @@ def test_the_headline_is_the_median_of_every_run_not_the_first(tmp_path, storage
     text = summary_text(summary)
     assert "aggregate 1722.3 tok/s" in text and "(median of 3 runs: the first and 2 of the finish; range 55.1%)" in text
     assert "first run (the search's, picked for being high): " in text and "aggregate 2386.5 tok/s" in text
-    default = records.Baseline(backend="fake-scripted", weights="a",
-                               metrics={"aggregate_tok_s": {"median": 1960.0, "spread": 0.01}})
+    default = records.Baseline(
+        backend="fake-scripted", weights="a", metrics={"aggregate_tok_s": {"median": 1960.0, "spread": 0.01}}
+    )
     ratio = compare(best, {default.key: default})[default.key]["ratio"]["aggregate"]
     assert ratio["winner"] == pytest.approx(1722.3) and ratio["ratio"] < 1 and ratio["within_noise"]
 
@@ -348,6 +377,7 @@ def test_the_headline_is_the_median_of_every_run_not_the_first(tmp_path, storage
 class ExactBackend(ScriptedBackend):
     """A model without noise (``repeats_exactly``): every launch says the same; weights "b" and
     "c" are predicted to need 1 GiB less than "a"."""
+
     predictor = part(ForwardingPredictor)
 
     name = "fake-scripted"
@@ -374,8 +404,10 @@ def test_exact_predictions_are_not_measured_again_and_equal_ones_are_one_answer(
     assert finish["verdict"] == "tie" and sorted(finish["tied"]) == sorted([a, b])
     assert finish["chosen"] == b == summary.best["number"]
     first, second = sorted([a, b])
-    assert finish["text"] == (f"trials {first} and {second} are predicted the same score (100.0): one answer, "
-                              f"trial {b}, the least memory (1.00 GiB less, predicted)")
+    assert finish["text"] == (
+        f"trials {first} and {second} are predicted the same score (100.0): one answer, "
+        f"trial {b}, the least memory (1.00 GiB less, predicted)"
+    )
     text = summary_text(stored_summary(storage))
     assert text.count(finish["text"]) == 1 and "measured again (" not in text and "noise explains" not in text
     assert records.remeasures(optuna.load_study(study_name="fake-study", storage=open_storage(storage))) == {}
@@ -389,5 +421,6 @@ def test_an_exact_lead_is_a_winner_without_a_round(tmp_path, storage):
     a, b = trial_of(storage, "a"), trial_of(storage, "b")
     finish = summary.extra["finish"]
     assert finish["verdict"] == "winner" and finish["chosen"] == a == summary.best["number"]
-    assert finish["text"] == (f"winner: trial {a} (1.0% above trial {b}; the figures are exact predictions, "
-                              "so nothing was measured again)")
+    assert finish["text"] == (
+        f"winner: trial {a} (1.0% above trial {b}; the figures are exact predictions, so nothing was measured again)"
+    )

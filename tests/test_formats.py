@@ -20,8 +20,6 @@ from autotune_plugins.llama_server.formats import predict_gguf_weights
 from autotune_plugins.llama_server.quant import GGML_TYPES, GGUF_FILE_TYPES, gguf_tensor_plan
 
 
-
-
 @pytest.fixture
 def stories() -> Path:
     """llama2.c's stories260K as a GGUF file (shared/models/)."""
@@ -43,11 +41,21 @@ def qwen7b():
 
 @pytest.mark.parametrize(
     ("name", "block_bytes", "block_size"),
-    [("F32", 4, 1), ("F16", 2, 1), ("BF16", 2, 1), ("Q8_0", 34, 32), ("Q4_0", 18, 32), ("Q4_1", 20, 32),
-     ("Q5_0", 22, 32), ("Q5_1", 24, 32), ("Q2_K", 84, 256), ("Q3_K", 110, 256), ("Q4_K", 144, 256),
-     ("Q5_K", 176, 256), ("Q6_K", 210, 256)],
-
-
+    [
+        ("F32", 4, 1),
+        ("F16", 2, 1),
+        ("BF16", 2, 1),
+        ("Q8_0", 34, 32),
+        ("Q4_0", 18, 32),
+        ("Q4_1", 20, 32),
+        ("Q5_0", 22, 32),
+        ("Q5_1", 24, 32),
+        ("Q2_K", 84, 256),
+        ("Q3_K", 110, 256),
+        ("Q4_K", 144, 256),
+        ("Q5_K", 176, 256),
+        ("Q6_K", 210, 256),
+    ],
 )
 def test_ggml_block_layouts(name, block_bytes, block_size):
     assert GGML_TYPES[name].block_bytes == block_bytes
@@ -259,7 +267,9 @@ def test_bad_formats_say_what_is_accepted(bad, engine_plugins):
         parse_format(bad)
     msg = str(err.value)
     # Each family the installed backends declare says what it accepts, in the backends' order.
-    assert msg.startswith(f"unknown weights format '{bad}' (use exl2:<bpw> with bpw 2.0-8.0 or gguf:<TYPE> with TYPE in ")
+    assert msg.startswith(
+        f"unknown weights format '{bad}' (use exl2:<bpw> with bpw 2.0-8.0 or gguf:<TYPE> with TYPE in "
+    )
     assert "Q4_K_M" in msg and msg.endswith(", Q2_K)")
 
 
@@ -343,10 +353,12 @@ def test_a_backend_declares_a_new_cache_type_and_format(article, tmp_path):
     class Fp4Engine(BaseBackend):
         name = "fp4-engine"
         engine = "fp4x"
-        kv_cache_types = (CacheType("nvfp4", "fp4x", Fraction(9, 16), "fp4x docs: 4-bit + FP8 scale per 16", 4,
-                                    dequant_layers=2),)
-        weight_formats = (WeightFormats("fp4x", "fp4x:<scheme>", offered=("fp4x:bf16", "fp4x:nvfp4"),
-                                        full_precision=("fp4x:bf16",)),)
+        kv_cache_types = (
+            CacheType("nvfp4", "fp4x", Fraction(9, 16), "fp4x docs: 4-bit + FP8 scale per 16", 4, dequant_layers=2),
+        )
+        weight_formats = (
+            WeightFormats("fp4x", "fp4x:<scheme>", offered=("fp4x:bf16", "fp4x:nvfp4"), full_precision=("fp4x:bf16",)),
+        )
 
         def parameters(self, space):
             return []
@@ -376,6 +388,7 @@ def test_a_backend_declares_a_new_cache_type_and_format(article, tmp_path):
         assert estimate.is_format("fp4x:nvfp4") and not estimate.is_format("gguf:Q4_0")
         assert study_writer.offered_formats() == (("fp4x:bf16", "fp4x:nvfp4"), frozenset({"fp4x:bf16"}))
         from autotune.engine.space import KV_BITS, dimension_of
+
         assert dimension_of("fp4-engine", "cache_type", ("nvfp4",)).name == KV_BITS
     assert not estimate.is_format("fp4x:nvfp4")
     with pytest.raises(UnknownNameError, match="known: none"):
@@ -389,10 +402,18 @@ def test_two_backends_declaring_one_cache_type_differently_are_refused():
     from tests.conftest import plugin_registered
 
     def engine(backend: str, size: Fraction) -> BaseBackend:
-        cls = type(backend, (BaseBackend,), {
-            "name": backend, "kv_cache_types": (CacheType("q8", "x", size, "test", 8),),
-            "parameters": lambda self, space: [], "estimate_memory": lambda self, c, x: None,
-            "run": lambda self, c, x: None, "deploy_command": lambda self, c, x: ""})
+        cls = type(
+            backend,
+            (BaseBackend,),
+            {
+                "name": backend,
+                "kv_cache_types": (CacheType("q8", "x", size, "test", 8),),
+                "parameters": lambda self, space: [],
+                "estimate_memory": lambda self, c, x: None,
+                "run": lambda self, c, x: None,
+                "deploy_command": lambda self, c, x: "",
+            },
+        )
         return cls()
 
     class Plugin:
@@ -491,9 +512,16 @@ def test_a_plugin_s_format_family_is_read_spelled_and_sized_by_its_own_callables
         layer = model.n_params // model.n_layers * value[0] // 8
         return WeightsBreakdown(2 * model.n_embedding_params, 0, (layer,) * model.n_layers, 0)
 
-    awq = WeightFormats("awq", "awq:<bits>-g<group>", offered=("awq:4-g128",),
-                        accepts="awq:<bits>-g<group> with bits 4 or 8", parse=awq_variant,
-                        spell=lambda v: f"{v[0]}-g{v[1]}", predict=awq_weights, bits=lambda v, model: v[0] + 16 / v[1])
+    awq = WeightFormats(
+        "awq",
+        "awq:<bits>-g<group>",
+        offered=("awq:4-g128",),
+        accepts="awq:<bits>-g<group> with bits 4 or 8",
+        parse=awq_variant,
+        spell=lambda v: f"{v[0]}-g{v[1]}",
+        predict=awq_weights,
+        bits=lambda v, model: v[0] + 16 / v[1],
+    )
     bare = WeightFormats("fp4x", "fp4x:<scheme>")
 
     class AwqEngine(BaseBackend):
@@ -520,11 +548,13 @@ def test_a_plugin_s_format_family_is_read_spelled_and_sized_by_its_own_callables
         assert weights_for(quoted, "AWQ:4-G128").total_bytes == 10_000_000_000  # the quote, by canonical spelling
         ratio = 10e9 / awq_weights(article, (4, 128)).total_bytes
         assert weights_for(quoted, "awq:8-g128").total_bytes == pytest.approx(
-            awq_weights(article, (8, 128)).total_bytes * ratio, abs=1)
+            awq_weights(article, (8, 128)).total_bytes * ratio, abs=1
+        )
         with pytest.raises(UnknownNameError) as err:
             parse_format("awq:3-g128")
-        assert str(err.value) == ("unknown weights format 'awq:3-g128' (use awq:<bits>-g<group> with bits 4 or 8 "
-                                  "or fp4x:<scheme>)")
+        assert str(err.value) == (
+            "unknown weights format 'awq:3-g128' (use awq:<bits>-g<group> with bits 4 or 8 or fp4x:<scheme>)"
+        )
         assert parse_format("fp4x:NVFP4") == ("fp4x", "NVFP4")  # no parse: as written
         with pytest.raises(UnknownNameError, match="'fp4x' .* declares no size prediction"):
             weights_for(article, "fp4x:nvfp4")

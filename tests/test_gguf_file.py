@@ -105,7 +105,8 @@ def test_agrees_with_the_gguf_packages_reader(tmp_path, endian):
     assert dict(header.metadata) == expected
     assert [(t.name, t.ggml_type, t.shape, t.n_elements, t.n_bytes) for t in header.tensors] == [
         (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_elements), int(t.n_bytes))
-        for t in reader.tensors]
+        for t in reader.tensors
+    ]
     assert header.file_type == "Q8_0"
 
 
@@ -140,20 +141,39 @@ def _key(name: str) -> bytes:
     return struct.pack("<Q", len(name)) + name.encode()
 
 
-@pytest.mark.parametrize("data, expected", [
-    # A count the file cannot hold is refused before it is looped over or allocated.
-    (_header(2**63, 0), "tensor count = 9223372036854775808 at byte 8: the 8 bytes after it hold at most 0"),
-    (_header(0, 2**64 - 1), "key-value count = 18446744073709551615 at byte 16"),
-    (_header(0, 1, _key("tokenizer.ggml.tokens") + (9).to_bytes(4, "little") + (8).to_bytes(4, "little")
-             + (2**62).to_bytes(8, "little")), "array 'tokenizer.ggml.tokens': length = 4611686018427387904"),
-    (_header(0, 1, _key("general.name") + (8).to_bytes(4, "little") + (2**40).to_bytes(8, "little") + b"x" * 16),
-     "key 'general.name': a length of 1099511627776 bytes at byte"),
-    (_header(1, 0, _key("t") + (2**32 - 1).to_bytes(4, "little") + b"\0" * 32),
-     "tensor 't' has 4294967295 dimensions; ggml's tensors have at most 4"),
-], ids=["tensor-count", "kv-count", "array-length", "string-length", "n-dims"])
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        # A count the file cannot hold is refused before it is looped over or allocated.
+        (_header(2**63, 0), "tensor count = 9223372036854775808 at byte 8: the 8 bytes after it hold at most 0"),
+        (_header(0, 2**64 - 1), "key-value count = 18446744073709551615 at byte 16"),
+        (
+            _header(
+                0,
+                1,
+                _key("tokenizer.ggml.tokens")
+                + (9).to_bytes(4, "little")
+                + (8).to_bytes(4, "little")
+                + (2**62).to_bytes(8, "little"),
+            ),
+            "array 'tokenizer.ggml.tokens': length = 4611686018427387904",
+        ),
+        (
+            _header(0, 1, _key("general.name") + (8).to_bytes(4, "little") + (2**40).to_bytes(8, "little") + b"x" * 16),
+            "key 'general.name': a length of 1099511627776 bytes at byte",
+        ),
+        (
+            _header(1, 0, _key("t") + (2**32 - 1).to_bytes(4, "little") + b"\0" * 32),
+            "tensor 't' has 4294967295 dimensions; ggml's tensors have at most 4",
+        ),
+    ],
+    ids=["tensor-count", "kv-count", "array-length", "string-length", "n-dims"],
+)
 def test_counts_and_lengths_beyond_the_file_are_refused(tmp_path, data, expected):
     path = tmp_path / "crafted.gguf"
     path.write_bytes(data)
     with pytest.raises(ConfigError) as err:
         read_gguf(path)
-    assert str(err.value).startswith(f"{path.resolve()}: damaged or truncated GGUF file (") and expected in str(err.value)
+    assert str(err.value).startswith(f"{path.resolve()}: damaged or truncated GGUF file (") and expected in str(
+        err.value
+    )

@@ -21,8 +21,14 @@ from autotune.hardware.cuda_devices import cuda_visible_entry, resolve_cuda_devi
 from autotune.measure.gpu_telemetry import GpuSampler
 from tests.test_hardware import V100, _FakeNvml
 
-H200 = {"name": "NVIDIA H200", "total": 150_754_820_096, "cc": (9, 0), "mem_clock": 3201, "sm_clock": 1980,
-        "pcie_gen": 5}
+H200 = {
+    "name": "NVIDIA H200",
+    "total": 150_754_820_096,
+    "cc": (9, 0),
+    "mem_clock": 3201,
+    "sm_clock": 1980,
+    "pcie_gen": 5,
+}
 UUID_A = "GPU-8f2c1e2a-0001-4a1b-9c3d-111111111111"
 UUID_B = "GPU-8f2c77b0-0002-4a1b-9c3d-222222222222"
 UUID_C = "GPU-d41d8cd9-0003-4a1b-9c3d-333333333333"
@@ -30,8 +36,13 @@ UUID_C = "GPU-d41d8cd9-0003-4a1b-9c3d-333333333333"
 CARDS = [
     {**H200, "uuid": UUID_A, "bus": "00000000:41:00.0", "used": 1 * 2**30},
     {**H200, "uuid": UUID_B, "bus": "00000000:18:00.0", "used": 2 * 2**30},
-    {**H200, "uuid": UUID_C, "bus": "00000000:9A:00.0", "used": 3 * 2**30,
-     "migs": [None, {"uuid": "MIG-5e3a0c11-aaaa-bbbb-cccc-444444444444"}]},
+    {
+        **H200,
+        "uuid": UUID_C,
+        "bus": "00000000:9A:00.0",
+        "used": 3 * 2**30,
+        "migs": [None, {"uuid": "MIG-5e3a0c11-aaaa-bbbb-cccc-444444444444"}],
+    },
 ]
 
 
@@ -114,14 +125,17 @@ def test_a_mig_instance_is_read_on_its_card(nvml):
     assert resolve(f"MIG-{UUID_C}/1/0").nvml_index == 2  # the old MIG-GPU-<uuid>/<gi>/<ci> form
 
 
-@pytest.mark.parametrize("visible, cuda_index, why", [
-    ("GPU-dead", 0, r"is 'GPU-dead', which no card's UUID starts with"),
-    ("GPU-8f2c", 0, r"which more than one card's UUID starts with"),
-    ("3", 0, r"is index 3, but NVML sees 3 GPU\(s\)"),
-    ("1", 1, r"shows 1 GPU\(s\) but \[hardware\] gpu_index is 1"),
-    ("", 0, r"shows 0 GPU\(s\)"),
-    ("nvidia0", 0, r"not an index, a GPU-<uuid> or a MIG-<uuid>"),
-])
+@pytest.mark.parametrize(
+    "visible, cuda_index, why",
+    [
+        ("GPU-dead", 0, r"is 'GPU-dead', which no card's UUID starts with"),
+        ("GPU-8f2c", 0, r"which more than one card's UUID starts with"),
+        ("3", 0, r"is index 3, but NVML sees 3 GPU\(s\)"),
+        ("1", 1, r"shows 1 GPU\(s\) but \[hardware\] gpu_index is 1"),
+        ("", 0, r"shows 0 GPU\(s\)"),
+        ("nvidia0", 0, r"not an index, a GPU-<uuid> or a MIG-<uuid>"),
+    ],
+)
 def test_no_match_names_the_variable_and_what_was_found(nvml, visible, cuda_index, why):
     with pytest.raises(ConfigError, match=why) as err:
         resolve(visible, cuda_index)
@@ -146,7 +160,7 @@ def test_mixed_cards_by_index_under_cuda_s_default_order_carry_a_note(monkeypatc
 
 def test_the_cuda_driver_s_own_answer_wins(nvml, monkeypatch):
     # The driver applies CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER itself: its UUID is certain.
-    monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: UUID_C[len("GPU-"):])
+    monkeypatch.setattr(cuda_devices, "_cuda_driver_uuid", lambda index: UUID_C[len("GPU-") :])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     d = resolve_cuda_device(0)
     assert (d.nvml_index, d.how, d.note) == (2, "CUDA driver", None)
@@ -203,7 +217,7 @@ class _FakeLibcuda:
 
 
 def test_the_cuda_driver_is_asked_through_ctypes(monkeypatch):
-    bare = UUID_B[len("GPU-"):]
+    bare = UUID_B[len("GPU-") :]
     monkeypatch.setattr(cuda_devices.ctypes, "CDLL", lambda name: _FakeLibcuda(bare))
     assert cuda_devices._cuda_driver_uuid(0) == bare
     assert cuda_devices._cuda_driver_uuid(2) is None

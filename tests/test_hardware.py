@@ -25,8 +25,6 @@ from autotune.hardware.gpus import (
 )
 
 
-
-
 @pytest.fixture
 def reference() -> dict:
     """The article's measured rows and figures (shared/reference/)."""
@@ -34,8 +32,19 @@ def reference() -> dict:
 
 
 REQUIRED_KEYS = [
-    "v100-16gb", "v100-32gb", "p40", "t4", "rtx3060-12gb", "rtx3090", "rtx4090", "a10", "l4",
-    "a100-40gb", "a100-80gb", "h100-sxm", "h200",
+    "v100-16gb",
+    "v100-32gb",
+    "p40",
+    "t4",
+    "rtx3060-12gb",
+    "rtx3090",
+    "rtx4090",
+    "a10",
+    "l4",
+    "a100-40gb",
+    "a100-80gb",
+    "h100-sxm",
+    "h200",
 ]
 
 
@@ -195,10 +204,28 @@ class _FakeNvml:
         return 16
 
 
-V100 = {"name": "Tesla V100-PCIE-16GB", "total": 16945512448, "used": 300 * 2**20, "cc": (7, 0),
-        "bus": 4096, "mem_clock": 877, "sm_clock": 1380, "cores": 5120, "pcie_gen": 3}
-UNKNOWN = {"name": "NVIDIA RTX 6000 Ada Generation", "total": 51527024640, "used": 0, "cc": (8, 9),
-           "bus": 384, "mem_clock": 10001, "sm_clock": 2505, "cores": 18176, "pcie_gen": 4}
+V100 = {
+    "name": "Tesla V100-PCIE-16GB",
+    "total": 16945512448,
+    "used": 300 * 2**20,
+    "cc": (7, 0),
+    "bus": 4096,
+    "mem_clock": 877,
+    "sm_clock": 1380,
+    "cores": 5120,
+    "pcie_gen": 3,
+}
+UNKNOWN = {
+    "name": "NVIDIA RTX 6000 Ada Generation",
+    "total": 51527024640,
+    "used": 0,
+    "cc": (8, 9),
+    "bus": 384,
+    "mem_clock": 10001,
+    "sm_clock": 2505,
+    "cores": 18176,
+    "pcie_gen": 4,
+}
 
 
 def _use_fake(monkeypatch, fake):

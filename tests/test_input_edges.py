@@ -30,6 +30,7 @@ STORIES = Path(__file__).resolve().parent / "data" / "stories260K.gguf"
 
 # --- budgets ------------------------------------------------------------------------------------
 
+
 def test_a_budget_too_long_for_a_number_is_refused_not_taken_as_forever(tmp_path):
     # 400 nines overflow a float to inf: the budget was silently no budget, and a forecast's
     # "trials the budget affords" was int(inf), an OverflowError.
@@ -43,6 +44,7 @@ def test_a_budget_too_long_for_a_number_is_refused_not_taken_as_forever(tmp_path
 
 # --- workload tables ----------------------------------------------------------------------------
 
+
 def _study_with_workload(tmp_path: Path, workload: str) -> Path:
     path = write_study(tmp_path / "w.toml", "fake", ["w1"])
     text = path.read_text().replace("prompt_tokens = 1500\noutput_tokens = 800", workload)
@@ -51,8 +53,9 @@ def _study_with_workload(tmp_path: Path, workload: str) -> Path:
 
 
 def test_an_invalid_rate_search_beside_a_rate_is_quoted_not_said_missing(tmp_path):
-    path = _study_with_workload(tmp_path, 'prompt_tokens = 10\noutput_tokens = 5\narrival = "poisson"\n'
-                                          'rate = 2\nrate_search = ["a", 1]')
+    path = _study_with_workload(
+        tmp_path, 'prompt_tokens = 10\noutput_tokens = 5\narrival = "poisson"\nrate = 2\nrate_search = ["a", 1]'
+    )
     with pytest.raises(ConfigError) as raised:
         load_study_config(path)
     assert "rate_search = (missing)" not in str(raised.value)
@@ -67,6 +70,7 @@ def test_a_workload_seed_with_nothing_to_draw_is_refused_not_ignored(tmp_path):
 
 
 # --- autotune plugins ---------------------------------------------------------------------------
+
 
 class _NoDimensions(FakeBackend):
     name = "fake-nodims"
@@ -102,6 +106,7 @@ def test_plugins_lists_the_others_when_a_backends_declarations_raise():
 
 
 # --- autotune init ------------------------------------------------------------------------------
+
 
 def test_init_into_a_missing_directory_is_one_error_line(tmp_path):
     result = CliRunner().invoke(cli, ["init", str(STORIES), "--gpu", "cpu", "--out", str(tmp_path / "no" / "s.toml")])
@@ -204,6 +209,7 @@ def test_init_of_a_model_whose_name_is_too_long_for_a_study_names_one_that_is(tm
 
 # --- reading commands ---------------------------------------------------------------------------
 
+
 def test_best_after_a_study_on_a_storage_with_a_password_asks_for_it(tmp_path, monkeypatch):
     # The URL is not written down (it holds a password), and `best` read the default study instead.
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
@@ -234,12 +240,16 @@ def test_a_plugin_that_fails_to_load_is_named_by_autotune_plugins(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [Unloadable()])
     result = CliRunner().invoke(cli, ["plugins", "--json"])
     assert result.exit_code == 0, result.output
-    assert {"plugin": "unloadable", "hook": "loading", "error": "ModuleNotFoundError: No module named 'vllm'"} in \
-        json.loads(result.stdout)["broken"]
+    assert {
+        "plugin": "unloadable",
+        "hook": "loading",
+        "error": "ModuleNotFoundError: No module named 'vllm'",
+    } in json.loads(result.stdout)["broken"]
     assert "plugin 'unloadable' failed in loading" in result.stderr  # still said at once, too
 
 
 # --- second round (issue 49 item 4): what the first round noticed and left ----------------------
+
 
 def test_a_budget_beyond_a_year_is_refused_as_a_typo_of_unit():
     # 99999999999999999h is finite: it ran, a study with no budget at all that said it had one.
@@ -250,8 +260,9 @@ def test_a_budget_beyond_a_year_is_refused_as_a_typo_of_unit():
     assert parse_duration("8760h") == 8760 * 3600  # a year is still a budget
 
 
-@pytest.mark.parametrize("typed, meant, compound", [("2h30", "150m", "2h30m"), ("1h5", "65m", "1h5m"),
-                                                   ("2h 30", "150m", "2h30m")])
+@pytest.mark.parametrize(
+    "typed, meant, compound", [("2h30", "150m", "2h30m"), ("1h5", "65m", "1h5m"), ("2h 30", "150m", "2h30m")]
+)
 def test_a_budget_with_a_bare_trailing_number_suggests_what_was_meant(typed, meant, compound):
     with pytest.raises(ConfigError) as info:
         parse_duration(typed)
@@ -279,8 +290,9 @@ def test_a_jsonl_line_with_a_repeated_key_is_refused_naming_the_key(tmp_path):
     from autotune.engine.workload import read_lengths
 
     path = tmp_path / "l.jsonl"
-    path.write_text('{"prompt_tokens": 10, "output_tokens": 5}\n'
-                    '{"prompt_tokens": 10, "output_tokens": 5, "prompt_tokens": 900}\n')
+    path.write_text(
+        '{"prompt_tokens": 10, "output_tokens": 5}\n{"prompt_tokens": 10, "output_tokens": 5, "prompt_tokens": 900}\n'
+    )
     with pytest.raises(ValueError) as info:
         read_lengths(path)
     assert str(info.value).startswith(f"{path}: line 2: ") and "'prompt_tokens' twice" in str(info.value)
@@ -296,7 +308,9 @@ def test_a_csv_row_with_more_values_than_the_header_is_refused_naming_the_column
     with pytest.raises(ValueError) as info:
         read_lengths(path)
     message = str(info.value)
-    assert message.startswith(f"{path}: line 3: ") and "3 values" in message and "prompt_tokens, output_tokens" in message
+    assert (
+        message.startswith(f"{path}: line 3: ") and "3 values" in message and "prompt_tokens, output_tokens" in message
+    )
 
 
 def test_init_says_once_that_a_quantized_gguf_is_no_source_for_any_format(tmp_path):

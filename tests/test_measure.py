@@ -66,16 +66,19 @@ class FakeClock:
 # --- Protocol ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"min_runs": 0}, "measure.min_runs = 0: must be an integer >= 1"),
-    ({"warmup_runs": -1}, "measure.warmup_runs = -1: must be an integer >= 0"),
-    ({"min_runs": 5, "max_runs": 4}, "measure.max_runs = 4: must be an integer >= measure.min_runs (5)"),
-    ({"rel_spread_tol": -0.1}, "measure.rel_spread_tol = -0.1: must be a finite number >= 0"),
-    ({"rel_spread_tol": float("nan")}, "measure.rel_spread_tol = nan"),
-    ({"max_seconds": 0}, "measure.max_seconds = 0: must be a finite number of seconds > 0"),
-    ({"min_runs": True}, "measure.min_runs = True"),
-    ({"max_runs": 2.5}, "measure.max_runs = 2.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_runs": 0}, "measure.min_runs = 0: must be an integer >= 1"),
+        ({"warmup_runs": -1}, "measure.warmup_runs = -1: must be an integer >= 0"),
+        ({"min_runs": 5, "max_runs": 4}, "measure.max_runs = 4: must be an integer >= measure.min_runs (5)"),
+        ({"rel_spread_tol": -0.1}, "measure.rel_spread_tol = -0.1: must be a finite number >= 0"),
+        ({"rel_spread_tol": float("nan")}, "measure.rel_spread_tol = nan"),
+        ({"max_seconds": 0}, "measure.max_seconds = 0: must be a finite number of seconds > 0"),
+        ({"min_runs": True}, "measure.min_runs = True"),
+        ({"max_runs": 2.5}, "measure.max_runs = 2.5"),
+    ],
+)
 def test_protocol_rejects_bad_fields_naming_field_value_and_rule(kwargs, message):
     with pytest.raises(ConfigError) as info:
         Protocol(**kwargs)
@@ -124,8 +127,9 @@ def test_stat_rejects_empty_and_nonsense():
 
 
 def test_stat_to_dict_is_json_and_complete():
-    s = Stat(values=(10.0, 11.0, 10.0), warmups=(3.0,), unit="tok/s", rel_spread_tol=0.05,
-             min_runs=3, stop_reason="stable")
+    s = Stat(
+        values=(10.0, 11.0, 10.0), warmups=(3.0,), unit="tok/s", rel_spread_tol=0.05, min_runs=3, stop_reason="stable"
+    )
     d = json.loads(json.dumps(s.to_dict()))
     assert d["median"] == 10.0
     assert d["spread"] == 0.0
@@ -186,8 +190,7 @@ def test_max_seconds_keeps_what_was_measured_with_fake_clock():
         clock.advance(1.0)  # each run "takes" one second
         return next(values)
 
-    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10, max_seconds=4.5),
-                      "tok/s", clock=clock)
+    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=10, max_seconds=4.5), "tok/s", clock=clock)
     # Warm-up ends at 1 s, runs 1-3 at 2, 3, 4 s (min_runs), run 4 at 5 s >= 4.5 s: stop there.
     assert stat.warmups == (100.0,)
     assert stat.values == (150.0, 200.0, 100.0, 150.0)
@@ -208,8 +211,7 @@ def test_min_runs_are_taken_however_slow_the_runs(seconds_per_run):
         clock.advance(seconds_per_run)
         return next(values)
 
-    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=6, max_seconds=2.5), "tok/s",
-                      clock=clock)
+    stat = repeat_one(sample, Protocol(warmup_runs=1, min_runs=3, max_runs=6, max_seconds=2.5), "tok/s", clock=clock)
     assert 3 <= stat.n <= 6 and stat.n == (3 if seconds_per_run >= 1.0 else 6)
     assert stat.stop_reason == ("max_seconds" if seconds_per_run >= 1.0 else "max_runs")
 
@@ -252,8 +254,9 @@ def test_many_judges_stability_on_key_and_collects_every_value():
         {"aggregate_tok_s": 100.0, "ttft_ms": 20.0},
     ]
     sample = seq(*runs)
-    stats = repeat_until_stable_many(sample, Protocol(), {"aggregate_tok_s": "tok/s", "ttft_ms": "ms"},
-                                     key="aggregate_tok_s")
+    stats = repeat_until_stable_many(
+        sample, Protocol(), {"aggregate_tok_s": "tok/s", "ttft_ms": "ms"}, key="aggregate_tok_s"
+    )
     assert sample.calls == 4
     agg, ttft = stats["aggregate_tok_s"], stats["ttft_ms"]
     assert agg.values == (100.0, 101.0, 100.0) and agg.warmups == (1.0,) and agg.stable
@@ -274,9 +277,12 @@ def test_many_validates_key_and_run_contents():
 
 def test_many_noisy_key_runs_to_max_runs():
     values = itertools.cycle([10.0, 20.0, 30.0])
-    stats = repeat_until_stable_many(lambda: {"k": next(values), "o": 1.0},
-                                     Protocol(warmup_runs=0, min_runs=2, max_runs=5),
-                                     {"k": "tok/s", "o": "ms"}, key="k")
+    stats = repeat_until_stable_many(
+        lambda: {"k": next(values), "o": 1.0},
+        Protocol(warmup_runs=0, min_runs=2, max_runs=5),
+        {"k": "tok/s", "o": "ms"},
+        key="k",
+    )
     assert stats["k"].n == stats["o"].n == 5
     assert stats["k"].stop_reason == "max_runs" and stats["k"].warning is not None
     assert stats["o"].stable
@@ -286,8 +292,9 @@ def test_many_noisy_key_runs_to_max_runs():
 
 
 def test_stream_result_from_timestamps():
-    s = StreamResult.from_timestamps(prompt_tokens=500, output_tokens=101, start_s=10.0,
-                                     first_token_s=10.25, end_s=12.25)
+    s = StreamResult.from_timestamps(
+        prompt_tokens=500, output_tokens=101, start_s=10.0, first_token_s=10.25, end_s=12.25
+    )
     assert s.ttft_ms == pytest.approx(250.0)
     assert s.prefill_tok_s == pytest.approx(2000.0)
     assert s.decode_tok_s == pytest.approx(50.0)  # 100 tokens after the first over 2 s
@@ -318,8 +325,15 @@ def test_concurrent_result_properties():
 
 
 def _stream(i: int, start_s: float, end_s: float, tokens: int) -> StreamResult:
-    return StreamResult(prompt_tokens=8, output_tokens=tokens, ttft_ms=10.0 * (i + 1),
-                        decode_tok_s=10.0 * (i + 1), prefill_tok_s=80.0, start_s=start_s, end_s=end_s)
+    return StreamResult(
+        prompt_tokens=8,
+        output_tokens=tokens,
+        ttft_ms=10.0 * (i + 1),
+        decode_tok_s=10.0 * (i + 1),
+        prefill_tok_s=80.0,
+        start_s=start_s,
+        end_s=end_s,
+    )
 
 
 # --- threaded driver -------------------------------------------------------------
@@ -413,8 +427,14 @@ class FakeReader:
     """Fake NVML readings: each metric walks its list, then repeats the last value."""
 
     def __init__(self, used, temps, clocks, powers, masks, process=None, fail=()):
-        self.series = {"used": used, "temp": temps, "clock": clocks, "power": powers,
-                       "mask": masks, "process": process or [None]}
+        self.series = {
+            "used": used,
+            "temp": temps,
+            "clock": clocks,
+            "power": powers,
+            "mask": masks,
+            "process": process or [None],
+        }
         self.pos = dict.fromkeys(self.series, 0)
         self.fail = set(fail)
         self.closed = False
@@ -485,8 +505,7 @@ def test_sampler_aggregates_fake_readings():
     assert t.min_sm_clock_mhz == 1410.0
     assert t.median_sm_clock_mhz == pytest.approx((1755.0 + 1800.0) / 2)
     assert t.max_power_w == 700.0
-    assert t.throttle_reasons == ("gpu_idle", "sw_power_cap", "sw_thermal_slowdown",
-                                  "hw_thermal_slowdown")
+    assert t.throttle_reasons == ("gpu_idle", "sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown")
     assert t.slowdowns == ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown")
     d = json.loads(json.dumps(t.to_dict()))
     assert d["throttle_reasons"] == list(t.throttle_reasons)
@@ -505,8 +524,7 @@ def test_sampler_thread_samples_in_background():
 
 
 def test_sampler_tolerates_unsupported_readings():
-    reader = FakeReader(used=[10], temps=[50.0], clocks=[1500.0], powers=[0.0], masks=[0],
-                        fail={"power", "mask"})
+    reader = FakeReader(used=[10], temps=[50.0], clocks=[1500.0], powers=[0.0], masks=[0], fail={"power", "mask"})
     with GpuSampler(interval_s=3600, reader_factory=lambda i: reader) as gpu:
         pass
     t = gpu.result()
@@ -543,27 +561,38 @@ def test_measure_with_telemetry_takes_the_engines_own_peak_else_the_cards_rise()
     units = {"v": "tok/s"}
     protocol = Protocol(warmup_runs=0, min_runs=1)
     # No GPU: the protocol alone, no telemetry, no peak.
-    stats, telemetry, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=False,
-                                                    reader_factory=lambda i: pytest.fail("NVML opened without a GPU"))
+    stats, telemetry, peak = measure_with_telemetry(
+        lambda: {"v": 5.0},
+        protocol,
+        units,
+        "v",
+        gpu=False,
+        reader_factory=lambda i: pytest.fail("NVML opened without a GPU"),
+    )
     assert stats["v"].values == (5.0,) and telemetry is None and peak is None
     # NVML lists the engine's process: its own peak, not the card's (other work shares the card).
-    reader = FakeReader(used=[10 * GiB, 30 * GiB], temps=[50.0], clocks=[1500.0], powers=[100.0], masks=[0],
-                        process=[2 * GiB, 7 * GiB])
-    _, telemetry, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=True, gpu_index=2,
-                                                pid=99, reader_factory=lambda i: reader)
+    reader = FakeReader(
+        used=[10 * GiB, 30 * GiB], temps=[50.0], clocks=[1500.0], powers=[100.0], masks=[0], process=[2 * GiB, 7 * GiB]
+    )
+    _, telemetry, peak = measure_with_telemetry(
+        lambda: {"v": 5.0}, protocol, units, "v", gpu=True, gpu_index=2, pid=99, reader_factory=lambda i: reader
+    )
     assert telemetry.available and reader.pids and set(reader.pids) == {99}
     assert peak == 7 * GiB
     # The driver hides per-process memory: the rise of the card's memory while measuring.
     hidden = FakeReader(used=[10 * GiB, 16 * GiB], temps=[50.0], clocks=[1500.0], powers=[100.0], masks=[0])
-    _, _, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=True, pid=99,
-                                        reader_factory=lambda i: hidden)
+    _, _, peak = measure_with_telemetry(
+        lambda: {"v": 5.0}, protocol, units, "v", gpu=True, pid=99, reader_factory=lambda i: hidden
+    )
     assert peak == 6 * GiB
+
     # No NVML after all: the stats still come back, with the reason instead of a peak.
     def no_nvml(index):
         raise RuntimeError("NVML could not start")
 
-    stats, telemetry, peak = measure_with_telemetry(lambda: {"v": 5.0}, protocol, units, "v", gpu=True,
-                                                    reader_factory=no_nvml)
+    stats, telemetry, peak = measure_with_telemetry(
+        lambda: {"v": 5.0}, protocol, units, "v", gpu=True, reader_factory=no_nvml
+    )
     assert stats["v"].n == 1 and not telemetry.available and "NVML could not start" in telemetry.reason
     assert peak is None
 
@@ -587,7 +616,7 @@ def test_event_data_keeps_a_token_holding_a_unicode_line_separator_whole():
     A line reader that splits like str.splitlines() cut such an event in two."""
     events = ['{"content": "a\u2028b\x85c"}', '{"stop": true}']
     wire = "".join(f"data: {e}\r\n\r\n" if i else f"data: {e}\n\n" for i, e in enumerate(events)).encode()
-    chunks = [wire[i:i + 7] for i in range(0, len(wire), 7)]  # boundaries inside characters and lines
+    chunks = [wire[i : i + 7] for i in range(0, len(wire), 7)]  # boundaries inside characters and lines
     assert list(event_data(chunks)) == events
     assert [json.loads(p)["content"] for p in list(event_data(chunks))[:1]] == ["a\u2028b\x85c"]
     assert list(event_data([b": comment\nevent: x\ndata: 1\n", b"data: 2"])) == ["1", "2"]
@@ -597,13 +626,26 @@ def test_per_user_speed_counts_the_wait_of_requests_served_one_at_a_time():
     # Four requests sent together to an engine that serves one at a time: each decodes 101 tokens
     # at 50 tok/s (2 s) once the ones before it are done. The user queued third reads its text at
     # 50 tok/s, but 4 s later than the first: from its request on, it saw 100 tokens in 6 s.
-    serial = [StreamResult(10, 101, ttft_ms=100.0 + 2000.0 * i, decode_tok_s=50.0, prefill_tok_s=100.0,
-                           start_s=0.0, end_s=0.1 + 2.0 * (i + 1)) for i in range(4)]
-    together = [StreamResult(10, 101, ttft_ms=100.0, decode_tok_s=50.0, prefill_tok_s=100.0, start_s=0.0, end_s=2.1)
-                for _ in range(4)]
+    serial = [
+        StreamResult(
+            10,
+            101,
+            ttft_ms=100.0 + 2000.0 * i,
+            decode_tok_s=50.0,
+            prefill_tok_s=100.0,
+            start_s=0.0,
+            end_s=0.1 + 2.0 * (i + 1),
+        )
+        for i in range(4)
+    ]
+    together = [
+        StreamResult(10, 101, ttft_ms=100.0, decode_tok_s=50.0, prefill_tok_s=100.0, start_s=0.0, end_s=2.1)
+        for _ in range(4)
+    ]
     assert ConcurrentResult(streams=tuple(together), wall_s=2.1).per_user_tok_s == pytest.approx(50.0)
-    assert ConcurrentResult(streams=tuple(serial), wall_s=8.1).per_user_tok_s == \
-        pytest.approx(statistics.median([50.0, 100 / 4.0, 100 / 6.0, 100 / 8.0]))
+    assert ConcurrentResult(streams=tuple(serial), wall_s=8.1).per_user_tok_s == pytest.approx(
+        statistics.median([50.0, 100 / 4.0, 100 / 6.0, 100 / 8.0])
+    )
 
 
 def test_no_two_requests_of_a_launch_share_a_prompts_first_tokens():

@@ -23,8 +23,6 @@ from autotune.modelfiles.models import (
 )
 
 
-
-
 @pytest.fixture
 def stories() -> Path:
     """llama2.c's stories260K as a GGUF file (shared/models/)."""
@@ -38,8 +36,16 @@ def reference() -> dict:
 
 
 REQUIRED_KEYS = [
-    "qwen2.5-27b-article", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
-    "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b",
+    "qwen2.5-27b-article",
+    "qwen2.5-7b",
+    "qwen2.5-14b",
+    "qwen2.5-32b",
+    "qwen2.5-72b",
+    "llama-2-7b",
+    "llama-2-13b",
+    "llama-2-70b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
 ]
 
 # Qwen2.5-7B-Instruct's config.json (the fields we read, as published).
@@ -78,9 +84,15 @@ def test_catalog_entries_are_complete_and_consistent(key):
     assert m.n_heads % m.n_kv_heads == 0
     # n_params in the TOML is the architecture's count: the two must not drift apart.
     assert m.n_params == count_params(
-        architecture=m.architecture, n_layers=m.n_layers, hidden_size=m.hidden_size,
-        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, ffn_size=m.ffn_size,
-        vocab_size=m.vocab_size, tie_embeddings=m.tie_embeddings,
+        architecture=m.architecture,
+        n_layers=m.n_layers,
+        hidden_size=m.hidden_size,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        ffn_size=m.ffn_size,
+        vocab_size=m.vocab_size,
+        tie_embeddings=m.tie_embeddings,
     )
 
 
@@ -97,8 +109,12 @@ def test_article_model_is_27b_with_the_quoted_sizes():
     assert (m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim) == (64, 28, 4, 128)
     assert abs(m.n_params - 27e9) / 27e9 < 0.01
     assert dict(m.artifact_bytes) == {
-        "gguf:Q8_0": 27_000_000_000, "gguf:Q4_K_M": 16_300_000_000, "gguf:Q4_0": 15_500_000_000,
-        "gguf:Q3_K_M": 13_900_000_000, "exl2:4.0": 15_300_000_000, "exl2:3.3": 12_800_000_000,
+        "gguf:Q8_0": 27_000_000_000,
+        "gguf:Q4_K_M": 16_300_000_000,
+        "gguf:Q4_0": 15_500_000_000,
+        "gguf:Q3_K_M": 13_900_000_000,
+        "exl2:4.0": 15_300_000_000,
+        "exl2:3.3": 12_800_000_000,
     }
 
 
@@ -126,7 +142,9 @@ def test_derived_properties():
 def test_get_model_unknown_lists_known_keys():
     with pytest.raises(UnknownNameError) as err:
         get_model("qwen-7b")
-    assert str(err.value).startswith("unknown model 'qwen-7b' (known: qwen2.5-27b-article, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, ")
+    assert str(err.value).startswith(
+        "unknown model 'qwen-7b' (known: qwen2.5-27b-article, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, "
+    )
 
 
 def test_specs_are_frozen_and_hashable():
@@ -196,8 +214,9 @@ def _crafted_gguf(path: Path, *, layer_tensors: bool = True, **over) -> Path:
     import gguf
     import numpy as np
 
-    kv = dict(block_count=2, embedding_length=64, head_count=8, head_count_kv=4, feed_forward_length=172,
-              context_length=512)
+    kv = dict(
+        block_count=2, embedding_length=64, head_count=8, head_count_kv=4, feed_forward_length=172, context_length=512
+    )
     kv.update(over)
     w = gguf.GGUFWriter(path, "llama")
     for key, value in kv.items():
@@ -212,24 +231,42 @@ def _crafted_gguf(path: Path, *, layer_tensors: bool = True, **over) -> Path:
     return path
 
 
-@pytest.mark.parametrize("over, expected", [
-    # Each was a traceback (ZeroDivisionError, MemoryError) or a silent nonsense on main.
-    ({"head_count": 0}, "llama.attention.head_count = 0: must be an integer from 1 to 65,536"),
-    ({"block_count": 2**32 - 1}, "llama.block_count = 4294967295: must be an integer from 1 to 4,096"),
-    ({"embedding_length": 0}, "llama.embedding_length = 0: must be an integer from 1 to 1,048,576"),
-    ({"feed_forward_length": 2**31}, "llama.feed_forward_length = 2147483648: must be an integer from 1 to 16,777,216"),
-    ({"context_length": 2**32 - 1}, "llama.context_length = 4294967295: must be an integer from 1 to 1,073,741,824"),
-    ({"head_count_kv": 0}, "llama.attention.head_count_kv = 0: must be an integer from 1 to 65,536"),
-    ({"head_count_kv": 16}, "16 key/value heads but 8 query heads: a layer has no more of them"),
-    ({"head_count": 128}, "llama.attention.head_count = 128 exceeds llama.embedding_length = 64 and there is "
-                          "no llama.attention.key_length"),
-    ({"layer_tensors": False}, "2,048 parameters, no more than the embeddings alone (32 tokens x 64 wide): "
-                               "the 2 decoder layers hold none"),
-    # A mixture of experts: the routing keys get the same checks.
-    ({"expert_count": 2**31, "expert_used_count": 2}, "llama.expert_count = 2147483648: must be an integer from 1 to 16,384"),
-    ({"expert_count": 8, "expert_used_count": 0}, "llama.expert_used_count = 0: must be an integer from 1"),
-    ({"expert_count": 8, "expert_used_count": 9}, "llama.expert_used_count = 9: more than the 8 experts"),
-], ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None)
+@pytest.mark.parametrize(
+    "over, expected",
+    [
+        # Each was a traceback (ZeroDivisionError, MemoryError) or a silent nonsense on main.
+        ({"head_count": 0}, "llama.attention.head_count = 0: must be an integer from 1 to 65,536"),
+        ({"block_count": 2**32 - 1}, "llama.block_count = 4294967295: must be an integer from 1 to 4,096"),
+        ({"embedding_length": 0}, "llama.embedding_length = 0: must be an integer from 1 to 1,048,576"),
+        (
+            {"feed_forward_length": 2**31},
+            "llama.feed_forward_length = 2147483648: must be an integer from 1 to 16,777,216",
+        ),
+        (
+            {"context_length": 2**32 - 1},
+            "llama.context_length = 4294967295: must be an integer from 1 to 1,073,741,824",
+        ),
+        ({"head_count_kv": 0}, "llama.attention.head_count_kv = 0: must be an integer from 1 to 65,536"),
+        ({"head_count_kv": 16}, "16 key/value heads but 8 query heads: a layer has no more of them"),
+        (
+            {"head_count": 128},
+            "llama.attention.head_count = 128 exceeds llama.embedding_length = 64 and there is "
+            "no llama.attention.key_length",
+        ),
+        (
+            {"layer_tensors": False},
+            "2,048 parameters, no more than the embeddings alone (32 tokens x 64 wide): the 2 decoder layers hold none",
+        ),
+        # A mixture of experts: the routing keys get the same checks.
+        (
+            {"expert_count": 2**31, "expert_used_count": 2},
+            "llama.expert_count = 2147483648: must be an integer from 1 to 16,384",
+        ),
+        ({"expert_count": 8, "expert_used_count": 0}, "llama.expert_used_count = 0: must be an integer from 1"),
+        ({"expert_count": 8, "expert_used_count": 9}, "llama.expert_used_count = 9: more than the 8 experts"),
+    ],
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
+)
 def test_gguf_header_values_out_of_range_name_the_file_key_value_and_range(tmp_path, over, expected):
     path = _crafted_gguf(tmp_path / "crafted.gguf", **over)
     with pytest.raises(ConfigError) as err:
@@ -247,11 +284,14 @@ def test_expert_width_falls_back_as_llama_cpp_does(tmp_path):
     assert (m.n_experts, m.n_experts_used, m.expert_ffn_size, m.mlp_width) == (8, 2, 86, 172)  # ffn 172 / 2 used
 
 
-@pytest.mark.parametrize("field, value, expected", [
-    ("num_hidden_layers", 2**32 - 1, "field 'num_hidden_layers' = 4294967295: must be an integer from 1 to 4,096"),
-    ("num_attention_heads", 0, "field 'num_attention_heads' = 0: must be an integer from 1 to 65,536"),
-    ("num_key_value_heads", 64, "field 'num_key_value_heads' = 64 exceeds field 'num_attention_heads' = 28"),
-])
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("num_hidden_layers", 2**32 - 1, "field 'num_hidden_layers' = 4294967295: must be an integer from 1 to 4,096"),
+        ("num_attention_heads", 0, "field 'num_attention_heads' = 0: must be an integer from 1 to 65,536"),
+        ("num_key_value_heads", 64, "field 'num_key_value_heads' = 64 exceeds field 'num_attention_heads' = 28"),
+    ],
+)
 def test_hf_config_values_out_of_range(tmp_path, field, value, expected):
     (tmp_path / "config.json").write_text(json.dumps(dict(QWEN25_7B_CONFIG, **{field: value})))
     with pytest.raises(ConfigError) as err:
@@ -266,16 +306,36 @@ def test_hf_config_qwen25_7b(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
     m = model_from_hf_config(tmp_path)
     catalog = get_model("qwen2.5-7b")
-    for name in ("architecture", "n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim",
-                 "ffn_size", "vocab_size", "n_params", "tie_embeddings", "max_context"):
+    for name in (
+        "architecture",
+        "n_layers",
+        "hidden_size",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "ffn_size",
+        "vocab_size",
+        "n_params",
+        "tie_embeddings",
+        "max_context",
+    ):
         assert getattr(m, name) == getattr(catalog, name), name
     assert m.sliding_window is None and m.n_swa_layers == 0  # use_sliding_window is false
 
 
 def test_hf_config_file_path_tied_and_explicit_head_dim(tmp_path):
-    cfg = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 96, "intermediate_size": 512, "vocab_size": 1000,
-           "tie_word_embeddings": True, "max_position_embeddings": 4096}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 96,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     m = model_from_hf_config(path)
@@ -352,7 +412,9 @@ def test_resolve_model_errors(tmp_path):
     with pytest.raises(UnknownNameError, match="^'nope': not a catalog model .known: qwen2.5-27b-article"):
         resolve_model("nope")
     # A path that does not exist is news about the file, not about the catalog.
-    with pytest.raises(UnknownNameError, match=r"^path/to/model\.gguf: no such file or directory \(nor a catalog model"):
+    with pytest.raises(
+        UnknownNameError, match=r"^path/to/model\.gguf: no such file or directory \(nor a catalog model"
+    ):
         resolve_model("path/to/model.gguf")
     with pytest.raises(ConfigError, match="directory has no config.json"):
         resolve_model(str(tmp_path))

@@ -39,9 +39,13 @@ class Relaunched(DefaultingBackend):
         self.launch += 1
         speed = (self.default_runs[0] if config.option("defaults") else self.speed(config)) * level
         runs = (speed * 0.99, speed, speed * 1.01)
-        return Measurement(metrics={"decode_tok_s": Stat(runs, unit="tok/s"),
-                                    "aggregate_tok_s": Stat(runs, unit="tok/s"),
-                                    "per_user_tok_s": Stat(tuple(v / config.parallel for v in runs), unit="tok/s")})
+        return Measurement(
+            metrics={
+                "decode_tok_s": Stat(runs, unit="tok/s"),
+                "aggregate_tok_s": Stat(runs, unit="tok/s"),
+                "per_user_tok_s": Stat(tuple(v / config.parallel for v in runs), unit="tok/s"),
+            }
+        )
 
 
 @pytest.fixture
@@ -55,7 +59,9 @@ def test_the_finish_relaunches_the_baseline_and_the_between_launch_spread_judges
     # below it: outside one launch's 1% spreads, inside what launches differ by.
     backend = Relaunched(baseline_speed=27.0)
     with registered(backend):
-        summary = run_study(study(tmp_path, "finish_top = 2\nfinish_rounds = 2\nfinish_max_rounds = 2"), n_trials=4, storage=storage)
+        summary = run_study(
+            study(tmp_path, "finish_top = 2\nfinish_rounds = 2\nfinish_max_rounds = 2"), n_trials=4, storage=storage
+        )
     stored = optuna.load_study(study_name="fake-study", storage=open_storage(storage))
     rounds = noise.baseline_rounds(stored)["fake-defaults"]
     assert sorted(rounds) == [0, 1] and all(not r["error"] for r in rounds.values())
@@ -73,7 +79,9 @@ def test_the_finish_relaunches_the_baseline_and_the_between_launch_spread_judges
     assert agg["baseline_runs"] == 3 and agg["between_launches"] == pytest.approx(found.between)
     assert abs(agg["ratio"] - 1) < found.between and agg["within_noise"]
     text = summary_text(summary)
-    assert f"noise: within a launch 1.0% (the runs inside one launch), between launches {found.between * 100:.1f}%" in text
+    assert (
+        f"noise: within a launch 1.0% (the runs inside one launch), between launches {found.between * 100:.1f}%" in text
+    )
     assert "within noise of what fake-defaults's default launch gives" in text
     assert "over 3 runs" in text and f"launches differ by {found.between * 100:.1f}%" in text
     from autotune.report.text import write_study_report
@@ -93,16 +101,20 @@ def test_without_a_second_launch_the_between_spread_is_unknown_and_said_so(tmp_p
 
 def test_a_baseline_round_names_its_baseline_and_round_and_is_no_baseline_itself(tmp_path, storage):
     base = records.Baseline("b", "w", name="fit", metrics={"aggregate_tok_s": {"median": 10.0, "spread": 0.02}})
-    rounds = {0: {"metrics": {"aggregate_tok_s": 12.0}}, 1: {"metrics": {}, "error": "boom"},
-              2: {"metrics": {"aggregate_tok_s": 11.0}}}
+    rounds = {
+        0: {"metrics": {"aggregate_tok_s": 12.0}},
+        1: {"metrics": {}, "error": "boom"},
+        2: {"metrics": {"aggregate_tok_s": 11.0}},
+    }
     assert noise.baseline_launches(base, rounds, "aggregate_tok_s") == [10.0, 12.0, 11.0]
     assert noise.relative_range([10.0, 12.0, 11.0]) == pytest.approx(2 / 11)
     assert noise.relative_range([10.0]) is None
     study_ = optuna.create_study(storage=open_storage(storage), study_name="x")
     records.write_baseline(study_, "b", "fit", weights="w", metrics=dict(base.metrics))
     noise.write_baseline_round(study_, "b:fit", 0, metrics={"aggregate_tok_s": 12.0})
-    assert noise.baseline_rounds(study_) == {"b:fit": {0: {"metrics": {"aggregate_tok_s": 12.0}, "error": None,
-                                                           "worker": None}}}
+    assert noise.baseline_rounds(study_) == {
+        "b:fit": {0: {"metrics": {"aggregate_tok_s": 12.0}, "error": None, "worker": None}}
+    }
     assert list(records.baselines(study_)) == ["b:fit"]
 
 
@@ -111,16 +123,18 @@ def test_the_bench_script_pools_a_studys_storages_by_configuration(tmp_path, cap
 
     from autotune.study import open_storage as opened
 
-    spec = importlib.util.spec_from_file_location("noise_spreads", noise.__file__.replace(
-        "autotune/study/noise.py", "bench/noise_spreads.py"))
+    spec = importlib.util.spec_from_file_location(
+        "noise_spreads", noise.__file__.replace("autotune/study/noise.py", "bench/noise_spreads.py")
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     paths = []
     for run, level in (("a", 1.0), ("b", 1.1)):  # two storages of one study: a configuration launched in each
         path = tmp_path / f"{run}.db"
         s = optuna.create_study(storage=opened(f"sqlite:///{path}"), study_name="grid")
-        records.write_baseline(s, "b", weights="w", metrics={"aggregate_tok_s": {"median": 10.0 * level,
-                                                                                    "spread": 0.01}})
+        records.write_baseline(
+            s, "b", weights="w", metrics={"aggregate_tok_s": {"median": 10.0 * level, "spread": 0.01}}
+        )
         paths.append(str(path))
     assert script.main([*paths, "--json"]) == 0
     import json

@@ -33,6 +33,7 @@ KV_PER_TOKEN = {"f16": 56 * 1024, "q8_0": 56 * 1024 * 34 // 64}  # Qwen2.5-7B: 2
 class Judged(BaseBackend):
     """Makes gguf formats (the made file holds the format's name, which it reads back), and uses
     HUNGER more than it predicts."""
+
     artifacts = part(ForwardingArtifacts)
 
     name = "fake-judged"
@@ -55,13 +56,16 @@ class Judged(BaseBackend):
         return None if weights.startswith("gguf:") or ctx.path(weights).is_file() else f"{weights}: no such file"
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
-        return [Param("cache_type", tuple(space.get("cache_type", ("f16", "q8_0"))), "cache",
-                      accepted=("f16", "q8_0"))]
+        return [Param("cache_type", tuple(space.get("cache_type", ("f16", "q8_0"))), "cache", accepted=("f16", "q8_0"))]
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
         cache = dict(config.options).get("cache_type", "f16")
-        return MemoryEstimate(weights_for(ctx.model, self._format(config.weights, ctx)).total_bytes,
-                              config.ctx * config.parallel * KV_PER_TOKEN[cache], GIB, 0)
+        return MemoryEstimate(
+            weights_for(ctx.model, self._format(config.weights, ctx)).total_bytes,
+            config.ctx * config.parallel * KV_PER_TOKEN[cache],
+            GIB,
+            0,
+        )
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         peak = self.estimate_memory(config, ctx).total_bytes + HUNGER
@@ -113,8 +117,24 @@ def test_init_estimate_and_the_study_give_one_verdict_and_the_same_gib(seven_b, 
         assert f"needs {need / GIB:.2f} GiB" in screen_line and budget < need
 
         # estimate, of the made file, for the study's card, model and workload.
-        before = _estimate("--gpu", "t4", "--model", str(seven_b), "--weights", str(f16_file), "--ctx", "2048",
-                           "--cache", "q8_0", "--parallel", "1", "--prompt-tokens", "1024", "--output-tokens", "256")
+        before = _estimate(
+            "--gpu",
+            "t4",
+            "--model",
+            str(seven_b),
+            "--weights",
+            str(f16_file),
+            "--ctx",
+            "2048",
+            "--cache",
+            "q8_0",
+            "--parallel",
+            "1",
+            "--prompt-tokens",
+            "1024",
+            "--output-tokens",
+            "256",
+        )
         assert before["verdict"] == "does not fit"
         assert before["vram"]["total_bytes"] == need and before["vram"]["budget_bytes"] == budget
         assert before["budget"]["safety_margin_bytes"] == 256 * 2**20
@@ -132,19 +152,53 @@ def test_init_estimate_and_the_study_give_one_verdict_and_the_same_gib(seven_b, 
         assert verdict.kind == "over_budget" and verdict.raw_total_bytes < budget
         need = verdict.estimate.total_bytes
         assert need == verdict.raw_total_bytes + HUNGER
-        after = _estimate("--study", "judged", "--storage", storage, "--model", str(seven_b),
-                          "--weights", str(q8_file), "--ctx", "2048", "--cache", "f16", "--parallel", "1")
+        after = _estimate(
+            "--study",
+            "judged",
+            "--storage",
+            storage,
+            "--model",
+            str(seven_b),
+            "--weights",
+            str(q8_file),
+            "--ctx",
+            "2048",
+            "--cache",
+            "f16",
+            "--parallel",
+            "1",
+        )
         assert after["verdict"] == "does not fit" and after["gpu"] == "t4"
         assert after["vram"]["total_bytes"] == need and after["vram"]["budget_bytes"] == budget
         assert after["vram"]["predicted_bytes"] == verdict.raw_total_bytes
         assert after["vram"]["correction_bytes"] == HUNGER and after["vram"]["correction_trials"] >= 1
         why = explain_best(prepared, runner.study, {"params": best.as_dict(), "values": [10.0]})
         assert [line for line in why if line.startswith("weights gguf:Q8_0:")] == [
-            f"weights gguf:Q8_0: does not fit: needs {need / GIB:.2f} GiB > budget {budget / GIB:.2f} GiB"]
+            f"weights gguf:Q8_0: does not fit: needs {need / GIB:.2f} GiB > budget {budget / GIB:.2f} GiB"
+        ]
 
-        text = CliRunner().invoke(cli, ["estimate", "--backend", "fake-judged", "--study", "judged", "--storage",
-                                        storage, "--model", str(seven_b), "--weights", str(q8_file), "--ctx", "2048",
-                                        "--cache", "f16", "--parallel", "1"])
+        text = CliRunner().invoke(
+            cli,
+            [
+                "estimate",
+                "--backend",
+                "fake-judged",
+                "--study",
+                "judged",
+                "--storage",
+                storage,
+                "--model",
+                str(seven_b),
+                "--weights",
+                str(q8_file),
+                "--ctx",
+                "2048",
+                "--cache",
+                "f16",
+                "--parallel",
+                "1",
+            ],
+        )
     assert text.exit_code == 0, text.output
     assert f"+ learned 8.00 = {need / GIB:.2f} GiB of budget {budget / GIB:.2f} GiB: DOES NOT FIT" in text.stdout
     assert "budget 14.75 GiB = 15.00 GiB (Tesla T4's memory, study 'judged') - 0.25 GiB safety margin" in text.stdout

@@ -16,7 +16,9 @@ REPS = 1000
 POOL = 14_000  # about MMLU's test set
 
 
-def population(rng: np.random.Generator, ref_acc: float, discordant: float, drop_points: float) -> tuple[np.ndarray, np.ndarray]:
+def population(
+    rng: np.random.Generator, ref_acc: float, discordant: float, drop_points: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-item truth: the reference's and the candidate's answers, with exactly the given
     accuracy, disagreement rate and drop (fractions of the pool)."""
     b = int(round(POOL * (discordant + drop_points / 100) / 2))  # reference right, candidate wrong
@@ -25,8 +27,8 @@ def population(rng: np.random.Generator, ref_acc: float, discordant: float, drop
     ref = np.zeros(POOL)
     mine = np.zeros(POOL)
     ref[:both] = mine[:both] = 1
-    ref[both:both + b] = 1
-    mine[both + b:both + b + c] = 1
+    ref[both : both + b] = 1
+    mine[both + b : both + b + c] = 1
     order = rng.permutation(POOL)
     return ref[order], mine[order]
 
@@ -67,8 +69,9 @@ def test_paired_drop_of_one_artifact_matches_the_counts_and_shows_both_errors():
     assert lo < d.points < hi
 
 
-def sequential(ref: np.ndarray, mine: np.ndarray, rng: np.random.Generator, bound: float, batch: int,
-               cap: int) -> tuple[np.ndarray, np.ndarray]:
+def sequential(
+    ref: np.ndarray, mine: np.ndarray, rng: np.random.Generator, bound: float, batch: int, cap: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Verdicts and items used by the sequential rule, one row per repetition."""
     idx = rng.integers(0, POOL, (REPS, cap))
     b, c = counts(ref, mine, idx)
@@ -85,8 +88,9 @@ def sequential(ref: np.ndarray, mine: np.ndarray, rng: np.random.Generator, boun
     return verdict, used
 
 
-def fixed_errors(ref: np.ndarray, mine: np.ndarray, rng: np.random.Generator, bound: float, right: str,
-                 sizes: np.ndarray) -> np.ndarray:
+def fixed_errors(
+    ref: np.ndarray, mine: np.ndarray, rng: np.random.Generator, bound: float, right: str, sizes: np.ndarray
+) -> np.ndarray:
     """Error rate (not the right verdict) of a fixed sample of each size, judged once by its 95% interval."""
     b, c = counts(ref, mine, rng.integers(0, POOL, (REPS, int(sizes[-1]))))
     mean, se = paired.mcnemar(b[:, sizes - 1], c[:, sizes - 1], sizes)
@@ -132,4 +136,6 @@ def test_kld_relation_is_fitted_through_the_origin_with_its_uncertainty():
     assert low[0] < high[0] and low[1] < high[1]  # farther from the data: less certain
     # Drops that happen to lie on a line claim no more certainty than their own errors.
     flat = paired.fit_kld_relation([0.004, 0.26, 0.40], [0.0, 0.0, 0.0], [1.8, 3.1, 3.1])
-    assert flat is not None and flat.slope == 0.0 and flat.residual_sd == pytest.approx((( 1.8**2 + 2 * 3.1**2) / 3) ** 0.5)
+    assert (
+        flat is not None and flat.slope == 0.0 and flat.residual_sd == pytest.approx(((1.8**2 + 2 * 3.1**2) / 3) ** 0.5)
+    )

@@ -20,16 +20,32 @@ from autotune.study import StudyRunner, prepare_study
 from tests.conftest import plugin_registered
 from tests.fake_backends import FakeBackend, registered, write_study
 
-HOSTILE = ["x;touch a;$(touch b).toml", "it's `touch c`", 'q"$(touch d)"', "new\nline; touch e",
-           "tab\tand\\back", "\x1b]52;c;ZXZpbA==\x07osc", "-rf", "sp ace", "ünï €", "\u202eevil"]
+HOSTILE = [
+    "x;touch a;$(touch b).toml",
+    "it's `touch c`",
+    'q"$(touch d)"',
+    "new\nline; touch e",
+    "tab\tand\\back",
+    "\x1b]52;c;ZXZpbA==\x07osc",
+    "-rf",
+    "sp ace",
+    "ünï €",
+    "\u202eevil",
+]
 
 
 def _paste(line: str, cwd: Path) -> list[str]:
     """``line`` pasted into bash in ``cwd``, with ``autotune`` a function that prints its
     arguments, one per NUL: the words the pasted line gives it."""
     script = "autotune() { printf '%s\\0' \"$@\"; }\n" + line + "\n"
-    out = subprocess.run(["bash", "--norc", "--noprofile"], input=script.encode(), cwd=cwd, capture_output=True,
-                         check=True, env={"PATH": os.environ["PATH"]})
+    out = subprocess.run(
+        ["bash", "--norc", "--noprofile"],
+        input=script.encode(),
+        cwd=cwd,
+        capture_output=True,
+        check=True,
+        env={"PATH": os.environ["PATH"]},
+    )
     return out.stdout.decode().split("\0")[:-1]
 
 
@@ -52,7 +68,7 @@ def test_init_prints_a_next_line_that_pastes_as_it_says(seven_b, tmp_path, monke
         result = CliRunner().invoke(cli, ["init", str(seven_b), "--gpu", "t4", "--out", out])
     assert result.exit_code == 0, result.output
     (line,) = [ln for ln in result.output.splitlines() if ln.startswith("next: ")]
-    first, _, then = line[len("next: "):].partition("    then: ")
+    first, _, then = line[len("next: ") :].partition("    then: ")
     before = set(os.listdir(tmp_path))
     assert _paste(first, tmp_path) == ["study", out]
     assert _paste(then, tmp_path)[:2] == ["best", "--storage"]
@@ -118,10 +134,25 @@ def test_dashboard_notes_show_a_file_name_as_text_not_a_link():
     from autotune.study.records import TrialRecord
 
     r = TrialRecord.__new__(TrialRecord)
-    for k, v in dict(config={"backend": "fake", "weights": "/m/[click me](javascript:alert(1)).gguf", "ctx": 4096,
-                             "parallel": 1, "mode": "[x](javascript:y)"}, answered_from=None, metrics={},
-                     values=None, constraints={}, quality_drop_points=None, predicted_vram=None,
-                     measured_vram_bytes=None, state=None, deploy_command=None, gpu=None).items():
+    for k, v in dict(
+        config={
+            "backend": "fake",
+            "weights": "/m/[click me](javascript:alert(1)).gguf",
+            "ctx": 4096,
+            "parallel": 1,
+            "mode": "[x](javascript:y)",
+        },
+        answered_from=None,
+        metrics={},
+        values=None,
+        constraints={},
+        quality_drop_points=None,
+        predicted_vram=None,
+        measured_vram_bytes=None,
+        state=None,
+        deploy_command=None,
+        gpu=None,
+    ).items():
         object.__setattr__(r, k, v)
     card = trial_card(r)
     assert "](javascript:" not in card.replace("\\](javascript:", "")
@@ -146,9 +177,14 @@ def test_a_hostile_study_name_for_init_is_refused_before_anything_is_written(sev
 def test_clicks_own_errors_show_a_typed_escape_sequence_as_text(tmp_path):
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "best", f"{ESCAPES}x.toml"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                          env={**os.environ, "AUTOTUNE_LOAD_PLUGINS": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", "from autotune.cli import main; main()", "best", f"{ESCAPES}x.toml"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, "AUTOTUNE_LOAD_PLUGINS": ""},
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert not any(c in proc.stderr for c in "\x1b\x07\x9b") and "\\x1b]52;c;" in proc.stderr
 
@@ -156,11 +192,19 @@ def test_clicks_own_errors_show_a_typed_escape_sequence_as_text(tmp_path):
 def test_a_logged_warning_shows_a_name_as_text(tmp_path):
     import sys
 
-    code = ("import logging\nfrom autotune.cli import cli\n"
-            "@cli.command('warn-test')\ndef warn_test():\n"
-            f"    logging.getLogger('autotune.x').warning('template %s', {ESCAPES!r})\n"
-            "from autotune.cli import main\nmain()\n")
-    proc = subprocess.run([sys.executable, "-c", code, "warn-test"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=120, env={**os.environ, "AUTOTUNE_LOAD_PLUGINS": ""})
+    code = (
+        "import logging\nfrom autotune.cli import cli\n"
+        "@cli.command('warn-test')\ndef warn_test():\n"
+        f"    logging.getLogger('autotune.x').warning('template %s', {ESCAPES!r})\n"
+        "from autotune.cli import main\nmain()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "warn-test"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, "AUTOTUNE_LOAD_PLUGINS": ""},
+    )
     assert proc.returncode == 0 and proc.stderr.startswith("template \\x1b]52;c;"), proc.stderr
     assert not any(c in proc.stderr for c in "\x1b\x07\x9b")

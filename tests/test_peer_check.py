@@ -24,8 +24,10 @@ FIRST_S, GAP_S = 0.05, 0.01  # the fake server's prefill and its gap between tok
 
 def test_summarize_defines_itl_over_the_tokens_after_the_first():
     r = peer_check.RequestRecord
-    records = [r(0.0, 0.1, 1.0, 128, 10),   # 9 gaps in 0.9 s: 100 ms
-               r(1.0, 1.3, 2.3, 128, 11)]   # 10 gaps in 1.0 s: 100 ms
+    records = [
+        r(0.0, 0.1, 1.0, 128, 10),  # 9 gaps in 0.9 s: 100 ms
+        r(1.0, 1.3, 2.3, 128, 11),
+    ]  # 10 gaps in 1.0 s: 100 ms
     s = peer_check.summarize(records)
     assert s["ttft_ms_mean"] == pytest.approx(200.0)
     assert s["ttft_ms_p50"] == pytest.approx(200.0)
@@ -63,10 +65,10 @@ class Fake(BaseHTTPRequestHandler):
         for i in range(body["max_tokens"]):
             if i:
                 time.sleep(GAP_S)
-            self.wfile.write(f'data: {json.dumps({"choices": [{"text": "x"}]})}\n\n'.encode())
+            self.wfile.write(f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n".encode())
             self.wfile.flush()
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
-        self.wfile.write(f'data: {json.dumps({"choices": [], "usage": usage})}\n\ndata: [DONE]\n\n'.encode())
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
 
 
 @pytest.fixture()
@@ -85,8 +87,7 @@ def test_autotune_adapter_sends_the_workload_and_times_each_request(fake_server)
     records = peer_check.AutotuneStreams().run(fake_server, "m", workload, concurrency=2, count=5)
     assert len(records) == 5  # rounds of 2, 2, 1 after a warm-up round of 2
     sent = Fake.bodies[2:]
-    assert len(sent) == 5 and all(b["max_tokens"] == 6 and b["ignore_eos"] and b["cache_prompt"] is False
-                                  for b in sent)
+    assert len(sent) == 5 and all(b["max_tokens"] == 6 and b["ignore_eos"] and b["cache_prompt"] is False for b in sent)
     assert all(len(b["prompt"]) == 24 for b in sent)
     assert len({tuple(b["prompt"]) for b in Fake.bodies}) == len(Fake.bodies)  # no prompt sent twice
     s = peer_check.summarize(records)
@@ -100,15 +101,29 @@ def test_aiperf_records_keep_the_timed_phase_and_leave_failures_out(tmp_path):
         metrics = {"input_sequence_length": {"value": 128}, "output_sequence_length": {"value": 64}}
         if ttft_ms is not None:
             metrics["time_to_first_token"] = {"value": ttft_ms}
-        rec = {"metadata": {"benchmark_phase": phase, "request_start_ns": start_ns,
-                            "request_end_ns": start_ns + 2_000_000_000}, "metrics": metrics}
+        rec = {
+            "metadata": {
+                "benchmark_phase": phase,
+                "request_start_ns": start_ns,
+                "request_end_ns": start_ns + 2_000_000_000,
+            },
+            "metrics": metrics,
+        }
         if error:
             rec["error"] = error
         return json.dumps(rec)
 
     path = tmp_path / "profile_export.jsonl"
-    path.write_text("\n".join([line("warmup", 0, 100.0), line("profiling", 10**9, 250.0),
-                               line("profiling", 2 * 10**9, None, {"type": "ClientOSError"})]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                line("warmup", 0, 100.0),
+                line("profiling", 10**9, 250.0),
+                line("profiling", 2 * 10**9, None, {"type": "ClientOSError"}),
+            ]
+        )
+        + "\n"
+    )
     errors: list = []
     records = peer_check.aiperf_records(path, errors)
     assert records == [peer_check.RequestRecord(1.0, 1.25, 3.0, 128, 64)]

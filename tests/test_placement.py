@@ -30,7 +30,9 @@ def doc(**hardware_table):
 
 
 def test_catalog_cards_each_get_their_own_budget_and_margin():
-    cfg = parse_study_config(doc(gpus=["rtx3090", "rtx3060-12gb"], vram_budget_gib=[20, 10], safety_margin_mib=[512, 256]))
+    cfg = parse_study_config(
+        doc(gpus=["rtx3090", "rtx3060-12gb"], vram_budget_gib=[20, 10], safety_margin_mib=[512, 256])
+    )
     assert cfg.cards == CardsRequest(("rtx3090", "rtx3060-12gb"), (20.0, 10.0), (512.0, 256.0))
     assert cfg.gpu == "rtx3090"  # the main card, for what reads one card
     p = resolve_placement(cfg.cards)
@@ -51,16 +53,19 @@ def test_one_figure_is_every_card_s_and_no_figure_is_the_card_s_memory():
     assert p.budgets == (8 * 2**30 - 256 * 2**20,) * 2
 
 
-@pytest.mark.parametrize(("table", "field", "says"), [
-    ({"gpus": []}, "gpus", "non-empty list"),
-    ({"gpus": "rtx3090"}, "gpus", "catalog keys"),
-    ({"gpus": ["auto", "rtx3090"]}, "gpus", "comes alone"),
-    ({"gpus": ["cpu", "rtx3090"]}, "gpus", "do not mix"),
-    ({"gpus": ["t4", "t4"], "gpu": "t4"}, "gpu", "give one or the other"),
-    ({"gpus": ["t4", "t4"], "vram_budget_gib": [8, 8, 8]}, "vram_budget_gib", "3 figures for 2 cards"),
-    ({"gpus": ["t4", "t4"], "safety_margin_mib": [-1, 5]}, "safety_margin_mib", "0..1.04858e+06"),
-    ({"vram_budget_gib": [8, 8]}, "vram_budget_gib", "gpus, which is not given"),
-])
+@pytest.mark.parametrize(
+    ("table", "field", "says"),
+    [
+        ({"gpus": []}, "gpus", "non-empty list"),
+        ({"gpus": "rtx3090"}, "gpus", "catalog keys"),
+        ({"gpus": ["auto", "rtx3090"]}, "gpus", "comes alone"),
+        ({"gpus": ["cpu", "rtx3090"]}, "gpus", "do not mix"),
+        ({"gpus": ["t4", "t4"], "gpu": "t4"}, "gpu", "give one or the other"),
+        ({"gpus": ["t4", "t4"], "vram_budget_gib": [8, 8, 8]}, "vram_budget_gib", "3 figures for 2 cards"),
+        ({"gpus": ["t4", "t4"], "safety_margin_mib": [-1, 5]}, "safety_margin_mib", "0..1.04858e+06"),
+        ({"vram_budget_gib": [8, 8]}, "vram_budget_gib", "gpus, which is not given"),
+    ],
+)
 def test_errors_name_the_file_the_field_and_what_is_accepted(table, field, says):
     with pytest.raises(ConfigError) as err:
         parse_study_config(doc(**table), source="s.toml")
@@ -77,12 +82,16 @@ def test_an_unknown_card_or_a_budget_above_the_card_is_refused_when_resolved():
 
 def test_auto_is_every_card_cuda_shows(monkeypatch):
     h200 = hardware.get_gpu("h200")
-    found = [hardware.DetectedGpu(i, "NVIDIA H200", h200.vram_bytes, 0, h200.vram_bytes, "560", "9.0", h200)
-             for i in range(3)]
+    found = [
+        hardware.DetectedGpu(i, "NVIDIA H200", h200.vram_bytes, 0, h200.vram_bytes, "560", "9.0", h200)
+        for i in range(3)
+    ]
     monkeypatch.setattr(hardware, "detect_gpus", lambda: found)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    monkeypatch.setattr("autotune.hardware.cuda_devices.resolve_cuda_device",
-                        lambda i: SimpleNamespace(nvml_index=[2, 0][i]) if i < 2 else (_ for _ in ()).throw(ConfigError("x")))
+    monkeypatch.setattr(
+        "autotune.hardware.cuda_devices.resolve_cuda_device",
+        lambda i: SimpleNamespace(nvml_index=[2, 0][i]) if i < 2 else (_ for _ in ()).throw(ConfigError("x")),
+    )
     p = resolve_placement(CardsRequest(("auto",), (100.0,), (1024.0,)))
     assert [c.nvml_index for c in p.cards] == [2, 0] and p.keys == ("h200", "h200")
     assert p.budgets == (100 * 2**30 - 2**30,) * 2
@@ -103,13 +112,15 @@ def test_the_judge_checks_each_card_against_its_own_budget():
     estimate = MemoryEstimate(16 * 2**30, 0, 0, 0, per_device_bytes=(5 * 2**30, 11 * 2**30))
     backend = SimpleNamespace(name="b", estimate_memory=lambda c, ctx: estimate)
     ctx = SimpleNamespace(vram_budget_bytes=p.total_budget_bytes, placement=p, gpu=p.cards[0].spec)
-    judge = Admission(SimpleNamespace(entries={"b": SimpleNamespace(backend=backend)}, check=lambda c, x: []),
-                      {"b": ctx}, Objective())
+    judge = Admission(
+        SimpleNamespace(entries={"b": SimpleNamespace(backend=backend)}, check=lambda c, x: []), {"b": ctx}, Objective()
+    )
     verdict = judge.judge(SimpleNamespace(backend="b", key="k"))
     assert verdict.kind == OVER_BUDGET and "per card, device 1" in verdict.reason
     estimate = replace(estimate, per_device_bytes=(10 * 2**30, 6 * 2**30))
-    judge = Admission(SimpleNamespace(entries={"b": SimpleNamespace(backend=backend)}, check=lambda c, x: []),
-                      {"b": ctx}, Objective())
+    judge = Admission(
+        SimpleNamespace(entries={"b": SimpleNamespace(backend=backend)}, check=lambda c, x: []), {"b": ctx}, Objective()
+    )
     assert judge.judge(SimpleNamespace(backend="b", key="k2")).admitted
 
 
@@ -119,9 +130,11 @@ def test_resume_refuses_another_set_of_cards():
     assert comparable._card_differences(stored, two) == []
     swapped = resolve_placement(CardsRequest(("rtx3060-12gb", "rtx3090"), (None,), (256.0,)))
     assert comparable._card_differences(stored, swapped) == [
-        "cards: stored ['rtx3090', 'rtx3060-12gb'], now ['rtx3060-12gb', 'rtx3090']"]
+        "cards: stored ['rtx3090', 'rtx3060-12gb'], now ['rtx3060-12gb', 'rtx3090']"
+    ]
     assert comparable._card_differences(None, two) == [
-        "cards: stored one card ([hardware] gpu), now ['rtx3090', 'rtx3060-12gb']"]
+        "cards: stored one card ([hardware] gpu), now ['rtx3090', 'rtx3060-12gb']"
+    ]
     # Another budget on the same cards is the same study, as for one card.
     smaller = resolve_placement(CardsRequest(("rtx3090", "rtx3060-12gb"), (8.0,), (256.0,)))
     assert comparable._card_differences(stored, smaller) == []

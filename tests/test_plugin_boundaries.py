@@ -33,7 +33,7 @@ def _imports(path: Path, package: str, module_level_only: bool = False) -> list[
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             out.append(base)
             out += [f"{base}.{a.name}" for a in node.names]
     return out
@@ -47,9 +47,12 @@ def _plugin_files():
 
 
 def test_no_plugin_imports_another():
-    crossing = sorted(f"{path.relative_to(REPO)}: {name}" for owner, path, package in _plugin_files()
-                      for name in _imports(path, package)
-                      if name.startswith("autotune_plugins.") and name.split(".")[1] not in (owner, "shared"))
+    crossing = sorted(
+        f"{path.relative_to(REPO)}: {name}"
+        for owner, path, package in _plugin_files()
+        for name in _imports(path, package)
+        if name.startswith("autotune_plugins.") and name.split(".")[1] not in (owner, "shared")
+    )
     assert crossing == []
 
 
@@ -61,16 +64,25 @@ def test_plugins_import_the_core_through_its_api():
             parts = name.split(".")
             if parts[0] == "autotune" and len(parts) > 1 and parts[1] in modules:
                 sub = ".".join(parts[:3])
-                used.add(sub if (CORE / parts[1]).is_dir() and (CORE / parts[1] / f"{parts[2]}.py").exists()
-                         else ".".join(parts[:2]))
+                used.add(
+                    sub
+                    if (CORE / parts[1]).is_dir() and (CORE / parts[1] / f"{parts[2]}.py").exists()
+                    else ".".join(parts[:2])
+                )
     assert used - ALLOWED_CORE == set()
 
 
 def test_the_core_has_no_import_cycle_at_module_level():
     modules = {p.stem: p for p in CORE.glob("*.py")}
-    graph = {m: {n.split(".")[1] for n in _imports(p, "autotune", module_level_only=True)
-                 if n.startswith("autotune.") and n.split(".")[1] in modules} - {m}
-             for m, p in modules.items()}
+    graph = {
+        m: {
+            n.split(".")[1]
+            for n in _imports(p, "autotune", module_level_only=True)
+            if n.startswith("autotune.") and n.split(".")[1] in modules
+        }
+        - {m}
+        for m, p in modules.items()
+    }
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         for nxt in graph[start]:

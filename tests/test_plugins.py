@@ -58,7 +58,9 @@ class ThrowawayBackend(BaseBackend):
         return MemoryEstimate(1, 1, 1, 1)
 
     def run(self, config, ctx):
-        return Measurement(metrics={k: Stat((1.0,), unit="tok/s") for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s")})
+        return Measurement(
+            metrics={k: Stat((1.0,), unit="tok/s") for k in ("decode_tok_s", "aggregate_tok_s", "per_user_tok_s")}
+        )
 
     def deploy_command(self, config, ctx):
         return "true"
@@ -149,8 +151,10 @@ def test_hook_register_backends():
             "formats": [],
             "cache_types": [],
             # Its search dimensions, from parameters({}) (it declares no search_dimensions).
-            "dimensions": [{"name": p.name, "accepted": list(p.accepted or p.choices), "doc": p.doc}
-                           for p in ThrowawayBackend().parameters({})],
+            "dimensions": [
+                {"name": p.name, "accepted": list(p.accepted or p.choices), "doc": p.doc}
+                for p in ThrowawayBackend().parameters({})
+            ],
             "rules": [],
         } in plugins.describe()["backends"]
     assert "throwaway" not in plugins.get_backends()
@@ -209,8 +213,12 @@ def test_hook_register_strategies(twin_plugin, tmp_path):
     path.write_text(SORTED_TWIN_STUDY, encoding="utf-8")
     with registered(strategies_plugin(SortedOrder()), "throwaway-strategies"):
         assert isinstance(plugins.get_strategy("throwaway-sorted"), SortedOrder)
-        assert {"name": "throwaway-sorted", "plugin": "throwaway-strategies", "distribution": "throwaway-dist",
-                "description": "a strategy that only exists in tests"} in plugins.describe()["strategies"]
+        assert {
+            "name": "throwaway-sorted",
+            "plugin": "throwaway-strategies",
+            "distribution": "throwaway-dist",
+            "description": "a strategy that only exists in tests",
+        } in plugins.describe()["strategies"]
         prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'sorted.db'}")
         runner = StudyRunner(prepared)
         assert not runner.uses_prior  # its own queue comes first
@@ -219,7 +227,8 @@ def test_hook_register_strategies(twin_plugin, tmp_path):
         trials = records.records(runner.study)
         # Refused configurations are trials too (pruned): the trials are the strategy's order.
         assert [r.config_key for r in trials] == [c.key for c in sorted(prepared.space.enumerate(), key=cheapest)][
-            :len(trials)]
+            : len(trials)
+        ]
         assert len(trials) < 25  # no exploring configuration slipped in (EXPLORE_AFTER_IDLE)
         assert not any(r.from_prior or r.explore for r in trials)
     assert "throwaway-sorted" not in plugins.get_strategies()
@@ -238,11 +247,17 @@ def test_hook_register_engine_models(example_module, twin_plugin, echo_ctx):
         assert engine_model("example-echo") is example_module.ECHO
         backend, twin = plugins.get_backend("example-echo"), plugins.get_backend("twin-example-echo")
         assert type(twin).__name__ == "TwinExampleEcho" and twin.engine == backend.engine == "example-echo"
-        assert [p.choices for p in twin.parameters({"cache_type": ("q8_0", "fp16")})] == \
-            [p.choices for p in backend.parameters({"cache_type": ("q8_0", "fp16")})] == [("q8_0",)]
+        assert (
+            [p.choices for p in twin.parameters({"cache_type": ("q8_0", "fp16")})]
+            == [p.choices for p in backend.parameters({"cache_type": ("q8_0", "fp16")})]
+            == [("q8_0",)]
+        )
         config = TrialConfig("twin-example-echo", "gguf:Q4_K_M", 8192, 2, (("cache_type", "f16"),))
-        assert twin.check(config, echo_ctx) == backend.check(config, echo_ctx) == [
-            "ctx 8192 is beyond llama-2-7b's trained context of 4096"]
+        assert (
+            twin.check(config, echo_ctx)
+            == backend.check(config, echo_ctx)
+            == ["ctx 8192 is beyond llama-2-7b's trained context of 4096"]
+        )
         config = replace(config, ctx=2048)
         assert twin.check(config, echo_ctx) == []
         mem = twin.estimate_memory(config, echo_ctx)
@@ -278,7 +293,9 @@ def test_hook_register_commands():
 
 def hookspec_names() -> list[str]:
     """Every hook of the contract (pluggy marks each spec with ``autotune_spec``)."""
-    return sorted(name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(fn, "autotune_spec"))
+    return sorted(
+        name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(fn, "autotune_spec")
+    )
 
 
 def test_every_hookspec_has_a_test():
@@ -294,8 +311,10 @@ def test_every_hookspec_has_a_test():
 
 
 def test_duplicate_backend_name_names_both_plugins():
-    with registered(backends_plugin(named_backend("dup")), "first-plugin"), \
-            registered(backends_plugin(named_backend("dup")), "second-plugin"):
+    with (
+        registered(backends_plugin(named_backend("dup")), "first-plugin"),
+        registered(backends_plugin(named_backend("dup")), "second-plugin"),
+    ):
         with pytest.raises(PluginError) as err:
             plugins.get_backends()
     message = str(err.value)
@@ -363,11 +382,19 @@ def test_unregister_after_a_failing_block():
 # ------------------------------------------------------------------------------------------
 
 
-def autotune_cli(*args: str, env: dict[str, str] | None = None, input: str | None = None,
-                 timeout: float = 300) -> subprocess.CompletedProcess:
+def autotune_cli(
+    *args: str, env: dict[str, str] | None = None, input: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``python -m autotune.cli ARGS`` in a fresh interpreter, from the repository root."""
-    return subprocess.run([sys.executable, "-m", "autotune.cli", *args], cwd=REPO, env=env, input=input,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *args],
+        cwd=REPO,
+        env=env,
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -412,8 +439,11 @@ def test_a_broken_register_commands_is_reported_and_the_cli_works():
     with registered(Broken(), "throwaway-broken-commands"), registered(Fine(), "throwaway-fine-commands"):
         plugins.add_commands(cli)  # raised RuntimeError through pluggy's single hook call
         broken = plugins.broken_plugins()
-    assert {"plugin": "throwaway-broken-commands", "hook": "register_commands",
-            "error": "RuntimeError: boom in register_commands"} in broken
+    assert {
+        "plugin": "throwaway-broken-commands",
+        "hook": "register_commands",
+        "error": "RuntimeError: boom in register_commands",
+    } in broken
     assert set(cli.commands) == {"own", "fine"}
     assert CliRunner().invoke(cli, ["own"]).output == "own\n"
     assert CliRunner().invoke(cli, ["fine"]).output == "fine\n"
@@ -458,9 +488,21 @@ def example_site(tmp_path_factory) -> Path:
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     site = root / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(site), str(source)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, (
         "could not build the example plugin offline (it needs setuptools >= 70.1, or an older one "
@@ -564,9 +606,14 @@ def example_module():
 @pytest.fixture
 def echo_ctx() -> StudyContext:
     gpu = get_gpu("t4")
-    return StudyContext(gpu=gpu, model=get_model("llama-2-7b"), workload=Workload(32, 8),
-                        vram_budget_bytes=gpu.vram_bytes - 256 * 2**20,
-                        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=2), settings={"scale": 65536})
+    return StudyContext(
+        gpu=gpu,
+        model=get_model("llama-2-7b"),
+        workload=Workload(32, 8),
+        vram_budget_bytes=gpu.vram_bytes - 256 * 2**20,
+        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=2),
+        settings={"scale": 65536},
+    )
 
 
 def echo_config(weights="gguf:Q4_K_M", ctx=2048, parallel=2, cache_type="f16") -> TrialConfig:
@@ -581,8 +628,7 @@ def test_example_backend_rules(example_module, echo_ctx):
     assert backend.check_weights("gguf:Q4_K_M", echo_ctx) is None
     assert "not exl2" in backend.check_weights("exl2:4.0", echo_ctx)
     assert backend.check(echo_config(ctx=4096), echo_ctx) == []
-    assert backend.check(echo_config(ctx=8192), echo_ctx) == [
-        "ctx 8192 is beyond llama-2-7b's trained context of 4096"]
+    assert backend.check(echo_config(ctx=8192), echo_ctx) == ["ctx 8192 is beyond llama-2-7b's trained context of 4096"]
 
     def total(**kw) -> int:
         return backend.estimate_memory(echo_config(**kw), echo_ctx).total_bytes

@@ -36,7 +36,6 @@ pytestmark = pytest.mark.skipif(not GIVEN_URL, reason="set AUTOTUNE_TEST_POSTGRE
 State = optuna.trial.TrialState
 
 
-
 def _autotune(*args: str) -> list[str]:
     return [sys.executable, "-c", "from autotune.cli import main; main()", *args]
 
@@ -71,9 +70,14 @@ def test_two_workers_share_one_study(study_copy, tmp_path):
     # (test_workers_start_at_once_on_a_fresh_database).
     open_storage(URL)
     procs = [
-        subprocess.Popen(_autotune("study", str(path), "--storage", URL, "--seed", str(seed), "--trials", "20",
-                                   "--json", "--quiet"),
-                         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            _autotune("study", str(path), "--storage", URL, "--seed", str(seed), "--trials", "20", "--json", "--quiet"),
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for seed in (1, 2)
     ]
     results = []
@@ -108,8 +112,14 @@ def test_two_workers_share_one_study(study_copy, tmp_path):
     reports = [json.loads(out) for _, out, _ in results]
     assert len(complete) == sum(r["n_measured"] for r in reports)
 
-    result = subprocess.run(_autotune("best", "--storage", URL, "--study", name, "--json"), cwd=tmp_path,
-                            env=_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        _autotune("best", "--storage", URL, "--study", name, "--json"),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     best_report = json.loads(result.stdout)
     # The best is the finish's choice where it made one (a tie goes to the smaller footprint:
@@ -121,8 +131,9 @@ def test_two_workers_share_one_study(study_copy, tmp_path):
     shown = best_report["best"]
     assert shown["number"] == direct.number
     headline = {"metrics", "spreads", "first_run", "runs"}
-    assert {k: v for k, v in shown.items() if k not in headline} == \
-        {k: v for k, v in expected.items() if k not in headline}
+    assert {k: v for k, v in shown.items() if k not in headline} == {
+        k: v for k, v in expected.items() if k not in headline
+    }
     assert shown.get("first_run", {"metrics": expected["metrics"]})["metrics"] == expected["metrics"]
     assert best_report["n_trials"] == len(trials)
     assert best_report["n_complete"] == len(complete)
@@ -136,8 +147,14 @@ def test_best_without_study_name_lists_the_studies(study_copy, tmp_path):
     name, _ = study_copy
     for suffix in ("a", "b"):
         optuna.create_study(study_name=f"{name}-{suffix}", storage=open_storage(URL))
-    result = subprocess.run(_autotune("best", "--storage", URL, "--json"), cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        _autotune("best", "--storage", URL, "--json"),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "several studies" in result.stderr
     assert f"{name}-a" in result.stderr and f"{name}-b" in result.stderr
@@ -150,8 +167,9 @@ def fresh_database():
     from sqlalchemy.engine import make_url
 
     url = make_url(URL)
-    admin = psycopg.connect(host=url.host, port=url.port, user=url.username, password=url.password,
-                            dbname=url.database, autocommit=True)
+    admin = psycopg.connect(
+        host=url.host, port=url.port, user=url.username, password=url.password, dbname=url.database, autocommit=True
+    )
     name = f"autotune_fresh_{uuid.uuid4().hex[:12]}"
     try:
         with admin.cursor() as cur:
@@ -190,8 +208,9 @@ def test_workers_open_a_fresh_database_at_once(fresh_database):
 
 
 def test_two_workers_never_measure_one_configuration_twice(tmp_path):
-    path = write_study(tmp_path / "race.toml", "fake-blocking", ["a", "bb"], parallel=(1, 2, 4),
-                       name=f"race-{uuid.uuid4().hex[:12]}")
+    path = write_study(
+        tmp_path / "race.toml", "fake-blocking", ["a", "bb"], parallel=(1, 2, 4), name=f"race-{uuid.uuid4().hex[:12]}"
+    )
     backend = BlockingBackend()
     x, study = interleave_two_workers(URL, path, backend)
     assert [c.key for c in backend.calls].count(x.key) == 1, "X was launched twice"

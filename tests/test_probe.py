@@ -37,12 +37,16 @@ class RepeatingBackend(FakeBackend):
         def sample() -> dict[str, float]:
             self.runs[config.weights] = self.runs.get(config.weights, 0) + 1
             aggregate = self.speeds[config.weights] * (1 + 0.001 * self.runs[config.weights])  # a little spread
-            return {"aggregate_tok_s": aggregate, "per_user_tok_s": aggregate / config.parallel,
-                    "decode_tok_s": aggregate}
+            return {
+                "aggregate_tok_s": aggregate,
+                "per_user_tok_s": aggregate / config.parallel,
+                "decode_tok_s": aggregate,
+            }
 
         units = {"aggregate_tok_s": "tok/s", "per_user_tok_s": "tok/s", "decode_tok_s": "tok/s"}
-        return Measurement(metrics=repeat_until_stable_many(sample, ctx.protocol, units, "aggregate_tok_s",
-                                                            probe=ctx.probe))
+        return Measurement(
+            metrics=repeat_until_stable_many(sample, ctx.protocol, units, "aggregate_tok_s", probe=ctx.probe)
+        )
 
 
 @pytest.fixture
@@ -52,8 +56,14 @@ def storage(tmp_path):
 
 
 def study(tmp_path, extra: str):
-    path = write_study(tmp_path / "probe.toml", "fake-repeating", ["fast", "close", "slow"], parallel=(1,),
-                       sampler="grid", study_extra=extra)
+    path = write_study(
+        tmp_path / "probe.toml",
+        "fake-repeating",
+        ["fast", "close", "slow"],
+        parallel=(1,),
+        sampler="grid",
+        study_extra=extra,
+    )
     # The grid's order is seeded; put the leader first so the others are probed against it.
     path.write_text(path.read_text() + "\n[measure]\nwarmup_runs = 0\nmin_runs = 3\nmax_runs = 3\n")
     return path
@@ -75,7 +85,9 @@ def test_a_probe_far_below_the_leader_stops_the_launch_after_one_run(tmp_path, s
     assert backend.runs == {"fast": 3, "slow": 1, "close": 3}  # slow stopped by its probe; close is 10% behind
     assert slow.state == optuna.trial.TrialState.PRUNED and slow.user_attrs["probe"] is True
     assert slow.intermediate_values == {0: pytest.approx(50.05)}
-    assert TrialRecord.of(slow).prune_reason.startswith("probe: 50.0 in the first run, more than 20% below the leader's")
+    assert TrialRecord.of(slow).prune_reason.startswith(
+        "probe: 50.0 in the first run, more than 20% below the leader's"
+    )
     assert TrialRecord.of(slow).metrics["aggregate_tok_s"]["stop_reason"] == PROBE_STOP
     assert summary.best["params"]["weights"] == "fast"
 
@@ -87,7 +99,7 @@ def test_the_probe_prunes_whatever_the_order_once_a_leader_exists(tmp_path, stor
     first = order[0]
     for w in order[1:]:
         behind = {"fast": 100.0, "close": 90.0, "slow": 50.0}
-        leader = max(behind[x] for x in order[:order.index(w)])
+        leader = max(behind[x] for x in order[: order.index(w)])
         assert backend.runs[w] == (1 if behind[w] < 0.95 * leader else 3), (order, w)
     assert backend.runs[first] == 3  # nothing to compare the first launch with
 
@@ -109,7 +121,8 @@ def test_protocol_stops_after_the_first_run_when_the_probe_says_so():
         heard.append(dict(first))
         return False
 
-    stats = repeat_until_stable_many(lambda: {"x": 1.0}, Protocol(warmup_runs=1, min_runs=3, max_runs=5),
-                                     {"x": "u"}, "x", probe=probe)
+    stats = repeat_until_stable_many(
+        lambda: {"x": 1.0}, Protocol(warmup_runs=1, min_runs=3, max_runs=5), {"x": "u"}, "x", probe=probe
+    )
     assert stats["x"].n == 1 and stats["x"].stop_reason == PROBE_STOP and heard == [{"x": 1.0}]
     assert "probe" in stats["x"].warning

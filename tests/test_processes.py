@@ -23,7 +23,9 @@ def alive(pid: int) -> bool:
 
 def test_start_registers_and_stop_ends_the_group():
     # The engine starts a child of its own: stopping the engine must end both.
-    script = "import subprocess, sys, time; c = subprocess.Popen(['sleep', '60']); print(c.pid, flush=True); time.sleep(60)"
+    script = (
+        "import subprocess, sys, time; c = subprocess.Popen(['sleep', '60']); print(c.pid, flush=True); time.sleep(60)"
+    )
     proc = processes.start([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     grandchild = int(proc.stdout.readline())
     assert proc in processes.live() and os.getpgid(proc.pid) == proc.pid  # a session of its own
@@ -138,8 +140,12 @@ def test_run_ends_a_hanging_tool_and_everything_it_started(tmp_path):
     pidfile = tmp_path / "grandchild.pid"
     script = "import subprocess, sys; print(subprocess.Popen(['sleep', '30']).pid, flush=True); exec(sys.argv[3])"
     try:
-        processes.run([sys.executable, "-c", script, str(pidfile), "hang", DOUBLE_FORK], timeout_s=2,
-                      capture_output=True, text=True)
+        processes.run(
+            [sys.executable, "-c", script, str(pidfile), "hang", DOUBLE_FORK],
+            timeout_s=2,
+            capture_output=True,
+            text=True,
+        )
     except subprocess.TimeoutExpired as exc:
         child = int(exc.output.split()[0])
     else:
@@ -167,8 +173,9 @@ def test_a_silent_converter_is_said_to_be_running_and_an_interrupt_ends_it(tmp_p
     monkeypatch.setattr(artifacts, "PROGRESS_S", 0.2, raising=False)
     pids = tmp_path / "pids"
     tool = tmp_path / "tool"
-    tool.write_text(f"#!{sys.executable}\nimport os, time\nopen({str(pids)!r}, 'w').write(str(os.getpid()))\n"
-                    "time.sleep(3)\n")  # before, it ran out unreported
+    tool.write_text(
+        f"#!{sys.executable}\nimport os, time\nopen({str(pids)!r}, 'w').write(str(os.getpid()))\ntime.sleep(3)\n"
+    )  # before, it ran out unreported
     tool.chmod(0o755)
     said: list[str] = []
 

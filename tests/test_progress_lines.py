@@ -21,25 +21,34 @@ else:
 
 def test_two_configurations_that_differ_in_any_value_print_different_lines():
     base = {"backend": "llama-server", "weights": "gguf:Q4_K_M", "ctx": 4096, "parallel": 2}
-    variants = [dict(base, cache_type="f16", flash_attn=True), dict(base, cache_type="q8_0", flash_attn=True),
-                dict(base, cache_type="q8_0", flash_attn=False), dict(base, cache_type="q8_0", flash_attn=False,
-                                                                      gpu_layers=20),
-                dict(base, cache_type="q8_0", flash_attn=False, gpu_layers=20, n_cpu_moe=4, ubatch=256, batch=1024)]
+    variants = [
+        dict(base, cache_type="f16", flash_attn=True),
+        dict(base, cache_type="q8_0", flash_attn=True),
+        dict(base, cache_type="q8_0", flash_attn=False),
+        dict(base, cache_type="q8_0", flash_attn=False, gpu_layers=20),
+        dict(base, cache_type="q8_0", flash_attn=False, gpu_layers=20, n_cpu_moe=4, ubatch=256, batch=1024),
+    ]
     lines = [config_text(v) for v in variants]
     assert len(set(lines)) == len(lines)
-    assert lines[-1] == ("llama-server gguf:Q4_K_M ctx 4096 x2 cache_type=q8_0 flash_attn=off gpu_layers=20 "
-                         "n_cpu_moe=4 ubatch=256 batch=1024")
+    assert lines[-1] == (
+        "llama-server gguf:Q4_K_M ctx 4096 x2 cache_type=q8_0 flash_attn=off gpu_layers=20 "
+        "n_cpu_moe=4 ubatch=256 batch=1024"
+    )
     progress = LiveProgress(enabled=False, n_trials=None, budget_s=None)
     progress.console = Console(file=(out := io.StringIO()), width=400)
-    progress.update(SimpleNamespace(state="COMPLETE", answered_from=None, number=3, config=variants[1], value=12.5,
-                                    reason=None))
-    assert out.getvalue().strip() == "trial 3: llama-server gguf:Q4_K_M ctx 4096 x2 cache_type=q8_0 flash_attn=on -> 12.5"
+    progress.update(
+        SimpleNamespace(state="COMPLETE", answered_from=None, number=3, config=variants[1], value=12.5, reason=None)
+    )
+    assert (
+        out.getvalue().strip() == "trial 3: llama-server gguf:Q4_K_M ctx 4096 x2 cache_type=q8_0 flash_attn=on -> 12.5"
+    )
 
 
 def test_an_artifact_line_is_said_once_per_run():
     said: list[str] = []
-    phase = TrialPhase(SimpleNamespace(cfg=None), None, SimpleNamespace(quality=None), None, "", RunState(),
-                       said.append, lambda: None)
+    phase = TrialPhase(
+        SimpleNamespace(cfg=None), None, SimpleNamespace(quality=None), None, "", RunState(), said.append, lambda: None
+    )
     for _ in range(3):
         phase._say_artifact("artifact gguf:Q4_0: cache hit, /cache/x.gguf")
     phase._say_artifact("artifact gguf:Q8_0: cache hit, /cache/y.gguf")

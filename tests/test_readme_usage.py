@@ -75,8 +75,14 @@ def _env() -> dict[str, str]:
 
 
 def autotune(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", *args], cwd=cwd,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", "from autotune.cli import main; main()", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -93,8 +99,9 @@ def work(tmp_path_factory) -> Path:
 def studied(work) -> str:
     """A short run of the default study, the storage that best and dashboard then read."""
     storage = f"sqlite:///{work / 'readme.db'}"
-    out = ok(autotune("study", "--budget", "90s", "--trials", "6", "--storage", storage, "--seed", "1", "--json",
-                      cwd=work))
+    out = ok(
+        autotune("study", "--budget", "90s", "--trials", "6", "--storage", storage, "--seed", "1", "--json", cwd=work)
+    )
     assert json.loads(out.stdout)["best"]["deploy_command"]
     return storage
 
@@ -103,8 +110,30 @@ def studied(work) -> str:
 def model_gguf(work) -> Path:
     """A small random-weight Llama that holds ctx 4096 (the README's estimate line asks for it)."""
     out = work / "model.gguf"
-    ok(autotune("synth", "--arch", "llama", "--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
-                "--ffn", "256", "--ctx", "8192", "--vocab-from", str(STORIES), "--out", str(out), cwd=work))
+    ok(
+        autotune(
+            "synth",
+            "--arch",
+            "llama",
+            "--layers",
+            "2",
+            "--hidden",
+            "128",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "256",
+            "--ctx",
+            "8192",
+            "--vocab-from",
+            str(STORIES),
+            "--out",
+            str(out),
+            cwd=work,
+        )
+    )
     return out
 
 
@@ -130,21 +159,67 @@ def run_storage_upgrade(work, studied):
 
 
 def run_estimate_catalog(work, studied):
-    args = ["estimate", "--gpu", "v100-16gb", "--model", "qwen2.5-27b-article", "--backend", "exllamav2",
-            "--weights", "exl2:3.3", "--ctx", "4096", "--cache", "q8", "--flash-attn", "--parallel", "4"]
+    args = [
+        "estimate",
+        "--gpu",
+        "v100-16gb",
+        "--model",
+        "qwen2.5-27b-article",
+        "--backend",
+        "exllamav2",
+        "--weights",
+        "exl2:3.3",
+        "--ctx",
+        "4096",
+        "--cache",
+        "q8",
+        "--flash-attn",
+        "--parallel",
+        "4",
+    ]
     assert "fits" in ok(autotune(*args, cwd=work)).stdout
     assert json.loads(ok(autotune(*args, "--json", cwd=work)).stdout)["vram"]["fits"] is True
 
 
 def run_estimate_file(work, studied, model_gguf):
-    out = ok(autotune("estimate", "--model", str(model_gguf), "--backend", "llama-server", "--ctx", "4096",
-                      "--parallel", "4", "--cache", "q8_0", "--flash-attn", "--gpu", "v100-16gb", cwd=work))
+    out = ok(
+        autotune(
+            "estimate",
+            "--model",
+            str(model_gguf),
+            "--backend",
+            "llama-server",
+            "--ctx",
+            "4096",
+            "--parallel",
+            "4",
+            "--cache",
+            "q8_0",
+            "--flash-attn",
+            "--gpu",
+            "v100-16gb",
+            cwd=work,
+        )
+    )
     assert "fits" in out.stdout
 
 
 def run_estimate_study(work, studied):
-    args = ["estimate", "--study", "v100-qwen27b", "--storage", studied, "--backend", "llama.cpp", "--weights",
-            "gguf:Q4_K_M", "--ctx", "4096", "--parallel", "4"]
+    args = [
+        "estimate",
+        "--study",
+        "v100-qwen27b",
+        "--storage",
+        studied,
+        "--backend",
+        "llama.cpp",
+        "--weights",
+        "gguf:Q4_K_M",
+        "--ctx",
+        "4096",
+        "--parallel",
+        "4",
+    ]
     out = ok(autotune(*args, cwd=work)).stdout
     # The default study runs on the twin, which predicts itself: nothing to calibrate, and it says so.
     assert "on v100-16gb, model qwen2.5-27b-article" in out and "holds no calibration of twin-llama.cpp" in out
@@ -153,8 +228,21 @@ def run_estimate_study(work, studied):
 
 def run_quality(work, studied):
     llama_cpp_module()  # skip (or fail in CI) without the engine's Python bindings
-    out = ok(autotune("quality", "--backend", "llama-server", "--weights", str(STORIES), "--benchmark", "kld",
-                      "--reference", str(STORIES), "--json", cwd=work))
+    out = ok(
+        autotune(
+            "quality",
+            "--backend",
+            "llama-server",
+            "--weights",
+            str(STORIES),
+            "--benchmark",
+            "kld",
+            "--reference",
+            str(STORIES),
+            "--json",
+            cwd=work,
+        )
+    )
     assert json.loads(out.stdout)["kld_mean"] == pytest.approx(0.0, abs=1e-6)  # a model against itself
 
 
@@ -168,9 +256,25 @@ def run_dashboard(work, studied):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from autotune.cli import main; main()", "dashboard", "--storage",
-                             studied, "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=work, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from autotune.cli import main; main()",
+            "dashboard",
+            "--storage",
+            studied,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=work,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         body = None
         for _ in range(300):  # at most ~30 s to start
@@ -207,17 +311,62 @@ def run_engine_list(work, studied):
 def run_synth(work, studied):
     llama_server_binary()  # --quantize runs the engine's llama-quantize
     out = work / "q.gguf"
-    ok(autotune("synth", "--arch", "qwen2", "--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
-                "--ffn", "256", "--out", str(out), "--quantize", "Q8_0,Q4_0", cwd=work))
+    ok(
+        autotune(
+            "synth",
+            "--arch",
+            "qwen2",
+            "--layers",
+            "2",
+            "--hidden",
+            "128",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "256",
+            "--out",
+            str(out),
+            "--quantize",
+            "Q8_0,Q4_0",
+            cwd=work,
+        )
+    )
     assert out.is_file() and (work / "q-Q8_0.gguf").is_file() and (work / "q-Q4_0.gguf").is_file()
 
 
 def run_synth_moe(work, studied):
     llama_server_binary()  # the vocab file comes from the engine build's sources
     out = work / "moe.gguf"
-    ok(autotune("synth", "--arch", "qwen3moe", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-                "--head-dim", "32", "--ffn", "96", "--experts", "4", "--experts-used", "2", "--expert-ffn", "32",
-                "--out", str(out), cwd=work))
+    ok(
+        autotune(
+            "synth",
+            "--arch",
+            "qwen3moe",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "32",
+            "--ffn",
+            "96",
+            "--experts",
+            "4",
+            "--experts-used",
+            "2",
+            "--expert-ffn",
+            "32",
+            "--out",
+            str(out),
+            cwd=work,
+        )
+    )
     assert out.is_file()
 
 
@@ -341,7 +490,7 @@ def test_every_readme_line_has_a_run():
 
 
 def _extra(run, request) -> dict:
-    names = run.__code__.co_varnames[:run.__code__.co_argcount]
+    names = run.__code__.co_varnames[: run.__code__.co_argcount]
     return {name: request.getfixturevalue(name) for name in ("model_gguf", "own_model") if name in names}
 
 

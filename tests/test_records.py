@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 GRID = REPO / "bench/results/offload_grids_h200/h200_grid_offload_dense-run1.db"  # committed, schema 2, in parts
 
 LOG = "".join(f"load_tensors: layer {i:2d} assigned to device CUDA0, is_swa = 0\n" * 3 for i in range(30))
-METRICS = {"aggregate_tok_s": {"median": 412.5, "values": [410.0 + i / 7 for i in range(40)], "spread": 0.01},
-           "per_user_tok_s": {"median": 103.1, "values": [103.1], "spread": 0.0}}
+METRICS = {
+    "aggregate_tok_s": {"median": 412.5, "values": [410.0 + i / 7 for i in range(40)], "spread": 0.01},
+    "per_user_tok_s": {"median": 103.1, "values": [103.1], "spread": 0.0},
+}
 CONFIG = {"backend": "llama-server", "weights": "/models/" + "w" * 200, "ctx": 4096}
 
 
@@ -37,16 +39,28 @@ def _committed(study: optuna.Study, **fields) -> optuna.Trial:
 def test_each_field_is_one_attribute_holding_its_whole_value(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     study = optuna.create_study(storage=url)
-    _committed(study, metrics=METRICS, log_tail=LOG, config=CONFIG, worker="host:1", measured_vram_bytes=3 * 2 ** 30,
-               predicted_vram={"total_bytes": 2 ** 31, "notes": ["n" * 300]}, prune_reason="does not fit")
+    _committed(
+        study,
+        metrics=METRICS,
+        log_tail=LOG,
+        config=CONFIG,
+        worker="host:1",
+        measured_vram_bytes=3 * 2**30,
+        predicted_vram={"total_bytes": 2**31, "notes": ["n" * 300]},
+        prune_reason="does not fit",
+    )
     with sqlite3.connect(f"{tmp_path}/s.db") as conn:
         rows = dict(conn.execute("SELECT key, value_json FROM trial_user_attributes").fetchall())
     # a notebook reads a field with json.loads, whatever its length
     assert json.loads(rows["metrics"]) == METRICS and json.loads(rows["log_tail"]) == LOG
     assert json.loads(rows["config"]) == CONFIG
     assert {k: json.loads(rows[k]) for k in records.FLAT if k in rows} == {
-        "aggregate_tok_s": 412.5, "per_user_tok_s": 103.1, "memory_measured_gib": 3.0, "memory_predicted_gib": 2.0,
-        "reason": "does not fit"}
+        "aggregate_tok_s": 412.5,
+        "per_user_tok_s": 103.1,
+        "memory_measured_gib": 3.0,
+        "memory_predicted_gib": 2.0,
+        "reason": "does not fit",
+    }
     assert set(rows) <= set(records.STORED) | set(records.FLAT) and len(rows) == 7 + 5
     r = TrialRecord.of(study.trials[0])
     assert (r.metrics, r.log_tail, r.config, r.worker) == (METRICS, LOG, CONFIG, "host:1")
@@ -74,9 +88,17 @@ def test_a_result_is_committed_in_steps_and_told_once():
 
 
 def test_a_schema_2_value_in_parts_is_read_whole():
-    attrs = {"config": {"_split": "dict"}, "config.~0": {"backend": "x", "ctx": 4096}, "config.weights": "w" * 90,
-             "notes": {"_split": "list"}, "notes.0": "a", "notes.1": {"_split": "text"}, "notes.1.0": "b c ",
-             "notes.1.1": "d", "notes.2": schema2_cells.STALE}
+    attrs = {
+        "config": {"_split": "dict"},
+        "config.~0": {"backend": "x", "ctx": 4096},
+        "config.weights": "w" * 90,
+        "notes": {"_split": "list"},
+        "notes.0": "a",
+        "notes.1": {"_split": "text"},
+        "notes.1.0": "b c ",
+        "notes.1.1": "d",
+        "notes.2": schema2_cells.STALE,
+    }
     assert schema2_cells.joined(attrs, "config") == {"backend": "x", "ctx": 4096, "weights": "w" * 90}
     assert schema2_cells.joined(attrs, "notes") == ["a", "b c d"]
     assert schema2_cells.is_part("config.~0", attrs) and not schema2_cells.is_part("config", attrs)
@@ -96,9 +118,16 @@ def _records(url: str) -> tuple[int, list[tuple]]:
     out = []
     for t in study.get_trials(deepcopy=False):
         r = TrialRecord.of(t)
-        out.append((r.number, r.state, r.values, dict(r.constraints),
-                    *[json.dumps(getattr(r, name), sort_keys=True, default=str) for name in records.STORED]))
-    with sqlite3.connect(url[len("sqlite:///"):]) as conn:
+        out.append(
+            (
+                r.number,
+                r.state,
+                r.values,
+                dict(r.constraints),
+                *[json.dumps(getattr(r, name), sort_keys=True, default=str) for name in records.STORED],
+            )
+        )
+    with sqlite3.connect(url[len("sqlite:///") :]) as conn:
         rows = conn.execute("SELECT count(*) FROM trial_user_attributes").fetchone()[0]
     return rows, out
 
@@ -130,7 +159,9 @@ def test_a_checkpoint_in_one_transaction_stores_what_optunas_own_calls_store(tmp
         trial = study.ask()
         r = TrialResult().learn(config=CONFIG, worker="w")
         commit(study, trial, r)
-        commit(study, trial, r.learn(metrics=METRICS, measured_vram_bytes=2 ** 30).completed([1.5], {"vram": -1.0, "q": 2}))
+        commit(
+            study, trial, r.learn(metrics=METRICS, measured_vram_bytes=2**30).completed([1.5], {"vram": -1.0, "q": 2})
+        )
         t = study.trials[0]
         return t.user_attrs, t.system_attrs, t.constraints, t.values, t.state
 

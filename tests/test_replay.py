@@ -57,8 +57,15 @@ class TimedFake(FakeBackend):
 def grid_files(tmp_path_factory):
     """(study file, [run 1 storage, run 2 storage]) of the tiny grid."""
     for tmp in memory_dir(tmp_path_factory.mktemp("grid")):
-        study = write_study(tmp / "tiny.toml", "fake-timed", WEIGHTS, name="tiny-grid", sampler="grid",
-                            parallel=(1, 2, 4, 4096), extra_space='mode = ["plain", "odd"]')
+        study = write_study(
+            tmp / "tiny.toml",
+            "fake-timed",
+            WEIGHTS,
+            name="tiny-grid",
+            sampler="grid",
+            parallel=(1, 2, 4, 4096),
+            extra_space='mode = ["plain", "odd"]',
+        )
         urls = []
         for run, factor in enumerate((1.0, 1.1), start=1):
             url = f"journal:{tmp}/tiny-run{run}.log"  # faster to write than SQLite
@@ -172,4 +179,3 @@ def test_a_configuration_every_run_interrupted_is_unsettled_not_pruned(grid_file
     # The whole grid's time buys every launch: each seed tries the unsettled one too, and fails.
     assert g["strategies"]["random"]["unsettled_launches"] >= 1
     assert "unsettled" in replay.text_report(out)
-

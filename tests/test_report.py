@@ -11,8 +11,12 @@ from autotune.study import pareto_front, run_study
 from autotune.study.records import TrialRecord
 
 
-def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, default_study_path, tmp_path, tmp_storage):
-    text = default_study_path.read_text(encoding="utf-8").replace("penalty_per_point = 1.0", 'penalty_per_point = 1.0\nmode = "pareto"')
+def test_a_pareto_study_reports_its_non_dominated_feasible_trials(
+    twin_plugin, default_study_path, tmp_path, tmp_storage
+):
+    text = default_study_path.read_text(encoding="utf-8").replace(
+        "penalty_per_point = 1.0", 'penalty_per_point = 1.0\nmode = "pareto"'
+    )
     path = tmp_path / "pareto.toml"
     path.write_text(text, encoding="utf-8")
     summary = run_study(load_study_config(path), n_trials=15, storage=tmp_storage, seed=0)
@@ -21,16 +25,22 @@ def test_a_pareto_study_reports_its_non_dominated_feasible_trials(twin_plugin, d
     from autotune.report.text import summary_text
 
     # Each member's drop in words, never a bare sign (issue 28: "+" for a drop).
-    lines = summary_text(summary).split("Pareto front (throughput vs quality drop):\n")[1].splitlines()[:len(front)]
-    assert all(re.match(r"  \d+\.\d tok/s, (drop|gain) \d+\.\d\d points: |  \d+\.\d tok/s, no drop ", line)
-               for line in lines), lines
+    lines = summary_text(summary).split("Pareto front (throughput vs quality drop):\n")[1].splitlines()[: len(front)]
+    assert all(
+        re.match(r"  \d+\.\d tok/s, (drop|gain) \d+\.\d\d points: |  \d+\.\d tok/s, no drop ", line) for line in lines
+    ), lines
     study = optuna.load_study(study_name=summary.study_name, storage=tmp_storage)
-    feasible = [t for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
-                if t.user_attrs.get("answered_from") is None and all(c <= 0 for c in t.constraints.values())]
+    feasible = [
+        t
+        for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+        if t.user_attrs.get("answered_from") is None and all(c <= 0 for c in t.constraints.values())
+    ]
     # Throughput is maximised and the quality drop minimised: nothing feasible beats a front member on both.
     for member in front:
         tput, drop = member["values"]
-        assert not any(t.values[0] >= tput and t.values[1] <= drop and tuple(t.values) != (tput, drop) for t in feasible)
+        assert not any(
+            t.values[0] >= tput and t.values[1] <= drop and tuple(t.values) != (tput, drop) for t in feasible
+        )
     # And every feasible trial off the front is beaten by one on it.
     on_front = {t.number for t in pareto_front(study)}
     assert {m["number"] for m in front} == on_front

@@ -17,7 +17,10 @@ def write(tmp_path, text):
 
 
 def test_a_rule_applies_when_its_options_match_unless_its_facts_hold(tmp_path):
-    rules = load_rules(write(tmp_path, """
+    rules = load_rules(
+        write(
+            tmp_path,
+            """
 [[rule]]
 name = "block"
 when = { cache_type = ["q8_0"] }
@@ -38,17 +41,25 @@ when = {}
 unless = { ctx_within_model = true }
 reason = "ctx {ctx} > {max_context}"
 source = "test"
-"""))
+""",
+        )
+    )
     assert violations(rules, {"cache_type": "f16", "ctx": 1024}, {**FACTS, "ctx": 1024}) == []
-    assert violations(rules, {"cache_type": "q8_0", "ctx": 1024}, {**FACTS, "ctx": 1024}) == ["cache_type q8_0: head size 8"]
+    assert violations(rules, {"cache_type": "q8_0", "ctx": 1024}, {**FACTS, "ctx": 1024}) == [
+        "cache_type q8_0: head size 8"
+    ]
     assert violations(rules, {"cache_type": "q8_0", "ctx": 1024}, {**FACTS, "ctx": 1024, "head_dim": 64}) == []
-    assert violations(rules, {"dtype": "bf16", "ctx": 1024}, {**FACTS, "ctx": 1024}) == ["bf16 needs sm_80, this card is 7.0"]
+    assert violations(rules, {"dtype": "bf16", "ctx": 1024}, {**FACTS, "ctx": 1024}) == [
+        "bf16 needs sm_80, this card is 7.0"
+    ]
     assert violations(rules, {"dtype": "bf16", "ctx": 1024}, {**FACTS, "ctx": 1024, "compute_capability": None}) == []
     assert violations(rules, {"ctx": 4096}, FACTS) == ["ctx 4096 > 2048"]
 
 
 def test_every_problem_of_a_rules_file_is_named_at_once(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 [[rule]]
 name = "a"
 when = { cache_type = "q8_0" }
@@ -61,7 +72,8 @@ name = "b"
 unless = { moon_phase = "full" }
 reason = ""
 source = "s"
-""")
+""",
+    )
     with pytest.raises(ConfigError) as info:
         load_rules(path)
     text = str(info.value)
@@ -78,19 +90,27 @@ def test_llama_servers_rules_file_loads():
     import autotune_plugins.llama_server as plugin
 
     rules = load_rules(Path(plugin.__file__).with_name("rules.toml"))
-    assert {r.name for r in rules} >= {"quantized V cache needs flash attention", "the cache block must divide the head size"}
+    assert {r.name for r in rules} >= {
+        "quantized V cache needs flash attention",
+        "the cache block must divide the head size",
+    }
     assert all(r.source for r in rules)
 
 
 def test_at_most_bounds_an_option_by_a_number_an_option_or_a_fact(tmp_path):
-    rules = load_rules(write(tmp_path, """
+    rules = load_rules(
+        write(
+            tmp_path,
+            """
 [[rule]]
 name = "layers"
 when = { moe = [true] }
 unless = { at_most = [["experts_off", "n_layers"], ["ubatch", "batch"], ["slots", 4]] }
 reason = "too many: {experts_off} of {n_layers}, ub {ubatch}, b {batch}"
 source = "test"
-"""))
+""",
+        )
+    )
     facts = {**FACTS, "moe": True, "n_layers": 4, "batch": 2048}
     assert violations(rules, {}, facts) == []  # absent options are within any bound
     assert violations(rules, {"experts_off": 4, "ubatch": 2048, "slots": 4}, facts) == []
@@ -100,11 +120,16 @@ source = "test"
     assert violations(rules, {"experts_off": "all"}, facts) == []  # not a number: no bound applies
     assert violations(rules, {"experts_off": 9}, {**facts, "moe": False}) == []  # `when` reads the facts too
     with pytest.raises(ConfigError, match=r"unless at_most must be a list of \[option, bound\] pairs"):
-        load_rules(write(tmp_path, """
+        load_rules(
+            write(
+                tmp_path,
+                """
 [[rule]]
 name = "bad"
 when = {}
 unless = { at_most = ["ubatch", "batch"] }
 reason = "r"
 source = "s"
-"""))
+""",
+            )
+        )

@@ -89,4 +89,3 @@ def test_the_tpe_strategy_uses_it_and_constant_liar_refits():
         frozen = study._storage.get_trial(study.ask()._trial_id)
         liar.sample_relative(study, frozen, liar.infer_relative_search_space(study, frozen))
         assert liar._fits == {}  # its fit counts running trials, which change between tries
-

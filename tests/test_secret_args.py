@@ -14,21 +14,26 @@ KEY = "sk-proj-" + "A1b2C3d4" * 4
 HF = "hf_" + "Zz9" * 10
 
 
-@pytest.mark.parametrize("argv, masked", [
-    (["--api-key", KEY], ["--api-key", MASK]),
-    ([f"--api-key={KEY}"], [f"--api-key={MASK}"]),
-    (["--hf-token", HF], ["--hf-token", MASK]),
-    (["--token", "plain-secret-value"], ["--token", MASK]),
-    (["--password", "hunter22"], ["--password", MASK]),
-    (["-H", f"Authorization: Bearer {KEY}"], ["-H", f"Authorization: {MASK}"]),
-    (["--header", "x-api-key: abcdef"], ["--header", f"x-api-key: {MASK}"]),
-    (["--anything", KEY], ["--anything", MASK]),  # a token by its shape, whatever flag carries it
-    ([f"--env=HF_TOKEN={HF}"], [f"--env=HF_TOKEN={MASK}"]),
-    # Not secrets: numbers, paths to a key, names of variables, ordinary flags.
-    (["--max-tokens", "512", "--api-key-file", "/k.txt", "--ssl-keyfile", "k.pem", "-ctk", "q8_0"],
-     ["--max-tokens", "512", "--api-key-file", "/k.txt", "--ssl-keyfile", "k.pem", "-ctk", "q8_0"]),
-    (["--api-key", "--port", "80"], ["--api-key", "--port", "80"]),
-])
+@pytest.mark.parametrize(
+    "argv, masked",
+    [
+        (["--api-key", KEY], ["--api-key", MASK]),
+        ([f"--api-key={KEY}"], [f"--api-key={MASK}"]),
+        (["--hf-token", HF], ["--hf-token", MASK]),
+        (["--token", "plain-secret-value"], ["--token", MASK]),
+        (["--password", "hunter22"], ["--password", MASK]),
+        (["-H", f"Authorization: Bearer {KEY}"], ["-H", f"Authorization: {MASK}"]),
+        (["--header", "x-api-key: abcdef"], ["--header", f"x-api-key: {MASK}"]),
+        (["--anything", KEY], ["--anything", MASK]),  # a token by its shape, whatever flag carries it
+        ([f"--env=HF_TOKEN={HF}"], [f"--env=HF_TOKEN={MASK}"]),
+        # Not secrets: numbers, paths to a key, names of variables, ordinary flags.
+        (
+            ["--max-tokens", "512", "--api-key-file", "/k.txt", "--ssl-keyfile", "k.pem", "-ctk", "q8_0"],
+            ["--max-tokens", "512", "--api-key-file", "/k.txt", "--ssl-keyfile", "k.pem", "-ctk", "q8_0"],
+        ),
+        (["--api-key", "--port", "80"], ["--api-key", "--port", "80"]),
+    ],
+)
 def test_mask_argv(argv, masked):
     assert mask_argv(argv) == masked
 
@@ -64,8 +69,12 @@ def test_a_key_in_extra_args_is_stored_and_shown_masked_and_api_key_env_authoriz
     assert KEY not in b.deploy_command(config, ctx)
     # The engine reads the named variable itself (llama-server: LLAMA_API_KEY): no key in the file at all.
     monkeypatch.setenv("LLAMA_API_KEY", KEY)
-    m = b.run(config, make_ctx(tmp_path, executable=binary, extra_args=["-t", "2"], startup_timeout_s=60,
-                               api_key_env="LLAMA_API_KEY"))
+    m = b.run(
+        config,
+        make_ctx(
+            tmp_path, executable=binary, extra_args=["-t", "2"], startup_timeout_s=60, api_key_env="LLAMA_API_KEY"
+        ),
+    )
     assert m.metrics["aggregate_tok_s"].median > 0
 
 

@@ -17,24 +17,31 @@ from autotune.toolkit.redact import engine_environment, is_secret_name, mask_url
 from autotune.study.storage import _last_run_file, open_storage, remember_run
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("postgresql://bob:pw@db.example/x", "postgresql://bob:***@db.example/x"),
-    # libpq takes the password as a query parameter too; sslpassword, passwd, tokens alike
-    ("postgresql://bob@db.example/x?password=s3cret", "postgresql://bob@db.example/x?password=***"),
-    ("postgresql:///x?host=/run/pg&user=bob&password=s3cret&sslmode=require",
-     "postgresql:///x?host=/run/pg&user=bob&password=***&sslmode=require"),
-    ("mysql+pymysql://u@h/d?passwd=s3cret&charset=utf8", "mysql+pymysql://u@h/d?passwd=***&charset=utf8"),
-    ("postgresql://h/d?sslpassword=s3cret&api_token=t0ken", "postgresql://h/d?sslpassword=***&api_token=***"),
-    # an unencoded '@' (or '/', '?') in the password: the userinfo ends at the last '@' before the host
-    ("postgresql://bob:p@ss@db.example:5432/x", "postgresql://bob:***@db.example:5432/x"),
-    ("postgresql+psycopg://bob:a/b@c@db.example/x?application_name=me@home",
-     "postgresql+psycopg://bob:***@db.example/x?application_name=me@home"),
-    ("postgresql://bob:p?ss@db.example/x", "postgresql://bob:***@db.example/x"),
-    # nothing secret: unchanged, character for character
-    ("sqlite:///dir/a@b:c.db", "sqlite:///dir/a@b:c.db"),
-    ("postgresql://bob@db.example/x?sslmode=require", "postgresql://bob@db.example/x?sslmode=require"),
-    ("journal:study.log", "journal:study.log"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("postgresql://bob:pw@db.example/x", "postgresql://bob:***@db.example/x"),
+        # libpq takes the password as a query parameter too; sslpassword, passwd, tokens alike
+        ("postgresql://bob@db.example/x?password=s3cret", "postgresql://bob@db.example/x?password=***"),
+        (
+            "postgresql:///x?host=/run/pg&user=bob&password=s3cret&sslmode=require",
+            "postgresql:///x?host=/run/pg&user=bob&password=***&sslmode=require",
+        ),
+        ("mysql+pymysql://u@h/d?passwd=s3cret&charset=utf8", "mysql+pymysql://u@h/d?passwd=***&charset=utf8"),
+        ("postgresql://h/d?sslpassword=s3cret&api_token=t0ken", "postgresql://h/d?sslpassword=***&api_token=***"),
+        # an unencoded '@' (or '/', '?') in the password: the userinfo ends at the last '@' before the host
+        ("postgresql://bob:p@ss@db.example:5432/x", "postgresql://bob:***@db.example:5432/x"),
+        (
+            "postgresql+psycopg://bob:a/b@c@db.example/x?application_name=me@home",
+            "postgresql+psycopg://bob:***@db.example/x?application_name=me@home",
+        ),
+        ("postgresql://bob:p?ss@db.example/x", "postgresql://bob:***@db.example/x"),
+        # nothing secret: unchanged, character for character
+        ("sqlite:///dir/a@b:c.db", "sqlite:///dir/a@b:c.db"),
+        ("postgresql://bob@db.example/x?sslmode=require", "postgresql://bob@db.example/x?sslmode=require"),
+        ("journal:study.log", "journal:study.log"),
+    ],
+)
 def test_every_url_form_is_masked(url, shown):
     assert mask_url(url) == shown
     assert "s3cret" not in mask_url(url) and "p@ss" not in mask_url(url)
@@ -49,11 +56,14 @@ def test_a_query_password_is_not_written_to_the_last_study_file(tmp_path, monkey
     assert json.loads(_last_run_file(tmp_path).read_text())["storage"] == "postgresql://bob@db.example/x"
 
 
-@pytest.mark.parametrize("url, why", [
-    ("postgresql://bob:pa:ss9@db.example:54x2/x", "the port after the host must be a number"),
-    ("postgresql://bob:pa@ss9:wq7z@db.example/x", "the password holds an unencoded '@'"),
-    ("postgresql://bob:pa@ss9@db.example/x", "the password holds an unencoded '@'"),
-])
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("postgresql://bob:pa:ss9@db.example:54x2/x", "the port after the host must be a number"),
+        ("postgresql://bob:pa@ss9:wq7z@db.example/x", "the password holds an unencoded '@'"),
+        ("postgresql://bob:pa@ss9@db.example/x", "the password holds an unencoded '@'"),
+    ],
+)
 def test_a_url_the_driver_would_misread_is_one_clean_line_without_the_password(url, why):
     with pytest.raises(StorageError) as err:
         open_storage(url)
@@ -74,20 +84,43 @@ def test_a_query_password_is_masked_in_the_cli_error(tmp_path):
 
 
 def test_secret_names():
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "PGPASSWORD", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY",
-                 "GITHUB_ACCESSTOKEN", "password", "sslpassword"):
+    for name in (
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "PGPASSWORD",
+        "OPENAI_API_KEY",
+        "AWS_SECRET_ACCESS_KEY",
+        "GITHUB_ACCESSTOKEN",
+        "password",
+        "sslpassword",
+    ):
         assert is_secret_name(name), name
     for name in ("PATH", "PWD", "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES", "AUTOTUNE_STORAGE", "HF_HOME"):
         assert not is_secret_name(name), name
 
 
 def test_an_engine_gets_the_allow_list_and_what_its_backend_declares():
-    ours = {"PATH": "/bin", "HOME": "/h", "LC_ALL": "C", "CUDA_HOME": "/cuda", "HF_TOKEN": "hf_secret1",
-            "HF_HOME": "/hf", "AUTOTUNE_STORAGE": "postgresql://bob:pw1234@h/x", "PGPASSWORD": "pw5678",
-            "MY_TOOL_DIR": "/t", "LLAMA_ARG_CTX_SIZE": "99"}
+    ours = {
+        "PATH": "/bin",
+        "HOME": "/h",
+        "LC_ALL": "C",
+        "CUDA_HOME": "/cuda",
+        "HF_TOKEN": "hf_secret1",
+        "HF_HOME": "/hf",
+        "AUTOTUNE_STORAGE": "postgresql://bob:pw1234@h/x",
+        "PGPASSWORD": "pw5678",
+        "MY_TOOL_DIR": "/t",
+        "LLAMA_ARG_CTX_SIZE": "99",
+    }
     env = engine_environment(("HF_*",), environ=ours, CUDA_VISIBLE_DEVICES="1")
-    assert env == {"PATH": "/bin", "HOME": "/h", "LC_ALL": "C", "CUDA_HOME": "/cuda", "HF_HOME": "/hf",
-                   "CUDA_VISIBLE_DEVICES": "1"}  # a pattern never hands on a secret (HF_* is not HF_TOKEN)
+    assert env == {
+        "PATH": "/bin",
+        "HOME": "/h",
+        "LC_ALL": "C",
+        "CUDA_HOME": "/cuda",
+        "HF_HOME": "/hf",
+        "CUDA_VISIBLE_DEVICES": "1",
+    }  # a pattern never hands on a secret (HF_* is not HF_TOKEN)
     # a variable named exactly, by the backend or the user, passes: the escape hatch for a gated download
     env = engine_environment(("HF_*",), environ={**ours, "AUTOTUNE_ENGINE_ENV": "HF_TOKEN, MY_TOOL_*"})
     assert env["HF_TOKEN"] == "hf_secret1" and env["MY_TOOL_DIR"] == "/t" and "PGPASSWORD" not in env
@@ -135,10 +168,16 @@ def test_a_failing_engine_that_prints_its_environment_leaks_nothing(tmp_path, mo
     monkeypatch.setenv("HF_TOKEN", "hf_secret1")
     monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "HF_TOKEN")  # handed on on purpose: the scrubber still hides it
     monkeypatch.setenv("AUTOTUNE_STORAGE", "postgresql://bob:pw1234@h/x")
-    script = ("import os, sys; [print(k + '=' + v) for k, v in os.environ.items()]; "
-              "print('storage', os.environ.get('AUTOTUNE_STORAGE')); sys.exit(1)")
-    ctx = make_ctx(tmp_path, executable=sys.executable, command=["python", "-c", script, "{weights}", "{port}"],
-                   startup_timeout_s=30)
+    script = (
+        "import os, sys; [print(k + '=' + v) for k, v in os.environ.items()]; "
+        "print('storage', os.environ.get('AUTOTUNE_STORAGE')); sys.exit(1)"
+    )
+    ctx = make_ctx(
+        tmp_path,
+        executable=sys.executable,
+        command=["python", "-c", script, "{weights}", "{port}"],
+        startup_timeout_s=30,
+    )
     shutil.copy(STORIES, tmp_path / "m.gguf")
     with pytest.raises(BackendError) as err:
         OpenAIServerBackend().run(cfg("m.gguf", 1, cache_type="f16", flash_attn=True), ctx)
@@ -156,7 +195,7 @@ def test_llama_server_gets_no_secret_and_no_llama_arg(tmp_path, monkeypatch):
     from tests.plugins.test_openai_server import STORIES
 
     fake = tmp_path / "llama-server"
-    fake.write_text("#!/bin/sh\nenv\necho \"storage=[$AUTOTUNE_STORAGE] ctx=[$LLAMA_ARG_CTX_SIZE]\"\nexit 1\n")
+    fake.write_text('#!/bin/sh\nenv\necho "storage=[$AUTOTUNE_STORAGE] ctx=[$LLAMA_ARG_CTX_SIZE]"\nexit 1\n')
     fake.chmod(0o755)
     shutil.copy(STORIES, tmp_path / "m.gguf")
     monkeypatch.setenv("HF_TOKEN", "hf_secret1")

@@ -41,8 +41,10 @@ def test_the_liveness_rule_is_the_pid_here_and_the_heartbeat_everywhere():
     # On another host a pid means nothing: its heartbeat decides, against the stated limit.
     assert claims.holder(1, f"other-host:{gone}", 59.0, limit).alive
     stale = claims.holder(1, f"other-host:{gone}", 61.0, limit)
-    assert not stale.alive and stale.describe() == f"host other-host (pid {gone}, last heartbeat 61 s ago, " \
-                                                   "over the 60 s limit)"
+    assert (
+        not stale.alive
+        and stale.describe() == f"host other-host (pid {gone}, last heartbeat 61 s ago, over the 60 s limit)"
+    )
     # A live pid whose heartbeat stopped (a pid reused, a worker hung) is dead too.
     assert not claims.holder(1, f"{here}:{os.getpid()}", 61.0, limit).alive
     # No heartbeat recorded (a journal storage; a trial just asked): nothing says it is dead.
@@ -52,8 +54,16 @@ def test_the_liveness_rule_is_the_pid_here_and_the_heartbeat_everywhere():
 def _another_host_measures_the_best(tmp_path, url: str):
     """A grid of six whose best (parallel 4, weights bb) a worker on another host claimed and
     is measuring: its trial RUNNING, stamped with its host and pid, its heartbeat beaten."""
-    cfg = load_study_config(write_study(tmp_path / "grid.toml", "fake", ["a", "bb"], parallel=(1, 2, 4),
-                                        sampler="grid", study_extra="finish_top = 0"))
+    cfg = load_study_config(
+        write_study(
+            tmp_path / "grid.toml",
+            "fake",
+            ["a", "bb"],
+            parallel=(1, 2, 4),
+            sampler="grid",
+            study_extra="finish_top = 0",
+        )
+    )
     other = StudyRunner(prepare_study(cfg, storage=url), seed=0)
     config = max(other.prepared.space.enumerate(), key=FakeBackend().speed)
     other._enqueue(config)
@@ -76,8 +86,12 @@ def test_a_study_that_ends_while_another_host_measures_says_the_best_may_change(
     text = summary_text(summary)
     assert line in text and "s ago); the best may change" in text
     [measuring] = summary.extra["being_measured"]
-    assert (measuring["number"], measuring["host"], measuring["pid"], measuring["alive"]) == \
-        (trial.number, "other-host", 4242, True)
+    assert (measuring["number"], measuring["host"], measuring["pid"], measuring["alive"]) == (
+        trial.number,
+        "other-host",
+        4242,
+        True,
+    )
     assert measuring["heartbeat_limit_s"] == study_storage.HEARTBEAT_GRACE_S
     # `best` builds the same summary from the storage, and says the same.
     said = CliRunner().invoke(cli, ["best", "--storage", url])
@@ -93,12 +107,18 @@ def test_a_dead_host_s_configuration_is_named_then_measured_again(tmp_path, scra
         beats = models.TrialHeartbeatModel.__table__
         with engine.begin() as conn:
             now = conn.execute(sqlalchemy.select(sqlalchemy.func.now())).scalar()
-            conn.execute(beats.update().where(beats.c.trial_id == trial._trial_id)
-                         .values(heartbeat=now - datetime.timedelta(seconds=300)))
+            conn.execute(
+                beats.update()
+                .where(beats.c.trial_id == trial._trial_id)
+                .values(heartbeat=now - datetime.timedelta(seconds=300))
+            )
         engine.dispose()
         text = summary_text(stored_summary(url))
-        assert re.search(r"1 configuration left RUNNING by a dead worker: host other-host \(pid 4242, last heartbeat "
-                         r"3\d\d s ago, over the 60 s limit\); the next 'autotune study' measures it again", text), text
+        assert re.search(
+            r"1 configuration left RUNNING by a dead worker: host other-host \(pid 4242, last heartbeat "
+            r"3\d\d s ago, over the 60 s limit\); the next 'autotune study' measures it again",
+            text,
+        ), text
         resumed = StudyRunner(prepare_study(cfg, storage=url), seed=0)
         summary = resumed.run()
     failed = resumed.study.trials[trial.number]

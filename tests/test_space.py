@@ -22,8 +22,9 @@ def twin_space(tmp_path_factory):
     import autotune_plugins.twin as twin
 
     with plugin_registered(twin, "twin"):
-        return prepare_study(load_study_config(default_study_path()),
-                             storage=f"sqlite:///{tmp_path_factory.mktemp('s')}/s.db").space
+        return prepare_study(
+            load_study_config(default_study_path()), storage=f"sqlite:///{tmp_path_factory.mktemp('s')}/s.db"
+        ).space
 
 
 def test_shared_knobs_have_one_name_and_the_union_of_choices(twin_space):
@@ -60,13 +61,28 @@ def _v1_storage(path) -> str:
     study.set_user_attr(records.SCHEMA_ATTR, 1)
     C = optuna.distributions.CategoricalDistribution
     for n, (cache, par) in enumerate([("f16", 1), ("q8_0", 4), ("q4_0", 2)]):
-        study.add_trial(optuna.trial.create_trial(
-            params={"backend": "llama-server", "llama-server.ctx": 4096, "llama-server.parallel": par,
-                    "llama-server.cache_type": cache, "llama-server.flash_attn": True, "llama-server.weights": "m.gguf"},
-            distributions={"backend": C(["llama-server"]), "llama-server.ctx": C([4096]),
-                           "llama-server.parallel": C([1, 2, 4]), "llama-server.cache_type": C(["f16", "q8_0", "q4_0"]),
-                           "llama-server.flash_attn": C([True]), "llama-server.weights": C(["m.gguf"])},
-            value=10.0 + n, user_attrs={"config": {"backend": "llama-server", "cache_type": cache, "parallel": par}}))
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={
+                    "backend": "llama-server",
+                    "llama-server.ctx": 4096,
+                    "llama-server.parallel": par,
+                    "llama-server.cache_type": cache,
+                    "llama-server.flash_attn": True,
+                    "llama-server.weights": "m.gguf",
+                },
+                distributions={
+                    "backend": C(["llama-server"]),
+                    "llama-server.ctx": C([4096]),
+                    "llama-server.parallel": C([1, 2, 4]),
+                    "llama-server.cache_type": C(["f16", "q8_0", "q4_0"]),
+                    "llama-server.flash_attn": C([True]),
+                    "llama-server.weights": C(["m.gguf"]),
+                },
+                value=10.0 + n,
+                user_attrs={"config": {"backend": "llama-server", "cache_type": cache, "parallel": par}},
+            )
+        )
     return url
 
 

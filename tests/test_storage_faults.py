@@ -53,13 +53,22 @@ def scratch(tmp_path):
 
 
 def _grid(tmp_path: Path):
-    return load_study_config(write_study(tmp_path / "grid.toml", "fake", ["a", "bb"], parallel=(1, 2, 4),
-                                         sampler="grid", study_extra="finish_top = 0"))
+    return load_study_config(
+        write_study(
+            tmp_path / "grid.toml",
+            "fake",
+            ["a", "bb"],
+            parallel=(1, 2, 4),
+            sampler="grid",
+            study_extra="finish_top = 0",
+        )
+    )
 
 
 def _measured_once(study: optuna.Study) -> Counter:
-    return Counter(TrialRecord.of(t).config_key for t in study.get_trials()
-                   if t.state == optuna.trial.TrialState.COMPLETE)
+    return Counter(
+        TrialRecord.of(t).config_key for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE
+    )
 
 
 def test_a_full_disk_stops_the_study_with_the_cause_and_its_trial_is_measured_again(tmp_path, scratch, monkeypatch):
@@ -70,8 +79,11 @@ def test_a_full_disk_stops_the_study_with_the_cause_and_its_trial_is_measured_ag
         first.run(n_trials=2)
         # From here the database cannot grow: SQLite's "database or disk is full", as on a full disk.
         engine = study_storage.sql_engine(first.study)
-        sqlalchemy.event.listen(engine, "connect", lambda conn, _: conn.execute(
-            f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}"))
+        sqlalchemy.event.listen(
+            engine,
+            "connect",
+            lambda conn, _: conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}"),
+        )
         engine.dispose()
         with pytest.raises(StorageError) as raised:
             first.run(n_trials=4)
@@ -112,12 +124,17 @@ def test_another_application_s_sqlite_database_is_refused_untouched(tmp_path):
         conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
         conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
     for create in (True, False):
-        with pytest.raises(StorageError, match=r"shop.db is a SQLite database of another application "
-                                               r"\(tables: customers, orders\); give a new file"):
+        with pytest.raises(
+            StorageError,
+            match=r"shop.db is a SQLite database of another application "
+            r"\(tables: customers, orders\); give a new file",
+        ):
             study_storage.open_storage(f"sqlite:///{path}", create=create)
     with sqlite3.connect(path) as conn:
-        assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == \
-            {"customers", "orders"}
+        assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {
+            "customers",
+            "orders",
+        }
 
 
 @pytest.mark.parametrize("url", ["sqlite:///:memory:", "sqlite://"])
@@ -140,8 +157,23 @@ def test_best_reads_a_study_on_read_only_media(tmp_path, scratch):
         os.chmod(media, 0o555)
         as_user = {"preexec_fn": _without_root_s_override} if os.geteuid() == 0 else {}
         env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(media / "cache"), "HOME": str(media)}
-        done = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "best",
-                               "--storage", f"sqlite:///{media / 'grid.db'}", "--json"], capture_output=True, text=True, env=env, cwd=media, timeout=60, **as_user)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from autotune.cli import main; main()",
+                "best",
+                "--storage",
+                f"sqlite:///{media / 'grid.db'}",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=media,
+            timeout=60,
+            **as_user,
+        )
         assert done.returncode == 0, done.stderr
         assert '"n_complete": 2' in done.stdout
         assert sorted(p.name for p in media.iterdir()) == ["grid.db"]  # nothing written beside it

@@ -38,7 +38,10 @@ class StrictBackend(FakeBackend):
     def parameters(self, space):
         flash = tuple(v for v in space.get("flash_attn", (True,)) if isinstance(v, bool))
         cache = tuple(v for v in space.get("cache_type", ("f16",)) if v in ("f16", "q8_0"))
-        return [Param("flash_attn", flash, accepted=(True, False)), Param("cache_type", cache, accepted=("f16", "q8_0"))]
+        return [
+            Param("flash_attn", flash, accepted=(True, False)),
+            Param("cache_type", cache, accepted=("f16", "q8_0")),
+        ]
 
     def preflight(self, ctx: StudyContext) -> list[str]:
         return ["fake-server not found in /nowhere: run 'autotune engine build fake'"] if self.missing else []
@@ -56,8 +59,9 @@ class OtherCacheBackend(StrictBackend):
     name = "fake-other"
 
     def parameters(self, space):
-        return [Param("cache_type", tuple(v for v in space.get("cache_type", ("fp16",)) if v == "fp16"),
-                      accepted=("fp16",))]
+        return [
+            Param("cache_type", tuple(v for v in space.get("cache_type", ("fp16",)) if v == "fp16"), accepted=("fp16",))
+        ]
 
 
 def study(tmp_path: Path, backend: str = "fake-strict", extra_space: str = "", extra: str = "") -> Path:
@@ -76,10 +80,14 @@ def test_a_space_value_no_backend_accepts_is_exit_2_naming_what_is_accepted(tmp_
     with registered(StrictBackend()) as (backend,):
         result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
     assert result.exit_code == 2
-    assert f"{path}: [space] flash_attn = 'no': no backend of this study accepts it (fake-strict accepts true, false)" \
+    assert (
+        f"{path}: [space] flash_attn = 'no': no backend of this study accepts it (fake-strict accepts true, false)"
         in result.output
-    assert f"{path}: [space] cache_type = 'q9_0': no backend of this study accepts it (fake-strict accepts 'f16', 'q8_0')" \
+    )
+    assert (
+        f"{path}: [space] cache_type = 'q9_0': no backend of this study accepts it (fake-strict accepts 'f16', 'q8_0')"
         in result.output
+    )
     assert backend.calls == [] and not (tmp_path / "s.db").exists()
 
 
@@ -88,15 +96,25 @@ def test_a_value_only_some_backends_take_is_dropped_for_the_others_with_a_line(t
     from autotune.study import prepare_study
 
     path = study(tmp_path, extra_space='cache_type = ["q8_0", "fp16"]')
-    path.write_text(path.read_text().replace('weights = ["w"]', 'weights = ["w"]\n\n[[candidates]]\nbackend = "fake-other"\nweights = ["w"]'))
+    path.write_text(
+        path.read_text().replace(
+            'weights = ["w"]', 'weights = ["w"]\n\n[[candidates]]\nbackend = "fake-other"\nweights = ["w"]'
+        )
+    )
     with registered(StrictBackend(), OtherCacheBackend()):
         prepared = prepare_study(load_study_config(path))
-    assert "fake-other: [space] cache_type = 'q8_0' not searched (another backend's values; fake-other accepts 'fp16')" \
+    assert (
+        "fake-other: [space] cache_type = 'q8_0' not searched (another backend's values; fake-other accepts 'fp16')"
         in prepared.excluded
-    assert "fake-strict: [space] cache_type = 'fp16' not searched (another backend's values; fake-strict accepts " \
-           "'f16', 'q8_0')" in prepared.excluded
-    caches = {e.backend.name: dict((p.name, p.choices) for p in e.params)["cache_type"]
-              for e in prepared.space.entries.values()}
+    )
+    assert (
+        "fake-strict: [space] cache_type = 'fp16' not searched (another backend's values; fake-strict accepts "
+        "'f16', 'q8_0')" in prepared.excluded
+    )
+    caches = {
+        e.backend.name: dict((p.name, p.choices) for p in e.params)["cache_type"]
+        for e in prepared.space.entries.values()
+    }
     assert caches == {"fake-strict": ("q8_0",), "fake-other": ("fp16",)}
 
 
@@ -105,8 +123,10 @@ def test_an_engine_name_where_a_backend_belongs_names_the_engines_backends(tmp_p
     with registered(StrictBackend()):
         result = run("study", str(path))
     assert result.exit_code == 2
-    assert "backend = 'fake-engine': not installed (installed: fake-strict); fake-engine is an engine: name one of " \
-           "its backends (fake-strict)" in result.output
+    assert (
+        "backend = 'fake-engine': not installed (installed: fake-strict); fake-engine is an engine: name one of "
+        "its backends (fake-strict)" in result.output
+    )
 
 
 def test_a_misspelt_space_key_is_named_as_the_typo(tmp_path):
@@ -115,15 +135,26 @@ def test_a_misspelt_space_key_is_named_as_the_typo(tmp_path):
     with registered(StrictBackend()):
         result = run("study", str(path))
     assert result.exit_code == 2
-    assert "[space] ctx = (missing): required: a list of integers >= 256 ([space] ctxx is not a known key: " \
-           "did you mean ctx?)" in result.output
+    assert (
+        "[space] ctx = (missing): required: a list of integers >= 256 ([space] ctxx is not a known key: "
+        "did you mean ctx?)" in result.output
+    )
 
 
-@pytest.mark.parametrize("line, expected", [
-    ("startup_timeot_s = 30", "[backends.fake-strict] startup_timeot_s: unknown setting (accepted: startup_timeout_s, threads)"),
-    ('startup_timeout_s = "soon"', "[backends.fake-strict] startup_timeout_s = 'soon': must be a number (seconds to wait"),
-    ("threads = 0", "[backends.fake-strict] threads = 0: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        (
+            "startup_timeot_s = 30",
+            "[backends.fake-strict] startup_timeot_s: unknown setting (accepted: startup_timeout_s, threads)",
+        ),
+        (
+            'startup_timeout_s = "soon"',
+            "[backends.fake-strict] startup_timeout_s = 'soon': must be a number (seconds to wait",
+        ),
+        ("threads = 0", "[backends.fake-strict] threads = 0: must be >= 1"),
+    ],
+)
 def test_backend_settings_are_checked_before_anything_runs(tmp_path, line, expected):
     path = study(tmp_path, extra=f"\n[backends.fake-strict]\n{line}\n")
     with registered(StrictBackend()) as (backend,):
@@ -138,8 +169,10 @@ def test_a_missing_engine_stops_the_study_before_it_starts(tmp_path):
     with registered(StrictBackend(missing=True)) as (backend,):
         result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
     assert result.exit_code == 2
-    assert "[candidates.0] backend = 'fake-strict': fake-server not found in /nowhere: run 'autotune engine build fake'" \
+    assert (
+        "[candidates.0] backend = 'fake-strict': fake-server not found in /nowhere: run 'autotune engine build fake'"
         in result.output
+    )
     assert backend.calls == []
 
 
@@ -165,7 +198,8 @@ def test_an_unwritable_storage_is_one_error_line(tmp_path):
         result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 'no-such-dir' / 's.db'}")
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        f"Error: storage sqlite:///{tmp_path / 'no-such-dir' / 's.db'}: the directory {tmp_path / 'no-such-dir'} does not exist"]
+        f"Error: storage sqlite:///{tmp_path / 'no-such-dir' / 's.db'}: the directory {tmp_path / 'no-such-dir'} does not exist"
+    ]
 
 
 def test_a_file_that_is_not_a_database_is_one_error_line(tmp_path):
@@ -205,7 +239,9 @@ def test_a_password_is_masked_and_an_unreachable_server_is_one_line(tmp_path):
         result = run("study", str(path), "--storage", url)
     assert result.exit_code == 2
     assert "s3cret" not in result.output
-    assert result.output.startswith("Error: storage postgresql://alice:***@127.0.0.1:1/autotune: cannot open the database")
+    assert result.output.startswith(
+        "Error: storage postgresql://alice:***@127.0.0.1:1/autotune: cannot open the database"
+    )
     assert len(result.output.strip().splitlines()) == 1
 
 
@@ -259,8 +295,13 @@ def test_a_plugin_whose_hook_raises_is_reported_and_the_others_keep_working(caps
             assert result.exit_code == 0
             found = json.loads(result.stdout)
             assert [b["name"] for b in found["backends"]] == ["fake-strict"]
-            assert found["broken"] == [{"plugin": "broken-one", "hook": "register_backends",
-                                        "error": "ModuleNotFoundError: No module named 'autotune_missing_optional_dependency'"}]
+            assert found["broken"] == [
+                {
+                    "plugin": "broken-one",
+                    "hook": "register_backends",
+                    "error": "ModuleNotFoundError: No module named 'autotune_missing_optional_dependency'",
+                }
+            ]
             text = run("plugins")
             assert "fake-strict" in text.output and "broken-one" in text.output
             assert plugins.get_backend("fake-strict").name == "fake-strict"
@@ -271,12 +312,31 @@ def test_a_plugin_whose_hook_raises_is_reported_and_the_others_keep_working(caps
 # ------------------------------------------------------------------------------ llama-server, as a user meets it
 
 
-@pytest.mark.parametrize("space, extra, expected", [
-    ('flash_attn = ["no"]', "", "[space] flash_attn = 'no': no backend of this study accepts it (llama-server accepts true, false)"),
-    ('cache_type = ["q9_0"]', "", "[space] cache_type = 'q9_0': no backend of this study accepts it (llama-server accepts 'f16'"),
-    ("", "[backends.llama-server]\nstartup_timeot_s = 30", "[backends.llama-server] startup_timeot_s: unknown setting (accepted: "),
-    ("", '[backends.llama-server]\nstartup_timeout_s = "soon"', "[backends.llama-server] startup_timeout_s = 'soon': must be a number"),
-])
+@pytest.mark.parametrize(
+    "space, extra, expected",
+    [
+        (
+            'flash_attn = ["no"]',
+            "",
+            "[space] flash_attn = 'no': no backend of this study accepts it (llama-server accepts true, false)",
+        ),
+        (
+            'cache_type = ["q9_0"]',
+            "",
+            "[space] cache_type = 'q9_0': no backend of this study accepts it (llama-server accepts 'f16'",
+        ),
+        (
+            "",
+            "[backends.llama-server]\nstartup_timeot_s = 30",
+            "[backends.llama-server] startup_timeot_s: unknown setting (accepted: ",
+        ),
+        (
+            "",
+            '[backends.llama-server]\nstartup_timeout_s = "soon"',
+            "[backends.llama-server] startup_timeout_s = 'soon': must be a number",
+        ),
+    ],
+)
 def test_llama_server_input_that_would_be_replaced_or_ignored_is_exit_2(tmp_path, space, extra, expected):
     import autotune_plugins.llama_server as llama_server
 
@@ -323,8 +383,10 @@ class FailingBackend(StrictBackend):
         if config.weights == "oom":
             raise BackendError("fake-server exited with code 1: failed to start: CUDA error: out of memory")
         if config.weights == "garbage":
-            raise BackendError("fake-server exited with code 3: \x1b[31mboom\x1b[0m\x1b]0;owned\x07\x1b[2J\x00\xff",
-                               log_tail="loading\r50%\r\x1b[1mdone\x1b[0m\x07\n")
+            raise BackendError(
+                "fake-server exited with code 3: \x1b[31mboom\x1b[0m\x1b]0;owned\x07\x1b[2J\x00\xff",
+                log_tail="loading\r50%\r\x1b[1mdone\x1b[0m\x07\n",
+            )
         return self.measure(config)
 
 
@@ -350,14 +412,16 @@ def test_a_study_without_failures_has_no_failures_line(tmp_path):
 
 
 def test_an_unquoted_dotted_backend_table_is_told_to_quote_its_name(tmp_path):
-    path = study(tmp_path, backend="fake.strict", extra='\n[backends.fake.strict]\nthreads = 2\n')
+    path = study(tmp_path, backend="fake.strict", extra="\n[backends.fake.strict]\nthreads = 2\n")
     backend = StrictBackend()
     backend.name = "fake.strict"
     with registered(backend):
         result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}")
     assert result.exit_code == 2
-    assert (f"{path}: [backends.fake]: no such backend (installed: fake.strict); a dot in a table name nests "
-            'tables: write [backends."fake.strict"]') in result.output
+    assert (
+        f"{path}: [backends.fake]: no such backend (installed: fake.strict); a dot in a table name nests "
+        'tables: write [backends."fake.strict"]'
+    ) in result.output
 
 
 def test_a_missing_database_driver_names_the_module_to_install(tmp_path):
@@ -374,11 +438,19 @@ def test_a_missing_database_driver_names_the_module_to_install(tmp_path):
 def test_a_report_into_a_missing_directory_is_refused_before_the_study_runs(tmp_path):
     path = study(tmp_path)
     with registered(StrictBackend()) as (backend,):
-        result = run("study", str(path), "--storage", f"sqlite:///{tmp_path / 's.db'}",
-                     "--report", str(tmp_path / "no-dir" / "r.html"))
+        result = run(
+            "study",
+            str(path),
+            "--storage",
+            f"sqlite:///{tmp_path / 's.db'}",
+            "--report",
+            str(tmp_path / "no-dir" / "r.html"),
+        )
     assert result.exit_code == 2
-    assert result.output.strip() == (f"Error: --report {tmp_path / 'no-dir' / 'r.html'}: {tmp_path / 'no-dir'}: no such "
-                                     "directory (the report's directory must exist)")
+    assert result.output.strip() == (
+        f"Error: --report {tmp_path / 'no-dir' / 'r.html'}: {tmp_path / 'no-dir'}: no such "
+        "directory (the report's directory must exist)"
+    )
     assert backend.calls == [] and not (tmp_path / "s.db").exists()
 
 
@@ -396,5 +468,6 @@ def test_the_dashboard_on_a_busy_port_is_one_line_and_no_listening(tmp_path):
         result = run("dashboard", "--storage", storage, "--port", str(port))
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == (
-        f"Error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use); give another --port")
+        f"Error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use); give another --port"
+    )
     assert "Listening" not in result.output and "optuna-dashboard for" not in result.output

@@ -23,11 +23,29 @@ from autotune.study import StudyRunner, open_storage, prepare_study, rank_by_pri
 from autotune.study.records import TrialRecord
 
 if __package__:  # tests/ is a package
-    from .fake_backends import (BlockingBackend, FaultyBackend, RealExl2Backend, child_script,
-                                interleave_two_workers, memory_dir, read_log, registered, write_study)
+    from .fake_backends import (
+        BlockingBackend,
+        FaultyBackend,
+        RealExl2Backend,
+        child_script,
+        interleave_two_workers,
+        memory_dir,
+        read_log,
+        registered,
+        write_study,
+    )
 else:
-    from fake_backends import (BlockingBackend, FaultyBackend, RealExl2Backend, child_script, interleave_two_workers,
-                               memory_dir, read_log, registered, write_study)
+    from fake_backends import (
+        BlockingBackend,
+        FaultyBackend,
+        RealExl2Backend,
+        child_script,
+        interleave_two_workers,
+        memory_dir,
+        read_log,
+        registered,
+        write_study,
+    )
 
 State = optuna.trial.TrialState
 
@@ -124,8 +142,13 @@ def test_best_ignores_answered_copies(default_study_path, twin_plugin, storage):
 
 def test_failing_backend_does_not_stop_the_study(tmp_path, storage):
     backend = FaultyBackend(tmp_path / "launches.jsonl")
-    path = write_study(tmp_path / "faulty.toml", "fake-faulty", ["ok", "okay", "backend-error", "bug", "crash"],
-                       parallel=(1, 2), sampler="grid")
+    path = write_study(
+        tmp_path / "faulty.toml",
+        "fake-faulty",
+        ["ok", "okay", "backend-error", "bug", "crash"],
+        parallel=(1, 2),
+        sampler="grid",
+    )
     with registered(backend):
         summary = run_study(load_study_config(path), storage=storage)
     assert not summary.interrupted
@@ -151,8 +174,13 @@ def test_failing_backend_does_not_stop_the_study(tmp_path, storage):
         assert t.state == State.FAIL
         assert "exited with status -9 during measurement" in TrialRecord.of(t).fail_reason
     assert summary.n_failed == 6 and summary.n_complete == 4
-    assert summary.best["params"] == {"backend": "fake-faulty", "weights": "okay", "ctx": 4096, "parallel": 2,
-                                      "mode": "plain"}
+    assert summary.best["params"] == {
+        "backend": "fake-faulty",
+        "weights": "okay",
+        "ctx": 4096,
+        "parallel": 2,
+        "mode": "plain",
+    }
     assert summary.best["values"] == [25.0]  # the fake's exact speed: nothing invented for failures
     # The killed engines are gone (reaped), not left as zombies or orphans.
     assert len(backend.child_pids) == 2
@@ -173,14 +201,26 @@ def test_failing_backend_does_not_stop_the_study(tmp_path, storage):
 def _interrupt_child(tmp_path: Path, scratch: Path, sig: int):
     """Run `autotune study` on a BlockingBackend in a child, signal it mid-launch; return facts."""
     # It counts the search's launches; the finish's (tests/test_finish.py) would launch the best again.
-    study_path = write_study(tmp_path / "slow.toml", "fake-blocking", ["a", "bb", "ccc"], parallel=(1, 2, 4, 8),
-                             sampler="tpe", study_extra="finish_top = 0")
+    study_path = write_study(
+        tmp_path / "slow.toml",
+        "fake-blocking",
+        ["a", "bb", "ccc"],
+        parallel=(1, 2, 4, 8),
+        sampler="tpe",
+        study_extra="finish_top = 0",
+    )
     storage = f"sqlite:///{scratch / 'slow.db'}"
     log, marker = tmp_path / "launches.jsonl", tmp_path / "blocked"
     argv = ["study", str(study_path), "--storage", storage, "--trials", "50", "--json", "--quiet"]
     env = dict(os.environ, AUTOTUNE_LOAD_PLUGINS="")
-    proc = subprocess.Popen([sys.executable, "-c", child_script(log, marker, 4, argv)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child_script(log, marker, 4, argv)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(600):  # bounded: at most 60 s for start-up and three instant launches
             if marker.exists() or proc.poll() is not None:
@@ -287,9 +327,14 @@ def _start_blocked_child(tmp_path: Path, scratch: Path, hostname: str = ""):
     storage = f"sqlite:///{scratch / 'dead.db'}"
     log, marker = tmp_path / "launches.jsonl", tmp_path / "blocked"
     argv = ["study", str(study_path), "--storage", storage, "--trials", "50", "--json", "--quiet"]
-    proc = subprocess.Popen([sys.executable, "-c", child_script(log, marker, 2, argv, hostname)], cwd=tmp_path,
-                            env=dict(os.environ, AUTOTUNE_LOAD_PLUGINS=""), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child_script(log, marker, 2, argv, hostname)],
+        cwd=tmp_path,
+        env=dict(os.environ, AUTOTUNE_LOAD_PLUGINS=""),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(600):
             if marker.exists() or proc.poll() is not None:
@@ -408,8 +453,9 @@ def test_over_budget_and_invalid_configurations_are_pruned_unlaunched(default_st
     assert TrialRecord.of(t_over).prune_reason.startswith("infeasible: predicted ")
     predicted = TrialRecord.of(t_over).predicted_vram
     assert predicted["total_bytes"] > budget
-    assert predicted["total_bytes"] == sum(predicted[k] for k in ("weights_bytes", "kv_bytes", "buffers_bytes",
-                                                                     "overhead_bytes"))
+    assert predicted["total_bytes"] == sum(
+        predicted[k] for k in ("weights_bytes", "kv_bytes", "buffers_bytes", "overhead_bytes")
+    )
     assert f"budget {budget / 2**30:.2f} GiB" in TrialRecord.of(t_over).prune_reason
     assert t_over.constraints["vram_over_budget"] > 0  # infeasible to the sampler too
     assert "metrics" not in t_over.user_attrs and "engine" not in t_over.user_attrs  # never launched
@@ -424,10 +470,16 @@ def test_over_budget_and_invalid_configurations_are_pruned_unlaunched(default_st
 
 
 def test_prior_measures_the_twins_best_predictions_first(tmp_path, storage, twin_plugin):
-    path = write_study(tmp_path / "prior.toml", "fake-exl2", ["exl2:3.0", "exl2:3.3", "exl2:3.5"],
-                       ctx=(4096, 8192), parallel=(1, 2, 4), sampler="tpe",
-                       extra_space='cache_type = ["fp16", "q8", "q4"]\nflash_attn = [true]',
-                       study_extra="prior = true\nprior_trials = 4")
+    path = write_study(
+        tmp_path / "prior.toml",
+        "fake-exl2",
+        ["exl2:3.0", "exl2:3.3", "exl2:3.5"],
+        ctx=(4096, 8192),
+        parallel=(1, 2, 4),
+        sampler="tpe",
+        extra_space='cache_type = ["fp16", "q8", "q4"]\nflash_attn = [true]',
+        study_extra="prior = true\nprior_trials = 4",
+    )
     backend = RealExl2Backend()
     with registered(backend):
         cfg = load_study_config(path)

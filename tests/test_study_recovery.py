@@ -78,8 +78,16 @@ def test_a_grid_killed_mid_trial_measures_every_configuration_once_on_resume(tmp
     storage = f"sqlite:///{scratch / 'grid.db'}"
     log = tmp_path / "launches.jsonl"
     # It counts the search's launches; the finish's (tests/test_finish.py) would launch the best again.
-    cfg = load_study_config(write_study(tmp_path / "grid.toml", "fake", ["a", "bb"], parallel=(1, 2, 4),
-                                        sampler="grid", study_extra="finish_top = 0"))
+    cfg = load_study_config(
+        write_study(
+            tmp_path / "grid.toml",
+            "fake",
+            ["a", "bb"],
+            parallel=(1, 2, 4),
+            sampler="grid",
+            study_extra="finish_top = 0",
+        )
+    )
     with registered(FakeBackend(log)):
         first = StudyRunner(prepare_study(cfg, storage=storage), seed=0)
         first.run(n_trials=2)
@@ -99,11 +107,15 @@ def test_a_grid_killed_mid_trial_measures_every_configuration_once_on_resume(tmp
 
     trials = resumed.study.get_trials()
     assert trials[orphan.number].state == optuna.trial.TrialState.FAIL
-    assert not [t.number for t in trials if t.state in (optuna.trial.TrialState.RUNNING,
-                                                         optuna.trial.TrialState.WAITING)]
-    outcomes = Counter(TrialRecord.of(t).config_key for t in trials
-                       if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-                       and t.user_attrs.get("answered_from") is None)
+    assert not [
+        t.number for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+    ]
+    outcomes = Counter(
+        TrialRecord.of(t).config_key
+        for t in trials
+        if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        and t.user_attrs.get("answered_from") is None
+    )
     grid = {c.key for c in resumed.prepared.space.enumerate()}
     assert set(outcomes) == grid and set(outcomes.values()) == {1}, outcomes
     assert sorted(e["key"] for e in read_log(log)) == sorted(grid)  # the orphan itself launched nothing

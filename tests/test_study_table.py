@@ -22,17 +22,35 @@ def metric(median: float) -> dict:
     return {"median": median, "n": 2, "unit": "tok/s"}
 
 
-def measured(config: dict, decode: float, aggregate: float, jobs: int | None, weights: int, predicted: int,
-             nvml: int, residual: int) -> optuna.trial.FrozenTrial:
+def measured(
+    config: dict,
+    decode: float,
+    aggregate: float,
+    jobs: int | None,
+    weights: int,
+    predicted: int,
+    nvml: int,
+    residual: int,
+) -> optuna.trial.FrozenTrial:
     facts = {"attention_path": "sdpa", "generator": {"mode": "dynamic"}}
     if jobs is not None:
         facts["generator"]["jobs_at_once"] = jobs
-    attrs = {"config": config, "metrics": {"decode_tok_s": metric(decode), "aggregate_tok_s": metric(aggregate),
-                                           "per_user_tok_s": metric(decode), "ttft_ms": metric(20.0),
-                                           "prefill_tok_s": metric(5000.0)},
-             "predicted_vram": {"weights_bytes": weights, "kv_bytes": 1000, "total_bytes": predicted},
-             "measured_vram_bytes": nvml, "vram_prediction_error": (predicted - nvml) / nvml,
-             "vram_residual_bytes": residual, "engine_facts": facts, "deploy_command": "serve it"}
+    attrs = {
+        "config": config,
+        "metrics": {
+            "decode_tok_s": metric(decode),
+            "aggregate_tok_s": metric(aggregate),
+            "per_user_tok_s": metric(decode),
+            "ttft_ms": metric(20.0),
+            "prefill_tok_s": metric(5000.0),
+        },
+        "predicted_vram": {"weights_bytes": weights, "kv_bytes": 1000, "total_bytes": predicted},
+        "measured_vram_bytes": nvml,
+        "vram_prediction_error": (predicted - nvml) / nvml,
+        "vram_residual_bytes": residual,
+        "engine_facts": facts,
+        "deploy_command": "serve it",
+    }
     return optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=aggregate, user_attrs=attrs)
 
 
@@ -42,17 +60,40 @@ def storage(tmp_path) -> str:
     study = optuna.create_study(study_name="t", storage=url, direction="maximize")
     study.set_user_attr(SCHEMA_ATTR, SCHEMA_VERSION)  # as autotune writes every study
     # ExLlamaV2 queueing 4 jobs: one decoded at a time
-    study.add_trial(measured({"backend": "exllamav2", "weights": "m-exl2-4.0", "ctx": 1024, "parallel": 4,
-                              "cache_type": "q8"}, decode=200.0, aggregate=180.0, jobs=1, weights=800_000_000,
-                             predicted=2_100_000_000, nvml=2_000_000_000, residual=-100_000_000))
+    study.add_trial(
+        measured(
+            {"backend": "exllamav2", "weights": "m-exl2-4.0", "ctx": 1024, "parallel": 4, "cache_type": "q8"},
+            decode=200.0,
+            aggregate=180.0,
+            jobs=1,
+            weights=800_000_000,
+            predicted=2_100_000_000,
+            nvml=2_000_000_000,
+            residual=-100_000_000,
+        )
+    )
     # llama-server with 8 slots records no jobs_at_once: all 8 decode together
-    study.add_trial(measured({"backend": "llama-server", "weights": "m.gguf", "ctx": 1024, "parallel": 8,
-                              "cache_type": "q8_0"}, decode=400.0, aggregate=800.0, jobs=None,
-                             weights=960_000_000, predicted=1_700_000_000, nvml=1_690_000_000, residual=-10_000_000))
-    study.add_trial(optuna.trial.create_trial(
-        state=optuna.trial.TrialState.PRUNED,
-        user_attrs={"config": {"backend": "llama-server", "weights": "m.gguf", "ctx": 1024, "parallel": 16},
-                    "prune_reason": "needs 150 GiB of a 139 GiB budget"}))
+    study.add_trial(
+        measured(
+            {"backend": "llama-server", "weights": "m.gguf", "ctx": 1024, "parallel": 8, "cache_type": "q8_0"},
+            decode=400.0,
+            aggregate=800.0,
+            jobs=None,
+            weights=960_000_000,
+            predicted=1_700_000_000,
+            nvml=1_690_000_000,
+            residual=-10_000_000,
+        )
+    )
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.PRUNED,
+            user_attrs={
+                "config": {"backend": "llama-server", "weights": "m.gguf", "ctx": 1024, "parallel": 16},
+                "prune_reason": "needs 150 GiB of a 139 GiB budget",
+            },
+        )
+    )
     return url
 
 
@@ -88,17 +129,29 @@ def test_cli_writes_json_and_markdown(storage, tmp_path, capsys):
 
 def test_kld_column_from_the_trial_or_from_kld_artifacts_json(storage, tmp_path):
     study = study_table.load_study(storage)
-    recorded = measured({"backend": "exllamav3", "weights": "exl3:4.0", "ctx": 1024, "parallel": 1,
-                         "cache_type": "fp16"}, decode=300.0, aggregate=300.0, jobs=1, weights=900_000_000,
-                        predicted=2_000_000_000, nvml=2_000_000_000, residual=0)
+    recorded = measured(
+        {"backend": "exllamav3", "weights": "exl3:4.0", "ctx": 1024, "parallel": 1, "cache_type": "fp16"},
+        decode=300.0,
+        aggregate=300.0,
+        jobs=1,
+        weights=900_000_000,
+        predicted=2_000_000_000,
+        nvml=2_000_000_000,
+        residual=0,
+    )
     recorded.user_attrs["quality"] = {"metric": "kld", "value": 0.0123, "drop_points": 1.23}
     study.add_trial(recorded)
     kld = tmp_path / "kld.json"
-    kld.write_text(json.dumps([
-        {"backend": "exllamav2", "weights": "m-exl2-4.0", "cache_type": "q8", "kld_mean": 0.0456},
-        {"backend": "exllamav2", "weights": "m-exl2-4.0", "cache_type": "fp16", "kld_mean": 0.0400},
-        {"backend": "exllamav3", "weights": "exl3:4.0", "cache_type": "fp16", "kld_mean": 0.9},
-        {"backend": "llama-server", "weights": "m.gguf", "cache_type": "q8_0", "error": "no scorer"}]))
+    kld.write_text(
+        json.dumps(
+            [
+                {"backend": "exllamav2", "weights": "m-exl2-4.0", "cache_type": "q8", "kld_mean": 0.0456},
+                {"backend": "exllamav2", "weights": "m-exl2-4.0", "cache_type": "fp16", "kld_mean": 0.0400},
+                {"backend": "exllamav3", "weights": "exl3:4.0", "cache_type": "fp16", "kld_mean": 0.9},
+                {"backend": "llama-server", "weights": "m.gguf", "cache_type": "q8_0", "error": "no scorer"},
+            ]
+        )
+    )
     out_json, out_md = tmp_path / "t.json", tmp_path / "t.md"
     assert study_table.main([storage, "--json", str(out_json), "--md", str(out_md), "--kld", str(kld)]) == 0
     by_trial = {r["trial"]: r.get("kld") for r in json.loads(out_json.read_text())}

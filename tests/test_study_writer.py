@@ -25,6 +25,7 @@ from tests.conftest import plugin_registered
 
 class GgufMaker(BaseBackend):
     """Makes gguf formats; its memory is the predicted weights plus 1 GiB."""
+
     artifacts = part(ForwardingArtifacts)
 
     name = "gguf-maker"
@@ -75,10 +76,11 @@ class Plugin:
 def test_formats_that_never_fit_are_left_out_with_the_figures(seven_b, tmp_path):
     with plugin_registered(Plugin, "makers"):
         draft = draft_study(str(seven_b), gpu="t4")
-        assert draft.candidates == {"gguf-maker": ["gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M",
-                                                   "gguf:Q4_0"]}
+        assert draft.candidates == {"gguf-maker": ["gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M", "gguf:Q4_0"]}
         (f16,) = [why for why in draft.left_out if "gguf:F16" in why]
-        assert f16.startswith("gguf-maker: weights gguf:F16 never fit: even ctx 2048 x 1 needs 15.19 GiB (weights 14.19)")
+        assert f16.startswith(
+            "gguf-maker: weights gguf:F16 never fit: even ctx 2048 x 1 needs 15.19 GiB (weights 14.19)"
+        )
         assert f16.endswith("> budget 14.75 GiB = 15.00 GiB (Tesla T4's memory) - 0.25 GiB safety margin")
         # Named once, by init (issue 28: "backend openai-server: backend openai-server: ...").
         assert "backend unready: its engine is not built (run the build)" in draft.left_out
@@ -107,7 +109,10 @@ def test_cpu_mode_budget_is_host_memory(seven_b, tmp_path):
     with plugin_registered(Plugin, "makers"):
         prepared = prepare_study(load_study_config(out), dry_runs=False)
     said = f"{prepared.vram_budget_bytes / 2**30:.2f} GiB"
-    assert f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {said} after the 256 MiB safety margin" in text
+    assert (
+        f"vram_budget_gib = {draft.budget_gib}  # the study's memory budget: {said} after the 256 MiB safety margin"
+        in text
+    )
     from autotune.report.progress import header_text
 
     assert "device: CPU: " in header_text(prepared, out) and f"(memory budget {said} = " in header_text(prepared, out)
@@ -121,8 +126,10 @@ def test_nothing_that_can_run_is_an_error_listing_why(seven_b):
             register(Unready())
 
     with plugin_registered(OnlyUnready, "unready-only"):
-        with pytest.raises(ConfigError, match="no backend here can make a format of this model that fits:\n"
-                                              "  backend unready: .*not built"):
+        with pytest.raises(
+            ConfigError,
+            match="no backend here can make a format of this model that fits:\n  backend unready: .*not built",
+        ):
             draft_study(str(seven_b), gpu="t4")
 
 
@@ -163,6 +170,7 @@ def test_a_backend_that_loads_the_source_itself_takes_it_as_its_reference(seven_
 
 class Splitter(GgufMaker):
     """A GgufMaker that can keep layers in host memory: ``gpu_layers`` of 28 on the card."""
+
     splitting = part(ForwardingSplitting)
 
     name = "splitter"
@@ -220,11 +228,31 @@ def test_llama_server_offers_experts_first_for_a_mixture_of_experts():
         from autotune.hardware.gpus import get_gpu
         from autotune.measure import Protocol
 
-        model = ModelSpec(key="m", name="m", architecture="qwen3moe", n_layers=48, hidden_size=2048, n_heads=32,
-                          n_kv_heads=4, head_dim=128, ffn_size=6144, vocab_size=151936, n_params=1, tie_embeddings=False,
-                          max_context=32768, source="test", **moe)
-        return StudyContext(gpu=get_gpu("t4"), model=model, workload=Workload(64, 16), vram_budget_bytes=2**30,
-                            protocol=Protocol(), source=Path("/nonexistent"))
+        model = ModelSpec(
+            key="m",
+            name="m",
+            architecture="qwen3moe",
+            n_layers=48,
+            hidden_size=2048,
+            n_heads=32,
+            n_kv_heads=4,
+            head_dim=128,
+            ffn_size=6144,
+            vocab_size=151936,
+            n_params=1,
+            tie_embeddings=False,
+            max_context=32768,
+            source="test",
+            **moe,
+        )
+        return StudyContext(
+            gpu=get_gpu("t4"),
+            model=model,
+            workload=Workload(64, 16),
+            vram_budget_bytes=2**30,
+            protocol=Protocol(),
+            source=Path("/nonexistent"),
+        )
 
     b = LlamaServerBackend()
     moe = b.splitting.offload_space("gguf:Q4_K_M", ctx(n_experts=128, n_experts_used=8, expert_ffn_size=768))
@@ -256,10 +284,21 @@ def _tiny(tmp_path: Path, hidden: int, heads: int) -> Path:
 
     d = tmp_path / f"tiny-{hidden // heads}"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": hidden, "num_attention_heads": heads,
-        "num_key_value_heads": heads, "intermediate_size": 4 * hidden, "vocab_size": 512,
-        "max_position_embeddings": 2048, "tie_word_embeddings": True}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "hidden_size": hidden,
+                "num_attention_heads": heads,
+                "num_key_value_heads": heads,
+                "intermediate_size": 4 * hidden,
+                "vocab_size": 512,
+                "max_position_embeddings": 2048,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     (d / "model.safetensors").write_bytes(b"not read by init")
     return d
 
@@ -272,8 +311,10 @@ def test_init_leaves_out_values_the_rules_refuse_for_this_model(tmp_path, hidden
         text = render(draft, tmp_path / "study.toml")
     if refused:
         assert draft.space["cache_type"] == ["f16"]
-        assert f"#   cache_type = \"q8_0\": head-rules: cache_type q8_0: its block of 32 does not divide the head " \
-               f"size {hidden // heads}" in text
+        assert (
+            f'#   cache_type = "q8_0": head-rules: cache_type q8_0: its block of 32 does not divide the head '
+            f"size {hidden // heads}" in text
+        )
     else:
         assert draft.space["cache_type"] == ["f16", "q8_0"] and "Left out of [space]" not in text
 
@@ -299,8 +340,15 @@ def test_a_backend_whose_makings_would_fail_is_left_out_with_the_cause(seven_b):
             recipe = super().artifact_recipe(fmt, source, ctx)
             if recipe is None:
                 return None
-            return Recipe(recipe.fmt, recipe.tool, recipe.name, recipe.expected_bytes, recipe.make,
-                          description="converter", check=lambda: "BPE pre-tokenizer was not recognized: convert elsewhere")
+            return Recipe(
+                recipe.fmt,
+                recipe.tool,
+                recipe.name,
+                recipe.expected_bytes,
+                recipe.make,
+                description="converter",
+                check=lambda: "BPE pre-tokenizer was not recognized: convert elsewhere",
+            )
 
     class Only:
         @staticmethod
@@ -310,5 +358,7 @@ def test_a_backend_whose_makings_would_fail_is_left_out_with_the_cause(seven_b):
 
     with plugin_registered(Only, "odd-only"), pytest.raises(ConfigError) as raised:
         draft_study(str(seven_b), gpu="t4")
-    assert ("backend odd-maker: making gguf:Q8_0 (converter) would fail: BPE pre-tokenizer was not recognized: "
-            "convert elsewhere") in str(raised.value)
+    assert (
+        "backend odd-maker: making gguf:Q8_0 (converter) would fail: BPE pre-tokenizer was not recognized: "
+        "convert elsewhere"
+    ) in str(raised.value)

@@ -15,8 +15,9 @@ else:
 
 
 def _study(tmp_path, storage, backend, n_configs=4):
-    path = write_study(tmp_path / "broken.toml", "fake-broken", [f"w{i}" for i in range(n_configs)],
-                       parallel=(1, 2), sampler="grid")
+    path = write_study(
+        tmp_path / "broken.toml", "fake-broken", [f"w{i}" for i in range(n_configs)], parallel=(1, 2), sampler="grid"
+    )
     with registered(backend):
         return CliRunner().invoke(cli, ["study", str(path), "--storage", storage, "--quiet"])
 
@@ -47,8 +48,9 @@ def test_an_engine_that_worked_once_is_not_broken(tmp_path, tmp_storage):
 
 
 def test_the_watch_sets_numbers_and_paths_aside_and_keeps_scopes_apart():
-    assert normalized("making q4_0 from /m/a failed: BPE pre-tokenizer was not recognized (line 12)") == \
-        normalized("making q4_0 from /m/b failed: BPE pre-tokenizer was not recognized (line 31)")
+    assert normalized("making q4_0 from /m/a failed: BPE pre-tokenizer was not recognized (line 12)") == normalized(
+        "making q4_0 from /m/b failed: BPE pre-tokenizer was not recognized (line 31)"
+    )
     watch = FailureWatch()
     cause = "making f16 from /models/x failed: BPE pre-tokenizer was not recognized"
     assert watch.failed(making("b"), cause) is None
@@ -81,8 +83,10 @@ def test_the_counts_name_every_state_and_add_up(tmp_path, tmp_storage):
     answered = s.extra["n_answered_from_storage"]
     assert answered > 0
     assert s.n_complete + s.n_pruned + s.n_failed + answered + s.extra["n_cut_short"] == s.n_trials
-    assert f"{s.n_trials} trials: {s.n_complete} complete, {s.n_pruned} pruned, {s.n_failed} failed, " \
-           f"{answered} answered from storage" in summary_text(s)
+    assert (
+        f"{s.n_trials} trials: {s.n_complete} complete, {s.n_pruned} pruned, {s.n_failed} failed, "
+        f"{answered} answered from storage" in summary_text(s)
+    )
     # A configuration queued for a later run (WAITING) is said to be queued, not "still running"
     # (the report of a stopped study said "3 still running" of trials never started).
     import optuna

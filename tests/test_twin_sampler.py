@@ -29,17 +29,27 @@ class Misled(FakeModelBackend):
     tenth of it, until a measurement of ``w22`` tells it otherwise (its calibration)."""
 
     def predict(self, config: TrialConfig, ctx: StudyContext) -> Mapping[str, float] | None:
-        factor = ctx.calibration["after"].get("w22", 0.1) if ctx.calibration and config.weights == "w22" else (
-            0.1 if config.weights == "w22" else 1.0)
+        factor = (
+            ctx.calibration["after"].get("w22", 0.1)
+            if ctx.calibration and config.weights == "w22"
+            else (0.1 if config.weights == "w22" else 1.0)
+        )
         aggregate = self.speed(config) * factor
         return {"aggregate_tok_s": aggregate, "per_user_tok_s": aggregate / config.parallel}
 
-    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
-                  ctx: StudyContext) -> Mapping[str, Any] | None:
+    def calibrate(
+        self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]], ctx: StudyContext
+    ) -> Mapping[str, Any] | None:
         seen = [m["aggregate_tok_s"] / self.speed(c) for c, m in measured if c.weights == "w22"]
         after = {"w22": statistics.median(seen)} if seen else {}
-        return {"gpu": ctx.gpu.key, "n": len(measured), "before": {}, "after": after,
-                "median_abs_error_before": 0.0, "median_abs_error_after": 0.0}
+        return {
+            "gpu": ctx.gpu.key,
+            "n": len(measured),
+            "before": {},
+            "after": after,
+            "median_abs_error_before": 0.0,
+            "median_abs_error_after": 0.0,
+        }
 
 
 @pytest.fixture
@@ -89,8 +99,9 @@ def test_sampler_twin_needs_a_model_of_the_engine(tmp_path, storage):
 def test_a_real_study_starts_from_its_twin_unless_told_otherwise(tmp_path, storage):
     """``[study] prior`` not given: on where the engine has a model that is not the backend itself."""
     real = write_study(tmp_path / "real.toml", "fake", ["w1", "w22"], sampler="tpe")
-    off = write_study(tmp_path / "off.toml", "fake", ["w1", "w22"], sampler="tpe", study_extra="prior = false",
-                      name="off")
+    off = write_study(
+        tmp_path / "off.toml", "fake", ["w1", "w22"], sampler="tpe", study_extra="prior = false", name="off"
+    )
     own = write_study(tmp_path / "own.toml", "fake-model", ["w1", "w22"], sampler="tpe", name="own")
     with registered(FakeBackend(), Misled()):
         assert StudyRunner(prepare_study(load_study_config(real), storage=storage)).uses_prior

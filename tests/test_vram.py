@@ -99,8 +99,7 @@ class HungryBackend(FakeBackend):
     name = "fake-hungry"
 
     def estimate_memory(self, config: TrialConfig, ctx: StudyContext) -> MemoryEstimate:
-        return MemoryEstimate(weights_bytes=GIB, kv_bytes=4 * GIB * config.parallel, buffers_bytes=0,
-                              overhead_bytes=0)
+        return MemoryEstimate(weights_bytes=GIB, kv_bytes=4 * GIB * config.parallel, buffers_bytes=0, overhead_bytes=0)
 
     def run(self, config: TrialConfig, ctx: StudyContext) -> Measurement:
         self._log(config)
@@ -131,7 +130,9 @@ def test_a_study_learns_its_backends_overhead(tmp_path):
     launched = {c.parallel for c in backend.calls}
     assert launched == {1, 2} and summary.n_failed == 0
     study = optuna.load_study(study_name="fake-study", storage=storage)
-    measured = [t for t in study.trials if "vram_residual_bytes" in t.user_attrs and "answered_from" not in t.user_attrs]
+    measured = [
+        t for t in study.trials if "vram_residual_bytes" in t.user_attrs and "answered_from" not in t.user_attrs
+    ]
     assert all(t.user_attrs["vram_residual_bytes"] == 2 * GIB for t in measured)
     # After the first, every prediction carried the correction and was exact.
     assert all(abs(t.user_attrs["vram_prediction_error"]) < 1e-9 for t in measured[1:])
@@ -140,15 +141,24 @@ def test_a_study_learns_its_backends_overhead(tmp_path):
 def test_a_study_resumed_with_other_choices_is_refused_up_front(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
     with registered(FakeBackend()):
-        run_study(load_study_config(write_study(tmp_path / "a.toml", "fake", ["w"], parallel=(1,))),
-                  n_trials=1, storage=storage)
-        with pytest.raises(ConfigError, match=r"other choices for parallel: stored \[1\], file \[1, 2\].*new \[study\] name"):
-            run_study(load_study_config(write_study(tmp_path / "b.toml", "fake", ["w"], parallel=(1, 2))),
-                      n_trials=1, storage=storage)
+        run_study(
+            load_study_config(write_study(tmp_path / "a.toml", "fake", ["w"], parallel=(1,))),
+            n_trials=1,
+            storage=storage,
+        )
+        with pytest.raises(
+            ConfigError, match=r"other choices for parallel: stored \[1\], file \[1, 2\].*new \[study\] name"
+        ):
+            run_study(
+                load_study_config(write_study(tmp_path / "b.toml", "fake", ["w"], parallel=(1, 2))),
+                n_trials=1,
+                storage=storage,
+            )
 
 
 class PredictingHungryBackend(HungryBackend):
     """The hungry backend with a model of itself, so the prior can rank its configurations."""
+
     predictor = part(ForwardingPredictor)
 
     name = "fake-hungry"
@@ -172,7 +182,9 @@ def test_one_judge_refuses_over_budget_only_after_the_learned_correction(tmp_pat
         assert p3.key in {c.key for c, _ in rank_by_prior(prepared, before)}
 
         runner = StudyRunner(prepared)
-        runner.study.enqueue_trial(prepared.space.params_of(TrialConfig("fake-hungry", "w", 4096, 2, (("mode", "plain"),))))
+        runner.study.enqueue_trial(
+            prepared.space.params_of(TrialConfig("fake-hungry", "w", 4096, 2, (("mode", "plain"),)))
+        )
         runner.run(n_trials=1)  # measures parallel 2: 2 GiB over its prediction
 
         # The runner, the prior and the report all ask the judge with what the storage learned.

@@ -15,8 +15,7 @@ from autotune.study import objective as objective_mod
 from autotune.config import Objective, load_study_config
 from autotune.errors import ConfigError
 from autotune.measure import ConcurrentResult, StreamResult, serving_run
-from autotune.measure.load import latency_metrics, meets, poisson_arrivals, request_latencies, run_requests, \
-    search_rate
+from autotune.measure.load import latency_metrics, meets, poisson_arrivals, request_latencies, run_requests, search_rate
 from autotune.engine.workload import PRESETS, FIRST_RUN_REQUEST, Workload, WorkloadSpec, draw, percentile, read_lengths
 
 # A small twin study: one engine, a handful of configurations, no quality metric.
@@ -58,23 +57,35 @@ def stream(start: float, ttft_s: float, out: int, decode_s: float, prompt: int =
 
 
 def test_lengths_are_read_from_jsonl_and_csv(tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"prompt_tokens": 12, "output_tokens": 3}\n\n{"prompt_tokens": 7, '
-                                      '"output_tokens": 40, "id": "x"}\n', encoding="utf-8")
+    (tmp_path / "a.jsonl").write_text(
+        '{"prompt_tokens": 12, "output_tokens": 3}\n\n{"prompt_tokens": 7, "output_tokens": 40, "id": "x"}\n',
+        encoding="utf-8",
+    )
     (tmp_path / "a.csv").write_text("id,prompt_tokens,output_tokens\nq1,12,3\nq2,7,40\n", encoding="utf-8")
     assert read_lengths(tmp_path / "a.jsonl") == read_lengths(tmp_path / "a.csv") == [(12, 3), (7, 40)]
 
 
-@pytest.mark.parametrize("name, text, expected", [
-    ("b.jsonl", '{"prompt_tokens": 12, "output_tokens": 3}\n{"prompt_tokens": 0, "output_tokens": 3}\n',
-     "b.jsonl: line 2: prompt_tokens = 0: must be an integer from 1 to 10,000,000"),
-    ("b.jsonl", '{"prompt_tokens": 12}\n', "b.jsonl: line 1: output_tokens = missing: must be an integer from 1 to 10,000,000"),
-    ("b.jsonl", '{"prompt_tokens": 12, "output_tokens": 3}\nnot json\n', "b.jsonl: line 2: not JSON"),
-    ("b.jsonl", '[12, 3]\n', "b.jsonl: line 1: a JSON list, not an object"),
-    ("b.csv", "prompt,output_tokens\n1,2\n", "b.csv: line 1: the header lacks prompt_tokens"),
-    ("b.csv", "prompt_tokens,output_tokens\n1,2\n3,x\n", "b.csv: line 3: output_tokens = 'x'"),
-    ("b.txt", "1 2\n", "unknown kind of file '.txt': give a .jsonl"),
-    ("b.jsonl", "\n", "no requests in it"),
-])
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        (
+            "b.jsonl",
+            '{"prompt_tokens": 12, "output_tokens": 3}\n{"prompt_tokens": 0, "output_tokens": 3}\n',
+            "b.jsonl: line 2: prompt_tokens = 0: must be an integer from 1 to 10,000,000",
+        ),
+        (
+            "b.jsonl",
+            '{"prompt_tokens": 12}\n',
+            "b.jsonl: line 1: output_tokens = missing: must be an integer from 1 to 10,000,000",
+        ),
+        ("b.jsonl", '{"prompt_tokens": 12, "output_tokens": 3}\nnot json\n', "b.jsonl: line 2: not JSON"),
+        ("b.jsonl", "[12, 3]\n", "b.jsonl: line 1: a JSON list, not an object"),
+        ("b.csv", "prompt,output_tokens\n1,2\n", "b.csv: line 1: the header lacks prompt_tokens"),
+        ("b.csv", "prompt_tokens,output_tokens\n1,2\n3,x\n", "b.csv: line 3: output_tokens = 'x'"),
+        ("b.txt", "1 2\n", "unknown kind of file '.txt': give a .jsonl"),
+        ("b.jsonl", "\n", "no requests in it"),
+    ],
+)
 def test_a_bad_lengths_file_names_the_file_line_and_field(tmp_path, name, text, expected):
     (tmp_path / name).write_text(text, encoding="utf-8")
     with pytest.raises(ValueError) as err:
@@ -105,8 +116,13 @@ def test_rag_prompts_are_longer_and_answers_shorter_than_chat():
 
 
 def test_a_profile_and_targets_in_the_study_file(tmp_path):
-    cfg = load_study_config(study_file(tmp_path, 'profile = "rag"\nrequests = 12\narrival = "poisson"\nrate = 0.5',
-                                       "ttft_p95_ms = 800\nitl_p50_ms = 40"))
+    cfg = load_study_config(
+        study_file(
+            tmp_path,
+            'profile = "rag"\nrequests = 12\narrival = "poisson"\nrate = 0.5',
+            "ttft_p95_ms = 800\nitl_p50_ms = 40",
+        )
+    )
     assert len(cfg.requests) == 12 and cfg.workload.arrival == "poisson" and cfg.workload.rate == 0.5
     assert cfg.prompt_tokens == round(statistics.fmean(p for p, _ in cfg.requests))
     assert cfg.objective.slo == (("ttft_p95_ms", 800.0), ("itl_p50_ms", 40.0))
@@ -119,19 +135,26 @@ def test_a_lengths_file_is_relative_to_the_study_file(tmp_path):
     assert len(cfg.requests) == 8 and set(cfg.requests) <= {(100, 20), (300, 60)}
 
 
-@pytest.mark.parametrize("workload, objective, expected", [
-    ('profile = "chat"\nfile = "x.csv"', "", "[workload] profile = 'chat': and file = 'x.csv' are both set"),
-    ('profile = "chat"\nprompt_tokens = 10', "", "[workload] prompt_tokens = 10: set beside profile"),
-    ('profile = "chatty"', "", "[workload] profile = 'chatty': must be one of chat, rag, code, batch"),
-    ("prompt_tokens = 10", "", "[workload] output_tokens = (missing): required"),
-    ('prompt_tokens = 10\noutput_tokens = 5\narrival = "poisson"', "", "[workload] rate = (missing): required with"),
-    ('prompt_tokens = 10\noutput_tokens = 5\nrate = 2.0', "", "[workload] rate = 2.0: is for arrival = 'poisson'"),
-    ('prompt_tokens = 10\noutput_tokens = 5\nrequests = 9', "", "[workload] requests = 9: is for a length"),
-    ('prompt_tokens = 10\noutput_tokens = 5\nburst = 9', "", "[workload] burst: unknown field"),
-    ('file = "none.jsonl"', "", "[workload] file = 'none.jsonl': none.jsonl: no such file"),
-    ("prompt_tokens = 10\noutput_tokens = 5", "ttft_p95_ms = -1", "[objective] ttft_p95_ms = -1: must be 0.1.."),
-    ("prompt_tokens = 10\noutput_tokens = 5", "ttft_p90_ms = 100", "[objective] ttft_p90_ms: unknown field"),
-])
+@pytest.mark.parametrize(
+    "workload, objective, expected",
+    [
+        ('profile = "chat"\nfile = "x.csv"', "", "[workload] profile = 'chat': and file = 'x.csv' are both set"),
+        ('profile = "chat"\nprompt_tokens = 10', "", "[workload] prompt_tokens = 10: set beside profile"),
+        ('profile = "chatty"', "", "[workload] profile = 'chatty': must be one of chat, rag, code, batch"),
+        ("prompt_tokens = 10", "", "[workload] output_tokens = (missing): required"),
+        (
+            'prompt_tokens = 10\noutput_tokens = 5\narrival = "poisson"',
+            "",
+            "[workload] rate = (missing): required with",
+        ),
+        ("prompt_tokens = 10\noutput_tokens = 5\nrate = 2.0", "", "[workload] rate = 2.0: is for arrival = 'poisson'"),
+        ("prompt_tokens = 10\noutput_tokens = 5\nrequests = 9", "", "[workload] requests = 9: is for a length"),
+        ("prompt_tokens = 10\noutput_tokens = 5\nburst = 9", "", "[workload] burst: unknown field"),
+        ('file = "none.jsonl"', "", "[workload] file = 'none.jsonl': none.jsonl: no such file"),
+        ("prompt_tokens = 10\noutput_tokens = 5", "ttft_p95_ms = -1", "[objective] ttft_p95_ms = -1: must be 0.1.."),
+        ("prompt_tokens = 10\noutput_tokens = 5", "ttft_p90_ms = 100", "[objective] ttft_p90_ms: unknown field"),
+    ],
+)
 def test_bad_workload_keys_are_named(tmp_path, workload, objective, expected):
     with pytest.raises(ConfigError) as err:
         load_study_config(study_file(tmp_path, workload, objective))
@@ -142,8 +165,9 @@ def test_a_bad_line_of_the_lengths_file_is_a_study_file_error(tmp_path):
     (tmp_path / "l.jsonl").write_text('{"prompt_tokens": 5, "output_tokens": 2.5}\n', encoding="utf-8")
     with pytest.raises(ConfigError) as err:
         load_study_config(study_file(tmp_path, 'file = "l.jsonl"'))
-    assert "w.toml: [workload] file = 'l.jsonl': l.jsonl: line 1: output_tokens = 2.5: must be an integer" \
-        in str(err.value)
+    assert "w.toml: [workload] file = 'l.jsonl': l.jsonl: line 1: output_tokens = 2.5: must be an integer" in str(
+        err.value
+    )
 
 
 # ------------------------------------------------------------------ latencies and goodput
@@ -205,8 +229,12 @@ def test_open_loop_sends_each_request_at_its_arrival_and_is_seeded():
     times = poisson_arrivals(6, 20.0, 1)
     assert times == poisson_arrivals(6, 20.0, 1) and times != poisson_arrivals(6, 20.0, 2) and times[0] == 0.0
     t0 = time.monotonic()
-    result = run_requests(lambda i: StreamResult.from_timestamps(1, 1, time.monotonic(), time.monotonic(),
-                                                                   time.monotonic()), range(6), 30, arrivals=times)
+    result = run_requests(
+        lambda i: StreamResult.from_timestamps(1, 1, time.monotonic(), time.monotonic(), time.monotonic()),
+        range(6),
+        30,
+        arrivals=times,
+    )
     assert all(s.start_s >= t0 + a for s, a in zip(result.streams, times))
 
 
@@ -271,11 +299,12 @@ def test_a_twin_study_under_a_ttft_target_gives_up_throughput_for_it(tmp_path, t
 
     workload = 'profile = "rag"\nrequests = 24'
     free, study = best(study_file(tmp_path, workload, name="free"))
-    bound, bound_study = best(study_file(tmp_path, workload, 'ttft_p95_ms = 1500', name="bound"))
+    bound, bound_study = best(study_file(tmp_path, workload, "ttft_p95_ms = 1500", name="bound"))
     # Every trial records its percentiles, with targets or without.
     measured = records.measured(study) + records.measured(bound_study)
-    assert measured and all({"ttft_p95_ms", "itl_p99_ms", "e2e_p50_ms", "goodput_tok_s"} <= set(r.metrics)
-                            for r in measured)
+    assert measured and all(
+        {"ttft_p95_ms", "itl_p99_ms", "e2e_p50_ms", "goodput_tok_s"} <= set(r.metrics) for r in measured
+    )
     assert bound["metrics"]["ttft_p95_ms"] <= 1500
     assert free["metrics"]["ttft_p95_ms"] > 1500  # the unconstrained winner misses the target...
     assert bound["params"]["parallel"] < free["params"]["parallel"]  # ...by taking more users at once
@@ -287,20 +316,30 @@ def test_a_twin_study_under_a_ttft_target_gives_up_throughput_for_it(tmp_path, t
     page = render(bound_study, summarize(bound_study, "x"))
     assert 'id="plot-slo"' in page and f"Winner under the targets (by goodput_tok_s): trial {bound['number']}" in page
     assert "(misses ttft_p95_ms). What the targets cost:" in page
-    assert 'plot-slo' not in render(study, summarize(study, "x"))  # no targets, no section
+    assert "plot-slo" not in render(study, summarize(study, "x"))  # no targets, no section
 
 
 def test_rate_search_keys(tmp_path):
-    cfg = load_study_config(study_file(tmp_path, 'profile = "chat"\narrival = "poisson"\nrate_search = [0.5, 16]',
-                                       "ttft_p95_ms = 500"))
+    cfg = load_study_config(
+        study_file(tmp_path, 'profile = "chat"\narrival = "poisson"\nrate_search = [0.5, 16]', "ttft_p95_ms = 500")
+    )
     assert cfg.workload.rate_search == (0.5, 16.0) and cfg.objective.metric == "rate_req_s"
     for workload, objective, expected in [
-        ('profile = "chat"\narrival = "poisson"\nrate_search = [0.5, 16]', "",
-         "[workload] rate_search needs latency targets in [objective]"),
-        ('profile = "chat"\narrival = "poisson"\nrate = 1.0\nrate_search = [0.5, 16]', "ttft_p95_ms = 500",
-         "[workload] rate_search = [0.5, 16]: and rate = 1.0 are both set"),
-        ('profile = "chat"\narrival = "poisson"\nrate_search = [16, 0.5]', "ttft_p95_ms = 500",
-         "[workload] rate_search = [16, 0.5]: must be [low, high]"),
+        (
+            'profile = "chat"\narrival = "poisson"\nrate_search = [0.5, 16]',
+            "",
+            "[workload] rate_search needs latency targets in [objective]",
+        ),
+        (
+            'profile = "chat"\narrival = "poisson"\nrate = 1.0\nrate_search = [0.5, 16]',
+            "ttft_p95_ms = 500",
+            "[workload] rate_search = [0.5, 16]: and rate = 1.0 are both set",
+        ),
+        (
+            'profile = "chat"\narrival = "poisson"\nrate_search = [16, 0.5]',
+            "ttft_p95_ms = 500",
+            "[workload] rate_search = [16, 0.5]: must be [low, high]",
+        ),
     ]:
         with pytest.raises(ConfigError) as err:
             load_study_config(study_file(tmp_path, workload, objective))
@@ -316,10 +355,21 @@ def test_the_twin_finds_the_highest_rate_within_the_target(twin_plugin):
     from autotune.modelfiles.models import get_model
     from autotune_plugins.twin import TwinLlamaCpp, load_constants, traffic
 
-    wl = Workload(2000, 150, requests=draw(WorkloadSpec(profile="rag", requests=24), 0, Path(".")),
-                  arrival="poisson", rate_search=(0.25, 40.0), slo=(("ttft_p95_ms", 2000.0),))
-    ctx = StudyContext(gpu=get_gpu("h200"), model=get_model("qwen2.5-7b"), workload=wl, vram_budget_bytes=100 * 2**30,
-                       protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1))
+    wl = Workload(
+        2000,
+        150,
+        requests=draw(WorkloadSpec(profile="rag", requests=24), 0, Path(".")),
+        arrival="poisson",
+        rate_search=(0.25, 40.0),
+        slo=(("ttft_p95_ms", 2000.0),),
+    )
+    ctx = StudyContext(
+        gpu=get_gpu("h200"),
+        model=get_model("qwen2.5-7b"),
+        workload=wl,
+        vram_budget_bytes=100 * 2**30,
+        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1),
+    )
     twin = TwinLlamaCpp()
     config = TrialConfig(twin.name, "gguf:Q4_K_M", 16384, 8, (("flash_attn", True),))
     m = twin.run(config, ctx)
@@ -331,11 +381,13 @@ def test_the_twin_finds_the_highest_rate_within_the_target(twin_plugin):
     assert latency_metrics(above)["ttft_p95_ms"] > 2000.0
 
 
-@pytest.mark.parametrize("ttft_s, expected_rate, loads", [(0.0, 1000.0, 2), (0.5, 0.0, 3)],
-                         ids=["every-rate-meets", "none-meets"])
+@pytest.mark.parametrize(
+    "ttft_s, expected_rate, loads", [(0.0, 1000.0, 2), (0.5, 0.0, 3)], ids=["every-rate-meets", "none-meets"]
+)
 def test_a_runs_rate_search_then_measures_at_the_rate_found(ttft_s, expected_rate, loads):
-    wl = Workload(8, 2, requests=((8, 2),) * 4, arrival="poisson", rate_search=(100.0, 1000.0),
-                  slo=(("ttft_p95_ms", 100.0),))
+    wl = Workload(
+        8, 2, requests=((8, 2),) * 4, arrival="poisson", rate_search=(100.0, 1000.0), slo=(("ttft_p95_ms", 100.0),)
+    )
     sent: list[int] = []
 
     def send(i: int) -> StreamResult:

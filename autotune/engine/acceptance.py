@@ -66,14 +66,26 @@ class Acceptance:
         return self.accepted / self.generated if self.generated else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "drafted": self.drafted, "accepted": self.accepted,
-                "generated": self.generated, "rate": self.rate, "passes": self.passes,
-                "tokens_per_pass": self.tokens_per_pass, "accepted_share": self.accepted_share}
+        return {
+            "requests": self.requests,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "generated": self.generated,
+            "rate": self.rate,
+            "passes": self.passes,
+            "tokens_per_pass": self.tokens_per_pass,
+            "accepted_share": self.accepted_share,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Acceptance":
-        return cls(int(d["requests"]), int(d["drafted"]), int(d["accepted"]), int(d["generated"]),
-                   None if d.get("passes") is None else int(d["passes"]))
+        return cls(
+            int(d["requests"]),
+            int(d["drafted"]),
+            int(d["accepted"]),
+            int(d["generated"]),
+            None if d.get("passes") is None else int(d["passes"]),
+        )
 
 
 def total(counts: Iterable[DraftCount]) -> Acceptance:
@@ -88,5 +100,10 @@ def total(counts: Iterable[DraftCount]) -> Acceptance:
         if c.drafted < 0 or c.accepted < 0 or c.accepted > c.drafted:
             raise ValueError(f"draft counters out of range: {c.accepted} accepted of {c.drafted} drafted")
     passes = None if not counts or any(c.passes is None for c in counts) else sum(c.passes for c in counts)  # type: ignore[misc]
-    return Acceptance(len(counts), sum(c.drafted for c in counts), sum(c.accepted for c in counts),
-                      sum(c.generated for c in counts), passes)
+    return Acceptance(
+        len(counts),
+        sum(c.drafted for c in counts),
+        sum(c.accepted for c in counts),
+        sum(c.generated for c in counts),
+        passes,
+    )

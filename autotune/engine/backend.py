@@ -27,8 +27,17 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune.engine import cache_types
 from autotune.engine.backend_records import (  # noqa: F401 - backend writers and the core import them from here
-    DEFAULT_BASELINE, DefaultLaunch, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig, UserLoad,
-    same_value)
+    DEFAULT_BASELINE,
+    DefaultLaunch,
+    Measurement,
+    MemoryEstimate,
+    Param,
+    Setting,
+    StudyContext,
+    TrialConfig,
+    UserLoad,
+    same_value,
+)
 from autotune.engine.declarations import CacheType, WeightFormats
 from autotune.engine.deploy import control_problem, deploy_line  # noqa: F401 - a backend writer imports both from here
 from autotune.errors import ConfigError

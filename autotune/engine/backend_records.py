@@ -48,6 +48,8 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
 @dataclass(frozen=True)
 class Setting:
     """One key a backend accepts in the study file's ``[backends.<name>]`` table.

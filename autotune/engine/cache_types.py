@@ -60,8 +60,10 @@ def _gathered() -> tuple[int, dict[str, CacheType], dict[str, frozenset[str]]]:
         for ct in getattr(backend, "kv_cache_types", ()):
             key = ct.name.lower()
             if key in found and _figures(found[key]) != _figures(ct):
-                raise PluginError(f"cache type '{key}' is declared twice, differently: by backend '{owner[key]}' "
-                                  f"({found[key]}) and by backend '{name}' ({ct})")
+                raise PluginError(
+                    f"cache type '{key}' is declared twice, differently: by backend '{owner[key]}' "
+                    f"({found[key]}) and by backend '{name}' ({ct})"
+                )
             found.setdefault(key, ct)
             owner.setdefault(key, name)
             families.setdefault(key, set()).add(ct.family)
@@ -126,8 +128,7 @@ def cache_bytes_per_element(cache_type: str | CacheType) -> float:
 
 
 def kv_bytes_per_token(
-    model: ModelSpec, k_type: str | CacheType, v_type: str | CacheType | None = None, *,
-    n_layers: int | None = None
+    model: ModelSpec, k_type: str | CacheType, v_type: str | CacheType | None = None, *, n_layers: int | None = None
 ) -> float:
     """KV-cache bytes per token of context: ``layers * n_kv_heads * head_dim * (bytes_k + bytes_v)``.
 

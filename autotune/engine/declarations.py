@@ -194,6 +194,14 @@ class WeightsBreakdown:
         def scaled(values: tuple[int, ...]) -> tuple[int, ...]:
             return tuple(math.floor(b * k) for b in values)
 
-        return WeightsBreakdown(emb, out, layers, other, self.embedding_on_gpu, self.head_is_embedding,
-                                scaled(self.per_layer_expert_bytes), scaled(self.per_layer_largest_bytes),
-                                scaled(self.per_layer_largest_expert_bytes))
+        return WeightsBreakdown(
+            emb,
+            out,
+            layers,
+            other,
+            self.embedding_on_gpu,
+            self.head_is_embedding,
+            scaled(self.per_layer_expert_bytes),
+            scaled(self.per_layer_largest_bytes),
+            scaled(self.per_layer_largest_expert_bytes),
+        )

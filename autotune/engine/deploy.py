@@ -24,8 +24,13 @@ def control_problem(value: str) -> str | None:
     """Why a one-line value (a host, a name, a template's docs) is refused: a control character,
     which would end the deploy line's comment and start a shell command when it is pasted."""
     found = _CONTROL.search(value)
-    return None if found is None else (f"holds the control character {found.group()!r} at {found.start()}; it "
-                                       "must be one line of printable text")
+    return (
+        None
+        if found is None
+        else (
+            f"holds the control character {found.group()!r} at {found.start()}; it must be one line of printable text"
+        )
+    )
 
 
 def deploy_line(argv: Sequence[Any], notes: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:

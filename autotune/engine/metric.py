@@ -165,8 +165,9 @@ class BaseMetric(abc.ABC):
         """
         return None
 
-    def evaluate_items(self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext",
-                       items: "tuple[int, ...] | list[int]") -> MetricValue:
+    def evaluate_items(
+        self, config: "TrialConfig", backend: "BaseBackend", ctx: "StudyContext", items: "tuple[int, ...] | list[int]"
+    ) -> MetricValue:
         """Measure the artifact of ``config`` on ``items`` only (ids from ``item_order``);
         the result carries ``per_item``."""
         raise NotImplementedError(f"metric '{self.name}' answers no items")

@@ -100,10 +100,18 @@ class EngineModel:
         """The engine's tunables: ``cache_type`` and ``flash_attn`` unless overridden; an option
         whose values are all foreign comes back without choices (the core reports it)."""
         return [
-            Param("cache_type", kept(space, "cache_type", self.cache_types),
-                  f"KV-cache type ({', '.join(self.cache_types)})", accepted=self.cache_types),
-            Param("flash_attn", kept(space, "flash_attn", (True, False)), "fused attention kernels",
-                  accepted=(True, False)),
+            Param(
+                "cache_type",
+                kept(space, "cache_type", self.cache_types),
+                f"KV-cache type ({', '.join(self.cache_types)})",
+                accepted=self.cache_types,
+            ),
+            Param(
+                "flash_attn",
+                kept(space, "flash_attn", (True, False)),
+                "fused attention kernels",
+                accepted=(True, False),
+            ),
         ]
 
     def rules(self, config: TrialConfig, ctx: StudyContext) -> list[str]:
@@ -123,8 +131,9 @@ class EngineModel:
         """What a study on several cards searches of the split when its ``[space]`` does not say."""
         return {}
 
-    def placement_memory(self, mem: MemoryEstimate, s: Any, config: TrialConfig,
-                         ctx: StudyContext) -> MemoryEstimate | None:
+    def placement_memory(
+        self, mem: MemoryEstimate, s: Any, config: TrialConfig, ctx: StudyContext
+    ) -> MemoryEstimate | None:
         """Each card's share of ``mem`` (the one-card estimate of scenario ``s``, every layer on
         the card) by the engine's own placement, where it has one (its real backend's per-card
         model); None: the twin's generic split (``plugins/twin/multicard.py``) stands for it."""
@@ -206,7 +215,9 @@ def engine_model(name: str) -> EngineModel:
     """
     models = engine_models()
     if name not in models:
-        raise UnknownNameError(f"engine model '{name}' is not installed (installed: {', '.join(sorted(models)) or 'none'})")
+        raise UnknownNameError(
+            f"engine model '{name}' is not installed (installed: {', '.join(sorted(models)) or 'none'})"
+        )
     return models[name]
 
 
@@ -231,6 +242,8 @@ def weight_format(family: str) -> WeightFormats:
         for f in formats:
             declared.setdefault(f.name, f)
     if family not in declared:
-        raise UnknownNameError(f"weight format '{family}' is declared by no engine model "
-                               f"(declared: {', '.join(sorted(declared)) or 'none'})")
+        raise UnknownNameError(
+            f"weight format '{family}' is declared by no engine model "
+            f"(declared: {', '.join(sorted(declared)) or 'none'})"
+        )
     return declared[family]

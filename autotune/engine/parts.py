@@ -131,8 +131,9 @@ class Predictor(Part, abc.ABC):
     learns: bool = False
     """Whether ``calibrate`` refits anything (the study then calls it after real trials)."""
 
-    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
-                  ctx: StudyContext) -> Mapping[str, Any] | None:
+    def calibrate(
+        self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]], ctx: StudyContext
+    ) -> Mapping[str, Any] | None:
         """Refit the speed constants to what a real backend of its engine measured.
 
         The study calls it (when ``learns``) after each measured trial of a real backend this one

@@ -79,16 +79,21 @@ def load_rules(path: str | Path) -> list[Rule]:
         bad = set(unless) - set(FACTS) if isinstance(unless, dict) else {"(not a table)"}
         if bad:
             errors.append(f"{where}: unless {sorted(bad)}: not a known fact (known: {', '.join(FACTS)})")
-        elif "at_most" in unless and not (isinstance(unless["at_most"], list) and all(
-                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in unless["at_most"])):
-            errors.append(f"{where}: unless at_most must be a list of [option, bound] pairs "
-                          f"(bound: a number, or an option's or a fact's name)")
+        elif "at_most" in unless and not (
+            isinstance(unless["at_most"], list)
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in unless["at_most"])
+        ):
+            errors.append(
+                f"{where}: unless at_most must be a list of [option, bound] pairs "
+                f"(bound: a number, or an option's or a fact's name)"
+            )
         for field in ("name", "reason", "source"):
             if not isinstance(raw.get(field), str) or not raw.get(field):
                 errors.append(f"{where}: {field} must be a non-empty string")
         if not errors:
-            rules.append(Rule(raw["name"], {k: tuple(v) for k, v in when.items()}, dict(unless), raw["reason"],
-                              raw["source"]))
+            rules.append(
+                Rule(raw["name"], {k: tuple(v) for k, v in when.items()}, dict(unless), raw["reason"], raw["source"])
+            )
     if errors:
         raise ConfigError("\n".join(errors))
     return rules
@@ -143,7 +148,8 @@ def violations(rules: list[Rule], options: Mapping[str, Any], facts: Mapping[str
     reasons = []
     for rule in rules:
         known = {**facts, **options}
-        if all(known.get(name) in values for name, values in rule.when.items()) and \
-                not _excused(rule.unless, options, facts):
+        if all(known.get(name) in values for name, values in rule.when.items()) and not _excused(
+            rule.unless, options, facts
+        ):
             reasons.append(rule.reason.format_map(_Known({**facts, **options})))
     return reasons

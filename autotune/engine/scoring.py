@@ -98,12 +98,12 @@ class Scorer(abc.ABC):
         starts in them: split as lm-eval's adapters split (see :meth:`loglikelihood`)."""
         ctx_tokens = self.tokenize(context, add_bos=True)
         whole = self.tokenize(context + continuation, add_bos=True)
-        cont = whole[len(ctx_tokens):]
+        cont = whole[len(ctx_tokens) :]
         if not cont:
             cont = self.tokenize(continuation)
             whole = ctx_tokens + cont
         if len(whole) > self.n_ctx:
-            whole = whole[-self.n_ctx:]  # cut the context from the left, keep every answer token
+            whole = whole[-self.n_ctx :]  # cut the context from the left, keep every answer token
         return whole, len(whole) - len(cont)
 
     @abc.abstractmethod

@@ -16,15 +16,27 @@ from typing import Any
 
 __all__ = ["EXPERT_LIMITS", "SHAPE_LIMITS", "expert_fields", "shape_problem"]
 
-SHAPE_LIMITS: Mapping[str, tuple[int, int]] = types.MappingProxyType({
-    "n_layers": (1, 4096), "hidden_size": (1, 1 << 20), "n_heads": (1, 1 << 16), "n_kv_heads": (1, 1 << 16),
-    "head_dim": (1, 1 << 16), "ffn_size": (1, 1 << 24), "vocab_size": (1, 1 << 24), "max_context": (1, 1 << 30),
-})
+SHAPE_LIMITS: Mapping[str, tuple[int, int]] = types.MappingProxyType(
+    {
+        "n_layers": (1, 4096),
+        "hidden_size": (1, 1 << 20),
+        "n_heads": (1, 1 << 16),
+        "n_kv_heads": (1, 1 << 16),
+        "head_dim": (1, 1 << 16),
+        "ffn_size": (1, 1 << 24),
+        "vocab_size": (1, 1 << 24),
+        "max_context": (1, 1 << 30),
+    }
+)
 # A mixture of experts' routing, checked only where a file says it has experts (a dense model's
 # are 0). DeepSeek-V3 and Kimi K2 route among 256 and 384 experts; 16k is room to spare.
-EXPERT_LIMITS: Mapping[str, tuple[int, int]] = types.MappingProxyType({
-    "n_experts": (1, 1 << 14), "n_experts_used": (1, 1 << 14), "expert_ffn_size": (1, 1 << 24),
-})
+EXPERT_LIMITS: Mapping[str, tuple[int, int]] = types.MappingProxyType(
+    {
+        "n_experts": (1, 1 << 14),
+        "n_experts_used": (1, 1 << 14),
+        "expert_ffn_size": (1, 1 << 24),
+    }
+)
 
 
 def shape_problem(key: str, value: Any, field_name: str) -> str | None:
@@ -44,8 +56,11 @@ def expert_fields(get: Callable[[str], Any], arch: str, ffn: int, problems: list
     used, width = get("expert_used_count"), get("expert_feed_forward_length")
     if width is None and isinstance(used, int) and not isinstance(used, bool) and used > 0:
         width = ffn // used  # llama.cpp's own fallback when the key is absent
-    found = [(f"{arch}.expert_count", n, "n_experts"), (f"{arch}.expert_used_count", used, "n_experts_used"),
-             (f"{arch}.expert_feed_forward_length", width, "expert_ffn_size")]
+    found = [
+        (f"{arch}.expert_count", n, "n_experts"),
+        (f"{arch}.expert_used_count", used, "n_experts_used"),
+        (f"{arch}.expert_feed_forward_length", width, "expert_ffn_size"),
+    ]
     bad = [why for key, value, name in found if (why := shape_problem(key, value, name))]
     if not bad and used > n:
         bad.append(f"{arch}.expert_used_count = {used}: more than the {n} experts")

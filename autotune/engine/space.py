@@ -71,7 +71,7 @@ class Dimension:
     option: str
     choices: tuple[Any, ...]
     values: tuple[Any, ...]
-    parent: str | None = None                # the option this one depends on (ConditionalParam)
+    parent: str | None = None  # the option this one depends on (ConditionalParam)
     parent_values: tuple[Any, ...] = ()
 
     def active(self, plain: Mapping[str, Any]) -> bool:
@@ -128,22 +128,34 @@ class BackendSpace:
 
     def active(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """``options`` without the conditional parameters their parent switches off."""
-        return {k: v for k, v in options.items()
-                if not any(isinstance(p, ConditionalParam) and p.name == k and options.get(p.parent) not in p.parent_values
-                           for p in self.params)}
+        return {
+            k: v
+            for k, v in options.items()
+            if not any(
+                isinstance(p, ConditionalParam) and p.name == k and options.get(p.parent) not in p.parent_values
+                for p in self.params
+            )
+        }
 
     def dimensions(self) -> list[Dimension]:
         """Its parameters as Optuna names them (module docstring), in a stable order."""
         name = self.backend.name
-        dims = [dimension_of(name, "weights", self.weights), dimension_of(name, "ctx", self.ctx),
-                dimension_of(name, "parallel", self.parallel)]
+        dims = [
+            dimension_of(name, "weights", self.weights),
+            dimension_of(name, "ctx", self.ctx),
+            dimension_of(name, "parallel", self.parallel),
+        ]
         declared = self.backend.kv_cache_types
         plain = [p for p in self.params if not isinstance(p, ConditionalParam)]
         conditional = [p for p in self.params if isinstance(p, ConditionalParam)]
         dims += [dimension_of(name, p.name, p.choices, declared) for p in plain]
         # Conditional ones last: their parent is drawn (and decoded) before them.
-        return dims + [replace(dimension_of(name, p.name, p.choices, declared), parent=p.parent,
-                               parent_values=tuple(p.parent_values)) for p in conditional]
+        return dims + [
+            replace(
+                dimension_of(name, p.name, p.choices, declared), parent=p.parent, parent_values=tuple(p.parent_values)
+            )
+            for p in conditional
+        ]
 
 
 def _product(counts: Iterator[int]) -> int:
@@ -190,8 +202,10 @@ class SearchSpace:
                 continue
             drawn[dim.name] = trial.suggest_categorical(dim.name, list(union[dim.name]))
             if drawn[dim.name] not in dim.choices:
-                raise NotOffered(f"backend '{backend}' does not offer {dim.name} = {drawn[dim.name]!r} "
-                                 f"(it offers {', '.join(map(repr, dim.choices))})")
+                raise NotOffered(
+                    f"backend '{backend}' does not offer {dim.name} = {drawn[dim.name]!r} "
+                    f"(it offers {', '.join(map(repr, dim.choices))})"
+                )
             plain[dim.option] = dim.decode(drawn[dim.name])
         return self.config_of(entry, drawn)
 
@@ -232,9 +246,7 @@ class SearchSpace:
         reasons = []
         need = ctx.workload.sequence_tokens
         if config.ctx < need:
-            reasons.append(
-                f"ctx {config.ctx} cannot hold the workload: one sequence needs {ctx.workload.need_text}"
-            )
+            reasons.append(f"ctx {config.ctx} cannot hold the workload: one sequence needs {ctx.workload.need_text}")
         own = self.entries[config.backend].backend.check(config, ctx)
         reasons += own
         # Every engine refuses a ctx beyond the model's (llama.cpp's rules, ExLlamaV2's check,

@@ -80,8 +80,14 @@ class SlotLayout:
         return per_seq * parallel if not self.unified else min(self.cells(ctx, parallel), per_seq * parallel)
 
 
-def kv_cache_bytes(model: ModelSpec, cache_type: str | CacheType, ctx: int, parallel: int, layout: SlotLayout,
-                   v_type: str | CacheType | None = None) -> tuple[int, int, str]:
+def kv_cache_bytes(
+    model: ModelSpec,
+    cache_type: str | CacheType,
+    ctx: int,
+    parallel: int,
+    layout: SlotLayout,
+    v_type: str | CacheType | None = None,
+) -> tuple[int, int, str]:
     """KV-cache bytes of ``parallel`` sequences of ``ctx`` tokens in an engine's layout.
 
     Args:

@@ -33,14 +33,35 @@ from typing import Any
 
 from autotune.toolkit.paths import path_problem, read_input
 
-__all__ = ["ARRIVALS", "PRESETS", "SLO_KEYS", "Preset", "WORKLOAD_KEYS", "Workload", "WorkloadSpec", "study_workload", "draw", "read_lengths", "read_slo",
-           "read_workload"]
+__all__ = [
+    "ARRIVALS",
+    "PRESETS",
+    "SLO_KEYS",
+    "Preset",
+    "WORKLOAD_KEYS",
+    "Workload",
+    "WorkloadSpec",
+    "study_workload",
+    "draw",
+    "read_lengths",
+    "read_slo",
+    "read_workload",
+]
 
 ARRIVALS = ("closed", "poisson")
 # Request numbers from here on are a run's (Workload.request); those below, requests alone.
 FIRST_RUN_REQUEST = 1000
-WORKLOAD_KEYS = ("prompt_tokens", "output_tokens", "profile", "file", "requests", "seed", "arrival", "rate",
-                 "rate_search")
+WORKLOAD_KEYS = (
+    "prompt_tokens",
+    "output_tokens",
+    "profile",
+    "file",
+    "requests",
+    "seed",
+    "arrival",
+    "rate",
+    "rate_search",
+)
 # Bisections of a rate search after its two bounds: the rate found is within (high - low) / 2**5.
 RATE_SEARCH_STEPS = 5
 # The latency quantities a target may bound, each at one of these percentiles, e.g. ttft_p95_ms.
@@ -153,21 +174,49 @@ class Preset:
 # A lognormal with median m and sigma s has mean m * exp(s^2 / 2): the chat preset's medians are
 # set so that its means are the published ones.
 PRESETS: Mapping[str, Preset] = {
-    "chat": Preset(161.31 / math.exp(0.9**2 / 2), 0.9, 337.99 / math.exp(0.8**2 / 2), 0.8, 4, 4096,
-                   "ShareGPT conversations as Kwon et al. measured them for the PagedAttention paper (SOSP "
-                   "2023, section 6.1 and figure 11: mean input 161.31, mean output 337.99 tokens); the means "
-                   "are theirs, the lognormal shape and its spread (sigma 0.9 and 0.8) are our assumption"),
-    "rag": Preset(2000, 0.35, 150, 0.5, 16, 8192,
-                  "assumed, not measured: retrieval-augmented answers send several retrieved passages "
-                  "(about four of 512 tokens) and a question, and get a short answer; no published "
-                  "length statistics are used"),
-    "code": Preset(1500, 0.6, 120, 0.7, 16, 8192,
-                   "assumed, not measured: an editor's code completion sends the file around the "
-                   "cursor and gets a few lines back; no published length statistics are used"),
-    "batch": Preset(512, 0.25, 512, 0.25, 16, 4096,
-                    "assumed, not measured: offline generation over a dataset of similar documents "
-                    "(moderate prompts, long answers, little spread); no published length statistics "
-                    "are used"),
+    "chat": Preset(
+        161.31 / math.exp(0.9**2 / 2),
+        0.9,
+        337.99 / math.exp(0.8**2 / 2),
+        0.8,
+        4,
+        4096,
+        "ShareGPT conversations as Kwon et al. measured them for the PagedAttention paper (SOSP "
+        "2023, section 6.1 and figure 11: mean input 161.31, mean output 337.99 tokens); the means "
+        "are theirs, the lognormal shape and its spread (sigma 0.9 and 0.8) are our assumption",
+    ),
+    "rag": Preset(
+        2000,
+        0.35,
+        150,
+        0.5,
+        16,
+        8192,
+        "assumed, not measured: retrieval-augmented answers send several retrieved passages "
+        "(about four of 512 tokens) and a question, and get a short answer; no published "
+        "length statistics are used",
+    ),
+    "code": Preset(
+        1500,
+        0.6,
+        120,
+        0.7,
+        16,
+        8192,
+        "assumed, not measured: an editor's code completion sends the file around the "
+        "cursor and gets a few lines back; no published length statistics are used",
+    ),
+    "batch": Preset(
+        512,
+        0.25,
+        512,
+        0.25,
+        16,
+        4096,
+        "assumed, not measured: offline generation over a dataset of similar documents "
+        "(moderate prompts, long answers, little spread); no published length statistics "
+        "are used",
+    ),
 }
 
 
@@ -209,8 +258,13 @@ MAX_TOKENS = 10_000_000  # a prompt or an output longer than any model's context
 
 def _short(value: Any) -> str:
     """A bad value as an error shows it: 10**400 is not 400 digits of message."""
-    text = repr(value) if not isinstance(value, int) else str(value) if abs(value) < 10**30 else \
-        f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    text = (
+        repr(value)
+        if not isinstance(value, int)
+        else str(value)
+        if abs(value) < 10**30
+        else f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    )
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -257,17 +311,21 @@ def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
         reader = csv.DictReader(text.splitlines())
         missing = [f for f in fields if f not in (reader.fieldnames or ())]
         if missing:
-            raise ValueError(f"{shown}: line 1: the header lacks {', '.join(missing)} (a CSV of request lengths "
-                             f"needs the columns {', '.join(fields)})")
+            raise ValueError(
+                f"{shown}: line 1: the header lacks {', '.join(missing)} (a CSV of request lengths "
+                f"needs the columns {', '.join(fields)})"
+            )
         header = ", ".join(reader.fieldnames or ())
         try:
             for row in reader:
                 # DictReader keeps a row's surplus values under None: 1,200,7 under a header of
                 # two read as 1 and 200, whatever the 7 meant (a shifted column, a comma in a number).
                 if None in row:
-                    raise ValueError(f"{shown}: line {reader.line_num}: {len(reader.fieldnames or ()) + len(row[None])} "
-                                     f"values under a header of {len(reader.fieldnames or ())} ({header}); give one "
-                                     "value a column, quoting a value that holds a comma")
+                    raise ValueError(
+                        f"{shown}: line {reader.line_num}: {len(reader.fieldnames or ()) + len(row[None])} "
+                        f"values under a header of {len(reader.fieldnames or ())} ({header}); give one "
+                        "value a column, quoting a value that holds a comma"
+                    )
                 rows.append((reader.line_num, row))
         except csv.Error as exc:
             raise ValueError(f"{shown}: line {reader.line_num}: not CSV ({exc})") from None
@@ -278,19 +336,25 @@ def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
             try:
                 obj = json.loads(line, object_pairs_hook=_unique_keys)
             except _RepeatedKey as exc:  # json.loads keeps the last of two: which one was meant?
-                raise ValueError(f"{shown}: line {n}: the key {exc.key!r} twice; give each of "
-                                 f"{' and '.join(fields)} once") from None
+                raise ValueError(
+                    f"{shown}: line {n}: the key {exc.key!r} twice; give each of {' and '.join(fields)} once"
+                ) from None
             except ValueError as exc:  # JSONDecodeError, or a number of more than 4,300 digits
-                raise ValueError(f"{shown}: line {n}: not JSON ({getattr(exc, 'msg', exc)}); each line must be an "
-                                 "object such as "
-                                 '{"prompt_tokens": 812, "output_tokens": 240}') from None
+                raise ValueError(
+                    f"{shown}: line {n}: not JSON ({getattr(exc, 'msg', exc)}); each line must be an "
+                    "object such as "
+                    '{"prompt_tokens": 812, "output_tokens": 240}'
+                ) from None
             if not isinstance(obj, dict):
-                raise ValueError(f"{shown}: line {n}: a JSON {type(obj).__name__}, not an object with "
-                                 f"{' and '.join(fields)}")
+                raise ValueError(
+                    f"{shown}: line {n}: a JSON {type(obj).__name__}, not an object with {' and '.join(fields)}"
+                )
             rows.append((n, obj))
     else:
-        raise ValueError(f"{shown}: unknown kind of file {path.suffix!r}: give a .jsonl (one JSON object a line) "
-                         f"or a .csv (a header line) with {' and '.join(fields)} per request")
+        raise ValueError(
+            f"{shown}: unknown kind of file {path.suffix!r}: give a .jsonl (one JSON object a line) "
+            f"or a .csv (a header line) with {' and '.join(fields)} per request"
+        )
     out = []
     for n, row in rows:
         pair = []
@@ -301,8 +365,9 @@ def read_lengths(path: Path, shown: str | None = None) -> list[tuple[int, int]]:
                 value = int(value)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TOKENS:
                 got = "missing" if value is None else _short(value)
-                raise ValueError(f"{shown}: line {n}: {f} = {got}: must be an integer from 1 to {MAX_TOKENS:,} "
-                                 "(tokens)")
+                raise ValueError(
+                    f"{shown}: line {n}: {f} = {got}: must be an integer from 1 to {MAX_TOKENS:,} (tokens)"
+                )
             pair.append(value)
         out.append((pair[0], pair[1]))
     if not out:
@@ -332,26 +397,41 @@ def draw(spec: WorkloadSpec, study_seed: int, base_dir: Path, parallel: int = 1)
     return tuple(rng.choice(lengths) for _ in range(n))
 
 
-def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Callable[[str, Any, str], None]
-                  ) -> WorkloadSpec:
+def read_workload(
+    table: Mapping[str, Any], get: Callable[..., Any], error: Callable[[str, Any, str], None]
+) -> WorkloadSpec:
     """Read ``[workload]`` with the study file's reader (``get(key, kind, default, check=...)``
     and ``error(key, value, message)``, both for this table, a value of None meaning a missing
     key), every problem reported."""
+
     def tokens(v: Any) -> str | None:
         return None if 1 <= v <= MAX_TOKENS else f"must be 1..{MAX_TOKENS:,} (tokens)"
 
     prompt = get("prompt_tokens", int, None, check=tokens)
     output = get("output_tokens", int, None, check=tokens)
-    profile = get("profile", str, None,
-                  check=lambda v: None if v in PRESETS else f"must be one of {', '.join(PRESETS)} (docs/workload.md)")
+    profile = get(
+        "profile",
+        str,
+        None,
+        check=lambda v: None if v in PRESETS else f"must be one of {', '.join(PRESETS)} (docs/workload.md)",
+    )
     file = get("file", str, None, check=lambda v: None if v.strip() else "must name a .jsonl or .csv file")
     requests = get("requests", int, None, check=lambda v: None if 1 <= v <= 100_000 else "must be 1..100000")
     seed = get("seed", int, None, check=lambda v: None if 0 <= v <= 2**32 - 1 else f"must be 0..{2**32 - 1}")
-    arrival = get("arrival", str, "closed", check=lambda v: None if v in ARRIVALS else
-                  f"must be one of {', '.join(ARRIVALS)}")
-    rate = get("rate", float, None, check=lambda v: None if RATE_RANGE[0] <= v <= RATE_RANGE[1] else
-               f"must be {RATE_RANGE[0]:g}..{RATE_RANGE[1]:g} requests per second (below, a run of requests takes "
-               "hours; 1e-300 named a best at 0.0 tok/s)")
+    arrival = get(
+        "arrival", str, "closed", check=lambda v: None if v in ARRIVALS else f"must be one of {', '.join(ARRIVALS)}"
+    )
+    rate = get(
+        "rate",
+        float,
+        None,
+        check=lambda v: (
+            None
+            if RATE_RANGE[0] <= v <= RATE_RANGE[1]
+            else f"must be {RATE_RANGE[0]:g}..{RATE_RANGE[1]:g} requests per second (below, a run of requests takes "
+            "hours; 1e-300 named a best at 0.0 tok/s)"
+        ),
+    )
     shape = "give prompt_tokens and output_tokens (one request shape), or profile, or file"
     if "profile" in table and "file" in table:
         error("profile", profile, f"and file = {file!r} are both set: {shape}, not both")
@@ -363,37 +443,78 @@ def read_workload(table: Mapping[str, Any], get: Callable[..., Any], error: Call
         for key in ("prompt_tokens", "output_tokens"):
             if key not in table:
                 error(key, None, f"required: {shape}")
-    search = get("rate_search", list, None, check=lambda v: None if len(v) == 2 and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) and RATE_RANGE[0] <= v[0] < v[1] <=
-        RATE_RANGE[1] else f"must be [low, high] requests per second, {RATE_RANGE[0]:g} <= low < high <= "
-        f"{RATE_RANGE[1]:g}, e.g. [0.5, 16.0]")
+    search = get(
+        "rate_search",
+        list,
+        None,
+        check=lambda v: (
+            None
+            if len(v) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            and RATE_RANGE[0] <= v[0] < v[1] <= RATE_RANGE[1]
+            else f"must be [low, high] requests per second, {RATE_RANGE[0]:g} <= low < high <= "
+            f"{RATE_RANGE[1]:g}, e.g. [0.5, 16.0]"
+        ),
+    )
     if arrival == "poisson" and "rate" in table and "rate_search" in table:
         # As written, even when it is bad itself: "(missing)" beside "both set" said the opposite.
-        error("rate_search", table["rate_search"], f"and rate = {table['rate']} are both set: give one (a fixed rate, "
-              "or the range to search)")
+        error(
+            "rate_search",
+            table["rate_search"],
+            f"and rate = {table['rate']} are both set: give one (a fixed rate, or the range to search)",
+        )
     elif arrival == "poisson" and "rate" not in table and "rate_search" not in table:
-        error("rate", None, "required with arrival = 'poisson': requests per second, e.g. 2.0 (or rate_search = "
-                            "[low, high] to find the highest rate that meets the latency targets)")
+        error(
+            "rate",
+            None,
+            "required with arrival = 'poisson': requests per second, e.g. 2.0 (or rate_search = "
+            "[low, high] to find the highest rate that meets the latency targets)",
+        )
     for key, value in (("rate", rate), ("rate_search", search)):
         if arrival == "closed" and value is not None:
             error(key, value, "is for arrival = 'poisson' (open loop); a closed loop sends as fast as the slots answer")
     if requests is not None and "profile" not in table and "file" not in table and arrival == "closed":
-        error("requests", requests, "is for a length distribution (profile or file) or arrival = 'poisson'; "
-                                    "one request shape sends parallel requests a run")
+        error(
+            "requests",
+            requests,
+            "is for a length distribution (profile or file) or arrival = 'poisson'; "
+            "one request shape sends parallel requests a run",
+        )
     if seed is not None and "profile" not in table and "file" not in table and arrival == "closed":
-        error("seed", seed, "draws a length distribution (profile or file) or arrival = 'poisson''s times; one "
-                            "request shape in a closed loop draws nothing, so it would change nothing")
-    return WorkloadSpec(prompt, output, profile, file, requests, seed, arrival, rate,
-                        (float(search[0]), float(search[1])) if search else None)
+        error(
+            "seed",
+            seed,
+            "draws a length distribution (profile or file) or arrival = 'poisson''s times; one "
+            "request shape in a closed loop draws nothing, so it would change nothing",
+        )
+    return WorkloadSpec(
+        prompt,
+        output,
+        profile,
+        file,
+        requests,
+        seed,
+        arrival,
+        rate,
+        (float(search[0]), float(search[1])) if search else None,
+    )
 
 
 def read_slo(table: Mapping[str, Any], get: Callable[..., Any]) -> tuple[tuple[str, float], ...]:
     """The latency targets of ``[objective]`` (``ttft_p95_ms = 500``...), in :data:`SLO_KEYS` order."""
     out = []
     for key in SLO_KEYS:
-        value = get(key, float, None, check=lambda v: None if SLO_RANGE_MS[0] <= v <= SLO_RANGE_MS[1] else
-                    f"must be {SLO_RANGE_MS[0]:g}..{SLO_RANGE_MS[1]:g} (milliseconds: a tenth of a millisecond to "
-                    "a day)")
+        value = get(
+            key,
+            float,
+            None,
+            check=lambda v: (
+                None
+                if SLO_RANGE_MS[0] <= v <= SLO_RANGE_MS[1]
+                else f"must be {SLO_RANGE_MS[0]:g}..{SLO_RANGE_MS[1]:g} (milliseconds: a tenth of a millisecond to "
+                "a day)"
+            ),
+        )
         if value is not None:
             out.append((key, float(value)))
     return tuple(out)
@@ -418,6 +539,13 @@ def study_workload(cfg: Any) -> Workload:
     spec: WorkloadSpec = cfg.workload
     floor = cfg.objective.min_per_user_tok_s
     slo = tuple(cfg.objective.slo) + ((("min_per_user_tok_s", float(floor)),) if floor is not None else ())
-    return Workload(cfg.prompt_tokens, cfg.output_tokens, requests=tuple(cfg.requests), arrival=spec.arrival,
-                    rate=spec.rate, seed=spec.seed if spec.seed is not None else cfg.seed, slo=slo,
-                    rate_search=spec.rate_search if spec.arrival == "poisson" else None)
+    return Workload(
+        cfg.prompt_tokens,
+        cfg.output_tokens,
+        requests=tuple(cfg.requests),
+        arrival=spec.arrival,
+        rate=spec.rate,
+        seed=spec.seed if spec.seed is not None else cfg.seed,
+        slo=slo,
+        rate_search=spec.rate_search if spec.arrival == "poisson" else None,
+    )

@@ -56,8 +56,10 @@ def cuda_visible_entry(cuda_index: int = 0, environ: Mapping[str, str] | None = 
         return str(cuda_index)
     entries = [e.strip() for e in env[_VISIBLE].split(",") if e.strip()]
     if cuda_index >= len(entries):
-        raise ConfigError(f"{_VISIBLE}={env[_VISIBLE]!r} shows {len(entries)} GPU(s) but [hardware] gpu_index is "
-                          f"{cuda_index}: gpu_index counts the GPUs {_VISIBLE} shows, from 0")
+        raise ConfigError(
+            f"{_VISIBLE}={env[_VISIBLE]!r} shows {len(entries)} GPU(s) but [hardware] gpu_index is "
+            f"{cuda_index}: gpu_index counts the GPUs {_VISIBLE} shows, from 0"
+        )
     return entries[cuda_index]
 
 
@@ -100,8 +102,9 @@ def _nvml_cards(nvml: Any) -> list[tuple[int, str, str, str, list[str]]]:
     return cards
 
 
-def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | None = None,
-                        nvml: Any = None) -> CudaDevice:
+def resolve_cuda_device(
+    cuda_index: int = 0, *, environ: Mapping[str, str] | None = None, nvml: Any = None
+) -> CudaDevice:
     """Which NVML device this process's CUDA device ``cuda_index`` is (the study's ``gpu_index``).
 
     NVML numbers every card in the machine, whatever CUDA_VISIBLE_DEVICES says; CUDA numbers
@@ -128,7 +131,9 @@ def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | Non
             nvml = _nvml.load()
             nvml.nvmlInit()
         except Exception as exc:  # ImportError, NVMLError_LibraryNotFound / DriverNotLoaded ...
-            raise ConfigError(f"cannot tell which GPU CUDA device {cuda_index} is: NVML is not usable ({exc})") from None
+            raise ConfigError(
+                f"cannot tell which GPU CUDA device {cuda_index} is: NVML is not usable ({exc})"
+            ) from None
     try:
         cards = _nvml_cards(nvml)
     except Exception as exc:  # nvmlDeviceGetCount failed: NVML is there but answers nothing
@@ -146,7 +151,7 @@ def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | Non
     if driver_uuid is not None:
         for index, uuid, _, _, migs in cards:
             for candidate in (uuid, *migs):
-                if candidate.lower()[len("GPU-"):] == driver_uuid:
+                if candidate.lower()[len("GPU-") :] == driver_uuid:
                     return CudaDevice(index, candidate, "CUDA driver")
     entry = cuda_visible_entry(cuda_index, env)
     if entry.upper().startswith(("GPU-", "MIG-")):
@@ -168,9 +173,11 @@ def resolve_cuda_device(cuda_index: int = 0, *, environ: Mapping[str, str] | Non
     # FASTEST_FIRST ranks cards by kind; identical cards tie and keep PCI bus order, so only a
     # machine of mixed cards can be numbered otherwise.
     if env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") != "PCI_BUS_ID" and len({c[3] for c in cards}) > 1:
-        note = (f"CUDA device {cuda_index} taken as the card at index {entry} in PCI bus order ({name}, {uuid}); "
-                f"CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA may number these mixed cards otherwise: set "
-                f"CUDA_DEVICE_ORDER=PCI_BUS_ID or name the card by UUID in {_VISIBLE} (nvidia-smi -L)")
+        note = (
+            f"CUDA device {cuda_index} taken as the card at index {entry} in PCI bus order ({name}, {uuid}); "
+            f"CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA may number these mixed cards otherwise: set "
+            f"CUDA_DEVICE_ORDER=PCI_BUS_ID or name the card by UUID in {_VISIBLE} (nvidia-smi -L)"
+        )
         if note not in _warned:
             _warned.add(note)
             warnings.warn(note, stacklevel=2)

@@ -56,8 +56,17 @@ _HOST_MEM_GB_S_BY_PCIE_GEN = {1: 20, 2: 30, 3: 45, 4: 80, 5: 250, 6: 250}
 # 3090 71/35.6 = 2.0 (A10 is 4.0: the lower, GeForce ratio is the safe guess); sm_89 4090
 # 165.2/82.6 = 2.0 (L4 4.0); sm_90 H100 989/67 = 14.8. Pascal (sm_6x) has no tensor cores and
 # FP16 at 1/64 rate on GP102/GP104.
-_FP16_TENSOR_PER_FP32 = {"6": 1 / 64, "7.0": 8.0, "7.2": 8.0, "7.5": 8.0, "8.0": 16.0, "8.6": 2.0,
-                         "8.7": 2.0, "8.9": 2.0, "9.0": 14.8}
+_FP16_TENSOR_PER_FP32 = {
+    "6": 1 / 64,
+    "7.0": 8.0,
+    "7.2": 8.0,
+    "7.5": 8.0,
+    "8.0": 16.0,
+    "8.6": 2.0,
+    "8.7": 2.0,
+    "8.9": 2.0,
+    "9.0": 14.8,
+}
 
 
 @dataclass(frozen=True)
@@ -181,8 +190,14 @@ def _spec_from_table(key: str, table: Mapping[str, Any], where: str) -> GpuSpec:
         raise ConfigError(f"{where}: [{key}] " + "; ".join(problems))
     values = {name: table[name] for name in _FIELD_TYPES}
     values["nvml_names"] = tuple(str(n) for n in values["nvml_names"])
-    for name in ("mem_bandwidth_gb_s", "fp16_tensor_tflops", "fp32_tflops", "boost_clock_mhz", "pcie_gb_s",
-                 "host_mem_gb_s"):
+    for name in (
+        "mem_bandwidth_gb_s",
+        "fp16_tensor_tflops",
+        "fp32_tflops",
+        "boost_clock_mhz",
+        "pcie_gb_s",
+        "host_mem_gb_s",
+    ):
         values[name] = float(values[name])
     return GpuSpec(key=key, **values)
 
@@ -505,8 +520,10 @@ def resolve_gpu(key: str, index: int = 0, *, source: str = "--gpu") -> GpuSpec:
         found = detect_gpus()
         if not found:
             reason = nvml_unavailable_reason() or "no GPU found"
-            raise ConfigError(f"{source} = 'auto': no GPU detected ({reason}); name a catalog GPU such as v100-16gb, "
-                              f"or '{CPU_KEY}' to run on this machine's CPU")
+            raise ConfigError(
+                f"{source} = 'auto': no GPU detected ({reason}); name a catalog GPU such as v100-16gb, "
+                f"or '{CPU_KEY}' to run on this machine's CPU"
+            )
         try:
             nvml_index = resolve_cuda_device(index).nvml_index
         except ConfigError as exc:

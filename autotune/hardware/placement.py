@@ -28,8 +28,10 @@ from autotune.hardware.gpus import CPU_KEY, GpuSpec
 __all__ = ["Card", "CardsRequest", "Placement", "check_cards", "cuda_visible", "read_cards", "resolve_placement"]
 
 AUTO = "auto"
-ACCEPTED_GPUS = ('["auto"] (every card CUDA shows), or catalog keys, one per card, e.g. ["rtx3090", '
-                 '"rtx3060-12gb"] (autotune estimate --help lists them), or ["cpu", "cpu"] (host-memory devices)')
+ACCEPTED_GPUS = (
+    '["auto"] (every card CUDA shows), or catalog keys, one per card, e.g. ["rtx3090", '
+    '"rtx3060-12gb"] (autotune estimate --help lists them), or ["cpu", "cpu"] (host-memory devices)'
+)
 # No card holds more (config.MAX_VRAM_GIB says why): a typo of unit.
 _MAX_GIB = 1024
 
@@ -77,14 +79,23 @@ class Card:
 
     def describe(self) -> str:
         where = f", NVML {self.nvml_index}" if self.nvml_index is not None else ""
-        return (f"device {self.device}: {self.spec.name}{where}: budget {self.budget_bytes / 2**30:.2f} GiB = "
-                f"{self.memory_bytes / 2**30:.2f} GiB ({self.memory_source}) - {self.margin_bytes / 2**30:.2f} GiB "
-                "safety margin")
+        return (
+            f"device {self.device}: {self.spec.name}{where}: budget {self.budget_bytes / 2**30:.2f} GiB = "
+            f"{self.memory_bytes / 2**30:.2f} GiB ({self.memory_source}) - {self.margin_bytes / 2**30:.2f} GiB "
+            "safety margin"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "key": self.spec.key, "name": self.spec.name, "vram_bytes": self.spec.vram_bytes,
-                "memory_bytes": self.memory_bytes, "margin_bytes": self.margin_bytes,
-                "budget_bytes": self.budget_bytes, "nvml_index": self.nvml_index}
+        return {
+            "device": self.device,
+            "key": self.spec.key,
+            "name": self.spec.name,
+            "vram_bytes": self.spec.vram_bytes,
+            "memory_bytes": self.memory_bytes,
+            "margin_bytes": self.margin_bytes,
+            "budget_bytes": self.budget_bytes,
+            "nvml_index": self.nvml_index,
+        }
 
 
 @dataclass(frozen=True)
@@ -119,24 +130,33 @@ class Placement:
         return {"cards": [c.to_dict() for c in self.cards]}
 
 
-def _number_or_list(value: Any, n: int | None, key: str, low: float, high: float, unit: str,
-                    error: Callable[[str, Any, str], None]) -> tuple[Any, ...] | None:
+def _number_or_list(
+    value: Any, n: int | None, key: str, low: float, high: float, unit: str, error: Callable[[str, Any, str], None]
+) -> tuple[Any, ...] | None:
     """One figure for every card, or a list of one per card; None after reporting a problem."""
     values = value if isinstance(value, list) else [value]
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high]
     if not values or bad:
-        error(key, value, f"must be a number {low:g}..{high:g} ({unit} of one card) or a list of them, one per "
-                          "card of [hardware] gpus")
+        error(
+            key,
+            value,
+            f"must be a number {low:g}..{high:g} ({unit} of one card) or a list of them, one per "
+            "card of [hardware] gpus",
+        )
         return None
     if isinstance(value, list) and n is not None and len(values) not in (1, n):
-        error(key, value, f"gives {len(values)} figures for {n} cards of [hardware] gpus: give one figure, or one "
-                          "per card")
+        error(
+            key,
+            value,
+            f"gives {len(values)} figures for {n} cards of [hardware] gpus: give one figure, or one per card",
+        )
         return None
     return tuple(float(v) for v in values)
 
 
-def read_cards(hw: Mapping[str, Any], error: Callable[[str, Any, str], None], default_margin_mib: float
-               ) -> CardsRequest | None:
+def read_cards(
+    hw: Mapping[str, Any], error: Callable[[str, Any, str], None], default_margin_mib: float
+) -> CardsRequest | None:
     """Reads ``[hardware] gpus`` and its per-card budgets (None: the table names no ``gpus``).
 
     Args:
@@ -147,8 +167,12 @@ def read_cards(hw: Mapping[str, Any], error: Callable[[str, Any, str], None], de
     if "gpus" not in hw:
         for key in ("vram_budget_gib", "safety_margin_mib"):
             if isinstance(hw.get(key), list):
-                error(key, hw[key], "a list gives one figure per card of [hardware] gpus, which is not given: add "
-                                    "gpus, or give one number")
+                error(
+                    key,
+                    hw[key],
+                    "a list gives one figure per card of [hardware] gpus, which is not given: add "
+                    "gpus, or give one number",
+                )
         return None
     gpus = hw["gpus"]
     if not isinstance(gpus, list) or not gpus or not all(isinstance(g, str) and g.strip() for g in gpus):
@@ -188,8 +212,10 @@ def _detected(source: str) -> list[tuple[GpuSpec, int]]:
     found = hardware.detect_gpus()
     if not found:
         reason = hardware.nvml_unavailable_reason() or "no GPU found"
-        raise ConfigError(f"{source} = ['auto']: no GPU detected ({reason}); name the cards as catalog keys, e.g. "
-                          "[\"rtx3090\", \"rtx3060-12gb\"], or [\"cpu\", \"cpu\"] for host-memory devices")
+        raise ConfigError(
+            f"{source} = ['auto']: no GPU detected ({reason}); name the cards as catalog keys, e.g. "
+            '["rtx3090", "rtx3060-12gb"], or ["cpu", "cpu"] for host-memory devices'
+        )
     by_index = {d.index: d for d in found}
     cards: list[tuple[GpuSpec, int]] = []
     for cuda in range(len(found)):
@@ -231,14 +257,18 @@ def resolve_placement(request: CardsRequest, source: str = "[hardware] gpus") ->
                 unknown.append(key)
         if unknown:
             known = ", ".join(hardware.load_gpu_catalog())
-            raise ConfigError(f"{source} = {list(request.gpus)}: unknown {', '.join(map(repr, unknown))} (accepted: "
-                              f"{known}; or 'auto', or 'cpu')")
+            raise ConfigError(
+                f"{source} = {list(request.gpus)}: unknown {', '.join(map(repr, unknown))} (accepted: "
+                f"{known}; or 'auto', or 'cpu')"
+            )
     stem = source.rsplit("gpus", 1)[0]
     errors: list[str] = []
     for key, values in (("vram_budget_gib", request.budgets_gib), ("safety_margin_mib", request.margins_mib)):
         if len(values) not in (1, len(found)):
-            errors.append(f"{stem}{key} = {list(values)}: {len(values)} figures for the {len(found)} card(s) found "
-                          "here: give one figure, or one per card")
+            errors.append(
+                f"{stem}{key} = {list(values)}: {len(values)} figures for the {len(found)} card(s) found "
+                "here: give one figure, or one per card"
+            )
     if errors:
         raise ConfigError("\n".join(errors))
     cards = []
@@ -247,11 +277,14 @@ def resolve_placement(request: CardsRequest, source: str = "[hardware] gpus") ->
         memory = int(cap * 2**30) if cap else spec.vram_bytes
         name = "host memory" if spec.is_cpu else f"{spec.name}'s memory"
         if cap and memory > spec.vram_bytes:
-            errors.append(f"{stem}vram_budget_gib = {cap:g} for device {i}: more than {spec.name} holds, "
-                          f"{spec.vram_bytes / 2**30:.2f} GiB")
+            errors.append(
+                f"{stem}vram_budget_gib = {cap:g} for device {i}: more than {spec.name} holds, "
+                f"{spec.vram_bytes / 2**30:.2f} GiB"
+            )
         elif int(margin * 2**20) >= memory:
-            errors.append(f"{stem}safety_margin_mib = {margin:g} for device {i}: leaves nothing of "
-                          f"{memory / 2**30:.2f} GiB")
+            errors.append(
+                f"{stem}safety_margin_mib = {margin:g} for device {i}: leaves nothing of {memory / 2**30:.2f} GiB"
+            )
         cards.append(Card(i, spec, memory, int(margin * 2**20), "[hardware] vram_budget_gib" if cap else name, nvml))
     if errors:
         raise ConfigError("\n".join(errors))
@@ -261,8 +294,11 @@ def resolve_placement(request: CardsRequest, source: str = "[hardware] gpus") ->
 def check_cards(per_device: Sequence[int], placement: Placement) -> str | None:
     """Why a configuration's share of each card is over that card's budget (None: every card
     holds its share). ``per_device`` is the backend's per-device memory, in device order."""
-    over = [f"device {i} ({c.spec.name}) {b / 2**30:.2f} GiB > budget {c.budget_bytes / 2**30:.2f} GiB"
-            for i, (b, c) in enumerate(zip(per_device, placement.cards)) if b > c.budget_bytes]
+    over = [
+        f"device {i} ({c.spec.name}) {b / 2**30:.2f} GiB > budget {c.budget_bytes / 2**30:.2f} GiB"
+        for i, (b, c) in enumerate(zip(per_device, placement.cards))
+        if b > c.budget_bytes
+    ]
     if len(per_device) > len(placement.cards):
         over.append(f"{len(per_device)} devices used, the study has {len(placement.cards)}")
     return "; ".join(over) or None

@@ -50,10 +50,15 @@ THROTTLE_REASON_BITS: Mapping[str, int] = {
 
 #: Reasons that mean the GPU ran slower than it could because of power or
 #: heat; "gpu_idle" and the settings reasons are normal and not listed.
-SLOWDOWN_REASONS: frozenset[str] = frozenset({
-    "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-})
+SLOWDOWN_REASONS: frozenset[str] = frozenset(
+    {
+        "sw_power_cap",
+        "hw_slowdown",
+        "sw_thermal_slowdown",
+        "hw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+    }
+)
 
 
 def throttle_reason_names(mask: int) -> tuple[str, ...]:
@@ -140,8 +145,10 @@ class PynvmlReader:
             raise
         # Newer drivers renamed "throttle reasons" to "clocks event reasons";
         # old bindings only have the old name.
-        self._reasons_fn = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) \
+        self._reasons_fn = (
+            getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
             or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         self._temperature_v = hasattr(pynvml, "nvmlDeviceGetTemperatureV")
 
     def name(self) -> str:
@@ -155,8 +162,7 @@ class PynvmlReader:
         nvml = self._nvml
         if self._temperature_v:
             try:
-                return float(nvml.nvmlDeviceGetTemperatureV(self._handle,
-                                                            nvml.NVML_TEMPERATURE_GPU))
+                return float(nvml.nvmlDeviceGetTemperatureV(self._handle, nvml.NVML_TEMPERATURE_GPU))
             except nvml.NVMLError:
                 # The versioned call is missing from older drivers; the old one
                 # is deprecated but present everywhere so far.
@@ -176,9 +182,11 @@ class PynvmlReader:
         # The engine's whole process group: autotune starts each engine as the leader of a
         # session of its own (autotune.toolkit.processes), and servers such as vLLM and SGLang hold
         # the card's memory in worker processes they start, not in the process autotune ran.
-        used = [p.usedGpuMemory for p in
-                self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-                if p.pid == pid or _group_of(p.pid) == pid]
+        used = [
+            p.usedGpuMemory
+            for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+            if p.pid == pid or _group_of(p.pid) == pid
+        ]
         # usedGpuMemory is None where the driver hides it (WDDM, some containers).
         known = [u for u in used if u is not None]
         return int(sum(known)) if known else None
@@ -270,8 +278,13 @@ class GpuSampler:
         telemetry = gpu.result()
     """
 
-    def __init__(self, index: int = 0, interval_s: float = 0.1, pid: int | None = None,
-                 reader_factory: Callable[[int], NvmlReader] | None = None):
+    def __init__(
+        self,
+        index: int = 0,
+        interval_s: float = 0.1,
+        pid: int | None = None,
+        reader_factory: Callable[[int], NvmlReader] | None = None,
+    ):
         """Prepares a sampler; nothing is opened before entering the context.
 
         Args:
@@ -285,8 +298,7 @@ class GpuSampler:
                 :class:`PynvmlReader`. Whatever it raises means "no GPU".
         """
         if not _is_real(interval_s) or interval_s <= 0:
-            raise ConfigError(f"GpuSampler interval_s = {interval_s!r}: must be a finite "
-                              f"number of seconds > 0")
+            raise ConfigError(f"GpuSampler interval_s = {interval_s!r}: must be a finite number of seconds > 0")
         self.index = index
         self.interval_s = float(interval_s)
         self.pid = pid
@@ -321,8 +333,7 @@ class GpuSampler:
             self._failed.add("name")
         self.sample_now()
         self._baseline_used_bytes = self._used_bytes[0] if self._used_bytes else None
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"autotune-gpu-sampler-{self.index}")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"autotune-gpu-sampler-{self.index}")
         self._thread.start()
         return self
 
@@ -383,13 +394,13 @@ class GpuSampler:
         if self._unavailable is not None:
             return GpuTelemetry(available=False, reason=self._unavailable)
         if self._n_samples == 0:
-            return GpuTelemetry(available=False,
-                                reason="GpuSampler was never entered: use it as a context manager")
+            return GpuTelemetry(available=False, reason="GpuSampler was never entered: use it as a context manager")
         with self._lock:
             return GpuTelemetry(
                 available=True,
-                reason=(f"readings not supported on this GPU: {', '.join(sorted(self._failed))}"
-                        if self._failed else None),
+                reason=(
+                    f"readings not supported on this GPU: {', '.join(sorted(self._failed))}" if self._failed else None
+                ),
                 gpu_name=self._gpu_name,
                 gpu_uuid=self._device.uuid if self._device is not None else None,
                 device_note=self._device.note if self._device is not None else None,
@@ -398,20 +409,25 @@ class GpuSampler:
                 peak_process_bytes=max(self._process_bytes, default=None),
                 max_temp_c=max(self._temps_c, default=None),
                 min_sm_clock_mhz=min(self._clocks_mhz, default=None),
-                median_sm_clock_mhz=statistics.median(self._clocks_mhz)
-                if self._clocks_mhz else None,
+                median_sm_clock_mhz=statistics.median(self._clocks_mhz) if self._clocks_mhz else None,
                 max_power_w=max(self._powers_w, default=None),
                 throttle_reasons=throttle_reason_names(self._mask),
                 n_samples=self._n_samples,
             )
 
 
-def measure_with_telemetry(sample: Callable[[], Mapping[str, float]], protocol: Protocol,
-                           units: Mapping[str, str], key: str, *, gpu: bool, gpu_index: int = 0,
-                           pid: int | None = None,
-                           reader_factory: Callable[[int], NvmlReader] | None = None,
-                           probe: Callable[[Mapping[str, float]], bool] | None = None
-                           ) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:
+def measure_with_telemetry(
+    sample: Callable[[], Mapping[str, float]],
+    protocol: Protocol,
+    units: Mapping[str, str],
+    key: str,
+    *,
+    gpu: bool,
+    gpu_index: int = 0,
+    pid: int | None = None,
+    reader_factory: Callable[[int], NvmlReader] | None = None,
+    probe: Callable[[Mapping[str, float]], bool] | None = None,
+) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:
     """Every backend's measuring block: repeat ``sample`` by the protocol while NVML watches.
 
     Args:
@@ -433,6 +449,5 @@ def measure_with_telemetry(sample: Callable[[], Mapping[str, float]], protocol: 
     telemetry = sampler.result()
     peak = None
     if telemetry.available:
-        peak = telemetry.peak_process_bytes if telemetry.peak_process_bytes is not None \
-            else telemetry.peak_delta_bytes
+        peak = telemetry.peak_process_bytes if telemetry.peak_process_bytes is not None else telemetry.peak_delta_bytes
     return stats, telemetry, peak

@@ -33,8 +33,19 @@ from autotune.measure.prompts import PROMPT_TEXT, prompt_of, varied
 from autotune.measure.streams import LATENCY_UNITS, ConcurrentResult, StreamResult, _raise_first
 from autotune.engine.workload import RATE_SEARCH_STEPS, SLO_KEYS, Workload, percentile
 
-__all__ = ["LATENCY_UNITS", "LoadReport", "latency_metrics", "meets", "poisson_arrivals", "request_latencies",
-           "rate_run", "run_openai_load", "run_requests", "search_rate"]
+__all__ = [
+    "LATENCY_UNITS",
+    "LoadReport",
+    "latency_metrics",
+    "meets",
+    "poisson_arrivals",
+    "request_latencies",
+    "rate_run",
+    "run_openai_load",
+    "run_requests",
+    "search_rate",
+]
+
 
 def poisson_arrivals(n: int, rate: float, seed: int | str) -> list[float]:
     """``n`` arrival times (seconds from the start, the first at 0) of a Poisson process of
@@ -49,8 +60,14 @@ def poisson_arrivals(n: int, rate: float, seed: int | str) -> list[float]:
     return out
 
 
-def run_requests(send: Callable[[int], StreamResult], indices: Sequence[int], timeout_s: float, *,
-                 concurrency: int | None = None, arrivals: Sequence[float] | None = None) -> ConcurrentResult:
+def run_requests(
+    send: Callable[[int], StreamResult],
+    indices: Sequence[int],
+    timeout_s: float,
+    *,
+    concurrency: int | None = None,
+    arrivals: Sequence[float] | None = None,
+) -> ConcurrentResult:
     """Send request ``indices[k]`` through ``send`` for every ``k``, closed-loop or open-loop.
 
     Args:
@@ -211,15 +228,29 @@ class LoadReport:
     @property
     def records(self) -> list[dict[str, Any]]:
         """One dict per request: lengths, ttft_ms, itl_ms, e2e_ms (for a peer comparison)."""
-        return [{"prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
-                 **{k: v for k, v in vars(request_latencies(s)).items() if k.endswith("_ms")}}
-                for s in self.result.streams]
+        return [
+            {
+                "prompt_tokens": s.prompt_tokens,
+                "output_tokens": s.output_tokens,
+                **{k: v for k, v in vars(request_latencies(s)).items() if k.endswith("_ms")},
+            }
+            for s in self.result.streams
+        ]
 
 
-def run_openai_load(base_url: str, requests: Sequence[tuple[int, int]], *, concurrency: int | None = None,
-                    rate: float | None = None, seed: int = 0, slo: Sequence[tuple[str, float]] = (),
-                    model: str | None = None, base_tokens: Sequence[int] | None = None,
-                    timeout_s: float = 600.0, first_index: int = 0) -> LoadReport:
+def run_openai_load(
+    base_url: str,
+    requests: Sequence[tuple[int, int]],
+    *,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    slo: Sequence[tuple[str, float]] = (),
+    model: str | None = None,
+    base_tokens: Sequence[int] | None = None,
+    timeout_s: float = 600.0,
+    first_index: int = 0,
+) -> LoadReport:
     """Send ``requests`` (prompt, output tokens each) to an OpenAI-compatible server's
     ``/v1/completions``, streamed, as a study would: closed loop at ``concurrency`` or Poisson
     arrivals at ``rate`` (seeded); prompts are token ids (``base_tokens``, else the server's
@@ -241,8 +272,12 @@ def run_openai_load(base_url: str, requests: Sequence[tuple[int, int]], *, concu
 
         def send(i: int) -> StreamResult:
             p, o = requests[i % len(requests)]
-            body: dict[str, Any] = {"prompt": varied(prompt_of(base_tokens, p), i), "max_tokens": o,
-                                    "ignore_eos": True, "temperature": 0}
+            body: dict[str, Any] = {
+                "prompt": varied(prompt_of(base_tokens, p), i),
+                "max_tokens": o,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             if model:
                 body["model"] = model
             return stream_completion(http, f"{base_url}/v1/completions", body, p, timeout_s).result
@@ -254,8 +289,14 @@ def run_openai_load(base_url: str, requests: Sequence[tuple[int, int]], *, concu
     return LoadReport(result, metrics, tuple(slo_met(metrics, slo)))
 
 
-def search_rate(measure: Callable[[float], Mapping[str, float]], slo: Sequence[tuple[str, float]],
-                low: float, high: float, *, steps: int = 6) -> tuple[float | None, list[tuple[float, bool]]]:
+def search_rate(
+    measure: Callable[[float], Mapping[str, float]],
+    slo: Sequence[tuple[str, float]],
+    low: float,
+    high: float,
+    *,
+    steps: int = 6,
+) -> tuple[float | None, list[tuple[float, bool]]]:
     """The highest Poisson rate (requests/s) in ``[low, high]`` whose run meets every target,
     by bisection: ``measure(rate)`` runs the load at a rate and returns its metrics
     (:func:`latency_metrics`' keys). Latency grows with the rate, so the rates that meet the
@@ -291,8 +332,9 @@ def search_rate(measure: Callable[[float], Mapping[str, float]], slo: Sequence[t
 R = TypeVar("R")
 
 
-def rate_run(workload: Workload, run: Callable[[float | None], R],
-             metrics_of: Callable[[R], Mapping[str, float]]) -> tuple[R, float | None]:
+def rate_run(
+    workload: Workload, run: Callable[[float | None], R], metrics_of: Callable[[R], Mapping[str, float]]
+) -> tuple[R, float | None]:
     """The run a workload's arrivals ask for, and the rate it reports (``rate_req_s``), for an
     engine whose runs can be kept: a worker's, the twin's simulation. ``run(rate)`` sends the
     run's requests at a Poisson ``rate`` (None: closed loop); ``metrics_of`` its latency keys.

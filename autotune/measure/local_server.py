@@ -78,8 +78,9 @@ def tail(text: str, n: int = 40) -> str:
     return "\n".join(text.splitlines()[-n:])
 
 
-def wait_ready(proc: subprocess.Popen, http: httpx.Client, url: str, timeout_s: float,
-               failure: Callable[[str], BackendError]) -> None:
+def wait_ready(
+    proc: subprocess.Popen, http: httpx.Client, url: str, timeout_s: float, failure: Callable[[str], BackendError]
+) -> None:
     """Poll ``url`` until it answers 200, the process exits, or ``timeout_s`` passes.
 
     Args:

@@ -52,19 +52,31 @@ class MeasuredContext(typing.Protocol):
     def probe(self) -> Callable[[Mapping[str, float]], bool] | None: ...
 
 
-def serving_metrics(alone: StreamResult, together: ConcurrentResult,
-                    slo: Sequence[tuple[str, float]] = ()) -> dict[str, float]:
+def serving_metrics(
+    alone: StreamResult, together: ConcurrentResult, slo: Sequence[tuple[str, float]] = ()
+) -> dict[str, float]:
     """The quantities of one run (:data:`SERVING_UNITS`): the request alone's decode, prefill
     and time to first token; the streams' aggregate and median per-user rate; the percentiles of
     the streams' latencies and their goodput under ``slo`` (:func:`latency_metrics`)."""
-    return {"decode_tok_s": alone.decode_tok_s, "prefill_tok_s": alone.prefill_tok_s,
-            "ttft_ms": alone.ttft_ms, "aggregate_tok_s": together.aggregate_tok_s,
-            "per_user_tok_s": together.per_user_tok_s, **latency_metrics(together, slo)}
+    return {
+        "decode_tok_s": alone.decode_tok_s,
+        "prefill_tok_s": alone.prefill_tok_s,
+        "ttft_ms": alone.ttft_ms,
+        "aggregate_tok_s": together.aggregate_tok_s,
+        "per_user_tok_s": together.per_user_tok_s,
+        **latency_metrics(together, slo),
+    }
 
 
-def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], StreamResult], parallel: int,
-                timeout_s: float, *, around_streams: Callable[[Callable[[], ConcurrentResult]], ConcurrentResult]
-                | None = None, workload: Workload | None = None) -> Callable[[], dict[str, float]]:
+def serving_run(
+    alone: Callable[[int], StreamResult],
+    stream: Callable[[int], StreamResult],
+    parallel: int,
+    timeout_s: float,
+    *,
+    around_streams: Callable[[Callable[[], ConcurrentResult]], ConcurrentResult] | None = None,
+    workload: Workload | None = None,
+) -> Callable[[], dict[str, float]]:
     """One run of a serving engine, as every serving backend defines it.
 
     Args:
@@ -132,10 +144,16 @@ def serving_run(alone: Callable[[int], StreamResult], stream: Callable[[int], St
     return run_once
 
 
-def measure_engine(ctx: MeasuredContext, run_once: Callable[[], Mapping[str, float]], *,
-                   warm_up: Callable[[], Any] | None = None, key: str = "aggregate_tok_s",
-                   units: Mapping[str, str] = SERVING_UNITS, gpu: bool = False, pid: int | None = None,
-                   ) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:
+def measure_engine(
+    ctx: MeasuredContext,
+    run_once: Callable[[], Mapping[str, float]],
+    *,
+    warm_up: Callable[[], Any] | None = None,
+    key: str = "aggregate_tok_s",
+    units: Mapping[str, str] = SERVING_UNITS,
+    gpu: bool = False,
+    pid: int | None = None,
+) -> tuple[dict[str, Stat], GpuTelemetry | None, int | None]:
     """Measure one started engine by the study's protocol: every backend's loop.
 
     Args:
@@ -155,5 +173,6 @@ def measure_engine(ctx: MeasuredContext, run_once: Callable[[], Mapping[str, flo
     """
     if warm_up is not None:
         warm_up()
-    return measure_with_telemetry(run_once, ctx.protocol, units, key, gpu=gpu, gpu_index=ctx.gpu_index,
-                                  pid=pid, probe=ctx.probe)
+    return measure_with_telemetry(
+        run_once, ctx.protocol, units, key, gpu=gpu, gpu_index=ctx.gpu_index, pid=pid, probe=ctx.probe
+    )

@@ -27,8 +27,14 @@ import httpx
 from autotune.errors import MeasurementError
 from autotune.measure.streams import StreamResult, post_events
 
-__all__ = ["DISAGREEMENT_TOL", "ServerCounters", "StreamedCompletion", "disagreements", "parse_prometheus",
-           "stream_completion"]
+__all__ = [
+    "DISAGREEMENT_TOL",
+    "ServerCounters",
+    "StreamedCompletion",
+    "disagreements",
+    "parse_prometheus",
+    "stream_completion",
+]
 
 #: The relative difference between the engine's figure and the client's beyond which the trial
 #: warns: at 5% a whole-run figure is no longer explained by the first token's placement.
@@ -50,8 +56,9 @@ class StreamedCompletion:
     usage: Mapping[str, Any] | None
 
 
-def stream_completion(http: httpx.Client, url: str, body: Mapping[str, Any], prompt_tokens: int,
-                      timeout_s: float) -> StreamedCompletion:
+def stream_completion(
+    http: httpx.Client, url: str, body: Mapping[str, Any], prompt_tokens: int, timeout_s: float
+) -> StreamedCompletion:
     """POST ``body`` to ``url`` (``.../v1/completions``) with ``stream`` on; read it to the end.
 
     The output tokens are the server's ``usage.completion_tokens`` when it reports usage,
@@ -145,12 +152,12 @@ class ServerCounters:
             return after[name] - before.get(name, 0.0)
 
         tokens, timed, seconds = delta(self.generated_tokens), delta(self.decode_tokens), delta(self.decode_seconds)
-        return {"generated_tokens": tokens,
-                "decode_tok_s": timed / seconds if timed is not None and seconds else None}
+        return {"generated_tokens": tokens, "decode_tok_s": timed / seconds if timed is not None and seconds else None}
 
 
-def disagreements(server: Mapping[str, float | None], client: Mapping[str, float | None],
-                  tol: float = DISAGREEMENT_TOL) -> list[str]:
+def disagreements(
+    server: Mapping[str, float | None], client: Mapping[str, float | None], tol: float = DISAGREEMENT_TOL
+) -> list[str]:
     """One line per figure that both sides have and that differs by more than ``tol``."""
     out = []
     for key, theirs in server.items():
@@ -159,7 +166,8 @@ def disagreements(server: Mapping[str, float | None], client: Mapping[str, float
             continue
         rel = theirs / ours - 1
         if abs(rel) > tol:
-            out.append(f"{key}: the engine says {theirs:.4g}, the client measured {ours:.4g} ({rel:+.0%}); "
-                       "the client's figure is the one scored")
+            out.append(
+                f"{key}: the engine says {theirs:.4g}, the client measured {ours:.4g} ({rel:+.0%}); "
+                "the client's figure is the one scored"
+            )
     return out
-

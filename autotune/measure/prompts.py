@@ -27,7 +27,7 @@ def prompt_of(base: Sequence[int], n: int) -> list[int]:
     tokens: list[int] = []
     while len(tokens) < n:
         tokens += base
-    return tokens[:max(1, n)]
+    return tokens[: max(1, n)]
 
 
 # Request numbers a prompt's first tokens tell apart: the digits of ``i`` in base ``n`` (the

@@ -40,8 +40,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_real(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -75,24 +74,23 @@ class Protocol:
 
     def __post_init__(self) -> None:
         if not _is_int(self.warmup_runs) or self.warmup_runs < 0:
-            raise ConfigError(
-                f"measure.warmup_runs = {self.warmup_runs!r}: must be an integer >= 0")
+            raise ConfigError(f"measure.warmup_runs = {self.warmup_runs!r}: must be an integer >= 0")
         if not _is_int(self.min_runs) or self.min_runs < 1:
-            raise ConfigError(
-                f"measure.min_runs = {self.min_runs!r}: must be an integer >= 1")
+            raise ConfigError(f"measure.min_runs = {self.min_runs!r}: must be an integer >= 1")
         if not _is_int(self.max_runs) or self.max_runs < self.min_runs:
             raise ConfigError(
-                f"measure.max_runs = {self.max_runs!r}: must be an integer >= "
-                f"measure.min_runs ({self.min_runs})")
+                f"measure.max_runs = {self.max_runs!r}: must be an integer >= measure.min_runs ({self.min_runs})"
+            )
         if not _is_real(self.rel_spread_tol) or self.rel_spread_tol < 0:
             raise ConfigError(
                 f"measure.rel_spread_tol = {self.rel_spread_tol!r}: must be a finite "
-                f"number >= 0 (a fraction of the median, e.g. 0.05 for 5%)")
-        if self.max_seconds is not None and (
-                not _is_real(self.max_seconds) or self.max_seconds <= 0):
+                f"number >= 0 (a fraction of the median, e.g. 0.05 for 5%)"
+            )
+        if self.max_seconds is not None and (not _is_real(self.max_seconds) or self.max_seconds <= 0):
             raise ConfigError(
                 f"measure.max_seconds = {self.max_seconds!r}: must be a finite number "
-                f"of seconds > 0, or null for no time budget")
+                f"of seconds > 0, or null for no time budget"
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -158,20 +156,21 @@ class Stat:
             values = tuple(float(v) for v in self.values)
             warmups = tuple(float(v) for v in self.warmups)
         except (TypeError, ValueError) as exc:
-            raise MeasurementError(f"measured values for {self.unit or 'a quantity'} are not "
-                                   f"all numbers: {exc}") from exc
+            raise MeasurementError(
+                f"measured values for {self.unit or 'a quantity'} are not all numbers: {exc}"
+            ) from exc
         if not values:
             raise MeasurementError(
                 f"no measured values for {self.unit or 'a quantity'}: at least one "
-                f"run is needed (warm-ups do not count)")
+                f"run is needed (warm-ups do not count)"
+            )
         bad = [v for v in values + warmups if not math.isfinite(v)]
         if bad:
             raise MeasurementError(
-                f"non-finite measurement {bad[0]!r} ({self.unit}): the engine or the "
-                f"sample function returned nonsense")
+                f"non-finite measurement {bad[0]!r} ({self.unit}): the engine or the sample function returned nonsense"
+            )
         if not _is_real(self.rel_spread_tol) or self.rel_spread_tol < 0:
-            raise ConfigError(
-                f"Stat.rel_spread_tol = {self.rel_spread_tol!r}: must be a finite number >= 0")
+            raise ConfigError(f"Stat.rel_spread_tol = {self.rel_spread_tol!r}: must be a finite number >= 0")
         if not _is_int(self.min_runs) or self.min_runs < 1:
             raise ConfigError(f"Stat.min_runs = {self.min_runs!r}: must be an integer >= 1")
         # Lists would make the "immutable run" mutable through the back door.
@@ -232,13 +231,13 @@ class Stat:
         if self.n < self.min_runs:
             return f"only {self.n} of the {self.min_runs} runs wanted were measured"
         if self.rel_spread > self.rel_spread_tol:
-            spread = "undefined (median 0)" if math.isinf(self.rel_spread) \
-                else f"{self.rel_spread:.0%} of median"
-            more = "measure.max_seconds" if self.stop_reason == "max_seconds" \
-                else "measure.max_runs"
-            return (f"spread {spread} over {self.n} runs (tolerance "
-                    f"{self.rel_spread_tol:.0%}): raise {more}, let the GPU "
-                    f"cool, or close other GPU work")
+            spread = "undefined (median 0)" if math.isinf(self.rel_spread) else f"{self.rel_spread:.0%} of median"
+            more = "measure.max_seconds" if self.stop_reason == "max_seconds" else "measure.max_runs"
+            return (
+                f"spread {spread} over {self.n} runs (tolerance "
+                f"{self.rel_spread_tol:.0%}): raise {more}, let the GPU "
+                f"cool, or close other GPU work"
+            )
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -269,15 +268,15 @@ class Stat:
 
 def _check_number(value: Any, what: str) -> float:
     if not _is_real(value):
-        raise MeasurementError(
-            f"{what} returned {value!r}: expected a finite number")
+        raise MeasurementError(f"{what} returned {value!r}: expected a finite number")
     return float(value)
 
 
 def _check_run(result: Any, units: Mapping[str, str], what: str) -> dict[str, float]:
     if not isinstance(result, Mapping):
-        raise MeasurementError(f"{what} returned {type(result).__name__}: expected a mapping "
-                               f"of {sorted(units)} to numbers")
+        raise MeasurementError(
+            f"{what} returned {type(result).__name__}: expected a mapping of {sorted(units)} to numbers"
+        )
     missing = [k for k in units if k not in result]
     if missing:
         raise MeasurementError(f"{what} lacks {missing}: every run must report {sorted(units)}")
@@ -288,9 +287,13 @@ def _check_run(result: Any, units: Mapping[str, str], what: str) -> dict[str, fl
     return {k: _check_number(result[k], f"{what} key {k!r}") for k in units}
 
 
-def _repeat(sample: Callable[[], dict[str, float]], protocol: Protocol, key: str,
-            clock: Callable[[], float], probe: Callable[[Mapping[str, float]], bool] | None = None
-            ) -> tuple[list[dict[str, float]], list[dict[str, float]], str]:
+def _repeat(
+    sample: Callable[[], dict[str, float]],
+    protocol: Protocol,
+    key: str,
+    clock: Callable[[], float],
+    probe: Callable[[Mapping[str, float]], bool] | None = None,
+) -> tuple[list[dict[str, float]], list[dict[str, float]], str]:
     """Runs the protocol on checked samples; returns (warm-ups, runs, stop reason)."""
     start_s = clock()
     warmups = [sample() for _ in range(protocol.warmup_runs)]
@@ -300,21 +303,22 @@ def _repeat(sample: Callable[[], dict[str, float]], protocol: Protocol, key: str
         n = len(runs)
         if n == 1 and probe is not None and not probe(runs[0]):
             return warmups, runs, PROBE_STOP
-        if n >= protocol.min_runs and \
-                relative_spread([r[key] for r in runs]) <= protocol.rel_spread_tol:
+        if n >= protocol.min_runs and relative_spread([r[key] for r in runs]) <= protocol.rel_spread_tol:
             return warmups, runs, "stable"
         if n >= protocol.max_runs:
             return warmups, runs, "max_runs"
-        if protocol.max_seconds is not None and n >= protocol.min_runs and \
-                clock() - start_s >= protocol.max_seconds:
+        if protocol.max_seconds is not None and n >= protocol.min_runs and clock() - start_s >= protocol.max_seconds:
             return warmups, runs, "max_seconds"
 
 
-
-def repeat_until_stable_many(sample: Callable[[], Mapping[str, float]], protocol: Protocol,
-                             units: Mapping[str, str], key: str,
-                             clock: Callable[[], float] = time.monotonic,
-                             probe: Callable[[Mapping[str, float]], bool] | None = None) -> dict[str, Stat]:
+def repeat_until_stable_many(
+    sample: Callable[[], Mapping[str, float]],
+    protocol: Protocol,
+    units: Mapping[str, str],
+    key: str,
+    clock: Callable[[], float] = time.monotonic,
+    probe: Callable[[Mapping[str, float]], bool] | None = None,
+) -> dict[str, Stat]:
     """Measures several quantities that one run yields together.
 
     Stability is judged on ``key`` only (e.g. ``"aggregate_tok_s"``); every
@@ -341,16 +345,21 @@ def repeat_until_stable_many(sample: Callable[[], Mapping[str, float]], protocol
             was not a finite number.
     """
     if key not in units:
-        raise ConfigError(f"stability key {key!r} is not among the measured quantities "
-                          f"{sorted(units)}")
+        raise ConfigError(f"stability key {key!r} is not among the measured quantities {sorted(units)}")
     counter = itertools.count(1)
 
     def checked() -> dict[str, float]:
         return _check_run(sample(), units, f"sample call {next(counter)}")
 
     warmups, runs, reason = _repeat(checked, protocol, key, clock, probe)
-    return {k: Stat(values=tuple(r[k] for r in runs), warmups=tuple(w[k] for w in warmups),
-                    unit=u, rel_spread_tol=protocol.rel_spread_tol,
-                    min_runs=protocol.min_runs, stop_reason=reason)
-            for k, u in units.items()}
-
+    return {
+        k: Stat(
+            values=tuple(r[k] for r in runs),
+            warmups=tuple(w[k] for w in warmups),
+            unit=u,
+            rel_spread_tol=protocol.rel_spread_tol,
+            min_runs=protocol.min_runs,
+            stop_reason=reason,
+        )
+        for k, u in units.items()
+    }

@@ -27,8 +27,18 @@ from autotune.measure.deadline import Deadline, DeadlineExceeded, request_deadli
 from autotune.measure.protocol import _is_int, _is_real
 from autotune.engine.workload import SLO_KEYS
 
-__all__ = ["CONCURRENT_UNITS", "LATENCY_UNITS", "SERVING_RATES", "SERVING_UNITS", "ConcurrentResult", "StreamResult", "event_data", "fetch",
-           "post_events", "run_streams_threaded"]
+__all__ = [
+    "CONCURRENT_UNITS",
+    "LATENCY_UNITS",
+    "SERVING_RATES",
+    "SERVING_UNITS",
+    "ConcurrentResult",
+    "StreamResult",
+    "event_data",
+    "fetch",
+    "post_events",
+    "run_streams_threaded",
+]
 
 
 @dataclass(frozen=True)
@@ -65,12 +75,14 @@ class StreamResult:
             if not _is_real(value) or (name != "start_s" and name != "end_s" and value < 0):
                 raise MeasurementError(f"stream {name} = {value!r}: must be a finite number >= 0")
         if self.end_s < self.start_s:
-            raise MeasurementError(f"stream ended ({self.end_s}) before it started "
-                                   f"({self.start_s}): use one monotonic clock for both")
+            raise MeasurementError(
+                f"stream ended ({self.end_s}) before it started ({self.start_s}): use one monotonic clock for both"
+            )
 
     @classmethod
-    def from_timestamps(cls, prompt_tokens: int, output_tokens: int, start_s: float,
-                        first_token_s: float, end_s: float) -> StreamResult:
+    def from_timestamps(
+        cls, prompt_tokens: int, output_tokens: int, start_s: float, first_token_s: float, end_s: float
+    ) -> StreamResult:
         """Builds a result from the three moments a streaming client observes.
 
         Rates that cannot be measured (one output token, zero duration) are 0.0.
@@ -84,17 +96,19 @@ class StreamResult:
         """
         if not (start_s <= first_token_s <= end_s):
             raise MeasurementError(
-                f"stream timestamps out of order: start {start_s}, first token "
-                f"{first_token_s}, end {end_s}")
+                f"stream timestamps out of order: start {start_s}, first token {first_token_s}, end {end_s}"
+            )
         prefill_s = first_token_s - start_s
         decode_s = end_s - first_token_s
         return cls(
-            prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
             ttft_ms=prefill_s * 1000.0,
-            decode_tok_s=(output_tokens - 1) / decode_s
-            if output_tokens > 1 and decode_s > 0 else 0.0,
+            decode_tok_s=(output_tokens - 1) / decode_s if output_tokens > 1 and decode_s > 0 else 0.0,
             prefill_tok_s=prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
-            start_s=start_s, end_s=end_s)
+            start_s=start_s,
+            end_s=end_s,
+        )
 
 
 #: Units of :meth:`ConcurrentResult.metrics`, for :func:`repeat_until_stable_many`.
@@ -106,8 +120,12 @@ CONCURRENT_UNITS: Mapping[str, str] = {
 
 #: What every serving run reports besides its rates: the p50, p95 and p99 of each latency over
 #: the run's requests, and goodput (:func:`autotune.measure.load.latency_metrics`).
-LATENCY_UNITS: Mapping[str, str] = {**{key: "ms" for key in SLO_KEYS},
-                                    "goodput_req_s": "req/s", "goodput_tok_s": "tok/s", "rate_req_s": "req/s"}
+LATENCY_UNITS: Mapping[str, str] = {
+    **{key: "ms" for key in SLO_KEYS},
+    "goodput_req_s": "req/s",
+    "goodput_tok_s": "tok/s",
+    "rate_req_s": "req/s",
+}
 
 # What a serving backend measures per run: one request alone (its decode and prefill rates), then
 # the concurrent streams. The stability key a backend's settings accept is one of these five
@@ -144,8 +162,9 @@ class ConcurrentResult:
             raise MeasurementError(f"wall_s = {self.wall_s!r}: must be a finite number >= 0")
         object.__setattr__(self, "streams", streams)
         if self.span_s <= 0 and self.total_output_tokens > 0:
-            raise MeasurementError("streams produced tokens in no time: their start_s/end_s "
-                                   "must come from time.monotonic()")
+            raise MeasurementError(
+                "streams produced tokens in no time: their start_s/end_s must come from time.monotonic()"
+            )
 
     @property
     def n_streams(self) -> int:
@@ -195,9 +214,7 @@ class ConcurrentResult:
 
     def metrics(self) -> dict[str, float]:
         """Returns the keys of :data:`CONCURRENT_UNITS`, to feed ``repeat_until_stable_many``."""
-        return {"aggregate_tok_s": self.aggregate_tok_s,
-                "per_user_tok_s": self.per_user_tok_s,
-                "ttft_ms": self.ttft_ms}
+        return {"aggregate_tok_s": self.aggregate_tok_s, "per_user_tok_s": self.per_user_tok_s, "ttft_ms": self.ttft_ms}
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-ready dict of the summary and the streams."""
@@ -236,9 +253,15 @@ def _until(chunks: Iterable[bytes], deadline: Deadline) -> Iterator[bytes]:
         yield chunk
 
 
-def post_events(http: httpx.Client, url: str, payload: Any, timeout_s: float, *,
-                failure: Callable[[str], Exception] = MeasurementError,
-                setting: str = "request_timeout_s") -> Iterator[str]:
+def post_events(
+    http: httpx.Client,
+    url: str,
+    payload: Any,
+    timeout_s: float,
+    *,
+    failure: Callable[[str], Exception] = MeasurementError,
+    setting: str = "request_timeout_s",
+) -> Iterator[str]:
     """POST ``payload`` as JSON to ``url`` and yield the ``data:`` payloads of the event stream
     it answers with (:func:`event_data`), until the stream ends or the consumer stops reading.
 
@@ -268,8 +291,9 @@ def post_events(http: httpx.Client, url: str, payload: Any, timeout_s: float, *,
 
 
 @contextlib.contextmanager
-def _bounded(http: httpx.Client, method: str, url: str, timeout_s: float, setting: str,
-             **kwargs: Any) -> Iterator[tuple[httpx.Response, Iterator[bytes]]]:
+def _bounded(
+    http: httpx.Client, method: str, url: str, timeout_s: float, setting: str, **kwargs: Any
+) -> Iterator[tuple[httpx.Response, Iterator[bytes]]]:
     """The response to one request and its body's chunks, ended by one total deadline."""
     deadline = request_deadline(timeout_s, setting)
     deadline.check()
@@ -286,8 +310,9 @@ def _bounded(http: httpx.Client, method: str, url: str, timeout_s: float, settin
 _WIRE_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
 
 
-def fetch(http: httpx.Client, method: str, url: str, timeout_s: float, *, setting: str = "request_timeout_s",
-          **kwargs: Any) -> httpx.Response:
+def fetch(
+    http: httpx.Client, method: str, url: str, timeout_s: float, *, setting: str = "request_timeout_s", **kwargs: Any
+) -> httpx.Response:
     """One request whose whole answer must arrive within ``timeout_s`` (or an outer deadline in
     force): what :func:`post_events` does for a stream, for ``/health``, ``/tokenize``,
     ``/metrics`` and the like, where an engine that trickles its answer a byte at a time would
@@ -323,8 +348,7 @@ def _check_driver_args(n_streams: int, timeout_s: float) -> None:
 
 def _check_stream(result: Any, index: int) -> StreamResult:
     if not isinstance(result, StreamResult):
-        raise MeasurementError(f"stream {index} returned {type(result).__name__}: "
-                               f"expected a StreamResult")
+        raise MeasurementError(f"stream {index} returned {type(result).__name__}: expected a StreamResult")
     return result
 
 
@@ -333,13 +357,15 @@ def _raise_first(failures: Sequence[tuple[int, BaseException]], n_streams: int) 
         return
     index, exc = failures[0]
     others = [i for i, _ in failures[1:]]
-    exc.add_note(f"autotune: stream {index} of {n_streams} failed"
-                 + (f"; streams {others} failed too" if others else ""))
+    exc.add_note(
+        f"autotune: stream {index} of {n_streams} failed" + (f"; streams {others} failed too" if others else "")
+    )
     raise exc
 
 
-def run_streams_threaded(stream_fn: Callable[[int], StreamResult], n_streams: int,
-                         timeout_s: float) -> ConcurrentResult:
+def run_streams_threaded(
+    stream_fn: Callable[[int], StreamResult], n_streams: int, timeout_s: float
+) -> ConcurrentResult:
     """Runs ``n_streams`` blocking streams at once, one thread each.
 
     The threads wait behind a barrier and are released together, so the
@@ -384,16 +410,19 @@ def run_streams_threaded(stream_fn: Callable[[int], StreamResult], n_streams: in
 
     # Each thread runs in a copy of the caller's context, so the deadline in force here
     # (autotune.measure.deadline) ends its requests too.
-    threads = [threading.Thread(target=contextvars.copy_context().run, args=(worker, i), daemon=True,
-                                name=f"autotune-stream-{i}") for i in range(n_streams)]
+    threads = [
+        threading.Thread(
+            target=contextvars.copy_context().run, args=(worker, i), daemon=True, name=f"autotune-stream-{i}"
+        )
+        for i in range(n_streams)
+    ]
     try:
         for thread in threads:
             thread.start()
         barrier.wait(timeout=timeout_s)
     except (threading.BrokenBarrierError, RuntimeError) as exc:
         barrier.abort()
-        raise MeasurementError(f"could not start {n_streams} streams together within "
-                               f"{timeout_s}s: {exc!r}") from exc
+        raise MeasurementError(f"could not start {n_streams} streams together within {timeout_s}s: {exc!r}") from exc
     start_s = time.monotonic()
     deadline_s = start_s + timeout_s
     for thread in threads:
@@ -401,9 +430,11 @@ def run_streams_threaded(stream_fn: Callable[[int], StreamResult], n_streams: in
     wall_s = time.monotonic() - start_s
     running = [i for i, t in enumerate(threads) if t.is_alive()]
     if running:
-        error = MeasurementError(f"{len(running)} of {n_streams} streams still running after "
-                                 f"{timeout_s}s (streams {running}): raise the timeout, "
-                                 f"lower the load, or check that the engine is alive")
+        error = MeasurementError(
+            f"{len(running)} of {n_streams} streams still running after "
+            f"{timeout_s}s (streams {running}): raise the timeout, "
+            f"lower the load, or check that the engine is alive"
+        )
         if failures:
             error.add_note(f"streams {sorted(i for i, _ in failures)} failed before that")
         raise error

@@ -73,8 +73,14 @@ class ArtifactError(BackendError):
     that need this artifact, not the study."""
 
 
-def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Path | None = None,
-             env: Mapping[str, str] | None = None) -> None:
+def run_tool(
+    argv: list[str],
+    what: str,
+    say: Callable[[str], None],
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
     """Run a converter or quantizer: that it runs, with its latest line, passed to ``say`` every
     ``PROGRESS_S`` (a conversion takes minutes, some of them silent; it has no timeout, a 70B
     conversion's time being unknown: Ctrl-C or SIGTERM is the bound, and ends its group), and on
@@ -82,8 +88,16 @@ def run_tool(argv: list[str], what: str, say: Callable[[str], None], *, cwd: Pat
     gets the allow-listed environment (``autotune.toolkit.redact.engine_environment``) unless ``env`` is
     given: a converter has no use for the storage URL or a token, and prints what it likes."""
     env = engine_environment() if env is None else dict(env)
-    proc = processes.start(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                           text=True, errors="replace", cwd=cwd, env=env)
+    proc = processes.start(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        cwd=cwd,
+        env=env,
+    )
     lines: list[str] = []
     assert proc.stdout is not None
     stdout = proc.stdout
@@ -202,9 +216,15 @@ class Artifact:
     made_now: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": self.fmt, "path": str(self.path), "sha256": self.sha256,
-                "source_sha256": self.source_sha256, "tool": self.tool,
-                "make_seconds": round(self.make_seconds, 2), "made_now": self.made_now}
+        return {
+            "format": self.fmt,
+            "path": str(self.path),
+            "sha256": self.sha256,
+            "source_sha256": self.source_sha256,
+            "tool": self.tool,
+            "make_seconds": round(self.make_seconds, 2),
+            "made_now": self.made_now,
+        }
 
 
 # ----------------------------------------------------------------------------- source hashes
@@ -214,8 +234,11 @@ def _files_of(source: Path) -> list[Path]:
     if source.is_file():
         return [source]
     # Everything a converter reads (weights, config, tokenizer); dot-files and caches are not the model.
-    return sorted(p for p in source.rglob("*") if p.is_file() and not any(part.startswith(".")
-                                                                          for part in p.relative_to(source).parts))
+    return sorted(
+        p
+        for p in source.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts)
+    )
 
 
 def _sha256_file(path: Path) -> str:
@@ -248,8 +271,10 @@ def source_hash(source: str | os.PathLike[str]) -> str:
     src = Path(source).resolve()
     if not src.exists():
         raise ConfigError(f"{src}: no such file or directory (the model source)")
-    stamp = [[p.relative_to(src).as_posix() if src.is_dir() else p.name, p.stat().st_size, p.stat().st_mtime_ns]
-             for p in _files_of(src)]
+    stamp = [
+        [p.relative_to(src).as_posix() if src.is_dir() else p.name, p.stat().st_size, p.stat().st_mtime_ns]
+        for p in _files_of(src)
+    ]
     seen = _seen.get(str(src))
     if seen is not None and seen[0] == stamp:
         return seen[1]  # asked at every admission judgement: no file read when nothing changed
@@ -316,9 +341,11 @@ def check_disk(directory: Path, need_bytes: int, what: str) -> None:
     """Refuse a conversion that would not fit on the disk, before it starts."""
     free = _free_bytes(directory)
     if need_bytes * DISK_MARGIN > free:
-        raise DiskSpaceError(f"{what}: needs about {_gib(need_bytes * DISK_MARGIN)} in {directory} "
-                            f"(the artifact and {DISK_MARGIN - 1:.0%} to spare) but {_gib(free)} is free; free some "
-                            f"space or point {ARTIFACTS_ENV} at a larger disk")
+        raise DiskSpaceError(
+            f"{what}: needs about {_gib(need_bytes * DISK_MARGIN)} in {directory} "
+            f"(the artifact and {DISK_MARGIN - 1:.0%} to spare) but {_gib(free)} is free; free some "
+            f"space or point {ARTIFACTS_ENV} at a larger disk"
+        )
 
 
 def _remove(path: Path) -> None:
@@ -333,8 +360,7 @@ def _remove(path: Path) -> None:
 _failed: dict[Path, str] = {}
 
 
-def ensure(backend: Any, weights: str, ctx: Any,
-           say: Callable[[str], None] | None = None) -> Artifact | None:
+def ensure(backend: Any, weights: str, ctx: Any, say: Callable[[str], None] | None = None) -> Artifact | None:
     """The artifact ``weights`` names for ``backend``, made now if the cache lacks it.
 
     Args:
@@ -364,16 +390,17 @@ def _made_by(backend: Any, weights: str) -> bool:
 
 def _recipe(backend: Any, fmt: str, ctx: Any) -> Recipe:
     if ctx.source is None:
-        raise ArtifactError(f"weights {fmt!r}: no [model] source to make it from (name the model directory or "
-                            "full-precision GGUF file there)")
+        raise ArtifactError(
+            f"weights {fmt!r}: no [model] source to make it from (name the model directory or "
+            "full-precision GGUF file there)"
+        )
     recipe = None if backend.artifacts is None else backend.artifacts.recipe(fmt, ctx.source, ctx)
     if recipe is None:
         raise ArtifactError(f"backend '{backend.name}' cannot make {fmt} from {ctx.source}")
     return recipe
 
 
-def _ensure(backend: Any, fmt: str, ctx: Any, say: Callable[[str], None],
-            depth: int) -> Artifact:
+def _ensure(backend: Any, fmt: str, ctx: Any, say: Callable[[str], None], depth: int) -> Artifact:
     if depth > 4:
         raise ArtifactError(f"{fmt}: the recipes of backend '{backend.name}' need each other in a loop")
     recipe = _recipe(backend, fmt, ctx)
@@ -400,8 +427,10 @@ def _ensure(backend: Any, fmt: str, ctx: Any, say: Callable[[str], None],
             raise
         partial = path.with_name(path.name + ".partial")
         _remove(partial)
-        say(f"artifact {recipe.fmt}: {what} ({recipe.description or recipe.tool}, about "
-            f"{_gib(recipe.expected_bytes)}) -> {path}")
+        say(
+            f"artifact {recipe.fmt}: {what} ({recipe.description or recipe.tool}, about "
+            f"{_gib(recipe.expected_bytes)}) -> {path}"
+        )
         started = time.monotonic()
         try:
             recipe.make(inputs, partial, say)
@@ -417,10 +446,19 @@ def _ensure(backend: Any, fmt: str, ctx: Any, say: Callable[[str], None],
             raise ArtifactError(_failed[path])
         seconds = round(time.monotonic() - started, 2)
         digest = _sha256_tree(partial)
-        manifest = {"format": recipe.fmt, "tool": recipe.tool, "source": str(ctx.source), "source_sha256": src_hash,
-                    "sha256": digest, "make_seconds": seconds, "step": recipe.step,
-                    "bytes": _size_of(partial), "made_by": backend.name,
-                    "made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "inputs": [str(p) for p in inputs]}
+        manifest = {
+            "format": recipe.fmt,
+            "tool": recipe.tool,
+            "source": str(ctx.source),
+            "source_sha256": src_hash,
+            "sha256": digest,
+            "make_seconds": seconds,
+            "step": recipe.step,
+            "bytes": _size_of(partial),
+            "made_by": backend.name,
+            "made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "inputs": [str(p) for p in inputs],
+        }
         # The record first, the artifact last: an artifact in place always has its record.
         _manifest_path(path).write_text(json.dumps(manifest, indent=2))
         _remove(path)
@@ -527,7 +565,8 @@ def _read(path: Path, recipe: Recipe) -> Artifact | None:
         return None
     try:
         m = json.loads(_manifest_path(path).read_text())
-        return Artifact(recipe.fmt, path, str(m["sha256"]), str(m["source_sha256"]), recipe.tool,
-                        float(m["make_seconds"]), False)
+        return Artifact(
+            recipe.fmt, path, str(m["sha256"]), str(m["source_sha256"]), recipe.tool, float(m["make_seconds"]), False
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None  # renamed into place but killed before its record: made again

@@ -164,7 +164,9 @@ def read_gguf_key_values(path: str | os.PathLike[str], prefix: str = "") -> list
             vtype = cur.take("I")
             value, sub = cur.typed_value(vtype, key)
             if key.startswith(prefix):
-                out.append((key, value, gguf.GGUFValueType(vtype), gguf.GGUFValueType(sub) if sub is not None else None))
+                out.append(
+                    (key, value, gguf.GGUFValueType(vtype), gguf.GGUFValueType(sub) if sub is not None else None)
+                )
     return out
 
 
@@ -231,16 +233,20 @@ class _Cursor:
         at = self.pos
         n = self.take("Q")
         if n * min_bytes > len(self.buf) - self.pos:
-            raise _Damaged(f"{what} = {n} at byte {at}: the {len(self.buf) - self.pos} bytes after it hold "
-                           f"at most {(len(self.buf) - self.pos) // min_bytes}")
+            raise _Damaged(
+                f"{what} = {n} at byte {at}: the {len(self.buf) - self.pos} bytes after it hold "
+                f"at most {(len(self.buf) - self.pos) // min_bytes}"
+            )
         return n
 
     def raw_string(self, what: str = "a string") -> bytes:
         n = self.take("Q")
         if self.pos + n > len(self.buf):
-            raise _Damaged(f"{what}: a length of {n} bytes at byte {self.pos - 8} runs past the end "
-                           f"of the file ({len(self.buf)} bytes)")
-        raw = bytes(self.buf[self.pos:self.pos + n])
+            raise _Damaged(
+                f"{what}: a length of {n} bytes at byte {self.pos - 8} runs past the end "
+                f"of the file ({len(self.buf)} bytes)"
+            )
+        raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return raw
 
@@ -354,6 +360,8 @@ def _parse(buf: Any) -> tuple[dict[str, Any], dict[str, int], tuple[GgufTensor, 
             raise _Damaged(f"tensor {name!r} ends at byte {data_start + offset + n_bytes} of {len(buf)}")
         tensors.append(GgufTensor(name, ggml_type.name, shape, n_elements, n_bytes))
     return metadata, lengths, tuple(tensors)
+
+
 def _file_type_name(value: Any) -> str | None:
     """``general.file_type`` (a llama_ftype number) as llama.cpp names the type: Q4_K_M, F16."""
     import gguf

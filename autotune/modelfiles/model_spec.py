@@ -65,9 +65,7 @@ class ModelSpec:
     max_context: int
     source: str
     # hash=False: a mapping is not hashable, and the shape fields identify a model anyway.
-    artifact_bytes: Mapping[str, int] = field(
-        default_factory=lambda: types.MappingProxyType({}), hash=False
-    )
+    artifact_bytes: Mapping[str, int] = field(default_factory=lambda: types.MappingProxyType({}), hash=False)
     sliding_window: int | None = None
     n_swa_layers: int = 0
     n_experts: int = 0
@@ -88,8 +86,10 @@ class ModelSpec:
         if not all(isinstance(v, int) and v >= 0 for v in experts):
             bad.append(f"experts {experts!r}: must be non-negative integers")
         elif self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn_size > 0):
-            bad.append(f"n_experts = {self.n_experts}: needs 1 to {self.n_experts} experts used "
-                       f"(got {self.n_experts_used}) and an expert width (got {self.expert_ffn_size})")
+            bad.append(
+                f"n_experts = {self.n_experts}: needs 1 to {self.n_experts} experts used "
+                f"(got {self.n_experts_used}) and an expert width (got {self.expert_ffn_size})"
+            )
         if bad:
             raise ConfigError(f"model '{self.key}': " + "; ".join(bad))
 
@@ -163,11 +163,11 @@ def count_params(
     q_dim = n_heads * head_dim
     kv_dim = n_kv_heads * head_dim
     per_layer = (
-        hidden_size * q_dim          # q_proj
-        + 2 * hidden_size * kv_dim   # k_proj, v_proj
-        + q_dim * hidden_size        # o_proj
+        hidden_size * q_dim  # q_proj
+        + 2 * hidden_size * kv_dim  # k_proj, v_proj
+        + q_dim * hidden_size  # o_proj
         + 3 * hidden_size * ffn_size  # gate_proj, up_proj, down_proj
-        + 2 * hidden_size            # input_layernorm, post_attention_layernorm
+        + 2 * hidden_size  # input_layernorm, post_attention_layernorm
     )
     if attention_bias is None and architecture in QKV_BIAS_ARCHITECTURES:
         per_layer += q_dim + 2 * kv_dim

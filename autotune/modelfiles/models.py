@@ -50,8 +50,17 @@ _CATALOG_FILE = "models.toml"
 # The catalog
 # ---------------------------------------------------------------------------------------------
 
-_INT_FIELDS = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn_size",
-               "vocab_size", "n_params", "max_context")
+_INT_FIELDS = (
+    "n_layers",
+    "hidden_size",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "ffn_size",
+    "vocab_size",
+    "n_params",
+    "max_context",
+)
 _STR_FIELDS = ("name", "architecture", "source")
 
 
@@ -173,8 +182,11 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
 
     def widest(value: Any) -> Any:
         # Per-layer arrays (e.g. head_count_kv of hybrid models): size for the widest layer.
-        return (max(value) if value and all(isinstance(v, int) for v in value) else value) or None \
-            if isinstance(value, list) else value
+        return (
+            (max(value) if value and all(isinstance(v, int) for v in value) else value) or None
+            if isinstance(value, list)
+            else value
+        )
 
     missing: list[str] = []
     problems: list[str] = []
@@ -200,8 +212,10 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     else:
         head_dim = max(hidden // n_heads, 1)
         if not problems and n_heads > hidden:
-            problems.append(f"{arch}.attention.head_count = {n_heads} exceeds {arch}.embedding_length = {hidden} "
-                            f"and there is no {key_length}: a head would be {hidden / n_heads:.2f} wide")
+            problems.append(
+                f"{arch}.attention.head_count = {n_heads} exceeds {arch}.embedding_length = {hidden} "
+                f"and there is no {key_length}: a head would be {hidden / n_heads:.2f} wide"
+            )
 
     embeddings = header.tensor("token_embd.weight")
     if header.array_lengths.get("tokenizer.ggml.tokens"):
@@ -229,8 +243,10 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
     if not problems and n_kv_heads > n_heads:
         problems.append(f"{n_kv_heads} key/value heads but {n_heads} query heads: a layer has no more of them")
     if not problems and n_params <= vocab * hidden:
-        problems.append(f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x {hidden:,} "
-                        f"wide): the {n_layers} decoder layers hold none")
+        problems.append(
+            f"{n_params:,} parameters, no more than the embeddings alone ({vocab:,} tokens x {hidden:,} "
+            f"wide): the {n_layers} decoder layers hold none"
+        )
     n_experts, n_used, expert_ffn = expert_fields(lambda k: widest(header.get(f"{arch}.{k}")), arch, ffn, problems)
     if problems:
         raise ConfigError(f"{p}: " + "; ".join(problems) + " (a damaged or hand-made header?)")
@@ -347,9 +363,16 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     arch = _HF_TO_GGUF_ARCH.get(model_type, model_type)
     attention_bias = cfg.get("attention_bias")
     n_params = count_params(
-        architecture=arch, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
-        n_kv_heads=n_kv_heads, head_dim=head_dim, ffn_size=ffn, vocab_size=vocab,
-        tie_embeddings=tie, attention_bias=attention_bias if isinstance(attention_bias, bool) else None,
+        architecture=arch,
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_size=ffn,
+        vocab_size=vocab,
+        tie_embeddings=tie,
+        attention_bias=attention_bias if isinstance(attention_bias, bool) else None,
     )
 
     # Sliding window: Qwen2 configs carry sliding_window but only use it when
@@ -429,4 +452,3 @@ def resolve_model(ref: str) -> ModelSpec:
 def _looks_like_path(ref: str) -> bool:
     """Whether a user meant a file (so "no such file" is the news) rather than a catalog key."""
     return "/" in ref or "\\" in ref or ref.startswith("~") or Path(ref).suffix.lower() in (".gguf", ".json")
-

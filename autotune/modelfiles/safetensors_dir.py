@@ -41,10 +41,21 @@ __all__ = [
 
 #: safetensors dtype names -> bytes per element (the format's spec lists these).
 SAFETENSORS_DTYPE_BYTES: Mapping[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 # A header larger than this is not a safetensors file (the reference implementation caps it
 # at 100 MB too) and must not make us read a whole weights file into memory.
@@ -56,6 +67,7 @@ MAX_HEADER_BYTES = 100_000_000
 _LAYER_RX = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
 _EMBEDDING_RX = re.compile(r"^(?:language_model\.)?model\.embed_tokens\.weight$")
 _HEAD_RX = re.compile(r"^(?:language_model\.)?lm_head\.")
+
 
 @dataclass(frozen=True)
 class SafetensorsTensor:
@@ -135,13 +147,16 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, Safetenso
             # Two negative dimensions multiply to a positive size that could match the offsets.
             raise ConfigError(f"{p}: tensor '{name}': shape {list(shape)} has a negative dimension")
         if dtype not in SAFETENSORS_DTYPE_BYTES:
-            raise ConfigError(f"{p}: tensor '{name}': dtype {dtype!r} unknown "
-                              f"(known: {', '.join(SAFETENSORS_DTYPE_BYTES)})")
+            raise ConfigError(
+                f"{p}: tensor '{name}': dtype {dtype!r} unknown (known: {', '.join(SAFETENSORS_DTYPE_BYTES)})"
+            )
         nbytes = end - begin
         expected = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
         if nbytes != expected or begin < 0 or end > data_bytes:
-            raise ConfigError(f"{p}: tensor '{name}': data_offsets [{begin}, {end}] do not hold "
-                              f"{dtype} x {list(shape)} = {expected} bytes within the file's {data_bytes}")
+            raise ConfigError(
+                f"{p}: tensor '{name}': data_offsets [{begin}, {end}] do not hold "
+                f"{dtype} x {list(shape)} = {expected} bytes within the file's {data_bytes}"
+            )
         out[name] = SafetensorsTensor(name, dtype, shape, nbytes)
     return out
 
@@ -189,6 +204,7 @@ class SafetensorsDir:
         inner = text.get("tie_word_embeddings") if isinstance(text, dict) else None
         return self.config.get("tie_word_embeddings", inner) is True
 
+
 def _files_key(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
     files = sorted(model_dir.glob("*.safetensors"))
     config = model_dir / "config.json"
@@ -214,8 +230,9 @@ def read_safetensors_dir(path: str | os.PathLike[str]) -> SafetensorsDir:
         raise ConfigError(f"{d}: no such directory (a model directory holds config.json and *.safetensors)")
     key = _files_key(d)
     if not any(p.endswith(".safetensors") for p, _, _ in key):
-        raise ConfigError(f"{d}: no *.safetensors files (a Hugging Face or EXL2 model directory holds its "
-                          f"tensors in *.safetensors)")
+        raise ConfigError(
+            f"{d}: no *.safetensors files (a Hugging Face or EXL2 model directory holds its tensors in *.safetensors)"
+        )
     return _read_cached(str(d.resolve()), key)
 
 
@@ -225,6 +242,9 @@ def _read_cached(path: str, key: tuple[tuple[str, int, int], ...]) -> Safetensor
     files = [p for p, _, _ in key if p.endswith(".safetensors")]
     for file in files:
         tensors.update(read_safetensors_header(file))
-    return SafetensorsDir(path=Path(path), config=types.MappingProxyType(read_config_json(path)),
-                          tensors=tuple(tensors.values()), files=tuple(Path(f).name for f in files))
-
+    return SafetensorsDir(
+        path=Path(path),
+        config=types.MappingProxyType(read_config_json(path)),
+        tensors=tuple(tensors.values()),
+        files=tuple(Path(f).name for f in files),
+    )

@@ -26,7 +26,7 @@ import optuna
 from autotune.hardware.gpus import CPU_KEY
 from autotune.engine.metric import metric_named
 from autotune.study.records import TrialRecord, TrialState
-from autotune.study.summary import memory_text
+from autotune.study.verdict import memory_text
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -59,6 +59,7 @@ WRAP_ATTRIBUTES = b"<style>main p.MuiTypography-root{white-space:normal;overflow
 def wrapping_pages(app: Callable[..., Any]) -> Callable[..., Any]:
     """optuna-dashboard's WSGI ``app`` with ``WRAP_ATTRIBUTES`` in its page's head (its
     Content-Security-Policy allows inline styles): every other response passes unchanged."""
+
     def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         if not environ.get("PATH_INFO", "").startswith("/dashboard"):
             return app(environ, start_response)
@@ -93,8 +94,9 @@ def serve(storage: Any, host: str, port: int, artifacts: Any = None) -> None:
 
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_class = type("Server", (wsgiref.simple_server.WSGIServer,), {"address_family": family})
-    with wsgiref.simple_server.make_server(host, port, wrapping_pages(wsgi(storage, artifact_store=artifacts)),
-                                           server_class=server_class) as server:
+    with wsgiref.simple_server.make_server(
+        host, port, wrapping_pages(wsgi(storage, artifact_store=artifacts)), server_class=server_class
+    ) as server:
         server.serve_forever()
 
 
@@ -105,9 +107,9 @@ def artifact_store(url: str, create: bool = True) -> Any:
     from optuna.artifacts import FileSystemArtifactStore
 
     if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
+        path = url[len("sqlite:///") :]
     elif url.startswith("journal:"):
-        path = url[len("journal:"):]
+        path = url[len("journal:") :]
     else:
         return None
     if path in ("", ":memory:"):
@@ -137,14 +139,26 @@ def trial_card(r: TrialRecord, log_artifact: str | None = None) -> str:
     c = dict(r.config or {})
     options = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("backend", "weights", "ctx", "parallel"))
     # Every name is escaped: a weights file named "[click me](javascript:...)" is text, not a link.
-    lines = [f"### {_escaped(str(c.get('backend', '?')))}: {_escaped(Path(str(c.get('weights', '?'))).name)}",
-             _escaped(f"{c.get('parallel', '?')} parallel streams of {c.get('ctx', '?')} tokens each"
-                      + (f"; {options}" if options else "")), ""]
+    lines = [
+        f"### {_escaped(str(c.get('backend', '?')))}: {_escaped(Path(str(c.get('weights', '?'))).name)}",
+        _escaped(
+            f"{c.get('parallel', '?')} parallel streams of {c.get('ctx', '?')} tokens each"
+            + (f"; {options}" if options else "")
+        ),
+        "",
+    ]
     if r.answered:
         lines.append(f"Answered from trial {r.answered_from}: {_escaped(str(r.prune_reason))}")
         return "\n".join(lines)
-    figures = [f for f in (_figure(r, "aggregate_tok_s", "aggregate"), _figure(r, "per_user_tok_s", "per user"),
-                           _figure(r, "decode_tok_s", "one stream")) if f]
+    figures = [
+        f
+        for f in (
+            _figure(r, "aggregate_tok_s", "aggregate"),
+            _figure(r, "per_user_tok_s", "per user"),
+            _figure(r, "decode_tok_s", "one stream"),
+        )
+        if f
+    ]
     if figures:
         lines.append("- " + ", ".join(figures))
     if r.values:
@@ -254,8 +268,11 @@ def _block(text: str, indent: str = "") -> list[str]:
     line is full (an engine's message with a 100-character hash made a trial page 1,423 px)."""
     import textwrap
 
-    rows = [row for line in text.splitlines() or [""]
-            for row in textwrap.wrap(line, 76, break_long_words=True, break_on_hyphens=False) or [""]]
+    rows = [
+        row
+        for line in text.splitlines() or [""]
+        for row in textwrap.wrap(line, 76, break_long_words=True, break_on_hyphens=False) or [""]
+    ]
     # A fence longer than any run of backticks in the text, which then cannot close it.
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
     return [f"{indent}{row}" for row in ["", fence, *rows, fence, ""]]
@@ -281,8 +298,8 @@ def note_markdown(summary_text: str, commands: Iterable[str] = ()) -> str:
         depth = (len(line) - len(text)) // 2
         label, command = text, None
         for c in commands:
-            if text.endswith(c) and text[:-len(c)].endswith(": "):
-                label, command = text[:-len(c)].rstrip(), c
+            if text.endswith(c) and text[: -len(c)].endswith(": "):
+                label, command = text[: -len(c)].rstrip(), c
                 break
         indent = "  " * max(depth - 1, 0)
         if command is None and _long(label):  # its start as the line, the rest as a block

@@ -19,12 +19,14 @@ FIXED = ("backend", "weights", "ctx", "parallel")
 def config_text(cfg: dict[str, Any]) -> str:
     """A configuration in one line, every searched value in it (cache type, flash attention,
     offload, batch sizes...): two different trials never print the same line."""
+
     def shown(v: Any) -> str:
         return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
     options = " ".join(f"{k}={shown(v)}" for k, v in cfg.items() if k not in FIXED)
-    return (f"{cfg.get('backend')} {cfg.get('weights')} ctx {cfg.get('ctx')} x{cfg.get('parallel')}"
-            + (f" {options}" if options else ""))
+    return f"{cfg.get('backend')} {cfg.get('weights')} ctx {cfg.get('ctx')} x{cfg.get('parallel')}" + (
+        f" {options}" if options else ""
+    )
 
 
 def header_text(prepared: Any, study_file: Any, n_trials: int | None = None, budget_s: float | None = None) -> str:
@@ -48,10 +50,13 @@ def header_text(prepared: Any, study_file: Any, n_trials: int | None = None, bud
     placement = getattr(prepared, "placement", None)
     if placement is not None:
         # Several cards: each one with its own budget (autotune.hardware.placement).
-        hardware = (f"{len(placement.cards)} {device}s, memory budget {budget_text(placement.total_budget_bytes)} in "
-                    f"all: " + "; ".join(placement.lines()))
-    return (f"study {study_file} -> {prepared.shown_storage}; engines: {', '.join(engines) or '-'}; {hardware}"
-            + (f"; this run: up to {' or '.join(p for p in plan if p)}" if any(plan) else ""))
+        hardware = (
+            f"{len(placement.cards)} {device}s, memory budget {budget_text(placement.total_budget_bytes)} in "
+            f"all: " + "; ".join(placement.lines())
+        )
+    return f"study {study_file} -> {prepared.shown_storage}; engines: {', '.join(engines) or '-'}; {hardware}" + (
+        f"; this run: up to {' or '.join(p for p in plan if p)}" if any(plan) else ""
+    )
 
 
 class LiveProgress:
@@ -99,8 +104,12 @@ class LiveProgress:
                 if event.value is not None and getattr(event, "broken", ()):
                     # A figure alone read as a candidate: a trial over its target says it is not one.
                     outcome += f" (infeasible: {', '.join(event.broken)})"
-                self.console.print(terminal.shown(f"trial {event.number}: {config_text(cfg)} -> {outcome}"),
-                                   highlight=False, soft_wrap=True, markup=False)
+                self.console.print(
+                    terminal.shown(f"trial {event.number}: {config_text(cfg)} -> {outcome}"),
+                    highlight=False,
+                    soft_wrap=True,
+                    markup=False,
+                )
             return
         done = f"{event.n_done}" + (f"/{self.n_trials}" if self.n_trials else "")
         elapsed = time.monotonic() - self.start

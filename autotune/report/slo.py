@@ -36,15 +36,23 @@ def slo_cost(rows: Sequence[TrialRecord], metric: str, best: int | None = None) 
     fastest = max(free, key=lambda r: r.median("aggregate_tok_s") or 0.0)
     feasible = [r for r in done if r.feasible and r.median(metric) is not None]
     winner = next((r for r in feasible if r.number == best), None) or (
-        max(feasible, key=lambda r: r.median(metric) or 0.0) if feasible else None)
-    out: dict[str, Any] = {"fastest": fastest.number, "fastest_tok_s": fastest.median("aggregate_tok_s"),
-                           "fastest_missed": sorted(k.removeprefix("slo_") for k, v in fastest.constraints.items()
-                                                    if k.startswith("slo_") and v > 0),
-                           "winner": None if winner is None else winner.number}
+        max(feasible, key=lambda r: r.median(metric) or 0.0) if feasible else None
+    )
+    out: dict[str, Any] = {
+        "fastest": fastest.number,
+        "fastest_tok_s": fastest.median("aggregate_tok_s"),
+        "fastest_missed": sorted(
+            k.removeprefix("slo_") for k, v in fastest.constraints.items() if k.startswith("slo_") and v > 0
+        ),
+        "winner": None if winner is None else winner.number,
+    }
     if winner is not None:
         agg = winner.median("aggregate_tok_s") or 0.0
-        out.update(winner_tok_s=agg, winner_value=winner.median(metric),
-                   cost=1 - agg / out["fastest_tok_s"] if out["fastest_tok_s"] else 0.0)
+        out.update(
+            winner_tok_s=agg,
+            winner_value=winner.median(metric),
+            cost=1 - agg / out["fastest_tok_s"] if out["fastest_tok_s"] else 0.0,
+        )
     return out
 
 
@@ -63,24 +71,49 @@ def _figure(rows: Sequence[TrialRecord], slo: Mapping[str, float], cost: Mapping
                 if not pts:
                     continue
                 fig.add_scatter(
-                    x=[r.median("aggregate_tok_s") for r in pts], y=[r.median(key) for r in pts], mode="markers",
+                    x=[r.median("aggregate_tok_s") for r in pts],
+                    y=[r.median(key) for r in pts],
+                    mode="markers",
                     name=f"{label} p{p}, {'within every target' if ok else 'infeasible'}",
-                    opacity=1.0 if ok else 0.35, row=1, col=col,
-                    hovertext=[f"trial {r.number}<br>{html.escape(_config(r))}" for r in pts])
+                    opacity=1.0 if ok else 0.35,
+                    row=1,
+                    col=col,
+                    hovertext=[f"trial {r.number}<br>{html.escape(_config(r))}" for r in pts],
+                )
             if key in slo:
-                fig.add_hline(y=slo[key], line_dash="dash", line_color="red", row=1, col=col,
-                              annotation_text=f"target p{p} {slo[key]:g} ms", annotation_position="top left")
-        for number, symbol, name in ((cost.get("winner"), "star", "goodput winner"),
-                                     (cost.get("fastest"), "x", "best throughput without the targets")):
+                fig.add_hline(
+                    y=slo[key],
+                    line_dash="dash",
+                    line_color="red",
+                    row=1,
+                    col=col,
+                    annotation_text=f"target p{p} {slo[key]:g} ms",
+                    annotation_position="top left",
+                )
+        for number, symbol, name in (
+            (cost.get("winner"), "star", "goodput winner"),
+            (cost.get("fastest"), "x", "best throughput without the targets"),
+        ):
             r = next((r for r in done if r.number == number), None)
             key = f"{q}_p{percentiles[-1]}_ms"
             if r is not None and r.median(key) is not None:
-                fig.add_scatter(x=[r.median("aggregate_tok_s")], y=[r.median(key)], mode="markers",
-                                marker={"symbol": symbol, "size": 16, "color": "black"}, name=name,
-                                showlegend=col == 1, row=1, col=col, hovertext=[f"trial {r.number}"])
+                fig.add_scatter(
+                    x=[r.median("aggregate_tok_s")],
+                    y=[r.median(key)],
+                    mode="markers",
+                    marker={"symbol": symbol, "size": 16, "color": "black"},
+                    name=name,
+                    showlegend=col == 1,
+                    row=1,
+                    col=col,
+                    hovertext=[f"trial {r.number}"],
+                )
     fig.update_xaxes(title_text="aggregate tok/s")
-    fig.update_layout(title="Latency against throughput, per configuration (medians of its runs)", height=480,
-                      legend={"orientation": "h", "y": -0.25})
+    fig.update_layout(
+        title="Latency against throughput, per configuration (medians of its runs)",
+        height=480,
+        legend={"orientation": "h", "y": -0.25},
+    )
     return fig
 
 
@@ -99,15 +132,20 @@ def slo_section(rows: Sequence[TrialRecord], objective: Mapping[str, Any], best:
     if cost is None:
         return "<p class='absent' id='slo-absent'>(latency: no trial measured yet)</p>"
     if cost["winner"] is None:
-        text = (f"No configuration met every target. The best throughput without them: trial {cost['fastest']}, "
-                f"{cost['fastest_tok_s']:.1f} tok/s aggregate.")
+        text = (
+            f"No configuration met every target. The best throughput without them: trial {cost['fastest']}, "
+            f"{cost['fastest_tok_s']:.1f} tok/s aggregate."
+        )
     else:
         missed = ", ".join(cost["fastest_missed"])
-        text = (f"Winner under the targets (by {metric}): trial {cost['winner']}, {cost['winner_value']:.2f} "
-                f"({cost['winner_tok_s']:.1f} tok/s aggregate). Best throughput without the targets: trial "
-                f"{cost['fastest']}, {cost['fastest_tok_s']:.1f} tok/s"
-                + (f" (misses {missed})" if missed else "")
-                + f". What the targets cost: {100 * cost['cost']:.1f}% of the aggregate throughput.")
-    plot = _figure(rows, slo, cost).to_html(full_html=False, include_plotlyjs=False, div_id="plot-slo",
-                                            config={"displaylogo": False})
+        text = (
+            f"Winner under the targets (by {metric}): trial {cost['winner']}, {cost['winner_value']:.2f} "
+            f"({cost['winner_tok_s']:.1f} tok/s aggregate). Best throughput without the targets: trial "
+            f"{cost['fastest']}, {cost['fastest_tok_s']:.1f} tok/s"
+            + (f" (misses {missed})" if missed else "")
+            + f". What the targets cost: {100 * cost['cost']:.1f}% of the aggregate throughput."
+        )
+    plot = _figure(rows, slo, cost).to_html(
+        full_html=False, include_plotlyjs=False, div_id="plot-slo", config={"displaylogo": False}
+    )
     return f"<div id='slo'><h2>Latency targets</h2><p id='slo-cost'>{html.escape(text)}</p>{plot}</div>"

@@ -19,14 +19,23 @@ def speculation_figure(found: Mapping[str, Any]):
     import plotly.graph_objects as go
 
     slots = found["slots"]
-    hover = [f"x{g['gain']:.2f}: {g['with_tok_s']:.1f} vs {g['without_tok_s']:.1f} tok/s<br>"
-             f"{html.escape(', '.join(f'{k}={v}' for k, v in g['speculation'].items()))}<br>"
-             f"trials {g['trial']} vs {g['baseline_trial']}" for g in slots]
+    hover = [
+        f"x{g['gain']:.2f}: {g['with_tok_s']:.1f} vs {g['without_tok_s']:.1f} tok/s<br>"
+        f"{html.escape(', '.join(f'{k}={v}' for k, v in g['speculation'].items()))}<br>"
+        f"trials {g['trial']} vs {g['baseline_trial']}"
+        for g in slots
+    ]
     fig = go.Figure()
-    fig.add_scatter(x=[g["parallel"] for g in slots], y=[g["gain"] for g in slots], mode="lines+markers",
-                    name="best speculation / none", hovertext=hover)
-    fig.add_hline(y=1.0, line_dash="dash", line_color="red", annotation_text="break-even",
-                  annotation_position="bottom right")
+    fig.add_scatter(
+        x=[g["parallel"] for g in slots],
+        y=[g["gain"] for g in slots],
+        mode="lines+markers",
+        name="best speculation / none",
+        hovertext=hover,
+    )
+    fig.add_hline(
+        y=1.0, line_dash="dash", line_color="red", annotation_text="break-even", annotation_position="bottom right"
+    )
     fig.update_xaxes(type="log", title_text="parallel slots", dtick=0.30103)
     fig.update_yaxes(type="log", title_text="aggregate tok/s, with / without")
     fig.update_layout(title="Speculative decoding's gain against slots (same other values)", height=420)
@@ -39,7 +48,10 @@ def speculation_section(extra: Mapping[str, Any]) -> str:
     if not found:
         return ""
     fig = speculation_figure(found)
-    plot = fig.to_html(full_html=False, include_plotlyjs=False, div_id="plot-speculation",
-                       config={"displaylogo": False})
-    return (f"<div class='card' id='speculation'><h2>Speculative decoding against slots</h2>"
-            f"<p>{html.escape(found['verdict'] or '')}</p>{plot}</div>")
+    plot = fig.to_html(
+        full_html=False, include_plotlyjs=False, div_id="plot-speculation", config={"displaylogo": False}
+    )
+    return (
+        f"<div class='card' id='speculation'><h2>Speculative decoding against slots</h2>"
+        f"<p>{html.escape(found['verdict'] or '')}</p>{plot}</div>"
+    )

@@ -16,8 +16,16 @@ from autotune.report.html import write_report
 from autotune.study import records
 from autotune.study.speculation_gain import SlotGain, gain_lines
 from autotune.study.storage import faults, mask_url, open_storage, study_names
-from autotune.study.summary import StudySummary, contender_text, memory_text, counts_text, failures_text, \
-    headline_lines, latency_line, summarize
+from autotune.study.summary import (
+    StudySummary,
+    contender_text,
+    counts_text,
+    failures_text,
+    headline_lines,
+    latency_line,
+    summarize,
+)
+from autotune.study.verdict import memory_text
 
 
 def load_study(storage: str, study_name: str | None = None) -> optuna.Study:
@@ -101,10 +109,13 @@ def being_measured_lines(extra: dict[str, Any]) -> list[str]:
     if live:
         lines.append(f"{_configurations(len(live))} still being measured by {', '.join(live)}; the best may change")
     if dead:
-        lines.append(f"{_configurations(len(dead))} left RUNNING by a dead worker: {', '.join(dead)}; the next "
-                     "'autotune study' measures it again" if len(dead) == 1 else
-                     f"{_configurations(len(dead))} left RUNNING by dead workers: {', '.join(dead)}; the next "
-                     "'autotune study' measures them again")
+        lines.append(
+            f"{_configurations(len(dead))} left RUNNING by a dead worker: {', '.join(dead)}; the next "
+            "'autotune study' measures it again"
+            if len(dead) == 1
+            else f"{_configurations(len(dead))} left RUNNING by dead workers: {', '.join(dead)}; the next "
+            "'autotune study' measures them again"
+        )
     return lines
 
 
@@ -127,8 +138,9 @@ def summary_text(summary: StudySummary) -> str:
         lines.append("no feasible configuration measured yet")
         # Per cause, what stopped each configuration (study.infeasible): the reason, not a count.
         lines += [f"  {line}" for line in summary.extra.get("no_feasible", [])]
-        return "\n".join(lines + baseline_lines(summary.extra) + quality_lines(summary.extra)
-                         + stopped_lines(summary.extra))
+        return "\n".join(
+            lines + baseline_lines(summary.extra) + quality_lines(summary.extra) + stopped_lines(summary.extra)
+        )
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
     lines.append(f"best (trial {best['number']}): {params}")
     finish = summary.extra.get("finish")
@@ -147,8 +159,9 @@ def summary_text(summary: StudySummary) -> str:
     if (best.get("gpu") or {}).get("key") == CPU_KEY:  # gpu = "cpu": everything is in host memory
         lines.append(f"  host memory: predicted {_gib(vram.get('total_bytes'))}")
     else:
-        lines.append(f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured "
-                     f"{_gib(best.get('measured_vram_bytes'))}")
+        lines.append(
+            f"  VRAM: predicted {_gib(vram.get('total_bytes'))}, measured {_gib(best.get('measured_vram_bytes'))}"
+        )
     for a in best.get("artifacts") or ():
         how = f"made in {a['make_seconds']:.1f} s" if a.get("made_now") else "from the artifact cache"
         lines.append(f"  weights {a['weights']}: {a['path']} ({how}, sha256 {str(a['sha256'])[:12]})")
@@ -157,8 +170,11 @@ def summary_text(summary: StudySummary) -> str:
     lines += baseline_lines(summary.extra)
     if finish and finish.get("contenders"):
         scored = summary.extra.get("objective_words")
-        lines.append(f"measured again ({finish['rounds']} rounds, interleaved"
-                     + (f"; each figure the score: {scored}" if scored else "") + "):")
+        lines.append(
+            f"measured again ({finish['rounds']} rounds, interleaved"
+            + (f"; each figure the score: {scored}" if scored else "")
+            + "):"
+        )
         lines += [f"  {contender_text(c)}" for c in finish["contenders"]]
     front = summary.extra.get("pareto_front")
     if front:
@@ -186,9 +202,11 @@ def quality_text(q: dict[str, Any]) -> str:
     from gguf:F16"."""
     metric = metric_named(q.get("metric"))
     se = q.get("drop_stderr_points")
-    return (metric.compared_text(q["value"], q["drop_points"], q["reference_weights"])
-            + (f" (± {metric.amount_text(se)}{', paired' if q.get('items_used') else ''})" if se is not None else "")
-            + (f", {q['items_used']} items, {q['verdict'] or 'no bound'}" if q.get("items_used") else ""))
+    return (
+        metric.compared_text(q["value"], q["drop_points"], q["reference_weights"])
+        + (f" (± {metric.amount_text(se)}{', paired' if q.get('items_used') else ''})" if se is not None else "")
+        + (f", {q['items_used']} items, {q['verdict'] or 'no bound'}" if q.get("items_used") else "")
+    )
 
 
 def speculation_lines(extra: dict[str, Any]) -> list[str]:
@@ -212,8 +230,10 @@ def baseline_lines(extra: dict[str, Any]) -> list[str]:
     found = extra.get("baseline") or {}
     if not found:
         return []
-    lines = ["vs doing nothing (what each engine chooses for itself: its default launch and, where it has one, "
-             "its own fitting; each measured once before the search, not a trial):"]
+    lines = [
+        "vs doing nothing (what each engine chooses for itself: its default launch and, where it has one, "
+        "its own fitting; each measured once before the search, not a trial):"
+    ]
     for entry in found.values():
         lines.append(f"  {entry['text']}")
         lines.append(f"    weights {entry['weights']} ({entry['weights_why']}); {entry['description']}")
@@ -252,11 +272,12 @@ def calibration_lines(calibrations: dict[str, Any]) -> list[str]:
         if "error" in cal:
             lines.append(f"  {backend}: {cal.get('predictor')} could not calibrate: {cal['error']}")
             continue
-        lines.append(f"  {backend} by {cal.get('predictor')} on {cal.get('gpu')}, {cal.get('n')} trials: median error "
-                     f"{_percent(cal.get('median_abs_error_before'))} -> {_percent(cal.get('median_abs_error_after'))}")
+        lines.append(
+            f"  {backend} by {cal.get('predictor')} on {cal.get('gpu')}, {cal.get('n')} trials: median error "
+            f"{_percent(cal.get('median_abs_error_before'))} -> {_percent(cal.get('median_abs_error_after'))}"
+        )
         before, after = cal.get("before") or {}, cal.get("after") or {}
-        lines.append("    " + ", ".join(f"{name} {before[name]:.4g} -> {after[name]:.4g}"
-                                       for name in before if name in after))
+        lines.append(
+            "    " + ", ".join(f"{name} {before[name]:.4g} -> {after[name]:.4g}" for name in before if name in after)
+        )
     return lines
-
-

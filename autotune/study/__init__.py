@@ -26,21 +26,49 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOME = {
-    "Admission": "admission", "Verdict": "admission",
-    "PreparedStudy": "prepared", "prepare_study": "prepare", "resolve_gpu": "prepare",
+    "Admission": "admission",
+    "Verdict": "admission",
+    "PreparedStudy": "prepared",
+    "prepare_study": "prepare",
+    "resolve_gpu": "prepare",
     "rank_by_prior": "prior",
-    "SCHEMA_VERSION": "records", "TrialRecord": "records",
-    "StudyRunner": "runner", "TrialEvent": "runner", "judge_for": "judge", "make_sampler": "runner",
+    "SCHEMA_VERSION": "records",
+    "TrialRecord": "records",
+    "StudyRunner": "runner",
+    "TrialEvent": "runner",
+    "judge_for": "judge",
+    "make_sampler": "runner",
     "run_study": "runner",
-    "mask_url": "storage", "open_storage": "storage",
-    "StudySummary": "summary", "best_trial": "summary", "pareto_front": "summary", "summarize": "summary",
+    "mask_url": "storage",
+    "open_storage": "storage",
+    "StudySummary": "summary",
+    "best_trial": "verdict",
+    "pareto_front": "summary",
+    "summarize": "summary",
     "trial_record": "summary",
 }
 
 __all__ = [
-    "Admission", "PreparedStudy", "SCHEMA_VERSION", "StudyRunner", "StudySummary", "TrialEvent", "TrialRecord",
-    "Verdict", "best_trial", "judge_for", "make_sampler", "mask_url", "open_storage", "pareto_front",
-    "prepare_study", "rank_by_prior", "resolve_gpu", "run_study", "summarize", "trial_record",
+    "Admission",
+    "PreparedStudy",
+    "SCHEMA_VERSION",
+    "StudyRunner",
+    "StudySummary",
+    "TrialEvent",
+    "TrialRecord",
+    "Verdict",
+    "best_trial",
+    "judge_for",
+    "make_sampler",
+    "mask_url",
+    "open_storage",
+    "pareto_front",
+    "prepare_study",
+    "rank_by_prior",
+    "resolve_gpu",
+    "run_study",
+    "summarize",
+    "trial_record",
 ]
 
 
@@ -64,4 +92,5 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from autotune.study.records import SCHEMA_VERSION, TrialRecord
     from autotune.study.runner import StudyRunner, TrialEvent, judge_for, make_sampler, run_study
     from autotune.study.storage import mask_url, open_storage
-    from autotune.study.summary import StudySummary, best_trial, pareto_front, summarize, trial_record
+    from autotune.study.summary import StudySummary, pareto_front, summarize, trial_record
+    from autotune.study.verdict import best_trial

@@ -121,8 +121,14 @@ class Admission:
         residuals: Measured - predicted peak bytes by backend, learned so far.
     """
 
-    def __init__(self, space: SearchSpace, contexts: Mapping[str, StudyContext], objective: Objective,
-                 quality: "QualityBook | None" = None, residuals: Mapping[str, list[int]] | None = None):
+    def __init__(
+        self,
+        space: SearchSpace,
+        contexts: Mapping[str, StudyContext],
+        objective: Objective,
+        quality: "QualityBook | None" = None,
+        residuals: Mapping[str, list[int]] | None = None,
+    ):
         self.space = space
         self.contexts = contexts
         self.objective = objective
@@ -131,15 +137,21 @@ class Admission:
         self._memo: dict[str, Verdict] = {}
 
     @classmethod
-    def for_backend(cls, backend: "BaseBackend", ctx: StudyContext, objective: Objective | None = None,
-                    residuals: list[int] | None = None) -> "Admission":
+    def for_backend(
+        cls,
+        backend: "BaseBackend",
+        ctx: StudyContext,
+        objective: Objective | None = None,
+        residuals: list[int] | None = None,
+    ) -> "Admission":
         """The judge of one backend's configurations outside a study's search (``init``,
         ``estimate``): the same rules, memory model and budget, with ``residuals`` the
         measured - predicted peaks a stored study learned for this backend."""
         # The space's values are not asked: the judge reads only the backend and the rules.
         space = SearchSpace([BackendSpace(backend, (), (), (), ())])
-        return cls(space, {backend.name: ctx}, objective or Objective(), None,
-                   {backend.name: residuals} if residuals else None)
+        return cls(
+            space, {backend.name: ctx}, objective or Objective(), None, {backend.name: residuals} if residuals else None
+        )
 
     def correction(self, backend: str) -> tuple[int | None, int]:
         """Bytes the judge adds to ``backend``'s predictions (None: nothing learned), and from
@@ -173,36 +185,55 @@ class Admission:
         ctx = self.contexts[config.backend]
         reasons = self.space.check(config, ctx)
         if reasons:
-            return Verdict(INVALID, "invalid: " + "; ".join(reasons),
-                           constraints=objective_mod.unmeasured_constraints(self.objective), reasons=tuple(reasons))
+            return Verdict(
+                INVALID,
+                "invalid: " + "; ".join(reasons),
+                constraints=objective_mod.unmeasured_constraints(self.objective),
+                reasons=tuple(reasons),
+            )
         estimate, raw = self.memory(config)
         budget = ctx.vram_budget_bytes
         if estimate.total_bytes > budget:
             e = estimate
-            reason = (f"infeasible: predicted {_gib(e.total_bytes)} GiB > budget {budget_text(budget)} (weights "
-                      f"{_gib(e.weights_bytes)}, KV {_gib(e.kv_bytes)}, buffers {_gib(e.buffers_bytes)}, "
-                      f"overhead {_gib(e.overhead_bytes)} GiB)")
+            reason = (
+                f"infeasible: predicted {_gib(e.total_bytes)} GiB > budget {budget_text(budget)} (weights "
+                f"{_gib(e.weights_bytes)}, KV {_gib(e.kv_bytes)}, buffers {_gib(e.buffers_bytes)}, "
+                f"overhead {_gib(e.overhead_bytes)} GiB)"
+            )
             over = objective_mod.vram_constraint(e.total_bytes, budget)
-            return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
+            return Verdict(
+                OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over)
+            )
         # Several cards: each holds its own share, within its own budget (autotune.hardware.placement).
         cards = getattr(ctx, "placement", None)
         if cards is not None and estimate.per_device_bytes:
             why = check_cards(estimate.per_device_bytes, cards)
             if why:
-                over = max(objective_mod.vram_constraint(b, c.budget_bytes)
-                           for b, c in zip(estimate.per_device_bytes, cards.cards))
-                return Verdict(OVER_BUDGET, f"infeasible: per card, {why}", estimate, raw,
-                               objective_mod.unmeasured_constraints(self.objective, over))
+                over = max(
+                    objective_mod.vram_constraint(b, c.budget_bytes)
+                    for b, c in zip(estimate.per_device_bytes, cards.cards)
+                )
+                return Verdict(
+                    OVER_BUDGET,
+                    f"infeasible: per card, {why}",
+                    estimate,
+                    raw,
+                    objective_mod.unmeasured_constraints(self.objective, over),
+                )
         host = estimate.host_bytes + estimate.host_buffers_bytes
         # On the CPU the budget above is host memory already; on a GPU what the card does not
         # hold (layers or experts left on the host, their cache, pinned buffers) must fit the host.
         if host and not getattr(ctx.gpu, "is_cpu", False) and host > self.host_memory_bytes:
             e = estimate
-            reason = (f"infeasible: predicted {_gib(host)} GiB in host memory > {_gib(self.host_memory_bytes)} GiB "
-                      f"(this machine's memory; weights and KV left on the host {_gib(e.host_bytes)}, host "
-                      f"buffers {_gib(e.host_buffers_bytes)} GiB)")
+            reason = (
+                f"infeasible: predicted {_gib(host)} GiB in host memory > {_gib(self.host_memory_bytes)} GiB "
+                f"(this machine's memory; weights and KV left on the host {_gib(e.host_bytes)}, host "
+                f"buffers {_gib(e.host_buffers_bytes)} GiB)"
+            )
             over = objective_mod.vram_constraint(host, self.host_memory_bytes)
-            return Verdict(OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over))
+            return Verdict(
+                OVER_BUDGET, reason, estimate, raw, objective_mod.unmeasured_constraints(self.objective, over)
+            )
         return Verdict(ADMITTED, None, estimate, raw)
 
     @functools.cached_property
@@ -230,8 +261,9 @@ class Admission:
         base = self._memo[config.key]
         return Verdict(LOW_QUALITY, reason, base.estimate, base.raw_total_bytes, constraints, drop.points)
 
-    def lightest(self, base: TrialConfig, params: "tuple[Param, ...] | list[Param]"
-                 ) -> tuple[TrialConfig, Verdict] | None:
+    def lightest(
+        self, base: TrialConfig, params: "tuple[Param, ...] | list[Param]"
+    ) -> tuple[TrialConfig, Verdict] | None:
         """Of ``base`` under each combination of ``params``' choices, the one the rules accept
         with the smallest footprint (learned correction included; an admitted one first), and its
         verdict; when the rules accept none, the last one and its ``invalid`` verdict (None: no
@@ -252,10 +284,14 @@ class Admission:
         e, budget = verdict.estimate, self.contexts[config.backend].vram_budget_bytes
         assert e is not None
         if e.total_bytes <= budget:  # the card would hold it: host memory would not
-            return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
-                    f"is {verdict.reason}")
-        return (f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
-                f"needs {_gib(e.total_bytes)} GiB (weights {_gib(e.weights_bytes)}) > budget {budget_text(budget)}")
+            return (
+                f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
+                f"is {verdict.reason}"
+            )
+        return (
+            f"{config.backend}: weights {config.weights} never fit: even ctx {config.ctx} x {config.parallel} "
+            f"needs {_gib(e.total_bytes)} GiB (weights {_gib(e.weights_bytes)}) > budget {budget_text(budget)}"
+        )
 
     def screen(self, entry: BackendSpace) -> tuple[BackendSpace | None, list[str]]:
         """Drop values that no configuration can use, before the sampler ever sees them.

@@ -82,9 +82,15 @@ def title_of(backend: str, title: str) -> str:
     return title or f"{backend}'s default launch"
 
 
-def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str], bool], worker: str,
-            say: Callable[[str], None] | None = None, budget_s: float | None = None,
-            expect: Callable[[str], tuple[float, str] | None] | None = None) -> int:
+def measure(
+    prepared: PreparedStudy,
+    study: optuna.Study,
+    claim: Callable[[str], bool],
+    worker: str,
+    say: Callable[[str], None] | None = None,
+    budget_s: float | None = None,
+    expect: Callable[[str], tuple[float, str] | None] | None = None,
+) -> int:
     """Measure each backend's baselines not stored yet (or stored as failed for the budget's or
     the machine's sake: ``measure_again``); returns the launches made.
 
@@ -105,21 +111,32 @@ def measure(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str],
     stored = {key: base for key, base in records.baselines(study).items() if not measure_again(base)}
     start = time.monotonic()
     share_at = None if budget_s is None else start + cost.BASELINE_SHARE * budget_s
-    share = (f"the baselines' share of the budget ({cost.BASELINE_SHARE:.0%} of {budget_s or 0:g} s = "
-             f"{cost.BASELINE_SHARE * (budget_s or 0):.3g} s) ran out")
+    share = (
+        f"the baselines' share of the budget ({cost.BASELINE_SHARE:.0%} of {budget_s or 0:g} s = "
+        f"{cost.BASELINE_SHARE * (budget_s or 0):.3g} s) ran out"
+    )
     with deadline.within(share_at, share):
         launches = _measure_each(prepared, study, claim, worker, say, stored, expect)
     spent = time.monotonic() - start
     if launches and say is not None and (budget_s or spent >= 1):  # a model's baselines cost nothing to say
-        of = (f" ({spent / budget_s:.0%} of the {budget_s:g} s budget; at most {cost.BASELINE_SHARE:.0%})"
-              if budget_s else "")
+        of = (
+            f" ({spent / budget_s:.0%} of the {budget_s:g} s budget; at most {cost.BASELINE_SHARE:.0%})"
+            if budget_s
+            else ""
+        )
         say(f"baseline: {launches} launch{'es' if launches != 1 else ''} took {spent:.0f} s{of}")
     return launches
 
 
-def _measure_each(prepared: PreparedStudy, study: optuna.Study, claim: Callable[[str], bool], worker: str,
-                  say: Callable[[str], None] | None, stored: Mapping[str, records.Baseline],
-                  expect: Callable[[str], tuple[float, str] | None] | None) -> int:
+def _measure_each(
+    prepared: PreparedStudy,
+    study: optuna.Study,
+    claim: Callable[[str], bool],
+    worker: str,
+    say: Callable[[str], None] | None,
+    stored: Mapping[str, records.Baseline],
+    expect: Callable[[str], tuple[float, str] | None] | None,
+) -> int:
     launches = 0
     for cand in prepared.cfg.candidates:
         name = cand.backend
@@ -146,37 +163,68 @@ def _measure_each(prepared: PreparedStudy, study: optuna.Study, claim: Callable[
             seen.add(key)
             if not claim(key):
                 continue
-            launches += _measure_one(backend, launch, weights, ctx, study, worker, say,
-                                     expect(key) if expect is not None else None)
+            launches += _measure_one(
+                backend, launch, weights, ctx, study, worker, say, expect(key) if expect is not None else None
+            )
     return launches
 
 
-def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx: Any, study: optuna.Study,
-                 worker: str, say: Callable[[str], None] | None, expected: tuple[float, str] | None = None) -> int:
+def _measure_one(
+    backend: BaseBackend,
+    launch: DefaultLaunch,
+    weights: str,
+    ctx: Any,
+    study: optuna.Study,
+    worker: str,
+    say: Callable[[str], None] | None,
+    expected: tuple[float, str] | None = None,
+) -> int:
     """Launch, measure and store one baseline (its failure too); 1 if it was launched."""
     name, config = backend.name, launch.config
     title = title_of(name, launch.title)
-    head: dict[str, Any] = {"weights": weights, "weights_why": WHY_WEIGHTS, "config": config.as_dict(),
-                            "description": launch.description, "worker": worker, "title": launch.title}
+    head: dict[str, Any] = {
+        "weights": weights,
+        "weights_why": WHY_WEIGHTS,
+        "config": config.as_dict(),
+        "description": launch.description,
+        "worker": worker,
+        "title": launch.title,
+    }
     try:
         head["deploy_command"] = backend.deploy_command(config, ctx)
     except AutotuneError as exc:
         head["deploy_command"] = f"(no deploy line: {exc})"
     need = ctx.workload.sequence_tokens
     if config.ctx < need:
-        records.write_baseline(study, name, launch.name, **head, error=(
-            f"its context of {config.ctx} tokens per user cannot hold the workload's {need} "
-            f"({ctx.workload.need_text}): not launched"))
+        records.write_baseline(
+            study,
+            name,
+            launch.name,
+            **head,
+            error=(
+                f"its context of {config.ctx} tokens per user cannot hold the workload's {need} "
+                f"({ctx.workload.need_text}): not launched"
+            ),
+        )
         return 0
     over = deadline.passed()
     bound = deadline.current()
     if over is None and expected is not None and bound is not None and expected[0] > bound.left_s():
         # A launch the budget would end before it measures anything: not started, said why.
-        over = deadline.Deadline(bound.at_s, f"it is expected to take {expected[0]:.0f} s ({expected[1]}), more "
-                                             f"than the {max(bound.left_s(), 0):.0f} s left before {bound.reason.split(' ran out')[0]} runs out")
+        over = deadline.Deadline(
+            bound.at_s,
+            f"it is expected to take {expected[0]:.0f} s ({expected[1]}), more "
+            f"than the {max(bound.left_s(), 0):.0f} s left before {bound.reason.split(' ran out')[0]} runs out",
+        )
     if over is not None:  # nothing left of the budget (or of the baselines' share) to launch it in
-        records.write_baseline(study, name, launch.name, **head, retry=True, error=(
-            f"{cost.CUT_SHORT}: not launched, {over.reason}; a run with budget left measures it"))
+        records.write_baseline(
+            study,
+            name,
+            launch.name,
+            **head,
+            retry=True,
+            error=(f"{cost.CUT_SHORT}: not launched, {over.reason}; a run with budget left measures it"),
+        )
         if say is not None:
             say(f"baseline: {title} not launched: {over.reason}")
         return 0
@@ -190,19 +238,39 @@ def _measure_one(backend: BaseBackend, launch: DefaultLaunch, weights: str, ctx:
         raise
     except (BackendError, ArtifactError) as exc:
         cut = cost.cut_short(exc)
-        records.write_baseline(study, name, launch.name, **head, error=cut or str(exc), seconds=time.monotonic() - start,
-                               **({"retry": True} if cut else {}),
-                               **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}))
+        records.write_baseline(
+            study,
+            name,
+            launch.name,
+            **head,
+            error=cut or str(exc),
+            seconds=time.monotonic() - start,
+            **({"retry": True} if cut else {}),
+            **({"log_tail": exc.log_tail[-4000:]} if exc.log_tail else {}),
+        )
         return 1
     except Exception as exc:  # noqa: BLE001 - a bug in a plugin must not kill the study
         cut = cost.cut_short(exc)
-        records.write_baseline(study, name, launch.name, **head, error=cut or f"{type(exc).__name__}: {exc}",
-                               seconds=time.monotonic() - start, **({"retry": True} if cut else {}))
+        records.write_baseline(
+            study,
+            name,
+            launch.name,
+            **head,
+            error=cut or f"{type(exc).__name__}: {exc}",
+            seconds=time.monotonic() - start,
+            **({"retry": True} if cut else {}),
+        )
         return 1
     records.write_baseline(
-        study, name, launch.name, **head, seconds=time.monotonic() - start, peak_vram_bytes=m.peak_vram_bytes,
+        study,
+        name,
+        launch.name,
+        **head,
+        seconds=time.monotonic() - start,
+        peak_vram_bytes=m.peak_vram_bytes,
         engine={"backend": name, "engine": backend.engine, "version": backend.engine_build(ctx)},
-        metrics={k: _brief(v.to_dict()) for k, v in m.metrics.items()})
+        metrics={k: _brief(v.to_dict()) for k, v in m.metrics.items()},
+    )
     return 1
 
 
@@ -211,7 +279,9 @@ def _brief(stat: Mapping[str, Any]) -> dict[str, Any]:
     return {k: stat.get(k) for k in ("median", "spread", "n", "min", "max", "values", "unit", "warning")}
 
 
-def _figure(base: records.Baseline, rounds: Mapping[int, Mapping[str, Any]], metric: str) -> tuple[float | None, float, int]:
+def _figure(
+    base: records.Baseline, rounds: Mapping[int, Mapping[str, Any]], metric: str
+) -> tuple[float | None, float, int]:
     """The baseline's figure of ``metric``: (median, spread, launches). Measured again by the
     finish (beside the leaders, interleaved), the median over its launches and their range;
     else its one launch's median and spread."""
@@ -221,8 +291,13 @@ def _figure(base: records.Baseline, rounds: Mapping[int, Mapping[str, Any]], met
     return base.median(metric), (base.metrics.get(metric) or {}).get("spread") or 0.0, 1
 
 
-def _ratio(best: Mapping[str, Any], base: records.Baseline, metric: str,
-           rounds: Mapping[int, Mapping[str, Any]] | None = None, between: float | None = None) -> dict[str, Any] | None:
+def _ratio(
+    best: Mapping[str, Any],
+    base: records.Baseline,
+    metric: str,
+    rounds: Mapping[int, Mapping[str, Any]] | None = None,
+    between: float | None = None,
+) -> dict[str, Any] | None:
     """The winner's median over the baseline's for one metric, and whether it is within noise.
 
     A ratio of medians moves by about the sum of their relative spreads (each a MAD over its
@@ -240,17 +315,31 @@ def _ratio(best: Mapping[str, Any], base: records.Baseline, metric: str,
     # (summary.headline): said as a range, not as "+-", which is a single run's MAD spread.
     runs = (best.get("runs") or {}).get(metric) or 1
     noise = max(ws + bs, between or 0.0)
-    return {"winner": w, "winner_spread": ws, "winner_runs": runs, "baseline": b, "baseline_spread": bs,
-            "baseline_runs": b_runs, "between_launches": between, "ratio": ratio, "within_noise": abs(ratio - 1.0) <= noise}
+    return {
+        "winner": w,
+        "winner_spread": ws,
+        "winner_runs": runs,
+        "baseline": b,
+        "baseline_spread": bs,
+        "baseline_runs": b_runs,
+        "between_launches": between,
+        "ratio": ratio,
+        "within_noise": abs(ratio - 1.0) <= noise,
+    }
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baseline], *,
-            goodput: bool = False, rounds: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None,
-            between: float | None = None) -> dict[str, Any]:
+def compare(
+    best: Mapping[str, Any] | None,
+    stored: Mapping[str, records.Baseline],
+    *,
+    goodput: bool = False,
+    rounds: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None,
+    between: float | None = None,
+) -> dict[str, Any]:
     """Each stored baseline with the winner's ratios against it, and a sentence for people.
 
     Returns:
@@ -270,16 +359,26 @@ def compare(best: Mapping[str, Any] | None, stored: Mapping[str, records.Baselin
     out: dict[str, Any] = {}
     for key, base in sorted(stored.items()):
         entry: dict[str, Any] = {
-            "backend": base.backend, "name": base.name, "title": title_of(base.backend, base.title),
-            "weights": base.weights, "weights_why": base.weights_why, "deploy_command": base.deploy_command,
-            "description": base.description, "error": base.error, "config": base.config,
-            "seconds": base.seconds, "retry": measure_again(base),
+            "backend": base.backend,
+            "name": base.name,
+            "title": title_of(base.backend, base.title),
+            "weights": base.weights,
+            "weights_why": base.weights_why,
+            "deploy_command": base.deploy_command,
+            "description": base.description,
+            "error": base.error,
+            "config": base.config,
+            "seconds": base.seconds,
+            "retry": measure_again(base),
         }
         for _, metric in measured:
             m = base.metrics.get(metric)
             entry[metric] = None if m is None else {"median": m.get("median"), "spread": m.get("spread")}
-        ratios = ({k: _ratio(best, base, metric, (rounds or {}).get(key), between) for k, metric in measured}
-                  if best and not base.failed else {})
+        ratios = (
+            {k: _ratio(best, base, metric, (rounds or {}).get(key), between) for k, metric in measured}
+            if best and not base.failed
+            else {}
+        )
         entry["ratio"] = ratios
         entry["text"] = _text(entry["title"], base, ratios, best)
         out[key] = entry
@@ -296,25 +395,41 @@ def _text(title: str, base: records.Baseline, ratios: Mapping[str, Any], best: M
         figure = base.median("aggregate_tok_s")
         return f"{title} on {base.weights}: aggregate {figure:.1f} tok/s" if figure else f"{title} on {base.weights}"
     parts = []
-    rows = [(agg, f"what {title} gives in aggregate tok/s", f"of what {title} gives in aggregate tok/s"),
-            (per_user, "in per-user tok/s", "in per-user tok/s")]
+    rows = [
+        (agg, f"what {title} gives in aggregate tok/s", f"of what {title} gives in aggregate tok/s"),
+        (per_user, "in per-user tok/s", "in per-user tok/s"),
+    ]
     if ratios.get("goodput"):  # first: a study with latency targets is scored by it
-        rows.insert(0, (ratios["goodput"], f"what {title} gives in goodput tok/s (requests within the targets)",
-                        f"of what {title} gives in goodput tok/s"))
+        rows.insert(
+            0,
+            (
+                ratios["goodput"],
+                f"what {title} gives in goodput tok/s (requests within the targets)",
+                f"of what {title} gives in goodput tok/s",
+            ),
+        )
     elif "goodput" in ratios and base.median("goodput_tok_s") == 0:  # no ratio to 0, but the fact is the news
-        parts.append(f"no request of {title} met the targets (goodput 0 tok/s; the winner's "
-                     f"{(best.get('metrics') or {}).get('goodput_tok_s', 0):.1f})")
+        parts.append(
+            f"no request of {title} met the targets (goodput 0 tok/s; the winner's "
+            f"{(best.get('metrics') or {}).get('goodput_tok_s', 0):.1f})"
+        )
     # "3.1x what llama-server's --fit gives in aggregate tok/s (A, range a% over 3 runs, vs B +- b%),
     # 2.0x in per-user ..." (A +- a% where the winner was measured once)
     for r, gain, noise in rows:
         if r is None:
             continue
         runs = r.get("winner_runs") or 1
-        winner = (f"{r['winner']:.1f}, range {_pct(r['winner_spread'])} over {runs} runs," if runs > 1
-                  else f"{r['winner']:.1f} +- {_pct(r['winner_spread'])}")
+        winner = (
+            f"{r['winner']:.1f}, range {_pct(r['winner_spread'])} over {runs} runs,"
+            if runs > 1
+            else f"{r['winner']:.1f} +- {_pct(r['winner_spread'])}"
+        )
         b_runs = r.get("baseline_runs") or 1
-        baseline = (f"{r['baseline']:.1f}, range {_pct(r['baseline_spread'])} over {b_runs} runs" if b_runs > 1
-                    else f"{r['baseline']:.1f} +- {_pct(r['baseline_spread'])}")
+        baseline = (
+            f"{r['baseline']:.1f}, range {_pct(r['baseline_spread'])} over {b_runs} runs"
+            if b_runs > 1
+            else f"{r['baseline']:.1f} +- {_pct(r['baseline_spread'])}"
+        )
         between = r.get("between_launches")
         figures = f"{winner} vs {baseline}" + (f"; launches differ by {_pct(between)}" if between else "")
         if r["within_noise"]:

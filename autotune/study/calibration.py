@@ -73,14 +73,17 @@ def calibrate(prepared: PreparedStudy, study: optuna.Study) -> dict[str, dict[st
             if metrics and r.acceptance and r.acceptance.get("drafted"):
                 # The engine's own draft counts: a predictor that prices speculation learns the
                 # study's acceptance from them, which depends on the text, not the card.
-                metrics.update(acceptance_drafted=float(r.acceptance["drafted"]),
-                               acceptance_accepted=float(r.acceptance["accepted"]))
+                metrics.update(
+                    acceptance_drafted=float(r.acceptance["drafted"]),
+                    acceptance_accepted=float(r.acceptance["accepted"]),
+                )
             found = predictor_for(real, config, ctx, backends)
             if not metrics or found is None or found[0] is real:
                 continue
             predictor = found[0]
-            groups.setdefault(predictor.name, (predictor, []))[1].append((replace(config, backend=predictor.name),
-                                                                          metrics))
+            groups.setdefault(predictor.name, (predictor, []))[1].append(
+                (replace(config, backend=predictor.name), metrics)
+            )
         if not groups:
             continue
         predictor, observations = max(groups.values(), key=lambda group: len(group[1]))
@@ -109,6 +112,9 @@ def contexts_with_calibration(prepared: PreparedStudy, study: optuna.Study | Non
 
 def calibration_for(study: optuna.Study, predictor: str, gpu: str) -> Mapping[str, Any] | None:
     """The stored calibration of ``predictor`` on card ``gpu`` (the one fitted on the most trials)."""
-    found = [c for c in records.stored_calibrations(study).values()
-             if c.get("predictor") == predictor and c.get("gpu") == gpu and "error" not in c]
+    found = [
+        c
+        for c in records.stored_calibrations(study).values()
+        if c.get("predictor") == predictor and c.get("gpu") == gpu and "error" not in c
+    ]
     return max(found, key=lambda c: c.get("n", 0)) if found else None

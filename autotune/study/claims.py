@@ -79,8 +79,11 @@ class Claims:
         with self.engine.begin() as conn:
             result = conn.execute(
                 CLAIMS.update()
-                .where(CLAIMS.c.study_id == self.study_id, CLAIMS.c.config_hash == self._hash(key),
-                       CLAIMS.c.trial_id == holder_trial_id)
+                .where(
+                    CLAIMS.c.study_id == self.study_id,
+                    CLAIMS.c.config_hash == self._hash(key),
+                    CLAIMS.c.trial_id == holder_trial_id,
+                )
                 .values(trial_id=trial_id)
             )
         return result.rowcount == 1
@@ -90,9 +93,13 @@ class Claims:
         if self.engine is None:
             return
         with self.engine.begin() as conn:
-            conn.execute(CLAIMS.delete().where(CLAIMS.c.study_id == self.study_id,
-                                               CLAIMS.c.config_hash == self._hash(key),
-                                               CLAIMS.c.trial_id == holder_id))
+            conn.execute(
+                CLAIMS.delete().where(
+                    CLAIMS.c.study_id == self.study_id,
+                    CLAIMS.c.config_hash == self._hash(key),
+                    CLAIMS.c.trial_id == holder_id,
+                )
+            )
 
 
 def process_alive(pid: int) -> bool:
@@ -123,18 +130,27 @@ class Holder:
 
     def describe(self) -> str:
         """``host X (pid N, last heartbeat 12 s ago)``, and why it is dead where it is."""
-        beat = "no heartbeat yet" if self.heartbeat_age_s is None else \
-            f"last heartbeat {self.heartbeat_age_s:.0f} s ago"
+        beat = (
+            "no heartbeat yet" if self.heartbeat_age_s is None else f"last heartbeat {self.heartbeat_age_s:.0f} s ago"
+        )
         why = "" if self.dead_because is None else f", {self.dead_because}"
         return f"host {self.host or '?'} (pid {'?' if self.pid is None else self.pid}, {beat}{why})"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"number": self.number, "host": self.host, "pid": self.pid, "heartbeat_age_s": self.heartbeat_age_s,
-                "heartbeat_limit_s": self.limit_s, "alive": self.alive, "text": self.describe()}
+        return {
+            "number": self.number,
+            "host": self.host,
+            "pid": self.pid,
+            "heartbeat_age_s": self.heartbeat_age_s,
+            "heartbeat_limit_s": self.limit_s,
+            "alive": self.alive,
+            "text": self.describe(),
+        }
 
 
-def holder(number: int, worker: str | None, heartbeat_age_s: float | None, limit_s: float,
-           here: str | None = None) -> Holder:
+def holder(
+    number: int, worker: str | None, heartbeat_age_s: float | None, limit_s: float, here: str | None = None
+) -> Holder:
     """The liveness of the worker ``worker`` ("host:pid") holding trial ``number``, whose last
     heartbeat is ``heartbeat_age_s`` old (None: none recorded, or a storage without heartbeats:
     alive, as far as anyone can tell). Dead: on this host (``here``) its pid is gone; on any
@@ -154,5 +170,15 @@ def running_holders(study: optuna.Study) -> list[tuple[optuna.trial.FrozenTrial,
     limit of this module, at the database's clock."""
     ages = storage.heartbeat_ages(study)
     running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-    return [(t, holder(t.number, records.field_of(t.user_attrs, "worker"), ages.get(storage.trial_id_of(t)),
-                       storage.HEARTBEAT_GRACE_S)) for t in running]
+    return [
+        (
+            t,
+            holder(
+                t.number,
+                records.field_of(t.user_attrs, "worker"),
+                ages.get(storage.trial_id_of(t)),
+                storage.HEARTBEAT_GRACE_S,
+            ),
+        )
+        for t in running
+    ]

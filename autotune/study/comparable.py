@@ -32,8 +32,10 @@ ENGINES_ATTR = "engines"  # study attribute: backend name -> engine build, as it
 
 def engines_of(prepared: "PreparedStudy") -> dict[str, str]:
     """The engine build of each backend of the study, as the backend names it."""
-    return {name: str(entry.backend.engine_build(prepared.contexts.get(name)))
-            for name, entry in prepared.space.entries.items()}
+    return {
+        name: str(entry.backend.engine_build(prepared.contexts.get(name)))
+        for name, entry in prepared.space.entries.items()
+    }
 
 
 def _known(version: Any) -> bool:
@@ -89,7 +91,8 @@ def check_comparable(study: "optuna.Study", prepared: "PreparedStudy", engines: 
         raise ConfigError(
             f"study '{prepared.cfg.name}' in {prepared.shown_storage} was measured on something else, and its "
             f"trials would be compared with this run's: {'; '.join(differences)}. Give the study a new [study] "
-            "name (or another --storage) to start a new one")
+            "name (or another --storage) to start a new one"
+        )
 
 
 def _card_differences(stored: Any, now: "Placement | None") -> list[str]:
@@ -98,8 +101,10 @@ def _card_differences(stored: Any, now: "Placement | None") -> list[str]:
     stored_keys = [c.get("key") for c in stored.get("cards", [])] if isinstance(stored, Mapping) else []
     now_keys = list(now.keys) if now is not None else []
     if (stored_keys or now_keys) and stored_keys != now_keys:
+
         def shown(keys: list[Any]) -> str:
             return repr(keys) if keys else "one card ([hardware] gpu)"
+
         return [f"cards: stored {shown(stored_keys)}, now {shown(now_keys)}"]
     # The budgets may change, as one card's may (they decide what is launched, not what a
     # launch measures).

@@ -27,8 +27,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autotune.study.prepared import PreparedStudy
 
-__all__ = ["BASELINE_SHARE", "CUT_SHORT", "Forecast", "LaunchCost", "cut_short", "forecast", "launch_cost",
-           "run_seconds"]
+__all__ = [
+    "BASELINE_SHARE",
+    "CUT_SHORT",
+    "Forecast",
+    "LaunchCost",
+    "cut_short",
+    "forecast",
+    "launch_cost",
+    "run_seconds",
+]
 
 # The budget's share and its words live in budget_cut (the baselines use them without the forecast).
 
@@ -102,13 +110,15 @@ def run_seconds(workload: Workload, parallel: int, predicted: Mapping[str, float
     return alone, alone + loads * served
 
 
-def launch_cost(workload: Workload, protocol: Protocol, parallel: int, predicted: Mapping[str, float],
-                file_bytes: float) -> LaunchCost | None:
+def launch_cost(
+    workload: Workload, protocol: Protocol, parallel: int, predicted: Mapping[str, float], file_bytes: float
+) -> LaunchCost | None:
     timed = run_seconds(workload, parallel, predicted)
     if timed is None:
         return None
-    return LaunchCost(START_FIXED_S + file_bytes / LOAD_BYTES_S, timed[0], timed[1],
-                      protocol.warmup_runs + protocol.min_runs)
+    return LaunchCost(
+        START_FIXED_S + file_bytes / LOAD_BYTES_S, timed[0], timed[1], protocol.warmup_runs + protocol.min_runs
+    )
 
 
 @dataclass(frozen=True)
@@ -148,15 +158,19 @@ class Forecast:
     def text(self, budget_s: float | None) -> str:
         t, p = self.trial, self.protocol
         lo, hi = self.trial_range
-        line = (f"cost forecast: one trial about {t.seconds:.0f} s ({lo:.0f}-{hi:.0f} s over the configurations "
-                f"predicted): start {t.start_s:.0f} s, then {p.warmup_runs} warm-up + {p.min_runs} runs of "
-                f"{t.run_s:.1f} s ({self.requests} requests each, and one alone)")
+        line = (
+            f"cost forecast: one trial about {t.seconds:.0f} s ({lo:.0f}-{hi:.0f} s over the configurations "
+            f"predicted): start {t.start_s:.0f} s, then {p.warmup_runs} warm-up + {p.min_runs} runs of "
+            f"{t.run_s:.1f} s ({self.requests} requests each, and one alone)"
+        )
         if self.baselines:
             line += "; baselines " + ", ".join(f"{title} about {s:.0f} s" for title, s in self.baselines)
         if budget_s:
             n = self.trials_affordable(budget_s)
-            line += (f"; the {budget_s:g} s budget affords about {n} trial{'' if n == 1 else 's'} "
-                     f"after the baselines (at most {BASELINE_SHARE:.0%} of it)")
+            line += (
+                f"; the {budget_s:g} s budget affords about {n} trial{'' if n == 1 else 's'} "
+                f"after the baselines (at most {BASELINE_SHARE:.0%} of it)"
+            )
         return f"{line} ({self.basis}; the start assumes {LOAD_BYTES_S / 1e9:g} GB/s reads)"
 
     def refusal(self, budget_s: float | None, *, probe: bool) -> str | None:
@@ -168,17 +182,23 @@ class Forecast:
         t, p = self.trial, self.protocol
         fewer = max(1, self.requests // 4)
         cheaper = t.with_requests(fewer / max(self.requests, 1)).seconds
-        remedies = [f"a larger budget (--budget {math.ceil(need * 1.2 / 60)}m: the need and a fifth more)",
-                    f"fewer requests per run ([workload] requests = {fewer}: a trial then costs about {cheaper:.0f} s)"
-                    if self.drawn else
-                    f"shorter requests ([workload] output_tokens, prompt_tokens: a run is {self.requests} of them)"]
+        remedies = [
+            f"a larger budget (--budget {math.ceil(need * 1.2 / 60)}m: the need and a fifth more)",
+            f"fewer requests per run ([workload] requests = {fewer}: a trial then costs about {cheaper:.0f} s)"
+            if self.drawn
+            else f"shorter requests ([workload] output_tokens, prompt_tokens: a run is {self.requests} of them)",
+        ]
         if not probe:
-            remedies.append(f"the probe ([study] probe_margin = 0.15: a configuration far behind the leader stops "
-                            f"after its first run, about {t.probed_s(p.warmup_runs):.0f} s)")
+            remedies.append(
+                f"the probe ([study] probe_margin = 0.15: a configuration far behind the leader stops "
+                f"after its first run, about {t.probed_s(p.warmup_runs):.0f} s)"
+            )
         parts = " + ".join([*(f"{title} {s:.0f} s" for title, s in self.baselines), f"one trial {t.seconds:.0f} s"])
-        return (f"--budget {budget_s:g} s cannot measure the baselines and one trial: the forecast needs about "
-                f"{need:.0f} s ({parts}; {self.basis}), and a budget below {REFUSE_BELOW:.0%} of that is refused "
-                f"before anything runs. Remedies: {'; '.join(remedies)}")
+        return (
+            f"--budget {budget_s:g} s cannot measure the baselines and one trial: the forecast needs about "
+            f"{need:.0f} s ({parts}; {self.basis}), and a budget below {REFUSE_BELOW:.0%} of that is refused "
+            f"before anything runs. Remedies: {'; '.join(remedies)}"
+        )
 
 
 def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> Forecast | None:
@@ -205,8 +225,9 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
         if found is None:
             continue
         est = verdict.estimate
-        cost = launch_cost(ctx.workload, ctx.protocol, config.parallel, found[1],
-                           est.weights_bytes + (est.host_bytes or 0))
+        cost = launch_cost(
+            ctx.workload, ctx.protocol, config.parallel, found[1], est.weights_bytes + (est.host_bytes or 0)
+        )
         if cost is not None:
             costs.append(cost)
             basis.add(found[0].name)
@@ -238,9 +259,16 @@ def forecast(prepared: "PreparedStudy", study: "optuna.Study | None" = None) -> 
     workload = next(iter(prepared.contexts.values())).workload
     protocol = next(iter(prepared.contexts.values())).protocol
     requests = workload.run_size(max(c.parallel for c in configs)) if configs else 0
-    return Forecast(trial, (costs[0].seconds, costs[-1].seconds), tuple(baselines), requests, protocol,
-                    f"rates from {', '.join(sorted(basis))}'s prediction for this card, "
-                    f"{len(costs)} configurations", drawn=bool(workload.requests), baseline_by_key=by_key)
+    return Forecast(
+        trial,
+        (costs[0].seconds, costs[-1].seconds),
+        tuple(baselines),
+        requests,
+        protocol,
+        f"rates from {', '.join(sorted(basis))}'s prediction for this card, {len(costs)} configurations",
+        drawn=bool(workload.requests),
+        baseline_by_key=by_key,
+    )
 
 
 def _baseline_cost(backend: Any, config: Any, ctx: Any, backends: Mapping[str, Any], trial: LaunchCost) -> LaunchCost:
@@ -254,8 +282,7 @@ def _baseline_cost(backend: Any, config: Any, ctx: Any, backends: Mapping[str, A
         return trial
     if found is None:
         return trial
-    cost = launch_cost(ctx.workload, ctx.protocol, config.parallel, found[1],
-                       est.weights_bytes + (est.host_bytes or 0))
+    cost = launch_cost(ctx.workload, ctx.protocol, config.parallel, found[1], est.weights_bytes + (est.host_bytes or 0))
     return cost or trial
 
 
@@ -284,9 +311,11 @@ def baselines_first(fc: Forecast | None, budget_s: float | None) -> tuple[bool, 
     search), and the line that says so."""
     if fc is None or budget_s is None or not fc.baselines or fc.baselines_s <= BASELINE_SHARE * budget_s:
         return True, None
-    return False, (f"baseline: measured after the search: their forecast {fc.baselines_s:.0f} s is more than "
-                   f"{BASELINE_SHARE:.0%} of the {budget_s:g} s budget; what the search leaves of it (at most that "
-                   "share) goes to them, and a resume measures any not launched")
+    return False, (
+        f"baseline: measured after the search: their forecast {fc.baselines_s:.0f} s is more than "
+        f"{BASELINE_SHARE:.0%} of the {budget_s:g} s budget; what the search leaves of it (at most that "
+        "share) goes to them, and a resume measures any not launched"
+    )
 
 
 def expected_baseline_s(fc: Forecast | None, key: str, launch_seconds: list[float]) -> tuple[float, str] | None:
@@ -298,8 +327,9 @@ def expected_baseline_s(fc: Forecast | None, key: str, launch_seconds: list[floa
     seconds = fc.baseline_by_key[key]
     if launch_seconds and fc.trial.seconds > 0:
         pace = statistics.median(launch_seconds) / fc.trial.seconds
-        return seconds * pace, (f"its forecast {seconds:.0f} s x {pace:.2f}, this run's launches against the "
-                                f"forecast trial")
+        return seconds * pace, (
+            f"its forecast {seconds:.0f} s x {pace:.2f}, this run's launches against the forecast trial"
+        )
     return seconds, "its forecast"
 
 
@@ -316,4 +346,5 @@ def auto_probe(prepared: "PreparedStudy", fc: Forecast | None = None) -> tuple[f
     return PROBE_MARGIN, (
         f"probe: on ([study] probe_margin not given): a launch whose first run is more than {PROBE_MARGIN:.0%} below "
         f"the leader stops there, saving about {saved:.0f} s of its forecast {fc.trial.seconds:.0f} s ({share:.0%}, "
-        f"at least {PROBE_PAYS:.0%} pays); probe_margin = 0 turns it off")
+        f"at least {PROBE_PAYS:.0%} pays); probe_margin = 0 turns it off"
+    )

@@ -29,8 +29,7 @@ class TpeStrategy(BaseStrategy):
         # conditional on the backend, and cache type, ctx and parallel interact through memory.
         # Exact duplicates from parallel workers are caught by the claims, so no constant liar.
         # FitOnceTPESampler: TPE's proposals, one fit per trial for the screened sampler's tries.
-        return FitOnceTPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8,
-                                 constant_liar=False)
+        return FitOnceTPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8, constant_liar=False)
 
 
 class PriorStrategy(TpeStrategy):

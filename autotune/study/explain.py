@@ -47,7 +47,9 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
     if draft:
         options[DRAFT_OPTION] = list(draft)
     dims: list[tuple[str, tuple[Any, ...]]] = [
-        ("weights", tuple(candidates)), ("ctx", tuple(cfg.space["ctx"])), ("parallel", tuple(cfg.space["parallel"])),
+        ("weights", tuple(candidates)),
+        ("ctx", tuple(cfg.space["ctx"])),
+        ("parallel", tuple(cfg.space["parallel"])),
     ]
     params = [p for p in backend.parameters(options) if p.choices]
     dims += [(p.name, p.choices) for p in params]
@@ -79,13 +81,17 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
                 continue
             if verdict.kind == "over_budget" and verdict.estimate is not None:
                 budget = prepared.contexts[config.backend].vram_budget_bytes
-                lines.append(f"{label}: does not fit: needs {_gib(verdict.estimate.total_bytes)} > budget {budget_text(budget)}")
+                lines.append(
+                    f"{label}: does not fit: needs {_gib(verdict.estimate.total_bytes)} > budget {budget_text(budget)}"
+                )
                 continue
             if verdict.kind == "low_quality":
                 limit = cfg.objective.max_drop_points
                 metric = prepared.quality or metric_named(cfg.objective.quality)
-                lines.append(f"{label}: loses too much quality: {metric.drop_text(verdict.quality_drop_points)} "
-                             f"> max {metric.bound_text(limit)}")
+                lines.append(
+                    f"{label}: loses too much quality: {metric.drop_text(verdict.quality_drop_points)} "
+                    f"> max {metric.bound_text(limit)}"
+                )
                 continue
             r = latest.get(alt.key)
             if r is None:
@@ -101,8 +107,9 @@ def explain_best(prepared: Any, study: optuna.Study, best: dict[str, Any] | None
     return lines
 
 
-def _with_dependents(data: dict[str, Any], changed: str, conditional: dict[str, ConditionalParam],
-                     measured: Any) -> dict[str, Any]:
+def _with_dependents(
+    data: dict[str, Any], changed: str, conditional: dict[str, ConditionalParam], measured: Any
+) -> dict[str, Any]:
     """``data`` with ``changed`` set, the options that depend on it made consistent: dropped
     where its new value does not draw them, and where it does (speculation switched on: a draft
     and its length), set to the values of the best measured configuration that agrees on

@@ -4,7 +4,7 @@ What ``StudyRunner`` runs after the search (``StudyRunner.finish``), given what 
 study, the prepared study, the claims, the scoring) rather than sharing the runner's state;
 workers sharing a study claim each round (``Finish.claim_once``), and a claim names its host and pid so that the next run on
 that machine can take over the rounds of a worker killed mid-finish. The verdict itself (a
-two-sample t-test) is ``summary.finish_verdict``'s.
+two-sample t-test) is ``verdict.finish_verdict``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from autotune.study import noise, records
 from autotune.study.baseline import title_of
 from autotune.study.claims import process_alive
 from autotune.study.records import TrialRecord
-from autotune.study.summary import finish_candidates, finish_verdict, worth_another_round
+from autotune.study.verdict import finish_candidates, finish_verdict, worth_another_round
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.study.objective import Score
@@ -33,8 +33,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _PID_BITS = 22  # Linux's largest pid_max is 2**22
 
+
 def host_tag(host: str) -> int:
     return int.from_bytes(hashlib.sha1(host.encode()).digest()[:1], "big")
+
 
 def finish_token(host: str, pid: int) -> int:
     """What a worker's claims on rounds of the finish hold: negative, so never a trial's id, and
@@ -42,11 +44,13 @@ def finish_token(host: str, pid: int) -> int:
     dead by the next run on its machine, which then takes its rounds over."""
     return -((host_tag(host) << _PID_BITS) | (pid % (1 << _PID_BITS)) or 1)
 
+
 def dead_local_finisher(token: int) -> bool:
     if token >= 0:
         return False
     value = -token
     return value >> _PID_BITS == host_tag(socket.gethostname()) and not process_alive(value & ((1 << _PID_BITS) - 1))
+
 
 class Finish:
     """The finish and the claims on work done once per study (a finish round, a baseline).
@@ -60,8 +64,16 @@ class Finish:
         score: The objective of a measurement, as a trial is scored (``TrialPhase.score``).
     """
 
-    def __init__(self, study: optuna.Study, prepared: "PreparedStudy", claims: "Claims", worker: str,
-                 finish_token: int, interrupts: "Interrupts", score: Callable[..., "Score"]):
+    def __init__(
+        self,
+        study: optuna.Study,
+        prepared: "PreparedStudy",
+        claims: "Claims",
+        worker: str,
+        finish_token: int,
+        interrupts: "Interrupts",
+        score: Callable[..., "Score"],
+    ):
         self.study, self.prepared, self.cfg = study, prepared, prepared.cfg
         self.claims, self.worker, self.finish_token = claims, worker, finish_token
         self.interrupts, self._score = interrupts, score
@@ -71,14 +83,15 @@ class Finish:
         now, held already, or taken over from a worker killed on this machine."""
         holder = self.claims.claim(key, self.finish_token)
         return holder in (None, self.finish_token) or (
-            dead_local_finisher(holder) and self.claims.take_over(key, holder, self.finish_token))
+            dead_local_finisher(holder) and self.claims.take_over(key, holder, self.finish_token)
+        )
 
     def finish(self, note: Callable[[str], None] | None = None) -> int:
         """The noise-aware finish: measure the study's best ``[study] finish_top`` configurations
         again, ``finish_rounds`` times each, interleaved (A B C A B C: a card warming up or a
         neighbour's load then touches each alike), and store every round for the summary's
-        verdict (``summary.finish_verdict``). A tie that more runs could resolve
-        (``summary.worth_another_round``) gets one more round of all of them, up to
+        verdict (``verdict.finish_verdict``). A tie that more runs could resolve
+        (``verdict.worth_another_round``) gets one more round of all of them, up to
         ``finish_max_rounds``. Rounds already stored (a finish cut short) count and are not
         measured again; a launch that fails is stored as a failed round and the finish goes
         on. ``note`` hears one line per launch (it runs after the budget: the user must see why
@@ -110,9 +123,11 @@ class Finish:
             rounds += 1
             records.write_finish_plan(self.study, numbers, rounds)
             if note is not None:
-                note(f"finish: trials {', '.join(map(str, verdict['tied']))} tie with a lead of "  # type: ignore[index]
-                     f"{verdict['lead'] * 100:.1f}% against the {verdict['needed'] * 100:.1f}% noise "  # type: ignore[index]
-                     f"explains: one more round ({rounds} of at most {self.cfg.finish_max_rounds})")
+                note(
+                    f"finish: trials {', '.join(map(str, verdict['tied']))} tie with a lead of "  # type: ignore[index]
+                    f"{verdict['lead'] * 100:.1f}% against the {verdict['needed'] * 100:.1f}% noise "  # type: ignore[index]
+                    f"explains: one more round ({rounds} of at most {self.cfg.finish_max_rounds})"
+                )
         if others and note is not None:
             note(f"finish: {others} round(s) measured by another worker of this study")
         return launches
@@ -123,8 +138,9 @@ class Finish:
         predictor = self.prepared.backend(config.backend).predictor
         return predictor is not None and predictor.repeats_exactly(self.prepared.contexts[config.backend])
 
-    def _finish_rounds(self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None,
-                       said: int) -> tuple[int, int, bool]:
+    def _finish_rounds(
+        self, top: list[TrialRecord], rounds: int, note: Callable[[str], None] | None, said: int
+    ) -> tuple[int, int, bool]:
         """The finish's rounds not stored yet: (launches, rounds left to another worker, whether
         to go on: False when the engine is unavailable, and every launch would fail)."""
         stored = records.remeasures(self.study)
@@ -146,12 +162,19 @@ class Finish:
                 ctx = self.prepared.contexts[config.backend]
                 launches += 1
                 if note is not None:
-                    note(f"finish {said + launches + others}/{todo}: trial {r.number} measured again (round "
-                         f"{round_ + 1} of {rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})")
+                    note(
+                        f"finish {said + launches + others}/{todo}: trial {r.number} measured again (round "
+                        f"{round_ + 1} of {rounds}, interleaved with trials {', '.join(str(t.number) for t in top)})"
+                    )
                 try:
                     m = self.prepared.backend(config.backend).run(config, ctx)
-                    s = self._score(m, (r.predicted_vram or {})["total_bytes"], ctx.vram_budget_bytes,
-                                    r.quality_drop_points, r.quality)
+                    s = self._score(
+                        m,
+                        (r.predicted_vram or {})["total_bytes"],
+                        ctx.vram_budget_bytes,
+                        r.quality_drop_points,
+                        r.quality,
+                    )
                 except EngineUnavailableError:
                     self.claims.release(key, self.finish_token)
                     return launches, others, False  # the missing rounds wait for a later run
@@ -160,15 +183,26 @@ class Finish:
                         self.claims.release(key, self.finish_token)
                         raise
                     # The study's outcome stands; the verdict counts the failure.
-                    records.write_remeasure(self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}",
-                                            worker=self.worker)
+                    records.write_remeasure(
+                        self.study, r.number, round_, error=f"{type(exc).__name__}: {exc}", worker=self.worker
+                    )
                     continue
                 per_user = m.metrics.get("per_user_tok_s")
-                records.write_remeasure(self.study, r.number, round_, value=s.values[0], feasible=s.feasible,
-                                        per_user_tok_s=per_user.median if per_user is not None else None,
-                                        peak_vram_bytes=m.peak_vram_bytes, worker=self.worker,
-                                        metrics={k: float(v.median) for k, v in m.metrics.items()
-                                                 if isinstance(getattr(v, "median", None), (int, float))})
+                records.write_remeasure(
+                    self.study,
+                    r.number,
+                    round_,
+                    value=s.values[0],
+                    feasible=s.feasible,
+                    per_user_tok_s=per_user.median if per_user is not None else None,
+                    peak_vram_bytes=m.peak_vram_bytes,
+                    worker=self.worker,
+                    metrics={
+                        k: float(v.median)
+                        for k, v in m.metrics.items()
+                        if isinstance(getattr(v, "median", None), (int, float))
+                    },
+                )
             if not self._baseline_round(round_, note):
                 return launches, others, False
         return launches, others, True
@@ -199,10 +233,17 @@ class Finish:
             if not isinstance(exc, Exception):
                 self.claims.release(key, self.finish_token)
                 raise
-            noise.write_baseline_round(self.study, base.key, round_, error=f"{type(exc).__name__}: {exc}",
-                                       worker=self.worker)
+            noise.write_baseline_round(
+                self.study, base.key, round_, error=f"{type(exc).__name__}: {exc}", worker=self.worker
+            )
             return True
-        noise.write_baseline_round(self.study, base.key, round_, worker=self.worker,
-                                   metrics={k: float(v.median) for k, v in m.metrics.items()
-                                            if isinstance(getattr(v, "median", None), (int, float))})
+        noise.write_baseline_round(
+            self.study,
+            base.key,
+            round_,
+            worker=self.worker,
+            metrics={
+                k: float(v.median) for k, v in m.metrics.items() if isinstance(getattr(v, "median", None), (int, float))
+            },
+        )
         return True

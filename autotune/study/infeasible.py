@@ -73,8 +73,10 @@ def no_feasible_lines(found: Iterable[TrialRecord], kind_of: Callable[[str | Non
     for name, misses in sorted(broken.items(), key=lambda kv: -len(kv[1])):
         what, unit = _constraint_words(name)
         value, closest = min(misses, key=lambda m: m[0])
-        lines.append(f"{len(misses)} measured configuration{'s' if len(misses) != 1 else ''} broke {what}; "
-                     f"the closest, trial {closest.number}, was {_miss(value, unit)}")
+        lines.append(
+            f"{len(misses)} measured configuration{'s' if len(misses) != 1 else ''} broke {what}; "
+            f"the closest, trial {closest.number}, was {_miss(value, unit)}"
+        )
     for cause, rs in sorted(pruned.items(), key=lambda kv: -len(kv[1])):
         example = rs[0]
         reason = (example.prune_reason or "no reason recorded").removeprefix("invalid: ")

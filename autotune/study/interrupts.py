@@ -85,8 +85,9 @@ class Interrupts:
             return  # a re-delivery that arrived after the runner caught the first one
         if self.signum is None:
             self.signum = signum
-            self._insisting = threading.Thread(target=self._insist, args=(signum,), daemon=True,
-                                               name="autotune-interrupt")
+            self._insisting = threading.Thread(
+                target=self._insist, args=(signum,), daemon=True, name="autotune-interrupt"
+            )
             self._insisting.start()
         if not self._deferring:
             raise Interrupted()

@@ -32,5 +32,10 @@ def learned_residuals(study: optuna.Study) -> dict[str, list[int]]:
 def judge_for(prepared: PreparedStudy, study: optuna.Study | None) -> Admission:
     """The study's judge, with what its storage learned (memory corrections, quality values)."""
     book = QualityBook(prepared, study) if prepared.quality is not None else None
-    return Admission(prepared.space, prepared.contexts, prepared.cfg.objective, book,
-                     learned_residuals(study) if study is not None else None)
+    return Admission(
+        prepared.space,
+        prepared.contexts,
+        prepared.cfg.objective,
+        book,
+        learned_residuals(study) if study is not None else None,
+    )

@@ -28,20 +28,34 @@ from autotune.study import records
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-__all__ = ["BASELINE_ROUND_PREFIX", "Noise", "baseline_rounds", "estimate", "launches_by_config",
-           "write_baseline_round"]
+__all__ = [
+    "BASELINE_ROUND_PREFIX",
+    "Noise",
+    "baseline_rounds",
+    "estimate",
+    "launches_by_config",
+    "write_baseline_round",
+]
 
 # Under the baselines' own prefix (records.BASELINE_PREFIX), so a study header never takes it for a
 # setting; records.baselines skips it (no weights).
 BASELINE_ROUND_PREFIX = records.BASELINE_PREFIX + "finish-round:"  # + <Baseline.key>:<round>
 
 
-def write_baseline_round(study: "optuna.Study", key: str, round_: int, *, metrics: Mapping[str, float] | None = None,
-                         error: str | None = None, worker: str | None = None) -> None:
+def write_baseline_round(
+    study: "optuna.Study",
+    key: str,
+    round_: int,
+    *,
+    metrics: Mapping[str, float] | None = None,
+    error: str | None = None,
+    worker: str | None = None,
+) -> None:
     """Store the finish's launch ``round_`` of baseline ``key`` (a study attribute per round, as
     the contenders' rounds: two workers never overwrite each other's)."""
-    study.set_user_attr(f"{BASELINE_ROUND_PREFIX}{key}:{round_}",
-                        {"metrics": dict(metrics or {}), "error": error, "worker": worker})
+    study.set_user_attr(
+        f"{BASELINE_ROUND_PREFIX}{key}:{round_}", {"metrics": dict(metrics or {}), "error": error, "worker": worker}
+    )
 
 
 def baseline_rounds(study: "optuna.Study") -> dict[str, dict[int, dict[str, Any]]]:
@@ -50,7 +64,7 @@ def baseline_rounds(study: "optuna.Study") -> dict[str, dict[int, dict[str, Any]
     for name, value in study.user_attrs.items():
         if not name.startswith(BASELINE_ROUND_PREFIX) or not isinstance(value, dict):
             continue
-        key, _, round_ = name[len(BASELINE_ROUND_PREFIX):].rpartition(":")
+        key, _, round_ = name[len(BASELINE_ROUND_PREFIX) :].rpartition(":")
         if key and round_.isdigit():
             out.setdefault(key, {})[int(round_)] = value
     return out
@@ -85,8 +99,11 @@ def launches_by_config(study: "optuna.Study", metric: str) -> dict[str, list[flo
         for _, round_ in sorted(rounds.items()):
             # Rounds stored before they kept their metrics hold the score alone: the metric's
             # own value where the objective is that metric and the round met every constraint.
-            value = (round_.metrics or {}).get(metric) if round_.metrics is not None else \
-                (round_.value if round_.feasible else None)
+            value = (
+                (round_.metrics or {}).get(metric)
+                if round_.metrics is not None
+                else (round_.value if round_.feasible else None)
+            )
             if value is not None and not round_.failed:
                 out[key].append(float(value))
     stored_rounds = baseline_rounds(study)
@@ -123,8 +140,14 @@ class Noise:
     launches: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "within_launch": self.within, "between_launches": self.between,
-                "between_worst": self.worst, "configs": self.configs, "launches": self.launches}
+        return {
+            "metric": self.metric,
+            "within_launch": self.within,
+            "between_launches": self.between,
+            "between_worst": self.worst,
+            "configs": self.configs,
+            "launches": self.launches,
+        }
 
     @property
     def silent(self) -> bool:
@@ -136,9 +159,11 @@ class Noise:
         line = f"noise: within a launch {within} (the runs inside one launch"
         if self.between is None:
             return line + "); between launches unknown (no configuration was measured in more than one launch)"
-        return (line + f"), between launches {self.between * 100:.1f}% (median over {self.configs} configurations "
-                f"measured in more than one launch, {self.launches} launches; worst {self.worst * 100:.1f}%): "
-                "a ratio or a lead smaller than the latter is not shown to be real")
+        return (
+            line + f"), between launches {self.between * 100:.1f}% (median over {self.configs} configurations "
+            f"measured in more than one launch, {self.launches} launches; worst {self.worst * 100:.1f}%): "
+            "a ratio or a lead smaller than the latter is not shown to be real"
+        )
 
 
 def objective_metric(study: "optuna.Study") -> str:
@@ -147,18 +172,24 @@ def objective_metric(study: "optuna.Study") -> str:
 
 def estimate(study: "optuna.Study", metric: str | None = None) -> Noise:
     metric = metric or objective_metric(study)
-    within = [s for r in records.measured(study)
-              if (s := (r.metrics.get(metric) or {}).get("spread")) is not None]
+    within = [s for r in records.measured(study) if (s := (r.metrics.get(metric) or {}).get("spread")) is not None]
     ranges = [(len(v), rr) for v in launches_by_config(study, metric).values() if (rr := relative_range(v)) is not None]
     between = statistics.median(r for _, r in ranges) if ranges else None
-    return Noise(metric, statistics.median(within) if within else None, between,
-                 max((r for _, r in ranges), default=None), len(ranges), sum(n for n, _ in ranges))
+    return Noise(
+        metric,
+        statistics.median(within) if within else None,
+        between,
+        max((r for _, r in ranges), default=None),
+        len(ranges),
+        sum(n for n, _ in ranges),
+    )
 
 
 def fastest_baseline(study: "optuna.Study", metric: str | None = None) -> records.Baseline | None:
     """The measured baseline with the highest ``metric`` (the objective's): the one the finish
     re-launches beside the leaders, so the headline's ratio compares launches with launches."""
     metric = metric or objective_metric(study)
-    measured = [b for b in records.baselines(study).values()
-                if not b.failed and b.config and b.median(metric) is not None]
+    measured = [
+        b for b in records.baselines(study).values() if not b.failed and b.config and b.median(metric) is not None
+    ]
     return max(measured, key=lambda b: b.median(metric) or 0.0, default=None)

@@ -59,8 +59,17 @@ def metric_words(metric: str) -> str:
     return metric.replace("_tok_s", " tok/s").replace("_ms", " ms").replace("_", " ")
 
 
-_WORDED = {"metric", "quality", "penalty_per_point", "max_drop_points", "reference_weights", "mode",
-           "require_quality", "min_per_user_tok_s", "slo"}
+_WORDED = {
+    "metric",
+    "quality",
+    "penalty_per_point",
+    "max_drop_points",
+    "reference_weights",
+    "mode",
+    "require_quality",
+    "min_per_user_tok_s",
+    "slo",
+}
 
 
 def objective_words(objective: Mapping[str, Any]) -> str:
@@ -68,8 +77,12 @@ def objective_words(objective: Mapping[str, Any]) -> str:
     aggregate tok/s, per-user at least 10 tok/s"; a key this does not know is named as it is."""
     metric = metric_words(str(objective.get("metric") or "aggregate_tok_s"))
     quality = objective.get("quality")
-    parts = [f"the trade-off of {metric} (higher) against {quality or 'quality'} drop (lower): every configuration "
-             "no other beats on both" if objective.get("mode") == "pareto" else f"maximise {metric}"]
+    parts = [
+        f"the trade-off of {metric} (higher) against {quality or 'quality'} drop (lower): every configuration "
+        "no other beats on both"
+        if objective.get("mode") == "pareto"
+        else f"maximise {metric}"
+    ]
     if objective.get("min_per_user_tok_s") is not None:
         parts.append(f"per-user at least {objective['min_per_user_tok_s']:g} tok/s")
     if quality:

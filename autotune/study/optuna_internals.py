@@ -51,8 +51,12 @@ def sql_engine(study: optuna.Study) -> sqlalchemy.engine.Engine | None:
     return getattr(backend, "engine", None)
 
 
-def set_finished_attrs(study: optuna.Study, trial: optuna.trial.FrozenTrial, attrs: dict[str, Any],
-                       state: optuna.trial.TrialState | None = None) -> bool:
+def set_finished_attrs(
+    study: optuna.Study,
+    trial: optuna.trial.FrozenTrial,
+    attrs: dict[str, Any],
+    state: optuna.trial.TrialState | None = None,
+) -> bool:
     """Write attributes (and a state) of a trial this worker does not hold; False when another
     worker finished it first."""
     try:
@@ -77,10 +81,14 @@ def heartbeat_ages(study: optuna.Study) -> dict[int, float]:
     beats = models.TrialHeartbeatModel
     with engine.connect() as conn:
         now = conn.execute(sqlalchemy.select(sqlalchemy.func.now())).scalar()
-        rows = conn.execute(sqlalchemy.select(beats.trial_id, beats.heartbeat)
-                            .join(models.TrialModel, models.TrialModel.trial_id == beats.trial_id)
-                            .where(models.TrialModel.study_id == study._study_id,
-                                   models.TrialModel.state == optuna.trial.TrialState.RUNNING)).all()
+        rows = conn.execute(
+            sqlalchemy.select(beats.trial_id, beats.heartbeat)
+            .join(models.TrialModel, models.TrialModel.trial_id == beats.trial_id)
+            .where(
+                models.TrialModel.study_id == study._study_id,
+                models.TrialModel.state == optuna.trial.TrialState.RUNNING,
+            )
+        ).all()
     now = now.replace(tzinfo=None)
     return {int(trial_id): max((now - beat.replace(tzinfo=None)).total_seconds(), 0.0) for trial_id, beat in rows}
 
@@ -162,8 +170,9 @@ class FitOnceTPESampler(optuna.samplers.TPESampler):
             self._built.append(estimator)
         return estimator
 
-    def _sample(self, study: optuna.Study, trial: FrozenTrial,
-                search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    def _sample(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
         if self._fits is None or self._constant_liar:
             return super()._sample(study, trial, search_space)
         key = tuple(search_space.items())
@@ -227,8 +236,9 @@ def write_trial(trial: optuna.Trial, attrs: dict[str, Any], constraints: dict[st
             state = models.TrialModel.find_or_raise_by_id(trial_id, session).state
             backend.check_trial_is_updatable(trial_id, state)
             for upsert, _, values in upserts:
-                session.connection().execute(upsert, [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)}
-                                                      for k, v in values.items()])
+                session.connection().execute(
+                    upsert, [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in values.items()]
+                )
     except sqlalchemy.exc.IntegrityError:
         return False
     cached.user_attrs.update(attrs)  # as set_user_attr and set_constraint keep the running trial's copy
@@ -243,8 +253,9 @@ def _upsert(table: sqlalchemy.Table, dialect: str) -> Any:
         from sqlalchemy.dialects import postgresql, sqlite
 
         stmt = (sqlite if dialect == "sqlite" else postgresql).insert(table)
-        return stmt.on_conflict_do_update(index_elements=[table.c.trial_id, table.c.key],
-                                          set_={"value_json": stmt.excluded.value_json})
+        return stmt.on_conflict_do_update(
+            index_elements=[table.c.trial_id, table.c.key], set_={"value_json": stmt.excluded.value_json}
+        )
     if dialect == "mysql":
         from sqlalchemy.dialects import mysql
 

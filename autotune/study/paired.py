@@ -20,8 +20,18 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = [
-    "OVER", "UNDECIDED", "WITHIN", "Z_FINAL", "Z_INTERIM", "KldRelation", "PairedDrop", "decide",
-    "fit_kld_relation", "items_needed", "mcnemar", "paired_drop",
+    "OVER",
+    "UNDECIDED",
+    "WITHIN",
+    "Z_FINAL",
+    "Z_INTERIM",
+    "KldRelation",
+    "PairedDrop",
+    "decide",
+    "fit_kld_relation",
+    "items_needed",
+    "mcnemar",
+    "paired_drop",
 ]
 
 WITHIN, OVER, UNDECIDED = "within", "over", "undecided"
@@ -85,8 +95,12 @@ class PairedDrop:
         return self.points - z * self.stderr_points, self.points + z * self.stderr_points
 
 
-def paired_drop(mine_correct: Sequence[float], ref_correct: Sequence[float],
-                mine_margin: Sequence[float] | None = None, ref_margin: Sequence[float] | None = None) -> PairedDrop:
+def paired_drop(
+    mine_correct: Sequence[float],
+    ref_correct: Sequence[float],
+    mine_margin: Sequence[float] | None = None,
+    ref_margin: Sequence[float] | None = None,
+) -> PairedDrop:
     """The paired drop of one artifact against the reference, item by item (same order)."""
     mine, ref = np.asarray(mine_correct, float), np.asarray(ref_correct, float)
     n = int(mine.size)
@@ -152,7 +166,7 @@ class KldRelation:
 
     def expected_drop(self, kld: float) -> tuple[float, float]:
         """Expected drop and its standard error (points) at a mean KLD of ``kld`` nats."""
-        return self.slope * kld, math.sqrt(self.residual_sd ** 2 + (kld * self.slope_stderr) ** 2)
+        return self.slope * kld, math.sqrt(self.residual_sd**2 + (kld * self.slope_stderr) ** 2)
 
     @property
     def t(self) -> float:
@@ -162,15 +176,21 @@ class KldRelation:
         return float(stats.t.ppf(0.975, self.n - 1))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"slope_points_per_nat": self.slope, "slope_stderr": self.slope_stderr,
-                "residual_sd_points": self.residual_sd, "n": self.n, "fit": "least squares through the origin"}
+        return {
+            "slope_points_per_nat": self.slope,
+            "slope_stderr": self.slope_stderr,
+            "residual_sd_points": self.residual_sd,
+            "n": self.n,
+            "fit": "least squares through the origin",
+        }
 
 
 MIN_RELATION_POINTS = 3
 
 
-def fit_kld_relation(klds: Sequence[float], drops_points: Sequence[float],
-                     stderrs_points: Sequence[float] | None = None) -> KldRelation | None:
+def fit_kld_relation(
+    klds: Sequence[float], drops_points: Sequence[float], stderrs_points: Sequence[float] | None = None
+) -> KldRelation | None:
     """The relation, or None with fewer than ``MIN_RELATION_POINTS`` artifacts or no spread in KLD.
 
     The spread around the line is never taken below the drops' own standard errors (their root

@@ -25,8 +25,9 @@ def model_context(real: BaseBackend, ctx: StudyContext) -> StudyContext:
     return replace(ctx, settings={**ctx.settings, **told}) if told else ctx
 
 
-def predictor_for(real: BaseBackend, config: TrialConfig, ctx: StudyContext,
-                  backends: Mapping[str, BaseBackend]) -> tuple[BaseBackend, Mapping[str, float]] | None:
+def predictor_for(
+    real: BaseBackend, config: TrialConfig, ctx: StudyContext, backends: Mapping[str, BaseBackend]
+) -> tuple[BaseBackend, Mapping[str, float]] | None:
     """The backend that predicts ``config`` (``real`` itself, else one of its engine) and its
     prediction; None when none can (its option values or its weights are not the predictor's)."""
     others = [b for b in backends.values() if b.engine == real.engine and b is not real]

@@ -33,8 +33,9 @@ from autotune.engine.workload import study_workload
 
 def resolve_gpu(cfg: StudyConfig) -> GpuSpec:
     """The study's GPU: a catalog key, or the card NVML finds for ``auto``."""
-    return hardware.resolve_gpu(cfg.gpu, cfg.gpu_index,
-                                source=f"{cfg.path}: [hardware] gpu" if cfg.path else "[hardware] gpu")
+    return hardware.resolve_gpu(
+        cfg.gpu, cfg.gpu_index, source=f"{cfg.path}: [hardware] gpu" if cfg.path else "[hardware] gpu"
+    )
 
 
 def check_settings(backend: BaseBackend, settings: Mapping[str, Any], src: str) -> list[str]:
@@ -53,8 +54,9 @@ def check_settings(backend: BaseBackend, settings: Mapping[str, Any], src: str) 
     return problems
 
 
-def check_space_values(offered: Mapping[str, list[Param]], space: Mapping[str, tuple[Any, ...]], src: str
-                       ) -> tuple[list[str], list[str]]:
+def check_space_values(
+    offered: Mapping[str, list[Param]], space: Mapping[str, tuple[Any, ...]], src: str
+) -> tuple[list[str], list[str]]:
     """Every ``[space]`` value must be taken, as given, by some backend of the study.
 
     Args:
@@ -68,19 +70,22 @@ def check_space_values(offered: Mapping[str, list[Param]], space: Mapping[str, t
     for key in (k for k in space if k not in CORE_OPTIONS):
         having = [(b, p) for b, params in offered.items() for p in params if p.name == key]
         if not having:
-            errors.append(f"{src}: [space] {key}: no backend of this study takes it "
-                          f"(backends: {', '.join(offered)})")
+            errors.append(f"{src}: [space] {key}: no backend of this study takes it (backends: {', '.join(offered)})")
             continue
         taken = {b: tuple(v for v in space[key] if any(same_value(v, c) for c in p.choices)) for b, p in having}
         for value in space[key]:
             if not any(value in values for values in taken.values()):
                 accepted = "; ".join(f"{b} accepts {_list(p.accepted or p.choices)}" for b, p in having)
-                errors.append(f"{src}: [space] {key} = {_list((value,))}: no backend of this study accepts it ({accepted})")
+                errors.append(
+                    f"{src}: [space] {key} = {_list((value,))}: no backend of this study accepts it ({accepted})"
+                )
         for b, p in having:
             left = tuple(v for v in space[key] if v not in taken[b] and any(v in t for t in taken.values()))
             if left:
-                notes.append(f"{b}: [space] {key} = {_list(left)} not searched (another backend's values; "
-                             f"{b} accepts {_list(p.accepted or p.choices)})")
+                notes.append(
+                    f"{b}: [space] {key} = {_list(left)} not searched (another backend's values; "
+                    f"{b} accepts {_list(p.accepted or p.choices)})"
+                )
     return errors, notes
 
 
@@ -92,8 +97,10 @@ def _format_problem(backend: BaseBackend, weights: str, ctx: StudyContext, given
     if ctx.source is None:
         if given_source is not None:
             return None  # the missing source is reported once, under [model] source
-        return ("a format is made from the model's source: add [model] source = \"path/to/model\" (a Hugging Face "
-                "directory or a full-precision .gguf file), or name a weights file")
+        return (
+            'a format is made from the model\'s source: add [model] source = "path/to/model" (a Hugging Face '
+            "directory or a full-precision .gguf file), or name a weights file"
+        )
     try:
         recipe = backend.artifacts.recipe(normalize_format(weights, backend.weight_formats), ctx.source, ctx)
     except AutotuneError as exc:
@@ -115,17 +122,24 @@ def _budget_over_card(cfg: StudyConfig, gpu: GpuSpec, src: str) -> str | None:
     cap = cfg.vram_budget_bytes
     if not cap or cap <= gpu.vram_bytes:
         return None
-    card = ("this machine's memory" if gpu.is_cpu else
-            f"{gpu.name} (GPU {cfg.gpu_index}, as NVML reports it)" if cfg.gpu == "auto" else
-            f"{gpu.name} (the GPU catalog's {gpu.key})")
-    return (f"{src}: [hardware] vram_budget_gib = {cap / 2**30:g}: more than {card} holds, {gpu.vram_bytes / 2**30:.2f} "
-            f"GiB; give at most {gpu.vram_bytes / 2**30:.2f}, or leave it out for all of it less [hardware] "
-            "safety_margin_mib")
+    card = (
+        "this machine's memory"
+        if gpu.is_cpu
+        else f"{gpu.name} (GPU {cfg.gpu_index}, as NVML reports it)"
+        if cfg.gpu == "auto"
+        else f"{gpu.name} (the GPU catalog's {gpu.key})"
+    )
+    return (
+        f"{src}: [hardware] vram_budget_gib = {cap / 2**30:g}: more than {card} holds, {gpu.vram_bytes / 2**30:.2f} "
+        f"GiB; give at most {gpu.vram_bytes / 2**30:.2f}, or leave it out for all of it less [hardware] "
+        "safety_margin_mib"
+    )
 
 
 def _list(values: tuple[Any, ...]) -> str:
-    return ", ".join(repr(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
-                     for v in values)
+    return ", ".join(
+        repr(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v) for v in values
+    )
 
 
 def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: bool = True) -> PreparedStudy:
@@ -167,8 +181,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
     if cfg.model_source is not None:
         source = (cfg.base_dir / Path(cfg.model_source).expanduser()).absolute()
         if not source.exists():
-            errors.append(f"{src}: [model] source = {cfg.model_source!r}: {source}: no such file or directory "
-                          "(a Hugging Face model directory or a full-precision .gguf file)")
+            errors.append(
+                f"{src}: [model] source = {cfg.model_source!r}: {source}: no such file or directory "
+                "(a Hugging Face model directory or a full-precision .gguf file)"
+            )
             source = None
 
     backends = plugins.get_backends()
@@ -178,7 +194,6 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
         protocol = Protocol(**cfg.measure)
     except (AutotuneError, TypeError) as exc:
         errors.append(f"{src}: [measure]: {exc}")
-
 
     budget = 0
     over = _budget_over_card(cfg, gpu, src) if gpu is not None else None
@@ -191,16 +206,20 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
     elif gpu is not None:
         budget = budget_of(gpu, cfg.vram_budget_bytes, cfg.safety_margin_bytes).bytes
         if budget <= 0:
-            errors.append(f"{src}: [hardware] safety_margin_mib leaves no memory of "
-                          f"{cfg.vram_budget_bytes or gpu.vram_bytes} bytes")
+            errors.append(
+                f"{src}: [hardware] safety_margin_mib leaves no memory of "
+                f"{cfg.vram_budget_bytes or gpu.vram_bytes} bytes"
+            )
 
     bad_settings: set[str] = set()
     for name, settings in cfg.backend_settings.items():
         if name not in backends:
             # TOML reads [backends.twin-llama.cpp] as the table twin-llama holding a table cpp.
             dotted = [f"{name}.{k}" for k, v in settings.items() if isinstance(v, dict) and f"{name}.{k}" in backends]
-            hint = f"; a dot in a table name nests tables: write [backends.\"{dotted[0]}\"]" if dotted else ""
-            errors.append(f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'}){hint}")
+            hint = f'; a dot in a table name nests tables: write [backends."{dotted[0]}"]' if dotted else ""
+            errors.append(
+                f"{src}: [backends.{name}]: no such backend (installed: {', '.join(backends) or 'none'}){hint}"
+            )
             continue
         problems = check_settings(backends[name], settings, src)
         if problems:
@@ -214,29 +233,47 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
     for i, cand in enumerate(cfg.candidates):
         if cand.backend not in backends:
             of_engine = [n for n, b in backends.items() if b.engine == cand.backend]
-            hint = f"; {cand.backend} is an engine: name one of its backends ({', '.join(of_engine)})" if of_engine else ""
-            errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: not installed "
-                          f"(installed: {', '.join(backends) or 'none'}){hint}")
+            hint = (
+                f"; {cand.backend} is an engine: name one of its backends ({', '.join(of_engine)})" if of_engine else ""
+            )
+            errors.append(
+                f"{src}: [candidates.{i}] backend = {cand.backend!r}: not installed "
+                f"(installed: {', '.join(backends) or 'none'}){hint}"
+            )
             continue
         if cand.backend in seen:
-            errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: listed twice; merge its weights into one entry")
+            errors.append(
+                f"{src}: [candidates.{i}] backend = {cand.backend!r}: listed twice; merge its weights into one entry"
+            )
             continue
         seen.add(cand.backend)
         backend = backends[cand.backend]
         if gpu is None or model is None or protocol is None or cand.backend in bad_settings:
             continue
-        ctx = StudyContext(gpu=gpu, model=model, workload=study_workload(cfg),
-                           vram_budget_bytes=budget, protocol=protocol, seed=cfg.seed,
-                           settings=cfg.backend_settings.get(cand.backend, {}), base_dir=cfg.base_dir,
-                           gpu_index=cfg.gpu_index, source=source, placement=placement,
-                           # gpu = "cpu": nothing is offloaded, even on a machine that has a GPU.
-                           for_gpu=False if gpu.is_cpu else None)
+        ctx = StudyContext(
+            gpu=gpu,
+            model=model,
+            workload=study_workload(cfg),
+            vram_budget_bytes=budget,
+            protocol=protocol,
+            seed=cfg.seed,
+            settings=cfg.backend_settings.get(cand.backend, {}),
+            base_dir=cfg.base_dir,
+            gpu_index=cfg.gpu_index,
+            source=source,
+            placement=placement,
+            # gpu = "cpu": nothing is offloaded, even on a machine that has a GPU.
+            for_gpu=False if gpu.is_cpu else None,
+        )
         contexts[cand.backend] = ctx
-        if strategy.needs_model and not any(b.predictor is not None and b.engine == backend.engine
-                                            for b in backends.values()):
-            errors.append(f"{src}: [study] sampler = {strategy.name!r}: no installed backend predicts engine "
-                          f"{backend.engine} (of [candidates.{i}] backend = {cand.backend!r}); install its twin "
-                          "or use sampler = 'tpe'")
+        if strategy.needs_model and not any(
+            b.predictor is not None and b.engine == backend.engine for b in backends.values()
+        ):
+            errors.append(
+                f"{src}: [study] sampler = {strategy.name!r}: no installed backend predicts engine "
+                f"{backend.engine} (of [candidates.{i}] backend = {cand.backend!r}); install its twin "
+                "or use sampler = 'tpe'"
+            )
         found = len(errors)
         for problem in backend.preflight(ctx):
             errors.append(f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}")
@@ -250,8 +287,10 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
         if dry_runs and len(errors) == found and backend.predictor is None:
             # What every making of this backend would fail on (a converter that does not know
             # the model's tokenizer), found before the first trial rather than by each.
-            errors += [f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}"
-                       for problem in check_makings(backend, (*cand.weights, *cand.draft), ctx)]
+            errors += [
+                f"{src}: [candidates.{i}] backend = {cand.backend!r}: {problem}"
+                for problem in check_makings(backend, (*cand.weights, *cand.draft), ctx)
+            ]
         if "ctx" in cfg.space and "parallel" in cfg.space:
             named = {k: v for k, v in cfg.space.items() if k not in CORE_OPTIONS}
             if placement is not None and len(placement.cards) > 1:
@@ -262,12 +301,21 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
                 named[DRAFT_OPTION] = list(cand.draft)
             params = backend.parameters(named)
             if cand.draft and not any(p.name == DRAFT_OPTION and p.choices for p in params):
-                errors.append(f"{src}: [candidates.{i}] draft: backend {cand.backend!r} searches no draft weights with "
-                              "this [space]: name the speculation parameter that loads a draft there (`autotune "
-                              "plugins` lists the backend's), or remove draft")
+                errors.append(
+                    f"{src}: [candidates.{i}] draft: backend {cand.backend!r} searches no draft weights with "
+                    "this [space]: name the speculation parameter that loads a draft there (`autotune "
+                    "plugins` lists the backend's), or remove draft"
+                )
             offered[cand.backend] = params
-            entries.append(BackendSpace(backend, tuple(cand.weights), tuple(cfg.space["ctx"]), tuple(cfg.space["parallel"]),
-                                        tuple(p for p in params if p.choices)))
+            entries.append(
+                BackendSpace(
+                    backend,
+                    tuple(cand.weights),
+                    tuple(cfg.space["ctx"]),
+                    tuple(cfg.space["parallel"]),
+                    tuple(p for p in params if p.choices),
+                )
+            )
     notes: list[str] = []
     if entries and len(entries) == len(cfg.candidates):  # an unknown backend's values cannot be judged
         space_errors, notes = check_space_values(offered, cfg.space, src)
@@ -297,17 +345,23 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
             errors.append(f"{src}: [quality] undecided = 'kld': {exc} (or use 'reject' or 'accept')")
         else:
             if type(quality).item_order is BaseMetric.item_order or proxy is quality:
-                errors.append(f"{src}: [quality] undecided = 'kld': the metric {quality.name!r} answers no items, so "
-                              "nothing is undecided; use it with mmlu or ceval")
+                errors.append(
+                    f"{src}: [quality] undecided = 'kld': the metric {quality.name!r} answers no items, so "
+                    "nothing is undecided; use it with mmlu or ceval"
+                )
     if errors:
         raise ConfigError("\n".join(errors))
 
     reference = _references(cfg, SearchSpace(entries), contexts) if quality else {}
     for metric in (quality, proxy):
         if metric is not None:
-            metric.configure(cfg.quality_options, {
-                name: QualityReference(ref, backends[ref.backend], contexts[ref.backend]) for name, ref in reference.items()
-            })
+            metric.configure(
+                cfg.quality_options,
+                {
+                    name: QualityReference(ref, backends[ref.backend], contexts[ref.backend])
+                    for name, ref in reference.items()
+                },
+            )
     # The pre-search screen asks the same judge as every trial (no learned correction yet:
     # no storage is open).
     judge = Admission(SearchSpace(entries), contexts, cfg.objective)
@@ -325,9 +379,17 @@ def prepare_study(cfg: StudyConfig, storage: str | None = None, *, dry_runs: boo
     if not screened:
         raise ConfigError(f"{src}: nothing in the search space can run:\n  " + "\n  ".join(excluded))
     return PreparedStudy(
-        cfg=cfg, gpu=gpu, model=model, vram_budget_bytes=budget, space=SearchSpace(screened), contexts=contexts,
-        quality=quality, reference=reference, quality_proxy=proxy,
-        storage_url=storage_mod.resolve_url(storage, cfg.storage, cfg.default_storage), excluded=excluded,
+        cfg=cfg,
+        gpu=gpu,
+        model=model,
+        vram_budget_bytes=budget,
+        space=SearchSpace(screened),
+        contexts=contexts,
+        quality=quality,
+        reference=reference,
+        quality_proxy=proxy,
+        storage_url=storage_mod.resolve_url(storage, cfg.storage, cfg.default_storage),
+        excluded=excluded,
         placement=placement,
     )
 
@@ -336,9 +398,11 @@ def highest_precision(backend: BaseBackend, weights: tuple[str, ...] | list[str]
     """The candidate with the most bytes of weights by the backend's own estimate: the highest
     precision the user has (their unquantized file where they listed it). The quality reference
     and the default launch (``study.baseline``) both start from it."""
+
     def size(w: str) -> int:
         probe = TrialConfig(backend.name, w, ctx.workload.sequence_tokens, 1)
         return backend.estimate_memory(probe, ctx).weights_bytes
+
     return max(weights, key=size)
 
 
@@ -365,7 +429,9 @@ def _references(cfg: StudyConfig, space: SearchSpace, contexts: Mapping[str, Stu
     if named and refs:
         owner = next((n for n, e in space.entries.items() if named in e.weights), None)
         if owner is None:
-            raise ConfigError(f"{cfg.path}: [objective] reference_weights = {named!r}: not among the candidates' weights")
+            raise ConfigError(
+                f"{cfg.path}: [objective] reference_weights = {named!r}: not among the candidates' weights"
+            )
         for name in space.entries:
             refs.setdefault(name, refs[owner])
     return refs

@@ -34,8 +34,9 @@ from autotune.study.prepared import PreparedStudy
 from autotune.study.quality import drop_between
 
 
-def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
-                  study: optuna.Study | None = None) -> list[tuple[TrialConfig, float]]:
+def rank_by_prior(
+    prepared: PreparedStudy, judge: Admission | None = None, study: optuna.Study | None = None
+) -> list[tuple[TrialConfig, float]]:
     """Every admitted configuration a predictor can speak for, predicted-feasible first, best first.
 
     Args:
@@ -64,8 +65,15 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
         if objective.metric not in predicted:
             continue
         drop = _predicted_drop(prepared, predictor, probe, prepared.reference.get(config.backend), ctx, metrics)
-        s = objective_mod.score(objective, float(predicted[objective.metric]), verdict.estimate.total_bytes,
-                                ctx.vram_budget_bytes, drop, predicted.get("per_user_tok_s"), latencies=predicted)
+        s = objective_mod.score(
+            objective,
+            float(predicted[objective.metric]),
+            verdict.estimate.total_bytes,
+            ctx.vram_budget_bytes,
+            drop,
+            predicted.get("per_user_tok_s"),
+            latencies=predicted,
+        )
         ranked.append((config, s.values[0], s.feasible))
     ranked.sort(key=lambda item: (not item[2], -item[1]))
     return [(c, v) for c, v, _ in ranked]
@@ -76,8 +84,9 @@ def rank_by_prior(prepared: PreparedStudy, judge: Admission | None = None,
 PRIOR_TIE = 0.03
 
 
-def cheaper_first_among_ties(ranked: list[tuple[TrialConfig, float]], making_s: Callable[[TrialConfig], float],
-                             tie: float = PRIOR_TIE) -> list[tuple[TrialConfig, float]]:
+def cheaper_first_among_ties(
+    ranked: list[tuple[TrialConfig, float]], making_s: Callable[[TrialConfig], float], tie: float = PRIOR_TIE
+) -> list[tuple[TrialConfig, float]]:
     """``ranked`` (best first) in the order to measure it: configurations predicted within ``tie``
     of the best still unplaced form a band, and inside a band the one whose weights take the
     fewest seconds to make (``making_s``: 0 when made, ``inf`` when unknown) goes first.
@@ -99,8 +108,14 @@ def cheaper_first_among_ties(ranked: list[tuple[TrialConfig, float]], making_s: 
     return out
 
 
-def _predicted_drop(prepared: PreparedStudy, predictor: BaseBackend, config: TrialConfig,
-                    ref: TrialConfig | None, ctx: StudyContext, metrics: Mapping[str, BaseMetric]) -> float | None:
+def _predicted_drop(
+    prepared: PreparedStudy,
+    predictor: BaseBackend,
+    config: TrialConfig,
+    ref: TrialConfig | None,
+    ctx: StudyContext,
+    metrics: Mapping[str, BaseMetric],
+) -> float | None:
     """Quality drop a metric that can evaluate the predictor expects, against the reference."""
     if ref is None:
         return None

@@ -48,9 +48,13 @@ class LeaderGapPruner(BasePruner):
         self.margin = margin
 
     def leader(self, study: optuna.Study) -> float | None:
-        values = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                  if t.values and (records.field_of(t.user_attrs, "score") or {}).get("feasible", True)
-                  and t.user_attrs.get("answered_from") is None]
+        values = [
+            t.values[0]
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.values
+            and (records.field_of(t.user_attrs, "score") or {}).get("feasible", True)
+            and t.user_attrs.get("answered_from") is None
+        ]
         return max(values) if values else None
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
@@ -63,8 +67,15 @@ class LeaderGapPruner(BasePruner):
         return probe < (1 - self.margin) * leader
 
 
-def make_probe(trial: optuna.Trial, objective: "Objective", used_bytes: int, budget_bytes: int,
-               drop: float | None, margin: float, heard: dict[str, str]) -> Callable[[Mapping[str, float]], bool]:
+def make_probe(
+    trial: optuna.Trial,
+    objective: "Objective",
+    used_bytes: int,
+    budget_bytes: int,
+    drop: float | None,
+    margin: float,
+    heard: dict[str, str],
+) -> Callable[[Mapping[str, float]], bool]:
     """The probe of one launch: scores the first run, reports it, asks the study's pruner.
 
     ``heard`` receives the reason when the probe stops the launch (for the trial's record).
@@ -79,14 +90,19 @@ def make_probe(trial: optuna.Trial, objective: "Objective", used_bytes: int, bud
         trial.report(s.values[0], PROBE_STEP)
         floor = objective.min_per_user_tok_s
         if floor is not None and per_user is not None and per_user < (1 - margin) * floor:
-            heard["reason"] = (f"probe: per-user {per_user:.1f} tok/s in the first run, more than "
-                               f"{margin:.0%} below the floor of {floor:g}")
+            heard["reason"] = (
+                f"probe: per-user {per_user:.1f} tok/s in the first run, more than "
+                f"{margin:.0%} below the floor of {floor:g}"
+            )
             return False
         if trial.should_prune():
             pruner = trial.study.pruner
             leader = pruner.leader(trial.study) if isinstance(pruner, LeaderGapPruner) else None
-            heard["reason"] = (f"probe: {s.values[0]:.1f} in the first run, more than {margin:.0%} below the "
-                               f"leader's {leader:.1f}" if leader is not None else "probe: pruned")
+            heard["reason"] = (
+                f"probe: {s.values[0]:.1f} in the first run, more than {margin:.0%} below the leader's {leader:.1f}"
+                if leader is not None
+                else "probe: pruned"
+            )
             return False
         return True
 

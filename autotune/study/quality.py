@@ -138,8 +138,9 @@ class QualityBook:
             self.study.set_user_attr(attr, value)
         self._local[attr] = value
 
-    def measure(self, config: TrialConfig, items: tuple[int, ...] | None = None,
-                metric: BaseMetric | None = None) -> dict[str, Any]:
+    def measure(
+        self, config: TrialConfig, items: tuple[int, ...] | None = None, metric: BaseMetric | None = None
+    ) -> dict[str, Any]:
         """The metric's value for ``config``'s artifact, measured now unless already known.
 
         With ``items`` (a metric that answers items), only the items not yet answered are
@@ -163,15 +164,23 @@ class QualityBook:
             return found
         value = metric.evaluate_items(config, backend, ctx, missing)
         assert value.per_item is not None
-        old = found["per_item"] if found is not None and "per_item" in found else {"item": [], "correct": [], "margin": []}
+        old = (
+            found["per_item"]
+            if found is not None and "per_item" in found
+            else {"item": [], "correct": [], "margin": []}
+        )
         merged = {k: list(old[k]) + list(value.per_item[k]) for k in ("item", "correct", "margin")}
         n = len(merged["item"])
         acc = sum(merged["correct"]) / n
         seconds = (found or {}).get("seconds") or 0.0
         stored = {
-            "key": metric.cache_key(config, backend, ctx), "value": acc,
-            "stderr": math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else None, "n": n,
-            "seconds": seconds + (value.seconds or 0.0), "details": value.details or {}, "per_item": merged,
+            "key": metric.cache_key(config, backend, ctx),
+            "value": acc,
+            "stderr": math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else None,
+            "n": n,
+            "seconds": seconds + (value.seconds or 0.0),
+            "details": value.details or {},
+            "per_item": merged,
         }
         self._store(self.attr(config, metric), stored)
         return stored
@@ -212,8 +221,9 @@ class QualityBook:
 
         a, b = table(mine), table(theirs)
         ids = [i for i in items if i in a and i in b]
-        return paired.paired_drop([a[i][0] for i in ids], [b[i][0] for i in ids],
-                                  [a[i][1] for i in ids], [b[i][1] for i in ids])
+        return paired.paired_drop(
+            [a[i][0] for i in ids], [b[i][0] for i in ids], [a[i][1] for i in ids], [b[i][1] for i in ids]
+        )
 
     def sequential(self, config: TrialConfig) -> dict[str, Any]:
         """Measure ``config`` and its reference on the same items, batch by batch, until the
@@ -231,18 +241,31 @@ class QualityBook:
             drop = self._paired_drop(mine, theirs, items)
             out_of_time = self.max_seconds is not None and time.monotonic() - started >= self.max_seconds
             final = n >= cap or out_of_time
-            verdict = paired.decide(drop.points, drop.stderr_points, self.bound, final) if self.bound is not None else None
+            verdict = (
+                paired.decide(drop.points, drop.stderr_points, self.bound, final) if self.bound is not None else None
+            )
             if verdict != paired.UNDECIDED or final:
                 break
             n = min(n + batch, cap)
         decision: dict[str, Any] = {
-            "weights": config.weights, "reference_weights": ref.weights, "metric": self.metric.name if self.metric else None,
-            "drop_points": drop.points, "drop_stderr_points": drop.stderr_points,
-            "unpaired_stderr_points": drop.unpaired_stderr_points, "margin_drop": drop.margin_drop,
-            "margin_stderr": drop.margin_stderr, "items_used": drop.n, "discordant": drop.discordant,
-            "verdict": verdict, "bound_points": self.bound, "cap_items": cap,
-            "stopped_by": "decided" if verdict in (paired.WITHIN, paired.OVER) else ("seconds" if out_of_time else "items"),
-            "value": _accuracy(mine, items), "reference_value": _accuracy(theirs, items),
+            "weights": config.weights,
+            "reference_weights": ref.weights,
+            "metric": self.metric.name if self.metric else None,
+            "drop_points": drop.points,
+            "drop_stderr_points": drop.stderr_points,
+            "unpaired_stderr_points": drop.unpaired_stderr_points,
+            "margin_drop": drop.margin_drop,
+            "margin_stderr": drop.margin_stderr,
+            "items_used": drop.n,
+            "discordant": drop.discordant,
+            "verdict": verdict,
+            "bound_points": self.bound,
+            "cap_items": cap,
+            "stopped_by": "decided"
+            if verdict in (paired.WITHIN, paired.OVER)
+            else ("seconds" if out_of_time else "items"),
+            "value": _accuracy(mine, items),
+            "reference_value": _accuracy(theirs, items),
         }
         if self.policy == "kld" and self.proxy is not None and self.bound is not None:
             # Every candidate's KLD, not only the undecided ones': the relation is fitted on
@@ -256,8 +279,10 @@ class QualityBook:
         """Whether the verdict (or the policy, when undecided) lets the configuration through."""
         verdict = d["verdict"]
         assert self.metric is not None
-        interval = (f"{self.metric.drop_text(d['drop_points'])} ± {self.metric.amount_text(paired.Z_FINAL * d['drop_stderr_points'])} "
-                    f"on {d['items_used']} items")
+        interval = (
+            f"{self.metric.drop_text(d['drop_points'])} ± {self.metric.amount_text(paired.Z_FINAL * d['drop_stderr_points'])} "
+            f"on {d['items_used']} items"
+        )
         if verdict is None:
             return {"admitted": None, "decided_by": "no bound", "how": f"paired drop {interval}"}
         if verdict == paired.WITHIN:
@@ -265,10 +290,18 @@ class QualityBook:
         if verdict == paired.OVER:
             return {"admitted": False, "decided_by": "paired", "how": f"over the bound: {interval}"}
         if self.policy == "accept":
-            return {"admitted": True, "decided_by": "policy accept", "how": f"undecided ({interval}), [quality] undecided = 'accept'"}
+            return {
+                "admitted": True,
+                "decided_by": "policy accept",
+                "how": f"undecided ({interval}), [quality] undecided = 'accept'",
+            }
         if self.policy == "kld" and self.proxy is not None:
             return self._admit_by_kld(config, d["kld"], interval)
-        return {"admitted": False, "decided_by": "policy reject", "how": f"undecided ({interval}), [quality] undecided = 'reject'"}
+        return {
+            "admitted": False,
+            "decided_by": "policy reject",
+            "how": f"undecided ({interval}), [quality] undecided = 'reject'",
+        }
 
     def _admit_by_kld(self, config: TrialConfig, kld: float, interval: str) -> dict[str, Any]:
         """Judge an undecided configuration by its KLD, through the relation between KLD and the
@@ -281,20 +314,31 @@ class QualityBook:
         relation = paired.fit_kld_relation([p[0] for p in points], [p[1] for p in points], [p[2] for p in points])
         out: dict[str, Any] = {"kld": kld}
         if relation is None:
-            return {**out, "admitted": False, "decided_by": "kld (no relation): reject",
-                    "how": f"undecided ({interval}); the KLD relation needs {paired.MIN_RELATION_POINTS} other artifacts "
-                           f"with a paired drop and a KLD (has {len(points)}): rejected"}
+            return {
+                **out,
+                "admitted": False,
+                "decided_by": "kld (no relation): reject",
+                "how": f"undecided ({interval}); the KLD relation needs {paired.MIN_RELATION_POINTS} other artifacts "
+                f"with a paired drop and a KLD (has {len(points)}): rejected",
+            }
         expected, se = relation.expected_drop(kld)
         lo, hi = expected - relation.t * se, expected + relation.t * se
         out.update(kld_relation=relation.to_dict(), kld_expected_drop_points=expected, kld_expected_stderr_points=se)
         # A KLD is no accuracy drop: it is turned into one only through the fitted relation, and
         # the text says so.
-        shown = (f"KLD {kld:.4f} nats -> expected {signed_drop(expected)} (interval {lo:.2f} to {hi:.2f} points) through "
-                 f"the KLD-to-drop relation fitted on {relation.n} artifacts' paired drops")
+        shown = (
+            f"KLD {kld:.4f} nats -> expected {signed_drop(expected)} (interval {lo:.2f} to {hi:.2f} points) through "
+            f"the KLD-to-drop relation fitted on {relation.n} artifacts' paired drops"
+        )
         if hi < self.bound:
             return {**out, "admitted": True, "decided_by": "kld", "how": f"undecided ({interval}); {shown}: within"}
         verdict = "over" if lo > self.bound else "still undecided"
-        return {**out, "admitted": False, "decided_by": "kld", "how": f"undecided ({interval}); {shown}: {verdict}, rejected"}
+        return {
+            **out,
+            "admitted": False,
+            "decided_by": "kld",
+            "how": f"undecided ({interval}); {shown}: {verdict}, rejected",
+        }
 
     def _decisions(self) -> dict[str, dict[str, Any]]:
         found = {k: v for k, v in self._local.items() if k.startswith(QUALITY_DECISION_PREFIX)}
@@ -315,10 +359,12 @@ class QualityBook:
         record = self.measure(ref, order[: min(batch, len(order))])
         per_item = (record.get("seconds") or 0.0) / max(record["n"], 1)
         needed = paired.items_needed(self.expected_agreement, self.bound)
-        line = (f"quality: a {self.bound:g}-point bound at {self.expected_agreement:.0%} expected agreement needs about "
-                f"{needed:,} items per candidate ({paired.POWER:.0%} power for a true drop of 0); "
-                f"{per_item:.2f} s per item here: about {needed * per_item / 60:.0f} min per candidate; "
-                f"the pool holds {len(order):,} items")
+        line = (
+            f"quality: a {self.bound:g}-point bound at {self.expected_agreement:.0%} expected agreement needs about "
+            f"{needed:,} items per candidate ({paired.POWER:.0%} power for a true drop of 0); "
+            f"{per_item:.2f} s per item here: about {needed * per_item / 60:.0f} min per candidate; "
+            f"the pool holds {len(order):,} items"
+        )
         if needed > len(order):
             line += " (fewer: close calls end undecided, [quality] undecided = " + repr(self.policy) + ")"
         return line
@@ -338,12 +384,21 @@ class QualityBook:
             if d is None:  # measured once per artifact: a resumed study answers from the storage
                 d = self.sequential(config)
             return {
-                "metric": self.metric.name, "value": d["value"], "n": d["items_used"],
-                "reference_weights": ref.weights, "reference_value": d["reference_value"],
-                "drop_points": d["drop_points"], "drop_stderr_points": d["drop_stderr_points"],
-                "unpaired_stderr_points": d["unpaired_stderr_points"], "margin_drop": d["margin_drop"],
-                "margin_stderr": d["margin_stderr"], "items_used": d["items_used"], "verdict": d["verdict"],
-                "decided_by": d["decided_by"], "admitted": d["admitted"], "how": d["how"],
+                "metric": self.metric.name,
+                "value": d["value"],
+                "n": d["items_used"],
+                "reference_weights": ref.weights,
+                "reference_value": d["reference_value"],
+                "drop_points": d["drop_points"],
+                "drop_stderr_points": d["drop_stderr_points"],
+                "unpaired_stderr_points": d["unpaired_stderr_points"],
+                "margin_drop": d["margin_drop"],
+                "margin_stderr": d["margin_stderr"],
+                "items_used": d["items_used"],
+                "verdict": d["verdict"],
+                "decided_by": d["decided_by"],
+                "admitted": d["admitted"],
+                "how": d["how"],
                 **({"kld": d["kld"]} if "kld" in d else {}),
             }
         mine, theirs = self.measure(config), self.measure(ref)

@@ -39,9 +39,9 @@ QUALITY_PREFIX = "quality:"
 QUALITY_DECISION_PREFIX = QUALITY_PREFIX + "drop:"  # + a hash: one candidate's paired drop and verdict
 QUALITY_POWER_ATTR = "quality_power"
 # What a run stores beside the trials for the study's summary (study/summary.py, summarize):
-LAST_RUN_ATTR = "last_run"                     # {"converged": bool}: how the latest run ended
-EXCLUDED_ATTR = "excluded_before_search"       # the pre-search screen's lines (also in the header)
-WHY_BEST_ATTR = "why_best"                     # "why not a neighbour" of the best (study/explain.py)
+LAST_RUN_ATTR = "last_run"  # {"converged": bool}: how the latest run ended
+EXCLUDED_ATTR = "excluded_before_search"  # the pre-search screen's lines (also in the header)
+WHY_BEST_ATTR = "why_best"  # "why not a neighbour" of the best (study/explain.py)
 CALIBRATION_PREFIX = "calibration:"  # + a real backend's name: its model backend's calibration
 REMEASURE_PREFIX = "remeasure:"
 BASELINE_PREFIX = "baseline:"  # + ``Baseline.key``: one launch a user gets without tuning, measured once
@@ -65,16 +65,16 @@ class TrialRecord:
     state: TrialState
     values: tuple[float, ...] | None
     constraints: Mapping[str, float]
-    raw: Mapping[str, Any]             # every user attribute as stored, to copy an answer from
+    raw: Mapping[str, Any]  # every user attribute as stored, to copy an answer from
     config: Mapping[str, Any] | None = None
     config_key: str | None = None
     worker: str | None = None
-    answered_from: int | None = None   # a proposal the storage already answered: not a measurement
+    answered_from: int | None = None  # a proposal the storage already answered: not a measurement
     from_prior: bool = False
     explore: bool = False
-    probe: bool = False                # multi-fidelity stopped it after its first run (study.probe)
-    retry: bool = False                # interrupted or its worker died: measure the configuration again
-    deferred: bool = False             # not started: making its weights would overrun the budget (retry too)
+    probe: bool = False  # multi-fidelity stopped it after its first run (study.probe)
+    retry: bool = False  # interrupted or its worker died: measure the configuration again
+    deferred: bool = False  # not started: making its weights would overrun the budget (retry too)
     prune_reason: str | None = None
     fail_reason: str | None = None
     log_tail: str | None = None
@@ -105,8 +105,14 @@ class TrialRecord:
                 return hit[1]
         a = t.user_attrs
         stored = {name: field_of(a, name) for name in STORED if name in a}
-        record = cls(number=t.number, state=t.state, values=tuple(t.values) if t.values else None,
-                     constraints=dict(t.constraints), raw=a, **stored)
+        record = cls(
+            number=t.number,
+            state=t.state,
+            values=tuple(t.values) if t.values else None,
+            constraints=dict(t.constraints),
+            raw=a,
+            **stored,
+        )
         if finished:
             key = id(t)
             _FINISHED[key] = (weakref.ref(t, lambda _, key=key: _FINISHED.pop(key, None)), record)
@@ -157,9 +163,8 @@ _STORED_SET = frozenset(STORED)
 # it as JSON text of any length), so pandas, SQL and optuna-dashboard read a trial as it is:
 # ``json.loads`` of one column per field. Beside them, a few flat copies of what a person sorts
 # by (the dashboard's columns, ``trials_dataframe``); written from the fields, never read back.
-FLAT = ("score_value", "aggregate_tok_s", "per_user_tok_s", "memory_measured_gib", "memory_predicted_gib",
-        "reason")
-_GIB = 1024 ** 3
+FLAT = ("score_value", "aggregate_tok_s", "per_user_tok_s", "memory_measured_gib", "memory_predicted_gib", "reason")
+_GIB = 1024**3
 
 
 def flat_columns(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -216,8 +221,10 @@ def measurement_fields(m: Measurement, predicted_bytes: int) -> dict[str, Any]:
     """The fields a measurement sets."""
     fields: dict[str, Any] = {"metrics": {k: v.to_dict() for k, v in m.metrics.items()}}
     if m.peak_vram_bytes is not None:
-        fields.update(measured_vram_bytes=m.peak_vram_bytes,
-                      vram_prediction_error=(predicted_bytes - m.peak_vram_bytes) / m.peak_vram_bytes)
+        fields.update(
+            measured_vram_bytes=m.peak_vram_bytes,
+            vram_prediction_error=(predicted_bytes - m.peak_vram_bytes) / m.peak_vram_bytes,
+        )
     if m.telemetry is not None:
         fields["telemetry"] = m.telemetry.to_dict()
     facts = {k: v for k, v in m.attrs.items() if k != ACCEPTANCE_ATTR}
@@ -226,7 +233,6 @@ def measurement_fields(m: Measurement, predicted_bytes: int) -> dict[str, Any]:
     if m.attrs.get(ACCEPTANCE_ATTR) is not None:
         fields["acceptance"] = dict(m.attrs[ACCEPTANCE_ATTR])
     return fields
-
 
 
 def records(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:
@@ -238,8 +244,9 @@ def measured(study: optuna.Study) -> list[TrialRecord]:
     return [r for r in records(study, (TrialState.COMPLETE,)) if not r.answered]
 
 
-def standing_by_key(study: optuna.Study, latest: bool = False,
-                    trials: Iterable[optuna.trial.FrozenTrial] | None = None) -> dict[str, TrialRecord]:
+def standing_by_key(
+    study: optuna.Study, latest: bool = False, trials: Iterable[optuna.trial.FrozenTrial] | None = None
+) -> dict[str, TrialRecord]:
     """The trial whose outcome stands for each configuration: the first one (what the runner
     answers from), or with ``latest`` the newest (what a person wants told after a resume).
     Among ``trials`` where given (already read), else the study's, read now."""
@@ -252,8 +259,13 @@ def standing_by_key(study: optuna.Study, latest: bool = False,
 
 def gpu_attrs(gpu: "GpuSpec") -> dict[str, Any]:
     """The card as a trial and a study record it."""
-    return {"key": gpu.key, "name": gpu.name, "vram_bytes": gpu.vram_bytes,
-            "mem_bandwidth_gb_s": gpu.mem_bandwidth_gb_s, "compute_capability": gpu.compute_capability}
+    return {
+        "key": gpu.key,
+        "name": gpu.name,
+        "vram_bytes": gpu.vram_bytes,
+        "mem_bandwidth_gb_s": gpu.mem_bandwidth_gb_s,
+        "compute_capability": gpu.compute_capability,
+    }
 
 
 # ------------------------------------------------------------------ the study's own attributes
@@ -279,14 +291,14 @@ class Remeasure:
     never overwrite each other's rounds and a finish cut short keeps the rounds it stored.
     """
 
-    value: float | None = None           # the first objective, scored as the trial was
-    feasible: bool = True                # every constraint held in this run too
+    value: float | None = None  # the first objective, scored as the trial was
+    feasible: bool = True  # every constraint held in this run too
     per_user_tok_s: float | None = None
     peak_vram_bytes: int | None = None
     # Each throughput/latency metric's median in this run (aggregate_tok_s, ...): the headline
     # figures are the median over every run, not the first (summary.headline).
     metrics: dict[str, float] | None = None
-    error: str | None = None             # the launch failed: the round counts, as a failure
+    error: str | None = None  # the launch failed: the round counts, as a failure
     worker: str | None = None
 
     @property
@@ -311,7 +323,7 @@ def remeasures(study: optuna.Study) -> dict[int, dict[int, Remeasure]]:
     for key, value in study.user_attrs.items():
         if not key.startswith(REMEASURE_PREFIX) or not isinstance(value, dict):
             continue
-        number, _, round_ = key[len(REMEASURE_PREFIX):].partition(":")
+        number, _, round_ = key[len(REMEASURE_PREFIX) :].partition(":")
         if number.isdigit() and round_.isdigit():
             known = {k: v for k, v in value.items() if k in _REMEASURE_FIELDS}
             out.setdefault(int(number), {})[int(round_)] = Remeasure(**known)
@@ -332,20 +344,20 @@ class Baseline:
 
     backend: str
     weights: str
-    name: str = "default"                # which of the backend's baselines (DefaultLaunch.name)
-    title: str = ""                      # how the summary names it; empty: the backend's default launch
-    weights_why: str = ""                # why these weights: the user's highest-precision candidate
+    name: str = "default"  # which of the backend's baselines (DefaultLaunch.name)
+    title: str = ""  # how the summary names it; empty: the backend's default launch
+    weights_why: str = ""  # why these weights: the user's highest-precision candidate
     config: Mapping[str, Any] | None = None
-    description: str = ""                # which defaults, and where they come from
-    deploy_command: str | None = None    # what the user runs today
+    description: str = ""  # which defaults, and where they come from
+    deploy_command: str | None = None  # what the user runs today
     metrics: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # Stat.to_dict() by name
     peak_vram_bytes: int | None = None
-    error: str | None = None             # it failed (out of memory, timeout...): why
+    error: str | None = None  # it failed (out of memory, timeout...): why
     log_tail: str | None = None
     seconds: float | None = None
     engine: Mapping[str, Any] | None = None
     worker: str | None = None
-    retry: bool = False                  # failed for the budget's or the machine's sake: a resume measures it again
+    retry: bool = False  # failed for the budget's or the machine's sake: a resume measures it again
 
     @property
     def failed(self) -> bool:
@@ -383,9 +395,9 @@ def baselines(study: optuna.Study) -> dict[str, Baseline]:
     for key, value in study.user_attrs.items():
         if key.startswith(BASELINE_PREFIX) and isinstance(value, dict):
             known = {k: v for k, v in value.items() if k in _BASELINE_FIELDS}
-            known.setdefault("backend", key[len(BASELINE_PREFIX):])
+            known.setdefault("backend", key[len(BASELINE_PREFIX) :])
             if "weights" in known:
-                out[key[len(BASELINE_PREFIX):]] = Baseline(**known)
+                out[key[len(BASELINE_PREFIX) :]] = Baseline(**known)
     return out
 
 
@@ -406,8 +418,16 @@ def study_header(study: optuna.Study) -> dict[str, Any]:
     """What a study was run with, as ``write_study_header`` recorded it (``gpu``, ``model``,
     ``study_file``, ...; empty for a study autotune did not write)."""
     attrs = study.user_attrs
-    return {key: value for key, value in attrs.items() if key not in (SCHEMA_ATTR, FINISH_PLAN_ATTR)
-            and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX, REMEASURE_PREFIX, BASELINE_PREFIX))} if SCHEMA_ATTR in attrs else {}
+    return (
+        {
+            key: value
+            for key, value in attrs.items()
+            if key not in (SCHEMA_ATTR, FINISH_PLAN_ATTR)
+            and not key.startswith((QUALITY_PREFIX, CALIBRATION_PREFIX, REMEASURE_PREFIX, BASELINE_PREFIX))
+        }
+        if SCHEMA_ATTR in attrs
+        else {}
+    )
 
 
 def check_schema(study: optuna.Study, shown_storage: str, writing: bool = False) -> None:
@@ -421,22 +441,28 @@ def check_schema(study: optuna.Study, shown_storage: str, writing: bool = False)
     version = study.user_attrs.get(SCHEMA_ATTR)
     if version is None:
         if study.get_trials(deepcopy=False):
-            raise StorageError(f"study '{study.study_name}' in {shown_storage} was not written by autotune "
-                               "(no schema version); use another study name or storage")
+            raise StorageError(
+                f"study '{study.study_name}' in {shown_storage} was not written by autotune "
+                "(no schema version); use another study name or storage"
+            )
         return
     if version in UPGRADABLE:
         raise StorageError(
             f"study '{study.study_name}' in {shown_storage} has schema version {version}: its parameters are named "
             f"per backend (<backend>.ctx), which this autotune would misread; run 'autotune storage upgrade "
-            f"{shown_storage}' once to rename them (the trials' records stay as they are)")
+            f"{shown_storage}' once to rename them (the trials' records stay as they are)"
+        )
     if writing and version in READ_ONLY:
         raise StorageError(
             f"study '{study.study_name}' in {shown_storage} has schema version {version}: its long values are stored "
             f"in 72-column parts, which this autotune reads but does not write; run 'autotune storage upgrade "
-            f"{shown_storage}' once to store each field whole (schema {SCHEMA_VERSION}), then run again")
+            f"{shown_storage}' once to store each field whole (schema {SCHEMA_VERSION}), then run again"
+        )
     if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise StorageError(f"study '{study.study_name}' in {shown_storage} has schema version {version!r}; this "
-                           f"autotune reads up to {SCHEMA_VERSION}: upgrade autotune to read it")
+        raise StorageError(
+            f"study '{study.study_name}' in {shown_storage} has schema version {version!r}; this "
+            f"autotune reads up to {SCHEMA_VERSION}: upgrade autotune to read it"
+        )
 
 
 def write_calibration(study: optuna.Study, backend: str, calibration: Mapping[str, Any]) -> None:
@@ -447,8 +473,11 @@ def write_calibration(study: optuna.Study, backend: str, calibration: Mapping[st
 
 def stored_calibrations(study: optuna.Study) -> dict[str, dict[str, Any]]:
     """Each real backend's stored calibration, by the real backend's name."""
-    return {key[len(CALIBRATION_PREFIX):]: value for key, value in study.user_attrs.items()
-            if key.startswith(CALIBRATION_PREFIX)}
+    return {
+        key[len(CALIBRATION_PREFIX) :]: value
+        for key, value in study.user_attrs.items()
+        if key.startswith(CALIBRATION_PREFIX)
+    }
 
 
 def quality_decisions(study: optuna.Study) -> list[dict[str, Any]]:

@@ -29,8 +29,9 @@ def _mentions(reason: str, key: str) -> bool:
     return reason.startswith(key) or f" {key} " in f" {reason} " or f"{key} =" in reason
 
 
-def always_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tuple[Any, ...]]
-                   ) -> list[tuple[str, Any, str]]:
+def always_refused(
+    entry: BackendSpace, ctx: StudyContext, given: dict[str, tuple[Any, ...]]
+) -> list[tuple[str, Any, str]]:
     """``(key, value, reason)`` for each value of ``given`` (the study's [space]) that the
     backend's rules (``check``) refuse, for a reason naming ``key``, in every combination."""
     out = []
@@ -40,8 +41,10 @@ def always_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tupl
         others = [p for p in entry.params if p.name != param.name]
         # Every ctx and slot count too: a rule may refuse the fewest slots ("needs two slots")
         # as well as the most (a batch smaller than the slots).
-        if (math.prod(len(p.choices) for p in others) * len(entry.weights) * len(entry.ctx) * len(entry.parallel)
-                > MOST_COMBINATIONS):
+        if (
+            math.prod(len(p.choices) for p in others) * len(entry.weights) * len(entry.ctx) * len(entry.parallel)
+            > MOST_COMBINATIONS
+        ):
             continue
         for value in param.choices:
             first: str | None = None
@@ -51,9 +54,13 @@ def always_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tupl
                     if param.name not in drawn:
                         continue  # a conditional value its parent switches off here: not this combination's
                     options = tuple(sorted(drawn.items()))
-                    reasons = [r for r in entry.backend.check(TrialConfig(entry.backend.name, weights, n_ctx,
-                                                                          slots, options), ctx)
-                               if _mentions(r, param.name)]
+                    reasons = [
+                        r
+                        for r in entry.backend.check(
+                            TrialConfig(entry.backend.name, weights, n_ctx, slots, options), ctx
+                        )
+                        if _mentions(r, param.name)
+                    ]
                     if not reasons:
                         break
                     first = first or reasons[0]
@@ -66,19 +73,23 @@ def always_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tupl
     return out
 
 
-def without_refused(entry: BackendSpace, ctx: StudyContext, given: dict[str, tuple[Any, ...]]
-                    ) -> tuple[BackendSpace | None, list[str]]:
+def without_refused(
+    entry: BackendSpace, ctx: StudyContext, given: dict[str, tuple[Any, ...]]
+) -> tuple[BackendSpace | None, list[str]]:
     """``entry`` without its :func:`always_refused` values (None: a key has none left), and a
     line for each value taken out."""
     refused = always_refused(entry, ctx, given)
     if not refused:
         return entry, []
     name = entry.backend.name
-    notes = [f"{name}: [space] {key} = {value!r}: refused in every configuration of this study: {reason}"
-             for key, value, reason in refused]
-    params = tuple(replace(p, choices=tuple(v for v in p.choices if (p.name, v) not in
-                                            {(k, v2) for k, v2, _ in refused}))
-                   for p in entry.params)
+    notes = [
+        f"{name}: [space] {key} = {value!r}: refused in every configuration of this study: {reason}"
+        for key, value, reason in refused
+    ]
+    params = tuple(
+        replace(p, choices=tuple(v for v in p.choices if (p.name, v) not in {(k, v2) for k, v2, _ in refused}))
+        for p in entry.params
+    )
     if any(not p.choices for p in params):
         return None, notes
     return replace(entry, params=params), notes

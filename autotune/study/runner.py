@@ -47,7 +47,8 @@ from autotune.study.trial_phase import RunState, TrialPhase
 from autotune.study.trial_result import TrialResult, commit
 from autotune.engine.strategy import Search
 from autotune.study.systematic import FailureWatch, SystematicFailure
-from autotune.study.summary import StudySummary, best_trial, chosen_best, summarize, trial_record
+from autotune.study.summary import StudySummary, chosen_best, summarize, trial_record
+from autotune.study.verdict import best_trial
 
 # Proposals in a row that launch nothing before the runner slips in an unexplored
 # configuration (samplers on small discrete spaces keep proposing what they know), and before

@@ -59,7 +59,8 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
         self._independent = optuna.samplers.RandomSampler(seed=seed)
         self._configs: tuple[TrialConfig, ...] | None = None  # the space's, in enumeration order
         self._full: dict[str, BaseDistribution] = {
-            name: CategoricalDistribution(list(choices)) for name, choices in space.distributions().items()}
+            name: CategoricalDistribution(list(choices)) for name, choices in space.distributions().items()
+        }
 
     def reseed_rng(self) -> None:
         self.inner.reseed_rng()
@@ -84,7 +85,9 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
             plain[dim.option] = dim.decode(values[dim.name])
         return self.space.config_of(entry, values)
 
-    def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
         if "fixed_params" in trial.system_attrs:
             return {}  # an enqueued configuration (prior, grid, exploration) goes first
         done = self.evaluated()
@@ -117,13 +120,13 @@ class ScreenedSampler(optuna.samplers.BaseSampler):
                 return config
         return None
 
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
         return self._independent.sample_independent(study, trial, param_name, param_distribution)
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self.inner.before_trial(study, trial)
 
-    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: optuna.trial.TrialState,
-                    values: Any) -> None:
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: optuna.trial.TrialState, values: Any) -> None:
         self.inner.after_trial(study, trial, state, values)

@@ -29,7 +29,7 @@ def joined(attrs: Mapping[str, Any], name: str) -> Any:
     if not is_split(value):
         return value
     prefix = name + "."
-    keys = {k[len(prefix):].split(".", 1)[0] for k in attrs if k.startswith(prefix)}
+    keys = {k[len(prefix) :].split(".", 1)[0] for k in attrs if k.startswith(prefix)}
     parts = {k: joined(attrs, prefix + k) for k in keys if attrs.get(prefix + k) != STALE}
     if value[SPLIT_MARK] in ("list", "text"):
         ordered = [parts[k] for k in sorted(parts, key=int)]
@@ -37,7 +37,7 @@ def joined(attrs: Mapping[str, Any], name: str) -> Any:
     out: dict[str, Any] = {}
     # The groups in the order they were packed (so the dict's keys keep their order), then the
     # long items by name: ``keys`` is a set, whose order differs from one process to the next.
-    for k in sorted(parts, key=lambda k: (0, int(k[len(GROUP):]), "") if k.startswith(GROUP) else (1, 0, k)):
+    for k in sorted(parts, key=lambda k: (0, int(k[len(GROUP) :]), "") if k.startswith(GROUP) else (1, 0, k)):
         if k.startswith(GROUP):
             out.update(parts[k])
         else:

@@ -24,8 +24,16 @@ from autotune.study.records import TrialRecord, TrialState
 __all__ = ["SPEC_OPTIONS", "SlotGain", "gains", "gain_lines", "verdict"]
 
 #: The configuration keys that belong to speculation (the rest must match for a pair).
-SPEC_OPTIONS = ("spec_type", "spec_n_max", "spec_n_min", "spec_p_min", "spec_ngram_n", "draft", "draft_gpu_layers",
-                "draft_cache_type")
+SPEC_OPTIONS = (
+    "spec_type",
+    "spec_n_max",
+    "spec_n_min",
+    "spec_p_min",
+    "spec_ngram_n",
+    "draft",
+    "draft_gpu_layers",
+    "draft_cache_type",
+)
 
 
 @dataclass(frozen=True)
@@ -53,9 +61,17 @@ class SlotGain:
     pairs: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"parallel": self.parallel, "gain": self.gain, "with_tok_s": self.with_tok_s,
-                "without_tok_s": self.without_tok_s, "speculation": dict(self.speculation), "trial": self.trial,
-                "baseline_trial": self.baseline_trial, "acceptance_rate": self.acceptance_rate, "pairs": self.pairs}
+        return {
+            "parallel": self.parallel,
+            "gain": self.gain,
+            "with_tok_s": self.with_tok_s,
+            "without_tok_s": self.without_tok_s,
+            "speculation": dict(self.speculation),
+            "trial": self.trial,
+            "baseline_trial": self.baseline_trial,
+            "acceptance_rate": self.acceptance_rate,
+            "pairs": self.pairs,
+        }
 
 
 def _speculates(config: Mapping[str, Any]) -> bool:
@@ -85,8 +101,9 @@ def gains(rows: Iterable[TrialRecord], metric: str = "aggregate_tok_s") -> list[
             continue
         config = dict(r.config)
         parallel = int(config.get("parallel", 1))
-        rest = json.dumps({k: v for k, v in config.items() if k not in SPEC_OPTIONS and k != "parallel"},
-                          sort_keys=True, default=str)
+        rest = json.dumps(
+            {k: v for k, v in config.items() if k not in SPEC_OPTIONS and k != "parallel"}, sort_keys=True, default=str
+        )
         if _speculates(config):
             speculated.append((rest, parallel, value, r))
         elif (rest, parallel) not in plain or value > plain[(rest, parallel)][0]:
@@ -118,9 +135,11 @@ def gain_lines(found: list[SlotGain], metric: str = "aggregate_tok_s") -> list[s
     lines = [f"speculation against slots ({metric}: the best speculation / the same configuration without):"]
     for g in found:
         rate = f", acceptance {g.acceptance_rate:.2f}" if g.acceptance_rate is not None else ""
-        lines.append(f"  parallel {g.parallel}: x{g.gain:.2f} ({g.with_tok_s:.1f} vs {g.without_tok_s:.1f}; "
-                     f"{_spec_words(g.speculation)}{rate}; trials {g.trial} vs {g.baseline_trial}, "
-                     f"{g.pairs} pair{'s' if g.pairs != 1 else ''})")
+        lines.append(
+            f"  parallel {g.parallel}: x{g.gain:.2f} ({g.with_tok_s:.1f} vs {g.without_tok_s:.1f}; "
+            f"{_spec_words(g.speculation)}{rate}; trials {g.trial} vs {g.baseline_trial}, "
+            f"{g.pairs} pair{'s' if g.pairs != 1 else ''})"
+        )
     return lines
 
 
@@ -133,10 +152,13 @@ def verdict(found: list[SlotGain], metric: str = "aggregate_tok_s") -> str | Non
     word = metric.removesuffix("_tok_s").replace("_", "-")
     losing = [g for g in found if g.gain < 1.0]
     if not losing:
-        return (f"speculation wins at every slot count measured ({found[0].parallel}-{found[-1].parallel}): "
-                f"x{min(g.gain for g in found):.2f} {word} at worst")
-    start = next(i for i, g in enumerate(found) if all(h.gain < 1.0 for h in found[i:])) \
-        if found[-1].gain < 1.0 else None
+        return (
+            f"speculation wins at every slot count measured ({found[0].parallel}-{found[-1].parallel}): "
+            f"x{min(g.gain for g in found):.2f} {word} at worst"
+        )
+    start = (
+        next(i for i, g in enumerate(found) if all(h.gain < 1.0 for h in found[i:])) if found[-1].gain < 1.0 else None
+    )
     if start is None:
         slots = ", ".join(str(g.parallel) for g in losing)
         return f"speculation loses at {slots} slot{'s' if slots != '1' else ''} (not from a slot count on)"

@@ -26,11 +26,22 @@ from autotune.errors import ConfigError, StorageError
 from autotune.study.objective import name_objectives
 from autotune.toolkit.redact import mask_url, remember_url, scrub, split_url
 from autotune.study import comparable, records
+
 # What reaches into Optuna's internals lives in one module; these are re-exported for the
 # runner, the claims and the tests, which know them as the storage's.
 from autotune.study.optuna_internals import (  # noqa: F401
-    HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, Heartbeat, frozen, heartbeat_ages, set_finished_attrs, sql_engine,
-    storage_of, study_id_of, trial_id_of, trial_snapshot)
+    HEARTBEAT_GRACE_S,
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    frozen,
+    heartbeat_ages,
+    set_finished_attrs,
+    sql_engine,
+    storage_of,
+    study_id_of,
+    trial_id_of,
+    trial_snapshot,
+)
 
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,16 +72,20 @@ def check_url(url: str) -> None:
     password = parts[1].partition(":")[2]
     bad = sorted({c for c in password if c in "@/?#"})
     if bad:
-        raise StorageError(f"storage {shown}: the password holds an unencoded {' '.join(repr(c) for c in bad)}, "
-                           "which the database driver reads as part of the host; percent-encode it ('@' is %40, "
-                           "'/' %2F, '?' %3F, '#' %23) or give the password as $PGPASSWORD")
+        raise StorageError(
+            f"storage {shown}: the password holds an unencoded {' '.join(repr(c) for c in bad)}, "
+            "which the database driver reads as part of the host; percent-encode it ('@' is %40, "
+            "'/' %2F, '?' %3F, '#' %23) or give the password as $PGPASSWORD"
+        )
     try:
         port = sqlalchemy.engine.make_url(url).port
     except (sqlalchemy.exc.ArgumentError, ValueError, TypeError):
         port = "bad"
     if port == "bad" or (port is not None and not 0 < port < 65536):
-        raise StorageError(f"storage {shown}: not a URL the driver can read (the port after the host must be a "
-                           "number from 1 to 65535); use postgresql://USER:PASSWORD@HOST:PORT/DB")
+        raise StorageError(
+            f"storage {shown}: not a URL the driver can read (the port after the host must be a "
+            "number from 1 to 65535); use postgresql://USER:PASSWORD@HOST:PORT/DB"
+        )
 
 
 def resolve_url(given: str | None, from_file: str | None, default: str) -> str:
@@ -87,7 +102,8 @@ def _last_run_file(directory: Path | None = None) -> Path:
 
     where = str((directory or Path.cwd()).resolve())
     base = os.environ.get("AUTOTUNE_CACHE_DIR") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotune")
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotune"
+    )
     return Path(base) / "last-study" / (hashlib.sha256(where.encode()).hexdigest()[:16] + ".json")
 
 
@@ -98,7 +114,7 @@ def remember_run(url: str, study_name: str, directory: Path | None = None) -> No
     a relative SQLite path is kept absolute."""
     here = (directory or Path.cwd()).resolve()
     if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
-        url = "sqlite:///" + str(here / url[len("sqlite:///"):])
+        url = "sqlite:///" + str(here / url[len("sqlite:///") :])
     keep = url if mask_url(url) == url else None
     path = _last_run_file(here)
     try:
@@ -108,8 +124,9 @@ def remember_run(url: str, study_name: str, directory: Path | None = None) -> No
         pass  # an unwritable cache loses only this convenience
 
 
-def reading_target(given: str | None, study_file: str | Path | None, study_name: str | None,
-                   default_file: Path) -> tuple[str, str | None, str]:
+def reading_target(
+    given: str | None, study_file: str | Path | None, study_name: str | None, default_file: Path
+) -> tuple[str, str | None, str]:
     """Where a command that only reads (``best``, ``report``, ``dashboard``) looks, and why.
 
     ``--storage``, else $AUTOTUNE_STORAGE, else the study file given, else the study last run in
@@ -138,9 +155,11 @@ def reading_target(given: str | None, study_file: str | Path | None, study_name:
         if isinstance(data, dict) and data.get("study"):
             # Its URL held a password and was not written down: the default study's storage
             # would answer for another study, or say "does not exist" of a study that does.
-            raise ConfigError(f"the study last run in this directory ({data['study']}) is in a storage whose URL "
-                              "holds a password, which autotune does not write down: give it again with --storage "
-                              f"URL or ${STORAGE_ENV}")
+            raise ConfigError(
+                f"the study last run in this directory ({data['study']}) is in a storage whose URL "
+                "holds a password, which autotune does not write down: give it again with --storage "
+                f"URL or ${STORAGE_ENV}"
+            )
     cfg = load_study_config(default_file)
     return resolve_url(None, cfg.storage, cfg.default_storage), study_name, f"the default study ({default_file.name})"
 
@@ -160,8 +179,10 @@ def _check_file(url: str, path: str, writable: bool) -> None:
     shown = mask_url(url)
     p = Path(path).expanduser()
     if url.startswith("sqlite:") and path in ("", ":memory:"):
-        raise StorageError(f"storage {shown}: an in-memory database ends with this process, so 'autotune best', "
-                           "'report' and a resumed study would find nothing; give a file, e.g. sqlite:///study.db")
+        raise StorageError(
+            f"storage {shown}: an in-memory database ends with this process, so 'autotune best', "
+            "'report' and a resumed study would find nothing; give a file, e.g. sqlite:///study.db"
+        )
     if path in ("", ":memory:"):
         return
     if p.exists():
@@ -175,9 +196,11 @@ def _check_file(url: str, path: str, writable: bool) -> None:
                     raise StorageError(f"storage {shown}: {p} is not a SQLite database")
             tables = _sqlite_tables(p)
             if tables and not tables & _OPTUNA_TABLES:
-                raise StorageError(f"storage {shown}: {p} is a SQLite database of another application (tables: "
-                                   f"{', '.join(sorted(tables)[:8])}{', ...' if len(tables) > 8 else ''}); "
-                                   "give a new file")
+                raise StorageError(
+                    f"storage {shown}: {p} is a SQLite database of another application (tables: "
+                    f"{', '.join(sorted(tables)[:8])}{', ...' if len(tables) > 8 else ''}); "
+                    "give a new file"
+                )
         return
     if not writable:
         raise StorageError(f"storage {shown}: {p} does not exist (run 'autotune study' first, or give --storage)")
@@ -225,7 +248,7 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
     shown = mask_url(url)
     remember_url(url)  # engines' output is scrubbed of its password from now on
     if url.startswith("journal:"):
-        path = url[len("journal:"):]
+        path = url[len("journal:") :]
         _check_file(url, path, writable=create)
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
     if not url.startswith(("sqlite:", "postgresql", "mysql")):
@@ -247,16 +270,24 @@ def open_storage(url: str, *, create: bool = True) -> optuna.storages.BaseStorag
             # "experimental" warning would only alarm `best`, `report` and `dashboard` users.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(read_only or url, engine_kwargs=engine_kwargs,
-                                                  heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                                                  grace_period=HEARTBEAT_GRACE_S, skip_table_creation=not create)
+                return optuna.storages.RDBStorage(
+                    read_only or url,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=HEARTBEAT_INTERVAL_S,
+                    grace_period=HEARTBEAT_GRACE_S,
+                    skip_table_creation=not create,
+                )
         except ImportError as exc:
             # autotune ships an extra for PostgreSQL only; another database's driver is the
             # module SQLAlchemy tried to import.
             module = exc.name or getattr(exc.__cause__ or exc.__context__, "name", None)  # Optuna re-raises
-            remedy = "pip install 'autotune[postgres]'" if url.startswith("postgresql") else \
-                f"install the driver SQLAlchemy imports for it (pip install {module})" if module else \
-                "install the SQLAlchemy driver for this database"
+            remedy = (
+                "pip install 'autotune[postgres]'"
+                if url.startswith("postgresql")
+                else f"install the driver SQLAlchemy imports for it (pip install {module})"
+                if module
+                else "install the SQLAlchemy driver for this database"
+            )
             raise StorageError(f"storage {shown}: the database driver is missing ({exc}); {remedy}") from None
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as exc:
             # Workers started together on an empty database all create Optuna's tables; all but
@@ -284,14 +315,19 @@ def _first_line(exc: BaseException) -> str:
 
 # The database's own words for each cause (SQLite's, PostgreSQL's, MySQL's), lower case.
 _CAUSES = (
-    (("disk is full", "no space left", "disk full", "could not extend file"),
-     "the disk is full (or the database reached its size limit); free space there and run the same command again"),
-    (("database is locked", "database table is locked", "lock timeout", "lock wait timeout", "deadlock"),
-     "the database is locked by another process (waited {wait:g} s); let it finish or stop it, then run again"),
-    (("readonly", "read-only", "read only"),
-     "the database is read-only here; give a writable --storage (a study writes), or copy the file"),
-    (("no such table", 'relation "', "doesn't exist"),
-     "not an autotune storage (Optuna's tables are missing)"),
+    (
+        ("disk is full", "no space left", "disk full", "could not extend file"),
+        "the disk is full (or the database reached its size limit); free space there and run the same command again",
+    ),
+    (
+        ("database is locked", "database table is locked", "lock timeout", "lock wait timeout", "deadlock"),
+        "the database is locked by another process (waited {wait:g} s); let it finish or stop it, then run again",
+    ),
+    (
+        ("readonly", "read-only", "read only"),
+        "the database is read-only here; give a writable --storage (a study writes), or copy the file",
+    ),
+    (("no such table", 'relation "', "doesn't exist"), "not an autotune storage (Optuna's tables are missing)"),
 )
 
 
@@ -349,39 +385,56 @@ def open_study(prepared: "PreparedStudy", sampler: optuna.samplers.BaseSampler) 
     store = open_storage(prepared.storage_url)
     directions = objective_mod.directions(cfg.objective)
     try:
-        study = optuna.create_study(storage=store, study_name=cfg.name, sampler=sampler, directions=directions,
-                                    load_if_exists=True)
+        study = optuna.create_study(
+            storage=store, study_name=cfg.name, sampler=sampler, directions=directions, load_if_exists=True
+        )
     except sqlalchemy.exc.SQLAlchemyError as exc:
         raise StorageError(f"storage {shown}: {_first_line(exc)}") from None
     if len(study.directions) != len(directions):
         raise ConfigError(
             f"study '{cfg.name}' in {shown} has {len(study.directions)} objective(s) but the study file asks for "
-            f"mode = {cfg.objective.mode!r}; use another study name or storage")
+            f"mode = {cfg.objective.mode!r}; use another study name or storage"
+        )
     records.check_schema(study, shown, writing=True)
     _check_same_space(study, prepared)
     engines = comparable.engines_of(prepared)
     comparable.check_comparable(study, prepared, engines)
     name_objectives(study, vars(cfg.objective))
-    records.write_study_header(study, {
-        "gpu": records.gpu_attrs(prepared.gpu),
-        # [hardware] gpus: every card and its budget (a one-card study's header is as it was).
-        **({"placement": prepared.placement.to_dict()} if getattr(prepared, "placement", None) else {}),
-        "model": prepared.model.key,
-        "vram_budget_bytes": prepared.vram_budget_bytes,
-        # What `estimate --study` needs to judge as the study does: the margin inside the
-        # budget, and the workload the core's rules measure ctx against.
-        "safety_margin_bytes": cfg.safety_margin_bytes,
-        "workload": {"prompt_tokens": cfg.prompt_tokens, "output_tokens": cfg.output_tokens,
-                     # Only what differs from one shape sent parallel at once, so the default
-                     # study's header is as it was.
-                     **({"profile": cfg.workload.profile, "file": cfg.workload.file, "requests": len(cfg.requests),
-                         "arrival": cfg.workload.arrival, "rate": cfg.workload.rate,
-                         "longest_tokens": max(p + o for p, o in cfg.requests)} if cfg.requests else {})},
-        "objective": vars(cfg.objective),
-        "study_file": str(cfg.path) if cfg.path else None,
-        "excluded_before_search": prepared.excluded,
-        comparable.ENGINES_ATTR: engines,
-    })
+    records.write_study_header(
+        study,
+        {
+            "gpu": records.gpu_attrs(prepared.gpu),
+            # [hardware] gpus: every card and its budget (a one-card study's header is as it was).
+            **({"placement": prepared.placement.to_dict()} if getattr(prepared, "placement", None) else {}),
+            "model": prepared.model.key,
+            "vram_budget_bytes": prepared.vram_budget_bytes,
+            # What `estimate --study` needs to judge as the study does: the margin inside the
+            # budget, and the workload the core's rules measure ctx against.
+            "safety_margin_bytes": cfg.safety_margin_bytes,
+            "workload": {
+                "prompt_tokens": cfg.prompt_tokens,
+                "output_tokens": cfg.output_tokens,
+                # Only what differs from one shape sent parallel at once, so the default
+                # study's header is as it was.
+                **(
+                    {
+                        "profile": cfg.workload.profile,
+                        "file": cfg.workload.file,
+                        "requests": len(cfg.requests),
+                        "arrival": cfg.workload.arrival,
+                        "rate": cfg.workload.rate,
+                        "longest_tokens": max(p + o for p, o in cfg.requests),
+                    }
+                    if cfg.requests
+                    else {}
+                ),
+            },
+            "objective": vars(cfg.objective),
+            "study_file": str(cfg.path) if cfg.path else None,
+            "excluded_before_search": prepared.excluded,
+            comparable.ENGINES_ATTR: engines,
+        },
+    )
     if comparable.ENGINES_ATTR not in study.user_attrs:  # a study stored before the check
         study.set_user_attr(comparable.ENGINES_ATTR, engines)
     # A worker that died mid-trial left its trial RUNNING: the runner fails it, by the one
@@ -403,10 +456,14 @@ def _check_same_space(study: optuna.Study, prepared: "PreparedStudy") -> None:
                 stored.setdefault(name, tuple(dist.choices))
         if len(stored) >= len(wanted):
             break
-    changed = [f"{name}: stored {list(stored[name])}, file {list(wanted[name])}"
-               for name in stored if name in wanted and stored[name] != wanted[name]]
+    changed = [
+        f"{name}: stored {list(stored[name])}, file {list(wanted[name])}"
+        for name in stored
+        if name in wanted and stored[name] != wanted[name]
+    ]
     if changed:
         raise ConfigError(
             f"study '{prepared.cfg.name}' in {prepared.shown_storage} was run with other choices for "
             f"{'; '.join(changed)}. Optuna cannot change a parameter's choices within a study: give the "
-            "study a new [study] name (or another --storage) to search the new space")
+            "study a new [study] name (or another --storage) to search the new space"
+        )

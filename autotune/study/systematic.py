@@ -55,17 +55,18 @@ class SystematicFailure:
 
     @property
     def remedy(self) -> str:
-        return ("every one so far failed the same way, so every next one would too: fix the cause (the "
-                "engine's or the tool's own message above), then run the same command again; the study "
-                "continues where it stopped")
+        return (
+            "every one so far failed the same way, so every next one would too: fix the cause (the "
+            "engine's or the tool's own message above), then run the same command again; the study "
+            "continues where it stopped"
+        )
 
     @property
     def text(self) -> str:
         return f"{self.scope}: {self.count} failures in a row with the same cause: {self.cause}; {self.remedy}"
 
     def as_dict(self) -> dict[str, object]:
-        return {"scope": self.scope, "cause": self.cause, "count": self.count, "remedy": self.remedy,
-                "text": self.text}
+        return {"scope": self.scope, "cause": self.cause, "count": self.count, "remedy": self.remedy, "text": self.text}
 
 
 @dataclass

@@ -61,24 +61,44 @@ class TrialPhase:
         cleanup_dead_workers: Fails the trials of dead workers (a claim's holder may be one).
     """
 
-    def __init__(self, prepared: "PreparedStudy", study: optuna.Study, judge: "Admission", claims: "Claims",
-                 worker: str, run_state: RunState, say: Callable[[str], None],
-                 cleanup_dead_workers: Callable[[], None]):
+    def __init__(
+        self,
+        prepared: "PreparedStudy",
+        study: optuna.Study,
+        judge: "Admission",
+        claims: "Claims",
+        worker: str,
+        run_state: RunState,
+        say: Callable[[str], None],
+        cleanup_dead_workers: Callable[[], None],
+    ):
         self.prepared, self.cfg, self.study = prepared, prepared.cfg, study
         self.judge, self.quality, self.claims, self.worker = judge, judge.quality, claims, worker
         self.run_state, self._say, self._cleanup_dead_workers = run_state, say, cleanup_dead_workers
         self._artifact_lines: set[str] = set()
 
-    def score(self, m: Measurement, predicted_bytes: int, budget_bytes: int,
-              drop: float | None, quality: Mapping[str, Any] | None = None) -> objective_mod.Score:
+    def score(
+        self,
+        m: Measurement,
+        predicted_bytes: int,
+        budget_bytes: int,
+        drop: float | None,
+        quality: Mapping[str, Any] | None = None,
+    ) -> objective_mod.Score:
         """The objective of one measurement: against its measured peak memory where there is one,
         else the predicted footprint."""
         used = m.peak_vram_bytes if m.peak_vram_bytes is not None else predicted_bytes
         per_user = m.metrics.get("per_user_tok_s")
-        return objective_mod.score(self.cfg.objective, m.metrics[self.cfg.objective.metric].median, used,
-                                   budget_bytes, drop, per_user.median if per_user is not None else None,
-                                   (quality or {}).get("admitted"),
-                                   {key: m.metrics[key].median for key, _ in self.cfg.objective.slo if key in m.metrics})
+        return objective_mod.score(
+            self.cfg.objective,
+            m.metrics[self.cfg.objective.metric].median,
+            used,
+            budget_bytes,
+            drop,
+            per_user.median if per_user is not None else None,
+            (quality or {}).get("admitted"),
+            {key: m.metrics[key].median for key, _ in self.cfg.objective.slo if key in m.metrics},
+        )
 
     def _claim(self, trial: optuna.Trial, config: TrialConfig) -> TrialRecord | None:
         """Claim ``config`` for ``trial``; returns the trial that answers for it instead, if any."""
@@ -155,22 +175,35 @@ class TrialPhase:
             # Quality depends on the artifact, not on ctx or parallel, and is measured once per
             # study; when it rules the configuration out, launching it would be waste.
             described = self.quality.trial_quality(config)
-            r.learn(quality=described, **({"quality_drop_points": described["drop_points"]}
-                                          if "drop_points" in described else {}))
+            r.learn(
+                quality=described,
+                **({"quality_drop_points": described["drop_points"]} if "drop_points" in described else {}),
+            )
             verdict = self.judge.judge(config)
             if not verdict.admitted:
                 return r.pruned(verdict.reason, verdict.constraints)
 
-        r.learn(engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_build(ctx)},
-                gpu=records.gpu_attrs(prepared.gpu))
+        r.learn(
+            engine={"backend": backend.name, "engine": backend.engine, "version": backend.engine_build(ctx)},
+            gpu=records.gpu_attrs(prepared.gpu),
+        )
         commit(self.study, trial, r)  # the launch
         drop = r.fields.get("quality_drop_points")
         heard: dict[str, str] = {}
         run_ctx = ctx
         if isinstance(self.study.pruner, LeaderGapPruner):
-            run_ctx = dataclasses.replace(ctx, probe=make_probe(
-                trial, self.cfg.objective, verdict.estimate.total_bytes, ctx.vram_budget_bytes,  # type: ignore[union-attr]
-                drop, self.study.pruner.margin, heard))
+            run_ctx = dataclasses.replace(
+                ctx,
+                probe=make_probe(
+                    trial,
+                    self.cfg.objective,
+                    verdict.estimate.total_bytes,
+                    ctx.vram_budget_bytes,  # type: ignore[union-attr]
+                    drop,
+                    self.study.pruner.margin,
+                    heard,
+                ),
+            )
         made = (systematic.making(config.backend),)
         try:
             measurement = backend.run(config, run_ctx)
@@ -202,8 +235,15 @@ class TrialPhase:
             r.reason = heard.get("reason")
             return r
         s = self.score(measurement, verdict.estimate.total_bytes, ctx.vram_budget_bytes, drop, r.fields.get("quality"))
-        r.learn(score={"values": list(s.values), "throughput": s.throughput, "penalty": s.penalty,
-                       "quality_drop_points": s.quality_drop_points, "feasible": s.feasible})
+        r.learn(
+            score={
+                "values": list(s.values),
+                "throughput": s.throughput,
+                "penalty": s.penalty,
+                "quality_drop_points": s.quality_drop_points,
+                "feasible": s.feasible,
+            }
+        )
         r.completed(list(s.values), s.constraints)
         commit(self.study, trial, r)  # finished: the calibration reads this trial
         calibration.calibrate(prepared, self.study)  # what predicts from now on learns from this trial
@@ -226,8 +266,10 @@ class TrialPhase:
         launch = statistics.median(self.run_state.launch_seconds)
         if need.seconds + launch <= left:
             return None
-        return (f"not started: making {' then '.join(need.formats)} would take about {need.seconds:.0f} s "
-                f"({need.basis}) and a launch {launch:.0f} s, with {max(left, 0):.0f} s of the budget left")
+        return (
+            f"not started: making {' then '.join(need.formats)} would take about {need.seconds:.0f} s "
+            f"({need.basis}) and a launch {launch:.0f} s, with {max(left, 0):.0f} s of the budget left"
+        )
 
     def _ensure_artifacts(self, trial: optuna.Trial, config: TrialConfig, r: TrialResult) -> None:
         """Make (or find in the cache) the weights this trial loads, and its quality reference's.
@@ -266,8 +308,7 @@ class TrialPhase:
         second COMPLETE copy: copies would crowd the sampler's model of good regions (TPE
         keeps its best 10%) with one point and stop it from exploring.
         """
-        skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason",
-                "retry"}
+        skip = {"config", "config_key", "worker", "answered_from", "from_prior", "explore", "prune_reason", "retry"}
         # the earlier trial's record (its flat columns follow from its fields)
         r.learn(**{name: getattr(earlier, name) for name in records.STORED if name in earlier.raw and name not in skip})
         if earlier.state == TrialState.RUNNING:

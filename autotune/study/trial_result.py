@@ -33,10 +33,10 @@ class TrialResult:
     values: list[float] | None = None
     reason: str | None = None
     answered_from: int | None = None
-    failed_in: str | None = None           # the scope whose failure this is (study/systematic.py)
-    worked: tuple[str, ...] = ()           # the scopes that did their part
-    broken: tuple[str, ...] = ()           # the constraints a measured trial broke (its line says so)
-    fields: dict[str, Any] = field(default_factory=dict)        # TrialRecord fields learnt
+    failed_in: str | None = None  # the scope whose failure this is (study/systematic.py)
+    worked: tuple[str, ...] = ()  # the scopes that did their part
+    broken: tuple[str, ...] = ()  # the constraints a measured trial broke (its line says so)
+    fields: dict[str, Any] = field(default_factory=dict)  # TrialRecord fields learnt
     constraints: dict[str, float] = field(default_factory=dict)
     ends: TrialState | None = None
     _stored: dict[str, Any] = field(default_factory=dict, repr=False)  # what ``commit`` wrote

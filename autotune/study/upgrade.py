@@ -36,8 +36,10 @@ def upgrade(url: str) -> list[str]:
     """
     shown = mask_url(url)
     if url.startswith("journal:"):
-        raise StorageError(f"storage {shown}: a journal file cannot be upgraded in place; copy the study into "
-                           "SQLite first (optuna.copy_study) and upgrade that")
+        raise StorageError(
+            f"storage {shown}: a journal file cannot be upgraded in place; copy the study into "
+            "SQLite first (optuna.copy_study) and upgrade that"
+        )
     _check_file(url, url.split(":///", 1)[1] if url.startswith("sqlite:") and ":///" in url else "", writable=True)
     store = open_storage(url, create=False)  # it rewrites a database, never creates one
     engine = getattr(store, "engine", None)
@@ -66,9 +68,13 @@ def _shared_names(engine: sqlalchemy.engine.Engine, sid: int) -> str:
     from optuna.distributions import CategoricalDistribution, distribution_to_json, json_to_distribution
 
     with engine.begin() as conn:
-        rows = conn.execute(sqlalchemy.text(
-            "SELECT p.param_id, p.trial_id, p.param_name, p.param_value, p.distribution_json FROM trial_params p "
-            "JOIN trials t ON t.trial_id = p.trial_id WHERE t.study_id = :sid"), {"sid": sid}).all()
+        rows = conn.execute(
+            sqlalchemy.text(
+                "SELECT p.param_id, p.trial_id, p.param_name, p.param_value, p.distribution_json FROM trial_params p "
+                "JOIN trials t ON t.trial_id = p.trial_id WHERE t.study_id = :sid"
+            ),
+            {"sid": sid},
+        ).all()
         renamed = []  # (param_id, new name, new external value)
         choices: dict[str, tuple] = {}
         for param_id, _trial_id, pname, internal, dist_json in rows:
@@ -85,13 +91,18 @@ def _shared_names(engine: sqlalchemy.engine.Engine, sid: int) -> str:
             renamed.append((param_id, new_name, new_value))
         for param_id, new_name, new_value in renamed:
             dist = CategoricalDistribution(list(choices[new_name]))
-            conn.execute(sqlalchemy.text(
-                "UPDATE trial_params SET param_name = :n, param_value = :v, distribution_json = :d "
-                "WHERE param_id = :id"),
-                {"n": new_name, "v": dist.to_internal_repr(new_value), "d": distribution_to_json(dist), "id": param_id})
+            conn.execute(
+                sqlalchemy.text(
+                    "UPDATE trial_params SET param_name = :n, param_value = :v, distribution_json = :d "
+                    "WHERE param_id = :id"
+                ),
+                {"n": new_name, "v": dist.to_internal_repr(new_value), "d": distribution_to_json(dist), "id": param_id},
+            )
     names = sorted(n for n in choices if "." not in n and n != "backend")
-    return (f"{len(rows)} parameters of {len({r[1] for r in rows})} trials renamed; shared names: "
-            f"{', '.join(names) or '(none)'}")
+    return (
+        f"{len(rows)} parameters of {len({r[1] for r in rows})} trials renamed; shared names: "
+        f"{', '.join(names) or '(none)'}"
+    )
 
 
 def _whole_fields(engine: sqlalchemy.engine.Engine, sid: int) -> str:
@@ -100,9 +111,13 @@ def _whole_fields(engine: sqlalchemy.engine.Engine, sid: int) -> str:
     and schema 2's flat copies of every metric go."""
     before = after = 0
     with engine.begin() as conn:
-        rows = conn.execute(sqlalchemy.text(
-            "SELECT a.trial_id, a.key, a.value_json FROM trial_user_attributes a "
-            "JOIN trials t ON t.trial_id = a.trial_id WHERE t.study_id = :sid"), {"sid": sid}).all()
+        rows = conn.execute(
+            sqlalchemy.text(
+                "SELECT a.trial_id, a.key, a.value_json FROM trial_user_attributes a "
+                "JOIN trials t ON t.trial_id = a.trial_id WHERE t.study_id = :sid"
+            ),
+            {"sid": sid},
+        ).all()
         by_trial: dict[int, dict[str, object]] = {}
         for trial_id, key, value_json in rows:
             by_trial.setdefault(trial_id, {})[key] = json.loads(value_json)
@@ -113,7 +128,10 @@ def _whole_fields(engine: sqlalchemy.engine.Engine, sid: int) -> str:
             after += len(new)
             conn.execute(sqlalchemy.text("DELETE FROM trial_user_attributes WHERE trial_id = :t"), {"t": trial_id})
             if new:
-                conn.execute(sqlalchemy.text(
-                    "INSERT INTO trial_user_attributes (trial_id, key, value_json) VALUES (:t, :k, :v)"),
-                    [{"t": trial_id, "k": k, "v": json.dumps(v)} for k, v in new.items()])
+                conn.execute(
+                    sqlalchemy.text(
+                        "INSERT INTO trial_user_attributes (trial_id, key, value_json) VALUES (:t, :k, :v)"
+                    ),
+                    [{"t": trial_id, "k": k, "v": json.dumps(v)} for k, v in new.items()],
+                )
     return f"{before} attribute rows of {len(by_trial)} trials -> {after}, each field whole"

@@ -12,9 +12,14 @@ import stat
 from pathlib import Path
 from typing import Any
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISREG, "a file"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISREG, "a file"),
+)
 
 
 def path_problem(path: str | Path, want: str = "file") -> str | None:
@@ -33,8 +38,7 @@ def path_problem(path: str | Path, want: str = "file") -> str | None:
     return f"is {kind}, not a {'regular file' if want == 'file' else want}"
 
 
-def read_input(path: str | Path, shown: str | None = None, limit: int = 64 * 2**20,
-               what: str = "a file") -> bytes:
+def read_input(path: str | Path, shown: str | None = None, limit: int = 64 * 2**20, what: str = "a file") -> bytes:
     """The bytes of ``path``, an input file autotune reads whole (a workload's lengths file).
 
     Only a regular file is opened: a FIFO would block the study (and ``best``) for ever, and

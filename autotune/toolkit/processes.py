@@ -228,7 +228,7 @@ def marked(mark: str) -> list[int]:
         if prefix not in environ:
             continue
         for var in environ.split(b"\0"):
-            if var.startswith(prefix) and mark in var[len(prefix):].decode("ascii", "replace").split(":"):
+            if var.startswith(prefix) and mark in var[len(prefix) :].decode("ascii", "replace").split(":"):
                 found.append(int(name))
     return found
 
@@ -247,8 +247,9 @@ def _kill_marked(mark: str) -> None:
         time.sleep(0.05)
 
 
-def run(cmd: Sequence[str], *, timeout_s: float | None = None, capture_output: bool = False,
-        **popen_kwargs: Any) -> subprocess.CompletedProcess:
+def run(
+    cmd: Sequence[str], *, timeout_s: float | None = None, capture_output: bool = False, **popen_kwargs: Any
+) -> subprocess.CompletedProcess:
     """Run a tool to its end through :func:`start`; what it leaves running is stopped.
 
     As ``subprocess.run`` (``check`` aside), with one difference that matters: at the timeout

@@ -30,8 +30,20 @@ from urllib.parse import unquote
 
 from autotune.toolkit.processes import MARK_ENV
 
-__all__ = ["MASK", "PASS_ENV", "engine_environment", "is_secret_name", "mask_argv", "mask_url", "remember_secret", "remember_url", "scrub",
-           "secret_values", "split_url", "url_secrets"]
+__all__ = [
+    "MASK",
+    "PASS_ENV",
+    "engine_environment",
+    "is_secret_name",
+    "mask_argv",
+    "mask_url",
+    "remember_secret",
+    "remember_url",
+    "scrub",
+    "secret_values",
+    "split_url",
+    "url_secrets",
+]
 
 MASK = "***"
 PASS_ENV = "AUTOTUNE_ENGINE_ENV"
@@ -42,16 +54,67 @@ server that downloads a gated model)."""
 # What every engine may need of our environment: where programs, libraries and temporary files
 # are, the locale, the accelerator runtimes' own variables, and the network's proxy and CA
 # certificates (an engine that downloads its model; a proxy's password is scrubbed from output).
-ALLOWED = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM", "TMPDIR", "TMP",
-           "TEMP", "LD_LIBRARY_PATH", "XDG_CACHE_HOME", "XDG_RUNTIME_DIR", "CUDA_*", "NVIDIA_*", "HIP_*",
-           "ROCR_*", "ROCM_*", "HSA_*", "GPU_DEVICE_ORDINAL", "OMP_*", "KMP_*", "MKL_*", "OPENBLAS_*",
-           "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
-           "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+ALLOWED = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "LC_*",
+    "TZ",
+    "TERM",
+    "TMPDIR",
+    "TMP",
+    "TEMP",
+    "LD_LIBRARY_PATH",
+    "XDG_CACHE_HOME",
+    "XDG_RUNTIME_DIR",
+    "CUDA_*",
+    "NVIDIA_*",
+    "HIP_*",
+    "ROCR_*",
+    "ROCM_*",
+    "HSA_*",
+    "GPU_DEVICE_ORDINAL",
+    "OMP_*",
+    "KMP_*",
+    "MKL_*",
+    "OPENBLAS_*",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "ALL_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "all_proxy",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+)
 
 # Words of a variable or query key that name a secret; matched against the name's parts
 # (split at anything but letters and digits), so TOKENIZERS_PARALLELISM is not one.
-_SECRET_WORDS = {"pass", "pwd", "token", "key", "apikey", "auth", "cookie", "private", "privatekey", "credentials",
-                 "credential", "secret", "secrets", "sslpassword", "passphrase"}
+_SECRET_WORDS = {
+    "pass",
+    "pwd",
+    "token",
+    "key",
+    "apikey",
+    "auth",
+    "cookie",
+    "private",
+    "privatekey",
+    "credentials",
+    "credential",
+    "secret",
+    "secrets",
+    "sslpassword",
+    "passphrase",
+}
 _SECRET_PARTS = ("passw", "secret", "apikey", "credential")
 _NOT_SECRET = {"PWD", "OLDPWD"}  # the working directory, not a password
 _MIN_SCRUB = 4  # shorter values would mangle ordinary text; such a password is no protection anyway
@@ -67,8 +130,9 @@ def is_secret_name(name: str) -> bool:
     if name.upper() in _NOT_SECRET:
         return False
     words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
-    return any(w in _SECRET_WORDS or w.endswith(("token", "tokens")) or any(p in w for p in _SECRET_PARTS)
-               for w in words)
+    return any(
+        w in _SECRET_WORDS or w.endswith(("token", "tokens")) or any(p in w for p in _SECRET_PARTS) for w in words
+    )
 
 
 def split_url(url: str) -> tuple[str, str, str, str] | None:
@@ -88,7 +152,7 @@ def split_url(url: str) -> tuple[str, str, str, str] | None:
         at = rest.find("@")
     if at < 0:
         return scheme + sep, "", body, qmark + query
-    userinfo, after = rest[:at], rest[at + 1:]
+    userinfo, after = rest[:at], rest[at + 1 :]
     hostpath, qmark, query = after.partition("?")
     return scheme + sep, userinfo, hostpath, qmark + query
 
@@ -118,8 +182,9 @@ def mask_url(url: str) -> str:
         out += f"{user}:{MASK}@" if colon else f"{userinfo}@"
     out += hostpath
     if query:
-        out += "?" + "&".join(f"{k}{eq}{MASK if eq and is_secret_name(unquote(k)) else v}"
-                              for k, eq, v in _query_pairs(query))
+        out += "?" + "&".join(
+            f"{k}{eq}{MASK if eq and is_secret_name(unquote(k)) else v}" for k, eq, v in _query_pairs(query)
+        )
     return out
 
 
@@ -175,8 +240,9 @@ def scrub(text: str, secrets: Iterable[str] | None = None) -> str:
     return text
 
 
-def engine_environment(declared: Iterable[str] = (), *, environ: Mapping[str, str] | None = None,
-                       **overrides: str) -> dict[str, str]:
+def engine_environment(
+    declared: Iterable[str] = (), *, environ: Mapping[str, str] | None = None, **overrides: str
+) -> dict[str, str]:
     """The environment an engine is started with: our variables that the allow-list, the
     backend's ``declared`` names or ``$AUTOTUNE_ENGINE_ENV`` name, then ``overrides``.
 
@@ -199,8 +265,10 @@ def engine_environment(declared: Iterable[str] = (), *, environ: Mapping[str, st
 
 # Tokens recognisable by their shape wherever they stand in a word: OpenAI-style keys (sk-,
 # sk-proj-), Hugging Face (hf_), GitHub (ghp_, github_pat_), Slack (xox?-), AWS access keys.
-_TOKEN_SHAPES = re.compile(r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|"
-                           r"github_pat_[A-Za-z0-9_]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})")
+_TOKEN_SHAPES = re.compile(
+    r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|"
+    r"github_pat_[A-Za-z0-9_]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})"
+)
 # A header that carries a credential: ``-H 'Authorization: Bearer ...'`` (curl, vLLM's
 # --allowed-headers are names only), its proxy twin, and the API-key headers of some servers.
 _SECRET_HEADER = re.compile(r"^\s*((?:proxy-)?authorization|x-api-key|api-key|x-auth-token)\s*:\s*", re.I)
@@ -236,8 +304,8 @@ def mask_argv(argv: Iterable[object]) -> list[str]:
         after_flag = False
         flag, eq, value = word.partition("=")
         header = _SECRET_HEADER.match(word)
-        if header and word[header.end():]:
-            out.append(word[:header.end()] + MASK)
+        if header and word[header.end() :]:
+            out.append(word[: header.end()] + MASK)
         elif eq and _secret_flag(flag):
             out.append(f"{flag}={_masked_value(value)}")
         else:

@@ -28,8 +28,9 @@ def _string(s: str) -> str:
         elif code < 0x20 or code == 0x7F:
             out.append(f"\\u{code:04x}")
         elif 0xD800 <= code <= 0xDFFF:  # a name's byte that is not UTF-8 (surrogateescape)
-            raise ConfigError(f"{s.encode('utf-8', 'surrogateescape')!r}: not UTF-8 text, which a TOML file "
-                              "cannot hold; rename it")
+            raise ConfigError(
+                f"{s.encode('utf-8', 'surrogateescape')!r}: not UTF-8 text, which a TOML file cannot hold; rename it"
+            )
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'

@@ -17,14 +17,29 @@ import sys
 import time
 from pathlib import Path
 
-SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2.5-0.5B's config.json (24 layers, hidden 896, 14 heads, 2 KV heads of 64).
-SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-             rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
-             max_window_layers=24, bos_token_id=0, eos_token_id=0)
+SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    sliding_window=32768,
+    max_window_layers=24,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
 
 def emit(rec: dict) -> None:
@@ -45,16 +60,31 @@ def build(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cal = sorted((Path(list(conv.__path__)[0]) / "standard_cal_data").glob("*.utf8"))
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train([str(p) for p in cal], trainers.BpeTrainer(
-        vocab_size=4096, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train(
+        [str(p) for p in cal],
+        trainers.BpeTrainer(
+            vocab_size=4096, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "model_max_length": 32768}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 32768,
+            }
+        )
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, torch_dtype="float16")).to(torch.float16)
@@ -67,6 +97,7 @@ def build(out: Path) -> None:
 
 def used_mib() -> float:
     import pynvml
+
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
     return pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20
@@ -93,8 +124,15 @@ def measure(directory: Path, cache_mode: str, jobs: int, ctx: int = 4096, new_to
 
     def run(n_jobs: int) -> tuple[float, float]:
         for i in range(n_jobs):
-            gen.enqueue(Job(input_ids=prompt + i, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                            stop_conditions=[], identifier=i))
+            gen.enqueue(
+                Job(
+                    input_ids=prompt + i,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    stop_conditions=[],
+                    identifier=i,
+                )
+            )
         t0 = time.perf_counter()
         first = None
         produced = 0
@@ -112,14 +150,32 @@ def measure(directory: Path, cache_mode: str, jobs: int, ctx: int = 4096, new_to
     agg, ttft = run(jobs)
     peak = used_mib()
     files = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers.values() if hasattr(layer, "__dict__")
-                      for t in vars(layer).values() if isinstance(t, torch.Tensor)) if hasattr(cache, "layers") else None
-    rec = {"step": "measure", "dir": directory.name, "cache": cache_mode, "jobs": jobs, "ctx": ctx,
-           "aggregate_tok_s": round(agg, 1), "ttft_s": round(ttft, 4), "files_mib": round(files / 2**20, 1),
-           "cache_tensor_mib": None if cache_bytes is None else round(cache_bytes / 2**20, 1),
-           "nvml_loaded_mib": round(loaded - before, 1), "nvml_peak_mib": round(peak - before, 1),
-           "torch_reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1),
-           "torch_allocated_mib": round(torch.cuda.memory_allocated() / 2**20, 1)}
+    cache_bytes = (
+        sum(
+            t.numel() * t.element_size()
+            for layer in cache.layers.values()
+            if hasattr(layer, "__dict__")
+            for t in vars(layer).values()
+            if isinstance(t, torch.Tensor)
+        )
+        if hasattr(cache, "layers")
+        else None
+    )
+    rec = {
+        "step": "measure",
+        "dir": directory.name,
+        "cache": cache_mode,
+        "jobs": jobs,
+        "ctx": ctx,
+        "aggregate_tok_s": round(agg, 1),
+        "ttft_s": round(ttft, 4),
+        "files_mib": round(files / 2**20, 1),
+        "cache_tensor_mib": None if cache_bytes is None else round(cache_bytes / 2**20, 1),
+        "nvml_loaded_mib": round(loaded - before, 1),
+        "nvml_peak_mib": round(peak - before, 1),
+        "torch_reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1),
+        "torch_allocated_mib": round(torch.cuda.memory_allocated() / 2**20, 1),
+    }
     emit(rec)
     model.unload()
     del gen, cache, model
@@ -136,6 +192,7 @@ def main() -> None:
     elif step == "jit":
         t = time.monotonic()
         import exllamav3.ext  # noqa: F401  (the JIT build happens on this import)
+
         emit({"step": "jit", "s": round(time.monotonic() - t, 1)})
     elif step == "measure":
         for d in sys.argv[2:]:
@@ -144,8 +201,15 @@ def main() -> None:
                     try:
                         measure(Path(d), cache_mode, jobs)
                     except Exception as e:  # one failed point must not hide the others
-                        emit({"step": "measure", "dir": Path(d).name, "cache": cache_mode, "jobs": jobs,
-                              "error": f"{type(e).__name__}: {e}"[:500]})
+                        emit(
+                            {
+                                "step": "measure",
+                                "dir": Path(d).name,
+                                "cache": cache_mode,
+                                "jobs": jobs,
+                                "error": f"{type(e).__name__}: {e}"[:500],
+                            }
+                        )
     else:
         sys.exit(f"unknown step {step!r}: model, jit or measure")
 

@@ -24,18 +24,43 @@ import sys
 import time
 from pathlib import Path
 
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2.5-1.5B's config.json, minus what a random model does not need.
-SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-             rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
-             max_window_layers=28, bos_token_id=0, eos_token_id=0)
+SHAPE = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    sliding_window=32768,
+    max_window_layers=28,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
-TINY = dict(SHAPE, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096, sliding_window=4096,
-            max_window_layers=4, initializer_range=0.1)
+TINY = dict(
+    SHAPE,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    max_position_embeddings=4096,
+    sliding_window=4096,
+    max_window_layers=4,
+    initializer_range=0.1,
+)
 
 
 def build_tokenizer(out: Path, max_length: int) -> None:
@@ -46,19 +71,43 @@ def build_tokenizer(out: Path, max_length: int) -> None:
     if not cal:
         sys.exit("no calibration text under exllamav2/conversion/standard_cal_data: is exllamav2 0.3.2 installed?")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train([str(p) for p in cal], trainers.BpeTrainer(
-        vocab_size=4096, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train(
+        [str(p) for p in cal],
+        trainers.BpeTrainer(
+            vocab_size=4096, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "model_max_length": max_length,
-        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False} for i, t in enumerate(SPECIALS)},
-    }, indent=1))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": max_length,
+                "added_tokens_decoder": {
+                    str(i): {
+                        "content": t,
+                        "special": True,
+                        "lstrip": False,
+                        "rstrip": False,
+                        "normalized": False,
+                        "single_word": False,
+                    }
+                    for i, t in enumerate(SPECIALS)
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 def build_model(out: Path, shape: dict) -> None:

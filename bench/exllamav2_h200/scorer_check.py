@@ -42,9 +42,15 @@ def compare(ref, got) -> dict:
     v = min(ref.shape[1], got.shape[1])
     p, q = ref[:, :v].astype(np.float64), got[:, :v].astype(np.float64)
     kld = (np.exp(p) * (p - q)).sum(axis=1)
-    return {"rows": int(p.shape[0]), "vocab_compared": int(v), "mean_kld": float(kld.mean()),
-            "max_kld": float(kld.max()), "top1_agreement": float((p.argmax(1) == q.argmax(1)).mean()),
-            "ref_mean_entropy": float(-(np.exp(p) * p).sum(axis=1).mean()), "chance_top1": 1.0 / v}
+    return {
+        "rows": int(p.shape[0]),
+        "vocab_compared": int(v),
+        "mean_kld": float(kld.mean()),
+        "max_kld": float(kld.max()),
+        "top1_agreement": float((p.argmax(1) == q.argmax(1)).mean()),
+        "ref_mean_entropy": float(-(np.exp(p) * p).sum(axis=1).mean()),
+        "chance_top1": 1.0 / v,
+    }
 
 
 def main() -> int:
@@ -78,10 +84,15 @@ def main() -> int:
     for spec in args.exl2:
         path, _, cache = spec.partition(":")
         cache = cache or "fp16"
-        ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(path),
-                           workload=Workload(prompt_tokens=64, output_tokens=16), vram_budget_bytes=100 * 2**30,
-                           protocol=Protocol(), settings={"load_timeout_s": 300, "scoring_ctx": 1024},
-                           base_dir=Path(path).parent)
+        ctx = StudyContext(
+            gpu=get_gpu("h200"),
+            model=model_from_hf_config(path),
+            workload=Workload(prompt_tokens=64, output_tokens=16),
+            vram_budget_bytes=100 * 2**30,
+            protocol=Protocol(),
+            settings={"load_timeout_s": 300, "scoring_ctx": 1024},
+            base_dir=Path(path).parent,
+        )
         t = time.monotonic()
         scorer = ExLlamaV2Scorer.open(backend, Path(path).name, cache, ctx)
         try:
@@ -95,8 +106,14 @@ def main() -> int:
             rows = scorer.next_token_logprobs(ids)
             n = ll.n_tokens
             summed = float(sum(rows[len(ids) - n - 1 + i, ids[len(ids) - n + i]] for i in range(n)))
-            run.update({"loglikelihood": ll.logprob, "loglikelihood_tokens": n,
-                        "sum_of_rows": summed, "seconds": round(time.monotonic() - t, 1)})
+            run.update(
+                {
+                    "loglikelihood": ll.logprob,
+                    "loglikelihood_tokens": n,
+                    "sum_of_rows": summed,
+                    "seconds": round(time.monotonic() - t, 1),
+                }
+            )
         finally:
             scorer.close()
         result["runs"].append(run)

@@ -64,8 +64,10 @@ def measure(study: str, given: dict[str, str], say=print) -> list[dict[str, Any]
         reference = given.get(name)
         if reference is None:
             if ctx.source is None or backend.check_weights(str(ctx.source), ctx):
-                raise SystemExit(f"{study}: backend {name!r} does not load the source as it is: name its full "
-                                 f"precision with --reference {name}=WEIGHTS (e.g. llama-server=gguf:F16)")
+                raise SystemExit(
+                    f"{study}: backend {name!r} does not load the source as it is: name its full "
+                    f"precision with --reference {name}=WEIGHTS (e.g. llama-server=gguf:F16)"
+                )
             reference = str(ctx.source)
         params = {p.name: p.choices for p in entry.params}
         ref_cache = quality_reference(backend, params).get("cache_type")
@@ -75,14 +77,20 @@ def measure(study: str, given: dict[str, str], say=print) -> list[dict[str, Any]
         metric.configure({}, {name: QualityReference(ref_config, backend, ctx)})
         for weights in entry.weights:
             for cache in params.get("cache_type") or (None,):
-                row: dict[str, Any] = {"backend": name, "weights": weights, "cache_type": cache,
-                                       "reference": reference, "reference_cache_type": ref_cache}
+                row: dict[str, Any] = {
+                    "backend": name,
+                    "weights": weights,
+                    "cache_type": cache,
+                    "reference": reference,
+                    "reference_cache_type": ref_cache,
+                }
                 started = time.monotonic()
                 try:
                     _ensure(backend, weights, ctx)
                     config = TrialConfig(name, weights, 0, 1, (("cache_type", cache),) if cache else ())
-                    row["path"] = str(backend.weights_path(weights, ctx)) if hasattr(backend, "weights_path") \
-                        else weights
+                    row["path"] = (
+                        str(backend.weights_path(weights, ctx)) if hasattr(backend, "weights_path") else weights
+                    )
                     value = metric.evaluate(config, backend, ctx)
                 except AutotuneError as exc:
                     row.update(error=str(exc), seconds=round(time.monotonic() - started, 1))
@@ -90,39 +98,62 @@ def measure(study: str, given: dict[str, str], say=print) -> list[dict[str, Any]
                     rows.append(row)
                     continue
                 d = value.details or {}
-                row.update(kld_mean=value.value, kld_stderr=value.stderr, kld_median=d.get("kld_median"),
-                           kld_p99=d.get("kld_p99"), top1_agreement=d.get("top1_agreement"), tokens=value.n,
-                           seconds=round(time.monotonic() - started, 1), scorer=d.get("scorer"),
-                           reference_scorer=d.get("reference"))
-                say(f"{name} {weights} {cache}: KLD {value.value:.5f} nats, top-1 {d.get('top1_agreement', 0):.1%} "
-                    f"on {value.n} tokens ({row['seconds']} s)")
+                row.update(
+                    kld_mean=value.value,
+                    kld_stderr=value.stderr,
+                    kld_median=d.get("kld_median"),
+                    kld_p99=d.get("kld_p99"),
+                    top1_agreement=d.get("top1_agreement"),
+                    tokens=value.n,
+                    seconds=round(time.monotonic() - started, 1),
+                    scorer=d.get("scorer"),
+                    reference_scorer=d.get("reference"),
+                )
+                say(
+                    f"{name} {weights} {cache}: KLD {value.value:.5f} nats, top-1 {d.get('top1_agreement', 0):.1%} "
+                    f"on {value.n} tokens ({row['seconds']} s)"
+                )
                 rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | weights | cache | KLD vs own full precision (nats) | top-1 agreement | tokens | reference "
-             "| s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| backend | weights | cache | KLD vs own full precision (nats) | top-1 agreement | tokens | reference | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ref = f"{r['reference']} ({r['reference_cache_type']})"
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r['weights']} | {r['cache_type']} | failed: {r['error'][:200]} | | "
-                         f"| {ref} | {r['seconds']} |")
+            lines.append(
+                f"| {r['backend']} | {r['weights']} | {r['cache_type']} | failed: {r['error'][:200]} | | "
+                f"| {ref} | {r['seconds']} |"
+            )
             continue
         se = f" ± {r['kld_stderr']:.5f}" if r.get("kld_stderr") is not None else ""
-        lines.append(f"| {r['backend']} | {r['weights']} | {r['cache_type']} | {r['kld_mean']:.5f}{se} "
-                     f"| {r['top1_agreement']:.1%} | {r['tokens']} | {ref} | {r['seconds']} |")
-    lines += ["", "KLD: mean KL(reference || artifact) per token over the second half of each 256-token window of "
-              "the fixed text (plugins/quality/data/kld_text.txt), in nats; the reference is the same engine on the "
-              "full-precision weights with the widest cache searched."]
+        lines.append(
+            f"| {r['backend']} | {r['weights']} | {r['cache_type']} | {r['kld_mean']:.5f}{se} "
+            f"| {r['top1_agreement']:.1%} | {r['tokens']} | {ref} | {r['seconds']} |"
+        )
+    lines += [
+        "",
+        "KLD: mean KL(reference || artifact) per token over the second half of each 256-token window of "
+        "the fixed text (plugins/quality/data/kld_text.txt), in nats; the reference is the same engine on the "
+        "full-precision weights with the widest cache searched.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("study", help="the study file whose artifacts are scored")
-    p.add_argument("--reference", action="append", default=[], metavar="BACKEND=WEIGHTS",
-                   help="a backend's full precision (default: the study's source, where the backend loads it)")
+    p.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="BACKEND=WEIGHTS",
+        help="a backend's full precision (default: the study's source, where the backend loads it)",
+    )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--md", help="write the Markdown table here (default: stdout)")
     args = p.parse_args(argv)

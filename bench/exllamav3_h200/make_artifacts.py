@@ -29,8 +29,18 @@ def main() -> int:
     made = artifacts.ensure(backend, fmt, ctx, say=lambda line: print(line, flush=True))
     path = made.path
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-    print(json.dumps({"backend": backend_name, "format": fmt, "path": str(path), "bytes": size,
-                      "seconds": round(time.monotonic() - t0, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "backend": backend_name,
+                "format": fmt,
+                "path": str(path),
+                "bytes": size,
+                "seconds": round(time.monotonic() - t0, 1),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -34,7 +34,7 @@ def modules(wheel: Path) -> set[str]:
 
 def main() -> int:
     folder = Path(sys.argv[1])
-    always = sys.argv[sys.argv.index("--always") + 1:] if "--always" in sys.argv else []
+    always = sys.argv[sys.argv.index("--always") + 1 :] if "--always" in sys.argv else []
     for wheel in sorted(folder.glob("*.whl")):
         dist = wheel.name.split("-", 1)[0].lower()
         if any(dist == a.lower().replace("-", "_") for a in always):

@@ -24,10 +24,31 @@ MiB = 2**20
 
 
 def predict(row: dict, model_dir: str, prompt: int, output: int) -> dict:
-    cmd = [sys.executable, "-m", "autotune.cli", "estimate", "--gpu", "h200", "--model", model_dir,
-           "--backend", TWINS[row["backend"]], "--weights", row["weights"], "--ctx", str(row["ctx"]),
-           "--cache", row["options"]["cache_type"], "--parallel", str(row["parallel"]),
-           "--prompt-tokens", str(prompt), "--output-tokens", str(output), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autotune.cli",
+        "estimate",
+        "--gpu",
+        "h200",
+        "--model",
+        model_dir,
+        "--backend",
+        TWINS[row["backend"]],
+        "--weights",
+        row["weights"],
+        "--ctx",
+        str(row["ctx"]),
+        "--cache",
+        row["options"]["cache_type"],
+        "--parallel",
+        str(row["parallel"]),
+        "--prompt-tokens",
+        str(prompt),
+        "--output-tokens",
+        str(output),
+        "--json",
+    ]
     if row["backend"] == "exllamav2" and row.get("jobs_at_once") == 1 and row["parallel"] > 1:
         cmd += ["--setting", 'unpaged_parallel="queue"']  # as measured: one job at a time
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -49,20 +70,33 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for r in rows:
         p = predict(r, a.model_dir, a.prompt_tokens, a.output_tokens)
-        table.append({
-            "trial": r["trial"], "backend": r["backend"], "weights": r["weights"],
-            "cache": r["options"]["cache_type"], "parallel": r["parallel"],
-            "decode": r["decode_tok_s"], "decode_twin": p["predicted"]["decode_tok_s"],
-            "aggregate": r["aggregate_tok_s"], "aggregate_twin": p["predicted"]["aggregate_tok_s"],
-            "memory_mib": r["measured_vram_bytes"] / MiB, "memory_twin_mib": p["vram"]["predicted_bytes"] / MiB,
-        })
-    lines = ["| trial | engine | weights | cache | streams | decode (twin / measured) | aggregate (twin / measured) "
-             "| memory MiB (twin / NVML) |", "|---|---|---|---|---|---|---|---|"]
+        table.append(
+            {
+                "trial": r["trial"],
+                "backend": r["backend"],
+                "weights": r["weights"],
+                "cache": r["options"]["cache_type"],
+                "parallel": r["parallel"],
+                "decode": r["decode_tok_s"],
+                "decode_twin": p["predicted"]["decode_tok_s"],
+                "aggregate": r["aggregate_tok_s"],
+                "aggregate_twin": p["predicted"]["aggregate_tok_s"],
+                "memory_mib": r["measured_vram_bytes"] / MiB,
+                "memory_twin_mib": p["vram"]["predicted_bytes"] / MiB,
+            }
+        )
+    lines = [
+        "| trial | engine | weights | cache | streams | decode (twin / measured) | aggregate (twin / measured) "
+        "| memory MiB (twin / NVML) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for t in table:
-        lines.append(f"| {t['trial']} | {t['backend']} | {t['weights']} | {t['cache']} | {t['parallel']} "
-                     f"| {t['decode_twin']:.0f} / {t['decode']:.0f} = {t['decode_twin'] / t['decode']:.2f} "
-                     f"| {t['aggregate_twin']:.0f} / {t['aggregate']:.0f} = {t['aggregate_twin'] / t['aggregate']:.2f} "
-                     f"| {t['memory_twin_mib']:.0f} / {t['memory_mib']:.0f} = {t['memory_twin_mib'] / t['memory_mib']:.2f} |")
+        lines.append(
+            f"| {t['trial']} | {t['backend']} | {t['weights']} | {t['cache']} | {t['parallel']} "
+            f"| {t['decode_twin']:.0f} / {t['decode']:.0f} = {t['decode_twin'] / t['decode']:.2f} "
+            f"| {t['aggregate_twin']:.0f} / {t['aggregate']:.0f} = {t['aggregate_twin'] / t['aggregate']:.2f} "
+            f"| {t['memory_twin_mib']:.0f} / {t['memory_mib']:.0f} = {t['memory_twin_mib'] / t['memory_mib']:.2f} |"
+        )
     lines.append("")
     summary = {}
     for engine in sorted({t["backend"] for t in table}):
@@ -73,8 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             errors = [t[twin_key] / t[key] - 1 for t in mine]
             s[key] = {"median_error": statistics.median(errors), "worst_error": max(errors, key=abs), "n": len(errors)}
         summary[engine] = s
-        lines.append(f"{TWINS[engine]} ({len(mine)} trials): " + "; ".join(
-            f"{k.replace('_mib', '')} median {v['median_error']:+.0%}, worst {v['worst_error']:+.0%}" for k, v in s.items()))
+        lines.append(
+            f"{TWINS[engine]} ({len(mine)} trials): "
+            + "; ".join(
+                f"{k.replace('_mib', '')} median {v['median_error']:+.0%}, worst {v['worst_error']:+.0%}"
+                for k, v in s.items()
+            )
+        )
     text = "\n".join(lines)
     print(text)
     if a.md_out:

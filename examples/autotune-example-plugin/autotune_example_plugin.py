@@ -26,9 +26,27 @@ import click
 
 # A plugin imports autotune.api only: the names a backend, engine model, metric or strategy needs.
 from autotune.api import (
-    AutotuneError, BackendError, BaseBackend, CacheType, EngineModel, Measurement, MeasurementError, MemoryEstimate,
-    ModelSpec, Param, Setting, StreamResult, StudyContext, bits_per_weight, deploy_line, hookimpl,
-    measure_engine, parse_format, resolve_model, serving_run, weight_format,
+    AutotuneError,
+    BackendError,
+    BaseBackend,
+    CacheType,
+    EngineModel,
+    Measurement,
+    MeasurementError,
+    MemoryEstimate,
+    ModelSpec,
+    Param,
+    Setting,
+    StreamResult,
+    StudyContext,
+    bits_per_weight,
+    deploy_line,
+    hookimpl,
+    measure_engine,
+    parse_format,
+    resolve_model,
+    serving_run,
+    weight_format,
 )
 
 
@@ -38,6 +56,7 @@ def weight_formats():
     needed. A backend of a format no installed plugin declares writes its own WeightFormats
     (docs/plugins.md)."""
     return (weight_format("gguf"),)
+
 
 __version__ = "0.1.0"
 
@@ -84,9 +103,20 @@ class EchoBackend(BaseBackend):
     kv_cache_types = CACHE_TYPES
     # Declared settings are checked before a study runs: a typo or a bad value is exit 2.
     settings = (
-        Setting("timeout_s", float, 60.0, "seconds one measurement may take", check=lambda v: None if v > 0 else "must be > 0"),
-        Setting("scale", int, 4096, "the toy allocates 1/scale of the predicted weights and KV",
-                check=lambda v: None if v >= 1 else "must be >= 1"),
+        Setting(
+            "timeout_s",
+            float,
+            60.0,
+            "seconds one measurement may take",
+            check=lambda v: None if v > 0 else "must be > 0",
+        ),
+        Setting(
+            "scale",
+            int,
+            4096,
+            "the toy allocates 1/scale of the predicted weights and KV",
+            check=lambda v: None if v >= 1 else "must be >= 1",
+        ),
     )
 
     @property
@@ -115,8 +145,13 @@ class EchoBackend(BaseBackend):
         weights = int(model.n_params * bits_per_weight(config.weights, declared=self.weight_formats) / 8)
         kv = int(kv_bytes_per_token(model, config.option("cache_type", "f16")) * config.ctx * config.parallel)
         logits = 4 * model.vocab_size * PREFILL_BATCH  # f32 logits of one prefill batch
-        return MemoryEstimate(weights, kv, logits, OVERHEAD_BYTES,
-                              notes=(f"the toy allocates weights and KV 1/{_scale(ctx)} of this, in host memory",))
+        return MemoryEstimate(
+            weights,
+            kv,
+            logits,
+            OVERHEAD_BYTES,
+            notes=(f"the toy allocates weights and KV 1/{_scale(ctx)} of this, in host memory",),
+        )
 
     def run(self, config, ctx):
         try:
@@ -143,16 +178,19 @@ class EchoBackend(BaseBackend):
         try:
             # The core's loop: one request alone, then `parallel` at once, as often as the
             # study's protocol asks, stopped early by its probe. A backend writes no loop.
-            stats, _, _ = measure_engine(ctx, serving_run(stream, stream, config.parallel, timeout_s,
-                                                          around_streams=around_streams))
+            stats, _, _ = measure_engine(
+                ctx, serving_run(stream, stream, config.parallel, timeout_s, around_streams=around_streams)
+            )
         except MeasurementError as exc:
             raise BackendError(f"example-echo: {exc}", log_tail="\n".join(engine.log[-20:])) from exc
         return Measurement(metrics=stats, attrs={"scale": _scale(ctx), "weights_buffer_bytes": len(engine.weights)})
 
     def deploy_command(self, config, ctx):
-        return (f"autotune example-echo-serve --model {ctx.model.key} --weights {config.weights} "
-                f"--ctx {config.ctx} --parallel {config.parallel} "
-                f"--cache-type {config.option('cache_type', 'f16')} --scale {_scale(ctx)}")
+        return (
+            f"autotune example-echo-serve --model {ctx.model.key} --weights {config.weights} "
+            f"--ctx {config.ctx} --parallel {config.parallel} "
+            f"--cache-type {config.option('cache_type', 'f16')} --scale {_scale(ctx)}"
+        )
 
     def engine_build(self, ctx=None):
         return f"example-echo {__version__} (Python {platform.python_version()})"
@@ -184,11 +222,23 @@ class EchoModel(EngineModel):
         # The twin's physics constants (autotune_plugins.shared.scenario.EngineConstants): a real
         # engine keeps them in a TOML beside its engine model (constants_file) and fits them to
         # measurements; the toy's are round guesses.
-        return {"weight_bw_efficiency": 0.5, "layer_us_ghz": 50.0, "sample_ns_per_vocab": 0.0, "request_ms": 1.0,
-                "spill_step_ms": 0.0, "volta_bw_factor": 1.0, "vector_max_batch": 8, "unfused_attn_per_layer_us": 0.0,
-                "unfused_kv_copies": 0.0, "quant_cache_extra_bytes": 0.0, "decode_compute_efficiency": 0.5,
-                "prefill_efficiency": 0.3, "context_bytes": OVERHEAD_BYTES, "keeps_embeddings_on_host": False,
-                "spill": "oom"}
+        return {
+            "weight_bw_efficiency": 0.5,
+            "layer_us_ghz": 50.0,
+            "sample_ns_per_vocab": 0.0,
+            "request_ms": 1.0,
+            "spill_step_ms": 0.0,
+            "volta_bw_factor": 1.0,
+            "vector_max_batch": 8,
+            "unfused_attn_per_layer_us": 0.0,
+            "unfused_kv_copies": 0.0,
+            "quant_cache_extra_bytes": 0.0,
+            "decode_compute_efficiency": 0.5,
+            "prefill_efficiency": 0.3,
+            "context_bytes": OVERHEAD_BYTES,
+            "keeps_embeddings_on_host": False,
+            "spill": "oom",
+        }
 
     def parameters(self, space):
         # Keep the cache types this engine knows, exactly as given (the core refuses a value no
@@ -204,8 +254,9 @@ class EchoModel(EngineModel):
 
     def memory(self, s, k):
         kv = int(kv_bytes_per_token(s.model, s.cache_type) * s.ctx * s.parallel)
-        return MemoryEstimate(int(s.weights.total_bytes), kv, 4 * s.model.vocab_size * PREFILL_BATCH,
-                              int(k.context_bytes))
+        return MemoryEstimate(
+            int(s.weights.total_bytes), kv, 4 * s.model.vocab_size * PREFILL_BATCH, int(k.context_bytes)
+        )
 
     def deploy_command(self, twin, config, ctx):
         return deploy_line(["autotune", "example-echo-serve", "--model", ctx.model.key, "--weights", config.weights])

@@ -36,13 +36,32 @@ CACHE_TYPES = (
 # What `autotune init` offers, widest first. None is full precision: an FP16 model directory,
 # loaded as it is, is the quality reference (init checks check_weights on the source).
 EXL2 = WeightFormats(
-    "exl2", "exl2:<bpw>", offered=("exl2:8.0", "exl2:6.0", "exl2:5.0", "exl2:4.0", "exl2:3.0"),
-    accepts=formats.ACCEPTS, parse=formats.bpw_of, spell=formats.spell, predict=formats.exl2_weights,
-    bits=formats.bits_per_weight, quote=formats.quote,
+    "exl2",
+    "exl2:<bpw>",
+    offered=("exl2:8.0", "exl2:6.0", "exl2:5.0", "exl2:4.0", "exl2:3.0"),
+    accepts=formats.ACCEPTS,
+    parse=formats.bpw_of,
+    spell=formats.spell,
+    predict=formats.exl2_weights,
+    bits=formats.bits_per_weight,
+    quote=formats.quote,
 )
 
 # What a Python engine (the worker, the converter, TabbyAPI) needs of autotune's environment
 # beyond the core's allow-list (``BaseBackend.engine_variables``): its interpreter's setup,
 # torch's and Hugging Face's caches, and the compiler torch's extension loader builds with.
-PYTHON_ENGINE_VARIABLES = ("PYTHON*", "VIRTUAL_ENV", "CONDA_*", "TORCH_*", "PYTORCH_*", "TRITON_*", "HF_*",
-                           "TRANSFORMERS_*", "NCCL_*", "CC", "CXX", "MAX_JOBS", "EXLLAMA_*")
+PYTHON_ENGINE_VARIABLES = (
+    "PYTHON*",
+    "VIRTUAL_ENV",
+    "CONDA_*",
+    "TORCH_*",
+    "PYTORCH_*",
+    "TRITON_*",
+    "HF_*",
+    "TRANSFORMERS_*",
+    "NCCL_*",
+    "CC",
+    "CXX",
+    "MAX_JOBS",
+    "EXLLAMA_*",
+)

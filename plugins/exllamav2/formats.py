@@ -20,8 +20,21 @@ from autotune.api import WeightsBreakdown
 from autotune._builtin import ConfigError
 from autotune_plugins.shared.quant_config import bpw_within, quantization_config, quote_directory, spell
 
-__all__ = ["ACCEPTS", "EXL2_BPW_MAX", "EXL2_MAX_BITS", "EXL2_BPW_MIN", "Exl2Quantization", "bpw_of", "exl2_quantization", "exl2_weights",
-           "bpw_within", "quantization_config", "quote", "quote_directory", "spell"]
+__all__ = [
+    "ACCEPTS",
+    "EXL2_BPW_MAX",
+    "EXL2_MAX_BITS",
+    "EXL2_BPW_MIN",
+    "Exl2Quantization",
+    "bpw_of",
+    "exl2_quantization",
+    "exl2_weights",
+    "bpw_within",
+    "quantization_config",
+    "quote",
+    "quote_directory",
+    "spell",
+]
 
 # ExLlamaV2 quantizes to 2-8 bits per weight; 16 leaves room for an unquantized head's share.
 EXL2_MAX_BITS = 16.0
@@ -52,8 +65,10 @@ def exl2_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "c
     if q is not None:
         if isinstance(q["bits"], bool) or not 0 < q["bits"] <= EXL2_MAX_BITS:
             # nan, inf, 0 or 1e9 bits per weight would price the weights at nothing or at exabytes.
-            raise ConfigError(f"{where}: quantization_config.bits = {q['bits']!r}: an EXL2 model has "
-                              f"more than 0 and at most {EXL2_MAX_BITS} bits per weight")
+            raise ConfigError(
+                f"{where}: quantization_config.bits = {q['bits']!r}: an EXL2 model has "
+                f"more than 0 and at most {EXL2_MAX_BITS} bits per weight"
+            )
         head = q.get("head_bits")
         head_bits = head if isinstance(head, int) and not isinstance(head, bool) else None
         return Exl2Quantization(float(q["bits"]), head_bits)

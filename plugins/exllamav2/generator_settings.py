@@ -38,8 +38,15 @@ from typing import Any
 from autotune._builtin import ConfigError
 from autotune_plugins.shared.generator_record import SettingsRecord
 
-__all__ = ["CACHE_CHOICES", "PAGE_SIZE", "UNPAGED_CHOICES", "GeneratorSettings", "SettingsRecord", "generator_settings",
-           "normalize_cache_type"]
+__all__ = [
+    "CACHE_CHOICES",
+    "PAGE_SIZE",
+    "UNPAGED_CHOICES",
+    "GeneratorSettings",
+    "SettingsRecord",
+    "generator_settings",
+    "normalize_cache_type",
+]
 
 PAGE_SIZE = 256  # exllamav2/generator/dynamic.py PAGED_PAGE_SIZE
 MAX_Q_SIZE = 8  # the dynamic generator's default max_q_size (tokens per sequence per step)
@@ -103,8 +110,9 @@ class GeneratorSettings(SettingsRecord):
         return self.cache_batch_size
 
 
-def generator_settings(cache_type: str, ctx: int, parallel: int, paged: bool,
-                       unpaged_parallel: str = "queue") -> GeneratorSettings:
+def generator_settings(
+    cache_type: str, ctx: int, parallel: int, paged: bool, unpaged_parallel: str = "queue"
+) -> GeneratorSettings:
     """The generator and cache a trial gets.
 
     Args:

@@ -99,9 +99,14 @@ def exl2_weights(model_dir: str | os.PathLike[str], tied: bool) -> Exl2Weights:
     d = read_safetensors_dir(model_dir)
     w = safetensors_dir_weights(model_dir, tied=tied)
     from_emb = w.head_is_embedding
-    return Exl2Weights(gpu_bytes=replace(w, embedding_on_gpu=False).gpu_bytes, host_bytes=w.embedding_bytes,
-                       head_bytes=w.embedding_bytes if from_emb else w.output_bytes, n_tensors=len(d.tensors),
-                       files=d.files, head_from_embedding=from_emb)
+    return Exl2Weights(
+        gpu_bytes=replace(w, embedding_on_gpu=False).gpu_bytes,
+        host_bytes=w.embedding_bytes,
+        head_bytes=w.embedding_bytes if from_emb else w.output_bytes,
+        n_tensors=len(d.tensors),
+        files=d.files,
+        head_from_embedding=from_emb,
+    )
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,9 @@ def cache_layout(cache_type: str) -> CacheLayout:
     try:
         return CACHE_LAYOUTS[str(cache_type).lower()]
     except KeyError:
-        raise ConfigError(f"cache_type {cache_type!r}: ExLlamaV2 has {', '.join(c.upper() for c in CACHE_LAYOUTS)}") from None
+        raise ConfigError(
+            f"cache_type {cache_type!r}: ExLlamaV2 has {', '.join(c.upper() for c in CACHE_LAYOUTS)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -184,8 +191,12 @@ def scratch_bytes(model: ModelSpec, head_quantized: bool = True) -> int:
     return max(attn, mlp, head)
 
 
-def estimate(model_dir: Path, settings: GeneratorSettings, prompt_tokens: int,
-             cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB) -> MemoryEstimate:
+def estimate(
+    model_dir: Path,
+    settings: GeneratorSettings,
+    prompt_tokens: int,
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB,
+) -> MemoryEstimate:
     """The predicted device memory of one trial.
 
     Args:
@@ -195,8 +206,9 @@ def estimate(model_dir: Path, settings: GeneratorSettings, prompt_tokens: int,
         cuda_context_bytes: CUDA context + PyTorch kernels + cuBLAS workspace.
     """
     model = model_from_hf_config(model_dir)
-    return estimate_for(model, exl2_weights(model_dir, model.tie_embeddings), settings, prompt_tokens,
-                        cuda_context_bytes)
+    return estimate_for(
+        model, exl2_weights(model_dir, model.tie_embeddings), settings, prompt_tokens, cuda_context_bytes
+    )
 
 
 def predicted_exl2_weights(model: ModelSpec, bpw: float) -> Exl2Weights:
@@ -205,12 +217,22 @@ def predicted_exl2_weights(model: ModelSpec, bpw: float) -> Exl2Weights:
     from autotune_plugins.exllamav2.formats import exl2_weights as predicted
 
     w = predicted(model, bpw)
-    return Exl2Weights(gpu_bytes=w.gpu_bytes, host_bytes=w.host_bytes, head_bytes=w.output_bytes, n_tensors=0,
-                       files=("(not converted yet: predicted from the source's shape)",))
+    return Exl2Weights(
+        gpu_bytes=w.gpu_bytes,
+        host_bytes=w.host_bytes,
+        head_bytes=w.output_bytes,
+        n_tensors=0,
+        files=("(not converted yet: predicted from the source's shape)",),
+    )
 
 
-def estimate_for(model: ModelSpec, w: Exl2Weights, settings: GeneratorSettings, prompt_tokens: int,
-                 cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB) -> MemoryEstimate:
+def estimate_for(
+    model: ModelSpec,
+    w: Exl2Weights,
+    settings: GeneratorSettings,
+    prompt_tokens: int,
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB,
+) -> MemoryEstimate:
     """:func:`estimate` for a model and its weights' bytes given (a conversion not made yet)."""
     cache = cache_bytes(model, settings.cache_type, settings.cache_batch_size, settings.cache_max_seq_len)
     scratch = scratch_bytes(model, head_quantized=not w.head_from_embedding)
@@ -218,8 +240,10 @@ def estimate_for(model: ModelSpec, w: Exl2Weights, settings: GeneratorSettings, 
     defrag = 0
     if settings.paged:
         # One (1, 256, n_kv_heads, width) page per distinct cache tensor shape and dtype.
-        widths = {(lay.bytes_per_value, model.head_dim // lay.values_per_byte_k),
-                  (lay.bytes_per_value, model.head_dim // lay.values_per_byte_v)}
+        widths = {
+            (lay.bytes_per_value, model.head_dim // lay.values_per_byte_k),
+            (lay.bytes_per_value, model.head_dim // lay.values_per_byte_v),
+        }
         if lay.quantized:
             widths.add((2, model.head_dim // 32))
         defrag = sum(256 * model.n_kv_heads * width * size for size, width in widths)

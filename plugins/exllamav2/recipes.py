@@ -40,8 +40,16 @@ CONVERT_S_PER_GIB = 340.0
 
 
 # What the recipe itself says to the converter: the same flag from the study would contradict it.
-OWN_FLAGS = {"-i": "--in_dir", "-o": "--out_dir", "-nr": "--no_resume", "-res": "--resume",
-             "-om": "--output_measurement", "-m": "--measurement", "-cf": "--compile_full", "-b": "--bits"}
+OWN_FLAGS = {
+    "-i": "--in_dir",
+    "-o": "--out_dir",
+    "-nr": "--no_resume",
+    "-res": "--resume",
+    "-om": "--output_measurement",
+    "-m": "--measurement",
+    "-cf": "--compile_full",
+    "-b": "--bits",
+}
 
 
 def convert_args_problem(args: list) -> str | None:
@@ -50,13 +58,21 @@ def convert_args_problem(args: list) -> str | None:
         return "must be a list of non-empty strings (arguments of python -m " + CONVERTER_MODULE + ")"
     own = sorted({a.partition("=")[0] for a in args} & (set(OWN_FLAGS) | set(OWN_FLAGS.values())))
     if own:
-        return (f"{', '.join(own)}: set by autotune for each format (the source, the output, the bits, the "
-                "shared measurement); accepted are the converter's other options, such as -l, -ml, -r, -mr, -hsol")
+        return (
+            f"{', '.join(own)}: set by autotune for each format (the source, the output, the bits, the "
+            "shared measurement); accepted are the converter's other options, such as -l, -ml, -r, -mr, -hsol"
+        )
     return None
 
 
-def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], say: Callable[[str], None],
-              extra: tuple[str, ...] = ()) -> Path:
+def _measured(
+    source: Path,
+    entry: Path,
+    python: str,
+    env: Mapping[str, str],
+    say: Callable[[str], None],
+    extra: tuple[str, ...] = (),
+) -> Path:
     """The source's measurement pass, made once for every bpw (in the cache entry ``entry``)."""
     target = entry / MEASUREMENT
     entry.mkdir(parents=True, exist_ok=True)
@@ -69,8 +85,24 @@ def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], sa
             say(f"exl2 measurement of {source.name}: one pass shared by every bpw -> {target}")
             with tempfile.TemporaryDirectory(prefix="exl2-measure-", dir=entry) as work:
                 partial = Path(work) / MEASUREMENT
-                run_tool([python, "-m", CONVERTER_MODULE, "-i", str(source), "-o", work + "/job", "-nr",
-                          "-om", str(partial), *extra], f"exllamav2 measurement of {source.name}", say, env=env)
+                run_tool(
+                    [
+                        python,
+                        "-m",
+                        CONVERTER_MODULE,
+                        "-i",
+                        str(source),
+                        "-o",
+                        work + "/job",
+                        "-nr",
+                        "-om",
+                        str(partial),
+                        *extra,
+                    ],
+                    f"exllamav2 measurement of {source.name}",
+                    say,
+                    env=env,
+                )
                 if not partial.is_file():
                     raise AutotuneError(f"exllamav2 measurement of {source.name} wrote no {MEASUREMENT}")
                 partial.replace(target)
@@ -79,8 +111,14 @@ def _measured(source: Path, entry: Path, python: str, env: Mapping[str, str], sa
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Callable[[], Mapping[str, str]],
-                tool: str, convert_args: tuple[str, ...] = ()) -> Recipe | None:
+def exl2_recipe(
+    fmt: str,
+    source: Path,
+    python: str,
+    env: Mapping[str, str] | Callable[[], Mapping[str, str]],
+    tool: str,
+    convert_args: tuple[str, ...] = (),
+) -> Recipe | None:
     """The recipe for ``fmt`` (``exl2:<bpw>``) from the Hugging Face directory ``source``.
 
     Args:
@@ -102,8 +140,10 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
         return None
     _, detail = parse_format(fmt, (declarations.EXL2,))
     if not source.is_dir():
-        raise AutotuneError(f"{source}: EXL2 is converted from a Hugging Face model directory (config.json and "
-                            "*.safetensors), not a single file")
+        raise AutotuneError(
+            f"{source}: EXL2 is converted from a Hugging Face model directory (config.json and "
+            "*.safetensors), not a single file"
+        )
     model = model_from_hf_config(source)
     bpw = float(detail)
     if convert_args:
@@ -117,13 +157,39 @@ def exl2_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
         run_env = env() if callable(env) else env
         measurement = _measured(inputs[0], out.parent, python, run_env, say, convert_args)
         with tempfile.TemporaryDirectory(prefix="exl2-job-", dir=out.parent) as work:
-            run_tool([python, "-m", CONVERTER_MODULE, "-i", str(inputs[0]), "-o", work + "/job", "-nr",
-                      "-m", str(measurement), "-cf", str(out), "-b", str(bpw), *convert_args],
-                     f"exllamav2 convert {inputs[0].name} -b {bpw}", say, env=run_env)
+            run_tool(
+                [
+                    python,
+                    "-m",
+                    CONVERTER_MODULE,
+                    "-i",
+                    str(inputs[0]),
+                    "-o",
+                    work + "/job",
+                    "-nr",
+                    "-m",
+                    str(measurement),
+                    "-cf",
+                    str(out),
+                    "-b",
+                    str(bpw),
+                    *convert_args,
+                ],
+                f"exllamav2 convert {inputs[0].name} -b {bpw}",
+                say,
+                env=run_env,
+            )
         with contextlib.suppress(OSError):
             shutil.rmtree(out / "out_tensor", ignore_errors=True)  # the converter's scratch, when it leaves it
 
     args = "".join(" " + a for a in convert_args)
-    return Recipe(canonical, tool, f"exl2-{bpw:g}bpw", expected, convert,
-                  description=f"exllamav2 convert_exl2 -b {bpw:g}{args} (measurement shared)",
-                  step="convert_exl2", seconds_per_gib=CONVERT_S_PER_GIB)
+    return Recipe(
+        canonical,
+        tool,
+        f"exl2-{bpw:g}bpw",
+        expected,
+        convert,
+        description=f"exllamav2 convert_exl2 -b {bpw:g}{args} (measurement shared)",
+        step="convert_exl2",
+        seconds_per_gib=CONVERT_S_PER_GIB,
+    )

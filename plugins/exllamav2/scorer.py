@@ -58,7 +58,12 @@ class ExLlamaV2Scorer(WorkerScorer):
         except BackendError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ScoringError(f"exllamav2 scorer for {path}: {exc}") from exc
-        return cls(worker, tmp, model.vocab_size, min(n_ctx, settings.cache_max_seq_len),
-                   f"{path.name} (exl2, cache {cache_type.upper()}, attention "
-                   f"{loaded.get('attention', {}).get('path', 'unknown')})",
-                   float(backend.setting(ctx, "request_timeout_s")))
+        return cls(
+            worker,
+            tmp,
+            model.vocab_size,
+            min(n_ctx, settings.cache_max_seq_len),
+            f"{path.name} (exl2, cache {cache_type.upper()}, attention "
+            f"{loaded.get('attention', {}).get('path', 'unknown')})",
+            float(backend.setting(ctx, "request_timeout_s")),
+        )

@@ -39,13 +39,32 @@ from autotune._builtin import ConfigError, serving_metrics
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings
 from autotune_plugins.shared.pass_scoring import SCORE_CHUNK, score_passes
 from autotune_plugins.shared.worker_engine import (
-    PROMPT_TEXT, WorkerEngine, engine_missing, prompt_ids, run_requests, serve_engine)
+    PROMPT_TEXT,
+    WorkerEngine,
+    engine_missing,
+    prompt_ids,
+    run_requests,
+    serve_engine,
+)
 
-__all__ = ["Engine", "PROMPT_TEXT", "SCORE_CHUNK", "attention_path", "check_paged", "main", "prompt_ids",
-           "sample_metrics", "score_passes"]
+__all__ = [
+    "Engine",
+    "PROMPT_TEXT",
+    "SCORE_CHUNK",
+    "attention_path",
+    "check_paged",
+    "main",
+    "prompt_ids",
+    "sample_metrics",
+    "score_passes",
+]
 
-CACHE_CLASSES = {"fp16": "ExLlamaV2Cache", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6",
-                 "q4": "ExLlamaV2Cache_Q4"}
+CACHE_CLASSES = {
+    "fp16": "ExLlamaV2Cache",
+    "q8": "ExLlamaV2Cache_Q8",
+    "q6": "ExLlamaV2Cache_Q6",
+    "q4": "ExLlamaV2Cache_Q4",
+}
 INSTALL = "pip install -e '.[exllamav2]' in autotune's checkout (exllamav2==0.3.2, torch>=2.3)"
 
 
@@ -77,10 +96,15 @@ def check_paged(settings: GeneratorSettings, has_paged_attention: bool, no_flash
         no_flash_attn: The model config turned flash-attn off (its architecture, or EXLLAMA_NO_FLASH_ATTN).
     """
     if settings.paged and (not has_paged_attention or no_flash_attn):
-        why = "the model's config turns flash-attn off" if has_paged_attention else \
-            "exllamav2 found no flash-attn >= 2.5.7 it could import"
-        raise BackendError(f"paged attention was chosen but {why}: set [backends.exllamav2] paged = false "
-                           f"(jobs are then served one at a time), or fix flash-attn's install")
+        why = (
+            "the model's config turns flash-attn off"
+            if has_paged_attention
+            else "exllamav2 found no flash-attn >= 2.5.7 it could import"
+        )
+        raise BackendError(
+            f"paged attention was chosen but {why}: set [backends.exllamav2] paged = false "
+            f"(jobs are then served one at a time), or fix flash-attn's install"
+        )
 
 
 # One run's numbers: the core's definition, so a run means the same for every backend.
@@ -116,8 +140,9 @@ class Engine(WorkerEngine):
         config.max_seq_len = settings.max_seq_len
         model = ExLlamaV2(config)
         cache_cls = getattr(exllamav2, CACHE_CLASSES[settings.cache_type])
-        cache = cache_cls(model, batch_size=settings.cache_batch_size,
-                          max_seq_len=settings.cache_max_seq_len, lazy=True)
+        cache = cache_cls(
+            model, batch_size=settings.cache_batch_size, max_seq_len=settings.cache_max_seq_len, lazy=True
+        )
         model.load_autosplit(cache, last_id_only=True)
         tokenizer = ExLlamaV2Tokenizer(config)
         self.model, self.cache, self.tokenizer, self.settings = model, cache, tokenizer, settings
@@ -126,8 +151,13 @@ class Engine(WorkerEngine):
         self.generator = None
         if settings.mode == "dynamic" and req.get("purpose", "measure") == "measure":
             self.generator = ExLlamaV2DynamicGenerator(
-                model=model, cache=cache, tokenizer=tokenizer, max_batch_size=settings.max_batch_size,
-                max_seq_len=settings.max_seq_len, paged=settings.paged)
+                model=model,
+                cache=cache,
+                tokenizer=tokenizer,
+                max_batch_size=settings.max_batch_size,
+                max_seq_len=settings.max_seq_len,
+                paged=settings.paged,
+            )
             self.generator.warmup()  # kernel autotuning, per the generator's own docstring
         flags = {
             "flash_attn": bool(exl2_attn.has_flash_attn) and not config.no_flash_attn,
@@ -135,9 +165,17 @@ class Engine(WorkerEngine):
             "sdpa": bool(exl2_attn.has_lower_right_sdpa) and not config.no_sdpa,
         }
         flash_version = getattr(sys.modules.get("flash_attn"), "__version__", None)
-        return self.load_reply(started, {"path": attention_path(flags, settings.paged), "paged": settings.paged,
-                                         "mode": settings.mode, "flash_attn_version": flash_version, **flags},
-                               exllamav2.__version__)
+        return self.load_reply(
+            started,
+            {
+                "path": attention_path(flags, settings.paged),
+                "paged": settings.paged,
+                "mode": settings.mode,
+                "flash_attn_version": flash_version,
+                **flags,
+            },
+            exllamav2.__version__,
+        )
 
     # -------------------------------------------------------------- generation
 
@@ -145,8 +183,9 @@ class Engine(WorkerEngine):
         """``n_jobs`` requests of one shape, enqueued together (:meth:`_dynamic_load`)."""
         return self._dynamic_load([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
 
-    def _dynamic_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
-                      arrivals: Sequence[float] | None) -> list[StreamResult]:
+    def _dynamic_load(
+        self, lengths: Sequence[Sequence[int]], concurrency: int, arrivals: Sequence[float] | None
+    ) -> list[StreamResult]:
         """A workload's requests (autotune.engine.workload) through the dynamic generator, after its
         cached pages are forgotten (:func:`.worker_engine.run_requests`)."""
         from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
@@ -154,8 +193,16 @@ class Engine(WorkerEngine):
         gen = self.generator
         gen.reset_page_table()
         greedy = ExLlamaV2Sampler.Settings.greedy()
-        return run_requests(gen, self._prompt_tensor, lambda ids, n_out, k: ExLlamaV2DynamicJob(
-            input_ids=ids, max_new_tokens=n_out, gen_settings=greedy, identifier=k), lengths, concurrency, arrivals)
+        return run_requests(
+            gen,
+            self._prompt_tensor,
+            lambda ids, n_out, k: ExLlamaV2DynamicJob(
+                input_ids=ids, max_new_tokens=n_out, gen_settings=greedy, identifier=k
+            ),
+            lengths,
+            concurrency,
+            arrivals,
+        )
 
     def _batched(self, n_rows: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
         torch = self.torch
@@ -168,7 +215,9 @@ class Engine(WorkerEngine):
             if prompt_tokens > 1:
                 model.forward(ids[:, :-1], cache, preprocess_only=True)
             logits = model.forward(ids[:, -1:], cache)
-            token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True).cpu()  # input ids live on the CPU (embed_cpu)
+            token = (
+                logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True).cpu()
+            )  # input ids live on the CPU (embed_cpu)
             torch.cuda.synchronize()
             first = time.monotonic()
             for _ in range(output_tokens - 1):
@@ -176,16 +225,18 @@ class Engine(WorkerEngine):
                 token = logits[:, -1, : self.vocab].argmax(dim=-1, keepdim=True).cpu()
             torch.cuda.synchronize()
         end = time.monotonic()
-        return [StreamResult.from_timestamps(prompt_tokens, output_tokens, start, first, end)
-                for _ in range(n_rows)]
+        return [StreamResult.from_timestamps(prompt_tokens, output_tokens, start, first, end) for _ in range(n_rows)]
 
-    def check_sample(self, settings: GeneratorSettings, prompt: int, output: int,
-                     lengths: Sequence[Sequence[int]]) -> None:
+    def check_sample(
+        self, settings: GeneratorSettings, prompt: int, output: int, lengths: Sequence[Sequence[int]]
+    ) -> None:
         if prompt + output > settings.max_seq_len:
             raise ConfigError(f"prompt {prompt} + output {output} tokens exceed max_seq_len {settings.max_seq_len}")
         if lengths and settings.mode != "dynamic":
-            raise ConfigError("a length distribution or Poisson arrivals need the dynamic generator: batched "
-                              "forward passes serve one request shape (rows of one length)")
+            raise ConfigError(
+                "a length distribution or Poisson arrivals need the dynamic generator: batched "
+                "forward passes serve one request shape (rows of one length)"
+            )
         longest = max((int(p) + int(o) for p, o in lengths), default=0)
         if longest > settings.max_seq_len:
             raise ConfigError(f"a request of {longest} tokens exceeds max_seq_len {settings.max_seq_len}")
@@ -242,13 +293,13 @@ class Engine(WorkerEngine):
             cont_ids = self.tokenizer.encode(continuation, add_bos=False)[0].tolist()
             if not cont_ids:
                 raise ConfigError(f"continuation {continuation[:40]!r} has no tokens")
-            tokens = (ctx_ids + cont_ids)[-settings.cache_max_seq_len:]
+            tokens = (ctx_ids + cont_ids)[-settings.cache_max_seq_len :]
             n = len(cont_ids)
             # The rows that predict the continuation come from a second pass over the cached
             # context, as when a server decodes an answer after its prompt.
             rows = self._logprobs(tokens, [0, len(tokens) - n - 1])
             # Row i predicts token i+1: the continuation's tokens are predicted by the rows before them.
-            pred = rows[len(tokens) - n - 1: len(tokens) - 1]
+            pred = rows[len(tokens) - n - 1 : len(tokens) - 1]
             target = self.torch.tensor(tokens[-n:], device=pred.device)
             logprob = float(pred.gather(1, target[:, None]).sum())
             greedy = bool((pred.argmax(dim=-1) == target).all())
@@ -256,8 +307,13 @@ class Engine(WorkerEngine):
         return {"results": out}
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Mapping[str, Any]]]:
-        return {"load": self.load, "sample": self.sample, "tokenize": self.tokenize,
-                "loglikelihood": self.loglikelihood, "next_token_logprobs": self.next_token_logprobs}
+        return {
+            "load": self.load,
+            "sample": self.sample,
+            "tokenize": self.tokenize,
+            "loglikelihood": self.loglikelihood,
+            "next_token_logprobs": self.next_token_logprobs,
+        }
 
 
 def main() -> int:

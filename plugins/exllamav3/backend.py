@@ -38,12 +38,30 @@ from autotune.api import ArtifactMaker, part
 from autotune._builtin import Scoring
 from autotune._builtin import Splitting
 from autotune.api import (
-    AutotuneError, CacheType, MemoryEstimate, ModelSpec, Param, Setting, StudyContext, TrialConfig, WeightFormats,
-    deploy_line, parse_format,
+    AutotuneError,
+    CacheType,
+    MemoryEstimate,
+    ModelSpec,
+    Param,
+    Setting,
+    StudyContext,
+    TrialConfig,
+    WeightFormats,
+    deploy_line,
+    parse_format,
 )
 from autotune._builtin import (
-    ACCEPTANCE_ATTR, Acceptance, ConfigError, DefaultLaunch, SERVING_UNITS, Workload, cuda_visible, engine_environment, is_format,
-    model_from_hf_config, path_problem,
+    ACCEPTANCE_ATTR,
+    Acceptance,
+    ConfigError,
+    DefaultLaunch,
+    SERVING_UNITS,
+    Workload,
+    cuda_visible,
+    engine_environment,
+    is_format,
+    model_from_hf_config,
+    path_problem,
 )
 from autotune._builtin import read_config_json
 
@@ -52,15 +70,33 @@ from autotune_plugins.shared.worker_process import default_worker_command as _wo
 from autotune_plugins.exllamav3 import declarations, draft_memory, memory, speculation, split
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
 from autotune_plugins.exllamav3.generator_settings import (
-    DEFAULT_CHUNK, GeneratorSettings, chunk_problem, generator_settings, normalize_cache_type, pages_per_job)
+    DEFAULT_CHUNK,
+    GeneratorSettings,
+    chunk_problem,
+    generator_settings,
+    normalize_cache_type,
+    pages_per_job,
+)
 from autotune_plugins.exllamav3.recipes import convert_args_problem, exl3_recipe
 
-__all__ = ["DEFAULT_CACHES", "ExLlamaV3Backend", "INSTALL", "SETTINGS", "UNITS", "default_worker_command",
-           "deploy_for", "per_card", "placement_of", "tabbyapi_args"]
+__all__ = [
+    "DEFAULT_CACHES",
+    "ExLlamaV3Backend",
+    "INSTALL",
+    "SETTINGS",
+    "UNITS",
+    "default_worker_command",
+    "deploy_for",
+    "per_card",
+    "placement_of",
+    "tabbyapi_args",
+]
 
 UNITS = SERVING_UNITS
-INSTALL = ("pip install -e '.[exllamav3]' in autotune's checkout (exllamav3==1.6.5 and torch; exllamav3 compiles "
-           "its CUDA extension at first import, so the CUDA toolkit's nvcc must be on PATH)")
+INSTALL = (
+    "pip install -e '.[exllamav3]' in autotune's checkout (exllamav3==1.6.5 and torch; exllamav3 compiles "
+    "its CUDA extension at first import, so the CUDA toolkit's nvcc must be on PATH)"
+)
 # The space's cache types when the study names none: FP16 and the symmetric modes TabbyAPI's
 # legacy names stand for (backends/exllamav3/model.py create_cache: Q8 -> 8,8, Q6 -> 6,6,
 # Q4 -> 4,4), plus 2 bits; any k<K>v<V> is accepted when named.
@@ -75,32 +111,81 @@ def _head_bits_problem(value: float) -> str | None:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("python", str, None, "the interpreter that runs the worker and the converter, with torch and "
-            "exllamav3 (absent: autotune's own)"),
-    Setting("worker_command", list, None, "the worker's whole command line, replacing python -m "
-            "autotune_plugins.exllamav3.worker (tests run fake workers)", check=command_problem),
-    Setting("chunk_size", int, DEFAULT_CHUNK, "prefill chunk in tokens (Generator max_chunk_size, TabbyAPI "
-            "chunk_size), a multiple of 256; [space] chunk_size searches it instead", check=chunk_problem),
-    Setting("head_bits", float, EXL3_HEAD_BITS, "bits of the output head when an EXL3 format is made (the "
-            "converter's -hb)", check=_head_bits_problem),
+    Setting(
+        "python",
+        str,
+        None,
+        "the interpreter that runs the worker and the converter, with torch and exllamav3 (absent: autotune's own)",
+    ),
+    Setting(
+        "worker_command",
+        list,
+        None,
+        "the worker's whole command line, replacing python -m "
+        "autotune_plugins.exllamav3.worker (tests run fake workers)",
+        check=command_problem,
+    ),
+    Setting(
+        "chunk_size",
+        int,
+        DEFAULT_CHUNK,
+        "prefill chunk in tokens (Generator max_chunk_size, TabbyAPI "
+        "chunk_size), a multiple of 256; [space] chunk_size searches it instead",
+        check=chunk_problem,
+    ),
+    Setting(
+        "head_bits",
+        float,
+        EXL3_HEAD_BITS,
+        "bits of the output head when an EXL3 format is made (the converter's -hb)",
+        check=_head_bits_problem,
+    ),
     Setting("startup_timeout_s", float, 60.0, "seconds the worker may take to start", check=positive),
-    Setting("load_timeout_s", float, 1800.0, "seconds loading the model may take (the first load JIT-compiles "
-            "exllamav3's extension, many minutes; warmup compiles the Triton kernels)", check=positive),
+    Setting(
+        "load_timeout_s",
+        float,
+        1800.0,
+        "seconds loading the model may take (the first load JIT-compiles "
+        "exllamav3's extension, many minutes; warmup compiles the Triton kernels)",
+        check=positive,
+    ),
     Setting("request_timeout_s", float, 600.0, "seconds one measurement run may take", check=positive),
-    Setting("cuda_context_mib", float, float(memory.DEFAULT_CUDA_CONTEXT_MIB), "CUDA context, kernels and "
-            "workspaces in the memory estimate, MiB", check=lambda v: None if v >= 0 else "must be >= 0"),
-    Setting("scoring_ctx", int, SCORING_CTX, "tokens a quality scorer's cache holds (at most the model's "
-            "context)", check=lambda v: None if v >= 1 else "must be >= 1"),
-    Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
-            choices=tuple(UNITS)),
-    Setting("convert_args", list, [], "more arguments for exllamav3's converter when an EXL3 format is made, "
-            "e.g. [\"-cr\", \"100\"] (fewer calibration rows: faster); they are part of the artifact's cache key",
-            check=convert_args_problem),
+    Setting(
+        "cuda_context_mib",
+        float,
+        float(memory.DEFAULT_CUDA_CONTEXT_MIB),
+        "CUDA context, kernels and workspaces in the memory estimate, MiB",
+        check=lambda v: None if v >= 0 else "must be >= 0",
+    ),
+    Setting(
+        "scoring_ctx",
+        int,
+        SCORING_CTX,
+        "tokens a quality scorer's cache holds (at most the model's context)",
+        check=lambda v: None if v >= 1 else "must be >= 1",
+    ),
+    Setting(
+        "stability_metric",
+        str,
+        "aggregate_tok_s",
+        "the quantity whose spread decides when to stop",
+        choices=tuple(UNITS),
+    ),
+    Setting(
+        "convert_args",
+        list,
+        [],
+        "more arguments for exllamav3's converter when an EXL3 format is made, "
+        'e.g. ["-cr", "100"] (fewer calibration rows: faster); they are part of the artifact\'s cache key',
+        check=convert_args_problem,
+    ),
 )
 
 # And what compiles exllamav3's extension at its first import: nvcc on PATH, or where torch's
 # extension loader finds it (CUDA_HOME), unless the extension is prebuilt.
-_PREFLIGHT = preflight_script("exllamav3", """
+_PREFLIGHT = preflight_script(
+    "exllamav3",
+    """
 import shutil
 found["nvcc"] = shutil.which("nvcc") is not None
 found["cuda_home"] = None
@@ -112,7 +197,8 @@ if found["torch"]:
         pass
 if found["exllamav3"]:
     found["prebuilt_ext"] = importlib.util.find_spec("exllamav3_ext") is not None
-""")
+""",
+)
 
 
 WORKER = "autotune_plugins.exllamav3.worker"
@@ -131,11 +217,30 @@ def tabbyapi_args(s: GeneratorSettings, model_dir: Path) -> list[str]:
     :mod:`.generator_settings`). ``cuda_malloc_async false``: PyTorch's own caching allocator,
     the one the worker ran with (TabbyAPI's default is cudaMallocAsync, whose footprint differs).
     """
-    return ["--model-dir", str(model_dir.parent), "--model-name", model_dir.name, "--backend", "exllamav3",
-            "--max-seq-len", str(s.max_seq_len), "--cache-size", str(s.cache_tokens),
-            "--cache-mode", declarations.tabby_cache_mode(s.cache_type), "--max-batch-size", str(s.max_batch_size),
-            "--chunk-size", str(s.chunk_size), "--output-chunking", "false", "--cuda-malloc-async", "false",
-            *split.tabbyapi_split_args(s.gpu_split, s.tensor_parallel), *tabbyapi_draft_args(s)]
+    return [
+        "--model-dir",
+        str(model_dir.parent),
+        "--model-name",
+        model_dir.name,
+        "--backend",
+        "exllamav3",
+        "--max-seq-len",
+        str(s.max_seq_len),
+        "--cache-size",
+        str(s.cache_tokens),
+        "--cache-mode",
+        declarations.tabby_cache_mode(s.cache_type),
+        "--max-batch-size",
+        str(s.max_batch_size),
+        "--chunk-size",
+        str(s.chunk_size),
+        "--output-chunking",
+        "false",
+        "--cuda-malloc-async",
+        "false",
+        *split.tabbyapi_split_args(s.gpu_split, s.tensor_parallel),
+        *tabbyapi_draft_args(s),
+    ]
 
 
 def tabbyapi_draft_args(s: GeneratorSettings) -> list[str]:
@@ -154,17 +259,21 @@ def tabbyapi_draft_args(s: GeneratorSettings) -> list[str]:
     return out
 
 
-def deploy_for(s: GeneratorSettings, model_dir: Path, parallel: int, python: str = "python",
-               found: str = "measured") -> str:
+def deploy_for(
+    s: GeneratorSettings, model_dir: Path, parallel: int, python: str = "python", found: str = "measured"
+) -> str:
     """The deploy line that delivers what ``s`` measures (or the twin predicts): TabbyAPI."""
-    notes = [f"TabbyAPI, run from its checkout by the interpreter whose exllamav3 was {found} (config.yml "
-             "model: keys of the same names; cuda_malloc_async is under memory:)",
-             f"cache of {parallel} x pad256({s.max_seq_len} + 1{f' + {s.draft_tokens} drafted' if s.draft_tokens else ''}) "
-             f"= {s.cache_tokens} tokens: the {parallel} jobs run "
-             "together when clients send max_tokens (without it a job reserves max_seq_len)",
-             "--host 0.0.0.0 serves other machines"]
-    return deploy_line([python, "main.py", *tabbyapi_args(s, model_dir), "--host", "127.0.0.1", "--port", "5000"],
-                       notes)
+    notes = [
+        f"TabbyAPI, run from its checkout by the interpreter whose exllamav3 was {found} (config.yml "
+        "model: keys of the same names; cuda_malloc_async is under memory:)",
+        f"cache of {parallel} x pad256({s.max_seq_len} + 1{f' + {s.draft_tokens} drafted' if s.draft_tokens else ''}) "
+        f"= {s.cache_tokens} tokens: the {parallel} jobs run "
+        "together when clients send max_tokens (without it a job reserves max_seq_len)",
+        "--host 0.0.0.0 serves other machines",
+    ]
+    return deploy_line(
+        [python, "main.py", *tabbyapi_args(s, model_dir), "--host", "127.0.0.1", "--port", "5000"], notes
+    )
 
 
 class ExLlamaV3Artifacts(ArtifactMaker):
@@ -173,8 +282,15 @@ class ExLlamaV3Artifacts(ArtifactMaker):
         interpreter on the study's card."""
         b = self.backend
         version = b.engine_build(None).partition(" (")[0].replace(" ", "-")
-        return exl3_recipe(fmt, source, b.python(ctx), lambda: b.worker_env(ctx), version,
-                           tuple(b.value(ctx, "convert_args")), float(b.value(ctx, "head_bits")))
+        return exl3_recipe(
+            fmt,
+            source,
+            b.python(ctx),
+            lambda: b.worker_env(ctx),
+            version,
+            tuple(b.value(ctx, "convert_args")),
+            float(b.value(ctx, "head_bits")),
+        )
 
 
 class ExLlamaV3Scoring(Scoring):
@@ -220,12 +336,24 @@ class ExLlamaV3Backend(WorkerBackend):
                 if isinstance(value, str) and _is_cache(value) and value not in kept:
                     kept.append(value)
             caches = tuple(kept)
-        params = [Param("cache_type", caches, "KV-cache type: fp16 or k<K>v<V>, K and V bits 2-8 (TabbyAPI's "
-                        "cache_mode FP16 or \"K,V\")", accepted=CACHE_ACCEPTED)]
+        params = [
+            Param(
+                "cache_type",
+                caches,
+                'KV-cache type: fp16 or k<K>v<V>, K and V bits 2-8 (TabbyAPI\'s cache_mode FP16 or "K,V")',
+                accepted=CACHE_ACCEPTED,
+            )
+        ]
         if "chunk_size" in space:
             chunks = tuple(v for v in space["chunk_size"] if chunk_problem(v) is None)
-            params.append(Param("chunk_size", chunks, "prefill chunk (max_chunk_size, TabbyAPI chunk_size)",
-                                accepted=("a multiple of 256, at least 256",)))
+            params.append(
+                Param(
+                    "chunk_size",
+                    chunks,
+                    "prefill chunk (max_chunk_size, TabbyAPI chunk_size)",
+                    accepted=("a multiple of 256, at least 256",),
+                )
+            )
         return params + split.parameters(space) + speculation.parameters(space)
 
     def search_dimensions(self) -> list[Param]:
@@ -249,10 +377,14 @@ class ExLlamaV3Backend(WorkerBackend):
         model's own, ``cache_size`` = max_seq_len, FP16 cache, chunk 2048; one user."""
         model = self._model(weights, ctx)
         config = TrialConfig(self.name, weights, model.max_context, 1, (("cache_type", "fp16"),))
-        return DefaultLaunch(config, (
-            f"TabbyAPI's exllamav3 defaults: max_seq_len the model's own {model.max_context} tokens, cache_size the "
-            "same (here one page more where max_seq_len fills its pages: exllamav3 reserves one token past a job's "
-            "end), FP16 cache (cache_mode FP16), chunk_size 2048; one user"))
+        return DefaultLaunch(
+            config,
+            (
+                f"TabbyAPI's exllamav3 defaults: max_seq_len the model's own {model.max_context} tokens, cache_size the "
+                "same (here one page more where max_seq_len fills its pages: exllamav3 reserves one token past a job's "
+                "end), FP16 cache (cache_mode FP16), chunk_size 2048; one user"
+            ),
+        )
 
     def check_weights(self, weights: str, ctx: StudyContext) -> str | None:
         if is_format(weights, self.weight_formats):
@@ -276,8 +408,10 @@ class ExLlamaV3Backend(WorkerBackend):
         except AutotuneError as exc:
             return str(exc)
         if quant is None and not is_source:
-            return (f"{p}/config.json: no quantization_config with quant_method 'exl3' and bits (convert with "
-                    f"python -m exllamav3.conversion.convert_model -i SOURCE -o {p} -w WORKDIR -b BITS)")
+            return (
+                f"{p}/config.json: no quantization_config with quant_method 'exl3' and bits (convert with "
+                f"python -m exllamav3.conversion.convert_model -i SOURCE -o {p} -w WORKDIR -b BITS)"
+            )
         arch = declarations.architecture_problem(cfg, str(p / "config.json"))
         if arch:
             return arch
@@ -300,8 +434,10 @@ class ExLlamaV3Backend(WorkerBackend):
             reasons.append(str(exc))
         chunk = self._chunk(config, ctx)
         if chunk_problem(chunk):
-            reasons.append(f"chunk_size {chunk_problem(chunk)}: TabbyAPI rounds it up to one and the generator's "
-                           "shared_chunk_size must be a page multiple no larger than it")
+            reasons.append(
+                f"chunk_size {chunk_problem(chunk)}: TabbyAPI rounds it up to one and the generator's "
+                "shared_chunk_size must be a page multiple no larger than it"
+            )
         if config.ctx > model.max_context:
             reasons.append(f"ctx {config.ctx} exceeds the model's max_position_embeddings {model.max_context}")
         hf_config = self._hf_config(config.weights, ctx)
@@ -312,8 +448,10 @@ class ExLlamaV3Backend(WorkerBackend):
         draft_dir = self._made(draft, ctx) if isinstance(draft, str) else None
         reasons += speculation.check(config, hf_config, model_from_hf_config(draft_dir) if draft_dir else None, model)
         if quantized and model.kv_dim % 32:
-            reasons.append(f"cache_type {config.option('cache_type')}: the model's K/V width {model.kv_dim} is not a "
-                           "multiple of 32, the group a quantized cache packs and scales (cache/quant.py token_dim // 32)")
+            reasons.append(
+                f"cache_type {config.option('cache_type')}: the model's K/V width {model.kv_dim} is not a "
+                "multiple of 32, the group a quantized cache packs and scales (cache/quant.py token_dim // 32)"
+            )
         return reasons
 
     # -------------------------------------------------------------- settings
@@ -321,20 +459,27 @@ class ExLlamaV3Backend(WorkerBackend):
     def generator_settings(self, config: TrialConfig, ctx: StudyContext) -> GeneratorSettings:
         """The generator a trial measures and its deploy line serves: one object for both."""
         draft = config.option("draft")
-        return generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel,
-                                  self._chunk(config, ctx), *placement_of(config, ctx),
-                                  spec_type=config.option("spec_type", "none"),
-                                  draft_tokens=speculation.draft_tokens(config),
-                                  ngram_match_min=speculation.ngram_match(config),
-                                  draft_cache_type=config.option("draft_cache_type", "fp16"),
-                                  draft_dir=str(self.weights_path(draft, ctx)) if isinstance(draft, str) else "")
+        return generator_settings(
+            config.option("cache_type", "fp16"),
+            config.ctx,
+            config.parallel,
+            self._chunk(config, ctx),
+            *placement_of(config, ctx),
+            spec_type=config.option("spec_type", "none"),
+            draft_tokens=speculation.draft_tokens(config),
+            ngram_match_min=speculation.ngram_match(config),
+            draft_cache_type=config.option("draft_cache_type", "fp16"),
+            draft_dir=str(self.weights_path(draft, ctx)) if isinstance(draft, str) else "",
+        )
 
     def preflight_more(self, found: Mapping[str, Any], python: str) -> list[str]:
         """nvcc to compile exllamav3's extension at first import, unless it is prebuilt."""
         if not found.get("prebuilt_ext") and not found.get("nvcc") and not found.get("cuda_home"):
-            return [f"exllamav3 in {python} has no prebuilt extension and no CUDA toolkit is found (nvcc not on "
-                    "PATH, no CUDA_HOME): it compiles exllamav3_ext at first import (exllamav3/ext.py); install "
-                    "the CUDA toolkit or set CUDA_HOME"]
+            return [
+                f"exllamav3 in {python} has no prebuilt extension and no CUDA toolkit is found (nvcc not on "
+                "PATH, no CUDA_HOME): it compiles exllamav3_ext at first import (exllamav3/ext.py); install "
+                "the CUDA toolkit or set CUDA_HOME"
+            ]
         return []
 
     # -------------------------------------------------------------- memory
@@ -351,8 +496,13 @@ class ExLlamaV3Backend(WorkerBackend):
             weights = memory.exl3_dir_weights(made, model.tie_embeddings)
         mem = memory.estimate_for(model, weights, settings, ctx.workload.prompt_tokens, context)
         draft = config.option("draft")
-        mem = draft_memory.with_draft(mem, model, settings, self._draft_bytes(draft, ctx) if isinstance(draft, str)
-                                      else None, speculation.mtp_layers(self._hf_config(config.weights, ctx)))
+        mem = draft_memory.with_draft(
+            mem,
+            model,
+            settings,
+            self._draft_bytes(draft, ctx) if isinstance(draft, str) else None,
+            speculation.mtp_layers(self._hf_config(config.weights, ctx)),
+        )
         return per_card(mem, model, weights, settings, ctx)
 
     def _draft_bytes(self, draft: str, ctx: StudyContext) -> tuple[str, ModelSpec, memory.Exl3Weights]:
@@ -373,15 +523,20 @@ class ExLlamaV3Backend(WorkerBackend):
     # -------------------------------------------------------------- commands
 
     def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
-        return deploy_for(self.generator_settings(config, ctx), self.weights_path(config.weights, ctx),
-                          config.parallel, self.python(ctx))
+        return deploy_for(
+            self.generator_settings(config, ctx),
+            self.weights_path(config.weights, ctx),
+            config.parallel,
+            self.python(ctx),
+        )
 
     # -------------------------------------------------------------- run
 
     def refuse_run(self, config: TrialConfig, settings: GeneratorSettings, wl: Workload) -> None:
         if wl.prompt_tokens + wl.output_tokens > settings.max_seq_len:
-            raise ConfigError(f"the workload's prompt {wl.prompt_tokens} + output {wl.output_tokens} tokens exceed "
-                              f"ctx {config.ctx}")
+            raise ConfigError(
+                f"the workload's prompt {wl.prompt_tokens} + output {wl.output_tokens} tokens exceed ctx {config.ctx}"
+            )
 
     def replies_attrs(self, replies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """The trial's acceptance: the worker's draft counters (the generator's per-job
@@ -390,8 +545,9 @@ class ExLlamaV3Backend(WorkerBackend):
         counts = [r["drafts"] for r in replies if isinstance(r.get("drafts"), Mapping)]
         if not counts:
             return {}
-        acc = Acceptance(*(sum(int(c.get(k, 0)) for c in counts) for k in ("requests", "drafted", "accepted",
-                                                                            "generated")))
+        acc = Acceptance(
+            *(sum(int(c.get(k, 0)) for c in counts) for k in ("requests", "drafted", "accepted", "generated"))
+        )
         return {ACCEPTANCE_ATTR: acc.to_dict()}
 
     def generator_attrs(self, settings: GeneratorSettings) -> dict[str, Any]:
@@ -407,8 +563,9 @@ def placement_of(config: TrialConfig, ctx: StudyContext) -> tuple[str, bool]:
     return str(config.option("gpu_split", split.AUTO)), bool(config.option("tensor_parallel", False))
 
 
-def per_card(mem: MemoryEstimate, model: ModelSpec, weights: memory.Exl3Weights, settings: GeneratorSettings,
-             ctx: StudyContext) -> MemoryEstimate:
+def per_card(
+    mem: MemoryEstimate, model: ModelSpec, weights: memory.Exl3Weights, settings: GeneratorSettings, ctx: StudyContext
+) -> MemoryEstimate:
     """``mem`` with each card's share on a study of several (:func:`.memory.per_card`): exllamav3
     fills ``gpu_split`` GiB on each card, or with ``auto`` each card's budget less TabbyAPI's
     reserve; ``mem`` unchanged on one card. The real backend and its twin both call it."""

@@ -17,8 +17,17 @@ from fractions import Fraction
 from autotune.api import CacheType, WeightFormats
 from autotune_plugins.exllamav3 import formats
 
-__all__ = ["ARCHITECTURES", "CACHE_BITS", "CACHE_TYPES", "EXL3", "PYTHON_ENGINE_VARIABLES", "architecture_problem",
-           "cache_kv_bits", "quant_cache_name", "tabby_cache_mode"]
+__all__ = [
+    "ARCHITECTURES",
+    "CACHE_BITS",
+    "CACHE_TYPES",
+    "EXL3",
+    "PYTHON_ENGINE_VARIABLES",
+    "architecture_problem",
+    "cache_kv_bits",
+    "quant_cache_name",
+    "tabby_cache_mode",
+]
 
 _FAMILY = "exllamav3"
 # CacheLayer_quant (cache/quant.py) asserts 2 <= k_bits <= 8 and 2 <= v_bits <= 8.
@@ -47,8 +56,14 @@ def quant_cache_name(k_bits: int, v_bits: int) -> str:
 def _quant(k: int, v: int) -> CacheType:
     # bits: the nominal precision a study compares engines by; K and V averaged, rounded down,
     # so that k4v6 (5) is not taken for a q6 of another engine.
-    return CacheType(quant_cache_name(k, v), _FAMILY, Fraction(k + v + 1, 16),
-                     f"{_QUANT}: K {k}/8 + 1/16, V {v}/8 + 1/16 (mean)", (k + v) // 2, dequant_layers=1)
+    return CacheType(
+        quant_cache_name(k, v),
+        _FAMILY,
+        Fraction(k + v + 1, 16),
+        f"{_QUANT}: K {k}/8 + 1/16, V {v}/8 + 1/16 (mean)",
+        (k + v) // 2,
+        dequant_layers=1,
+    )
 
 
 # fp16: cache/fp16.py CacheLayer_fp16, K and V as torch.half, no overhead_size.
@@ -86,28 +101,82 @@ def tabby_cache_mode(cache_type: str) -> str:
 # The config.json architectures exllamav3 1.6.5 loads (exllamav3/architecture/*.py arch_string,
 # gathered by architecture/architectures.py); model/config.py Config.from_directory asserts
 # "Unknown architecture ..." for any other, and exactly one.
-ARCHITECTURES = frozenset((
-    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BailingMoeV3ForCausalLM",
-    "Cohere2ForCausalLM", "CohereForCausalLM", "DFlash2DraftModel", "DFlashDraftModel",
-    "DFlashLagunaForCausalLM", "DeciLMForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM",
-    "Dots1ForCausalLM", "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4AssistantForCausalLM",
-    "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "Glm4ForCausalLM",
-    "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Glm4vForConditionalGeneration",
-    "Glm4vMoeForConditionalGeneration", "Glm5NextForConditionalGeneration", "GlmMoeDsaForCausalLM",
-    "GptOssForCausalLM", "HCXVisionV2ForCausalLM", "HYV3ForCausalLM", "HyperCLOVAXForCausalLM",
-    "IQuestCoderForCausalLM", "KimiLinearForCausalLM", "LagunaForCausalLM", "Lfm2ForCausalLM",
-    "Lfm2MoeForCausalLM", "Lfm2VlForConditionalGeneration", "LlamaForCausalLM", "MiMoForCausalLM",
-    "MiMoV2ForCausalLM", "MiniMaxM2ForCausalLM", "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration",
-    "MistralForCausalLM", "MixtralForCausalLM", "MuseGlimmerAssistantModel",
-    "MuseGlimmerForConditionalGeneration", "NemotronHForCausalLM", "NemotronH_Omni_Reasoning_V3",
-    "Olmo3ForCausalLM", "OlmoHybridForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
-    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForCausalLM",
-    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-    "Qwen4ExpForConditionalGeneration", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
-    "Spark2_5ForCausalLM", "Step3p5ForCausalLM", "Step3p7ForConditionalGeneration",
-))
+ARCHITECTURES = frozenset(
+    (
+        "AfmoeForCausalLM",
+        "ApertusForCausalLM",
+        "ArceeForCausalLM",
+        "BailingMoeV3ForCausalLM",
+        "Cohere2ForCausalLM",
+        "CohereForCausalLM",
+        "DFlash2DraftModel",
+        "DFlashDraftModel",
+        "DFlashLagunaForCausalLM",
+        "DeciLMForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV4ForCausalLM",
+        "Dots1ForCausalLM",
+        "Ernie4_5_ForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
+        "Exaone4ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
+        "Gemma4AssistantForCausalLM",
+        "Gemma4ForConditionalGeneration",
+        "Gemma4UnifiedForConditionalGeneration",
+        "Glm4ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "Glm4vForConditionalGeneration",
+        "Glm4vMoeForConditionalGeneration",
+        "Glm5NextForConditionalGeneration",
+        "GlmMoeDsaForCausalLM",
+        "GptOssForCausalLM",
+        "HCXVisionV2ForCausalLM",
+        "HYV3ForCausalLM",
+        "HyperCLOVAXForCausalLM",
+        "IQuestCoderForCausalLM",
+        "KimiLinearForCausalLM",
+        "LagunaForCausalLM",
+        "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM",
+        "Lfm2VlForConditionalGeneration",
+        "LlamaForCausalLM",
+        "MiMoForCausalLM",
+        "MiMoV2ForCausalLM",
+        "MiniMaxM2ForCausalLM",
+        "Ministral3ForCausalLM",
+        "Mistral3ForConditionalGeneration",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "MuseGlimmerAssistantModel",
+        "MuseGlimmerForConditionalGeneration",
+        "NemotronHForCausalLM",
+        "NemotronH_Omni_Reasoning_V3",
+        "Olmo3ForCausalLM",
+        "OlmoHybridForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen4ExpForConditionalGeneration",
+        "SeedOssForCausalLM",
+        "SmolLM3ForCausalLM",
+        "SolarOpenForCausalLM",
+        "Spark2_5ForCausalLM",
+        "Step3p5ForCausalLM",
+        "Step3p7ForConditionalGeneration",
+    )
+)
 
 
 def architecture_problem(cfg: dict, where: str) -> str | None:
@@ -116,9 +185,11 @@ def architecture_problem(cfg: dict, where: str) -> str | None:
     if not isinstance(archs, list) or len(archs) != 1:
         return f"{where}: architectures = {archs!r}: exllamav3 needs exactly one (model/config.py)"
     if archs[0] not in ARCHITECTURES:
-        return (f"{where}: architecture {archs[0]!r} is not one exllamav3 1.6.5 loads (model/config.py: "
-                f"\"Unknown architecture\"); it loads {len(ARCHITECTURES)}, e.g. LlamaForCausalLM, Qwen2ForCausalLM, "
-                "Qwen3ForCausalLM, MistralForCausalLM, Gemma3ForCausalLM")
+        return (
+            f"{where}: architecture {archs[0]!r} is not one exllamav3 1.6.5 loads (model/config.py: "
+            f'"Unknown architecture"); it loads {len(ARCHITECTURES)}, e.g. LlamaForCausalLM, Qwen2ForCausalLM, '
+            "Qwen3ForCausalLM, MistralForCausalLM, Gemma3ForCausalLM"
+        )
     return None
 
 
@@ -126,9 +197,15 @@ def architecture_problem(cfg: dict, where: str) -> str | None:
 # model directory as it is (modules/linear.py load_fp16, LinearFP16), and that source is the
 # quality reference (init checks check_weights on the source).
 EXL3 = WeightFormats(
-    "exl3", "exl3:<bpw>", offered=("exl3:8.0", "exl3:6.0", "exl3:5.0", "exl3:4.0", "exl3:3.0", "exl3:2.0"),
-    accepts=formats.ACCEPTS, parse=formats.bpw_of, spell=formats.spell, predict=formats.exl3_weights,
-    bits=formats.bits_per_weight, quote=formats.quote,
+    "exl3",
+    "exl3:<bpw>",
+    offered=("exl3:8.0", "exl3:6.0", "exl3:5.0", "exl3:4.0", "exl3:3.0", "exl3:2.0"),
+    accepts=formats.ACCEPTS,
+    parse=formats.bpw_of,
+    spell=formats.spell,
+    predict=formats.exl3_weights,
+    bits=formats.bits_per_weight,
+    quote=formats.quote,
 )
 
 # What a Python engine (the worker, the converter, TabbyAPI) needs of autotune's environment
@@ -136,6 +213,20 @@ EXL3 = WeightFormats(
 # torch's and Hugging Face's caches, the compiler torch's extension loader builds exllamav3's
 # extension with at first import (exllamav3/ext.py, torch.utils.cpp_extension.load), and
 # exllamav3's own switches (doc/env_vars.md: EXL3_*).
-PYTHON_ENGINE_VARIABLES = ("PYTHON*", "VIRTUAL_ENV", "CONDA_*", "TORCH_*", "PYTORCH_*", "TRITON_*", "HF_*",
-                           "TRANSFORMERS_*", "NCCL_*", "CC", "CXX", "CUDAHOSTCXX", "CUDA_HOME", "MAX_JOBS",
-                           "EXL3_*")
+PYTHON_ENGINE_VARIABLES = (
+    "PYTHON*",
+    "VIRTUAL_ENV",
+    "CONDA_*",
+    "TORCH_*",
+    "PYTORCH_*",
+    "TRITON_*",
+    "HF_*",
+    "TRANSFORMERS_*",
+    "NCCL_*",
+    "CC",
+    "CXX",
+    "CUDAHOSTCXX",
+    "CUDA_HOME",
+    "MAX_JOBS",
+    "EXL3_*",
+)

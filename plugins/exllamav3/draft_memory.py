@@ -22,8 +22,13 @@ __all__ = ["with_draft"]
 MiB = 2**20
 
 
-def with_draft(target: MemoryEstimate, model: ModelSpec, settings: GeneratorSettings,
-               draft: tuple[str, ModelSpec, memory.Exl3Weights] | None, mtp_layers: int | None) -> MemoryEstimate:
+def with_draft(
+    target: MemoryEstimate,
+    model: ModelSpec,
+    settings: GeneratorSettings,
+    draft: tuple[str, ModelSpec, memory.Exl3Weights] | None,
+    mtp_layers: int | None,
+) -> MemoryEstimate:
     """``target`` with the drafter's weights, cache and transients added.
 
     Args:
@@ -38,17 +43,35 @@ def with_draft(target: MemoryEstimate, model: ModelSpec, settings: GeneratorSett
         # weights are counted with the target's directory (every tensor in its safetensors).
         head = replace(model, n_layers=max(1, mtp_layers or 1))
         cache = memory.cache_bytes(head, k, v, settings.cache_tokens)
-        return replace(target, kv_bytes=target.kv_bytes + cache, notes=(*target.notes, (
-            f"mtp head: {head.n_layers} layer(s), cache {settings.draft_cache_type} {cache / MiB:.1f} MiB; its "
-            "weights are in the target's files, counted there")))
+        return replace(
+            target,
+            kv_bytes=target.kv_bytes + cache,
+            notes=(
+                *target.notes,
+                (
+                    f"mtp head: {head.n_layers} layer(s), cache {settings.draft_cache_type} {cache / MiB:.1f} MiB; its "
+                    "weights are in the target's files, counted there"
+                ),
+            ),
+        )
     if settings.spec_type != "draft" or draft is None:
         return target
     name, shape, w = draft
     cache = memory.cache_bytes(shape, k, v, settings.cache_tokens)
     attn, mlp, logits = memory.transient_bytes(shape, settings)
     buffers = max(target.buffers_bytes, max(attn, mlp) + logits)
-    return replace(target, weights_bytes=target.weights_bytes + w.gpu_bytes, kv_bytes=target.kv_bytes + cache,
-                   buffers_bytes=buffers, host_bytes=target.host_bytes + w.host_bytes, notes=(*target.notes, (
-                       f"draft {name}: {w.gpu_bytes / MiB:.1f} MiB weights ({w.host_bytes / MiB:.1f} MiB "
-                       f"embedding in host memory), cache {settings.draft_cache_type} of {settings.cache_tokens} "
-                       f"tokens {cache / MiB:.1f} MiB (the target's size, asserted by the generator)")))
+    return replace(
+        target,
+        weights_bytes=target.weights_bytes + w.gpu_bytes,
+        kv_bytes=target.kv_bytes + cache,
+        buffers_bytes=buffers,
+        host_bytes=target.host_bytes + w.host_bytes,
+        notes=(
+            *target.notes,
+            (
+                f"draft {name}: {w.gpu_bytes / MiB:.1f} MiB weights ({w.host_bytes / MiB:.1f} MiB "
+                f"embedding in host memory), cache {settings.draft_cache_type} of {settings.cache_tokens} "
+                f"tokens {cache / MiB:.1f} MiB (the target's size, asserted by the generator)"
+            ),
+        ),
+    )

@@ -34,15 +34,22 @@ class ExLlamaV3Model(EngineModel):
     twin_class = "TwinExllamaV3"
     twin_description = "digital twin of exllamav3's paged generator (physics, no GPU needed)"
     artifacts = ("exl3",)
-    artifact_words = {"exl3": ("an EXL3 directory",
-                               "EXL3 directories (config.json with quantization_config.quant_method \"exl3\")")}
+    artifact_words = {
+        "exl3": ("an EXL3 directory", 'EXL3 directories (config.json with quantization_config.quant_method "exl3")')
+    }
     constants_file = Path(__file__).with_name("engine_model.toml")
 
     def parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         """``cache_type`` only: exllamav3 attends with its own Triton kernels, fused always."""
         offered = ("fp16", "k8v8", "k6v6", "k4v4") if "cache_type" not in space else self.cache_types
-        return [Param("cache_type", kept(space, "cache_type", offered),
-                      "KV-cache type: fp16 or k<K>v<V>, K and V bits 2-8", accepted=self.cache_types)]
+        return [
+            Param(
+                "cache_type",
+                kept(space, "cache_type", offered),
+                "KV-cache type: fp16 or k<K>v<V>, K and V bits 2-8",
+                accepted=self.cache_types,
+            )
+        ]
 
     def placement_parameters(self, space: Mapping[str, Sequence[Any]]) -> list[Param]:
         """``gpu_split``, ``tensor_parallel`` (split.py), as the real backend names them."""
@@ -54,11 +61,17 @@ class ExLlamaV3Model(EngineModel):
     def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
         return split.space(ctx, ctx.model, _source_config(ctx))
 
-    def placement_memory(self, mem: MemoryEstimate, s: Any, config: TrialConfig,
-                         ctx: StudyContext) -> MemoryEstimate | None:
+    def placement_memory(
+        self, mem: MemoryEstimate, s: Any, config: TrialConfig, ctx: StudyContext
+    ) -> MemoryEstimate | None:
         """The real backend's per-card model (backend.per_card) on the twin's predicted bytes."""
-        w = memory.Exl3Weights(gpu_bytes=mem.weights_bytes, host_bytes=mem.host_bytes, n_tensors=0,
-                               files=("(predicted by the twin)",), per_layer_bytes=tuple(s.weights.per_layer_bytes))
+        w = memory.Exl3Weights(
+            gpu_bytes=mem.weights_bytes,
+            host_bytes=mem.host_bytes,
+            n_tensors=0,
+            files=("(predicted by the twin)",),
+            per_layer_bytes=tuple(s.weights.per_layer_bytes),
+        )
         settings = generator_settings(s.cache_type, s.ctx, s.parallel, DEFAULT_CHUNK, *placement_of(config, ctx))
         return per_card(mem, s.model, w, settings, ctx)
 
@@ -83,8 +96,9 @@ class ExLlamaV3Model(EngineModel):
         """The exllamav3 backend's own TabbyAPI line for the generator predicted."""
         _, bpw = parse_format(twin.as_format(config.weights, ctx), self.weight_formats)
         path = twin.weights_file(config.weights, ctx) or Path("models") / f"{ctx.model.key}-exl3-{bpw}bpw"
-        settings = generator_settings(config.option("cache_type", "fp16"), config.ctx, config.parallel,
-                                      DEFAULT_CHUNK, *placement_of(config, ctx))
+        settings = generator_settings(
+            config.option("cache_type", "fp16"), config.ctx, config.parallel, DEFAULT_CHUNK, *placement_of(config, ctx)
+        )
         return deploy_for(settings, path, config.parallel, found="predicted")
 
     def directory_format(self, directory: Any, check: bool = False) -> str | None:

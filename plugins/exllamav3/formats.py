@@ -27,8 +27,20 @@ from autotune._builtin import ConfigError
 # directory's quote, the bpw spelling (two decimals, as both converters record it).
 from autotune_plugins.shared.quant_config import bpw_within, quantization_config, quote_directory, spell
 
-__all__ = ["ACCEPTS", "EXL3_BPW_MAX", "EXL3_BPW_MIN", "EXL3_HEAD_BITS", "Exl3Quantization", "bits_per_weight", "bpw_of",
-           "exl3_quantization", "exl3_weights", "head_bits_ok", "quote", "spell"]
+__all__ = [
+    "ACCEPTS",
+    "EXL3_BPW_MAX",
+    "EXL3_BPW_MIN",
+    "EXL3_HEAD_BITS",
+    "Exl3Quantization",
+    "bits_per_weight",
+    "bpw_of",
+    "exl3_quantization",
+    "exl3_weights",
+    "head_bits_ok",
+    "quote",
+    "spell",
+]
 
 # convert_model.py prepare(): "--bits must be between 1 and 8".
 EXL3_BPW_MIN = 1.0
@@ -60,8 +72,10 @@ def exl3_quantization(cfg: Mapping[str, Any], where: str | os.PathLike[str] = "c
     q = quantization_config(cfg, "exl3")
     if q is not None:
         if isinstance(q["bits"], bool) or not EXL3_BPW_MIN <= q["bits"] <= EXL3_BPW_MAX:
-            raise ConfigError(f"{where}: quantization_config.bits = {q['bits']!r}: an EXL3 model has "
-                              f"{EXL3_BPW_MIN} to {EXL3_BPW_MAX} bits per weight")
+            raise ConfigError(
+                f"{where}: quantization_config.bits = {q['bits']!r}: an EXL3 model has "
+                f"{EXL3_BPW_MIN} to {EXL3_BPW_MAX} bits per weight"
+            )
         head = q.get("head_bits")
         head_bits = float(head) if isinstance(head, (int, float)) and not isinstance(head, bool) else None
         return Exl3Quantization(float(q["bits"]), head_bits)

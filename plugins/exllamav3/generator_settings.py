@@ -46,8 +46,16 @@ from autotune_plugins.shared.generator_record import SettingsRecord
 from autotune_plugins.shared.paging import PAGE_SIZE, pad_to_page, pages_per_job  # noqa: F401  (this module's names, as before)
 from autotune_plugins.exllamav3.declarations import cache_kv_bits
 
-__all__ = ["DEFAULT_CHUNK", "PAGE_SIZE", "GeneratorSettings", "chunk_problem", "generator_settings",
-           "normalize_cache_type", "pad_to_page", "pages_per_job"]
+__all__ = [
+    "DEFAULT_CHUNK",
+    "PAGE_SIZE",
+    "GeneratorSettings",
+    "chunk_problem",
+    "generator_settings",
+    "normalize_cache_type",
+    "pad_to_page",
+    "pages_per_job",
+]
 
 DEFAULT_CHUNK = 2048  # Generator(max_chunk_size=2048), TabbyAPI chunk_size default 2048
 CACHE_ACCEPTED = "fp16 or k<K>v<V> with K and V from 2 to 8 (k8v8, k4v6, ...)"
@@ -130,10 +138,19 @@ class GeneratorSettings(SettingsRecord):
         return cache_kv_bits(self.draft_cache_type)
 
 
-def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int = DEFAULT_CHUNK,
-                       gpu_split: str = "", tensor_parallel: bool = False, spec_type: str = "none",
-                       draft_tokens: int = 0, ngram_match_min: int = 0,
-                       draft_cache_type: str = "fp16", draft_dir: str = "") -> GeneratorSettings:
+def generator_settings(
+    cache_type: str,
+    ctx: int,
+    parallel: int,
+    chunk_size: int = DEFAULT_CHUNK,
+    gpu_split: str = "",
+    tensor_parallel: bool = False,
+    spec_type: str = "none",
+    draft_tokens: int = 0,
+    ngram_match_min: int = 0,
+    draft_cache_type: str = "fp16",
+    draft_dir: str = "",
+) -> GeneratorSettings:
     """The cache and generator a trial gets.
 
     Args:
@@ -157,6 +174,17 @@ def generator_settings(cache_type: str, ctx: int, parallel: int, chunk_size: int
     cache = normalize_cache_type(cache_type)
     window = int(draft_tokens) if spec_type != "none" else 0
     cache_tokens = parallel * pages_per_job(ctx + window) * PAGE_SIZE
-    return GeneratorSettings(cache, ctx, cache_tokens, parallel, min(chunk_size, cache_tokens), gpu_split,
-                             bool(tensor_parallel), spec_type, window, int(ngram_match_min) if spec_type == "ngram" else 0,
-                             normalize_cache_type(draft_cache_type), draft_dir if spec_type == "draft" else "")
+    return GeneratorSettings(
+        cache,
+        ctx,
+        cache_tokens,
+        parallel,
+        min(chunk_size, cache_tokens),
+        gpu_split,
+        bool(tensor_parallel),
+        spec_type,
+        window,
+        int(ngram_match_min) if spec_type == "ngram" else 0,
+        normalize_cache_type(draft_cache_type),
+        draft_dir if spec_type == "draft" else "",
+    )

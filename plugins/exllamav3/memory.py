@@ -50,8 +50,20 @@ from autotune._builtin import read_safetensors_dir
 from autotune_plugins.exllamav3.generator_settings import PAGE_SIZE, GeneratorSettings, pages_per_job
 from autotune_plugins.exllamav3.split import kv_units
 
-__all__ = ["DEFAULT_CUDA_CONTEXT_MIB", "Exl3Weights", "MiB", "cache_bytes", "estimate", "estimate_for",
-           "autosplit_capacity", "exl3_dir_weights", "per_card", "predicted_exl3_weights", "staging_bytes", "transient_bytes"]
+__all__ = [
+    "DEFAULT_CUDA_CONTEXT_MIB",
+    "Exl3Weights",
+    "MiB",
+    "cache_bytes",
+    "estimate",
+    "estimate_for",
+    "autosplit_capacity",
+    "exl3_dir_weights",
+    "per_card",
+    "predicted_exl3_weights",
+    "staging_bytes",
+    "transient_bytes",
+]
 
 MiB = 2**20
 # exllamav3 1.6.5's own on an H200 (torch 2.11+cu130, driver 580): NVML's process total minus
@@ -92,9 +104,14 @@ class Exl3Weights:
 
 
 def _placed(w: WeightsBreakdown, n_tensors: int, files: tuple[str, ...]) -> Exl3Weights:
-    return Exl3Weights(gpu_bytes=replace(w, embedding_on_gpu=False).gpu_bytes, host_bytes=w.embedding_bytes,
-                       n_tensors=n_tensors, files=files, head_from_embedding=w.head_is_embedding,
-                       per_layer_bytes=tuple(w.per_layer_bytes))
+    return Exl3Weights(
+        gpu_bytes=replace(w, embedding_on_gpu=False).gpu_bytes,
+        host_bytes=w.embedding_bytes,
+        n_tensors=n_tensors,
+        files=files,
+        head_from_embedding=w.head_is_embedding,
+        per_layer_bytes=tuple(w.per_layer_bytes),
+    )
 
 
 def exl3_dir_weights(model_dir: str | os.PathLike[str], tied: bool) -> Exl3Weights:
@@ -168,16 +185,26 @@ def transient_bytes(model: ModelSpec, s: GeneratorSettings) -> tuple[int, int, i
     return attn, mlp, logits
 
 
-def estimate(model_dir: Path, settings: GeneratorSettings, prompt_tokens: int,
-             cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB) -> MemoryEstimate:
+def estimate(
+    model_dir: Path,
+    settings: GeneratorSettings,
+    prompt_tokens: int,
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB,
+) -> MemoryEstimate:
     """The predicted device memory of one trial on an EXL3 directory."""
     model = model_from_hf_config(model_dir)
-    return estimate_for(model, exl3_dir_weights(model_dir, model.tie_embeddings), settings, prompt_tokens,
-                        cuda_context_bytes)
+    return estimate_for(
+        model, exl3_dir_weights(model_dir, model.tie_embeddings), settings, prompt_tokens, cuda_context_bytes
+    )
 
 
-def estimate_for(model: ModelSpec, w: Exl3Weights, settings: GeneratorSettings, prompt_tokens: int,
-                 cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB) -> MemoryEstimate:
+def estimate_for(
+    model: ModelSpec,
+    w: Exl3Weights,
+    settings: GeneratorSettings,
+    prompt_tokens: int,
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB * MiB,
+) -> MemoryEstimate:
     """:func:`estimate` for a model and its weights' bytes given (a conversion not made yet).
 
     Args:
@@ -233,13 +260,19 @@ def _ratio_split(units: int, weights: Sequence[float]) -> list[int]:
         return [0] * len(weights)
     ideal = [units * w / total for w in weights]
     base = [int(x) for x in ideal]
-    for i in sorted(range(len(ideal)), key=lambda i: -(ideal[i] - int(ideal[i])))[:units - sum(base)]:
+    for i in sorted(range(len(ideal)), key=lambda i: -(ideal[i] - int(ideal[i])))[: units - sum(base)]:
         base[i] += 1
     return base
 
 
-def per_card(mem: MemoryEstimate, model: ModelSpec, w: Exl3Weights, settings: GeneratorSettings,
-             capacities: Sequence[int], tensor_parallel: bool) -> MemoryEstimate:
+def per_card(
+    mem: MemoryEstimate,
+    model: ModelSpec,
+    w: Exl3Weights,
+    settings: GeneratorSettings,
+    capacities: Sequence[int],
+    tensor_parallel: bool,
+) -> MemoryEstimate:
     """``mem`` (:func:`estimate_for`, one card) with each card's share (``per_device_bytes``).
 
     Args:
@@ -268,8 +301,10 @@ def per_card(mem: MemoryEstimate, model: ModelSpec, w: Exl3Weights, settings: Ge
     if not tensor_parallel:
         d = 0
         for need, kv_need in [(b, cache_layer) for b in layers] + [(head, 0)]:
-            while d < n - 1 and (weights[d] + kv[d] + need + kv_need + transient + staging + AUTOSPLIT_MARGIN
-                                 + mem.overhead_bytes > capacities[d]):
+            while d < n - 1 and (
+                weights[d] + kv[d] + need + kv_need + transient + staging + AUTOSPLIT_MARGIN + mem.overhead_bytes
+                > capacities[d]
+            ):
                 d += 1
             weights[d] += need
             kv[d] += kv_need
@@ -314,8 +349,18 @@ def per_card(mem: MemoryEstimate, model: ModelSpec, w: Exl3Weights, settings: Ge
     used = [d for d in range(n) if weights[d] or kv[d]]
     shares = tuple(weights[d] + kv[d] + buffers[d] + (mem.overhead_bytes if d in used else 0) for d in range(n))
     how = "tensor parallel" if tensor_parallel else "layer split"
-    note = (f"{how} over {len(used)} of {n} cards (exllamav3 may fill "
-            + ", ".join(f"{c / 2**30:.2f}" for c in capacities) + " GiB): per card "
-            + ", ".join(f"{d}: {b / 2**30:.2f} GiB" for d, b in enumerate(shares)))
-    return replace(mem, weights_bytes=sum(weights), kv_bytes=sum(kv), buffers_bytes=sum(buffers),
-                   overhead_bytes=mem.overhead_bytes * len(used), per_device_bytes=shares, notes=(*mem.notes, note))
+    note = (
+        f"{how} over {len(used)} of {n} cards (exllamav3 may fill "
+        + ", ".join(f"{c / 2**30:.2f}" for c in capacities)
+        + " GiB): per card "
+        + ", ".join(f"{d}: {b / 2**30:.2f} GiB" for d, b in enumerate(shares))
+    )
+    return replace(
+        mem,
+        weights_bytes=sum(weights),
+        kv_bytes=sum(kv),
+        buffers_bytes=sum(buffers),
+        overhead_bytes=mem.overhead_bytes * len(used),
+        per_device_bytes=shares,
+        notes=(*mem.notes, note),
+    )

@@ -40,8 +40,16 @@ CONVERTER_MODULE = "exllamav3.conversion.convert_model"
 CONVERT_S_PER_GIB = 285.0
 
 # What the recipe itself says to the converter: the same flag from the study would contradict it.
-OWN_FLAGS = {"-i": "--in_dir", "-o": "--out_dir", "-w": "--work_dir", "-b": "--bits", "-hb": "--head_bits",
-             "-r": "--resume", "-rcp": "--recipe", "-d": "--devices"}
+OWN_FLAGS = {
+    "-i": "--in_dir",
+    "-o": "--out_dir",
+    "-w": "--work_dir",
+    "-b": "--bits",
+    "-hb": "--head_bits",
+    "-r": "--resume",
+    "-rcp": "--recipe",
+    "-d": "--devices",
+}
 
 
 def convert_args_problem(args: list) -> str | None:
@@ -50,21 +58,45 @@ def convert_args_problem(args: list) -> str | None:
         return "must be a list of non-empty strings (arguments of python -m " + CONVERTER_MODULE + ")"
     own = sorted({a.partition("=")[0] for a in args} & (set(OWN_FLAGS) | set(OWN_FLAGS.values())))
     if own:
-        return (f"{', '.join(own)}: set by autotune for each format (the source, the output, the work directory, "
-                "the bits, the head bits, the card); accepted are the converter's other options, such as -cr, -cc, "
-                "-cb, -hq")
+        return (
+            f"{', '.join(own)}: set by autotune for each format (the source, the output, the work directory, "
+            "the bits, the head bits, the card); accepted are the converter's other options, such as -cr, -cc, "
+            "-cb, -hq"
+        )
     return None
 
 
-def converter_argv(python: str, source: Path, out: Path, work: Path, bpw: float, head_bits: float,
-                   extra: tuple[str, ...] = ()) -> list[str]:
+def converter_argv(
+    python: str, source: Path, out: Path, work: Path, bpw: float, head_bits: float, extra: tuple[str, ...] = ()
+) -> list[str]:
     """The converter's command line for one bitrate."""
-    return [python, "-m", CONVERTER_MODULE, "-i", str(source), "-o", str(out), "-w", str(work),
-            "-b", spell(bpw), "-hb", f"{head_bits:g}", *extra]
+    return [
+        python,
+        "-m",
+        CONVERTER_MODULE,
+        "-i",
+        str(source),
+        "-o",
+        str(out),
+        "-w",
+        str(work),
+        "-b",
+        spell(bpw),
+        "-hb",
+        f"{head_bits:g}",
+        *extra,
+    ]
 
 
-def exl3_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Callable[[], Mapping[str, str]],
-                tool: str, convert_args: tuple[str, ...] = (), head_bits: float = EXL3_HEAD_BITS) -> Recipe | None:
+def exl3_recipe(
+    fmt: str,
+    source: Path,
+    python: str,
+    env: Mapping[str, str] | Callable[[], Mapping[str, str]],
+    tool: str,
+    convert_args: tuple[str, ...] = (),
+    head_bits: float = EXL3_HEAD_BITS,
+) -> Recipe | None:
     """The recipe for ``fmt`` (``exl3:<bpw>``) from the Hugging Face directory ``source``.
 
     Args:
@@ -87,8 +119,10 @@ def exl3_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
         return None
     _, bpw = parse_format(fmt, (declarations.EXL3,))
     if not source.is_dir():
-        raise AutotuneError(f"{source}: EXL3 is converted from a Hugging Face model directory (config.json and "
-                            "*.safetensors), not a single file")
+        raise AutotuneError(
+            f"{source}: EXL3 is converted from a Hugging Face model directory (config.json and "
+            "*.safetensors), not a single file"
+        )
     model = model_from_hf_config(source)
     key_args = convert_args + (() if head_bits == EXL3_HEAD_BITS else ("-hb", f"{head_bits:g}"))
     if key_args:
@@ -101,18 +135,31 @@ def exl3_recipe(fmt: str, source: Path, python: str, env: Mapping[str, str] | Ca
         run_env = env() if callable(env) else env
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="exl3-work-", dir=out.parent) as work:
-            run_tool(converter_argv(python, inputs[0], out, Path(work), float(bpw), head_bits, convert_args),
-                     f"exllamav3 convert {inputs[0].name} -b {spell(bpw)}", say, env=run_env)
+            run_tool(
+                converter_argv(python, inputs[0], out, Path(work), float(bpw), head_bits, convert_args),
+                f"exllamav3 convert {inputs[0].name} -b {spell(bpw)}",
+                say,
+                env=run_env,
+            )
         # The converter exits 0 after refusing its arguments (" !! Error: ..."): only a
         # config.json that states EXL3 says it finished.
         cfg = out / "config.json"
         if not cfg.is_file() or exl3_quantization(read_config_json(out), cfg) is None:
             shutil.rmtree(out, ignore_errors=True)
-            raise AutotuneError(f"exllamav3 convert {inputs[0].name} -b {spell(bpw)} wrote no EXL3 config.json in "
-                                f"{out} (the converter prints ' !! Error: ...' and exits 0 when it refuses its "
-                                "arguments: see its output above)")
+            raise AutotuneError(
+                f"exllamav3 convert {inputs[0].name} -b {spell(bpw)} wrote no EXL3 config.json in "
+                f"{out} (the converter prints ' !! Error: ...' and exits 0 when it refuses its "
+                "arguments: see its output above)"
+            )
 
     args = "".join(" " + a for a in convert_args)
-    return Recipe(canonical, tool, f"exl3-{spell(bpw)}bpw", expected, convert,
-                  description=f"exllamav3 convert_model -b {spell(bpw)} -hb {head_bits:g}{args}",
-                  step="convert_exl3", seconds_per_gib=CONVERT_S_PER_GIB)
+    return Recipe(
+        canonical,
+        tool,
+        f"exl3-{spell(bpw)}bpw",
+        expected,
+        convert,
+        description=f"exllamav3 convert_model -b {spell(bpw)} -hb {head_bits:g}{args}",
+        step="convert_exl3",
+        seconds_per_gib=CONVERT_S_PER_GIB,
+    )

@@ -33,8 +33,13 @@ class ExLlamaV3Scorer(WorkerScorer):
     """A :class:`~autotune.engine.scoring.Scorer` over one exllamav3 worker that holds the model."""
 
     @classmethod
-    def open(cls, backend: "ExLlamaV3Backend", weights: str, cache_type: str,  # type: ignore[override]
-             ctx: StudyContext) -> "ExLlamaV3Scorer":
+    def open(
+        cls,
+        backend: "ExLlamaV3Backend",
+        weights: str,
+        cache_type: str,  # type: ignore[override]
+        ctx: StudyContext,
+    ) -> "ExLlamaV3Scorer":
         """Start a worker and load ``weights`` with a ``cache_type`` cache of ``scoring_ctx`` tokens
         (at most the model's context), prefilling in the backend's ``chunk_size``.
 
@@ -63,6 +68,11 @@ class ExLlamaV3Scorer(WorkerScorer):
         except BackendError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ScoringError(f"exllamav3 scorer for {path}: {exc}") from exc
-        return cls(worker, tmp, model.vocab_size, settings.max_seq_len,
-                   f"{path.name} (exllamav3, cache {settings.cache_type})",
-                   float(backend.setting(ctx, "request_timeout_s")))
+        return cls(
+            worker,
+            tmp,
+            model.vocab_size,
+            settings.max_seq_len,
+            f"{path.name} (exllamav3, cache {settings.cache_type})",
+            float(backend.setting(ctx, "request_timeout_s")),
+        )

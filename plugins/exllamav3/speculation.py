@@ -29,8 +29,20 @@ from autotune._builtin import ConditionalParam, ConfigError, kept
 
 from autotune_plugins.exllamav3.generator_settings import normalize_cache_type
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_NGRAM_MATCH", "KEYS", "MODEL_MODES", "RULES", "SPEC_TYPES",
-           "TABBY_DRAFT_MODE", "check", "draft_tokens", "mtp_layers", "ngram_match", "speculates"]
+__all__ = [
+    "DEFAULT_DRAFT_TOKENS",
+    "DEFAULT_NGRAM_MATCH",
+    "KEYS",
+    "MODEL_MODES",
+    "RULES",
+    "SPEC_TYPES",
+    "TABBY_DRAFT_MODE",
+    "check",
+    "draft_tokens",
+    "mtp_layers",
+    "ngram_match",
+    "speculates",
+]
 
 # Ours -> TabbyAPI's draft_mode (common/config_models.py DraftModelConfig: model, disabled, mtp, ngram).
 TABBY_DRAFT_MODE = {"none": "disabled", "draft": "model", "mtp": "mtp", "ngram": "ngram"}
@@ -50,12 +62,18 @@ RULES = (
 # counts its layers (the component is dropped when the count is 0). DeepseekV4 counts the
 # compress_ratios past num_hidden_layers instead (deepseek_v4.py: nextn "is unreliable").
 MTP_COUNT_KEYS = {
-    "BailingMoeV3ForCausalLM": "num_nextn_predict_layers", "Glm4MoeLiteForCausalLM": "num_nextn_predict_layers",
-    "Glm5NextForConditionalGeneration": "num_nextn_predict_layers", "GlmMoeDsaForCausalLM": "num_nextn_predict_layers",
-    "HYV3ForCausalLM": "num_nextn_predict_layers", "MiMoV2ForCausalLM": "num_nextn_predict_layers",
-    "NemotronHForCausalLM": "num_nextn_predict_layers", "NemotronH_Omni_Reasoning_V3": "num_nextn_predict_layers",
-    "Qwen3_5ForConditionalGeneration": "mtp_num_hidden_layers", "Qwen3_5ForCausalLM": "mtp_num_hidden_layers",
-    "Qwen3_5MoeForConditionalGeneration": "mtp_num_hidden_layers", "Qwen3_5MoeForCausalLM": "mtp_num_hidden_layers",
+    "BailingMoeV3ForCausalLM": "num_nextn_predict_layers",
+    "Glm4MoeLiteForCausalLM": "num_nextn_predict_layers",
+    "Glm5NextForConditionalGeneration": "num_nextn_predict_layers",
+    "GlmMoeDsaForCausalLM": "num_nextn_predict_layers",
+    "HYV3ForCausalLM": "num_nextn_predict_layers",
+    "MiMoV2ForCausalLM": "num_nextn_predict_layers",
+    "NemotronHForCausalLM": "num_nextn_predict_layers",
+    "NemotronH_Omni_Reasoning_V3": "num_nextn_predict_layers",
+    "Qwen3_5ForConditionalGeneration": "mtp_num_hidden_layers",
+    "Qwen3_5ForCausalLM": "mtp_num_hidden_layers",
+    "Qwen3_5MoeForConditionalGeneration": "mtp_num_hidden_layers",
+    "Qwen3_5MoeForCausalLM": "mtp_num_hidden_layers",
     "DeepseekV4ForCausalLM": "compress_ratios",
 }
 
@@ -81,26 +99,52 @@ def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
     """The speculation dimensions the space names (none unless it names ``spec_type``)."""
     if "spec_type" not in space:
         return []
-    params: list[Param] = [Param("spec_type", kept(space, "spec_type", SPEC_TYPES),
-                                 "drafting mode (TabbyAPI draft_mode: disabled, model, mtp, ngram)", accepted=SPEC_TYPES)]
+    params: list[Param] = [
+        Param(
+            "spec_type",
+            kept(space, "spec_type", SPEC_TYPES),
+            "drafting mode (TabbyAPI draft_mode: disabled, model, mtp, ngram)",
+            accepted=SPEC_TYPES,
+        )
+    ]
 
     def on(name: str, choices: tuple[Any, ...], doc: str, modes: Sequence[str], accepted: tuple[Any, ...]) -> None:
-        params.append(ConditionalParam(name, choices, doc, accepted=accepted, parent="spec_type",
-                                       parent_values=tuple(modes)))
+        params.append(
+            ConditionalParam(name, choices, doc, accepted=accepted, parent="spec_type", parent_values=tuple(modes))
+        )
 
     if "draft" in space:
-        on("draft", tuple(w for w in space["draft"] if isinstance(w, str) and w), "draft weights (draft_model_name)",
-           ("draft",), ("weights listed in [[candidates]] draft",))
+        on(
+            "draft",
+            tuple(w for w in space["draft"] if isinstance(w, str) and w),
+            "draft weights (draft_model_name)",
+            ("draft",),
+            ("weights listed in [[candidates]] draft",),
+        )
     if "spec_n_max" in space:
-        on("spec_n_max", tuple(v for v in space["spec_n_max"] if type(v) is int and 1 <= v <= 64),
-           "tokens drafted per round (num_draft_tokens, TabbyAPI draft_num_tokens)", ("draft", "mtp", "ngram"),
-           ("an integer 1..64",))
+        on(
+            "spec_n_max",
+            tuple(v for v in space["spec_n_max"] if type(v) is int and 1 <= v <= 64),
+            "tokens drafted per round (num_draft_tokens, TabbyAPI draft_num_tokens)",
+            ("draft", "mtp", "ngram"),
+            ("an integer 1..64",),
+        )
     if "spec_ngram_n" in space:
-        on("spec_ngram_n", tuple(v for v in space["spec_ngram_n"] if type(v) is int and v >= 1),
-           "least n-gram match that drafts (ngram_match_min)", ("ngram",), ("an integer >= 1",))
+        on(
+            "spec_ngram_n",
+            tuple(v for v in space["spec_ngram_n"] if type(v) is int and v >= 1),
+            "least n-gram match that drafts (ngram_match_min)",
+            ("ngram",),
+            ("an integer >= 1",),
+        )
     if "draft_cache_type" in space:
-        on("draft_cache_type", tuple(v for v in space["draft_cache_type"] if isinstance(v, str) and _is_cache(v)),
-           "draft cache type (TabbyAPI draft_cache_mode)", MODEL_MODES, ("fp16", "k<K>v<V> with K, V from 2 to 8"))
+        on(
+            "draft_cache_type",
+            tuple(v for v in space["draft_cache_type"] if isinstance(v, str) and _is_cache(v)),
+            "draft cache type (TabbyAPI draft_cache_mode)",
+            MODEL_MODES,
+            ("fp16", "k<K>v<V> with K, V from 2 to 8"),
+        )
     return params
 
 
@@ -120,8 +164,9 @@ def mtp_layers(hf_config: Mapping[str, Any] | None) -> int | None:
     return int(value or 0)
 
 
-def check(config: TrialConfig, hf_config: Mapping[str, Any] | None, draft_model: ModelSpec | None,
-          model: ModelSpec) -> list[str]:
+def check(
+    config: TrialConfig, hf_config: Mapping[str, Any] | None, draft_model: ModelSpec | None, model: ModelSpec
+) -> list[str]:
     """What exllamav3/TabbyAPI refuse, or serve as no speculation, for ``config``'s speculation.
 
     Args:
@@ -133,18 +178,26 @@ def check(config: TrialConfig, hf_config: Mapping[str, Any] | None, draft_model:
     name = config.option("draft")
     out = []
     if kind == "draft" and name is None:
-        out.append("spec_type draft: the configuration has no draft weights, and TabbyAPI's draft_mode model without "
-                   "draft_model_name disables drafting: list draft weights in [[candidates]] draft")
+        out.append(
+            "spec_type draft: the configuration has no draft weights, and TabbyAPI's draft_mode model without "
+            "draft_model_name disables drafting: list draft weights in [[candidates]] draft"
+        )
     if name is not None and kind != "draft":
-        out.append(f"draft {name!r} with spec_type {kind}: draft weights are loaded only by spec_type draft "
-                   "(exllamav3: 'Cannot use both draft model and n-gram draft'; mtp drafts with the target's head)")
+        out.append(
+            f"draft {name!r} with spec_type {kind}: draft weights are loaded only by spec_type draft "
+            "(exllamav3: 'Cannot use both draft model and n-gram draft'; mtp drafts with the target's head)"
+        )
     if kind == "mtp" and (layers := mtp_layers(hf_config)) == 0:
         arch = ((hf_config or {}).get("architectures") or ["?"])[0]
-        out.append(f"spec_type mtp: {arch} declares no MTP layers (exllamav3 registers an mtp component only for "
-                   f"{', '.join(sorted(set(MTP_COUNT_KEYS)))} with a nonzero layer count)")
+        out.append(
+            f"spec_type mtp: {arch} declares no MTP layers (exllamav3 registers an mtp component only for "
+            f"{', '.join(sorted(set(MTP_COUNT_KEYS)))} with a nonzero layer count)"
+        )
     if draft_model is not None and draft_model.vocab_size != model.vocab_size:
-        out.append(f"draft {name!r}: vocabulary {draft_model.vocab_size} is not the target's {model.vocab_size} (the "
-                   "target verifies the draft's token ids)")
+        out.append(
+            f"draft {name!r}: vocabulary {draft_model.vocab_size} is not the target's {model.vocab_size} (the "
+            "target verifies the draft's token ids)"
+        )
     return out
 
 

@@ -35,8 +35,20 @@ from typing import Any, Mapping, Sequence
 
 from autotune.api import Param, StudyContext, TrialConfig
 
-__all__ = ["AUTO", "KEYS", "NO_TP_ARCHITECTURES", "RULES", "check", "gpu_split_gib", "kv_units", "n_cards",
-           "parameters", "space", "tabbyapi_split_args", "tp_problem"]
+__all__ = [
+    "AUTO",
+    "KEYS",
+    "NO_TP_ARCHITECTURES",
+    "RULES",
+    "check",
+    "gpu_split_gib",
+    "kv_units",
+    "n_cards",
+    "parameters",
+    "space",
+    "tabbyapi_split_args",
+    "tp_problem",
+]
 
 AUTO = "auto"
 KEYS = ("gpu_split", "tensor_parallel")
@@ -44,19 +56,31 @@ KEYS = ("gpu_split", "tensor_parallel")
 # (architecture/afmoe.py, dflash.py, dflash2.py, dflash_laguna.py, gemma4_assistant.py,
 # glm4_moe_lite.py, lfm2.py, lfm2_moe.py, lfm2_vl.py (its text model is lfm2's), muse_glimmer.py,
 # olmo3.py, olmohybrid.py, qwen3_next.py); every other architecture keeps Model's default True.
-NO_TP_ARCHITECTURES = frozenset((
-    "AfmoeForCausalLM", "DFlash2DraftModel", "DFlashDraftModel", "DFlashLagunaForCausalLM",
-    "Gemma4AssistantForCausalLM", "Glm4MoeLiteForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
-    "Lfm2VlForConditionalGeneration", "MuseGlimmerAssistantModel", "MuseGlimmerForConditionalGeneration",
-    "Olmo3ForCausalLM", "OlmoHybridForCausalLM", "Qwen3NextForCausalLM",
-))
+NO_TP_ARCHITECTURES = frozenset(
+    (
+        "AfmoeForCausalLM",
+        "DFlash2DraftModel",
+        "DFlashDraftModel",
+        "DFlashLagunaForCausalLM",
+        "Gemma4AssistantForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM",
+        "Lfm2VlForConditionalGeneration",
+        "MuseGlimmerAssistantModel",
+        "MuseGlimmerForConditionalGeneration",
+        "Olmo3ForCausalLM",
+        "OlmoHybridForCausalLM",
+        "Qwen3NextForCausalLM",
+    )
+)
 # TabbyAPI's tensor_parallel_backend default (config_sample.yml: "native ... recommended for PCIe").
 TP_BACKEND = "native"
 # EXL3 tensors split on 128-channel boundaries (modules/attn.py make_tp_allocation).
 TP_CHANNELS = 128
 
 RULES = (
-    "gpu_split: \"auto\" or GiB per card (\"20,24\"), at most one figure per card, one above 0; a one-card study "
+    'gpu_split: "auto" or GiB per card ("20,24"), at most one figure per card, one above 0; a one-card study '
     "takes neither split key (TabbyAPI turns the split off for one GPU)",
     "tensor_parallel: an architecture exllamav3 implements it for (caps supports_tp), K/V heads that divide into "
     "128-channel units",
@@ -90,13 +114,23 @@ def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
     is left for the core to report with ``accepted``)."""
     params = []
     if "gpu_split" in space:
-        params.append(Param("gpu_split", tuple(v for v in space["gpu_split"] if gpu_split_gib(v) is not None),
-                            "GiB per card (TabbyAPI gpu_split), or auto (gpu_split_auto: each card filled in turn)",
-                            accepted=("\"auto\"", "GiB per card as a string, e.g. \"20,24\"")))
+        params.append(
+            Param(
+                "gpu_split",
+                tuple(v for v in space["gpu_split"] if gpu_split_gib(v) is not None),
+                "GiB per card (TabbyAPI gpu_split), or auto (gpu_split_auto: each card filled in turn)",
+                accepted=('"auto"', 'GiB per card as a string, e.g. "20,24"'),
+            )
+        )
     if "tensor_parallel" in space:
-        params.append(Param("tensor_parallel", tuple(v for v in space["tensor_parallel"] if isinstance(v, bool)),
-                            "heads and MLP channels split over the cards (TabbyAPI tensor_parallel); false: whole "
-                            "layers per card", accepted=("true", "false")))
+        params.append(
+            Param(
+                "tensor_parallel",
+                tuple(v for v in space["tensor_parallel"] if isinstance(v, bool)),
+                "heads and MLP channels split over the cards (TabbyAPI tensor_parallel); false: whole layers per card",
+                accepted=("true", "false"),
+            )
+        )
     return params
 
 
@@ -125,13 +159,18 @@ def tp_problem(model: Any, hf_config: Mapping[str, Any] | None) -> str | None:
         archs = hf_config.get("architectures") or []
         arch = archs[0] if isinstance(archs, list) and archs else None
         text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), Mapping) else {}
-        if arch in NO_TP_ARCHITECTURES or (arch == "Mistral3ForConditionalGeneration"
-                                           and text.get("model_type") == "mistral4"):
-            return (f"tensor_parallel: exllamav3 1.6.5 does not implement it for {arch} (model/model.py: "
-                    "\"Tensor-parallel is not currently implemented\")")
+        if arch in NO_TP_ARCHITECTURES or (
+            arch == "Mistral3ForConditionalGeneration" and text.get("model_type") == "mistral4"
+        ):
+            return (
+                f"tensor_parallel: exllamav3 1.6.5 does not implement it for {arch} (model/model.py: "
+                '"Tensor-parallel is not currently implemented")'
+            )
     if model.n_kv_heads and kv_units(model.head_dim, model.n_kv_heads) is None:
-        return (f"tensor_parallel: {model.n_kv_heads} K/V heads of {model.head_dim} channels cannot divide into "
-                "128-channel units (modules/attn.py)")
+        return (
+            f"tensor_parallel: {model.n_kv_heads} K/V heads of {model.head_dim} channels cannot divide into "
+            "128-channel units (modules/attn.py)"
+        )
     return None
 
 
@@ -141,11 +180,14 @@ def check(config: TrialConfig, ctx: StudyContext, model: Any, hf_config: Mapping
     split, tp = config.option("gpu_split"), config.option("tensor_parallel")
     out = []
     if n < 2 and (split not in (None, AUTO) or tp):
-        out.append("gpu_split and tensor_parallel need several cards: TabbyAPI turns the split off for one GPU "
-                   "([hardware] gpus names several)")
+        out.append(
+            "gpu_split and tensor_parallel need several cards: TabbyAPI turns the split off for one GPU "
+            "([hardware] gpus names several)"
+        )
     if split is not None and gpu_split_gib(split, n) is None:
-        out.append(f"gpu_split {split!r}: give \"auto\" or at most {n} GiB figures, one above 0, e.g. "
-                   f"\"{','.join(['20'] * n)}\"")
+        out.append(
+            f'gpu_split {split!r}: give "auto" or at most {n} GiB figures, one above 0, e.g. "{",".join(["20"] * n)}"'
+        )
     if tp:
         problem = tp_problem(model, hf_config)
         if problem:

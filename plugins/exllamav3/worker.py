@@ -39,8 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 from autotune.api import BackendError, StreamResult
 from autotune._builtin import ConfigError
 
-from autotune_plugins.shared.worker_engine import (
-    PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine)
+from autotune_plugins.shared.worker_engine import PROMPT_TEXT, WorkerEngine, engine_missing, run_requests, serve_engine
 from autotune_plugins.exllamav3 import split, worker_scoring
 from autotune_plugins.exllamav3.generator_settings import GeneratorSettings, pages_per_job
 
@@ -48,8 +47,10 @@ __all__ = ["AUTOSPLIT_RESERVE_GB", "Engine", "check_fits", "main", "split_load_a
 
 # TabbyAPI config_sample.yml: "autosplit_reserve: [96]" (MB), passed as GB to load_gen.
 AUTOSPLIT_RESERVE_GB = 96 / 1024
-INSTALL = ("pip install -e '.[exllamav3]' in autotune's checkout (exllamav3==1.6.5, torch; it compiles its "
-           "extension at first import and needs the CUDA toolkit's nvcc)")
+INSTALL = (
+    "pip install -e '.[exllamav3]' in autotune's checkout (exllamav3==1.6.5, torch; it compiles its "
+    "extension at first import and needs the CUDA toolkit's nvcc)"
+)
 
 
 def check_fits(settings: GeneratorSettings, prompt: int, output: int) -> None:
@@ -62,8 +63,10 @@ def check_fits(settings: GeneratorSettings, prompt: int, output: int) -> None:
         raise ConfigError(f"prompt {prompt} + output {output} tokens exceed max_seq_len {settings.max_seq_len}")
     need = settings.max_batch_size * pages_per_job(prompt + output + settings.draft_tokens)
     if need > settings.pages:
-        raise ConfigError(f"{settings.max_batch_size} jobs of {prompt + output} tokens need {need} pages; the cache "
-                          f"has {settings.pages}")
+        raise ConfigError(
+            f"{settings.max_batch_size} jobs of {prompt + output} tokens need {need} pages; the cache "
+            f"has {settings.pages}"
+        )
 
 
 def split_load_args(settings: GeneratorSettings) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def split_load_args(settings: GeneratorSettings) -> dict[str, Any]:
     the autosplit reserve; ``tensor_p`` for tensor parallelism, on TabbyAPI's default backend
     ``native`` (exllamav3's own default is ``nccl``: the measurement follows the deploy line)."""
     gib = split.gpu_split_gib(settings.gpu_split) if settings.gpu_split else None
-    args: dict[str, Any] = ({"use_per_device": list(gib)} if gib else {"reserve_per_device": [AUTOSPLIT_RESERVE_GB]})
+    args: dict[str, Any] = {"use_per_device": list(gib)} if gib else {"reserve_per_device": [AUTOSPLIT_RESERVE_GB]}
     if settings.tensor_parallel:
         args.update(tensor_p=True, tp_backend=split.TP_BACKEND)
     return args
@@ -100,18 +103,35 @@ class Engine(WorkerEngine):
         config = Config.from_directory(str(req["model_dir"]))
         model = Model.from_config(config)
         if settings.k_bits is None:
-            cache = Cache(model, max_num_tokens=settings.cache_tokens, layer_type=CacheLayer_fp16,
-                          max_batch_size=settings.max_batch_size, max_history=settings.draft_tokens)
+            cache = Cache(
+                model,
+                max_num_tokens=settings.cache_tokens,
+                layer_type=CacheLayer_fp16,
+                max_batch_size=settings.max_batch_size,
+                max_history=settings.draft_tokens,
+            )
         else:
-            cache = Cache(model, max_num_tokens=settings.cache_tokens, layer_type=CacheLayer_quant,
-                          k_bits=settings.k_bits, v_bits=settings.v_bits, max_batch_size=settings.max_batch_size,
-                          max_history=settings.draft_tokens)
+            cache = Cache(
+                model,
+                max_num_tokens=settings.cache_tokens,
+                layer_type=CacheLayer_quant,
+                k_bits=settings.k_bits,
+                v_bits=settings.v_bits,
+                max_batch_size=settings.max_batch_size,
+                max_history=settings.draft_tokens,
+            )
         # TabbyAPI builds both caches first, then loads the draft (its reserve only), then the target.
-        draft_model, draft_cache = self._drafter(settings, config, Config, Model, Cache, CacheLayer_fp16, CacheLayer_quant)
+        draft_model, draft_cache = self._drafter(
+            settings, config, Config, Model, Cache, CacheLayer_fp16, CacheLayer_quant
+        )
         if draft_model is not None:
             draft_model.load(reserve_per_device=[AUTOSPLIT_RESERVE_GB], progressbar=False)
-        model.load(**split_load_args(settings), max_chunk_size=settings.chunk_size,
-                   max_batch_size=settings.max_batch_size, progressbar=False)
+        model.load(
+            **split_load_args(settings),
+            max_chunk_size=settings.chunk_size,
+            max_batch_size=settings.max_batch_size,
+            progressbar=False,
+        )
         tokenizer = Tokenizer.from_config(config)
         if req.get("purpose", "measure") == "score":
             # One sequence scored by forward passes through the cache: no generator to take it,
@@ -120,28 +140,42 @@ class Engine(WorkerEngine):
             self.scoring = worker_scoring.PassScorer(
                 lambda text, add_bos: tokenizer.encode(text, add_bos=add_bos)[0].tolist(),
                 worker_scoring.exllamav3_forward(torch, model, cache, int(config.vocab_size), settings.cache_tokens),
-                int(config.vocab_size), settings.max_seq_len, settings.chunk_size, str(req["model_dir"]))
+                int(config.vocab_size),
+                settings.max_seq_len,
+                settings.chunk_size,
+                str(req["model_dir"]),
+            )
             self.vocab = int(tokenizer.actual_vocab_size)
             return self.load_reply(started, {"path": "exllamav3_forward", "purpose": "score"}, _version())
         # Triton compilation and autotuning, the GEMM autotuner and the decode graphs' workspaces
         # (model.py warmup: "instead of on the first user requests"), before the Generator takes
         # the cache, as its docstring asks; a server pays the same on its first requests.
         model.warmup(cache=cache, max_chunk_size=settings.chunk_size, max_batch_size=settings.max_batch_size)
-        self.generator = Generator(model=model, cache=cache, tokenizer=tokenizer,
-                                   max_batch_size=settings.max_batch_size, max_chunk_size=settings.chunk_size,
-                                   draft_model=draft_model, draft_cache=draft_cache,
-                                   num_draft_tokens=settings.draft_tokens or None,
-                                   ngram_match_min=settings.ngram_match_min)
+        self.generator = Generator(
+            model=model,
+            cache=cache,
+            tokenizer=tokenizer,
+            max_batch_size=settings.max_batch_size,
+            max_chunk_size=settings.chunk_size,
+            draft_model=draft_model,
+            draft_cache=draft_cache,
+            num_draft_tokens=settings.draft_tokens or None,
+            ngram_match_min=settings.ngram_match_min,
+        )
         self.drafts = DraftCounter()
         self.model, self.cache, self.tokenizer, self.settings = model, cache, tokenizer, settings
         self.vocab = int(tokenizer.actual_vocab_size)
         self.base_ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)[0].tolist()
-        attention = {"path": "exllamav3_paged", "qc_staging": os.environ.get("EXL3_QC_STAGING", "1"),
-                     "bc_attn": os.environ.get("EXL3_BC_ATTN", "1")}
+        attention = {
+            "path": "exllamav3_paged",
+            "qc_staging": os.environ.get("EXL3_QC_STAGING", "1"),
+            "bc_attn": os.environ.get("EXL3_BC_ATTN", "1"),
+        }
         return self.load_reply(started, attention, _version())
 
-    def _drafter(self, s: GeneratorSettings, config: Any, Config: Any, Model: Any, Cache: Any, fp16: Any,
-                 quant: Any) -> tuple[Any, Any]:
+    def _drafter(
+        self, s: GeneratorSettings, config: Any, Config: Any, Model: Any, Cache: Any, fp16: Any, quant: Any
+    ) -> tuple[Any, Any]:
         """The draft model and its cache, as TabbyAPI builds them (backends/exllamav3/model.py):
         the draft directory's own model, or the target's ``mtp`` component on its config; a cache
         of the target's size (the generator asserts it) with ``draft_cache_type`` and the draft
@@ -154,23 +188,33 @@ class Engine(WorkerEngine):
             draft = Model.from_config(Config.from_directory(s.draft_dir))
         bits = s.draft_kv_bits
         kw = dict(max_num_tokens=s.cache_tokens, max_batch_size=s.max_batch_size, max_history=s.draft_tokens)
-        cache = Cache(draft, layer_type=fp16, **kw) if bits is None else \
-            Cache(draft, layer_type=quant, k_bits=bits[0], v_bits=bits[1], **kw)
+        cache = (
+            Cache(draft, layer_type=fp16, **kw)
+            if bits is None
+            else Cache(draft, layer_type=quant, k_bits=bits[0], v_bits=bits[1], **kw)
+        )
         return draft, cache
 
     def run_shape(self, n_jobs: int, prompt_tokens: int, output_tokens: int) -> list[StreamResult]:
         return self.run_load([(prompt_tokens, output_tokens)] * n_jobs, n_jobs, None)
 
-    def run_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
-                 arrivals: Sequence[float] | None) -> list[StreamResult]:
+    def run_load(
+        self, lengths: Sequence[Sequence[int]], concurrency: int, arrivals: Sequence[float] | None
+    ) -> list[StreamResult]:
         """A workload's requests through the generator (:func:`.worker_engine.run_requests`);
         each request's first token is unique, so no cached page is reused and every run prefills."""
         from exllamav3 import ArgmaxSampler, Job
 
         if self.drafts is None:
             self.drafts = DraftCounter()
-        return run_requests(CountingGenerator(self.generator, self.drafts), self._prompt_tensor, lambda ids, n_out, k: Job(
-            input_ids=ids, max_new_tokens=n_out, sampler=ArgmaxSampler(), identifier=k), lengths, concurrency, arrivals)
+        return run_requests(
+            CountingGenerator(self.generator, self.drafts),
+            self._prompt_tensor,
+            lambda ids, n_out, k: Job(input_ids=ids, max_new_tokens=n_out, sampler=ArgmaxSampler(), identifier=k),
+            lengths,
+            concurrency,
+            arrivals,
+        )
 
     def sample(self, req: dict[str, Any]) -> dict[str, Any]:
         """The shared run, and the draft counters of its requests (the one alone and the run's)."""
@@ -180,8 +224,9 @@ class Engine(WorkerEngine):
             reply["drafts"] = self.drafts.to_dict()
         return reply
 
-    def check_sample(self, settings: GeneratorSettings, prompt: int, output: int,
-                     lengths: Sequence[Sequence[int]]) -> None:
+    def check_sample(
+        self, settings: GeneratorSettings, prompt: int, output: int, lengths: Sequence[Sequence[int]]
+    ) -> None:
         check_fits(settings, prompt, output)
         for p, o in lengths:
             check_fits(settings, int(p), int(o))
@@ -212,8 +257,12 @@ class DraftCounter:
             self.generated += int(result.get("new_tokens", 0))
 
     def to_dict(self) -> dict[str, int]:
-        return {"requests": self.requests, "drafted": self.accepted + self.rejected, "accepted": self.accepted,
-                "generated": self.generated}
+        return {
+            "requests": self.requests,
+            "drafted": self.accepted + self.rejected,
+            "accepted": self.accepted,
+            "generated": self.generated,
+        }
 
 
 class CountingGenerator:

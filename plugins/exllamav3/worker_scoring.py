@@ -62,8 +62,15 @@ class PassScorer(Scorer):
         description: What is loaded.
     """
 
-    def __init__(self, encode: Callable[[str, bool], Sequence[int]], forward: Forward, n_vocab: int, n_ctx: int,
-                 chunk: int, description: str = ""):
+    def __init__(
+        self,
+        encode: Callable[[str, bool], Sequence[int]],
+        forward: Forward,
+        n_vocab: int,
+        n_ctx: int,
+        chunk: int,
+        description: str = "",
+    ):
         self._encode = encode
         self._forward = forward
         self.n_vocab = int(n_vocab)
@@ -81,7 +88,7 @@ class PassScorer(Scorer):
         """Rows for ``tokens[begin:end]`` in passes of at most ``step`` tokens, on top of the cache."""
         out = []
         for b, e in score_passes(end - begin, range(0, end - begin, step)):
-            rows = self._forward(tokens[begin + b: begin + e], begin + b, True)
+            rows = self._forward(tokens[begin + b : begin + e], begin + b, True)
             assert rows is not None
             out.append(np.asarray(rows, dtype=np.float32))
         return np.concatenate(out, axis=0)
@@ -93,7 +100,7 @@ class PassScorer(Scorer):
             return
         self._prefilled = []  # a failure half-way leaves nothing that could be mistaken for reuse
         for begin in range(0, end, self.chunk):
-            self._forward(want[begin:min(begin + self.chunk, end)], begin, False)
+            self._forward(want[begin : min(begin + self.chunk, end)], begin, False)
         self._prefilled = want
 
     def next_token_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
@@ -108,8 +115,10 @@ class PassScorer(Scorer):
         for context, continuation in requests:
             whole, start = self.split(context, continuation)
             if start < 1:
-                raise ConfigError(f"context {context[:40]!r} has no tokens (and the model adds no BOS): nothing "
-                                  "predicts the continuation's first token")
+                raise ConfigError(
+                    f"context {context[:40]!r} has no tokens (and the model adds no BOS): nothing "
+                    "predicts the continuation's first token"
+                )
             # Row start-1 (the context's last token) predicts the continuation's first token; the
             # pass from there reads the context back through the cache, as a server's decode does.
             self._prefill(whole, start - 1)
@@ -157,8 +166,10 @@ def exllamav3_forward(torch: Any, model: Any, cache: Any, n_vocab: int, seq_len:
     """
     recurrent = [getattr(m, "key", "?") for m in model if (getattr(m, "caps", None) or {}).get("recurrent_cache")]
     if recurrent:
-        raise ConfigError(f"the scorer runs models whose only state is the K/V cache; {recurrent[0]} and "
-                          f"{len(recurrent) - 1} more layers keep a recurrent state")
+        raise ConfigError(
+            f"the scorer runs models whose only state is the K/V cache; {recurrent[0]} and "
+            f"{len(recurrent) - 1} more layers keep a recurrent state"
+        )
 
     def forward(ids: Sequence[int], past_len: int, rows: bool) -> np.ndarray | None:
         if past_len + len(ids) > seq_len:

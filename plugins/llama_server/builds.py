@@ -205,9 +205,7 @@ def engine_version(binary: str | os.PathLike[str], timeout_s: float = 30.0) -> E
     parsed = parse_engine_version(text)
     if parsed is None:
         tail = " | ".join(text.strip().splitlines()[-3:]) or "no output"
-        raise EngineNotFoundError(
-            f"{path} --version: exit status {proc.returncode}, no 'version:' line ({tail})"
-        )
+        raise EngineNotFoundError(f"{path} --version: exit status {proc.returncode}, no 'version:' line ({tail})")
     return parsed
 
 
@@ -382,8 +380,9 @@ def find_engine_tool(
             f"{name}: the llama.cpp build in {server.parent.parent} predates autotune building it: run "
             f"`autotune engine build llama.cpp --cuda-arch {tag}`, which compiles only what is missing"
         )
-    raise EngineNotFoundError(f"{name}: none beside {server}; build it from the same llama.cpp tree, or use "
-                              "`autotune engine build llama.cpp`")
+    raise EngineNotFoundError(
+        f"{name}: none beside {server}; build it from the same llama.cpp tree, or use `autotune engine build llama.cpp`"
+    )
 
 
 def _manifest_of(binary: Path) -> tuple[dict[str, Any] | None, Path]:
@@ -421,12 +420,15 @@ def build_supports(build: EngineBuild | str | os.PathLike[str], compute_capabili
     else:
         path = Path(build)
         manifest, where = _manifest_of(path / "bin" / SERVER if path.is_dir() else path)
-    remedy = (f"build for it with `autotune engine build llama.cpp --cuda-arch {card}`"
-              f"{cuda_toolkit.toolkit_note(card)}, or set the backend setting binary to a build for it")
+    remedy = (
+        f"build for it with `autotune engine build llama.cpp --cuda-arch {card}`"
+        f"{cuda_toolkit.toolkit_note(card)}, or set the backend setting binary to a build for it"
+    )
     if manifest is None:
         # Not autotune's: its shared libraries, when it has them beside it, tell the backends.
-        if (any(where.glob("libggml-base.so*")) or any(where.glob("libggml.so*"))) \
-                and not any(where.glob("libggml-cuda.so*")):
+        if (any(where.glob("libggml-base.so*")) or any(where.glob("libggml.so*"))) and not any(
+            where.glob("libggml-cuda.so*")
+        ):
             return f"llama.cpp in {where} has no CUDA backend (no libggml-cuda.so): {remedy}"
         return None
     built = str(manifest.get("arch", ""))
@@ -438,8 +440,11 @@ def build_supports(build: EngineBuild | str | os.PathLike[str], compute_capabili
         return None
     shown = ", ".join(f"sm_{a}" for a in archs)
     older = [a for a in archs if cuda_toolkit.arch_number(a) < cuda_toolkit.arch_number(card)]
-    why = (f"it would run through PTX JIT-compiled for {shown}, without llama.cpp's kernels for this card"
-           if older and not any(a[-1:].isalpha() for a in older) else "it has no kernels this card can run")
+    why = (
+        f"it would run through PTX JIT-compiled for {shown}, without llama.cpp's kernels for this card"
+        if older and not any(a[-1:].isalpha() for a in older)
+        else "it has no kernels this card can run"
+    )
     return f"the llama.cpp build in {where} was built for {shown}, not {label}: {why}; {remedy}"
 
 
@@ -462,8 +467,10 @@ def _find_tool(
     on_path = shutil.which(name)
     if on_path:
         return Path(on_path)
-    hint = f"set the backend setting binary = '/path/to/{name}'" if env_var is None else (
-        f"set the backend setting binary = '/path/to/{name}' or {env_var}"
+    hint = (
+        f"set the backend setting binary = '/path/to/{name}'"
+        if env_var is None
+        else (f"set the backend setting binary = '/path/to/{name}' or {env_var}")
     )
     raise EngineNotFoundError(
         f"{name} not found (no build in {engines_dir(cache_dir)}, none on PATH): "

@@ -75,17 +75,53 @@ _LAST_TOOLKIT: dict[int, Version] = {
 }
 # The first toolkit that can compile for an architecture (only those a user may still meet).
 _FIRST_TOOLKIT: dict[int, Version] = {
-    50: (6, 0), 52: (6, 5), 53: (7, 0), 60: (8, 0), 61: (8, 0), 62: (8, 0), 70: (9, 0), 72: (10, 0),
-    75: (10, 0), 80: (11, 0), 86: (11, 1), 87: (11, 4), 89: (11, 8), 90: (11, 8),
-    100: (12, 8), 101: (12, 8), 120: (12, 8), 103: (12, 9), 121: (12, 9), 110: (13, 0),
+    50: (6, 0),
+    52: (6, 5),
+    53: (7, 0),
+    60: (8, 0),
+    61: (8, 0),
+    62: (8, 0),
+    70: (9, 0),
+    72: (10, 0),
+    75: (10, 0),
+    80: (11, 0),
+    86: (11, 1),
+    87: (11, 4),
+    89: (11, 8),
+    90: (11, 8),
+    100: (12, 8),
+    101: (12, 8),
+    120: (12, 8),
+    103: (12, 9),
+    121: (12, 9),
+    110: (13, 0),
 }
 # Arch-specific ("90a") targets from 12.0, family-specific ("100f") from 12.9.
 _SUFFIX_FIRST: dict[str, Version] = {"a": (12, 0), "f": (12, 9)}
 
-_FAMILIES = ((100, "Blackwell"), (90, "Hopper"), (89, "Ada"), (80, "Ampere"), (75, "Turing"), (70, "Volta"),
-             (60, "Pascal"), (50, "Maxwell"), (30, "Kepler"))
-_EXAMPLES = {70: "V100", 75: "T4", 80: "A100", 86: "RTX 30xx/A10", 89: "L4/RTX 40xx", 90: "H100",
-             61: "P40/GTX 10xx", 60: "P100", 100: "B200", 120: "RTX 50xx"}
+_FAMILIES = (
+    (100, "Blackwell"),
+    (90, "Hopper"),
+    (89, "Ada"),
+    (80, "Ampere"),
+    (75, "Turing"),
+    (70, "Volta"),
+    (60, "Pascal"),
+    (50, "Maxwell"),
+    (30, "Kepler"),
+)
+_EXAMPLES = {
+    70: "V100",
+    75: "T4",
+    80: "A100",
+    86: "RTX 30xx/A10",
+    89: "L4/RTX 40xx",
+    90: "H100",
+    61: "P40/GTX 10xx",
+    60: "P100",
+    100: "B200",
+    120: "RTX 50xx",
+}
 
 
 @dataclass(frozen=True)
@@ -141,8 +177,9 @@ def parse_gpu_arch_list(text: str) -> frozenset[str]:
     return frozenset(m.group(1) for m in re.finditer(r"\b(?:compute|sm)_(\d+[a-z]?)\b", text))
 
 
-def find_cuda_compiler(explicit: str | os.PathLike[str] | None = None,
-                       env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+def find_cuda_compiler(
+    explicit: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> tuple[str, str] | None:
     """The ``nvcc`` CMake will use and where it came from, as (path, source).
 
     Order: ``--cuda-compiler``, then ``$CUDACXX`` (which CMake itself reads), then ``nvcc`` on
@@ -162,8 +199,10 @@ def find_cuda_compiler(explicit: str | os.PathLike[str] | None = None,
         if path.is_dir():
             path = next((p for p in (path / "nvcc", path / "bin" / "nvcc") if p.is_file()), path / "bin" / "nvcc")
         if not (path.is_file() and os.access(path, os.X_OK)):
-            raise ConfigError(f"{source} {value}: no executable nvcc there (give the path of a CUDA "
-                              "toolkit's bin/nvcc, e.g. /usr/local/cuda-12.9/bin/nvcc)")
+            raise ConfigError(
+                f"{source} {value}: no executable nvcc there (give the path of a CUDA "
+                "toolkit's bin/nvcc, e.g. /usr/local/cuda-12.9/bin/nvcc)"
+            )
         return str(path.absolute()), source
     on_path = shutil.which("nvcc", path=env.get("PATH"))
     if on_path:
@@ -180,20 +219,32 @@ def inspect_cuda_compiler(path: str, source: str, timeout_s: float = 60.0) -> Cu
         ConfigError: It does not run or prints no version; the message quotes its output.
     """
     try:
-        proc = processes.run([path, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, timeout_s=timeout_s)
+        proc = processes.run(
+            [path, "--version"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout_s=timeout_s,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ConfigError(f"CUDA compiler {path} (from {source}) does not run: {exc}") from None
     text = proc.stdout.decode("utf-8", "replace")
     version = parse_nvcc_version(text)
     if version is None:
         tail = " | ".join(text.strip().splitlines()[-3:]) or "no output"
-        raise ConfigError(f"CUDA compiler {path} (from {source}): `nvcc --version` gave exit status "
-                          f"{proc.returncode} and no 'release X.Y' line ({tail})")
+        raise ConfigError(
+            f"CUDA compiler {path} (from {source}): `nvcc --version` gave exit status "
+            f"{proc.returncode} and no 'release X.Y' line ({tail})"
+        )
     archs = None
     try:
-        listed = processes.run([path, "--list-gpu-arch"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               stdin=subprocess.DEVNULL, timeout_s=timeout_s)
+        listed = processes.run(
+            [path, "--list-gpu-arch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            timeout_s=timeout_s,
+        )
         if listed.returncode == 0:
             archs = parse_gpu_arch_list(listed.stdout.decode("utf-8", "replace")) or None
     except (OSError, subprocess.TimeoutExpired):
@@ -222,7 +273,8 @@ def arch_problem(arch: str, compiler: CudaCompiler) -> str | None:
     if compiler.archs is not None:
         # Some releases list only the plain "compute_90": a suffix then follows the table.
         ok: bool | None = f"{number}{suffix}" in compiler.archs or (
-            str(number) in compiler.archs and compiler.version >= _SUFFIX_FIRST.get(suffix, (0, 0)))
+            str(number) in compiler.archs and compiler.version >= _SUFFIX_FIRST.get(suffix, (0, 0))
+        )
     else:
         ok = _supported_by_table(arch, compiler.version)
     if ok is not False:
@@ -235,8 +287,9 @@ def arch_problem(arch: str, compiler: CudaCompiler) -> str | None:
     else:
         first = max(_FIRST_TOOLKIT.get(number, (0, 0)), _SUFFIX_FIRST.get(suffix, (0, 0)))
         need = f"it needs CUDA {_fmt(first)} or newer" if first > (0, 0) else "it needs another CUDA toolkit"
-    return (f"{compiler.label} ({compiler.path}, from {compiler.source}) cannot compile for "
-            f"{card_arch_label(arch)}: {need}")
+    return (
+        f"{compiler.label} ({compiler.path}, from {compiler.source}) cannot compile for {card_arch_label(arch)}: {need}"
+    )
 
 
 def toolkit_note(arch: str) -> str:
@@ -245,8 +298,10 @@ def toolkit_note(arch: str) -> str:
     last = _LAST_TOOLKIT.get(number)
     if last is None:
         return ""
-    return (f" (with CUDA {_fmt(last)} or older: later toolkits cannot target sm_{number}; add "
-            f"--cuda-compiler /usr/local/cuda-{_fmt(last)}/bin/nvcc)")
+    return (
+        f" (with CUDA {_fmt(last)} or older: later toolkits cannot target sm_{number}; add "
+        f"--cuda-compiler /usr/local/cuda-{_fmt(last)}/bin/nvcc)"
+    )
 
 
 def _other_toolkits(skip: str) -> list[str]:
@@ -279,7 +334,7 @@ def check_cuda_archs(archs: Sequence[str], compiler: CudaCompiler, *, others: Se
         return
     bad = [a for a, _ in problems]
     fitting = None
-    for candidate in (_other_toolkits(compiler.path) if others is None else others):
+    for candidate in _other_toolkits(compiler.path) if others is None else others:
         try:
             other = inspect_cuda_compiler(candidate, "installed")
         except AutotuneError:
@@ -288,14 +343,21 @@ def check_cuda_archs(archs: Sequence[str], compiler: CudaCompiler, *, others: Se
             fitting = other
             break
     if fitting is not None:
-        remedy = (f"{fitting.label} is installed at {fitting.path} and can: rerun with "
-                  f"--cuda-compiler {fitting.path} (or CUDACXX={fitting.path})")
+        remedy = (
+            f"{fitting.label} is installed at {fitting.path} and can: rerun with "
+            f"--cuda-compiler {fitting.path} (or CUDACXX={fitting.path})"
+        )
     else:
-        example = "/usr/local/cuda-12.9/bin/nvcc" if any(_LAST_TOOLKIT.get(_split_arch(a)[0]) == (12, 9) for a in bad) \
+        example = (
+            "/usr/local/cuda-12.9/bin/nvcc"
+            if any(_LAST_TOOLKIT.get(_split_arch(a)[0]) == (12, 9) for a in bad)
             else "/usr/local/cuda-X.Y/bin/nvcc"
-        remedy = (f"Install that toolkit beside this one (NVIDIA's cuda-toolkit-X-Y packages go to "
-                  f"/usr/local/cuda-X.Y) and point the build at it: --cuda-compiler {example} "
-                  f"(or CUDACXX={example})")
+        )
+        remedy = (
+            f"Install that toolkit beside this one (NVIDIA's cuda-toolkit-X-Y packages go to "
+            f"/usr/local/cuda-X.Y) and point the build at it: --cuda-compiler {example} "
+            f"(or CUDACXX={example})"
+        )
     reasons = "; ".join(p for _, p in problems)
     raise ConfigError(f"--cuda-arch {','.join(bad)}: {reasons}. {remedy}")
 

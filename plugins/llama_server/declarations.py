@@ -32,11 +32,15 @@ CACHE_TYPES = (
 
 # What `autotune init` offers a llama.cpp backend, widest first; F16 is the source's precision.
 GGUF = WeightFormats(
-    "gguf", "gguf:<TYPE>",
+    "gguf",
+    "gguf:<TYPE>",
     offered=("gguf:F16", "gguf:Q8_0", "gguf:Q6_K", "gguf:Q5_K_M", "gguf:Q4_K_M", "gguf:Q4_0"),
     full_precision=("gguf:F16", "gguf:BF16", "gguf:F32"),
-    accepts=formats.ACCEPTS, parse=formats.file_type, predict=formats.predict_gguf_weights,
-    bits=formats.bits_per_weight, quote=formats.quote,
+    accepts=formats.ACCEPTS,
+    parse=formats.file_type,
+    predict=formats.predict_gguf_weights,
+    bits=formats.bits_per_weight,
+    quote=formats.quote,
 )
 
 # The numeric options' ranges, as llama.cpp's own parser takes them: -ngl, -ub, -b and

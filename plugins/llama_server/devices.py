@@ -42,8 +42,14 @@ def _names(value: Any) -> tuple[str, ...] | None:
 def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
     if KEY not in space:
         return []
-    return [Param(KEY, tuple(v for v in space[KEY] if _names(v)), "the devices llama-server offloads to (-dev), "
-                  "e.g. \"CUDA0,CUDA1\" or \"RPC1\"; absent: all", accepted=("device names such as \"CUDA0,CUDA1\"",))]
+    return [
+        Param(
+            KEY,
+            tuple(v for v in space[KEY] if _names(v)),
+            'the devices llama-server offloads to (-dev), e.g. "CUDA0,CUDA1" or "RPC1"; absent: all',
+            accepted=('device names such as "CUDA0,CUDA1"',),
+        )
+    ]
 
 
 def problem(config: TrialConfig, ctx: StudyContext) -> str | None:
@@ -86,8 +92,11 @@ def spread(mem: MemoryEstimate, config: TrialConfig, ctx: StudyContext) -> Memor
         out[d] = mem.per_device_bytes[j]
     from dataclasses import replace
 
-    return replace(mem, per_device_bytes=tuple(out),
-                   notes=(*mem.notes, f"-dev {config.option(KEY)}: devices {', '.join(map(str, chosen))} of {n}"))
+    return replace(
+        mem,
+        per_device_bytes=tuple(out),
+        notes=(*mem.notes, f"-dev {config.option(KEY)}: devices {', '.join(map(str, chosen))} of {n}"),
+    )
 
 
 def flags(config: TrialConfig) -> list[str]:

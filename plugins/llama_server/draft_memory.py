@@ -44,30 +44,50 @@ def draft_estimate(backend: Any, config: TrialConfig, ctx: StudyContext, on_gpu:
         model, weights = backend._model_for(name, ctx), gguf_file_weights(path)
     layers = config.option("draft_gpu_layers")
     ub, b = config.option("ubatch"), config.option("batch")
-    est = memory.estimate(model, weights, config.ctx, config.parallel, config.option("draft_cache_type", "f16"),
-                          bool(config.option("flash_attn", True)), ubatch=int(ub) if ub is not None else None,
-                          gpu=on_gpu, gpu_layers=layers if isinstance(layers, int) else None,
-                          batch=int(b) if b is not None else None)
+    est = memory.estimate(
+        model,
+        weights,
+        config.ctx,
+        config.parallel,
+        config.option("draft_cache_type", "f16"),
+        bool(config.option("flash_attn", True)),
+        ubatch=int(ub) if ub is not None else None,
+        gpu=on_gpu,
+        gpu_layers=layers if isinstance(layers, int) else None,
+        batch=int(b) if b is not None else None,
+    )
     return replace(est, overhead_bytes=0)
 
 
-def with_draft(target: MemoryEstimate, backend: Any, config: TrialConfig, ctx: StudyContext,
-               on_gpu: bool) -> MemoryEstimate:
+def with_draft(
+    target: MemoryEstimate, backend: Any, config: TrialConfig, ctx: StudyContext, on_gpu: bool
+) -> MemoryEstimate:
     """``target`` with the draft's weights, KV cache and compute buffer added where they go."""
     if config.option("spec_type") == "draft-mtp":
-        return replace(target, notes=(*target.notes, "draft-mtp: the MTP context (the target's nextn layers, "
-                                                     "their KV cache) is not modelled"))
+        return replace(
+            target,
+            notes=(
+                *target.notes,
+                "draft-mtp: the MTP context (the target's nextn layers, their KV cache) is not modelled",
+            ),
+        )
     draft = draft_estimate(backend, config, ctx, on_gpu)
     if draft is None:
         return target
-    note = (f"draft {config.option('draft')}: {draft.weights_bytes / MiB:.1f} MiB weights, {draft.kv_bytes / MiB:.2f} "
-            f"MiB KV ({config.option('draft_cache_type', 'f16')}, the target's {config.parallel} slots), "
-            f"{draft.buffers_bytes / MiB:.2f} MiB compute buffer")
-    return replace(target, weights_bytes=target.weights_bytes + draft.weights_bytes,
-                   kv_bytes=target.kv_bytes + draft.kv_bytes, buffers_bytes=target.buffers_bytes + draft.buffers_bytes,
-                   host_bytes=target.host_bytes + draft.host_bytes,
-                   host_buffers_bytes=target.host_buffers_bytes + draft.host_buffers_bytes,
-                   notes=(*target.notes, note))
+    note = (
+        f"draft {config.option('draft')}: {draft.weights_bytes / MiB:.1f} MiB weights, {draft.kv_bytes / MiB:.2f} "
+        f"MiB KV ({config.option('draft_cache_type', 'f16')}, the target's {config.parallel} slots), "
+        f"{draft.buffers_bytes / MiB:.2f} MiB compute buffer"
+    )
+    return replace(
+        target,
+        weights_bytes=target.weights_bytes + draft.weights_bytes,
+        kv_bytes=target.kv_bytes + draft.kv_bytes,
+        buffers_bytes=target.buffers_bytes + draft.buffers_bytes,
+        host_bytes=target.host_bytes + draft.host_bytes,
+        host_buffers_bytes=target.host_buffers_bytes + draft.host_buffers_bytes,
+        notes=(*target.notes, note),
+    )
 
 
 def split_log(text: str) -> tuple[dict[str, Any], dict[str, Any]]:

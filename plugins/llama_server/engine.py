@@ -64,8 +64,6 @@ from autotune_plugins.llama_server.llama_build import (
     LLAMA_CPP_PYTHON_VERSION,
     SERVER,
     BuildPlan,
-    Builder,
-    CMakeBuilder,
     EngineBuildError,
     _sha256,
     amx_guard_flags,
@@ -77,6 +75,7 @@ from autotune_plugins.llama_server.llama_build import (
     install_outputs,
     sdist_version,
 )
+from autotune_plugins.llama_server.cmake_builder import Builder, CMakeBuilder
 from autotune_plugins.llama_server.python_bindings import import_llama_cpp, install_python_bindings
 
 __all__ = [
@@ -147,8 +146,11 @@ def _prepared_source(sdist: Path, plan: BuildPlan, version: str, say: Callable[[
     unpacking 3,700 files; the marker names the archive by content, so a different sdist of
     the same version is extracted afresh.
     """
-    identity = {"version": version, "sdist": str(sdist.resolve()),
-                "sha256": _sha256(sdist) if sdist.is_file() else None}
+    identity = {
+        "version": version,
+        "sdist": str(sdist.resolve()),
+        "sha256": _sha256(sdist) if sdist.is_file() else None,
+    }
     marker = plan.src_dir / SOURCE_MARKER
     with contextlib.suppress(OSError, ValueError):
         recorded = json.loads(marker.read_text(encoding="utf-8"))
@@ -167,8 +169,9 @@ def _read_build(plan: BuildPlan) -> EngineBuild | None:
         manifest = json.loads(plan.marker_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return EngineBuild(plan.install_dir, plan.bin_dir / SERVER, plan.bin_dir / "llama-quantize",
-                       plan.bin_dir, manifest, reused=True)
+    return EngineBuild(
+        plan.install_dir, plan.bin_dir / SERVER, plan.bin_dir / "llama-quantize", plan.bin_dir, manifest, reused=True
+    )
 
 
 def build_llama_cpp(
@@ -219,8 +222,10 @@ def build_llama_cpp(
     arch = resolve_arch(cuda_arch, gpus)
     if cuda_compiler and arch == "cpu":
         why = "no NVIDIA card was detected" if cuda_arch.strip().lower() == "auto" else "a CPU build was asked for"
-        raise ConfigError(f"--cuda-compiler {cuda_compiler}: the build is CPU-only ({why}); give --cuda-arch, "
-                          "e.g. --cuda-arch 70, for a CUDA build")
+        raise ConfigError(
+            f"--cuda-compiler {cuda_compiler}: the build is CPU-only ({why}); give --cuda-arch, "
+            "e.g. --cuda-arch 70, for a CUDA build"
+        )
     sdist_path = Path(sdist).expanduser() if sdist else None
     if sdist_path is not None and not sdist_path.exists():
         raise ConfigError(f"--sdist {sdist}: no such file or directory")
@@ -254,7 +259,11 @@ def build_llama_cpp(
             log.write(f"autotune engine build llama.cpp: llama-cpp-python {version}, arch {arch}, jobs {plan.jobs}\n")
             if sdist_path is None:
                 cached = root / "downloads" / f"llama_cpp_python-{version}.tar.gz"
-                say(f"using {cached}" if cached.is_file() else f"downloading llama-cpp-python {version} (sdist) with pip")
+                say(
+                    f"using {cached}"
+                    if cached.is_file()
+                    else f"downloading llama-cpp-python {version} (sdist) with pip"
+                )
                 sdist_path = download_sdist(version, root / "downloads", log)
                 if version == LLAMA_CPP_PYTHON_VERSION and _sha256(sdist_path) != LLAMA_CPP_PYTHON_SHA256:
                     raise EngineBuildError(
@@ -263,8 +272,10 @@ def build_llama_cpp(
                     )
             commit = _prepared_source(sdist_path, plan, version, say)
             plan = BuildPlan(plan.version, plan.arch, plan.install_dir, plan.jobs, commit)
-            say(f"building llama.cpp{' ' + commit if commit else ''} for {arch_tag(arch)} with {plan.jobs} jobs "
-                f"(log: {plan.log_path})")
+            say(
+                f"building llama.cpp{' ' + commit if commit else ''} for {arch_tag(arch)} with {plan.jobs} jobs "
+                f"(log: {plan.log_path})"
+            )
             builder.build(plan, log, progress)
         server = plan.bin_dir / SERVER
         try:
@@ -302,6 +313,7 @@ def _cuda_record(compiler: cuda_toolkit.CudaCompiler | None, arch: str) -> dict[
         return None
     record: dict[str, Any] = {"archs": arch.split(";")}
     if compiler is not None:
-        record.update(compiler=compiler.path, source=compiler.source,
-                      version=f"{compiler.version[0]}.{compiler.version[1]}")
+        record.update(
+            compiler=compiler.path, source=compiler.source, version=f"{compiler.version[0]}.{compiler.version[1]}"
+        )
     return record

@@ -39,8 +39,9 @@ def file_type(variant: str) -> str:
     return name
 
 
-def _gguf_breakdown(tensors: Iterable[TensorPlan | GgufTensor], n_layers: int | None,
-                    head_is_embedding: bool) -> WeightsBreakdown:
+def _gguf_breakdown(
+    tensors: Iterable[TensorPlan | GgufTensor], n_layers: int | None, head_is_embedding: bool
+) -> WeightsBreakdown:
     """GGUF tensors summed by where llama.cpp puts them: layers, embedding, head, the rest.
 
     ``embedding_on_gpu`` is False: llama.cpp keeps token_embd in host memory whatever ``-ngl``
@@ -78,9 +79,17 @@ def _gguf_breakdown(tensors: Iterable[TensorPlan | GgufTensor], n_layers: int | 
     def by_layer(found: dict[int, int]) -> tuple[int, ...]:
         return tuple(found.get(i, 0) for i in range(count)) if found else ()
 
-    return WeightsBreakdown(emb, out, layers, other, embedding_on_gpu=False, head_is_embedding=head_is_embedding,
-                            per_layer_expert_bytes=by_layer(experts), per_layer_largest_bytes=by_layer(largest),
-                            per_layer_largest_expert_bytes=by_layer(largest_expert))
+    return WeightsBreakdown(
+        emb,
+        out,
+        layers,
+        other,
+        embedding_on_gpu=False,
+        head_is_embedding=head_is_embedding,
+        per_layer_expert_bytes=by_layer(experts),
+        per_layer_largest_bytes=by_layer(largest),
+        per_layer_largest_expert_bytes=by_layer(largest_expert),
+    )
 
 
 def predict_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:

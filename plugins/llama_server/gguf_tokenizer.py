@@ -28,8 +28,19 @@ def _gguf_metadata(path: Path) -> Iterator[tuple[str, Any, Any, Any]]:
     """
     from gguf import GGUFValueType as T
 
-    scalars = {T.UINT8: "B", T.INT8: "b", T.UINT16: "H", T.INT16: "h", T.UINT32: "I", T.INT32: "i",
-               T.FLOAT32: "f", T.UINT64: "Q", T.INT64: "q", T.FLOAT64: "d", T.BOOL: "?"}
+    scalars = {
+        T.UINT8: "B",
+        T.INT8: "b",
+        T.UINT16: "H",
+        T.INT16: "h",
+        T.UINT32: "I",
+        T.INT32: "i",
+        T.FLOAT32: "f",
+        T.UINT64: "Q",
+        T.INT64: "q",
+        T.FLOAT64: "d",
+        T.BOOL: "?",
+    }
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
         if magic != b"GGUF" or version not in (2, 3):
@@ -40,7 +51,7 @@ def _gguf_metadata(path: Path) -> Iterator[tuple[str, Any, Any, Any]]:
             nonlocal pos
             (n,) = struct.unpack_from("<Q", buf, pos)
             pos += 8 + n
-            return bytes(buf[pos - n:pos])
+            return bytes(buf[pos - n : pos])
 
         for _ in range(n_kv):
             key = string().decode("utf-8")

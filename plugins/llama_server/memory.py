@@ -30,8 +30,16 @@ from autotune._builtin import GraphBuffers, SlotLayout, kv_cache_bytes, resolve_
 from autotune_plugins.llama_server.declarations import CACHE_TYPES
 from autotune_plugins.shared.scenario import LLAMA_UBATCH
 
-__all__ = ["CPU_BUFFERS", "CUDA_BUFFERS", "CUDA_CONTEXT_BYTES", "LAYOUT", "DEFAULT_BATCH", "DEFAULT_UBATCH", "estimate",
-           "placement"]
+__all__ = [
+    "CPU_BUFFERS",
+    "CUDA_BUFFERS",
+    "CUDA_CONTEXT_BYTES",
+    "LAYOUT",
+    "DEFAULT_BATCH",
+    "DEFAULT_UBATCH",
+    "estimate",
+    "placement",
+]
 
 MiB = 2**20
 GiB = 2**30
@@ -39,12 +47,24 @@ GiB = 2**30
 LAYOUT = SlotLayout(pad=256, unified=False)
 DEFAULT_UBATCH = LLAMA_UBATCH  # llama-server's -ub (512), one number for the memory model and the physics
 
-CPU_BUFFERS = GraphBuffers(ffn_coef=3, hidden_coef=4, attn_hidden_coef=5, mask_bytes=4, mask_bytes_fused=2,
-                           source="llama.cpp CPU start-up logs, 21 configurations")
-CUDA_BUFFERS = GraphBuffers(ffn_coef=3, hidden_coef=3, attn_hidden_coef=5, mask_bytes=4, mask_bytes_fused=2,
-                            moe_ffn_coef=6,
-                            source="llama.cpp CUDA start-up log on an H200 (7B Qwen2 shape; MoE: a "
-                                   "Qwen3-30B-A3B shape, bench/results/offload_probe_h200)")
+CPU_BUFFERS = GraphBuffers(
+    ffn_coef=3,
+    hidden_coef=4,
+    attn_hidden_coef=5,
+    mask_bytes=4,
+    mask_bytes_fused=2,
+    source="llama.cpp CPU start-up logs, 21 configurations",
+)
+CUDA_BUFFERS = GraphBuffers(
+    ffn_coef=3,
+    hidden_coef=3,
+    attn_hidden_coef=5,
+    mask_bytes=4,
+    mask_bytes_fused=2,
+    moe_ffn_coef=6,
+    source="llama.cpp CUDA start-up log on an H200 (7B Qwen2 shape; MoE: a "
+    "Qwen3-30B-A3B shape, bench/results/offload_probe_h200)",
+)
 CUDA_CONTEXT_BYTES = 611 * MiB
 # A mixture of experts on CUDA holds more than its logged buffers: NVML's figure for the process
 # minus the buffers and the context was 87-107 MiB in all 10 MoE launches of the H200 probe
@@ -79,9 +99,20 @@ def placement(n_layers: int, gpu_layers: int | None) -> tuple[range, bool]:
     return range(min(start, n_layers), n_layers), n >= 1
 
 
-def estimate(model: ModelSpec, weights: WeightsBreakdown, ctx: int, parallel: int, cache_type: str,
-             flash_attn: bool, *, ubatch: int | None = None, gpu: bool = True, gpu_layers: int | None = None,
-             n_cpu_moe: int = 0, batch: int | None = None) -> MemoryEstimate:
+def estimate(
+    model: ModelSpec,
+    weights: WeightsBreakdown,
+    ctx: int,
+    parallel: int,
+    cache_type: str,
+    flash_attn: bool,
+    *,
+    ubatch: int | None = None,
+    gpu: bool = True,
+    gpu_layers: int | None = None,
+    n_cpu_moe: int = 0,
+    batch: int | None = None,
+) -> MemoryEstimate:
     """Memory of ``llama-server -c ctx*parallel -np parallel -ub ubatch -ngl gpu_layers --n-cpu-moe n_cpu_moe``.
 
     On a GPU, ``weights_bytes``, ``kv_bytes``, ``buffers_bytes`` and ``overhead_bytes`` are what
@@ -108,13 +139,21 @@ def estimate(model: ModelSpec, weights: WeightsBreakdown, ctx: int, parallel: in
     kv, cells, how = kv_cache_bytes(model, resolve(cache_type, CACHE_TYPES) or cache_type, ctx, parallel, LAYOUT)
     cells_seq = LAYOUT.cells_per_sequence(ctx)
     buffers = (CUDA_BUFFERS if gpu else CPU_BUFFERS).bytes(model, cells_seq, ub, flash_attn)
-    notes = [f"KV: {how} x {model.n_layers} layers x {model.kv_dim} x (K+V {cache_type})",
-             f"compute buffer: ubatch {ub}, {'fused' if flash_attn else 'unfused'} attention over "
-             f"{cells_seq} cells per slot"]
+    notes = [
+        f"KV: {how} x {model.n_layers} layers x {model.kv_dim} x (K+V {cache_type})",
+        f"compute buffer: ubatch {ub}, {'fused' if flash_attn else 'unfused'} attention over "
+        f"{cells_seq} cells per slot",
+    ]
     if not gpu:
         notes.append("CPU build: every buffer is in host memory")
-        return MemoryEstimate(weights_bytes=int(weights.total_bytes), kv_bytes=kv, buffers_bytes=buffers,
-                              overhead_bytes=0, host_bytes=0, notes=tuple(notes))
+        return MemoryEstimate(
+            weights_bytes=int(weights.total_bytes),
+            kv_bytes=kv,
+            buffers_bytes=buffers,
+            overhead_bytes=0,
+            host_bytes=0,
+            notes=tuple(notes),
+        )
 
     n_layers = len(weights.per_layer_bytes) or model.n_layers
     on_gpu, head_on_gpu = placement(n_layers, gpu_layers)
@@ -125,8 +164,11 @@ def estimate(model: ModelSpec, weights: WeightsBreakdown, ctx: int, parallel: in
         if weights.head_is_embedding:
             gpu_weights += weights.embedding_bytes
             notes.append("tied embeddings: the head is loaded again on the GPU")
-    host_weights = weights.total_bytes - gpu_weights + (weights.embedding_bytes if weights.head_is_embedding
-                                                         and head_on_gpu else 0)
+    host_weights = (
+        weights.total_bytes
+        - gpu_weights
+        + (weights.embedding_bytes if weights.head_is_embedding and head_on_gpu else 0)
+    )
     # Each layer's cache lives beside its layer (offload_kqv, on by default).
     kv_gpu = kv * len(on_gpu) // n_layers if n_layers else kv
     kv_host = kv - kv_gpu
@@ -137,28 +179,51 @@ def estimate(model: ModelSpec, weights: WeightsBreakdown, ctx: int, parallel: in
     host_compute = ub * (2 * model.hidden_size * 4 + cells_seq * mask_bytes)
     staged = _staged_bytes(model, weights, on_gpu, moe_host, n_layers, ub, cells_seq, mask_bytes, flash_attn)
     if staged > buffers:
-        notes.append(f"compute buffer: {staged / MiB:.0f} MiB, a host-resident matrix staged on the GPU "
-                     f"for batches of {OP_OFFLOAD_MIN_BATCH}+ tokens")
+        notes.append(
+            f"compute buffer: {staged / MiB:.0f} MiB, a host-resident matrix staged on the GPU "
+            f"for batches of {OP_OFFLOAD_MIN_BATCH}+ tokens"
+        )
         buffers = staged
     if len(on_gpu) < n_layers or not head_on_gpu:
-        notes.append(f"-ngl {gpu_layers}: {len(on_gpu)} of {n_layers} layers on the GPU"
-                     f"{', the output head too' if head_on_gpu else ', the output head on the host'}")
+        notes.append(
+            f"-ngl {gpu_layers}: {len(on_gpu)} of {n_layers} layers on the GPU"
+            f"{', the output head too' if head_on_gpu else ', the output head on the host'}"
+        )
     if len(moe_host) and weights.per_layer_expert_bytes:
-        notes.append(f"--n-cpu-moe {len(moe_host)}: layers 0-{len(moe_host) - 1} keep their experts "
-                     f"({sum(weights.expert_bytes(i) for i in moe_host) / GiB:.2f} GiB) in host memory")
-    notes.append(f"host memory: {host_weights / GiB:.2f} GiB of weights (token embeddings included), "
-                 f"{kv_host / MiB:.0f} MiB of KV, {host_compute / MiB:.0f} MiB pinned compute buffer")
+        notes.append(
+            f"--n-cpu-moe {len(moe_host)}: layers 0-{len(moe_host) - 1} keep their experts "
+            f"({sum(weights.expert_bytes(i) for i in moe_host) / GiB:.2f} GiB) in host memory"
+        )
+    notes.append(
+        f"host memory: {host_weights / GiB:.2f} GiB of weights (token embeddings included), "
+        f"{kv_host / MiB:.0f} MiB of KV, {host_compute / MiB:.0f} MiB pinned compute buffer"
+    )
     overhead = CUDA_CONTEXT_BYTES
     if model.is_moe:
         overhead += CUDA_MOE_POOL_BYTES
         notes.append(f"+{CUDA_MOE_POOL_BYTES // MiB} MiB: ggml-cuda's pool for the expert kernel (not logged)")
-    return MemoryEstimate(weights_bytes=int(gpu_weights), kv_bytes=int(kv_gpu), buffers_bytes=int(buffers),
-                          overhead_bytes=overhead, host_bytes=int(host_weights + kv_host),
-                          host_buffers_bytes=int(host_compute), notes=tuple(notes))
+    return MemoryEstimate(
+        weights_bytes=int(gpu_weights),
+        kv_bytes=int(kv_gpu),
+        buffers_bytes=int(buffers),
+        overhead_bytes=overhead,
+        host_bytes=int(host_weights + kv_host),
+        host_buffers_bytes=int(host_compute),
+        notes=tuple(notes),
+    )
 
 
-def _staged_bytes(model: ModelSpec, weights: WeightsBreakdown, on_gpu: range, moe_host: range, n_layers: int,
-                  ub: int, cells_seq: int, mask_bytes: int, flash_attn: bool) -> int:
+def _staged_bytes(
+    model: ModelSpec,
+    weights: WeightsBreakdown,
+    on_gpu: range,
+    moe_host: range,
+    n_layers: int,
+    ub: int,
+    cells_seq: int,
+    mask_bytes: int,
+    flash_attn: bool,
+) -> int:
     """The CUDA compute buffer's peak while a host-resident matrix is staged on the card: the
     largest such matrix (a whole host layer's, or a host expert tensor), plus the MLP
     activations of the micro-batch around it and the mask. 0 when nothing is staged (every
@@ -167,8 +232,11 @@ def _staged_bytes(model: ModelSpec, weights: WeightsBreakdown, on_gpu: range, mo
     prompt's last token only, a product of one row (the probe's -ngl 0 buffer is its -ngl 7's)."""
     if ub < OP_OFFLOAD_MIN_BATCH:
         return 0
-    largest = max([weights.largest_bytes(i) for i in range(n_layers) if i not in on_gpu]
-                  + [weights.largest_bytes(i, experts_only=True) for i in moe_host if i in on_gpu], default=0)
+    largest = max(
+        [weights.largest_bytes(i) for i in range(n_layers) if i not in on_gpu]
+        + [weights.largest_bytes(i, experts_only=True) for i in moe_host if i in on_gpu],
+        default=0,
+    )
     if not largest:
         return 0
     # Two bounds on the peak, the smaller wins: the staged matrix beside the activations of its

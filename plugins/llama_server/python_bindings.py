@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from autotune._builtin import processes
-from autotune_plugins.llama_server.builds import MARKER, EngineBuild, EngineNotFoundError, engines_dir, find_llama_server
+from autotune_plugins.llama_server.builds import (
+    MARKER,
+    EngineBuild,
+    EngineNotFoundError,
+    engines_dir,
+    find_llama_server,
+)
 from autotune_plugins.llama_server.llama_build import LLAMA_CPP_PYTHON_VERSION, EngineBuildError
 
 __all__ = ["import_llama_cpp", "install_python_bindings"]
@@ -58,13 +64,17 @@ def install_python_bindings(
         log.write(f"$ CMAKE_ARGS='{env['CMAKE_ARGS']}' {' '.join(cmd)}\n{out}\n")
         log.flush()
     if proc.returncode != 0:
-        raise EngineBuildError(f"installing llama-cpp-python {version} bindings failed (exit status "
-                               f"{proc.returncode})", log_tail="\n".join(out.strip().splitlines()[-15:]))
+        raise EngineBuildError(
+            f"installing llama-cpp-python {version} bindings failed (exit status {proc.returncode})",
+            log_tail="\n".join(out.strip().splitlines()[-15:]),
+        )
     return version
 
 
-INSTALL_HINT = ("run `autotune engine build llama.cpp --python` (installs llama-cpp-python on that build, "
-                "no second compile) or `pip install 'autotune[llama]'`")
+INSTALL_HINT = (
+    "run `autotune engine build llama.cpp --python` (installs llama-cpp-python on that build, "
+    "no second compile) or `pip install 'autotune[llama]'`"
+)
 
 
 def bindings_missing() -> str | None:
@@ -123,12 +133,14 @@ def import_llama_cpp(
     try:
         return importlib.import_module("llama_cpp")
     except ImportError as exc:  # a dependency of the bindings is missing
-        raise EngineNotFoundError(f"llama-cpp-python {installed} is installed but cannot be imported ({exc}): "
-                                  f"{install_hint}") from None
+        raise EngineNotFoundError(
+            f"llama-cpp-python {installed} is installed but cannot be imported ({exc}): {install_hint}"
+        ) from None
     except (OSError, RuntimeError, FileNotFoundError) as exc:
         where = os.environ.get("LLAMA_CPP_LIB_PATH", "the package's own lib/ directory")
-        raise EngineNotFoundError(f"llama-cpp-python {installed} could not load libllama from {where} ({exc}): "
-                                  f"{install_hint}") from None
+        raise EngineNotFoundError(
+            f"llama-cpp-python {installed} could not load libllama from {where} ({exc}): {install_hint}"
+        ) from None
 
 
 def _build_version_of(lib_dir: Path) -> str | None:

@@ -15,8 +15,15 @@ from typing import NamedTuple
 from autotune.api import ModelSpec
 from autotune._builtin import UnknownNameError
 
-__all__ = ["GGML_TYPES", "GGUF_FILE_TYPES", "GgmlType", "GgufFileType", "TensorPlan", "ggml_tensor_bytes",
-           "gguf_tensor_plan"]
+__all__ = [
+    "GGML_TYPES",
+    "GGUF_FILE_TYPES",
+    "GgmlType",
+    "GgufFileType",
+    "TensorPlan",
+    "ggml_tensor_bytes",
+    "gguf_tensor_plan",
+]
 
 # =============================================================================================
 # GGML tensor types
@@ -118,11 +125,16 @@ GGUF_FILE_TYPES: dict[str, GgufFileType] = {
         GgufFileType("Q4_1", "Q4_1", "Q4_1; output Q6_K"),
         GgufFileType("Q4_0", "Q4_0", "Q4_0; output Q6_K"),
         GgufFileType("Q3_K_L", "Q3_K", "Q3_K; attn_v, attn_output, ffn_down Q5_K; output Q6_K"),
-        GgufFileType("Q3_K_M", "Q3_K", "Q3_K; attn_v Q5_K (layers 0-1) else Q4_K, attn_output Q4_K, "
-                                       "ffn_down Q5_K (first 1/16) else Q4_K; output Q6_K"),
+        GgufFileType(
+            "Q3_K_M",
+            "Q3_K",
+            "Q3_K; attn_v Q5_K (layers 0-1) else Q4_K, attn_output Q4_K, "
+            "ffn_down Q5_K (first 1/16) else Q4_K; output Q6_K",
+        ),
         GgufFileType("Q3_K_S", "Q3_K", "Q3_K; output Q6_K"),
-        GgufFileType("Q2_K", "Q2_K", "Q2_K; attn_v Q4_K (Q3_K without GQA >= 4), attn_output and ffn_down Q3_K; "
-                                     "output Q6_K"),
+        GgufFileType(
+            "Q2_K", "Q2_K", "Q2_K; attn_v Q4_K (Q3_K without GQA >= 4), attn_output and ffn_down Q3_K; output Q6_K"
+        ),
     )
 }
 

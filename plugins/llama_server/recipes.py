@@ -64,8 +64,10 @@ def converter_of(server: Path) -> Path:
     _, install_dir = _manifest_of(server)
     script = install_dir / "src" / CONVERTER
     if not script.is_file():
-        raise AutotuneError(f"{script}: not found; a Hugging Face source is converted with the llama.cpp tree of an "
-                            "`autotune engine build llama.cpp` (this llama-server has none beside it)")
+        raise AutotuneError(
+            f"{script}: not found; a Hugging Face source is converted with the llama.cpp tree of an "
+            "`autotune engine build llama.cpp` (this llama-server has none beside it)"
+        )
     return script
 
 
@@ -84,9 +86,22 @@ def vocabulary_problem(script: Path, source: Path) -> str | None:
     cause with its remedy; None when the vocabulary converts."""
     with tempfile.TemporaryDirectory(prefix="autotune-vocab-") as tmp:
         try:
-            run_tool([sys.executable, str(script), str(source), "--vocab-only", "--outtype", "f16",
-                      "--outfile", str(Path(tmp) / "vocab.gguf")], f"{CONVERTER} {source.name} --vocab-only",
-                     lambda _: None, cwd=script.parent, env=engine_environment(CONVERTER_VARIABLES))
+            run_tool(
+                [
+                    sys.executable,
+                    str(script),
+                    str(source),
+                    "--vocab-only",
+                    "--outtype",
+                    "f16",
+                    "--outfile",
+                    str(Path(tmp) / "vocab.gguf"),
+                ],
+                f"{CONVERTER} {source.name} --vocab-only",
+                lambda _: None,
+                cwd=script.parent,
+                env=engine_environment(CONVERTER_VARIABLES),
+            )
         except AutotuneError as exc:
             cause = str(exc)
         else:
@@ -94,15 +109,19 @@ def vocabulary_problem(script: Path, source: Path) -> str | None:
     if _UNKNOWN_TOKENIZER in cause:
         # run_tool joins the tool's last error lines with " | ": the traceback's own line says it.
         said = next(part for part in reversed(cause.split(" | ")) if _UNKNOWN_TOKENIZER in part)
-        return (f"{CONVERTER} {source.name} --vocab-only (a dry run) failed: {said.strip()}: the llama.cpp tree of "
-                f"this build ({script.parent}) does not know this model's tokenizer, "
-                "so every conversion of it would fail; convert it with a llama.cpp whose convert_hf_to_gguf.py "
-                "knows it and name that full-precision GGUF as [model] source, or name GGUF files as this "
-                "candidate's weights")
+        return (
+            f"{CONVERTER} {source.name} --vocab-only (a dry run) failed: {said.strip()}: the llama.cpp tree of "
+            f"this build ({script.parent}) does not know this model's tokenizer, "
+            "so every conversion of it would fail; convert it with a llama.cpp whose convert_hf_to_gguf.py "
+            "knows it and name that full-precision GGUF as [model] source, or name GGUF files as this "
+            "candidate's weights"
+        )
     missing = _MISSING_MODULE.search(cause)
     if missing:
-        return (f"{cause}: the converter runs in this Python ({sys.executable}), which lacks "
-                f"{missing.group(1)}: pip install -e '.[convert]' in autotune's checkout")
+        return (
+            f"{cause}: the converter runs in this Python ({sys.executable}), which lacks "
+            f"{missing.group(1)}: pip install -e '.[convert]' in autotune's checkout"
+        )
     return f"{cause} (the converter's own message; a GGUF file as [model] source needs no conversion)"
 
 
@@ -121,8 +140,9 @@ def _source_kind(source: Path) -> tuple[str, str | None]:
     return "gguf", None
 
 
-def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Path | Callable[[], Path]
-                ) -> Recipe | None:
+def gguf_recipe(
+    fmt: str, source: Path, settings: Mapping[str, Any], server: Path | Callable[[], Path]
+) -> Recipe | None:
     """The recipe for ``fmt`` (``gguf:<TYPE>``) from ``source`` with the build of ``server``.
 
     Returns:
@@ -140,9 +160,11 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
     qtype = str(detail)
     kind, source_type = _source_kind(source)
     if kind == "gguf" and source_type not in FULL_PRECISION:
-        raise AutotuneError(f"{source}: a {source_type or 'unknown-type'} GGUF is no source to make {fmt} from; "
-                            f"give a full-precision one ({', '.join(sorted(FULL_PRECISION))}) or the Hugging Face "
-                            "model directory")
+        raise AutotuneError(
+            f"{source}: a {source_type or 'unknown-type'} GGUF is no source to make {fmt} from; "
+            f"give a full-precision one ({', '.join(sorted(FULL_PRECISION))}) or the Hugging Face "
+            "model directory"
+        )
     model: ModelSpec = resolve_model(str(source))
     expected = predict_gguf_weights(model, qtype).total_bytes + _HEADER_ALLOWANCE
     tool = _tool(server)
@@ -152,14 +174,33 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
         script = converter_of(server)
 
         def convert(inputs: list[Path], out: Path, say: Callable[[str], None]) -> None:
-            run_tool([sys.executable, str(script), str(inputs[0]), "--outfile", str(out), "--outtype",
-                  _CONVERT_TYPES[qtype]], f"{CONVERTER} {inputs[0].name} --outtype {_CONVERT_TYPES[qtype]}", say,
-                 cwd=script.parent, env=engine_environment(CONVERTER_VARIABLES))
+            run_tool(
+                [
+                    sys.executable,
+                    str(script),
+                    str(inputs[0]),
+                    "--outfile",
+                    str(out),
+                    "--outtype",
+                    _CONVERT_TYPES[qtype],
+                ],
+                f"{CONVERTER} {inputs[0].name} --outtype {_CONVERT_TYPES[qtype]}",
+                say,
+                cwd=script.parent,
+                env=engine_environment(CONVERTER_VARIABLES),
+            )
 
-        return Recipe(canonical, tool, name, expected, convert,
-                      description=f"llama.cpp {CONVERTER} --outtype {_CONVERT_TYPES[qtype]}",
-                      step=CONVERTER, seconds_per_gib=CONVERT_S_PER_GIB,
-                      check=lambda: vocabulary_problem(script, source))
+        return Recipe(
+            canonical,
+            tool,
+            name,
+            expected,
+            convert,
+            description=f"llama.cpp {CONVERTER} --outtype {_CONVERT_TYPES[qtype]}",
+            step=CONVERTER,
+            seconds_per_gib=CONVERT_S_PER_GIB,
+            check=lambda: vocabulary_problem(script, source),
+        )
     quantizer = engine.find_llama_quantize(settings)
     needs = ("gguf:F16",) if kind == "hf" else ()
 
@@ -167,6 +208,14 @@ def gguf_recipe(fmt: str, source: Path, settings: Mapping[str, Any], server: Pat
         src = inputs[-1]  # the F16 made first for an HF source; the GGUF source itself otherwise
         run_tool([str(quantizer), str(src), str(out), qtype], f"llama-quantize {src.name} {qtype}", say)
 
-    return Recipe(canonical, tool, name, expected, quantize, needs=needs,
-                  description=f"llama-quantize {qtype}" + (" from gguf:F16" if needs else ""),
-                  step="llama-quantize", seconds_per_gib=QUANTIZE_S_PER_GIB)
+    return Recipe(
+        canonical,
+        tool,
+        name,
+        expected,
+        quantize,
+        needs=needs,
+        description=f"llama-quantize {qtype}" + (" from gguf:F16" if needs else ""),
+        step="llama-quantize",
+        seconds_per_gib=QUANTIZE_S_PER_GIB,
+    )

@@ -56,16 +56,28 @@ def rpc_servers(binary: Path, count: int, threads: int, log_dir: Path, timeout_s
         yield []
         return
     if not binary.is_file():
-        raise EngineUnavailableError(f"{binary}: no such file: this llama.cpp build has no RPC server (built before "
-                                     "GGML_RPC); rebuild it with `autotune engine build llama.cpp --force`")
+        raise EngineUnavailableError(
+            f"{binary}: no such file: this llama.cpp build has no RPC server (built before "
+            "GGML_RPC); rebuild it with `autotune engine build llama.cpp --force`"
+        )
     procs: list[tuple[subprocess.Popen, int, Path]] = []
     try:
         for i in range(count):
             port = free_port(HOST)
             log = log_dir / f"rpc-server-{i}.log"
             with open(log, "w") as out:
-                procs.append((processes.start([str(binary), "-H", HOST, "-p", str(port), "-t", str(max(1, threads))],
-                                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), port, log))
+                procs.append(
+                    (
+                        processes.start(
+                            [str(binary), "-H", HOST, "-p", str(port), "-t", str(max(1, threads))],
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                        ),
+                        port,
+                        log,
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         for proc, port, log in procs:
             while not _listening(port):

@@ -48,8 +48,9 @@ class LlamaCppScorer(Scorer):
             means the engine's own default.
     """
 
-    def __init__(self, path: str | os.PathLike[str], cache_type: str | None = None,
-                 settings: Mapping[str, Any] | None = None):
+    def __init__(
+        self, path: str | os.PathLike[str], cache_type: str | None = None, settings: Mapping[str, Any] | None = None
+    ):
         from autotune_plugins.llama_server import engine
 
         settings = settings or {}
@@ -66,9 +67,13 @@ class LlamaCppScorer(Scorer):
         gpu_layers = settings.get("gpu_layers")
         n_ctx = int(settings.get("scoring_ctx") or DEFAULT_SCORING_CTX)
         kwargs: dict[str, Any] = dict(
-            model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
+            model_path=str(path),
+            n_ctx=n_ctx,
+            logits_all=True,
+            verbose=False,
             n_gpu_layers=-1 if gpu_layers in ("all", None) else int(gpu_layers),
-            type_k=GGML_CACHE_TYPES[cache], type_v=GGML_CACHE_TYPES[cache],
+            type_k=GGML_CACHE_TYPES[cache],
+            type_v=GGML_CACHE_TYPES[cache],
             # llama.cpp needs flash attention for a quantized V cache (the backend's own rule);
             # otherwise unfused, which scored C-Eval 2.5x faster on a 2-core CPU (measured).
             flash_attn=cache not in ("f16", "f32", "bf16"),
@@ -110,7 +115,7 @@ class LlamaCppScorer(Scorer):
             whole, start = self.split(context, continuation)
             cont = whole[start:]
             logits = self._evaluate(whole)
-            rows = log_softmax(logits[start - 1: len(whole) - 1])
+            rows = log_softmax(logits[start - 1 : len(whole) - 1])
             picked = rows[np.arange(len(cont)), cont]
             greedy = bool(np.all(rows.argmax(axis=-1) == np.asarray(cont)))
             out.append(LogLikelihood(float(picked.sum()), greedy, len(cont)))

@@ -23,8 +23,17 @@ from autotune._builtin import EngineUnavailableError
 from autotune._builtin import read_log, server_url, tail
 from autotune_plugins.shared.engine_log import DEBUGGER_LINE
 
-__all__ = ["BUILD_REMEDY", "CpuPlan", "Pinned", "Server", "engine_reason", "median", "parse_log", "plan_cpus",
-           "process_cpu_s"]
+__all__ = [
+    "BUILD_REMEDY",
+    "CpuPlan",
+    "Pinned",
+    "Server",
+    "engine_reason",
+    "median",
+    "parse_log",
+    "plan_cpus",
+    "process_cpu_s",
+]
 
 BUILD_REMEDY = "run `autotune engine build llama.cpp` (it builds for this machine's GPU, or the CPU without one)"
 
@@ -114,8 +123,12 @@ class CpuPlan:
     note: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pinned": self.engine is not None, "engine_cores": list(self.engine or ()),
-                "client_cores": list(self.client or ()), "note": self.note}
+        return {
+            "pinned": self.engine is not None,
+            "engine_cores": list(self.engine or ()),
+            "client_cores": list(self.client or ()),
+            "note": self.note,
+        }
 
 
 def plan_cpus(threads: int, enabled: bool, allowed: Sequence[int] | None = None) -> CpuPlan:
@@ -132,11 +145,18 @@ def plan_cpus(threads: int, enabled: bool, allowed: Sequence[int] | None = None)
         allowed = sorted(os.sched_getaffinity(0))
     allowed = sorted(allowed)
     if len(allowed) <= threads:
-        return CpuPlan(None, None, f"not pinned: {len(allowed)} cores and -t {threads} engine threads leave no "
-                                   "core for the load generator, which shares the engine's cores")
+        return CpuPlan(
+            None,
+            None,
+            f"not pinned: {len(allowed)} cores and -t {threads} engine threads leave no "
+            "core for the load generator, which shares the engine's cores",
+        )
     engine_cores, client_cores = tuple(allowed[-threads:]), tuple(allowed[:-threads])
-    return CpuPlan(engine_cores, client_cores,
-                   f"llama-server pinned to cores {list(engine_cores)}, the load generator to {list(client_cores)}")
+    return CpuPlan(
+        engine_cores,
+        client_cores,
+        f"llama-server pinned to cores {list(engine_cores)}, the load generator to {list(client_cores)}",
+    )
 
 
 class Pinned:
@@ -167,8 +187,16 @@ class Pinned:
 class Server:
     """One running llama-server: its process, address, log and the cores it runs on."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path, cmd: list[str], *,
-                 host: str = "127.0.0.1", cpus: CpuPlan | None = None):
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        port: int,
+        log_path: Path,
+        cmd: list[str],
+        *,
+        host: str = "127.0.0.1",
+        cpus: CpuPlan | None = None,
+    ):
         self.proc = proc
         self.port = port
         self.log_path = log_path
@@ -181,8 +209,9 @@ class Server:
         # check a pooled connection before reusing it, so a reused one failed trials with
         # "Server disconnected without sending a response"; a new loopback connection per
         # request costs well under a millisecond.
-        self.http = httpx.Client(trust_env=False, limits=httpx.Limits(max_connections=None,
-                                                                      max_keepalive_connections=0))
+        self.http = httpx.Client(
+            trust_env=False, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        )
 
     def log(self) -> str:
         return read_log(self.log_path)
@@ -194,12 +223,15 @@ class Server:
         message = f"llama-server {status}: {what}: {engine_reason(text)}"
         # Causes in the binary itself fail every configuration: the study must stop, not go on.
         if rc in (126, 127) or "error while loading shared libraries" in text:
-            return EngineUnavailableError(f"{message}. The engine binary cannot run here: {BUILD_REMEDY}",
-                                          log_tail=tail(text))
+            return EngineUnavailableError(
+                f"{message}. The engine binary cannot run here: {BUILD_REMEDY}", log_tail=tail(text)
+            )
         if rc == -signal.SIGILL:
-            return EngineUnavailableError(f"{message}. The build uses CPU instructions this machine lacks: "
-                                          "rebuild it here with `autotune engine build llama.cpp --force`",
-                                          log_tail=tail(text))
+            return EngineUnavailableError(
+                f"{message}. The build uses CPU instructions this machine lacks: "
+                "rebuild it here with `autotune engine build llama.cpp --force`",
+                log_tail=tail(text),
+            )
         return BackendError(message, log_tail=tail(text))
 
     def close(self) -> None:

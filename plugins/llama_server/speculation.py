@@ -22,14 +22,37 @@ from autotune._builtin import kept
 from autotune._builtin import ConditionalParam
 from autotune._builtin import read_gguf
 
-__all__ = ["DRAFT_MODEL_TYPES", "DRAFT_TYPES", "KEYS", "NGRAM_SIZE_FLAGS", "RULES", "SETTINGS", "SPEC_TYPES",
-           "check", "flags", "has_nextn", "parameters", "speculates"]
+__all__ = [
+    "DRAFT_MODEL_TYPES",
+    "DRAFT_TYPES",
+    "KEYS",
+    "NGRAM_SIZE_FLAGS",
+    "RULES",
+    "SETTINGS",
+    "SPEC_TYPES",
+    "check",
+    "flags",
+    "has_nextn",
+    "parameters",
+    "speculates",
+]
 
 # `llama-server --help`, --spec-type, in its order (common/speculative.cpp
 # common_speculative_type_from_name_map). The flag takes a comma-separated list; one type per
 # configuration is searched.
-SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
-              "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+SPEC_TYPES = (
+    "none",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
 # Types that load the -md weights: server-context.cpp load_model loads a draft model when
 # params.speculative.has_dft(); draft-simple throws "draft-simple requires a draft context"
 # without one, draft-eagle3 checks the draft is an EAGLE3 head, draft-dflash/-dspark read a
@@ -42,13 +65,25 @@ DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspa
 DRAFT_TYPES = (*DRAFT_MODEL_TYPES, "draft-mtp")
 # The n-gram types' lookup length: each its own flag (--spec-ngram-size-n was removed); ngram-cache
 # has none (its n-gram sizes are compiled in, common/ngram-cache.h).
-NGRAM_SIZE_FLAGS = {"ngram-simple": "--spec-ngram-simple-size-n", "ngram-map-k": "--spec-ngram-map-k-size-n",
-                    "ngram-map-k4v": "--spec-ngram-map-k4v-size-n", "ngram-mod": "--spec-ngram-mod-n-match"}
+NGRAM_SIZE_FLAGS = {
+    "ngram-simple": "--spec-ngram-simple-size-n",
+    "ngram-map-k": "--spec-ngram-map-k-size-n",
+    "ngram-map-k4v": "--spec-ngram-map-k4v-size-n",
+    "ngram-mod": "--spec-ngram-mod-n-match",
+}
 DRAFT_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # --help, -ctkd
 DEFAULT_N_MAX = 3  # common/common.h common_params_speculative_draft
 DEFAULT_N_MIN = 0
-KEYS = ("spec_type", "draft", "spec_n_max", "spec_n_min", "spec_p_min", "spec_ngram_n", "draft_gpu_layers",
-        "draft_cache_type")
+KEYS = (
+    "spec_type",
+    "draft",
+    "spec_n_max",
+    "spec_n_min",
+    "spec_p_min",
+    "spec_ngram_n",
+    "draft_gpu_layers",
+    "draft_cache_type",
+)
 RULES = (
     "spec_type draft-simple/-eagle3/-dflash/-dspark: needs draft weights ([[candidates]] draft)",
     "draft weights only with a type that loads them",
@@ -75,35 +110,76 @@ def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
     if "spec_type" not in space:
         return []
     top = 2**31 - 1  # std::stoi into an int32 (common/arg.cpp)
-    params: list[Param] = [Param("spec_type", kept(space, "spec_type", SPEC_TYPES),
-                                 "speculative decoding type (--spec-type)", accepted=SPEC_TYPES)]
+    params: list[Param] = [
+        Param(
+            "spec_type",
+            kept(space, "spec_type", SPEC_TYPES),
+            "speculative decoding type (--spec-type)",
+            accepted=SPEC_TYPES,
+        )
+    ]
 
     def on(name: str, choices: tuple[Any, ...], doc: str, types: Sequence[str], accepted: tuple[Any, ...]) -> None:
-        params.append(ConditionalParam(name, choices, doc, accepted=accepted, parent="spec_type",
-                                       parent_values=tuple(types)))
+        params.append(
+            ConditionalParam(name, choices, doc, accepted=accepted, parent="spec_type", parent_values=tuple(types))
+        )
 
     if "draft" in space:
-        on("draft", tuple(w for w in space["draft"] if isinstance(w, str) and w), "draft weights (-md)",
-           DRAFT_MODEL_TYPES, ("weights listed in [[candidates]] draft",))
+        on(
+            "draft",
+            tuple(w for w in space["draft"] if isinstance(w, str) and w),
+            "draft weights (-md)",
+            DRAFT_MODEL_TYPES,
+            ("weights listed in [[candidates]] draft",),
+        )
     if "spec_n_max" in space:
-        on("spec_n_max", _ints(space, "spec_n_max", 0, top), "tokens drafted per step (--spec-draft-n-max)",
-           DRAFT_TYPES, (f"an integer 0..{top}",))
+        on(
+            "spec_n_max",
+            _ints(space, "spec_n_max", 0, top),
+            "tokens drafted per step (--spec-draft-n-max)",
+            DRAFT_TYPES,
+            (f"an integer 0..{top}",),
+        )
     if "spec_n_min" in space:
-        on("spec_n_min", _ints(space, "spec_n_min", 0, top), "shortest draft used (--spec-draft-n-min)",
-           DRAFT_TYPES, (f"an integer 0..{top}",))
+        on(
+            "spec_n_min",
+            _ints(space, "spec_n_min", 0, top),
+            "shortest draft used (--spec-draft-n-min)",
+            DRAFT_TYPES,
+            (f"an integer 0..{top}",),
+        )
     if "spec_p_min" in space:
-        on("spec_p_min", tuple(v for v in space["spec_p_min"] if type(v) in (int, float) and 0 <= v <= 1),
-           "least draft probability kept, greedy (--spec-draft-p-min)", DRAFT_TYPES, ("a number 0..1",))
+        on(
+            "spec_p_min",
+            tuple(v for v in space["spec_p_min"] if type(v) in (int, float) and 0 <= v <= 1),
+            "least draft probability kept, greedy (--spec-draft-p-min)",
+            DRAFT_TYPES,
+            ("a number 0..1",),
+        )
     if "spec_ngram_n" in space:
-        on("spec_ngram_n", _ints(space, "spec_ngram_n", 1, 65535), "n-gram lookup length "
-           f"({', '.join(NGRAM_SIZE_FLAGS.values())})", tuple(NGRAM_SIZE_FLAGS), ("an integer 1..65535",))
+        on(
+            "spec_ngram_n",
+            _ints(space, "spec_ngram_n", 1, 65535),
+            f"n-gram lookup length ({', '.join(NGRAM_SIZE_FLAGS.values())})",
+            tuple(NGRAM_SIZE_FLAGS),
+            ("an integer 1..65535",),
+        )
     if "draft_gpu_layers" in space:
-        on("draft_gpu_layers", tuple(v for v in space["draft_gpu_layers"]
-                                     if v == "all" or (type(v) is int and 0 <= v <= top)),
-           "draft layers on the GPU (-ngld)", DRAFT_MODEL_TYPES, ("\"all\"", f"an integer 0..{top}"))
+        on(
+            "draft_gpu_layers",
+            tuple(v for v in space["draft_gpu_layers"] if v == "all" or (type(v) is int and 0 <= v <= top)),
+            "draft layers on the GPU (-ngld)",
+            DRAFT_MODEL_TYPES,
+            ('"all"', f"an integer 0..{top}"),
+        )
     if "draft_cache_type" in space:
-        on("draft_cache_type", kept(space, "draft_cache_type", DRAFT_CACHE_TYPES), "draft KV-cache type (-ctkd/-ctvd)",
-           DRAFT_TYPES, DRAFT_CACHE_TYPES)
+        on(
+            "draft_cache_type",
+            kept(space, "draft_cache_type", DRAFT_CACHE_TYPES),
+            "draft KV-cache type (-ctkd/-ctvd)",
+            DRAFT_TYPES,
+            DRAFT_CACHE_TYPES,
+        )
     return params
 
 
@@ -118,7 +194,7 @@ def _synth_rates_problem(value: Any) -> str | None:
     try:
         rates = [float(p) for p in value.split(",")]
     except ValueError:
-        return "must be comma-separated probabilities, e.g. \"0.9,0.7,0.5\""
+        return 'must be comma-separated probabilities, e.g. "0.9,0.7,0.5"'
     if not all(0 <= p <= 1 for p in rates):
         return "each probability must be within [0, 1]"
     if any(b > a for a, b in zip(rates, rates[1:])):
@@ -127,12 +203,23 @@ def _synth_rates_problem(value: Any) -> str | None:
 
 
 SETTINGS = (
-    Setting("spec_synth_len", (int, float), None, "benchmarking only: accept drafts at random so that the mean accepted "
-            "length (the target token included) is this (--spec-synth-len); output is not valid text. For a "
-            "random-weight model, whose drafts are never accepted otherwise", check=_synth_len_problem),
-    Setting("spec_synth_rates", str, None, "benchmarking only: per-position acceptance probabilities, one per "
-            "drafted token, not increasing (--spec-synth-rates \"0.9,0.7,0.5\"); not with spec_synth_len",
-            check=_synth_rates_problem),
+    Setting(
+        "spec_synth_len",
+        (int, float),
+        None,
+        "benchmarking only: accept drafts at random so that the mean accepted "
+        "length (the target token included) is this (--spec-synth-len); output is not valid text. For a "
+        "random-weight model, whose drafts are never accepted otherwise",
+        check=_synth_len_problem,
+    ),
+    Setting(
+        "spec_synth_rates",
+        str,
+        None,
+        "benchmarking only: per-position acceptance probabilities, one per "
+        'drafted token, not increasing (--spec-synth-rates "0.9,0.7,0.5"); not with spec_synth_len',
+        check=_synth_rates_problem,
+    ),
 )
 
 
@@ -155,8 +242,13 @@ def has_nextn(path: Path) -> bool:
     return count is not None and f.tensor(f"blk.{int(count) - 1}.nextn.eh_proj.weight") is not None
 
 
-def check(config: TrialConfig, ctx: StudyContext, target: Path | None, draft: Callable[[str], Path | None],
-          synth: Mapping[str, Any]) -> list[str]:
+def check(
+    config: TrialConfig,
+    ctx: StudyContext,
+    target: Path | None,
+    draft: Callable[[str], Path | None],
+    synth: Mapping[str, Any],
+) -> list[str]:
     """What llama-server refuses, or runs as no speculation at all, for ``config``'s speculation.
 
     Args:
@@ -168,38 +260,57 @@ def check(config: TrialConfig, ctx: StudyContext, target: Path | None, draft: Ca
     name = config.option("draft")
     out = []
     if kind in DRAFT_MODEL_TYPES and name is None:
-        out.append(f"spec_type {kind}: loads a draft model (-md), and the configuration has none: list draft "
-                   "weights in [[candidates]] draft (common/speculative.cpp: 'draft-simple requires a draft context')")
+        out.append(
+            f"spec_type {kind}: loads a draft model (-md), and the configuration has none: list draft "
+            "weights in [[candidates]] draft (common/speculative.cpp: 'draft-simple requires a draft context')"
+        )
     if name is not None and kind not in DRAFT_MODEL_TYPES:
-        out.append(f"draft {name!r} with spec_type {kind}: the draft weights are loaded only by "
-                   f"{', '.join(DRAFT_MODEL_TYPES)}")
+        out.append(
+            f"draft {name!r} with spec_type {kind}: the draft weights are loaded only by {', '.join(DRAFT_MODEL_TYPES)}"
+        )
     if kind == "draft-mtp":
         if target is not None and not has_nextn(target):
-            out.append(f"spec_type draft-mtp: {target.name} has no nextn (MTP) layers (common/speculative.cpp "
-                       "common_speculative_types_from_gguf: no blk.N.nextn.eh_proj.weight)")
+            out.append(
+                f"spec_type draft-mtp: {target.name} has no nextn (MTP) layers (common/speculative.cpp "
+                "common_speculative_types_from_gguf: no blk.N.nextn.eh_proj.weight)"
+            )
         if config.option("split_mode") == "tensor":
             # Reported with this build (issue 47): the MTP context shares the target model, whose
             # tensors a meta device splits; server-context.cpp guards neither.
-            out.append("spec_type draft-mtp with split_mode tensor: llama-server crashes (the MTP context runs "
-                       "on the target's split tensors); use split_mode layer")
+            out.append(
+                "spec_type draft-mtp with split_mode tensor: llama-server crashes (the MTP context runs "
+                "on the target's split tensors); use split_mode layer"
+            )
     n_max = int(config.option("spec_n_max", DEFAULT_N_MAX))
     n_min = int(config.option("spec_n_min", DEFAULT_N_MIN))
     if kind in DRAFT_TYPES and n_min > n_max:
-        out.append(f"spec_n_min {n_min} > spec_n_max {n_max}: every draft is shorter than n_min and dropped "
-                   "(common/speculative.cpp: result.size() < n_min -> no draft)")
-    if kind in DRAFT_TYPES and synth.get("spec_synth_len") is not None and not 1 <= synth["spec_synth_len"] <= n_max + 1:
-        out.append(f"spec_synth_len {synth['spec_synth_len']} with spec_n_max {n_max}: must be within "
-                   f"[1, {n_max + 1}] (common/speculative.cpp common_speculative_synth_rates_resolve)")
+        out.append(
+            f"spec_n_min {n_min} > spec_n_max {n_max}: every draft is shorter than n_min and dropped "
+            "(common/speculative.cpp: result.size() < n_min -> no draft)"
+        )
+    if (
+        kind in DRAFT_TYPES
+        and synth.get("spec_synth_len") is not None
+        and not 1 <= synth["spec_synth_len"] <= n_max + 1
+    ):
+        out.append(
+            f"spec_synth_len {synth['spec_synth_len']} with spec_n_max {n_max}: must be within "
+            f"[1, {n_max + 1}] (common/speculative.cpp common_speculative_synth_rates_resolve)"
+        )
     if kind in DRAFT_TYPES and synth.get("spec_synth_rates") is not None:
         count = len(str(synth["spec_synth_rates"]).split(","))
         if count != n_max:
-            out.append(f"spec_synth_rates has {count} values and spec_n_max is {n_max}: llama.cpp wants one per "
-                       "drafted token (common_speculative_synth_rates_resolve)")
+            out.append(
+                f"spec_synth_rates has {count} values and spec_n_max is {n_max}: llama.cpp wants one per "
+                "drafted token (common_speculative_synth_rates_resolve)"
+            )
     if name is not None and target is not None and (path := draft(name)) is not None:
         ours, theirs = read_gguf(target).get("tokenizer.ggml.model"), read_gguf(path).get("tokenizer.ggml.model")
         if ours != theirs:
-            out.append(f"draft {name!r}: its vocabulary ({theirs}) is not the target's ({ours}) (common/speculative.cpp: "
-                       "'draft model vocab type must match target model to use speculation')")
+            out.append(
+                f"draft {name!r}: its vocabulary ({theirs}) is not the target's ({ours}) (common/speculative.cpp: "
+                "'draft model vocab type must match target model to use speculation')"
+            )
     return out
 
 
@@ -215,8 +326,11 @@ def flags(config: TrialConfig, draft_path: Callable[[str], Path], synth: Mapping
     name = config.option("draft")
     if name is not None:
         out += ["-md", str(draft_path(name))]
-    for option, flag in (("spec_n_max", "--spec-draft-n-max"), ("spec_n_min", "--spec-draft-n-min"),
-                         ("spec_p_min", "--spec-draft-p-min")):
+    for option, flag in (
+        ("spec_n_max", "--spec-draft-n-max"),
+        ("spec_n_min", "--spec-draft-n-min"),
+        ("spec_p_min", "--spec-draft-p-min"),
+    ):
         if config.option(option) is not None:
             out += [flag, str(config.option(option))]
     if config.option("spec_ngram_n") is not None and kind in NGRAM_SIZE_FLAGS:

@@ -44,19 +44,61 @@ from autotune._builtin import resolve_cache_type as resolve
 from autotune_plugins.llama_server import devices, memory
 from autotune_plugins.llama_server.declarations import CACHE_TYPES
 
-__all__ = ["MODES", "NO_TENSOR_ARCHS", "check", "device_estimate", "estimate", "flags", "layer_devices", "n_devices", "parameters",
-           "parse_ts", "rpc_device_count", "ts_candidates"]
+__all__ = [
+    "MODES",
+    "NO_TENSOR_ARCHS",
+    "check",
+    "device_estimate",
+    "estimate",
+    "flags",
+    "layer_devices",
+    "n_devices",
+    "parameters",
+    "parse_ts",
+    "rpc_device_count",
+    "ts_candidates",
+]
 
 MiB = 2**20
 MODES = ("none", "layer", "row", "tensor")
 KEYS = ("split_mode", "tensor_split", "main_gpu", "devices")
 # llm_arch_supports_sm_tensor (src/llama-arch.cpp) returns false for these, by llama.cpp's
 # GGUF architecture names; every other architecture may use -sm tensor.
-NO_TENSOR_ARCHS = frozenset({
-    "grok", "mpt", "plamo2", "minicpm3", "gemma3n", "mamba", "mamba2", "jamba", "falcon-h1", "olmo2", "olmoe",
-    "deepseek2", "deepseek32", "hunyuan-v4", "dots3note", "glm-dsa", "bitnet", "t5", "nemotron_h", "nemotron_h_moe",
-    "granitehybrid", "minimax01", "minimax-m2", "minimax-m3", "mistral4", "kimi-linear", "bailingmoe3", "kimi-k3",
-    "glm5-next", "qwen3tts", "qwen4exp"})
+NO_TENSOR_ARCHS = frozenset(
+    {
+        "grok",
+        "mpt",
+        "plamo2",
+        "minicpm3",
+        "gemma3n",
+        "mamba",
+        "mamba2",
+        "jamba",
+        "falcon-h1",
+        "olmo2",
+        "olmoe",
+        "deepseek2",
+        "deepseek32",
+        "hunyuan-v4",
+        "dots3note",
+        "glm-dsa",
+        "bitnet",
+        "t5",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "granitehybrid",
+        "minimax01",
+        "minimax-m2",
+        "minimax-m3",
+        "mistral4",
+        "kimi-linear",
+        "bailingmoe3",
+        "kimi-k3",
+        "glm5-next",
+        "qwen3tts",
+        "qwen4exp",
+    }
+)
 
 
 # The rules :func:`check` applies, for ``autotune plugins``.
@@ -125,18 +167,34 @@ def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
     for the core to report with ``accepted``)."""
     params = []
     if "split_mode" in space:
-        params.append(Param("split_mode", tuple(v for v in space["split_mode"] if v in MODES),
-                            "how the model is split across the devices (-sm): none (one device, -mg), layer (whole "
-                            "layers per device, -ts), row (matrices by rows; CUDA), tensor (tensor parallel; needs "
-                            "flash_attn)", accepted=MODES))
+        params.append(
+            Param(
+                "split_mode",
+                tuple(v for v in space["split_mode"] if v in MODES),
+                "how the model is split across the devices (-sm): none (one device, -mg), layer (whole "
+                "layers per device, -ts), row (matrices by rows; CUDA), tensor (tensor parallel; needs "
+                "flash_attn)",
+                accepted=MODES,
+            )
+        )
     if "tensor_split" in space:
-        params.append(Param("tensor_split", tuple(v for v in space["tensor_split"] if parse_ts(v)),
-                            "proportions per device (-ts), e.g. \"3,1\"; one entry per device at most",
-                            accepted=("proportions such as \"1,1\" or \"3,1\"",)))
+        params.append(
+            Param(
+                "tensor_split",
+                tuple(v for v in space["tensor_split"] if parse_ts(v)),
+                'proportions per device (-ts), e.g. "3,1"; one entry per device at most',
+                accepted=('proportions such as "1,1" or "3,1"',),
+            )
+        )
     if "main_gpu" in space:
-        params.append(Param("main_gpu", tuple(v for v in space["main_gpu"] if type(v) is int and v >= 0),
-                            "the device of split_mode none, and of row split's KV cache (-mg)",
-                            accepted=("a device number from 0",)))
+        params.append(
+            Param(
+                "main_gpu",
+                tuple(v for v in space["main_gpu"] if type(v) is int and v >= 0),
+                "the device of split_mode none, and of row split's KV cache (-mg)",
+                accepted=("a device number from 0",),
+            )
+        )
     return params + devices.parameters(space)
 
 
@@ -148,8 +206,10 @@ def check(config: TrialConfig, ctx: StudyContext, model: ModelSpec, cuda: bool) 
     if mode is not None and n < 2 and mode != "none":
         out.append(f"split_mode {mode}: one device to split over (the study's [hardware] gpus, or devices, names one)")
     if mode == "row" and not cuda:
-        out.append("split_mode row: these devices have no split buffers (llama.cpp: CUDA's only; an RPC or CPU "
-                   "device refuses it)")
+        out.append(
+            "split_mode row: these devices have no split buffers (llama.cpp: CUDA's only; an RPC or CPU "
+            "device refuses it)"
+        )
     if mode == "tensor":
         if not config.option("flash_attn", True):
             out.append("split_mode tensor needs flash_attn on (llama.cpp: SPLIT_MODE_TENSOR requires flash_attn)")
@@ -158,12 +218,14 @@ def check(config: TrialConfig, ctx: StudyContext, model: ModelSpec, cuda: bool) 
             out.append(f"split_mode tensor: llama.cpp does not implement it for architecture '{arch}'")
     ts = config.option("tensor_split")
     if ts is not None and parse_ts(ts, n) is None:
-        out.append(f"tensor_split {ts!r}: give at most {n} non-negative proportions, not all 0, e.g. "
-                   f"\"{','.join('1' * n)}\"")
+        out.append(
+            f'tensor_split {ts!r}: give at most {n} non-negative proportions, not all 0, e.g. "{",".join("1" * n)}"'
+        )
     if mode == "none" and ts is not None and len(set(parse_ts(ts) or (0.0, 1.0))) > 1:
         # -ts does nothing to one device: the search measures split mode none once, with the even split.
-        out.append(f"tensor_split {ts!r} does nothing with split_mode none (one device, -mg): the even split stands "
-                   "for it")
+        out.append(
+            f"tensor_split {ts!r} does nothing with split_mode none (one device, -mg): the even split stands for it"
+        )
     mg = config.option("main_gpu")
     if mg is not None and int(mg) >= n:
         out.append(f"main_gpu {mg}: the study has devices 0..{n - 1}")
@@ -205,9 +267,18 @@ def layer_devices(n_layers: int, gpu_layers: int | None, ts: Sequence[float]) ->
     return out
 
 
-def estimate(base: MemoryEstimate, model: ModelSpec, weights: WeightsBreakdown, config: TrialConfig, n: int,
-             gpu_layers: int | None, kv_bytes_all: int, buffers: int, overhead: int,
-             pipeline_bytes: int = 0) -> MemoryEstimate:
+def estimate(
+    base: MemoryEstimate,
+    model: ModelSpec,
+    weights: WeightsBreakdown,
+    config: TrialConfig,
+    n: int,
+    gpu_layers: int | None,
+    kv_bytes_all: int,
+    buffers: int,
+    overhead: int,
+    pipeline_bytes: int = 0,
+) -> MemoryEstimate:
     """``base`` (one device's estimate of the same configuration) with each device's share.
 
     Args:
@@ -265,8 +336,15 @@ def estimate(base: MemoryEstimate, model: ModelSpec, weights: WeightsBreakdown, 
     shares = tuple(per_dev[d] + kv_dev[d] + buffers_of.get(d, 0) + (overhead if d in holding else 0) for d in range(n))
     note = f"-sm {mode}" + (f" -ts {config.option('tensor_split')}" if mode != "none" else f" -mg {main}")
     notes = (*base.notes, f"{note}: per device " + ", ".join(f"{d}: {b / MiB:.0f} MiB" for d, b in enumerate(shares)))
-    return replace(base, weights_bytes=sum(per_dev), kv_bytes=sum(kv_dev), buffers_bytes=sum(buffers_of.values()),
-                   overhead_bytes=overhead * len(holding), per_device_bytes=shares, notes=notes)
+    return replace(
+        base,
+        weights_bytes=sum(per_dev),
+        kv_bytes=sum(kv_dev),
+        buffers_bytes=sum(buffers_of.values()),
+        overhead_bytes=overhead * len(holding),
+        per_device_bytes=shares,
+        notes=notes,
+    )
 
 
 # ggml's scheduler keeps this many copies of each split's inputs when llama.cpp turns pipeline
@@ -287,13 +365,22 @@ def pipeline_copies_bytes(model: ModelSpec, cells_per_sequence: int, ubatch: int
     that support events (CUDA's and RPC's do). Logged on two RPC devices: +0.16 MiB at ubatch
     64 to +3.44 MiB at ubatch 256 unfused over 1024 cells; this formula gives each within 0.2 MiB.
     """
-    mask = cells_per_sequence * ubatch * (memory.CPU_BUFFERS.mask_bytes_fused if flash_attn
-                                          else memory.CPU_BUFFERS.mask_bytes)
+    mask = (
+        cells_per_sequence
+        * ubatch
+        * (memory.CPU_BUFFERS.mask_bytes_fused if flash_attn else memory.CPU_BUFFERS.mask_bytes)
+    )
     return (PIPELINE_COPIES - 1) * (mask + ubatch * (model.hidden_size * 4 + PIPELINE_TOKEN_BYTES))
 
 
-def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialConfig, ctx: StudyContext,
-                    gpu_layers: int | None, cuda: bool) -> MemoryEstimate:
+def device_estimate(
+    model: ModelSpec,
+    weights: WeightsBreakdown,
+    config: TrialConfig,
+    ctx: StudyContext,
+    gpu_layers: int | None,
+    cuda: bool,
+) -> MemoryEstimate:
     """Each device's memory for ``config`` on the study's devices (CUDA cards, or RPC devices on
     the CPU): the one-device model for what stays on the host, :func:`estimate` for the rest.
 
@@ -303,12 +390,22 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
     ub_opt, b_opt = config.option("ubatch"), config.option("batch")
     cache = config.option("cache_type", "f16")
     fa = bool(config.option("flash_attn", True))
-    base = memory.estimate(model, weights, config.ctx, config.parallel, cache, fa,
-                           ubatch=int(ub_opt) if ub_opt is not None else None, gpu=True, gpu_layers=gpu_layers,
-                           n_cpu_moe=int(config.option("n_cpu_moe", 0) or 0),
-                           batch=int(b_opt) if b_opt is not None else None)
-    kv_all, _, _ = kv_cache_bytes(model, resolve(cache, CACHE_TYPES) or cache, config.ctx, config.parallel,
-                                  memory.LAYOUT)
+    base = memory.estimate(
+        model,
+        weights,
+        config.ctx,
+        config.parallel,
+        cache,
+        fa,
+        ubatch=int(ub_opt) if ub_opt is not None else None,
+        gpu=True,
+        gpu_layers=gpu_layers,
+        n_cpu_moe=int(config.option("n_cpu_moe", 0) or 0),
+        batch=int(b_opt) if b_opt is not None else None,
+    )
+    kv_all, _, _ = kv_cache_bytes(
+        model, resolve(cache, CACHE_TYPES) or cache, config.ctx, config.parallel, memory.LAYOUT
+    )
     ub = min(int(ub_opt or memory.DEFAULT_UBATCH), int(b_opt or memory.DEFAULT_BATCH), config.ctx * config.parallel)
     cells = memory.LAYOUT.cells_per_sequence(config.ctx)
     if cuda:
@@ -317,10 +414,24 @@ def device_estimate(model: ModelSpec, weights: WeightsBreakdown, config: TrialCo
         buffers, overhead = memory.CPU_BUFFERS.bytes(model, cells, ub, fa), 0
     n = devices.count(config, ctx) if n_devices(ctx) > 1 else 1
     n_layers = len(weights.per_layer_bytes) or model.n_layers
-    pipelined = (config.option("split_mode", "layer") == "layer" and n > 1 and not config.option("n_cpu_moe")
-                 and (gpu_layers is None or gpu_layers > n_layers))
-    mem = estimate(base, model, weights, config, n, gpu_layers, kv_all, buffers, overhead,
-                   pipeline_copies_bytes(model, cells, ub, fa) if pipelined else 0)
+    pipelined = (
+        config.option("split_mode", "layer") == "layer"
+        and n > 1
+        and not config.option("n_cpu_moe")
+        and (gpu_layers is None or gpu_layers > n_layers)
+    )
+    mem = estimate(
+        base,
+        model,
+        weights,
+        config,
+        n,
+        gpu_layers,
+        kv_all,
+        buffers,
+        overhead,
+        pipeline_copies_bytes(model, cells, ub, fa) if pipelined else 0,
+    )
     return devices.spread(mem, config, ctx)
 
 
@@ -342,5 +453,7 @@ def space(ctx: StudyContext, cuda: bool) -> dict[str, list[Any]]:
     p = getattr(ctx, "placement", None)
     if p is None or len(p.cards) < 2:
         return {}
-    return {"split_mode": ["layer", "none", "tensor", *(("row",) if cuda else ())],
-            "tensor_split": ts_candidates(p.budgets)}
+    return {
+        "split_mode": ["layer", "none", "tensor", *(("row",) if cuda else ())],
+        "tensor_split": ts_candidates(p.budgets),
+    }

@@ -27,8 +27,9 @@ WEIGHTS_FACTS = frozenset({"model_buffer_mib", "offloaded_layers", "total_layers
 _STARTUP_FACTS: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
 
 
-def startup_facts(backend: Any, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path,
-                  startup_s: float) -> dict[str, Any]:
+def startup_facts(
+    backend: Any, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path, startup_s: float
+) -> dict[str, Any]:
     """What llama.cpp logs at start (buffer sizes by device, layers offloaded, KV cells),
     from a short launch of its own at ``-lv 4``: the measured launch runs at the default
     verbosity, which does not print them.
@@ -51,8 +52,15 @@ def startup_facts(backend: Any, config: TrialConfig, ctx: StudyContext, has_gpu:
     ngl = (backend.layers_of(config, ctx, has_gpu), config.option("n_cpu_moe", 0))
     # The split decides each device's buffers, the model's too (split.py).
     ngl = (*ngl, *split.flags(config), split.rpc_device_count(ctx))
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, ngl, backend.cuda_devices(ctx, has_gpu),
-           str(backend.binary(ctx).absolute()), config.key if config.option(ENGINE_DEFAULTS) else None)
+    key = (
+        str(path.resolve()),
+        st.st_mtime_ns,
+        st.st_size,
+        ngl,
+        backend.cuda_devices(ctx, has_gpu),
+        str(backend.binary(ctx).absolute()),
+        config.key if config.option(ENGINE_DEFAULTS) else None,
+    )
     hit = _STARTUP_FACTS.get(key)
     if hit is None:
         server = backend.launch(config, ctx, has_gpu, log_dir, verbose=True)

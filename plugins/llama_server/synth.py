@@ -170,7 +170,8 @@ class DiskPlan:
             raise ConfigError(
                 f"--out {self.directory}: not enough disk space: {self.describe()}. Free "
                 f"{_size(self.total_bytes - self.free_bytes)} more, choose another --out, "
-                "or ask for fewer --quantize copies")
+                "or ask for fewer --quantize copies"
+            )
 
 
 def _header_bytes(tokenizer: list[tuple[str, Any, Any, Any]], plan: list[TensorPlan]) -> int:
@@ -198,11 +199,22 @@ def quantized_path(model: str | os.PathLike[str], qtype: str) -> Path:
 def _as_model(spec: SynthSpec, n_vocab: int) -> Any:
     from autotune.api import ModelSpec
 
-    return ModelSpec(key=spec.name, name=spec.name, architecture=spec.arch, n_layers=spec.n_layers,
-                     hidden_size=spec.hidden, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
-                     head_dim=spec.head_dim, ffn_size=spec.ffn, vocab_size=n_vocab,
-                     n_params=sum(t.n_elements for t in tensor_plan(spec, n_vocab)),
-                     tie_embeddings=spec.tie_embeddings, max_context=spec.context_length, source="autotune synth")
+    return ModelSpec(
+        key=spec.name,
+        name=spec.name,
+        architecture=spec.arch,
+        n_layers=spec.n_layers,
+        hidden_size=spec.hidden,
+        n_heads=spec.n_heads,
+        n_kv_heads=spec.n_kv_heads,
+        head_dim=spec.head_dim,
+        ffn_size=spec.ffn,
+        vocab_size=n_vocab,
+        n_params=sum(t.n_elements for t in tensor_plan(spec, n_vocab)),
+        tie_embeddings=spec.tie_embeddings,
+        max_context=spec.context_length,
+        source="autotune synth",
+    )
 
 
 def _quantized_bytes(model: Any, qtype: str, unquantized_bytes: int) -> tuple[int, str]:
@@ -225,8 +237,14 @@ def _free_bytes(directory: Path) -> tuple[Path, int]:
     return directory.absolute(), shutil.disk_usage(existing).free
 
 
-def disk_plan(spec: SynthSpec, out: str | os.PathLike[str], *, tokenizer: list[tuple[str, Any, Any, Any]],
-              n_vocab: int, quantize: tuple[str, ...] = ()) -> DiskPlan:
+def disk_plan(
+    spec: SynthSpec,
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: list[tuple[str, Any, Any, Any]],
+    n_vocab: int,
+    quantize: tuple[str, ...] = (),
+) -> DiskPlan:
     """The bytes ``synth`` will write (the F16 model, exactly but for the header; each
     quantized copy, estimated) and the free space where they go.
 
@@ -274,8 +292,7 @@ def _chunks(t: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
             yield values.astype(t.dtype, copy=False)
 
 
-def gguf_writer(path: Path, spec: SynthSpec, tokenizer: Sequence[Any], n_vocab: int,
-                plan: Sequence[TensorPlan]) -> Any:
+def gguf_writer(path: Path, spec: SynthSpec, tokenizer: Sequence[Any], n_vocab: int, plan: Sequence[TensorPlan]) -> Any:
     """A ``gguf.GGUFWriter`` on ``path`` holding a synthetic model's metadata, tokenizer and tensor
     table, nothing written yet: what ``write_model`` fills with weights (and
     bench/offload_grid_models.py leaves as a hole)."""
@@ -285,8 +302,7 @@ def gguf_writer(path: Path, spec: SynthSpec, tokenizer: Sequence[Any], n_vocab: 
     w = gguf.GGUFWriter(path, spec.arch)
     w.add_name(spec.name)
     w.add_description(
-        "Random weights written by `autotune synth`: real speed and memory behaviour, "
-        "no meaningful output quality."
+        "Random weights written by `autotune synth`: real speed and memory behaviour, no meaningful output quality."
     )
     w.add_block_count(spec.n_layers)
     w.add_context_length(spec.context_length)
@@ -428,7 +444,9 @@ def check_quantize_types(types: Sequence[str]) -> None:
     allowed = quantize_types()
     bad = [t for t in types if t.upper() not in allowed]
     if bad:
-        raise ConfigError(f"--quantize {', '.join(map(repr, bad))}: not a llama.cpp type (use one of {', '.join(allowed)})")
+        raise ConfigError(
+            f"--quantize {', '.join(map(repr, bad))}: not a llama.cpp type (use one of {', '.join(allowed)})"
+        )
 
 
 def quantize(
@@ -475,8 +493,13 @@ def quantize(
 
     processes.on_exit(remove_partial)  # SIGTERM while llama-quantize writes
     try:
-        proc = processes.run([str(exe), str(src), str(tmp), qtype], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout_s=timeout_s)
+        proc = processes.run(
+            [str(exe), str(src), str(tmp), qtype],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout_s=timeout_s,
+        )
     except FileNotFoundError:
         processes.forget(remove_partial)
         raise AutotuneError(f"{exe}: no such executable") from None

@@ -23,14 +23,38 @@ __all__ = ["ARCH_DEFAULTS", "SynthSpec", "TensorPlan", "tensor_plan"]
 # biases). They do not change speed or memory; they keep the file a plausible member of its
 # family. Qwen3 ships Qwen2's tokenizer, so it reuses llama.cpp's Qwen2 vocab file.
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rope_freq_base": 500000.0, "rms_eps": 1e-5, "vocab_file": "ggml-vocab-llama-bpe.gguf",
-              "qkv_bias": False, "qk_norm": False, "moe": False},
-    "qwen2": {"rope_freq_base": 1000000.0, "rms_eps": 1e-6, "vocab_file": "ggml-vocab-qwen2.gguf",
-              "qkv_bias": True, "qk_norm": False, "moe": False},
-    "qwen3": {"rope_freq_base": 1000000.0, "rms_eps": 1e-6, "vocab_file": "ggml-vocab-qwen2.gguf",
-              "qkv_bias": False, "qk_norm": True, "moe": False},
-    "qwen3moe": {"rope_freq_base": 1000000.0, "rms_eps": 1e-6, "vocab_file": "ggml-vocab-qwen2.gguf",
-                 "qkv_bias": False, "qk_norm": True, "moe": True},
+    "llama": {
+        "rope_freq_base": 500000.0,
+        "rms_eps": 1e-5,
+        "vocab_file": "ggml-vocab-llama-bpe.gguf",
+        "qkv_bias": False,
+        "qk_norm": False,
+        "moe": False,
+    },
+    "qwen2": {
+        "rope_freq_base": 1000000.0,
+        "rms_eps": 1e-6,
+        "vocab_file": "ggml-vocab-qwen2.gguf",
+        "qkv_bias": True,
+        "qk_norm": False,
+        "moe": False,
+    },
+    "qwen3": {
+        "rope_freq_base": 1000000.0,
+        "rms_eps": 1e-6,
+        "vocab_file": "ggml-vocab-qwen2.gguf",
+        "qkv_bias": False,
+        "qk_norm": True,
+        "moe": False,
+    },
+    "qwen3moe": {
+        "rope_freq_base": 1000000.0,
+        "rms_eps": 1e-6,
+        "vocab_file": "ggml-vocab-qwen2.gguf",
+        "qkv_bias": False,
+        "qk_norm": True,
+        "moe": True,
+    },
 }
 
 
@@ -82,8 +106,9 @@ class SynthSpec:
                 problems.append(f"{name} = {value!r}: must be an integer {low}..{high} ({why})")
         if not problems:
             if self.head_size is None and self.hidden % self.n_heads:
-                problems.append(f"hidden = {self.hidden}: must be a multiple of heads ({self.n_heads}), "
-                                "or give the head size")
+                problems.append(
+                    f"hidden = {self.hidden}: must be a multiple of heads ({self.n_heads}), or give the head size"
+                )
             if self.n_heads % self.n_kv_heads:
                 problems.append(f"kv_heads = {self.n_kv_heads}: must divide heads ({self.n_heads})")
             problems += self._expert_problems()
@@ -97,8 +122,14 @@ class SynthSpec:
             return bad
         if not ARCH_DEFAULTS[self.arch]["moe"]:
             given = [k for k, v in fields.items() if v]
-            return [f"{', '.join(given)}: {self.arch} is a dense architecture (a MoE one: "
-                    f"{', '.join(a for a, d in sorted(ARCH_DEFAULTS.items()) if d['moe'])})"] if given else []
+            return (
+                [
+                    f"{', '.join(given)}: {self.arch} is a dense architecture (a MoE one: "
+                    f"{', '.join(a for a, d in sorted(ARCH_DEFAULTS.items()) if d['moe'])})"
+                ]
+                if given
+                else []
+            )
         problems = [f"{k}: {self.arch} needs it (a positive integer)" for k, v in fields.items() if not v]
         if not problems and self.experts_used > self.experts:
             problems.append(f"experts_used = {self.experts_used}: at most experts ({self.experts})")

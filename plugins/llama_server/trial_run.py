@@ -20,8 +20,15 @@ __all__ = ["measure"]
 UNITS = SERVING_UNITS
 
 
-def measure(backend: Any, server: Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
-             startup_s: float, request_s: float) -> Measurement:
+def measure(
+    backend: Any,
+    server: Server,
+    config: TrialConfig,
+    ctx: StudyContext,
+    has_gpu: bool,
+    startup_s: float,
+    request_s: float,
+) -> Measurement:
     backend.wait_ready(server, startup_s)
     wl = ctx.workload
     base = backend.base_tokens(server)
@@ -30,8 +37,14 @@ def measure(backend: Any, server: Server, config: TrialConfig, ctx: StudyContext
 
     def body(i: int) -> dict[str, Any]:
         n_prompt, n_out = wl.request(i)  # request i's lengths, the same for every backend
-        return {"prompt": varied(prompt_of(base, n_prompt), i), "n_predict": n_out, "ignore_eos": True,
-                "temperature": 0, "cache_prompt": False, "stream": True}
+        return {
+            "prompt": varied(prompt_of(base, n_prompt), i),
+            "n_predict": n_out,
+            "ignore_eos": True,
+            "temperature": 0,
+            "cache_prompt": False,
+            "stream": True,
+        }
 
     def stream(i: int, seen: list[dict[str, Any]]) -> StreamResult:
         start = time.monotonic()
@@ -56,15 +69,28 @@ def measure(backend: Any, server: Server, config: TrialConfig, ctx: StudyContext
         if first is None:
             first = end
         client = StreamResult.from_timestamps(n_prompt, n_out, start, first, end)
-        seen.append({"client_decode": client.decode_tok_s, "client_ttft_ms": client.ttft_ms,
-                     "engine_decode": float(timings.get("predicted_per_second") or 0.0),
-                     "engine_prefill": float(timings.get("prompt_per_second") or 0.0), "timings": timings})
+        seen.append(
+            {
+                "client_decode": client.decode_tok_s,
+                "client_ttft_ms": client.ttft_ms,
+                "engine_decode": float(timings.get("predicted_per_second") or 0.0),
+                "engine_prefill": float(timings.get("prompt_per_second") or 0.0),
+                "timings": timings,
+            }
+        )
         if not timings.get("predicted_per_second"):
             return client
         # The server's own clock for the rates: on a fast model a whole burst of tokens
         # arrives in one read, and the client's gaps measure the socket, not the decode.
-        return StreamResult(n_prompt, n_out, client.ttft_ms, float(timings["predicted_per_second"]),
-                            float(timings.get("prompt_per_second") or client.prefill_tok_s), start, end)
+        return StreamResult(
+            n_prompt,
+            n_out,
+            client.ttft_ms,
+            float(timings["predicted_per_second"]),
+            float(timings.get("prompt_per_second") or client.prefill_tok_s),
+            start,
+            end,
+        )
 
     runs: list[dict[str, Any]] = []  # per run: the engine's timings and what the client cost
 
@@ -84,20 +110,36 @@ def measure(backend: Any, server: Server, config: TrialConfig, ctx: StudyContext
         conc = streams()
         wall = time.monotonic() - wall0
         cpu, engine1 = time.process_time() - cpu0, process_cpu_s(server.proc.pid)
-        runs[-1].update({"wall_s": wall, "client_cpu_s": cpu, "aggregate_tok_s": conc.aggregate_tok_s,
-                         "engine_cpu_s": None if engine0 is None or engine1 is None else engine1 - engine0})
+        runs[-1].update(
+            {
+                "wall_s": wall,
+                "client_cpu_s": cpu,
+                "aggregate_tok_s": conc.aggregate_tok_s,
+                "engine_cpu_s": None if engine0 is None or engine1 is None else engine1 - engine0,
+            }
+        )
         return conc
 
     with Pinned(server.cpus.client) as client_pin:
         stats, telemetry, peak = measure_engine(
-            ctx, serving_run(alone, lambda j: stream(j, runs[-1]["streams"]), config.parallel, request_s,
-                             around_streams=around_streams, workload=wl),
+            ctx,
+            serving_run(
+                alone,
+                lambda j: stream(j, runs[-1]["streams"]),
+                config.parallel,
+                request_s,
+                around_streams=around_streams,
+                workload=wl,
+            ),
             warm_up=lambda: stream(-1, []),  # allocator, caches, CUDA graphs
-            key=str(backend.value(ctx, "stability_metric")), gpu=has_gpu, pid=server.proc.pid)
+            key=str(backend.value(ctx, "stability_metric")),
+            gpu=has_gpu,
+            pid=server.proc.pid,
+        )
     cpus = server.cpus
     if client_pin.error:
         cpus = CpuPlan(cpus.engine, None, f"{cpus.note}, but the load generator was {client_pin.error}")
-    measured = runs[ctx.protocol.warmup_runs:]  # the runs the stats are made of
+    measured = runs[ctx.protocol.warmup_runs :]  # the runs the stats are made of
     attrs: dict[str, Any] = {
         "engine_version": backend._version_of(server.cmd[0]),
         "command": command_line(mask_argv(server.cmd)),  # stored and shown: a key masked
@@ -151,8 +193,10 @@ def acceptance(runs: Sequence[Mapping[str, Any]]) -> Any:
     ``n_draft_tokens`` is 0, so a request that drafted nothing counts 0). Its verification passes
     (``n_draft_verif_steps``) are only logged, not returned: ``passes`` stays unknown."""
     requests = [r["single"] for r in runs] + [s["timings"] for r in runs for s in r["streams"]]
-    return total_acceptance(DraftCount(int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)),
-                                       int(t.get("predicted_n", 0))) for t in requests)
+    return total_acceptance(
+        DraftCount(int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)), int(t.get("predicted_n", 0)))
+        for t in requests
+    )
 
 
 def _load_generator(runs: Sequence[Mapping[str, Any]], cpus: CpuPlan) -> dict[str, Any]:
@@ -162,6 +206,4 @@ def _load_generator(runs: Sequence[Mapping[str, Any]], cpus: CpuPlan) -> dict[st
     def cores(k: str) -> float | None:
         return median([r[k] / r["wall_s"] for r in runs if r[k] is not None and r["wall_s"] > 0])
 
-    return {"client_cpu_cores": cores("client_cpu_s"), "engine_cpu_cores": cores("engine_cpu_s"),
-            **cpus.to_dict()}
-
+    return {"client_cpu_cores": cores("client_cpu_s"), "engine_cpu_cores": cores("engine_cpu_s"), **cpus.to_dict()}

@@ -11,10 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from autotune.api import (
-    BackendError, EngineModel, MemoryEstimate, Setting, StudyContext, TrialConfig, WeightFormats, deploy_line,
+    BackendError,
+    EngineModel,
+    MemoryEstimate,
+    Setting,
+    StudyContext,
+    TrialConfig,
+    WeightFormats,
+    deploy_line,
 )
 from autotune._builtin import (
-    SlotLayout, UnsupportedError, engine_model, kv_cache_bytes, normalize_format, resolve_cache_type,
+    SlotLayout,
+    UnsupportedError,
+    engine_model,
+    kv_cache_bytes,
+    normalize_format,
+    resolve_cache_type,
 )
 from autotune_plugins.openai_server import declarations
 from autotune_plugins.shared.scenario import FLASH_ATTN2_MIN_CC, GiB, VLLM_GPU_MEMORY_UTILIZATION, weights_on_gpu
@@ -46,9 +58,14 @@ class VllmModel(EngineModel):
     constants_file = Path(__file__).with_name("engine_model.toml")
     twin_settings = (
         Setting("version", str, "0.11", "the vLLM release to answer like (0.6 and later refuse Volta)"),
-        Setting("gpu_memory_utilization", float, VLLM_GPU_MEMORY_UTILIZATION,
-                "the share of the card vLLM reserves (--gpu-memory-utilization): its memory footprint",
-                check=card_share),)
+        Setting(
+            "gpu_memory_utilization",
+            float,
+            VLLM_GPU_MEMORY_UTILIZATION,
+            "the share of the card vLLM reserves (--gpu-memory-utilization): its memory footprint",
+            check=card_share,
+        ),
+    )
 
     @property
     def weight_formats(self) -> tuple[WeightFormats, ...]:  # type: ignore[override]
@@ -67,10 +84,18 @@ class VllmModel(EngineModel):
         runtime = int(k.context_bytes)
         share = int(s.gpu_memory_utilization * s.gpu.vram_bytes)
         pool = max(kv, share - weights_gpu - runtime)
-        notes.append(f"vLLM reserves gpu_memory_utilization {s.gpu_memory_utilization:g} of the card "
-                     f"({share / GiB:.2f} GiB); KV of {how}: {kv / GiB:.2f} GiB, the pool {pool / GiB:.2f} GiB")
-        return MemoryEstimate(weights_bytes=weights_gpu, kv_bytes=pool, buffers_bytes=0, overhead_bytes=runtime,
-                              host_bytes=host, notes=tuple(notes))
+        notes.append(
+            f"vLLM reserves gpu_memory_utilization {s.gpu_memory_utilization:g} of the card "
+            f"({share / GiB:.2f} GiB); KV of {how}: {kv / GiB:.2f} GiB, the pool {pool / GiB:.2f} GiB"
+        )
+        return MemoryEstimate(
+            weights_bytes=weights_gpu,
+            kv_bytes=pool,
+            buffers_bytes=0,
+            overhead_bytes=runtime,
+            host_bytes=host,
+            notes=tuple(notes),
+        )
 
     def scenario(self, twin: Any, s: Any, config: TrialConfig, ctx: StudyContext) -> Any:
         return replace(s, gpu_memory_utilization=float(twin.setting(ctx, "gpu_memory_utilization")))
@@ -83,7 +108,8 @@ class VllmModel(EngineModel):
             raise BackendError(
                 f"ValueError: needs {mem.total_bytes / 2**30:.2f} GiB, more than gpu_memory_utilization "
                 f"{share:g} of the card ({share * ctx.gpu.vram_bytes / 2**30:.2f} GiB): try increasing "
-                "`gpu_memory_utilization` or decreasing `max_model_len` (vLLM's advice)")
+                "`gpu_memory_utilization` or decreasing `max_model_len` (vLLM's advice)"
+            )
 
     def refuse(self, twin: Any, config: TrialConfig, ctx: StudyContext) -> None:
         cc = ctx.gpu.compute_capability_tuple
@@ -93,7 +119,10 @@ class VllmModel(EngineModel):
                 f"vLLM {version} does not support compute capability {ctx.gpu.compute_capability} "
                 f"({ctx.gpu.name}); the last releases for Volta are 0.5.x with CUDA 11.8"
             )
-        if normalize_format(twin.as_format(config.weights, ctx), self.weight_formats) == "gguf:BF16" and not ctx.gpu.bf16:
+        if (
+            normalize_format(twin.as_format(config.weights, ctx), self.weight_formats) == "gguf:BF16"
+            and not ctx.gpu.bf16
+        ):
             # The article's pitfall 2: BF16 weights on a card without BF16 (vLLM's own words).
             raise UnsupportedError(
                 f"Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your "
@@ -103,13 +132,29 @@ class VllmModel(EngineModel):
         if config.option("flash_attn", True) and cc < FLASH_ATTN2_MIN_CC:
             raise UnsupportedError("Cannot use FlashAttention-2 backend for Volta and Turing GPUs.")
         if config.option("cache_type", "auto").startswith("fp8") and cc < (8, 9):
-            raise UnsupportedError(f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}")
+            raise UnsupportedError(
+                f"fp8 KV cache needs compute capability 8.9, {ctx.gpu.name} has {ctx.gpu.compute_capability}"
+            )
 
     def deploy_command(self, twin: Any, config: TrialConfig, ctx: StudyContext) -> str:
         model = twin.weights_file(config.weights, ctx) or ctx.model.key
-        return deploy_line(["vllm", "serve", model, "--max-model-len", config.ctx, "--max-num-seqs", config.parallel,
-                            "--kv-cache-dtype", config.option("cache_type", "auto"), "--dtype", "half",
-                            "--gpu-memory-utilization", f"{float(twin.setting(ctx, 'gpu_memory_utilization')):g}"])
+        return deploy_line(
+            [
+                "vllm",
+                "serve",
+                model,
+                "--max-model-len",
+                config.ctx,
+                "--max-num-seqs",
+                config.parallel,
+                "--kv-cache-dtype",
+                config.option("cache_type", "auto"),
+                "--dtype",
+                "half",
+                "--gpu-memory-utilization",
+                f"{float(twin.setting(ctx, 'gpu_memory_utilization')):g}",
+            ]
+        )
 
 
 VLLM = VllmModel()

@@ -78,19 +78,24 @@ class OpenAIServerScorer(Scorer):
         try:
             return response["choices"][0]["logprobs"] or {}
         except (KeyError, IndexError, TypeError):
-            raise ScoringError(f"template {self.template.name}: /v1/completions gave no logprobs: "
-                               f"{str(response)[:200]}") from None
+            raise ScoringError(
+                f"template {self.template.name}: /v1/completions gave no logprobs: {str(response)[:200]}"
+            ) from None
 
     def _next(self, prefix: Sequence[int], k: int) -> dict[int, float]:
         """Log-probabilities of the next token's top ``k`` candidates by token id."""
         lp = self._complete({"prompt": list(prefix), "logprobs": k})
         content = lp.get("content")
         if not content:
-            raise ScoringError(f"template {self.template.name}: logprobs without 'content' (per-token entries with ids)")
+            raise ScoringError(
+                f"template {self.template.name}: logprobs without 'content' (per-token entries with ids)"
+            )
         top = content[0].get("top_logprobs") or []
         if top and "id" not in top[0]:
-            raise ScoringUnsupportedError(f"template {self.template.name}: the server's top log-probabilities carry "
-                                          "no token ids, so a given token cannot be looked up")
+            raise ScoringUnsupportedError(
+                f"template {self.template.name}: the server's top log-probabilities carry "
+                "no token ids, so a given token cannot be looked up"
+            )
         return {int(e["id"]): float(e["logprob"]) for e in top}
 
     # ------------------------------------------------------------------ the Scorer API
@@ -118,8 +123,10 @@ class OpenAIServerScorer(Scorer):
                 dist = self._next(whole[:pos], self.n_vocab)
                 target = whole[pos]
                 if target not in dist:
-                    raise ScoringError(f"template {self.template.name}: token {target} is not among the "
-                                       f"{len(dist)} log-probabilities the server returned")
+                    raise ScoringError(
+                        f"template {self.template.name}: token {target} is not among the "
+                        f"{len(dist)} log-probabilities the server returned"
+                    )
                 total += dist[target]
                 greedy = greedy and max(dist, key=dist.__getitem__) == target
             out.append(LogLikelihood(total, greedy, len(whole) - start))
@@ -131,11 +138,15 @@ class OpenAIServerScorer(Scorer):
         tokens = lp.get("tokens")
         tops = lp.get("top_logprobs") or []
         if not isinstance(values, list) or len(values) < len(whole):
-            raise ScoringError(f"template {self.template.name}: echo returned {len(values or [])} prompt "
-                               f"log-probabilities for {len(whole)} tokens")
-        picked = values[start:len(whole)]
+            raise ScoringError(
+                f"template {self.template.name}: echo returned {len(values or [])} prompt "
+                f"log-probabilities for {len(whole)} tokens"
+            )
+        picked = values[start : len(whole)]
         if any(v is None for v in picked):
-            raise ScoringError(f"template {self.template.name}: echo left a continuation token without a log-probability")
+            raise ScoringError(
+                f"template {self.template.name}: echo left a continuation token without a log-probability"
+            )
         greedy = True
         for i in range(start, len(whole)):
             top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else None
@@ -147,16 +158,20 @@ class OpenAIServerScorer(Scorer):
 
     def next_token_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
         if self.template.logprobs != "next_token":
-            raise ScoringUnsupportedError(f"template {self.template.name}: its engine returns top-k log-probabilities "
-                                          "only, not whole next-token distributions")
+            raise ScoringUnsupportedError(
+                f"template {self.template.name}: its engine returns top-k log-probabilities "
+                "only, not whole next-token distributions"
+            )
         if len(tokens) > self.n_ctx:
             raise ScoringError(f"{len(tokens)} tokens do not fit the scorer's context of {self.n_ctx}")
         rows = np.full((len(tokens), self.n_vocab), -math.inf, dtype=np.float32)
         for i in range(len(tokens)):
-            dist = self._next(tokens[:i + 1], self.n_vocab)
+            dist = self._next(tokens[: i + 1], self.n_vocab)
             if len(dist) < self.n_vocab:
-                raise ScoringUnsupportedError(f"template {self.template.name}: the server returned {len(dist)} of "
-                                              f"{self.n_vocab} log-probabilities; a whole distribution is needed")
+                raise ScoringUnsupportedError(
+                    f"template {self.template.name}: the server returned {len(dist)} of "
+                    f"{self.n_vocab} log-probabilities; a whole distribution is needed"
+                )
             for tok, value in dist.items():
                 if 0 <= tok < self.n_vocab:
                     rows[i, tok] = value

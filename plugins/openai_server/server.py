@@ -34,8 +34,16 @@ class OpenAIServer:
         api_key: Sent as ``Authorization: Bearer`` with every request (``api_key_env``).
     """
 
-    def __init__(self, argv: Sequence[str], *, host: str, port: int, env: Mapping[str, str], label: str,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        host: str,
+        port: int,
+        env: Mapping[str, str],
+        label: str,
+        api_key: str | None = None,
+    ):
         self.argv = list(argv)
         self.label = label
         self.url = server_url(host, port)
@@ -47,17 +55,21 @@ class OpenAIServer:
         # api_key: a server started with one answers 401 to every request without it; it is held
         # here only, as the header of every request, never stored nor printed.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self.http = httpx.Client(trust_env=False, headers=headers,
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+        self.http = httpx.Client(
+            trust_env=False, headers=headers, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        )
         with open(self.log_path, "w") as log:
             try:
-                self.proc = processes.start(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=dict(env))
+                self.proc = processes.start(
+                    self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env)
+                )
             except OSError as exc:
                 self.close()
-                raise EngineUnavailableError(f"template {label}: {self.argv[0]} cannot be started ({exc}); set "
-                                             "[backends.openai-server] executable or command to the engine's "
-                                             "executable") from exc
+                raise EngineUnavailableError(
+                    f"template {label}: {self.argv[0]} cannot be started ({exc}); set "
+                    "[backends.openai-server] executable or command to the engine's "
+                    "executable"
+                ) from exc
 
     def log(self) -> str:
         return read_log(self.log_path)

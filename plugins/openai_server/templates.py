@@ -48,7 +48,7 @@ PLACEHOLDERS: Mapping[str, str] = {
     "ctx_total": "ctx x parallel: the context all slots share",
     "ctx_input": "ctx - 1: the longest prompt a ctx-token sequence can hold",
     "ctx_paged": "parallel x pad256(ctx + 1): a cache of 256-token pages that holds parallel sequences of ctx "
-                 "tokens, as exllamav3 reserves them (a job's prompt and response plus one token)",
+    "tokens, as exllamav3 reserves them (a job's prompt and response plus one token)",
     "parallel": "sequences served at once",
     "cache_type": "the KV-cache type's arguments, from [cache_type] (a whole argument)",
     "flash_attn": "flash attention's arguments, from [flash_attn] (a whole argument)",
@@ -61,8 +61,19 @@ PLACEHOLDERS: Mapping[str, str] = {
 SPLICED = ("cache_type", "flash_attn")
 _PLACEHOLDER_RX = re.compile(r"\{([^{}]*)\}")
 _FIELDS = {
-    "template": {"name", "engine", "docs", "command", "ready", "startup_timeout_s", "memory", "memory_fraction",
-                 "version", "weights", "notes"},
+    "template": {
+        "name",
+        "engine",
+        "docs",
+        "command",
+        "ready",
+        "startup_timeout_s",
+        "memory",
+        "memory_fraction",
+        "version",
+        "weights",
+        "notes",
+    },
     "api": {"tokenize", "tokenize_field", "tokenize_add_special", "prompt", "request", "logprobs", "logprobs_note"},
     "server_metrics": {"path", "generated_tokens", "decode_tokens", "decode_seconds", "note"},
 }
@@ -132,16 +143,21 @@ def check_command(command: Sequence[str], where: str) -> list[str]:
     for arg in command:
         for name in _PLACEHOLDER_RX.findall(arg):
             if name not in PLACEHOLDERS:
-                problems.append(f"{where}: unknown placeholder {{{name}}} in {arg!r} "
-                                f"(accepted: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
+                problems.append(
+                    f"{where}: unknown placeholder {{{name}}} in {arg!r} "
+                    f"(accepted: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})"
+                )
             elif name in SPLICED and arg != "{" + name + "}":
-                problems.append(f"{where}: {{{name}}} must be an argument of its own (it becomes the arguments "
-                                f"[{name}] maps it to), not part of {arg!r}")
+                problems.append(
+                    f"{where}: {{{name}}} must be an argument of its own (it becomes the arguments "
+                    f"[{name}] maps it to), not part of {arg!r}"
+                )
     return problems
 
 
-def _fragments(table: Any, where: str, keys_ok: Any, accepted: str, placeholders: Sequence[str] = ()
-               ) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+def _fragments(
+    table: Any, where: str, keys_ok: Any, accepted: str, placeholders: Sequence[str] = ()
+) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     out, problems = {}, []
     if not isinstance(table, dict):
         return {}, [f"{where}: must be a table of value = [arguments]"]
@@ -156,8 +172,9 @@ def _fragments(table: Any, where: str, keys_ok: Any, accepted: str, placeholders
                 for name in _PLACEHOLDER_RX.findall(arg):
                     if name not in placeholders:
                         allowed = ", ".join("{" + p + "}" for p in placeholders) or "none"
-                        problems.append(f"{where} {key}: unknown placeholder {{{name}}} in {arg!r} "
-                                        f"(accepted here: {allowed})")
+                        problems.append(
+                            f"{where} {key}: unknown placeholder {{{name}}} in {arg!r} (accepted here: {allowed})"
+                        )
             out[key] = args
     return out, problems
 
@@ -173,8 +190,9 @@ def load_template(path: Path) -> Template:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         names = ", ".join(shipped())
-        raise ConfigError(f"{src}: no such template file (shipped templates: {names}; or a TOML file "
-                          "relative to the study file)") from None
+        raise ConfigError(
+            f"{src}: no such template file (shipped templates: {names}; or a TOML file relative to the study file)"
+        ) from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{src}: unreadable template ({exc})") from None
     problems: list[str] = []
@@ -198,11 +216,14 @@ def load_template(path: Path) -> Template:
     problems += check_command(command, f"{src}: [template] command")
     memory = t.get("memory", "measured")
     if memory not in ("fraction", "measured"):
-        problems.append(f"{src}: [template] memory = {memory!r}: must be 'fraction' (the engine pre-allocates "
-                        "memory_fraction of the card) or 'measured'")
+        problems.append(
+            f"{src}: [template] memory = {memory!r}: must be 'fraction' (the engine pre-allocates "
+            "memory_fraction of the card) or 'measured'"
+        )
     fraction = t.get("memory_fraction")
-    if fraction is not None and not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-                                     and 0 < fraction <= 1):
+    if fraction is not None and not (
+        isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1
+    ):
         problems.append(f"{src}: [template] memory_fraction = {fraction!r}: must be a number in (0, 1]")
     if memory == "fraction" and fraction is None:
         problems.append(f"{src}: [template] memory = 'fraction' needs memory_fraction (e.g. 0.9)")
@@ -229,9 +250,13 @@ def load_template(path: Path) -> Template:
     flash_raw = data.get("flash_attn", {})
     flash, p = _fragments(flash_raw, f"{src}: [flash_attn]", lambda k: k in ("true", "false"), "true or false")
     problems += p
-    options, p = _fragments(data.get("options", {}), f"{src}: [options]",
-                            lambda k: k not in ("ctx", "parallel", "cache_type", "flash_attn"),
-                            "a [space] key other than ctx, parallel, cache_type and flash_attn", ("value",))
+    options, p = _fragments(
+        data.get("options", {}),
+        f"{src}: [options]",
+        lambda k: k not in ("ctx", "parallel", "cache_type", "flash_attn"),
+        "a [space] key other than ctx, parallel, cache_type and flash_attn",
+        ("value",),
+    )
     problems += p
     if any(a == "{cache_type}" for a in command) and not cache:
         problems.append(f"{src}: [template] command uses {{cache_type}}: map each accepted type in [cache_type]")
@@ -240,8 +265,10 @@ def load_template(path: Path) -> Template:
 
     logprobs = api.get("logprobs", "none")
     if logprobs not in ("echo", "next_token", "none"):
-        problems.append(f"{src}: [api] logprobs = {logprobs!r}: must be 'echo' (prompt log-probs through echo), "
-                        "'next_token' (one request per scored token) or 'none'")
+        problems.append(
+            f"{src}: [api] logprobs = {logprobs!r}: must be 'echo' (prompt log-probs through echo), "
+            "'next_token' (one request per scored token) or 'none'"
+        )
     if logprobs == "next_token" and not api.get("tokenize"):
         problems.append(f"{src}: [api] logprobs = 'next_token' needs a tokenize path")
     prompt = api.get("prompt", "text")
@@ -267,32 +294,56 @@ def load_template(path: Path) -> Template:
     for rule in rules:
         for option, values in rule.when.items():
             if option not in known_options:
-                problems.append(f"{src}: [[rule]] {rule.name!r}: when {option}: not an option of this template "
-                                f"(its options: {', '.join(sorted(known_options))})")
+                problems.append(
+                    f"{src}: [[rule]] {rule.name!r}: when {option}: not an option of this template "
+                    f"(its options: {', '.join(sorted(known_options))})"
+                )
             elif option == "cache_type":
                 for v in values:
                     if v not in cache:
-                        problems.append(f"{src}: [[rule]] {rule.name!r}: when cache_type {v!r}: not in [cache_type] "
-                                        f"({', '.join(cache)})")
+                        problems.append(
+                            f"{src}: [[rule]] {rule.name!r}: when cache_type {v!r}: not in [cache_type] "
+                            f"({', '.join(cache)})"
+                        )
     if problems:
         raise ConfigError("\n".join(problems))
     return Template(
-        name=str(t.get("name", path.stem)), source=src, command=command, engine=str(t.get("engine", "openai-api")),
-        docs=str(t.get("docs", "")), ready=str(t.get("ready", "/health")), startup_timeout_s=float(timeout),
-        memory=memory, memory_fraction=None if fraction is None else float(fraction), version=version or (),
-        weights=str(t.get("weights", "file")), cache_type=cache,
-        flash_attn={k == "true": v for k, v in flash.items()}, options=options,
-        tokenize=api.get("tokenize"), tokenize_field=str(api.get("tokenize_field", "prompt")),
-        tokenize_add_special=api.get("tokenize_add_special"), prompt=prompt, request=dict(api.get("request", {})),
-        logprobs=logprobs, logprobs_note=str(api.get("logprobs_note", "")), metrics_path=sm.get("path"),
+        name=str(t.get("name", path.stem)),
+        source=src,
+        command=command,
+        engine=str(t.get("engine", "openai-api")),
+        docs=str(t.get("docs", "")),
+        ready=str(t.get("ready", "/health")),
+        startup_timeout_s=float(timeout),
+        memory=memory,
+        memory_fraction=None if fraction is None else float(fraction),
+        version=version or (),
+        weights=str(t.get("weights", "file")),
+        cache_type=cache,
+        flash_attn={k == "true": v for k, v in flash.items()},
+        options=options,
+        tokenize=api.get("tokenize"),
+        tokenize_field=str(api.get("tokenize_field", "prompt")),
+        tokenize_add_special=api.get("tokenize_add_special"),
+        prompt=prompt,
+        request=dict(api.get("request", {})),
+        logprobs=logprobs,
+        logprobs_note=str(api.get("logprobs_note", "")),
+        metrics_path=sm.get("path"),
         counters=ServerCounters(sm.get("generated_tokens"), sm.get("decode_tokens"), sm.get("decode_seconds")),
         rules=tuple(rules),
     )
 
 
-def with_overrides(template: Template, *, command: Sequence[str] | None = None, ready: str | None = None,
-                   memory: str | None = None, memory_fraction: float | None = None,
-                   where: str = "[backends.openai-server]") -> Template:
+def with_overrides(
+    template: Template,
+    *,
+    command: Sequence[str] | None = None,
+    ready: str | None = None,
+    memory: str | None = None,
+    memory_fraction: float | None = None,
+    where: str = "[backends.openai-server]",
+) -> Template:
     """The template with a study's own settings in place of its fields, checked the same way."""
     problems = []
     if command is not None:
@@ -312,12 +363,17 @@ def with_overrides(template: Template, *, command: Sequence[str] | None = None, 
         problems.append(f"{where} command uses {{flash_attn}} but template {template.name} maps no flash_attn")
     if problems:
         raise ConfigError("\n".join(problems))
-    return replace(template, command=final_command, ready=ready or template.ready, memory=mem,
-                   memory_fraction=fraction)
+    return replace(template, command=final_command, ready=ready or template.ready, memory=mem, memory_fraction=fraction)
 
 
-def render(template: Template, values: Mapping[str, Any], *, cache_type: str | None, flash_attn: bool | None,
-           options: Mapping[str, Any] = {}) -> list[str]:
+def render(
+    template: Template,
+    values: Mapping[str, Any],
+    *,
+    cache_type: str | None,
+    flash_attn: bool | None,
+    options: Mapping[str, Any] = {},
+) -> list[str]:
     """The argument list of one configuration.
 
     Args:
@@ -336,8 +392,10 @@ def render(template: Template, values: Mapping[str, Any], *, cache_type: str | N
             if cache_type is None:
                 continue
             if cache_type not in template.cache_type:
-                raise ConfigError(f"{template.source}: [cache_type] has no {cache_type!r} "
-                                  f"(accepted: {', '.join(template.cache_type)})")
+                raise ConfigError(
+                    f"{template.source}: [cache_type] has no {cache_type!r} "
+                    f"(accepted: {', '.join(template.cache_type)})"
+                )
             argv += template.cache_type[cache_type]
         elif arg == "{flash_attn}":
             if flash_attn is None:

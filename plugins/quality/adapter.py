@@ -57,14 +57,16 @@ def ScorerLM(scorer: Scorer, progress: Callable[[int], None] | None = None) -> A
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             out: list[tuple[float, bool]] = []
             for start in range(0, len(requests), BATCH):
-                batch = [req.args for req in requests[start:start + BATCH]]
+                batch = [req.args for req in requests[start : start + BATCH]]
                 out += [(r.logprob, r.is_greedy) for r in scorer.loglikelihood(batch)]
                 if progress is not None:
                     progress(len(batch))
             return out
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            raise AutotuneError("autotune's lm-eval adapter scores multiple-choice tasks only (no rolling log-likelihood)")
+            raise AutotuneError(
+                "autotune's lm-eval adapter scores multiple-choice tasks only (no rolling log-likelihood)"
+            )
 
         def generate_until(self, requests, disable_tqdm: bool = False):
             raise AutotuneError("autotune's lm-eval adapter scores multiple-choice tasks only (no generation)")

@@ -24,8 +24,19 @@ from typing import Any
 
 from autotune.api import AutotuneError
 
-__all__ = ["BENCHMARKS", "Benchmark", "DataMissingError", "POOLS", "data_dir", "docs_by_subject", "full_items",
-           "item_ids", "load_items", "stratified_order", "subset"]
+__all__ = [
+    "BENCHMARKS",
+    "Benchmark",
+    "DataMissingError",
+    "POOLS",
+    "data_dir",
+    "docs_by_subject",
+    "full_items",
+    "item_ids",
+    "load_items",
+    "stratified_order",
+    "subset",
+]
 
 # Where a paired measurement draws its items from: the seeded per-subject sample (``subset``)
 # or the full set.
@@ -129,8 +140,10 @@ def subset(benchmark: str, per_subject: int, seed: int) -> dict[str, list[dict[s
     """
     b = BENCHMARKS[benchmark]
     if not 1 <= per_subject <= b.max_per_subject:
-        raise AutotuneError(f"per_subject {per_subject}: {benchmark} ships {b.max_per_subject} items per subject "
-                            f"(use 1..{b.max_per_subject})")
+        raise AutotuneError(
+            f"per_subject {per_subject}: {benchmark} ships {b.max_per_subject} items per subject "
+            f"(use 1..{b.max_per_subject})"
+        )
     out = {}
     for subject, items in load_items(benchmark).items():
         picked = sorted(random.Random(f"{seed}:{benchmark}:{subject}").sample(range(len(items)), per_subject))
@@ -158,8 +171,10 @@ def item_ids(benchmark: str, rows: list[dict[str, Any]]) -> list[int]:
     known = _ids_by_identity(benchmark)
     missing = [r["question"][:60] for r in rows if _identity(r) not in known]
     if missing:
-        raise DataMissingError(f"{_path(BENCHMARKS[benchmark].full_file)}: {len(missing)} sample item(s) are not in the "
-                               f"full set (first: {missing[0]!r}); the data files do not match, reinstall autotune")
+        raise DataMissingError(
+            f"{_path(BENCHMARKS[benchmark].full_file)}: {len(missing)} sample item(s) are not in the "
+            f"full set (first: {missing[0]!r}); the data files do not match, reinstall autotune"
+        )
     return [known[_identity(r)] for r in rows]
 
 

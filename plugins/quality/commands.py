@@ -31,8 +31,15 @@ def _context(settings: dict[str, Any]):
 
     # A scorer needs the backend's settings and where relative paths start; the GPU, model and
     # workload of a study play no part in scoring, so none is resolved here.
-    return StudyContext(gpu=None, model=None, workload=Workload(1, 1), vram_budget_bytes=0,  # type: ignore[arg-type]
-                        protocol=Protocol(), settings=settings, base_dir=Path.cwd())
+    return StudyContext(
+        gpu=None,
+        model=None,
+        workload=Workload(1, 1),
+        vram_budget_bytes=0,  # type: ignore[arg-type]
+        protocol=Protocol(),
+        settings=settings,
+        base_dir=Path.cwd(),
+    )
 
 
 def measure_quality(
@@ -125,19 +132,45 @@ def add_quality_command(cli: click.Group) -> None:
     @click.option("--weights", required=True, help="The artifact: a file (GGUF) or directory (EXL2).")
     @click.option("--cache", "cache_type", default=None, help="KV-cache type to load it with (default: the engine's).")
     @click.option("--benchmark", type=click.Choice(BENCHMARK_NAMES), required=True, help="What to measure.")
-    @click.option("--per-subject", type=click.IntRange(1, 10), default=QUICK["per_subject"], show_default=True,
-                  help="Items per subject (mmlu, ceval). A study's [quality] default is 5.")
-    @click.option("--shots", type=click.IntRange(0, 5), default=QUICK["shots"], show_default=True,
-                  help="Dev examples before each question (mmlu, ceval). A study's [quality] default is 5.")
+    @click.option(
+        "--per-subject",
+        type=click.IntRange(1, 10),
+        default=QUICK["per_subject"],
+        show_default=True,
+        help="Items per subject (mmlu, ceval). A study's [quality] default is 5.",
+    )
+    @click.option(
+        "--shots",
+        type=click.IntRange(0, 5),
+        default=QUICK["shots"],
+        show_default=True,
+        help="Dev examples before each question (mmlu, ceval). A study's [quality] default is 5.",
+    )
     @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Chooses the subset.")
     @click.option("--reference", default=None, help="kld: the highest-precision file of the same model.")
-    @click.option("--set", "settings", multiple=True, callback=_settings, metavar="KEY=VALUE",
-                  help="A backend setting, as in the study file's [backends.NAME] (e.g. threads=4).")
+    @click.option(
+        "--set",
+        "settings",
+        multiple=True,
+        callback=_settings,
+        metavar="KEY=VALUE",
+        help="A backend setting, as in the study file's [backends.NAME] (e.g. threads=4).",
+    )
     @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
     @click.pass_context
-    def quality(ctx: click.Context, backend_name: str, weights: str, cache_type: str | None, benchmark: str,
-                per_subject: int, shots: int, seed: int, reference: str | None, settings: dict[str, Any],
-                as_json: bool) -> None:
+    def quality(
+        ctx: click.Context,
+        backend_name: str,
+        weights: str,
+        cache_type: str | None,
+        benchmark: str,
+        per_subject: int,
+        shots: int,
+        seed: int,
+        reference: str | None,
+        settings: dict[str, Any],
+        as_json: bool,
+    ) -> None:
         """Measure one artifact's quality: MMLU or C-Eval accuracy, or KL divergence vs --reference.
 
         The defaults are a quick look (one item per subject, zero-shot); --per-subject 5
@@ -149,19 +182,33 @@ def add_quality_command(cli: click.Group) -> None:
         with handle_errors((ctx.obj or {}).get("debug", False)):
             unit = "windows" if benchmark == "kld" else "items"
             with QualityProgress(f"{benchmark} {Path(weights).name}", unit) as progress:
-                result = measure_quality(backend_name, weights, benchmark, cache_type=cache_type,
-                                         per_subject=per_subject, shots=shots, seed=seed, reference=reference,
-                                         settings=settings, progress=progress.update, announce=progress.note)
+                result = measure_quality(
+                    backend_name,
+                    weights,
+                    benchmark,
+                    cache_type=cache_type,
+                    per_subject=per_subject,
+                    shots=shots,
+                    seed=seed,
+                    reference=reference,
+                    settings=settings,
+                    progress=progress.update,
+                    announce=progress.note,
+                )
         if as_json:
             echo(json.dumps(result, indent=2, ensure_ascii=False))
             return
         se = f" ± {result['stderr']:.4f}" if result["stderr"] is not None else ""
         if benchmark == "kld":
-            echo(f"kld {weights} vs {reference}: mean KLD {result['kld_mean']:.5f}{se} nats, top-1 agreement "
-                       f"{result['top1_agreement']:.1%} on {result['n']} tokens ({result['seconds']:.1f} s)")
+            echo(
+                f"kld {weights} vs {reference}: mean KLD {result['kld_mean']:.5f}{se} nats, top-1 agreement "
+                f"{result['top1_agreement']:.1%} on {result['n']} tokens ({result['seconds']:.1f} s)"
+            )
         else:
-            echo(f"{benchmark} {weights}: accuracy {result['accuracy']:.1%}{se} on {result['n']} items "
-                       f"({per_subject} per subject, {shots}-shot, seed {seed}; {result['seconds']:.1f} s)")
+            echo(
+                f"{benchmark} {weights}: accuracy {result['accuracy']:.1%}{se} on {result['n']} items "
+                f"({per_subject} per subject, {shots}-shot, seed {seed}; {result['seconds']:.1f} s)"
+            )
 
 
 def _plan(benchmark: str, per_subject: int, shots: int) -> str:
@@ -171,5 +218,7 @@ def _plan(benchmark: str, per_subject: int, shots: int) -> str:
     from autotune_plugins.quality import benchmarks
 
     n_subjects = len(benchmarks.load_items(benchmark))  # the metric's supports() has read it already
-    return (f"{n_subjects * per_subject} items ({per_subject} per subject of {n_subjects}, {shots}-shot); "
-            "loading the model and building the tasks")
+    return (
+        f"{n_subjects * per_subject} items ({per_subject} per subject of {n_subjects}, {shots}-shot); "
+        "loading the model and building the tasks"
+    )

@@ -62,7 +62,7 @@ class ReferenceDistributions:
 
 def _windows(tokens: list[int], size: int) -> list[list[int]]:
     """Consecutive windows of ``size`` tokens; a last short one is kept when it has context."""
-    out = [tokens[i:i + size] for i in range(0, len(tokens), size)]
+    out = [tokens[i : i + size] for i in range(0, len(tokens), size)]
     return [w for w in out if len(w) >= 4]
 
 
@@ -73,12 +73,13 @@ def reference_distributions(scorer: Scorer, text: str | None = None) -> Referenc
     windows = _windows(tokens, size)
     if not windows:
         raise AutotuneError("the KLD text gives no tokens to score")
-    logprobs = tuple(scorer.next_token_logprobs(w)[len(w) // 2:] for w in windows)
+    logprobs = tuple(scorer.next_token_logprobs(w)[len(w) // 2 :] for w in windows)
     return ReferenceDistributions(tuple(tuple(w) for w in windows), logprobs, scorer.description)
 
 
-def compare(scorer: Scorer, reference: ReferenceDistributions,
-            progress: Callable[[int, int], None] | None = None) -> MetricValue:
+def compare(
+    scorer: Scorer, reference: ReferenceDistributions, progress: Callable[[int, int], None] | None = None
+) -> MetricValue:
     """KL(reference || artifact) per position, averaged, with top-1 agreement.
 
     Returns:
@@ -92,12 +93,14 @@ def compare(scorer: Scorer, reference: ReferenceDistributions,
             model: a KL divergence would be meaningless).
     """
     if scorer.n_vocab != reference.n_vocab:
-        raise AutotuneError(f"{scorer.description}: vocabulary of {scorer.n_vocab} tokens, the reference "
-                            f"{reference.description} has {reference.n_vocab}: KLD needs the same model")
+        raise AutotuneError(
+            f"{scorer.description}: vocabulary of {scorer.n_vocab} tokens, the reference "
+            f"{reference.description} has {reference.n_vocab}: KLD needs the same model"
+        )
     started = time.monotonic()
     klds, agree = [], []
     for i, (window, ref) in enumerate(zip(reference.windows, reference.logprobs)):
-        mine = scorer.next_token_logprobs(window)[len(window) // 2:]
+        mine = scorer.next_token_logprobs(window)[len(window) // 2 :]
         p = np.exp(ref.astype(np.float64))
         klds.append((p * (ref.astype(np.float64) - mine.astype(np.float64))).sum(axis=1))
         agree.append(ref.argmax(axis=1) == mine.argmax(axis=1))
@@ -109,7 +112,10 @@ def compare(scorer: Scorer, reference: ReferenceDistributions,
     se = float(kld.std(ddof=1) / math.sqrt(n)) if n > 1 else None
     agreement = float(top1.mean())
     return MetricValue(
-        value=float(kld.mean()), stderr=se, n=n, seconds=time.monotonic() - started,
+        value=float(kld.mean()),
+        stderr=se,
+        n=n,
+        seconds=time.monotonic() - started,
         details={
             "kld_mean": float(kld.mean()),
             "kld_median": float(np.median(kld)),

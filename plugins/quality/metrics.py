@@ -56,8 +56,9 @@ def artifact_hash(weights: str, ctx: StudyContext) -> str:
     if is_format(weights) and ctx.source is not None:
         # Made from the study's source (autotune.modelfiles.artifacts): the source's content and the format
         # name it, known before the artifact is made (the key is asked at every proposal).
-        return "made:" + hashlib.sha256(f"{source_hash(ctx.source)}|{normalize_format(weights)}".encode()
-                                        ).hexdigest()[:20]
+        return (
+            "made:" + hashlib.sha256(f"{source_hash(ctx.source)}|{normalize_format(weights)}".encode()).hexdigest()[:20]
+        )
     path = ctx.path(weights)
     if path.is_file():
         st = path.stat()
@@ -126,8 +127,9 @@ class BenchmarkMetric(_ScoringMetric):
         order = benchmarks.stratified_order(self.benchmark, self.pool, o["per_subject"], o["seed"])
         return order, len(benchmarks.load_items(self.benchmark))
 
-    def evaluate_items(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext,
-                       items: tuple[int, ...] | list[int]) -> MetricValue:
+    def evaluate_items(
+        self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext, items: tuple[int, ...] | list[int]
+    ) -> MetricValue:
         from autotune_plugins.quality.tasks import evaluate_items
 
         with self.open_scorer(config, backend, ctx) as scorer:
@@ -148,8 +150,14 @@ class BenchmarkMetric(_ScoringMetric):
         from autotune_plugins.quality.tasks import evaluate_benchmark
 
         with self.open_scorer(config, backend, ctx) as scorer:
-            return evaluate_benchmark(scorer, self.benchmark, per_subject=self.options["per_subject"],
-                                      shots=self.options["shots"], seed=self.options["seed"], progress=self.progress)
+            return evaluate_benchmark(
+                scorer,
+                self.benchmark,
+                per_subject=self.options["per_subject"],
+                shots=self.options["shots"],
+                seed=self.options["seed"],
+                progress=self.progress,
+            )
 
 
 class MmluMetric(BenchmarkMetric):
@@ -209,15 +217,19 @@ class KldMetric(_ScoringMetric):
     def _reference_of(self, config: TrialConfig) -> QualityReference:
         ref = self.references.get(config.backend)
         if ref is None:
-            raise AutotuneError(f"metric 'kld' has no reference artifact for backend '{config.backend}' "
-                                f"(a study sets it; `autotune quality --benchmark kld` needs --reference)")
+            raise AutotuneError(
+                f"metric 'kld' has no reference artifact for backend '{config.backend}' "
+                f"(a study sets it; `autotune quality --benchmark kld` needs --reference)"
+            )
         return ref
 
     def cache_key(self, config: TrialConfig, backend: BaseBackend, ctx: StudyContext) -> str:
         ref = self._reference_of(config)
         text = hashlib.sha256(kld.kld_text().encode()).hexdigest()[:12]
-        return (f"{self.name}|{self.artifact_key(config, ctx)}|reference={self.artifact_key(ref.config, ref.ctx)}"
-                f"|text={text}|window={kld.WINDOW}")
+        return (
+            f"{self.name}|{self.artifact_key(config, ctx)}|reference={self.artifact_key(ref.config, ref.ctx)}"
+            f"|text={text}|window={kld.WINDOW}"
+        )
 
     def reference_distributions(self, ref: QualityReference) -> kld.ReferenceDistributions:
         """The reference's distributions, computed once per process and reference."""
@@ -232,4 +244,3 @@ class KldMetric(_ScoringMetric):
         distributions = self.reference_distributions(ref)
         with self.open_scorer(config, backend, ctx) as scorer:
             return kld.compare(scorer, distributions, progress=self.progress)
-

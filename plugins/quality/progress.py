@@ -36,8 +36,16 @@ class QualityProgress:
         clock: Monotonic clock (tests).
     """
 
-    def __init__(self, label: str, unit: str, *, stream: TextIO | None = None, every_s: float = 5.0,
-                 tty: bool | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        label: str,
+        unit: str,
+        *,
+        stream: TextIO | None = None,
+        every_s: float = 5.0,
+        tty: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.label = label
         self.unit = unit
         self.stream = stream if stream is not None else sys.stderr
@@ -59,9 +67,16 @@ class QualityProgress:
 
             # The console is bound to the stream now: lm-eval's own output is silenced later by
             # redirecting sys.stderr, which must not swallow this bar.
-            self._bar = Progress(TextColumn(self.label), BarColumn(), TextColumn(f"{{task.completed}}/{{task.total}} {self.unit}"),
-                                 TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                                 console=Console(file=self.stream), transient=True)
+            self._bar = Progress(
+                TextColumn(self.label),
+                BarColumn(),
+                TextColumn(f"{{task.completed}}/{{task.total}} {self.unit}"),
+                TimeElapsedColumn(),
+                TextColumn("left"),
+                TimeRemainingColumn(),
+                console=Console(file=self.stream),
+                transient=True,
+            )
             self._bar.__enter__()
             self._task = self._bar.add_task(self.label, total=None)
         return self

@@ -79,32 +79,37 @@ def build_item_tasks(benchmark: str, items: dict[str, list[dict[str, Any]]], sho
 
     b = benchmarks.BENCHMARKS[benchmark]
     if not 0 <= shots <= b.max_shots:
-        raise benchmarks.AutotuneError(f"shots {shots}: {benchmark} ships {b.max_shots} dev items per subject (use 0..{b.max_shots})")
+        raise benchmarks.AutotuneError(
+            f"shots {shots}: {benchmark} ships {b.max_shots} dev items per subject (use 0..{b.max_shots})"
+        )
     dev = benchmarks.load_items(benchmark, "dev")
     names = benchmarks.subject_names(benchmark)
     columns = ("subject", "question", "choices", "answer", "item")
     tasks = {}
     for subject, docs in items.items():
+
         def dataset(_docs=docs, _dev=dev.get(subject, []), **_: Any) -> Any:
             as_table = lambda rows: datasets.Dataset.from_dict({c: [r.get(c, -1) for r in rows] for c in columns})
             return datasets.DatasetDict({"test": as_table(_docs), "dev": as_table(_dev)})
 
         name = f"autotune_{benchmark}_{subject}"
-        tasks[name] = ConfigurableTask(config={
-            "task": name,
-            "custom_dataset": dataset,
-            "test_split": "test",
-            "fewshot_split": "dev",
-            "fewshot_config": {"sampler": "first_n"},
-            "num_fewshot": shots,
-            "output_type": "multiple_choice",
-            "description": DESCRIPTIONS[benchmark].format(name=names.get(subject, subject)),
-            "doc_to_text": _doc_to_text(ANSWER_CUE[benchmark]),
-            "doc_to_choice": LETTERS,
-            "doc_to_target": "answer",
-            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-            "metadata": {"version": 1.0},
-        })
+        tasks[name] = ConfigurableTask(
+            config={
+                "task": name,
+                "custom_dataset": dataset,
+                "test_split": "test",
+                "fewshot_split": "dev",
+                "fewshot_config": {"sampler": "first_n"},
+                "num_fewshot": shots,
+                "output_type": "multiple_choice",
+                "description": DESCRIPTIONS[benchmark].format(name=names.get(subject, subject)),
+                "doc_to_text": _doc_to_text(ANSWER_CUE[benchmark]),
+                "doc_to_choice": LETTERS,
+                "doc_to_target": "answer",
+                "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+                "metadata": {"version": 1.0},
+            }
+        )
     return tasks
 
 
@@ -170,7 +175,10 @@ def evaluate_items(
     acc = sum(correct) / n
     stderr = math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else None
     return MetricValue(
-        value=acc, stderr=stderr, n=n, seconds=time.monotonic() - started,
+        value=acc,
+        stderr=stderr,
+        n=n,
+        seconds=time.monotonic() - started,
         details={"benchmark": benchmark, "shots": shots, "subjects": per_subject_acc, "scorer": scorer.description},
         per_item={"item": ids, "correct": correct, "margin": margins},
     )

@@ -28,5 +28,3 @@ class SettingsRecord:
         if missing:
             raise ConfigError(f"generator settings lack {missing[0]!r}")
         return cls(**{k: data[k] for k in fields if k in data})
-
-

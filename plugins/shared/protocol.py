@@ -64,13 +64,18 @@ def decode(line: bytes | str) -> dict[str, Any]:
 
 
 def error_reply(request_id: Any, exc: BaseException) -> dict[str, Any]:
-    return {"id": request_id, "ok": False, "error": str(exc) or type(exc).__name__,
-            "type": type(exc).__name__,
-            "traceback": "".join(traceback.format_exception(exc))[-4000:]}
+    return {
+        "id": request_id,
+        "ok": False,
+        "error": str(exc) or type(exc).__name__,
+        "type": type(exc).__name__,
+        "traceback": "".join(traceback.format_exception(exc))[-4000:],
+    }
 
 
-def serve(handlers: Mapping[str, Callable[[dict[str, Any]], Mapping[str, Any] | None]],
-          inp: IO[bytes], out: IO[bytes]) -> int:
+def serve(
+    handlers: Mapping[str, Callable[[dict[str, Any]], Mapping[str, Any] | None]], inp: IO[bytes], out: IO[bytes]
+) -> int:
     """The worker's loop: answer each request line with its handler's result, until ``exit``.
 
     Args:

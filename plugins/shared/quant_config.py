@@ -23,8 +23,9 @@ def quantization_config(cfg: Mapping[str, Any], method: str) -> Mapping[str, Any
     return None
 
 
-def quote_directory(source: Path, family: str,
-                    quantization: Callable[[Mapping[str, Any], Path], Any]) -> tuple[str, int] | None:
+def quote_directory(
+    source: Path, family: str, quantization: Callable[[Mapping[str, Any], Path], Any]
+) -> tuple[str, int] | None:
     """A model directory (or its config.json) as the ``family:bpw`` format ``quantization`` reads
     from its config.json (an object with ``bits``, or None) and its bytes on disk, or None."""
     directory = source.parent if source.name == "config.json" else source

@@ -22,11 +22,26 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune._builtin import processes
 from autotune.api import (
-    AutotuneError, BackendError, BaseBackend, Measurement, ModelSpec, StudyContext, TrialConfig, measure_engine,
+    AutotuneError,
+    BackendError,
+    BaseBackend,
+    Measurement,
+    ModelSpec,
+    StudyContext,
+    TrialConfig,
+    measure_engine,
 )
 from autotune._builtin import (
-    ConfigError, SERVING_UNITS, Workload, artifact_path, cuda_visible_entry, engine_environment, has_gpu as _has_gpu,
-    is_format, model_from_hf_config, normalize_format,
+    ConfigError,
+    SERVING_UNITS,
+    Workload,
+    artifact_path,
+    cuda_visible_entry,
+    engine_environment,
+    has_gpu as _has_gpu,
+    is_format,
+    model_from_hf_config,
+    normalize_format,
 )
 
 from autotune_plugins.shared.worker_process import WorkerProcess, default_worker_command
@@ -153,11 +168,14 @@ class WorkerBackend(BaseBackend):
         except AutotuneError as exc:
             return [str(exc)]
         try:
-            done = processes.run([python, "-c", self.preflight_script], capture_output=True, text=True,
-                                 timeout_s=300, env=env)
+            done = processes.run(
+                [python, "-c", self.preflight_script], capture_output=True, text=True, timeout_s=300, env=env
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return [f"[backends.{self.name}] python = {python!r} cannot be run ({exc}): name an interpreter "
-                    f"that has torch and {engine}"]
+            return [
+                f"[backends.{self.name}] python = {python!r} cannot be run ({exc}): name an interpreter "
+                f"that has torch and {engine}"
+            ]
         try:
             found = json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
@@ -165,13 +183,17 @@ class WorkerBackend(BaseBackend):
             return [f"{python} could not say whether torch and {engine} are installed ({tail})"]
         missing = [m for m in ("torch", engine) if not found.get(m)]
         if missing:
-            return [f"{' and '.join(missing)} cannot be imported by {python}: {self.install}, or set "
-                    f"[backends.{self.name}] python to an interpreter that has them"]
+            return [
+                f"{' and '.join(missing)} cannot be imported by {python}: {self.install}, or set "
+                f"[backends.{self.name}] python to an interpreter that has them"
+            ]
         if found.get("torch_error"):
             return [f"torch cannot be imported by {python}: {found['torch_error']}"]
         if not found.get("cuda_devices"):
-            return [f"torch in {python} sees no CUDA device (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}): "
-                    f"{self.runs_on}; run the study where one is visible, or predict with the twin-{engine} backend"]
+            return [
+                f"torch in {python} sees no CUDA device (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}): "
+                f"{self.runs_on}; run the study where one is visible, or predict with the twin-{engine} backend"
+            ]
         return self.preflight_more(found, python)
 
     def preflight_more(self, found: Mapping[str, Any], python: str) -> list[str]:
@@ -195,26 +217,35 @@ class WorkerBackend(BaseBackend):
         # The worker imports autotune_plugins from wherever this process does.
         roots = [str(Path(__file__).resolve().parents[2])]
         env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        worker = WorkerProcess(self.worker_command(ctx), log_dir / f"{self.engine}-worker.log", env=env,
-                               name=f"{self.engine} worker")
+        worker = WorkerProcess(
+            self.worker_command(ctx), log_dir / f"{self.engine}-worker.log", env=env, name=f"{self.engine} worker"
+        )
         worker.start(float(self.setting(ctx, "startup_timeout_s")))
         return worker
 
-    def load(self, worker: WorkerProcess, model_dir: Path, settings: Any, ctx: StudyContext,
-             **fields: Any) -> dict[str, Any]:
+    def load(
+        self, worker: WorkerProcess, model_dir: Path, settings: Any, ctx: StudyContext, **fields: Any
+    ) -> dict[str, Any]:
         """Have the worker build exactly ``settings``; a worker that built anything else is a failure.
 
         ``fields`` go with the ``load`` request as they are.
         """
-        loaded = worker.request("load", float(self.setting(ctx, "load_timeout_s")), model_dir=str(model_dir),
-                                settings=settings.to_dict(), **fields)
+        loaded = worker.request(
+            "load",
+            float(self.setting(ctx, "load_timeout_s")),
+            model_dir=str(model_dir),
+            settings=settings.to_dict(),
+            **fields,
+        )
         try:
             built = self.generator_class.from_dict(loaded.get("settings") or {})
         except (ConfigError, TypeError) as exc:
             raise worker.failure(f"answered 'load' without the settings it built ({exc})") from None
         if built != settings:
-            raise worker.failure(f"built {built.to_dict()} instead of the {settings.to_dict()} asked for, so the "
-                                 f"measurement would not be what the deploy line serves")
+            raise worker.failure(
+                f"built {built.to_dict()} instead of the {settings.to_dict()} asked for, so the "
+                f"measurement would not be what the deploy line serves"
+            )
         return loaded
 
     # -------------------------------------------------------------- run
@@ -245,8 +276,9 @@ class WorkerBackend(BaseBackend):
                 replies: list[Mapping[str, Any]] = []
 
                 def ask(extra: Mapping[str, Any]) -> Mapping[str, Any]:
-                    reply = worker.request("sample", request_s, prompt_tokens=wl.prompt_tokens,
-                                           output_tokens=wl.output_tokens, **extra)
+                    reply = worker.request(
+                        "sample", request_s, prompt_tokens=wl.prompt_tokens, output_tokens=wl.output_tokens, **extra
+                    )
                     last.update(reply)
                     replies.append(reply)
                     return reply
@@ -255,8 +287,14 @@ class WorkerBackend(BaseBackend):
                 # requests) and the metrics are the core's (worker_sampler); the core's loop
                 # decides how many runs, the probe and the telemetry.
                 sample = worker_sampler(ask, wl, config.parallel)
-                stats, telemetry, peak = measure_engine(ctx, sample, key=str(self.setting(ctx, "stability_metric")),
-                                                        units=SERVING_UNITS, gpu=has_gpu, pid=worker.pid)
+                stats, telemetry, peak = measure_engine(
+                    ctx,
+                    sample,
+                    key=str(self.setting(ctx, "stability_metric")),
+                    units=SERVING_UNITS,
+                    gpu=has_gpu,
+                    pid=worker.pid,
+                )
             except BackendError:
                 raise
             except Exception as exc:  # measurement errors, a malformed reply: the worker's log says more

@@ -57,9 +57,14 @@ def prompt_ids(base: Sequence[int], n_tokens: int, serial: int, vocab: int) -> l
     return ids
 
 
-def run_requests(gen: Any, prompt: Callable[[int], Any], make_job: Callable[[Any, int, int], Any],
-                 lengths: Sequence[Sequence[int]], concurrency: int,
-                 arrivals: Sequence[float] | None) -> list[StreamResult]:
+def run_requests(
+    gen: Any,
+    prompt: Callable[[int], Any],
+    make_job: Callable[[Any, int, int], Any],
+    lengths: Sequence[Sequence[int]],
+    concurrency: int,
+    arrivals: Sequence[float] | None,
+) -> list[StreamResult]:
     """A run's requests through a paged generator, each timed as its client would time it.
 
     Requests go closed-loop (``concurrency`` in flight, the next enqueued as one ends) or, with
@@ -115,14 +120,18 @@ def run_requests(gen: Any, prompt: Callable[[int], Any], make_job: Callable[[Any
                 if arrivals is None and nxt < n:
                     send(nxt)
                     nxt += 1
-    return [StreamResult.from_timestamps(int(lengths[k][0]), n_out[k], sent[k], first.get(k, end[k]), end[k])
-            for k in range(n)]
+    return [
+        StreamResult.from_timestamps(int(lengths[k][0]), n_out[k], sent[k], first.get(k, end[k]), end[k])
+        for k in range(n)
+    ]
 
 
 def engine_missing(engine: str, install: str, exc: ImportError) -> BackendError:
     """The failure of a worker whose interpreter cannot import its engine."""
-    return BackendError(f"{engine} is not importable by {sys.executable} ({exc}): {install}, or set "
-                        f"[backends.{engine}] python to an interpreter that has it")
+    return BackendError(
+        f"{engine} is not importable by {sys.executable} ({exc}): {install}, or set "
+        f"[backends.{engine}] python to an interpreter that has it"
+    )
 
 
 class WorkerEngine:
@@ -173,8 +182,9 @@ class WorkerEngine:
         """``n_jobs`` requests of one shape, all in flight together."""
         raise NotImplementedError
 
-    def run_load(self, lengths: Sequence[Sequence[int]], concurrency: int,
-                 arrivals: Sequence[float] | None) -> list[StreamResult]:
+    def run_load(
+        self, lengths: Sequence[Sequence[int]], concurrency: int, arrivals: Sequence[float] | None
+    ) -> list[StreamResult]:
         """A workload's requests (:func:`run_requests`)."""
         raise NotImplementedError
 
@@ -188,8 +198,9 @@ class WorkerEngine:
         single = self.run_shape(1, prompt, output)[0]
         t0 = time.monotonic()
         if lengths:
-            streams = self.run_load(lengths, int(req.get("concurrency") or settings.max_batch_size),
-                                    req.get("arrivals"))
+            streams = self.run_load(
+                lengths, int(req.get("concurrency") or settings.max_batch_size), req.get("arrivals")
+            )
         else:
             streams = self.run_shape(settings.max_batch_size, prompt, output)
         together = ConcurrentResult(streams=tuple(streams), wall_s=time.monotonic() - t0)
@@ -210,6 +221,15 @@ def serve_engine(engine: Any) -> int:
     protocol_out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    protocol_out.write(encode({"event": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
-                               "python": platform.python_version(), "executable": sys.executable}))
+    protocol_out.write(
+        encode(
+            {
+                "event": "hello",
+                "protocol": PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "python": platform.python_version(),
+                "executable": sys.executable,
+            }
+        )
+    )
     return serve(engine.handlers(), sys.stdin.buffer, protocol_out)

@@ -64,8 +64,9 @@ class WorkerProcess:
         name: What to call it in messages.
     """
 
-    def __init__(self, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                 name: str = "engine worker"):
+    def __init__(
+        self, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None, name: str = "engine worker"
+    ):
         self.command = list(command)
         self.log_path = Path(log_path)
         self.env = env
@@ -90,15 +91,17 @@ class WorkerProcess:
         """
         with open(self.log_path, "wb") as log:
             try:
-                self.proc = processes.start(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, env=self.env)
+                self.proc = processes.start(
+                    self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env
+                )
             except OSError as exc:
                 raise BackendError(f"{self.name} could not be started ({' '.join(self.command)}): {exc}") from exc
         threading.Thread(target=self._read, daemon=True, name=f"autotune-exl2-reader-{self.proc.pid}").start()
         hello = self._next(timeout_s, "start (hello)")
         if hello.get("event") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
-            raise self.failure(f"spoke another protocol: first message {hello!r}, expected a hello "
-                               f"of protocol {PROTOCOL_VERSION}")
+            raise self.failure(
+                f"spoke another protocol: first message {hello!r}, expected a hello of protocol {PROTOCOL_VERSION}"
+            )
         self.hello = hello
         return hello
 
@@ -195,8 +198,9 @@ class WorkerProcess:
             if reply.get("id") == request_id:
                 break
         if not reply.get("ok"):
-            error = BackendError(f"{self.name}: '{op}' failed: {reply.get('type', 'Error')}: "
-                                 f"{reply.get('error', 'no reason given')}",
-                                 log_tail=str(reply.get("traceback") or _tail(self.log_path)))
+            error = BackendError(
+                f"{self.name}: '{op}' failed: {reply.get('type', 'Error')}: {reply.get('error', 'no reason given')}",
+                log_tail=str(reply.get("traceback") or _tail(self.log_path)),
+            )
             raise error
         return reply

@@ -19,8 +19,9 @@ from autotune._builtin import ConcurrentResult, Workload, poisson_arrivals, rate
 __all__ = ["worker_sampler"]
 
 
-def worker_sampler(ask: Callable[[Mapping[str, Any]], Mapping[str, Any]], wl: Workload,
-                   parallel: int) -> Callable[[], dict[str, float]]:
+def worker_sampler(
+    ask: Callable[[Mapping[str, Any]], Mapping[str, Any]], wl: Workload, parallel: int
+) -> Callable[[], dict[str, float]]:
     """The ``run_once`` of :func:`autotune.measure.measure_engine` for a worker backend.
 
     Args:
@@ -35,8 +36,11 @@ def worker_sampler(ask: Callable[[Mapping[str, Any]], Mapping[str, Any]], wl: Wo
     def one(rate: float | None) -> dict[str, float]:
         extra: dict[str, Any] = {}
         if wl.shaped:  # the workload's requests, each to its lengths, as every backend sends them
-            extra = {"requests": lengths, "concurrency": parallel,
-                     "arrivals": poisson_arrivals(len(lengths), rate, wl.seed) if rate else None}
+            extra = {
+                "requests": lengths,
+                "concurrency": parallel,
+                "arrivals": poisson_arrivals(len(lengths), rate, wl.seed) if rate else None,
+            }
         reply = ask(extra)
         single, streams = StreamResult(**reply["single"]), [StreamResult(**r) for r in reply["streams"]]
         wall = max(r.end_s for r in streams) - min(r.start_s for r in streams)

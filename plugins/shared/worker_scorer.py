@@ -23,8 +23,9 @@ __all__ = ["WorkerScorer"]
 class WorkerScorer(Scorer):
     """A :class:`~autotune.engine.scoring.Scorer` over one worker that holds the model."""
 
-    def __init__(self, worker: WorkerProcess, tmp_dir: Path, n_vocab: int, n_ctx: int, description: str,
-                 request_timeout_s: float):
+    def __init__(
+        self, worker: WorkerProcess, tmp_dir: Path, n_vocab: int, n_ctx: int, description: str, request_timeout_s: float
+    ):
         self.worker = worker
         self.tmp_dir = tmp_dir
         self.n_vocab = n_vocab
@@ -46,8 +47,7 @@ class WorkerScorer(Scorer):
 
     def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[LogLikelihood]:
         reply = self._ask("loglikelihood", requests=[[c, x] for c, x in requests])
-        return [LogLikelihood(float(r["logprob"]), bool(r["is_greedy"]), int(r["n_tokens"]))
-                for r in reply["results"]]
+        return [LogLikelihood(float(r["logprob"]), bool(r["is_greedy"]), int(r["n_tokens"])) for r in reply["results"]]
 
     def next_token_logprobs(self, tokens: Sequence[int]) -> "np.ndarray":
         import numpy as np

@@ -57,8 +57,9 @@ class TwinMmlu(BaseMetric):
         _, _, ppk = load_constants()
         weights = backend.as_format(config.weights, ctx) if isinstance(backend, TwinBackend) else config.weights
         drop = quality.drop_points(ctx.model, weights, config.option("cache_type", "f16"), ppk)
-        return MetricValue(value=1.0 - drop / 100.0, stderr=None, n=None, seconds=0.0,
-                           details={"predicted_drop_points_vs_fp16": drop})
+        return MetricValue(
+            value=1.0 - drop / 100.0, stderr=None, n=None, seconds=0.0, details={"predicted_drop_points_vs_fp16": drop}
+        )
 
 
 @hookimpl

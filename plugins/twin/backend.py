@@ -20,12 +20,28 @@ from typing import Any, ClassVar, Mapping, Sequence
 from autotune.api import part
 from autotune._builtin import Predictor, Splitting
 from autotune.api import (
-    AutotuneError, BaseBackend, EngineModel, Measurement, MemoryEstimate, Param, Setting, StudyContext, TrialConfig,
-    measure_engine, parse_format, resolve_model,
+    AutotuneError,
+    BaseBackend,
+    EngineModel,
+    Measurement,
+    MemoryEstimate,
+    Param,
+    Setting,
+    StudyContext,
+    TrialConfig,
+    measure_engine,
+    parse_format,
+    resolve_model,
 )
 from autotune.api import WeightsBreakdown
 from autotune._builtin import (
-    ConfigError, DefaultLaunch, Protocol, UnsupportedError, engine_models, safetensors_dir_weights, weights_for,
+    ConfigError,
+    DefaultLaunch,
+    Protocol,
+    UnsupportedError,
+    engine_models,
+    safetensors_dir_weights,
+    weights_for,
 )
 from autotune_plugins.twin import calibration, formats, multicard, physics, speculation, traffic
 from autotune_plugins.twin.clock import SimulatedClock
@@ -44,7 +60,9 @@ def _constants_doc() -> dict[str, Any]:
     return {**_twin_doc(), "engines": {name: m.constants() for name, m in engine_models().items() if m.twin_name}}
 
 
-def load_constants(doc: Mapping[str, Any] | None = None) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants, float]:
+def load_constants(
+    doc: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants, float]:
     """Engine constants by engine, host constants, and MMLU points per unit KLD at 8B.
 
     Raises:
@@ -58,9 +76,10 @@ def load_constants(doc: Mapping[str, Any] | None = None) -> tuple[dict[str, phys
             engines[name] = physics.EngineConstants(**values)
         except TypeError as exc:
             model = engine_models().get(name)
-            where = model.constants_file if model is not None else f"[engines.\"{name}\"]"
-            raise ConfigError(f"{where}: [constants]: {exc}; accepted: "
-                              f"{', '.join(physics.EngineConstants.__dataclass_fields__)}") from None
+            where = model.constants_file if model is not None else f'[engines."{name}"]'
+            raise ConfigError(
+                f"{where}: [constants]: {exc}; accepted: {', '.join(physics.EngineConstants.__dataclass_fields__)}"
+            ) from None
     return engines, physics.HostConstants(**doc["host"]), float(doc["quality"]["points_per_kld_8b"])
 
 
@@ -94,8 +113,9 @@ class TwinPredictor(Predictor):
             out.update(traffic.predicted_metrics(scenario, k, host, ctx.workload, out["aggregate_tok_s"]))
         return out
 
-    def calibrate(self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]],
-                  ctx: StudyContext) -> Mapping[str, Any] | None:
+    def calibrate(
+        self, measured: Sequence[tuple[TrialConfig, Mapping[str, float]]], ctx: StudyContext
+    ) -> Mapping[str, Any] | None:
         """The speed constants refit to a real study's measurements (``calibration.fit``),
         always from the published ones: the stored result is a function of the trials alone."""
         t = self.backend
@@ -208,9 +228,11 @@ class TwinBackend(BaseBackend):
                 kind = formats.artifact_kind(path)
                 if kind not in self.loaded_artifacts:
                     words = formats.artifact_words()
-                    return (f"{path}: {words[kind][0]}, which {self.engine} does not load (it loads "
-                            f"{' and '.join(words[a][1] for a in self.loaded_artifacts)}, or a format "
-                            f"{' or '.join(f.syntax for f in self.weight_formats)})")
+                    return (
+                        f"{path}: {words[kind][0]}, which {self.engine} does not load (it loads "
+                        f"{' and '.join(words[a][1] for a in self.loaded_artifacts)}, or a format "
+                        f"{' or '.join(f.syntax for f in self.weight_formats)})"
+                    )
             family, _ = parse_format(self.as_format(weights, ctx), self.weight_formats)
         except AutotuneError as exc:
             return str(exc)
@@ -254,11 +276,13 @@ class TwinBackend(BaseBackend):
             output_tokens=ctx.workload.output_tokens,
             gpu_layers=gpu_layers,
         )
-        return replace(self.model.scenario(self, common, config, ctx),
-                       speculation=self.speculation_of(config, ctx, common))
+        return replace(
+            self.model.scenario(self, common, config, ctx), speculation=self.speculation_of(config, ctx, common)
+        )
 
-    def speculation_of(self, config: TrialConfig, ctx: StudyContext,
-                    common: physics.Scenario) -> speculation.Speculation | None:
+    def speculation_of(
+        self, config: TrialConfig, ctx: StudyContext, common: physics.Scenario
+    ) -> speculation.Speculation | None:
         """The trial's speculation as the physics prices it (None without): its options, the
         ``acceptance`` setting (assumed, see :mod:`speculation`), and a draft model's own scenario
         (its weights: a format of the study's model or a file, on the same card)."""
@@ -270,9 +294,13 @@ class TwinBackend(BaseBackend):
         if speculation.family_of_type(spec_type) == "draft" and ref is not None:
             path = self.weights_file(str(ref), ctx)
             layers = config.option("draft_gpu_layers", "all")
-            draft = replace(common, model=resolve_model(str(path)) if path is not None else ctx.model,
-                            weights=self.weights(str(ref), ctx), gpu_layers=layers,
-                            cache_type=str(config.option("draft_cache_type", common.cache_type)))
+            draft = replace(
+                common,
+                model=resolve_model(str(path)) if path is not None else ctx.model,
+                weights=self.weights(str(ref), ctx),
+                gpu_layers=layers,
+                cache_type=str(config.option("draft_cache_type", common.cache_type)),
+            )
         n_max = int(config.option("spec_n_max", speculation.DEFAULT_N_MAX))
         rate = self.setting(ctx, "acceptance_rate")
         cal = ctx.calibration or {}
@@ -283,8 +311,14 @@ class TwinBackend(BaseBackend):
             a = speculation.per_token(float(rate), n_max)
         else:
             a = speculation.acceptance_for(self.setting(ctx, "acceptance"), spec_type)
-        return speculation.Speculation(spec_type=spec_type, n_max=n_max, n_min=int(config.option("spec_n_min", 0)),
-                                       p_min=float(config.option("spec_p_min", 0.0)), acceptance=a, draft=draft)
+        return speculation.Speculation(
+            spec_type=spec_type,
+            n_max=n_max,
+            n_min=int(config.option("spec_n_min", 0)),
+            p_min=float(config.option("spec_p_min", 0.0)),
+            acceptance=a,
+            draft=draft,
+        )
 
     def layers_on_gpu(self, config: TrialConfig, ctx: StudyContext) -> int:
         """Decoder layers the simulation keeps on the GPU (the rest run on the host)."""
@@ -300,7 +334,9 @@ class TwinBackend(BaseBackend):
         cal = ctx.calibration
         if not cal or cal.get("engine") != self.engine or cal.get("gpu") != ctx.gpu.key:
             return k
-        return replace(k, **{f: float(v) for f, v in cal.get("after", {}).items() if f in calibration.CALIBRATED_FIELDS})
+        return replace(
+            k, **{f: float(v) for f, v in cal.get("after", {}).items() if f in calibration.CALIBRATED_FIELDS}
+        )
 
     def split(self, config: TrialConfig, ctx: StudyContext) -> multicard.Split | None:
         """The configuration's split over the study's cards (None: the study has one)."""
@@ -318,8 +354,14 @@ class TwinBackend(BaseBackend):
         head = s.weights.output_bytes + s.weights.other_bytes
         return multicard.per_device(mem, split, s.weights.per_layer_bytes, head)
 
-    def _predict(self, s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants,
-                 config: TrialConfig, ctx: StudyContext) -> physics.Prediction:
+    def _predict(
+        self,
+        s: physics.Scenario,
+        k: physics.EngineConstants,
+        host: physics.HostConstants,
+        config: TrialConfig,
+        ctx: StudyContext,
+    ) -> physics.Prediction:
         split = self.split(config, ctx)
         return physics.predict(s, k, host) if split is None else multicard.predict(s, k, host, split)
 
@@ -374,8 +416,11 @@ class TwinBackend(BaseBackend):
                 out[name] = truth[name] * factor * (1.0 + rng.gauss(0.0, noise) if noise else 1.0)
             out["ttft_ms"] = truth["ttft_ms"] / factor
             speed = factor * (1.0 + latency_rng.gauss(0.0, noise) if noise else 1.0)
-            out.update(traffic.run_metrics(traffic.scaled(run, speed), wl, out["aggregate_tok_s"],
-                                           None if offered is None else offered * speed))
+            out.update(
+                traffic.run_metrics(
+                    traffic.scaled(run, speed), wl, out["aggregate_tok_s"], None if offered is None else offered * speed
+                )
+            )
             return out
 
         # Without noise every run would say the same: one run is the measurement.
@@ -405,14 +450,24 @@ def twin_class(model: EngineModel) -> type[TwinBackend]:
     known = _classes.get(model.twin_class)
     if known is not None and known[0] is model:
         return known[1]
-    cls = type(model.twin_class, (TwinBackend,), {
-        "__doc__": f"The twin of {model.name}: {model.twin_description}.",
-        "__module__": "autotune_plugins.twin",
-        "model": model, "name": model.twin_name, "engine": model.name, "description": model.twin_description,
-        "kv_cache_types": model.kv_cache_types, "weight_formats": tuple(model.weight_formats),
-        "loaded_artifacts": model.artifacts, "cache_types": model.cache_types, "default_cache": model.default_cache,
-        "settings": TWIN_SETTINGS + tuple(model.twin_settings),
-    })
+    cls = type(
+        model.twin_class,
+        (TwinBackend,),
+        {
+            "__doc__": f"The twin of {model.name}: {model.twin_description}.",
+            "__module__": "autotune_plugins.twin",
+            "model": model,
+            "name": model.twin_name,
+            "engine": model.name,
+            "description": model.twin_description,
+            "kv_cache_types": model.kv_cache_types,
+            "weight_formats": tuple(model.weight_formats),
+            "loaded_artifacts": model.artifacts,
+            "cache_types": model.cache_types,
+            "default_cache": model.default_cache,
+            "settings": TWIN_SETTINGS + tuple(model.twin_settings),
+        },
+    )
     _classes[model.twin_class] = (model, cls)
     return cls
 

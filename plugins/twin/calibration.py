@@ -36,8 +36,13 @@ from autotune_plugins.twin import physics
 
 #: The speed constants a study refits (memory constants are corrected by the core's own
 #: learned residual). Names of ``physics.EngineConstants`` fields; one the physics lacks is skipped.
-CALIBRATED_FIELDS = ("weight_bw_efficiency", "layer_us_ghz", "sample_ns_per_vocab", "decode_compute_efficiency",
-                     "prefill_efficiency")
+CALIBRATED_FIELDS = (
+    "weight_bw_efficiency",
+    "layer_us_ghz",
+    "sample_ns_per_vocab",
+    "decode_compute_efficiency",
+    "prefill_efficiency",
+)
 #: How far, in log, one prior sigma lets a constant move from its published value (0.5: x1.65).
 PRIOR_SIGMA = 0.5
 #: Where a constant published at 0 starts, in ZERO_SCALES units: inside its bound, because the
@@ -58,11 +63,16 @@ ROBUST_SCALE = 0.5
 ZERO_SCALES: Mapping[str, float] = {"sample_ns_per_vocab": 5.0}
 
 
-def median_abs_error(predicted: Sequence[Mapping[str, float]], observations: Sequence[tuple[Any, Mapping[str, float]]]
-                     ) -> float | None:
+def median_abs_error(
+    predicted: Sequence[Mapping[str, float]], observations: Sequence[tuple[Any, Mapping[str, float]]]
+) -> float | None:
     """Median of ``|predicted / measured - 1|`` over every measured metric of every observation."""
-    errors = [abs(p[m] / meas[m] - 1.0) for p, (_, meas) in zip(predicted, observations) for m in METRICS
-              if _usable(meas.get(m)) and m in p]
+    errors = [
+        abs(p[m] / meas[m] - 1.0)
+        for p, (_, meas) in zip(predicted, observations)
+        for m in METRICS
+        if _usable(meas.get(m)) and m in p
+    ]
     return statistics.median(errors) if errors else None
 
 
@@ -70,10 +80,13 @@ def _usable(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def fit(base: physics.EngineConstants, host: physics.HostConstants,
-        observations: Sequence[tuple[physics.Scenario, Mapping[str, float]]],
-        fields_: Sequence[str] = CALIBRATED_FIELDS, prior_sigma: float = PRIOR_SIGMA
-        ) -> tuple[physics.EngineConstants, dict[str, Any]]:
+def fit(
+    base: physics.EngineConstants,
+    host: physics.HostConstants,
+    observations: Sequence[tuple[physics.Scenario, Mapping[str, float]]],
+    fields_: Sequence[str] = CALIBRATED_FIELDS,
+    prior_sigma: float = PRIOR_SIGMA,
+) -> tuple[physics.EngineConstants, dict[str, Any]]:
     """The engine constants refit to ``observations``, and a report of the fit.
 
     Args:
@@ -112,7 +125,7 @@ def fit(base: physics.EngineConstants, host: physics.HostConstants,
         return np.asarray(out)
 
     x0 = np.zeros(len(scaled) + len(absolute))
-    x0[len(scaled):] = ABSOLUTE_START
+    x0[len(scaled) :] = ABSOLUTE_START
     fitted = base
     if obs and len(x0):
         lower = [-np.inf] * len(scaled) + [0.0] * len(absolute)

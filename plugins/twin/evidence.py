@@ -54,11 +54,11 @@ class Figure:
 
     id: str
     source: str
-    role: str            # "fit" or "check"
-    metric: str          # decode_tok_s, per_user_tok_s or aggregate_tok_s
+    role: str  # "fit" or "check"
+    metric: str  # decode_tok_s, per_user_tok_s or aggregate_tok_s
     value: float
     scenario: physics.Scenario
-    weights: str         # the format, as the twin reads it
+    weights: str  # the format, as the twin reads it
     lower_bound: bool = False  # the source says the card does at least this (published_decode.toml)
 
     @property
@@ -66,15 +66,34 @@ class Figure:
         return self.scenario.gpu.key
 
 
-def _scenario(engine: str, gpu: str, model: str, weights: str, *, ctx: int = 4096, parallel: int = 1,
-              cache: str | None = None, flash_attn: bool | None = None, prompt: int = 0, output: int = 128,
-              harness: str = "bench") -> physics.Scenario:
+def _scenario(
+    engine: str,
+    gpu: str,
+    model: str,
+    weights: str,
+    *,
+    ctx: int = 4096,
+    parallel: int = 1,
+    cache: str | None = None,
+    flash_attn: bool | None = None,
+    prompt: int = 0,
+    output: int = 128,
+    harness: str = "bench",
+) -> physics.Scenario:
     m = get_model(model)
     return physics.Scenario(
-        engine=engine, gpu=get_gpu(gpu), model=m, weights=weights_for(m, weights, twin_formats()), ctx=ctx, parallel=parallel,
+        engine=engine,
+        gpu=get_gpu(gpu),
+        model=m,
+        weights=weights_for(m, weights, twin_formats()),
+        ctx=ctx,
+        parallel=parallel,
         cache_type=cache or ("f16" if engine == "llama.cpp" else "fp16"),
         flash_attn=(engine == "exllamav2") if flash_attn is None else flash_attn,
-        prompt_tokens=max(prompt, 1), output_tokens=output, harness=harness)
+        prompt_tokens=max(prompt, 1),
+        output_tokens=output,
+        harness=harness,
+    )
 
 
 def published() -> Iterator[Figure]:
@@ -85,18 +104,39 @@ def published() -> Iterator[Figure]:
         if f["gpu"] not in gpus or f["model"] not in models or f["weights"].startswith("gptq:"):
             continue
         prompt, output = int(f.get("prompt_tokens", 0)), int(f.get("output_tokens", 128))
-        s = _scenario(f["engine"], f["gpu"], f["model"], f["weights"], ctx=max(512, prompt + output),
-                      flash_attn=f.get("flash_attn"), prompt=prompt, output=output)
+        s = _scenario(
+            f["engine"],
+            f["gpu"],
+            f["model"],
+            f["weights"],
+            ctx=max(512, prompt + output),
+            flash_attn=f.get("flash_attn"),
+            prompt=prompt,
+            output=output,
+        )
         role = "fit" if f["gpu"] in FIT_CARDS.get(f["engine"], ()) else "check"
-        yield Figure(f"pub{i}", f["source"], role, "decode_tok_s", float(f["decode_tok_s"]), s, f["weights"],
-                     bool(f.get("lower_bound", False)))
+        yield Figure(
+            f"pub{i}",
+            f["source"],
+            role,
+            "decode_tok_s",
+            float(f["decode_tok_s"]),
+            s,
+            f["weights"],
+            bool(f.get("lower_bound", False)),
+        )
 
 
 # The H200's synthetic shapes: the catalog's Qwen2.5-7B (llama.cpp's qwen2 vocabulary, 151,936
 # tokens, is 128 short of the HF config's: no measurable difference) and Llama-3.1-8B.
 H200_MODELS = {"q7b": "qwen2.5-7b", "l8b": "llama-3.1-8b"}
-LLAMA_BENCH_TYPES = {"F16": "gguf:F16", "Q8_0": "gguf:Q8_0", "Q4_0": "gguf:Q4_0",
-                     "Q4_K - Medium": "gguf:Q4_K_M", "Q5_K - Medium": "gguf:Q5_K_M"}
+LLAMA_BENCH_TYPES = {
+    "F16": "gguf:F16",
+    "Q8_0": "gguf:Q8_0",
+    "Q4_0": "gguf:Q4_0",
+    "Q4_K - Medium": "gguf:Q4_K_M",
+    "Q5_K - Medium": "gguf:Q5_K_M",
+}
 
 
 def h200_llama_bench() -> Iterator[Figure]:
@@ -108,10 +148,16 @@ def h200_llama_bench() -> Iterator[Figure]:
             if r["n_gen"] == 0:
                 continue
             fmt = LLAMA_BENCH_TYPES[r["model_type"].split(" ", 2)[-1]]
-            s = _scenario("llama.cpp", "h200", model, fmt, ctx=512, flash_attn=bool(r["flash_attn"]),
-                          output=r["n_gen"])
-            yield Figure(f"h200-bench-{family}-{fmt}-fa{int(r['flash_attn'])}", str(path.relative_to(REPO)),
-                         "fit" if family == "l8b" else "check", "decode_tok_s", float(r["avg_ts"]), s, fmt)
+            s = _scenario("llama.cpp", "h200", model, fmt, ctx=512, flash_attn=bool(r["flash_attn"]), output=r["n_gen"])
+            yield Figure(
+                f"h200-bench-{family}-{fmt}-fa{int(r['flash_attn'])}",
+                str(path.relative_to(REPO)),
+                "fit" if family == "l8b" else "check",
+                "decode_tok_s",
+                float(r["avg_ts"]),
+                s,
+                fmt,
+            )
 
 
 def _weights_format(path: str) -> str:
@@ -119,12 +165,30 @@ def _weights_format(path: str) -> str:
     return "gguf:" + Path(path).stem.rsplit("-", 1)[-1]
 
 
-def _server(figure_id: str, source: str, role: str, model: str, config: dict[str, Any], prompt: int,
-            output: int, metrics: dict[str, float | None]) -> Iterator[Figure]:
+def _server(
+    figure_id: str,
+    source: str,
+    role: str,
+    model: str,
+    config: dict[str, Any],
+    prompt: int,
+    output: int,
+    metrics: dict[str, float | None],
+) -> Iterator[Figure]:
     fmt = _weights_format(config["weights"])
-    s = _scenario("llama.cpp", "h200", model, fmt,
-                  ctx=int(config["ctx"]), parallel=int(config["parallel"]), cache=config["cache_type"],
-                  flash_attn=bool(config["flash_attn"]), prompt=prompt, output=output, harness="server")
+    s = _scenario(
+        "llama.cpp",
+        "h200",
+        model,
+        fmt,
+        ctx=int(config["ctx"]),
+        parallel=int(config["parallel"]),
+        cache=config["cache_type"],
+        flash_attn=bool(config["flash_attn"]),
+        prompt=prompt,
+        output=output,
+        harness="server",
+    )
     for metric, value in metrics.items():
         if value:
             yield Figure(f"{figure_id}-{metric}", source, role, metric, float(value), s, fmt)
@@ -134,12 +198,25 @@ def h200_probe() -> Iterator[Figure]:
     """bench/results/h200_llama_server_probe.json: 12 configurations, 1 and 4 streams (fitted)."""
     path = RESULTS / "h200_llama_server_probe.json"
     for i, r in enumerate(json.loads(path.read_text(encoding="utf-8"))["rows"]):
-        config = {"weights": r["model"].removesuffix(".gguf"), "ctx": r["ctx_per_slot"], "parallel": r["parallel"],
-                  "cache_type": r["cache_type"], "flash_attn": True}
+        config = {
+            "weights": r["model"].removesuffix(".gguf"),
+            "ctx": r["ctx_per_slot"],
+            "parallel": r["parallel"],
+            "cache_type": r["cache_type"],
+            "flash_attn": True,
+        }
         per_user = statistics.median(r["decode_tok_s_per_stream"])
         metrics = {"per_user_tok_s": per_user, "aggregate_tok_s": r["aggregate_tok_s"]}
-        yield from _server(f"h200-probe{i}", str(path.relative_to(REPO)), "fit", "qwen2.5-7b", config,
-                           int(r["prompt_tokens"]), 256, metrics)
+        yield from _server(
+            f"h200-probe{i}",
+            str(path.relative_to(REPO)),
+            "fit",
+            "qwen2.5-7b",
+            config,
+            int(r["prompt_tokens"]),
+            256,
+            metrics,
+        )
 
 
 def h200_small_model() -> Iterator[Figure]:
@@ -152,8 +229,9 @@ def h200_small_model() -> Iterator[Figure]:
             continue
         config = {"weights": t["weights"], "ctx": t["ctx"], "parallel": t["parallel"], **t["options"]}
         metrics = {k: t[k] for k in ("decode_tok_s", "per_user_tok_s", "aggregate_tok_s")}
-        yield from _server(f"h200-1.5b-{t['trial']}", str(path.relative_to(REPO)), "fit", "qwen2.5-1.5b",
-                           config, 512, 128, metrics)
+        yield from _server(
+            f"h200-1.5b-{t['trial']}", str(path.relative_to(REPO)), "fit", "qwen2.5-1.5b", config, 512, 128, metrics
+        )
 
 
 def h200_study() -> Iterator[Figure]:
@@ -163,13 +241,17 @@ def h200_study() -> Iterator[Figure]:
         if t["state"] != "COMPLETE":
             continue
         metrics = {"decode_tok_s": t["decode"], "per_user_tok_s": t["per_user"], "aggregate_tok_s": t["agg"]}
-        yield from _server(f"h200-study{t['n']}", str(path.relative_to(REPO)), "check", "qwen2.5-7b",
-                           t["config"], 512, 128, metrics)
+        yield from _server(
+            f"h200-study{t['n']}", str(path.relative_to(REPO)), "check", "qwen2.5-7b", t["config"], 512, 128, metrics
+        )
 
 
 # The grids' first runs, both held out: the fit sees how streams share a step only in the probe
 # (7B, 1 and 4 streams) and the 1.5B trials (1-8 streams).
-GRIDS = {"h200_grid_qwen7b": ("qwen2.5-7b", 512, 128, "check"), "h200_grid_llama8b": ("llama-3.1-8b", 1024, 128, "check")}
+GRIDS = {
+    "h200_grid_qwen7b": ("qwen2.5-7b", 512, 128, "check"),
+    "h200_grid_llama8b": ("llama-3.1-8b", 1024, 128, "check"),
+}
 
 
 def h200_grids() -> Iterator[Figure]:
@@ -180,7 +262,8 @@ def h200_grids() -> Iterator[Figure]:
         try:
             rows = con.execute(
                 "SELECT t.trial_id, t.number, a.key, a.value_json FROM trials t JOIN trial_user_attributes a "
-                "ON a.trial_id = t.trial_id WHERE t.state = 'COMPLETE' AND a.key IN ('config', 'metrics')").fetchall()
+                "ON a.trial_id = t.trial_id WHERE t.state = 'COMPLETE' AND a.key IN ('config', 'metrics')"
+            ).fetchall()
         finally:
             con.close()
         trials: dict[int, dict[str, Any]] = {}
@@ -191,13 +274,21 @@ def h200_grids() -> Iterator[Figure]:
                 continue
             m = t["metrics"]
             metrics = {k: m[k]["median"] for k in ("decode_tok_s", "per_user_tok_s", "aggregate_tok_s") if k in m}
-            yield from _server(f"{name}-{number}", str(path.relative_to(REPO)), role, model, t["config"],
-                               prompt, output, metrics)
+            yield from _server(
+                f"{name}-{number}", str(path.relative_to(REPO)), role, model, t["config"], prompt, output, metrics
+            )
 
 
 def everything() -> list[Figure]:
-    return [*published(), *h200_llama_bench(), *h200_probe(), *h200_small_model(), *h200_study(), *h200_grids(),
-            *h200_offload()]
+    return [
+        *published(),
+        *h200_llama_bench(),
+        *h200_probe(),
+        *h200_small_model(),
+        *h200_study(),
+        *h200_grids(),
+        *h200_offload(),
+    ]
 
 
 # ----------------------------------------------------------------------------- offload and MoE
@@ -222,11 +313,25 @@ def moe_probe_model() -> ModelSpec:
     --experts 128 --experts-used 8 --expert-ffn 768`, qwen2 vocabulary of 151,936 tokens)."""
     h, v, e, f, n = 2048, 151936, 128, 768, 12
     per_layer = 2 * h * 4096 + 2 * h * 512 + 2 * 128 + h * e + e * 3 * h * f + 2 * h
-    return ModelSpec(key="qwen3-30b-a3b-12l", name="Qwen3-30B-A3B shape, 12 layers (synthetic)",
-                     architecture="qwen3moe", n_layers=n, hidden_size=h, n_heads=32, n_kv_heads=4, head_dim=128,
-                     ffn_size=6144, vocab_size=v, n_params=2 * v * h + n * per_layer + h, tie_embeddings=False,
-                     max_context=32768, source="bench/h200_offload_probe.sh", n_experts=e, n_experts_used=8,
-                     expert_ffn_size=f)
+    return ModelSpec(
+        key="qwen3-30b-a3b-12l",
+        name="Qwen3-30B-A3B shape, 12 layers (synthetic)",
+        architecture="qwen3moe",
+        n_layers=n,
+        hidden_size=h,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_size=6144,
+        vocab_size=v,
+        n_params=2 * v * h + n * per_layer + h,
+        tie_embeddings=False,
+        max_context=32768,
+        source="bench/h200_offload_probe.sh",
+        n_experts=e,
+        n_experts_used=8,
+        expert_ffn_size=f,
+    )
 
 
 def moe_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
@@ -235,8 +340,14 @@ def moe_gguf_weights(model: ModelSpec, file_type: str) -> WeightsBreakdown:
     type rules: ffn_down_exps takes ffn_down's), plus the router (ffn_gate_inp, kept F32). The
     GGUF size predictor does not know expert tensors yet (issue 27, item 2); the probe's logged
     buffers check this (tests/plugins/test_twin_offload.py)."""
-    stacked = replace(model, architecture="qwen3", ffn_size=model.n_experts * model.expert_ffn_size, n_experts=0,
-                      n_experts_used=0, expert_ffn_size=0)
+    stacked = replace(
+        model,
+        architecture="qwen3",
+        ffn_size=model.n_experts * model.expert_ffn_size,
+        n_experts=0,
+        n_experts_used=0,
+        expert_ffn_size=0,
+    )
     w = weights_for(stacked, f"gguf:{file_type}", twin_formats())
     router = model.hidden_size * model.n_experts * 4
     return replace(w, per_layer_bytes=tuple(b + router for b in w.per_layer_bytes))
@@ -259,18 +370,33 @@ def offload_scenario(model_file: str, case: dict[str, str], prompt: int, output:
         weights = weights_for(model, fmt, twin_formats())
     ngl = int(case.get("ngl", "999"))
     return physics.Scenario(
-        engine="llama.cpp", gpu=get_gpu("h200"), model=model, weights=weights, ctx=4096, parallel=1,
-        cache_type="f16", flash_attn=True, prompt_tokens=prompt, output_tokens=output, harness="server",
-        gpu_layers="all" if ngl > model.n_layers else ngl, n_cpu_moe=int(case.get("ncmoe", "0")),
-        ubatch=int(case.get("ub", str(physics.LLAMA_UBATCH))), host_threads=OFFLOAD_THREADS)
+        engine="llama.cpp",
+        gpu=get_gpu("h200"),
+        model=model,
+        weights=weights,
+        ctx=4096,
+        parallel=1,
+        cache_type="f16",
+        flash_attn=True,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        harness="server",
+        gpu_layers="all" if ngl > model.n_layers else ngl,
+        n_cpu_moe=int(case.get("ncmoe", "0")),
+        ubatch=int(case.get("ub", str(physics.LLAMA_UBATCH))),
+        host_threads=OFFLOAD_THREADS,
+    )
 
 
-def h200_offload_predicted(engines: dict[str, physics.EngineConstants],
-                           host: physics.HostConstants) -> list[tuple[Figure, float]]:
+def h200_offload_predicted(
+    engines: dict[str, physics.EngineConstants], host: physics.HostConstants
+) -> list[tuple[Figure, float]]:
     """Each offload probe figure beside what the twin predicts for it with ``engines`` and
     ``host`` (bench/twin_offload_check.py prints them, tests/plugins/test_twin_offload.py holds them)."""
-    return [(f, float(getattr(physics.predict(f.scenario, engines[f.scenario.engine], host), f.metric)))
-            for f in h200_offload()]
+    return [
+        (f, float(getattr(physics.predict(f.scenario, engines[f.scenario.engine], host), f.metric)))
+        for f in h200_offload()
+    ]
 
 
 def h200_offload() -> Iterator[Figure]:
@@ -289,8 +415,15 @@ def h200_offload() -> Iterator[Figure]:
             role = "fit" if (source, label) in OFFLOAD_FIT else "check"
             for metric, key in (("decode_tok_s", "decode_tok_s"), ("prefill_tok_s", "prompt_tok_s")):
                 value = statistics.mean(float(x[key]) for x in runs)
-                yield Figure(f"offload-{source}-{r['model'].split('-')[0]}-{label.replace(' ', '-')}-{metric}",
-                             str(path.relative_to(REPO)), role, metric, value, s, _weights_format(r["model"]))
+                yield Figure(
+                    f"offload-{source}-{r['model'].split('-')[0]}-{label.replace(' ', '-')}-{metric}",
+                    str(path.relative_to(REPO)),
+                    role,
+                    metric,
+                    value,
+                    s,
+                    _weights_format(r["model"]),
+                )
 
 
 def is_offload(figure: Figure) -> bool:
@@ -347,21 +480,48 @@ class KernelFigure:
     value: tuple[float, float] = (0.0, 0.0)
 
 
-_INT8_GATE = ("exllamav3 exllamav3/exllamav3_ext/quant/exl3_gemv_int8.cu, the comment over exl3_gemv_int8_max_k "
-              "(4f8ad01)")
+_INT8_GATE = (
+    "exllamav3 exllamav3/exllamav3_ext/quant/exl3_gemv_int8.cu, the comment over exl3_gemv_int8_max_k (4f8ad01)"
+)
 EXL3_KERNEL = (
-    KernelFigure("exl3-3090-ridge", f"{_INT8_GATE}: 'Ampere is DRAM-bound from K = 6 up (3090: int8 "
-                 "-29/-22/-9/-6% at K=2/3/4/5 ...)'", "fit", "rtx3090", 6.0, "ridge_bits", (6.0, 6.0)),
-    KernelFigure("exl3-h200-share", "https://github.com/turboderp-org/exllamav3/issues/242 (H200 SXM, EXL3 6.0 bpw: "
-                 "'the best achieved bandwidth is 21-29% of peak', per-SM INT32 throughput the limit); "
-                 f"{_INT8_GATE}: 'Hopper's fp16 kernel is per-SM INT-throughput-bound at K = 6'",
-                 "check", "h200", 6.0, "bandwidth_share", (0.21, 0.29)),
-    KernelFigure("exl3-4090-memory-bound", "exllamav3 README.md: 'roughly memory-bound latency under optimal "
-                 "conditions (4bpw, RTX 4090)'; exl3_gemv.cu: 'Ada/Blackwell are memory-bound here'",
-                 "check", "rtx4090", 4.0, "memory_bound"),
-    KernelFigure("exl3-3090-low-bits", "exllamav3 README.md: 'still needs some work to achieve the same efficiency "
-                 f"on Ampere and to remain memory-bound at lower bitrates'; {_INT8_GATE}: 3090 int8 -29% at K=2",
-                 "check", "rtx3090", 2.0, "compute_bound"),
+    KernelFigure(
+        "exl3-3090-ridge",
+        f"{_INT8_GATE}: 'Ampere is DRAM-bound from K = 6 up (3090: int8 -29/-22/-9/-6% at K=2/3/4/5 ...)'",
+        "fit",
+        "rtx3090",
+        6.0,
+        "ridge_bits",
+        (6.0, 6.0),
+    ),
+    KernelFigure(
+        "exl3-h200-share",
+        "https://github.com/turboderp-org/exllamav3/issues/242 (H200 SXM, EXL3 6.0 bpw: "
+        "'the best achieved bandwidth is 21-29% of peak', per-SM INT32 throughput the limit); "
+        f"{_INT8_GATE}: 'Hopper's fp16 kernel is per-SM INT-throughput-bound at K = 6'",
+        "check",
+        "h200",
+        6.0,
+        "bandwidth_share",
+        (0.21, 0.29),
+    ),
+    KernelFigure(
+        "exl3-4090-memory-bound",
+        "exllamav3 README.md: 'roughly memory-bound latency under optimal "
+        "conditions (4bpw, RTX 4090)'; exl3_gemv.cu: 'Ada/Blackwell are memory-bound here'",
+        "check",
+        "rtx4090",
+        4.0,
+        "memory_bound",
+    ),
+    KernelFigure(
+        "exl3-3090-low-bits",
+        "exllamav3 README.md: 'still needs some work to achieve the same efficiency "
+        f"on Ampere and to remain memory-bound at lower bitrates'; {_INT8_GATE}: 3090 int8 -29% at K=2",
+        "check",
+        "rtx3090",
+        2.0,
+        "compute_bound",
+    ),
 )
 
 

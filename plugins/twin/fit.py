@@ -70,20 +70,33 @@ def scenario(row: Row, doc: dict[str, Any], parallel: int | None = None, **chang
     gpu = get_gpu("v100-16gb")
     auto = "auto" in str(row.data.get("gpu_layers", "")) or "offloaded" in str(row.data.get("note", ""))
     s = physics.Scenario(
-        engine=row.engine, gpu=gpu, model=model, weights=weights_for(model, row.weights, twin_formats()), ctx=row.ctx,
-        parallel=parallel or row.parallel, cache_type=row.cache, flash_attn=row.flash_attn,
-        prompt_tokens=doc["workload"]["max_prompt_tokens"], output_tokens=doc["workload"]["max_new_tokens"],
+        engine=row.engine,
+        gpu=gpu,
+        model=model,
+        weights=weights_for(model, row.weights, twin_formats()),
+        ctx=row.ctx,
+        parallel=parallel or row.parallel,
+        cache_type=row.cache,
+        flash_attn=row.flash_attn,
+        prompt_tokens=doc["workload"]["max_prompt_tokens"],
+        output_tokens=doc["workload"]["max_new_tokens"],
         gpu_layers="auto" if (auto or row.engine == "llama.cpp") else "all",
     )
     jobs_at_once = getattr(engine_model(row.engine), "jobs_at_once", None)
     if jobs_at_once is not None:  # ExLlamaV2 on a V100 runs concurrent streams only as batched passes
-        s = replace(s, jobs_at_once=jobs_at_once(gpu, row.cache, row.ctx, s.parallel,
-                                                 row.data.get("unpaged_parallel", "queue")))
+        s = replace(
+            s, jobs_at_once=jobs_at_once(gpu, row.cache, row.ctx, s.parallel, row.data.get("unpaged_parallel", "queue"))
+        )
     return replace(s, **changes)
 
 
-def predictions(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics.EngineConstants],
-                host: physics.HostConstants, ppk8: float) -> list[dict[str, Any]]:
+def predictions(
+    doc: dict[str, Any],
+    rows: list[Row],
+    engines: dict[str, physics.EngineConstants],
+    host: physics.HostConstants,
+    ppk8: float,
+) -> list[dict[str, Any]]:
     """Each reported figure with its prediction: id, what, low, high, predicted."""
     out = []
     model = get_model("qwen2.5-27b-article")
@@ -97,7 +110,9 @@ def predictions(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics
         if "prefill_tok_s" in d:
             out.append({"id": r.id, "what": "prefill tok/s", "range": d["prefill_tok_s"], "pred": p.prefill_tok_s})
         if "aggregate_tok_s" in d and isinstance(d["aggregate_tok_s"], list):
-            out.append({"id": r.id, "what": "aggregate tok/s", "range": d["aggregate_tok_s"], "pred": p.aggregate_tok_s})
+            out.append(
+                {"id": r.id, "what": "aggregate tok/s", "range": d["aggregate_tok_s"], "pred": p.aggregate_tok_s}
+            )
         if "per_user_tok_s" in d:
             out.append({"id": r.id, "what": "per-user tok/s", "range": d["per_user_tok_s"], "pred": p.per_user_tok_s})
         if "vram_gb" in d:
@@ -107,20 +122,38 @@ def predictions(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics
         if "decode_gain_vs_fa_off" in d:
             # FA off cannot keep a quantized V cache in llama.cpp: the "off" side is row 1's f16.
             off = physics.predict(replace(s, flash_attn=False, cache_type="f16"), k, host)
-            out.append({"id": r.id, "what": "FA on/off gain", "range": d["decode_gain_vs_fa_off"],
-                        "pred": p.decode_tok_s / off.decode_tok_s - 1.0})
+            out.append(
+                {
+                    "id": r.id,
+                    "what": "FA on/off gain",
+                    "range": d["decode_gain_vs_fa_off"],
+                    "pred": p.decode_tok_s / off.decode_tok_s - 1.0,
+                }
+            )
         if "quality_drop_points_vs_exl2_4_0" in d:
             ref = quality.drop_points(model, "exl2:4.0", "fp16", ppk8)
             mine = quality.drop_points(model, r.weights, r.cache, ppk8)
-            out.append({"id": r.id, "what": "MMLU drop vs 4.0 bpw", "range": d["quality_drop_points_vs_exl2_4_0"],
-                        "pred": mine - ref})
+            out.append(
+                {
+                    "id": r.id,
+                    "what": "MMLU drop vs 4.0 bpw",
+                    "range": d["quality_drop_points_vs_exl2_4_0"],
+                    "pred": mine - ref,
+                }
+            )
         if r.id == "5b":
             # "KV for 8 sequences presses VRAM": the article ran it at the edge of the card.
             # The twin's reading: more than 90% of the card, beyond any sane safety margin.
             mem = physics.memory(s, k).total_bytes
-            out.append({"id": r.id, "what": "VRAM share at 8 streams", "range": [0.9, 1.0 / (1 + WIDEN)],
-                        "pred": mem / s.gpu.vram_bytes,
-                        "note": f"{mem / GiB:.2f} GiB of {s.gpu.vram_bytes / GiB:.2f}; aggregate {p.aggregate_tok_s:.1f} tok/s"})
+            out.append(
+                {
+                    "id": r.id,
+                    "what": "VRAM share at 8 streams",
+                    "range": [0.9, 1.0 / (1 + WIDEN)],
+                    "pred": mem / s.gpu.vram_bytes,
+                    "note": f"{mem / GiB:.2f} GiB of {s.gpu.vram_bytes / GiB:.2f}; aggregate {p.aggregate_tok_s:.1f} tok/s",
+                }
+            )
         if p.host_layers and items_note(out, r.id):
             out[-1]["note"] = f"{p.host_layers} of {s.model.n_layers} layers on the host"
     return out
@@ -158,13 +191,16 @@ FITTED = [
 ]
 
 
-def predicted(figure: evidence.Figure, engines: dict[str, physics.EngineConstants], host: physics.HostConstants) -> float:
+def predicted(
+    figure: evidence.Figure, engines: dict[str, physics.EngineConstants], host: physics.HostConstants
+) -> float:
     p = physics.predict(figure.scenario, engines[figure.scenario.engine], host)
     return float(getattr(p, figure.metric))
 
 
-def fit(doc: dict[str, Any], rows: list[Row], only: set[str] | None = None
-        ) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants, float]:
+def fit(
+    doc: dict[str, Any], rows: list[Row], only: set[str] | None = None
+) -> tuple[dict[str, physics.EngineConstants], physics.HostConstants, float]:
     """Robust least squares on log(predicted / measured) over the evidence marked ``fit``, plus
     the article's rows, which must stay inside their ranges widened by 10%. ``only``: the
     engines (and ``host``) whose constants move; the others stay as stored."""
@@ -210,8 +246,9 @@ def fit(doc: dict[str, Any], rows: list[Row], only: set[str] | None = None
         x0.append(min(max(v, lo + 1e-3 * (hi - lo)), hi - 1e-3 * (hi - lo)))
     # soft_l1 with a 10% scale: a figure 2x off (an old build, a CPU-bound host) pulls like a
     # few 10% misses, not like forty.
-    sol = least_squares(residuals, x0, bounds=([n[2] for n in fitted], [n[3] for n in fitted]),
-                        loss="soft_l1", f_scale=0.1)
+    sol = least_squares(
+        residuals, x0, bounds=([n[2] for n in fitted], [n[3] for n in fitted]), loss="soft_l1", f_scale=0.1
+    )
     e, h = build(list(sol.x))
 
     # ExLlamaV2's context/allocator overhead is what row 2's measured VRAM leaves over.
@@ -235,8 +272,9 @@ def fit(doc: dict[str, Any], rows: list[Row], only: set[str] | None = None
 OFFLOAD_FITTED = [("host_thread_gb_s", 0.5, 50.0), ("host_pcie_efficiency", 0.02, 1.0)]
 
 
-def fit_offload(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics.EngineConstants],
-                host: physics.HostConstants) -> physics.HostConstants:
+def fit_offload(
+    doc: dict[str, Any], rows: list[Row], engines: dict[str, physics.EngineConstants], host: physics.HostConstants
+) -> physics.HostConstants:
     """Least squares on log(predicted / measured) over the offload probe's fitted points, moving
     only ``OFFLOAD_FITTED``; the article's rows must stay inside their widened ranges."""
     from scipy.optimize import least_squares
@@ -255,7 +293,9 @@ def fit_offload(doc: dict[str, Any], rows: list[Row], engines: dict[str, physics
         return res
 
     x0 = [min(max(getattr(host, name), lo * 1.01), hi * 0.99) for name, lo, hi in OFFLOAD_FITTED]
-    sol = least_squares(residuals, x0, bounds=([lo for _, lo, _ in OFFLOAD_FITTED], [hi for _, _, hi in OFFLOAD_FITTED]))
+    sol = least_squares(
+        residuals, x0, bounds=([lo for _, lo, _ in OFFLOAD_FITTED], [hi for _, _, hi in OFFLOAD_FITTED])
+    )
     return build(list(sol.x))
 
 
@@ -274,8 +314,12 @@ def exl3_kernel_table(engines: dict[str, physics.EngineConstants]) -> str:
     """exllamav3's kernel figures beside the twin's (evidence.exl3_kernel_predicted)."""
     lines = ["| figure | card | bits | role | exllamav3 says | twin |", "| --- | --- | --- | --- | --- | --- |"]
     for f in evidence.EXL3_KERNEL:
-        said = {"ridge_bits": f"DRAM-bound from {f.value[0]:g} bits", "memory_bound": "memory-bound",
-                "compute_bound": "not memory-bound", "bandwidth_share": f"{f.value[0]:.0%}-{f.value[1]:.0%} of DRAM peak"}
+        said = {
+            "ridge_bits": f"DRAM-bound from {f.value[0]:g} bits",
+            "memory_bound": "memory-bound",
+            "compute_bound": "not memory-bound",
+            "bandwidth_share": f"{f.value[0]:.0%}-{f.value[1]:.0%} of DRAM peak",
+        }
         p = evidence.exl3_kernel_predicted(f, engines["exllamav3"])
         twin = {"ridge_bits": f"{p:.2f} bits", "bandwidth_share": f"{p:.0%}"}.get(f.what, f"decode/memory {p:.2f}")
         lines.append(f"| {f.id} | {f.gpu} | {f.bits:g} | {f.role} | {said[f.what]} | {twin} |")
@@ -292,12 +336,16 @@ def card_table(engines: dict[str, physics.EngineConstants], host: physics.HostCo
         if f.scenario.harness != "bench":
             continue
         groups.setdefault((f.gpu, f.scenario.engine, f.role), []).append(predicted(f, engines, host) / f.value)
-    lines = ["| card | engine | role | figures | median twin/published | range | within +-25% |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| card | engine | role | figures | median twin/published | range | within +-25% |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for (gpu, engine, role), ratios in sorted(groups.items()):
         inside_ = sum(abs(r - 1) <= WITHIN for r in ratios)
-        lines.append(f"| {gpu} | {engine} | {role} | {len(ratios)} | {statistics.median(ratios):.2f} | "
-                     f"{min(ratios):.2f}-{max(ratios):.2f} | {inside_}/{len(ratios)} |")
+        lines.append(
+            f"| {gpu} | {engine} | {role} | {len(ratios)} | {statistics.median(ratios):.2f} | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | {inside_}/{len(ratios)} |"
+        )
     return "\n".join(lines)
 
 
@@ -314,12 +362,16 @@ def h200_table(engines: dict[str, physics.EngineConstants], host: physics.HostCo
         else:
             continue
         groups.setdefault(key, []).append(predicted(f, engines, host) / f.value)
-    lines = ["| figure | of | measurements | median twin/measured | range | within +-25% |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| figure | of | measurements | median twin/measured | range | within +-25% |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for (what, of), ratios in sorted(groups.items()):
         inside_ = sum(abs(r - 1) <= WITHIN for r in ratios)
-        lines.append(f"| {what} | {of} | {len(ratios)} | {statistics.median(ratios):.2f} | "
-                     f"{min(ratios):.2f}-{max(ratios):.2f} | {inside_}/{len(ratios)} |")
+        lines.append(
+            f"| {what} | {of} | {len(ratios)} | {statistics.median(ratios):.2f} | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | {inside_}/{len(ratios)} |"
+        )
     return "\n".join(lines)
 
 
@@ -341,9 +393,13 @@ def write_constants(engines: dict[str, physics.EngineConstants], host: physics.H
     ]
     CONSTANTS.write_text("\n".join(lines) + "\n", encoding="utf-8")
     for name, k in engines.items():
-        lines = [f"# The physics constants of {name} (the twin's speed model; each is explained in",
-                 "# plugins/shared/scenario.py, EngineConstants; the fit in docs/twin.md).",
-                 "# Written by: python -m autotune_plugins.twin.fit --refit --write", "", "[constants]"]
+        lines = [
+            f"# The physics constants of {name} (the twin's speed model; each is explained in",
+            "# plugins/shared/scenario.py, EngineConstants; the fit in docs/twin.md).",
+            "# Written by: python -m autotune_plugins.twin.fit --refit --write",
+            "",
+            "[constants]",
+        ]
         for field, value in vars(k).items():
             if isinstance(value, bool):
                 lines.append(f"{field} = {'true' if value else 'false'}")
@@ -375,11 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE)
     ap.add_argument("--refit", action="store_true", help="fit the constants again")
-    ap.add_argument("--refit-offload", action="store_true",
-                    help="fit only the offload constants (host_thread_gb_s, host_pcie_efficiency), the rest as stored")
-    ap.add_argument("--engines", default=None,
-                    help="with --refit: only these engines' constants move (comma-separated, 'host' for the host's); "
-                         "the rest stay as stored")
+    ap.add_argument(
+        "--refit-offload",
+        action="store_true",
+        help="fit only the offload constants (host_thread_gb_s, host_pcie_efficiency), the rest as stored",
+    )
+    ap.add_argument(
+        "--engines",
+        default=None,
+        help="with --refit: only these engines' constants move (comma-separated, 'host' for the host's); "
+        "the rest stay as stored",
+    )
     ap.add_argument("--write", action="store_true", help="store the fitted constants in constants.toml")
     args = ap.parse_args(argv)
     doc, rows = load_rows(args.reference)
@@ -387,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         only = set(args.engines.split(",")) if args.engines else None
         known = {*load_constants()[0], "host"}
         if only is not None and not only <= known:
-            ap.error(f"--engines {args.engines}: {', '.join(sorted(only - known))} unknown; accepted: "
-                     f"{', '.join(sorted(known))} (comma-separated)")
+            ap.error(
+                f"--engines {args.engines}: {', '.join(sorted(only - known))} unknown; accepted: "
+                f"{', '.join(sorted(known))} (comma-separated)"
+            )
         engines, host, ppk8 = fit(doc, rows, only)
         if only is None or "host" in only:
             host = fit_offload(doc, rows, engines, host)

@@ -18,8 +18,15 @@ from autotune._builtin import ConfigError, engine_models
 from autotune._builtin import read_gguf
 from autotune._builtin import SafetensorsDir, read_safetensors_dir
 
-__all__ = ["artifact_kind", "artifact_words", "directory_as_format", "directory_format", "file_format", "file_weights",
-           "twin_formats"]
+__all__ = [
+    "artifact_kind",
+    "artifact_words",
+    "directory_as_format",
+    "directory_format",
+    "file_format",
+    "file_weights",
+    "twin_formats",
+]
 
 # config.json's torch_dtype (transformers 5 writes "dtype") -> the unquantized format of that
 # element type. The twins name unquantized weights by their GGUF file type.
@@ -94,12 +101,16 @@ def directory_as_format(path: Path) -> str:
     if spec is not None:
         return spec
     if directory.quant_method is not None:
-        raise ConfigError(f"{path / 'config.json'}: quantization_config.quant_method {directory.quant_method!r}: "
-                          f"the twin predicts EXL2 and EXL3 directories (quant_method \"exl2\", \"exl3\") "
-                          f"and unquantized ones "
-                          f"(F16, BF16 or F32)")
-    raise ConfigError(f"{path}: neither config.json's torch_dtype nor its layers' tensors are F16, BF16 or F32, "
-                      f"the unquantized types the twin predicts")
+        raise ConfigError(
+            f"{path / 'config.json'}: quantization_config.quant_method {directory.quant_method!r}: "
+            f'the twin predicts EXL2 and EXL3 directories (quant_method "exl2", "exl3") '
+            f"and unquantized ones "
+            f"(F16, BF16 or F32)"
+        )
+    raise ConfigError(
+        f"{path}: neither config.json's torch_dtype nor its layers' tensors are F16, BF16 or F32, "
+        f"the unquantized types the twin predicts"
+    )
 
 
 def file_format(path: Path) -> str | None:

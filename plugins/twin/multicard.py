@@ -42,8 +42,17 @@ from autotune.api import MemoryEstimate, TrialConfig
 from autotune._builtin import GpuSpec, Link, get_link, slowest_link
 from autotune_plugins.twin import physics, service
 
-__all__ = ["ACTIVATION_BYTES", "MODES", "MulticardConstants", "Split", "cards_of", "load_multicard", "per_device",
-           "predict", "split_of"]
+__all__ = [
+    "ACTIVATION_BYTES",
+    "MODES",
+    "MulticardConstants",
+    "Split",
+    "cards_of",
+    "load_multicard",
+    "per_device",
+    "predict",
+    "split_of",
+]
 
 MODES = ("none", "layer", "tensor", "row")
 # ggml passes the residual stream between devices as F32 (the hidden state's type in the graph).
@@ -176,9 +185,15 @@ def per_device(mem: MemoryEstimate, split: Split, per_layer: Sequence[float], he
     each = mem.buffers_bytes + mem.overhead_bytes
     shares = tuple(int(weights[d] + kv[d] + (each if d in used else 0)) for d in range(n))
     note = f"{split.describe()}: per card " + ", ".join(f"{d}: {b / 2**30:.2f} GiB" for d, b in enumerate(shares))
-    return replace(mem, weights_bytes=int(sum(weights)), kv_bytes=int(sum(kv)),
-                   buffers_bytes=mem.buffers_bytes * len(used), overhead_bytes=mem.overhead_bytes * len(used),
-                   per_device_bytes=shares, notes=(*mem.notes, note))
+    return replace(
+        mem,
+        weights_bytes=int(sum(weights)),
+        kv_bytes=int(sum(kv)),
+        buffers_bytes=mem.buffers_bytes * len(used),
+        overhead_bytes=mem.overhead_bytes * len(used),
+        per_device_bytes=shares,
+        notes=(*mem.notes, note),
+    )
 
 
 def handoff_s(split: Split, hidden: int, tokens: int) -> float:
@@ -197,34 +212,49 @@ def _on(s: physics.Scenario, card: GpuSpec) -> physics.Scenario:
     return replace(s, gpu=card, gpu_layers="all")
 
 
-def step_seconds(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants, split: Split,
-                 mk: MulticardConstants, parallel: int, context_tokens: float) -> tuple[float, dict[str, float]]:
+def step_seconds(
+    s: physics.Scenario,
+    k: physics.EngineConstants,
+    host: physics.HostConstants,
+    split: Split,
+    mk: MulticardConstants,
+    parallel: int,
+    context_tokens: float,
+) -> tuple[float, dict[str, float]]:
     """One decode step of ``parallel`` streams over the split, and its terms (seconds)."""
     n_layers = s.model.n_layers
-    per_card = {i: physics.step_terms(_on(s, split.cards[i]), k, host, parallel, context_tokens, n_layers)
-                for i in split.used}
+    per_card = {
+        i: physics.step_terms(_on(s, split.cards[i]), k, host, parallel, context_tokens, n_layers) for i in split.used
+    }
     main = per_card[split.used[0]]
     shared = main["serve"] + main["host"]
     if split.mode == "none" or len(split.used) == 1:
         return physics.step_seconds(main), {"cards": physics.step_seconds(main) - shared, "link": 0.0}
     if split.mode == "layer":
-        cards = sum(split.shares[i] * (t["fixed"] + t["roofline"] + t["unfused_attention"]) for i, t in per_card.items())
+        cards = sum(
+            split.shares[i] * (t["fixed"] + t["roofline"] + t["unfused_attention"]) for i, t in per_card.items()
+        )
         link = (len(split.used) - 1) * handoff_s(split, s.model.hidden_size, parallel)
     elif split.mode == "tensor":
-        cards = max(t["fixed"] + split.shares[i] * (t["roofline"] + t["unfused_attention"]) for i, t in per_card.items())
+        cards = max(
+            t["fixed"] + split.shares[i] * (t["roofline"] + t["unfused_attention"]) for i, t in per_card.items()
+        )
         link = 2 * n_layers * allreduce_s(split, s.model.hidden_size, parallel, mk)
     else:  # row: the matrices split, attention on the main card over the whole cache
         kv = physics.kv_read_bytes_per_token(s, k) * parallel * context_tokens
         main_card = split.cards[split.main]
         attention = kv / (main_card.mem_bandwidth_gb_s * 1e9 * physics.bandwidth_efficiency(main_card, k))
-        cards = max(t["fixed"] + split.shares[i] * (t["roofline"] + t["unfused_attention"]) for i, t in per_card.items())
+        cards = max(
+            t["fixed"] + split.shares[i] * (t["roofline"] + t["unfused_attention"]) for i, t in per_card.items()
+        )
         cards += attention * (1 - split.shares[split.main])
         link = ROW_SYNCS_PER_LAYER * n_layers * allreduce_s(split, s.model.hidden_size, parallel, mk)
     return cards + link + shared, {"cards": cards, "link": link}
 
 
-def prefill_tok_s(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants, split: Split,
-                  mk: MulticardConstants) -> float:
+def prefill_tok_s(
+    s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants, split: Split, mk: MulticardConstants
+) -> float:
     """Prompt tokens per second over the split: each card's tensor-core time for its share, in
     sequence (layer) or side by side (tensor), and the link's part per ubatch."""
     tokens = max(1, s.parallel * s.prompt_tokens)
@@ -243,8 +273,13 @@ def prefill_tok_s(s: physics.Scenario, k: physics.EngineConstants, host: physics
     return tokens / seconds
 
 
-def predict(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants, split: Split,
-            mk: MulticardConstants | None = None) -> physics.Prediction:
+def predict(
+    s: physics.Scenario,
+    k: physics.EngineConstants,
+    host: physics.HostConstants,
+    split: Split,
+    mk: MulticardConstants | None = None,
+) -> physics.Prediction:
     """:func:`physics.predict` for the split: every layer on the cards (the twin lets no layer
     of a several-card study spill to the host; the per-card budget refuses what does not fit)."""
     mk = mk or load_multicard()
@@ -257,7 +292,17 @@ def predict(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostC
     aggregate, per_user, ttft_s = service.served(s.parallel, jobs, s.prompt_tokens / pf, s.output_tokens, tp, request_s)
     one = physics.predict(_on(s, split.cards[split.used[0]]), k, host)
     bandwidth = sum(split.cards[i].mem_bandwidth_gb_s for i in split.used) * 1e9
-    return replace(one, decode_tok_s=1.0 / t1, per_user_tok_s=per_user, aggregate_tok_s=aggregate, prefill_tok_s=pf,
-                   ttft_ms=1000.0 * ttft_s, roofline_tok_s=bandwidth / one.bytes_per_token,
-                   step_ms_single=1000.0 * t1, step_ms_parallel=1000.0 * tp, gpu_layers=s.model.n_layers,
-                   host_layers=0, terms_ms={name: 1000.0 * v for name, v in terms.items()})
+    return replace(
+        one,
+        decode_tok_s=1.0 / t1,
+        per_user_tok_s=per_user,
+        aggregate_tok_s=aggregate,
+        prefill_tok_s=pf,
+        ttft_ms=1000.0 * ttft_s,
+        roofline_tok_s=bandwidth / one.bytes_per_token,
+        step_ms_single=1000.0 * t1,
+        step_ms_parallel=1000.0 * tp,
+        gpu_layers=s.model.n_layers,
+        host_layers=0,
+        terms_ms={name: 1000.0 * v for name, v in terms.items()},
+    )

@@ -39,20 +39,32 @@ SOURCE = "https://github.com/ggml-org/llama.cpp/pull/19378 (description, Perform
 
 # meta-llama/Llama-3.2-1B config.json: 16 layers, hidden 2048, 32 heads of 64, 8 KV heads,
 # MLP 8192, vocabulary 128256, tied embeddings; 1.236 B parameters (llama-bench: "llama 1B F16").
-LLAMA_32_1B = ModelSpec(key="llama-3.2-1b", name="Llama 3.2 1B", architecture="llama", n_layers=16,
-                        hidden_size=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_size=8192, vocab_size=128256,
-                        n_params=1_235_814_400, tie_embeddings=True, max_context=131072,
-                        source="https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json")
+LLAMA_32_1B = ModelSpec(
+    key="llama-3.2-1b",
+    name="Llama 3.2 1B",
+    architecture="llama",
+    n_layers=16,
+    hidden_size=2048,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=64,
+    ffn_size=8192,
+    vocab_size=128256,
+    n_params=1_235_814_400,
+    tie_embeddings=True,
+    max_context=131072,
+    source="https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json",
+)
 
 
 @dataclass(frozen=True)
 class Figure:
     """One published test: llama-bench's t/s with ``-sm layer`` and with ``-sm tensor``."""
 
-    test: str          # pp512, pp8192, tg128
+    test: str  # pp512, pp8192, tg128
     layer_tok_s: float
     tensor_tok_s: float
-    role: str          # "fit" or "held out"
+    role: str  # "fit" or "held out"
 
     @property
     def ratio(self) -> float:
@@ -71,18 +83,28 @@ LINK = "pcie4"
 def _scenario(test: str) -> physics.Scenario:
     prompt = int(test[2:]) if test.startswith("pp") else 1
     output = int(test[2:]) if test.startswith("tg") else 1
-    return physics.Scenario(engine="llama.cpp", gpu=get_gpu(CARDS[0]), model=LLAMA_32_1B,
-                            weights=weights_for(LLAMA_32_1B, "gguf:F16", twin_formats()), ctx=max(512, prompt + output),
-                            parallel=1, cache_type="f16", flash_attn=True, prompt_tokens=prompt, output_tokens=output,
-                            harness="bench")
+    return physics.Scenario(
+        engine="llama.cpp",
+        gpu=get_gpu(CARDS[0]),
+        model=LLAMA_32_1B,
+        weights=weights_for(LLAMA_32_1B, "gguf:F16", twin_formats()),
+        ctx=max(512, prompt + output),
+        parallel=1,
+        cache_type="f16",
+        flash_attn=True,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        harness="bench",
+    )
 
 
 def predicted(test: str, mode: str, mk: multicard.MulticardConstants) -> float:
     """The twin's t/s of one llama-bench test on the four cards."""
     engines, host, _ = load_constants()
     s = _scenario(test)
-    split = multicard.split_of(TrialConfig("twin-llama.cpp", "gguf:F16", s.ctx, 1, (("split_mode", mode),)),
-                               [get_gpu(c) for c in CARDS], LINK)
+    split = multicard.split_of(
+        TrialConfig("twin-llama.cpp", "gguf:F16", s.ctx, 1, (("split_mode", mode),)), [get_gpu(c) for c in CARDS], LINK
+    )
     p = multicard.predict(s, engines["llama.cpp"], host, split, mk)
     return p.prefill_tok_s if test.startswith("pp") else p.decode_tok_s
 
@@ -93,9 +115,18 @@ def rows(mk: multicard.MulticardConstants | None = None) -> list[dict[str, objec
     out = []
     for f in FIGURES:
         layer, tensor = predicted(f.test, "layer", mk), predicted(f.test, "tensor", mk)
-        out.append({"test": f.test, "role": f.role, "published_ratio": f.ratio, "twin_ratio": tensor / layer,
-                    "published_layer": f.layer_tok_s, "twin_layer": layer,
-                    "published_tensor": f.tensor_tok_s, "twin_tensor": tensor})
+        out.append(
+            {
+                "test": f.test,
+                "role": f.role,
+                "published_ratio": f.ratio,
+                "twin_ratio": tensor / layer,
+                "published_layer": f.layer_tok_s,
+                "twin_layer": layer,
+                "published_tensor": f.tensor_tok_s,
+                "twin_tensor": tensor,
+            }
+        )
     return out
 
 
@@ -107,19 +138,27 @@ def fit() -> multicard.MulticardConstants:
         mk = multicard.MulticardConstants(sync_us=math.exp(x[0]), allreduce_efficiency=math.exp(x[1]))
         return [math.log((predicted(f.test, "tensor", mk) / predicted(f.test, "layer", mk)) / f.ratio) for f in fitted]
 
-    result = least_squares(residuals, [math.log(10.0), math.log(0.3)], bounds=([math.log(0.1), math.log(1e-3)],
-                                                                                [math.log(1e3), math.log(1.0)]))
-    return multicard.MulticardConstants(sync_us=round(math.exp(result.x[0]), 2),
-                                        allreduce_efficiency=round(math.exp(result.x[1]), 4))
+    result = least_squares(
+        residuals,
+        [math.log(10.0), math.log(0.3)],
+        bounds=([math.log(0.1), math.log(1e-3)], [math.log(1e3), math.log(1.0)]),
+    )
+    return multicard.MulticardConstants(
+        sync_us=round(math.exp(result.x[0]), 2), allreduce_efficiency=round(math.exp(result.x[1]), 4)
+    )
 
 
 def write(mk: multicard.MulticardConstants) -> Path:
     """``[multicard]`` of the twin's constants.toml, the rest of the file as it was."""
     path = Path(str(resources.files("autotune_plugins.twin").joinpath("constants.toml")))
     text = path.read_text(encoding="utf-8")
-    table = (f"[multicard]\n# Fitted by: python -m autotune_plugins.twin.multicard_evidence --fit --write\n"
-             f"sync_us = {mk.sync_us}\nallreduce_efficiency = {mk.allreduce_efficiency}\n")
-    text = re.sub(r"\[multicard\]\n(?:[^\[]*)", table, text) if "[multicard]" in text else text.rstrip() + "\n\n" + table
+    table = (
+        f"[multicard]\n# Fitted by: python -m autotune_plugins.twin.multicard_evidence --fit --write\n"
+        f"sync_us = {mk.sync_us}\nallreduce_efficiency = {mk.allreduce_efficiency}\n"
+    )
+    text = (
+        re.sub(r"\[multicard\]\n(?:[^\[]*)", table, text) if "[multicard]" in text else text.rstrip() + "\n\n" + table
+    )
     path.write_text(text, encoding="utf-8")
     return path
 
@@ -138,8 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"4x RTX 4090 ({LINK}), Llama 3.2 1B F16, {SOURCE}")
     print(f"{'test':8} {'role':9} {'tensor/layer published':>23} {'twin':>6} {'layer pub':>10} {'twin':>9}")
     for r in rows(mk):
-        print(f"{r['test']:8} {r['role']:9} {r['published_ratio']:23.2f} {r['twin_ratio']:6.2f} "
-              f"{r['published_layer']:10.0f} {r['twin_layer']:9.0f}")
+        print(
+            f"{r['test']:8} {r['role']:9} {r['published_ratio']:23.2f} {r['twin_ratio']:6.2f} "
+            f"{r['published_layer']:10.0f} {r['twin_layer']:9.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -78,7 +78,9 @@ def _expected_tiles(batch: int, p: float, j: int) -> float:
     total = 0.0
     log_p, log_q = math.log(p), math.log1p(-p)
     for n in range(1, hi + 1):
-        log_pmf = math.lgamma(batch + 1) - math.lgamma(n + 1) - math.lgamma(batch - n + 1) + n * log_p + (batch - n) * log_q
+        log_pmf = (
+            math.lgamma(batch + 1) - math.lgamma(n + 1) - math.lgamma(batch - n + 1) + n * log_p + (batch - n) * log_q
+        )
         total += math.exp(log_pmf) * (-(-n // j))
     return total
 

@@ -38,7 +38,12 @@ from typing import Any, Mapping
 from autotune.api import CacheType, MemoryEstimate, ModelSpec
 from autotune._builtin import GpuSpec, cache_bytes_per_element, engine_model, engine_models, resolve_cache_type
 from autotune_plugins.shared.scenario import (  # noqa: F401  (physics' names for them, as before)
-    LLAMA_UBATCH, VLLM_GPU_MEMORY_UTILIZATION, EngineConstants, HostConstants, Scenario)
+    LLAMA_UBATCH,
+    VLLM_GPU_MEMORY_UTILIZATION,
+    EngineConstants,
+    HostConstants,
+    Scenario,
+)
 from autotune_plugins.twin import offload, service
 from autotune_plugins.twin.offload import distinct_experts  # noqa: F401  (physics' name for it, as before)
 
@@ -50,7 +55,6 @@ GiB = 2**30
 ROOFLINE_SHARPNESS = 4.0
 
 
-
 def twinned_cache_types() -> tuple[CacheType, ...]:
     """The cache types of the engines the twin models: their engine models' own tables."""
     models = engine_models()  # the same mapping until the plugins change
@@ -60,8 +64,6 @@ def twinned_cache_types() -> tuple[CacheType, ...]:
 
 
 _TWINNED: list = [None, ()]
-
-
 
 
 def fp16_core_tflops(gpu: GpuSpec) -> float:
@@ -308,8 +310,15 @@ def host_rate(s: Scenario, host: HostConstants) -> float:
     return rate
 
 
-def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: int,
-               context_tokens: float, gpu_layers: int, tokens_per_stream: float = 1.0) -> dict[str, float]:
+def step_terms(
+    s: Scenario,
+    k: EngineConstants,
+    host: HostConstants,
+    parallel: int,
+    context_tokens: float,
+    gpu_layers: int,
+    tokens_per_stream: float = 1.0,
+) -> dict[str, float]:
     """Seconds of each term of one decode step for ``parallel`` streams.
 
     Weights read per step: every non-expert weight once, and of each layer's experts the share
@@ -344,7 +353,9 @@ def step_terms(s: Scenario, k: EngineConstants, host: HostConstants, parallel: i
     t_unfused = 0.0
     if not s.flash_attn:
         t_unfused += n * k.unfused_attn_per_layer_us * 1e-6
-        t_unfused += cache_streams * context_tokens * unfused_copy_bytes(m, k) * frac_gpu / (bw * bandwidth_efficiency(g, k))
+        t_unfused += (
+            cache_streams * context_tokens * unfused_copy_bytes(m, k) * frac_gpu / (bw * bandwidth_efficiency(g, k))
+        )
     t_host = 0.0
     host_read = where.host_dense_bytes + where.host_expert_bytes * routed
     if host_read:
@@ -373,8 +384,9 @@ def step_seconds(terms: Mapping[str, float]) -> float:
     return terms["fixed"] + terms["serve"] + terms["roofline"] + terms["unfused_attention"] + terms["host"]
 
 
-def decode_seconds(s: Scenario, k: EngineConstants, host: HostConstants, parallel: int,
-                   context_tokens: float, gpu_layers: int) -> float:
+def decode_seconds(
+    s: Scenario, k: EngineConstants, host: HostConstants, parallel: int, context_tokens: float, gpu_layers: int
+) -> float:
     """Seconds per generated token of each of ``parallel`` streams: one step, or with
     speculation (``s.speculation``) a cycle's drafting and verify pass over the tokens it yields."""
     if s.speculation is not None and s.speculation.spec_type != "none":
@@ -429,7 +441,9 @@ def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
     aggregate, per_user, ttft_s = service.served(s.parallel, jobs, s.prompt_tokens / pf, s.output_tokens, tp, request_s)
     where = placement(s, gpu_layers)
     used = distinct_experts(s.model, 1) / s.model.n_experts if s.model.is_moe else 1.0
-    weights_per_token = where.gpu_dense_bytes + where.host_dense_bytes + (where.gpu_expert_bytes + where.host_expert_bytes) * used
+    weights_per_token = (
+        where.gpu_dense_bytes + where.host_dense_bytes + (where.gpu_expert_bytes + where.host_expert_bytes) * used
+    )
     bytes_per_token = weights_per_token + c_decode * kv_read_bytes_per_token(s, k)
     return Prediction(
         decode_tok_s=1.0 / t1,
@@ -442,7 +456,9 @@ def predict(s: Scenario, k: EngineConstants, host: HostConstants) -> Prediction:
         step_ms_parallel=1000.0 * tp,
         gpu_layers=gpu_layers,
         host_layers=s.model.n_layers - gpu_layers,
-        host_expert_layers=min(s.model.n_layers, max(s.n_cpu_moe, s.model.n_layers - gpu_layers)) if s.model.is_moe else 0,
+        host_expert_layers=min(s.model.n_layers, max(s.n_cpu_moe, s.model.n_layers - gpu_layers))
+        if s.model.is_moe
+        else 0,
         bytes_per_token=bytes_per_token,
         terms_ms={name: 1000.0 * v for name, v in tp_terms.items()},
     )

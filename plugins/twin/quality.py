@@ -51,11 +51,23 @@ GGUF_KLD = {
 
 # KLD of the cache types on LLaMA 3 8B (llama.cpp PR #7412); ExLlamaV2's by their K/V bits.
 CACHE_KLD = {
-    "f16": 0.0, "bf16": 0.0, "f32": 0.0, "fp16": 0.0, "auto": 0.0,
-    "q8_0": 0.000980, "q8": 0.000980, "fp8": 0.000980, "fp8_e4m3": 0.000980, "fp8_e5m2": 0.0015,
+    "f16": 0.0,
+    "bf16": 0.0,
+    "f32": 0.0,
+    "fp16": 0.0,
+    "auto": 0.0,
+    "q8_0": 0.000980,
+    "q8": 0.000980,
+    "fp8": 0.000980,
+    "fp8_e4m3": 0.000980,
+    "fp8_e5m2": 0.0015,
     "q6": 0.000944 + 0.004988,  # 8-bit K (PR #7412 K q8_0) + 4-bit V (V q4_0)
-    "q5_1": 0.012, "q5_0": 0.014,  # between q8_0 and q4_0 at their bits (1 bit ~ 4x less damage)
-    "q4_1": 0.032, "q4_0": 0.036509, "q4": 0.036509, "iq4_nl": 0.030,
+    "q5_1": 0.012,
+    "q5_0": 0.014,  # between q8_0 and q4_0 at their bits (1 bit ~ 4x less damage)
+    "q4_1": 0.032,
+    "q4_0": 0.036509,
+    "q4": 0.036509,
+    "iq4_nl": 0.030,
 }
 
 # Cache-quantization damage relative to LLaMA 3 8B, by architecture (module doc).
@@ -111,8 +123,11 @@ def _split_kld(table: Mapping[int, float], bits: int) -> float:
 def cache_kld(cache_type: str, model: ModelSpec) -> float:
     """KLD a cache type adds; exllamav3's ``k<K>v<V>`` from K's and V's bits apart."""
     name = cache_type.lower()
-    bits = None if name in CACHE_KLD else next(
-        (b for m in engine_models().values() if (b := m.cache_kv_bits(name)) is not None), None)
+    bits = (
+        None
+        if name in CACHE_KLD
+        else next((b for m in engine_models().values() if (b := m.cache_kv_bits(name)) is not None), None)
+    )
     kld = CACHE_KLD[name] if bits is None else _split_kld(K_KLD, bits[0]) + _split_kld(V_KLD, bits[1])
     return kld * ARCH_KV_SENSITIVITY.get(model.architecture, 1.0)
 
@@ -122,9 +137,11 @@ def uncovered(model: ModelSpec) -> str | None:
     lo, hi = COVERED_PARAMS
     if lo <= model.n_params <= hi:
         return None
-    return (f"model '{model.key}' has {model.n_params:,} parameters; the twin's quality model covers "
-            f"{lo / 1e9:g}B to {hi / 1e12:g}T (its figures are LLaMA 3 8B's and LLaMA 2 70B's) and cannot "
-            "predict this one's quality: measure it (quality = 'mmlu' or 'kld') or leave [objective] quality out")
+    return (
+        f"model '{model.key}' has {model.n_params:,} parameters; the twin's quality model covers "
+        f"{lo / 1e9:g}B to {hi / 1e12:g}T (its figures are LLaMA 3 8B's and LLaMA 2 70B's) and cannot "
+        "predict this one's quality: measure it (quality = 'mmlu' or 'kld') or leave [objective] quality out"
+    )
 
 
 def points_per_kld(model: ModelSpec, points_per_kld_8b: float) -> float:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import statistics
 
 
-def served(parallel: int, jobs: int, prompt_s: float, output_tokens: int, step_s: float,
-           request_s: float) -> tuple[float, float, float]:
+def served(
+    parallel: int, jobs: int, prompt_s: float, output_tokens: int, step_s: float, request_s: float
+) -> tuple[float, float, float]:
     """(aggregate tok/s, per-user tok/s, median TTFT in s) for ``parallel`` requests served in waves
     of ``jobs``: ``prompt_s`` prefills one prompt, ``step_s`` is one decode step of ``jobs``
     streams. Each wave's streams wait for the waves before them, and their per-user speed counts

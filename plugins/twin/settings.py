@@ -40,25 +40,74 @@ def _link_problem(value: str) -> str | None:
 
 
 TWIN_SETTINGS: tuple[Setting, ...] = (
-    Setting("noise", float, 0.0, "relative standard deviation of simulated measurement noise (0: exact)",
-            check=_at_least_zero),
-    Setting("throttle_after_s", float, None, "simulated seconds of load after which the card throttles (absent: never)",
-            check=_at_least_zero),
-    Setting("throttle_factor", float, 0.75, "speed multiplier once throttled (the article's 40 -> 30 tok/s)",
-            check=_fraction),
-    Setting("gpu_layers", (str, int), "all", '"all", "auto" (llama.cpp lets layers spill to the host) or a count',
-            check=layers_problem),
-    Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop",
-            choices=tuple(UNITS)),
-    Setting("acceptance", (float, dict), None, "per-token acceptance of speculative drafts the twin assumes: one "
-            "number, or a table by spec type or family (draft, mtp, ngram); absent: "
-            + ", ".join(f"{f} {a}" for f, a in DEFAULT_ACCEPTANCE.items()) + " (docs/twin.md)",
-            check=acceptance_problem),
-    Setting("acceptance_rate", float, None, "the engine's measured acceptance of drafts (accepted / drafted, a "
-            "trial's acceptance.rate) at the trial's n-max, converted to per-token; over acceptance when given "
-            "(autotune estimate --acceptance)", check=lambda v: None if 0 <= v < 1 else "must be >= 0 and < 1"),
-    Setting("host_threads", int, None, "CPU threads llama.cpp runs host layers and experts with (absent: the "
-            "host's memory bandwidth alone bounds them)", check=_positive),
-    Setting("interconnect", str, None, "what a study's several cards send activations over: pcie3, pcie4, pcie5, "
-            "nvlink, nvlink4 (absent: the slowest of the cards' own PCIe links)", check=_link_problem),
+    Setting(
+        "noise",
+        float,
+        0.0,
+        "relative standard deviation of simulated measurement noise (0: exact)",
+        check=_at_least_zero,
+    ),
+    Setting(
+        "throttle_after_s",
+        float,
+        None,
+        "simulated seconds of load after which the card throttles (absent: never)",
+        check=_at_least_zero,
+    ),
+    Setting(
+        "throttle_factor",
+        float,
+        0.75,
+        "speed multiplier once throttled (the article's 40 -> 30 tok/s)",
+        check=_fraction,
+    ),
+    Setting(
+        "gpu_layers",
+        (str, int),
+        "all",
+        '"all", "auto" (llama.cpp lets layers spill to the host) or a count',
+        check=layers_problem,
+    ),
+    Setting(
+        "stability_metric",
+        str,
+        "aggregate_tok_s",
+        "the quantity whose spread decides when to stop",
+        choices=tuple(UNITS),
+    ),
+    Setting(
+        "acceptance",
+        (float, dict),
+        None,
+        "per-token acceptance of speculative drafts the twin assumes: one "
+        "number, or a table by spec type or family (draft, mtp, ngram); absent: "
+        + ", ".join(f"{f} {a}" for f, a in DEFAULT_ACCEPTANCE.items())
+        + " (docs/twin.md)",
+        check=acceptance_problem,
+    ),
+    Setting(
+        "acceptance_rate",
+        float,
+        None,
+        "the engine's measured acceptance of drafts (accepted / drafted, a "
+        "trial's acceptance.rate) at the trial's n-max, converted to per-token; over acceptance when given "
+        "(autotune estimate --acceptance)",
+        check=lambda v: None if 0 <= v < 1 else "must be >= 0 and < 1",
+    ),
+    Setting(
+        "host_threads",
+        int,
+        None,
+        "CPU threads llama.cpp runs host layers and experts with (absent: the "
+        "host's memory bandwidth alone bounds them)",
+        check=_positive,
+    ),
+    Setting(
+        "interconnect",
+        str,
+        None,
+        "what a study's several cards send activations over: pcie3, pcie4, pcie5, "
+        "nvlink, nvlink4 (absent: the slowest of the cards' own PCIe links)",
+        check=_link_problem,
+    ),
 )

@@ -48,13 +48,39 @@ from typing import Any, Mapping, Sequence
 from autotune.api import Param
 from autotune._builtin import kept
 
-__all__ = ["DEFAULT_ACCEPTANCE", "SPEC_TYPES", "CycleCosts", "Speculation", "load_cycle_costs", "acceptance_for", "acceptance_problem",
-           "expected_tokens", "family_of_type", "gated", "measured_acceptance", "parameters", "per_token", "rate_of", "rules"]
+__all__ = [
+    "DEFAULT_ACCEPTANCE",
+    "SPEC_TYPES",
+    "CycleCosts",
+    "Speculation",
+    "load_cycle_costs",
+    "acceptance_for",
+    "acceptance_problem",
+    "expected_tokens",
+    "family_of_type",
+    "gated",
+    "measured_acceptance",
+    "parameters",
+    "per_token",
+    "rate_of",
+    "rules",
+]
 
 #: The values of llama-server's ``--spec-type`` in the pinned build (its ``--help``), for an
 #: engine model that does not declare them itself.
-SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
-              "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+SPEC_TYPES = (
+    "none",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
 
 #: Per-token acceptance the twin assumes when the study gives none (``[backends.twin-*]
 #: acceptance``), by family. Assumptions, not measurements of the user's text:
@@ -144,7 +170,7 @@ def gated(a: float, p_min: float) -> tuple[float, float]:
     if a >= 1.0:
         return 1.0, 1.0
     alpha = a / (1.0 - a)
-    return 1.0 - p_min ** alpha, a * (1.0 - p_min ** (alpha + 1.0))
+    return 1.0 - p_min**alpha, a * (1.0 - p_min ** (alpha + 1.0))
 
 
 @dataclass(frozen=True)
@@ -182,25 +208,27 @@ class Speculation:
         step, its drafting spent."""
         keep, kept_ok = gated(self.acceptance, self.p_min)
         n = self.n_max
-        drafted = sum(keep ** i for i in range(1, n + 1))
-        steps = drafted + (1.0 - keep ** n)  # the step whose token the gate refused was run
+        drafted = sum(keep**i for i in range(1, n + 1))
+        steps = drafted + (1.0 - keep**n)  # the step whose token the gate refused was run
         tokens = expected_tokens(kept_ok, n) if self.p_min > 0 else expected_tokens(self.acceptance, n)
         if self.n_min > 1 and keep < 1.0:
-            long_enough = keep ** self.n_min
+            long_enough = keep**self.n_min
             tokens = long_enough * tokens + (1.0 - long_enough)
             drafted *= long_enough
         return drafted, steps, tokens
 
-    def seconds_per_token(self, s: Any, k: Any, host: Any, parallel: int, context_tokens: float,
-                          gpu_layers: int) -> float:
+    def seconds_per_token(
+        self, s: Any, k: Any, host: Any, parallel: int, context_tokens: float, gpu_layers: int
+    ) -> float:
         """Seconds of decode per generated token of each of ``parallel`` streams: one cycle's
         drafting and verify pass over the tokens it yields."""
         from autotune_plugins.twin import physics  # physics calls this method: imported at use
 
         drafted, steps, tokens = self.cycle()
         rows = parallel * (1.0 + drafted)
-        verify = physics.step_seconds(physics.step_terms(s, k, host, parallel, context_tokens, gpu_layers,
-                                                         tokens_per_stream=rows / parallel))
+        verify = physics.step_seconds(
+            physics.step_terms(s, k, host, parallel, context_tokens, gpu_layers, tokens_per_stream=rows / parallel)
+        )
         draft_s = steps * self.draft_step_seconds(s, k, host, parallel, context_tokens, gpu_layers)
         return (verify + draft_s + self.host_seconds(steps, parallel)) / tokens
 
@@ -211,8 +239,9 @@ class Speculation:
         passes = 0.0 if self.family == "ngram" else steps * c.draft_pass_us
         return parallel * (passes + c.verify_cycle_us) * 1e-6
 
-    def draft_step_seconds(self, s: Any, k: Any, host: Any, parallel: int, context_tokens: float,
-                           gpu_layers: int) -> float:
+    def draft_step_seconds(
+        self, s: Any, k: Any, host: Any, parallel: int, context_tokens: float, gpu_layers: int
+    ) -> float:
         """One draft step for all ``parallel`` slots."""
         from autotune_plugins.twin import physics
 
@@ -260,29 +289,65 @@ def parameters(space: Mapping[str, Sequence[Any]]) -> list[Param]:
     study that does not search speculation keeps its space as it was)."""
     params = []
     if "spec_type" in space:
-        params.append(Param("spec_type", kept(space, "spec_type", SPEC_TYPES), "speculative decoding (--spec-type)",
-                            accepted=SPEC_TYPES))
+        params.append(
+            Param(
+                "spec_type",
+                kept(space, "spec_type", SPEC_TYPES),
+                "speculative decoding (--spec-type)",
+                accepted=SPEC_TYPES,
+            )
+        )
     if "spec_n_max" in space:
-        params.append(Param("spec_n_max", _counted(space, "spec_n_max", 1), "draft tokens per cycle at most "
-                            "(--spec-draft-n-max)", accepted=("an integer >= 1",)))
+        params.append(
+            Param(
+                "spec_n_max",
+                _counted(space, "spec_n_max", 1),
+                "draft tokens per cycle at most (--spec-draft-n-max)",
+                accepted=("an integer >= 1",),
+            )
+        )
     if "spec_n_min" in space:
-        params.append(Param("spec_n_min", _counted(space, "spec_n_min", 0), "fewest draft tokens a cycle uses "
-                            "(--spec-draft-n-min)", accepted=("an integer >= 0",)))
+        params.append(
+            Param(
+                "spec_n_min",
+                _counted(space, "spec_n_min", 0),
+                "fewest draft tokens a cycle uses (--spec-draft-n-min)",
+                accepted=("an integer >= 0",),
+            )
+        )
     if "spec_p_min" in space:
         p_min = tuple(v for v in space["spec_p_min"] if type(v) in (int, float) and 0 <= v <= 1)
-        params.append(Param("spec_p_min", p_min, "the draft's confidence a drafted token needs (--spec-draft-p-min)",
-                            accepted=("a number 0..1",)))
+        params.append(
+            Param(
+                "spec_p_min",
+                p_min,
+                "the draft's confidence a drafted token needs (--spec-draft-p-min)",
+                accepted=("a number 0..1",),
+            )
+        )
     if "draft" in space:
-        params.append(Param("draft", tuple(v for v in space["draft"] if isinstance(v, str)),
-                            "draft model weights (-md): a format of the study's model or a file",
-                            accepted=("a weights format or file",)))
+        params.append(
+            Param(
+                "draft",
+                tuple(v for v in space["draft"] if isinstance(v, str)),
+                "draft model weights (-md): a format of the study's model or a file",
+                accepted=("a weights format or file",),
+            )
+        )
     if "draft_gpu_layers" in space:
         layers = tuple(v for v in space["draft_gpu_layers"] if v == "all" or (type(v) is int and v >= 0))
-        params.append(Param("draft_gpu_layers", layers, "draft layers on the GPU (-ngld)",
-                            accepted=('"all"', "an integer >= 0")))
+        params.append(
+            Param("draft_gpu_layers", layers, "draft layers on the GPU (-ngld)", accepted=('"all"', "an integer >= 0"))
+        )
     if "draft_cache_type" in space:
-        params.append(Param("draft_cache_type", tuple(v for v in space["draft_cache_type"] if isinstance(v, str)),
-                            "the draft's KV-cache type (-ctkd/-ctvd)", accepted=("a cache type of the engine",)))
+        params.append(
+            Param(
+                "draft_cache_type",
+                tuple(v for v in space["draft_cache_type"] if isinstance(v, str)),
+                "the draft's KV-cache type (-ctkd/-ctvd)",
+                accepted=("a cache type of the engine",),
+            )
+        )
     return params
 
 

@@ -19,8 +19,9 @@ __all__ = ["TwinStrategy"]
 
 class TwinStrategy(BaseStrategy):
     name = "twin"
-    description = ("each launch the twin's best unmeasured configuration, calibrated on the trials so far; "
-                   "one in four random")
+    description = (
+        "each launch the twin's best unmeasured configuration, calibrated on the trials so far; one in four random"
+    )
     takes_prior = False  # it ranks before every launch: a head start would be its own first choices
     queues_each_launch = True
     needs_model = True

@@ -31,9 +31,16 @@ from autotune_plugins.twin import physics
 __all__ = ["predicted_metrics", "predicted_run", "run_metrics", "scaled", "simulate"]
 
 
-def simulate(lengths: Sequence[tuple[int, int]], slots: int, prefill_tok_s: float, step_s: Callable[[int], float],
-             request_s: float = 0.0, *, concurrency: int | None = None,
-             arrivals: Sequence[float] | None = None) -> list[StreamResult]:
+def simulate(
+    lengths: Sequence[tuple[int, int]],
+    slots: int,
+    prefill_tok_s: float,
+    step_s: Callable[[int], float],
+    request_s: float = 0.0,
+    *,
+    concurrency: int | None = None,
+    arrivals: Sequence[float] | None = None,
+) -> list[StreamResult]:
     """Every request's predicted result (timestamps from 0), in ``lengths`` order.
 
     Args:
@@ -49,7 +56,11 @@ def simulate(lengths: Sequence[tuple[int, int]], slots: int, prefill_tok_s: floa
     if (concurrency is None) == (arrivals is None):
         raise ValueError("give concurrency (closed loop) or arrivals (open loop)")
     sent = [0.0] * n
-    ready = list(arrivals) if arrivals is not None else [0.0] * min(concurrency or 1, n) + [float("inf")] * (n - min(concurrency or 1, n))
+    ready = (
+        list(arrivals)
+        if arrivals is not None
+        else [0.0] * min(concurrency or 1, n) + [float("inf")] * (n - min(concurrency or 1, n))
+    )
     next_closed = min(concurrency or 1, n)  # the next request a freed user sends (closed loop)
     first = [0.0] * n
     end = [0.0] * n
@@ -88,8 +99,9 @@ def simulate(lengths: Sequence[tuple[int, int]], slots: int, prefill_tok_s: floa
     return [StreamResult.from_timestamps(lengths[k][0], lengths[k][1], sent[k], first[k], end[k]) for k in range(n)]
 
 
-def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants,
-                  workload: Workload) -> tuple[ConcurrentResult, float | None]:
+def predicted_run(
+    s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants, workload: Workload
+) -> tuple[ConcurrentResult, float | None]:
     """The requests of one run of ``workload`` on scenario ``s`` (``s.parallel`` slots), served
     by :func:`simulate` at the engine's predicted prefill rate and step times: the requests
     drawn from a length distribution, at Poisson arrivals or ``parallel`` in flight; one request
@@ -111,8 +123,9 @@ def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics
 
     def at(rate: float | None) -> ConcurrentResult:
         arrivals = poisson_arrivals(len(lengths), rate, workload.seed) if rate else None
-        streams = simulate(lengths, slots, prefill, step_s, request_s, concurrency=None if arrivals else s.parallel,
-                           arrivals=arrivals)
+        streams = simulate(
+            lengths, slots, prefill, step_s, request_s, concurrency=None if arrivals else s.parallel, arrivals=arrivals
+        )
         return ConcurrentResult(tuple(streams), max(r.end_s for r in streams))
 
     return rate_run(workload, at, lambda run: latency_metrics(run, workload.slo))
@@ -120,13 +133,24 @@ def predicted_run(s: physics.Scenario, k: physics.EngineConstants, host: physics
 
 def scaled(run: ConcurrentResult, speed: float) -> ConcurrentResult:
     """``run`` on an engine ``speed`` times as fast (a throttled clock, a run's noise)."""
-    return ConcurrentResult(tuple(StreamResult.from_timestamps(r.prompt_tokens, r.output_tokens, r.start_s / speed,
-                                                               (r.start_s + r.ttft_ms / 1000) / speed, r.end_s / speed)
-                                  for r in run.streams), run.wall_s / speed)
+    return ConcurrentResult(
+        tuple(
+            StreamResult.from_timestamps(
+                r.prompt_tokens,
+                r.output_tokens,
+                r.start_s / speed,
+                (r.start_s + r.ttft_ms / 1000) / speed,
+                r.end_s / speed,
+            )
+            for r in run.streams
+        ),
+        run.wall_s / speed,
+    )
 
 
-def run_metrics(run: ConcurrentResult, workload: Workload, aggregate_tok_s: float,
-                offered: float | None = None) -> dict[str, float]:
+def run_metrics(
+    run: ConcurrentResult, workload: Workload, aggregate_tok_s: float, offered: float | None = None
+) -> dict[str, float]:
     """The latency keys of a run (:data:`autotune.measure.LATENCY_UNITS`). For one request shape
     sent together, whose throughput the twin predicts in closed form (``service.served``),
     goodput is that throughput times the share of the simulated requests that met the targets,
@@ -141,8 +165,13 @@ def run_metrics(run: ConcurrentResult, workload: Workload, aggregate_tok_s: floa
     return out
 
 
-def predicted_metrics(s: physics.Scenario, k: physics.EngineConstants, host: physics.HostConstants,
-                      workload: Workload, aggregate_tok_s: float) -> dict[str, float]:
+def predicted_metrics(
+    s: physics.Scenario,
+    k: physics.EngineConstants,
+    host: physics.HostConstants,
+    workload: Workload,
+    aggregate_tok_s: float,
+) -> dict[str, float]:
     """What ``predict`` adds for a workload of many requests or with targets: the latency keys
     and, for a distribution or arrivals, the simulation's aggregate and per-user rates in place
     of the one shape's closed form (``aggregate_tok_s``)."""

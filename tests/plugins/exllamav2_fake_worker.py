@@ -44,8 +44,13 @@ def load(req: dict) -> dict:
     built = dict(req["settings"])
     if MODE == "other-settings":  # as a worker that fell back to one sequence at a time would
         built.update(paged=False, cache_max_seq_len=built["max_seq_len"])
-    return {"ok": True, "engine_version": "0.3.2-fake", "settings": built,
-            "attention": {"path": "sdpa", "paged": built["paged"]}, "load_s": 0.01}
+    return {
+        "ok": True,
+        "engine_version": "0.3.2-fake",
+        "settings": built,
+        "attention": {"path": "sdpa", "paged": built["paged"]},
+        "load_s": 0.01,
+    }
 
 
 def sample(req: dict, samples: int) -> dict:
@@ -60,13 +65,26 @@ def sample(req: dict, samples: int) -> dict:
     lengths = req.get("requests") or [[req["prompt_tokens"], req["output_tokens"]]] * 2
 
     def stream(start, p, o):
-        return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 50.0, "decode_tok_s": 100.0,
-                "prefill_tok_s": p / 0.05, "start_s": start, "end_s": start + 0.05 + (o - 1) / 100.0}
+        return {
+            "prompt_tokens": p,
+            "output_tokens": o,
+            "ttft_ms": 50.0,
+            "decode_tok_s": 100.0,
+            "prefill_tok_s": p / 0.05,
+            "start_s": start,
+            "end_s": start + 0.05 + (o - 1) / 100.0,
+        }
 
     t = 10.0 * samples
-    return {"ok": True, "metrics": {}, "single": stream(t, req["prompt_tokens"], req["output_tokens"]),
-            "streams": [stream(t + 0.01 * k, p, o) for k, (p, o) in enumerate(lengths)],
-            "max_allocated_bytes": 1, "max_reserved_bytes": 2, "requests_seen": len(lengths)}
+    return {
+        "ok": True,
+        "metrics": {},
+        "single": stream(t, req["prompt_tokens"], req["output_tokens"]),
+        "streams": [stream(t + 0.01 * k, p, o) for k, (p, o) in enumerate(lengths)],
+        "max_allocated_bytes": 1,
+        "max_reserved_bytes": 2,
+        "requests_seen": len(lengths),
+    }
 
 
 serve("EXL2_FAKE_REQUESTS", load, sample)

@@ -40,8 +40,9 @@ class FakeModel:
         if bits:
             self.a = self.a + 2.0 ** -float(bits) * 4 * np.random.default_rng(2).normal(size=(v, v))
         k_bits = _kv_bits(cache_type)
-        self.b_cached = self.b if k_bits is None else \
-            self.b + 2.0 ** -k_bits * 4 * np.random.default_rng(3).normal(size=(v, v))
+        self.b_cached = (
+            self.b if k_bits is None else self.b + 2.0**-k_bits * 4 * np.random.default_rng(3).normal(size=(v, v))
+        )
         self.seq_len = seq_len
         self.tokens = np.zeros(seq_len, dtype=np.int64)
         self.written = 0  # positions [0, written) hold tokens some pass wrote
@@ -53,7 +54,7 @@ class FakeModel:
         if past_len + len(ids) > self.seq_len:
             raise AssertionError(f"positions up to {past_len + len(ids)} exceed the cache of {self.seq_len}")
         self.passes.append((past_len, len(ids), rows))
-        self.tokens[past_len:past_len + len(ids)] = ids
+        self.tokens[past_len : past_len + len(ids)] = ids
         self.written = past_len + len(ids)
         if not rows:
             return None

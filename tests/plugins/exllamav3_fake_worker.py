@@ -43,10 +43,18 @@ def load(req: dict) -> dict:
     if req.get("purpose") == "score":
         s = req["settings"]
         model = FakeModel(req["model_dir"], s["cache_type"], s["cache_tokens"])
-        SCORER[:] = [worker_scoring.PassScorer(encode, model.forward, model.n_vocab, s["max_seq_len"],
-                                               s["chunk_size"], req["model_dir"])]
-    return {"ok": True, "engine_version": "1.6.5-fake", "settings": built, "attention": {"path": "exllamav3_paged"},
-            "load_s": 0.01}
+        SCORER[:] = [
+            worker_scoring.PassScorer(
+                encode, model.forward, model.n_vocab, s["max_seq_len"], s["chunk_size"], req["model_dir"]
+            )
+        ]
+    return {
+        "ok": True,
+        "engine_version": "1.6.5-fake",
+        "settings": built,
+        "attention": {"path": "exllamav3_paged"},
+        "load_s": 0.01,
+    }
 
 
 def sample(req: dict, samples: int) -> dict:
@@ -58,17 +66,33 @@ def sample(req: dict, samples: int) -> dict:
     rate = 100.0 + samples
 
     def stream(start, p, o):
-        return {"prompt_tokens": p, "output_tokens": o, "ttft_ms": 40.0, "decode_tok_s": rate,
-                "prefill_tok_s": p / 0.04, "start_s": start, "end_s": start + 0.04 + (o - 1) / rate}
+        return {
+            "prompt_tokens": p,
+            "output_tokens": o,
+            "ttft_ms": 40.0,
+            "decode_tok_s": rate,
+            "prefill_tok_s": p / 0.04,
+            "start_s": start,
+            "end_s": start + 0.04 + (o - 1) / rate,
+        }
 
-    reply = {"ok": True, "single": stream(0.0, req["prompt_tokens"], req["output_tokens"]),
-             "streams": [stream(1.0, p, o) for p, o in lengths], "max_allocated_bytes": 1, "max_reserved_bytes": 2}
+    reply = {
+        "ok": True,
+        "single": stream(0.0, req["prompt_tokens"], req["output_tokens"]),
+        "streams": [stream(1.0, p, o) for p, o in lengths],
+        "max_allocated_bytes": 1,
+        "max_reserved_bytes": 2,
+    }
     if LOADED.get("spec_type", "none") != "none":
         # As the real worker's DraftCounter: per request, draft_tokens proposed per round and
         # half of them accepted, over the request alone and the run's requests.
         outs = [req["output_tokens"], *(o for _, o in lengths)]
-        reply["drafts"] = {"requests": len(outs), "drafted": sum(2 * o for o in outs), "accepted": sum(outs),
-                           "generated": sum(outs)}
+        reply["drafts"] = {
+            "requests": len(outs),
+            "drafted": sum(2 * o for o in outs),
+            "accepted": sum(outs),
+            "generated": sum(outs),
+        }
     return reply
 
 

@@ -19,8 +19,12 @@ def send(message: dict) -> None:
     sys.stdout.flush()
 
 
-def serve(requests_log: str, load: Callable[[dict], dict], sample: Callable[[dict, int], dict],
-          more: Mapping[str, Callable[[dict], Mapping[str, Any]]] | None = None) -> None:
+def serve(
+    requests_log: str,
+    load: Callable[[dict], dict],
+    sample: Callable[[dict, int], dict],
+    more: Mapping[str, Callable[[dict], Mapping[str, Any]]] | None = None,
+) -> None:
     """Answer the parent until it says ``exit``; with the environment variable ``requests_log``
     set, every request is appended to that file as a JSON line, so tests see what was sent.
 

@@ -67,8 +67,10 @@ def test_a_python_without_the_converters_imports_is_found_before_the_first_trial
     assert f"this Python ({sys.executable}), which lacks torch: pip install -e '.[convert]'" in problem
 
 
-@pytest.mark.skipif(not has_converter_imports, reason="convert_hf_to_gguf.py needs torch, transformers and "
-                                                      "sentencepiece: pip install -e '.[convert]'")
+@pytest.mark.skipif(
+    not has_converter_imports,
+    reason="convert_hf_to_gguf.py needs torch, transformers and sentencepiece: pip install -e '.[convert]'",
+)
 def test_a_tokenizer_the_converter_does_not_know_stops_the_study_before_its_first_trial(tmp_path):
     from autotune_plugins.llama_server.recipes import vocabulary_problem
     from tests.hf_model import write_tiny_llama
@@ -78,14 +80,32 @@ def test_a_tokenizer_the_converter_does_not_know_stops_the_study_before_its_firs
     write_tiny_llama(tmp_path / "odd-tokenizer", byte_level=True, vocab_size=400)
     (tmp_path / "odd.toml").write_text(STUDY)
     env = dict(os.environ, AUTOTUNE_LOAD_PLUGINS="llama_server")
-    run = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "study", "odd.toml",
-                          "--storage", f"sqlite:///{tmp_path / 'odd.db'}"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from autotune.cli import main; main()",
+            "study",
+            "odd.toml",
+            "--storage",
+            f"sqlite:///{tmp_path / 'odd.db'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr[-3000:]
-    assert ("odd.toml: [candidates.0] backend = 'llama-server': making gguf:F16 (llama.cpp convert_hf_to_gguf.py "
-            "--outtype f16) would fail: convert_hf_to_gguf.py odd-tokenizer --vocab-only (a dry run) failed: "
-            "NotImplementedError: BPE pre-tokenizer was not recognized") in run.stderr
-    assert "does not know this model's tokenizer" in run.stderr and "name GGUF files as this candidate's weights" in run.stderr
+    assert (
+        "odd.toml: [candidates.0] backend = 'llama-server': making gguf:F16 (llama.cpp convert_hf_to_gguf.py "
+        "--outtype f16) would fail: convert_hf_to_gguf.py odd-tokenizer --vocab-only (a dry run) failed: "
+        "NotImplementedError: BPE pre-tokenizer was not recognized"
+    ) in run.stderr
+    assert (
+        "does not know this model's tokenizer" in run.stderr
+        and "name GGUF files as this candidate's weights" in run.stderr
+    )
     # Nothing launched, nothing made: no progress line, no storage.
     assert not [line for line in run.stderr.splitlines() if line.startswith(("trial ", "artifact ", "baseline"))]
     assert not (tmp_path / "odd.db").exists()

@@ -62,15 +62,19 @@ def study_dir(tmp_path_factory) -> Path:
     # most of a trial's time, and what is checked is the chain and the statistics (at least 20
     # measured), not the speed (pytest's own time, issue 28).
     assert "threads = 2" in text and "output_tokens = 64" in text and "n_trials = 40" in text
-    one_thread = text.replace("threads = 2", "threads = 1").replace("output_tokens = 64", "output_tokens = 32") \
+    one_thread = (
+        text.replace("threads = 2", "threads = 1")
+        .replace("output_tokens = 64", "output_tokens = 32")
         .replace("n_trials = 40", "n_trials = 28")
+    )
     (root / "cpu-tiny-1t.toml").write_text(one_thread, encoding="utf-8")
     # The same study for resuming after an interrupt: what is checked there is that the stored
     # trials stand and new ones are measured; the baselines and the finish (five launches more,
     # minutes on a loaded machine) are checked on real servers by the whole study.
     assert "\n[study]\n" in one_thread
     (root / "cpu-tiny-resume.toml").write_text(
-        one_thread.replace("\n[study]\n", "\n[study]\nbaseline = false\nfinish_top = 0\n", 1), encoding="utf-8")
+        one_thread.replace("\n[study]\n", "\n[study]\nbaseline = false\nfinish_top = 0\n", 1), encoding="utf-8"
+    )
     return root
 
 
@@ -89,8 +93,14 @@ def test_the_whole_study_on_real_servers(study_dir):
     started = time.monotonic()
     # With the twin loaded, as a user's study has it: it learns from every measured trial.
     env = dict(run_env(), AUTOTUNE_LOAD_PLUGINS="llama_server,twin")
-    proc = subprocess.run(autotune_cmd("study", "cpu-tiny-1t.toml", "--storage", storage, "--json", "--report",
-                                       "report.html"), cwd=study_dir, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        autotune_cmd("study", "cpu-tiny-1t.toml", "--storage", storage, "--json", "--report", "report.html"),
+        cwd=study_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -110,11 +120,16 @@ def test_the_whole_study_on_real_servers(study_dir):
         assert TrialRecord.of(t).engine["version"].startswith("llama.cpp")
     # Every file in the space was loaded by the engine, and each in its own format.
     assert {t.params["llama-server.weights"] for t in done} >= {
-        "models/tiny-f16.gguf", "models/tiny-f16-Q8_0.gguf", "models/tiny-f16-Q4_0.gguf", "models/stories260K.gguf"}
+        "models/tiny-f16.gguf",
+        "models/tiny-f16-Q8_0.gguf",
+        "models/tiny-f16-Q4_0.gguf",
+        "models/stories260K.gguf",
+    }
     # Invalid combinations are never launched: a q8_0 cache on stories260K (head size 8).
     for t in study.trials:
-        if t.params.get("llama-server.weights") == "models/stories260K.gguf" and \
-                t.params.get("kv_bits") == 8:  # q8_0, under the shared name of the cache's precision
+        if (
+            t.params.get("llama-server.weights") == "models/stories260K.gguf" and t.params.get("kv_bits") == 8
+        ):  # q8_0, under the shared name of the cache's precision
             assert t.state == optuna.trial.TrialState.PRUNED and "head size 8" in TrialRecord.of(t).prune_reason
     # The objective is plain aggregate tok/s: the best trial is the fastest one measured, or, where
     # the noise-aware finish measured the leaders again, the one it chose among them.
@@ -143,17 +158,27 @@ def check_the_twin_learned_from_the_study(study: optuna.Study, study_dir: Path, 
     assert cal["predictor"] == "twin-llama.cpp" and cal["gpu"] == "t4" and cal["n"] >= 10
     assert any(abs(cal["after"][f] / cal["before"][f] - 1) > 0.1 for f in cal["before"] if cal["before"][f] > 0)
     assert summary["calibration"]["llama-server"] == cal  # the report shows it
-    ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(study_dir / "models" / "tiny-f16.gguf"),
-                       workload=Workload(prompt_tokens=128, output_tokens=32), vram_budget_bytes=15 * 2**30,
-                       protocol=Protocol(), settings={"threads": 1, "startup_timeout_s": 60}, base_dir=study_dir)
+    ctx = StudyContext(
+        gpu=get_gpu("t4"),
+        model=model_from_gguf(study_dir / "models" / "tiny-f16.gguf"),
+        workload=Workload(prompt_tokens=128, output_tokens=32),
+        vram_budget_bytes=15 * 2**30,
+        protocol=Protocol(),
+        settings={"threads": 1, "startup_timeout_s": 60},
+        base_dir=study_dir,
+    )
     twin = TwinLlamaCpp()
-    trials = [(replace(r.trial_config, backend=twin.name), {m: r.median(m) for m in SPEED_METRICS if r.median(m)})
-              for r in records.measured(study)]
+    trials = [
+        (replace(r.trial_config, backend=twin.name), {m: r.median(m) for m in SPEED_METRICS if r.median(m)})
+        for r in records.measured(study)
+    ]
     trials = [(c, m) for c, m in trials if twin.predictor.predict(c, ctx) is not None]
     before = median_abs_error([twin.predictor.predict(c, ctx) for c, _ in trials], trials)
     after = median_abs_error([twin.predictor.predict(c, replace(ctx, calibration=cal)) for c, _ in trials], trials)
-    print(f"cpu-tiny: twin's median error on its {len(trials)} trials {before:.0%} -> {after:.0%}; "
-          f"constants {cal['before']} -> {cal['after']}")
+    print(
+        f"cpu-tiny: twin's median error on its {len(trials)} trials {before:.0%} -> {after:.0%}; "
+        f"constants {cal['before']} -> {cal['after']}"
+    )
     assert after < before
 
 
@@ -166,20 +191,27 @@ def test_two_streams_serve_more_than_one(study_dir, monkeypatch):
     one it follows the neighbours). One engine thread, as in the study above: two threads wait
     for each other every step, and on a loaded machine that made this test take minutes."""
     shape = SynthSpec(arch="llama", n_layers=8, hidden=1024, n_heads=8, n_kv_heads=4, ffn=4096, context_length=2048)
-    model_path = write_model(shape, study_dir / "mid-f16.gguf", vocab_from=study_dir / "models" / "stories260K.gguf",
-                             seed=0, overwrite=True).path
-    ctx = StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(model_path),
-                       workload=Workload(prompt_tokens=64, output_tokens=32), vram_budget_bytes=15 * 2**30,
-                       protocol=Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=1.0),
-                       settings={"threads": 1, "startup_timeout_s": 60}, base_dir=model_path.parent)
+    model_path = write_model(
+        shape, study_dir / "mid-f16.gguf", vocab_from=study_dir / "models" / "stories260K.gguf", seed=0, overwrite=True
+    ).path
+    ctx = StudyContext(
+        gpu=get_gpu("t4"),
+        model=model_from_gguf(model_path),
+        workload=Workload(prompt_tokens=64, output_tokens=32),
+        vram_budget_bytes=15 * 2**30,
+        protocol=Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=1.0),
+        settings={"threads": 1, "startup_timeout_s": 60},
+        base_dir=model_path.parent,
+    )
     b = LlamaServerBackend()
     post_events = trial_run.post_events
 
     def served(parallel: int) -> tuple[float, RecordedRequests, list[str]]:
         sent = RecordedRequests(post_events)
         monkeypatch.setattr(trial_run, "post_events", sent)
-        config = TrialConfig("llama-server", model_path.name, 512, parallel,
-                             (("cache_type", "f16"), ("flash_attn", True)))
+        config = TrialConfig(
+            "llama-server", model_path.name, 512, parallel, (("cache_type", "f16"), ("flash_attn", True))
+        )
         m = b.run(config, ctx)
         return m.metrics["aggregate_tok_s"].median, sent, m.attrs["argv"]
 
@@ -190,14 +222,22 @@ def test_two_streams_serve_more_than_one(study_dir, monkeypatch):
     print(f"aggregate tok/s: parallel 1 {one:.1f}, parallel 2 {two:.1f} ({two / one:.2f}x)")
 
 
-@pytest.mark.parametrize("sig, after_s", [(signal.SIGINT, 0.0), (signal.SIGINT, 4.0), (signal.SIGKILL, 0.0)],
-                         ids=["SIGINT-at-first-launch", "SIGINT-mid-study", "SIGKILL"])
+@pytest.mark.parametrize(
+    "sig, after_s",
+    [(signal.SIGINT, 0.0), (signal.SIGINT, 4.0), (signal.SIGKILL, 0.0)],
+    ids=["SIGINT-at-first-launch", "SIGINT-mid-study", "SIGKILL"],
+)
 def test_no_server_survives_autotune_interrupted_or_killed(study_dir, sig, after_s, tmp_path):
     storage = f"sqlite:///{tmp_path / 'killed.db'}"
     # PYTHONFAULTHANDLER: a study that does not end is made to print where it is stuck.
-    child = subprocess.Popen(autotune_cmd("study", "cpu-tiny-1t.toml", "--storage", storage), cwd=study_dir,
-                             env=dict(run_env(), PYTHONFAULTHANDLER="1"), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        autotune_cmd("study", "cpu-tiny-1t.toml", "--storage", storage),
+        cwd=study_dir,
+        env=dict(run_env(), PYTHONFAULTHANDLER="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not servers_on(study_dir / "models") and time.monotonic() < deadline and child.poll() is None:
@@ -230,8 +270,14 @@ def test_no_server_survives_autotune_interrupted_or_killed(study_dir, sig, after
         for pid in servers_on(study_dir / "models"):  # a failed test must not leave servers behind
             os.kill(pid, signal.SIGKILL)
     # What was finished before the signal is in the storage, and the study resumes from it.
-    resumed = subprocess.run(autotune_cmd("study", "cpu-tiny-resume.toml", "--storage", storage, "--trials", "2"),
-                             cwd=study_dir, env=run_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        autotune_cmd("study", "cpu-tiny-resume.toml", "--storage", storage, "--trials", "2"),
+        cwd=study_dir,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     study = optuna.load_study(study_name="cpu-tiny", storage=storage)
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) >= 2

@@ -33,15 +33,20 @@ def test_a_control_character_in_a_host_is_refused_naming_the_file_and_the_field(
 
 def _pasted(command: str) -> list[str]:
     """The words bash gives ``command`` (Python's shlex does not read bash's $'...')."""
-    out = subprocess.run(["bash", "--norc", "-c", "words() { printf '%s\\0' \"$@\"; }; words " + command],
-                         capture_output=True, check=True)
+    out = subprocess.run(
+        ["bash", "--norc", "-c", "words() { printf '%s\\0' \"$@\"; }; words " + command],
+        capture_output=True,
+        check=True,
+    )
     return out.stdout.decode().split("\0")[:-1]
 
 
 def test_a_control_character_in_a_template_field_is_refused(tmp_path):
     path = tmp_path / "t.toml"
-    path.write_text('[template]\ncommand = ["srv", "-m", "{weights}", "--port", "{port}"]\nmemory = "measured"\n'
-                    'docs = "https://example.org\\ntouch /tmp/pwned"\n')
+    path.write_text(
+        '[template]\ncommand = ["srv", "-m", "{weights}", "--port", "{port}"]\nmemory = "measured"\n'
+        'docs = "https://example.org\\ntouch /tmp/pwned"\n'
+    )
     with pytest.raises(ConfigError, match=rf"{path}: \[template\] docs = .*control character '\\n'"):
         load_template(path)
 
@@ -51,8 +56,9 @@ def test_the_deploy_line_is_one_shell_line_whatever_a_path_holds(tmp_path):
     template without docs, and its weights' path is an argument."""
     where = tmp_path / "x\ntouch pwned #"
     where.mkdir()
-    (where / "t.toml").write_text('[template]\ncommand = ["srv", "-m", "{weights}", "--port", "{port}"]\n'
-                                  'memory = "measured"\n')
+    (where / "t.toml").write_text(
+        '[template]\ncommand = ["srv", "-m", "{weights}", "--port", "{port}"]\nmemory = "measured"\n'
+    )
     shutil.copy(STORIES, where / "m b.gguf")
     line = OpenAIServerBackend().deploy_command(cfg("m b.gguf"), make_ctx(where, template="t.toml"))
     command, _, comment = line.partition("  # ")
@@ -62,9 +68,11 @@ def test_the_deploy_line_is_one_shell_line_whatever_a_path_holds(tmp_path):
 
 
 def test_deploy_line_quotes_only_what_needs_it():
-    assert deploy_line(["llama-server", "-m", "/m/a.gguf", "-c", 4096], ["ctx 4096 x 1 slots", "listens on x"],
-                       {"CUDA_VISIBLE_DEVICES": "0"}) == (
-        "CUDA_VISIBLE_DEVICES=0 llama-server -m /m/a.gguf -c 4096  # ctx 4096 x 1 slots; listens on x")
+    assert deploy_line(
+        ["llama-server", "-m", "/m/a.gguf", "-c", 4096],
+        ["ctx 4096 x 1 slots", "listens on x"],
+        {"CUDA_VISIBLE_DEVICES": "0"},
+    ) == ("CUDA_VISIBLE_DEVICES=0 llama-server -m /m/a.gguf -c 4096  # ctx 4096 x 1 slots; listens on x")
     assert deploy_line(["srv", "a b", "x\ny"], ["one\nrm -rf ~"]) == "srv 'a b' $'x\\x0ay'  # one rm -rf ~"
 
 

@@ -27,8 +27,15 @@ def versioned(directory: Path, build: int, commit: str) -> Path:
 
 def ctx_with(**settings) -> StudyContext:
     model = shared_file("models/stories260K.gguf")
-    return StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(model), workload=Workload(32, 16),
-                        vram_budget_bytes=15 * 2**30, protocol=Protocol(), settings=settings, base_dir=model.parent)
+    return StudyContext(
+        gpu=get_gpu("t4"),
+        model=model_from_gguf(model),
+        workload=Workload(32, 16),
+        vram_budget_bytes=15 * 2**30,
+        protocol=Protocol(),
+        settings=settings,
+        base_dir=model.parent,
+    )
 
 
 def test_the_configured_binary_names_the_build_not_the_cached_one(tmp_path, monkeypatch):
@@ -59,6 +66,8 @@ def test_the_header_and_the_resume_check_read_the_configured_build(tmp_path, mon
     configured = versioned(tmp_path / "mine", 3333, "ccc3333")
     backend = LlamaServerBackend()
     ctx = ctx_with(binary=str(configured))
-    prepared = SimpleNamespace(space=SimpleNamespace(entries={"llama-server": SimpleNamespace(backend=backend)}),
-                               contexts={"llama-server": ctx})
+    prepared = SimpleNamespace(
+        space=SimpleNamespace(entries={"llama-server": SimpleNamespace(backend=backend)}),
+        contexts={"llama-server": ctx},
+    )
     assert "3333" in engines_of(prepared)["llama-server"]

@@ -15,16 +15,24 @@ from autotune_plugins.llama_server.backend import LlamaServerBackend
 
 
 def study_ctx(gpu_index: int) -> StudyContext:
-    return StudyContext(gpu=get_gpu("h200"), model=resolve_model("qwen2.5-27b-article"),
-                        workload=Workload(prompt_tokens=64, output_tokens=16), vram_budget_bytes=100 * 2**30,
-                        protocol=Protocol(), gpu_index=gpu_index)
+    return StudyContext(
+        gpu=get_gpu("h200"),
+        model=resolve_model("qwen2.5-27b-article"),
+        workload=Workload(prompt_tokens=64, output_tokens=16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=Protocol(),
+        gpu_index=gpu_index,
+    )
 
 
-@pytest.mark.parametrize("visible, gpu_index, engine_sees", [
-    (None, 1, "1"),                 # unset: CUDA's own number, in the order the engine inherits
-    ("2", 0, "2"),                  # the README's one-worker-per-GPU recipe, kept as written
-    ("3, GPU-8f2c", 1, "GPU-8f2c"),  # several shown: only the study's one, not a split over both
-])
+@pytest.mark.parametrize(
+    "visible, gpu_index, engine_sees",
+    [
+        (None, 1, "1"),  # unset: CUDA's own number, in the order the engine inherits
+        ("2", 0, "2"),  # the README's one-worker-per-GPU recipe, kept as written
+        ("3, GPU-8f2c", 1, "GPU-8f2c"),  # several shown: only the study's one, not a split over both
+    ],
+)
 def test_both_engines_see_the_study_s_one_card(monkeypatch, visible, gpu_index, engine_sees):
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

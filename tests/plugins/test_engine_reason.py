@@ -52,8 +52,26 @@ def test_a_batch_smaller_than_the_slots_is_refused_before_launch_and_its_abort_r
     (reason,) = LlamaServerBackend().check(TrialConfig("llama-server", "m.gguf", 256, 2, opts), ctx)
     assert reason.startswith("batch 1 is smaller than parallel 2: llama.cpp aborts")
     assert LlamaServerBackend().check(TrialConfig("llama-server", "m.gguf", 256, 1, opts), ctx) == []
-    proc = subprocess.run([str(llama_server_binary()), "-m", str(tmp_path / "m.gguf"), "-c", "256", "-np", "2",
-                           "-b", "1", "-t", "1", "--port", "0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            str(llama_server_binary()),
+            "-m",
+            str(tmp_path / "m.gguf"),
+            "-c",
+            "256",
+            "-np",
+            "2",
+            "-b",
+            "1",
+            "-t",
+            "1",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     said = engine_reason(proc.stdout + proc.stderr)
     assert "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed" in said.split(" | ")[0]

@@ -34,16 +34,29 @@ from autotune_plugins.shared import protocol
 from autotune_plugins.exllamav2.backend import SETTINGS, ExLlamaV2Backend, tabbyapi_args
 from autotune_plugins.exllamav2.generator_settings import GeneratorSettings, generator_settings
 from autotune_plugins.exllamav2.worker import (
-    SCORE_CHUNK, attention_path, check_paged, prompt_ids, sample_metrics, score_passes)
+    SCORE_CHUNK,
+    attention_path,
+    check_paged,
+    prompt_ids,
+    sample_metrics,
+    score_passes,
+)
 
 FAKE = Path(__file__).with_name("exllamav2_fake_worker.py")
 FAST = Protocol(warmup_runs=1, min_runs=2, max_runs=3, rel_spread_tol=0.5)
 
 # A tiny Qwen2-shaped model: 2 layers, hidden 128, 4 heads of 32, 2 KV heads, vocab 512.
 CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
-    "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
-    "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
     "quantization_config": {"quant_method": "exl2", "bits": 4.0, "head_bits": 6},
 }
 
@@ -78,18 +91,31 @@ def exl2_dir(tmp_path) -> Path:
     d.mkdir()
     (d / "config.json").write_text(json.dumps(CONFIG))
     (d / "tokenizer.json").write_text("{}")
-    write_safetensors(d / "output-00001-of-00002.safetensors",
-                      {"model.embed_tokens.weight": ("F16", [512, 128]), **layer_tensors(0)})
-    write_safetensors(d / "output-00002-of-00002.safetensors",
-                      {**layer_tensors(1), "model.norm.weight": ("F16", [128]),
-                       "lm_head.q_weight": ("I32", [96, 512]), "lm_head.q_scale": ("I32", [8, 512])})
+    write_safetensors(
+        d / "output-00001-of-00002.safetensors", {"model.embed_tokens.weight": ("F16", [512, 128]), **layer_tensors(0)}
+    )
+    write_safetensors(
+        d / "output-00002-of-00002.safetensors",
+        {
+            **layer_tensors(1),
+            "model.norm.weight": ("F16", [128]),
+            "lm_head.q_weight": ("I32", [96, 512]),
+            "lm_head.q_scale": ("I32", [8, 512]),
+        },
+    )
     return d
 
 
 def make_ctx(base: Path, **settings) -> StudyContext:
-    return StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(base / "tiny-exl2-4.0"),
-                        workload=Workload(prompt_tokens=64, output_tokens=16), vram_budget_bytes=100 * 2**30,
-                        protocol=FAST, settings={"paged": False, **settings}, base_dir=base)
+    return StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_hf_config(base / "tiny-exl2-4.0"),
+        workload=Workload(prompt_tokens=64, output_tokens=16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=FAST,
+        settings={"paged": False, **settings},
+        base_dir=base,
+    )
 
 
 def cfg(ctx: int = 512, parallel: int = 1, cache: str = "q4") -> TrialConfig:
@@ -132,9 +158,11 @@ def pids_of(pidfile: Path) -> list[int]:
 
 
 def test_plugin_registers_without_torch_or_exllamav2():
-    code = ("import sys, autotune_plugins.exllamav2 as p; from autotune_plugins.exllamav2 import backend, worker, scorer;"
-            "b = []; p.register_backends(b.append); print(b[0].name, b[0].engine, len(b[0].settings),"
-            " 'torch' in sys.modules, 'exllamav2' in sys.modules)")
+    code = (
+        "import sys, autotune_plugins.exllamav2 as p; from autotune_plugins.exllamav2 import backend, worker, scorer;"
+        "b = []; p.register_backends(b.append); print(b[0].name, b[0].engine, len(b[0].settings),"
+        " 'torch' in sys.modules, 'exllamav2' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.split() == ["exllamav2", "exllamav2", str(len(SETTINGS)), "False", "False"]
 
@@ -161,7 +189,12 @@ def test_parameters_keep_exllamav2_cache_modes_as_given():
 def test_generator_settings_by_attention_support():
     paged = generator_settings("Q8", 600, 2, paged=True)
     # two jobs of 600 tokens take 3 pages each: 2 x pad256(600), not pad256(1200)
-    assert (paged.mode, paged.cache_batch_size, paged.cache_max_seq_len, paged.max_batch_size) == ("dynamic", 1, 1536, 2)
+    assert (paged.mode, paged.cache_batch_size, paged.cache_max_seq_len, paged.max_batch_size) == (
+        "dynamic",
+        1,
+        1536,
+        2,
+    )
     assert paged.max_seq_len == 768 and paged.cache_type == "q8"
     one = generator_settings("fp16", 600, 1, paged=False)
     assert (one.mode, one.cache_batch_size, one.cache_max_seq_len) == ("dynamic", 1, 768)
@@ -254,8 +287,9 @@ def test_the_deploy_line_serves_the_generator_the_worker_was_told_to_build(exl2_
 
 def test_a_worker_that_builds_another_generator_fails_the_trial(exl2_dir, tmp_path):
     c = make_ctx(tmp_path, worker_command=fake("other-settings"), paged=True)
-    with pytest.raises(BackendError, match="instead of the .* asked for, so the measurement would not be what "
-                                           "the deploy line serves"):
+    with pytest.raises(
+        BackendError, match="instead of the .* asked for, so the measurement would not be what the deploy line serves"
+    ):
         ExLlamaV2Backend().run(cfg(parallel=2), c)
     assert not processes.live()
 
@@ -272,9 +306,19 @@ def test_the_worker_refuses_paged_settings_it_cannot_page():
 
 def test_every_setting_is_declared_with_what_it_accepts(exl2_dir, tmp_path):
     declared = {s.name: s for s in SETTINGS}
-    assert set(declared) == {"python", "worker_command", "paged", "unpaged_parallel", "startup_timeout_s",
-                             "load_timeout_s", "request_timeout_s", "cuda_context_mib", "scoring_ctx",
-                             "stability_metric", "convert_args"}
+    assert set(declared) == {
+        "python",
+        "worker_command",
+        "paged",
+        "unpaged_parallel",
+        "startup_timeout_s",
+        "load_timeout_s",
+        "request_timeout_s",
+        "cuda_context_mib",
+        "scoring_ctx",
+        "stability_metric",
+        "convert_args",
+    }
     assert declared["unpaged_parallel"].choices == ("queue", "batched")
     assert declared["paged"].problem("yes") and declared["paged"].problem(True) is None
     assert declared["paged"].problem("auto") is None and declared["paged"].problem(1)
@@ -292,7 +336,8 @@ def write_fake_modules(root: Path, cuda_devices: int, exllamav2: bool = True) ->
     (root / "torch").mkdir(parents=True)
     (root / "torch" / "__init__.py").write_text(
         f"class cuda:\n    is_available = staticmethod(lambda: {cuda_devices} > 0)\n"
-        f"    device_count = staticmethod(lambda: {cuda_devices})\n")
+        f"    device_count = staticmethod(lambda: {cuda_devices})\n"
+    )
     if exllamav2:
         (root / "exllamav2").mkdir()
         (root / "exllamav2" / "__init__.py").write_text("raise RuntimeError('preflight must not import exllamav2')\n")
@@ -336,8 +381,10 @@ def test_safetensors_headers_give_exact_bytes(exl2_dir):
 def test_tied_model_without_head_loads_the_embedding_again(tmp_path):
     d = tmp_path / "m"
     d.mkdir()
-    write_safetensors(d / "output.safetensors", {"model.embed_tokens.weight": ("F16", [512, 128]),
-                                                  "model.norm.weight": ("F16", [128])})
+    write_safetensors(
+        d / "output.safetensors",
+        {"model.embed_tokens.weight": ("F16", [512, 128]), "model.norm.weight": ("F16", [128])},
+    )
     w = memory.exl2_weights(d, tied=True)
     assert w.head_from_embedding and w.gpu_bytes == 512 * 128 * 2 + 256 and w.host_bytes == 512 * 128 * 2
 
@@ -388,12 +435,19 @@ def test_serve_answers_every_request_and_survives_errors():
     def boom(req):
         raise RuntimeError("CUDA error: device-side assert")
 
-    requests = [{"id": 1, "op": "load"}, {"id": 2, "op": "sample"}, {"id": 3, "op": "nope"},
-                {"id": 4, "op": "tokenize"}, {"id": 5, "op": "exit"}, {"id": 6, "op": "load"}]
+    requests = [
+        {"id": 1, "op": "load"},
+        {"id": 2, "op": "sample"},
+        {"id": 3, "op": "nope"},
+        {"id": 4, "op": "tokenize"},
+        {"id": 5, "op": "exit"},
+        {"id": 6, "op": "load"},
+    ]
     inp = io.BytesIO(b"".join(protocol.encode(r) for r in requests))
     out = io.BytesIO()
-    rc = protocol.serve({"load": lambda r: {"loaded": True}, "sample": boom,
-                         "tokenize": lambda r: {"x": float("nan")}}, inp, out)
+    rc = protocol.serve(
+        {"load": lambda r: {"loaded": True}, "sample": boom, "tokenize": lambda r: {"x": float("nan")}}, inp, out
+    )
     replies = [json.loads(line) for line in out.getvalue().splitlines()]
     assert rc == 0 and [r["id"] for r in replies] == [1, 2, 3, 4, 5]
     assert replies[0] == {"id": 1, "ok": True, "loaded": True}
@@ -439,13 +493,16 @@ def test_run_with_a_worker_that_answers(exl2_dir, tmp_path):
     assert wait_gone(pids_of(pidfile)) == [] and not processes.live()
 
 
-@pytest.mark.parametrize("mode, settings, reason", [
-    ("crash-on-load", {}, r"exited with code 3: died during 'load': RuntimeError: CUDA out of memory"),
-    ("signal-on-sample", {}, r"was killed by SIGKILL: died during 'sample': Segmentation fault"),
-    ("hang-on-load", {"load_timeout_s": 1}, r"no answer to 'load' within 1 s \(hung; killed\)"),
-    ("silent", {"startup_timeout_s": 1}, r"no answer to start \(hello\) within 1 s"),
-    ("error-on-sample", {}, r"'sample' failed: AssertionError: Total sequence length exceeds cache size"),
-])
+@pytest.mark.parametrize(
+    "mode, settings, reason",
+    [
+        ("crash-on-load", {}, r"exited with code 3: died during 'load': RuntimeError: CUDA out of memory"),
+        ("signal-on-sample", {}, r"was killed by SIGKILL: died during 'sample': Segmentation fault"),
+        ("hang-on-load", {"load_timeout_s": 1}, r"no answer to 'load' within 1 s \(hung; killed\)"),
+        ("silent", {"startup_timeout_s": 1}, r"no answer to start \(hello\) within 1 s"),
+        ("error-on-sample", {}, r"'sample' failed: AssertionError: Total sequence length exceeds cache size"),
+    ],
+)
 def test_a_failing_worker_ends_the_trial_with_its_reason_and_leaves_nothing(exl2_dir, tmp_path, mode, settings, reason):
     pidfile = tmp_path / "pids"
     c = make_ctx(tmp_path, worker_command=fake(mode, pidfile), **settings)
@@ -506,14 +563,15 @@ time.sleep(60)
         if child.poll() is None:
             child.kill()
             child.wait()
-        for p in (pids_of(pidfile) if pidfile.exists() else []):
+        for p in pids_of(pidfile) if pidfile.exists() else []:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("search", [None, (0.5, 8.0)], ids=["closed-loop", "rate-search"])
-def test_a_workloads_requests_reach_the_worker_and_its_streams_are_scored_by_the_core(exl2_dir, tmp_path,
-                                                                                  monkeypatch, search):
+def test_a_workloads_requests_reach_the_worker_and_its_streams_are_scored_by_the_core(
+    exl2_dir, tmp_path, monkeypatch, search
+):
     from dataclasses import replace
 
     requests = tmp_path / "requests.jsonl"
@@ -521,14 +579,19 @@ def test_a_workloads_requests_reach_the_worker_and_its_streams_are_scored_by_the
     monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "EXL2_FAKE_REQUESTS")
     lengths = ((20, 8), (60, 24), (100, 4))
     c = make_ctx(tmp_path, worker_command=fake("ok"), paged=True)
-    wl = replace(c.workload, requests=lengths, slo=(("ttft_p95_ms", 100.0),),
-                 **({"arrival": "poisson", "rate_search": search} if search else {}))
+    wl = replace(
+        c.workload,
+        requests=lengths,
+        slo=(("ttft_p95_ms", 100.0),),
+        **({"arrival": "poisson", "rate_search": search} if search else {}),
+    )
     m = ExLlamaV2Backend().run(cfg(parallel=2), replace(c, workload=wl))
     samples = [r for r in map(json.loads, requests.read_text().splitlines()) if r["op"] == "sample"]
     assert samples and all(r["requests"] == [list(x) for x in lengths] and r["concurrency"] == 2 for r in samples)
     # The fake worker's streams: 50 ms to the first token, then 100 tok/s, all within the target.
-    assert m.metrics["ttft_p95_ms"].median == pytest.approx(50.0) and m.metrics["itl_p50_ms"].median == \
-        pytest.approx(10.0)
+    assert m.metrics["ttft_p95_ms"].median == pytest.approx(50.0) and m.metrics["itl_p50_ms"].median == pytest.approx(
+        10.0
+    )
     assert m.metrics["goodput_req_s"].median > 0
     if search:  # every rate met the target: the search's upper bound, each run trying it first
         assert m.metrics["rate_req_s"].median == 8.0 and all(r["arrivals"] for r in samples)
@@ -558,8 +621,15 @@ class _FakeDynamicGenerator:
         for job in list(self.running):
             job.made += 1
             done = job.made >= job.max_new_tokens
-            out.append({"stage": "streaming", "identifier": job.identifier, "token_ids": _Ids(1), "eos": done,
-                        "new_tokens": job.made})
+            out.append(
+                {
+                    "stage": "streaming",
+                    "identifier": job.identifier,
+                    "token_ids": _Ids(1),
+                    "eos": done,
+                    "new_tokens": job.made,
+                }
+            )
             if done:
                 self.running.remove(job)
         return out

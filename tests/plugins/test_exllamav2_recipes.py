@@ -70,9 +70,16 @@ def ctx(tmp_path, source, monkeypatch) -> StudyContext:
     monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "CONVERT_LOG,CONVERT_FAIL")  # the converter gets only what it is given
     monkeypatch.setenv(artifacts.ARTIFACTS_ENV, str(tmp_path / "cache"))
     artifacts._failed.clear()
-    return StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(source), workload=Workload(64, 16),
-                        vram_budget_bytes=100 * 2**30, protocol=Protocol(),
-                        settings={"python": str(python), "paged": False}, base_dir=tmp_path, source=source)
+    return StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_hf_config(source),
+        workload=Workload(64, 16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=Protocol(),
+        settings={"python": str(python), "paged": False},
+        base_dir=tmp_path,
+        source=source,
+    )
 
 
 def calls(tmp_path: Path) -> list[dict[str, str]]:
@@ -126,11 +133,14 @@ def test_convert_args_reach_both_passes_and_name_their_own_entry(ctx, tmp_path):
     assert ensure(b, "exl2:4.0", shorter).path == made.path and len(calls(tmp_path)) == 4  # made once
 
 
-@pytest.mark.parametrize("args, problem", [
-    (["-b", "3.0"], "-b: set by autotune"),
-    (["--compile_full=/x"], "--compile_full: set by autotune"),
-    (["-l", 512], "list of non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["-b", "3.0"], "-b: set by autotune"),
+        (["--compile_full=/x"], "--compile_full: set by autotune"),
+        (["-l", 512], "list of non-empty strings"),
+    ],
+)
 def test_convert_args_that_contradict_the_recipe_are_refused(args, problem):
     from autotune_plugins.exllamav2.recipes import convert_args_problem
 

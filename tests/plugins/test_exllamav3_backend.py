@@ -38,33 +38,50 @@ FAST = Protocol(warmup_runs=1, min_runs=2, max_runs=3, rel_spread_tol=0.5)
 
 # A tiny Qwen2-shaped model: 2 layers, hidden 128, 4 heads of 32, 2 KV heads (kv_dim 64), vocab 512.
 CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
-    "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
-    "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
     "quantization_config": {"quant_method": "exl3", "version": "1.6.5", "bits": 4.0, "head_bits": 6},
 }
 
 
 def exl3_linear(key: str, n_in: int, n_out: int, bits: int) -> dict[str, tuple[str, list[int]]]:
     """One EXL3 linear layer as the converter stores it (modules/quant/exl3_lib/quantize.py)."""
-    return {f"{key}.trellis": ("I16", [n_in // 16, n_out // 16, 16 * bits]),
-            f"{key}.suh": ("F16", [n_in]), f"{key}.svh": ("F16", [n_out])}
+    return {
+        f"{key}.trellis": ("I16", [n_in // 16, n_out // 16, 16 * bits]),
+        f"{key}.suh": ("F16", [n_in]),
+        f"{key}.svh": ("F16", [n_out]),
+    }
 
 
 def layer_tensors(i: int) -> dict[str, tuple[str, list[int]]]:
     p = f"model.layers.{i}"
-    return {f"{p}.input_layernorm.weight": ("F16", [128]), **exl3_linear(f"{p}.self_attn.q_proj", 128, 128, 4),
-            f"{p}.self_attn.q_proj.bias": ("F16", [128]), **exl3_linear(f"{p}.mlp.down_proj", 256, 128, 4)}
+    return {
+        f"{p}.input_layernorm.weight": ("F16", [128]),
+        **exl3_linear(f"{p}.self_attn.q_proj", 128, 128, 4),
+        f"{p}.self_attn.q_proj.bias": ("F16", [128]),
+        **exl3_linear(f"{p}.mlp.down_proj", 256, 128, 4),
+    }
 
 
 def write_exl3(d: Path, config: dict = CONFIG) -> Path:
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(config))
     (d / "tokenizer.json").write_text("{}")
-    write_safetensors(d / "model-00001-of-00002.safetensors",
-                      {"model.embed_tokens.weight": ("F16", [512, 128]), **layer_tensors(0)})
-    write_safetensors(d / "model-00002-of-00002.safetensors",
-                      {**layer_tensors(1), "model.norm.weight": ("F16", [128]), **exl3_linear("lm_head", 128, 512, 6)})
+    write_safetensors(
+        d / "model-00001-of-00002.safetensors", {"model.embed_tokens.weight": ("F16", [512, 128]), **layer_tensors(0)}
+    )
+    write_safetensors(
+        d / "model-00002-of-00002.safetensors",
+        {**layer_tensors(1), "model.norm.weight": ("F16", [128]), **exl3_linear("lm_head", 128, 512, 6)},
+    )
     return d
 
 
@@ -74,9 +91,15 @@ def exl3_dir(tmp_path) -> Path:
 
 
 def make_ctx(base: Path, **settings) -> StudyContext:
-    return StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(base / "tiny-exl3-4.0"),
-                        workload=Workload(prompt_tokens=64, output_tokens=16), vram_budget_bytes=100 * 2**30,
-                        protocol=FAST, settings=settings, base_dir=base)
+    return StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_hf_config(base / "tiny-exl3-4.0"),
+        workload=Workload(prompt_tokens=64, output_tokens=16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=FAST,
+        settings=settings,
+        base_dir=base,
+    )
 
 
 def cfg(ctx: int = 512, parallel: int = 1, cache: str = "k4v6", **options) -> TrialConfig:
@@ -91,9 +114,11 @@ def fake(mode: str) -> list[str]:
 
 
 def test_plugin_registers_without_torch_or_exllamav3():
-    code = ("import sys, autotune_plugins.exllamav3 as p; from autotune_plugins.exllamav3 import backend, worker;"
-            "b = []; p.register_backends(b.append); print(b[0].name, b[0].engine, len(b[0].settings),"
-            " 'torch' in sys.modules, 'exllamav3' in sys.modules)")
+    code = (
+        "import sys, autotune_plugins.exllamav3 as p; from autotune_plugins.exllamav3 import backend, worker;"
+        "b = []; p.register_backends(b.append); print(b[0].name, b[0].engine, len(b[0].settings),"
+        " 'torch' in sys.modules, 'exllamav3' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.split() == ["exllamav3", "exllamav3", str(len(SETTINGS)), "False", "False"]
 
@@ -127,8 +152,7 @@ def test_the_declared_sizes_are_the_memory_models_sizes(exl3_dir):
     for ct in declarations.CACHE_TYPES:
         k, v = declarations.cache_kv_bits(ct.name) or (None, None)
         tokens = 1024
-        assert memory.cache_bytes(model, k, v, tokens) == \
-            cache_types.kv_bytes_per_token(model, ct) * tokens, ct.name
+        assert memory.cache_bytes(model, k, v, tokens) == cache_types.kv_bytes_per_token(model, ct) * tokens, ct.name
 
 
 def test_fp16_is_one_type_for_both_exllamas():
@@ -136,8 +160,11 @@ def test_fp16_is_one_type_for_both_exllamas():
 
     fp16_2 = next(c for c in exl2.CACHE_TYPES if c.name == "fp16")
     fp16_3 = declarations.CACHE_TYPES[0]
-    assert (fp16_2.bytes_per_element, fp16_2.bits, fp16_2.dequant_layers) == \
-        (fp16_3.bytes_per_element, fp16_3.bits, fp16_3.dequant_layers)
+    assert (fp16_2.bytes_per_element, fp16_2.bits, fp16_2.dequant_layers) == (
+        fp16_3.bytes_per_element,
+        fp16_3.bits,
+        fp16_3.dequant_layers,
+    )
 
 
 def test_formats_accept_the_converters_range(tmp_path, exl3_dir):
@@ -149,7 +176,9 @@ def test_formats_accept_the_converters_range(tmp_path, exl3_dir):
     assert not formats.head_bits_ok(4.5) and not formats.head_bits_ok(9)
     assert formats.quote(exl3_dir) == ("exl3:4.0", sum(f.stat().st_size for f in exl3_dir.glob("*.safetensors")))
     bad = write_exl3(tmp_path / "bad", {**CONFIG, "quantization_config": {"quant_method": "exl3", "bits": 12}})
-    with pytest.raises(ConfigError, match=r"bad/config.json: quantization_config.bits = 12: an EXL3 model has 1.0 to 8.0"):
+    with pytest.raises(
+        ConfigError, match=r"bad/config.json: quantization_config.bits = 12: an EXL3 model has 1.0 to 8.0"
+    ):
         formats.quote(bad)
 
 
@@ -296,10 +325,13 @@ def test_estimate_puts_the_bytes_where_exllamav3_does(exl3_dir, tmp_path):
 def test_deploy_command_is_a_tabbyapi_launch(exl3_dir, tmp_path):
     b = ExLlamaV3Backend()
     cmd = b.deploy_command(cfg(ctx=600, parallel=4, cache="k4v6"), make_ctx(tmp_path))
-    assert cmd.startswith(f"{sys.executable} main.py --model-dir {tmp_path} --model-name tiny-exl3-4.0 "
-                          "--backend exllamav3")
-    assert ("--max-seq-len 600 --cache-size 3072 --cache-mode 4,6 --max-batch-size 4 --chunk-size 2048 "
-            "--output-chunking false --cuda-malloc-async false") in cmd
+    assert cmd.startswith(
+        f"{sys.executable} main.py --model-dir {tmp_path} --model-name tiny-exl3-4.0 --backend exllamav3"
+    )
+    assert (
+        "--max-seq-len 600 --cache-size 3072 --cache-mode 4,6 --max-batch-size 4 --chunk-size 2048 "
+        "--output-chunking false --cuda-malloc-async false"
+    ) in cmd
     assert "--host 127.0.0.1 --port 5000" in cmd and "--host 0.0.0.0 serves other machines" in cmd
     assert "--cache-mode FP16" in b.deploy_command(cfg(cache="fp16", chunk_size=512), make_ctx(tmp_path))
 
@@ -320,11 +352,18 @@ def test_the_deploy_line_serves_the_generator_the_worker_was_told_to_build(exl3_
     assert m.attrs["engine_version"] == "exllamav3 1.6.5-fake" and not processes.live()
 
 
-@pytest.mark.parametrize("mode, settings, reason", [
-    ("other-settings", {}, r"instead of the .* asked for, so the measurement would not be what the deploy line serves"),
-    ("crash-on-load", {}, r"exited with code 3: died during 'load': torch.OutOfMemoryError"),
-    ("hang-on-load", {"load_timeout_s": 1}, r"no answer to 'load' within 1 s \(hung; killed\)"),
-])
+@pytest.mark.parametrize(
+    "mode, settings, reason",
+    [
+        (
+            "other-settings",
+            {},
+            r"instead of the .* asked for, so the measurement would not be what the deploy line serves",
+        ),
+        ("crash-on-load", {}, r"exited with code 3: died during 'load': torch.OutOfMemoryError"),
+        ("hang-on-load", {"load_timeout_s": 1}, r"no answer to 'load' within 1 s \(hung; killed\)"),
+    ],
+)
 def test_a_failing_worker_ends_the_trial_with_its_reason(exl3_dir, tmp_path, mode, settings, reason):
     with pytest.raises(BackendError, match=reason):
         ExLlamaV3Backend().run(cfg(parallel=2), make_ctx(tmp_path, worker_command=fake(mode), **settings))
@@ -336,8 +375,11 @@ def test_the_real_worker_says_when_exllamav3_is_missing(exl3_dir, tmp_path):
 
     if importlib.util.find_spec("exllamav3") is not None:
         pytest.skip("exllamav3 is installed here")
-    with pytest.raises(BackendError, match=r"'load' failed: BackendError: exllamav3 is not importable .*"
-                                           r"pip install -e '.\[exllamav3\]'"):
+    with pytest.raises(
+        BackendError,
+        match=r"'load' failed: BackendError: exllamav3 is not importable .*"
+        r"pip install -e '.\[exllamav3\]'",
+    ):
         ExLlamaV3Backend().run(cfg(), make_ctx(tmp_path))
     assert not processes.live()
 
@@ -357,7 +399,9 @@ def test_preflight_says_what_is_missing_without_importing_torch_here(exl3_dir, t
     (ready / "exllamav3" / "__init__.py").write_text("raise RuntimeError('preflight must not import exllamav3')\n")
     (ready / "torch" / "utils").mkdir()
     (ready / "torch" / "utils" / "__init__.py").write_text("")
-    (ready / "torch" / "utils" / "cpp_extension.py").write_text("import os\nCUDA_HOME = os.environ.get('FAKE_CUDA_HOME')\n")
+    (ready / "torch" / "utils" / "cpp_extension.py").write_text(
+        "import os\nCUDA_HOME = os.environ.get('FAKE_CUDA_HOME')\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(ready))
     monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no nvcc to be found
     (problem,) = b.preflight(c)
@@ -404,9 +448,16 @@ def source_ctx(tmp_path, monkeypatch) -> StudyContext:
     monkeypatch.setenv("AUTOTUNE_ENGINE_ENV", "CONVERT_LOG,CONVERT_REFUSE")
     monkeypatch.setenv(artifacts.ARTIFACTS_ENV, str(tmp_path / "cache"))
     artifacts._failed.clear()
-    return StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(source), workload=Workload(64, 16),
-                        vram_budget_bytes=100 * 2**30, protocol=Protocol(), settings={"python": str(python)},
-                        base_dir=tmp_path, source=source)
+    return StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_hf_config(source),
+        workload=Workload(64, 16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=Protocol(),
+        settings={"python": str(python)},
+        base_dir=tmp_path,
+        source=source,
+    )
 
 
 def test_each_bitrate_is_one_conversion_with_the_converters_own_flags(source_ctx, tmp_path):
@@ -415,8 +466,10 @@ def test_each_bitrate_is_one_conversion_with_the_converters_own_flags(source_ctx
     assert "not converted yet" in before.notes[0]
     made = {bpw: ensure(b, f"exl3:{bpw}", source_ctx) for bpw in ("2.5", "4")}
     log = [json.loads(line) for line in (tmp_path / "convert.log").read_text().splitlines()]
-    assert [(c["-b"], c["-hb"], c["-i"]) for c in log] == [("2.5", "6", str(source_ctx.source)),
-                                                           ("4.0", "6", str(source_ctx.source))]
+    assert [(c["-b"], c["-hb"], c["-i"]) for c in log] == [
+        ("2.5", "6", str(source_ctx.source)),
+        ("4.0", "6", str(source_ctx.source)),
+    ]
     for bpw, a in made.items():
         assert a.path == b.weights_path(f"exl3:{bpw}", source_ctx) and b.check_weights(str(a.path), source_ctx) is None
     assert ensure(b, "exl3:4.0", source_ctx).path == made["4"].path and len(log) == 2  # made once
@@ -446,8 +499,7 @@ def test_default_launch_is_tabbyapis_and_odd_kv_widths_refuse_a_quantized_cache(
     assert b.check(replace(odd, options=(("cache_type", "fp16"),)), c) == []
 
 
-def test_a_workloads_requests_reach_the_worker_and_its_requests_are_scored_by_the_core(exl3_dir, tmp_path,
-                                                                                    monkeypatch):
+def test_a_workloads_requests_reach_the_worker_and_its_requests_are_scored_by_the_core(exl3_dir, tmp_path, monkeypatch):
     from dataclasses import replace
 
     requests = tmp_path / "requests.jsonl"

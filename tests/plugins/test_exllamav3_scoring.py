@@ -42,8 +42,12 @@ def write_source(d: Path) -> Path:
     (d / "config.json").write_text(json.dumps(SOURCE_CONFIG))
     tensors = {"model.embed_tokens.weight": ("F16", [512, 128]), "model.norm.weight": ("F16", [128])}
     for i in range(2):
-        tensors.update({f"model.layers.{i}.self_attn.q_proj.weight": ("F16", [128, 128]),
-                        f"model.layers.{i}.mlp.down_proj.weight": ("F16", [128, 256])})
+        tensors.update(
+            {
+                f"model.layers.{i}.self_attn.q_proj.weight": ("F16", [128, 128]),
+                f"model.layers.{i}.mlp.down_proj.weight": ("F16", [128, 256]),
+            }
+        )
     write_safetensors(d / "model.safetensors", tensors)
     return d
 
@@ -60,9 +64,16 @@ def dirs(tmp_path) -> dict[str, Path]:
 
 def make_ctx(base: Path, source: Path, **settings) -> StudyContext:
     settings.setdefault("worker_command", [sys.executable, str(FAKE), "ok"])
-    return StudyContext(gpu=get_gpu("h200"), model=model_from_hf_config(source), workload=Workload(64, 16),
-                        vram_budget_bytes=100 * 2**30, protocol=Protocol(), settings=settings, base_dir=base,
-                        source=source)
+    return StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_hf_config(source),
+        workload=Workload(64, 16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=Protocol(),
+        settings=settings,
+        base_dir=base,
+        source=source,
+    )
 
 
 def write_study(base: Path, weights: list[str], quality: str | None = None) -> Path:
@@ -136,8 +147,8 @@ def test_loglikelihood_is_the_sum_of_the_continuation_rows_after_the_context(dir
     # The same rows, computed as the passes ran: the context prefilled, then one pass from its
     # last token, which reads the context back through the (quantized) cache.
     again, model2 = in_process(dirs["exl3-5.0"], "k4v4")
-    model2.forward(whole[:start - 1], 0, False)
-    rows = model2.forward(whole[start - 1:-1], start - 1, True)
+    model2.forward(whole[: start - 1], 0, False)
+    rows = model2.forward(whole[start - 1 : -1], start - 1, True)
     expected = sum(float(rows[i, t]) for i, t in enumerate(whole[start:]))
     assert found.logprob == pytest.approx(expected, rel=1e-9)
     assert found.is_greedy == bool(all(rows[i].argmax() == t for i, t in enumerate(whole[start:])))
@@ -175,8 +186,12 @@ def test_the_backend_scores_through_a_worker_loaded_for_scoring(dirs, tmp_path, 
     assert "cache k4v4" in scorer.description
     load = next(json.loads(line) for line in requests.read_text().splitlines() if '"load"' in line)
     assert load["purpose"] == "score"
-    assert {k: load["settings"][k] for k in ("cache_type", "max_seq_len", "max_batch_size", "chunk_size")} == \
-        {"cache_type": "k4v4", "max_seq_len": 1000, "max_batch_size": 1, "chunk_size": 512}
+    assert {k: load["settings"][k] for k in ("cache_type", "max_seq_len", "max_batch_size", "chunk_size")} == {
+        "cache_type": "k4v4",
+        "max_seq_len": 1000,
+        "max_batch_size": 1,
+        "chunk_size": 512,
+    }
     local, _ = in_process(dirs["exl3-3.0"], "k4v4", n_ctx=1000, chunk=512)
     np.testing.assert_array_equal(rows, local.next_token_logprobs(tokens))
     assert lls == local.loglikelihood([("Once upon a", " time"), ("Once upon a", " tide")])
@@ -209,7 +224,7 @@ def test_kld_against_the_source_falls_with_bits_and_shows_a_quantized_cache(dirs
     assert k4.value > 0.0
     # The tokens scored: the second half of every window of the text, as the GGUF path scores them.
     tokens = encode(kld.kld_text(), True)
-    windows = [tokens[i:i + kld.WINDOW] for i in range(0, len(tokens), kld.WINDOW)]
+    windows = [tokens[i : i + kld.WINDOW] for i in range(0, len(tokens), kld.WINDOW)]
     assert three.n == sum(len(w) - len(w) // 2 for w in windows if len(w) >= 4)
 
 
@@ -220,8 +235,9 @@ def test_benchmark_answers_through_the_worker(dirs, tmp_path, metric_class):
     assert metric.supports(backend) is None
     metric.configure({"shots": 1}, {})
     items = metric.item_order()[0][:3]
-    value = metric.evaluate_items(TrialConfig("exllamav3", "tiny-exl3-3.0", 0, 1, (("cache_type", "fp16"),)),
-                                  backend, ctx, items)
+    value = metric.evaluate_items(
+        TrialConfig("exllamav3", "tiny-exl3-3.0", 0, 1, (("cache_type", "fp16"),)), backend, ctx, items
+    )
     assert value.n == 3 and value.per_item["item"] == list(items)
     assert all(c in (0, 1) for c in value.per_item["correct"])
 
@@ -243,8 +259,11 @@ def test_a_study_over_exl3_bits_measures_kld_against_the_source(dirs, tmp_path):
     ref = prepared.reference["exllamav3"]
     assert (ref.weights, ref.option("cache_type")) == ("src", "fp16")  # the largest: the source, widest cache
     book = QualityBook(prepared, None)
-    drops = {(w, c): book.trial_quality(TrialConfig("exllamav3", w, 512, 1, (("cache_type", c),)))["drop_points"]
-             for w in ("tiny-exl3-3.0", "tiny-exl3-5.0") for c in ("fp16", "k4v4")}
+    drops = {
+        (w, c): book.trial_quality(TrialConfig("exllamav3", w, 512, 1, (("cache_type", c),)))["drop_points"]
+        for w in ("tiny-exl3-3.0", "tiny-exl3-5.0")
+        for c in ("fp16", "k4v4")
+    }
     assert drops[("tiny-exl3-3.0", "fp16")] > drops[("tiny-exl3-5.0", "fp16")] > 0
     assert all(drops[(w, "k4v4")] != drops[(w, "fp16")] for w in ("tiny-exl3-3.0", "tiny-exl3-5.0"))
 
@@ -256,8 +275,9 @@ def test_kld_artifacts_scores_each_artifact_and_cache_against_the_source(dirs, t
     import autotune_plugins.exllamav3 as exllamav3_plugin
     from tests.conftest import REPO, plugin_registered
 
-    spec = importlib.util.spec_from_file_location("kld_artifacts",
-                                                  REPO / "bench" / "exllamav3_h200" / "kld_artifacts.py")
+    spec = importlib.util.spec_from_file_location(
+        "kld_artifacts", REPO / "bench" / "exllamav3_h200" / "kld_artifacts.py"
+    )
     kld_artifacts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kld_artifacts)
     study = write_study(tmp_path, ["tiny-exl3-3.0", "tiny-exl3-5.0"])

@@ -24,12 +24,20 @@ FAKE = Path(__file__).with_name("exllamav3_fake_worker.py")
 FAST = Protocol(warmup_runs=1, min_runs=2, max_runs=3, rel_spread_tol=0.5)
 
 
-def ctx_of(tmp_path: Path, *cards: str, budget_gib: float | None = None, model: str = "qwen2.5-32b",
-           **settings) -> StudyContext:
+def ctx_of(
+    tmp_path: Path, *cards: str, budget_gib: float | None = None, model: str = "qwen2.5-32b", **settings
+) -> StudyContext:
     placement = resolve_placement(CardsRequest(tuple(cards), (budget_gib,), (0.0,))) if len(cards) > 1 else None
-    return StudyContext(gpu=get_gpu(cards[0]), model=get_model(model), workload=Workload(prompt_tokens=512,
-                        output_tokens=128), vram_budget_bytes=int((budget_gib or 24) * GiB), protocol=FAST,
-                        settings=settings, base_dir=tmp_path, placement=placement)
+    return StudyContext(
+        gpu=get_gpu(cards[0]),
+        model=get_model(model),
+        workload=Workload(prompt_tokens=512, output_tokens=128),
+        vram_budget_bytes=int((budget_gib or 24) * GiB),
+        protocol=FAST,
+        settings=settings,
+        base_dir=tmp_path,
+        placement=placement,
+    )
 
 
 def cfg(weights: str = "exl3:4.0", ctx: int = 4096, parallel: int = 2, **options) -> TrialConfig:
@@ -61,8 +69,12 @@ def test_rules_read_in_exllamav3_and_tabbyapi(tmp_path):
 
 
 def test_only_values_exllamav3_takes_become_choices():
-    params = {p.name: p for p in split.parameters({"gpu_split": ["auto", "20,4", [20, 4], "x"],
-                                                   "tensor_parallel": [True, False, "yes"]})}
+    params = {
+        p.name: p
+        for p in split.parameters(
+            {"gpu_split": ["auto", "20,4", [20, 4], "x"], "tensor_parallel": [True, False, "yes"]}
+        )
+    }
     assert params["gpu_split"].choices == ("auto", "20,4")
     assert params["tensor_parallel"].choices == (True, False)
 
@@ -138,7 +150,8 @@ def test_the_worker_loads_the_split_as_tabbyapi_does():
     s = generator_settings("fp16", 1024, 1, 256, "20,4", True)
     assert split_load_args(s) == {"use_per_device": [20.0, 4.0], "tensor_p": True, "tp_backend": "native"}
     assert split_load_args(generator_settings("fp16", 1024, 1, 256, "auto")) == {
-        "reserve_per_device": [AUTOSPLIT_RESERVE_GB]}
+        "reserve_per_device": [AUTOSPLIT_RESERVE_GB]
+    }
     assert split_load_args(generator_settings("fp16", 1024, 1)) == {"reserve_per_device": [AUTOSPLIT_RESERVE_GB]}
 
 
@@ -176,6 +189,10 @@ def test_twin_exllamav3_places_the_model_as_the_backend_does(tmp_path, twin_plug
     assert len(mem.per_device_bytes) == 2 and mem.per_device_bytes[0] <= 6 * GiB
     assert any("layer split over 2 of 2 cards" in n for n in mem.notes)
     assert "--gpu-split 6 23" in twin.deploy_command(config, two)
-    assert any("does not implement" in r or "need several" in r
-               for r in twin.check(TrialConfig("twin-exllamav3", "exl3:4.0", 4096, 1, (("tensor_parallel", True),)),
-                                   ctx_of(tmp_path, "rtx3090")))
+    assert any(
+        "does not implement" in r or "need several" in r
+        for r in twin.check(
+            TrialConfig("twin-exllamav3", "exl3:4.0", 4096, 1, (("tensor_parallel", True),)),
+            ctx_of(tmp_path, "rtx3090"),
+        )
+    )

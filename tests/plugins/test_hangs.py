@@ -51,9 +51,16 @@ def outcome(fn: Callable[[], Any]) -> BaseException | None:
 
 
 def ctx_for(base: Path, **settings: Any) -> StudyContext:
-    return StudyContext(gpu=get_gpu("t4"), model=model_from_gguf(STORIES), workload=Workload(16, 8),
-                        vram_budget_bytes=14 * 2**30, protocol=Protocol(warmup_runs=1, min_runs=1, max_runs=1),
-                        settings={"startup_timeout_s": 30, **settings}, base_dir=base, for_gpu=False)
+    return StudyContext(
+        gpu=get_gpu("t4"),
+        model=model_from_gguf(STORIES),
+        workload=Workload(16, 8),
+        vram_budget_bytes=14 * 2**30,
+        protocol=Protocol(warmup_runs=1, min_runs=1, max_runs=1),
+        settings={"startup_timeout_s": 30, **settings},
+        base_dir=base,
+        for_gpu=False,
+    )
 
 
 @pytest.fixture
@@ -98,8 +105,9 @@ def test_an_outer_deadline_ends_the_streams_of_every_thread(keepalive_url):
 
     def streams() -> None:
         with httpx.Client() as http, within(time.monotonic() + 1, "the study's budget (1 s) ran out"):
-            run_streams_threaded(lambda j: stream_completion(http, keepalive_url, {"prompt": "x"}, 1, 600).result,
-                                 2, 600)
+            run_streams_threaded(
+                lambda j: stream_completion(http, keepalive_url, {"prompt": "x"}, 1, 600).result, 2, 600
+            )
 
     exc = outcome(streams)
     assert isinstance(exc, DeadlineExceeded), exc
@@ -120,9 +128,13 @@ def study_over(tmp_path: Path, timeout_s: float) -> Any:
     from tests.engine_fixtures import write_llama_study
 
     fake = keepalive_engine(tmp_path)
-    path = write_llama_study(tmp_path / "keepalive.toml", parallel="[1, 2]", study="baseline = false\nfinish_top = 0",
-                             extra=f'[backends.llama-server]\nbinary = "{fake}"\nthreads = 1\n'
-                                   f"request_timeout_s = {timeout_s}\nstartup_timeout_s = 30")
+    path = write_llama_study(
+        tmp_path / "keepalive.toml",
+        parallel="[1, 2]",
+        study="baseline = false\nfinish_top = 0",
+        extra=f'[backends.llama-server]\nbinary = "{fake}"\nthreads = 1\n'
+        f"request_timeout_s = {timeout_s}\nstartup_timeout_s = 30",
+    )
     return load_study_config(path)
 
 
@@ -140,8 +152,11 @@ def test_the_study_goes_on_after_a_trial_cut_at_its_request_deadline(tmp_path, m
 
     monkeypatch.setattr("autotune_plugins.llama_server.backend._has_gpu", lambda: False)
     events: list[Any] = []
-    exc = outcome(lambda: run_study(study_over(tmp_path, 1), n_trials=2, storage=f"sqlite:///{tmp_path / 's.db'}",
-                                    callback=events.append))
+    exc = outcome(
+        lambda: run_study(
+            study_over(tmp_path, 1), n_trials=2, storage=f"sqlite:///{tmp_path / 's.db'}", callback=events.append
+        )
+    )
     assert exc is None, exc
     assert [e.state for e in events] == ["FAIL", "FAIL"]  # both configurations launched, each cut
     assert all("request exceeded 1 s total (request_timeout_s)" in (e.reason or "") for e in events), events
@@ -153,8 +168,11 @@ def test_the_study_budget_ends_a_request_its_own_timeout_would_not(tmp_path, mon
 
     monkeypatch.setattr("autotune_plugins.llama_server.backend._has_gpu", lambda: False)
     events: list[Any] = []
-    exc = outcome(lambda: run_study(study_over(tmp_path, 600), budget_s=2, storage=f"sqlite:///{tmp_path / 's.db'}",
-                                    callback=events.append))
+    exc = outcome(
+        lambda: run_study(
+            study_over(tmp_path, 600), budget_s=2, storage=f"sqlite:///{tmp_path / 's.db'}", callback=events.append
+        )
+    )
     assert exc is None, exc
     assert [e.state for e in events] == ["FAIL"]  # no launch fits in what is left: the study ends
     assert "the study's budget (2 s) ran out" in (events[0].reason or ""), events
@@ -205,7 +223,7 @@ def trickle_url():
             self.end_headers()
             try:
                 for i in range(len(body)):
-                    self.wfile.write(body[i:i + 1])
+                    self.wfile.write(body[i : i + 1])
                     self.wfile.flush()
                     time.sleep(0.1)
             except OSError:

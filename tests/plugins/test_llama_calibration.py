@@ -38,8 +38,13 @@ spec.loader.exec_module(calibrate)
 # ~45M parameters with llama's 32k SPM vocabulary: a decode step of a few milliseconds on
 # 2 cores, long enough that per-token server costs are a fraction, as on a real model.
 SHAPE = SynthSpec(arch="llama", n_layers=4, hidden=512, n_heads=8, n_kv_heads=4, ffn=1536, context_length=2048)
-SETUP = calibrate.Setup(output_tokens=64, streams=(1,), threads=1, bench_runs=2,
-                        protocol=Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=0.05))
+SETUP = calibrate.Setup(
+    output_tokens=64,
+    streams=(1,),
+    threads=1,
+    bench_runs=2,
+    protocol=Protocol(warmup_runs=1, min_runs=2, max_runs=2, rel_spread_tol=0.05),
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,5 +77,7 @@ def test_autotune_drives_the_engine_as_llama_bench_does(bench_model):
     # load generator may not take a core from the engine's threads (0.08 measured beside 2).
     assert ours["client_cores"] < 0.5, ours
     assert ours["decode_tok_s"] > 0 and ours["runs"] >= SETUP.protocol.min_runs
-    print(f"decode tok/s (a figure, not a verdict): autotune {ours['decode_tok_s']:.1f}, llama-bench "
-          f"tg{SETUP.output_tokens} {bench['decode_tok_s']:.1f}, ratio {ours['decode_tok_s'] / bench['decode_tok_s']:.2f}")
+    print(
+        f"decode tok/s (a figure, not a verdict): autotune {ours['decode_tok_s']:.1f}, llama-bench "
+        f"tg{SETUP.output_tokens} {bench['decode_tok_s']:.1f}, ratio {ours['decode_tok_s'] / bench['decode_tok_s']:.2f}"
+    )

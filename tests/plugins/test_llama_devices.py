@@ -57,8 +57,20 @@ def test_devices_left_out_hold_nothing_on_rpc_devices(tmp_path, engine_plugins):
     shutil.copy(shared_file("models/stories260K.gguf"), model)
 
     def per(**dims):
-        r = estimate_config(None, str(model), "llama-server", None, 512, None, None, 1, 64, 16,
-                            dimensions={"split_mode": "layer", **dims}, gpus=["cpu", "cpu", "cpu"])
+        r = estimate_config(
+            None,
+            str(model),
+            "llama-server",
+            None,
+            512,
+            None,
+            None,
+            1,
+            64,
+            16,
+            dimensions={"split_mode": "layer", **dims},
+            gpus=["cpu", "cpu", "cpu"],
+        )
         return r["vram"]["per_device_bytes"]
 
     every = per(tensor_split="1,1,1")

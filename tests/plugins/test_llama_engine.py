@@ -75,8 +75,12 @@ def fake_exe(path: Path, output: str = NEW_VERSION, to_stderr: bool = True) -> P
     return path
 
 
-def fake_build_dir(root: Path, arch: str = "cpu", version: str = engine.LLAMA_CPP_PYTHON_VERSION,
-                   tools: tuple[str, ...] = engine.BUILD_TARGETS) -> Path:
+def fake_build_dir(
+    root: Path,
+    arch: str = "cpu",
+    version: str = engine.LLAMA_CPP_PYTHON_VERSION,
+    tools: tuple[str, ...] = engine.BUILD_TARGETS,
+) -> Path:
     """A complete build in an engines directory, as build_llama_cpp leaves it (``tools``
     narrower for one made before autotune built the benchmarks)."""
     install = root / f"llama.cpp-{version}-{engine.arch_tag(arch)}"
@@ -84,7 +88,9 @@ def fake_build_dir(root: Path, arch: str = "cpu", version: str = engine.LLAMA_CP
     for tool in tools:
         if tool != "llama-server":
             fake_exe(install / "bin" / tool, "usage\n")
-    (install / engine.MARKER).write_text(json.dumps({"arch": arch, "llama_cpp_python": version, "tag": engine.arch_tag(arch)}))
+    (install / engine.MARKER).write_text(
+        json.dumps({"arch": arch, "llama_cpp_python": version, "tag": engine.arch_tag(arch)})
+    )
     return install
 
 
@@ -198,8 +204,10 @@ def test_engine_version_errors(tmp_path):
 # ------------------------------------------------------------------ architectures and CMake
 
 # A top-level CMakeLists.txt that knows every option the builder may pass.
-KNOWN = ("option(LLAMA_CURL) option(LLAMA_OPENSSL) LLAMA_BUILD_TESTS LLAMA_BUILD_EXAMPLES LLAMA_USE_PREBUILT_UI LLAMA_BUILD_UI "
-         "llama_option_depr(WARNING LLAMA_RPC GGML_RPC)")
+KNOWN = (
+    "option(LLAMA_CURL) option(LLAMA_OPENSSL) LLAMA_BUILD_TESTS LLAMA_BUILD_EXAMPLES LLAMA_USE_PREBUILT_UI LLAMA_BUILD_UI "
+    "llama_option_depr(WARNING LLAMA_RPC GGML_RPC)"
+)
 
 
 def gpu(cc: str) -> SimpleNamespace:
@@ -212,11 +220,26 @@ def plan_for(arch: str, tmp_path: Path) -> BuildPlan:
 
 def test_cmake_args_cpu(tmp_path):
     args = cmake_configure_args(plan_for("cpu", tmp_path), known_options=KNOWN)
-    assert args[:7] == ["cmake", "-S", str(tmp_path / "llama.cpp-0.3.36-cpu" / "src"),
-                        "-B", str(tmp_path / "llama.cpp-0.3.36-cpu" / "build"), "-G", "Ninja"]
-    for flag in ("-DGGML_CUDA=OFF", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_COMMIT=0c1e570",
-                 "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON"):
+    assert args[:7] == [
+        "cmake",
+        "-S",
+        str(tmp_path / "llama.cpp-0.3.36-cpu" / "src"),
+        "-B",
+        str(tmp_path / "llama.cpp-0.3.36-cpu" / "build"),
+        "-G",
+        "Ninja",
+    ]
+    for flag in (
+        "-DGGML_CUDA=OFF",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_COMMIT=0c1e570",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_RPC=ON",
+    ):
         assert flag in args
     assert not [a for a in args if "CUDA_ARCHITECTURES" in a]
     # The RPC backend's server is built and installed with the rest (issue 40: several devices
@@ -251,8 +274,9 @@ def test_amx_is_kept_out_of_native_builds(tmp_path, monkeypatch):
     assert engine.amx_guard_flags(str(accepting), AMX_CPUINFO) == ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
     assert engine.amx_guard_flags(str(accepting), "flags\t\t: fpu avx2 avx512f\n") == []
     assert engine.amx_guard_flags(str(rejecting), AMX_CPUINFO) == []  # too old to emit AMX anyway
-    args = cmake_configure_args(plan_for("cpu", tmp_path), known_options=KNOWN, host_flags=["-mno-amx-tile"],
-                                env={"CFLAGS": "-O2 -g"})
+    args = cmake_configure_args(
+        plan_for("cpu", tmp_path), known_options=KNOWN, host_flags=["-mno-amx-tile"], env={"CFLAGS": "-O2 -g"}
+    )
     assert "-DCMAKE_C_FLAGS=-O2 -g -mno-amx-tile" in args and "-DCMAKE_CXX_FLAGS=-mno-amx-tile" in args
 
 
@@ -396,8 +420,20 @@ def test_missing_nvcc_for_a_cuda_build(tmp_path, monkeypatch):
 
 def test_cli_missing_cmake(cli, clean_env, monkeypatch):
     sdist = make_sdist(clean_env)
-    result = CliRunner().invoke(cli, ["engine", "build", "llama.cpp", "--cuda-arch", "cpu", "--sdist", str(sdist),
-                                      "--cache-dir", str(clean_env / "e")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "engine",
+            "build",
+            "llama.cpp",
+            "--cuda-arch",
+            "cpu",
+            "--sdist",
+            str(sdist),
+            "--cache-dir",
+            str(clean_env / "e"),
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert "cmake" in result.output and "apt-get install cmake" in result.output
 
@@ -421,8 +457,9 @@ def test_cli_bad_arch_is_a_usage_error(cli, clean_env):
 def test_cli_build_reuse_and_list(cli, clean_env, monkeypatch):
     install = fake_build_dir(clean_env / "e")
     # A complete build exists: the command must not touch the network or a compiler.
-    result = CliRunner().invoke(cli, ["engine", "build", "llama.cpp", "--cuda-arch", "cpu",
-                                      "--cache-dir", str(clean_env / "e")])
+    result = CliRunner().invoke(
+        cli, ["engine", "build", "llama.cpp", "--cuda-arch", "cpu", "--cache-dir", str(clean_env / "e")]
+    )
     assert result.exit_code == 0, result.output
     assert "reused" in result.output and str(install / "bin" / "llama-server") in result.output
     listed = CliRunner().invoke(cli, ["engine", "list", "--cache-dir", str(clean_env / "e")])
@@ -465,8 +502,10 @@ def test_import_llama_cpp_keeps_an_explicit_library_path(monkeypatch, tmp_path):
 # ------------------------------------------------------------------ the real thing
 
 
-@pytest.mark.skipif(os.environ.get("AUTOTUNE_TEST_BUILD") != "1" and os.environ.get("AUTOTUNE_REQUIRE_ENGINE") != "1",
-                    reason="set AUTOTUNE_TEST_BUILD=1 to compile llama.cpp (minutes)")
+@pytest.mark.skipif(
+    os.environ.get("AUTOTUNE_TEST_BUILD") != "1" and os.environ.get("AUTOTUNE_REQUIRE_ENGINE") != "1",
+    reason="set AUTOTUNE_TEST_BUILD=1 to compile llama.cpp (minutes)",
+)
 def test_real_cpu_build():
     # In CI the README's test command has just built it: this checks that build (reused).
     build = build_llama_cpp("cpu", jobs=os.cpu_count())
@@ -502,8 +541,10 @@ def test_a_build_made_before_the_benchmarks_gets_only_them_added(tmp_path):
     assert builder.calls == 1 and added.install_dir == first.install_dir and not added.missing_tools
     assert json.loads(marker.read_text())["manifest_version"] == engine.MANIFEST_VERSION
     assert (first.install_dir / "build.log").read_text().count("fake build") == 3  # appended, not replaced
-    assert engine.find_engine_tool("llama-batched-bench", cache_dir=tmp_path / "e", arch="cpu") == \
-        first.install_dir / "bin" / "llama-batched-bench"
+    assert (
+        engine.find_engine_tool("llama-batched-bench", cache_dir=tmp_path / "e", arch="cpu")
+        == first.install_dir / "bin" / "llama-batched-bench"
+    )
     build_llama_cpp("cpu", cache_dir=tmp_path / "e", sdist=sdist, builder=builder)
     assert builder.calls == 1  # now complete: reused
 
@@ -527,7 +568,8 @@ def test_install_outputs_copies_every_target_and_refuses_a_missing_one(tmp_path)
     fake_exe(built / "llama-cli", "")  # built as a dependency, not ours to ship
     engine.install_outputs(built, tmp_path / "bin")
     assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == sorted(
-        [*engine.BUILD_TARGETS, "libllama-bench-impl.so"])
+        [*engine.BUILD_TARGETS, "libllama-bench-impl.so"]
+    )
     (built / "llama-batched-bench").unlink()
     with pytest.raises(EngineBuildError, match="without llama-batched-bench"):
         engine.install_outputs(built, tmp_path / "bin2")
@@ -535,24 +577,32 @@ def test_install_outputs_copies_every_target_and_refuses_a_missing_one(tmp_path)
 
 def test_cmake_builds_the_benchmarks_and_the_rpc_server(tmp_path):
     args = engine.cmake_build_args(plan_for("cpu", tmp_path))
-    assert args[args.index("--target") + 1:] == ["llama-server", "llama-quantize", "llama-bench", "llama-batched-bench",
-                                                 "ggml-rpc-server"]
+    assert args[args.index("--target") + 1 :] == [
+        "llama-server",
+        "llama-quantize",
+        "llama-bench",
+        "llama-batched-bench",
+        "ggml-rpc-server",
+    ]
 
 
 # ------------------------------------------------------------------ which card a build runs on
 
 
-@pytest.mark.parametrize(("built", "cc", "verdict"), [
-    ("70", "7.0", None),
-    ("70;86", "8.6", None),
-    ("80", "8.6", None),  # same major, newer minor: the sm_80 machine code runs
-    ("90a", "9.0", None),
-    ("75", "7.0", "no kernels this card can run"),
-    ("90", "7.0", "no kernels this card can run"),
-    ("70", "9.0", "PTX JIT-compiled for sm_70"),
-    ("90a", "10.0", "no kernels this card can run"),
-    ("cpu", "7.0", "CPU-only: on this card, sm_70 (Volta, e.g. V100), it would measure the CPU"),
-])
+@pytest.mark.parametrize(
+    ("built", "cc", "verdict"),
+    [
+        ("70", "7.0", None),
+        ("70;86", "8.6", None),
+        ("80", "8.6", None),  # same major, newer minor: the sm_80 machine code runs
+        ("90a", "9.0", None),
+        ("75", "7.0", "no kernels this card can run"),
+        ("90", "7.0", "no kernels this card can run"),
+        ("70", "9.0", "PTX JIT-compiled for sm_70"),
+        ("90a", "10.0", "no kernels this card can run"),
+        ("cpu", "7.0", "CPU-only: on this card, sm_70 (Volta, e.g. V100), it would measure the CPU"),
+    ],
+)
 def test_build_supports(tmp_path, built, cc, verdict):
     install = fake_build_dir(tmp_path, built)
     answer = engine.build_supports(install / "bin" / "llama-server", cc)
@@ -585,12 +635,16 @@ def test_build_supports_a_binary_autotune_did_not_build(tmp_path):
 
 # ------------------------------------------------------------------ the CUDA toolkit, checked before compiling
 
-NVCC_13 = ("nvcc: NVIDIA (R) Cuda compiler driver\nCopyright (c) 2005-2025 NVIDIA Corporation\n"
-           "Built on Wed_Aug_20_01:58:59_PM_PDT_2025\nCuda compilation tools, release 13.0, V13.0.88\n"
-           "Build cuda_13.0.r13.0/compiler.36424714_0\n")
+NVCC_13 = (
+    "nvcc: NVIDIA (R) Cuda compiler driver\nCopyright (c) 2005-2025 NVIDIA Corporation\n"
+    "Built on Wed_Aug_20_01:58:59_PM_PDT_2025\nCuda compilation tools, release 13.0, V13.0.88\n"
+    "Build cuda_13.0.r13.0/compiler.36424714_0\n"
+)
 # What CUDA 13.0's nvcc --list-gpu-arch printed on an H200 machine.
-NVCC_13_ARCHS = ("compute_75 compute_80 compute_86 compute_87 compute_88 compute_89 compute_90 compute_100 "
-                 "compute_110 compute_103 compute_120 compute_121").replace(" ", "\n") + "\n"
+NVCC_13_ARCHS = (
+    "compute_75 compute_80 compute_86 compute_87 compute_88 compute_89 compute_90 compute_100 "
+    "compute_110 compute_103 compute_120 compute_121"
+).replace(" ", "\n") + "\n"
 
 
 def fake_nvcc(path: Path, release: str, archs: str | None = None) -> Path:
@@ -628,9 +682,15 @@ def test_cuda_13_refuses_volta_before_compiling(tmp_path, listing, monkeypatch):
     with pytest.raises(ConfigError) as info:
         builder.check_tools(plan_for("70", tmp_path))
     message = str(info.value)
-    for part in ("--cuda-arch 70", "CUDA 13.0", str(nvcc), "sm_70 (Volta, e.g. V100)",
-                 "the last toolkit that can is CUDA 12.9", "--cuda-compiler /usr/local/cuda-12.9/bin/nvcc",
-                 "CUDACXX=/usr/local/cuda-12.9/bin/nvcc"):
+    for part in (
+        "--cuda-arch 70",
+        "CUDA 13.0",
+        str(nvcc),
+        "sm_70 (Volta, e.g. V100)",
+        "the last toolkit that can is CUDA 12.9",
+        "--cuda-compiler /usr/local/cuda-12.9/bin/nvcc",
+        "CUDACXX=/usr/local/cuda-12.9/bin/nvcc",
+    ):
         assert part in message
     builder.check_tools(plan_for("75;90a", tmp_path))  # Turing and Hopper: fine with 13.0
     assert builder.cuda_compiler == str(nvcc) and builder.cuda.version == (13, 0)
@@ -641,11 +701,16 @@ def test_cuda_12_9_builds_volta_and_an_installed_one_is_named(tmp_path, monkeypa
     cuda13 = fake_nvcc(tmp_path / "cuda-13.0" / "bin" / "nvcc", "13.0")
     monkeypatch.setattr(cuda_toolkit, "VERSIONED_NVCC_GLOB", str(tmp_path / "cuda-*" / "bin" / "nvcc"))
     tools = build_tools(tmp_path)
-    with pytest.raises(ConfigError, match=rf"CUDA 12.9 is installed at {cuda12} and can: rerun with "
-                                          rf"--cuda-compiler {cuda12} \(or CUDACXX={cuda12}\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"CUDA 12.9 is installed at {cuda12} and can: rerun with "
+        rf"--cuda-compiler {cuda12} \(or CUDACXX={cuda12}\)",
+    ):
         CMakeBuilder(env={"PATH": str(tools), "CUDACXX": str(cuda13)}).check_tools(plan_for("70", tmp_path))
-    for builder in (CMakeBuilder(env={"PATH": f"{tools}:{cuda13.parent}"}, cuda_compiler=cuda12),  # flag over PATH
-                    CMakeBuilder(env={"PATH": f"{tools}:{cuda13.parent}", "CUDACXX": str(cuda12)})):
+    for builder in (
+        CMakeBuilder(env={"PATH": f"{tools}:{cuda13.parent}"}, cuda_compiler=cuda12),  # flag over PATH
+        CMakeBuilder(env={"PATH": f"{tools}:{cuda13.parent}", "CUDACXX": str(cuda12)}),
+    ):
         builder.check_tools(plan_for("70", tmp_path))
         assert builder.cuda_compiler == str(cuda12)
     args = cmake_configure_args(plan_for("70", tmp_path), known_options=KNOWN, cuda_compiler=builder.cuda_compiler)
@@ -656,7 +721,9 @@ def test_a_new_card_needs_a_new_enough_toolkit(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda_toolkit, "VERSIONED_NVCC_GLOB", str(tmp_path / "none" / "*"))
     nvcc = fake_nvcc(tmp_path / "cuda-12.4" / "bin" / "nvcc", "12.4")
     with pytest.raises(ConfigError, match=r"cannot compile for sm_120 \(Blackwell.*needs CUDA 12.8 or newer"):
-        CMakeBuilder(env={"PATH": str(build_tools(tmp_path))}, cuda_compiler=nvcc).check_tools(plan_for("120", tmp_path))
+        CMakeBuilder(env={"PATH": str(build_tools(tmp_path))}, cuda_compiler=nvcc).check_tools(
+            plan_for("120", tmp_path)
+        )
 
 
 def test_a_cuda_compiler_that_is_not_there_is_named(tmp_path):
@@ -674,8 +741,20 @@ def test_cli_cuda_13_for_a_v100_is_exit_2_before_any_download(cli, clean_env, mo
     monkeypatch.setattr(cuda_toolkit, "VERSIONED_NVCC_GLOB", str(clean_env / "none" / "*"))
     nvcc = fake_nvcc(clean_env / "cuda-13.0" / "bin" / "nvcc", "13.0", NVCC_13_ARCHS)
     monkeypatch.setenv("PATH", str(build_tools(clean_env)))
-    result = CliRunner().invoke(cli, ["engine", "build", "llama.cpp", "--cuda-arch", "70", "--cuda-compiler", str(nvcc),
-                                      "--cache-dir", str(clean_env / "e")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "engine",
+            "build",
+            "llama.cpp",
+            "--cuda-arch",
+            "70",
+            "--cuda-compiler",
+            str(nvcc),
+            "--cache-dir",
+            str(clean_env / "e"),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "Error: --cuda-arch 70: CUDA 13.0" in result.output and "cuda-12.9" in result.output
     assert "Traceback" not in result.output and "CMake" not in result.output
@@ -683,8 +762,10 @@ def test_cli_cuda_13_for_a_v100_is_exit_2_before_any_download(cli, clean_env, mo
 
 
 def test_cli_cuda_compiler_for_a_cpu_build_is_exit_2(cli, clean_env):
-    result = CliRunner().invoke(cli, ["engine", "build", "llama.cpp", "--cpu", "--cuda-compiler", "/x/nvcc",
-                                      "--cache-dir", str(clean_env / "e")])
+    result = CliRunner().invoke(
+        cli,
+        ["engine", "build", "llama.cpp", "--cpu", "--cuda-compiler", "/x/nvcc", "--cache-dir", str(clean_env / "e")],
+    )
     assert result.exit_code == 2
     assert "--cuda-compiler /x/nvcc: the build is CPU-only (a CPU build was asked for)" in result.output
 

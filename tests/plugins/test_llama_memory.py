@@ -28,12 +28,31 @@ SHAPES = {
     # 13M parameters, llama: MLP-dominated activations.
     "tiny": SynthSpec(arch="llama", n_layers=4, hidden=512, n_heads=8, n_kv_heads=4, ffn=1536, context_length=8192),
     # Qwen2 0.5B widths on 4 layers, the real 151,936-token vocabulary, tied head.
-    "qwen": SynthSpec(arch="qwen2", n_layers=4, hidden=896, n_heads=14, n_kv_heads=2, ffn=4864,
-                      context_length=32768, tie_embeddings=True),
+    "qwen": SynthSpec(
+        arch="qwen2",
+        n_layers=4,
+        hidden=896,
+        n_heads=14,
+        n_kv_heads=2,
+        ffn=4864,
+        context_length=32768,
+        tie_embeddings=True,
+    ),
     # A mixture of experts (qwen3moe): 16 experts, 4 used, so a token's MLP is 4 x 256 wide, not
     # the 512 its feed_forward_length says: the compute buffer must follow the experts.
-    "moe": SynthSpec(arch="qwen3moe", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, head_size=64,
-                     experts=16, experts_used=4, expert_ffn=256, context_length=8192),
+    "moe": SynthSpec(
+        arch="qwen3moe",
+        n_layers=2,
+        hidden=256,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn=512,
+        head_size=64,
+        experts=16,
+        experts_used=4,
+        expert_ffn=256,
+        context_length=8192,
+    ),
 }
 
 # (model file, ctx per sequence, parallel, cache type, flash attention, ubatch)
@@ -75,8 +94,11 @@ def models(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name, ctx, parallel, cache, fa, ub", CASES,
-                         ids=[f"{c[0].removesuffix('.gguf')}-c{c[1]}x{c[2]}-{c[3]}-fa{int(c[4])}-ub{c[5]}" for c in CASES])
+@pytest.mark.parametrize(
+    "name, ctx, parallel, cache, fa, ub",
+    CASES,
+    ids=[f"{c[0].removesuffix('.gguf')}-c{c[1]}x{c[2]}-{c[3]}-fa{int(c[4])}-ub{c[5]}" for c in CASES],
+)
 def test_estimate_matches_the_engines_own_figures(models, name, ctx, parallel, cache, fa, ub):
     path = models / name
     model = model_from_gguf(path)
@@ -85,8 +107,9 @@ def test_estimate_matches_the_engines_own_figures(models, name, ctx, parallel, c
     # The engine's figures: launch it with exactly these flags and read its log.
     backend = LlamaServerBackend()
     c = make_ctx(path)
-    config = TrialConfig("llama-server", name, ctx, parallel,
-                         (("cache_type", cache), ("flash_attn", fa), ("ubatch", ub)))
+    config = TrialConfig(
+        "llama-server", name, ctx, parallel, (("cache_type", cache), ("flash_attn", fa), ("ubatch", ub))
+    )
     server = backend.launch(config, c, False, models, verbose=True)
     try:
         backend.wait_ready(server, 120)
@@ -106,6 +129,7 @@ def test_estimate_matches_the_engines_own_figures(models, name, ctx, parallel, c
     assert err(predicted.weights_bytes, weights) <= 0.01 or abs(predicted.weights_bytes - weights) <= 0.006 * MiB
     assert err(predicted.kv_bytes, kv) <= 0.01 or abs(predicted.kv_bytes - kv) <= 0.006 * MiB
     assert err(predicted.total_bytes, total) <= 0.05, (
-        f"compute predicted {predicted.buffers_bytes / MiB:.2f} MiB, logged {compute / MiB:.2f}")
+        f"compute predicted {predicted.buffers_bytes / MiB:.2f} MiB, logged {compute / MiB:.2f}"
+    )
     assert logged["kv_cells"] == memory.LAYOUT.cells(ctx, parallel)
     assert servers_on(path) == []

@@ -22,8 +22,19 @@ from tests.conftest import shared_file
 from tests.plugins.test_llama_server_backend import cfg, make_ctx
 
 MiB = 2**20
-MOE = SynthSpec(arch="qwen3moe", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, head_size=64,
-                experts=16, experts_used=4, expert_ffn=256, context_length=8192)
+MOE = SynthSpec(
+    arch="qwen3moe",
+    n_layers=4,
+    hidden=256,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn=512,
+    head_size=64,
+    experts=16,
+    experts_used=4,
+    expert_ffn=256,
+    context_length=8192,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +48,12 @@ def files(tmp_path_factory) -> Path:
 def test_the_dimensions_are_offered_only_when_named(files):
     b = LlamaServerBackend()
     assert {p.name for p in b.parameters({})} == {"cache_type", "flash_attn"}  # today's space, unchanged
-    params = {p.name: p for p in b.parameters({"gpu_layers": ["all", 3, -1, 2.5], "n_cpu_moe": [0, 2, -1, "x"],
-                                               "batch": [1024, 0], "ubatch": [256]})}
+    params = {
+        p.name: p
+        for p in b.parameters(
+            {"gpu_layers": ["all", 3, -1, 2.5], "n_cpu_moe": [0, 2, -1, "x"], "batch": [1024, 0], "ubatch": [256]}
+        )
+    }
     assert params["gpu_layers"].choices == ("all", 3)
     assert params["n_cpu_moe"].choices == (0, 2)
     assert params["batch"].choices == (1024,) and params["ubatch"].choices == (256,)
@@ -50,8 +65,13 @@ def test_flags_are_what_was_measured(files):
     plain = b.server_argv(cfg("moe.gguf"), c, binary="llama-server", port=1, has_gpu=True)
     assert "-ngl" in plain and plain[plain.index("-ngl") + 1] == "999"
     assert "--n-cpu-moe" not in plain and "-b" not in plain
-    argv = b.server_argv(cfg("moe.gguf", gpu_layers=3, n_cpu_moe=2, batch=1024, ubatch=256), c,
-                         binary="llama-server", port=1, has_gpu=True)
+    argv = b.server_argv(
+        cfg("moe.gguf", gpu_layers=3, n_cpu_moe=2, batch=1024, ubatch=256),
+        c,
+        binary="llama-server",
+        port=1,
+        has_gpu=True,
+    )
     assert argv[argv.index("-ngl") + 1] == "3" and argv[argv.index("--n-cpu-moe") + 1] == "2"
     assert argv[argv.index("-b") + 1] == "1024" and argv[argv.index("-ub") + 1] == "256"
     deployed = b.deploy_command(cfg("moe.gguf", gpu_layers=3, n_cpu_moe=2), c)
@@ -66,7 +86,8 @@ def test_rules_refuse_what_llama_cpp_ignores_or_clamps(files):
     n = model_from_gguf(files / "moe.gguf").n_layers
     assert b.check(cfg("moe.gguf", n_cpu_moe=n, gpu_layers=n + 1, ubatch=512, batch=512), moe) == []
     assert b.check(cfg("moe.gguf", n_cpu_moe=n + 1), moe) == [
-        f"n_cpu_moe {n + 1} exceeds the model's {n} layers: the same as n_cpu_moe = {n}"]
+        f"n_cpu_moe {n + 1} exceeds the model's {n} layers: the same as n_cpu_moe = {n}"
+    ]
     (why,) = b.check(cfg("moe.gguf", gpu_layers=n + 2), moe)
     assert f"gpu_layers {n + 2} exceeds the model's {n} layers" in why and '"all"' in why
     (why,) = b.check(cfg("stories260K.gguf", n_cpu_moe=1), dense)
@@ -112,7 +133,9 @@ def test_the_split_moves_bytes_between_the_card_and_the_host(files):
     # -ngl 2 of 4 layers: the head and the last layer on the card, its cache too
     e = est(gpu_layers=2)
     assert e.weights_bytes == w.per_layer_bytes[3] + w.output_bytes + w.other_bytes
-    assert e.kv_bytes == whole.kv_bytes // 4 and e.host_bytes == w.total_bytes - e.weights_bytes + 3 * whole.kv_bytes // 4
+    assert (
+        e.kv_bytes == whole.kv_bytes // 4 and e.host_bytes == w.total_bytes - e.weights_bytes + 3 * whole.kv_bytes // 4
+    )
     none = est(gpu_layers=0)
     assert none.weights_bytes == 0 and none.kv_bytes == 0 and none.host_bytes == w.total_bytes + whole.kv_bytes
     assert est(gpu_layers=0, ubatch=16).buffers_bytes < none.buffers_bytes  # below 32 tokens nothing is staged

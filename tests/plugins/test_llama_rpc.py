@@ -42,8 +42,10 @@ MiB = 2**20
 def build():
     found = cpu_build()
     if not rpc.binary_beside(found.server).is_file():
-        pytest.skip(f"{rpc.binary_beside(found.server)} is missing: this llama.cpp build predates GGML_RPC; "
-                    "rebuild with `autotune engine build llama.cpp --force`")
+        pytest.skip(
+            f"{rpc.binary_beside(found.server)} is missing: this llama.cpp build predates GGML_RPC; "
+            "rebuild with `autotune engine build llama.cpp --force`"
+        )
     return found
 
 
@@ -56,12 +58,23 @@ def stories(tmp_path) -> Path:
 
 def context(model: Path, n: int, build) -> StudyContext:
     placement = resolve_placement(CardsRequest(("cpu",) * n, (1.0,), (0.0,)))
-    return StudyContext(gpu=cpu_spec(), model=model_from_gguf(model), workload=Workload(16, 8),
-                        vram_budget_bytes=placement.total_budget_bytes,
-                        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1),
-                        settings={"threads": 1, "startup_timeout_s": 60, "binary": str(build.server),
-                                  "pin_cores": False, "startup_facts": True},
-                        base_dir=model.parent, for_gpu=False, placement=placement)
+    return StudyContext(
+        gpu=cpu_spec(),
+        model=model_from_gguf(model),
+        workload=Workload(16, 8),
+        vram_budget_bytes=placement.total_budget_bytes,
+        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1),
+        settings={
+            "threads": 1,
+            "startup_timeout_s": 60,
+            "binary": str(build.server),
+            "pin_cores": False,
+            "startup_facts": True,
+        },
+        base_dir=model.parent,
+        for_gpu=False,
+        placement=placement,
+    )
 
 
 def per_device(facts: dict, key: str, endpoints: list[str]) -> list[float]:
@@ -74,7 +87,7 @@ def per_device(facts: dict, key: str, endpoints: list[str]) -> list[float]:
 # (devices, split mode, -ts, ctx, parallel, ubatch, flash attention)
 CASES = [
     (2, "layer", "1,1", 256, 1, 512, True),
-    (2, "layer", "3,1", 512, 2, 512, True),      # device 1 holds only the output layer
+    (2, "layer", "3,1", 512, 2, 512, True),  # device 1 holds only the output layer
     (2, "layer", "1,1", 1024, 1, 256, False),
     (2, "layer", "2,3", 256, 4, 64, True),
     (3, "layer", "1,1,1", 1024, 1, 128, True),
@@ -83,8 +96,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("n, mode, ts, ctx, parallel, ub, fa", CASES,
-                         ids=[f"{c[0]}dev-{c[1]}-{c[2]}-c{c[3]}x{c[4]}-ub{c[5]}-fa{int(c[6])}" for c in CASES])
+@pytest.mark.parametrize(
+    "n, mode, ts, ctx, parallel, ub, fa",
+    CASES,
+    ids=[f"{c[0]}dev-{c[1]}-{c[2]}-c{c[3]}x{c[4]}-ub{c[5]}-fa{int(c[6])}" for c in CASES],
+)
 def test_each_device_s_buffers_match_the_engine_s_log(build, stories, n, mode, ts, ctx, parallel, ub, fa):
     """Weights and KV cache exact per device (to the log's 0.01 MiB); each device's total never
     under the log by more than 5% (the judge must not admit what does not fit), and over it by
@@ -94,8 +110,13 @@ def test_each_device_s_buffers_match_the_engine_s_log(build, stories, n, mode, t
 
     llama_startup._STARTUP_FACTS.clear()  # each case its own launch
     c = context(stories, n, build)
-    options = {"cache_type": "f16", "flash_attn": fa, "split_mode": mode, "ubatch": ub,
-               **({"tensor_split": ts} if ts else {})}
+    options = {
+        "cache_type": "f16",
+        "flash_attn": fa,
+        "split_mode": mode,
+        "ubatch": ub,
+        **({"tensor_split": ts} if ts else {}),
+    }
     config = TrialConfig("llama-server", stories.name, ctx, parallel, tuple(sorted(options.items())))
     backend = LlamaServerBackend()
     model = model_from_gguf(stories)
@@ -175,9 +196,21 @@ def test_a_study_across_two_rpc_devices_searches_split_mode_and_ts(build, storie
 
     study = tmp_path / "rpc.toml"
     study.write_text(STUDY.replace("{binary}", str(build.server)), encoding="utf-8")
-    run = subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", "study", str(study),
-                          "--storage", f"sqlite:///{tmp_path / 'rpc.db'}"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from autotune.cli import main; main()",
+            "study",
+            str(study),
+            "--storage",
+            f"sqlite:///{tmp_path / 'rpc.db'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     said = run.stdout + run.stderr
     assert "2 devices, memory budget 1.50 GiB in all: device 0: CPU" in said, said[:600]

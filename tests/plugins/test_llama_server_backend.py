@@ -62,8 +62,13 @@ def make_ctx(model_path: Path, **settings) -> StudyContext:
 
 
 def cfg(weights: str, ctx: int = 256, parallel: int = 1, **options) -> TrialConfig:
-    return TrialConfig(backend="llama-server", weights=weights, ctx=ctx, parallel=parallel,
-                       options=tuple(sorted({"cache_type": "f16", "flash_attn": True, **options}.items())))
+    return TrialConfig(
+        backend="llama-server",
+        weights=weights,
+        ctx=ctx,
+        parallel=parallel,
+        options=tuple(sorted({"cache_type": "f16", "flash_attn": True, **options}.items())),
+    )
 
 
 def servers_on(path: Path) -> list[int]:
@@ -117,7 +122,7 @@ def deploy_tokens(line: str) -> tuple[str | None, list[str]]:
 
 def without_port(argv: list[str]) -> list[str]:
     i = argv.index("--port")
-    return argv[:i + 1] + ["PORT"] + argv[i + 2:]
+    return argv[: i + 1] + ["PORT"] + argv[i + 2 :]
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
@@ -215,8 +220,18 @@ def test_settings_are_declared_and_checked(stories):
     declared = {s.name: s for s in b.settings}
     read = set(re.findall(r'value\(ctx, "(\w+)"\)', Path(lsb.__file__).read_text()))
     assert read <= set(declared), read - set(declared)
-    assert {"binary", "threads", "gpu_layers", "host", "port", "startup_timeout_s", "request_timeout_s",
-            "stability_metric", "scoring_ctx", "pin_cores"} <= set(declared)
+    assert {
+        "binary",
+        "threads",
+        "gpu_layers",
+        "host",
+        "port",
+        "startup_timeout_s",
+        "request_timeout_s",
+        "stability_metric",
+        "scoring_ctx",
+        "pin_cores",
+    } <= set(declared)
     assert all(s.help for s in b.settings)
     c = make_ctx(stories)
     assert b.setting(c, "host") == "127.0.0.1" and b.setting(c, "port") == 8080
@@ -231,13 +246,17 @@ def test_settings_are_declared_and_checked(stories):
 
 def test_parameters_filter_the_study_space():
     b = LlamaServerBackend()
-    params = {p.name: p.choices for p in b.parameters({"cache_type": ["fp16", "q8_0", "q4", "q4_0"],
-                                                        "flash_attn": [True, False]})}
+    params = {
+        p.name: p.choices
+        for p in b.parameters({"cache_type": ["fp16", "q8_0", "q4", "q4_0"], "flash_attn": [True, False]})
+    }
     assert params == {"cache_type": ("q8_0", "q4_0"), "flash_attn": (True, False)}
     params = {p.name: p.choices for p in b.parameters({"ubatch": [128, 512]})}
     assert params["ubatch"] == (128, 512) and params["cache_type"] == ("f16", "q8_0", "q4_0")
-    assert quality_reference(b, {"cache_type": ("q4_0", "f16"), "flash_attn": (False, True)}) == \
-        {"cache_type": "f16", "flash_attn": True}
+    assert quality_reference(b, {"cache_type": ("q4_0", "f16"), "flash_attn": (False, True)}) == {
+        "cache_type": "f16",
+        "flash_attn": True,
+    }
 
 
 def test_parameters_never_substitute_a_value():
@@ -260,8 +279,9 @@ def test_cpu_plan_keeps_the_client_off_the_engines_cores():
     assert plan_cpus(1, False, allowed=[0, 1]).engine is None
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two cores to pin")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin"
+)
 def test_launch_pins_the_engine(stories, tmp_path):
     fake = fake_engine(tmp_path)
     b = LlamaServerBackend()
@@ -302,8 +322,10 @@ def test_weights_that_are_not_a_regular_file_are_named_for_what_they_are(stories
     assert b.check_weights(str(tmp_path), c) == f"{tmp_path}: is a directory, not a regular file{where}"
     assert b.check_weights(str(fifo), c) == f"{fifo}: is a named pipe (FIFO), not a regular file{where}"
     (tmp_path / "gone.gguf").symlink_to(tmp_path / "nowhere.gguf")
-    assert b.check_weights(str(tmp_path / "gone.gguf"), c) == \
-        f"{tmp_path / 'gone.gguf'}: a symbolic link to {tmp_path / 'nowhere.gguf'}, which does not exist{where}"
+    assert (
+        b.check_weights(str(tmp_path / "gone.gguf"), c)
+        == f"{tmp_path / 'gone.gguf'}: a symbolic link to {tmp_path / 'nowhere.gguf'}, which does not exist{where}"
+    )
     assert b.check_weights(str(stories), c) is None  # absolute paths too
 
 
@@ -373,11 +395,14 @@ def test_run_measures_and_matches_the_logged_buffers(server_binary, stories, eng
     assert servers_on(stories) == [] and not processes.live()
 
 
-@pytest.mark.parametrize("weights, options, reason", [
-    ("stories260K.gguf", {"cache_type": "q9_9"}, "q9_9"),
-    ("stories260K.gguf", {"cache_type": "q8_0"}, "does not divide"),
-    ("missing.gguf", {}, "missing.gguf"),
-])
+@pytest.mark.parametrize(
+    "weights, options, reason",
+    [
+        ("stories260K.gguf", {"cache_type": "q9_9"}, "q9_9"),
+        ("stories260K.gguf", {"cache_type": "q8_0"}, "does not divide"),
+        ("missing.gguf", {}, "missing.gguf"),
+    ],
+)
 def test_engine_failures_carry_the_engines_reason(server_binary, stories, weights, options, reason):
     b = LlamaServerBackend()
     with pytest.raises(BackendError) as info:
@@ -446,5 +471,6 @@ def test_without_the_python_bindings_quality_is_refused_before_the_study(monkeyp
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     why = KldMetric().supports(LlamaServerBackend())
-    assert why is not None and why.startswith("llama-cpp-python is not installed: run `autotune engine build llama.cpp "
-                                              "--python`")
+    assert why is not None and why.startswith(
+        "llama-cpp-python is not installed: run `autotune engine build llama.cpp --python`"
+    )

@@ -21,13 +21,16 @@ def config(**options) -> TrialConfig:
     return TrialConfig("llama-server", "m.gguf", 512, 1, tuple(sorted(options.items())))
 
 
-@pytest.mark.parametrize(("n_layers", "ngl", "ts", "devices"), [
-    (5, None, (1, 1), [0, 0, 0, 1, 1, 1]),          # 6 layers with the output, split at 3/6
-    (5, None, (3, 1), [0, 0, 0, 0, 0, 1]),          # split at 0.75: 4/6 < 0.75 <= 5/6
-    (5, 3, (1, 1), [None, None, None, 0, 0, 1]),     # -ngl 3: the last 2 layers and the output
-    (8, None, (1, 1, 1), [0, 0, 0, 1, 1, 1, 2, 2, 2]),  # 3/9 is on the split point 1/3: the next device
-    (4, 0, (1, 1), [None] * 5),
-])
+@pytest.mark.parametrize(
+    ("n_layers", "ngl", "ts", "devices"),
+    [
+        (5, None, (1, 1), [0, 0, 0, 1, 1, 1]),  # 6 layers with the output, split at 3/6
+        (5, None, (3, 1), [0, 0, 0, 0, 0, 1]),  # split at 0.75: 4/6 < 0.75 <= 5/6
+        (5, 3, (1, 1), [None, None, None, 0, 0, 1]),  # -ngl 3: the last 2 layers and the output
+        (8, None, (1, 1, 1), [0, 0, 0, 1, 1, 1, 2, 2, 2]),  # 3/9 is on the split point 1/3: the next device
+        (4, 0, (1, 1), [None] * 5),
+    ],
+)
 def test_layers_go_where_load_tensors_puts_them(n_layers, ngl, ts, devices):
     assert split.layer_devices(n_layers, ngl, ts) == devices
 
@@ -48,8 +51,10 @@ def test_rules_from_llama_cpp_s_source():
     assert len(row) == 1 and "no split buffers" in row[0]
     assert split.check(config(split_mode="row"), two, model, cuda=True) == []
     assert "needs flash_attn on" in split.check(config(split_mode="tensor", flash_attn=False), two, model, True)[0]
-    assert "architecture 'deepseek2'" in split.check(config(split_mode="tensor"), two,
-                                                       SimpleNamespace(architecture="deepseek2"), True)[0]
+    assert (
+        "architecture 'deepseek2'"
+        in split.check(config(split_mode="tensor"), two, SimpleNamespace(architecture="deepseek2"), True)[0]
+    )
     assert "at most 2" in split.check(config(tensor_split="1,1,1"), two, model, False)[0]
     assert "devices 0..1" in split.check(config(main_gpu=2), two, model, False)[0]
     one = SimpleNamespace(placement=None)
@@ -64,8 +69,9 @@ def test_flags_only_for_what_the_configuration_names():
 
 
 def test_each_device_holds_its_layers_their_kv_and_a_compute_buffer():
-    w = WeightsBreakdown(embedding_bytes=1000, output_bytes=700, per_layer_bytes=(100, 100, 100, 100, 100),
-                         other_bytes=10)
+    w = WeightsBreakdown(
+        embedding_bytes=1000, output_bytes=700, per_layer_bytes=(100, 100, 100, 100, 100), other_bytes=10
+    )
     model = SimpleNamespace(n_layers=5)
     base = MemoryEstimate(0, 0, 0, 0, host_bytes=1000)
     kv_all = 50 * 5
@@ -86,10 +92,16 @@ def test_plugins_lists_every_dimension_with_its_accepted_values_and_the_rules(en
 
     out = CliRunner().invoke(cli, ["plugins"]).stdout
     mine = out.split("  llama-server ", 1)[1].split("\n  openai-server", 1)[0]
-    for line in ("[space] gpu_layers = \"all\", an integer 0..2147483647:", "[space] n_cpu_moe = an integer 0..2147483647:",
-                 "[space] ubatch = an integer 1..2147483647:", "[space] split_mode = none, layer, row, tensor:",
-                 "[space] tensor_split = proportions such as", "[space] main_gpu = a device number from 0:",
-                 "rule: split_mode row: CUDA cards only", "rule: quantized V cache needs flash attention"):
+    for line in (
+        '[space] gpu_layers = "all", an integer 0..2147483647:',
+        "[space] n_cpu_moe = an integer 0..2147483647:",
+        "[space] ubatch = an integer 1..2147483647:",
+        "[space] split_mode = none, layer, row, tensor:",
+        "[space] tensor_split = proportions such as",
+        "[space] main_gpu = a device number from 0:",
+        "rule: split_mode row: CUDA cards only",
+        "rule: quantized V cache needs flash attention",
+    ):
         assert line in mine, line
 
 
@@ -102,16 +114,39 @@ def test_estimate_takes_every_dimension_and_judges_each_card(tmp_path, engine_pl
 
     model = tmp_path / "stories260K.gguf"
     shutil.copy(shared_file("models/stories260K.gguf"), model)
-    r = estimate_config(None, str(model), "llama-server", None, 512, None, None, 1, 64, 16,
-                        dimensions={"split_mode": "layer", "tensor_split": "3,1", "ubatch": 128},
-                        gpus=["rtx3090", "rtx3060-12gb"])
+    r = estimate_config(
+        None,
+        str(model),
+        "llama-server",
+        None,
+        512,
+        None,
+        None,
+        1,
+        64,
+        16,
+        dimensions={"split_mode": "layer", "tensor_split": "3,1", "ubatch": 128},
+        gpus=["rtx3090", "rtx3060-12gb"],
+    )
     assert r["config"]["split_mode"] == "layer" and r["config"]["ubatch"] == 128
     per = r["vram"]["per_device_bytes"]
     assert len(per) == 2 == len(r["card_budgets"]) and sum(per) == r["vram"]["total_bytes"]
     assert r["verdict"] == "fits"
     with pytest.raises(ConfigError, match=r"--set split_mode='diagonal': llama-server takes split_mode = none, layer"):
-        estimate_config(None, str(model), "llama-server", None, 512, None, None, 1, 64, 16,
-                        dimensions={"split_mode": "diagonal"}, gpus=["t4", "t4"])
+        estimate_config(
+            None,
+            str(model),
+            "llama-server",
+            None,
+            512,
+            None,
+            None,
+            1,
+            64,
+            16,
+            dimensions={"split_mode": "diagonal"},
+            gpus=["t4", "t4"],
+        )
     with pytest.raises(ConfigError, match=r"--set warp: not a dimension of llama-server \(it has: cache_type"):
         estimate_config("t4", str(model), "llama-server", None, 512, None, None, 1, 64, 16, dimensions={"warp": 9})
 
@@ -119,8 +154,18 @@ def test_estimate_takes_every_dimension_and_judges_each_card(tmp_path, engine_pl
 def test_a_device_with_only_the_output_layer_has_no_compute_buffer_and_pipelining_adds_copies():
     w = WeightsBreakdown(embedding_bytes=1000, output_bytes=700, per_layer_bytes=(100,) * 5, other_bytes=10)
     base = MemoryEstimate(0, 0, 0, 0)
-    e = split.estimate(base, SimpleNamespace(n_layers=5), w, config(split_mode="layer", tensor_split="3,1"), 2, None,
-                       250, 30, 7, pipeline_bytes=11)
+    e = split.estimate(
+        base,
+        SimpleNamespace(n_layers=5),
+        w,
+        config(split_mode="layer", tensor_split="3,1"),
+        2,
+        None,
+        250,
+        30,
+        7,
+        pipeline_bytes=11,
+    )
     # Layers 0-4 on device 0 (5/6 is past the 0.75 split point only for the output layer).
     assert e.per_device_bytes == (500 + 250 + 30 + 11 + 7, 710 + 7)
     model = SimpleNamespace(hidden_size=64)

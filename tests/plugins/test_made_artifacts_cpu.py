@@ -63,8 +63,14 @@ threads = 1  # two wait for each other every step: on a loaded machine that took
 
 def autotune(*args: str, cwd: Path, plugins: str = "llama_server") -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, AUTOTUNE_LOAD_PLUGINS=plugins, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-c", "from autotune.cli import main; main()", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "from autotune.cli import main; main()", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture
@@ -82,8 +88,7 @@ def completed(storage: str, name: str) -> list[optuna.trial.FrozenTrial]:
 
 def test_formats_are_made_once_and_found_by_the_next_study(workdir):
     started = time.monotonic()
-    first = autotune("study", "made.toml", "--trials", "2", "--storage", f"sqlite:///{workdir / 'one.db'}",
-                     cwd=workdir)
+    first = autotune("study", "made.toml", "--trials", "2", "--storage", f"sqlite:///{workdir / 'one.db'}", cwd=workdir)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "artifact gguf:Q8_0: making gguf:Q8_0" in first.stderr and "artifact gguf:Q4_0: making" in first.stderr
     trials = completed(f"sqlite:///{workdir / 'one.db'}", "made")
@@ -105,8 +110,9 @@ def test_formats_are_made_once_and_found_by_the_next_study(workdir):
     assert read_gguf(made["gguf:Q8_0"]["path"]).file_type == "Q8_0"
 
     # A second study from the same source makes nothing: every artifact is a cache hit.
-    second = autotune("study", "made.toml", "--trials", "2", "--storage", f"sqlite:///{workdir / 'two.db'}",
-                      cwd=workdir)
+    second = autotune(
+        "study", "made.toml", "--trials", "2", "--storage", f"sqlite:///{workdir / 'two.db'}", cwd=workdir
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "making" not in second.stderr
     assert second.stderr.count("cache hit") >= 2
@@ -122,8 +128,9 @@ def run_init_study(workdir: Path, model: str) -> tuple[str, list[optuna.trial.Fr
     assert "next: autotune study init.toml" in out.stdout
     text = (workdir / "init.toml").read_text()
     storage = f"sqlite:///{workdir / 'init.db'}"
-    run = autotune("study", "init.toml", "--trials", "1", "--storage", storage, cwd=workdir,
-                   plugins="llama_server,quality")
+    run = autotune(
+        "study", "init.toml", "--trials", "1", "--storage", storage, cwd=workdir, plugins="llama_server,quality"
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     name = next(line.split('"')[1] for line in text.splitlines() if line.startswith("name = "))
     return text, completed(storage, name)
@@ -137,9 +144,11 @@ def run_init_study(workdir: Path, model: str) -> tuple[str, list[optuna.trial.Fr
 
 
 needs_converter = pytest.mark.skipif(
-    not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "sentencepiece", "safetensors",
-                                                   "tokenizers")),
-    reason="convert_hf_to_gguf.py needs torch, transformers and sentencepiece: pip install -e '.[convert]'")
+    not all(
+        importlib.util.find_spec(m) for m in ("torch", "transformers", "sentencepiece", "safetensors", "tokenizers")
+    ),
+    reason="convert_hf_to_gguf.py needs torch, transformers and sentencepiece: pip install -e '.[convert]'",
+)
 
 
 @needs_converter

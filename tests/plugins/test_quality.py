@@ -36,8 +36,9 @@ from autotune_plugins.quality.progress import QualityProgress, format_seconds
 from autotune.engine.parts import part
 from tests.fake_backends import ForwardingScoring
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
-                                reason="lm-eval is not installed (pip install -e '.[test]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed (pip install -e '.[test]')"
+)
 
 
 def answer_table(benchmark: str) -> dict[str, int]:
@@ -84,6 +85,7 @@ class ScriptedScorer(Scorer):
 
 class ScoringFakeBackend(FakeBackend):
     """The fake backend with a scoring API: the weights name says how well the artifact answers."""
+
     scoring = part(ForwardingScoring)
 
     name = "fake-scoring"
@@ -176,8 +178,10 @@ def test_five_shot_prompt_is_the_standard_mmlu_format_with_the_subjects_dev_item
     prompt = next(c for c in scorer.contexts if "about astronomy" in c)
     assert prompt.startswith("The following are multiple choice questions (with answers) about astronomy.\n\n")
     first = dev[0]
-    shot = f"{first['question']}\nA. {first['choices'][0]}\nB. {first['choices'][1]}\nC. {first['choices'][2]}" \
-           f"\nD. {first['choices'][3]}\nAnswer: {'ABCD'[first['answer']]}\n\n"
+    shot = (
+        f"{first['question']}\nA. {first['choices'][0]}\nB. {first['choices'][1]}\nC. {first['choices'][2]}"
+        f"\nD. {first['choices'][3]}\nAnswer: {'ABCD'[first['answer']]}\n\n"
+    )
     assert shot in prompt
     assert prompt.count("\nAnswer:") == 6 and prompt.endswith("\nAnswer:")
 
@@ -219,7 +223,10 @@ def test_metrics_register_and_refuse_a_backend_without_scoring(quality_registere
 def test_benchmark_metric_says_when_lm_eval_is_missing(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
-    assert metrics.MmluMetric().supports(ScoringFakeBackend()) == "lm-eval is not installed: pip install 'autotune[quality]'"
+    assert (
+        metrics.MmluMetric().supports(ScoringFakeBackend())
+        == "lm-eval is not installed: pip install 'autotune[quality]'"
+    )
 
 
 def test_benchmark_metric_says_when_data_is_missing(monkeypatch, tmp_path):
@@ -241,7 +248,8 @@ def test_cache_key_is_what_quality_depends_on(tmp_path):
     ctx = StudyContext(gpu=None, model=None, workload=None, vram_budget_bytes=0, protocol=None, base_dir=tmp_path)
     m = metrics.MmluMetric()
     key = lambda w, ctx_len=512, parallel=1, cache="f16": m.cache_key(
-        TrialConfig("x", w, ctx_len, parallel, (("cache_type", cache),)), FakeBackend(), ctx)
+        TrialConfig("x", w, ctx_len, parallel, (("cache_type", cache),)), FakeBackend(), ctx
+    )
     assert key("a.gguf") == key("a.gguf", ctx_len=4096, parallel=4)  # ctx and parallel do not matter
     assert key("a.gguf") != key("b.gguf")  # content does
     assert key("a.gguf") != key("a.gguf", cache="q8_0")  # the KV cache does
@@ -257,14 +265,18 @@ def test_cache_key_is_what_quality_depends_on(tmp_path):
 # ------------------------------------------------------------------------------ studies
 
 
-def quality_study(tmp_path: Path, objective: str, quality_table: str = "[quality]\nper_subject = 1\nshots = 0\n") -> Path:
+def quality_study(
+    tmp_path: Path, objective: str, quality_table: str = "[quality]\nper_subject = 1\nshots = 0\n"
+) -> Path:
     path = write_study(tmp_path / "study.toml", "fake-scoring", ["exact", "always-a"], parallel=(1, 2))
     text = path.read_text(encoding="utf-8") + objective + "\n" + quality_table
     path.write_text(text, encoding="utf-8")
     return path
 
 
-def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp_storage, quality_registered, monkeypatch):
+def test_study_measures_each_artifact_once_and_records_the_penalty(
+    tmp_path, tmp_storage, quality_registered, monkeypatch
+):
     evaluated: list[str] = []
     original = metrics.MmluMetric.evaluate_items
 
@@ -291,10 +303,11 @@ def test_study_measures_each_artifact_once_and_records_the_penalty(tmp_path, tmp
         # Paired: the reference answers every item right, so the items always-a gets wrong are
         # the discordant ones (McNemar), with 0.5 added to each discordant count.
         wrong = round(57 * (1 - always_a)) if expected_drop else 0
-        assert q["drop_stderr_points"] == pytest.approx(
-            100 * (((wrong + 1) - wrong ** 2 / 57) / (57 * 56)) ** 0.5)
+        assert q["drop_stderr_points"] == pytest.approx(100 * (((wrong + 1) - wrong**2 / 57) / (57 * 56)) ** 0.5)
         # What two accuracies' errors in quadrature said before: larger.
-        assert q["unpaired_stderr_points"] == pytest.approx(100 * (always_a * (1 - always_a) / 56) ** 0.5 if expected_drop else 0.0)
+        assert q["unpaired_stderr_points"] == pytest.approx(
+            100 * (always_a * (1 - always_a) / 56) ** 0.5 if expected_drop else 0.0
+        )
         assert q["verdict"] is None and q["decided_by"] == "no bound"
         assert score["penalty"] == pytest.approx(0.5 * expected_drop)
         assert score["values"][0] == pytest.approx(score["throughput"] - score["penalty"])
@@ -304,8 +317,11 @@ def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path
     # always-a loses ~75 points: over the 5-point bound after the first batch (one item per
     # subject). exact against itself: no drop, but within only once the interval is narrow
     # enough, at the second batch.
-    path = quality_study(tmp_path, 'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
-                         "[quality]\nper_subject = 2\nshots = 0\n")
+    path = quality_study(
+        tmp_path,
+        'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
+        "[quality]\nper_subject = 2\nshots = 0\n",
+    )
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
     study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
@@ -329,33 +345,45 @@ def test_sequential_study_decides_each_artifact_with_the_items_it_needs(tmp_path
 
 
 @pytest.mark.parametrize("policy, admitted", [("reject", False), ("accept", True)])
-def test_an_undecided_configuration_is_treated_by_the_stated_policy(tmp_path, tmp_storage, quality_registered,
-                                                                     policy, admitted):
+def test_an_undecided_configuration_is_treated_by_the_stated_policy(
+    tmp_path, tmp_storage, quality_registered, policy, admitted
+):
     chosen = [d for docs in benchmarks.subset("mmlu", 1, seed=0).values() for d in docs]
     drop = 100 * (1 - sum(d["answer"] == 0 for d in chosen) / len(chosen))
     # A bound right at always-a's drop: no sample of the 57-item pool can tell which side it is.
-    path = quality_study(tmp_path, f'quality = "mmlu"\nmax_drop_points = {drop:.3f}\nreference_weights = "exact"\n',
-                         f'[quality]\nper_subject = 1\nshots = 0\nundecided = "{policy}"\n')
+    path = quality_study(
+        tmp_path,
+        f'quality = "mmlu"\nmax_drop_points = {drop:.3f}\nreference_weights = "exact"\n',
+        f'[quality]\nper_subject = 1\nshots = 0\nundecided = "{policy}"\n',
+    )
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
     d = {d["weights"]: d for d in summary.extra["quality_decisions"]}["always-a"]
     assert (d["verdict"], d["items_used"], d["stopped_by"]) == ("undecided", 57, "items")
     assert d["admitted"] is admitted and d["decided_by"] == f"policy {policy}"
     study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
-    states = {t.state for t in study.trials if TrialRecord.of(t).config["weights"] == "always-a" and "answered_from" not in t.user_attrs}
+    states = {
+        t.state
+        for t in study.trials
+        if TrialRecord.of(t).config["weights"] == "always-a" and "answered_from" not in t.user_attrs
+    }
     reasons = [TrialRecord.of(t).prune_reason for t in study.trials]
     assert states == {optuna.trial.TrialState.COMPLETE if admitted else optuna.trial.TrialState.PRUNED}, reasons
 
 
-def test_undecided_kld_policy_maps_kld_to_a_drop_fitted_on_the_other_artifacts(tmp_path, tmp_storage, quality_registered):
+def test_undecided_kld_policy_maps_kld_to_a_drop_fitted_on_the_other_artifacts(
+    tmp_path, tmp_storage, quality_registered
+):
     from autotune.study.quality import QualityBook
 
     weights = ["exact", "miss-2", "miss-12", "miss-5"]  # 0, 32, 4 and 16 of the 57 items answered wrong
     path = write_study(tmp_path / "study.toml", "fake-scoring", weights, parallel=(1,))
     bound = 20.0
-    path.write_text(path.read_text(encoding="utf-8") + f'quality = "mmlu"\nmax_drop_points = {bound}\n'
-                    'reference_weights = "exact"\n\n[quality]\nper_subject = 1\nshots = 0\nundecided = "kld"\n',
-                    encoding="utf-8")
+    path.write_text(
+        path.read_text(encoding="utf-8") + f'quality = "mmlu"\nmax_drop_points = {bound}\n'
+        'reference_weights = "exact"\n\n[quality]\nper_subject = 1\nshots = 0\nundecided = "kld"\n',
+        encoding="utf-8",
+    )
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         prepared = prepare_study(load_study_config(path), storage=tmp_storage)
         assert prepared.quality_proxy is not None and prepared.quality_proxy.name == "kld"
@@ -371,7 +399,9 @@ def test_undecided_kld_policy_maps_kld_to_a_drop_fitted_on_the_other_artifacts(t
     from autotune.study import paired
 
     fitted = paired.fit_kld_relation([out[w]["kld"] for w in out], [out[w]["drop_points"] for w in out])
-    assert decision["kld_relation"]["n"] == 3 and decision["kld_relation"]["slope_points_per_nat"] == pytest.approx(fitted.slope)
+    assert decision["kld_relation"]["n"] == 3 and decision["kld_relation"]["slope_points_per_nat"] == pytest.approx(
+        fitted.slope
+    )
     expected, se = fitted.expected_drop(last["kld"])
     assert decision["kld_expected_drop_points"] == pytest.approx(expected)
     assert last["admitted"] is (expected + fitted.t * se < bound)
@@ -384,7 +414,9 @@ def test_require_quality_refuses_a_backend_without_scoring(tmp_path, tmp_storage
     with registered(FakeBackend(), name="plain-fakes"):
         with pytest.raises(ConfigError) as err:
             prepare_study(load_study_config(path), storage=tmp_storage)
-    assert "[objective] quality = 'mmlu' cannot evaluate backend 'fake': backend 'fake' has no scoring API" in str(err.value)
+    assert "[objective] quality = 'mmlu' cannot evaluate backend 'fake': backend 'fake' has no scoring API" in str(
+        err.value
+    )
 
 
 def test_require_quality_refuses_when_lm_eval_is_missing(tmp_path, tmp_storage, quality_registered, monkeypatch):
@@ -399,7 +431,9 @@ def test_require_quality_refuses_when_lm_eval_is_missing(tmp_path, tmp_storage, 
 def test_require_quality_refuses_an_unknown_metric(tmp_path, tmp_storage, quality_registered):
     path = quality_study(tmp_path, 'quality = "mmlu-pro"\n')
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
-        with pytest.raises(ConfigError, match=r"\[objective\] quality = 'mmlu-pro': metric 'mmlu-pro' is not installed"):
+        with pytest.raises(
+            ConfigError, match=r"\[objective\] quality = 'mmlu-pro': metric 'mmlu-pro' is not installed"
+        ):
             prepare_study(load_study_config(path), storage=tmp_storage)
 
 
@@ -410,15 +444,18 @@ def test_quality_table_errors_are_all_reported(tmp_path):
     lines = str(err.value).splitlines()
     assert f"{path}: [quality] per_subject = 0: must be 1..10" in lines
     assert f"{path}: [quality] shots = 9: must be 0..5" in lines
-    assert (f"{path}: [quality] subjects: unknown field (known: batch, expected_agreement, max_items, max_seconds, "
-            f"per_subject, pool, seed, shots, undecided)") in lines
+    assert (
+        f"{path}: [quality] subjects: unknown field (known: batch, expected_agreement, max_items, max_seconds, "
+        f"per_subject, pool, seed, shots, undecided)"
+    ) in lines
 
 
 def test_quality_command_on_a_backend_without_scoring(twin_plugin, quality_registered):
     group = click.Group("autotune")
     add_quality_command(group)
-    result = CliRunner().invoke(group, ["quality", "--backend", "twin-llama.cpp", "--weights", "Q4_K_M",
-                                        "--benchmark", "mmlu"])
+    result = CliRunner().invoke(
+        group, ["quality", "--backend", "twin-llama.cpp", "--weights", "Q4_K_M", "--benchmark", "mmlu"]
+    )
     assert result.exit_code == 2, result.output
     assert "--benchmark mmlu: backend 'twin-llama.cpp' has no scoring API" in result.output
 
@@ -441,8 +478,18 @@ def _quality(*args: str):
 
 def test_quality_command_prints_progress_lines_when_not_a_terminal(quality_registered):
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
-        result = _quality("--backend", "fake-scoring", "--weights", "exact", "--benchmark", "mmlu",
-                          "--per-subject", "1", "--shots", "0")
+        result = _quality(
+            "--backend",
+            "fake-scoring",
+            "--weights",
+            "exact",
+            "--benchmark",
+            "mmlu",
+            "--per-subject",
+            "1",
+            "--shots",
+            "0",
+        )
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
     # Said before the model loads, then where it got to (the last line: everything done).
@@ -471,8 +518,9 @@ def test_quality_missing_weights_are_relative_to_the_current_directory(quality_r
     with registered(FileScoringBackend(), name="file-scoring-fakes"):
         result = _quality("--backend", "fake-file-scoring", "--weights", "model.gguf", "--benchmark", "mmlu")
     assert result.exit_code == 2
-    assert result.stderr.strip() == (f"Error: --weights 'model.gguf': no such file or directory "
-                                     f"(relative to the current directory {tmp_path})")
+    assert result.stderr.strip() == (
+        f"Error: --weights 'model.gguf': no such file or directory (relative to the current directory {tmp_path})"
+    )
     assert "study file" not in result.output and "Usage:" not in result.output
 
 
@@ -488,8 +536,10 @@ def test_a_kld_is_shown_as_a_kld_and_a_drop_as_a_drop(tmp_path, tmp_storage, qua
     from autotune.report.text import summary_text
 
     path = write_study(tmp_path / "study.toml", "fake-scoring", ["exact", "miss-12", "always-a"], parallel=(1,))
-    path.write_text(path.read_text(encoding="utf-8") + 'quality = "kld"\nmax_drop_points = 5\n'
-                    'reference_weights = "exact"\n', encoding="utf-8")
+    path.write_text(
+        path.read_text(encoding="utf-8") + 'quality = "kld"\nmax_drop_points = 5\nreference_weights = "exact"\n',
+        encoding="utf-8",
+    )
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         summary = run_study(load_study_config(path), n_trials=3, storage=tmp_storage)
     study = optuna.load_study(study_name="fake-study", storage=tmp_storage)
@@ -499,16 +549,20 @@ def test_a_kld_is_shown_as_a_kld_and_a_drop_as_a_drop(tmp_path, tmp_storage, qua
     assert f"  quality: KLD {best['value']:.4f} nats from exact" in text
     over = kld["always-a"]["drop_points"]
     assert over > 5  # its KLD is over 0.05 nats
-    assert (f"weights always-a: loses too much quality: KLD {over / 100:.4f} nats > max KLD 0.0500 nats "
-            "(max_drop_points 5)") in text
+    assert (
+        f"weights always-a: loses too much quality: KLD {over / 100:.4f} nats > max KLD 0.0500 nats (max_drop_points 5)"
+    ) in text
     assert not re.search(r"[+-]\d+\.\d+ points", text)
 
 
 def test_an_accuracy_drop_is_a_drop_and_the_accuracy_a_percentage(tmp_path, tmp_storage, quality_registered):
     from autotune.report.text import summary_text
 
-    path = quality_study(tmp_path, 'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
-                         "[quality]\nper_subject = 2\nshots = 0\n")
+    path = quality_study(
+        tmp_path,
+        'quality = "mmlu"\nmax_drop_points = 5\nreference_weights = "exact"\n',
+        "[quality]\nper_subject = 2\nshots = 0\n",
+    )
     with registered(ScoringFakeBackend(), name="scoring-fakes"):
         summary = run_study(load_study_config(path), n_trials=6, storage=tmp_storage)
     text = summary_text(summary)

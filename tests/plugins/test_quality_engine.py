@@ -86,8 +86,10 @@ def test_kld_grows_as_the_bits_shrink(engine_plugins, stories_quants):
     import gguf
 
     ref = str(stories_quants["F32"])
-    results = {q: run_quality("--weights", str(stories_quants[q]), "--reference", ref, "--benchmark", "kld")
-               for q in ("F32", "Q8_0", "Q4_0", "Q2_K")}
+    results = {
+        q: run_quality("--weights", str(stories_quants[q]), "--reference", ref, "--benchmark", "kld")
+        for q in ("F32", "Q8_0", "Q4_0", "Q2_K")
+    }
     for out in results.values():
         assert set(out) >= {"benchmark", "n", "kld_mean", "top1_agreement", "stderr", "seconds"}
         assert out["n"] > 200
@@ -98,7 +100,9 @@ def test_kld_grows_as_the_bits_shrink(engine_plugins, stories_quants):
     # stories260K's rows are 64 wide, not a multiple of the 256-element k-quant block:
     # llama-quantize falls back to Q4_0 for every tensor Q2_K would take, so the two files
     # hold the same tensor types and must score the same, never better.
-    types = {q: sorted(t.tensor_type.name for t in gguf.GGUFReader(stories_quants[q]).tensors) for q in ("Q4_0", "Q2_K")}
+    types = {
+        q: sorted(t.tensor_type.name for t in gguf.GGUFReader(stories_quants[q]).tensors) for q in ("Q4_0", "Q2_K")
+    }
     assert types["Q2_K"] == types["Q4_0"]
     assert results["Q2_K"]["kld_mean"] == pytest.approx(results["Q4_0"]["kld_mean"], rel=1e-6)
 
@@ -107,7 +111,8 @@ def test_kld_without_a_reference_says_so(engine_plugins):
     group = click.Group("autotune")
     add_quality_command(group)
     weights = str(shared_file("models/stories260K.gguf"))
-    result = CliRunner().invoke(group, ["quality", "--backend", "llama-server", "--weights", weights, "--benchmark", "kld"])
+    result = CliRunner().invoke(
+        group, ["quality", "--backend", "llama-server", "--weights", weights, "--benchmark", "kld"]
+    )
     assert result.exit_code == 2
     assert result.stderr.startswith("Error: --benchmark kld: needs --reference PATH")
-

@@ -24,7 +24,7 @@ from tests.engine_fixtures import keepalive_engine, write_llama_study
 
 # Starts a grandchild that leaves the group (setsid, double fork: reparented to init), records
 # both pids, then becomes the engine (the keepalive server, or a sleep that never serves).
-WRAPPER = '''#!{python}
+WRAPPER = """#!{python}
 import os, sys, time
 if "--version" in sys.argv:
     print("version: 1 (fake000)", file=sys.stderr)
@@ -42,7 +42,7 @@ with open(os.path.join(pids, f"engine-{{os.getpid()}}"), "w"):
 if {serves}:
     os.execv({server!r}, [{server!r}, *sys.argv[1:]])
 time.sleep(600)
-'''
+"""
 
 
 def _engine(tmp_path: Path, serves: bool) -> tuple[Path, Path]:
@@ -81,13 +81,30 @@ def test_a_signal_leaves_no_process_of_the_study_and_a_storage_to_resume(tmp_pat
     serves, setting = PHASES[phase]
     engine, pids = _engine(tmp_path, serves)
     study = "" if phase == "baseline" else "baseline = false"
-    path = write_llama_study(tmp_path / "sig.toml", study=study + "\nfinish_top = 0",
-                             extra=f'[backends.llama-server]\nbinary = "{engine}"\nthreads = 1\n{setting}')
+    path = write_llama_study(
+        tmp_path / "sig.toml",
+        study=study + "\nfinish_top = 0",
+        extra=f'[backends.llama-server]\nbinary = "{engine}"\nthreads = 1\n{setting}',
+    )
     storage = f"sqlite:///{tmp_path / 'sig.db'}"
-    child = subprocess.Popen([sys.executable, "-c", "from autotune.cli import main; main()", "study", str(path),
-                              "--storage", storage, "--trials", "3"],
-                             env=dict(os.environ, AUTOTUNE_LOAD_PLUGINS="llama_server", PYTHONFAULTHANDLER="1"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from autotune.cli import main; main()",
+            "study",
+            str(path),
+            "--storage",
+            storage,
+            "--trials",
+            "3",
+        ],
+        env=dict(os.environ, AUTOTUNE_LOAD_PLUGINS="llama_server", PYTHONFAULTHANDLER="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     started: list[int] = []
     try:
         deadline = time.monotonic() + 30

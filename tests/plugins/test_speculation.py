@@ -15,8 +15,15 @@ from autotune_plugins.llama_server import speculation
 from autotune_plugins.llama_server.backend import LlamaServerBackend
 from tests.engine_fixtures import STORIES
 
-SPACE = {"cache_type": ["f16"], "flash_attn": [True], "spec_type": ["none", "draft-simple", "ngram-mod"],
-         "spec_n_max": [2, 4], "spec_n_min": [0, 3], "spec_ngram_n": [4, 8], "draft": ["d.gguf"]}
+SPACE = {
+    "cache_type": ["f16"],
+    "flash_attn": [True],
+    "spec_type": ["none", "draft-simple", "ngram-mod"],
+    "spec_n_max": [2, 4],
+    "spec_n_min": [0, 3],
+    "spec_ngram_n": [4, 8],
+    "draft": ["d.gguf"],
+}
 
 
 def _space() -> SearchSpace:
@@ -67,24 +74,55 @@ def test_the_engines_refusals(tmp_path):
     assert any("only by" in r for r in check(_config(spec_type="ngram-mod", draft="d.gguf")))
     assert any("no nextn" in r for r in check(_config(spec_type="draft-mtp")))  # stories260K has no MTP layers
     assert any("split_mode tensor" in r for r in check(_config(spec_type="draft-mtp", split_mode="tensor")))
-    assert any("spec_n_min 4 > spec_n_max 2" in r
-               for r in check(_config(spec_type="draft-simple", draft="d", spec_n_max=2, spec_n_min=4)))
-    assert any("[1, 3]" in r for r in check(_config(spec_type="draft-simple", draft="d", spec_n_max=2),
-                                            {"spec_synth_len": 3.5}))
-    assert any("has 3 values" in r for r in check(_config(spec_type="draft-simple", draft="d", spec_n_max=2),
-                                                  {"spec_synth_rates": "0.9,0.8,0.7"}))
+    assert any(
+        "spec_n_min 4 > spec_n_max 2" in r
+        for r in check(_config(spec_type="draft-simple", draft="d", spec_n_max=2, spec_n_min=4))
+    )
+    assert any(
+        "[1, 3]" in r
+        for r in check(_config(spec_type="draft-simple", draft="d", spec_n_max=2), {"spec_synth_len": 3.5})
+    )
+    assert any(
+        "has 3 values" in r
+        for r in check(_config(spec_type="draft-simple", draft="d", spec_n_max=2), {"spec_synth_rates": "0.9,0.8,0.7"})
+    )
     assert check(_config(spec_type="draft-simple", draft="d", spec_n_max=4, spec_n_min=2)) == []
     assert check(_config(spec_type="ngram-mod", spec_ngram_n=4)) == []
 
 
 def test_the_flags_are_the_builds():
-    cfg = _config(spec_type="draft-simple", draft="d.gguf", spec_n_max=4, spec_p_min=0.5, draft_cache_type="q8_0",
-                  draft_gpu_layers="all")
+    cfg = _config(
+        spec_type="draft-simple",
+        draft="d.gguf",
+        spec_n_max=4,
+        spec_p_min=0.5,
+        draft_cache_type="q8_0",
+        draft_gpu_layers="all",
+    )
     assert speculation.flags(cfg, lambda w: f"/m/{w}", {"spec_synth_len": 2.5}) == [
-        "--spec-type", "draft-simple", "-md", "/m/d.gguf", "--spec-draft-n-max", "4", "--spec-draft-p-min", "0.5",
-        "-ngld", "all", "-ctkd", "q8_0", "-ctvd", "q8_0", "--spec-synth-len", "2.5"]
+        "--spec-type",
+        "draft-simple",
+        "-md",
+        "/m/d.gguf",
+        "--spec-draft-n-max",
+        "4",
+        "--spec-draft-p-min",
+        "0.5",
+        "-ngld",
+        "all",
+        "-ctkd",
+        "q8_0",
+        "-ctvd",
+        "q8_0",
+        "--spec-synth-len",
+        "2.5",
+    ]
     assert speculation.flags(_config(spec_type="ngram-simple", spec_ngram_n=6), str, {}) == [
-        "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "6"]
+        "--spec-type",
+        "ngram-simple",
+        "--spec-ngram-simple-size-n",
+        "6",
+    ]
     assert speculation.flags(_config(spec_type="none", spec_n_max=4), str, {}) == []
 
 
@@ -108,13 +146,20 @@ def _study_file(tmp_path, draft: str, space: str) -> object:
     return path
 
 
-@pytest.mark.parametrize("draft, space, expected", [
-    ('"d.gguf"', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft = 'd.gguf': must be a list; a list of draft weights"),
-    ('[""]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft .*non-empty strings"),
-    ('["missing.gguf"]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft 'missing.gguf': .*missing.gguf"),
-    ('["gguf:Q9_9"]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft 'gguf:Q9_9'"),
-    (f'["{STORIES}"]', "", r"\[candidates.0\] draft: backend 'llama-server' searches no draft weights"),
-])
+@pytest.mark.parametrize(
+    "draft, space, expected",
+    [
+        (
+            '"d.gguf"',
+            'spec_type = ["draft-simple"]',
+            r"\[candidates.0\] draft = 'd.gguf': must be a list; a list of draft weights",
+        ),
+        ('[""]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft .*non-empty strings"),
+        ('["missing.gguf"]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft 'missing.gguf': .*missing.gguf"),
+        ('["gguf:Q9_9"]', 'spec_type = ["draft-simple"]', r"\[candidates.0\] draft 'gguf:Q9_9'"),
+        (f'["{STORIES}"]', "", r"\[candidates.0\] draft: backend 'llama-server' searches no draft weights"),
+    ],
+)
 def test_a_bad_draft_is_named_with_its_field(tmp_path, monkeypatch, draft, space, expected):
     import autotune_plugins.llama_server as llama_server
     from autotune.config import load_study_config

@@ -147,7 +147,14 @@ def test_tensor_names_shapes_and_types(tiny):
 def test_model_from_gguf_agrees(tiny):
     m = model_from_gguf(tiny)
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.ffn_size, m.vocab_size) == (
-        "llama", 2, 64, 4, 2, 128, 512)
+        "llama",
+        2,
+        64,
+        4,
+        2,
+        128,
+        512,
+    )
     assert m.head_dim == 16 and not m.tie_embeddings
     assert m.n_params == sum(t.n_elements for t in synth.tensor_plan(TINY, 512))
 
@@ -165,8 +172,19 @@ def test_qwen2_has_qkv_biases_and_tied_embeddings(stories, tmp_path):
 
 # A Qwen3-30B-A3B-like block in miniature: heads wider than hidden / heads, QK norms, a router
 # and three expert tensors of 8 experts, 2 used per token.
-TINY_MOE = SynthSpec(arch="qwen3moe", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=192, head_size=32,
-                     experts=8, experts_used=2, expert_ffn=48, context_length=2048)
+TINY_MOE = SynthSpec(
+    arch="qwen3moe",
+    n_layers=2,
+    hidden=64,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn=192,
+    head_size=32,
+    experts=8,
+    experts_used=2,
+    expert_ffn=48,
+    context_length=2048,
+)
 
 
 def test_qwen3moe_tensors_and_metadata(stories, tmp_path):
@@ -174,10 +192,16 @@ def test_qwen3moe_tensors_and_metadata(stories, tmp_path):
 
     out = write_model(TINY_MOE, tmp_path / "moe.gguf", vocab_from=stories).path
     kv, tensors = fields(out)
-    for key, value in {"general.architecture": "qwen3moe", "qwen3moe.expert_count": 8,
-                       "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 48,
-                       "qwen3moe.attention.key_length": 32, "qwen3moe.attention.value_length": 32,
-                       "qwen3moe.rope.dimension_count": 32, "qwen3moe.feed_forward_length": 192}.items():
+    for key, value in {
+        "general.architecture": "qwen3moe",
+        "qwen3moe.expert_count": 8,
+        "qwen3moe.expert_used_count": 2,
+        "qwen3moe.expert_feed_forward_length": 48,
+        "qwen3moe.attention.key_length": 32,
+        "qwen3moe.attention.value_length": 32,
+        "qwen3moe.rope.dimension_count": 32,
+        "qwen3moe.feed_forward_length": 192,
+    }.items():
         assert kv[key].contents() == value, key
     # ne[0] first: llama.cpp's create_tensor shapes in src/models/qwen3moe.cpp.
     expect = {
@@ -207,8 +231,17 @@ def test_expert_fields_are_checked():
     with pytest.raises(ConfigError, match=r"experts_used: qwen3moe needs it.*expert_ffn: qwen3moe needs it"):
         SynthSpec(arch="qwen3moe", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, ffn=8, experts=4)
     with pytest.raises(ConfigError, match=r"experts_used = 5: at most experts \(4\)"):
-        SynthSpec(arch="qwen3moe", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, ffn=8, experts=4,
-                  experts_used=5, expert_ffn=8)
+        SynthSpec(
+            arch="qwen3moe",
+            n_layers=1,
+            hidden=64,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn=8,
+            experts=4,
+            experts_used=5,
+            expert_ffn=8,
+        )
     # An explicit head size frees hidden from being a multiple of the heads, as in Qwen3.
     assert SynthSpec(arch="qwen3", n_layers=1, hidden=72, n_heads=4, n_kv_heads=2, ffn=8, head_size=32).head_dim == 32
 
@@ -262,14 +295,55 @@ def test_find_vocab_error_says_what_to_do(tmp_path):
 
 def test_cli_writes_the_model(cli, stories, tmp_path):
     out = tmp_path / "cli.gguf"
-    result = CliRunner().invoke(cli, ["synth", "--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4",
-                                      "--kv-heads", "2", "--ffn", "128", "--vocab-from", str(stories),
-                                      "--out", str(out), "--seed", "5"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "synth",
+            "--arch",
+            "llama",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "128",
+            "--vocab-from",
+            str(stories),
+            "--out",
+            str(out),
+            "--seed",
+            "5",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "vocab 512" in result.output
     assert model_from_gguf(out).vocab_size == 512
-    again = CliRunner().invoke(cli, ["synth", "--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4",
-                                     "--kv-heads", "2", "--ffn", "128", "--vocab-from", str(stories), "--out", str(out)])
+    again = CliRunner().invoke(
+        cli,
+        [
+            "synth",
+            "--arch",
+            "llama",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "128",
+            "--vocab-from",
+            str(stories),
+            "--out",
+            str(out),
+        ],
+    )
     assert again.exit_code == 2 and "already exists" in again.output
 
 
@@ -326,16 +400,18 @@ def test_quantize(tiny, built_engine, tmp_path, engine_plugins):  # the llama-se
     import gguf
 
     for qtype in ("Q8_0", "Q4_0"):
-        out = synth.quantize(tiny, qtype, out=tmp_path / f"tiny-{qtype}.gguf", binary=built_engine.quantize,
-                             timeout_s=120)
+        out = synth.quantize(
+            tiny, qtype, out=tmp_path / f"tiny-{qtype}.gguf", binary=built_engine.quantize, timeout_s=120
+        )
         reader = gguf.GGUFReader(out)
         types = {t.name: t.tensor_type.name for t in reader.tensors}
         assert types["blk.0.ffn_up.weight"] == qtype
         assert types["blk.0.attn_norm.weight"] == "F32"
         assert model_from_gguf(out).artifact_bytes == {f"gguf:{qtype}": out.stat().st_size}
         tokenizer, n_vocab = synth.read_tokenizer(tiny)
-        [_, (_, estimated, _)] = synth.disk_plan(TINY, tiny, tokenizer=tokenizer, n_vocab=n_vocab,
-                                                 quantize=(qtype,)).files
+        [_, (_, estimated, _)] = synth.disk_plan(
+            TINY, tiny, tokenizer=tokenizer, n_vocab=n_vocab, quantize=(qtype,)
+        ).files
         assert abs(estimated - out.stat().st_size) <= 0.1 * out.stat().st_size
 
 
@@ -348,9 +424,12 @@ def _free_port() -> int:
 def _serve_until_healthy(server: Path, model: Path, timeout_s: float = 60.0) -> str:
     port = _free_port()
     # Its own session, so the whole process group can be killed whatever happens.
-    proc = subprocess.Popen([str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "256",
-                             "-t", "1", "-np", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "256", "-t", "1", "-np", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -359,8 +438,11 @@ def _serve_until_healthy(server: Path, model: Path, timeout_s: float = 60.0) -> 
             try:
                 r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
                 if r.status_code == 200 and r.json().get("status") == "ok":
-                    reply = httpx.post(f"http://127.0.0.1:{port}/completion",
-                                       json={"prompt": "Once upon a time", "n_predict": 8}, timeout=30)
+                    reply = httpx.post(
+                        f"http://127.0.0.1:{port}/completion",
+                        json={"prompt": "Once upon a time", "n_predict": 8},
+                        timeout=30,
+                    )
                     assert reply.status_code == 200, reply.text
                     return reply.json()["content"]
             except httpx.TransportError:
@@ -377,8 +459,11 @@ def _serve_until_healthy(server: Path, model: Path, timeout_s: float = 60.0) -> 
 
 @pytest.mark.parametrize("qtype", [None, "Q4_0"])
 def test_llama_server_loads_the_synthetic_model(tiny, built_engine, tmp_path, qtype):
-    model = tiny if qtype is None else synth.quantize(tiny, qtype, out=tmp_path / f"m-{qtype}.gguf",
-                                                      binary=built_engine.quantize, timeout_s=120)
+    model = (
+        tiny
+        if qtype is None
+        else synth.quantize(tiny, qtype, out=tmp_path / f"m-{qtype}.gguf", binary=built_engine.quantize, timeout_s=120)
+    )
     text = _serve_until_healthy(built_engine.server, model)
     assert isinstance(text, str)  # gibberish, but generated: no NaN abort, no load failure
 
@@ -389,8 +474,9 @@ def test_llama_server_loads_a_synthetic_moe(built_engine, tmp_path, qtype):
     quantized copies too, and generates from them."""
     model = write_model(TINY_MOE, tmp_path / "moe.gguf", vocab_from=synth.find_vocab("qwen3moe")).path
     if qtype:
-        model = synth.quantize(model, qtype, out=tmp_path / f"moe-{qtype}.gguf", binary=built_engine.quantize,
-                               timeout_s=120)
+        model = synth.quantize(
+            model, qtype, out=tmp_path / f"moe-{qtype}.gguf", binary=built_engine.quantize, timeout_s=120
+        )
     assert isinstance(_serve_until_healthy(built_engine.server, model), str)
 
 

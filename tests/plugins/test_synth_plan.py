@@ -16,8 +16,21 @@ from autotune_plugins.llama_server.synth import write_model
 from autotune_plugins.llama_server.synth_shapes import SynthSpec
 from tests.plugins.test_synth import TINY, cli, stories  # noqa: F401 - fixtures
 
-BASE = ["synth", "--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-        "--ffn", "128"]
+BASE = [
+    "synth",
+    "--arch",
+    "llama",
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--ffn",
+    "128",
+]
 
 
 def test_an_unknown_quantization_type_is_refused_before_the_model_is_written(stories, tmp_path):
@@ -27,13 +40,16 @@ def test_an_unknown_quantization_type_is_refused_before_the_model_is_written(sto
     assert list(tmp_path.iterdir()) == []  # no model, no .partial
 
 
-@pytest.mark.parametrize("option, value, said", [
-    ("--layers", "1000000000", "1<=x<=512"),
-    ("--head-dim", "1000000", "1<=x<=1024"),
-    ("--ctx", "100000000000000000000", "16<=x<=2147483647"),
-    ("--seed", "-1", "0<=x<=4294967295"),
-    ("--experts", "100000", "0<=x<=512"),
-])
+@pytest.mark.parametrize(
+    "option, value, said",
+    [
+        ("--layers", "1000000000", "1<=x<=512"),
+        ("--head-dim", "1000000", "1<=x<=1024"),
+        ("--ctx", "100000000000000000000", "16<=x<=2147483647"),
+        ("--seed", "-1", "0<=x<=4294967295"),
+        ("--experts", "100000", "0<=x<=512"),
+    ],
+)
 def test_a_shape_beyond_llama_cpps_limits_is_refused_with_its_range(cli, stories, tmp_path, option, value, said):
     args = [a for a in BASE]
     args += [option, value, "--vocab-from", str(stories), "--out", str(tmp_path / "m.gguf")]
@@ -59,7 +75,7 @@ def test_sigterm_while_writing_leaves_no_partial_file(stories, tmp_path):
 
         def progress(done, total):
             if done == 2:  # mid-file: the header and two tensors are in m.gguf.partial
-                assert os.path.getsize({str(out) + '.partial'!r}) > 0
+                assert os.path.getsize({str(out) + ".partial"!r}) > 0
                 os.kill(os.getpid(), signal.SIGTERM)
 
         spec = SynthSpec(arch="llama", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn=128)

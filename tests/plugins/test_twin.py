@@ -19,8 +19,14 @@ from tests.conftest import REPO
 
 def ctx_for(gpu: str, model: str, **settings) -> StudyContext:
     g = get_gpu(gpu)
-    return StudyContext(gpu=g, model=get_model(model), workload=Workload(1500, 800), vram_budget_bytes=g.vram_bytes,
-                        protocol=Protocol(warmup_runs=0, min_runs=3, max_runs=8), settings=settings)
+    return StudyContext(
+        gpu=g,
+        model=get_model(model),
+        workload=Workload(1500, 800),
+        vram_budget_bytes=g.vram_bytes,
+        protocol=Protocol(warmup_runs=0, min_runs=3, max_runs=8),
+        settings=settings,
+    )
 
 
 def cfg(backend: str, weights: str, ctx: int = 4096, parallel: int = 1, **options) -> TrialConfig:
@@ -48,8 +54,9 @@ def test_the_twin_is_not_a_lookup_a_faster_card_is_faster_and_bigger_models_slow
     h100_14b = twin.predictor.predict(base, ctx_for("h100-sxm", "qwen2.5-14b"))["decode_tok_s"]
     assert h100 > 2 * v100  # 3.35 TB/s against 0.9 TB/s
     assert h100_14b < 0.7 * h100
-    fewer_bits = twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.0", cache_type="fp16", flash_attn=True),
-                              ctx_for("h100-sxm", "qwen2.5-7b"))["decode_tok_s"]
+    fewer_bits = twin.predictor.predict(
+        cfg("twin-exllamav2", "exl2:3.0", cache_type="fp16", flash_attn=True), ctx_for("h100-sxm", "qwen2.5-7b")
+    )["decode_tok_s"]
     assert fewer_bits > h100
 
 
@@ -80,22 +87,35 @@ def test_layers_that_do_not_fit_spill_to_the_host_and_speed_collapses():
 def test_engines_refuse_what_the_real_engine_refuses():
     vllm = TwinVllm()
     with pytest.raises(UnsupportedError, match="does not support compute capability 7.0"):
-        vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=False), ctx_for("v100-16gb", "qwen2.5-7b"))
+        vllm.run(
+            cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=False), ctx_for("v100-16gb", "qwen2.5-7b")
+        )
     with pytest.raises(UnsupportedError, match="Cannot use FlashAttention-2 backend for Volta and Turing GPUs"):
         vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=True), ctx_for("t4", "qwen2.5-7b"))
-    with pytest.raises(UnsupportedError, match="Bfloat16 is only supported on GPUs with compute capability of at least 8.0"):
+    with pytest.raises(
+        UnsupportedError, match="Bfloat16 is only supported on GPUs with compute capability of at least 8.0"
+    ):
         vllm.run(cfg("twin-vllm", "gguf:BF16", cache_type="auto", flash_attn=False), ctx_for("t4", "qwen2.5-7b"))
-    assert vllm.run(cfg("twin-vllm", "gguf:BF16", cache_type="auto", flash_attn=True),
-                    ctx_for("a100-80gb", "qwen2.5-7b")).metrics["decode_tok_s"].median > 0
-    ok = vllm.run(cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=True), ctx_for("a100-80gb", "qwen2.5-7b"))
+    assert (
+        vllm.run(cfg("twin-vllm", "gguf:BF16", cache_type="auto", flash_attn=True), ctx_for("a100-80gb", "qwen2.5-7b"))
+        .metrics["decode_tok_s"]
+        .median
+        > 0
+    )
+    ok = vllm.run(
+        cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=True), ctx_for("a100-80gb", "qwen2.5-7b")
+    )
     assert ok.metrics["decode_tok_s"].median > 0
     # ExLlamaV2 cannot spill layers: a model that does not fit fails to load.
     with pytest.raises(BackendError, match="out of memory"):
-        TwinExllamaV2().run(cfg("twin-exllamav2", "exl2:5.0", cache_type="fp16", flash_attn=True),
-                            ctx_for("rtx3060-12gb", "qwen2.5-32b"))
+        TwinExllamaV2().run(
+            cfg("twin-exllamav2", "exl2:5.0", cache_type="fp16", flash_attn=True),
+            ctx_for("rtx3060-12gb", "qwen2.5-32b"),
+        )
     # llama.cpp needs flash attention for a quantized V cache.
-    reasons = TwinLlamaCpp().check(cfg("twin-llama.cpp", "gguf:Q4_K_M", cache_type="q8_0", flash_attn=False),
-                                   ctx_for("v100-16gb", "qwen2.5-7b"))
+    reasons = TwinLlamaCpp().check(
+        cfg("twin-llama.cpp", "gguf:Q4_K_M", cache_type="q8_0", flash_attn=False), ctx_for("v100-16gb", "qwen2.5-7b")
+    )
     assert any("flash_attn" in r for r in reasons)
 
 
@@ -115,11 +135,15 @@ def test_cache_types_change_memory_as_their_block_layouts_say():
     assert f16 == 4096 * 131072  # the article: 512 MiB at 4096 tokens
     assert q8 == f16 * 34 // 64 and q4 == f16 * 18 // 64
     exl = TwinExllamaV2()
-    by_mode = {m: exl.estimate_memory(cfg("twin-exllamav2", "exl2:3.3", ctx=4096, parallel=4, cache_type=m), ctx).kv_bytes
-               for m in ("fp16", "q8", "q6", "q4")}
+    by_mode = {
+        m: exl.estimate_memory(cfg("twin-exllamav2", "exl2:3.3", ctx=4096, parallel=4, cache_type=m), ctx).kv_bytes
+        for m in ("fp16", "q8", "q6", "q4")
+    }
     assert by_mode["fp16"] > by_mode["q8"] > by_mode["q6"] > by_mode["q4"]
     # llama-server's -c is shared by the slots: KV grows with ctx x parallel.
-    p4 = llama.estimate_memory(cfg("twin-llama.cpp", "gguf:Q4_K_M", ctx=4096, parallel=4, cache_type="f16"), ctx).kv_bytes
+    p4 = llama.estimate_memory(
+        cfg("twin-llama.cpp", "gguf:Q4_K_M", ctx=4096, parallel=4, cache_type="f16"), ctx
+    ).kv_bytes
     assert p4 == 4 * f16
 
 
@@ -135,10 +159,14 @@ def test_parallel_streams_raise_aggregate_until_the_card_saturates():
     # Where ExLlamaV2 batches concurrent jobs: paged attention (an A100), or offline batched
     # passes on a V100 (unpaged_parallel = "batched", what the article's row 5 could measure).
     twin = TwinExllamaV2()
-    for ctx in (ctx_for("a100-80gb", "qwen2.5-27b-article"),
-                ctx_for("v100-16gb", "qwen2.5-27b-article", unpaged_parallel="batched")):
-        agg = [twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
-               for p in (1, 2, 4, 8)]
+    for ctx in (
+        ctx_for("a100-80gb", "qwen2.5-27b-article"),
+        ctx_for("v100-16gb", "qwen2.5-27b-article", unpaged_parallel="batched"),
+    ):
+        agg = [
+            twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
+            for p in (1, 2, 4, 8)
+        ]
         assert agg[0]["aggregate_tok_s"] < agg[1]["aggregate_tok_s"] < agg[2]["aggregate_tok_s"]
         assert agg[3]["per_user_tok_s"] < agg[2]["per_user_tok_s"] < agg[0]["per_user_tok_s"]
 
@@ -151,8 +179,10 @@ def test_exllamav2_without_paged_attention_serves_concurrent_users_one_at_a_time
     at a fraction of the single-stream rate (so parallel 4 is no tie with parallel 1)."""
     twin = TwinExllamaV2()
     ctx = ctx_for("v100-16gb", "qwen2.5-27b-article")
-    one, four = (twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
-                 for p in (1, 4))
+    one, four = (
+        twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8", flash_attn=True), ctx)
+        for p in (1, 4)
+    )
     assert four["aggregate_tok_s"] == pytest.approx(one["aggregate_tok_s"], rel=1e-9)
     request_s = ctx.workload.prompt_tokens / one["prefill_tok_s"] + ctx.workload.output_tokens / one["decode_tok_s"]
     decode_s = (ctx.workload.output_tokens - 1) / one["decode_tok_s"]
@@ -162,11 +192,15 @@ def test_exllamav2_without_paged_attention_serves_concurrent_users_one_at_a_time
     assert four["per_user_tok_s"] < 0.5 * one["per_user_tok_s"]
     assert four["ttft_ms"] == pytest.approx(one["ttft_ms"] + 1500 * request_s, rel=1e-6)
     # Its cache holds one sequence, whatever parallel says (the real backend's generator settings).
-    mem = [twin.estimate_memory(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8"), ctx).kv_bytes
-           for p in (1, 4)]
+    mem = [
+        twin.estimate_memory(cfg("twin-exllamav2", "exl2:3.3", parallel=p, cache_type="q8"), ctx).kv_bytes
+        for p in (1, 4)
+    ]
     assert mem[0] == mem[1]
     batched = ctx_for("v100-16gb", "qwen2.5-27b-article", unpaged_parallel="batched")
-    b4 = twin.predictor.predict(cfg("twin-exllamav2", "exl2:3.3", parallel=4, cache_type="q8", flash_attn=True), batched)
+    b4 = twin.predictor.predict(
+        cfg("twin-exllamav2", "exl2:3.3", parallel=4, cache_type="q8", flash_attn=True), batched
+    )
     assert b4["aggregate_tok_s"] > 1.5 * four["aggregate_tok_s"]
 
 
@@ -179,11 +213,13 @@ def test_quality_loss_grows_as_bits_shrink_and_with_cache_quantization():
     assert gguf == sorted(gguf)
     assert quality.drop_points(model, "exl2:4.0", "q4", ppk) > quality.drop_points(model, "exl2:4.0", "q8", ppk)
     # Bigger models lose fewer points to the same format.
-    assert quality.drop_points(get_model("llama-2-70b"), "gguf:Q4_K_M", "f16", ppk) < \
-        quality.drop_points(get_model("llama-2-7b"), "gguf:Q4_K_M", "f16", ppk)
+    assert quality.drop_points(get_model("llama-2-70b"), "gguf:Q4_K_M", "f16", ppk) < quality.drop_points(
+        get_model("llama-2-7b"), "gguf:Q4_K_M", "f16", ppk
+    )
     metric = TwinMmlu()
-    value = metric.evaluate(cfg("twin-exllamav2", "exl2:3.0", cache_type="q8"), TwinExllamaV2(),
-                            ctx_for("v100-16gb", "qwen2.5-27b-article")).value
+    value = metric.evaluate(
+        cfg("twin-exllamav2", "exl2:3.0", cache_type="q8"), TwinExllamaV2(), ctx_for("v100-16gb", "qwen2.5-27b-article")
+    ).value
     assert 0.9 < value < 1.0
 
 
@@ -221,8 +257,7 @@ def test_exllamav2_deploy_line_delivers_what_was_predicted():
     v100 = b.deploy_command(config, ctx_for("v100-16gb", "qwen2.5-27b-article"))
     assert v100.startswith("python main.py ") and "--cache-size 4096 " in v100
     assert "serves the 4 users one at a time, as predicted" in v100 and "sm_70" in v100
-    batched = b.deploy_command(config, ctx_for("v100-16gb", "qwen2.5-27b-article",
-                                               unpaged_parallel="batched"))
+    batched = b.deploy_command(config, ctx_for("v100-16gb", "qwen2.5-27b-article", unpaged_parallel="batched"))
     assert "an offline batch job" in batched and "ExLlamaV2Cache(batch_size=4, max_seq_len=4096)" in batched
     assert "main.py" not in batched
     a100 = b.deploy_command(config, ctx_for("a100-80gb", "qwen2.5-27b-article"))
@@ -232,8 +267,9 @@ def test_exllamav2_deploy_line_delivers_what_was_predicted():
 
 
 def test_parameters_keep_the_studys_values_as_given_and_name_what_each_engine_accepts():
-    cache, flash = TwinLlamaCpp().parameters({"cache_type": ["f16", "q8", "q9_0", "q8_0", "f16"],
-                                              "flash_attn": [False, "no", 1, True]})
+    cache, flash = TwinLlamaCpp().parameters(
+        {"cache_type": ["f16", "q8", "q9_0", "q8_0", "f16"], "flash_attn": [False, "no", 1, True]}
+    )
     assert cache.choices == ("f16", "q8_0") and cache.accepted == ("f16", "q8_0", "q4_0")
     # 1 is not true and "no" is not false: a value is only ever taken as itself.
     assert flash.choices == (False, True) and flash.accepted == (True, False)
@@ -247,8 +283,17 @@ def test_parameters_keep_the_studys_values_as_given_and_name_what_each_engine_ac
 
 def test_settings_are_declared_and_read_through_their_declaration():
     declared = {s.name: s for s in TwinLlamaCpp.settings}
-    assert set(declared) == {"noise", "throttle_after_s", "throttle_factor", "gpu_layers", "stability_metric", "host_threads",
-                             "interconnect", "acceptance", "acceptance_rate"}
+    assert set(declared) == {
+        "noise",
+        "throttle_after_s",
+        "throttle_factor",
+        "gpu_layers",
+        "stability_metric",
+        "host_threads",
+        "interconnect",
+        "acceptance",
+        "acceptance_rate",
+    }
     # vLLM's own: the release it answers like, and the share of the card it reserves (its memory).
     assert {s.name for s in TwinVllm.settings} == set(declared) | {"version", "gpu_memory_utilization"}
     assert declared["gpu_layers"].problem(20) is None and declared["gpu_layers"].problem("auto") is None
@@ -294,8 +339,14 @@ def test_the_twin_predicts_for_a_real_gguf_file(tmp_path):
     from tests.conftest import REPO
 
     path = REPO / "tests" / "data" / "stories260K.gguf"
-    ctx = StudyContext(gpu=get_gpu("h200"), model=model_from_gguf(path), workload=Workload(16, 512),
-                       vram_budget_bytes=2**34, protocol=Protocol(), base_dir=tmp_path)
+    ctx = StudyContext(
+        gpu=get_gpu("h200"),
+        model=model_from_gguf(path),
+        workload=Workload(16, 512),
+        vram_budget_bytes=2**34,
+        protocol=Protocol(),
+        base_dir=tmp_path,
+    )
     twin = TwinLlamaCpp()
     config = TrialConfig("twin-llama.cpp", str(path), 256, 2, (("cache_type", "f16"), ("flash_attn", True)))
     assert twin.as_format(str(path), ctx) == "gguf:F32"
@@ -305,8 +356,9 @@ def test_the_twin_predicts_for_a_real_gguf_file(tmp_path):
     assert twin.scenario(config, ctx).weights == gguf_file_weights(path)
     assert f"-m {path} " in twin.deploy_command(config, ctx)
     assert TwinMmlu().evaluate(config, twin, ctx).value == pytest.approx(1.0, abs=0.01)  # F32: nothing lost
-    assert "neither" in twin.check_weights(str(tmp_path / "missing.gguf"), ctx) or \
-        "format" in twin.check_weights(str(tmp_path / "missing.gguf"), ctx)
+    assert "neither" in twin.check_weights(str(tmp_path / "missing.gguf"), ctx) or "format" in twin.check_weights(
+        str(tmp_path / "missing.gguf"), ctx
+    )
 
 
 def test_prior_ranks_a_real_llama_server_study_over_gguf_files(tmp_path, twin_plugin):
@@ -320,8 +372,12 @@ def test_prior_ranks_a_real_llama_server_study_over_gguf_files(tmp_path, twin_pl
     from tests.engine_fixtures import llama_server_binary, write_llama_study
 
     llama_server_binary()  # the study's preflight needs the engine
-    path = write_llama_study(tmp_path / "prior.toml", study="prior = true\nprior_trials = 3", parallel="[1, 2, 4]",
-                             space='cache_type = ["f16"]\nflash_attn = [true, false]')
+    path = write_llama_study(
+        tmp_path / "prior.toml",
+        study="prior = true\nprior_trials = 3",
+        parallel="[1, 2, 4]",
+        space='cache_type = ["f16"]\nflash_attn = [true, false]',
+    )
     with plugin_registered(llama_server, "llama_server"):
         prepared = prepare_study(load_study_config(path), storage=f"sqlite:///{tmp_path / 'p.db'}")
         ranked = rank_by_prior(prepared)
@@ -348,8 +404,13 @@ def test_single_stream_decode_holds_on_every_card_with_published_figures():
         if f.scenario.harness == "bench":
             by_card.setdefault(f.gpu, []).append(ratio)
         # The offload probe's points have their own file and tolerances (test_twin_offload.py).
-        if (f.gpu == "h200" and f.role == "check" and f.metric == "decode_tok_s" and f.scenario.parallel == 1
-                and not evidence.is_offload(f)):
+        if (
+            f.gpu == "h200"
+            and f.role == "check"
+            and f.metric == "decode_tok_s"
+            and f.scenario.parallel == 1
+            and not evidence.is_offload(f)
+        ):
             assert abs(ratio - 1) <= 0.25, (f.id, ratio)
     assert {"p40", "v100-16gb", "v100-32gb", "rtx3090", "rtx4090", "a100-80gb", "h200"} <= set(by_card)
     for card, ratios in by_card.items():
@@ -384,14 +445,24 @@ def test_exllamav2_without_flash_attn_copies_grouped_kv_over_the_context_in_use(
     Llama-2 7B (112/101/93 tok/s against the README's 245/207/170 when flash-attn was off)."""
     twin = TwinExllamaV2()
     on_4090 = ctx_for("rtx4090", "llama-2-7b")
-    fused, unfused = (twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=fa),
-                                   on_4090)["decode_tok_s"] for fa in (True, False))
+    fused, unfused = (
+        twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=fa), on_4090)[
+            "decode_tok_s"
+        ]
+        for fa in (True, False)
+    )
     assert unfused == pytest.approx(fused)
     v100 = ctx_for("v100-16gb", "qwen2.5-27b-article")
-    by_ctx = [twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=c, cache_type="fp16", flash_attn=False), v100)
-              ["decode_tok_s"] for c in (2048, 4096)]
+    by_ctx = [
+        twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=c, cache_type="fp16", flash_attn=False), v100)[
+            "decode_tok_s"
+        ]
+        for c in (2048, 4096)
+    ]
     assert by_ctx[0] == pytest.approx(by_ctx[1])
-    grouped = twin.predictor.predict(cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=True), v100)
+    grouped = twin.predictor.predict(
+        cfg("twin-exllamav2", "exl2:4.0", ctx=4096, cache_type="fp16", flash_attn=True), v100
+    )
     assert by_ctx[1] < 0.9 * grouped["decode_tok_s"]  # 28 query heads on 4 key heads: a 7x copy
 
 
@@ -433,21 +504,32 @@ def test_quality_is_refused_for_a_model_outside_what_the_quality_model_covers(tw
 
     tiny = ModelSpec("tiny", "tiny", "llama", 4, 512, 8, 4, 64, 1536, 512, 13_000_000, False, 2048, "test")
     assert quality.uncovered(get_model("qwen2.5-27b-article")) is None
-    assert TwinMmlu().covers(tiny).startswith("model 'tiny' has 13,000,000 parameters; the twin's quality model "
-                                              "covers 0.5B to 1T")
+    assert (
+        TwinMmlu()
+        .covers(tiny)
+        .startswith("model 'tiny' has 13,000,000 parameters; the twin's quality model covers 0.5B to 1T")
+    )
     with pytest.raises(ConfigError, match="the twin's quality model covers"):
         quality.drop_points(tiny, "gguf:Q2_K", "f16", 8.17)  # estimate's and the prior's way in, too
 
-    doc = {"study": {"name": "tiny"}, "hardware": {"gpu": "t4"}, "model": {"ref": "qwen2.5-1.5b"},
-           "workload": {"prompt_tokens": 64, "output_tokens": 32},
-           "candidates": [{"backend": "twin-llama.cpp", "weights": ["gguf:Q8_0", "gguf:Q2_K"]}],
-           "space": {"ctx": [512], "parallel": [1]}, "objective": {"quality": "twin-mmlu", "reference_weights": "gguf:Q8_0"}}
-    prepare_study(parse_study_config(doc, source="ok.toml", path=tmp_path / "ok.toml"),
-                  storage=f"sqlite:///{tmp_path / 'ok.db'}")  # a covered model is prepared as before
+    doc = {
+        "study": {"name": "tiny"},
+        "hardware": {"gpu": "t4"},
+        "model": {"ref": "qwen2.5-1.5b"},
+        "workload": {"prompt_tokens": 64, "output_tokens": 32},
+        "candidates": [{"backend": "twin-llama.cpp", "weights": ["gguf:Q8_0", "gguf:Q2_K"]}],
+        "space": {"ctx": [512], "parallel": [1]},
+        "objective": {"quality": "twin-mmlu", "reference_weights": "gguf:Q8_0"},
+    }
+    prepare_study(
+        parse_study_config(doc, source="ok.toml", path=tmp_path / "ok.toml"), storage=f"sqlite:///{tmp_path / 'ok.db'}"
+    )  # a covered model is prepared as before
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("autotune.study.prepare.resolve_model", lambda ref: tiny)
         with pytest.raises(ConfigError) as err:
-            prepare_study(parse_study_config(doc, source="tiny.toml", path=tmp_path / "tiny.toml"),
-                          storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+            prepare_study(
+                parse_study_config(doc, source="tiny.toml", path=tmp_path / "tiny.toml"),
+                storage=f"sqlite:///{tmp_path / 'tiny.db'}",
+            )
     assert "tiny.toml: [objective] quality = 'twin-mmlu': model 'tiny' has 13,000,000 parameters" in str(err.value)
     assert not (tmp_path / "tiny.db").exists()

@@ -26,6 +26,7 @@ from autotune_plugins.exllamav2.formats import exl2_quantization
 from autotune_plugins.exllamav2.generator_settings import CACHE_CHOICES
 from autotune_plugins.twin import TwinExllamaV2, TwinLlamaCpp, TwinMmlu, TwinVllm
 from autotune_plugins.twin.formats import directory_format
+
 # exl2_dir: the hand-written 4.0 bpw directory, a fixture here too.
 from tests.plugins.test_exllamav2_backend import CONFIG, FAKE, exl2_dir, write_safetensors  # noqa: F401
 from autotune.study.records import TrialRecord
@@ -51,9 +52,16 @@ def make_exl2_dir(root: Path, bits: float, head_bits: int = 6) -> Path:
     quant = {"quant_method": "exl2", "bits": bits, "head_bits": head_bits}
     (d / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": quant}))
     (d / "tokenizer.json").write_text("{}")
-    write_safetensors(d / "output.safetensors", {
-        "model.embed_tokens.weight": ("F16", [512, 128]), **exl2_layer(0, bits), **exl2_layer(1, bits),
-        "model.norm.weight": ("F16", [128]), "lm_head.q_weight": ("I32", [128 * head_bits // 32, 512])})
+    write_safetensors(
+        d / "output.safetensors",
+        {
+            "model.embed_tokens.weight": ("F16", [512, 128]),
+            **exl2_layer(0, bits),
+            **exl2_layer(1, bits),
+            "model.norm.weight": ("F16", [128]),
+            "lm_head.q_weight": ("I32", [128 * head_bits // 32, 512]),
+        },
+    )
     return d
 
 
@@ -74,8 +82,14 @@ def make_hf_dir(root: Path, dtype: str = "BF16", torch_dtype: str | None = "bflo
 
 
 def ctx_for(base: Path, model_dir: Path, gpu: str = "h200") -> StudyContext:
-    return StudyContext(gpu=get_gpu(gpu), model=model_from_hf_config(model_dir), workload=Workload(64, 16),
-                        vram_budget_bytes=100 * 2**30, protocol=Protocol(), base_dir=base)
+    return StudyContext(
+        gpu=get_gpu(gpu),
+        model=model_from_hf_config(model_dir),
+        workload=Workload(64, 16),
+        vram_budget_bytes=100 * 2**30,
+        protocol=Protocol(),
+        base_dir=base,
+    )
 
 
 # ------------------------------------------------------------------------------ the core reader
@@ -140,21 +154,27 @@ def test_a_lower_bpw_directory_is_predicted_smaller_and_faster(exl2_dir, tmp_pat
 def test_what_the_twins_do_not_read_is_named_with_what_they_do(exl2_dir, tmp_path):
     ctx = ctx_for(tmp_path, exl2_dir)
     problem = TwinLlamaCpp().check_weights("tiny-exl2-4.0", ctx)
-    assert problem == (f"{exl2_dir}: an EXL2 directory, which llama.cpp does not load (it loads GGUF files, "
-                       f"or a format gguf:<TYPE>)")
+    assert problem == (
+        f"{exl2_dir}: an EXL2 directory, which llama.cpp does not load (it loads GGUF files, or a format gguf:<TYPE>)"
+    )
     assert "which vllm does not load" in TwinVllm().check_weights("tiny-exl2-4.0", ctx)
     hf = make_hf_dir(tmp_path)
-    assert "a Hugging Face directory, which exllamav2 does not load (it loads EXL2 directories" in \
-        TwinExllamaV2().check_weights(hf.name, ctx)
+    assert (
+        "a Hugging Face directory, which exllamav2 does not load (it loads EXL2 directories"
+        in TwinExllamaV2().check_weights(hf.name, ctx)
+    )
     gptq = tmp_path / "gptq"
     gptq.mkdir()
     (gptq / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "gptq"}}))
     write_safetensors(gptq / "model.safetensors", {"model.norm.weight": ("F16", [128])})
-    assert "quantization_config.quant_method 'gptq': the twin predicts EXL2 and EXL3 directories" in \
-        TwinVllm().check_weights("gptq", ctx)
+    assert (
+        "quantization_config.quant_method 'gptq': the twin predicts EXL2 and EXL3 directories"
+        in TwinVllm().check_weights("gptq", ctx)
+    )
     wide = make_exl2_dir(tmp_path, 9.0)
-    assert "quantization_config.bits = 9.0: the twin knows EXL2 at 2.0-8.0" in \
-        TwinExllamaV2().check_weights(wide.name, ctx)
+    assert "quantization_config.bits = 9.0: the twin knows EXL2 at 2.0-8.0" in TwinExllamaV2().check_weights(
+        wide.name, ctx
+    )
     (exl2_dir / "config.json").unlink()
     assert "no config.json" in TwinExllamaV2().check_weights("tiny-exl2-4.0", ctx)
 
@@ -192,7 +212,8 @@ def test_exllamav2_cache_modes_are_the_twins(exl2_dir, tmp_path):
 
 def write_exl2_study(path: Path, weights: list[str], prior_trials: int) -> Path:
     fake = json.dumps([sys.executable, str(FAKE), "ok"])
-    path.write_text(f"""[study]
+    path.write_text(
+        f"""[study]
 name = "{path.stem}"
 seed = 0
 prior = true
@@ -225,7 +246,9 @@ cache_type = ["fp16", "q4"]
 [backends.exllamav2]
 worker_command = {fake}
 paged = false
-""", encoding="utf-8")
+""",
+        encoding="utf-8",
+    )
     return path
 
 
@@ -272,8 +295,10 @@ def test_the_prior_leaves_what_the_twin_cannot_speak_for_unranked(exl2_dir, tmp_
     config = TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q8"),))
     predictor, predicted = predictor_for(real, config, ctx, backends)
     assert predictor is twin and predicted == twin.predictor.predict(replace(config, backend=twin.name), ctx)
-    assert predictor_for(real, TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q5"),)),
-                          ctx, backends) is None
+    assert (
+        predictor_for(real, TrialConfig("exllamav2", exl2_dir.name, 512, 1, (("cache_type", "q5"),)), ctx, backends)
+        is None
+    )
     (exl2_dir / "output-00002-of-00002.safetensors").write_bytes(b"\x01")  # the twin's ConfigError: no say
     assert predictor_for(real, config, ctx, backends) is None
 
@@ -290,8 +315,11 @@ def estimate(*args: str):
     from tests.conftest import plugin_registered
 
     with plugin_registered(exllamav2, "exllamav2"), plugin_registered(twin_module, "twin"):
-        return CliRunner().invoke(cli, ["estimate", "--gpu", "h200", "--ctx", "512", "--prompt-tokens", "64",
-                                        "--output-tokens", "16", *args], obj={})
+        return CliRunner().invoke(
+            cli,
+            ["estimate", "--gpu", "h200", "--ctx", "512", "--prompt-tokens", "64", "--output-tokens", "16", *args],
+            obj={},
+        )
 
 
 def test_estimate_predicts_for_an_exl2_directory(exl2_dir):
@@ -307,8 +335,10 @@ def test_estimate_predicts_for_an_exl2_directory(exl2_dir):
     assert real["predicted"] == r["predicted"]
     wrong = estimate("--model", str(exl2_dir), "--backend", "twin-llama.cpp")
     assert wrong.exit_code == 2
-    assert (f"--model '{exl2_dir}': {exl2_dir}: an EXL2 directory, which llama.cpp does not load (it loads GGUF "
-            f"files, or a format gguf:<TYPE>)") in wrong.stderr
+    assert (
+        f"--model '{exl2_dir}': {exl2_dir}: an EXL2 directory, which llama.cpp does not load (it loads GGUF "
+        f"files, or a format gguf:<TYPE>)"
+    ) in wrong.stderr
 
 
 def test_estimate_predicts_for_a_hugging_face_directory(tmp_path):

@@ -24,8 +24,13 @@ N_FIT = 5
 
 
 def h200_ctx() -> StudyContext:
-    return StudyContext(gpu=get_gpu("h200"), model=resolve_model("qwen2.5-7b"), workload=Workload(512, 128),
-                        vram_budget_bytes=140 * 2**30, protocol=Protocol())
+    return StudyContext(
+        gpu=get_gpu("h200"),
+        model=resolve_model("qwen2.5-7b"),
+        workload=Workload(512, 128),
+        vram_budget_bytes=140 * 2**30,
+        protocol=Protocol(),
+    )
 
 
 def h200_trials() -> list[tuple[TrialConfig, dict[str, float]]]:
@@ -34,8 +39,12 @@ def h200_trials() -> list[tuple[TrialConfig, dict[str, float]]]:
         c = dict(t["config"], backend="twin-llama.cpp")
         # /tmp/p/m/q7b-Q4_K_M.gguf -> gguf:Q4_K_M
         c["weights"] = "gguf:" + c["weights"].rsplit("-", 1)[1].removesuffix(".gguf")
-        out.append((TrialConfig.from_dict(c), {"decode_tok_s": t["decode"], "aggregate_tok_s": t["agg"],
-                                               "per_user_tok_s": t["per_user"]}))
+        out.append(
+            (
+                TrialConfig.from_dict(c),
+                {"decode_tok_s": t["decode"], "aggregate_tok_s": t["agg"], "per_user_tok_s": t["per_user"]},
+            )
+        )
     return out
 
 
@@ -53,8 +62,10 @@ def test_five_measured_configurations_improve_the_predictions_for_the_rest():
     assert cal is not None and cal["n"] == N_FIT and cal["gpu"] == "h200" and cal["engine"] == "llama.cpp"
     before = errors_on(twin, ctx, rest)
     after = errors_on(twin, replace(ctx, calibration=cal), rest)
-    print(f"H200, {len(rest)} held-out trials: median abs error {before:.1%} -> {after:.1%} after calibrating on "
-          f"{N_FIT}; constants {cal['before']} -> {cal['after']}")
+    print(
+        f"H200, {len(rest)} held-out trials: median abs error {before:.1%} -> {after:.1%} after calibrating on "
+        f"{N_FIT}; constants {cal['before']} -> {cal['after']}"
+    )
     assert after < before
     # On the trials it was fitted on, too (what the report shows).
     assert cal["median_abs_error_after"] < cal["median_abs_error_before"]
@@ -97,8 +108,10 @@ def test_a_robust_fit_is_not_dragged_by_one_disturbed_trial(monkeypatch):
     trials = h200_trials()[:12]
 
     def shift(slowdown: float) -> float:
-        disturbed = [(c, {m: v / slowdown for m, v in metrics.items()}) if i == 0 else (c, metrics)
-                     for i, (c, metrics) in enumerate(trials)]
+        disturbed = [
+            (c, {m: v / slowdown for m, v in metrics.items()}) if i == 0 else (c, metrics)
+            for i, (c, metrics) in enumerate(trials)
+        ]
         clean, dirty = twin.predictor.calibrate(trials, ctx)["after"], twin.predictor.calibrate(disturbed, ctx)["after"]
         return max(abs(dirty[f] / clean[f] - 1) for f in clean if clean[f] > 0)
 

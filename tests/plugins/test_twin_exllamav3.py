@@ -16,8 +16,13 @@ from autotune_plugins.twin import TwinExllamaV3, TwinMmlu, evidence, load_consta
 
 def ctx_for(gpu: str, model: str, prompt: int = 1500, output: int = 800) -> StudyContext:
     g = get_gpu(gpu)
-    return StudyContext(gpu=g, model=get_model(model), workload=Workload(prompt, output), vram_budget_bytes=g.vram_bytes,
-                        protocol=Protocol(warmup_runs=0, min_runs=3, max_runs=8))
+    return StudyContext(
+        gpu=g,
+        model=get_model(model),
+        workload=Workload(prompt, output),
+        vram_budget_bytes=g.vram_bytes,
+        protocol=Protocol(warmup_runs=0, min_runs=3, max_runs=8),
+    )
 
 
 def cfg(weights: str, ctx: int = 4096, parallel: int = 1, cache: str = "fp16") -> TrialConfig:
@@ -52,10 +57,15 @@ def test_memory_is_the_exllamav3_backends_own_model():
     for cache, parallel in (("fp16", 1), ("k4v6", 4), ("k8v8", 2)):
         mine = twin.estimate_memory(cfg("exl3:4.0", parallel=parallel, cache=cache), ctx)
         w = exl3_memory.predicted_exl3_weights(ctx.model, 4.0)
-        theirs = exl3_memory.estimate_for(ctx.model, w, generator_settings(cache, 4096, parallel), 1500,
-                                          int(k.context_bytes))
-        assert (mine.weights_bytes, mine.kv_bytes, mine.buffers_bytes, mine.overhead_bytes) == \
-            (theirs.weights_bytes, theirs.kv_bytes, theirs.buffers_bytes, theirs.overhead_bytes)
+        theirs = exl3_memory.estimate_for(
+            ctx.model, w, generator_settings(cache, 4096, parallel), 1500, int(k.context_bytes)
+        )
+        assert (mine.weights_bytes, mine.kv_bytes, mine.buffers_bytes, mine.overhead_bytes) == (
+            theirs.weights_bytes,
+            theirs.kv_bytes,
+            theirs.buffers_bytes,
+            theirs.overhead_bytes,
+        )
     kv = {c: twin.estimate_memory(cfg("exl3:4.0", cache=c), ctx).kv_bytes for c in ("k8v8", "k4v4", "k4v8")}
     assert kv["k4v4"] < kv["k4v8"] < kv["k8v8"]
 
@@ -88,11 +98,18 @@ def test_quality_prices_exl3_and_its_cache_bits():
     """twin-mmlu prices exl3 weights by their bits and a k<K>v<V> cache by K's and V's shares of
     the published 8- and 4-bit damage: fewer bits lose more, K more than V."""
     twin, ctx, metric = TwinExllamaV3(), ctx_for("rtx4090", "llama-3.1-8b"), TwinMmlu()
-    score = {(w, c): metric.evaluate(cfg(w, cache=c), twin, ctx).value
-             for w in ("exl3:3.0", "exl3:5.0") for c in ("fp16", "k8v8", "k4v8", "k8v4")}
+    score = {
+        (w, c): metric.evaluate(cfg(w, cache=c), twin, ctx).value
+        for w in ("exl3:3.0", "exl3:5.0")
+        for c in ("fp16", "k8v8", "k4v8", "k8v4")
+    }
     assert score[("exl3:5.0", "fp16")] > score[("exl3:3.0", "fp16")]
-    assert score[("exl3:5.0", "fp16")] > score[("exl3:5.0", "k8v8")] > score[("exl3:5.0", "k8v4")] \
+    assert (
+        score[("exl3:5.0", "fp16")]
+        > score[("exl3:5.0", "k8v8")]
+        > score[("exl3:5.0", "k8v4")]
         > score[("exl3:5.0", "k4v8")]
+    )
 
 
 def test_an_exl3_directory_is_read_as_its_bits_and_its_bytes(tmp_path):
@@ -106,17 +123,31 @@ def test_an_exl3_directory_is_read_as_its_bits_and_its_bytes(tmp_path):
     d = tmp_path / "tiny-exl3"
     d.mkdir()
     cfg = {k: v for k, v in CONFIG.items() if k != "quantization_config"}
-    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "exl3", "bits": 3.5,
-                                                                              "head_bits": 6}}))
-    write_safetensors(d / "model.safetensors", {"model.embed_tokens.weight": ("F16", [512, 128]),
-                                                "model.layers.0.self_attn.q_proj.trellis": ("I16", [8, 8, 56]),
-                                                "model.norm.weight": ("F16", [128])})
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": {"quant_method": "exl3", "bits": 3.5, "head_bits": 6}})
+    )
+    write_safetensors(
+        d / "model.safetensors",
+        {
+            "model.embed_tokens.weight": ("F16", [512, 128]),
+            "model.layers.0.self_attn.q_proj.trellis": ("I16", [8, 8, 56]),
+            "model.norm.weight": ("F16", [128]),
+        },
+    )
     g = get_gpu("rtx4090")
-    ctx = StudyContext(gpu=g, model=get_model("llama-3.1-8b"), workload=Workload(64, 32), vram_budget_bytes=g.vram_bytes,
-                       protocol=Protocol(), base_dir=tmp_path)
+    ctx = StudyContext(
+        gpu=g,
+        model=get_model("llama-3.1-8b"),
+        workload=Workload(64, 32),
+        vram_budget_bytes=g.vram_bytes,
+        protocol=Protocol(),
+        base_dir=tmp_path,
+    )
     twin = TwinExllamaV3()
     assert twin.as_format("tiny-exl3", ctx) == "exl3:3.5" and twin.check_weights("tiny-exl3", ctx) is None
-    w = twin.scenario(cfg_dir := TrialConfig("twin-exllamav3", "tiny-exl3", 512, 1, (("cache_type", "fp16"),)), ctx).weights
+    w = twin.scenario(
+        cfg_dir := TrialConfig("twin-exllamav3", "tiny-exl3", 512, 1, (("cache_type", "fp16"),)), ctx
+    ).weights
     assert w.total_bytes == 512 * 128 * 2 + 8 * 8 * 56 * 2 + 128 * 2 and not w.embedding_on_gpu
     # Tied, no lm_head tensor: exllamav3 loads the embedding again on the GPU as the head.
     assert twin.estimate_memory(cfg_dir, ctx).weights_bytes == 8 * 8 * 56 * 2 + 128 * 2 + 512 * 128 * 2

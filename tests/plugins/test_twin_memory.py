@@ -28,9 +28,16 @@ STORIES = REPO / "tests" / "data" / "stories260K.gguf"
 
 def context(gpu: str, model, tmp_path, **settings) -> StudyContext:
     g = get_gpu(gpu)
-    return StudyContext(gpu=g, model=get_model(model) if isinstance(model, str) else model,
-                        workload=Workload(512, 128), vram_budget_bytes=g.vram_bytes, protocol=Protocol(),
-                        settings=settings, base_dir=tmp_path, for_gpu=True)
+    return StudyContext(
+        gpu=g,
+        model=get_model(model) if isinstance(model, str) else model,
+        workload=Workload(512, 128),
+        vram_budget_bytes=g.vram_bytes,
+        protocol=Protocol(),
+        settings=settings,
+        base_dir=tmp_path,
+        for_gpu=True,
+    )
 
 
 # (card, model, weights, ctx, parallel, cache type, flash attention)
@@ -58,8 +65,9 @@ def test_the_issues_example_is_llama_servers_figure(engine_plugins):
     # qwen2.5-7b Q4_K_M, ctx 4096 x 4 slots, q8_0, flash attention: the twin's own formulas said
     # 4.89 GiB (a 256 MiB context, no mask); llama-server's model, within ~1% of NVML, says 5.26.
     m = get_model("qwen2.5-7b")
-    s = physics.Scenario("llama.cpp", get_gpu("h200"), m, weights_for(m, "gguf:Q4_K_M"), 4096, 4, "q8_0",
-                         True, 512, 128)
+    s = physics.Scenario(
+        "llama.cpp", get_gpu("h200"), m, weights_for(m, "gguf:Q4_K_M"), 4096, 4, "q8_0", True, 512, 128
+    )
     k = load_constants()[0]["llama.cpp"]
     assert physics.memory(s, k).total_bytes / GiB == pytest.approx(5.26, abs=0.005)
 
@@ -69,16 +77,21 @@ def test_each_twin_engine_has_its_own_plugins_memory_model_and_constants():
     engine model), none from another engine's: one place per engine."""
     models = engine_models()
     owners = {name: type(m).memory.__module__ for name, m in models.items() if m.twin_name}
-    assert owners == {"llama.cpp": "autotune_plugins.llama_server.engine_model",
-                      "exllamav2": "autotune_plugins.exllamav2.engine_model",
-                      "vllm": "autotune_plugins.openai_server.engine_model",
-                      "exllamav3": "autotune_plugins.exllamav3.engine_model"}
+    assert owners == {
+        "llama.cpp": "autotune_plugins.llama_server.engine_model",
+        "exllamav2": "autotune_plugins.exllamav2.engine_model",
+        "vllm": "autotune_plugins.openai_server.engine_model",
+        "exllamav3": "autotune_plugins.exllamav3.engine_model",
+    }
     for name, m in models.items():
         assert m.constants_file.parent == Path(sys.modules[type(m).__module__].__file__).parent
     doc = _constants_doc()
     broken = {**doc, "engines": {**doc["engines"], "vllm": {**doc["engines"]["vllm"], "memory_model": "exllama"}}}
-    with pytest.raises(ConfigError, match=r"openai_server/engine_model.toml: \[constants\]: .*memory_model.*; accepted: "
-                                          r"weight_bw_efficiency, "):
+    with pytest.raises(
+        ConfigError,
+        match=r"openai_server/engine_model.toml: \[constants\]: .*memory_model.*; accepted: "
+        r"weight_bw_efficiency, ",
+    ):
         load_constants(broken)
 
 
@@ -96,10 +109,14 @@ def test_twin_vllm_reserves_its_share_of_the_card_not_exllamav2s_scratch(tmp_pat
     assert exl2_scratch > 0 and mem_on.buffers_bytes == 0 and mem_on == mem_off
     assert exl2_buffer_bytes(vllm.scenario(off, study)) > exl2_scratch
     # The same configuration on twin-exllamav2 is sized by the other formula.
-    exl2 = TwinExllamaV2().estimate_memory(TrialConfig("twin-exllamav2", "exl2:4.0", 8192, 4,
-                                                       (("cache_type", "fp16"), ("flash_attn", True))), study)
-    assert exl2.buffers_bytes == exl2_buffer_bytes(TwinExllamaV2().scenario(
-        TrialConfig("twin-exllamav2", "exl2:4.0", 8192, 4, (("cache_type", "fp16"), ("flash_attn", True))), study))
+    exl2 = TwinExllamaV2().estimate_memory(
+        TrialConfig("twin-exllamav2", "exl2:4.0", 8192, 4, (("cache_type", "fp16"), ("flash_attn", True))), study
+    )
+    assert exl2.buffers_bytes == exl2_buffer_bytes(
+        TwinExllamaV2().scenario(
+            TrialConfig("twin-exllamav2", "exl2:4.0", 8192, 4, (("cache_type", "fp16"), ("flash_attn", True))), study
+        )
+    )
     # A smaller share is a smaller footprint, and one that cannot hold the weights does not start.
     half = context("a100-80gb", "qwen2.5-7b", tmp_path, gpu_memory_utilization=0.5)
     assert vllm.estimate_memory(on, half).total_bytes == int(0.5 * study.gpu.vram_bytes)

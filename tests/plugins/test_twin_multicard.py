@@ -69,8 +69,9 @@ def test_the_slow_card_bounds_its_stage_of_a_layer_split_and_the_whole_of_a_tens
     mk = multicard.load_multicard()
 
     def step(cards, mode):
-        split = multicard.split_of(TrialConfig("t", "gguf:F16", 512, 1, (("split_mode", mode), ("tensor_split", "1,1"))),
-                                   cards, "pcie4")
+        split = multicard.split_of(
+            TrialConfig("t", "gguf:F16", 512, 1, (("split_mode", mode), ("tensor_split", "1,1"))), cards, "pcie4"
+        )
         return multicard.step_seconds(s, k, host, split, mk, 1, 64)[0]
 
     # Layer split: half the layers on the slow card cost half its one-card time.
@@ -87,12 +88,14 @@ def test_each_cards_share_sums_to_the_total_and_a_layer_split_follows_the_propor
     mem = physics.memory(s, engines["llama.cpp"])
     cards = (get_gpu("rtx3090"), get_gpu("rtx3090"))
     for mode, ts in (("layer", "3,1"), ("tensor", "1,1"), ("row", "1,1"), ("none", "1,1")):
-        split = multicard.split_of(TrialConfig("t", "gguf:F16", 512, 1, (("split_mode", mode), ("tensor_split", ts))),
-                                   cards, None)
+        split = multicard.split_of(
+            TrialConfig("t", "gguf:F16", 512, 1, (("split_mode", mode), ("tensor_split", ts))), cards, None
+        )
         est = multicard.per_device(mem, split, s.weights.per_layer_bytes, s.weights.output_bytes)
         assert sum(est.per_device_bytes) == pytest.approx(est.total_bytes, abs=len(cards))
-    layer = multicard.split_of(TrialConfig("t", "gguf:F16", 512, 1, (("split_mode", "layer"), ("tensor_split", "3,1"))),
-                               cards, None)
+    layer = multicard.split_of(
+        TrialConfig("t", "gguf:F16", 512, 1, (("split_mode", "layer"), ("tensor_split", "3,1"))), cards, None
+    )
     est = multicard.per_device(mem, layer, s.weights.per_layer_bytes, 0)
     each = mem.buffers_bytes + mem.overhead_bytes
     layers = sum(s.weights.per_layer_bytes)
@@ -102,8 +105,9 @@ def test_each_cards_share_sums_to_the_total_and_a_layer_split_follows_the_propor
 
 def test_exllamav3s_gpu_split_reads_as_proportions_and_tensor_parallel_as_a_tensor_split():
     cards = (get_gpu("rtx3090"), get_gpu("rtx3060-12gb"))
-    split = multicard.split_of(TrialConfig("t", "exl3:4.0", 512, 1, (("gpu_split", [20, 10]),
-                                                                     ("tensor_parallel", True))), cards, None)
+    split = multicard.split_of(
+        TrialConfig("t", "exl3:4.0", 512, 1, (("gpu_split", [20, 10]), ("tensor_parallel", True))), cards, None
+    )
     assert split.mode == "tensor" and split.shares == pytest.approx((2 / 3, 1 / 3))
     auto = multicard.split_of(TrialConfig("t", "exl3:4.0", 512, 1, (("gpu_split", "auto"),)), cards, None)
     assert auto.mode == "layer" and auto.shares[0] > auto.shares[1]  # by memory: 24 GiB against 12
@@ -124,10 +128,12 @@ def test_a_faster_link_makes_a_tensor_split_faster():
     s = multicard_evidence._scenario("pp512")
     cards = (get_gpu("rtx3090"), get_gpu("rtx3090"))
     config = TrialConfig("t", "gguf:F16", 1024, 1, (("split_mode", "tensor"),))
-    slow = multicard.prefill_tok_s(s, engines["llama.cpp"], host, multicard.split_of(config, cards, "pcie3"),
-                                   multicard.load_multicard())
-    fast = multicard.prefill_tok_s(s, engines["llama.cpp"], host, multicard.split_of(config, cards, "nvlink"),
-                                   multicard.load_multicard())
+    slow = multicard.prefill_tok_s(
+        s, engines["llama.cpp"], host, multicard.split_of(config, cards, "pcie3"), multicard.load_multicard()
+    )
+    fast = multicard.prefill_tok_s(
+        s, engines["llama.cpp"], host, multicard.split_of(config, cards, "nvlink"), multicard.load_multicard()
+    )
     assert fast > slow
 
 

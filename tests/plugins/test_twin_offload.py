@@ -32,9 +32,14 @@ def checked() -> list[tuple[evidence.Figure, float]]:
 
 
 def _ratios(checked, *, moe: bool, metric: str, role: str = "check", ngl: bool | None = None) -> dict[str, float]:
-    return {f.id: pred / f.value for f, pred in checked
-            if f.scenario.model.is_moe == moe and f.metric == metric and f.role == role
-            and (ngl is None or isinstance(f.scenario.gpu_layers, int) == ngl)}
+    return {
+        f.id: pred / f.value
+        for f, pred in checked
+        if f.scenario.model.is_moe == moe
+        and f.metric == metric
+        and f.role == role
+        and (ngl is None or isinstance(f.scenario.gpu_layers, int) == ngl)
+    }
 
 
 # ------------------------------------------------------------------------------ the physics' pieces
@@ -57,8 +62,10 @@ def test_the_moe_weights_match_the_probe_files_logged_buffers():
     GPU (n_cpu_moe 12, the head and 12 layers' attention and router)."""
     model = evidence.moe_probe_model()
     w = evidence.moe_gguf_weights(model, "Q4_K_M")
-    runs = {json.dumps(r["case"], sort_keys=True): r["buffers_mib"]
-            for r in map(json.loads, (PROBE / "offload_moe.jsonl").read_text().splitlines())}
+    runs = {
+        json.dumps(r["case"], sort_keys=True): r["buffers_mib"]
+        for r in map(json.loads, (PROBE / "offload_moe.jsonl").read_text().splitlines())
+    }
     all_gpu = runs[json.dumps({"ncmoe": "0", "ub": "512"}, sort_keys=True)]
     assert w.total_bytes / 2**20 == pytest.approx(all_gpu["CUDA0 model"] + all_gpu["CPU_Mapped model"], rel=0.005)
     s = evidence.offload_scenario("q30a3b12-Q4_K_M.gguf", {"ncmoe": "12"}, 512, 64)
@@ -87,14 +94,17 @@ def test_experts_on_the_host_slow_decode_and_a_larger_ubatch_speeds_prefill_only
     assert all(a.decode_tok_s > b.decode_tok_s for a, b in zip(speeds, speeds[1:]))
     assert [p.host_expert_layers for p in speeds] == [0, 4, 8, 12]
     on_host = replace(base, n_cpu_moe=12)
-    assert (physics.predict(replace(on_host, ubatch=2048), k, host).prefill_tok_s
-            > 2 * physics.predict(on_host, k, host).prefill_tok_s)  # 3 crossings of the experts -> 1
+    assert (
+        physics.predict(replace(on_host, ubatch=2048), k, host).prefill_tok_s
+        > 2 * physics.predict(on_host, k, host).prefill_tok_s
+    )  # 3 crossings of the experts -> 1
     # Every expert on the GPU: a larger ubatch fills more of each expert's 128-column tile.
     small, large = (physics.predict(replace(base, ubatch=ub), k, host).prefill_tok_s for ub in (512, 2048))
     assert 1.5 < large / small < 2.5
     dense = evidence.offload_scenario("q7b-Q4_K_M.gguf", {}, 1477, 64)
-    assert (physics.predict(replace(dense, ubatch=2048), k, host).prefill_tok_s
-            == pytest.approx(physics.predict(dense, k, host).prefill_tok_s, rel=1e-9))  # no experts, nothing crosses
+    assert physics.predict(replace(dense, ubatch=2048), k, host).prefill_tok_s == pytest.approx(
+        physics.predict(dense, k, host).prefill_tok_s, rel=1e-9
+    )  # no experts, nothing crosses
     # More streams route to more experts: an 8-stream step reads more expert bytes than one.
     one = physics.step_terms(base, k, host, 1, 1500, base.model.n_layers)["memory"]
     eight = physics.step_terms(base, k, host, 8, 1500, base.model.n_layers)["memory"]
@@ -133,9 +143,15 @@ def test_moe_prefill_keeps_the_measured_order_and_its_host_experts_imply_a_stead
     (0.12-0.22 per 512 tokens, 0.30-0.36 per 1477): the probe's prompt routes to few experts
     (bench/twin_probe_routing.py), not a faster link. The order holds: more experts on the
     host, slower; a larger ubatch, faster."""
-    moe = {(f.scenario.n_cpu_moe, f.scenario.ubatch): (f.value, pred) for f, pred in checked
-           if f.scenario.model.is_moe and f.metric == "prefill_tok_s" and f.source.endswith("offload_moe.jsonl")
-           and f.scenario.gpu_layers == "all" and f.id.count("ncmoe=")}
+    moe = {
+        (f.scenario.n_cpu_moe, f.scenario.ubatch): (f.value, pred)
+        for f, pred in checked
+        if f.scenario.model.is_moe
+        and f.metric == "prefill_tok_s"
+        and f.source.endswith("offload_moe.jsonl")
+        and f.scenario.gpu_layers == "all"
+        and f.id.count("ncmoe=")
+    }
     for ub in (512, 2048):
         measured = [moe[(n, ub)][0] for n in (0, 4, 8, 12)]
         twin = [moe[(n, ub)][1] for n in (0, 4, 8, 12)]
@@ -174,8 +190,11 @@ def test_llama_cpp_tiles_experts_against_the_whole_ubatch_and_offloads_from_32_t
     t31 = physics.step_terms(on_host, k, host, 31, 1500, n)["host"]
     t32 = physics.step_terms(on_host, k, host, 32, 1500, n)["host"]
     routed = physics.placement(on_host, n).host_expert_bytes * physics.distinct_experts(on_host.model, 32) / 128
-    assert t32 == pytest.approx(routed / (on_host.gpu.pcie_gb_s * 1e9 * host.host_pcie_efficiency)
-                                + 2 * 32 * on_host.model.hidden_size * 2 / (on_host.gpu.pcie_gb_s * 1e9), rel=1e-6)
+    assert t32 == pytest.approx(
+        routed / (on_host.gpu.pcie_gb_s * 1e9 * host.host_pcie_efficiency)
+        + 2 * 32 * on_host.model.hidden_size * 2 / (on_host.gpu.pcie_gb_s * 1e9),
+        rel=1e-6,
+    )
     assert t31 != pytest.approx(t32, rel=0.05)
 
 
@@ -184,19 +203,34 @@ def test_llama_cpp_tiles_experts_against_the_whole_ubatch_and_offloads_from_32_t
 
 def _moe_ctx(**settings) -> StudyContext:
     g = get_gpu("h200")
-    return StudyContext(gpu=g, model=evidence.moe_probe_model(), workload=Workload(512, 64), vram_budget_bytes=g.vram_bytes,
-                        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1), settings=settings)
+    return StudyContext(
+        gpu=g,
+        model=evidence.moe_probe_model(),
+        workload=Workload(512, 64),
+        vram_budget_bytes=g.vram_bytes,
+        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1),
+        settings=settings,
+    )
 
 
 def _cfg(**options) -> TrialConfig:
-    return TrialConfig("twin-llama.cpp", "gguf:Q4_K_M", 4096, 1,
-                       tuple(sorted({"cache_type": "f16", "flash_attn": True, **options}.items())))
+    return TrialConfig(
+        "twin-llama.cpp",
+        "gguf:Q4_K_M",
+        4096,
+        1,
+        tuple(sorted({"cache_type": "f16", "flash_attn": True, **options}.items())),
+    )
 
 
 def test_twin_llama_cpp_searches_gpu_layers_n_cpu_moe_and_ubatch():
     twin = TwinLlamaCpp()
-    params = {p.name: p.choices for p in twin.parameters(
-        {"gpu_layers": ["all", 10, -1, "most"], "n_cpu_moe": [0, 4, -2], "ubatch": [512, 2048, 0]})}
+    params = {
+        p.name: p.choices
+        for p in twin.parameters(
+            {"gpu_layers": ["all", 10, -1, "most"], "n_cpu_moe": [0, 4, -2], "ubatch": [512, 2048, 0]}
+        )
+    }
     assert params["gpu_layers"] == ("all", 10) and params["n_cpu_moe"] == (0, 4) and params["ubatch"] == (512, 2048)
     assert {p.name for p in twin.parameters({})} == {"cache_type", "flash_attn"}
     ctx = _moe_ctx(host_threads=16)
@@ -213,8 +247,14 @@ def test_twin_llama_cpp_searches_gpu_layers_n_cpu_moe_and_ubatch():
 def test_twin_llama_cpp_refuses_experts_on_a_dense_model_and_bad_values():
     twin = TwinLlamaCpp()
     g = get_gpu("h200")
-    dense = StudyContext(gpu=g, model=evidence.get_model("qwen2.5-7b"), workload=Workload(512, 64),
-                         vram_budget_bytes=g.vram_bytes, protocol=Protocol(), settings={})
+    dense = StudyContext(
+        gpu=g,
+        model=evidence.get_model("qwen2.5-7b"),
+        workload=Workload(512, 64),
+        vram_budget_bytes=g.vram_bytes,
+        protocol=Protocol(),
+        settings={},
+    )
     # The rule of rules.toml, the same the llama-server backend checks (one place for both).
     assert any("n_cpu_moe 4: the model is dense" in r for r in twin.check(_cfg(n_cpu_moe=4), dense))
     assert any("ubatch 0" in r for r in twin.check(_cfg(ubatch=0), dense))
@@ -228,7 +268,8 @@ def test_host_threads_bound_the_host_only_when_known():
     bounded = physics.host_rate(s, host)
     assert bounded == pytest.approx(16 * host.host_thread_gb_s * 1e9)
     assert physics.host_rate(replace(s, host_threads=None), host) == pytest.approx(
-        s.gpu.host_mem_gb_s * 1e9 * host.host_bw_efficiency)
+        s.gpu.host_mem_gb_s * 1e9 * host.host_bw_efficiency
+    )
     assert math.isfinite(physics.predict(replace(s, host_threads=None), engines["llama.cpp"], host).decode_tok_s)
 
 

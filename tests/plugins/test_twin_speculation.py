@@ -19,13 +19,21 @@ MODEL = "qwen2.5-27b-article"
 
 def ctx_for(gpu: str = "rtx4090", **settings) -> StudyContext:
     g = get_gpu(gpu)
-    return StudyContext(gpu=g, model=get_model(MODEL), workload=Workload(100, 400), vram_budget_bytes=g.vram_bytes,
-                        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1), settings=settings)
+    return StudyContext(
+        gpu=g,
+        model=get_model(MODEL),
+        workload=Workload(100, 400),
+        vram_budget_bytes=g.vram_bytes,
+        protocol=Protocol(warmup_runs=0, min_runs=1, max_runs=1),
+        settings=settings,
+    )
 
 
 def speed(ctx: StudyContext, parallel: int = 1, metric: str = "decode_tok_s", **options) -> float:
     twin = TwinLlamaCpp()
-    config = TrialConfig(twin.name, "gguf:Q4_K_M", 4096, parallel, tuple(sorted({"cache_type": "q4_0", **options}.items())))
+    config = TrialConfig(
+        twin.name, "gguf:Q4_K_M", 4096, parallel, tuple(sorted({"cache_type": "q4_0", **options}.items()))
+    )
     return twin.predictor.predict(config, ctx)[metric]
 
 
@@ -74,8 +82,9 @@ def test_draft_types_need_a_draft_and_n_min_at_most_n_max():
     ctx = ctx_for()
     bad = TrialConfig(twin.name, "gguf:Q4_K_M", 4096, 1, (("spec_type", "draft-simple"),))
     assert any("needs draft weights" in r for r in twin.check(bad, ctx))
-    short = TrialConfig(twin.name, "gguf:Q4_K_M", 4096, 1,
-                        (("spec_n_max", 2), ("spec_n_min", 4), ("spec_type", "draft-mtp")))
+    short = TrialConfig(
+        twin.name, "gguf:Q4_K_M", 4096, 1, (("spec_n_max", 2), ("spec_n_min", 4), ("spec_type", "draft-mtp"))
+    )
     assert any("spec_n_min 4 > spec_n_max 2" in r for r in twin.check(short, ctx))
 
 
@@ -119,8 +128,9 @@ metric = "aggregate_tok_s"
 """
 
 
-def test_a_twin_study_over_spec_and_parallel_finds_speculation_wins_at_one_slot_and_loses_at_many(tmp_path,
-                                                                                                 twin_plugin):
+def test_a_twin_study_over_spec_and_parallel_finds_speculation_wins_at_one_slot_and_loses_at_many(
+    tmp_path, twin_plugin
+):
     from autotune.config import load_study_config
     from autotune.report.text import summary_text
     from autotune.study import StudyRunner, prepare_study
@@ -148,9 +158,25 @@ def test_a_twin_study_over_spec_and_parallel_finds_speculation_wins_at_one_slot_
 def test_estimate_acceptance_on_the_command_line(twin_plugin):
     from autotune.cli import cli
 
-    args = ["estimate", "--gpu", "rtx4090", "--model", MODEL, "--weights", "gguf:Q4_K_M", "--backend",
-            "twin-llama.cpp", "--ctx", "4096", "--cache", "q4_0", "--set", "spec_type=draft-mtp",
-            "--set", "spec_n_max=2"]
+    args = [
+        "estimate",
+        "--gpu",
+        "rtx4090",
+        "--model",
+        MODEL,
+        "--weights",
+        "gguf:Q4_K_M",
+        "--backend",
+        "twin-llama.cpp",
+        "--ctx",
+        "4096",
+        "--cache",
+        "q4_0",
+        "--set",
+        "spec_type=draft-mtp",
+        "--set",
+        "spec_n_max=2",
+    ]
     low = CliRunner().invoke(cli, [*args, "--acceptance", "0.3", "--json"])
     high = CliRunner().invoke(cli, [*args, "--acceptance", "0.8", "--json"])
     assert low.exit_code == 0 and high.exit_code == 0, low.output + high.output
@@ -188,8 +214,9 @@ def test_the_cycle_costs_are_what_brought_the_twin_down_to_the_published_gains()
     fitted = speculation.load_cycle_costs()
     assert fitted.draft_pass_us > 0 and fitted.verify_cycle_us > 0
     for f in speculation_evidence.FIGURES:
-        assert speculation_evidence.twin_ratio(f.gpu, f.n_max, f.rate, 1, fitted) < \
-            speculation_evidence.twin_ratio(f.gpu, f.n_max, f.rate, 1, free)
+        assert speculation_evidence.twin_ratio(f.gpu, f.n_max, f.rate, 1, fitted) < speculation_evidence.twin_ratio(
+            f.gpu, f.n_max, f.rate, 1, free
+        )
 
 
 @pytest.mark.parametrize("gpu", ["v100-32gb", "p40", "t4", "rtx3090", "rtx4090", "a100-80gb", "h200"])
@@ -240,11 +267,15 @@ def test_the_calibration_prices_later_trials_at_the_acceptance_the_study_measure
     a = 0.6
     measured = []
     for n_max, drafted in ((2, 400), (4, 800)):
-        config = TrialConfig(twin.name, "gguf:Q4_K_M", 4096, 1,
-                             (("cache_type", "q4_0"), ("spec_n_max", n_max), ("spec_type", "draft-mtp")))
+        config = TrialConfig(
+            twin.name,
+            "gguf:Q4_K_M",
+            4096,
+            1,
+            (("cache_type", "q4_0"), ("spec_n_max", n_max), ("spec_type", "draft-mtp")),
+        )
         metrics = dict(twin.predictor.predict(config, ctx))
-        metrics.update(acceptance_drafted=float(drafted),
-                       acceptance_accepted=drafted * speculation.rate_of(a, n_max))
+        metrics.update(acceptance_drafted=float(drafted), acceptance_accepted=drafted * speculation.rate_of(a, n_max))
         measured.append((config, metrics))
     report = twin.predictor.calibrate(measured, ctx)
     assert report["acceptance"]["draft-mtp"]["per_token"] == pytest.approx(a, abs=1e-3)
@@ -255,5 +286,6 @@ def test_the_calibration_prices_later_trials_at_the_acceptance_the_study_measure
     at_measured = speed(ctx_for(acceptance=a), spec_type="draft-mtp", spec_n_max=3)
     assert priced == pytest.approx(at_measured, rel=0.02) and priced < assumed
     # A spec type the study never measured keeps the assumption.
-    assert speed(calibrated, spec_type="ngram-simple", spec_n_max=3) == \
-        pytest.approx(speed(ctx, spec_type="ngram-simple", spec_n_max=3), rel=0.02)
+    assert speed(calibrated, spec_type="ngram-simple", spec_n_max=3) == pytest.approx(
+        speed(ctx, spec_type="ngram-simple", spec_n_max=3), rel=0.02
+    )
