@@ -18,6 +18,7 @@ from autotune import plugins
 from autotune.config import SEED_MAX, load_study_config, parse_duration, study_name_problem
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
+from autotune.toolkit.fields import settings_given
 from autotune.toolkit.paths import path_problem
 from autotune.toolkit.terminal import echo, show_warnings, shown
 
@@ -63,19 +64,35 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.argument("config", required=False, type=click.Path(dir_okay=True, path_type=Path))
 @click.option("--budget", callback=_duration, help="Wall time for this run: 90s, 45m, 2h.")
 @click.option("--trials", "n_trials", type=click.IntRange(min=1), help="Number of new trials for this run.")
-@click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the study file's, else "
-              "sqlite:///<study name>.db).")
+@click.option(
+    "--storage",
+    help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else the study file's, else sqlite:///<study name>.db).",
+)
 @click.option("--seed", type=click.IntRange(0, SEED_MAX), help="Sampler seed (default: the study file's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the HTML report (plots, every trial) to this file at the end.")
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the HTML report (plots, every trial) to this file at the end.",
+)
 @click.pass_context
-def study(ctx: click.Context, config: Path | None, budget: float | None, n_trials: int | None, storage: str | None,
-          seed: int | None, as_json: bool, quiet: bool, report_path: Path | None) -> None:
+def study(
+    ctx: click.Context,
+    config: Path | None,
+    budget: float | None,
+    n_trials: int | None,
+    storage: str | None,
+    seed: int | None,
+    as_json: bool,
+    quiet: bool,
+    report_path: Path | None,
+) -> None:
     """Run (or continue) a study. With no CONFIG, the default digital-twin study."""
     from autotune.report.progress import LiveProgress, header_text
     from autotune.report.text import summary_json, summary_text
+    from autotune.study.cost import forecast_line
     from autotune.study.prepare import prepare_study
     from autotune.study.runner import StudyRunner
     from autotune.study.storage import remember_run
@@ -86,8 +103,10 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         if report_path is not None:  # found out now, not after the whole study ran
             problem = path_problem(report_path.absolute().parent, "directory")
             if problem:
-                raise ConfigError(f"--report {report_path}: {report_path.absolute().parent}: {problem} "
-                                  "(the report's directory must exist)")
+                raise ConfigError(
+                    f"--report {report_path}: {report_path.absolute().parent}: {problem} "
+                    "(the report's directory must exist)"
+                )
         prepared = prepare_study(cfg, storage=storage)
         runner = StudyRunner(prepared, seed=seed)
         remember_run(prepared.storage_url, cfg.name)
@@ -95,15 +114,22 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         plan_budget = budget
         if plan_trials is None and plan_budget is None:
             plan_trials, plan_budget = cfg.n_trials, cfg.budget_s
-        costs = _cost_forecast(runner.forecast, plan_budget, runner.study.pruner)
-        with LiveProgress(enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget,
-                          quiet=quiet) as live:
-            live.note(header_text(prepared, config if config is not None else default_study_path(), plan_trials,
-                                  plan_budget))
+        costs = forecast_line(runner.forecast, plan_budget, runner.study.pruner)
+        with LiveProgress(
+            enabled=not quiet and sys.stderr.isatty(), n_trials=plan_trials, budget_s=plan_budget, quiet=quiet
+        ) as live:
+            live.note(
+                header_text(prepared, config if config is not None else default_study_path(), plan_trials, plan_budget)
+            )
             if costs:
                 live.note(costs)
-            summary = runner.run(budget_s=budget, n_trials=n_trials, callback=live.update, note=live.note,
-                                 on_trial=trial_notes(prepared.storage_url))
+            summary = runner.run(
+                budget_s=budget,
+                n_trials=n_trials,
+                callback=live.update,
+                note=live.note,
+                on_trial=trial_notes(prepared.storage_url),
+            )
         if as_json:
             echo(json.dumps(summary_json(summary), indent=2, default=str))
         else:
@@ -122,8 +148,18 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
             from autotune.report.text import report_file_name
             from autotune.toolkit.shell import command_line
 
-            hint = command_line(["autotune", "report", "--storage", prepared.shown_storage, "--study", cfg.name,
-                                 "--out", report_file_name(cfg.name)])
+            hint = command_line(
+                [
+                    "autotune",
+                    "report",
+                    "--storage",
+                    prepared.shown_storage,
+                    "--study",
+                    cfg.name,
+                    "--out",
+                    report_file_name(cfg.name),
+                ]
+            )
             echo(f"an HTML report of this study: {hint} (or --report PATH next time)", err=True)
         if summary.interrupted:
             echo("interrupted: the storage is consistent; run the same command again to continue", err=True)
@@ -135,34 +171,22 @@ def study(ctx: click.Context, config: Path | None, budget: float | None, n_trial
         if summary.best is None:
             # Nothing to deploy: a script reading `best --json` must not take this for a result.
             if summary.n_trials == 0:  # nothing was tried: "every configuration tried was refused" would be false
-                echo("Error: no feasible configuration: no configuration was tried (why the search ended "
-                           "says why); raise the budget, then run again", err=True)
+                echo(
+                    "Error: no feasible configuration: no configuration was tried (why the search ended "
+                    "says why); raise the budget, then run again",
+                    err=True,
+                )
             else:
                 causes = "".join(f"\n  {line}" for line in summary.extra.get("no_feasible", []))
-                echo("Error: no feasible configuration: every configuration tried was refused, failed or broke "
-                     "a constraint; widen [space], relax the target, raise the budget or fix the failures, then run "
-                     "again:" + causes, err=True)
+                echo(
+                    "Error: no feasible configuration: every configuration tried was refused, failed or broke "
+                    "a constraint; widen [space], relax the target, raise the budget or fix the failures, then run "
+                    "again:" + causes,
+                    err=True,
+                )
             sys.exit(1)
 
     _run(ctx.obj["debug"], go)
-
-
-def _cost_forecast(forecast: Any, budget_s: float | None, pruner: Any) -> str | None:
-    """The header's cost line (``study/cost.py``, the runner's forecast), or None where nothing
-    forecasts it.
-
-    Raises:
-        ConfigError: The budget cannot measure the baselines and one trial (exit 2, before
-            anything runs), with the figures and the remedies.
-    """
-    from autotune.study.probe import LeaderGapPruner
-
-    if forecast is None:
-        return None
-    refusal = forecast.refusal(budget_s, probe=isinstance(pruner, LeaderGapPruner))
-    if refusal:
-        raise ConfigError(refusal)
-    return forecast.text(budget_s)
 
 
 def _reading(storage: str | None, study_file: Path | None, study_name: str | None) -> tuple[str, str | None]:
@@ -174,19 +198,24 @@ def _reading(storage: str | None, study_file: Path | None, study_name: str | Non
 
 
 _STUDY_FILE = click.argument("study_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-_READ_STORAGE = click.option("--storage", help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else STUDY_FILE's, "
-                             "else the study last run in this directory, else the default study's).")
+_READ_STORAGE = click.option(
+    "--storage",
+    help="Optuna storage URL (default: $AUTOTUNE_STORAGE, else STUDY_FILE's, "
+    "else the study last run in this directory, else the default study's).",
+)
 
 
 @cli.command()
 @_STUDY_FILE
-@click.option("--study", "study_name", help="Study name (default: STUDY_FILE's or the last run's, else the storage's "
-              "only study).")
+@click.option(
+    "--study", "study_name", help="Study name (default: STUDY_FILE's or the last run's, else the storage's only study)."
+)
 @_READ_STORAGE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
-def best(ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None,
-         as_json: bool) -> None:
+def best(
+    ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None, as_json: bool
+) -> None:
     """The best trial of a study, its metrics and its deploy command."""
     from autotune.report.text import stored_summary, summary_json, summary_text
 
@@ -199,14 +228,21 @@ def best(ctx: click.Context, study_file: Path | None, study_name: str | None, st
 
 @cli.command()
 @_STUDY_FILE
-@click.option("--study", "study_name", help="Study name (default: STUDY_FILE's or the last run's, else the storage's "
-              "only study).")
+@click.option(
+    "--study", "study_name", help="Study name (default: STUDY_FILE's or the last run's, else the storage's only study)."
+)
 @_READ_STORAGE
-@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="HTML file to write [default: <study name>.html].")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="HTML file to write [default: <study name>.html].",
+)
 @click.pass_context
-def report(ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None,
-           out: Path | None) -> None:
+def report(
+    ctx: click.Context, study_file: Path | None, study_name: str | None, storage: str | None, out: Path | None
+) -> None:
     """Write a study's report: one self-contained HTML file with the winner, plots and every trial."""
     from autotune.report.text import load_study, report_file_name, stored_summary, write_study_report
 
@@ -242,8 +278,11 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
             echo(f"{kind}:")
             for item in found[kind]:
                 echo(f"  {item['name']:<22} {item['distribution']} ({item['plugin']})  {item['description']}")
-                declared = [f"{what} {_listed(item[key])}" for key, what in (("formats", "formats"),
-                            ("cache_types", "cache types")) if item.get(key)]
+                declared = [
+                    f"{what} {_listed(item[key])}"
+                    for key, what in (("formats", "formats"), ("cache_types", "cache types"))
+                    if item.get(key)
+                ]
                 if declared:
                     echo(f"  {'':<22} {'; '.join(declared)}")
                 for d in item.get("dimensions", ()):  # [space] keys: accepted values, then what each means
@@ -277,7 +316,7 @@ def dashboard(ctx: click.Context, study_file: Path | None, storage: str | None, 
 
         url, name = _reading(storage, study_file, None)
         store = open_storage(url, create=False)  # only reads: a mistyped path must not make a database
-        for each in ([name] if name else study_names(store, mask_url(url))):
+        for each in [name] if name else study_names(store, mask_url(url)):
             load_study(url, each)  # refuse a study of another schema before serving it
         busy = port_problem(host, port)
         if busy:
@@ -307,65 +346,107 @@ def storage_upgrade(ctx: click.Context, url: str) -> None:
     _run(ctx.find_root().obj["debug"], go)
 
 
-def _settings_given(given: tuple[str, ...]) -> dict[str, object]:
-    """``--setting NAME=VALUE`` as a [backends.NAME] table: VALUE read as TOML (``true``, ``4``,
-    ``"x"``), else as the plain word (``batched``)."""
-    import tomllib
-
-    out: dict[str, object] = {}
-    for item in given:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise ConfigError(f"--setting {item!r}: write NAME=VALUE, e.g. unpaged_parallel=batched")
-        try:
-            out[name.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[name.strip()] = value
-    return out
-
-
 @cli.command()
-@click.option("--gpu", "gpu_key", default=None, help="Catalog GPU key, or auto (NVML) [default: auto; with --study, "
-              "the study's].")
-@click.option("--model", "model_ref", default=None, help="Catalog model key, a .gguf file or a model directory "
-              "[required, except with --study: the study's].")
+@click.option(
+    "--gpu", "gpu_key", default=None, help="Catalog GPU key, or auto (NVML) [default: auto; with --study, the study's]."
+)
+@click.option(
+    "--model",
+    "model_ref",
+    default=None,
+    help="Catalog model key, a .gguf file or a model directory [required, except with --study: the study's].",
+)
 @click.option("--backend", "backend_name", required=True, help=BACKEND_RULE)
-@click.option("--weights", default=None,
-              help="gguf:<TYPE>, exl2:<bpw>, or a weights file [default: --model, when it is a file or an EXL2 directory].")
+@click.option(
+    "--weights",
+    default=None,
+    help="gguf:<TYPE>, exl2:<bpw>, or a weights file [default: --model, when it is a file or an EXL2 directory].",
+)
 @click.option("--ctx", "ctx_tokens", required=True, type=click.IntRange(min=1), help="Context per sequence.")
 @click.option("--cache", "cache_type", default=None, help="KV-cache type (the engine's own names).")
-@click.option("--flash-attn/--no-flash-attn", default=None,
-              help="Fused attention [default: the engine's own, on for every engine autotune runs].")
+@click.option(
+    "--flash-attn/--no-flash-attn",
+    default=None,
+    help="Fused attention [default: the engine's own, on for every engine autotune runs].",
+)
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--prompt-tokens", default=None, type=click.IntRange(min=1),
-              help="Prompt of one request [default: 1500; with --study, the study's].")
-@click.option("--output-tokens", default=None, type=click.IntRange(min=1),
-              help="Answer of one request [default: 800; with --study, the study's].")
-@click.option("--study", "study_name", default=None,
-              help="A stored study: its GPU, model and workload, its twin calibrated on its measured trials, its "
-                   "budget and the memory correction it learned judge.")
-@click.option("--storage", default=None, help="Where --study is (default: $AUTOTUNE_STORAGE, else "
-              "sqlite:///<study name>.db).")
-@click.option("--setting", "settings", multiple=True, metavar="NAME=VALUE",
-              help="A backend setting, as in the study file's [backends.NAME] (a TOML value; repeatable), e.g. "
-                   "unpaged_parallel=batched.")
-@click.option("--set", "dimensions", multiple=True, metavar="NAME=VALUE",
-              help="A value of one of the backend's search dimensions ([space] keys; autotune plugins lists them), "
-                   "a TOML value or a plain word; repeatable, e.g. --set gpu_layers=20 --set split_mode=layer "
-                   "--set tensor_split=3,1.")
-@click.option("--gpus", default=None, metavar="KEY,KEY,...",
-              help="Several cards, catalog keys in device order (as [hardware] gpus): each card's share is judged "
-                   "against its own memory less 256 MiB.")
-@click.option("--acceptance", type=float, default=None, metavar="RATE",
-              help="With speculation set (--set spec_type=draft-mtp --set spec_n_max=2): the share of drafted tokens "
-                   "the engine accepts (accepted / drafted, as a trial's acceptance records it); the speed is "
-                   "predicted at it and compared with no speculation.")
+@click.option(
+    "--prompt-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Prompt of one request [default: 1500; with --study, the study's].",
+)
+@click.option(
+    "--output-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Answer of one request [default: 800; with --study, the study's].",
+)
+@click.option(
+    "--study",
+    "study_name",
+    default=None,
+    help="A stored study: its GPU, model and workload, its twin calibrated on its measured trials, its "
+    "budget and the memory correction it learned judge.",
+)
+@click.option(
+    "--storage", default=None, help="Where --study is (default: $AUTOTUNE_STORAGE, else sqlite:///<study name>.db)."
+)
+@click.option(
+    "--setting",
+    "settings",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A backend setting, as in the study file's [backends.NAME] (a TOML value; repeatable), e.g. "
+    "unpaged_parallel=batched.",
+)
+@click.option(
+    "--set",
+    "dimensions",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A value of one of the backend's search dimensions ([space] keys; autotune plugins lists them), "
+    "a TOML value or a plain word; repeatable, e.g. --set gpu_layers=20 --set split_mode=layer "
+    "--set tensor_split=3,1.",
+)
+@click.option(
+    "--gpus",
+    default=None,
+    metavar="KEY,KEY,...",
+    help="Several cards, catalog keys in device order (as [hardware] gpus): each card's share is judged "
+    "against its own memory less 256 MiB.",
+)
+@click.option(
+    "--acceptance",
+    type=float,
+    default=None,
+    metavar="RATE",
+    help="With speculation set (--set spec_type=draft-mtp --set spec_n_max=2): the share of drafted tokens "
+    "the engine accepts (accepted / drafted, as a trial's acceptance records it); the speed is "
+    "predicted at it and compared with no speculation.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
-def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, backend_name: str, weights: str | None,
-             ctx_tokens: int, cache_type: str | None, flash_attn: bool | None, parallel: int, prompt_tokens: int | None,
-             output_tokens: int | None, study_name: str | None, storage: str | None, settings: tuple[str, ...],
-             dimensions: tuple[str, ...], gpus: str | None, acceptance: float | None, as_json: bool) -> None:
+def estimate(
+    ctx: click.Context,
+    gpu_key: str | None,
+    model_ref: str | None,
+    backend_name: str,
+    weights: str | None,
+    ctx_tokens: int,
+    cache_type: str | None,
+    flash_attn: bool | None,
+    parallel: int,
+    prompt_tokens: int | None,
+    output_tokens: int | None,
+    study_name: str | None,
+    storage: str | None,
+    settings: tuple[str, ...],
+    dimensions: tuple[str, ...],
+    gpus: str | None,
+    acceptance: float | None,
+    as_json: bool,
+) -> None:
     """Memory breakdown and predicted speed of one configuration (ctx is per sequence).
 
     Fits or not is the study's judge's verdict: the memory model (with the correction a
@@ -381,11 +462,24 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
     def go() -> None:
         if storage is not None and study_name is None:
             raise ConfigError("--storage is where --study is: give --study NAME too")
-        result = estimate_config(gpu_key, model_ref, backend_name, weights, ctx_tokens, cache_type, flash_attn,
-                                 parallel, prompt_tokens, output_tokens, study_name, storage,
-                                 settings=_settings_given(settings), dimensions=_settings_given(dimensions),
-                                 gpus=[g.strip() for g in gpus.split(",") if g.strip()] if gpus else None,
-                                 acceptance=acceptance)
+        result = estimate_config(
+            gpu_key,
+            model_ref,
+            backend_name,
+            weights,
+            ctx_tokens,
+            cache_type,
+            flash_attn,
+            parallel,
+            prompt_tokens,
+            output_tokens,
+            study_name,
+            storage,
+            settings=settings_given(settings),
+            dimensions=settings_given(dimensions),
+            gpus=[g.strip() for g in gpus.split(",") if g.strip()] if gpus else None,
+            acceptance=acceptance,
+        )
         echo(json.dumps(result, indent=2) if as_json else estimate_text(result))
         if result["verdict"] == "invalid":
             raise ConfigError("invalid configuration: " + "; ".join(result["invalid"]))
@@ -397,10 +491,20 @@ def estimate(ctx: click.Context, gpu_key: str | None, model_ref: str | None, bac
 
 @cli.command()
 @click.argument("model", type=click.Path(exists=True, path_type=Path))
-@click.option("--gpu", "gpu_key", default="auto", show_default=True,
-              help="auto (NVML; the CPU when there is no GPU), a catalog GPU key, or cpu.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("study.toml"), show_default=True,
-              help="Where to write the study file.")
+@click.option(
+    "--gpu",
+    "gpu_key",
+    default="auto",
+    show_default=True,
+    help="auto (NVML; the CPU when there is no GPU), a catalog GPU key, or cpu.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("study.toml"),
+    show_default=True,
+    help="Where to write the study file.",
+)
 @click.option("--name", default=None, help="Study name (default: the model's file or directory name).")
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
 @click.pass_context
@@ -415,8 +519,9 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
         # Found before the model is read and the backends asked, not as a traceback at the write.
         problem = path_problem(out.absolute().parent, "directory")
         if problem:
-            raise ConfigError(f"--out {out}: {out.absolute().parent}: {problem} (the study file's directory must "
-                              "exist)")
+            raise ConfigError(
+                f"--out {out}: {out.absolute().parent}: {problem} (the study file's directory must exist)"
+            )
         if name is not None and study_name_problem(name):  # before the file is written, not after
             raise ConfigError(f"--name {name!r}: {study_name_problem(name)}")
         draft = draft_study(str(model), gpu_key, name)
@@ -424,19 +529,24 @@ def init(ctx: click.Context, model: Path, gpu_key: str, out: Path, name: str | N
         try:
             prepare_study(load_study_config(out), dry_runs=False)  # what `autotune study` will check first
         except ConfigError as exc:
-            raise ConfigError(f"{out}: written, but it does not validate (a bug in autotune init; please report "
-                              f"it):\n{exc}") from None
-        echo(f"wrote {out}: {', '.join(f'{b} {len(w)} formats' for b, w in draft.candidates.items())} on "
-                   f"{draft.gpu.name}; ctx {draft.ctx[0]}..{draft.ctx[-1]}, parallel 1..16"
-                   + (f", quality {draft.quality} against the source" if draft.quality else ""))
+            raise ConfigError(
+                f"{out}: written, but it does not validate (a bug in autotune init; please report it):\n{exc}"
+            ) from None
+        echo(
+            f"wrote {out}: {', '.join(f'{b} {len(w)} formats' for b, w in draft.candidates.items())} on "
+            f"{draft.gpu.name}; ctx {draft.ctx[0]}..{draft.ctx[-1]}, parallel 1..16"
+            + (f", quality {draft.quality} against the source" if draft.quality else "")
+        )
         for note in draft.notes:
             echo(f"  note: {note}")
         for why in draft.left_out:
             echo(f"  left out: {why}")
         from autotune.toolkit.shell import command_line
 
-        echo(f"next: {command_line(['autotune', 'study', out])}    "
-             f"then: {command_line(['autotune', 'best', '--storage', f'sqlite:///{draft.name}.db'])}")
+        echo(
+            f"next: {command_line(['autotune', 'study', out])}    "
+            f"then: {command_line(['autotune', 'best', '--storage', f'sqlite:///{draft.name}.db'])}"
+        )
 
     _run(ctx.obj["debug"], go)
 

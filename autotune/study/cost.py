@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 from autotune.measure.protocol import Protocol
 from autotune.engine.workload import RATE_SEARCH_STEPS, Workload
 from autotune import plugins
+from autotune.errors import ConfigError
 from autotune.study import records
 from autotune.study.admission import Admission
 from autotune.study.baseline import highest_precision, measure_again, title_of, user_load
 from autotune.study.budget_cut import BASELINE_SHARE, CUT_SHORT, cut_short
 from autotune.study.predictor import predictor_for
+from autotune.study.probe import LeaderGapPruner
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -348,3 +350,19 @@ def auto_probe(prepared: "PreparedStudy", fc: Forecast | None = None) -> tuple[f
         f"the leader stops there, saving about {saved:.0f} s of its forecast {fc.trial.seconds:.0f} s ({share:.0%}, "
         f"at least {PROBE_PAYS:.0%} pays); probe_margin = 0 turns it off"
     )
+
+
+def forecast_line(forecast: Any, budget_s: float | None, pruner: Any) -> str | None:
+    """The study header's cost line (the runner's forecast), or None where nothing
+    forecasts it.
+
+    Raises:
+        ConfigError: The budget cannot measure the baselines and one trial (exit 2, before
+            anything runs), with the figures and the remedies.
+    """
+    if forecast is None:
+        return None
+    refusal = forecast.refusal(budget_s, probe=isinstance(pruner, LeaderGapPruner))
+    if refusal:
+        raise ConfigError(refusal)
+    return forecast.text(budget_s)

@@ -4,7 +4,10 @@ the field, the value given and what would be accepted (the study file's reader, 
 from __future__ import annotations
 
 import math
+import tomllib
 from typing import Any, Callable, Mapping
+
+from autotune.errors import ConfigError
 
 
 class FieldReader:
@@ -136,3 +139,18 @@ def between(low: int, high: int) -> Callable[[Any], str | None]:
 
 def one_of(options: tuple[str, ...]) -> Callable[[Any], str | None]:
     return lambda v: None if v in options else f"must be one of {', '.join(options)}"
+
+
+def settings_given(given: tuple[str, ...]) -> dict[str, object]:
+    """``--setting NAME=VALUE`` as a [backends.NAME] table: VALUE read as TOML (``true``, ``4``,
+    ``"x"``), else as the plain word (``batched``)."""
+    out: dict[str, object] = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--setting {item!r}: write NAME=VALUE, e.g. unpaged_parallel=batched")
+        try:
+            out[name.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[name.strip()] = value
+    return out
