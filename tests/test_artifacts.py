@@ -399,7 +399,7 @@ def test_the_prior_measures_made_weights_before_near_equals_still_to_make(source
     with plugin_registered(Plugin, "maker-plugin"):
         cfg = parse_study_config(doc, source="p.toml", path=tmp_path / "p.toml")
         runner = StudyRunner(prepare_study(cfg, storage=f"sqlite:///{tmp_path / 'p.db'}"))
-        assert runner.uses_prior and runner.enqueue_prior() == 2
+        assert runner.uses_prior and runner.queue.enqueue_prior() == 2
     queued = [
         TrialRecord.of(t).config["weights"]
         for t in runner.study.get_trials()

@@ -66,7 +66,7 @@ def _another_host_measures_the_best(tmp_path, url: str):
     )
     other = StudyRunner(prepare_study(cfg, storage=url), seed=0)
     config = max(other.prepared.space.enumerate(), key=FakeBackend().speed)
-    other._enqueue(config)
+    other.queue.enqueue(config)
     trial = other.study.ask()
     store(trial, {"config_key": config.key, "worker": "other-host:4242"})
     assert other.claims.claim(config.key, trial._trial_id) is None

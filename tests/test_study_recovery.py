@@ -12,7 +12,7 @@ import pytest
 from autotune.engine.backend import TrialConfig
 from autotune.config import load_study_config
 from autotune.study import StudyRunner, prepare_study, records
-from autotune.study import runner as runner_mod
+from autotune.study import trial_queue
 from autotune.study import storage as study_storage
 from autotune.study.records import store
 from autotune.study.trial_result import TrialResult
@@ -129,9 +129,9 @@ def test_a_configuration_that_kills_its_worker_every_time_is_not_queued_forever(
     config = next(runner.prepared.space.enumerate())
     queued = []
     attempt = runner.study.ask()
-    for _ in range(runner_mod.MAX_CUT_SHORT):
+    for _ in range(trial_queue.MAX_CUT_SHORT):
         store(attempt, {"config": config.as_dict(), "config_key": config.key, "worker": "other-host:1"})
         runner._fail_quietly(attempt, TrialResult(), "interrupted", retry=True)
-        queued.append(runner.requeue_cut_short())
+        queued.append(runner.queue.requeue_cut_short())
         attempt = runner.study.ask()  # the queued retry, while there is one
-    assert queued == [1] * (runner_mod.MAX_CUT_SHORT - 1) + [0]
+    assert queued == [1] * (trial_queue.MAX_CUT_SHORT - 1) + [0]

@@ -73,7 +73,7 @@ def test_each_launch_follows_the_twin_as_calibrated_so_far(tmp_path, storage, mo
         assert launched(storage) == [("w333", 8, False), ("w1", 8, False), ("w333", 4, False)]
 
         one = StudyRunner(prepare_study(load_study_config(path), storage=storage))
-        one._enqueue(TrialConfig("fake", "w22", 4096, 1, (("mode", "plain"),)))  # a measurement of w22
+        one.queue.enqueue(TrialConfig("fake", "w22", 4096, 1, (("mode", "plain"),)))  # a measurement of w22
         one.run(n_trials=1)
 
         StudyRunner(prepare_study(load_study_config(path), storage=storage)).run(n_trials=1)

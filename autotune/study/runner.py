@@ -18,14 +18,12 @@ import socket
 import time
 import traceback
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import optuna
 
 from autotune import plugins
-from autotune.modelfiles import artifacts
 from autotune.engine.backend import TrialConfig
 from autotune.errors import AutotuneError, BackendError, EngineUnavailableError
 from autotune.measure import deadline
@@ -40,10 +38,10 @@ from autotune.study.judge import judge_for
 from autotune.study.probe import LeaderGapPruner
 from autotune.study.prepare import prepare_study
 from autotune.study.prepared import PreparedStudy
-from autotune.study.prior import cheaper_first_among_ties, rank_by_prior
 from autotune.study.records import TrialState
 from autotune.study.sampling import ScreenedSampler
 from autotune.study.trial_phase import RunState, TrialPhase
+from autotune.study.trial_queue import TrialQueue
 from autotune.study.trial_result import TrialResult, commit
 from autotune.engine.strategy import Search
 from autotune.study.systematic import FailureWatch, SystematicFailure
@@ -55,8 +53,6 @@ from autotune.study.verdict import best_trial
 # a run stops as converged.
 EXPLORE_AFTER_IDLE = 25
 MAX_IDLE_PROPOSALS = 300
-# Attempts cut short (interrupt, killed worker) after which a configuration is not queued again.
-MAX_CUT_SHORT = 3
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # Features we use on purpose through ask/tell: the RDB heartbeat (we beat it ourselves) and
@@ -97,14 +93,22 @@ class StudyRunner:
         self.seed = self.cfg.seed if seed is None else seed
         self.strategy = plugins.get_strategy(self.cfg.sampler)
         # The sampler asks while a trial is sampled: what it reads then is the trial's snapshot.
-        self.sampler = ScreenedSampler(self.strategy.sampler(self.seed), prepared.space, self.admissible,
-                                       functools.partial(self._evaluated_keys, snapshot=True), seed=self.seed)
+        self.sampler = ScreenedSampler(
+            self.strategy.sampler(self.seed),
+            prepared.space,
+            self.admissible,
+            functools.partial(self._evaluated_keys, snapshot=True),
+            seed=self.seed,
+        )
         with storage.faults(prepared.shown_storage):  # a disk full, a lock held: one line, exit 2
             self.study = storage.open_study(prepared, self.sampler)
             # The probe as given, else on where it pays (issue 39 item 2: cost.auto_probe).
             self.forecast = cost.safe_forecast(prepared, self.study)
-            margin, self.probe_note = (self.cfg.probe_margin, None) if self.cfg.probe_margin is not None \
+            margin, self.probe_note = (
+                (self.cfg.probe_margin, None)
+                if self.cfg.probe_margin is not None
                 else cost.auto_probe(prepared, self.forecast)
+            )
             if margin and len(self.study.directions) == 1:
                 self.study.pruner = LeaderGapPruner(margin)
             self.judge = judge_for(prepared, self.study)
@@ -117,21 +121,36 @@ class StudyRunner:
         self.converged = False
         self._last_cleanup = float("-inf")
         self._strategy_asks = 0  # queue_next's n
-        self.search = Search(seed=self.seed, configurations=prepared.space.enumerate,
-                             evaluated_keys=self._evaluated_keys, has_waiting=self._has_waiting,
-                             enqueue=self._enqueue, enqueue_unexplored=self._enqueue_unexplored,
-                             ranking=lambda: [config for config, _ in self._prior_order()])
+        self.run_state = RunState()
+        self.queue = TrialQueue(prepared, self.study, self.judge, self.run_state, self.sampler, self._evaluated_keys)
+        self.search = Search(
+            seed=self.seed,
+            configurations=prepared.space.enumerate,
+            evaluated_keys=self._evaluated_keys,
+            has_waiting=self.queue.has_waiting,
+            enqueue=self.queue.enqueue,
+            enqueue_unexplored=self.queue.enqueue_unexplored,
+            ranking=lambda: [config for config, _ in self.queue.prior_order()],
+        )
         self.interrupts = Interrupts()
         self._note: Callable[[str], None] | None = None
         self._on_trial: Callable[[optuna.Study, optuna.Trial], None] | None = None
         self._failures = FailureWatch()
         self.systematic: SystematicFailure | None = None  # what stopped this run, if a cause every trial repeats
         self.stopped: str = ""  # why the search ended, in words (the study's last line)
-        self.run_state = RunState()
-        self.phase = TrialPhase(prepared, self.study, self.judge, self.claims, self.worker, self.run_state,
-                                self._say, self._cleanup_dead_workers)
-        self.finisher = Finish(self.study, prepared, self.claims, self.worker, self.finish_token, self.interrupts,
-                               self.phase.score)
+        self.phase = TrialPhase(
+            prepared,
+            self.study,
+            self.judge,
+            self.claims,
+            self.worker,
+            self.run_state,
+            self._say,
+            self._cleanup_dead_workers,
+        )
+        self.finisher = Finish(
+            self.study, prepared, self.claims, self.worker, self.finish_token, self.interrupts, self.phase.score
+        )
 
     def finish(self, note: Callable[[str], None] | None = None) -> int:
         """The noise-aware finish (``Finish.finish``)."""
@@ -151,8 +170,11 @@ class StudyRunner:
         (weights whose making failed in this run are not proposed again: each would fail alike;
         nor weights too long to make in what is left of the budget)."""
         weights = (config.backend, config.weights)
-        return (weights not in self.run_state.failed_artifacts and weights not in self.run_state.deferred_artifacts
-                and self.judge.judge(config).admitted)
+        return (
+            weights not in self.run_state.failed_artifacts
+            and weights not in self.run_state.deferred_artifacts
+            and self.judge.judge(config).admitted
+        )
 
     def _evaluated_keys(self, snapshot: bool = False) -> set[str]:
         """Keys of the configurations the storage answers; with ``snapshot``, as of the trial being
@@ -169,49 +191,17 @@ class StudyRunner:
         for t, holder in claims.running_holders(self.study):
             if not holder.alive:
                 why = f"worker {holder.worker or '?'} died: {holder.describe()}"
-                storage.set_finished_attrs(self.study, t, records.attributes({"fail_reason": why, "retry": True}),
-                                           TrialState.FAIL)
+                storage.set_finished_attrs(
+                    self.study, t, records.attributes({"fail_reason": why, "retry": True}), TrialState.FAIL
+                )
 
     def _cleanup_dead_workers(self) -> None:
         """Fail the RUNNING trials of dead workers (``_fail_dead_workers``), and queue again
         what they and earlier runs left unmeasured."""
         self._fail_dead_workers()
-        self.requeue_cut_short()
+        self.queue.requeue_cut_short()
 
     # ----------------------------------------------------------------------------- queueing
-
-    def _enqueue(self, config: TrialConfig, **attrs: Any) -> None:
-        self.study.enqueue_trial(self.prepared.space.params_of(config),
-                                 user_attrs=records.attributes({"config": config.as_dict(), **attrs}))
-
-    def _has_waiting(self) -> bool:
-        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-
-    def _waiting_keys(self) -> set[str]:
-        return {TrialConfig.from_dict(records.field_of(t.user_attrs, "config")).key
-                for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if "config" in t.user_attrs}
-
-    def enqueue_prior(self) -> int:
-        """Measure the configurations a model backend predicts best first (``[study] prior``)."""
-        done, waiting = self._evaluated_keys(), self._waiting_keys()
-        n = 0
-        for config, _ in self._prior_order()[: self.cfg.prior_trials]:
-            if config.key not in done and config.key not in waiting:
-                self._enqueue(config, from_prior=True)
-                n += 1
-        return n
-
-    def _prior_order(self) -> list[tuple[TrialConfig, float]]:
-        """The prior's ranking, weights already made first among near-equals (``prior.PRIOR_TIE``)."""
-        @functools.cache  # per weights, not per configuration: each prediction reads the cache's records
-        def weights_s(backend: str, weights: str) -> float:
-            need = artifacts.predict_making(self.prepared.backend(backend), weights, self.prepared.contexts[backend])
-            if need is None:
-                return 0.0
-            return need.seconds if need.seconds is not None else float("inf")
-
-        return cheaper_first_among_ties(rank_by_prior(self.prepared, self.judge, self.study),
-                                        lambda config: weights_s(config.backend, config.weights))
 
     @property
     def uses_prior(self) -> bool:
@@ -243,54 +233,21 @@ class StudyRunner:
     def queue_strategy_choice(self) -> bool:
         """Let a strategy that queues its own choices (``queues_each_launch``) queue the next,
         unless something waits already. False: it has nothing left to choose."""
-        if self._has_waiting():
+        if self.queue.has_waiting():
             return True
         self._strategy_asks += 1
         return self.strategy.queue_next(self.search, self._strategy_asks)
 
-    def requeue_cut_short(self) -> int:
-        """Queue again each configuration whose attempts were all cut short (interrupted, its
-        worker killed, its engine unavailable), so that it is measured once after all: a grid
-        queues every configuration once, and a lost attempt would leave it never measured.
-
-        A configuration cut short ``MAX_CUT_SHORT`` times is left alone: what kills the worker
-        every time (a host OOM, a crash in-process) would otherwise kill every resume too.
-        """
-        # A trial killed before it wrote its key still holds the configuration it was queued with.
-        failed = records.records(self.study, (TrialState.FAIL,))
-        cut_short = Counter(r.config_key or r.trial_config.key for r in failed
-                            if (r.config_key or r.config) and not r.stands_for_config and not r.answered
-                            and not r.deferred)
-        deferred = {r.config_key for r in failed if r.deferred and r.config_key}
-        skip = self._evaluated_keys() | self._waiting_keys()
-        n = 0
-        for config in self.prepared.space.enumerate():  # only what this study file still searches
-            if config.key in skip:
-                continue
-            # A configuration deferred for the cost of its weights waits for a run with the time
-            # to make them; never tried, it never counts as cut short.
-            if (0 < cut_short[config.key] < MAX_CUT_SHORT or config.key in deferred) and self._affordable(config):
-                self._enqueue(config)
-                n += 1
-        return n
-
-    def _affordable(self, config: TrialConfig) -> bool:
-        return (config.backend, config.weights) not in self.run_state.deferred_artifacts
-
-    def _enqueue_unexplored(self) -> bool:
-        """Queue one random configuration that has not been evaluated and could run."""
-        config = self.sampler.random_admissible(self._evaluated_keys())
-        if config is None:
-            return False
-        self._enqueue(config, explore=True)
-        return True
-
     # ----------------------------------------------------------------------------- loop
 
-    def run(self, budget_s: float | None = None, n_trials: int | None = None,
-            callback: Callable[[TrialEvent], None] | None = None,
-            note: Callable[[str], None] | None = None,
-            on_trial: Callable[[optuna.Study, optuna.Trial], None] | None = None) -> StudySummary:
+    def run(
+        self,
+        budget_s: float | None = None,
+        n_trials: int | None = None,
+        callback: Callable[[TrialEvent], None] | None = None,
+        note: Callable[[str], None] | None = None,
+        on_trial: Callable[[optuna.Study, optuna.Trial], None] | None = None,
+    ) -> StudySummary:
         """Run trials until ``budget_s`` seconds are spent or ``n_trials`` configurations launched.
 
         Only launches (measured or failed) count against ``n_trials``: configurations that the
@@ -305,15 +262,20 @@ class StudyRunner:
             self._on_trial = on_trial
             return self._run(budget_s, n_trials, callback, note)
 
-    def _run(self, budget_s: float | None, n_trials: int | None, callback: Callable[[TrialEvent], None] | None,
-             note: Callable[[str], None] | None) -> StudySummary:
+    def _run(
+        self,
+        budget_s: float | None,
+        n_trials: int | None,
+        callback: Callable[[TrialEvent], None] | None,
+        note: Callable[[str], None] | None,
+    ) -> StudySummary:
         if budget_s is None and n_trials is None:
             budget_s, n_trials = self.cfg.budget_s, self.cfg.n_trials
             if budget_s is None and n_trials is None:
                 n_trials = 50
         self.strategy.queue_first(self.search)
         if self.uses_prior:
-            self.enqueue_prior()
+            self.queue.enqueue_prior()
         self._announce_quality_power(note)
         if self.probe_note and note is not None:
             note(self.probe_note)
@@ -353,8 +315,9 @@ class StudyRunner:
         summary.elapsed_s = time.monotonic() - start
         return summary
 
-    def _storage_failed(self, trial: optuna.Trial | None, result: TrialResult | None,
-                        exc: BaseException) -> AutotuneError:
+    def _storage_failed(
+        self, trial: optuna.Trial | None, result: TrialResult | None, exc: BaseException
+    ) -> AutotuneError:
         """The error that stops the study when its storage fails under ``trial``. The trial is
         failed for a retry where the storage still takes that write; else it stays RUNNING, and
         the next run fails it and measures its configuration again: on this host because its
@@ -367,8 +330,7 @@ class StudyRunner:
             commit(self.study, trial, result.failed(f"the storage failed: {error}", retry=True))
             left = f"trial {trial.number} was failed, to be measured again"
         except Exception:  # noqa: BLE001 - the storage refuses this write too
-            left = (f"trial {trial.number} is left RUNNING: the next run fails it and measures its "
-                    "configuration again")
+            left = f"trial {trial.number} is left RUNNING: the next run fails it and measures its configuration again"
         return type(error)(f"{error}; {left}")
 
     def _store_run_facts(self) -> None:
@@ -376,14 +338,25 @@ class StudyRunner:
         what was excluded before the search, and why the best beats its neighbours."""
         best = chosen_best(self.study)
         why = explain_best(self.prepared, self.study, trial_record(best) if best else None)
-        self.study.set_user_attr(records.LAST_RUN_ATTR, {
-            "converged": self.converged, "stopped": self.stopped,
-            **({"systematic_failure": self.systematic.as_dict()} if self.systematic is not None else {})})
+        self.study.set_user_attr(
+            records.LAST_RUN_ATTR,
+            {
+                "converged": self.converged,
+                "stopped": self.stopped,
+                **({"systematic_failure": self.systematic.as_dict()} if self.systematic is not None else {}),
+            },
+        )
         self.study.set_user_attr(records.EXCLUDED_ATTR, self.prepared.excluded)
         self.study.set_user_attr(records.WHY_BEST_ATTR, why)
 
-    def _search(self, heartbeat: storage.Heartbeat, start: float, budget_s: float | None, n_trials: int | None,
-                callback: Callable[[TrialEvent], None] | None) -> None:
+    def _search(
+        self,
+        heartbeat: storage.Heartbeat,
+        start: float,
+        budget_s: float | None,
+        n_trials: int | None,
+        callback: Callable[[TrialEvent], None] | None,
+    ) -> None:
         """Trials until the budget, the trial count or the space runs out."""
         idle = 0
         while True:
@@ -394,7 +367,7 @@ class StudyRunner:
             if budget_s is not None and not self._next_launch_fits(budget_s - (time.monotonic() - start)):
                 self.stopped = f"the budget ({budget_s:g} s) is spent, or too little of it is left for another launch"
                 return
-            if self.strategy.ends_with_queue and not self._has_waiting():
+            if self.strategy.ends_with_queue and not self.queue.has_waiting():
                 self.stopped = "every configuration of the space was evaluated"
                 return
             if self.strategy.queues_each_launch and not self.queue_strategy_choice():
@@ -415,14 +388,15 @@ class StudyRunner:
             if self.systematic is not None:
                 self.stopped = f"stopped: {self.systematic.text}"
                 return
-            if idle and idle % EXPLORE_AFTER_IDLE == 0 and not self._enqueue_unexplored():
+            if idle and idle % EXPLORE_AFTER_IDLE == 0 and not self.queue.enqueue_unexplored():
                 self.converged = True  # everything that can run has been evaluated
                 self.stopped = "the space is exhausted: everything that can run was evaluated"
                 return
             if idle >= MAX_IDLE_PROPOSALS:
                 self.converged = True
-                self.stopped = (f"converged: {MAX_IDLE_PROPOSALS} proposals in a row were answered from the storage "
-                                "or refused")
+                self.stopped = (
+                    f"converged: {MAX_IDLE_PROPOSALS} proposals in a row were answered from the storage or refused"
+                )
                 return
 
     def measure_baseline(self, note: Callable[[str], None] | None = None, budget_s: float | None = None) -> int:
@@ -441,8 +415,15 @@ class StudyRunner:
 
         launches = self.run_state.launch_seconds
         try:
-            return baseline.measure(self.prepared, self.study, claim, self.worker, note, budget_s,
-                                    lambda key: cost.expected_baseline_s(self.forecast, key, launches))
+            return baseline.measure(
+                self.prepared,
+                self.study,
+                claim,
+                self.worker,
+                note,
+                budget_s,
+                lambda key: cost.expected_baseline_s(self.forecast, key, launches),
+            )
         except BaseException:
             stored = records.baselines(self.study)
             for key in held:
@@ -502,8 +483,7 @@ class StudyRunner:
             self._fail_quietly(trial, result, scrub(f"{type(exc).__name__}: {exc}"))
             config = result.config
             result.state, result.reason = "FAIL", scrub(str(exc))
-            result.failed_in = (systematic.launching(config["backend"]) if launched and "backend" in config
-                                else None)
+            result.failed_in = systematic.launching(config["backend"]) if launched and "backend" in config else None
             result.worked = ()
         heartbeat.beat(None)
         outcome = result
@@ -514,11 +494,16 @@ class StudyRunner:
         best = best_trial(self.study)
         self._observe(trial)
         return TrialEvent(
-            number=trial.number, state=outcome.state, config=outcome.config,
-            value=outcome.values[0] if outcome.values else None, reason=outcome.reason,
+            number=trial.number,
+            state=outcome.state,
+            config=outcome.config,
+            value=outcome.values[0] if outcome.values else None,
+            reason=outcome.reason,
             best_value=best.values[0] if best and best.values else None,
             best_config=dict(best.config) if best and best.config else None,
-            n_done=self.run_state.n_measured, elapsed_s=time.monotonic() - start, answered_from=outcome.answered_from,
+            n_done=self.run_state.n_measured,
+            elapsed_s=time.monotonic() - start,
+            answered_from=outcome.answered_from,
             broken=outcome.broken,
         )
 
@@ -544,8 +529,14 @@ class StudyRunner:
             warnings.warn(f"trial {trial.number}: {type(exc).__name__}: {exc}")
 
 
-def run_study(cfg: Any, budget_s: float | None = None, n_trials: int | None = None, storage: str | None = None,
-              seed: int | None = None, callback: Callable[[TrialEvent], None] | None = None) -> StudySummary:
+def run_study(
+    cfg: Any,
+    budget_s: float | None = None,
+    n_trials: int | None = None,
+    storage: str | None = None,
+    seed: int | None = None,
+    callback: Callable[[TrialEvent], None] | None = None,
+) -> StudySummary:
     """Prepare and run a study; the library entry point behind ``autotune study``."""
     runner = StudyRunner(prepare_study(cfg, storage=storage), seed=seed)
     return runner.run(budget_s=budget_s, n_trials=n_trials, callback=callback)

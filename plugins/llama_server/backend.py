@@ -26,7 +26,7 @@ once per weights file: the measured launch runs at the default verbosity, as dep
 timings next to the client's (``engine_timings``, ``client_timings``), and what the load
 generator cost and where it ran (``load_generator``).
 
-Settings (study file, ``[backends.llama-server]``): see ``LlamaServerBackend.settings``.
+Settings (study file, ``[backends.llama-server]``): :mod:`.settings`; the command line: :mod:`.server_command`.
 """
 
 from __future__ import annotations
@@ -40,28 +40,54 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from autotune._builtin import (
-    PROMPT_TEXT, SERVING_UNITS, DefaultLaunch, EngineUnavailableError, Splitting, UserLoad, artifact_path,
-    cuda_visible_entry, engine_environment, fetch, free_port, is_format, loopback, model_from_gguf, normalize_format,
-    path_problem, processes, prompt_of, tail, wait_ready, weights_for, Scoring, has_gpu as _has_gpu,
+    PROMPT_TEXT,
+    DefaultLaunch,
+    EngineUnavailableError,
+    UserLoad,
+    artifact_path,
+    cuda_visible_entry,
+    engine_environment,
+    fetch,
+    free_port,
+    is_format,
+    model_from_gguf,
+    normalize_format,
+    path_problem,
+    processes,
+    prompt_of,
+    tail,
+    wait_ready,
+    weights_for,
+    has_gpu as _has_gpu,
 )
 from autotune.api import (
-    ArtifactMaker, AutotuneError, BackendError, BaseBackend, CacheType, Measurement, MemoryEstimate, ModelSpec, Param,
-    Setting, StudyContext, TrialConfig, WeightFormats, deploy_line, part,
+    AutotuneError,
+    BackendError,
+    BaseBackend,
+    CacheType,
+    Measurement,
+    MemoryEstimate,
+    ModelSpec,
+    Param,
+    Setting,
+    StudyContext,
+    TrialConfig,
+    WeightFormats,
+    part,
 )
-from autotune_plugins.llama_server import declarations, draft_memory, engine, memory, rpc, speculation, split
-from autotune_plugins.llama_server import startup_facts as startup_facts_mod, trial_run
-from autotune_plugins.llama_server.engine_model import LLAMA_CPP
-from autotune_plugins.llama_server.engine_model import engine_rules
+from autotune_plugins.llama_server import draft_memory, engine, memory, rpc, speculation, split
+from autotune_plugins.llama_server import server_command, startup_facts as startup_facts_mod, trial_run
+from autotune_plugins.llama_server.engine_model import LLAMA_CPP, engine_rules
 from autotune_plugins.llama_server.engine_defaults import DEFAULT_SLOTS, ENGINE_DEFAULTS, FIT
 from autotune_plugins.llama_server.formats import gguf_file_weights
-from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
+from autotune_plugins.llama_server.parts import LlamaArtifacts, LlamaScoring, LlamaSplitting
 from autotune_plugins.llama_server.server import BUILD_REMEDY, CpuPlan, Pinned, Server, parse_log, plan_cpus
+from autotune_plugins.llama_server.settings import SETTINGS
 
 __all__ = ["LlamaServerBackend", "parse_log"]
 
 GGUF_MAGIC = b"GGUF"
 KV_PAD = 256  # llama.cpp pads each sequence's cache to 256 cells
-UNITS = SERVING_UNITS
 
 # ------------------------------------------------------------------------------ GGUF file
 
@@ -76,76 +102,7 @@ def _model_of(path: Path) -> ModelSpec:
     return _model_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
 
 
-# ------------------------------------------------------------------------------ settings' checks
-
-
-def _positive(value: Any) -> str | None:
-    return None if value > 0 else "must be > 0"
-
-
-INT32_MAX = declarations.INT32_MAX  # llama.cpp's -ngl, -ub, -b, --n-cpu-moe are C ints (std::stoi)
-
-
-def _gpu_layers_problem(value: Any) -> str | None:
-    if isinstance(value, str):
-        return None if value == "all" else f"use \"all\" or a number of layers 0..{INT32_MAX}"
-    return None if 0 <= value <= INT32_MAX else f"use \"all\" or a number of layers 0..{INT32_MAX}"
-
-
-def _port_problem(value: Any) -> str | None:
-    return None if 1 <= value <= 65535 else "must be a TCP port, 1 to 65535"
-
-
-def _host_problem(value: Any) -> str | None:
-    return None if value.strip() and not any(c.isspace() for c in value) else "must be an address such as 127.0.0.1"
-
-
 # ------------------------------------------------------------------------------ the backend
-
-
-class LlamaArtifacts(ArtifactMaker):
-    def recipe(self, fmt: str, source: Path, ctx: StudyContext):
-        """GGUF formats from an HF directory or a full-precision GGUF (:mod:`.recipes`)."""
-        from autotune_plugins.llama_server.recipes import gguf_recipe
-
-        b = self.backend
-        return gguf_recipe(fmt, source, b.resolved_settings(ctx), lambda: b.binary(ctx))
-
-
-class LlamaSplitting(Splitting):
-    def placement_space(self, ctx: StudyContext) -> dict[str, list[Any]]:
-        return split.space(ctx, cuda=self.backend._on_gpu(ctx))
-
-    def offload_space(self, weights: str, ctx: StudyContext) -> dict[str, list[Any]]:
-        """What ``autotune init`` may search when ``weights`` do not fit whole: for a mixture of
-        experts first ``n_cpu_moe`` (its experts are most of its bytes and least of its reads per
-        token: 4.4x decode lost with every expert on the host, against 19x for every dense layer,
-        bench/results/offload_probe_h200), then ``gpu_layers`` from every layer down to none, in
-        about 8 steps (the judge keeps those that fit the card and host memory); each starts with
-        the value that splits nothing (0, "all")."""
-        # A format has the source's shape, made or not (and without asking for the engine).
-        model = ctx.model if is_format(weights, self.backend.weight_formats) else self.backend._model_for(weights, ctx)
-        n = model.n_layers
-        step = max(1, n // 8)
-        layers = ["all", *sorted({*range(n, 0, -step), 0}, reverse=True)]
-        if model.is_moe:
-            return {"n_cpu_moe": sorted({0, *range(step, n, step), n}), "gpu_layers": layers}
-        return {"gpu_layers": layers}
-
-
-class LlamaScoring(Scoring):
-    def problem(self) -> str | None:
-        """The scorer runs in-process through llama-cpp-python: is it installed?"""
-        from autotune_plugins.llama_server.python_bindings import bindings_missing
-
-        return bindings_missing()
-
-    def scorer(self, weights: str, cache_type: str | None, ctx: StudyContext):
-        """Log-likelihoods of ``weights`` through llama-cpp-python on this engine's build."""
-        from autotune_plugins.llama_server.scoring import LlamaCppScorer
-
-        b = self.backend
-        return LlamaCppScorer(b.weights_path(weights, ctx), cache_type, b.resolved_settings(ctx))
 
 
 class LlamaServerBackend(BaseBackend):
@@ -159,32 +116,7 @@ class LlamaServerBackend(BaseBackend):
     artifacts = part(LlamaArtifacts)
     scoring = part(LlamaScoring)
     splitting = part(LlamaSplitting)
-    settings: ClassVar[tuple[Setting, ...]] = (
-        Setting("binary", str, None, "llama-server executable or its directory (default: AUTOTUNE_LLAMA_SERVER, "
-                                     "else the newest `autotune engine build llama.cpp`, else PATH)"),
-        Setting("threads", int, None, "CPU threads of the engine, -t (default: every core, os.cpu_count())",
-                check=_positive),
-        Setting("gpu_layers", (str, int), "all", "layers on the GPU, -ngl: \"all\" (-ngl 999) or a number; "
-                                                 "0 on a machine without a GPU; a [space] gpu_layers overrides it",
-                check=_gpu_layers_problem),
-        Setting("host", str, "127.0.0.1", "address llama-server listens on, --host (\"0.0.0.0\": every interface)",
-                check=_host_problem),
-        Setting("port", int, 8080, "port of the deploy command, --port (trials use a free port)", check=_port_problem),
-        Setting("pin_cores", bool, True, "when the machine has more cores than threads, pin llama-server to "
-                                         "threads cores and autotune's load generator to the others"),
-        Setting("startup_facts", bool, False, "record llama.cpp's start-up buffer sizes with each trial, from a short "
-                                              "launch of their own at -lv 4 per weights file, after the measured one "
-                                              "(the measured launch is at the default verbosity, as deployed)"),
-        Setting("startup_timeout_s", float, 120.0, "bound on loading the model, seconds", check=_positive),
-        Setting("request_timeout_s", float, 600.0, "bound on each request, from sending it to its "
-                "last byte, seconds (not per read: a stream kept open without finishing fails the trial then)",
-                check=_positive),
-        Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop "
-                                                            "repeating", choices=tuple(UNITS)),
-        Setting("scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics",
-                check=_positive),
-        *speculation.SETTINGS,
-    )
+    settings: ClassVar[tuple[Setting, ...]] = SETTINGS
 
     def resolved_settings(self, ctx: StudyContext) -> dict[str, Any]:
         """Every declared setting with its value or default, for the engine finder and the scorer."""
@@ -203,14 +135,19 @@ class LlamaServerBackend(BaseBackend):
         what a user gets who types the model's path and nothing else (issue 39 item 5: a forced
         ``-ngl 999`` died of out-of-memory where the engine's own fitting would have run)."""
         model = self._model_for(weights, ctx)
-        config = TrialConfig(self.name, weights, max(1, model.max_context // DEFAULT_SLOTS), DEFAULT_SLOTS,
-                             ((ENGINE_DEFAULTS, True),))
-        return DefaultLaunch(config, (
-            f"llama-server -m only: -c 0 (the model's own {model.max_context} tokens, one KV pool "
-            f"shared by {DEFAULT_SLOTS} slots: -np auto), -ngl auto{'' if self._on_gpu(ctx) else ' (-ngl 0: no GPU)'}, "
-            f"-fa auto, f16 KV cache, -b 2048 -ub 512, --fit on, "
-            f"threads chosen by the engine (llama.cpp's defaults: common/common.h, common/arg.cpp, "
-            f"tools/server/server.cpp); measured with {DEFAULT_SLOTS} users at once"))
+        config = TrialConfig(
+            self.name, weights, max(1, model.max_context // DEFAULT_SLOTS), DEFAULT_SLOTS, ((ENGINE_DEFAULTS, True),)
+        )
+        return DefaultLaunch(
+            config,
+            (
+                f"llama-server -m only: -c 0 (the model's own {model.max_context} tokens, one KV pool "
+                f"shared by {DEFAULT_SLOTS} slots: -np auto), -ngl auto{'' if self._on_gpu(ctx) else ' (-ngl 0: no GPU)'}, "
+                f"-fa auto, f16 KV cache, -b 2048 -ub 512, --fit on, "
+                f"threads chosen by the engine (llama.cpp's defaults: common/common.h, common/arg.cpp, "
+                f"tools/server/server.cpp); measured with {DEFAULT_SLOTS} users at once"
+            ),
+        )
 
     def baselines(self, weights: str, ctx: StudyContext, user: UserLoad) -> list[DefaultLaunch]:
         """The default launch, and llama.cpp's own choice for the user's context and slots:
@@ -218,20 +155,30 @@ class LlamaServerBackend(BaseBackend):
         default (no -ngl: --fit chooses what it offloads), the bar a search for what does not fit
         the card must beat."""
         config = TrialConfig(self.name, weights, user.ctx, user.parallel, ((ENGINE_DEFAULTS, FIT),))
-        offload = ("llama.cpp fits the layers and tensors it offloads to the card itself (-ngl unset: auto)"
-                   if self._on_gpu(ctx) else "-ngl 0 (the study has no GPU: --fit has nothing to offload)")
-        fit = DefaultLaunch(config, (
-            f"llama-server -m, -c {user.ctx * user.parallel} -np {user.parallel} ({user.why}) and --fit on: "
-            f"{offload}, -fa auto, f16 KV cache, -b 2048 -ub 512, threads chosen by the engine (llama.cpp's defaults: "
-            f"common/common.h, common/arg.cpp); measured with {user.parallel} users at once"),
-            name=FIT, title="llama-server's --fit")
+        offload = (
+            "llama.cpp fits the layers and tensors it offloads to the card itself (-ngl unset: auto)"
+            if self._on_gpu(ctx)
+            else "-ngl 0 (the study has no GPU: --fit has nothing to offload)"
+        )
+        fit = DefaultLaunch(
+            config,
+            (
+                f"llama-server -m, -c {user.ctx * user.parallel} -np {user.parallel} ({user.why}) and --fit on: "
+                f"{offload}, -fa auto, f16 KV cache, -b 2048 -ub 512, threads chosen by the engine (llama.cpp's defaults: "
+                f"common/common.h, common/arg.cpp); measured with {user.parallel} users at once"
+            ),
+            name=FIT,
+            title="llama-server's --fit",
+        )
         return [*super().baselines(weights, ctx, user), fit]
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
         """The GGUF file a candidate names: a path relative to the study file, or for a format
         (``gguf:Q4_K_M``) its place in the artifact cache, made or not yet."""
         if is_format(weights, self.weight_formats) and ctx.source is not None:
-            return artifact_path(ctx.source, self.artifacts.recipe(normalize_format(weights, self.weight_formats), ctx.source, ctx))
+            return artifact_path(
+                ctx.source, self.artifacts.recipe(normalize_format(weights, self.weight_formats), ctx.source, ctx)
+            )
         return ctx.path(weights)
 
     def _made(self, weights: str, ctx: StudyContext) -> Path | None:
@@ -273,9 +220,13 @@ class LlamaServerBackend(BaseBackend):
         draft = config.option("draft")
         if isinstance(draft, str) and (problem := self.check_weights(draft, ctx)):
             return [f"draft: {problem}"]
-        return (LLAMA_CPP.rules(config, ctx, model) + split.check(config, ctx, model, cuda=self._on_gpu(ctx))
-                + speculation.check(config, ctx, self._made(config.weights, ctx), lambda w: self._made(w, ctx),
-                                    self.resolved_settings(ctx)))
+        return (
+            LLAMA_CPP.rules(config, ctx, model)
+            + split.check(config, ctx, model, cuda=self._on_gpu(ctx))
+            + speculation.check(
+                config, ctx, self._made(config.weights, ctx), lambda w: self._made(w, ctx), self.resolved_settings(ctx)
+            )
+        )
 
     # -------------------------------------------------------------- memory
 
@@ -287,21 +238,32 @@ class LlamaServerBackend(BaseBackend):
         on_gpu = self._on_gpu(ctx) and (ngl > 0 or config.option("gpu_layers") is not None)
         ub, b = config.option("ubatch"), config.option("batch")
         # A format not made yet: its tensors as llama-quantize will write them, from the source's shape.
-        weights = weights_for(ctx.model, config.weights, self.weight_formats) if path is None else gguf_file_weights(path)
+        weights = (
+            weights_for(ctx.model, config.weights, self.weight_formats) if path is None else gguf_file_weights(path)
+        )
         model = ctx.model if path is None else _model_of(path)
         if split.n_devices(ctx) > 1:  # several cards or RPC devices: each one's share (split.py)
             return split.device_estimate(model, weights, config, ctx, None if ngl >= 999 else ngl, self._on_gpu(ctx))
-        target = memory.estimate(model, weights, config.ctx, config.parallel,
-                               config.option("cache_type", "f16"), bool(config.option("flash_attn", True)),
-                               ubatch=int(ub) if ub is not None else None, gpu=on_gpu,
-                               gpu_layers=None if ngl >= 999 else ngl, n_cpu_moe=int(config.option("n_cpu_moe", 0)),
-                               batch=int(b) if b is not None else None)
+        target = memory.estimate(
+            model,
+            weights,
+            config.ctx,
+            config.parallel,
+            config.option("cache_type", "f16"),
+            bool(config.option("flash_attn", True)),
+            ubatch=int(ub) if ub is not None else None,
+            gpu=on_gpu,
+            gpu_layers=None if ngl >= 999 else ngl,
+            n_cpu_moe=int(config.option("n_cpu_moe", 0)),
+            batch=int(b) if b is not None else None,
+        )
         return draft_memory.with_draft(target, self, config, ctx, on_gpu)
 
     def search_dimensions(self) -> list[Param]:
         """Every [space] key this backend takes (``autotune plugins``), the optional ones too."""
-        return self.parameters({k: [] for k in ("ubatch", "batch", "gpu_layers", "n_cpu_moe", *split.KEYS,
-                                                *speculation.KEYS)})
+        return self.parameters(
+            {k: [] for k in ("ubatch", "batch", "gpu_layers", "n_cpu_moe", *split.KEYS, *speculation.KEYS)}
+        )
 
     def search_rules(self) -> list[str]:
         """What is refused before launching, in words (``autotune plugins``)."""
@@ -340,51 +302,14 @@ class LlamaServerBackend(BaseBackend):
             return self.gpu_layers(ctx, has_gpu)
         return 999 if value == "all" else int(value)
 
-    def flags(self, config: TrialConfig, ngl: int) -> list[str]:
-        cache = config.option("cache_type", "f16")
-        out = ["-c", str(config.ctx * config.parallel), "-np", str(config.parallel), "-ngl", str(ngl),
-               "-fa", "on" if config.option("flash_attn", True) else "off", "-ctk", cache, "-ctv", cache]
-        ub = config.option("ubatch")
-        if ub is not None:
-            out += ["-ub", str(int(ub))]
-        b = config.option("batch")
-        if b is not None:
-            out += ["-b", str(int(b))]
-        moe = config.option("n_cpu_moe")
-        if moe is not None:
-            out += ["--n-cpu-moe", str(int(moe))]
-        return out + split.flags(config)
+    def server_argv(
+        self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int, has_gpu: bool
+    ) -> list[str]:
+        """The one place the server's command line is built (:func:`.server_command.server_argv`)."""
+        return server_command.server_argv(self, config, ctx, binary=binary, port=port, has_gpu=has_gpu)
 
-    def server_argv(self, config: TrialConfig, ctx: StudyContext, *, binary: str, port: int,
-                    has_gpu: bool) -> list[str]:
-        """The one place the server's command line is built: trials launch it, deploy prints it."""
-        # A CPU study's RPC devices (split.py) are devices like cards: every launch is given them.
-        devices = rpc.endpoints_flag(self._rpc_endpoints(ctx))
-        has_gpu = has_gpu or bool(devices)
-        if config.option(ENGINE_DEFAULTS) == FIT:
-            # llama.cpp's own choice (``baselines``): the user's -c/-np, --fit on and no -ngl, so
-            # the fitting decides the offload; a study without a GPU keeps -ngl 0 as everywhere.
-            return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                    "-c", str(config.ctx * config.parallel), "-np", str(config.parallel), "--fit", "on",
-                    *(() if has_gpu else ("-ngl", "0")), *devices, "--host", str(self.value(ctx, "host")),
-                    "--port", str(port), "--no-webui"]
-        if config.option(ENGINE_DEFAULTS):
-            # The default launch (``default_launch``): no -c/-np/-ngl/-fa/-ctk/-t/--fit, so the engine's
-            # own defaults apply (-ngl auto, --fit on: it chooses its offload, and where even that
-            # cannot run, its log's reason is the failure's); a study without a GPU keeps -ngl 0 as
-            # everywhere. --host/--port/--no-webui only say where it listens.
-            return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                    *(() if has_gpu else ("-ngl", "0")), *devices, "--host", str(self.value(ctx, "host")),
-                    "--port", str(port), "--no-webui"]
-        # At the engine's default log verbosity, as deployed: -lv 4, which the start-up buffer
-        # sizes need, logs trace lines per request and slot, and cost 9% of the aggregate at 8
-        # slots on an H200 (bench/results/llama_verbosity). Those sizes come from a launch of
-        # their own (startup_facts).
-        return [binary, "-m", str(self.weights_path(config.weights, ctx)),
-                *self.flags(config, self.layers_of(config, ctx, has_gpu)), *speculation.flags(config, lambda w: self.weights_path(w, ctx), self.resolved_settings(ctx)),
-                *devices, "-t", str(self.threads(ctx)),
-                "--fit", "off", "--host", str(self.value(ctx, "host")), "--port", str(port),
-                "--no-webui"]
+    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
+        return server_command.deploy_command(self, config, ctx)
 
     @staticmethod
     def cuda_devices(ctx: StudyContext, has_gpu: bool) -> str | None:
@@ -401,35 +326,6 @@ class LlamaServerBackend(BaseBackend):
         running = getattr(self, "_rpc_running", None)  # set by _rpc_devices
         return list(running) if running and n else [f"{rpc.HOST}:{rpc.DEPLOY_PORT + i}" for i in range(n)]
 
-    def deploy_command(self, config: TrialConfig, ctx: StudyContext) -> str:
-        has_gpu = self._on_gpu(ctx)
-        notes = [f"every flag but -m, -c, -np and --fit{'' if has_gpu else ' (and -ngl 0: no GPU)'} at "
-                 f"llama-server's default{': --fit chooses the offload' if has_gpu else ''}"
-                 if config.option(ENGINE_DEFAULTS) == FIT else
-                 f"every flag but -m{'' if has_gpu else ' (and -ngl 0: no GPU)'} at llama-server's default"
-                 if config.option(ENGINE_DEFAULTS) else
-                 f"-c is shared by the slots: ctx {config.ctx} x {config.parallel} slots"]
-        try:
-            binary = str(self.binary(ctx).absolute())
-        except EngineUnavailableError:
-            given = self.value(ctx, "binary")
-            binary = str(Path(given).expanduser().absolute()) if given else "llama-server"
-            notes.append(f"llama-server not found: {BUILD_REMEDY}; it installs under "
-                         f"{engine.engines_dir()}/llama.cpp-<version>-<arch>/bin/")
-        argv = self.server_argv(config, ctx, binary=binary, port=int(self.value(ctx, "port")), has_gpu=has_gpu)
-        host = str(self.value(ctx, "host"))
-        if loopback(host):
-            notes.append(f"listens on {host} only; to serve other machines set [backends.llama-server] "
-                         "host = \"0.0.0.0\"")
-        else:
-            notes.append(f"listens on {host}")
-        if split.rpc_device_count(ctx):
-            notes.append("its devices are rpc-servers, one per [hardware] gpus entry, started first: "
-                         + "; ".join(f"{rpc.binary_beside(Path(binary))} -H {e.replace(':', ' -p ')}"
-                                     for e in self._rpc_endpoints(ctx)))
-        devices = self.cuda_devices(ctx, has_gpu)
-        return deploy_line(argv, notes, None if devices is None else {"CUDA_VISIBLE_DEVICES": devices})
-
     def binary(self, ctx: StudyContext | None = None) -> Path:
         settings = self.resolved_settings(ctx) if ctx is not None else {}
         try:
@@ -437,8 +333,10 @@ class LlamaServerBackend(BaseBackend):
         except AutotuneError as exc:
             message = str(exc)
             if settings.get("binary"):
-                message += (f" ([backends.{self.name}] binary: point it at an executable llama-server, or leave it "
-                            f"out and {BUILD_REMEDY})")
+                message += (
+                    f" ([backends.{self.name}] binary: point it at an executable llama-server, or leave it "
+                    f"out and {BUILD_REMEDY})"
+                )
             raise EngineUnavailableError(message) from exc
 
     def preflight(self, ctx: StudyContext) -> list[str]:
@@ -454,12 +352,13 @@ class LlamaServerBackend(BaseBackend):
         try:
             _checked_version(str(binary))
         except AutotuneError as exc:
-            return [f"{exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at "
-                    "a llama-server that runs here"]
+            return [f"{exc}: {BUILD_REMEDY}, or point [backends.llama-server] binary at a llama-server that runs here"]
         if split.rpc_device_count(ctx) and not rpc.binary_beside(binary).is_file():
-            return [f"[hardware] gpus names {split.rpc_device_count(ctx)} CPU devices, which llama-server runs as RPC "
-                    f"devices, and {rpc.binary_beside(binary)} is missing (a build from before GGML_RPC): rebuild with "
-                    "`autotune engine build llama.cpp --force`"]
+            return [
+                f"[hardware] gpus names {split.rpc_device_count(ctx)} CPU devices, which llama-server runs as RPC "
+                f"devices, and {rpc.binary_beside(binary)} is missing (a build from before GGML_RPC): rebuild with "
+                "`autotune engine build llama.cpp --force`"
+            ]
         if self._on_gpu(ctx):
             try:
                 cuda_visible_entry(ctx.gpu_index)
@@ -483,8 +382,9 @@ class LlamaServerBackend(BaseBackend):
 
     # -------------------------------------------------------------- run
 
-    def launch(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path, *,
-               verbose: bool = False) -> Server:
+    def launch(
+        self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path, *, verbose: bool = False
+    ) -> Server:
         """Start llama-server on ``config``: as deployed, or with ``verbose`` at the log verbosity
         that prints its buffers, for ``startup_facts``."""
         binary = self.binary(ctx)
@@ -519,8 +419,7 @@ class LlamaServerBackend(BaseBackend):
 
     def base_tokens(self, server: Server) -> list[int]:
         """The prompt text's tokens, which every request's prompt is cut from (its own length)."""
-        r = fetch(server.http, "POST", f"{server.url}/tokenize", 30, setting="tokenize",
-                  json={"content": PROMPT_TEXT})
+        r = fetch(server.http, "POST", f"{server.url}/tokenize", 30, setting="tokenize", json={"content": PROMPT_TEXT})
         r.raise_for_status()
         base = [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
         if not base:
@@ -574,14 +473,16 @@ class LlamaServerBackend(BaseBackend):
             finally:
                 self._rpc_running = None
 
-    def startup_facts(self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path,
-                      startup_s: float) -> dict[str, Any]:
+    def startup_facts(
+        self, config: TrialConfig, ctx: StudyContext, has_gpu: bool, log_dir: Path, startup_s: float
+    ) -> dict[str, Any]:
         """What llama.cpp logs at start, from a short launch of its own at ``-lv 4``
         (:func:`.startup_facts.startup_facts`)."""
         return startup_facts_mod.startup_facts(self, config, ctx, has_gpu, log_dir, startup_s)
 
-    def _measure(self, server: Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
-                 startup_s: float, request_s: float) -> Measurement:
+    def _measure(
+        self, server: Server, config: TrialConfig, ctx: StudyContext, has_gpu: bool, startup_s: float, request_s: float
+    ) -> Measurement:
         """One launched server measured under the protocol (:func:`.trial_run.measure`)."""
         return trial_run.measure(self, server, config, ctx, has_gpu, startup_s, request_s)
 

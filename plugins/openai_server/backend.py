@@ -22,73 +22,62 @@ A trial's lifecycle (see :mod:`autotune.engine.backend`):
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import re
 import shlex
 import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
-from autotune.api import part
-from autotune._builtin import Scoring
-from autotune._builtin import command_line, cuda_visible, mask_argv, remember_secret
 from autotune.api import (
-    AutotuneError, BackendError, BaseBackend, CacheType, Measurement, MemoryEstimate, Param, Setting, StreamResult,
-    StudyContext, TrialConfig, deploy_line, measure_engine, serving_run,
+    AutotuneError,
+    BackendError,
+    BaseBackend,
+    CacheType,
+    Measurement,
+    MemoryEstimate,
+    Param,
+    Setting,
+    StudyContext,
+    TrialConfig,
+    deploy_line,
+    part,
 )
 from autotune._builtin import (
-    ConcurrentResult, ConfigError, PROMPT_TEXT, SERVING_UNITS, SlotLayout, cuda_visible_entry, engine_environment,
-    engine_models, fetch, has_gpu as _has_gpu, kv_cache_bytes, path_problem, prompt_of, varied, violations,
+    ConfigError,
+    Scoring,
+    SlotLayout,
+    cuda_visible,
+    cuda_visible_entry,
+    engine_environment,
+    engine_models,
+    free_port,
+    has_gpu as _has_gpu,
+    kv_cache_bytes,
+    loopback,
+    path_problem,
+    processes,
+    remember_secret,
+    violations,
 )
-from autotune._builtin import processes
-from autotune._builtin import free_port, loopback
-from autotune._builtin import disagreements, parse_prometheus, stream_completion
 from autotune_plugins.shared.engine_cache import engines_dir
 from autotune_plugins.shared.paging import PAGE_SIZE as EXL3_PAGE, pages_per_job
-from autotune_plugins.openai_server import declarations
+from autotune_plugins.openai_server import declarations, trial_run
 from autotune_plugins.openai_server.server import OpenAIServer
-from autotune_plugins.openai_server.templates import Template, load_template, render, shipped, template_path, \
-    with_overrides
+from autotune_plugins.openai_server.settings import SETTINGS
+from autotune_plugins.openai_server.templates import (
+    Template,
+    load_template,
+    render,
+    shipped,
+    template_path,
+    with_overrides,
+)
 
 __all__ = ["OpenAIServerBackend"]
 
-log = logging.getLogger(__name__)
-
-UNITS = SERVING_UNITS
 CORE = ("ctx", "parallel")
-
-
-def _positive(value: Any) -> str | None:
-    return None if value > 0 else "must be > 0"
-
-
-def _fraction(value: Any) -> str | None:
-    return None if 0 < value <= 1 else "must be in (0, 1]"
-
-
-def _port_problem(value: Any) -> str | None:
-    return None if 1 <= value <= 65535 else "must be a TCP port, 1 to 65535"
-
-
-def _args_problem(value: Any) -> str | None:
-    if isinstance(value, list) and not all(isinstance(v, str) for v in value):
-        return "must be a list of strings (one per argument) or one string split as a shell would"
-    if isinstance(value, str):
-        try:
-            shlex.split(value)
-        except ValueError as exc:
-            return f"cannot be split into arguments ({exc})"
-    return None
-
-
-def _variable_problem(value: Any) -> str | None:
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        return ("must be the name of an environment variable (letters, digits, '_'), not the key itself: "
-                "export the key under that name")
-    return None
 
 
 def _args(value: Any) -> list[str]:
@@ -116,8 +105,9 @@ class OpenAIServerScoring(Scoring):
 class OpenAIServerBackend(BaseBackend):
     name: ClassVar[str] = "openai-server"
     engine: ClassVar[str] = "openai-api"
-    description: ClassVar[str] = ("any OpenAI-compatible server started from a command template (shipped: "
-                                  + ", ".join(shipped()) + ")")
+    description: ClassVar[str] = (
+        "any OpenAI-compatible server started from a command template (shipped: " + ", ".join(shipped()) + ")"
+    )
     scoring = part(OpenAIServerScoring)
     # vLLM's and SGLang's own environment, beyond what the engine models of the engines its
     # shipped templates serve declare (``engine_variables``).
@@ -142,34 +132,8 @@ class OpenAIServerBackend(BaseBackend):
         engine's setup) and vLLM's and SGLang's own."""
         found = [v for m in engine_models().values() for v in m.engine_variables]
         return tuple(dict.fromkeys([*found, *self.own_variables]))
-    settings: ClassVar[tuple[Setting, ...]] = (
-        Setting("template", str, "llama-server", "a shipped template (" + ", ".join(shipped()) + ") or a template "
-                                                 "TOML file, relative to the study file"),
-        Setting("command", (str, list), None, "the server's command with placeholders, in place of the template's "
-                                              "(a list of arguments; a string is split as a shell would, never run "
-                                              "by one)", check=_args_problem),
-        Setting("executable", str, None, "the engine's executable, in place of the command's first argument"),
-        Setting("extra_args", (str, list), None, "arguments added after the template's command",
-                check=_args_problem),
-        Setting("api_key_env", str, None, "the name (never the value) of an environment variable holding the "
-                "server's API key: sent as 'Authorization: Bearer' with every request and handed to the engine "
-                "under that name (vLLM reads VLLM_API_KEY, llama-server LLAMA_API_KEY)", check=_variable_problem),
-        Setting("ready", str, None, "the health path polled until it answers 200 (default: the template's)"),
-        Setting("startup_timeout_s", float, None, "bound on the server's start, seconds (default: the template's)",
-                check=_positive),
-        Setting("request_timeout_s", float, 600.0, "bound on each request, from sending it to its "
-                "last byte, seconds (not per read: a stream kept open without finishing fails the trial then)",
-                check=_positive),
-        Setting("memory", str, None, "memory model: 'fraction' (the engine pre-allocates memory_fraction of the "
-                                     "card) or 'measured' (default: the template's)", choices=("fraction", "measured")),
-        Setting("memory_fraction", float, None, "the share of the card a pre-allocating engine takes "
-                                                "(default: the template's)", check=_fraction),
-        Setting("host", str, "127.0.0.1", "address of the deploy command's server, {host} (trials use 127.0.0.1)"),
-        Setting("port", int, 8000, "port of the deploy command, {port} (trials use a free port)", check=_port_problem),
-        Setting("stability_metric", str, "aggregate_tok_s", "the quantity whose spread decides when to stop "
-                                                            "repeating", choices=tuple(UNITS)),
-        Setting("scoring_ctx", int, 2048, "context of the server that quality metrics score through", check=_positive),
-    )
+
+    settings: ClassVar[tuple[Setting, ...]] = SETTINGS
 
     # -------------------------------------------------------------- the template
 
@@ -187,9 +151,14 @@ class OpenAIServerBackend(BaseBackend):
             mtime = 0
         base = _load(str(path), mtime)
         command = self.value(ctx, "command")
-        t = with_overrides(base, command=_args(command) if command is not None else None,
-                           ready=self.value(ctx, "ready"), memory=self.value(ctx, "memory"),
-                           memory_fraction=self.value(ctx, "memory_fraction"), where=f"[backends.{self.name}]")
+        t = with_overrides(
+            base,
+            command=_args(command) if command is not None else None,
+            ready=self.value(ctx, "ready"),
+            memory=self.value(ctx, "memory"),
+            memory_fraction=self.value(ctx, "memory_fraction"),
+            where=f"[backends.{self.name}]",
+        )
         executable = self.value(ctx, "executable")
         extra = _args(self.value(ctx, "extra_args"))
         if executable or extra:
@@ -217,10 +186,14 @@ class OpenAIServerBackend(BaseBackend):
             built = _built_executable(t.command[0])
             # "install llama.cpp" right after `autotune engine build llama.cpp` would be wrong:
             # the build is in autotune's cache, off PATH; name it instead.
-            remedy = (f"autotune's engine cache has one: set [backends.{self.name}] executable = \"{built}\""
-                      if built else f"install {t.engine}, or set [backends.{self.name}] executable to its path")
-            problems.append(f"template {t.name}: {t.command[0]!r} is not an executable here "
-                            f"(not found on PATH): {remedy}")
+            remedy = (
+                f'autotune\'s engine cache has one: set [backends.{self.name}] executable = "{built}"'
+                if built
+                else f"install {t.engine}, or set [backends.{self.name}] executable to its path"
+            )
+            problems.append(
+                f"template {t.name}: {t.command[0]!r} is not an executable here (not found on PATH): {remedy}"
+            )
         try:
             self.api_key(ctx)  # a variable named but unset: said before any server starts, not as 401s
         except ConfigError as exc:
@@ -243,17 +216,32 @@ class OpenAIServerBackend(BaseBackend):
             if name in CORE:
                 continue
             if name == "flash_attn":
-                params.append(Param(name, tuple(v for v in values if isinstance(v, bool)),
-                                    "flash attention, as the template's [flash_attn] maps it", accepted=(True, False)))
+                params.append(
+                    Param(
+                        name,
+                        tuple(v for v in values if isinstance(v, bool)),
+                        "flash attention, as the template's [flash_attn] maps it",
+                        accepted=(True, False),
+                    )
+                )
             elif name == "cache_type":
-                params.append(Param(name, tuple(v for v in values if isinstance(v, str)),
-                                    "KV-cache type, as the template's [cache_type] maps it",
-                                    accepted=("a key of the template's [cache_type]",)))
+                params.append(
+                    Param(
+                        name,
+                        tuple(v for v in values if isinstance(v, str)),
+                        "KV-cache type, as the template's [cache_type] maps it",
+                        accepted=("a key of the template's [cache_type]",),
+                    )
+                )
             else:
-                params.append(Param(name, tuple(v for v in values if isinstance(v, (int, float, str))
-                                                and not isinstance(v, bool)),
-                                    f"{name}, as the template's [options] maps it",
-                                    accepted=("a number or a string the template's [options] maps",)))
+                params.append(
+                    Param(
+                        name,
+                        tuple(v for v in values if isinstance(v, (int, float, str)) and not isinstance(v, bool)),
+                        f"{name}, as the template's [options] maps it",
+                        accepted=("a number or a string the template's [options] maps",),
+                    )
+                )
         return params
 
     def weights_path(self, weights: str, ctx: StudyContext) -> Path:
@@ -284,22 +272,31 @@ class OpenAIServerBackend(BaseBackend):
         options = dict(config.options)
         cache = options.get("cache_type")
         if cache is not None and cache not in t.cache_type:
-            reasons.append(f"cache_type {cache!r}: template {t.name} maps only {', '.join(t.cache_type) or 'none'} "
-                           f"({t.source} [cache_type])")
+            reasons.append(
+                f"cache_type {cache!r}: template {t.name} maps only {', '.join(t.cache_type) or 'none'} "
+                f"({t.source} [cache_type])"
+            )
         flash = options.get("flash_attn")
         if flash is not None and flash not in t.flash_attn:
             mapped = ", ".join(str(k).lower() for k in t.flash_attn) or "neither value"
-            reasons.append(f"flash_attn {str(flash).lower()}: template {t.name} maps only {mapped} "
-                           f"({t.source} [flash_attn])")
+            reasons.append(
+                f"flash_attn {str(flash).lower()}: template {t.name} maps only {mapped} ({t.source} [flash_attn])"
+            )
         for name in options:
             if name not in ("cache_type", "flash_attn") and name not in t.options:
-                reasons.append(f"{name}: template {t.name} maps no such option "
-                               f"({t.source} [options]: {', '.join(t.options) or 'none'})")
+                reasons.append(
+                    f"{name}: template {t.name} maps no such option "
+                    f"({t.source} [options]: {', '.join(t.options) or 'none'})"
+                )
         if reasons:
             return reasons
         model = ctx.model
-        facts = {"head_dim": model.head_dim, "ctx": config.ctx, "max_context": model.max_context,
-                 "compute_capability": getattr(ctx.gpu, "compute_capability", None)}
+        facts = {
+            "head_dim": model.head_dim,
+            "ctx": config.ctx,
+            "max_context": model.max_context,
+            "compute_capability": getattr(ctx.gpu, "compute_capability", None),
+        }
         return violations(list(t.rules), {**options, "ctx": config.ctx, "parallel": config.parallel}, facts)
 
     # -------------------------------------------------------------- memory
@@ -312,37 +309,56 @@ class OpenAIServerBackend(BaseBackend):
         known = {ct.name: ct for ct in self.kv_cache_types}
         kv_type = cache if cache in known else "f16"
         kv, _, how = kv_cache_bytes(ctx.model, known[kv_type], config.ctx, config.parallel, SlotLayout())
-        notes = [f"weights: {weights} bytes on disk ({path.name})",
-                 f"KV: {how} x {ctx.model.n_layers} layers x {ctx.model.kv_dim} x (K+V {kv_type})"
-                 + ("" if cache == kv_type else f" (cache_type {cache!r} is not in autotune's catalog: sized as f16)")]
+        notes = [
+            f"weights: {weights} bytes on disk ({path.name})",
+            f"KV: {how} x {ctx.model.n_layers} layers x {ctx.model.kv_dim} x (K+V {kv_type})"
+            + ("" if cache == kv_type else f" (cache_type {cache!r} is not in autotune's catalog: sized as f16)"),
+        ]
         if t.memory == "fraction":
             pool = int(float(t.memory_fraction or 0) * ctx.gpu.vram_bytes)
-            notes.append(f"template {t.name} pre-allocates {t.memory_fraction:g} of the card's {ctx.gpu.vram_bytes} "
-                         f"bytes ({pool}): admission uses that share; weights + KV beyond it cannot start")
-            return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, buffers_bytes=0,
-                                  overhead_bytes=max(0, pool - weights - kv), notes=tuple(notes))
-        notes.append(f"template {t.name}: measured only; this is weights + KV, the trial records the engine's "
-                     "NVML peak and the study learns the rest from it")
+            notes.append(
+                f"template {t.name} pre-allocates {t.memory_fraction:g} of the card's {ctx.gpu.vram_bytes} "
+                f"bytes ({pool}): admission uses that share; weights + KV beyond it cannot start"
+            )
+            return MemoryEstimate(
+                weights_bytes=weights,
+                kv_bytes=kv,
+                buffers_bytes=0,
+                overhead_bytes=max(0, pool - weights - kv),
+                notes=tuple(notes),
+            )
+        notes.append(
+            f"template {t.name}: measured only; this is weights + KV, the trial records the engine's "
+            "NVML peak and the study learns the rest from it"
+        )
         return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, buffers_bytes=0, overhead_bytes=0, notes=tuple(notes))
 
     # -------------------------------------------------------------- the command line
 
-    def argv(self, config: TrialConfig, ctx: StudyContext, *, host: str, port: int, has_gpu: bool,
-             t: Template | None = None) -> list[str]:
+    def argv(
+        self, config: TrialConfig, ctx: StudyContext, *, host: str, port: int, has_gpu: bool, t: Template | None = None
+    ) -> list[str]:
         """The one place the command is rendered: trials launch it, deploy prints it."""
         t = t or self.template(ctx)
         path = self.weights_path(config.weights, ctx)
         values = {
-            "weights": str(path), "weights_dir": str(path.parent), "weights_name": path.name,
-            "ctx": config.ctx, "ctx_total": config.ctx * config.parallel, "ctx_input": max(1, config.ctx - 1),
+            "weights": str(path),
+            "weights_dir": str(path.parent),
+            "weights_name": path.name,
+            "ctx": config.ctx,
+            "ctx_total": config.ctx * config.parallel,
+            "ctx_input": max(1, config.ctx - 1),
             "ctx_paged": config.parallel * pages_per_job(config.ctx) * EXL3_PAGE,
-            "parallel": config.parallel, "port": port, "host": host,
+            "parallel": config.parallel,
+            "port": port,
+            "host": host,
             "gpu": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index) if has_gpu else "",
             "memory_fraction": "" if t.memory_fraction is None else f"{t.memory_fraction:g}",
         }
         options = {k: v for k, v in config.options if k not in ("cache_type", "flash_attn")}
-        argv = render(t, values, cache_type=config.option("cache_type"), flash_attn=config.option("flash_attn"),
-                      options=options)
+        argv = render(
+            t, values, cache_type=config.option("cache_type"), flash_attn=config.option("flash_attn"), options=options
+        )
         exe = self.executable(t)
         if exe:
             argv[0] = exe
@@ -357,14 +373,23 @@ class OpenAIServerBackend(BaseBackend):
         if "{ctx_total}" in t.command:
             notes.append(f"ctx {config.ctx} x {config.parallel} slots share {config.ctx * config.parallel}")
         if "{ctx_paged}" in t.command:
-            notes.append(f"a paged cache of {config.parallel} x pad256({config.ctx} + 1) tokens: {config.parallel} jobs of "
-                         f"ctx {config.ctx} at once when clients send max_tokens")
+            notes.append(
+                f"a paged cache of {config.parallel} x pad256({config.ctx} + 1) tokens: {config.parallel} jobs of "
+                f"ctx {config.ctx} at once when clients send max_tokens"
+            )
         if self.executable(t) is None:
             notes.append(f"{t.command[0]} was not found here")
         if "{host}" in t.command:
-            notes.append(f"listens on {host} only; [backends.{self.name}] host = \"0.0.0.0\" serves other machines"
-                         if loopback(host) else f"listens on {host}")
-        return deploy_line(argv, notes, {"CUDA_VISIBLE_DEVICES": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index)} if has_gpu else None)
+            notes.append(
+                f'listens on {host} only; [backends.{self.name}] host = "0.0.0.0" serves other machines'
+                if loopback(host)
+                else f"listens on {host}"
+            )
+        return deploy_line(
+            argv,
+            notes,
+            {"CUDA_VISIBLE_DEVICES": cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index)} if has_gpu else None,
+        )
 
     def engine_build(self, ctx: StudyContext | None = None) -> str:
         return "unknown (depends on the study's template)"
@@ -394,8 +419,14 @@ class OpenAIServerBackend(BaseBackend):
         devices = cuda_visible(getattr(ctx, "placement", None), ctx.gpu_index) if has_gpu else None
         key_env = self.value(ctx, "api_key_env")
         declared = (*self.engine_variables, key_env) if key_env else self.engine_variables
-        return OpenAIServer(argv, host=host, port=port, env=OpenAIServer.environment(devices, declared),
-                            label=t.name, api_key=self.api_key(ctx))
+        return OpenAIServer(
+            argv,
+            host=host,
+            port=port,
+            env=OpenAIServer.environment(devices, declared),
+            label=t.name,
+            api_key=self.api_key(ctx),
+        )
 
     def api_key(self, ctx: StudyContext) -> str | None:
         """The key named by ``api_key_env``, from our environment (None: none named).
@@ -408,8 +439,10 @@ class OpenAIServerBackend(BaseBackend):
             return None
         value = os.environ.get(str(name))
         if not value:
-            raise ConfigError(f"[backends.{self.name}] api_key_env = {name!r}: ${name} is not set (or empty); "
-                              f"export the server's API key as {name} before the study")
+            raise ConfigError(
+                f"[backends.{self.name}] api_key_env = {name!r}: ${name} is not set (or empty); "
+                f"export the server's API key as {name} before the study"
+            )
         remember_secret(value)  # scrubbed from the engine's output, whatever the variable's name
         return value
 
@@ -424,96 +457,13 @@ class OpenAIServerBackend(BaseBackend):
         with self.launch(config, ctx, has_gpu=has_gpu, t=t) as server:
             try:
                 server.wait_ready(t.ready, self.startup_timeout(ctx, t))
-                return self._measure(server, t, config, ctx, has_gpu, request_s)
+                return trial_run.measure(self, server, t, config, ctx, has_gpu, request_s)
             except BackendError:
                 raise
             except Exception as exc:  # HTTP errors, measurement errors: with the engine's view too
                 if server.proc.poll() is not None:
                     raise server.failure(f"died while measuring ({exc})") from exc
                 raise server.failure(f"measurement failed ({exc})") from exc
-
-    def _prompts(self, server: OpenAIServer, t: Template) -> Callable[[int], tuple[Any, int]]:
-        """Builds a prompt of ``n`` tokens (and its length) for any ``n``, the server asked to
-        tokenize once: token ids when the template can tokenize, else text."""
-        if t.prompt == "tokens":
-            data = server.post(t.tokenize or "/tokenize", {t.tokenize_field: PROMPT_TEXT}, 30)
-            raw = data.get("tokens") if isinstance(data, dict) else data
-            base = [tok if isinstance(tok, int) else tok["id"] for tok in raw or ()]
-            if not base:
-                raise server.failure("the tokenizer returned no tokens for the prompt text")
-
-            def tokens(n: int) -> tuple[Any, int]:
-                cut = prompt_of(base, n)
-                return cut, len(cut)
-
-            return tokens
-        words = PROMPT_TEXT.split()
-
-        def text(n: int) -> tuple[Any, int]:
-            # About 4/3 tokens per English word; the server's usage gives the real count.
-            return " ".join((words * (n // len(words) + 2))[:max(1, int(n * 0.75))]), n
-
-        return text
-
-    def _measure(self, server: OpenAIServer, t: Template, config: TrialConfig, ctx: StudyContext, has_gpu: bool,
-                 request_s: float) -> Measurement:
-        wl = ctx.workload
-        prompts = self._prompts(server, t)
-        prompt, n_prompt = prompts(wl.prompt_tokens)
-        model = server.served_model()
-        url = f"{server.url}/v1/completions"
-
-        def body(i: int) -> dict[str, Any]:
-            length, n_out = wl.request(i)  # request i's lengths, the same for every backend
-            prompt_i = prompt if length == wl.prompt_tokens else prompts(length)[0]
-            p = varied(prompt_i, i) if isinstance(prompt_i, list) else f"{i} {prompt_i}"
-            out = {"prompt": p, "max_tokens": n_out, "temperature": 0, **t.request}
-            if model:
-                out["model"] = model
-            return out
-
-        def metrics() -> dict[str, float] | None:
-            if not t.metrics_path:
-                return None
-            try:
-                r = fetch(server.http, "GET", f"{server.url}{t.metrics_path}", 10, setting="metrics")
-            except Exception:  # noqa: BLE001 - the engine's view is a check, not the measurement
-                return None
-            return parse_prometheus(r.text) if r.status_code == 200 else None
-
-        server_rows: list[dict[str, Any]] = []
-
-        def request(i: int) -> StreamResult:
-            return stream_completion(server.http, url, body(i), wl.request(i)[0], request_s).result
-
-        def around_streams(streams: Callable[[], ConcurrentResult]) -> ConcurrentResult:
-            before = metrics()
-            conc = streams()
-            after = metrics()
-            row: dict[str, Any] = {"client": {"generated_tokens": float(conc.total_output_tokens),
-                                              "decode_tok_s": float(sum(s.decode_tok_s for s in conc.streams)
-                                                                    / conc.n_streams)}}
-            if before is not None and after is not None:
-                row["server"] = t.counters.figures(before, after)
-            server_rows.append(row)
-            return conc
-
-        stats, telemetry, peak = measure_engine(
-            ctx, serving_run(request, request, config.parallel, request_s, around_streams=around_streams,
-                             workload=wl),
-            warm_up=lambda: request(-1),  # allocator, caches, graphs
-            key=str(self.value(ctx, "stability_metric")), gpu=has_gpu, pid=server.proc.pid)
-        attrs: dict[str, Any] = {
-            "engine_version": self.version(t),
-            "template": t.name, "template_file": t.source, "template_docs": t.docs,
-            # Stored and shown (notes, report): any key in the argv masked (mask_argv).
-            "command": command_line(mask_argv(server.argv)), "argv": mask_argv(server.argv), "gpu": has_gpu,
-            "prompt_tokens": n_prompt,
-            "server_metrics": _compare(server_rows[ctx.protocol.warmup_runs:], t),
-        }
-        for warning in attrs["server_metrics"]["warnings"]:
-            log.warning("%s (template %s, %s)", warning, t.name, config.key)
-        return Measurement(metrics=stats, peak_vram_bytes=peak, telemetry=telemetry, attrs=attrs)
 
 
 def _bytes_on_disk(path: Path) -> int:
@@ -522,31 +472,6 @@ def _bytes_on_disk(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return 0
-
-
-def _median(values: Sequence[float]) -> float | None:
-    import statistics
-
-    return statistics.median(values) if values else None
-
-
-def _compare(rows: Sequence[Mapping[str, Any]], t: Template) -> dict[str, Any]:
-    """The engine's own figures beside the client's, medians over the measured runs, and a warning
-    for each that differs by more than 5%."""
-    if not t.metrics_path:
-        return {"available": False, "reason": f"template {t.name} names no metrics endpoint", "warnings": []}
-    with_server = [r for r in rows if "server" in r]
-    if not with_server:
-        return {"available": False, "reason": f"{t.metrics_path} did not answer", "warnings": []}
-
-    def med(side: str, key: str) -> float | None:
-        return _median([r[side][key] for r in with_server if r[side].get(key) is not None])
-
-    keys = ("generated_tokens", "decode_tok_s")
-    server = {k: med("server", k) for k in keys}
-    client = {k: med("client", k) for k in keys}
-    return {"available": True, "path": t.metrics_path, "server": server, "client": client,
-            "warnings": disagreements(server, client)}
 
 
 def _built_executable(command: str) -> str | None:

@@ -384,7 +384,7 @@ def test_prior_ranks_a_real_llama_server_study_over_gguf_files(tmp_path, twin_pl
         assert len(ranked) == 6 and {c.backend for c, _ in ranked} == {"llama-server"}
         assert ranked[0][1] >= ranked[-1][1]
         runner = StudyRunner(prepared)
-        assert runner.enqueue_prior() == 3
+        assert runner.queue.enqueue_prior() == 3
 
 
 # ------------------------------------------------------------------------------ other cards
