@@ -18,6 +18,7 @@ from autotune import plugins
 from autotune.config import SEED_MAX, load_study_config, parse_duration, study_name_problem
 from autotune.errors import ConfigError, handle_errors
 from autotune.estimate import BACKEND_RULE
+from autotune.toolkit import toml_text
 from autotune.toolkit.fields import settings_given
 from autotune.toolkit.paths import path_problem
 from autotune.toolkit.terminal import echo, show_warnings, shown
@@ -285,6 +286,9 @@ def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
                 ]
                 if declared:
                     echo(f"  {'':<22} {'; '.join(declared)}")
+                for s in item.get("settings", ()):  # [backends.NAME] keys: accepted values, default, meaning
+                    default = "" if s["default"] is None else f", default {toml_text.value(s['default'])}"
+                    echo(f"  {'':<22} [backends.{item['name']}] {s['name']} = {s['accepted']}{default}: {s['help']}")
                 for d in item.get("dimensions", ()):  # [space] keys: accepted values, then what each means
                     accepted = [json.dumps(v) if not isinstance(v, str) else v for v in d["accepted"]]
                     echo(f"  {'':<22} [space] {d['name']} = {_listed(accepted)}: {d['doc']}")

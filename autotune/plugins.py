@@ -271,7 +271,8 @@ def get_metric(name: str) -> Any:
 
 def describe() -> dict[str, list[dict[str, Any]]]:
     """What ``autotune plugins`` shows: each backend, metric and strategy with its plugin and
-    distribution; a backend also with the weight formats and KV-cache types it declares."""
+    distribution; a backend also with the weight formats and KV-cache types it declares, the
+    ``[backends.NAME]`` settings it reads and its search dimensions and rules."""
     out: dict[str, list[dict[str, Any]]] = {"backends": [], "metrics": [], "strategies": [], "broken": []}
     # A backend that registers but cannot say what it declares (an optional dependency its
     # properties import): listed, and named under broken with its error, not a traceback for all.
@@ -299,6 +300,10 @@ def describe() -> dict[str, list[dict[str, Any]]]:
                     unlisted.append(
                         {"plugin": plugin, "hook": f"backend {name}", "error": f"{type(exc).__name__}: {exc}"}
                     )
+                out[key][-1]["settings"] = [
+                    {"name": s.name, "accepted": s.accepted(), "default": _setting_default(s.default), "help": s.help}
+                    for s in getattr(obj, "settings", ())
+                ]
                 out[key][-1].update(_dimensions(obj))
                 if "dimensions_error" in out[key][-1]:
                     unlisted.append(
@@ -324,6 +329,10 @@ def _dimensions(backend: Any) -> dict[str, Any]:
         ],
         "rules": rules,
     }
+
+
+def _setting_default(value: Any) -> Any:
+    return [_shown(v) for v in value] if isinstance(value, (list, tuple)) else _shown(value)
 
 
 def _shown(value: Any) -> Any:

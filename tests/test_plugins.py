@@ -28,7 +28,9 @@ import pytest
 from click.testing import CliRunner
 
 from autotune import hookimpl, hookspecs, plugins
+from autotune.cli import cli as cli_group
 from autotune.engine.backend import BaseBackend, Measurement, MemoryEstimate, Param, StudyContext, TrialConfig, Workload
+from autotune.engine.backend_records import Setting
 from autotune.errors import BackendError, PluginError, UnknownNameError
 from autotune.hardware.gpus import get_gpu
 from autotune.measure import Protocol, Stat
@@ -50,6 +52,11 @@ class ThrowawayBackend(BaseBackend):
     engine = "throwaway-engine"
     weight_families = ("gguf",)
     description = "a backend that only exists in tests"
+    settings = (
+        Setting("paged", (bool, str), "auto", "paged attention", choices=("auto", True, False)),
+        Setting("extra", list, [], "more arguments"),
+        Setting("binary", str, None, "the executable (absent: PATH)"),
+    )
 
     def parameters(self, space):
         return [Param("mode", ("a",), "one mode")]
@@ -150,6 +157,17 @@ def test_hook_register_backends():
             "description": "a backend that only exists in tests",
             "formats": [],
             "cache_types": [],
+            # Its [backends.throwaway] keys, values as the study file writes them (TOML).
+            "settings": [
+                {
+                    "name": "paged",
+                    "accepted": 'one of "auto", true, false',
+                    "default": "auto",
+                    "help": "paged attention",
+                },
+                {"name": "extra", "accepted": "a list", "default": [], "help": "more arguments"},
+                {"name": "binary", "accepted": "a string", "default": None, "help": "the executable (absent: PATH)"},
+            ],
             # Its search dimensions, from parameters({}) (it declares no search_dimensions).
             "dimensions": [
                 {"name": p.name, "accepted": list(p.accepted or p.choices), "doc": p.doc}
@@ -157,6 +175,13 @@ def test_hook_register_backends():
             ],
             "rules": [],
         } in plugins.describe()["backends"]
+        text = CliRunner().invoke(cli_group, ["plugins"]).stdout
+        listed = [line.strip() for line in text.splitlines() if "[backends.throwaway]" in line]
+        assert listed == [
+            '[backends.throwaway] paged = one of "auto", true, false, default "auto": paged attention',
+            "[backends.throwaway] extra = a list, default []: more arguments",
+            "[backends.throwaway] binary = a string: the executable (absent: PATH)",
+        ]
     assert "throwaway" not in plugins.get_backends()
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from autotune.engine.deploy import control_problem
 from autotune.engine.workload import Workload
+from autotune.toolkit import toml_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware.gpus import GpuSpec
@@ -47,7 +48,14 @@ def same_value(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_KIND_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    list: "a list",
+    dict: "a table",
+}
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,9 @@ class Setting:
         kind: Accepted Python type(s) of the value (``int``, ``float``, ``str``, ``bool``); an
             int is accepted where ``float`` is.
         default: Value when the key is absent (``BaseBackend.setting`` returns it).
-        help: What it does, shown in errors and ``autotune plugins``.
+        help: What it does, shown in errors and ``autotune plugins``; the default is shown beside
+            it, so the text names a default only where the value does not say it (None: "absent:
+            autotune's own").
         choices: The only values accepted, when there are few.
         check: Further check of a well-typed value; returns why it is wrong, or None.
     """
@@ -75,9 +85,12 @@ class Setting:
     check: Callable[[Any], str | None] | None = None
 
     def accepted(self) -> str:
+        """The values accepted, as the study file writes them (TOML: "auto", true)."""
         if self.choices:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
+            return "one of " + ", ".join(toml_text.value(c) for c in self.choices)
         kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+        if float in kinds:  # an int is a number too
+            kinds = tuple(k for k in kinds if k is not int)
         return " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
 
     def problem(self, value: Any) -> str | None:

@@ -71,7 +71,8 @@ from autotune_plugins.exllamav2.generator_settings import (
     pad_to_page,
 )
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
-from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, positive
+from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, preflight_script
 from autotune_plugins.shared.worker_process import WorkerProcess
 
 __all__ = ["ExLlamaV2Backend", "SETTINGS", "UNITS", "flash_attn_version", "tabbyapi_args"]
@@ -142,13 +143,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tokens a quality scorer's cache holds (at most the model's context)",
         check=lambda v: None if v >= 1 else "must be >= 1",
     ),
-    Setting(
-        "stability_metric",
-        str,
-        "aggregate_tok_s",
-        "the quantity whose spread decides when to stop",
-        choices=tuple(UNITS),
-    ),
+    STABILITY_METRIC,
     Setting(
         "convert_args",
         list,

@@ -65,7 +65,8 @@ from autotune._builtin import (
 )
 from autotune._builtin import read_config_json
 
-from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, positive, preflight_script
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, positive
+from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, preflight_script
 from autotune_plugins.shared.worker_process import default_worker_command as _worker_command
 from autotune_plugins.exllamav3 import declarations, draft_memory, memory, speculation, split
 from autotune_plugins.exllamav3.formats import EXL3_HEAD_BITS, exl3_quantization, head_bits_ok
@@ -164,13 +165,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tokens a quality scorer's cache holds (at most the model's context)",
         check=lambda v: None if v >= 1 else "must be >= 1",
     ),
-    Setting(
-        "stability_metric",
-        str,
-        "aggregate_tok_s",
-        "the quantity whose spread decides when to stop",
-        choices=tuple(UNITS),
-    ),
+    STABILITY_METRIC,
     Setting(
         "convert_args",
         list,

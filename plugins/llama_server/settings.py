@@ -7,15 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.api import Setting
-from autotune._builtin import SERVING_UNITS
 from autotune_plugins.llama_server import declarations, speculation
 from autotune_plugins.llama_server.scoring import DEFAULT_SCORING_CTX
+from autotune_plugins.shared.common_settings import REQUEST_TIMEOUT_S, STABILITY_METRIC, positive, tcp_port
 
 __all__ = ["SETTINGS"]
-
-
-def _positive(value: Any) -> str | None:
-    return None if value > 0 else "must be > 0"
 
 
 INT32_MAX = declarations.INT32_MAX  # llama.cpp's -ngl, -ub, -b, --n-cpu-moe are C ints (std::stoi)
@@ -25,10 +21,6 @@ def _gpu_layers_problem(value: Any) -> str | None:
     if isinstance(value, str):
         return None if value == "all" else f'use "all" or a number of layers 0..{INT32_MAX}'
     return None if 0 <= value <= INT32_MAX else f'use "all" or a number of layers 0..{INT32_MAX}'
-
-
-def _port_problem(value: Any) -> str | None:
-    return None if 1 <= value <= 65535 else "must be a TCP port, 1 to 65535"
 
 
 def _host_problem(value: Any) -> str | None:
@@ -44,7 +36,7 @@ SETTINGS: tuple[Setting, ...] = (
         "else the newest `autotune engine build llama.cpp`, else PATH)",
     ),
     Setting(
-        "threads", int, None, "CPU threads of the engine, -t (default: every core, os.cpu_count())", check=_positive
+        "threads", int, None, "CPU threads of the engine, -t (default: every core, os.cpu_count())", check=positive
     ),
     Setting(
         "gpu_layers",
@@ -61,7 +53,7 @@ SETTINGS: tuple[Setting, ...] = (
         'address llama-server listens on, --host ("0.0.0.0": every interface)',
         check=_host_problem,
     ),
-    Setting("port", int, 8080, "port of the deploy command, --port (trials use a free port)", check=_port_problem),
+    Setting("port", int, 8080, "port of the deploy command, --port (trials use a free port)", check=tcp_port),
     Setting(
         "pin_cores",
         bool,
@@ -77,24 +69,11 @@ SETTINGS: tuple[Setting, ...] = (
         "launch of their own at -lv 4 per weights file, after the measured one "
         "(the measured launch is at the default verbosity, as deployed)",
     ),
-    Setting("startup_timeout_s", float, 120.0, "bound on loading the model, seconds", check=_positive),
+    Setting("startup_timeout_s", float, 120.0, "bound on loading the model, seconds", check=positive),
+    REQUEST_TIMEOUT_S,
+    STABILITY_METRIC,
     Setting(
-        "request_timeout_s",
-        float,
-        600.0,
-        "bound on each request, from sending it to its "
-        "last byte, seconds (not per read: a stream kept open without finishing fails the trial then)",
-        check=_positive,
-    ),
-    Setting(
-        "stability_metric",
-        str,
-        "aggregate_tok_s",
-        "the quantity whose spread decides when to stop repeating",
-        choices=tuple(SERVING_UNITS),
-    ),
-    Setting(
-        "scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics", check=_positive
+        "scoring_ctx", int, DEFAULT_SCORING_CTX, "context of the in-process scorer for quality metrics", check=positive
     ),
     *speculation.SETTINGS,
 )

@@ -9,22 +9,14 @@ import shlex
 from typing import Any
 
 from autotune.api import Setting
-from autotune._builtin import SERVING_UNITS
 from autotune_plugins.openai_server.templates import shipped
+from autotune_plugins.shared.common_settings import REQUEST_TIMEOUT_S, STABILITY_METRIC, positive, tcp_port
 
 __all__ = ["SETTINGS"]
 
 
-def _positive(value: Any) -> str | None:
-    return None if value > 0 else "must be > 0"
-
-
 def _fraction(value: Any) -> str | None:
     return None if 0 < value <= 1 else "must be in (0, 1]"
-
-
-def _port_problem(value: Any) -> str | None:
-    return None if 1 <= value <= 65535 else "must be a TCP port, 1 to 65535"
 
 
 def _args_problem(value: Any) -> str | None:
@@ -80,16 +72,9 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         None,
         "bound on the server's start, seconds (default: the template's)",
-        check=_positive,
+        check=positive,
     ),
-    Setting(
-        "request_timeout_s",
-        float,
-        600.0,
-        "bound on each request, from sending it to its "
-        "last byte, seconds (not per read: a stream kept open without finishing fails the trial then)",
-        check=_positive,
-    ),
+    REQUEST_TIMEOUT_S,
     Setting(
         "memory",
         str,
@@ -106,13 +91,7 @@ SETTINGS: tuple[Setting, ...] = (
         check=_fraction,
     ),
     Setting("host", str, "127.0.0.1", "address of the deploy command's server, {host} (trials use 127.0.0.1)"),
-    Setting("port", int, 8000, "port of the deploy command, {port} (trials use a free port)", check=_port_problem),
-    Setting(
-        "stability_metric",
-        str,
-        "aggregate_tok_s",
-        "the quantity whose spread decides when to stop repeating",
-        choices=tuple(SERVING_UNITS),
-    ),
-    Setting("scoring_ctx", int, 2048, "context of the server that quality metrics score through", check=_positive),
+    Setting("port", int, 8000, "port of the deploy command, {port} (trials use a free port)", check=tcp_port),
+    STABILITY_METRIC,
+    Setting("scoring_ctx", int, 2048, "context of the server that quality metrics score through", check=positive),
 )

@@ -47,12 +47,7 @@ from autotune._builtin import (
 from autotune_plugins.shared.worker_process import WorkerProcess, default_worker_command
 from autotune_plugins.shared.worker_sampling import worker_sampler
 
-__all__ = ["WorkerBackend", "command_problem", "positive", "preflight_script"]
-
-
-def positive(value: float) -> str | None:
-    """A setting's check: a timeout or size that must be > 0."""
-    return None if value > 0 else "must be > 0"
+__all__ = ["WorkerBackend", "command_problem", "preflight_script"]
 
 
 def command_problem(command: list) -> str | None:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from autotune.api import Setting
 from autotune._builtin import SERVING_UNITS, load_links
+from autotune_plugins.shared.common_settings import STABILITY_METRIC
 from autotune_plugins.twin.speculation import DEFAULT_ACCEPTANCE, acceptance_problem
 
 
@@ -68,13 +69,7 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
         '"all", "auto" (llama.cpp lets layers spill to the host) or a count',
         check=layers_problem,
     ),
-    Setting(
-        "stability_metric",
-        str,
-        "aggregate_tok_s",
-        "the quantity whose spread decides when to stop",
-        choices=tuple(UNITS),
-    ),
+    STABILITY_METRIC,
     Setting(
         "acceptance",
         (float, dict),
