@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from autotune.engine.deploy import control_problem
 from autotune.engine.workload import Workload
 from autotune.toolkit import toml_text
+from autotune.toolkit.fields import type_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from autotune.hardware.gpus import GpuSpec
@@ -46,16 +47,6 @@ class Param:
 def same_value(a: Any, b: Any) -> bool:
     """Equality that tells ``true`` from ``1``: a study value is taken only as itself."""
     return type(a) is type(b) and a == b
-
-
-_KIND_NAMES = {
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    bool: "true or false",
-    list: "a list",
-    dict: "a table",
-}
 
 
 @dataclass(frozen=True)
@@ -88,10 +79,7 @@ class Setting:
         """The values accepted, as the study file writes them (TOML: "auto", true)."""
         if self.choices:
             return "one of " + ", ".join(toml_text.value(c) for c in self.choices)
-        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
-        if float in kinds:  # an int is a number too
-            kinds = tuple(k for k in kinds if k is not int)
-        return " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
+        return type_names(self.kind if isinstance(self.kind, tuple) else (self.kind,))
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not acceptable for this setting (None: it is)."""

@@ -76,7 +76,7 @@ class FieldReader:
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
-            names = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+            names = type_names(kinds)
             self.error(section, key, value, f"must be {names}{'; ' + accepted if accepted else ''}")
             return default
         if check:
@@ -108,6 +108,13 @@ _TYPE_NAMES = {
     list: "a list",
     dict: "a table",
 }
+
+
+def type_names(kinds: tuple[type, ...]) -> str:
+    """The accepted Python types in the words of a TOML file ("an integer", "a table")."""
+    if float in kinds:  # an int is a number too
+        kinds = tuple(k for k in kinds if k is not int)
+    return " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
 
 
 def _not_finite(value: Any) -> bool:
