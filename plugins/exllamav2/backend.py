@@ -71,7 +71,7 @@ from autotune_plugins.exllamav2.generator_settings import (
     pad_to_page,
 )
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
-from autotune_plugins.shared.common_settings import STABILITY_METRIC, positive
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one, positive
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, preflight_script
 from autotune_plugins.shared.worker_process import WorkerProcess
 
@@ -141,7 +141,7 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         SCORING_CTX,
         "tokens a quality scorer's cache holds (at most the model's context)",
-        check=lambda v: None if v >= 1 else "must be >= 1",
+        check=at_least_one,
     ),
     STABILITY_METRIC,
     Setting(

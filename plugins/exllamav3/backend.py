@@ -65,7 +65,7 @@ from autotune._builtin import (
 )
 from autotune._builtin import read_config_json
 
-from autotune_plugins.shared.common_settings import STABILITY_METRIC, positive
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one, positive
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, preflight_script
 from autotune_plugins.shared.worker_process import default_worker_command as _worker_command
 from autotune_plugins.exllamav3 import declarations, draft_memory, memory, speculation, split
@@ -163,7 +163,7 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         SCORING_CTX,
         "tokens a quality scorer's cache holds (at most the model's context)",
-        check=lambda v: None if v >= 1 else "must be >= 1",
+        check=at_least_one,
     ),
     STABILITY_METRIC,
     Setting(

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from autotune.api import Setting
 from autotune._builtin import SERVING_UNITS, load_links
-from autotune_plugins.shared.common_settings import STABILITY_METRIC
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one
 from autotune_plugins.twin.speculation import DEFAULT_ACCEPTANCE, acceptance_problem
 
 
@@ -23,10 +23,6 @@ def _at_least_zero(value: float) -> str | None:
 
 def _fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be > 0 and <= 1 (a speed multiplier)"
-
-
-def _positive(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
 
 
 def layers_problem(value: Any) -> str | None:
@@ -95,7 +91,7 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
         None,
         "CPU threads llama.cpp runs host layers and experts with (absent: the "
         "host's memory bandwidth alone bounds them)",
-        check=_positive,
+        check=at_least_one,
     ),
     Setting(
         "interconnect",

@@ -325,6 +325,7 @@ def test_every_setting_is_declared_with_what_it_accepts(exl2_dir, tmp_path):
     assert "> 0" in declared["startup_timeout_s"].problem(0) and declared["load_timeout_s"].problem("soon")
     assert declared["worker_command"].problem([]) and declared["worker_command"].problem(["python", 3])
     assert 'one of "decode_tok_s"' in declared["stability_metric"].problem("tok/s")
+    assert declared["scoring_ctx"].problem(0) == "must be >= 1" and declared["scoring_ctx"].problem(1) is None
     assert "-cf: set by autotune" in declared["convert_args"].problem(["-cf", "x"])
     assert declared["convert_args"].problem(["-hsol", "16"]) is None and declared["convert_args"].problem("-l 512")
     c = make_ctx(tmp_path)
