@@ -71,7 +71,7 @@ from autotune_plugins.exllamav2.generator_settings import (
     pad_to_page,
 )
 from autotune_plugins.exllamav2.recipes import convert_args_problem, exl2_recipe
-from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one, positive
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one, not_negative, positive
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, preflight_script
 from autotune_plugins.shared.worker_process import WorkerProcess
 
@@ -134,7 +134,7 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         float(memory.DEFAULT_CUDA_CONTEXT_MIB),
         "CUDA context and PyTorch/cuBLAS workspace in the memory estimate, MiB (measured on an H200)",
-        check=lambda v: None if v >= 0 else "must be >= 0",
+        check=not_negative,
     ),
     Setting(
         "scoring_ctx",

@@ -65,7 +65,7 @@ from autotune._builtin import (
 )
 from autotune._builtin import read_config_json
 
-from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one, positive
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one, not_negative, positive
 from autotune_plugins.shared.worker_backend import WorkerBackend, command_problem, preflight_script
 from autotune_plugins.shared.worker_process import default_worker_command as _worker_command
 from autotune_plugins.exllamav3 import declarations, draft_memory, memory, speculation, split
@@ -156,7 +156,7 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         float(memory.DEFAULT_CUDA_CONTEXT_MIB),
         "CUDA context, kernels and workspaces in the memory estimate, MiB",
-        check=lambda v: None if v >= 0 else "must be >= 0",
+        check=not_negative,
     ),
     Setting(
         "scoring_ctx",

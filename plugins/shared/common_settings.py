@@ -9,12 +9,17 @@ from typing import Any
 from autotune.api import Setting
 from autotune._builtin import SERVING_UNITS
 
-__all__ = ["REQUEST_TIMEOUT_S", "STABILITY_METRIC", "at_least_one", "positive", "tcp_port"]
+__all__ = ["REQUEST_TIMEOUT_S", "STABILITY_METRIC", "at_least_one", "not_negative", "positive", "tcp_port"]
 
 
 def positive(value: Any) -> str | None:
     """A setting's check: a timeout, size or count that must be > 0."""
     return None if value > 0 else "must be > 0"
+
+
+def not_negative(value: Any) -> str | None:
+    """A setting's check: an amount where 0 is a real answer (no noise, no overhead, no delay)."""
+    return None if value >= 0 else "must be >= 0"
 
 
 def at_least_one(value: Any) -> str | None:

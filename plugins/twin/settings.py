@@ -9,16 +9,12 @@ from typing import Any, Mapping
 
 from autotune.api import Setting
 from autotune._builtin import SERVING_UNITS, load_links
-from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one
+from autotune_plugins.shared.common_settings import STABILITY_METRIC, at_least_one, not_negative
 from autotune_plugins.twin.speculation import DEFAULT_ACCEPTANCE, acceptance_problem
 
 
 #: What one simulated run reports, and in which unit: what every serving backend measures.
 UNITS: Mapping[str, str] = SERVING_UNITS
-
-
-def _at_least_zero(value: float) -> str | None:
-    return None if value >= 0 else "must be >= 0"
 
 
 def _fraction(value: float) -> str | None:
@@ -42,14 +38,14 @@ TWIN_SETTINGS: tuple[Setting, ...] = (
         float,
         0.0,
         "relative standard deviation of simulated measurement noise (0: exact)",
-        check=_at_least_zero,
+        check=not_negative,
     ),
     Setting(
         "throttle_after_s",
         float,
         None,
         "simulated seconds of load after which the card throttles (absent: never)",
-        check=_at_least_zero,
+        check=not_negative,
     ),
     Setting(
         "throttle_factor",

@@ -326,6 +326,10 @@ def test_every_setting_is_declared_with_what_it_accepts(exl2_dir, tmp_path):
     assert declared["worker_command"].problem([]) and declared["worker_command"].problem(["python", 3])
     assert 'one of "decode_tok_s"' in declared["stability_metric"].problem("tok/s")
     assert declared["scoring_ctx"].problem(0) == "must be >= 1" and declared["scoring_ctx"].problem(1) is None
+    assert (
+        declared["cuda_context_mib"].problem(-1.0) == "must be >= 0"
+        and declared["cuda_context_mib"].problem(0.0) is None
+    )
     assert "-cf: set by autotune" in declared["convert_args"].problem(["-cf", "x"])
     assert declared["convert_args"].problem(["-hsol", "16"]) is None and declared["convert_args"].problem("-l 512")
     c = make_ctx(tmp_path)

@@ -276,6 +276,10 @@ def test_every_setting_is_declared_with_what_it_accepts(tmp_path, exl3_dir):
     assert "-w: set by autotune" in convert_args_problem(["-w", "/tmp"])
     assert declared["convert_args"].problem(["-cr", "100"]) is None
     assert declared["scoring_ctx"].problem(0) == "must be >= 1" and declared["scoring_ctx"].problem(1) is None
+    assert (
+        declared["cuda_context_mib"].problem(-1.0) == "must be >= 0"
+        and declared["cuda_context_mib"].problem(0.0) is None
+    )
     assert ExLlamaV3Backend().setting(make_ctx(tmp_path), "chunk_size") == 2048
 
 

@@ -301,6 +301,7 @@ def test_settings_are_declared_and_read_through_their_declaration():
     assert declared["throttle_factor"].problem(1.5) and declared["noise"].problem(-0.1)
     assert 'one of "decode_tok_s"' in declared["stability_metric"].problem("tok/s")
     assert declared["host_threads"].problem(0) == "must be >= 1" and declared["host_threads"].problem(1) is None
+    assert declared["throttle_after_s"].problem(-1.0) == "must be >= 0" and declared["noise"].problem(0.0) is None
     # vLLM's version is the twin's own setting: 0.5 still runs on Volta, the default refuses it.
     vllm = cfg("twin-vllm", "gguf:Q4_K_M", cache_type="auto", flash_attn=False)
     assert TwinVllm().run(vllm, ctx_for("v100-16gb", "qwen2.5-7b", version="0.5.4")).metrics["decode_tok_s"].median > 0
